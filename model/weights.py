@@ -1,0 +1,118 @@
+"""Loading diffusers-layout components: `config.json` + safetensors (one file or sharded).
+
+Modules are built on the meta device and then filled with `load_state_dict(assign=True)`, so a
+20 GB transformer is never allocated twice. Every key must match: a missing or unexpected key is
+an error that names the keys, never a silently half-random model.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+class WeightsError(ValueError):
+    """A component directory that cannot be loaded as-is; the message says what to do."""
+
+
+def read_config(component_dir: Path) -> dict:
+    path = Path(component_dir) / "config.json"
+    if not path.is_file():
+        raise WeightsError(f"{path}: missing. A diffusers-layout component needs a config.json next to its weights.")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise WeightsError(f"{path}: not valid JSON ({e}).") from e
+
+
+def safetensors_files(component_dir: Path) -> list[Path]:
+    """The safetensors files of one component, in shard order; refuses pickle checkpoints."""
+    component_dir = Path(component_dir)
+    if not component_dir.is_dir():
+        raise WeightsError(f"{component_dir}: not a directory. Expected a diffusers-layout component folder.")
+    index = sorted(component_dir.glob("*.safetensors.index.json"))
+    if index:
+        weight_map = json.loads(index[0].read_text()).get("weight_map", {})
+        names = sorted(set(weight_map.values()))
+        missing = [n for n in names if not (component_dir / n).is_file()]
+        if missing:
+            raise WeightsError(f"{index[0]}: lists shards that are not there: {missing}. Re-download the component.")
+        return [component_dir / n for n in names]
+    files = sorted(component_dir.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = [p.name for p in component_dir.iterdir() if p.suffix in PICKLE_SUFFIXES]
+    if pickles:
+        raise WeightsError(
+            f"{component_dir}: only pickle checkpoints found ({', '.join(pickles)}). Pickle files can run code when "
+            "loaded, so they are refused: convert them to safetensors (e.g. save_pretrained(safe_serialization=True))."
+        )
+    raise WeightsError(f"{component_dir}: no *.safetensors weights found.")
+
+
+def read_state_dict(component_dir: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for f in safetensors_files(component_dir):
+        state.update(load_file(str(f), device=str(device)))
+    return state
+
+
+def assign_state_dict(
+    module: torch.nn.Module,
+    state: dict[str, torch.Tensor],
+    where: str,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    ignore_prefixes: Iterable[str] = (),
+    keep_fp32: Iterable[str] = (),
+) -> torch.nn.Module:
+    """Fill a meta-device `module` from `state`, strictly.
+
+    `ignore_prefixes` names checkpoint keys this module deliberately does not hold (e.g. the VAE
+    encoder when only decoding). Floating tensors are cast to `dtype` except those whose key
+    contains one of `keep_fp32`.
+    """
+    ignore = tuple(ignore_prefixes)
+    fp32_markers = tuple(keep_fp32)
+    state = {k: v for k, v in state.items() if not k.startswith(ignore)} if ignore else state
+    expected = set(module.state_dict().keys())
+    got = set(state.keys())
+    missing, unexpected = sorted(expected - got), sorted(got - expected)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing keys ({len(missing)}): {missing[:20]}")
+        if unexpected:
+            parts.append(f"unexpected keys ({len(unexpected)}): {unexpected[:20]}")
+        raise WeightsError(
+            f"{where}: the checkpoint does not match the model built from its config.json: "
+            + "; ".join(parts)
+            + ". Check that the config.json belongs to these weights."
+        )
+    shapes = module.state_dict()
+    bad = [f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(shapes[k].shape)}" for k, v in state.items() if v.shape != shapes[k].shape]
+    if bad:
+        raise WeightsError(f"{where}: shape mismatch for {len(bad)} keys, e.g. {bad[:5]}.")
+    cast = {}
+    for k, v in state.items():
+        target = torch.float32 if any(m in k for m in fp32_markers) else dtype
+        cast[k] = v.to(device=device, dtype=target) if v.is_floating_point() else v.to(device=device)
+    module.load_state_dict(cast, strict=True, assign=True)
+    return module
+
+
+def save_component(module: torch.nn.Module, config: dict, out_dir: Path, extra: dict[str, torch.Tensor] | None = None) -> None:
+    """Write `config.json` + one safetensors file in the diffusers layout."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    state = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
+    if extra:
+        state.update(extra)
+    save_file(state, str(out_dir / "diffusion_pytorch_model.safetensors"))
