@@ -1,0 +1,241 @@
+"""Resolution buckets and prompt-length buckets, defined once for the whole project.
+
+A compiled VAE decode (and DiT) is specialised to the shapes it has seen. Every image is therefore
+generated at one of a few resolution buckets, and every prompt embedding is padded to one of a few
+prompt-lengths, so the set of shapes is known before the first request and nothing compiles later.
+
+Resolution: a bucket is (width, height) in pixels, both multiples of 16 (8x VAE compression, then
+2x2 latent packing). A requested size maps to the bucket with the same size, else to the one with
+the nearest aspect ratio, or is refused in strict mode.
+
+Prompt length: embeddings (B, L, D) are zero-padded to the smallest bucket length >= L with the
+padding masked off, so the attention mask keeps the padding from changing any output.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+# 8x VAE downsampling, then 2x2 patch packing of the latent grid.
+SIZE_MULTIPLE = 16
+
+
+class BucketError(ValueError):
+    """A size that cannot be mapped to a bucket, or a bucket definition that is invalid."""
+
+
+@dataclass(frozen=True)
+class ResolutionBucket:
+    """One supported image size, in pixels. Latent grid is (height/8, width/8), packed 2x2."""
+
+    width: int
+    height: int
+
+    def __post_init__(self) -> None:
+        for side, value in (("width", self.width), ("height", self.height)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise BucketError(f"bucket {side} must be an int, got {value!r}")
+            if value <= 0 or value % SIZE_MULTIPLE:
+                lower = value // SIZE_MULTIPLE * SIZE_MULTIPLE
+                near = (
+                    f"e.g. {lower} or {lower + SIZE_MULTIPLE}" if lower > 0 else f"e.g. {SIZE_MULTIPLE * 8}"
+                )
+                raise BucketError(
+                    f"bucket {side} {value} is not a positive multiple of {SIZE_MULTIPLE} (the VAE "
+                    f"downsamples 8x and latents are packed 2x2); use a multiple of {SIZE_MULTIPLE}, {near}"
+                )
+
+    @property
+    def name(self) -> str:
+        """'WxH', e.g. '1664x928'; the form used in job files, manifests and cache keys."""
+        return f"{self.width}x{self.height}"
+
+    @property
+    def aspect(self) -> float:
+        """width / height."""
+        return self.width / self.height
+
+    @property
+    def pixels(self) -> int:
+        return self.width * self.height
+
+    @classmethod
+    def parse(cls, name: str) -> ResolutionBucket:
+        """'1328x1328' -> ResolutionBucket(1328, 1328)."""
+        parts = str(name).lower().split("x")
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+            raise BucketError(f"bucket {name!r} is not of the form 'WIDTHxHEIGHT', e.g. '1328x1328'")
+        return cls(int(parts[0]), int(parts[1]))
+
+    def __str__(self) -> str:
+        return self.name
+
+
+# Qwen-Image's recommended sizes per aspect ratio. Its 4:3 and 3:4 sizes are 1472x1140 and
+# 1140x1472; 1140 is not a multiple of 16, so they are replaced by the nearest multiple, 1136
+# (which is also what the reference pipeline generates when asked for 1140: it rounds down to 16).
+# The first bucket is the default for rows that give no size.
+QWEN_IMAGE_BUCKETS: tuple[ResolutionBucket, ...] = (
+    ResolutionBucket(1328, 1328),  # 1:1
+    ResolutionBucket(1664, 928),  # 16:9
+    ResolutionBucket(928, 1664),  # 9:16
+    ResolutionBucket(1472, 1136),  # 4:3 (recommended 1472x1140)
+    ResolutionBucket(1136, 1472),  # 3:4 (recommended 1140x1472)
+    ResolutionBucket(1584, 1056),  # 3:2
+    ResolutionBucket(1056, 1584),  # 2:3
+)
+
+# For the bundled tiny model: square, landscape 5:3 and portrait 3:5. Latent grids 16x16, 12x20
+# and 20x12 are even, as packing needs; small enough for CPU tests.
+TINY_BUCKETS: tuple[ResolutionBucket, ...] = (
+    ResolutionBucket(128, 128),
+    ResolutionBucket(160, 96),
+    ResolutionBucket(96, 160),
+)
+
+# Aspect distances closer than this count as a tie (then the pixel count decides).
+_ASPECT_TIE = 1e-9
+
+
+def _log_aspect(width: int, height: int) -> float:
+    # log(w) - log(h) (not log(w / h)) so that swapped sizes give exactly opposite values,
+    # and a square request is exactly equidistant from a portrait bucket and its landscape twin.
+    return math.log(width) - math.log(height)
+
+
+@dataclass(frozen=True)
+class BucketSet:
+    """The resolution buckets of a job. The first bucket is the default.
+
+    strict=False maps a size that is not a bucket to the bucket with the nearest aspect ratio
+    (distance |log(w/h) - log(bw/bh)|; on a tie the closer pixel count, then list order).
+    strict=True refuses it with a BucketError.
+    """
+
+    buckets: tuple[ResolutionBucket, ...]
+    strict: bool = False
+
+    def __post_init__(self) -> None:
+        buckets = tuple(
+            b if isinstance(b, ResolutionBucket) else ResolutionBucket.parse(b) for b in self.buckets
+        )
+        if not buckets:
+            raise BucketError("a bucket set needs at least one bucket, e.g. '1328x1328'")
+        names = [b.name for b in buckets]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise BucketError(f"bucket(s) {', '.join(repeated)} listed more than once; list each size once")
+        object.__setattr__(self, "buckets", buckets)
+
+    @classmethod
+    def from_names(cls, names: Iterable[str], strict: bool = False) -> BucketSet:
+        """BucketSet.from_names(['1328x1328', '1664x928'])."""
+        return cls(tuple(ResolutionBucket.parse(n) for n in names), strict=strict)
+
+    def default(self) -> ResolutionBucket:
+        """The bucket of rows that give no size: the first one listed."""
+        return self.buckets[0]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(b.name for b in self.buckets)
+
+    def describe(self) -> str:
+        """'1328x1328, 1664x928, ...' for error messages."""
+        return ", ".join(self.names)
+
+    def __iter__(self) -> Iterator[ResolutionBucket]:
+        return iter(self.buckets)
+
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+    def index(self, bucket: ResolutionBucket) -> int:
+        return self.buckets.index(bucket)
+
+    def get(self, name: str) -> ResolutionBucket:
+        """The bucket called `name` ('WxH'); BucketError if the set has none."""
+        for b in self.buckets:
+            if b.name == name:
+                return b
+        raise BucketError(f"bucket {name!r} is not in this job's buckets ({self.describe()})")
+
+    def map(self, width: int, height: int) -> ResolutionBucket:
+        """The bucket a requested size (pixels) is generated at. See the class docstring."""
+        for side, value in (("width", width), ("height", height)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise BucketError(f"requested {side} must be a positive integer, got {value!r}")
+        for b in self.buckets:
+            if b.width == width and b.height == height:
+                return b
+        if self.strict:
+            raise BucketError(
+                f"size {width}x{height} is not one of the job's buckets ({self.describe()}) and bucket "
+                "matching is strict; request one of these sizes, or turn strict matching off to map "
+                "each size to the bucket with the nearest aspect ratio"
+            )
+        want = _log_aspect(width, height)
+        dists = [abs(want - _log_aspect(b.width, b.height)) for b in self.buckets]
+        best = min(dists)
+        near = [b for b, d in zip(self.buckets, dists) if d - best <= _ASPECT_TIE]
+        pixels = width * height
+        # min() keeps the first of equal keys, so list order is the last tie-break.
+        return min(near, key=lambda b: abs(math.log(b.pixels / pixels)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompt-length buckets
+
+PROMPT_LENGTH_BUCKETS: tuple[int, ...] = (64, 128, 256, 512, 1024)
+
+
+def prompt_length_bucket(n: int, buckets: Sequence[int] = PROMPT_LENGTH_BUCKETS) -> int:
+    """The smallest bucket length >= n tokens; BucketError if n is longer than the largest."""
+    if n < 0:
+        raise BucketError(f"prompt length must be >= 0 tokens, got {n}")
+    for length in sorted(buckets):
+        if length >= n:
+            return length
+    raise BucketError(
+        f"prompt is {n} tokens, longer than the largest prompt-length bucket ({max(buckets)} tokens); "
+        "shorten the prompt, or add a larger prompt-length bucket"
+    )
+
+
+def pad_prompt_embeds(
+    embeds: torch.Tensor, mask: torch.Tensor, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero-pad text embeddings to `length` tokens along dim 1, masking the padding off.
+
+    embeds: (B, L, D); mask: (B, L), bool or integer (1 = real token). Returns
+    (B, length, D) embeddings and a (B, length) mask of the same dtype as `mask`, with zeros
+    (False) at the new positions. L == length returns the inputs unchanged.
+    """
+    if embeds.dim() != 3:
+        raise BucketError(f"prompt embeddings must be (B, L, D), got shape {tuple(embeds.shape)}")
+    if mask.shape != embeds.shape[:2]:
+        raise BucketError(
+            f"prompt mask shape {tuple(mask.shape)} does not match embeddings (B, L) = {tuple(embeds.shape[:2])}"
+        )
+    batch, tokens, dim = embeds.shape
+    if tokens > length:
+        raise BucketError(f"prompt embeddings have {tokens} tokens, more than the bucket length {length}")
+    if tokens == length:
+        return embeds, mask
+    extra = length - tokens
+    embeds = torch.cat([embeds, embeds.new_zeros(batch, extra, dim)], dim=1)  # (B, length, D)
+    mask = torch.cat([mask, mask.new_zeros(batch, extra)], dim=1)  # (B, length)
+    return embeds, mask
+
+
+def pad_to_bucket(
+    embeds: torch.Tensor, mask: torch.Tensor, buckets: Sequence[int] = PROMPT_LENGTH_BUCKETS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad (B, L, D) embeddings and their (B, L) mask to prompt_length_bucket(L) tokens."""
+    if embeds.dim() != 3:
+        raise BucketError(f"prompt embeddings must be (B, L, D), got shape {tuple(embeds.shape)}")
+    return pad_prompt_embeds(embeds, mask, prompt_length_bucket(embeds.shape[1], buckets))
