@@ -24,7 +24,9 @@ class WeightsError(ValueError):
 def read_config(component_dir: Path) -> dict:
     path = Path(component_dir) / "config.json"
     if not path.is_file():
-        raise WeightsError(f"{path}: missing. A diffusers-layout component needs a config.json next to its weights.")
+        raise WeightsError(
+            f"{path}: missing. A diffusers-layout component needs a config.json next to its weights."
+        )
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -42,7 +44,9 @@ def safetensors_files(component_dir: Path) -> list[Path]:
         names = sorted(set(weight_map.values()))
         missing = [n for n in names if not (component_dir / n).is_file()]
         if missing:
-            raise WeightsError(f"{index[0]}: lists shards that are not there: {missing}. Re-download the component.")
+            raise WeightsError(
+                f"{index[0]}: lists shards that are not there: {missing}. Re-download the component."
+            )
         return [component_dir / n for n in names]
     files = sorted(component_dir.glob("*.safetensors"))
     if files:
@@ -96,7 +100,11 @@ def assign_state_dict(
             + ". Check that the config.json belongs to these weights."
         )
     shapes = module.state_dict()
-    bad = [f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(shapes[k].shape)}" for k, v in state.items() if v.shape != shapes[k].shape]
+    bad = [
+        f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(shapes[k].shape)}"
+        for k, v in state.items()
+        if v.shape != shapes[k].shape
+    ]
     if bad:
         raise WeightsError(f"{where}: shape mismatch for {len(bad)} keys, e.g. {bad[:5]}.")
     cast = {}
@@ -107,7 +115,9 @@ def assign_state_dict(
     return module
 
 
-def save_component(module: torch.nn.Module, config: dict, out_dir: Path, extra: dict[str, torch.Tensor] | None = None) -> None:
+def save_component(
+    module: torch.nn.Module, config: dict, out_dir: Path, extra: dict[str, torch.Tensor] | None = None
+) -> None:
     """Write `config.json` + one safetensors file in the diffusers layout."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -9,3 +9,14 @@ pytest_plugins = [
     "tests.fixtures_s3",
     "tests.fixtures_ray",
 ]
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def random_model_dir(tmp_path_factory):
+    """A tiny random-weight Qwen-Image model in the diffusers layout, written by diffusers."""
+    from tests.model_fixtures import make_diffusers_model_dir
+
+    return make_diffusers_model_dir(tmp_path_factory.mktemp("random-model"))

@@ -1,0 +1,113 @@
+"""`load_pipeline`: a diffusers-layout model directory (or "tiny") -> TextToImagePipeline.
+
+The directory holds `transformer/`, `vae/`, `scheduler/` and optionally `text_encoder/` and
+`tokenizer/`, each with its config and safetensors. Nothing is ever downloaded here: remote
+weights are staged to a local directory by the worker before this is called.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+
+import torch
+
+from .pipeline import TextToImagePipeline
+from .scheduler import SchedulerConfig
+from .text_encoder import QwenVLTextEncoder, TextEncoder
+from .transformer import QwenImageTransformer, TransformerConfig
+from .vae import load_vae
+from .weights import WeightsError, assign_state_dict, read_config, read_state_dict, safetensors_files
+
+TINY_MODEL_DIR = Path(__file__).parent / "tiny" / "weights"
+REQUIRED_COMPONENTS = ("transformer", "vae", "scheduler")
+
+
+def resolve_model_dir(path: str | Path) -> Path:
+    """ "tiny" -> the bundled model; else a local directory in the diffusers layout."""
+    root = TINY_MODEL_DIR if str(path) == "tiny" else Path(path)
+    if not root.is_dir():
+        raise WeightsError(f"model path {root}: not a directory. Give a diffusers-layout folder or 'tiny'.")
+    missing = [c for c in REQUIRED_COMPONENTS if not (root / c).is_dir()]
+    if missing:
+        raise WeightsError(
+            f"model path {root}: missing {missing}. A model folder needs transformer/, vae/ and scheduler/ "
+            "(the diffusers layout)."
+        )
+    return root
+
+
+def model_revision(root: Path) -> str:
+    """A cheap content fingerprint: configs plus each safetensors file's size and header.
+
+    The header lists every tensor's name, dtype, shape and byte offsets, so any change in
+    architecture or any re-save is seen, without hashing tens of gigabytes.
+    """
+    h = hashlib.sha256()
+    for comp in sorted(p for p in root.iterdir() if p.is_dir()):
+        for cfg in sorted(comp.glob("*.json")):
+            h.update(f"{comp.name}/{cfg.name}".encode())
+            h.update(cfg.read_bytes())
+        for st in sorted(comp.glob("*.safetensors")):
+            with st.open("rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                h.update(f"{comp.name}/{st.name}:{st.stat().st_size}".encode())
+                h.update(f.read(n))
+    return h.hexdigest()[:16]
+
+
+def load_transformer(
+    component_dir: Path, device, dtype, modulation_cache: str = "cfg"
+) -> QwenImageTransformer:
+    config = TransformerConfig.from_dict(read_config(component_dir), where=str(component_dir / "config.json"))
+    with torch.device("meta"):
+        model = QwenImageTransformer(config, modulation_cache=modulation_cache)
+    assign_state_dict(model, read_state_dict(component_dir), str(component_dir), dtype, device)
+    return model.eval().requires_grad_(False)
+
+
+def load_scheduler(component_dir: Path) -> SchedulerConfig:
+    path = component_dir / "scheduler_config.json"
+    if not path.is_file():
+        raise WeightsError(f"{path}: missing. The scheduler folder needs scheduler_config.json.")
+    return SchedulerConfig.from_dict(json.loads(path.read_text()), where=str(path))
+
+
+def load_text_encoder(root: Path, device, dtype) -> TextEncoder | None:
+    te_dir = root / "text_encoder"
+    if not te_dir.is_dir():
+        return None
+    cls = read_config(te_dir).get("_class_name") or read_config(te_dir).get("architectures", [""])[0]
+    if cls == "TinyTextEncoder":
+        from .tiny.text_encoder import TinyTextEncoder
+
+        return TinyTextEncoder.load(te_dir, root / "tokenizer", device=device, dtype=dtype)
+    if cls.startswith("Qwen2_5_VL"):
+        return QwenVLTextEncoder.from_dirs(te_dir, root / "tokenizer", device, dtype)
+    raise WeightsError(f"{te_dir}/config.json: unknown text encoder class {cls!r}")
+
+
+def load_pipeline(
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    modulation_cache: str = "cfg",
+    cfg_batched: bool = False,
+    load_text_encoder_too: bool = True,
+) -> TextToImagePipeline:
+    root = resolve_model_dir(path)
+    safetensors_files(root / "transformer")  # refuse pickle-only folders before building anything
+    transformer = load_transformer(root / "transformer", device, dtype, modulation_cache)
+    vae = load_vae(root / "vae", device=device, dtype=dtype)
+    text_encoder = load_text_encoder(root, device, dtype) if load_text_encoder_too else None
+    return TextToImagePipeline(
+        transformer,
+        vae,
+        load_scheduler(root / "scheduler"),
+        text_encoder,
+        model_id="tiny" if str(path) == "tiny" else str(path),
+        model_revision=model_revision(root),
+        cfg_batched=cfg_batched,
+    )

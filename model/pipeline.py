@@ -1,0 +1,153 @@
+"""Text-to-image: prompts -> embeddings -> seeded noise -> denoise with true CFG -> decode."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .sampling import Conditioning, TimestepBank, denoise, initial_noise, latent_grid, unpack_latents
+from .scheduler import SchedulerConfig
+from .text_encoder import TextEncoder
+from .transformer import QwenImageTransformer
+
+DEFAULT_NEGATIVE_PROMPT = " "
+
+
+class TextToImagePipeline:
+    def __init__(
+        self,
+        transformer: QwenImageTransformer,
+        vae: torch.nn.Module,
+        scheduler: SchedulerConfig,
+        text_encoder: TextEncoder | None = None,
+        model_id: str = "",
+        model_revision: str = "",
+        cfg_batched: bool = False,
+    ) -> None:
+        self.transformer = transformer
+        self.vae = vae
+        self.scheduler = scheduler
+        self.text_encoder = text_encoder
+        self.model_id, self.model_revision = model_id, model_revision
+        self.cfg_batched = cfg_batched
+        self.timestep_bank = TimestepBank()
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.img_in.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.img_in.weight.dtype
+
+    def set_modulation_cache(self, mode: str) -> None:
+        self.transformer.modulation_cache.set_mode(mode)
+        self.timestep_bank.clear()
+
+    @torch.no_grad()
+    def encode_prompt(
+        self, prompts: Sequence[str], max_length: int = 512
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(embeds (B, L, D) in the pipeline dtype, mask (B, L) long)."""
+        if self.text_encoder is None:
+            raise ValueError(
+                "this pipeline has no text encoder: pass prompt_embeds / prompt_embeds_mask instead"
+            )
+        embeds, mask = self.text_encoder.encode(list(prompts), max_length)
+        return embeds.to(self.device, self.dtype), mask.to(self.device)
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """Packed latents (B, N, 64) -> images (B, 3, H, W) in [0, 1], fp32."""
+        h, w = latent_grid(height, width)
+        z = unpack_latents(latents, h, w).to(self.vae_dtype)
+        image = self.vae.decode(self.vae.denormalize(z))  # (B, 3, H, W) in [-1, 1]
+        return (image.float() / 2 + 0.5).clamp(0, 1)
+
+    @property
+    def vae_dtype(self) -> torch.dtype:
+        return next(self.vae.parameters()).dtype
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt: Sequence[str] | None = None,
+        negative_prompt: Sequence[str] | str | None = None,
+        *,
+        prompt_embeds: torch.Tensor | None = None,
+        prompt_embeds_mask: torch.Tensor | None = None,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        negative_prompt_embeds_mask: torch.Tensor | None = None,
+        height: int,
+        width: int,
+        steps: int,
+        true_cfg_scale: float | Sequence[float] = 4.0,
+        seeds: Sequence[int],
+        max_sequence_length: int = 512,
+        on_step: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Images (B, 3, H, W) in [0, 1], fp32; B = len(seeds).
+
+        True CFG is on when every `true_cfg_scale > 1` and a negative prompt exists (default " "
+        when prompts are given as text). A list of scales lets one batch carry per-row scales.
+        """
+        if (prompt is None) == (prompt_embeds is None):
+            raise ValueError("pass exactly one of prompt or prompt_embeds")
+        if prompt is not None:
+            prompt_embeds, prompt_embeds_mask = self.encode_prompt(prompt, max_sequence_length)
+        assert prompt_embeds is not None
+        B = prompt_embeds.shape[0]
+        if len(seeds) != B:
+            raise ValueError(f"need one seed per image: {B} prompts but {len(seeds)} seeds")
+        scales = torch.as_tensor(
+            true_cfg_scale if isinstance(true_cfg_scale, Sequence) else [true_cfg_scale] * B,
+            dtype=torch.float32,
+        )
+        do_cfg = bool((scales > 1).all())
+        if do_cfg and negative_prompt_embeds is None:
+            if prompt is None and negative_prompt is None:
+                do_cfg = False  # embeddings given without negatives: nothing to guide against
+            else:
+                neg = negative_prompt if negative_prompt is not None else DEFAULT_NEGATIVE_PROMPT
+                neg_list = [neg] * B if isinstance(neg, str) else list(neg)
+                negative_prompt_embeds, negative_prompt_embeds_mask = self.encode_prompt(
+                    neg_list, max_sequence_length
+                )
+        cond = Conditioning(
+            prompt_embeds.to(self.device, self.dtype), _mask_or_none(prompt_embeds_mask, self.device)
+        )
+        uncond = None
+        if do_cfg:
+            assert negative_prompt_embeds is not None
+            uncond = Conditioning(
+                negative_prompt_embeds.to(self.device, self.dtype),
+                _mask_or_none(negative_prompt_embeds_mask, self.device),
+            )
+        latents = initial_noise(list(seeds), height, width, self.device, self.dtype)
+        scale_arg: torch.Tensor | float = (
+            float(scales[0]) if bool((scales == scales[0]).all()) else scales.to(self.device)
+        )
+        bank = self.timestep_bank if self.transformer.modulation_cache.mode == "table" else None
+        latents = denoise(
+            self.transformer,
+            latents,
+            cond,
+            uncond,
+            scale_arg,
+            latent_grid(height, width),
+            steps,
+            self.scheduler,
+            cfg_batched=self.cfg_batched,
+            timestep_bank=bank,
+            on_step=on_step,
+        )
+        return self.decode(latents, height, width)
+
+
+def _mask_or_none(mask: torch.Tensor | None, device) -> torch.Tensor | None:
+    """An all-ones mask is dropped: attention then runs unmasked (and can use flash kernels)."""
+    if mask is None:
+        return None
+    mask = mask.to(device)
+    return None if bool(mask.all()) else mask

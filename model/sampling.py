@@ -1,0 +1,151 @@
+"""The sampler as plain functions: noise, packing, true CFG and the denoising loop.
+
+Latents: 16 channels at 1/8 of the image size, packed 2x2 into 64-channel tokens in [C][dy][dx]
+order, so an H x W image is (H/16) * (W/16) tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .scheduler import SchedulerConfig, euler_step, sigma_schedule
+
+LATENT_CHANNELS = 16
+VAE_SCALE = 8
+
+
+def latent_grid(height: int, width: int) -> tuple[int, int]:
+    """(h, w) of the packed token grid for an image size; sizes must be multiples of 16."""
+    if height % 16 or width % 16:
+        raise ValueError(f"height and width must be multiples of 16, got {width}x{height}")
+    return height // 16, width // 16
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, 2h, 2w) -> (B, h*w, C*4), channel-major within each 2x2 patch."""
+    B, C, H, W = latents.shape
+    x = latents.view(B, C, H // 2, 2, W // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(B, (H // 2) * (W // 2), C * 4)
+
+
+def unpack_latents(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """(B, h*w, C*4) -> (B, C, 2h, 2w); inverse of pack_latents."""
+    B, N, C4 = tokens.shape
+    x = tokens.view(B, h, w, C4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(B, C4 // 4, h * 2, w * 2)
+
+
+def initial_noise(seeds: list[int], height: int, width: int, device, dtype: torch.dtype) -> torch.Tensor:
+    """Packed noise (B, N, 64), one CPU generator per image.
+
+    Drawn in fp32 on the CPU with shape (1, 1, 16, H/8, W/8) per seed, exactly what the reference
+    pipeline draws with `torch.Generator().manual_seed(seed)`, so a seed means the same image
+    whatever the batch, the actor, the device or the dtype.
+    """
+    h, w = latent_grid(height, width)
+    per_image = []
+    for seed in seeds:
+        g = torch.Generator(device="cpu").manual_seed(int(seed))
+        z = torch.randn((1, 1, LATENT_CHANNELS, 2 * h, 2 * w), generator=g, dtype=torch.float32)
+        per_image.append(pack_latents(z[:, 0]))
+    return torch.cat(per_image).to(device=device, dtype=dtype)
+
+
+def true_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """neg + s * (cond - neg), rescaled per token to the norm of cond. cond/uncond (B, N, C)."""
+    if isinstance(scale, torch.Tensor):
+        scale = scale.to(cond.dtype).view(-1, 1, 1)
+    combined = uncond + scale * (cond - uncond)
+    cond_norm = torch.norm(cond, dim=-1, keepdim=True)
+    comb_norm = torch.norm(combined, dim=-1, keepdim=True)
+    return combined * (cond_norm / comb_norm)
+
+
+@dataclass
+class Conditioning:
+    embeds: torch.Tensor  # (B, L, D)
+    mask: torch.Tensor | None  # (B, L) or None when nothing is padded
+
+
+class TimestepBank:
+    """One timestep tensor per (schedule, step), kept across requests.
+
+    In "table" modulation-cache mode the transformer keys its per-step modulation by the identity
+    of the timestep tensor, so the pipeline must hand it the very same tensor for the same step of
+    the same schedule every time.
+    """
+
+    def __init__(self) -> None:
+        self._bank: dict[tuple, list[torch.Tensor]] = {}
+
+    def get(self, sigmas: torch.Tensor, key: tuple, device, dtype) -> list[torch.Tensor]:
+        full_key = (key, str(device), dtype)
+        if full_key not in self._bank:
+            ts = (sigmas[:-1] * 1000.0).to(device)  # the scheduler's t in [0, 1000]
+            self._bank[full_key] = [(ts[i : i + 1] / 1000.0).to(dtype) for i in range(ts.shape[0])]
+        return self._bank[full_key]
+
+    def clear(self) -> None:
+        self._bank.clear()
+
+
+def denoise(
+    transformer: torch.nn.Module,
+    latents: torch.Tensor,  # (B, N, 64)
+    cond: Conditioning,
+    uncond: Conditioning | None,
+    true_cfg_scale: float | torch.Tensor,
+    grid: tuple[int, int],
+    steps: int,
+    scheduler: SchedulerConfig,
+    cfg_batched: bool = False,
+    timestep_bank: TimestepBank | None = None,
+    on_step: Callable[[int], None] | None = None,
+) -> torch.Tensor:
+    """Run the flow-match Euler loop; returns latents (B, N, 64) in the input dtype."""
+    h, w = grid
+    image_seq_len = h * w
+    sigmas = sigma_schedule(scheduler, steps, image_seq_len).to(latents.device)
+    ts = sigmas[:-1] * 1000.0  # the scheduler's t in [0, 1000]; the model takes t / 1000
+    img_shapes = [[(1, h, w)]] * latents.shape[0]
+    bank_steps = None
+    if timestep_bank is not None:
+        bank_steps = timestep_bank.get(
+            sigmas, (steps, image_seq_len, scheduler), latents.device, latents.dtype
+        )
+    for i in range(steps):
+        # The same tensor object goes to both CFG passes of this step: that is the cache key.
+        if bank_steps is not None:
+            timestep = bank_steps[i]
+        else:
+            timestep = (ts[i : i + 1] / 1000.0).to(latents.dtype)
+        if uncond is None:
+            velocity = transformer(latents, cond.embeds, cond.mask, timestep, img_shapes)
+        elif cfg_batched:
+            both = transformer(
+                torch.cat([latents, latents]),
+                torch.cat([cond.embeds, uncond.embeds]),
+                _cat_masks(cond, uncond),
+                timestep,
+                img_shapes * 2,
+            )
+            c, u = both.chunk(2)
+            velocity = true_cfg(c, u, true_cfg_scale)
+        else:
+            c = transformer(latents, cond.embeds, cond.mask, timestep, img_shapes)
+            u = transformer(latents, uncond.embeds, uncond.mask, timestep, img_shapes)
+            velocity = true_cfg(c, u, true_cfg_scale)
+        latents = euler_step(latents, velocity, sigmas[i], sigmas[i + 1])
+        if on_step is not None:
+            on_step(i)
+    return latents
+
+
+def _cat_masks(a: Conditioning, b: Conditioning) -> torch.Tensor | None:
+    if a.mask is None and b.mask is None:
+        return None
+    ones = lambda c: torch.ones(c.embeds.shape[:2], dtype=torch.long, device=c.embeds.device)  # noqa: E731
+    return torch.cat([a.mask if a.mask is not None else ones(a), b.mask if b.mask is not None else ones(b)])

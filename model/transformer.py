@@ -1,0 +1,310 @@
+"""The Qwen-Image MMDiT: dual-stream blocks with joint attention over [text, image].
+
+Module names mirror diffusers' `QwenImageTransformer2DModel` so its safetensors load key for key
+(`transformer_blocks.N.img_mod.1`, `attn.to_q`, `attn.add_q_proj`, `img_mlp.net.0.proj`, ...).
+
+Shapes: B batch, N image tokens (latent grid h*w after 2x2 packing), L text tokens, D = heads x
+head_dim, C = 64 packed latent channels.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .modulation_cache import ModulationCache, ModulationKey, make_key
+from .rope import RotaryTables, apply_rotary
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """The keys of diffusers' transformer/config.json that shape the model."""
+
+    patch_size: int = 2
+    in_channels: int = 64
+    out_channels: int | None = 16
+    num_layers: int = 60
+    attention_head_dim: int = 128
+    num_attention_heads: int = 24
+    joint_attention_dim: int = 3584
+    guidance_embeds: bool = False
+    axes_dims_rope: tuple[int, int, int] = (16, 56, 56)
+    zero_cond_t: bool = False
+    use_additional_t_cond: bool = False
+    use_layer3d_rope: bool = False
+
+    def __post_init__(self) -> None:
+        if sum(self.axes_dims_rope) != self.attention_head_dim:
+            raise ValueError(
+                f"axes_dims_rope {tuple(self.axes_dims_rope)} must sum to attention_head_dim {self.attention_head_dim}"
+            )
+        unsupported = [n for n in ("guidance_embeds", "zero_cond_t", "use_layer3d_rope") if getattr(self, n)]
+        if unsupported:
+            raise ValueError(
+                f"transformer config: {unsupported} are edit/guidance-distilled variants, not supported"
+            )
+
+    @property
+    def inner_dim(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "transformer/config.json") -> TransformerConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(k for k in d if not k.startswith("_") and k not in known)
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {unknown}; is this a Qwen-Image transformer config?")
+        kwargs = {k: v for k, v in d.items() if k in known}
+        if "axes_dims_rope" in kwargs:
+            kwargs["axes_dims_rope"] = tuple(kwargs["axes_dims_rope"])
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["axes_dims_rope"] = list(self.axes_dims_rope)
+        return {"_class_name": "QwenImageTransformer2DModel", **d}
+
+
+class RMSNorm(nn.Module):
+    """RMS norm computed in fp32, cast to the weight dtype before the scale (as diffusers does)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(var + self.eps)).to(self.weight.dtype) * self.weight
+
+
+class TimestepEmbedder(nn.Module):
+    def __init__(self, in_channels: int, dim: int) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(in_channels, dim)
+        self.act = nn.SiLU()
+        self.linear_2 = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(x)))
+
+
+def sinusoidal_embedding(t: torch.Tensor, channels: int = 256, scale: float = 1000.0) -> torch.Tensor:
+    """t (B,) in [0, 1] -> (B, channels) fp32, [cos | sin].
+
+    The pipeline divides the scheduler's t in [0, 1000] by 1000 exactly once; `scale` undoes it
+    here (the diffusers convention the weights were trained with).
+    """
+    half = channels // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    args = scale * t[:, None].float() * freqs[None, :]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+class TimeTextEmbed(nn.Module):
+    def __init__(self, dim: int, use_additional_t_cond: bool) -> None:
+        super().__init__()
+        self.timestep_embedder = TimestepEmbedder(256, dim)
+        self.use_additional_t_cond = use_additional_t_cond
+        if use_additional_t_cond:
+            self.addition_t_embedding = nn.Embedding(2, dim)
+
+    def forward(
+        self, timestep: torch.Tensor, dtype: torch.dtype, additional_t_cond: torch.Tensor | None
+    ) -> torch.Tensor:
+        temb = self.timestep_embedder(sinusoidal_embedding(timestep).to(dtype))  # (B, D)
+        if self.use_additional_t_cond:
+            if additional_t_cond is None:
+                raise ValueError("this transformer has use_additional_t_cond: pass additional_t_cond")
+            temb = temb + self.addition_t_embedding(additional_t_cond).to(dtype)
+        return temb
+
+
+class GeluMLP(nn.Module):
+    """FeedForward with tanh-GELU; `net.0.proj`, `net.2` as in diffusers."""
+
+    def __init__(self, dim: int, mult: int = 4) -> None:
+        super().__init__()
+        proj = nn.Module()
+        proj.proj = nn.Linear(dim, dim * mult)
+        self.net = nn.ModuleList([proj, nn.Dropout(0.0), nn.Linear(dim * mult, dim)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net[2](F.gelu(self.net[0].proj(x), approximate="tanh"))
+
+
+class JointAttention(nn.Module):
+    """Attention over [text, image] with per-head RMS q/k norms and interleaved RoPE."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim) for _ in range(3))
+        self.add_q_proj, self.add_k_proj, self.add_v_proj = (nn.Linear(dim, dim) for _ in range(3))
+        self.norm_q, self.norm_k = RMSNorm(head_dim), RMSNorm(head_dim)
+        self.norm_added_q, self.norm_added_k = RMSNorm(head_dim), RMSNorm(head_dim)
+        self.to_out = nn.ModuleList([nn.Linear(dim, dim), nn.Dropout(0.0)])
+        self.to_add_out = nn.Linear(dim, dim)
+
+    def forward(
+        self,
+        img: torch.Tensor,  # (B, N, D)
+        txt: torch.Tensor,  # (B, L, D)
+        attn_mask: torch.Tensor | None,  # (B, 1, 1, L + N) bool, or None when nothing is padded
+        rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        img_cos, img_sin, txt_cos, txt_sin = rope
+        L = txt.shape[1]
+        split = (-1, self.head_dim)
+        q_i = apply_rotary(
+            self.norm_q(self.to_q(img).unflatten(-1, split)), img_cos, img_sin
+        )  # (B, N, H, hd)
+        k_i = apply_rotary(self.norm_k(self.to_k(img).unflatten(-1, split)), img_cos, img_sin)
+        v_i = self.to_v(img).unflatten(-1, split)
+        q_t = apply_rotary(
+            self.norm_added_q(self.add_q_proj(txt).unflatten(-1, split)), txt_cos, txt_sin
+        )  # (B, L, H, hd)
+        k_t = apply_rotary(self.norm_added_k(self.add_k_proj(txt).unflatten(-1, split)), txt_cos, txt_sin)
+        v_t = self.add_v_proj(txt).unflatten(-1, split)
+        q = torch.cat([q_t, q_i], dim=1).transpose(1, 2)  # (B, H, L+N, hd)
+        k = torch.cat([k_t, k_i], dim=1).transpose(1, 2)
+        v = torch.cat([v_t, v_i], dim=1).transpose(1, 2).to(q.dtype)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # (B, H, L+N, hd)
+        out = out.transpose(1, 2).flatten(2).to(q.dtype)  # (B, L+N, D)
+        return self.to_out[0](out[:, L:].contiguous()), self.to_add_out(out[:, :L].contiguous())
+
+
+def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x * (1 + scale[:, None]) + shift[:, None]
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, head_dim: int, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.img_mod = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+        self.txt_mod = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+        self.attn = JointAttention(dim, heads, head_dim)
+        self.img_mlp = GeluMLP(dim)
+        self.txt_mlp = GeluMLP(dim)
+        self.eps = 1e-6
+
+    def modulation(
+        self, temb: torch.Tensor, key: ModulationKey | None, cache: ModulationCache | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(img_mod, txt_mod), each (B, 6D): [shift1, scale1, gate1, shift2, scale2, gate2]."""
+        if cache is not None:
+            hit = cache.lookup(key, self.index)
+            if hit is not None:
+                return hit
+        value = (self.img_mod(temb), self.txt_mod(temb))  # img_mod.1 / txt_mod.1 called as modules
+        if cache is not None:
+            cache.store(key, self.index, value)
+        return value
+
+    def forward(
+        self,
+        img: torch.Tensor,  # (B, N, D)
+        txt: torch.Tensor,  # (B, L, D)
+        temb: torch.Tensor,  # (B or 1, D)
+        attn_mask: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        mod_key: ModulationKey | None = None,
+        mod_cache: ModulationCache | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        img_mod, txt_mod = self.modulation(temb, mod_key, mod_cache)
+        i_sh1, i_sc1, i_g1, i_sh2, i_sc2, i_g2 = img_mod.chunk(6, dim=-1)
+        t_sh1, t_sc1, t_g1, t_sh2, t_sc2, t_g2 = txt_mod.chunk(6, dim=-1)
+        D = img.shape[-1]
+        img_in = _modulate(F.layer_norm(img, (D,), eps=self.eps), i_sh1, i_sc1)
+        txt_in = _modulate(F.layer_norm(txt, (D,), eps=self.eps), t_sh1, t_sc1)
+        img_attn, txt_attn = self.attn(img_in, txt_in, attn_mask, rope)
+        img = img + i_g1[:, None] * img_attn
+        txt = txt + t_g1[:, None] * txt_attn
+        img = img + i_g2[:, None] * self.img_mlp(
+            _modulate(F.layer_norm(img, (D,), eps=self.eps), i_sh2, i_sc2)
+        )
+        txt = txt + t_g2[:, None] * self.txt_mlp(
+            _modulate(F.layer_norm(txt, (D,), eps=self.eps), t_sh2, t_sc2)
+        )
+        if img.dtype == torch.float16:  # keep fp16 activations finite, as the reference does
+            img, txt = img.clip(-65504, 65504), txt.clip(-65504, 65504)
+        return img, txt
+
+
+class OutputNorm(nn.Module):
+    """AdaLN-continuous: LayerNorm, then (1 + scale) and shift from Linear(SiLU(temb)); scale first."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, 2 * dim)
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        scale, shift = self.linear(F.silu(temb).to(x.dtype)).chunk(2, dim=-1)
+        return _modulate(F.layer_norm(x, (x.shape[-1],), eps=1e-6), shift, scale)
+
+
+class QwenImageTransformer(nn.Module):
+    def __init__(self, config: TransformerConfig, modulation_cache: str = "cfg") -> None:
+        super().__init__()
+        self.config = config
+        D = config.inner_dim
+        self.rope = RotaryTables(config.axes_dims_rope)
+        self.time_text_embed = TimeTextEmbed(D, config.use_additional_t_cond)
+        self.txt_norm = RMSNorm(config.joint_attention_dim)
+        self.img_in = nn.Linear(config.in_channels, D)
+        self.txt_in = nn.Linear(config.joint_attention_dim, D)
+        self.transformer_blocks = nn.ModuleList(
+            TransformerBlock(D, config.num_attention_heads, config.attention_head_dim, i)
+            for i in range(config.num_layers)
+        )
+        self.norm_out = OutputNorm(D)
+        out_channels = config.out_channels or config.in_channels
+        self.proj_out = nn.Linear(D, config.patch_size**2 * out_channels)
+        self.modulation_cache = ModulationCache(config.num_layers, modulation_cache)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.img_in.weight.dtype
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,  # (B, N, C) packed latents
+        encoder_hidden_states: torch.Tensor,  # (B, L, joint_attention_dim)
+        encoder_hidden_states_mask: torch.Tensor | None,  # (B, L), 1 = real token
+        timestep: torch.Tensor,  # (B,) or (1,), scheduler t / 1000, in [0, 1]
+        img_shapes: list,  # [(frames, h, w)] or [[(frames, h, w)]] per sample, in packed tokens
+        additional_t_cond: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Velocity prediction (B, N, patch^2 * out_channels)."""
+        img = self.img_in(hidden_states)
+        dtype, device = img.dtype, img.device
+        mod_key = make_key(self, timestep, additional_t_cond, dtype, device)
+        temb = self.time_text_embed(timestep.to(dtype), dtype, additional_t_cond)  # (B, D)
+        txt = self.txt_in(self.txt_norm(encoder_hidden_states))
+        L = txt.shape[1]
+        attn_mask = None
+        if encoder_hidden_states_mask is not None:
+            text_mask = encoder_hidden_states_mask.to(torch.bool)
+            image_mask = torch.ones(img.shape[:2], dtype=torch.bool, device=device)
+            attn_mask = torch.cat([text_mask, image_mask], dim=1)[:, None, None, :]  # (B, 1, 1, L+N)
+        rope = self.rope.tables(_first_shape(img_shapes), L, device)
+        for block in self.transformer_blocks:
+            img, txt = block(img, txt, temb, attn_mask, rope, mod_key, self.modulation_cache)
+        return self.proj_out(self.norm_out(img, temb))
+
+
+def _first_shape(img_shapes: list) -> tuple[int, int, int]:
+    """All samples of a batch share one grid (one resolution bucket per batch)."""
+    first = img_shapes[0]
+    if isinstance(first, list):
+        first = first[0]
+    for s in img_shapes:
+        s = s[0] if isinstance(s, list) else s
+        if tuple(s) != tuple(first):
+            raise ValueError(f"img_shapes: every sample of a batch must share one grid, got {img_shapes}")
+    return tuple(int(v) for v in first)  # type: ignore[return-value]

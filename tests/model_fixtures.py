@@ -1,0 +1,73 @@
+"""Tiny random-weight Qwen-Image models saved by diffusers' own `save_pretrained`.
+
+These are the reference: our loader must read what diffusers writes, and our outputs must match
+what diffusers computes on the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+TINY_TRANSFORMER = dict(
+    patch_size=2,
+    in_channels=64,
+    out_channels=16,
+    num_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=3,
+    joint_attention_dim=16,
+    axes_dims_rope=(8, 4, 4),
+)
+TINY_VAE = dict(
+    base_dim=16, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, temperal_downsample=[False, True, True]
+)
+QWEN_IMAGE_SCHEDULER = dict(
+    base_image_seq_len=256,
+    base_shift=0.5,
+    max_image_seq_len=8192,
+    max_shift=0.9,
+    num_train_timesteps=1000,
+    shift=1.0,
+    shift_terminal=0.02,
+    time_shift_type="exponential",
+    use_dynamic_shifting=True,
+)
+
+
+def make_diffusers_model_dir(root: Path, seed: int = 0, transformer_overrides: dict | None = None) -> Path:
+    """Write transformer/, vae/, scheduler/ with random weights in the diffusers layout."""
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+
+    torch.manual_seed(seed)
+    transformer = QwenImageTransformer2DModel(**{**TINY_TRANSFORMER, **(transformer_overrides or {})})
+    g = torch.Generator().manual_seed(seed + 1)
+    latents_mean = (torch.randn(16, generator=g) * 0.5).tolist()
+    latents_std = (torch.rand(16, generator=g) + 0.5).tolist()
+    vae = AutoencoderKLQwenImage(**TINY_VAE, latents_mean=latents_mean, latents_std=latents_std)
+    scheduler = FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER)
+    transformer.save_pretrained(root / "transformer")
+    vae.save_pretrained(root / "vae")
+    scheduler.save_pretrained(root / "scheduler")
+    (root / "model_index.json").write_text(json.dumps({"_class_name": "QwenImagePipeline"}))
+    return root
+
+
+def diffusers_pipeline(root: Path):
+    """The reference QwenImagePipeline over the same weights, without a text encoder."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+
+    return QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(root / "scheduler"),
+        vae=AutoencoderKLQwenImage.from_pretrained(root / "vae").eval(),
+        text_encoder=None,
+        tokenizer=None,
+        transformer=QwenImageTransformer2DModel.from_pretrained(root / "transformer").eval(),
+    )
