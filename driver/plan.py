@@ -1,0 +1,340 @@
+"""Planning a job: validate the input and cut it into shards, in one pass over the rows.
+
+A shard is a contiguous row range of one input file (ShardSpec); the plan holds shards and
+per-file identities, never rows, so its memory is O(shards) (plus 8 bytes per row for the
+duplicate-id check while planning). The worker re-reads its shard's rows and resolves them with
+the same `workers.rows.resolve_rows` the planner's counts come from.
+
+The plan's fingerprint covers everything that changes the images a row gets (model identity,
+sampling defaults, buckets, job seed, shard size) and the identity of every input file, so an
+output directory is never resumed with a different job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from compile.buckets import BucketError
+from driver.errors import file_error
+from driver.prompts import DEFAULT_BATCH_ROWS, InputFile, PromptSource
+from driver.validate import DEFAULT_MAX_ERRORS, scan_input
+from workers.input_files import InputFileError, footer_sha256
+from workers.rows import MAX_SIDE, RowConfig, ShardSpec
+
+FINGERPRINT_VERSION = 1
+JOB_DOC_VERSION = 1
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """How to plan a job.
+
+    rows: how rows resolve (job seed, buckets, sampling defaults, max prompt characters).
+    shard_size: input rows per shard (a file's last shard may be shorter; shards never span files).
+    image_settings: every other setting that changes pixels, as JSON-safe values (model id and
+      revision, dtype, compile mode, ...); it only enters the fingerprint.
+    """
+
+    rows: RowConfig = field(default_factory=RowConfig)
+    shard_size: int = 256
+    image_settings: Mapping[str, Any] = field(default_factory=dict)
+    max_errors: int = DEFAULT_MAX_ERRORS
+    read_batch_rows: int = DEFAULT_BATCH_ROWS
+
+    def __post_init__(self) -> None:
+        if isinstance(self.shard_size, bool) or not isinstance(self.shard_size, int) or self.shard_size < 1:
+            raise ValueError(f"shard_size must be a positive number of rows, got {self.shard_size!r}")
+        if self.max_errors < 1 or self.read_batch_rows < 1:
+            raise ValueError("max_errors and read_batch_rows must be >= 1")
+        try:
+            json.dumps(dict(self.image_settings), sort_keys=True)
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"image_settings must hold JSON values (str, number, bool, list, dict): {e}"
+            ) from e
+
+
+@dataclass(frozen=True)
+class InputIdentity:
+    """What identifies an input file's content without reading it all."""
+
+    uri: str
+    size: int
+    rows: int
+    footer_sha256: str
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """The plan: shards over the input files, totals, and the fingerprint of it all."""
+
+    config: PlanConfig
+    source: str
+    inputs: tuple[InputIdentity, ...]
+    shards: tuple[ShardSpec, ...]
+    total_rows: int
+    total_images: int
+    buckets_used: tuple[str, ...]  # in the bucket set's order
+    empty_files: tuple[str, ...] = ()
+
+    def fingerprint_doc(self) -> dict[str, Any]:
+        """The settings and input identities the fingerprint is computed over (stored in _job.json)."""
+        rows = self.config.rows
+        return {
+            "version": FINGERPRINT_VERSION,
+            "image_settings": json.loads(json.dumps(dict(self.config.image_settings), sort_keys=True)),
+            "job_seed": rows.job_seed,
+            "steps": rows.steps,
+            "true_cfg_scale": rows.true_cfg_scale,
+            "negative_prompt": rows.negative_prompt,
+            "num_images": rows.num_images,
+            "buckets": list(rows.buckets.names),
+            "shard_size": self.config.shard_size,
+            "inputs": [
+                {"uri": i.uri, "size": i.size, "rows": i.rows, "footer_sha256": i.footer_sha256}
+                for i in self.inputs
+            ],
+        }
+
+    def fingerprint(self) -> str:
+        """sha256 (hex) of the canonical JSON of fingerprint_doc()."""
+        return fingerprint_of(self.fingerprint_doc())
+
+    def diff(self, other_doc: Mapping[str, Any]) -> list[str]:
+        """In words, how `other_doc` (an earlier fingerprint_doc, e.g. from an existing _job.json)
+        differs from this plan; empty when they are the same."""
+        return describe_differences(other_doc, self.fingerprint_doc())
+
+    @property
+    def bucket_usage(self) -> dict[str, int]:
+        """Shards per bucket (a shard counts once per bucket it uses)."""
+        out = {b: 0 for b in self.buckets_used}
+        for s in self.shards:
+            for b in s.buckets_used:
+                out[b] += 1
+        return out
+
+
+def fingerprint_of(doc: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def describe_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """'job_seed: 1 in the existing output, 2 now', 'input file ... was added', ..."""
+    out: list[str] = []
+    for key in sorted((set(old) | set(new)) - {"inputs", "image_settings"}):
+        if old.get(key) != new.get(key):
+            out.append(f"{key}: {old.get(key)!r} in the existing output, {new.get(key)!r} now")
+    old_img, new_img = old.get("image_settings") or {}, new.get("image_settings") or {}
+    for key in sorted(set(old_img) | set(new_img)):
+        if old_img.get(key) != new_img.get(key):
+            out.append(
+                f"image_settings.{key}: {old_img.get(key)!r} in the existing output, {new_img.get(key)!r} now"
+            )
+    old_in = {i["uri"]: i for i in old.get("inputs") or []}
+    new_in = {i["uri"]: i for i in new.get("inputs") or []}
+    for uri in new_in.keys() - old_in.keys():
+        out.append(f"input file {uri} was added")
+    for uri in old_in.keys() - new_in.keys():
+        out.append(f"input file {uri} was removed")
+    for uri in sorted(old_in.keys() & new_in.keys()):
+        a, b = old_in[uri], new_in[uri]
+        changes = [f"{k} {a.get(k)} -> {b.get(k)}" for k in ("size", "rows") if a.get(k) != b.get(k)]
+        if a.get("footer_sha256") != b.get("footer_sha256"):
+            changes.append("content differs")
+        if changes:
+            out.append(f"input file {uri} changed ({', '.join(changes)})")
+    same_files = old_in.keys() == new_in.keys()
+    if same_files and [i["uri"] for i in old.get("inputs") or []] != [
+        i["uri"] for i in new.get("inputs") or []
+    ]:
+        out.append("input files are in a different order (rows without an id would get other ids)")
+    return out
+
+
+class _ShardCutter:
+    """Cuts each file into shard_size-row ranges as batches stream by, counting images and buckets."""
+
+    def __init__(self, config: PlanConfig) -> None:
+        self.config = config
+        self.buckets = config.rows.buckets
+        self.shards: list[ShardSpec] = []
+        self.used: set[int] = set()
+        self._file: InputFile | None = None
+        self._start = self._position = self._images = 0
+        self._rows_in_shard = 0
+        self._bucket_ids: set[int] = set()
+
+    def on_batch(self, file: InputFile, first_row: int, first_position: int, batch: pa.RecordBatch) -> None:
+        if self._file is not file:
+            self.finish_file()
+            self._file, self._start, self._position = file, first_row, first_position
+        images = self._images_of(batch)
+        bucket_ids = self._bucket_ids_of(batch)
+        single = pc.unique(bucket_ids).to_pylist() if bucket_ids is not None else [0]
+        size, n, at = self.config.shard_size, batch.num_rows, 0
+        while at < n:
+            row = first_row + at
+            take = min(n - at, (row // size + 1) * size - row)
+            self._images += (
+                (pc.sum(images.slice(at, take)).as_py() or 0)
+                if images is not None
+                else take * self.config.rows.num_images
+            )
+            if len(single) == 1:
+                self._bucket_ids.add(single[0])
+            else:
+                self._bucket_ids.update(pc.unique(bucket_ids.slice(at, take)).to_pylist())
+            self._rows_in_shard += take
+            at += take
+            if (first_row + at) % size == 0:
+                self._emit()
+
+    def finish_file(self) -> None:
+        if self._rows_in_shard:
+            self._emit()
+        self._file = None
+
+    def _emit(self) -> None:
+        assert self._file is not None
+        stop = self._start + self._rows_in_shard
+        names = tuple(b.name for i, b in enumerate(self.buckets) if i in self._bucket_ids)
+        self.shards.append(
+            ShardSpec(
+                index=len(self.shards),
+                file=self._file.uri,
+                row_start=self._start,
+                row_stop=stop,
+                position_start=self._position,
+                buckets_used=names,
+                num_images=self._images,
+            )
+        )
+        self.used |= self._bucket_ids
+        self._position += self._rows_in_shard
+        self._start, self._images, self._rows_in_shard, self._bucket_ids = stop, 0, 0, set()
+
+    def _images_of(self, batch: pa.RecordBatch) -> pa.Array | None:
+        if "num_images" not in batch.schema.names or pa.types.is_null(batch.column("num_images").type):
+            return None
+        return pc.fill_null(batch.column("num_images").cast(pa.int64()), self.config.rows.num_images)
+
+    def _bucket_ids_of(self, batch: pa.RecordBatch) -> pa.Array | None:
+        """Per row, the index of its bucket in the bucket set; None when every row uses the default.
+
+        Each distinct (width, height) of the batch is mapped once by BucketSet.map, the same call
+        row resolution makes, so the planner and the worker cannot disagree.
+        """
+        names = batch.schema.names
+        if "width" not in names or "height" not in names:
+            return None
+        w, h = batch.column("width"), batch.column("height")
+        if pa.types.is_null(w.type) or pa.types.is_null(h.type):
+            return None
+        w, h = w.cast(pa.int64()), h.cast(pa.int64())
+        valid = pc.and_(
+            pc.and_(pc.greater_equal(w, 1), pc.less_equal(w, MAX_SIDE)),
+            pc.and_(pc.greater_equal(h, 1), pc.less_equal(h, MAX_SIDE)),
+        )
+        # Invalid rows are errors already; they fall into the default bucket here.
+        key = pc.if_else(valid, pc.add(pc.multiply(w, MAX_SIDE + 1), h), pa.scalar(None, pa.int64()))
+        distinct = pc.drop_null(pc.unique(key))
+        ids = []
+        for k in distinct.to_pylist():
+            try:
+                ids.append(self.buckets.index(self.buckets.map(k // (MAX_SIDE + 1), k % (MAX_SIDE + 1))))
+            except BucketError:  # strict mode: reported by validation
+                ids.append(0)
+        per_row = pc.take(pa.array(ids, pa.int16()), pc.index_in(key, value_set=distinct))
+        return pc.fill_null(per_row, 0)
+
+
+def plan_job(source: PromptSource, config: PlanConfig) -> JobPlan:
+    """Validate every row and plan the shards. Raises InputError (all problems, up to the cap)."""
+    cutter = _ShardCutter(config)
+    report = scan_input(source, config.rows, config.max_errors, config.read_batch_rows, cutter.on_batch)
+    cutter.finish_file()
+    report.raise_if_errors()
+    rows_per_file: dict[str, int] = {}
+    for s in cutter.shards:
+        rows_per_file[s.file] = rows_per_file.get(s.file, 0) + s.num_rows
+    try:
+        inputs = tuple(
+            InputIdentity(f.uri, f.size, rows_per_file.get(f.uri, 0), footer_sha256(source.filesystem, f.uri))
+            for f in report.files
+        )
+    except InputFileError as e:  # replaced between the pass and now
+        raise file_error(e.uri, e.problem, e.hint) from e
+    buckets = config.rows.buckets
+    return JobPlan(
+        config=config,
+        source=source.uri,
+        inputs=inputs,
+        shards=tuple(cutter.shards),
+        total_rows=report.rows,
+        total_images=sum(s.num_images for s in cutter.shards),
+        buckets_used=tuple(b.name for i, b in enumerate(buckets) if i in cutter.used),
+        empty_files=report.empty_files,
+    )
+
+
+def runtime_versions() -> dict[str, str]:
+    """Versions that can change the images or the output format, for _job.json."""
+    out = {"python": platform.python_version()}
+    for dist in ("ditfleet", "torch", "pyarrow"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = "not installed"
+    return out
+
+
+def job_document(
+    plan: JobPlan,
+    resolved_spec: Mapping[str, Any],
+    versions: Mapping[str, str] | None = None,
+    created_at: str | None = None,
+) -> dict[str, Any]:
+    """The content of {out}/_job.json: the resolved job spec (from jobs/, JSON-safe), the plan's
+    fingerprint and what it was computed over, plan totals, and software versions."""
+    doc: dict[str, Any] = {
+        "version": JOB_DOC_VERSION,
+        "spec": dict(resolved_spec),
+        "fingerprint": plan.fingerprint(),
+        "fingerprint_doc": plan.fingerprint_doc(),
+        "plan": {
+            "source": plan.source,
+            "files": len(plan.inputs),
+            "rows": plan.total_rows,
+            "images": plan.total_images,
+            "shards": len(plan.shards),
+            "shard_size": plan.config.shard_size,
+            "buckets_used": list(plan.buckets_used),
+            "empty_files": list(plan.empty_files),
+        },
+        "versions": dict(versions) if versions is not None else runtime_versions(),
+    }
+    if created_at is not None:
+        doc["created_at"] = created_at
+    return doc
+
+
+def fingerprint_mismatch(existing_job_doc: Mapping[str, Any], plan: JobPlan) -> list[str]:
+    """Why an output's existing _job.json does not belong to `plan`; empty when it does."""
+    if existing_job_doc.get("fingerprint") == plan.fingerprint():
+        return []
+    old = existing_job_doc.get("fingerprint_doc")
+    if not isinstance(old, Mapping):
+        return ["the existing _job.json has no fingerprint_doc (written by another version or tool)"]
+    return plan.diff(old) or [
+        "the fingerprint differs, but no listed setting does (fingerprint format changed)"
+    ]

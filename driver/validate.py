@@ -1,0 +1,322 @@
+"""Validation of every input row, before any GPU is touched.
+
+Checks run column-wise with pyarrow compute on each read batch, so a million rows take seconds.
+Only the first `max_errors` problems are kept (with file, row, column and value); all are counted.
+A column of the wrong type is one schema-level problem for its file, not one per row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from driver.duplicate_ids import DuplicateIds
+from driver.errors import InputError, RowError, describe_value
+from driver.prompts import DEFAULT_BATCH_ROWS, InputFile, PromptSource, iter_batches
+from workers.rows import (
+    CFG_RANGE,
+    KNOWN_COLUMNS,
+    MAX_SEED,
+    MAX_SIDE,
+    NUM_IMAGES_RANGE,
+    STEPS_RANGE,
+    RowConfig,
+)
+
+DEFAULT_MAX_ERRORS = 50
+
+_INTEGER = (frozenset({"integer", "null"}), "integer (int64)")
+# Column -> (accepted kinds, how to say it). "null": a column of nothing but nulls.
+_EXPECTED: dict[str, tuple[frozenset[str], str]] = {
+    "prompt": (frozenset({"string"}), "string"),
+    "id": (frozenset({"string", "integer", "null"}), "string or integer"),
+    "negative_prompt": (frozenset({"string", "null"}), "string"),
+    "true_cfg_scale": (frozenset({"float", "integer", "null"}), "float"),
+    **{c: _INTEGER for c in ("seed", "width", "height", "steps", "num_images")},
+}
+# Inclusive ranges of the numeric columns.
+_RANGES: dict[str, tuple[float, float]] = {
+    "seed": (0, MAX_SEED),
+    "steps": STEPS_RANGE,
+    "true_cfg_scale": CFG_RANGE,
+    "num_images": NUM_IMAGES_RANGE,
+}
+_GIVE_PROMPT = "Give every row a prompt, or drop the row"
+_SHORTEN = "Shorten it, or raise the job's max_prompt_chars"
+_BOTH_SIZES = "Give both width and height, or neither (the row then uses the job's default bucket)"
+
+
+def _kind(t: pa.DataType) -> str:
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
+        return "string"
+    for kind, test in (
+        ("integer", pa.types.is_integer),
+        ("float", pa.types.is_floating),
+        ("null", pa.types.is_null),
+    ):
+        if test(t):
+            return kind
+    return str(t)
+
+
+def _plain(a: pa.Array) -> pa.Array:
+    """Dictionary-encoded and view strings as plain arrays, so every kernel accepts them."""
+    if isinstance(a, pa.DictionaryArray):
+        a = a.dictionary_decode()
+    return a.cast(pa.large_string()) if pa.types.is_string_view(a.type) else a
+
+
+class _At(NamedTuple):
+    """Where a batch is: its file and the file row of its first row."""
+
+    file: str
+    first_row: int
+
+
+@dataclass(frozen=True)
+class ValidationReport:
+    """What validation found: `errors` (up to the cap, in file and row order), `total` problems."""
+
+    errors: tuple[RowError, ...]
+    total: int
+    rows: int
+    files: tuple[InputFile, ...]
+    empty_files: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return self.total == 0
+
+    def raise_if_errors(self) -> None:
+        if self.total:
+            raise InputError(self.errors, self.total)
+
+
+class RowValidator:
+    """Accumulates the problems of every file's schema and batches."""
+
+    def __init__(self, config: RowConfig, max_errors: int = DEFAULT_MAX_ERRORS) -> None:
+        self.config = config
+        self.max_errors = max_errors
+        self.errors: list[RowError] = []
+        self.total = 0
+        self._order: dict[str, int] = {}  # file -> input order, for sorting errors
+
+    def add(self, error: RowError, count: int = 1) -> None:
+        self.total += count
+        if len(self.errors) < self.max_errors:
+            self.errors.append(error)
+
+    def sorted_errors(self) -> tuple[RowError, ...]:
+        return tuple(
+            sorted(self.errors, key=lambda e: (self._order.get(e.file, -1), -1 if e.row is None else e.row))
+        )
+
+    def check_schema(self, file: str, schema: pa.Schema) -> bool:
+        """Column presence and types; False when the file's rows cannot be checked."""
+        self._order.setdefault(file, len(self._order))
+        names = schema.names
+        if "prompt" not in names:
+            shown = ", ".join(names[:20]) + (", ..." if len(names) > 20 else "")
+            problem = f"no 'prompt' column (columns: {shown or 'none'})"
+            self.add(
+                RowError(
+                    file, None, "prompt", None, problem, "Name the column that holds the prompts 'prompt'"
+                )
+            )
+            return False
+        ok = True
+        for column, (kinds, expected) in _EXPECTED.items():
+            if column not in names or _kind(schema.field(column).type) in kinds:
+                continue
+            ok, kind = False, _kind(schema.field(column).type)
+            hint = f"Store '{column}' as {expected} values"
+            if kind == "float" and expected.startswith("integer"):
+                hint += (
+                    "; pandas writes an integer column with missing values as float: use the nullable "
+                    f"dtype, df['{column}'] = df['{column}'].astype('Int64')"
+                )
+            elif kind == "string":
+                hint += ", not as text"
+            problem = f"column has type {schema.field(column).type}, expected {expected}"
+            self.add(RowError(file, None, column, None, problem, hint))
+        for have, missing in (("width", "height"), ("height", "width")):
+            if have in names and missing not in names:
+                ok = False
+                self.add(
+                    RowError(
+                        file,
+                        None,
+                        missing,
+                        None,
+                        f"there is a '{have}' column but no '{missing}' column",
+                        _BOTH_SIZES,
+                    )
+                )
+        return ok
+
+    def _flag(
+        self,
+        at: _At,
+        column: str,
+        mask: pa.Array,
+        values: pa.Array,
+        problem: str | Callable[[Any], str],
+        hint: str,
+        show: Callable[[Any], str] = describe_value,
+    ) -> None:
+        """Record a problem at every row where `mask` is true (null counts as false)."""
+        mask = pc.fill_null(mask, False)
+        count = pc.sum(mask).as_py() or 0
+        if not count:
+            return
+        self.total += count
+        room = self.max_errors - len(self.errors)
+        if room <= 0:
+            return
+        idx = pc.indices_nonzero(mask).slice(0, room)
+        for i, v in zip(idx.to_pylist(), values.take(idx).to_pylist()):
+            text = problem(v) if callable(problem) else problem
+            self.errors.append(RowError(at.file, at.first_row + i, column, show(v), text, hint))
+
+    def check_batch(self, batch: pa.RecordBatch, file: str, first_row: int) -> None:
+        """Check the rows of `batch`, rows first_row.. of `file` (its schema already checked)."""
+        at, names, limit = _At(file, first_row), batch.schema.names, self.config.max_prompt_chars
+        prompt = _plain(batch.column("prompt"))
+        self._flag(at, "prompt", pc.is_null(prompt), prompt, "prompt is null", _GIVE_PROMPT)
+        empty = pc.equal(pc.utf8_length(pc.utf8_trim_whitespace(prompt)), 0)
+        self._flag(at, "prompt", empty, prompt, "prompt is empty", _GIVE_PROMPT)
+        long = pc.greater(pc.utf8_length(prompt), limit)
+        self._flag(at, "prompt", long, prompt, f"prompt is longer than {limit} characters", _SHORTEN)
+        if "negative_prompt" in names and _kind(batch.schema.field("negative_prompt").type) == "string":
+            neg = _plain(batch.column("negative_prompt"))
+            long = pc.greater(pc.utf8_length(neg), limit)
+            self._flag(
+                at,
+                "negative_prompt",
+                long,
+                neg,
+                f"negative prompt is longer than {limit} characters",
+                _SHORTEN,
+            )
+        if "id" in names:
+            ids = batch.column("id")
+            self._flag(at, "id", pc.is_null(ids), ids, "id is null", "Give every row an id, or drop the id column to use row positions")  # fmt: skip
+        for column, (lo, hi) in _RANGES.items():
+            if column in names:
+                self._check_range(at, column, _plain(batch.column(column)), lo, hi)
+        if "width" in names and "height" in names:
+            self._check_sizes(at, _plain(batch.column("width")), _plain(batch.column("height")))
+
+    def _check_range(self, at: _At, column: str, v: pa.Array, lo: float, hi: float) -> None:
+        if pa.types.is_null(v.type):
+            return
+        if pa.types.is_floating(v.type):
+            bad = pc.or_(pc.is_nan(v), pc.is_inf(v))
+            hint = f"Use a number in [{lo}, {hi}], or null for the job default"
+            self._flag(at, column, bad, v, f"{column} is not a finite number", hint)
+            v = pc.if_else(bad, pa.scalar(None, v.type), v)
+        out = pc.or_(pc.less(v, lo), pc.greater(v, hi))
+        self._flag(at, column, out, v, f"{column} is outside [{lo}, {hi}]", f"Use a value in [{lo}, {hi}], or null for the job default")  # fmt: skip
+
+    def _check_sizes(self, at: _At, w: pa.Array, h: pa.Array) -> None:
+        for column, v, other, other_name in (("width", w, h, "height"), ("height", h, w, "width")):
+            one_sided = pc.and_(pc.is_null(v), pc.is_valid(other))
+            problem = lambda o, c=column, n=other_name: f"{c} is null while {n} is {o}"  # noqa: E731
+            self._flag(at, column, one_sided, other, problem, _BOTH_SIZES, show=lambda o: "null")
+            if not pa.types.is_null(v.type):
+                out = pc.or_(pc.less(v, 1), pc.greater(v, MAX_SIDE))
+                self._flag(at, column, out, v, f"{column} is not in [1, {MAX_SIDE}] pixels", "Use a positive size, or null for the default bucket")  # fmt: skip
+        buckets = self.config.buckets
+        if not buckets.strict or pa.types.is_null(w.type) or pa.types.is_null(h.type):
+            return
+        exact = pa.array([False] * len(w))
+        for b in buckets:
+            exact = pc.or_(exact, pc.and_(pc.equal(w, b.width), pc.equal(h, b.height)))
+        off = pc.and_(pc.and_(pc.is_valid(w), pc.is_valid(h)), pc.invert(exact))
+        pairs = pa.StructArray.from_arrays([w, h], ["w", "h"])
+        hint = f"Use one of {buckets.describe()}, or turn strict bucket matching off to map sizes to the nearest aspect ratio"
+        problem = "size is not one of the job's buckets (bucket matching is strict)"
+        self._flag(at, "width/height", off, pairs, problem, hint, show=lambda p: f"{p['w']}x{p['h']}")
+
+
+BatchCallback = Callable[[InputFile, int, int, pa.RecordBatch], None]
+
+
+def scan_input(
+    source: PromptSource,
+    config: RowConfig,
+    max_errors: int = DEFAULT_MAX_ERRORS,
+    batch_rows: int = DEFAULT_BATCH_ROWS,
+    on_batch: BatchCallback | None = None,
+) -> ValidationReport:
+    """Read and validate every row of the input once, in input order.
+
+    on_batch(file, first_row, first_position, batch) sees every batch of each file whose schema
+    is valid (only the KNOWN_COLUMNS it has), so the planner shares this one pass. Raises
+    InputError only when the input path cannot be resolved; all else is in the report.
+    """
+    files = source.files()
+    validator = RowValidator(config, max_errors)
+    schemas: list[pa.Schema | None] = []
+    for file in files:
+        try:
+            with source.open(file) as pf:
+                schemas.append(pf.schema_arrow)
+        except InputError as e:
+            schemas.append(None)
+            for err in e.errors:
+                validator.add(err)
+    # Without any id column, ids are positions, which cannot collide: skip the hashing.
+    duplicates = DuplicateIds() if any(s is not None and "id" in s.names for s in schemas) else None
+
+    position, empty = 0, []
+    for file, schema in zip(files, schemas):
+        if schema is None or not validator.check_schema(file.uri, schema):
+            continue
+        has_ids = "id" in schema.names
+        with source.open(file) as pf:
+            rows = pf.metadata.num_rows
+            if rows == 0:
+                empty.append(file.uri)
+            if duplicates is not None:
+                duplicates.add_file(position, rows, file.uri, has_ids)
+            for first_row, batch in iter_batches(
+                pf, [c for c in KNOWN_COLUMNS if c in schema.names], batch_rows
+            ):
+                validator.check_batch(batch, file.uri, first_row)
+                if duplicates is not None and has_ids:
+                    duplicates.add_ids(_plain(batch.column("id")), position + first_row)
+                elif duplicates is not None:
+                    duplicates.add_positions(position + first_row, batch.num_rows)
+                if on_batch is not None:
+                    on_batch(file, first_row, position + first_row, batch)
+        position += rows
+
+    for error in duplicates.errors(source) if duplicates is not None else []:
+        validator.add(error)
+    if position == 0 and validator.total == 0:
+        where = empty[0] if len(empty) == 1 else source.uri
+        problem = (
+            "the file has no rows" if len(empty) == 1 else f"the input has no rows ({len(empty)} empty files)"
+        )
+        validator.add(
+            RowError(where, None, None, None, problem, "Check that the prompts were written to the file(s)")
+        )
+    return ValidationReport(validator.sorted_errors(), validator.total, position, files, tuple(empty))
+
+
+def validate_input(
+    source: PromptSource, config: RowConfig, max_errors: int = DEFAULT_MAX_ERRORS
+) -> ValidationReport:
+    """Validate every row of the input; the report shows up to `max_errors` problems, counts all."""
+    try:
+        return scan_input(source, config, max_errors)
+    except InputError as e:
+        return ValidationReport(e.errors, e.total, 0, (), ())

@@ -1,0 +1,113 @@
+"""Opening the prompt Parquet files, local or on S3, through one pyarrow FileSystem.
+
+A file is named by its URI everywhere in the plan: an absolute local path, or "s3://bucket/key".
+The driver and the worker both open it through a pyarrow FileSystem they are handed, so the same
+code reads a laptop's file and an object in a bucket, and tests read real local files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from urllib.parse import urlparse
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+S3_SCHEME = "s3://"
+_PARQUET_MAGIC = b"PAR1"
+
+
+class InputFileError(ValueError):
+    """An input file that cannot be opened as Parquet; the message names it and says what to do."""
+
+    def __init__(self, uri: str, problem: str, hint: str) -> None:
+        self.uri, self.problem, self.hint = uri, problem, hint
+        super().__init__(f"{uri}: {problem}. {hint}.")
+
+
+def is_s3(uri: str) -> bool:
+    return str(uri).startswith(S3_SCHEME)
+
+
+def filesystem_for(
+    uri: str, *, endpoint_url: str | None = None, region: str | None = None
+) -> pafs.FileSystem:
+    """The FileSystem that reads `uri`: S3 for "s3://...", else the local one.
+
+    endpoint_url ("http://127.0.0.1:9000") points at an S3-compatible store, as for the output
+    store. Credentials come from the standard AWS chain (environment, profile, instance role).
+    """
+    if not is_s3(uri):
+        return pafs.LocalFileSystem()
+    kwargs: dict[str, object] = {}
+    if endpoint_url:
+        parsed = urlparse(endpoint_url if "://" in endpoint_url else f"https://{endpoint_url}")
+        kwargs["endpoint_override"] = parsed.netloc + parsed.path.rstrip("/")
+        kwargs["scheme"] = parsed.scheme
+        # Without a region pyarrow asks AWS where the bucket lives; a custom endpoint has no AWS.
+        kwargs["region"] = region or "us-east-1"
+    elif region:
+        kwargs["region"] = region
+    return pafs.S3FileSystem(**kwargs)
+
+
+def fs_path(uri: str) -> str:
+    """The path of `uri` inside its FileSystem: "bucket/key" for S3, an absolute path locally."""
+    if is_s3(uri):
+        return uri[len(S3_SCHEME) :]
+    return os.path.abspath(uri)
+
+
+def to_uri(path: str, s3: bool) -> str:
+    """Inverse of fs_path for a path listed by a FileSystem."""
+    return S3_SCHEME + path.lstrip("/") if s3 else path
+
+
+_NOT_PARQUET_HINT = (
+    "Write the prompts as Parquet (e.g. pandas.read_csv('prompts.csv').to_parquet('prompts.parquet')), "
+    "or point the input at the Parquet files only"
+)
+
+
+def open_parquet(filesystem: pafs.FileSystem, uri: str) -> pq.ParquetFile:
+    """Open `uri` for reading its footer and row groups. Call .close() (or use `with`) when done."""
+    try:
+        return pq.ParquetFile(fs_path(uri), filesystem=filesystem)
+    except FileNotFoundError as e:
+        raise InputFileError(
+            uri, "file not found", "Check the input path, and that the file was not moved"
+        ) from e
+    except (pa.ArrowInvalid, OSError) as e:
+        text = str(e)
+        if "magic bytes" in text or "0 bytes" in text or "size is" in text or "footer" in text.lower():
+            raise InputFileError(uri, f"not a Parquet file ({text.strip()})", _NOT_PARQUET_HINT) from e
+        if "not found" in text.lower() or "no such file" in text.lower():
+            raise InputFileError(uri, "file not found", "Check the input path") from e
+        raise InputFileError(
+            uri, f"cannot be read ({text.strip()})", "Check that the file is readable"
+        ) from e
+
+
+def footer_sha256(filesystem: pafs.FileSystem, uri: str) -> str:
+    """sha256 of the file's Parquet footer (schema, row groups, offsets, statistics).
+
+    The footer changes whenever the data is rewritten, so with the file size it identifies the
+    content without reading all of it.
+    """
+    with filesystem.open_input_file(fs_path(uri)) as f:
+        size = f.size()
+        if size < 12:
+            raise InputFileError(uri, f"not a Parquet file (only {size} bytes)", _NOT_PARQUET_HINT)
+        tail = f.read_at(8, size - 8)
+        if tail[4:] != _PARQUET_MAGIC:
+            raise InputFileError(
+                uri, "not a Parquet file (no Parquet magic bytes at the end)", _NOT_PARQUET_HINT
+            )
+        (footer_len,) = struct.unpack("<I", tail[:4])
+        if footer_len > size - 12:
+            raise InputFileError(uri, "not a Parquet file (footer length past the start)", _NOT_PARQUET_HINT)
+        footer = f.read_at(footer_len, size - 8 - footer_len)
+    return hashlib.sha256(footer).hexdigest()

@@ -1,0 +1,297 @@
+"""Prompt rows: how one input row becomes one generation request, for the planner and the worker.
+
+The driver plans shards as row ranges of the input files and never holds the rows; the worker
+re-reads its shard's rows and resolves them here. Both sides call the same `resolve_rows`, so an
+id, seed or bucket cannot differ between what was planned and what is generated.
+
+Row resolution (columns of the prompt Parquet; "null" means absent for that row):
+- id: the `id` column (string, or integer in decimal), else the row's global input position
+  ("0", "1", ... counted over the files in input order).
+- seed: the `seed` column, else derive_seed(job_seed, id): same on any actor, attempt or run.
+- width/height: mapped to one of the job's buckets; none given -> the default bucket.
+- negative_prompt, steps, true_cfg_scale, num_images: the column, else the job default.
+- every other column passes through, converted to JSON-safe values.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import decimal
+import hashlib
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from compile.buckets import QWEN_IMAGE_BUCKETS, BucketSet, ResolutionBucket
+from workers.input_files import InputFileError, open_parquet
+
+# Columns with a meaning; every other column is passed through to the manifest.
+KNOWN_COLUMNS = (
+    "id",
+    "prompt",
+    "negative_prompt",
+    "seed",
+    "width",
+    "height",
+    "steps",
+    "true_cfg_scale",
+    "num_images",
+)
+
+# Accepted ranges, inclusive. The validator and RowConfig both check against these.
+STEPS_RANGE = (1, 200)
+CFG_RANGE = (0.0, 50.0)
+NUM_IMAGES_RANGE = (1, 16)
+MAX_SEED = 2**63 - 1  # seeds are int64 >= 0
+MAX_SIDE = 16384  # pixels; far beyond any bucket, it only guards against nonsense sizes
+
+_PANDAS_INDEX = re.compile(r"__index_level_\d+__")
+_SEED_PERSON = b"ditfleet-seed"  # blake2b personalisation: these hashes are seeds and nothing else
+
+
+def derive_seed(job_seed: int, row_id: str) -> int:
+    """The seed of a row that gives none: a stable 63-bit hash of (job seed, row id).
+
+    blake2b (digest 8 bytes, person b"ditfleet-seed") over the job seed as 8 big-endian bytes
+    followed by the UTF-8 id, read big-endian, top bit cleared -> an int in [0, 2**63). It depends
+    on nothing else (no process hash seed, shard, actor, attempt or row order), so it is the same
+    on every machine and every run.
+    """
+    if not 0 <= job_seed <= MAX_SEED:
+        raise ValueError(f"job seed must be in [0, 2**63), got {job_seed}")
+    h = hashlib.blake2b(
+        job_seed.to_bytes(8, "big") + row_id.encode("utf-8"), digest_size=8, person=_SEED_PERSON
+    )
+    return int.from_bytes(h.digest(), "big") & MAX_SEED
+
+
+@dataclass(frozen=True)
+class RowConfig:
+    """What row resolution needs from the job: the seed, the buckets and the sampling defaults."""
+
+    job_seed: int = 0
+    buckets: BucketSet = field(default_factory=lambda: BucketSet(QWEN_IMAGE_BUCKETS))
+    steps: int = 50
+    true_cfg_scale: float = 4.0
+    # Qwen-Image's default: true CFG needs a negative prompt, and " " is the neutral one.
+    negative_prompt: str | None = " "
+    num_images: int = 1
+    max_prompt_chars: int = 4000
+
+    def __post_init__(self) -> None:
+        def check(name: str, value: object, lo: float, hi: float) -> None:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not ok or not lo <= value <= hi:  # type: ignore[operator]
+                raise ValueError(f"default {name} must be in [{lo}, {hi}], got {value!r}")
+
+        check("job_seed", self.job_seed, 0, MAX_SEED)
+        check("steps", self.steps, *STEPS_RANGE)
+        check("true_cfg_scale", self.true_cfg_scale, *CFG_RANGE)
+        check("num_images", self.num_images, *NUM_IMAGES_RANGE)
+        check("max_prompt_chars", self.max_prompt_chars, 1, 10**7)
+        if not isinstance(self.buckets, BucketSet):
+            raise ValueError(f"buckets must be a BucketSet, got {type(self.buckets).__name__}")
+
+
+@dataclass(frozen=True)
+class PromptRow:
+    """One input row, resolved: everything needed to generate its images and describe them."""
+
+    id: str
+    prompt: str
+    negative_prompt: str | None
+    seed: int
+    width: int  # the bucket's width, pixels: the size actually generated
+    height: int
+    requested_width: int | None  # the row's own size, if it gave one
+    requested_height: int | None
+    bucket: str  # "WxH"
+    steps: int
+    true_cfg_scale: float
+    num_images: int
+    file: str  # input file URI
+    row: int  # 0-based row in that file
+    extra: dict[str, Any] = field(default_factory=dict)  # pass-through columns, JSON-safe
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """A contiguous range of rows [row_start, row_stop) of one input file: the unit of work."""
+
+    index: int
+    file: str  # input file URI (absolute path or s3://bucket/key)
+    row_start: int
+    row_stop: int
+    position_start: int  # global input position of row_start (a row without id uses its position)
+    buckets_used: tuple[str, ...]  # bucket names, in the bucket set's order
+    num_images: int  # images requested by the rows of this shard
+
+    @property
+    def num_rows(self) -> int:
+        return self.row_stop - self.row_start
+
+
+class RowResolutionError(ValueError):
+    """A row the worker cannot resolve (the input changed after planning, or was never validated)."""
+
+
+def to_json_safe(value: Any) -> Any:
+    """A pass-through value as JSON-serialisable Python: timestamps/dates -> ISO 8601 strings,
+    decimals -> strings (exact), bytes -> base64 strings, nested lists/maps converted inside."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value
+    if isinstance(value, (dt.datetime, dt.date, dt.time)):
+        return value.isoformat()
+    if isinstance(value, dt.timedelta):
+        return f"{value.total_seconds()}s"
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return base64.b64encode(bytes(value)).decode("ascii")
+    if isinstance(value, Mapping):
+        return {str(k): to_json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_json_safe(v) for v in value]
+    return str(value)
+
+
+def passthrough_columns(names: list[str]) -> list[str]:
+    """The columns that pass through to the manifest: all but the known ones and pandas' index
+    columns ("__index_level_0__", written when a DataFrame with a non-default index is saved)."""
+    return [n for n in names if n not in KNOWN_COLUMNS and not _PANDAS_INDEX.fullmatch(n)]
+
+
+def _row_id(value: Any, file: str, row: int) -> str:
+    if value is None:
+        raise RowResolutionError(
+            f"{file}: row {row}, column 'id': id is null. Give every row an id, or drop the column"
+        )
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise RowResolutionError(f"{file}: row {row}, column 'id': id {value!r} is not a string or integer")
+    return str(value)
+
+
+def resolve_rows(
+    batch: pa.RecordBatch,
+    config: RowConfig,
+    file: str,
+    first_row: int,
+    first_position: int | None = None,
+) -> list[PromptRow]:
+    """Resolve the rows of `batch` (rows first_row.. of `file`) into PromptRows.
+
+    first_position is the global input position of the batch's first row (default first_row,
+    right for the first or only file); rows without an id use their position as id.
+    """
+    n = batch.num_rows
+    position = first_row if first_position is None else first_position
+    names = batch.schema.names
+
+    def column(name: str) -> list[Any]:
+        return batch.column(name).to_pylist() if name in names else [None] * n
+
+    ids, prompts, negatives, seeds = column("id"), column("prompt"), column("negative_prompt"), column("seed")
+    widths, heights, steps = column("width"), column("height"), column("steps")
+    cfgs, counts = column("true_cfg_scale"), column("num_images")
+    extras = {name: batch.column(name).to_pylist() for name in passthrough_columns(names)}
+    has_ids = "id" in names
+    mapped: dict[tuple[int, int], ResolutionBucket] = {}
+    out: list[PromptRow] = []
+    for i in range(n):
+        row = first_row + i
+        prompt = prompts[i]
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise RowResolutionError(
+                f"{file}: row {row}, column 'prompt': no prompt ({prompt!r}). Run the input through validation"
+            )
+        row_id = _row_id(ids[i], file, row) if has_ids else str(position + i)
+        w, h = widths[i], heights[i]
+        if (w is None) != (h is None):
+            raise RowResolutionError(
+                f"{file}: row {row}, columns 'width'/'height': only one of them given ({w}, {h})"
+            )
+        if w is None:
+            bucket = config.buckets.default()
+        else:
+            if (w, h) not in mapped:
+                mapped[w, h] = config.buckets.map(w, h)
+            bucket = mapped[w, h]
+        out.append(
+            PromptRow(
+                id=row_id,
+                prompt=prompt,
+                negative_prompt=config.negative_prompt if negatives[i] is None else negatives[i],
+                seed=derive_seed(config.job_seed, row_id) if seeds[i] is None else int(seeds[i]),
+                width=bucket.width,
+                height=bucket.height,
+                requested_width=w,
+                requested_height=h,
+                bucket=bucket.name,
+                steps=config.steps if steps[i] is None else int(steps[i]),
+                true_cfg_scale=config.true_cfg_scale if cfgs[i] is None else float(cfgs[i]),
+                num_images=config.num_images if counts[i] is None else int(counts[i]),
+                file=file,
+                row=row,
+                extra={name: to_json_safe(values[i]) for name, values in extras.items()},
+            )
+        )
+    return out
+
+
+def read_shard_rows(
+    shard: ShardSpec, filesystem: pafs.FileSystem, config: RowConfig, batch_rows: int = 4096
+) -> list[PromptRow]:
+    """Read and resolve the rows of one shard: only the row groups that overlap it are read.
+
+    Raises InputFileError if the file no longer holds the planned rows or images (it changed
+    after planning).
+    """
+    with open_parquet(filesystem, shard.file) as pf:
+        meta = pf.metadata
+        if meta.num_rows < shard.row_stop:
+            raise InputFileError(
+                shard.file,
+                f"has {meta.num_rows} rows, but shard {shard.index} was planned for rows "
+                f"{shard.row_start}..{shard.row_stop - 1}",
+                "The input changed after the job was planned; start a new job (new output) for the new input",
+            )
+        groups, first_group_row, start = [], None, 0
+        for g in range(meta.num_row_groups):
+            size = meta.row_group(g).num_rows
+            if start < shard.row_stop and start + size > shard.row_start:
+                groups.append(g)
+                first_group_row = start if first_group_row is None else first_group_row
+            start += size
+        rows: list[PromptRow] = []
+        at = first_group_row or 0
+        for batch in pf.iter_batches(batch_size=batch_rows, row_groups=groups):
+            lo, hi = max(shard.row_start - at, 0), min(shard.row_stop - at, batch.num_rows)
+            if hi > lo:
+                first = at + lo
+                rows += resolve_rows(
+                    batch.slice(lo, hi - lo),
+                    config,
+                    shard.file,
+                    first,
+                    shard.position_start + first - shard.row_start,
+                )
+            at += batch.num_rows
+            if at >= shard.row_stop:
+                break
+    images = sum(r.num_images for r in rows)
+    if len(rows) != shard.num_rows or images != shard.num_images:
+        raise InputFileError(
+            shard.file,
+            f"rows {shard.row_start}..{shard.row_stop - 1} now ask for {images} images in {len(rows)} rows; "
+            f"shard {shard.index} was planned for {shard.num_images} images in {shard.num_rows} rows",
+            "The input changed after the job was planned; start a new job (new output) for the new input",
+        )
+    return rows
