@@ -1,0 +1,141 @@
+"""A stand-in for the generation worker, for testing dispatch: same methods, no model.
+
+`SleepingWorker` is run by Ray as a real actor. Its `run_shard` sleeps a fixed time, writes one
+small object per requested image and commits a real manifest through the storage layer
+(create-only, first writer wins), so resume and first-commit-wins work exactly as with the real
+worker. What it does per shard and attempt (fail, hang, get slow) is set in its config.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+
+from workers.layout import image_key, manifest_key
+from workers.manifest import ManifestRow, ManifestWriter
+from workers.stores import open_store
+
+
+@dataclass(frozen=True)
+class SleepingWorkerConfig:
+    output_uri: str
+    shard_s: float = 0.05  # sleep per shard
+    fail: dict[int, int] = field(default_factory=dict)  # shard -> attempts that raise (-1: all)
+    hang: dict[int, float] = field(default_factory=dict)  # shard -> sleep on attempt 0 instead
+    pid_dir: str | None = None  # attempt 0 of a `hang` shard writes "{pid_dir}/{shard}.pid"
+    slow_first_actor_s: float | None = None  # the first actor to start sleeps this per shard
+    marker_dir: str | None = None  # where actors claim "first" and log their runs
+    startup_s: float = 0.0
+
+
+@dataclass
+class SleepingShardResult:
+    """Mirrors workers.actor.ShardResult."""
+
+    shard: int
+    attempt: int
+    status: str
+    rows_ok: int
+    rows_failed: int
+    images_ok: int
+    images_failed: int
+    errors: dict[str, int]
+    generate_s: float
+    encode_s: float
+    upload_s: float
+    wall_s: float
+    worker_id: str
+    recompiles: int = 0
+
+
+class SleepingWorker:
+    def __init__(self, config: SleepingWorkerConfig) -> None:
+        self.config = config
+        self.store = open_store(config.output_uri)
+        self.worker_id = f"sleeper-{os.getpid()}"
+        self.shard_s = config.shard_s
+        if config.slow_first_actor_s is not None and config.marker_dir:
+            try:
+                os.close(os.open(os.path.join(config.marker_dir, "first"), os.O_CREAT | os.O_EXCL))
+                self.shard_s = config.slow_first_actor_s
+                self.worker_id += "-slow"
+            except FileExistsError:
+                pass
+        time.sleep(config.startup_s)
+
+    def startup_report(self) -> dict:
+        return {
+            "worker_id": self.worker_id,
+            "load_s": 0.0,
+            "warmup_s": {},
+            "device": "cpu",
+            "pid": os.getpid(),
+        }
+
+    def ping(self) -> str:
+        return self.worker_id
+
+    def _log_run(self, shard: int, attempt: int) -> None:
+        if self.config.marker_dir:
+            with open(os.path.join(self.config.marker_dir, "runs.jsonl"), "a") as f:
+                f.write(json.dumps({"shard": shard, "attempt": attempt, "worker": self.worker_id}) + "\n")
+
+    def run_shard(self, shard, attempt: int) -> SleepingShardResult:
+        t0 = time.monotonic()
+        self._log_run(shard.index, attempt)
+        if self.store.exists(manifest_key(shard.index)):
+            return self._result(shard, attempt, "already_committed", t0)
+        fails = self.config.fail.get(shard.index, 0)
+        if fails == -1 or attempt < fails:
+            time.sleep(self.shard_s / 2)
+            raise RuntimeError(f"injected failure of shard {shard.index} attempt {attempt}")
+        if attempt == 0 and shard.index in self.config.hang:
+            if self.config.pid_dir:
+                path = os.path.join(self.config.pid_dir, f"{shard.index}.pid")
+                with open(path + ".tmp", "w") as f:
+                    f.write(str(os.getpid()))
+                os.replace(path + ".tmp", path)
+            time.sleep(self.config.hang[shard.index])
+        else:
+            time.sleep(self.shard_s)
+        writer = ManifestWriter(shard.index, expected_rows=shard.num_images)
+        for i in range(shard.num_rows):
+            row_id = str(shard.position_start + i)
+            data = f"image {row_id}".encode()
+            key = image_key(shard.index, row_id, None, "png")
+            self.store.put(key, data)
+            writer.add(
+                ManifestRow(
+                    id=row_id,
+                    k=0,
+                    prompt=f"prompt {row_id}",
+                    seed=int(row_id),
+                    width=64,
+                    height=64,
+                    bucket="64x64",
+                    steps=2,
+                    true_cfg_scale=1.0,
+                    model_id="sleeper",
+                    status="ok",
+                    uri=self.store.uri(key),
+                    sha256=hashlib.sha256(data).hexdigest(),
+                    bytes=len(data),
+                    format="png",
+                    worker=self.worker_id,
+                    attempt=attempt,
+                    shard=shard.index,
+                )  # fmt: skip
+            )
+        won = writer.commit(self.store)
+        return self._result(shard, attempt, "committed" if won else "already_committed", t0)
+
+    def _result(self, shard, attempt: int, status: str, t0: float) -> SleepingShardResult:
+        n = shard.num_images if status == "committed" else 0
+        return SleepingShardResult(
+            shard=shard.index, attempt=attempt, status=status, rows_ok=n, rows_failed=0, images_ok=n,
+            images_failed=0, errors={}, generate_s=self.shard_s, encode_s=0.0, upload_s=0.0,
+            wall_s=time.monotonic() - t0, worker_id=self.worker_id,
+        )  # fmt: skip
