@@ -26,7 +26,7 @@ import pyarrow.compute as pc
 from compile.buckets import BucketError
 from driver.errors import file_error
 from driver.prompts import DEFAULT_BATCH_ROWS, InputFile, PromptSource
-from driver.validate import DEFAULT_MAX_ERRORS, scan_input
+from driver.validate import DEFAULT_MAX_ERRORS, plain, scan_input, valid_sizes
 from workers.input_files import InputFileError, footer_sha256
 from workers.rows import MAX_SIDE, RowConfig, ShardSpec
 
@@ -226,7 +226,10 @@ class _ShardCutter:
     def _images_of(self, batch: pa.RecordBatch) -> pa.Array | None:
         if "num_images" not in batch.schema.names or pa.types.is_null(batch.column("num_images").type):
             return None
-        return pc.fill_null(batch.column("num_images").cast(pa.int64()), self.config.rows.num_images)
+        # Out-of-range counts are validation errors (and then no plan); safe=False only avoids
+        # an overflow exception for them here.
+        counts = batch.column("num_images").cast(pa.int64(), safe=False)
+        return pc.fill_null(counts, self.config.rows.num_images)
 
     def _bucket_ids_of(self, batch: pa.RecordBatch) -> pa.Array | None:
         """Per row, the index of its bucket in the bucket set; None when every row uses the default.
@@ -240,13 +243,9 @@ class _ShardCutter:
         w, h = batch.column("width"), batch.column("height")
         if pa.types.is_null(w.type) or pa.types.is_null(h.type):
             return None
-        w, h = w.cast(pa.int64()), h.cast(pa.int64())
-        valid = pc.and_(
-            pc.and_(pc.greater_equal(w, 1), pc.less_equal(w, MAX_SIDE)),
-            pc.and_(pc.greater_equal(h, 1), pc.less_equal(h, MAX_SIDE)),
-        )
-        # Invalid rows are errors already; they fall into the default bucket here.
-        key = pc.if_else(valid, pc.add(pc.multiply(w, MAX_SIDE + 1), h), pa.scalar(None, pa.int64()))
+        # Rows with invalid sizes are validation errors already; here they get the default bucket.
+        _, w, h = valid_sizes(plain(w), plain(h))
+        key = pc.add(pc.multiply(w, MAX_SIDE + 1), h)
         distinct = pc.drop_null(pc.unique(key))
         ids = []
         for k in distinct.to_pylist():

@@ -7,6 +7,7 @@ A column of the wrong type is one schema-level problem for its file, not one per
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -65,11 +66,31 @@ def _kind(t: pa.DataType) -> str:
     return str(t)
 
 
-def _plain(a: pa.Array) -> pa.Array:
+def plain(a: pa.Array) -> pa.Array:
     """Dictionary-encoded and view strings as plain arrays, so every kernel accepts them."""
     if isinstance(a, pa.DictionaryArray):
         a = a.dictionary_decode()
     return a.cast(pa.large_string()) if pa.types.is_string_view(a.type) else a
+
+
+def outside(v: pa.Array, lo: float, hi: float) -> pa.Array:
+    """v < lo or v > hi, null where v is null. Bounds are clipped to an integer column's own
+    type, so a uint64 or int8 column is compared without a failing cast."""
+    if pa.types.is_integer(v.type):
+        bits = v.type.bit_width
+        signed = pa.types.is_signed_integer(v.type)
+        low, high = (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if signed else (0, (1 << bits) - 1)
+        lo_v, hi_v = pa.scalar(max(math.ceil(lo), low), v.type), pa.scalar(min(math.floor(hi), high), v.type)
+        return pc.or_(pc.less(v, lo_v), pc.greater(v, hi_v))
+    return pc.or_(pc.less(v, lo), pc.greater(v, hi))
+
+
+def valid_sizes(w: pa.Array, h: pa.Array) -> tuple[pa.Array, pa.Array, pa.Array]:
+    """(valid, width, height): valid is true where both sides are in [1, MAX_SIDE]; the sizes
+    come back as int64 with every other row null."""
+    valid = pc.fill_null(pc.invert(pc.or_(outside(w, 1, MAX_SIDE), outside(h, 1, MAX_SIDE))), False)
+    as64 = [pc.if_else(valid, v, pa.scalar(None, v.type)).cast(pa.int64()) for v in (w, h)]
+    return valid, as64[0], as64[1]
 
 
 class _At(NamedTuple):
@@ -188,14 +209,14 @@ class RowValidator:
     def check_batch(self, batch: pa.RecordBatch, file: str, first_row: int) -> None:
         """Check the rows of `batch`, rows first_row.. of `file` (its schema already checked)."""
         at, names, limit = _At(file, first_row), batch.schema.names, self.config.max_prompt_chars
-        prompt = _plain(batch.column("prompt"))
+        prompt = plain(batch.column("prompt"))
         self._flag(at, "prompt", pc.is_null(prompt), prompt, "prompt is null", _GIVE_PROMPT)
         empty = pc.equal(pc.utf8_length(pc.utf8_trim_whitespace(prompt)), 0)
         self._flag(at, "prompt", empty, prompt, "prompt is empty", _GIVE_PROMPT)
         long = pc.greater(pc.utf8_length(prompt), limit)
         self._flag(at, "prompt", long, prompt, f"prompt is longer than {limit} characters", _SHORTEN)
         if "negative_prompt" in names and _kind(batch.schema.field("negative_prompt").type) == "string":
-            neg = _plain(batch.column("negative_prompt"))
+            neg = plain(batch.column("negative_prompt"))
             long = pc.greater(pc.utf8_length(neg), limit)
             self._flag(
                 at,
@@ -210,9 +231,9 @@ class RowValidator:
             self._flag(at, "id", pc.is_null(ids), ids, "id is null", "Give every row an id, or drop the id column to use row positions")  # fmt: skip
         for column, (lo, hi) in _RANGES.items():
             if column in names:
-                self._check_range(at, column, _plain(batch.column(column)), lo, hi)
+                self._check_range(at, column, plain(batch.column(column)), lo, hi)
         if "width" in names and "height" in names:
-            self._check_sizes(at, _plain(batch.column("width")), _plain(batch.column("height")))
+            self._check_sizes(at, plain(batch.column("width")), plain(batch.column("height")))
 
     def _check_range(self, at: _At, column: str, v: pa.Array, lo: float, hi: float) -> None:
         if pa.types.is_null(v.type):
@@ -222,8 +243,7 @@ class RowValidator:
             hint = f"Use a number in [{lo}, {hi}], or null for the job default"
             self._flag(at, column, bad, v, f"{column} is not a finite number", hint)
             v = pc.if_else(bad, pa.scalar(None, v.type), v)
-        out = pc.or_(pc.less(v, lo), pc.greater(v, hi))
-        self._flag(at, column, out, v, f"{column} is outside [{lo}, {hi}]", f"Use a value in [{lo}, {hi}], or null for the job default")  # fmt: skip
+        self._flag(at, column, outside(v, lo, hi), v, f"{column} is outside [{lo}, {hi}]", f"Use a value in [{lo}, {hi}], or null for the job default")  # fmt: skip
 
     def _check_sizes(self, at: _At, w: pa.Array, h: pa.Array) -> None:
         for column, v, other, other_name in (("width", w, h, "height"), ("height", h, w, "width")):
@@ -231,15 +251,15 @@ class RowValidator:
             problem = lambda o, c=column, n=other_name: f"{c} is null while {n} is {o}"  # noqa: E731
             self._flag(at, column, one_sided, other, problem, _BOTH_SIZES, show=lambda o: "null")
             if not pa.types.is_null(v.type):
-                out = pc.or_(pc.less(v, 1), pc.greater(v, MAX_SIDE))
-                self._flag(at, column, out, v, f"{column} is not in [1, {MAX_SIDE}] pixels", "Use a positive size, or null for the default bucket")  # fmt: skip
+                self._flag(at, column, outside(v, 1, MAX_SIDE), v, f"{column} is not in [1, {MAX_SIDE}] pixels", "Use a positive size, or null for the default bucket")  # fmt: skip
         buckets = self.config.buckets
         if not buckets.strict or pa.types.is_null(w.type) or pa.types.is_null(h.type):
             return
+        valid, w64, h64 = valid_sizes(w, h)  # invalid sizes are reported above, not again here
         exact = pa.array([False] * len(w))
         for b in buckets:
-            exact = pc.or_(exact, pc.and_(pc.equal(w, b.width), pc.equal(h, b.height)))
-        off = pc.and_(pc.and_(pc.is_valid(w), pc.is_valid(h)), pc.invert(exact))
+            exact = pc.or_(exact, pc.and_(pc.equal(w64, b.width), pc.equal(h64, b.height)))
+        off = pc.and_(valid, pc.invert(pc.fill_null(exact, False)))
         pairs = pa.StructArray.from_arrays([w, h], ["w", "h"])
         hint = f"Use one of {buckets.describe()}, or turn strict bucket matching off to map sizes to the nearest aspect ratio"
         problem = "size is not one of the job's buckets (bucket matching is strict)"
@@ -292,7 +312,7 @@ def scan_input(
             ):
                 validator.check_batch(batch, file.uri, first_row)
                 if duplicates is not None and has_ids:
-                    duplicates.add_ids(_plain(batch.column("id")), position + first_row)
+                    duplicates.add_ids(plain(batch.column("id")), position + first_row)
                 elif duplicates is not None:
                     duplicates.add_positions(position + first_row, batch.num_rows)
                 if on_batch is not None:

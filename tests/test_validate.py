@@ -94,6 +94,7 @@ CASES = [
     Case("width without height", _single({"prompt": ok_prompts(2), "width": [128, 160], "height": [128, None]}), "p.parquet", 1, "height", "height is null while width is 160", "both width and height"),
     Case("width column without height column", _single({"prompt": ok_prompts(2), "width": [128, 160]}), "p.parquet", None, "height", "'width' column but no 'height' column", "both width and height"),
     Case("zero width", _single({"prompt": ok_prompts(2), "width": [0, 128], "height": [128, 128]}), "p.parquet", 0, "width", "width is not in [1, 16384]", "positive size"),
+    Case("huge unsigned width", _single({"prompt": ok_prompts(1), "width": pa.array([2**64 - 1], pa.uint64()), "height": [128]}), "p.parquet", 0, "width", "width is not in [1, 16384]", "positive size"),
     Case("negative steps", _single({"prompt": ok_prompts(3), "steps": [20, 30, -4]}), "p.parquet", 2, "steps", "steps is outside [1, 200] (value: -4)", "Use a value in [1, 200]"),
     Case("steps as float (pandas)", _single({"prompt": ok_prompts(2), "steps": [20.0, math.nan]}), "p.parquet", None, "steps", "type double, expected integer", "astype('Int64')"),
     Case("NaN cfg", _single({"prompt": ok_prompts(2), "true_cfg_scale": [4.0, math.nan]}), "p.parquet", 1, "true_cfg_scale", "not a finite number", "Use a number in [0.0, 50.0]"),
@@ -193,7 +194,9 @@ def test_valid_input_passes_with_optional_columns_and_nulls(tmp_path: Path):
 
 def test_dictionary_encoded_and_large_string_prompts_are_accepted(tmp_path: Path):
     prompts = pa.array(["a", "b", "a", "  "]).dictionary_encode()
-    write(tmp_path / "p.parquet", {"prompt": prompts, "id": pa.array(["1", "2", "3", "4"], pa.large_string())})
+    write(
+        tmp_path / "p.parquet", {"prompt": prompts, "id": pa.array(["1", "2", "3", "4"], pa.large_string())}
+    )
     report = validate_input(PromptSource(str(tmp_path / "p.parquet")), CONFIG)
     assert report.total == 1 and report.errors[0].row == 3 and report.errors[0].message == "prompt is empty"
 
