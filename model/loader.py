@@ -83,7 +83,7 @@ def load_text_encoder(root: Path, device, dtype) -> TextEncoder | None:
     if cls == "TinyTextEncoder":
         from .tiny.text_encoder import TinyTextEncoder
 
-        return TinyTextEncoder.load(te_dir, root / "tokenizer", device=device, dtype=dtype)
+        return TinyTextEncoder.load(root, device=device, dtype=dtype)
     if cls.startswith("Qwen2_5_VL"):
         return QwenVLTextEncoder.from_dirs(te_dir, root / "tokenizer", device, dtype)
     raise WeightsError(f"{te_dir}/config.json: unknown text encoder class {cls!r}")

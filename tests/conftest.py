@@ -17,6 +17,6 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def random_model_dir(tmp_path_factory):
     """A tiny random-weight Qwen-Image model in the diffusers layout, written by diffusers."""
-    from tests.model_fixtures import make_diffusers_model_dir
+    from tests.model_fixtures import add_tiny_text_encoder, make_diffusers_model_dir
 
-    return make_diffusers_model_dir(tmp_path_factory.mktemp("random-model"))
+    return add_tiny_text_encoder(make_diffusers_model_dir(tmp_path_factory.mktemp("random-model")))

@@ -55,6 +55,20 @@ def make_diffusers_model_dir(root: Path, seed: int = 0, transformer_overrides: d
     return root
 
 
+def add_tiny_text_encoder(root: Path, seed: int = 0) -> Path:
+    """Give a model folder a small random word-level text encoder (hidden size = joint_attention_dim)."""
+    from model.tiny.text_encoder import TextEncoderConfig, TinyTextEncoder, WordTokenizer
+
+    words = "a the small large red green blue yellow white black circle square triangle at top bottom left right centre on background".split()
+    tokenizer = WordTokenizer.from_words(words)
+    torch.manual_seed(seed)
+    config = TextEncoderConfig(
+        vocab_size=len(tokenizer), hidden_size=TINY_TRANSFORMER["joint_attention_dim"], num_heads=2
+    )
+    TinyTextEncoder(config, tokenizer).save(root)
+    return root
+
+
 def diffusers_pipeline(root: Path):
     """The reference QwenImagePipeline over the same weights, without a text encoder."""
     from diffusers import (
