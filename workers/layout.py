@@ -1,0 +1,144 @@
+"""The output layout, defined once: every object key a job writes is built here.
+
+```
+{out}/_job.json                                     job_key()
+{out}/_SUCCESS                                      success_key()
+{out}/images/{shard:05d}/{id}[_{k}].{ext}           image_key(shard, id, k, ext)
+{out}/data/shard-{shard:05d}.parquet                data_key(shard)
+{out}/manifests/shard-{shard:05d}.parquet           manifest_key(shard)
+```
+
+Keys are relative to the output root and always use "/" as separator; stores join them to
+their root. Ids from the input go through `safe_key_component`, so no input can address an
+object outside the output root.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+IMAGES_PREFIX = "images/"
+DATA_PREFIX = "data/"
+MANIFESTS_PREFIX = "manifests/"
+TMP_PREFIX = "_tmp/"
+JOB_KEY = "_job.json"
+SUCCESS_KEY = "_SUCCESS"
+
+# File extension per image format (the codec's format names); "jpeg" is stored as ".jpg".
+IMAGE_EXTENSIONS = {"png": "png", "webp": "webp", "jpeg": "jpg"}
+
+# A component plus "_{k}.{ext}" must fit a file name (255 bytes on common filesystems) and
+# leave room in S3's 1024-byte key for the output prefix.
+MAX_COMPONENT_BYTES = 200
+_HASH_HEX = 32  # 128 bits of sha256: collisions among shortened ids are not a practical concern
+
+_SHARD_FILE = re.compile(r"^shard-(\d{5,})\.parquet$")
+# Kept as is: ASCII letters, digits, "-" and "." (a leading "." is escaped so that no component
+# is "." or "..", or a hidden file). Everything else, "_" (the k separator) and "~" (the escape
+# character) included, becomes "~XX" per UTF-8 byte.
+_SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-.")
+
+
+def safe_key_component(id_: str | int) -> str:
+    """Turn an input id into one safe object-key component (deterministic, injective).
+
+    Escaping, not dropping, keeps distinct ids distinct: "a/b" -> "a~2Fb", "a_b" -> "a~5Fb",
+    "../x" -> "~2E.~2Fx", "café" -> "caf~C3~A9". The escape character is "~" rather than "%"
+    because "%XX" in a key is decoded by any tool that pastes the key into a URL. An id whose
+    escaped form exceeds MAX_COMPONENT_BYTES is cut at an escape boundary and suffixed with
+    "~~" + 32 hex digits of sha256(id); "~~" never occurs in an unshortened form, so a shortened
+    key cannot equal an unshortened one. The empty id maps to "~" (no other id does).
+
+    Integer ids are formatted in decimal, so the ids 7 and "7" share a key: a job's id column
+    has one type, so this cannot happen within a job.
+    """
+    if isinstance(id_, bool) or not isinstance(id_, (str, int)):
+        raise TypeError(f"an id must be a str or int, got {type(id_).__name__}: {id_!r}")
+    text = str(id_)
+    if text == "":
+        return "~"
+    parts: list[str] = []
+    for i, ch in enumerate(text):
+        if ch in _SAFE and not (i == 0 and ch == "."):
+            parts.append(ch)
+        else:
+            parts.extend(f"~{b:02X}" for b in ch.encode("utf-8", errors="surrogatepass"))
+    escaped = "".join(parts)
+    if len(escaped) <= MAX_COMPONENT_BYTES:
+        return escaped
+    digest = hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest()[:_HASH_HEX]
+    budget = MAX_COMPONENT_BYTES - 2 - _HASH_HEX
+    head = escaped[:budget]
+    # Do not cut a "~XX" escape in two: drop a trailing partial escape.
+    tilde = head.rfind("~", max(0, budget - 2))
+    if tilde != -1:
+        head = head[:tilde]
+    return f"{head}~~{digest}"
+
+
+def _shard(shard: int) -> str:
+    if isinstance(shard, bool) or not isinstance(shard, int) or shard < 0:
+        raise ValueError(f"a shard index must be an int >= 0, got {shard!r}")
+    return f"{shard:05d}"
+
+
+def image_key(shard: int, id_: str | int, k: int | None, ext: str) -> str:
+    """Key of one image in the "files" format: images/{shard:05d}/{id}[_{k}].{ext}.
+
+    k is the image's index within its row; pass k=None when the row asks for one image (the
+    common case) so that the key is just the id, see `image_index_in_key`.
+    """
+    if ext not in IMAGE_EXTENSIONS.values():
+        raise ValueError(f"image extension {ext!r} is not one of {sorted(IMAGE_EXTENSIONS.values())}")
+    suffix = ""
+    if k is not None:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"image index k must be an int >= 0 or None, got {k!r}")
+        suffix = f"_{k}"
+    return f"{IMAGES_PREFIX}{_shard(shard)}/{safe_key_component(id_)}{suffix}.{ext}"
+
+
+def image_index_in_key(k: int, num_images: int) -> int | None:
+    """The k that goes into `image_key`: None for a row's only image, else k itself.
+
+    Collision-free because `safe_key_component` escapes "_": "{id}_{k}" of one row can never
+    equal the escaped id of another.
+    """
+    return None if num_images == 1 else k
+
+
+def image_file_name(id_: str | int, k: int | None, ext: str) -> str:
+    """The last component of `image_key` (used as the `path` of an embedded image)."""
+    return image_key(0, id_, k, ext).rsplit("/", 1)[1]
+
+
+def data_key(shard: int) -> str:
+    """Key of a shard's data file in the "parquet" format."""
+    return f"{DATA_PREFIX}shard-{_shard(shard)}.parquet"
+
+
+def manifest_key(shard: int) -> str:
+    """Key of a shard's manifest; its existence is the shard's commit."""
+    return f"{MANIFESTS_PREFIX}shard-{_shard(shard)}.parquet"
+
+
+def shard_of_manifest_key(key: str) -> int | None:
+    """The shard index of a key under MANIFESTS_PREFIX, or None for any other key."""
+    if not key.startswith(MANIFESTS_PREFIX):
+        return None
+    match = _SHARD_FILE.match(key[len(MANIFESTS_PREFIX) :])
+    return int(match.group(1)) if match else None
+
+
+def job_key() -> str:
+    return JOB_KEY
+
+
+def success_key() -> str:
+    return SUCCESS_KEY
+
+
+def write_check_key(token: str) -> str:
+    """Key of the probe object `check_writable` writes and deletes again."""
+    return f"{TMP_PREFIX}write-check-{safe_key_component(token)}"

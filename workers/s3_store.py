@@ -1,0 +1,381 @@
+"""S3 (and S3-compatible) object store through boto3.
+
+- Whole objects only: one PUT below `multipart_threshold`; above it a multipart upload that is
+  aborted on any error, ours or the caller's (KeyboardInterrupt included), so no partial object
+  is ever visible. A process killed outright cannot abort: a bucket lifecycle rule
+  `AbortIncompleteMultipartUpload` cleans those parts up.
+- Transient failures (5xx, SlowDown, connection resets, timeouts) are retried by botocore's
+  "standard" retry mode with `S3Config.max_attempts` attempts per request.
+- Every upload carries Content-MD5, so the server rejects a body damaged on the way.
+- Credentials come from boto3's default chain and are never read, logged or stored here.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import hashlib
+import io
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, BinaryIO, TypeVar
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    EndpointConnectionError,
+    NoCredentialsError,
+    PartialCredentialsError,
+)
+
+from workers.layout import write_check_key
+from workers.stores import ObjectNotFound, ObjectStore, S3Config, StoreError, check_key
+
+log = logging.getLogger(__name__)
+
+# Codes a store answers when it does not implement conditional writes (If-None-Match on PUT).
+_NO_CONDITIONAL_WRITE = {"NotImplemented", "501"}
+_CONFLICT_RETRIES = 5  # 409 ConditionalRequestConflict: a concurrent conditional write is running
+
+
+def make_s3_client(config: S3Config) -> Any:
+    """A thread-safe boto3 S3 client for `config` (credentials from boto3's default chain)."""
+    session = boto3.session.Session()
+    botocore_config = Config(
+        retries={"mode": "standard", "total_max_attempts": config.max_attempts},
+        connect_timeout=config.connect_timeout_s,
+        read_timeout=config.read_timeout_s,
+        max_pool_connections=config.max_pool_connections,
+        request_checksum_calculation=config.request_checksum_calculation,
+        response_checksum_validation=config.response_checksum_validation,
+        s3={"addressing_style": config.addressing_style},
+        tcp_keepalive=True,
+    )
+    return session.client(
+        "s3", endpoint_url=config.endpoint_url, region_name=config.region, config=botocore_config
+    )
+
+
+def _md5_b64(data: bytes | memoryview) -> str:
+    return base64.b64encode(hashlib.md5(data, usedforsecurity=False).digest()).decode("ascii")
+
+
+def _error_code(e: ClientError) -> str:
+    return str(e.response.get("Error", {}).get("Code", ""))
+
+
+def _status(e: ClientError) -> int:
+    return int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _names_the_object(op: str) -> Callable[[_F], _F]:
+    """Re-raise boto errors (already retried) as StoreError naming the object and the attempts:
+    botocore's own messages name neither."""
+
+    def wrap(method: _F) -> _F:
+        @functools.wraps(method)
+        def named(self: S3Store, key: str = "", *args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(self, key, *args, **kwargs)
+            except (ClientError, BotoCoreError) as e:
+                raise StoreError(
+                    f"S3 {op} of {self.uri(key) if key else self.uri()} at {self._endpoint()} failed "
+                    f"(up to {self.config.max_attempts} attempts): {e}"
+                ) from e
+
+        return named  # type: ignore[return-value]
+
+    return wrap
+
+
+class S3Store(ObjectStore):
+    """Objects under s3://{bucket}/{prefix}. `client` may be injected (one per process is
+    plenty: boto3 clients are thread-safe); by default one is made from `config`."""
+
+    def __init__(self, bucket: str, prefix: str, config: S3Config, client: Any = None) -> None:
+        if not bucket or "/" in bucket:
+            raise ValueError(f"invalid bucket name {bucket!r}")
+        prefix = prefix.strip("/")
+        if prefix:
+            check_key(prefix)
+        self.bucket = bucket
+        self.prefix = f"{prefix}/" if prefix else ""
+        self.config = config
+        self.client = client if client is not None else make_s3_client(config)
+        self._conditional_writes: bool | None = None  # None = not yet known for this store
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"S3Store({self.uri()!r}, endpoint={self._endpoint()!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Ship the location and settings, not the client: the receiving process (a Ray actor)
+        # makes its own from its own credential chain.
+        return (S3Store, (self.bucket, self.prefix, self.config))
+
+    def _endpoint(self) -> str:
+        return self.config.endpoint_url or str(self.client.meta.endpoint_url)
+
+    def _key(self, key: str) -> str:
+        return self.prefix + check_key(key)
+
+    def uri(self, key: str = "") -> str:
+        full = self._key(key) if key else self.prefix.rstrip("/")
+        return f"s3://{self.bucket}/{full}" if full else f"s3://{self.bucket}"
+
+    # -- whole-object writes -------------------------------------------------------------
+
+    @_names_the_object("PUT")
+    def put(self, key: str, data: bytes, content_type: str | None = None) -> None:
+        if len(data) >= self.config.multipart_threshold:
+            self._multipart(key, io.BytesIO(data), len(data), content_type)
+        else:
+            self._put_object(key, data if isinstance(data, bytes) else bytes(data), content_type)
+
+    @_names_the_object("PUT")
+    def put_file(self, key: str, f: BinaryIO, content_type: str | None = None) -> None:
+        start = f.tell()
+        size = f.seek(0, io.SEEK_END) - start
+        f.seek(start)
+        if size >= self.config.multipart_threshold:
+            self._multipart(key, f, size, content_type)
+        else:
+            self._put_object(key, f.read(), content_type)
+
+    def _put_object(self, key: str, data: bytes, content_type: str | None, **extra: Any) -> None:
+        args: dict[str, Any] = {"Bucket": self.bucket, "Key": self._key(key), "Body": data}
+        args["ContentMD5"] = _md5_b64(data)
+        if content_type:
+            args["ContentType"] = content_type
+        self.client.put_object(**args, **extra)
+
+    def _multipart(self, key: str, f: BinaryIO, size: int, content_type: str | None) -> None:
+        full = self._key(key)
+        create: dict[str, Any] = {"Bucket": self.bucket, "Key": full}
+        if content_type:
+            create["ContentType"] = content_type
+        upload_id = self.client.create_multipart_upload(**create)["UploadId"]
+        chunk = self.config.multipart_chunksize
+        window = self.config.multipart_concurrency
+        try:
+            # Parts are read in order and at most `window` are in flight, so memory stays at
+            # window * chunksize however large the object.
+            parts: list[dict[str, Any]] = []
+            pending: list[tuple[int, Future[str]]] = []
+            with ThreadPoolExecutor(window, thread_name_prefix="s3-part") as pool:
+                try:
+                    number, remaining = 1, size
+                    while remaining > 0:
+                        body = f.read(min(chunk, remaining))
+                        if not body:
+                            raise OSError(f"{full}: source ended {remaining} bytes early")
+                        remaining -= len(body)
+                        fut = pool.submit(self._upload_part, full, upload_id, number, body)
+                        pending.append((number, fut))
+                        number += 1
+                        if len(pending) >= window:
+                            num, done = pending.pop(0)
+                            parts.append({"PartNumber": num, "ETag": done.result()})
+                    for num, done in pending:
+                        parts.append({"PartNumber": num, "ETag": done.result()})
+                except BaseException:
+                    for _, queued in pending:
+                        queued.cancel()  # leaving the pool waits only for parts already sent
+                    raise
+            self.client.complete_multipart_upload(
+                Bucket=self.bucket, Key=full, UploadId=upload_id, MultipartUpload={"Parts": parts}
+            )
+        except BaseException:
+            self._abort(full, upload_id)
+            raise
+
+    def _upload_part(self, full: str, upload_id: str, number: int, body: bytes) -> str:
+        reply = self.client.upload_part(
+            Bucket=self.bucket,
+            Key=full,
+            UploadId=upload_id,
+            PartNumber=number,
+            Body=body,
+            ContentMD5=_md5_b64(body),
+        )
+        return str(reply["ETag"])
+
+    def _abort(self, full: str, upload_id: str) -> None:
+        try:
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id)
+        except Exception as e:  # the original error is the one to raise; say what is left behind
+            log.error(
+                "could not abort multipart upload %s of s3://%s/%s (%s); its parts stay billed "
+                "until a lifecycle rule (AbortIncompleteMultipartUpload) removes them",
+                upload_id,
+                self.bucket,
+                full,
+                e,
+            )
+
+    # -- create-only write ---------------------------------------------------------------
+
+    @_names_the_object("create-only PUT")
+    def put_if_absent(self, key: str, data: bytes, content_type: str | None = None) -> bool:
+        data = bytes(data)
+        # HEAD first: one cheap request per commit; it answers the resume case without a write
+        # and keeps a store that silently ignores If-None-Match from overwriting an existing
+        # object except in a true race.
+        if self.exists(key):
+            return self._holds(key, data)
+        if self._conditional_writes is not False:
+            for attempt in range(_CONFLICT_RETRIES):
+                try:
+                    self._put_object(key, data, content_type, IfNoneMatch="*")
+                    self._conditional_writes = True
+                    return True
+                except ClientError as e:
+                    code, status = _error_code(e), _status(e)
+                    if code == "PreconditionFailed" or status == 412:
+                        return self._holds(key, data)
+                    if code == "ConditionalRequestConflict" or status == 409:
+                        time.sleep(0.05 * 2**attempt)
+                        continue
+                    if code in _NO_CONDITIONAL_WRITE or status == 501:
+                        self._no_conditional_writes(code or str(status))
+                        break
+                    raise
+            else:
+                return self._holds(key, data)
+        # Fallback for stores without conditional writes: HEAD then PUT. Two writers racing
+        # between the two requests can both "win"; the later PUT's bytes stay.
+        if self.exists(key):
+            return self._holds(key, data)
+        log.warning("non-atomic create-only write of %s (HEAD then PUT)", self.uri(key))
+        self._put_object(key, data, content_type)
+        return True
+
+    def _no_conditional_writes(self, code: str) -> None:
+        with self._lock:
+            if self._conditional_writes is None or self._conditional_writes:
+                log.warning(
+                    "%s at %s answered %s to a PUT with If-None-Match: *; create-only writes "
+                    "fall back to HEAD then PUT, which is not atomic: two writers racing for one "
+                    "key can both succeed. Use a store that supports conditional writes for "
+                    "concurrent runs.",
+                    self.uri(),
+                    self._endpoint(),
+                    code,
+                )
+            self._conditional_writes = False
+
+    def _holds(self, key: str, data: bytes) -> bool:
+        try:
+            head = self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+            if int(head.get("ContentLength", -1)) != len(data):
+                return False
+            return self.get(key) == data
+        except ObjectNotFound:
+            return False
+        except ClientError as e:
+            if _status(e) == 404:
+                return False
+            raise
+
+    # -- reads ---------------------------------------------------------------------------
+
+    @_names_the_object("GET")
+    def get(self, key: str) -> bytes:
+        try:
+            reply = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
+        except ClientError as e:
+            if _error_code(e) in ("NoSuchKey", "404") or _status(e) == 404:
+                raise ObjectNotFound(f"no object {self.uri(key)}") from None
+            raise
+        with reply["Body"] as body:
+            return body.read()
+
+    @_names_the_object("HEAD")
+    def exists(self, key: str) -> bool:
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+            return True
+        except ClientError as e:
+            if _status(e) == 404:
+                return False
+            raise
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        paginator = self.client.get_paginator("list_objects_v2")
+        start = len(self.prefix)
+        pages = paginator.paginate(
+            Bucket=self.bucket,
+            Prefix=self.prefix + prefix,
+            PaginationConfig={"PageSize": self.config.list_page_size},
+        )
+        try:
+            for page in pages:
+                for item in page.get("Contents", ()):
+                    yield item["Key"][start:]
+        except (ClientError, BotoCoreError) as e:
+            raise StoreError(
+                f"S3 LIST of s3://{self.bucket}/{self.prefix}{prefix} at {self._endpoint()} failed "
+                f"(up to {self.config.max_attempts} attempts): {e}"
+            ) from e
+
+    @_names_the_object("DELETE")
+    def delete(self, key: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
+
+    # -- fail fast -----------------------------------------------------------------------
+
+    def check_writable(self) -> None:
+        """Put, read back and list a probe object under the prefix (what a job does), then
+        delete it. No head_bucket: credentials scoped to a prefix may lack it yet suffice."""
+        where = f"bucket {self.bucket!r} at {self._endpoint()}"
+        creds_hint = (
+            "check the credentials boto3 finds (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+            "AWS_PROFILE, or the instance/pod role) and that they may list, get, put and delete "
+            f"objects under {self.uri()}"
+        )
+        probe = write_check_key(uuid.uuid4().hex)
+        step = "PUT"
+        try:
+            self._put_object(probe, b"ok", "text/plain")
+            step = "HEAD"
+            self.client.head_object(Bucket=self.bucket, Key=self._key(probe))
+            step = "LIST"
+            self.client.list_objects_v2(Bucket=self.bucket, Prefix=self.prefix, MaxKeys=1)
+        except (NoCredentialsError, PartialCredentialsError) as e:
+            raise StoreError(f"no usable AWS credentials for {where}: {e}; {creds_hint}") from None
+        except EndpointConnectionError as e:
+            raise StoreError(f"cannot reach {where}: {e}; check endpoint_url and the network") from None
+        except ClientError as e:
+            code, status = _error_code(e), _status(e)
+            if code == "NoSuchBucket" or (status == 404 and step == "PUT"):
+                raise StoreError(
+                    f"{where} does not exist: create it (aws s3 mb s3://{self.bucket}) or fix "
+                    f"the output URI {self.uri()}"
+                ) from None
+            if status in (401, 403):
+                raise StoreError(
+                    f"{step} under {self.uri()} was denied by {where} (HTTP {status} {code}); {creds_hint}"
+                ) from None
+            if status == 301 or code in ("PermanentRedirect", "AuthorizationHeaderMalformed"):
+                region = (
+                    e.response.get("ResponseMetadata", {})
+                    .get("HTTPHeaders", {})
+                    .get("x-amz-bucket-region", "another region")
+                )
+                raise StoreError(f"{where} is in {region}: set the S3 region to it") from None
+            raise StoreError(f"cannot use {where} ({step} failed): {code or status}: {e}") from None
+        except BotoCoreError as e:
+            raise StoreError(f"cannot use {where} ({step} failed): {e}") from None
+        try:
+            self.delete(probe)
+        except StoreError as e:
+            log.warning("could not delete the write probe %s (%s)", self.uri(probe), e.__cause__)
