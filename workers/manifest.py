@@ -1,0 +1,232 @@
+"""The shard manifest: one row per requested image (failures included), one schema, defined once.
+
+A shard's manifest is written last, create-only; its existence is the shard's commit.
+`MANIFEST_SCHEMA` is derived from `ManifestRow`, so the row type and the Parquet schema cannot
+drift apart. Every shard writes exactly this schema, so the union of all manifests reads as one
+table with pyarrow.dataset, pandas, DuckDB and Hugging Face datasets.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import datetime
+import decimal
+import io
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from workers.layout import MANIFESTS_PREFIX, manifest_key, shard_of_manifest_key
+from workers.stores import ObjectStore
+
+MANIFEST_VERSION = "1"
+STATUSES = ("ok", "failed")
+
+
+def _col(
+    arrow_type: pa.DataType, doc: str, nullable: bool = False, default: Any = dataclasses.MISSING
+) -> Any:
+    return field(default=default, metadata={"arrow": arrow_type, "nullable": nullable, "doc": doc})
+
+
+@dataclass(frozen=True, kw_only=True)
+class ManifestRow:
+    """One requested image. Sizes in pixels, times in seconds, `bytes` in bytes."""
+
+    id: str = _col(pa.string(), "input row id (the input's id column, as text)")
+    k: int = _col(pa.int32(), "index of this image among its row's num_images")
+    prompt: str = _col(pa.string(), "prompt as given")
+    negative_prompt: str | None = _col(pa.string(), "negative prompt; null = none", True, None)
+    seed: int = _col(pa.int64(), "seed of this row (image k uses seed and k)")
+    width: int = _col(pa.int32(), "generated width (the bucket's), pixels")
+    height: int = _col(pa.int32(), "generated height (the bucket's), pixels")
+    bucket: str = _col(pa.string(), "resolution bucket, 'WxH'")
+    steps: int = _col(pa.int32(), "denoising steps")
+    true_cfg_scale: float = _col(pa.float64(), "true classifier-free guidance scale")
+    model_id: str = _col(pa.string(), "model that generated the image")
+    model_revision: str | None = _col(pa.string(), "model revision or weights hash", True, None)
+    status: str = _col(pa.string(), "'ok' or 'failed'")
+    error: str | None = _col(pa.string(), "why the image failed; null when ok", True, None)
+    uri: str | None = _col(pa.string(), "where the image is (the data file in 'parquet' format)", True, None)
+    sha256: str | None = _col(pa.string(), "sha256 (hex) of the encoded image bytes", True, None)
+    bytes: int | None = _col(pa.int64(), "size of the encoded image", True, None)
+    format: str = _col(pa.string(), "image format: png, webp or jpeg")
+    generate_s: float | None = _col(
+        pa.float64(), "this image's share of its batch's generation time", True, None
+    )
+    encode_s: float | None = _col(pa.float64(), "image encode time", True, None)
+    upload_s: float | None = _col(pa.float64(), "upload time (null in 'parquet' format)", True, None)
+    worker: str = _col(pa.string(), "worker that made the image (node and actor)")
+    attempt: int = _col(pa.int32(), "attempt of the shard, from 0")
+    shard: int = _col(pa.int32(), "shard index")
+    compile_fallback: bool = _col(pa.bool_(), "a compile failed and this image ran eager", False, False)
+    recompiles: int = _col(
+        pa.int32(), "compilations on the request path during this shard (should be 0)", False, 0
+    )
+    # Pass-through input columns as one JSON object per row. Typed columns would take their
+    # types from each shard's values: a column that is all-null in one shard (null type), int in
+    # one and float in another, or a nested value, gives shards with different schemas, which
+    # readers of the union refuse or silently coerce. One JSON text column has the same type in
+    # every shard; DuckDB (json_extract), pandas (json.loads) and datasets read it as is.
+    extra: str | None = _col(
+        pa.string(), "pass-through input columns, a JSON object; null = none", True, None
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.extra, Mapping):
+            object.__setattr__(self, "extra", passthrough_json(self.extra))
+        problems = []
+        if self.status not in STATUSES:
+            problems.append(f"status {self.status!r} is not one of {STATUSES}")
+        elif self.status == "ok" and (self.uri is None or self.sha256 is None or self.bytes is None):
+            problems.append("an ok row needs uri, sha256 and bytes")
+        elif self.status == "failed" and not self.error:
+            problems.append("a failed row needs an error message")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                if not f.metadata["nullable"]:
+                    problems.append(f"{f.name} may not be null")
+                continue
+            kind = f.metadata["arrow"]
+            if pa.types.is_integer(kind) and (isinstance(value, bool) or not isinstance(value, int)):
+                problems.append(f"{f.name} must be an int, got {value!r}")
+            elif pa.types.is_floating(kind) and (
+                isinstance(value, bool) or not isinstance(value, (int, float))
+            ):
+                problems.append(f"{f.name} must be a number, got {value!r}")
+            elif pa.types.is_string(kind) and not isinstance(value, str):
+                problems.append(f"{f.name} must be a str, got {type(value).__name__}")
+            elif pa.types.is_boolean(kind) and not isinstance(value, bool):
+                problems.append(f"{f.name} must be a bool, got {value!r}")
+        if problems:
+            raise ValueError(f"manifest row id={self.id!r} k={self.k!r}: " + "; ".join(problems))
+
+
+MANIFEST_SCHEMA = pa.schema(
+    [
+        pa.field(
+            f.name, f.metadata["arrow"], nullable=f.metadata["nullable"], metadata={"doc": f.metadata["doc"]}
+        )
+        for f in dataclasses.fields(ManifestRow)
+    ],
+    metadata={"ditfleet.manifest_version": MANIFEST_VERSION},
+)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, datetime.timedelta):
+        return value.total_seconds()
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return base64.b64encode(bytes(value)).decode("ascii")
+    if hasattr(value, "item") and callable(value.item):  # numpy scalars
+        return value.item()
+    if hasattr(value, "tolist") and callable(value.tolist):  # numpy arrays
+        return value.tolist()
+    raise TypeError(f"pass-through value of type {type(value).__name__} has no JSON form: {value!r}")
+
+
+def _finite(value: Any) -> Any:
+    # JSON has no NaN/Infinity (DuckDB and strict parsers reject them): keep them as strings.
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, Mapping):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def passthrough_json(values: Mapping[str, Any]) -> str | None:
+    """Encode pass-through input columns as compact JSON (input column order kept).
+
+    Dates and times become ISO strings, Decimals strings, binary base64, NaN/Infinity strings.
+    An empty mapping is null.
+    """
+    if not values:
+        return None
+    return json.dumps(_finite(dict(values)), default=_json_default, ensure_ascii=False, separators=(",", ":"))
+
+
+def manifest_table(rows: list[ManifestRow]) -> pa.Table:
+    """Rows -> a table with exactly MANIFEST_SCHEMA (also when every value of a column is null)."""
+    columns = {f.name: [getattr(r, f.name) for r in rows] for f in dataclasses.fields(ManifestRow)}
+    return pa.Table.from_pydict(columns, schema=MANIFEST_SCHEMA)
+
+
+def manifest_bytes(rows: list[ManifestRow]) -> bytes:
+    buf = io.BytesIO()
+    pq.write_table(manifest_table(rows), buf, compression="zstd")
+    return buf.getvalue()
+
+
+class ManifestWriter:
+    """Collects the rows of one shard and commits them as the shard's manifest."""
+
+    def __init__(self, shard: int, expected_rows: int | None = None) -> None:
+        self.shard = shard
+        self.expected_rows = expected_rows
+        self.key = manifest_key(shard)
+        self._rows: list[ManifestRow] = []
+        self._seen: set[tuple[str, int]] = set()
+
+    def add(self, row: ManifestRow) -> None:
+        if row.shard != self.shard:
+            raise ValueError(f"row id={row.id!r} k={row.k} belongs to shard {row.shard}, not {self.shard}")
+        if (row.id, row.k) in self._seen:
+            raise ValueError(f"shard {self.shard}: row id={row.id!r} k={row.k} added twice")
+        self._seen.add((row.id, row.k))
+        self._rows.append(row)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def commit(self, store: ObjectStore) -> bool:
+        """Write the manifest create-only. True: this shard is committed with these rows.
+        False: another attempt committed it first; discard this attempt's work."""
+        if not self._rows:
+            raise ValueError(f"shard {self.shard}: refusing to commit a manifest without rows")
+        if self.expected_rows is not None and len(self._rows) != self.expected_rows:
+            raise ValueError(
+                f"shard {self.shard}: {len(self._rows)} manifest rows, expected {self.expected_rows} "
+                "(every requested image needs exactly one row, failures included)"
+            )
+        # Rows stay in the order they were added (the plan's order), so reruns write the same rows.
+        return store.put_if_absent(self.key, manifest_bytes(self._rows), "application/vnd.apache.parquet")
+
+
+def committed_shards(store: ObjectStore) -> set[int]:
+    """Shards whose manifest exists (the resume set)."""
+    shards = set()
+    for key in store.list(MANIFESTS_PREFIX):
+        shard = shard_of_manifest_key(key)
+        if shard is not None:
+            shards.add(shard)
+    return shards
+
+
+def read_manifests(store: ObjectStore) -> pa.Table:
+    """All committed manifests as one table (MANIFEST_SCHEMA), ordered by shard."""
+    tables = []
+    for shard in sorted(committed_shards(store)):
+        key = manifest_key(shard)
+        table = pq.read_table(io.BytesIO(store.get(key)))
+        if not table.schema.equals(MANIFEST_SCHEMA, check_metadata=False):
+            raise ValueError(
+                f"{store.uri(key)} does not have the manifest schema (version {MANIFEST_VERSION}); "
+                f"it has {table.schema}. Was it written by another version of ditfleet?"
+            )
+        tables.append(table.replace_schema_metadata(MANIFEST_SCHEMA.metadata))
+    if not tables:
+        return MANIFEST_SCHEMA.empty_table()
+    return pa.concat_tables(tables)
