@@ -1,0 +1,222 @@
+"""Procedural scenes for the bundled tiny model: one shape on a plain background, with its caption.
+
+A scene is a shape (circle / square / triangle) of one palette colour, small or large, in one cell
+of a 3x3 grid, on a background of another palette colour. Images are drawn with torch on the fly
+(anti-aliased signed-distance rasterisation), so the data set needs no files and is the same on
+every machine for a given seed.
+
+Captions follow one template, e.g. "a small red circle at the top left on a blue background";
+`parse_caption` inverts it. A fixed set of 64 captions (chosen by a hash of the caption text) is
+held out of training, so the adherence check measures generalisation, not memorisation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import re
+from dataclasses import dataclass
+
+import torch
+
+# Palette: far apart in RGB so that plain nearest-colour analysis tells them apart even after a
+# lossy VAE round trip. Values in [0, 1].
+PALETTE: dict[str, tuple[float, float, float]] = {
+    "red": (0.90, 0.12, 0.10),
+    "green": (0.10, 0.72, 0.20),
+    "blue": (0.12, 0.25, 0.90),
+    "yellow": (0.95, 0.85, 0.10),
+    "white": (0.96, 0.96, 0.96),
+    "black": (0.06, 0.06, 0.06),
+}
+COLORS: tuple[str, ...] = tuple(PALETTE)
+SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
+SIZES: tuple[str, ...] = ("small", "large")
+# Grid cells in row-major order: index = row * 3 + col.
+POSITIONS: tuple[str, ...] = (
+    "top left",
+    "top",
+    "top right",
+    "left",
+    "centre",
+    "right",
+    "bottom left",
+    "bottom",
+    "bottom right",
+)
+# How each position reads in a caption ("at the top left", "on the left", "in the centre").
+POSITION_PHRASES: dict[str, str] = {
+    "top left": "at the top left",
+    "top": "at the top",
+    "top right": "at the top right",
+    "left": "on the left",
+    "centre": "in the centre",
+    "right": "on the right",
+    "bottom left": "at the bottom left",
+    "bottom": "at the bottom",
+    "bottom right": "at the bottom right",
+}
+# Shape half-extent as a fraction of min(height, width): large shapes still fit inside one cell of
+# the 96-pixel side of the 160x96 bucket, with room for jitter.
+SIZE_FRACTION: dict[str, float] = {"small": 0.085, "large": 0.14}
+# Resolution buckets the tiny model is trained for, as (width, height).
+TINY_BUCKETS: tuple[tuple[int, int], ...] = ((128, 128), (160, 96), (96, 160))
+HELD_OUT_COUNT = 64
+
+
+@dataclass(frozen=True)
+class Scene:
+    """What one image shows. `color` is the shape's colour; `background` differs from it."""
+
+    shape: str
+    color: str
+    background: str
+    position: str
+    size: str
+
+    def __post_init__(self) -> None:
+        for field, value, allowed in (
+            ("shape", self.shape, SHAPES),
+            ("color", self.color, COLORS),
+            ("background", self.background, COLORS),
+            ("position", self.position, POSITIONS),
+            ("size", self.size, SIZES),
+        ):
+            if value not in allowed:
+                raise ValueError(f"Scene.{field}={value!r} is not one of {list(allowed)}.")
+        if self.color == self.background:
+            raise ValueError(
+                f"Scene: shape colour and background are both {self.color!r}; pick two different colours."
+            )
+
+    @property
+    def caption(self) -> str:
+        return f"a {self.size} {self.color} {self.shape} {POSITION_PHRASES[self.position]} on a {self.background} background"
+
+    @property
+    def cell(self) -> tuple[int, int]:
+        """(row, col) of the grid cell, each in 0..2."""
+        return divmod(POSITIONS.index(self.position), 3)
+
+
+def all_scenes() -> list[Scene]:
+    """Every distinct scene (= every distinct caption), in a fixed order."""
+    return [
+        Scene(shape, color, background, position, size)
+        for size, color, shape, position, background in itertools.product(
+            SIZES, COLORS, SHAPES, POSITIONS, COLORS
+        )
+        if color != background
+    ]
+
+
+def _caption_hash(caption: str) -> str:
+    return hashlib.sha256(caption.encode("utf-8")).hexdigest()
+
+
+def split_scenes() -> tuple[list[Scene], list[Scene]]:
+    """(train, held_out): the `HELD_OUT_COUNT` scenes whose caption hashes sort first are held out.
+
+    The rule depends only on caption text, so it is stable across runs, machines and Python versions.
+    """
+    ranked = sorted(all_scenes(), key=lambda s: _caption_hash(s.caption))
+    held = ranked[:HELD_OUT_COUNT]
+    held_set = set(held)
+    return [s for s in all_scenes() if s not in held_set], held
+
+
+def held_out_captions() -> list[str]:
+    """The 64 test captions, never seen in training, in a fixed order."""
+    return [s.caption for s in split_scenes()[1]]
+
+
+_CAPTION_RE = re.compile(
+    r"^\s*an?\s+(?P<size>\w+)\s+(?P<color>\w+)\s+(?P<shape>\w+)\s+(?P<where>.+?)\s+on\s+an?\s+(?P<background>\w+)\s+background\s*\.?\s*$"
+)
+_PHRASE_TO_POSITION = {phrase: pos for pos, phrase in POSITION_PHRASES.items()}
+_PHRASE_TO_POSITION.update(
+    {phrase.replace("centre", "center"): pos for pos, phrase in POSITION_PHRASES.items()}
+)
+
+
+def parse_caption(caption: str) -> Scene:
+    """Inverse of `Scene.caption` (case-insensitive; "center" accepted). Raises ValueError with the caption."""
+    m = _CAPTION_RE.match(caption.lower())
+    if m is None:
+        raise ValueError(
+            f"caption {caption!r} does not follow the template "
+            "'a <small|large> <colour> <circle|square|triangle> <at the top left|...> on a <colour> background'."
+        )
+    where = " ".join(m["where"].split())
+    if where not in _PHRASE_TO_POSITION:
+        raise ValueError(
+            f"caption {caption!r}: unknown position phrase {where!r}; expected one of {list(_PHRASE_TO_POSITION)}."
+        )
+    try:
+        return Scene(m["shape"], m["color"], m["background"], _PHRASE_TO_POSITION[where], m["size"])
+    except ValueError as e:
+        raise ValueError(f"caption {caption!r}: {e}") from e
+
+
+def shape_geometry(
+    scene: Scene, width: int, height: int, jitter: tuple[float, float] = (0.0, 0.0)
+) -> tuple[float, float, float]:
+    """(cx, cy, r) in pixels: the shape's centre and half-extent.
+
+    `jitter` in [-1, 1]^2 moves the centre within the cell by up to the free room around the shape
+    (minus a 2-pixel margin), so the shape never leaves its cell nor touches the image border.
+    """
+    row, col = scene.cell
+    r = SIZE_FRACTION[scene.size] * min(width, height)
+    cell_w, cell_h = width / 3.0, height / 3.0
+    room_x = max(0.0, cell_w / 2.0 - r - 2.0)
+    room_y = max(0.0, cell_h / 2.0 - r - 2.0)
+    cx = (col + 0.5) * cell_w + jitter[0] * room_x
+    cy = (row + 0.5) * cell_h + jitter[1] * room_y
+    return cx, cy, r
+
+
+def _shape_distance(
+    shape: str, x: torch.Tensor, y: torch.Tensor, cx: float, cy: float, r: float
+) -> torch.Tensor:
+    """Signed distance in pixels (negative inside). x, y: (H, W) pixel-centre coordinates."""
+    dx, dy = x - cx, y - cy
+    if shape == "circle":
+        return torch.sqrt(dx * dx + dy * dy) - r
+    if shape == "square":
+        return torch.maximum(dx.abs(), dy.abs()) - r
+    # Upward isosceles triangle with apex (cx, cy - r) and base from (cx - r, cy + r) to (cx + r, cy + r):
+    # intersection of three half-planes; its bounding box is the same 2r x 2r square (fill ratio 1/2).
+    base = dy - r
+    # Side edges: outward unit normals (+-2, -1)/sqrt(5) of the lines through the apex and a base corner.
+    inv = 1.0 / (5.0**0.5)
+    right = (2.0 * dx - dy - r) * inv
+    left = (-2.0 * dx - dy - r) * inv
+    return torch.maximum(base, torch.maximum(left, right))
+
+
+def render(scene: Scene, width: int, height: int, jitter: tuple[float, float] = (0.0, 0.0)) -> torch.Tensor:
+    """The scene as a float32 image (3, height, width) in [0, 1], anti-aliased over about one pixel."""
+    ys = torch.arange(height, dtype=torch.float32) + 0.5
+    xs = torch.arange(width, dtype=torch.float32) + 0.5
+    y, x = torch.meshgrid(ys, xs, indexing="ij")  # (H, W)
+    cx, cy, r = shape_geometry(scene, width, height, jitter)
+    coverage = (0.5 - _shape_distance(scene.shape, x, y, cx, cy, r)).clamp(0.0, 1.0)  # (H, W)
+    fg = torch.tensor(PALETTE[scene.color]).view(3, 1, 1)
+    bg = torch.tensor(PALETTE[scene.background]).view(3, 1, 1)
+    return bg + (fg - bg) * coverage.unsqueeze(0)
+
+
+def sample_batch(
+    scenes: list[Scene], batch_size: int, width: int, height: int, generator: torch.Generator
+) -> tuple[torch.Tensor, list[str]]:
+    """A random batch: images (B, 3, height, width) in [0, 1] and their captions.
+
+    Scenes are drawn uniformly from `scenes` with a random jitter; everything comes from `generator`,
+    so a seeded generator gives the same batch on any machine.
+    """
+    idx = torch.randint(len(scenes), (batch_size,), generator=generator)
+    jit = torch.rand(batch_size, 2, generator=generator) * 2.0 - 1.0
+    chosen = [scenes[i] for i in idx.tolist()]
+    images = torch.stack([render(s, width, height, (float(j[0]), float(j[1]))) for s, j in zip(chosen, jit)])
+    return images, [s.caption for s in chosen]
