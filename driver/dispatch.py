@@ -33,6 +33,9 @@ import ray
 from driver.pool import ActorPool, Run, Slot, SlotState, error_kind, short_error
 
 _PENDING, _COMMITTED, _FAILED = 0, 1, 2
+# Exceptions (by type name, as they cross process boundaries) with which a worker says it is
+# leaving (asked to stop) rather than that the shard failed: workers.actor.ShardAbandoned.
+LEAVING_ERRORS = frozenset({"ShardAbandoned"})
 _RECENT_DURATIONS = 256  # shard times kept for the median that the tail decisions use
 
 
@@ -86,7 +89,7 @@ class ShardFailure:
     """A shard given up after max_attempts failed runs."""
 
     index: int
-    attempts: int
+    attempts: int  # failed runs (= max_attempts)
     kind: str  # 'actor_died' or the exception type raised by run_shard
     error: str  # the last error, one line
 
@@ -187,6 +190,7 @@ class Dispatcher:
         self.runs: dict[Any, Run] = {}  # in-flight ObjectRef -> Run
         self.copies_of: dict[int, list[Any]] = {}  # shard pos -> its in-flight refs
         self.starting: dict[Any, int] = {}  # startup ObjectRef -> slot id
+        self.unstarted: dict[int, int] = {}  # queued shard pos -> attempt number of a run that never started
         self.results: list[Any] = []
         self.failed: list[ShardFailure] = []
         self.last_error: dict[int, tuple[str, str]] = {}
@@ -353,7 +357,7 @@ class Dispatcher:
             if i == 0 and blame_head:
                 self._run_failed(run, kind, text)
             elif not self.state.status[run.pos] and not self.state.copies[run.pos]:
-                self.queue.appendleft(run.pos)  # only queued behind it: no attempt used
+                self._requeue_unstarted(run)  # only queued behind it: no attempt used
 
     def _retire_idle(self) -> None:
         now = time.monotonic()
@@ -403,12 +407,16 @@ class Dispatcher:
                 if not self.queue:
                     return
                 if len(slot.runs) < depth:
-                    self._submit(self.queue.popleft(), slot, speculative=False)
+                    pos = self.queue.popleft()
+                    self._submit(pos, slot, speculative=False, attempt=self.unstarted.pop(pos, None))
 
-    def _submit(self, pos: int, slot: Slot, speculative: bool) -> Run:
+    def _submit(self, pos: int, slot: Slot, speculative: bool, attempt: int | None = None) -> Run:
+        """Queue shard `pos` on `slot`. attempt: reuse a number (a move of a run that never
+        started); default the next one, from 0, as the manifest records it."""
         st = self.state
-        attempt = st.submissions[pos]  # 0 for the first run, as the manifest records it
-        st.submissions[pos] += 1
+        if attempt is None:
+            attempt = st.submissions[pos]
+            st.submissions[pos] += 1
         now = time.monotonic()
         ref = slot.handle.run_shard.remote(self.shards[pos], attempt)
         run = Run(pos, attempt, slot.id, now, now if not slot.runs else None, speculative)
@@ -419,6 +427,11 @@ class Dispatcher:
         st.copies[pos] += 1
         self.events.shard_started(self.shards[pos], run.attempt, slot.worker_id, speculative)
         return run
+
+    def _requeue_unstarted(self, run: Run) -> None:
+        """Back to the front of the queue a run that never started; it keeps its attempt number."""
+        self.unstarted[run.pos] = run.attempt
+        self.queue.appendleft(run.pos)
 
     def _forget(self, ref: Any) -> Run | None:
         """Drop a finished (or abandoned) run from every index; the next run on its actor starts."""
@@ -453,7 +466,7 @@ class Dispatcher:
         except ray.exceptions.TaskCancelledError:
             self._forget(ref)
             if not run.cancelled and not self.state.status[run.pos] and not self.state.copies[run.pos]:
-                self.queue.appendleft(run.pos)  # cancelled by someone else: run it again, no penalty
+                self._requeue_unstarted(run)  # cancelled by someone else: run it again, no penalty
             return
         except ray.exceptions.RayActorError as e:
             if slot is None:
@@ -465,6 +478,15 @@ class Dispatcher:
             return
         except Exception as e:  # noqa: BLE001 - run_shard raised: a failed run of this shard
             self._forget(ref)
+            if error_kind(e) in LEAVING_ERRORS and slot is not None:
+                # The worker was told to stop (spot reclaim) and gave the shard up uncommitted:
+                # not the shard's fault. Requeue it as it was and let the actor go.
+                if not self.state.status[run.pos] and not self.state.copies[run.pos]:
+                    self.queue.appendleft(run.pos)
+                self.stats.actor_deaths += 1
+                self.events.actor_lost(slot.worker_id, "stopping", short_error(e), False)
+                self._lose_actor(slot, e, "stopping", blame_head=False)
+                return
             self._run_failed(run, error_kind(e), short_error(e))
             if slot is not None:
                 slot.consecutive_failures += 1
@@ -509,7 +531,7 @@ class Dispatcher:
         if st.failures[pos] >= self.config.max_attempts:
             st.status[pos] = _FAILED
             self.pending -= 1
-            failure = ShardFailure(_index(self.shards[pos], pos), st.submissions[pos], kind, error)
+            failure = ShardFailure(_index(self.shards[pos], pos), st.failures[pos], kind, error)
             self.failed.append(failure)
             self.events.shard_failed(self.shards[pos], failure)
         else:
@@ -536,7 +558,9 @@ class Dispatcher:
                 candidates.append((1, run.started_at, ref, run))  # a straggler: oldest first
         candidates.sort(key=lambda c: (c[0], c[1]))
         for slot, (kind, _, ref, run) in zip(idle, candidates):
-            self._submit(run.pos, slot, speculative=kind == 1)
+            # A moved run keeps its attempt number: the queued original is cancelled before it
+            # starts (or, if it started meanwhile, both write the same bytes and one commits).
+            self._submit(run.pos, slot, speculative=kind == 1, attempt=run.attempt if kind == 0 else None)
             if kind == 0:
                 self.stats.tail_moves += 1
                 run.cancelled = True

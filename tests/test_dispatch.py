@@ -83,7 +83,8 @@ def test_pull_scheduling_gives_more_work_to_the_faster_actor(tmp_path):
 def test_actor_killed_mid_shard_is_replaced_and_its_shard_rerun(tmp_path):
     out, pids = str(tmp_path / "out"), tmp_path / "pids"
     pids.mkdir()
-    worker = SleepingWorkerConfig(out, shard_s=0.05, hang={3: 60.0}, pid_dir=str(pids))
+    # Enough work that shards still wait when the death is noticed: then a replacement starts.
+    worker = SleepingWorkerConfig(out, shard_s=0.1, hang={3: 60.0}, pid_dir=str(pids))
     config = DispatchConfig(min_actors=2, max_actors=2, num_cpus=0.5, speculative_tail=False, tick_s=0.1)
     killed: list[int] = []
 
@@ -100,11 +101,11 @@ def test_actor_killed_mid_shard_is_replaced_and_its_shard_rerun(tmp_path):
     killer.start()
     events = Recorder()
     t0 = time.monotonic()
-    result = run_shards(make_shards(12), SleepingWorker, (worker,), config, events)
+    result = run_shards(make_shards(30), SleepingWorker, (worker,), config, events)
     killer.join(timeout=5)
     assert killed, "the hanging shard never started"
     assert time.monotonic() - t0 < 45, "the shard on the killed actor must not wait for its hang"
-    assert_each_once(out, 12, result)
+    assert_each_once(out, 30, result)
     assert manifest_attempts(out, 3) == {1}, "the rerun after the death is attempt 1"
     assert result.stats.actor_deaths == 1 and result.stats.actors_started >= 3
     assert [k for k, _, starting in events.lost] == ["actor_died"]

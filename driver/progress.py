@@ -1,0 +1,277 @@
+"""Progress of a running job: a live bar, a log line per shard, and the counters the summary uses.
+
+On a terminal the bar is redrawn in place on stderr, and log lines are printed above it. Without
+one (`ray job submit` logs, cron, CI) a status line is printed every `status_every_s` instead of
+the bar, so logs stay readable and grep-able.
+
+Counts here come from the workers' shard results, for display; the final counts of the summary
+come from the manifests (see driver.status).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from driver.dispatch import DispatchEvents, DispatchSnapshot, ShardFailure
+
+_BAR_WIDTH = 24
+_REDRAW_S = 0.25  # bar redraws at most this often
+_PLACEMENT_NOTICE_S = 30.0  # say so when shards have waited this long for any actor
+
+
+def format_duration(seconds: float | None) -> str:
+    """12 -> '12s', 754 -> '12m34s', 7384 -> '2h03m'; None -> '?'."""
+    if seconds is None or seconds != seconds or seconds == float("inf"):
+        return "?"
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+@dataclass
+class WorkerStats:
+    """One worker's share of the job (this run). Times in seconds, summed over its shards."""
+
+    shards: int = 0
+    images_ok: int = 0
+    images_failed: int = 0
+    busy_s: float = 0.0  # sum of shard wall times
+    generate_s: float = 0.0
+    encode_s: float = 0.0
+    upload_s: float = 0.0
+    recompiles: int = 0
+
+    @property
+    def images_per_s(self) -> float:
+        return (self.images_ok + self.images_failed) / self.busy_s if self.busy_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "shards": self.shards,
+            "images_ok": self.images_ok,
+            "images_failed": self.images_failed,
+            "busy_s": round(self.busy_s, 3),
+            "images_per_s": round(self.images_per_s, 3),
+            "generate_s": round(self.generate_s, 3),
+            "encode_s": round(self.encode_s, 3),
+            "upload_s": round(self.upload_s, 3),
+            "recompiles": self.recompiles,
+        }
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def warmup_seconds(report: dict) -> float | None:
+    """Total warm-up time of a start-up report: `warmup_s` as a number or as {bucket: s}."""
+    value = report.get("warmup_s")
+    if isinstance(value, dict):
+        value = sum(v for v in value.values() if isinstance(v, (int, float)))
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def compile_fallbacks(report: dict) -> dict[str, str]:
+    """Compile targets that fell back to eager, with why (from the report's `compile` part)."""
+    compile_part = report.get("compile")
+    fallbacks = compile_part.get("fallbacks") if isinstance(compile_part, dict) else None
+    return dict(fallbacks) if isinstance(fallbacks, dict) else {}
+
+
+def _num(result: Any, name: str, default: float = 0) -> Any:
+    value = getattr(result, name, default)
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+
+
+class JobProgress(DispatchEvents):
+    """Receives dispatch events; shows progress; keeps this run's counters.
+
+    total_*: the whole job; done_*: what earlier runs committed (resume), shown as done.
+    """
+
+    def __init__(
+        self,
+        total_shards: int,
+        total_images: int,
+        done_shards: int = 0,
+        done_images: int = 0,
+        stream: TextIO | None = None,
+        interactive: bool | None = None,
+        status_every_s: float = 30.0,
+    ) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.interactive = self.stream.isatty() if interactive is None else interactive
+        self.status_every_s = status_every_s
+        self.total_shards, self.total_images = total_shards, total_images
+        self.done_shards_before, self.done_images_before = done_shards, done_images
+        self.shards_committed = self.shards_failed = self.retries = 0
+        self.images_ok = self.images_failed = 0
+        self.errors: Counter = Counter()
+        self.workers: dict[str, WorkerStats] = {}
+        self.startup: dict[str, dict] = {}
+        self.actor_events: Counter = Counter()
+        self.t0 = time.monotonic()
+        self.first_result_at: float | None = None
+        self._bar_shown = False
+        self._last_draw = self._last_status = 0.0
+        self._last_placement_notice = 0.0
+        self._snapshot: DispatchSnapshot | None = None
+
+    # -- output ----------------------------------------------------------------------------------
+
+    def log(self, line: str) -> None:
+        """Print one line (above the bar on a terminal)."""
+        if self._bar_shown:
+            self.stream.write("\r\x1b[K")
+        self.stream.write(line + "\n")
+        if self._bar_shown:
+            self.stream.write(self.bar_line())
+        self.stream.flush()
+
+    def bar_line(self) -> str:
+        done = self.done_images_before + self.images_ok + self.images_failed
+        frac = done / self.total_images if self.total_images else 1.0
+        filled = int(_BAR_WIDTH * min(frac, 1.0))
+        rate = self.images_per_s()
+        eta = (self.total_images - done) / rate if rate > 0 else None
+        snap = self._snapshot
+        actors = f" | actors {snap.actors_ready} ready, {snap.actors_starting} starting" if snap else ""
+        failed = f" ({self.images_failed} failed)" if self.images_failed else ""
+        return (
+            f"[{'#' * filled}{'-' * (_BAR_WIDTH - filled)}] {frac:4.0%} {done}/{self.total_images} images"
+            f"{failed} | {rate:.2f} img/s | ETA {format_duration(eta)}"
+            f" | shards {self.done_shards_before + self.shards_committed}/{self.total_shards}{actors}"
+        )
+
+    def images_per_s(self) -> float:
+        """This run's images (ok and failed) per second since the first actor took work."""
+        n = self.images_ok + self.images_failed
+        if not n or self.first_result_at is None:
+            return 0.0
+        start = min(
+            (s.get("_ready_at", self.t0) for s in self.startup.values()),
+            default=self.t0,
+        )
+        elapsed = time.monotonic() - start
+        return n / elapsed if elapsed > 0 else 0.0
+
+    def _draw(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.interactive:
+            if force or now - self._last_draw >= _REDRAW_S:
+                self.stream.write("\r\x1b[K" + self.bar_line())
+                self.stream.flush()
+                self._bar_shown = True
+                self._last_draw = now
+        elif force or now - self._last_status >= self.status_every_s:
+            self._last_status = now
+            self.log("progress: " + self.bar_line())
+
+    def close(self) -> None:
+        """End the bar's line, so what follows starts on a fresh one."""
+        if self._bar_shown:
+            self.stream.write("\r\x1b[K" + self.bar_line() + "\n")
+            self.stream.flush()
+            self._bar_shown = False
+
+    # -- dispatch events -------------------------------------------------------------------------
+
+    def actor_starting(self, count: int) -> None:
+        self.actor_events["started"] += count
+        self.log(f"starting {count} worker actor{'s' if count != 1 else ''}")
+
+    def actor_ready(self, worker_id: str, report: dict, startup_s: float) -> None:
+        self.actor_events["ready"] += 1
+        self.startup[worker_id] = {**report, "_ready_at": time.monotonic()}
+        parts = [f"worker {worker_id} ready in {startup_s:.1f} s"]
+        if isinstance(report.get("load_s"), (int, float)):
+            parts.append(f"model load {report['load_s']:.1f} s")
+        warmup = warmup_seconds(report)
+        if warmup is not None:
+            parts.append(f"warm-up {warmup:.1f} s")
+        if report.get("device"):
+            parts.append(f"{report['device']} {report.get('dtype', '')}".strip())
+        fallbacks = compile_fallbacks(report)
+        if fallbacks:
+            parts.append(f"COMPILE FELL BACK TO EAGER: {fallbacks}")
+        self.log(", ".join(parts))
+
+    def actor_lost(self, worker_id: str, kind: str, error: str, starting: bool) -> None:
+        self.actor_events["start_failed" if starting else "lost"] += 1
+        what = "failed to start" if starting else f"lost ({kind})"
+        self.log(f"worker {worker_id} {what}: {error}")
+
+    def actor_retired(self, worker_id: str) -> None:
+        self.actor_events["retired"] += 1
+        self.log(f"worker {worker_id} retired (idle, nothing queued)")
+
+    def shard_committed(self, shard: Any, result: Any) -> None:
+        if self.first_result_at is None:
+            self.first_result_at = time.monotonic()
+        self.shards_committed += 1
+        status = getattr(result, "status", "committed")
+        worker = str(getattr(result, "worker_id", "") or "?")
+        attempt = _num(result, "attempt")
+        if status != "committed":
+            self.log(
+                f"shard {shard.index:05d}: already committed (by an earlier or twin run), attempt {attempt}"
+            )
+            self._draw()
+            return
+        ok, failed = int(_num(result, "images_ok")), int(_num(result, "images_failed"))
+        wall = float(_num(result, "wall_s"))
+        self.images_ok += ok
+        self.images_failed += failed
+        self.errors.update(getattr(result, "errors", None) or {})
+        w = self.workers.setdefault(worker, WorkerStats())
+        w.shards += 1
+        w.images_ok += ok
+        w.images_failed += failed
+        w.busy_s += wall
+        w.generate_s += float(_num(result, "generate_s"))
+        w.encode_s += float(_num(result, "encode_s"))
+        w.upload_s += float(_num(result, "upload_s"))
+        w.recompiles += int(_num(result, "recompiles"))
+        rate = (ok + failed) / wall if wall > 0 else 0.0
+        failed_text = f", {failed} FAILED" if failed else ""
+        self.log(
+            f"shard {shard.index:05d}: {ok} images ok{failed_text} in {wall:.1f} s ({rate:.2f} img/s) "
+            f"on {worker}, attempt {attempt}"
+        )
+        self._draw()
+
+    def shard_retry(self, shard: Any, attempt: int, error: str) -> None:
+        self.retries += 1
+        self.log(f"shard {shard.index:05d}: will retry (attempt {attempt}) after: {error}")
+
+    def shard_failed(self, shard: Any, failure: ShardFailure) -> None:
+        self.shards_failed += 1
+        self.log(
+            f"shard {shard.index:05d}: FAILED after {plural(failure.attempts, 'attempt')}: {failure.error}"
+        )
+
+    def tick(self, snapshot: DispatchSnapshot) -> None:
+        self._snapshot = snapshot
+        now = time.monotonic()
+        if (
+            snapshot.waiting_for_placement_s >= _PLACEMENT_NOTICE_S
+            and now - self._last_placement_notice >= _PLACEMENT_NOTICE_S
+        ):
+            self._last_placement_notice = now
+            self.log(
+                f"waiting {format_duration(snapshot.waiting_for_placement_s)} for worker actors to be placed "
+                f"({snapshot.actors_starting} pending): the cluster has no free resources for one yet "
+                "(an autoscaler adds nodes for them; without one, lower workers.gpus/cpus)"
+            )
+        self._draw()
+
+    def startup_costs(self) -> dict[str, dict]:
+        """Start-up reports by worker, without the private fields."""
+        return {w: {k: v for k, v in r.items() if not k.startswith("_")} for w, r in self.startup.items()}

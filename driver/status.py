@@ -1,0 +1,186 @@
+"""What an output holds, read from the output itself: `_job.json`, the manifests, `_SUCCESS`.
+
+Used by `ditfleet status` and by the driver for its final counts: the manifests are the truth
+(a shard committed by an earlier run, or by a twin of a speculative run, counts exactly as one
+committed now). Each manifest is read on its own, only the columns counted, so memory stays
+O(shards) whatever the number of rows.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections import Counter
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from workers.layout import job_key, manifest_key, success_key
+from workers.manifest import committed_shards
+from workers.stores import ObjectNotFound, ObjectStore
+
+_COLUMNS = ["id", "status", "error"]
+_READ_THREADS = 16  # manifests are small; reading them is round trips, not bandwidth
+MAX_ERROR_KINDS = 20  # distinct error messages kept in counts; the rest are summed as "other"
+
+
+@dataclass
+class OutputCounts:
+    """Rows and images of a set of committed shards. A row is ok when all its images are."""
+
+    shards: int = 0
+    rows_ok: int = 0
+    rows_failed: int = 0
+    images_ok: int = 0
+    images_failed: int = 0
+    errors: Counter = field(default_factory=Counter)  # error message -> images
+
+    def add(self, other: OutputCounts) -> None:
+        self.shards += other.shards
+        self.rows_ok += other.rows_ok
+        self.rows_failed += other.rows_failed
+        self.images_ok += other.images_ok
+        self.images_failed += other.images_failed
+        self.errors.update(other.errors)
+
+    def errors_capped(self, limit: int = MAX_ERROR_KINDS) -> dict[str, int]:
+        top = self.errors.most_common(limit)
+        rest = sum(self.errors.values()) - sum(n for _, n in top)
+        return dict(top) | ({"other": rest} if rest else {})
+
+
+def shard_counts(store: ObjectStore, shard: int) -> OutputCounts:
+    """Counts of one committed shard, from its manifest (3 columns read)."""
+    table = pq.read_table(io.BytesIO(store.get(manifest_key(shard))), columns=_COLUMNS)
+    ok = pc.equal(table.column("status"), "ok")
+    images_ok = pc.sum(ok).as_py() or 0
+    # A row is failed when any of its images failed: group the failed images by id.
+    failed_ids = pc.unique(pc.filter(table.column("id"), pc.invert(ok)))
+    all_ids = pc.count_distinct(table.column("id")).as_py()
+    errors = Counter(e for e in pc.filter(table.column("error"), pc.invert(ok)).to_pylist() if e)
+    return OutputCounts(
+        shards=1,
+        rows_ok=all_ids - len(failed_ids),
+        rows_failed=len(failed_ids),
+        images_ok=images_ok,
+        images_failed=table.num_rows - images_ok,
+        errors=errors,
+    )
+
+
+def count_shards(store: ObjectStore, shards: Iterable[int], threads: int = _READ_THREADS) -> OutputCounts:
+    total = OutputCounts()
+    shards = list(shards)
+    if not shards:
+        return total
+    with ThreadPoolExecutor(max_workers=min(threads, len(shards))) as pool:
+        for counts in pool.map(lambda s: shard_counts(store, s), shards):
+            total.add(counts)
+    return total
+
+
+def read_json(store: ObjectStore, key: str) -> dict[str, Any] | None:
+    """The JSON object at `key`, or None when there is none. Raises ValueError naming the key
+    when it is not JSON (a damaged or foreign file)."""
+    try:
+        data = store.get(key)
+    except ObjectNotFound:
+        return None
+    try:
+        doc = json.loads(data)
+    except ValueError as e:
+        raise ValueError(f"{store.uri(key)} is not valid JSON ({e}); was it written by ditfleet?") from e
+    if not isinstance(doc, dict):
+        raise ValueError(f"{store.uri(key)} does not hold a JSON object; was it written by ditfleet?")
+    return doc
+
+
+@dataclass
+class OutputStatus:
+    """An output as `ditfleet status` shows it."""
+
+    uri: str
+    job: dict[str, Any] | None  # _job.json
+    success: dict[str, Any] | None  # _SUCCESS
+    committed: list[int]
+    missing: list[int]  # planned shards without a manifest (empty when there is no _job.json)
+    counts: OutputCounts
+
+    @property
+    def planned_shards(self) -> int | None:
+        plan = (self.job or {}).get("plan") or {}
+        return plan.get("shards")
+
+    def to_dict(self) -> dict[str, Any]:
+        plan = (self.job or {}).get("plan") or {}
+        c = self.counts
+        return {
+            "output": self.uri,
+            "fingerprint": (self.job or {}).get("fingerprint"),
+            "complete": self.success is not None and not self.missing,
+            "shards": {
+                "planned": plan.get("shards"),
+                "committed": len(self.committed),
+                "left": len(self.missing),
+            },
+            "rows": {"planned": plan.get("rows"), "ok": c.rows_ok, "failed": c.rows_failed},
+            "images": {"planned": plan.get("images"), "ok": c.images_ok, "failed": c.images_failed},
+            "failures_by_error": c.errors_capped(),
+            "shards_left": _ranges(self.missing),
+        }
+
+    def format_text(self) -> str:
+        d = self.to_dict()
+        s, r, i = d["shards"], d["rows"], d["images"]
+        state = "complete" if d["complete"] else ("not started" if not self.committed else "incomplete")
+        lines = [
+            f"output {self.uri}: {state}",
+            f"  shards: {s['committed']} committed of {_or_unknown(s['planned'])}, {s['left']} left",
+            f"  rows:   {r['ok']} ok, {r['failed']} failed (of {_or_unknown(r['planned'])} planned)",
+            f"  images: {i['ok']} ok, {i['failed']} failed (of {_or_unknown(i['planned'])} planned)",
+        ]
+        if d["shards_left"]:
+            lines.append(f"  shards left: {d['shards_left']}")
+        for message, n in d["failures_by_error"].items():
+            lines.append(f"  failed x{n}: {message}")
+        if self.job is None:
+            lines.append("  (no _job.json: not a ditfleet output, or no run got past planning)")
+        return "\n".join(lines)
+
+
+def _or_unknown(value: Any) -> str:
+    return "?" if value is None else str(value)
+
+
+def _ranges(shards: list[int], limit: int = 20) -> str:
+    """[1, 2, 3, 7] -> '1-3, 7' (at most `limit` ranges, then '...')."""
+    out: list[str] = []
+    i = 0
+    while i < len(shards) and len(out) < limit:
+        j = i
+        while j + 1 < len(shards) and shards[j + 1] == shards[j] + 1:
+            j += 1
+        out.append(str(shards[i]) if i == j else f"{shards[i]}-{shards[j]}")
+        i = j + 1
+    return ", ".join(out) + (", ..." if i < len(shards) else "")
+
+
+def output_status(store: ObjectStore) -> OutputStatus:
+    """Read what `store` (an output root) holds."""
+    job = read_json(store, job_key())
+    committed = sorted(committed_shards(store))
+    planned = ((job or {}).get("plan") or {}).get("shards")
+    have = set(committed)
+    missing = [s for s in range(planned) if s not in have] if isinstance(planned, int) else []
+    return OutputStatus(
+        uri=store.uri(),
+        job=job,
+        success=read_json(store, success_key()),
+        committed=committed,
+        missing=missing,
+        counts=count_shards(store, committed),
+    )

@@ -1,0 +1,182 @@
+"""The job summary: what `_SUCCESS` holds and what the driver prints at the end.
+
+Counts of rows and images are over the whole output (earlier runs included), read from the
+manifests; timings, start-up costs and per-worker throughput are this run's.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from driver.dispatch import DispatchResult
+from driver.progress import JobProgress, compile_fallbacks, format_duration, plural, warmup_seconds
+from driver.status import OutputCounts
+
+SUMMARY_VERSION = 1
+
+SUCCEEDED = "succeeded"  # every shard committed, every image ok
+COMPLETED_WITH_FAILURES = "completed_with_failures"  # every shard committed, some images failed
+FAILED = "failed"  # some shards failed: no _SUCCESS, run the same command again to retry them
+
+
+@dataclass
+class JobSummary:
+    status: str
+    output: str
+    fingerprint: str
+    shards: dict[str, int]  # planned, committed, committed_before, committed_now, failed, left
+    rows: dict[str, int]  # planned, ok, failed
+    images: dict[str, int]  # planned, ok, failed
+    failures_by_error: dict[str, int]  # image errors (from the manifests) and shard errors
+    failed_shards: list[dict[str, Any]]  # {shard, attempts, kind, error}
+    timings: dict[str, float]  # wall_s, plan_s, dispatch_s, count_s; generate/encode/upload sums
+    startup: dict[str, Any]  # actors, load/warm-up/start-up means and maxima, per worker
+    workers: dict[str, dict[str, Any]]  # per worker: shards, images, busy_s, images_per_s
+    dispatch: dict[str, int]  # DispatchStats
+    recompiles: int = 0  # compilations on the request path, over all shards (should be 0)
+    compile_fallbacks: dict[str, dict[str, str]] = field(default_factory=dict)  # worker -> target -> why
+    version: int = SUMMARY_VERSION
+
+    @property
+    def exit_code(self) -> int:
+        """0 only when every shard committed and every image is ok."""
+        return 0 if self.status == SUCCEEDED else 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False, default=str) + "\n"
+
+    def format_text(self) -> str:
+        s, r, i, t = self.shards, self.rows, self.images, self.timings
+        head = {
+            SUCCEEDED: "job succeeded",
+            COMPLETED_WITH_FAILURES: "job completed, but some images FAILED",
+            FAILED: "job FAILED: some shards could not be committed",
+        }[self.status]
+        lines = [
+            f"{head}: {self.output}",
+            f"  shards: {s['committed']}/{s['planned']} committed ({s['committed_now']} now, "
+            f"{s['committed_before']} before), {s['failed']} failed",
+            f"  rows:   {r['ok']} ok, {r['failed']} failed of {r['planned']}",
+            f"  images: {i['ok']} ok, {i['failed']} failed of {i['planned']}",
+            f"  time:   {format_duration(t['wall_s'])} (plan {t['plan_s']:.1f} s, dispatch "
+            f"{format_duration(t['dispatch_s'])})",
+        ]
+        st = self.startup
+        if st.get("actors"):
+            lines.append(
+                f"  start-up: {st['actors']} actors, mean {st['startup_s_mean']:.1f} s "
+                f"(max {st['startup_s_max']:.1f} s)"
+            )
+        for worker, w in sorted(self.workers.items()):
+            lines.append(
+                f"  worker {worker}: {w['shards']} shards, {w['images_ok']} images, {w['images_per_s']:.2f} img/s"
+            )
+        if self.recompiles:
+            lines.append(f"  WARNING: {self.recompiles} compilations on the request path (expected 0)")
+        for worker, fallbacks in self.compile_fallbacks.items():
+            lines.append(f"  WARNING: {worker} ran eager: {fallbacks}")
+        for message, n in self.failures_by_error.items():
+            lines.append(f"  failed x{n}: {message}")
+        for f in self.failed_shards:
+            lines.append(
+                f"  shard {f['shard']} failed after {plural(f['attempts'], 'attempt')}: {f['error']}"
+            )
+        if self.status == FAILED:
+            lines.append("  Run the same command again to retry the failed shards; committed ones are kept.")
+        elif self.status == COMPLETED_WITH_FAILURES:
+            lines.append("  Failed images have status 'failed' and an error in the manifests.")
+        return "\n".join(lines)
+
+
+def _stats(values: list[float]) -> tuple[float, float]:
+    return (statistics.fmean(values), max(values)) if values else (0.0, 0.0)
+
+
+def startup_summary(reports: dict[str, dict]) -> dict[str, Any]:
+    """Means and maxima of the actors' start-up costs, and each actor's report."""
+    startup = [
+        float(r["startup_s"]) for r in reports.values() if isinstance(r.get("startup_s"), (int, float))
+    ]
+    load = [float(r["load_s"]) for r in reports.values() if isinstance(r.get("load_s"), (int, float))]
+    warm = [w for w in (warmup_seconds(r) for r in reports.values()) if w is not None]
+    (sm, sx), (lm, lx), (wm, wx) = _stats(startup), _stats(load), _stats(warm)
+    return {
+        "actors": len(reports),
+        "startup_s_mean": round(sm, 3),
+        "startup_s_max": round(sx, 3),
+        "load_s_mean": round(lm, 3),
+        "load_s_max": round(lx, 3),
+        "warmup_s_mean": round(wm, 3),
+        "warmup_s_max": round(wx, 3),
+        "per_worker": reports,
+    }
+
+
+def build_summary(
+    *,
+    output: str,
+    fingerprint: str,
+    planned: dict[str, int],
+    committed_before: int,
+    counts: OutputCounts,
+    dispatch: DispatchResult | None,
+    progress: JobProgress,
+    timings: dict[str, float],
+) -> JobSummary:
+    """Assemble the summary. planned: {'shards', 'rows', 'images'} of the plan; counts: over
+    every committed shard of the output."""
+    failed = [
+        {"shard": f.index, "attempts": f.attempts, "kind": f.kind, "error": f.error}
+        for f in (dispatch.failed if dispatch else [])
+    ]
+    committed = counts.shards
+    if failed:
+        status = FAILED
+    elif committed < planned["shards"]:
+        status = FAILED  # should not happen: every shard either committed or failed
+    elif counts.images_failed or counts.rows_failed:
+        status = COMPLETED_WITH_FAILURES
+    else:
+        status = SUCCEEDED
+    failures = counts.errors_capped()
+    for f in failed:
+        key = f"shard failed: {f['kind']}"
+        failures[key] = failures.get(key, 0) + 1
+    workers = {w: s.to_dict() for w, s in progress.workers.items()}
+    reports = progress.startup_costs()
+    return JobSummary(
+        status=status,
+        output=output,
+        fingerprint=fingerprint,
+        shards={
+            "planned": planned["shards"],
+            "committed": committed,
+            "committed_before": committed_before,
+            "committed_now": committed - committed_before,
+            "failed": len(failed),
+            "left": planned["shards"] - committed,
+        },
+        rows={"planned": planned["rows"], "ok": counts.rows_ok, "failed": counts.rows_failed},
+        images={"planned": planned["images"], "ok": counts.images_ok, "failed": counts.images_failed},
+        failures_by_error=failures,
+        failed_shards=failed,
+        timings={
+            **{k: round(v, 3) for k, v in timings.items()},
+            "generate_s": round(sum(w.generate_s for w in progress.workers.values()), 3),
+            "encode_s": round(sum(w.encode_s for w in progress.workers.values()), 3),
+            "upload_s": round(sum(w.upload_s for w in progress.workers.values()), 3),
+            "actor_ready_s": round(dispatch.ready_actor_s, 3) if dispatch else 0.0,
+            "actor_busy_s": round(dispatch.busy_actor_s, 3) if dispatch else 0.0,
+        },
+        startup=startup_summary(reports),
+        workers=workers,
+        dispatch=asdict(dispatch.stats) if dispatch else {},
+        recompiles=sum(w.recompiles for w in progress.workers.values()),
+        compile_fallbacks={w: fb for w, r in reports.items() if (fb := compile_fallbacks(r))},
+    )

@@ -1,0 +1,195 @@
+"""The `ditfleet` command.
+
+    ditfleet validate job.yaml             spec and every input row; no cluster, no GPU
+    ditfleet plan job.yaml [--json]        rows, shards, buckets, images that a run would make
+    ditfleet run job.yaml [--address A]    run or resume the job (local Ray, or a cluster)
+    ditfleet status OUTPUT [--json]        committed shards, rows ok/failed, what is left
+    ditfleet preview OUTPUT --out s.png    contact sheet of generated images with their prompts
+
+Exit codes: 0 done; 1 the job ran but rows or shards failed (or, for status, the output is
+incomplete); 2 bad job file, bad input, an output of another job, or bad usage: nothing written.
+
+`run` connects to an existing cluster when --address or RAY_ADDRESS is given (that is how it
+runs as the entrypoint of `ray job submit --working-dir . -- ditfleet run job.yaml`), else it
+starts a local Ray on 127.0.0.1 without a dashboard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from driver.dispatch import DispatchError
+from driver.errors import InputError
+from driver.run import OutputMismatch, plan_input, run_job, validate_job_input
+from driver.status import output_status
+from jobs.spec import JobSpec, SpecError, load_spec
+from workers.stores import S3Config, StoreError, open_store
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+class UsageError(ValueError):
+    """A bad command line (other than what argparse catches)."""
+
+
+def _print_err(message: str) -> None:
+    print(f"ditfleet: {message}", file=sys.stderr)
+
+
+def connect_ray(address: str | None) -> None:
+    """Connect to the cluster at `address` (or RAY_ADDRESS), or start a local one on loopback."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if address or os.environ.get("RAY_ADDRESS"):
+        ray.init(address=address, logging_level="WARNING")  # None: Ray reads RAY_ADDRESS
+        return
+    # On Linux Ray swaps 127.0.0.1 for the host's address and listens everywhere; this keeps a
+    # local, single-node cluster on loopback.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING")
+
+
+def _store_args(args: argparse.Namespace) -> S3Config:
+    return S3Config(endpoint_url=args.endpoint_url, region=args.region)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    spec = load_spec(args.job)
+    report = validate_job_input(spec.to_driver_config())
+    if not report.ok:
+        raise InputError(report.errors, report.total)
+    print(f"{args.job}: ok: {report.rows} rows in {len(report.files)} file(s) under {spec.input_uri()}")
+    return EXIT_OK
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    spec = load_spec(args.job)
+    plan = plan_input(spec.to_driver_config())
+    info = {
+        "input": plan.source,
+        "files": len(plan.inputs),
+        "rows": plan.total_rows,
+        "images": plan.total_images,
+        "shards": len(plan.shards),
+        "shard_size": plan.config.shard_size,
+        "buckets": plan.bucket_usage,
+        "output": spec.output_uri(),
+        "actors": {"min": spec.workers.min, "max": spec.workers.max or spec.workers.min},
+        "fingerprint": plan.fingerprint(),
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return EXIT_OK
+    print(f"input:   {info['input']} ({info['files']} file(s))")
+    print(f"rows:    {info['rows']}, images: {info['images']}")
+    print(f"shards:  {info['shards']} of up to {info['shard_size']} rows")
+    print("buckets: " + ", ".join(f"{b} ({n} shards)" for b, n in plan.bucket_usage.items()))
+    print(f"output:  {info['output']}")
+    print(f"actors:  {info['actors']['min']}..{info['actors']['max']}")
+    return EXIT_OK
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    spec: JobSpec = load_spec(args.job)
+    driver, worker = spec.to_driver_config(), spec.to_worker_config()
+    started = False
+
+    def connect() -> None:
+        nonlocal started
+        connect_ray(args.address)
+        started = True
+
+    try:
+        summary = run_job(driver, worker, connect=connect)
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+    return summary.exit_code
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    status = output_status(open_store(args.output, _store_args(args)))
+    if status.job is None and not status.committed:
+        raise UsageError(f"{args.output}: no _job.json and no manifests: not a ditfleet output (yet)")
+    print(json.dumps(status.to_dict(), indent=2) if args.json else status.format_text())
+    d = status.to_dict()
+    return EXIT_OK if d["complete"] and not d["rows"]["failed"] else EXIT_FAILED
+
+
+def cmd_preview(args: argparse.Namespace) -> int:
+    from jobs.preview import write_preview
+
+    store = open_store(args.output, _store_args(args))
+    shown = write_preview(store, args.out, limit=args.max, columns=args.columns)
+    print(f"wrote {args.out}: {shown} images from {store.uri()}")
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ditfleet", description="Generate image datasets on a Ray cluster.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("validate", help="check the job file and every input row (no cluster, no GPU)")
+    p.add_argument("job", help="job file (YAML or JSON)")
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("plan", help="what a run would do: rows, shards, buckets, images")
+    p.add_argument("job")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("run", help="run or resume the job")
+    p.add_argument("job")
+    p.add_argument("--address", help="Ray cluster to use (default: RAY_ADDRESS, else a local Ray)")
+    p.set_defaults(func=cmd_run)
+
+    for name, helptext, func in (
+        ("status", "what an output holds and what is left", cmd_status),
+        ("preview", "contact sheet PNG of generated images with their prompts", cmd_preview),
+    ):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("output", help="output directory or s3://bucket/prefix")
+        p.add_argument("--endpoint-url", help="S3-compatible endpoint for s3:// outputs")
+        p.add_argument("--region", help="S3 region")
+        p.set_defaults(func=func)
+        if name == "status":
+            p.add_argument("--json", action="store_true", help="print JSON")
+        else:
+            p.add_argument("--out", required=True, help="PNG file to write")
+            p.add_argument("--max", type=int, default=24, help="images on the sheet (default 24)")
+            p.add_argument("--columns", type=int, help="images per row (default: about square)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `ditfleet` console script; returns the exit code."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (SpecError, InputError, OutputMismatch, UsageError) as e:
+        _print_err(str(e))
+        return EXIT_BAD_INPUT
+    except (StoreError, ValueError, OSError) as e:
+        # A store that cannot be used, a damaged file in the output: say what and where.
+        _print_err(f"{type(e).__name__}: {e}")
+        return EXIT_BAD_INPUT
+    except DispatchError as e:
+        _print_err(str(e))
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        _print_err("interrupted; run the same command again to resume (committed shards are kept)")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

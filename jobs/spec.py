@@ -1,0 +1,420 @@
+"""The job spec: one YAML (or JSON) file that says what to generate, where, and how.
+
+    spec = load_spec("job.yaml")          # SpecError naming the file, line and key on any problem
+    run_job(spec.to_driver_config(), spec.to_worker_config())
+
+Sections map onto the lower layers' configs; each field says why it exists. Unknown keys are
+errors (`extra="forbid"`): a typo in a job file must not be silently ignored. Relative local
+paths are resolved against the current directory when the spec is converted, so every actor
+gets the same absolute path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from compile import CompileConfig
+from compile.buckets import QWEN_IMAGE_BUCKETS, TINY_BUCKETS, BucketError, BucketSet, ResolutionBucket
+from driver.dispatch import DispatchConfig
+from driver.plan import PlanConfig
+from driver.run import DriverConfig
+from workers.actor import WorkerConfig
+from workers.rows import CFG_RANGE, MAX_SEED, NUM_IMAGES_RANGE, STEPS_RANGE, RowConfig
+from workers.shard_writers import ShardWriterConfig
+from workers.stores import S3Config
+
+TINY_MODEL = "tiny"
+
+
+class SpecError(ValueError):
+    """A job file that cannot be used; the message names the file, line and key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class InputSpec(_Section):
+    path: str = Field(
+        description="The prompt Parquet: a file, a directory of *.parquet files, or a glob "
+        "('prompts/**/*.parquet'); local or s3://bucket/key. Relative paths start at the current directory."
+    )
+
+
+class OutputSpec(_Section):
+    uri: str = Field(
+        description="Where images, manifests, _job.json and _SUCCESS go: a local directory or "
+        "s3://bucket/prefix. Running again with the same output resumes the job."
+    )
+    format: Literal["files", "parquet"] = Field(
+        "files",
+        description="'files': one image object per image; 'parquet': images embedded in one Parquet "
+        "file per shard (Hugging Face datasets image struct).",
+    )
+    image_format: Literal["png", "webp", "jpeg"] = Field(
+        "png", description="Image encoding: png (lossless), webp or jpeg (smaller, lossy)."
+    )
+    quality: int | None = Field(
+        None, ge=1, le=100, description="webp/jpeg quality 1..100; null: the codec's default. Not for png."
+    )
+
+    @model_validator(mode="after")
+    def _quality_needs_lossy(self) -> OutputSpec:
+        if self.quality is not None and self.image_format == "png":
+            raise ValueError("quality applies to webp and jpeg only; drop it or choose another image_format")
+        return self
+
+
+class ModelSpec(_Section):
+    path: str = Field(
+        TINY_MODEL,
+        description="'tiny' (the bundled small model) or a local directory in the diffusers layout.",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when the actor has a GPU.")
+    dtype: Literal["auto", "bf16", "fp32"] = Field("auto", description="auto: bf16 on cuda, fp32 on cpu.")
+    modulation_cache: Literal["off", "cfg", "table"] = Field(
+        "cfg",
+        description="Reuse block modulations: 'cfg' computes them once per step for both CFG passes, "
+        "'table' once per bucket schedule per actor (more memory). Outputs are identical.",
+    )
+    max_sequence_length: int = Field(512, ge=1, le=1024, description="Longest prompt, in text tokens.")
+
+
+class SamplingSpec(_Section):
+    steps: int = Field(
+        50, ge=STEPS_RANGE[0], le=STEPS_RANGE[1], description="Denoising steps (a row's `steps` wins)."
+    )
+    true_cfg_scale: float = Field(
+        4.0,
+        ge=CFG_RANGE[0],
+        le=CFG_RANGE[1],
+        description="True CFG scale; > 1 with a negative prompt turns CFG on.",
+    )
+    negative_prompt: str | None = Field(" ", description="Default negative prompt; null: none (CFG off).")
+    seed: int = Field(
+        0,
+        ge=0,
+        le=MAX_SEED,
+        description="Job seed: a row without `seed` gets one derived from this and its id.",
+    )
+    num_images: int = Field(
+        1,
+        ge=NUM_IMAGES_RANGE[0],
+        le=NUM_IMAGES_RANGE[1],
+        description="Images per row (a row's `num_images` wins).",
+    )
+    max_prompt_chars: int = Field(4000, ge=1, le=10**7, description="Longer prompts are input errors.")
+
+
+class BucketsSpec(_Section):
+    names: list[str] | None = Field(
+        None,
+        description="Resolution buckets 'WxH' (multiples of 16); the first is the default size. "
+        "null: the model's own (tiny: 128x128, 160x96, 96x160; else Qwen-Image's recommended sizes).",
+    )
+    strict: bool = Field(
+        False,
+        description="true: a row size that is not a bucket is an input error; false: nearest aspect ratio.",
+    )
+
+    @field_validator("names")
+    @classmethod
+    def _parse(cls, names: list[str] | None) -> list[str] | None:
+        if names is None:
+            return None
+        try:
+            return [ResolutionBucket.parse(n).name for n in BucketSet.from_names(names).names]
+        except BucketError as e:
+            raise ValueError(str(e)) from e
+
+
+class CompileSpec(_Section):
+    vae: bool = Field(True, description="Compile the VAE decode, warmed once per bucket at actor start-up.")
+    dit: bool = Field(
+        False, description="Compile the DiT blocks too (longer start-up, faster steps on GPUs)."
+    )
+    shared_cache: bool = Field(
+        True, description="Share compiled artifacts through the output store, so new actors start faster."
+    )
+
+
+class WorkersSpec(_Section):
+    min: int = Field(1, ge=1, description="Actors started at once and kept while shards wait.")
+    max: int | None = Field(
+        None,
+        ge=1,
+        description="Actors grown to while shards wait (pending ones ask the autoscaler); null: min.",
+    )
+    gpus: float | None = Field(
+        None, ge=0, description="GPUs per actor; null: 0 for the tiny model, 1 otherwise."
+    )
+    cpus: float = Field(1.0, ge=0, description="CPUs per actor (encode/upload threads run on them).")
+    batch_size: int = Field(
+        4, ge=1, le=1024, description="Images generated together (same bucket and steps)."
+    )
+    shards_in_flight: int = Field(
+        2, ge=1, le=8, description="Shards queued per actor, so its GPU never waits."
+    )
+    speculative_tail: bool = Field(
+        True, description="Near the end, rerun slow shards on idle actors; the first commit wins."
+    )
+    idle_retire_s: float = Field(
+        10.0, ge=0, description="Stop an actor idle this long once nothing is queued."
+    )
+    placement_timeout_s: float | None = Field(
+        1800.0, gt=0, description="Give up when no actor can be placed for this long; null: wait forever."
+    )
+
+    @model_validator(mode="after")
+    def _max_at_least_min(self) -> WorkersSpec:
+        if self.max is not None and self.max < self.min:
+            raise ValueError(f"max ({self.max}) must be >= min ({self.min})")
+        return self
+
+
+class ShardsSpec(_Section):
+    size: int = Field(256, ge=1, description="Input rows per shard: the unit of work, retry and commit.")
+    max_attempts: int = Field(
+        3, ge=1, le=100, description="Failed runs of a shard before it is reported failed."
+    )
+
+
+class S3Spec(_Section):
+    endpoint_url: str | None = Field(
+        None,
+        description="S3-compatible endpoint (MinIO, R2, ...); null: AWS. Credentials come from the AWS chain.",
+    )
+    region: str | None = Field(None, description="Region of the bucket(s); null: the AWS default.")
+    max_attempts: int = Field(
+        10, ge=1, le=100, description="Attempts per S3 request (botocore standard retries)."
+    )
+
+
+class JobSpec(_Section):
+    """A ditfleet job: what to generate (input), where (output), with what (model, sampling)."""
+
+    name: str | None = Field(None, description="A name for logs and summaries.")
+    input: InputSpec = Field(description="The prompts.")
+    output: OutputSpec = Field(description="Where results go.")
+    model: ModelSpec = Field(default_factory=ModelSpec, description="The model and its numerics.")
+    sampling: SamplingSpec = Field(
+        default_factory=SamplingSpec, description="Defaults for rows that give none."
+    )
+    buckets: BucketsSpec = Field(default_factory=BucketsSpec, description="Image sizes.")
+    compile: CompileSpec = Field(default_factory=CompileSpec, description="torch.compile at actor start-up.")
+    workers: WorkersSpec = Field(default_factory=WorkersSpec, description="The actor fleet.")
+    shards: ShardsSpec = Field(default_factory=ShardsSpec, description="Units of work.")
+    s3: S3Spec = Field(default_factory=S3Spec, description="Client settings for s3:// input and output.")
+
+    # -- resolution ------------------------------------------------------------------------------
+
+    def bucket_names(self) -> list[str]:
+        if self.buckets.names is not None:
+            return list(self.buckets.names)
+        default = TINY_BUCKETS if self.model.path == TINY_MODEL else QWEN_IMAGE_BUCKETS
+        return [b.name for b in default]
+
+    def gpus_per_actor(self) -> float:
+        if self.workers.gpus is not None:
+            return self.workers.gpus
+        return 0.0 if self.model.path == TINY_MODEL else 1.0
+
+    def input_uri(self) -> str:
+        return _absolute(self.input.path)
+
+    def output_uri(self) -> str:
+        return _absolute(self.output.uri)
+
+    def model_path(self) -> str:
+        return self.model.path if self.model.path == TINY_MODEL else _absolute(self.model.path)
+
+    def resolved(self) -> dict[str, Any]:
+        """The spec with every default and path filled in (JSON-safe): what `_job.json` stores."""
+        doc = self.model_dump(mode="json")
+        doc["input"]["path"] = self.input_uri()
+        doc["output"]["uri"] = self.output_uri()
+        doc["model"]["path"] = self.model_path()
+        doc["buckets"]["names"] = self.bucket_names()
+        doc["workers"]["max"] = self.workers.max or self.workers.min
+        doc["workers"]["gpus"] = self.gpus_per_actor()
+        return doc
+
+    def row_config(self) -> RowConfig:
+        s = self.sampling
+        return RowConfig(
+            job_seed=s.seed,
+            buckets=BucketSet.from_names(self.bucket_names(), strict=self.buckets.strict),
+            steps=s.steps,
+            true_cfg_scale=s.true_cfg_scale,
+            negative_prompt=s.negative_prompt,
+            num_images=s.num_images,
+            max_prompt_chars=s.max_prompt_chars,
+        )
+
+    def image_settings(self) -> dict[str, Any]:
+        """Settings that change the stored bytes of an image, for the plan's fingerprint.
+        (The modulation cache and the batch size do not: outputs are identical either way.)"""
+        return {
+            "model": self.model_path(),
+            "device": self.model.device,
+            "dtype": self.model.dtype,
+            "compile_vae": self.compile.vae,
+            "compile_dit": self.compile.dit,
+            "max_sequence_length": self.model.max_sequence_length,
+            "output_format": self.output.format,
+            "image_format": self.output.image_format,
+            "quality": self.output.quality,
+        }
+
+    def s3_config(self) -> S3Config:
+        return S3Config(
+            endpoint_url=self.s3.endpoint_url, region=self.s3.region, max_attempts=self.s3.max_attempts
+        )
+
+    def to_driver_config(self) -> DriverConfig:
+        w = self.workers
+        return DriverConfig(
+            input_uri=self.input_uri(),
+            output_uri=self.output_uri(),
+            plan=PlanConfig(
+                rows=self.row_config(), shard_size=self.shards.size, image_settings=self.image_settings()
+            ),
+            dispatch=DispatchConfig(
+                min_actors=w.min,
+                max_actors=w.max or w.min,
+                num_gpus=self.gpus_per_actor(),
+                num_cpus=w.cpus,
+                shards_in_flight_per_actor=w.shards_in_flight,
+                max_attempts=self.shards.max_attempts,
+                speculative_tail=w.speculative_tail,
+                idle_retire_s=w.idle_retire_s,
+                placement_timeout_s=w.placement_timeout_s,
+            ),
+            s3=self.s3_config(),
+            resolved_spec=json.dumps(self.resolved(), sort_keys=True),
+        )
+
+    def to_worker_config(self) -> WorkerConfig:
+        return WorkerConfig(
+            output_uri=self.output_uri(),
+            rows=self.row_config(),
+            model_path=self.model_path(),
+            device=self.model.device,
+            dtype=self.model.dtype,
+            modulation_cache=self.model.modulation_cache,
+            batch_size=self.workers.batch_size,
+            max_sequence_length=self.model.max_sequence_length,
+            compile=CompileConfig(
+                vae=self.compile.vae, dit=self.compile.dit, shared_cache=self.compile.shared_cache
+            ),
+            writer=ShardWriterConfig(
+                output_format=self.output.format,
+                image_format=self.output.image_format,
+                quality=self.output.quality,
+            ),
+            s3=self.s3_config(),
+        )
+
+
+def _absolute(path: str) -> str:
+    """s3:// and file:// URIs as given; a local path made absolute (against the current dir)."""
+    if "://" in path:
+        return path
+    return os.path.abspath(os.path.expanduser(path))
+
+
+# -- loading ----------------------------------------------------------------------------------------
+
+
+def load_spec(path: str | os.PathLike) -> JobSpec:
+    """Read and validate a job file (YAML, or JSON for *.json). Raises SpecError listing every
+    problem as 'file:line: key.path: what is wrong'."""
+    name = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError(f"{name}: job file not found; check the path") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError(f"{name}: cannot read the job file ({e})") from e
+    return parse_spec(text, name)
+
+
+def parse_spec(text: str, name: str = "<job>") -> JobSpec:
+    """Validate job text; `name` is the file name used in error messages."""
+    try:
+        data = json.loads(text) if name.endswith(".json") else yaml.safe_load(text)
+    except json.JSONDecodeError as e:
+        raise SpecError(f"{name}:{e.lineno}: not valid JSON: {e.msg}") from e
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise SpecError(f"{name}{where}: not valid YAML: {getattr(e, 'problem', None) or e}") from e
+    if not isinstance(data, dict):
+        raise SpecError(
+            f"{name}: a job file must be a mapping with at least 'input' and 'output' sections, "
+            f"got {type(data).__name__}"
+        )
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as e:
+        lines = _key_lines(text)
+        problems = [_describe(err, name, lines) for err in e.errors()]
+        head = f"{name}: {len(problems)} problem{'s' if len(problems) != 1 else ''} in the job file:"
+        raise SpecError("\n".join([head, *(f"  {p}" for p in problems)])) from None
+
+
+def _describe(err: dict[str, Any], name: str, lines: dict[tuple[str, ...], int]) -> str:
+    loc = tuple(str(p) for p in err["loc"])
+    key = ".".join(loc) or "(top level)"
+    line = next((lines[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in lines), None)
+    where = f"{name}:{line}" if line else name
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        allowed = ", ".join(_allowed_keys(loc[:-1]))
+        return f"{where}: {key}: unknown key; allowed here: {allowed}"
+    if kind == "missing":
+        return f"{where}: {key}: required, missing"
+    message = str(err["msg"]).removeprefix("Value error, ")
+    given = err.get("input")
+    shown = "" if isinstance(given, dict) else f" (got {given!r})"
+    return f"{where}: {key}: {message}{shown}"
+
+
+def _allowed_keys(loc: tuple[str, ...]) -> list[str]:
+    model: type[BaseModel] = JobSpec
+    for part in loc:
+        field = model.model_fields.get(part)
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)
+
+
+def _key_lines(text: str) -> dict[tuple[str, ...], int]:
+    """1-based line of every mapping key path in a YAML (or JSON) document, for error messages."""
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError:
+        return {}
+    out: dict[tuple[str, ...], int] = {}
+
+    def walk(node: Any, prefix: tuple[str, ...]) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                path = (*prefix, str(key.value))
+                out[path] = key.start_mark.line + 1
+                walk(value, path)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                out[(*prefix, str(i))] = item.start_mark.line + 1
+                walk(item, (*prefix, str(i)))
+
+    walk(root, ())
+    return out

@@ -1,0 +1,189 @@
+"""The job spec and the `ditfleet` CLI: clear errors naming file, line and key; exit code 2 and
+nothing written on bad input; plan, status and preview on real files."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+from pydantic import BaseModel
+
+from jobs.cli import main
+from jobs.spec import JobSpec, SpecError, load_spec, parse_spec
+from workers.layout import image_key, job_key
+from workers.manifest import ManifestRow, ManifestWriter
+from workers.stores import open_store
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "jobs" / "examples" / "tiny.yaml"
+
+
+def write_job(tmp_path: Path, body: str, name: str = "job.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(body)
+    return path
+
+
+def minimal(tmp_path: Path, extra: str = "") -> str:
+    pq.write_table(
+        pa.table({"prompt": ["a small red circle at the top left on a blue background"] * 3}),
+        tmp_path / "p.parquet",
+    )
+    return f"input:\n  path: {tmp_path / 'p.parquet'}\noutput:\n  uri: {tmp_path / 'out'}\n{extra}"
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        (
+            "workers:\n  min: 1\n  maxx: 4\n",
+            ["job.yaml:7: workers.maxx: unknown key; allowed here: min, max,"],
+        ),
+        ("workers:\n  min: two\n", ["job.yaml:6: workers.min:", "valid integer", "(got 'two')"]),
+        ("sampling:\n  steps: 0\n", ["job.yaml:6: sampling.steps:", "greater than or equal to 1", "(got 0)"]),
+        ("output_dir: x\n", ["job.yaml:5: output_dir: unknown key; allowed here: name, input, output"]),
+        ("buckets:\n  names: [100x100]\n", ["buckets.names", "not a positive multiple of 16"]),
+        ("workers:\n  min: 3\n  max: 2\n", ["workers: max (2) must be >= min (3)"]),
+        ("model:\n  dtype: fp16\n", ["model.dtype: Input should be 'auto', 'bf16' or 'fp32' (got 'fp16')"]),
+    ],
+)
+def test_spec_errors_name_the_file_line_and_key(tmp_path, extra, expected):
+    path = write_job(tmp_path, minimal(tmp_path, extra))
+    with pytest.raises(SpecError) as err:
+        load_spec(path)
+    text = str(err.value)
+    for part in expected:
+        assert part.replace("job.yaml", str(path)) in text, text
+
+
+def test_missing_section_invalid_yaml_and_missing_file(tmp_path):
+    with pytest.raises(SpecError, match=r"job.yaml: 1 problem.*\n  job.yaml: output: required, missing"):
+        parse_spec("input: {path: x.parquet}\n", "job.yaml")
+    with pytest.raises(SpecError, match=r"job.yaml:2: not valid YAML: found character '\\t'"):
+        parse_spec("input:\n\tpath: x\n", "job.yaml")
+    with pytest.raises(SpecError, match="job file not found"):
+        load_spec(tmp_path / "nope.yaml")
+    with pytest.raises(SpecError, match=r"job.json:1: output.uri: Input should be a valid string \(got 3\)"):
+        parse_spec('{"input": {"path": "x"}, "output": {"uri": 3}}', "job.json")
+
+
+def test_every_field_says_why_it_exists():
+    def walk(model: type[BaseModel], prefix: str):
+        for name, field in model.model_fields.items():
+            assert field.description, f"{prefix}{name} has no description"
+            if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+                walk(field.annotation, f"{prefix}{name}.")
+
+    walk(JobSpec, "")
+
+
+def test_example_job_converts_to_consistent_lower_configs(monkeypatch):
+    monkeypatch.chdir(EXAMPLE.parents[2])
+    spec = load_spec(EXAMPLE)
+    driver, worker = spec.to_driver_config(), spec.to_worker_config()
+    assert driver.output_uri == worker.output_uri == str(EXAMPLE.parents[2] / "out" / "tiny")
+    assert driver.plan.rows == worker.rows, "planner and worker must resolve rows identically"
+    assert driver.dispatch.num_gpus == 0 and driver.dispatch.max_actors == 2
+    assert worker.rows.buckets.names == ("128x128", "160x96", "96x160") and worker.rows.buckets.strict
+    resolved = json.loads(driver.resolved_spec)
+    assert resolved["input"]["path"].endswith("jobs/examples/prompts.parquet")
+    assert resolved["workers"]["gpus"] == 0
+
+
+def test_cli_bad_spec_or_input_exits_2_and_writes_nothing(tmp_path, capsys):
+    job = write_job(tmp_path, minimal(tmp_path, "workers:\n  mn: 1\n"))
+    assert main(["run", str(job)]) == 2
+    err = capsys.readouterr().err
+    assert f"{job}:6: workers.mn: unknown key" in err
+    pq.write_table(pa.table({"prompt": ["ok", None, ""], "steps": [1, 2, -3]}), tmp_path / "p.parquet")
+    job = write_job(
+        tmp_path, f"input: {{path: {tmp_path / 'p.parquet'}}}\noutput: {{uri: {tmp_path / 'out'}}}\n"
+    )
+    for command in ("validate", "plan", "run"):
+        assert main([command, str(job)]) == 2
+        err = capsys.readouterr().err
+        assert "row 1, column 'prompt'" in err and "row 2, column 'steps'" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_plan_prints_shards_and_buckets(tmp_path, capsys):
+    pq.write_table(
+        pa.table({"prompt": ["a circle"] * 10, "width": pa.array([160] * 4 + [None] * 6, pa.int32()),
+                  "height": pa.array([96] * 4 + [None] * 6, pa.int32())}),
+        tmp_path / "p.parquet",
+    )  # fmt: skip
+    job = write_job(
+        tmp_path,
+        f"input: {{path: {tmp_path / 'p.parquet'}}}\noutput: {{uri: {tmp_path / 'out'}}}\nshards: {{size: 4}}\n",
+    )
+    assert main(["plan", str(job), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["rows"] == 10 and info["shards"] == 3 and info["images"] == 10
+    assert info["buckets"] == {"128x128": 2, "160x96": 1}
+
+
+def _fake_output(root: Path, shards: int, planned: int) -> None:
+    """An output as the worker writes it: PNG objects, manifests, and a _job.json."""
+    store = open_store(str(root))
+    for shard in range(shards):
+        writer = ManifestWriter(shard, expected_rows=2)
+        for k, colour in enumerate(("red", "blue")):
+            row_id = f"s{shard}-{k}"
+            buf = io.BytesIO()
+            Image.new("RGB", (64, 48), colour).save(buf, format="PNG")
+            key = image_key(shard, row_id, None, "png")
+            store.put(key, buf.getvalue())
+            ok = not (shard == 0 and k == 1)
+            writer.add(
+                ManifestRow(
+                    id=row_id,
+                    k=0,
+                    prompt=f"a {colour} picture number {shard}",
+                    seed=1,
+                    width=64,
+                    height=48,
+                    bucket="64x48",
+                    steps=2,
+                    true_cfg_scale=1.0,
+                    model_id="test",
+                    status="ok" if ok else "failed",
+                    error=None if ok else "boom",
+                    uri=store.uri(key) if ok else None,
+                    sha256=hashlib.sha256(buf.getvalue()).hexdigest() if ok else None,
+                    bytes=len(buf.getvalue()) if ok else None,
+                    format="png",
+                    worker="w",
+                    attempt=0,
+                    shard=shard,
+                )  # fmt: skip
+            )
+        writer.commit(store)
+    store.put(job_key(), json.dumps({"fingerprint": "f", "plan": {"shards": planned, "rows": 2 * planned,
+                                                                   "images": 2 * planned}}).encode())  # fmt: skip
+
+
+def test_cli_status_and_preview_read_the_output(tmp_path, capsys):
+    out = tmp_path / "out"
+    _fake_output(out, shards=2, planned=3)
+    assert main(["status", str(out)]) == 1, "incomplete output"
+    text = capsys.readouterr().out
+    assert "shards: 2 committed of 3, 1 left" in text and "rows:   3 ok, 1 failed" in text
+    assert "shards left: 2" in text and "failed x1: boom" in text
+    assert main(["status", str(out), "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["images"] == {"planned": 6, "ok": 3, "failed": 1}
+
+    sheet = tmp_path / "sheet.png"
+    assert main(["preview", str(out), "--out", str(sheet), "--columns", "3"]) == 0
+    assert "3 images" in capsys.readouterr().out
+    image = Image.open(sheet)
+    assert image.format == "PNG" and image.width == 3 * 176 and image.height > 176
+    # The first cell shows the red image.
+    assert image.getpixel((8 + 80, 8 + 80)) == (255, 0, 0)
+
+    assert main(["preview", str(tmp_path / "empty"), "--out", str(sheet)]) == 2
+    assert "no committed ok images" in capsys.readouterr().err
