@@ -217,6 +217,22 @@ class TransformerBlock(nn.Module):
         mod_cache: ModulationCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         img_mod, txt_mod = self.modulation(temb, mod_key, mod_cache)
+        return self.body(img, txt, img_mod, txt_mod, attn_mask, rope)
+
+    def body(
+        self,
+        img: torch.Tensor,  # (B, N, D)
+        txt: torch.Tensor,  # (B, L, D)
+        img_mod: torch.Tensor,  # (B or 1, 6D)
+        txt_mod: torch.Tensor,  # (B or 1, 6D)
+        attn_mask: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention and MLP given the modulation; a pure tensor function of its inputs.
+
+        Kept apart from `forward` so that a caller can wrap the tensor work alone, leaving the
+        modulation cache lookup (Python state keyed by tensor identity) outside the wrapped region.
+        """
         i_sh1, i_sc1, i_g1, i_sh2, i_sc2, i_g2 = img_mod.chunk(6, dim=-1)
         t_sh1, t_sc1, t_g1, t_sh2, t_sc2, t_g2 = txt_mod.chunk(6, dim=-1)
         D = img.shape[-1]
