@@ -1,0 +1,101 @@
+"""An actor's start-up in one call: shared cache in, compile, warm up, shared cache out.
+
+    report = prepare_worker_pipeline(pipe, config, buckets, artifact_store=store)
+
+Order matters: the shared artifacts must be loaded before anything compiles, and saved only
+after the warm-up compiled every bucket. With nothing to compile (vae=False, dit=False) there is
+nothing to warm or share, and it returns at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .buckets import PROMPT_LENGTH_BUCKETS, ResolutionBucket
+from .cache import (
+    ArtifactStore,
+    CacheLoadResult,
+    CacheSaveResult,
+    KernelSnapshot,
+    cache_key,
+    load_shared_cache,
+    save_shared_cache,
+)
+from .policy import CompileConfig, CompileReport, apply_compile
+from .warmup import WARMUP_PROMPTS, WarmupReport, warm_up
+
+
+@dataclass
+class PreparedPipeline:
+    """What start-up did; `fallbacks` and `to_dict()` go into the worker's stats."""
+
+    compile: CompileReport
+    warmup: WarmupReport | None
+    cache_load: CacheLoadResult | None
+    cache_save: CacheSaveResult | None
+    seconds: float
+
+    @property
+    def fallbacks(self) -> dict[str, str]:
+        """Compiled targets that run eager, with the reason (empty: none)."""
+        return self.compile.fallbacks
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **self.compile.to_dict(),
+            "warmup": self.warmup.to_dict() if self.warmup else None,
+            "cache_load": _result(self.cache_load),
+            "cache_save": _result(self.cache_save),
+            "seconds": round(self.seconds, 3),
+        }
+
+
+def prepare_worker_pipeline(
+    pipe: Any,
+    config: CompileConfig,
+    buckets: Sequence[ResolutionBucket | str],
+    artifact_store: ArtifactStore | None = None,
+    *,
+    batch_sizes: Sequence[int] = (1,),
+    prompts: Sequence[str] = WARMUP_PROMPTS,
+    length_buckets: Sequence[int] = PROMPT_LENGTH_BUCKETS,
+    max_sequence_length: int = 512,
+    steps: int = 2,
+) -> PreparedPipeline:
+    """Compile and warm `pipe` for `buckets`, through the shared cache when a store is given.
+
+    batch_sizes: the batch sizes requests will have; they matter only with the DiT compiled
+    (the VAE decodes image by image), e.g. range(1, batch_size + 1) when partial batches occur.
+    """
+    start = time.perf_counter()
+    report = apply_compile(pipe, config)
+    if not report.methods:
+        return PreparedPipeline(report, None, None, None, time.perf_counter() - start)
+    share = config.shared_cache and artifact_store is not None
+    key = cache_key(pipe, config, buckets, prompt_lengths=length_buckets, batch_sizes=batch_sizes)
+    loaded = load_shared_cache(artifact_store, key) if share and artifact_store is not None else None
+    snapshot = KernelSnapshot.take() if share else None
+    warm = warm_up(
+        pipe,
+        buckets,
+        prompts=prompts,
+        length_buckets=length_buckets,
+        batch_sizes=batch_sizes,
+        steps=steps,
+        max_sequence_length=max_sequence_length,
+    )
+    saved = None
+    if share and artifact_store is not None and (loaded is None or loaded.status != "loaded"):
+        saved = save_shared_cache(artifact_store, key, since=snapshot)
+    return PreparedPipeline(report, warm, loaded, saved, time.perf_counter() - start)
+
+
+def _result(result: CacheLoadResult | CacheSaveResult | None) -> dict[str, Any] | None:
+    if result is None:
+        return None
+    out = dict(vars(result))
+    out["seconds"] = round(out["seconds"], 3)
+    return out

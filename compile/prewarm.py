@@ -1,0 +1,119 @@
+"""Warm a model's compiled buckets in one process, through the shared compile cache.
+
+`python -m compile.prewarm --model DIR --buckets 32x32,48x32 --store DIR` loads the pipeline,
+loads the shared cache (if any), compiles and warms every bucket, saves the cache (if it was
+missing), and prints one JSON line of timings. It is what one actor's start-up does, on its own:
+run it on one node to fill the cache before a fleet starts, or in fresh processes to measure
+what the shared cache saves (`spawn_prewarm`, used by the tests and the benchmark).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .buckets import BucketSet
+from .cache import DirectoryArtifactStore
+from .policy import CompileConfig
+from .prepare import prepare_worker_pipeline
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def prewarm(
+    model: str,
+    buckets: Sequence[str],
+    store_dir: str | None,
+    device: str = "cpu",
+    dtype: str = "float32",
+    dit: bool = False,
+    steps: int = 2,
+) -> dict[str, Any]:
+    """One actor's start-up (`prepare_worker_pipeline`) with a directory as the shared store."""
+    from model import load_pipeline
+
+    start = time.perf_counter()
+    pipe = load_pipeline(model, device=device, dtype=_DTYPES[dtype])
+    store = DirectoryArtifactStore(store_dir) if store_dir else None
+    prepared = prepare_worker_pipeline(
+        pipe, CompileConfig(dit=dit), BucketSet.from_names(buckets).buckets, store, steps=steps
+    )
+    warm, loaded, saved = prepared.warmup, prepared.cache_load, prepared.cache_save
+    assert warm is not None  # the VAE is compiled, so there was a warm-up
+    return {
+        "key": (loaded or saved).key if (loaded or saved) else "",
+        "load": loaded.status if loaded else "off",
+        "load_s": round(loaded.seconds, 3) if loaded else 0.0,
+        "kernels_loaded": loaded.kernels if loaded else 0,
+        "warmup_s": round(warm.seconds, 3),
+        "seconds_per_bucket": {k: round(v, 3) for k, v in warm.seconds_per_bucket().items()},
+        "compiles": warm.compiles,
+        "fallbacks": prepared.fallbacks,
+        "save": saved.status if saved else "skipped",
+        "save_bytes": saved.bytes if saved else 0,
+        "total_s": round(time.perf_counter() - start, 3),
+    }
+
+
+def spawn_prewarm(
+    model: str | Path,
+    buckets: Sequence[str],
+    store_dir: str | Path,
+    inductor_cache_dir: str | Path,
+    device: str = "cpu",
+    extra_env: dict[str, str] | None = None,
+    timeout_s: float = 900,
+) -> dict[str, Any]:
+    """Run `prewarm` in a fresh Python process with its own local Inductor cache directory.
+
+    Only that child's environment changes (TORCHINDUCTOR_CACHE_DIR, plus extra_env), so the
+    child starts with empty local caches and only the shared store can spare it a compile.
+    """
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache_dir), **(extra_env or {})}
+    cmd = [
+        sys.executable, "-m", "compile.prewarm", "--model", str(model), "--buckets", ",".join(buckets),
+        "--store", str(store_dir), "--device", device,
+    ]  # fmt: skip
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"prewarm child failed (exit {done.returncode}): {' '.join(cmd)}\n{done.stderr[-4000:]}"
+        )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m compile.prewarm", description=__doc__)
+    parser.add_argument("--model", required=True, help="diffusers-layout model folder, or 'tiny'")
+    parser.add_argument("--buckets", required=True, help="comma-separated WxH, e.g. 1328x1328,1664x928")
+    parser.add_argument("--store", default=None, help="directory of the shared compile cache")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
+    parser.add_argument("--dit", action="store_true", help="also compile the DiT blocks")
+    parser.add_argument("--steps", type=int, default=2)
+    args = parser.parse_args(argv)
+    result = prewarm(
+        args.model,
+        [b for b in args.buckets.split(",") if b],
+        args.store,
+        device=args.device,
+        dtype=args.dtype,
+        dit=args.dit,
+        steps=args.steps,
+    )
+    print(json.dumps(result, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,95 @@
+"""Prompt embeddings padded to their prompt-length buckets: the request path's inputs.
+
+A compiled DiT is specialised to its text length L, so prompts are encoded and padded to a
+bucket length before `pipe.generate(prompt_embeds=...)`. Warm-up and the worker both build their
+inputs here, so warm-up traces exactly the shapes requests will have.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from model.pipeline import DEFAULT_NEGATIVE_PROMPT
+
+from .buckets import PROMPT_LENGTH_BUCKETS, pad_prompt_embeds, prompt_length_bucket
+
+GuidanceInputs = dict[str, torch.Tensor | None]
+
+
+def cfg_enabled(true_cfg_scale: float | Sequence[float]) -> bool:
+    """The pipeline's rule: true CFG runs when every scale is > 1."""
+    scales = true_cfg_scale if isinstance(true_cfg_scale, Sequence) else [true_cfg_scale]
+    return all(float(s) > 1 for s in scales)
+
+
+def pad_guidance_inputs(
+    embeds: torch.Tensor,
+    mask: torch.Tensor | None,
+    negative_embeds: torch.Tensor | None = None,
+    negative_mask: torch.Tensor | None = None,
+    length_buckets: Sequence[int] = PROMPT_LENGTH_BUCKETS,
+    same_length: bool = False,
+) -> GuidanceInputs:
+    """Pad conditional (and unconditional) embeddings (B, L, D) to their bucket lengths.
+
+    Masks (B, L), 1 = real token; None means all real. same_length pads both branches to the
+    longer bucket (batched CFG concatenates them along the batch). Returns the keyword arguments
+    of `pipe.generate`: prompt_embeds, prompt_embeds_mask, negative_prompt_embeds,
+    negative_prompt_embeds_mask (the last two None without a negative).
+    """
+    mask = _ones_if_none(embeds, mask)
+    length = prompt_length_bucket(embeds.shape[1], length_buckets)
+    neg_length = 0
+    if negative_embeds is not None:
+        negative_mask = _ones_if_none(negative_embeds, negative_mask)
+        neg_length = prompt_length_bucket(negative_embeds.shape[1], length_buckets)
+        if same_length:
+            length = neg_length = max(length, neg_length)
+    embeds, mask = pad_prompt_embeds(embeds, mask, length)  # (B, length, D), (B, length)
+    out: GuidanceInputs = {
+        "prompt_embeds": embeds,
+        "prompt_embeds_mask": mask,
+        "negative_prompt_embeds": None,
+        "negative_prompt_embeds_mask": None,
+    }
+    if negative_embeds is not None:
+        assert negative_mask is not None
+        neg, neg_mask = pad_prompt_embeds(negative_embeds, negative_mask, neg_length)
+        out["negative_prompt_embeds"], out["negative_prompt_embeds_mask"] = neg, neg_mask
+    return out
+
+
+def encode_padded(
+    pipe: Any,
+    prompts: Sequence[str],
+    negative_prompts: Sequence[str] | str | None = None,
+    true_cfg_scale: float | Sequence[float] = 4.0,
+    length_buckets: Sequence[int] = PROMPT_LENGTH_BUCKETS,
+    max_sequence_length: int = 512,
+) -> GuidanceInputs:
+    """Encode prompts (and, when CFG is on, their negatives; default " ") padded to buckets.
+
+    The result goes to `pipe.generate(**inputs, height=..., width=..., ...)`.
+    """
+    embeds, mask = pipe.encode_prompt(list(prompts), max_sequence_length)
+    neg_embeds = neg_mask = None
+    if cfg_enabled(true_cfg_scale):
+        neg = DEFAULT_NEGATIVE_PROMPT if negative_prompts is None else negative_prompts
+        neg_list = [neg] * len(prompts) if isinstance(neg, str) else list(neg)
+        if len(neg_list) != len(prompts):
+            raise ValueError(
+                f"need one negative prompt per prompt: {len(prompts)} prompts, {len(neg_list)} negatives"
+            )
+        neg_embeds, neg_mask = pipe.encode_prompt(neg_list, max_sequence_length)
+    return pad_guidance_inputs(
+        embeds, mask, neg_embeds, neg_mask, length_buckets, same_length=bool(pipe.cfg_batched)
+    )
+
+
+def _ones_if_none(embeds: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    if mask is not None:
+        return mask
+    return torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
