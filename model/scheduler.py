@@ -72,7 +72,9 @@ def sigma_schedule(config: SchedulerConfig, steps: int, image_seq_len: int) -> t
             sigmas = mu / (mu + (1 / sigmas - 1))
     else:
         sigmas = config.shift * sigmas / (1 + (config.shift - 1) * sigmas)
-    if config.shift_terminal:
+    # With one step the only sigma is 1 and there is nothing to stretch (the reference divides
+    # by zero there and returns NaN).
+    if config.shift_terminal and float(sigmas[-1]) < 1.0:
         one_minus = 1 - sigmas
         sigmas = 1 - one_minus / (one_minus[-1] / (1 - config.shift_terminal))
     return torch.cat([sigmas.to(torch.float32), torch.zeros(1, dtype=torch.float32)])

@@ -149,3 +149,10 @@ def test_missing_and_pickle_weights_are_refused(tmp_path, random_model_dir):
         f.rename(f.with_suffix(".bin"))
     with pytest.raises(WeightsError, match="pickle"):
         load_pipeline(pickled)
+
+
+def test_one_step_schedule_is_finite():
+    from model.scheduler import SchedulerConfig, sigma_schedule
+
+    sigmas = sigma_schedule(SchedulerConfig(), 1, 1024)
+    assert torch.isfinite(sigmas).all() and sigmas.tolist() == [1.0, 0.0]

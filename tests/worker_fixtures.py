@@ -1,0 +1,88 @@
+"""Helpers for worker-level tests: prompt Parquet files, shard specs and worker configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from compile import CompileConfig
+from compile.buckets import BucketSet
+from workers.actor import WorkerConfig
+from workers.rows import RowConfig, ShardSpec
+from workers.shard_writers import ShardWriterConfig
+from workers.stores import S3Config
+
+COLOURS = ("red", "green", "blue", "yellow")
+SHAPES = ("circle", "square", "triangle")
+SMALL_BUCKETS = ("32x32", "48x32")
+
+
+def write_prompts(
+    path: Path, n: int, sizes: bool = True, extra: bool = True, row_group_size: int = 64
+) -> Path:
+    """n prompts, some with their own size and seed, plus a pass-through column."""
+    data: dict[str, list] = {
+        "id": [f"p{i:05d}" for i in range(n)],
+        "prompt": [
+            f"a small {COLOURS[i % 4]} {SHAPES[i % 3]} at the top left on a white background"
+            for i in range(n)
+        ],
+    }
+    if sizes:
+        data["width"] = [48 if i % 3 == 0 else None for i in range(n)]
+        data["height"] = [32 if i % 3 == 0 else None for i in range(n)]
+        data["seed"] = [1000 + i if i % 5 == 0 else None for i in range(n)]
+    if extra:
+        data["source"] = [f"batch-{i % 7}" for i in range(n)]
+    table = pa.table(data)
+    if sizes:
+        table = table.set_column(
+            table.schema.get_field_index("seed"), "seed", pa.array(data["seed"], pa.int64())
+        )
+        for name in ("width", "height"):
+            table = table.set_column(
+                table.schema.get_field_index(name), name, pa.array(data[name], pa.int32())
+            )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path, row_group_size=row_group_size)
+    return path
+
+
+def row_config(steps: int = 2, cfg: float = 4.0, buckets: tuple[str, ...] = SMALL_BUCKETS) -> RowConfig:
+    return RowConfig(job_seed=7, buckets=BucketSet.from_names(buckets), steps=steps, true_cfg_scale=cfg)
+
+
+def shard_of(
+    path: Path, index: int, start: int, stop: int, buckets: tuple[str, ...] = SMALL_BUCKETS
+) -> ShardSpec:
+    return ShardSpec(
+        index=index,
+        file=str(path),
+        row_start=start,
+        row_stop=stop,
+        position_start=start,
+        buckets_used=buckets,
+        num_images=stop - start,
+    )
+
+
+def worker_config(
+    model_dir: Path | str,
+    output_uri: str,
+    s3: S3Config | None = None,
+    rows: RowConfig | None = None,
+    output_format: str = "files",
+    batch_size: int = 4,
+    **writer: object,
+) -> WorkerConfig:
+    return WorkerConfig(
+        output_uri=output_uri,
+        rows=rows or row_config(),
+        model_path=str(model_dir),
+        batch_size=batch_size,
+        compile=CompileConfig(vae=False, dit=False),
+        writer=ShardWriterConfig(output_format=output_format, threads=4, max_in_flight=8, **writer),  # type: ignore[arg-type]
+        s3=s3 or S3Config(),
+    )

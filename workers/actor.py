@@ -1,0 +1,257 @@
+"""The GPU worker: loads the pipeline once, warms it up, then turns shards into stored images.
+
+`GenerationWorker` is a plain class; the driver runs it as a Ray actor. One shard:
+read its rows -> batch by bucket -> generate (one seeded generator per image) -> hand each image
+to a bounded pool of encode+upload threads while the next batch computes -> when the last image
+is durably stored, write the manifest create-only. That write is the shard's commit; a second
+attempt of a committed shard sees it and discards its work.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from compile import CompileConfig, compile_count, prepare_worker_pipeline
+from model import load_pipeline
+
+from .generate import BatchGenerator, GeneratedImage, image_requests, iter_generated, plan_batches
+from .input_files import filesystem_for
+from .layout import manifest_key
+from .manifest import ManifestRow, ManifestWriter, passthrough_json
+from .rows import PromptRow, RowConfig, ShardSpec, read_shard_rows
+from .shard_writers import ImageResult, ImageTask, ShardWriterConfig, make_shard_writer
+from .stores import S3Config, open_store
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What one worker needs; built by jobs/ from the job spec."""
+
+    output_uri: str
+    rows: RowConfig = field(default_factory=RowConfig)
+    model_path: str = "tiny"
+    device: str = "auto"  # auto: cuda when there is a GPU, else cpu
+    dtype: str = "auto"  # auto: bf16 on cuda, fp32 on cpu; or bf16 | fp32
+    modulation_cache: str = "cfg"  # off | cfg | table
+    cfg_batched: bool = False  # cond+uncond in one batch (more memory, fewer launches)
+    batch_size: int = 4
+    max_sequence_length: int = 512
+    warmup_buckets: tuple[str, ...] = ()  # the buckets this job uses; empty = every job bucket
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    writer: ShardWriterConfig = field(default_factory=ShardWriterConfig)
+    s3: S3Config = field(default_factory=S3Config)
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.dtype not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"dtype must be auto, bf16 or fp32, got {self.dtype!r}")
+
+
+@dataclass
+class ShardResult:
+    shard: int
+    attempt: int
+    status: str  # committed | already_committed
+    rows: int = 0
+    images_ok: int = 0
+    images_failed: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    generate_s: float = 0.0
+    encode_s: float = 0.0
+    upload_s: float = 0.0
+    wall_s: float = 0.0
+    worker_id: str = ""
+    recompiles: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class ShardAbandoned(RuntimeError):
+    """The worker was asked to stop (spot reclaim); nothing of the shard was committed."""
+
+
+def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    dev = torch.device(
+        "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
+    )
+    if dtype == "auto":
+        dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    else:
+        dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    return dev, dt
+
+
+def worker_identity() -> str:
+    actor = ""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            actor = ":" + (ray.get_runtime_context().get_actor_id() or "")[:12]
+    except Exception:  # noqa: BLE001 - identity is informational
+        pass
+    return f"{socket.gethostname()}:{os.getpid()}{actor}"
+
+
+class GenerationWorker:
+    def __init__(self, config: WorkerConfig) -> None:
+        t0 = time.perf_counter()
+        self.config = config
+        self.worker_id = worker_identity()
+        self._stop = threading.Event()
+        # Storage first: a missing bucket or bad credentials fail before any model work.
+        self.store = open_store(config.output_uri, config.s3)
+        self.store.check_writable()
+        self.device, self.dtype = resolve_device(config.device, config.dtype)
+        t_load = time.perf_counter()
+        self.pipe = load_pipeline(
+            config.model_path,
+            self.device,
+            self.dtype,
+            config.modulation_cache,
+            cfg_batched=config.cfg_batched,
+        )
+        load_s = time.perf_counter() - t_load
+        buckets = config.warmup_buckets or config.rows.buckets.names
+        self.compile_report = prepare_worker_pipeline(
+            self.pipe,
+            config.compile,
+            [config.rows.buckets.get(b) for b in buckets],
+            artifact_store=self.store,
+        )
+        self.generator = BatchGenerator(self.pipe, config.max_sequence_length)
+        self.startup = {
+            "worker_id": self.worker_id,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "model_id": self.pipe.model_id,
+            "model_revision": self.pipe.model_revision,
+            "load_s": round(load_s, 3),
+            "compile": self.compile_report.to_dict(),
+            "startup_s": round(time.perf_counter() - t0, 3),
+        }
+
+    # -- actor API -------------------------------------------------------------------------------
+
+    def ping(self) -> str:
+        return self.worker_id
+
+    def startup_report(self) -> dict:
+        return dict(self.startup)
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def run_shard(self, shard: ShardSpec, attempt: int = 0) -> ShardResult:
+        t0 = time.perf_counter()
+        result = ShardResult(shard.index, attempt, "committed", worker_id=self.worker_id)
+        if self.store.exists(manifest_key(shard.index)):
+            result.status = "already_committed"
+            return result
+        fs = filesystem_for(
+            shard.file, endpoint_url=self.config.s3.endpoint_url, region=self.config.s3.region
+        )
+        rows = read_shard_rows(shard, fs, self.config.rows)
+        requests = image_requests(rows)
+        compiles_before = compile_count()
+        generated: dict[tuple[str, int], GeneratedImage] = {}
+        writer = make_shard_writer(self.store, shard.index, self.config.writer)
+        try:
+            for image in iter_generated(self.generator, plan_batches(requests, self.config.batch_size)):
+                if self._stop.is_set():
+                    raise ShardAbandoned(f"shard {shard.index}: worker asked to stop; nothing committed")
+                req = image.request
+                generated[(req.row.id, req.k)] = image
+                if image.pixels is not None:
+                    task = ImageTask(
+                        req.row.id,
+                        req.k,
+                        req.row.num_images,
+                        req.row.prompt,
+                        req.row.negative_prompt,
+                        req.seed,
+                        passthrough_json(req.row.extra),
+                    )
+                    writer.add(task, image.pixels.permute(1, 2, 0).numpy())  # (H, W, 3) uint8
+                    image.pixels = None  # the writer holds it now; keep shard memory flat
+            stored = writer.finish()
+        except BaseException:
+            writer.abort()
+            raise
+        result.recompiles = compile_count() - compiles_before
+        stored_by_key = {(r.id, r.k): r for r in stored.results}
+        manifest = ManifestWriter(shard.index, expected_rows=len(requests))
+        for req in requests:
+            gen = generated[(req.row.id, req.k)]
+            res = stored_by_key.get((req.row.id, req.k))
+            row = self._manifest_row(req.row, req.k, gen, res, shard.index, attempt, result.recompiles)
+            manifest.add(row)
+            if row.status == "ok":
+                result.images_ok += 1
+            else:
+                result.images_failed += 1
+                result.errors[row.error or "?"] = result.errors.get(row.error or "?", 0) + 1
+            result.generate_s += gen.generate_s
+            result.encode_s += row.encode_s or 0.0
+            result.upload_s += row.upload_s or 0.0
+        result.upload_s += stored.data_upload_s
+        if not manifest.commit(self.store):
+            result.status = "already_committed"  # another attempt won; its images are the same bytes
+        result.rows = len(rows)
+        result.wall_s = time.perf_counter() - t0
+        return result
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _manifest_row(
+        self,
+        row: PromptRow,
+        k: int,
+        gen: GeneratedImage,
+        stored: ImageResult | None,
+        shard: int,
+        attempt: int,
+        recompiles: int,
+    ) -> ManifestRow:
+        error = gen.error or (stored.error if stored is not None else "image was not stored")
+        ok = gen.error is None and stored is not None and stored.ok
+        return ManifestRow(
+            id=row.id,
+            k=k,
+            prompt=row.prompt,
+            negative_prompt=row.negative_prompt,
+            seed=row.seed,
+            width=row.width,
+            height=row.height,
+            bucket=row.bucket,
+            steps=row.steps,
+            true_cfg_scale=float(row.true_cfg_scale),
+            model_id=self.pipe.model_id,
+            model_revision=self.pipe.model_revision,
+            status="ok" if ok else "failed",
+            error=None if ok else error,
+            uri=stored.uri if ok and stored else None,
+            sha256=stored.sha256 if ok and stored else None,
+            bytes=stored.bytes if ok and stored else None,
+            format=self.config.writer.image_format,
+            generate_s=gen.generate_s,
+            encode_s=stored.encode_s if stored else None,
+            upload_s=stored.upload_s if stored else None,
+            worker=self.worker_id,
+            attempt=attempt,
+            shard=shard,
+            compile_fallback=bool(self.compile_report.fallbacks),
+            recompiles=recompiles,
+            extra=row.extra or None,
+        )
