@@ -125,8 +125,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="denoising steps per request")
     ap.add_argument("--skip-shared-cache", action="store_true", help="skip the two-process part")
     args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="vae-compile-bench-") as tmp:
+        run(args, Path(tmp))
 
-    work = Path(tempfile.mkdtemp(prefix="vae-compile-bench-"))
+
+def run(args: argparse.Namespace, work: Path) -> None:
+    """The three measurements; `work` holds the random model, the local caches and the store."""
     model = args.model or str(random_model(work / "model"))
     buckets = BucketSet.from_names(args.buckets.split(",")).buckets
     pipe = load_pipeline(model, device=args.device, dtype=DTYPES[args.dtype])
