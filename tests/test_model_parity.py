@@ -156,3 +156,16 @@ def test_one_step_schedule_is_finite():
 
     sigmas = sigma_schedule(SchedulerConfig(), 1, 1024)
     assert torch.isfinite(sigmas).all() and sigmas.tolist() == [1.0, 0.0]
+
+
+def test_batched_cfg_matches_serial(random_model_dir):
+    """cond+uncond in one batch of 2B computes what two serial passes compute."""
+    from compile import encode_padded
+
+    serial = load_pipeline(random_model_dir)
+    batched = load_pipeline(random_model_dir, cfg_batched=True)
+    prompts = ["a small red circle", "a large blue square at the top left on a white background"]
+    kw = dict(height=32, width=48, steps=3, true_cfg_scale=4.0, seeds=[1, 2])
+    a = serial.generate(**encode_padded(serial, prompts, " ", 4.0), **kw)
+    b = batched.generate(**encode_padded(batched, prompts, " ", 4.0), **kw)
+    assert (a - b).abs().max().item() <= 1e-4

@@ -129,6 +129,10 @@ class GenerationWorker:
             config.compile,
             [config.rows.buckets.get(b) for b in buckets],
             artifact_store=self.store,
+            # A compiled DiT is specialised to the batch size: partial batches and OOM halving
+            # produce every size up to batch_size, so warm them all. The VAE decodes per image.
+            batch_sizes=tuple(range(1, config.batch_size + 1)) if config.compile.dit else (1,),
+            max_sequence_length=config.max_sequence_length,
         )
         self.generator = BatchGenerator(self.pipe, config.max_sequence_length)
         self.startup = {

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compile.buckets import PROMPT_LENGTH_BUCKETS, pad_prompt_embeds, prompt_length_bucket
+from compile import PROMPT_LENGTH_BUCKETS, encode_padded
 from model import TextToImagePipeline
 
 from .rows import MAX_SEED, PromptRow
@@ -84,12 +84,6 @@ class BatchGenerator:
         self.prompt_buckets = tuple(prompt_buckets)
         self.oom_splits = 0
 
-    def encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Embeddings padded to the prompt-length bucket of the longest prompt in the batch."""
-        embeds, mask = self.pipe.encode_prompt(prompts, self.max_sequence_length)
-        length = prompt_length_bucket(embeds.shape[1], self.prompt_buckets)
-        return pad_prompt_embeds(embeds, mask, length)
-
     def run(self, batch: list[ImageRequest]) -> list[GeneratedImage]:
         try:
             return self._run_once(batch)
@@ -106,19 +100,22 @@ class BatchGenerator:
         t0 = time.perf_counter()
         first = batch[0].row
         rows = [r.row for r in batch]
-        pos, pos_mask = self.encode([r.prompt for r in rows])
-        neg = neg_mask = None
-        if batch[0].uses_cfg:
-            neg, neg_mask = self.encode([r.negative_prompt or " " for r in rows])
+        scales = [r.true_cfg_scale for r in rows] if batch[0].uses_cfg else 1.0
+        # Prompts and negatives padded to prompt-length buckets exactly as warm-up padded them.
+        inputs = encode_padded(
+            self.pipe,
+            [r.prompt for r in rows],
+            [r.negative_prompt or " " for r in rows] if batch[0].uses_cfg else None,
+            scales,
+            self.prompt_buckets,
+            self.max_sequence_length,
+        )
         images = self.pipe.generate(
-            prompt_embeds=pos,
-            prompt_embeds_mask=pos_mask,
-            negative_prompt_embeds=neg,
-            negative_prompt_embeds_mask=neg_mask,
+            **inputs,
             height=first.height,
             width=first.width,
             steps=first.steps,
-            true_cfg_scale=[r.true_cfg_scale for r in rows] if neg is not None else 1.0,
+            true_cfg_scale=scales,
             seeds=[r.seed for r in batch],
             max_sequence_length=self.max_sequence_length,
         )
