@@ -1,0 +1,153 @@
+"""Model weights from a model hub: `hf://org/name@revision` through huggingface_hub.
+
+huggingface_hub (the optional extra `ditfleet[hub]`) does the downloading into
+`<cache_dir>/hub`, in its own cache layout, with its own per-file locks and temporary names; it
+honours HF_HUB_OFFLINE, HF_ENDPOINT and HF_TOKEN itself. This module adds what the worker needs:
+one fetch per node at a time, only the files the loader reads, the layout check, and errors that
+say what to do instead of a traceback from inside the HTTP client.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from workers.model_cache import REQUIRED_FILES, ModelFetchError, check_layout, node_lock
+
+# The folders a diffusers-layout model may hold that the loader reads; anything else in the repo
+# (other formats, samples, a second copy of the weights) is never downloaded.
+_FOLDERS = (*REQUIRED_FILES, "text_encoder", "tokenizer")
+_ALLOW = ["model_index.json", *[f"{folder}/*" for folder in _FOLDERS]]
+_IGNORE = ["*.bin", "*.pt", "*.pth", "*.ckpt", "*.msgpack", "*.h5", "*.onnx", "*.onnx_data"]
+
+
+@dataclass(frozen=True)
+class HubSnapshot:
+    path: Path  # the snapshot folder (files are links into the hub cache's blobs)
+    revision: str  # the commit the revision resolved to
+    downloaded_bytes: int  # bytes that arrived during this call
+    files: int
+    lock_wait_s: float
+
+
+def parse_hub_source(source: str) -> tuple[str, str]:
+    """'hf://org/name@revision' -> ('org/name', 'revision'); the revision defaults to 'main'."""
+    rest = source.removeprefix("hf://")
+    repo_id, _, revision = rest.partition("@")
+    if not repo_id or repo_id.count("/") > 1 or repo_id.startswith("/") or repo_id.endswith("/"):
+        raise ModelFetchError(
+            f"model path {source!r}: write a hub model as hf://org/name or hf://org/name@revision"
+        )
+    return repo_id, revision or "main"
+
+
+def fetch_hub_snapshot(source: str, cache_dir: Path, lock_timeout_s: float) -> HubSnapshot:
+    repo_id, revision = parse_hub_source(source)
+    try:
+        import huggingface_hub
+        from huggingface_hub.errors import (
+            GatedRepoError,
+            HfHubHTTPError,
+            HFValidationError,
+            LocalEntryNotFoundError,
+            RepositoryNotFoundError,
+            RevisionNotFoundError,
+        )
+        from huggingface_hub.file_download import repo_folder_name
+    except ImportError:
+        raise ModelFetchError(
+            f"{source}: hf:// model paths need huggingface_hub on every node: pip install "
+            "'ditfleet[hub]' (or stage the weights in a bucket and use s3://bucket/prefix)"
+        ) from None
+
+    hub_cache = Path(cache_dir).absolute() / "hub"
+    storage = hub_cache / repo_folder_name(repo_id=repo_id, repo_type="model")
+    offline = bool(huggingface_hub.constants.HF_HUB_OFFLINE)  # huggingface_hub reads HF_HUB_OFFLINE
+    # The hub locks per file; this lock makes the other actors of the node wait for the whole
+    # snapshot instead of racing through it file by file.
+    lock_path = hub_cache / f"{storage.name}-{hashlib.sha256(revision.encode()).hexdigest()[:16]}.lock"
+    try:
+        with node_lock(lock_path, lock_timeout_s, f"{source} into {hub_cache}") as waited:
+            before = _blob_bytes(storage)
+            path = Path(
+                huggingface_hub.snapshot_download(
+                    repo_id,
+                    revision=revision,
+                    cache_dir=hub_cache,
+                    allow_patterns=_ALLOW,
+                    ignore_patterns=_IGNORE,
+                )
+            )
+            downloaded = max(0, _blob_bytes(storage) - before)
+    except LocalEntryNotFoundError as e:
+        if offline:
+            raise ModelFetchError(
+                f"{source}: HF_HUB_OFFLINE is set and revision {revision!r} of {repo_id} is not (completely) "
+                f"in the hub cache {hub_cache}. Pre-populate it on this node (HF_HUB_CACHE={hub_cache} hf "
+                f"download {repo_id} --revision {revision}), unset HF_HUB_OFFLINE, or stage the weights "
+                "in a bucket (s3://)"
+            ) from None
+        cause = e.__cause__ or e
+        raise ModelFetchError(
+            f"{source}: the model hub cannot be reached ({type(cause).__name__}: {cause}) and revision "
+            f"{revision!r} is not in the hub cache {hub_cache}. Check the network and HF_ENDPOINT, or set "
+            "HF_HUB_OFFLINE=1 with a pre-populated cache, or stage the weights in a bucket (s3://) the "
+            "nodes can reach"
+        ) from None
+    except RevisionNotFoundError:
+        raise ModelFetchError(
+            f"{source}: {repo_id} has no revision {revision!r}; give a branch, tag or commit that exists"
+        ) from None
+    except (RepositoryNotFoundError, GatedRepoError):
+        raise ModelFetchError(
+            f"{source}: {repo_id} was not found or may not be read with these credentials; check the "
+            "name, and for a private or gated repository accept its terms and set HF_TOKEN on every node"
+        ) from None
+    except HfHubHTTPError as e:
+        raise ModelFetchError(f"{source}: the model hub answered {e}; try again later") from None
+    except HFValidationError as e:
+        raise ModelFetchError(f"model path {source!r}: {e}; write hf://org/name@revision") from None
+    except (ConnectionError, TimeoutError) as e:
+        raise ModelFetchError(
+            f"{source}: the connection to the model hub failed ({e}); start again (files already "
+            "downloaded are kept)"
+        ) from None
+    except OSError as e:
+        raise ModelFetchError(
+            f"{source}: cannot write the hub cache {hub_cache} ({e.strerror or e}); give a writable "
+            "node-local cache directory with room for the model"
+        ) from None
+    except ModelFetchError:
+        raise
+    except Exception as e:  # noqa: BLE001 - e.g. the HTTP client's own errors mid-download
+        raise ModelFetchError(
+            f"{source}: fetching from the model hub failed ({type(e).__name__}: {e}); start again "
+            "(files already downloaded are kept)"
+        ) from None
+
+    files = sorted(_relative_files(path))
+    check_layout(
+        set(files),
+        f"{source} ({path})",
+        f"point at a repository or revision in the diffusers layout (folders {', '.join(_FOLDERS)})",
+    )
+    return HubSnapshot(path, path.name, downloaded, len(files), waited)
+
+
+def _blob_bytes(storage: Path) -> int:
+    """Bytes in the repository's blob store: what grew is what was downloaded."""
+    blobs = storage / "blobs"
+    if not blobs.is_dir():
+        return 0
+    return sum(entry.stat().st_size for entry in os.scandir(blobs) if entry.is_file())
+
+
+def _relative_files(root: Path) -> list[str]:
+    out = []
+    for dirpath, _, filenames in os.walk(root):
+        rel = os.path.relpath(dirpath, root)
+        for name in filenames:
+            out.append(name if rel == "." else f"{rel}/{name}".replace(os.sep, "/"))
+    return out

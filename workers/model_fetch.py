@@ -1,0 +1,183 @@
+"""Model weights from a local directory, S3, or a model hub, fetched once per node.
+
+`fetch_model(source, cache_dir, s3)` turns the job's model path into a local directory that
+`model.load_pipeline` reads:
+
+- a local directory (or "tiny", or file:///path) passes through untouched;
+- `s3://bucket/prefix` (the diffusers layout under it) is listed, checked, and downloaded into
+  the node-local cache (see model_cache.py): once per node, whatever the number of actors that
+  ask at once; files go to a temporary name, are verified (size, and the ETag's MD5 or the stored
+  checksum where the store has one) and only then renamed; large files arrive as parallel
+  ranged GETs (s3transfer);
+- `hf://org/name@revision` goes through huggingface_hub (see hub_fetch.py).
+
+Every failure is a ModelFetchError naming the source or object and saying what to do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from workers.model_cache import CacheEntry, ModelFetchError, RemoteFile, check_layout, content_revision
+from workers.model_download import FetchConfig, download_files, list_s3_model
+from workers.s3_store import make_s3_client
+from workers.stores import S3Config
+
+log = logging.getLogger(__name__)
+
+__all__ = ["FetchConfig", "FetchedModel", "ModelFetchError", "fetch_model"]
+
+
+@dataclass(frozen=True)
+class FetchedModel:
+    """Where the model is on this node and what it cost to get it there."""
+
+    local_path: Path  # a diffusers-layout directory for model.load_pipeline
+    source: str  # the model path as the job gave it (normalised for s3://)
+    revision: str  # s3: digest of the files' ETags and sizes; hf: commit; local: content digest
+    fetched: bool  # True when this call downloaded anything
+    bytes: int  # bytes this call downloaded
+    seconds: float  # wall time of fetch_model, waiting for another actor's download included
+    files: int  # files in the model
+    lock_wait_s: float = 0.0  # time spent waiting for another process fetching the same model
+
+    def to_dict(self) -> dict[str, Any]:
+        """For the worker's start-up report."""
+        return {**dataclasses.asdict(self), "local_path": str(self.local_path)}
+
+
+def fetch_model(
+    source: str,
+    cache_dir: str | Path,
+    s3: S3Config,
+    config: FetchConfig | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> FetchedModel:
+    """A local diffusers-layout directory holding the model `source` names.
+
+    `cache_dir` must be node-local (the lock is a POSIX file lock). `progress`, if given, is
+    called from download threads with the bytes just received (negative when a broken-off range
+    is retried). Raises ModelFetchError."""
+    config = config or FetchConfig()
+    t0 = time.perf_counter()
+    scheme = urlparse(source).scheme
+    if scheme == "s3":
+        return _fetch_s3(source, Path(cache_dir), s3, config, progress, t0)
+    if scheme == "hf":
+        from workers.hub_fetch import fetch_hub_snapshot
+
+        snap = fetch_hub_snapshot(source, Path(cache_dir), config.lock_timeout_s)
+        return FetchedModel(
+            snap.path,
+            source,
+            snap.revision,
+            snap.downloaded_bytes > 0,
+            snap.downloaded_bytes,
+            time.perf_counter() - t0,
+            snap.files,
+            snap.lock_wait_s,
+        )
+    if scheme in ("", "file"):
+        return _local(source, t0)
+    raise ModelFetchError(
+        f"model path {source!r}: unsupported scheme {scheme!r}; use a local directory, "
+        "s3://bucket/prefix or hf://org/name@revision"
+    )
+
+
+def _local(source: str, t0: float) -> FetchedModel:
+    # Imported here: it brings torch, which a fetch of remote files does not need.
+    from model import WeightsError, model_revision, resolve_model_dir
+
+    parsed = urlparse(source)
+    if parsed.scheme == "file" and parsed.netloc not in ("", "localhost"):
+        raise ModelFetchError(f"model path {source!r}: a file:// URI must name a local path (file:///path)")
+    try:
+        root = resolve_model_dir(parsed.path if parsed.scheme == "file" else source)
+    except WeightsError as e:
+        raise ModelFetchError(str(e)) from None
+    files = sum(1 for p in root.rglob("*") if p.is_file())
+    return FetchedModel(root, source, model_revision(root), False, 0, time.perf_counter() - t0, files)
+
+
+# -- S3 ------------------------------------------------------------------------------------------
+
+
+def _fetch_s3(
+    source: str,
+    cache_dir: Path,
+    s3: S3Config,
+    config: FetchConfig,
+    progress: Callable[[int], None] | None,
+    t0: float,
+) -> FetchedModel:
+    parsed = urlparse(source)
+    bucket, prefix = parsed.netloc, parsed.path.strip("/")
+    if not bucket:
+        raise ModelFetchError(f"model path {source!r}: an s3 URI needs a bucket: s3://bucket/prefix")
+    uri = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
+    # One pooled connection per ranged GET in flight, plus the listing and HEADs.
+    pool = max(s3.max_pool_connections, config.max_concurrency + config.verify_workers)
+    client = make_s3_client(dataclasses.replace(s3, max_pool_connections=pool))
+    endpoint = s3.endpoint_url or str(client.meta.endpoint_url)
+    files = list_s3_model(client, bucket, prefix, uri, endpoint, s3.list_page_size)
+    check_layout(
+        {f.path for f in files},
+        uri,
+        f"upload the missing parts (e.g. aws s3 sync MODEL_DIR {uri}) or fix the model path",
+    )
+    revision = content_revision(files)
+    entry = CacheEntry.for_source(cache_dir, uri, files)
+    try:
+        with entry.locked(config.lock_timeout_s) as waited:
+            todo, marked = entry.stale_files(files)
+            fetched_bytes = 0
+            if todo:
+                if marked:
+                    log.warning(
+                        "cached model %s: %d file(s) missing or of the wrong size (%s); fetching them again",
+                        entry.root,
+                        len(todo),
+                        ", ".join(f.path for f in todo[:5]),
+                    )
+                _check_disk(entry, todo, config)
+                fetched_bytes = download_files(client, bucket, endpoint, entry, todo, config, progress)
+            if todo or not marked:
+                entry.finish(revision, files, fetched_bytes)
+    except OSError as e:
+        raise ModelFetchError(
+            f"model cache {cache_dir}: {e.strerror or e} at {e.filename or cache_dir} while fetching "
+            f"{uri}; give a writable node-local cache directory with room for the model"
+        ) from None
+    seconds = time.perf_counter() - t0
+    if todo:
+        log.info(
+            "fetched %s: %d of %d files, %.1f MB in %.1f s (%.0f MB/s) into %s",
+            uri,
+            len(todo),
+            len(files),
+            fetched_bytes / 1e6,
+            seconds,
+            fetched_bytes / 1e6 / max(seconds, 1e-6),
+            entry.root,
+        )
+    return FetchedModel(entry.root, uri, revision, bool(todo), fetched_bytes, seconds, len(files), waited)
+
+
+def _check_disk(entry: CacheEntry, todo: list[RemoteFile], config: FetchConfig) -> None:
+    entry.root.parent.mkdir(parents=True, exist_ok=True)
+    need = sum(f.size for f in todo) + config.reserve_bytes
+    free = shutil.disk_usage(entry.root.parent).free
+    if free < need:
+        raise ModelFetchError(
+            f"model cache {entry.root.parent}: {free / 1e9:.2f} GB free, the model needs "
+            f"{need / 1e9:.2f} GB (reserve_bytes included); free space or use another cache directory"
+        )
