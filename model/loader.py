@@ -96,7 +96,10 @@ def load_pipeline(
     modulation_cache: str = "cfg",
     cfg_batched: bool = False,
     load_text_encoder_too: bool = True,
+    model_id: str | None = None,
 ) -> TextToImagePipeline:
+    """model_id names the model in manifests (default: the path as given); a worker passes the
+    remote source here when `path` is a node-local copy."""
     root = resolve_model_dir(path)
     safetensors_files(root / "transformer")  # refuse pickle-only folders before building anything
     transformer = load_transformer(root / "transformer", device, dtype, modulation_cache)
@@ -107,7 +110,7 @@ def load_pipeline(
         vae,
         load_scheduler(root / "scheduler"),
         text_encoder,
-        model_id="tiny" if str(path) == "tiny" else str(path),
+        model_id=model_id or str(path),
         model_revision=model_revision(root),
         cfg_batched=cfg_batched,
     )

@@ -24,6 +24,7 @@ from .generate import BatchGenerator, GeneratedImage, image_requests, iter_gener
 from .input_files import filesystem_for
 from .layout import manifest_key
 from .manifest import ManifestRow, ManifestWriter, passthrough_json
+from .model_fetch import FetchConfig, fetch_model
 from .rows import PromptRow, RowConfig, ShardSpec, read_shard_rows
 from .shard_writers import ImageResult, ImageTask, ShardWriterConfig, make_shard_writer
 from .stores import S3Config, open_store
@@ -35,7 +36,11 @@ class WorkerConfig:
 
     output_uri: str
     rows: RowConfig = field(default_factory=RowConfig)
-    model_path: str = "tiny"
+    model_path: str = (
+        "tiny"  # a local diffusers-layout folder, "tiny", s3://bucket/prefix or hf://org/name@rev
+    )
+    model_cache_dir: str = "/tmp/ditfleet/models"  # node-local: remote weights are fetched here once per node
+    model_fetch: FetchConfig = field(default_factory=FetchConfig)
     device: str = "auto"  # auto: cuda when there is a GPU, else cpu
     dtype: str = "auto"  # auto: bf16 on cuda, fp32 on cpu; or bf16 | fp32
     modulation_cache: str = "cfg"  # off | cfg | table
@@ -115,12 +120,14 @@ class GenerationWorker:
         self.store.check_writable()
         self.device, self.dtype = resolve_device(config.device, config.dtype)
         t_load = time.perf_counter()
+        self.model = fetch_model(config.model_path, config.model_cache_dir, config.s3, config.model_fetch)
         self.pipe = load_pipeline(
-            config.model_path,
+            self.model.local_path,
             self.device,
             self.dtype,
             config.modulation_cache,
             cfg_batched=config.cfg_batched,
+            model_id=config.model_path,
         )
         load_s = time.perf_counter() - t_load
         buckets = config.warmup_buckets or config.rows.buckets.names
@@ -141,6 +148,7 @@ class GenerationWorker:
             "dtype": str(self.dtype).removeprefix("torch."),
             "model_id": self.pipe.model_id,
             "model_revision": self.pipe.model_revision,
+            "model_fetch": self.model.to_dict(),
             "load_s": round(load_s, 3),
             "compile": self.compile_report.to_dict(),
             "startup_s": round(time.perf_counter() - t0, 3),
