@@ -5,6 +5,8 @@
 {out}/_SUCCESS                                      success_key()
 {out}/images/{shard:05d}/{id}[_{k}].{ext}           image_key(shard, id, k, ext)
 {out}/data/shard-{shard:05d}.parquet                data_key(shard)
+{out}/webdataset/shard-{shard:05d}.tar              webdataset_key(shard)
+    members {key}.{ext} and {key}.json              webdataset_sample_key(id, k)
 {out}/manifests/shard-{shard:05d}.parquet           manifest_key(shard)
 ```
 
@@ -20,6 +22,7 @@ import re
 
 IMAGES_PREFIX = "images/"
 DATA_PREFIX = "data/"
+WEBDATASET_PREFIX = "webdataset/"
 MANIFESTS_PREFIX = "manifests/"
 TMP_PREFIX = "_tmp/"
 JOB_KEY = "_job.json"
@@ -83,6 +86,14 @@ def _shard(shard: int) -> str:
     return f"{shard:05d}"
 
 
+def _k_suffix(k: int | None) -> str:
+    if k is None:
+        return ""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"image index k must be an int >= 0 or None, got {k!r}")
+    return f"_{k}"
+
+
 def image_key(shard: int, id_: str | int, k: int | None, ext: str) -> str:
     """Key of one image in the "files" format: images/{shard:05d}/{id}[_{k}].{ext}.
 
@@ -91,12 +102,7 @@ def image_key(shard: int, id_: str | int, k: int | None, ext: str) -> str:
     """
     if ext not in IMAGE_EXTENSIONS.values():
         raise ValueError(f"image extension {ext!r} is not one of {sorted(IMAGE_EXTENSIONS.values())}")
-    suffix = ""
-    if k is not None:
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise ValueError(f"image index k must be an int >= 0 or None, got {k!r}")
-        suffix = f"_{k}"
-    return f"{IMAGES_PREFIX}{_shard(shard)}/{safe_key_component(id_)}{suffix}.{ext}"
+    return f"{IMAGES_PREFIX}{_shard(shard)}/{safe_key_component(id_)}{_k_suffix(k)}.{ext}"
 
 
 def image_index_in_key(k: int, num_images: int) -> int | None:
@@ -116,6 +122,24 @@ def image_file_name(id_: str | int, k: int | None, ext: str) -> str:
 def data_key(shard: int) -> str:
     """Key of a shard's data file in the "parquet" format."""
     return f"{DATA_PREFIX}shard-{_shard(shard)}.parquet"
+
+
+def webdataset_key(shard: int) -> str:
+    """Key of a shard's tar in the "webdataset" format."""
+    return f"{WEBDATASET_PREFIX}shard-{_shard(shard)}.tar"
+
+
+def webdataset_sample_key(id_: str | int, k: int | None) -> str:
+    """The sample key of one image inside a WebDataset tar: members are "{key}.{ext}" and
+    "{key}.json". k as in `image_key` (None for a row's only image).
+
+    WebDataset readers split a member name into key and extension at the *first* dot of its
+    base name, so the key must contain none: "." is escaped as "~2E", the same escape
+    `safe_key_component` gives a leading dot. Every byte outside [A-Za-z0-9-] is then escaped,
+    so distinct ids still give distinct keys; "_" is escaped too, so the "_{k}" suffix cannot
+    make one row's key equal another's. A shortened (hashed) component stays unique by its hash.
+    """
+    return safe_key_component(id_).replace(".", "~2E") + _k_suffix(k)
 
 
 def manifest_key(shard: int) -> str:

@@ -1,11 +1,12 @@
-"""Writing a shard's images: output format "files" (one object per image) or "parquet" (one
-data file per shard, images embedded as the Hugging Face datasets Image struct).
+"""Writing a shard's images: output format "files" (one object per image), "parquet" (one
+data file per shard, images embedded as the Hugging Face datasets Image struct) or
+"webdataset" (one tar per shard, see webdataset_writer.py).
 
-Both take images one at a time (`add`), encode and store them on a bounded UploadPool, and
+Each takes images one at a time (`add`), encodes and stores them on a bounded UploadPool, and
 `finish` returns one ImageResult per image, in the order added. Nothing here writes the
 manifest: the caller turns results into manifest rows and commits them after `finish`
-returned, i.e. after every image is durably stored. A new format (e.g. "webdataset" tar
-shards) is one more class with `add`/`finish`/`abort` and an entry in OUTPUT_FORMATS.
+returned, i.e. after every image is durably stored. A new format is one more class with
+`add`/`finish`/`abort` and an entry in OUTPUT_FORMATS.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class ShardWriterConfig:
     threads: int = 8  # encode+upload threads
     row_group_rows: int = 64  # "parquet": a row group closes at this many images ...
     row_group_bytes: int = 64 * _MiB  # ... or this many image bytes, whichever comes first
-    spool_max_bytes: int = 256 * _MiB  # "parquet": the data file spills to a temp file above this
+    spool_max_bytes: int = 256 * _MiB  # "parquet"/"webdataset": the file spills to a temp file above this
     tmp_dir: str | None = None  # where it spills (None = the system's temp dir)
 
     def __post_init__(self) -> None:
@@ -292,9 +293,18 @@ class ParquetShardWriter:
         self._spool.close()
 
 
+def _webdataset_writer(store: ObjectStore, shard: int, config: ShardWriterConfig) -> ShardWriter:
+    # Imported here, not at the top: webdataset_writer builds on this module's ImageTask,
+    # StoredShard and _encode, so a top-level import would be circular.
+    from workers.webdataset_writer import WebDatasetShardWriter
+
+    return WebDatasetShardWriter(store, shard, config)
+
+
 OUTPUT_FORMATS: dict[str, Callable[[ObjectStore, int, ShardWriterConfig], ShardWriter]] = {
     "files": FilesShardWriter,
     "parquet": ParquetShardWriter,
+    "webdataset": _webdataset_writer,  # workers/webdataset_writer.py: one tar per shard
 }
 
 
