@@ -324,7 +324,7 @@ class Dispatcher:
         report = dict(report or {})
         self.pool.mark_ready(slot, report)
         startup_s = slot.ready_at - slot.created_at  # type: ignore[operator]
-        report.setdefault("startup_s", startup_s)
+        report["ready_s"] = startup_s  # as the driver saw it: placement, process start, load, warm-up
         self.startup_reports.append(report)
         self.startup_times.append(startup_s)
         self.start_failures_in_row = 0
@@ -537,7 +537,7 @@ class Dispatcher:
         else:
             self.stats.retries += 1
             self.queue.appendleft(pos)  # to the front: a retry found late would lengthen the tail
-            self.events.shard_retry(self.shards[pos], st.submissions[pos], f"{kind}: {error}")
+            self.events.shard_retry(self.shards[pos], st.submissions[pos], error)
 
     def _tail(self) -> None:
         """With nothing queued, give idle actors the runs that would finish last."""

@@ -41,19 +41,21 @@ def _print_err(message: str) -> None:
     print(f"ditfleet: {message}", file=sys.stderr)
 
 
-def connect_ray(address: str | None) -> None:
-    """Connect to the cluster at `address` (or RAY_ADDRESS), or start a local one on loopback."""
+def connect_ray(address: str | None) -> bool:
+    """Connect to the cluster at `address` (or RAY_ADDRESS), or start a local one on loopback.
+    Returns False when this process was connected already (then the caller must not shut down)."""
     import ray
 
     if ray.is_initialized():
-        return
+        return False
     if address or os.environ.get("RAY_ADDRESS"):
         ray.init(address=address, logging_level="WARNING")  # None: Ray reads RAY_ADDRESS
-        return
+        return True
     # On Linux Ray swaps 127.0.0.1 for the host's address and listens everywhere; this keeps a
     # local, single-node cluster on loopback.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING")
+    return True
 
 
 def _store_args(args: argparse.Namespace) -> S3Config:
@@ -103,8 +105,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     def connect() -> None:
         nonlocal started
-        connect_ray(args.address)
-        started = True
+        started = connect_ray(args.address)
 
     try:
         summary = run_job(driver, worker, connect=connect)

@@ -194,6 +194,9 @@ class S3Spec(_Section):
     max_attempts: int = Field(
         10, ge=1, le=100, description="Attempts per S3 request (botocore standard retries)."
     )
+    addressing_style: Literal["auto", "path", "virtual"] = Field(
+        "auto", description="'path' for most S3-compatible servers (bucket in the path, not the host name)."
+    )
 
 
 class JobSpec(_Section):
@@ -274,7 +277,10 @@ class JobSpec(_Section):
 
     def s3_config(self) -> S3Config:
         return S3Config(
-            endpoint_url=self.s3.endpoint_url, region=self.s3.region, max_attempts=self.s3.max_attempts
+            endpoint_url=self.s3.endpoint_url,
+            region=self.s3.region,
+            max_attempts=self.s3.max_attempts,
+            addressing_style=self.s3.addressing_style,
         )
 
     def to_driver_config(self) -> DriverConfig:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from tests.fixtures_s3 import FAKE_CREDENTIALS
+
 LOOPBACK = "127.0.0.1"
 # See the module docstring: keeps every Ray server of a test cluster on loopback.
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -54,6 +56,8 @@ def ray_cluster() -> Iterator[RayCluster]:
         object_store_memory=256 * 1024 * 1024,
         logging_level="WARNING",
         log_to_driver=True,
+        # Actors reach the moto server with its fake credentials, whichever fixture came first.
+        runtime_env={"env_vars": dict(FAKE_CREDENTIALS)},
     )
     try:
         yield RayCluster(address=ray.get_runtime_context().gcs_address, num_cpus=SESSION_CPUS)
@@ -73,6 +77,23 @@ class RayHead:
     gcs_address: str
     dashboard_url: str
     env: dict[str, str]  # the environment to run `ray job submit` (or a driver) against it
+
+    def job_submit(self, args: list[str], timeout_s: float = 600) -> subprocess.CompletedProcess:
+        """`ray job submit --address <head> <args>` (waits for the job), retried while the
+        head's job agent is still starting (it answers "No available agent" until then)."""
+        ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            done = subprocess.run(
+                [ray_bin, "job", "submit", "--address", self.dashboard_url, *args],
+                env=self.env,
+                capture_output=True,
+                text=True,
+                timeout=max(deadline - time.monotonic(), 1),
+            )
+            if "No available agent" not in done.stdout + done.stderr or time.monotonic() > deadline - 60:
+                return done
+            time.sleep(2)
 
 
 def _free_port() -> int:
@@ -95,7 +116,28 @@ def ray_head(tmp_path_factory) -> Iterator[RayHead]:
     # Ray's unix socket paths must stay short (107 bytes): a short temp dir, not pytest's.
     temp_dir = tempfile.mkdtemp(prefix="rh", dir="/tmp")
     gcs_port, dashboard_port = _free_port(), _free_port()
-    env = {**os.environ, **LOOPBACK_ENV}
+    # Ports Ray would otherwise take at fixed defaults (52365, 10001, ...): the session's cluster
+    # (or anyone else's) may hold those, and a head whose agent cannot bind has no job server.
+    fixed = [
+        f"--{flag}={_free_port()}"
+        for flag in (
+            "dashboard-agent-listen-port",
+            "dashboard-agent-grpc-port",
+            "runtime-env-agent-port",
+            "metrics-export-port",
+            "ray-client-server-port",
+        )
+    ]
+    # The job's entrypoint finds `ditfleet` on PATH (this venv) and the moto credentials.
+    bin_dir = os.path.dirname(sys.executable)
+    env = {
+        **os.environ,
+        **LOOPBACK_ENV,
+        **FAKE_CREDENTIALS,
+        "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}",
+    }
+    # A test cluster has nothing to drain: stop at once on SIGTERM (the default waits 30 s).
+    env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
     env.pop("RAY_ADDRESS", None)
     log = open(tmp_path_factory.mktemp("ray-head") / "ray-head.log", "wb")
     proc = subprocess.Popen(
@@ -113,6 +155,7 @@ def ray_head(tmp_path_factory) -> Iterator[RayHead]:
             "--num-gpus=0",
             f"--temp-dir={temp_dir}",
             "--disable-usage-stats",
+            *fixed,
         ],
         env=env,
         stdout=log,
@@ -134,6 +177,7 @@ def ray_head(tmp_path_factory) -> Iterator[RayHead]:
 
 
 def _wait_for_job_server(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    import urllib.error
     import urllib.request
 
     deadline = time.monotonic() + timeout_s
@@ -144,6 +188,9 @@ def _wait_for_job_server(url: str, proc: subprocess.Popen, timeout_s: float) -> 
             with urllib.request.urlopen(f"{url}/api/version", timeout=2) as reply:
                 if reply.status == 200:
                     return
+        except urllib.error.HTTPError as e:
+            if e.code == 401:  # token authentication is on: the server answers, `ray job` sends the token
+                return
         except OSError:
             pass
         time.sleep(0.5)
