@@ -158,13 +158,10 @@ def bench_dispatch(shards: int = 4000, actors: int = 32, shard_ms: float = 20.0,
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shards", type=int, default=4000)
-    parser.add_argument("--actors", type=int, default=32)
-    parser.add_argument("--shard-ms", type=float, default=20.0)
-    parser.add_argument("--in-flight", type=int, default=2)
-    args = parser.parse_args()
+def run_local(shards: int = 4000, actors: int = 32, shard_ms: float = 20.0, in_flight: int = 2) -> dict:
+    """bench_dispatch on a local single-node Ray started (and stopped) here."""
+    # The classes of this file travel by value: Ray workers cannot import modules of bench/.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     # A single-node cluster on loopback (see tests/fixtures_ray.py for why the variable).
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray.init(
@@ -174,11 +171,21 @@ def main() -> None:
         logging_level="WARNING",
     )
     try:
-        line = bench_dispatch(args.shards, args.actors, args.shard_ms, args.in_flight)
-        line["cpus"] = os.cpu_count()
+        line = bench_dispatch(shards, actors, shard_ms, in_flight)
     finally:
         ray.shutdown()
-    print(json.dumps(line), flush=True)
+    line["cpus"] = os.cpu_count()
+    return line
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shards", type=int, default=4000)
+    parser.add_argument("--actors", type=int, default=32)
+    parser.add_argument("--shard-ms", type=float, default=20.0)
+    parser.add_argument("--in-flight", type=int, default=2)
+    args = parser.parse_args()
+    print(json.dumps(run_local(args.shards, args.actors, args.shard_ms, args.in_flight)), flush=True)
 
 
 if __name__ == "__main__":

@@ -73,6 +73,11 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--shard-size", type=int, default=250)
     parser.add_argument("--input", help="plan this Parquet file/dir/glob instead of generating one")
+    parser.add_argument(
+        "--dispatch",
+        action="store_true",
+        help="then dispatch 4,000 shards over 32 simulated actors (bench/driver_dispatch.py): a second JSON line",
+    )
     args = parser.parse_args()
     rss_imports = _peak_rss_mb()
 
@@ -105,6 +110,10 @@ def main() -> None:
             "plan_peak_rss_mb": round(_peak_rss_mb(), 1),
         }
     print(json.dumps(result), flush=True)
+    if args.dispatch:
+        from driver_dispatch import run_local  # bench/ is on sys.path when this runs as a script
+
+        print(json.dumps(run_local()), flush=True)
 
 
 if __name__ == "__main__":
