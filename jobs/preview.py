@@ -1,13 +1,15 @@
 """A contact sheet of an output: a grid of generated images, each captioned with its prompt.
 
 Reads manifests shard by shard until it has enough ok images, then fetches only those images
-(from their objects in the "files" format, from the shard's data file in "parquet").
+(their objects in the "files" format; the shard's data file in "parquet", its tar in "webdataset").
 """
 
 from __future__ import annotations
 
 import io
+import json
 import math
+import tarfile
 import textwrap
 from dataclasses import dataclass
 
@@ -15,7 +17,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from PIL import Image, ImageDraw, ImageFont
 
-from workers.layout import DATA_PREFIX, manifest_key
+from workers.layout import DATA_PREFIX, WEBDATASET_PREFIX, manifest_key
 from workers.manifest import committed_shards
 from workers.stores import ObjectStore
 
@@ -42,10 +44,35 @@ def _key_of(store: ObjectStore, uri: str) -> str:
     return uri[len(root) :].lstrip("/")
 
 
+def _images_in_data_file(blob: bytes) -> dict[tuple[str, int], bytes]:
+    """(id, k) -> image bytes of a "parquet" format data file."""
+    data = pq.read_table(io.BytesIO(blob), columns=["image", "id", "k"])
+    return {(r["id"], r["k"]): r["image"]["bytes"] for r in data.to_pylist()}
+
+
+def _images_in_tar(blob: bytes) -> dict[tuple[str, int], bytes]:
+    """(id, k) -> image bytes of a "webdataset" format tar: each {key}.json names its image's id, k."""
+    members: dict[str, bytes] = {}
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+        for member in tar.getmembers():
+            f = tar.extractfile(member)
+            if f is not None:
+                members[member.name] = f.read()
+    out = {}
+    for name, data in members.items():
+        if name.endswith(".json"):
+            meta = json.loads(data)
+            stem = name[: -len(".json")]
+            image = next((b for n, b in members.items() if n.startswith(stem + ".") and n != name), None)
+            if image is not None:
+                out[(meta["id"], meta["k"])] = image
+    return out
+
+
 def collect(store: ObjectStore, limit: int) -> list[PreviewImage]:
     """Up to `limit` ok images of the output, in shard order."""
     picked: list[PreviewImage] = []
-    data_files: dict[str, dict[tuple[str, int], bytes]] = {}
+    containers: dict[str, dict[tuple[str, int], bytes]] = {}  # data file / tar key -> its images
     for shard in sorted(committed_shards(store)):
         if len(picked) >= limit:
             break
@@ -53,11 +80,11 @@ def collect(store: ObjectStore, limit: int) -> list[PreviewImage]:
         table = table.filter(pc.equal(table.column("status"), "ok")).slice(0, limit - len(picked))
         for row in table.to_pylist():
             key = _key_of(store, row["uri"])
-            if key.startswith(DATA_PREFIX):  # "parquet" format: the image is inside the data file
-                if key not in data_files:
-                    data = pq.read_table(io.BytesIO(store.get(key)), columns=["image", "id", "k"])
-                    data_files[key] = {(r["id"], r["k"]): r["image"]["bytes"] for r in data.to_pylist()}
-                blob = data_files[key][(row["id"], row["k"])]
+            if key.startswith((DATA_PREFIX, WEBDATASET_PREFIX)):  # images inside one file per shard
+                if key not in containers:
+                    read = _images_in_data_file if key.startswith(DATA_PREFIX) else _images_in_tar
+                    containers[key] = read(store.get(key))
+                blob = containers[key][(row["id"], row["k"])]
             else:
                 blob = store.get(key)
             image = Image.open(io.BytesIO(blob)).convert("RGB")

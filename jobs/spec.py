@@ -52,10 +52,11 @@ class OutputSpec(_Section):
         description="Where images, manifests, _job.json and _SUCCESS go: a local directory or "
         "s3://bucket/prefix. Running again with the same output resumes the job."
     )
-    format: Literal["files", "parquet"] = Field(
+    format: Literal["files", "parquet", "webdataset"] = Field(
         "files",
         description="'files': one image object per image; 'parquet': images embedded in one Parquet "
-        "file per shard (Hugging Face datasets image struct).",
+        "file per shard (Hugging Face datasets image struct); 'webdataset': one tar per shard "
+        "({key}.{ext} + {key}.json).",
     )
     image_format: Literal["png", "webp", "jpeg"] = Field(
         "png", description="Image encoding: png (lossless), webp or jpeg (smaller, lossy)."
@@ -262,7 +263,9 @@ class JobSpec(_Section):
 
     def image_settings(self) -> dict[str, Any]:
         """Settings that change the stored bytes of an image, for the plan's fingerprint.
-        (The modulation cache and the batch size do not: outputs are identical either way.)"""
+        The batch size is one: batched kernels round differently for different batch shapes, so
+        an image can differ in a few pixel values between batch sizes (measured on CPU, fp32).
+        The modulation cache is not: outputs are identical with and without it."""
         return {
             "model": self.model_path(),
             "device": self.model.device,
@@ -270,6 +273,7 @@ class JobSpec(_Section):
             "compile_vae": self.compile.vae,
             "compile_dit": self.compile.dit,
             "max_sequence_length": self.model.max_sequence_length,
+            "batch_size": self.workers.batch_size,
             "output_format": self.output.format,
             "image_format": self.output.image_format,
             "quality": self.output.quality,

@@ -187,3 +187,49 @@ def test_cli_status_and_preview_read_the_output(tmp_path, capsys):
 
     assert main(["preview", str(tmp_path / "empty"), "--out", str(sheet)]) == 2
     assert "no committed ok images" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("output_format", ["files", "parquet", "webdataset"])
+def test_preview_reads_every_output_format(tmp_path, output_format, capsys):
+    import numpy as np
+
+    from workers.shard_writers import ImageTask, ShardWriterConfig, make_shard_writer
+
+    out = tmp_path / "out"
+    store = open_store(str(out))
+    colours = {"a": (255, 0, 0), "b.c": (0, 0, 255), "d": (0, 255, 0)}
+    writer = make_shard_writer(store, 0, ShardWriterConfig(output_format=output_format, threads=2))
+    for row_id, colour in colours.items():
+        writer.add(ImageTask(row_id, 0, 1, f"a {row_id} square"), np.full((32, 48, 3), colour, np.uint8))
+    stored = writer.finish()
+    manifest = ManifestWriter(0, expected_rows=3)
+    for r in stored.results:
+        manifest.add(
+            ManifestRow(
+                id=r.id,
+                k=r.k,
+                prompt=f"a {r.id} square",
+                seed=1,
+                width=48,
+                height=32,
+                bucket="48x32",
+                steps=2,
+                true_cfg_scale=1.0,
+                model_id="test",
+                status="ok",
+                uri=r.uri,
+                sha256=r.sha256,
+                bytes=r.bytes,
+                format="png",
+                worker="w",
+                attempt=0,
+                shard=0,
+            )  # fmt: skip
+        )
+    manifest.commit(store)
+    sheet = tmp_path / "sheet.png"
+    assert main(["preview", str(out), "--out", str(sheet), "--columns", "3"]) == 0, capsys.readouterr().err
+    image = Image.open(sheet).convert("RGB")
+    # Cells are 176 pixels wide; each image is centred in its 160-pixel thumbnail box.
+    for n, colour in enumerate(colours.values()):
+        assert image.getpixel((n * 176 + 8 + 80, 8 + 80)) == colour
