@@ -193,7 +193,6 @@ class Dispatcher:
         self.unstarted: dict[int, int] = {}  # queued shard pos -> attempt number of a run that never started
         self.results: list[Any] = []
         self.failed: list[ShardFailure] = []
-        self.last_error: dict[int, tuple[str, str]] = {}
         self.stats = DispatchStats()
         self.startup_reports: list[dict] = []
         self.durations: deque[float] = deque(maxlen=_RECENT_DURATIONS)
@@ -525,7 +524,6 @@ class Dispatcher:
     def _run_failed(self, run: Run, kind: str, error: str) -> None:
         st, pos = self.state, run.pos
         st.failures[pos] += 1
-        self.last_error[pos] = (kind, error)
         if st.status[pos] != _PENDING or st.copies[pos]:
             return  # a twin committed already, or is still running: let it decide
         if st.failures[pos] >= self.config.max_attempts:
