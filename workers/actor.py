@@ -144,6 +144,7 @@ class GenerationWorker:
         self.generator = BatchGenerator(self.pipe, config.max_sequence_length)
         self.startup = {
             "worker_id": self.worker_id,
+            "pid": os.getpid(),
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "model_id": self.pipe.model_id,
@@ -151,6 +152,7 @@ class GenerationWorker:
             "model_fetch": self.model.to_dict(),
             "load_s": round(load_s, 3),
             "compile": self.compile_report.to_dict(),
+            "warmup_s": self.compile_report.warmup.seconds_per_bucket() if self.compile_report.warmup else {},
             "startup_s": round(time.perf_counter() - t0, 3),
         }
 
