@@ -45,6 +45,14 @@ class InputSpec(_Section):
         description="The prompt Parquet: a file, a directory of *.parquet files, or a glob "
         "('prompts/**/*.parquet'); local or s3://bucket/key. Relative paths start at the current directory."
     )
+    incremental: bool = Field(
+        False,
+        description="The input grows (a new file lands every night): each run generates only the rows "
+        "the output does not have yet, keyed by id (rows without an id column by file name and row), "
+        "and adds shards next to the earlier ones. Off: the output belongs to exactly the files it was "
+        "started with, and a grown input is refused. Ids of rows without an id column differ between "
+        "the two modes, so the mode of an output cannot change.",
+    )
 
 
 class OutputSpec(_Section):
@@ -75,7 +83,13 @@ class OutputSpec(_Section):
 class ModelSpec(_Section):
     path: str = Field(
         TINY_MODEL,
-        description="'tiny' (the bundled small model) or a local directory in the diffusers layout.",
+        description="'tiny' (the bundled small model), a local directory in the diffusers layout, "
+        "s3://bucket/prefix (that layout in a bucket) or hf://org/name@revision (needs the 'hub' extra).",
+    )
+    cache_dir: str = Field(
+        "/tmp/ditfleet/models",
+        description="Node-local directory where remote weights are fetched once per node and shared by "
+        "every actor on it. Needs room for the model (about 58 GB for Qwen-Image with its text encoder).",
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when the actor has a GPU.")
     dtype: Literal["auto", "bf16", "fp32"] = Field("auto", description="auto: bf16 on cuda, fp32 on cpu.")
@@ -308,6 +322,7 @@ class JobSpec(_Section):
             ),
             s3=self.s3_config(),
             resolved_spec=json.dumps(self.resolved(), sort_keys=True),
+            incremental=self.input.incremental,
         )
 
     def to_worker_config(self) -> WorkerConfig:
@@ -315,6 +330,7 @@ class JobSpec(_Section):
             output_uri=self.output_uri(),
             rows=self.row_config(),
             model_path=self.model_path(),
+            model_cache_dir=self.model.cache_dir,
             device=self.model.device,
             dtype=self.model.dtype,
             modulation_cache=self.model.modulation_cache,

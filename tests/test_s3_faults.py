@@ -55,7 +55,12 @@ def test_30_percent_faults_lose_nothing(s3_server, s3_bucket, fault_proxy) -> No
         assert s3_server.admin.get_object(Bucket=s3_bucket, Key=f"out/{key}")["Body"].read() == data
     for kind in ("slowdown", "reset", "error500", "drop_response"):
         assert fault_proxy.counts[kind] > 0, fault_proxy.counts
-    assert _no_multipart_uploads(s3_server.admin, s3_bucket)
+    # A CreateMultipartUpload whose reply was dropped leaves an upload the client never learned
+    # of; only the bucket's AbortIncompleteMultipartUpload rule can remove it (it is never a
+    # visible object). Every upload the client did learn of was completed or aborted.
+    leftover = s3_server.admin.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", [])
+    assert all(u["Key"] == "out/data/shard-00000.parquet" for u in leftover), leftover
+    assert len(leftover) <= fault_proxy.counts["drop_response"]
 
 
 def test_put_cut_half_way_leaves_no_visible_object(s3_server, s3_bucket, fault_proxy) -> None:
