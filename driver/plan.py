@@ -7,7 +7,8 @@ the same `workers.rows.resolve_rows` the planner's counts come from.
 
 The plan's fingerprint covers everything that changes the images a row gets (model identity,
 sampling defaults, buckets, job seed, shard size) and the identity of every input file, so an
-output directory is never resumed with a different job.
+output directory is never resumed with a different job. Incremental jobs (driver.increment)
+fingerprint the settings alone and record each run's shards in the output.
 """
 
 from __future__ import annotations
@@ -88,17 +89,8 @@ class JobPlan:
 
     def fingerprint_doc(self) -> dict[str, Any]:
         """The settings and input identities the fingerprint is computed over (stored in _job.json)."""
-        rows = self.config.rows
         return {
-            "version": FINGERPRINT_VERSION,
-            "image_settings": json.loads(json.dumps(dict(self.config.image_settings), sort_keys=True)),
-            "job_seed": rows.job_seed,
-            "steps": rows.steps,
-            "true_cfg_scale": rows.true_cfg_scale,
-            "negative_prompt": rows.negative_prompt,
-            "num_images": rows.num_images,
-            "buckets": list(rows.buckets.names),
-            "shard_size": self.config.shard_size,
+            **settings_doc(self.config),
             "inputs": [
                 {"uri": i.uri, "size": i.size, "rows": i.rows, "footer_sha256": i.footer_sha256}
                 for i in self.inputs
@@ -122,6 +114,31 @@ class JobPlan:
             for b in s.buckets_used:
                 out[b] += 1
         return out
+
+
+def settings_doc(config: PlanConfig, incremental: bool = False) -> dict[str, Any]:
+    """The settings that change the images a row gets, as JSON values.
+
+    A job's fingerprint is this plus its input identities; an incremental job's (whose input
+    grows from run to run) is this alone, with "incremental": true and without the shard size
+    (each run records its own shards, so a new size changes nothing already made).
+    """
+    rows = config.rows
+    doc: dict[str, Any] = {
+        "version": FINGERPRINT_VERSION,
+        "image_settings": json.loads(json.dumps(dict(config.image_settings), sort_keys=True)),
+        "job_seed": rows.job_seed,
+        "steps": rows.steps,
+        "true_cfg_scale": rows.true_cfg_scale,
+        "negative_prompt": rows.negative_prompt,
+        "num_images": rows.num_images,
+        "buckets": list(rows.buckets.names),
+    }
+    if incremental:
+        doc["incremental"] = True
+    else:
+        doc["shard_size"] = config.shard_size
+    return doc
 
 
 def fingerprint_of(doc: Mapping[str, Any]) -> str:
@@ -161,12 +178,22 @@ def describe_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list
     return out
 
 
-class _ShardCutter:
-    """Cuts each file into shard_size-row ranges as batches stream by, counting images and buckets."""
+class ShardCutter:
+    """Cuts each file into shard_size-row ranges as batches stream by, counting images and buckets.
 
-    def __init__(self, config: PlanConfig) -> None:
+    Batches of one file come in row order. A batch that does not start where the previous one
+    ended (an incremental run leaves out rows its output already has) ends the shard before the
+    gap, so a shard is always a contiguous row range. Shards are numbered from first_index;
+    id_prefixes (file URI -> prefix) go into the shards of those files (see ShardSpec.id_prefix).
+    """
+
+    def __init__(
+        self, config: PlanConfig, first_index: int = 0, id_prefixes: Mapping[str, str] | None = None
+    ) -> None:
         self.config = config
         self.buckets = config.rows.buckets
+        self.first_index = first_index
+        self.id_prefixes = dict(id_prefixes or {})
         self.shards: list[ShardSpec] = []
         self.used: set[int] = set()
         self._file: InputFile | None = None
@@ -178,6 +205,10 @@ class _ShardCutter:
         if self._file is not file:
             self.finish_file()
             self._file, self._start, self._position = file, first_row, first_position
+        elif first_row != self._start + self._rows_in_shard:  # rows left out before this batch
+            if self._rows_in_shard:
+                self._emit()
+            self._start, self._position = first_row, first_position
         images = self._images_of(batch)
         bucket_ids = self._bucket_ids_of(batch)
         single = pc.unique(bucket_ids).to_pylist() if bucket_ids is not None else [0]
@@ -210,13 +241,14 @@ class _ShardCutter:
         names = tuple(b.name for i, b in enumerate(self.buckets) if i in self._bucket_ids)
         self.shards.append(
             ShardSpec(
-                index=len(self.shards),
+                index=self.first_index + len(self.shards),
                 file=self._file.uri,
                 row_start=self._start,
                 row_stop=stop,
                 position_start=self._position,
                 buckets_used=names,
                 num_images=self._images,
+                id_prefix=self.id_prefixes.get(self._file.uri),
             )
         )
         self.used |= self._bucket_ids
@@ -259,7 +291,7 @@ class _ShardCutter:
 
 def plan_job(source: PromptSource, config: PlanConfig) -> JobPlan:
     """Validate every row and plan the shards. Raises InputError (all problems, up to the cap)."""
-    cutter = _ShardCutter(config)
+    cutter = ShardCutter(config)
     report = scan_input(source, config.rows, config.max_errors, config.read_batch_rows, cutter.on_batch)
     cutter.finish_file()
     report.raise_if_errors()

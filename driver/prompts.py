@@ -50,14 +50,43 @@ class PromptSource:
     filesystem: the pyarrow FileSystem to read through; default: the local one, or an S3 one
     with the standard AWS configuration for "s3://" (pass one built with
     workers.input_files.filesystem_for(uri, endpoint_url=...) for another endpoint).
+    files: the files to read, when the caller has resolved them already (an incremental run
+    reads only the files its output has not seen); they are read in the order given.
     Errors are InputErrors that name the path and say what to do.
     """
 
-    def __init__(self, uri: str, filesystem: pafs.FileSystem | None = None) -> None:
+    def __init__(
+        self,
+        uri: str,
+        filesystem: pafs.FileSystem | None = None,
+        files: Sequence[InputFile] | None = None,
+    ) -> None:
         self.uri = str(uri)
         self.filesystem = filesystem if filesystem is not None else filesystem_for(self.uri)
         self._s3 = is_s3(self.uri)
-        self._files: tuple[InputFile, ...] | None = None
+        self._files: tuple[InputFile, ...] | None = tuple(files) if files is not None else None
+
+    def root(self) -> str:
+        """The URI that the input's file names are relative to: the directory itself, the
+        directory a glob starts in, or the directory of a single file (no trailing "/")."""
+        path = fs_path(self.uri).rstrip("/")
+        parts = path.split("/")
+        glob_at = next((i for i, p in enumerate(parts) if _GLOB_CHARS & set(p)), None)
+        if glob_at is not None:
+            base = "/".join(parts[:glob_at])
+        elif any(f.uri == (self.uri if self._s3 else path) for f in self.files()):
+            base = path.rsplit("/", 1)[0]  # the input is one file
+        else:
+            base = path
+        return to_uri(base, self._s3)
+
+    def relative_name(self, file: InputFile | str) -> str:
+        """`file`'s path below root(): "2024-06-01.parquet", "day=3/part-0.parquet"."""
+        uri = file.uri if isinstance(file, InputFile) else file
+        root = self.root()
+        if uri.startswith(root + "/"):
+            return uri[len(root) + 1 :]
+        return uri.rsplit("/", 1)[-1]
 
     def files(self) -> tuple[InputFile, ...]:
         if self._files is None:

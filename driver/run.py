@@ -11,35 +11,41 @@
 4. Count rows and images from the manifests; when every shard is committed, write `_SUCCESS`
    (the summary, JSON). Print the summary. The caller exits with `summary.exit_code`.
 
+An incremental job (DriverConfig.incremental, see driver.increment) runs steps 1-2 differently:
+`_job.json` fingerprints the settings alone; each run plans only the rows its output does not
+have yet, records its shards in `_runs/`, and runs them together with any shard an earlier run
+left uncommitted. Its summary counts this run's shards; `ditfleet status` counts the output.
+
 Ray must be initialised by the caller (jobs/ does it), unless nothing is left to run.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from driver.dispatch import DispatchConfig, DispatchResult, run_shards
-from driver.plan import JobPlan, PlanConfig, fingerprint_mismatch, job_document, plan_job
+from driver.claim import OutputMismatch, claim_incremental_output, claim_output
+from driver.dispatch import DispatchConfig, DispatchEvents, DispatchResult, run_shards
+from driver.increment import IncrementPlan, commit_increment, plan_increment
+from driver.metrics import FanOut
+from driver.plan import JobPlan, PlanConfig, plan_job
 from driver.progress import JobProgress
 from driver.prompts import PromptSource
-from driver.status import count_shards, read_json
+from driver.status import OutputCounts, count_shards, read_json
 from driver.summary import JobSummary, build_summary
 from driver.validate import ValidationReport, validate_input
 from workers.input_files import filesystem_for
-from workers.layout import job_key, success_key
+from workers.layout import success_key
 from workers.manifest import committed_shards
+from workers.rows import ShardSpec
 from workers.stores import ObjectStore, S3Config, open_store
 
-
-class OutputMismatch(ValueError):
-    """The output holds another job's results (different fingerprint) or is not a job output."""
+_PLAN_TRIES = 5  # an incremental run plans again when another driver took its run number
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,8 @@ class DriverConfig:
     s3: S3Config = field(default_factory=S3Config)  # output store, and the input when on s3://
     resolved_spec: str = "{}"
     status_every_s: float = 30.0  # progress line interval when stderr is not a terminal
+    # The input grows between runs: each run adds only the rows the output lacks (driver.increment).
+    incremental: bool = False
 
     def __post_init__(self) -> None:
         if not self.input_uri or not self.output_uri:
@@ -82,36 +90,6 @@ def plan_input(config: DriverConfig) -> JobPlan:
     return plan_job(prompt_source(config), config.plan)
 
 
-def claim_output(store: ObjectStore, plan: JobPlan, resolved_spec: dict[str, Any]) -> bool:
-    """Make `store` this plan's output: write `_job.json` create-only, or check the one there.
-
-    Returns True when the output already belonged to this plan (a resume). Raises OutputMismatch
-    naming what differs when it belongs to another job.
-    """
-    where = store.uri()
-    existing = read_json(store, job_key())
-    if existing is None:
-        if committed_shards(store):
-            raise OutputMismatch(
-                f"output {where} has shard manifests but no _job.json, so it cannot be checked against "
-                "this job. Choose a new output, or restore its _job.json"
-            )
-        created = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-        doc = job_document(plan, resolved_spec, created_at=created)
-        if store.put_if_absent(job_key(), (json.dumps(doc, indent=2) + "\n").encode(), "application/json"):
-            return False
-        existing = read_json(store, job_key())  # another driver claimed it just now
-        assert existing is not None
-    differences = fingerprint_mismatch(existing, plan)
-    if differences:
-        listed = "\n".join(f"  - {d}" for d in differences)
-        raise OutputMismatch(
-            f"output {where} belongs to another job (its _job.json fingerprint differs):\n{listed}\n"
-            "Write to a new output, or run with the settings and input it was made with"
-        )
-    return True
-
-
 def _done_summary(store: ObjectStore) -> JobSummary | None:
     doc = read_json(store, success_key())
     if doc is None:
@@ -131,6 +109,7 @@ def run_job(
     stream: TextIO | None = None,
     interactive: bool | None = None,
     connect: Callable[[], Any] | None = None,
+    events: DispatchEvents | None = None,
 ) -> JobSummary:
     """Run (or resume) a job to the end and return its summary; see the module docstring.
 
@@ -138,18 +117,22 @@ def run_job(
     to the buckets of the shards left, when empty). worker_cls: the actor class, by default
     workers.actor.GenerationWorker (tests pass a stand-in with the same methods). connect: called
     once planning passed and there are shards to run, to connect to Ray (so a bad input or an
-    already complete output never waits for a cluster).
+    already complete output never waits for a cluster). events: a second sink for dispatch
+    events next to the progress display (driver.metrics.DriverMetrics exports them to Ray).
     Raises InputError (bad input), OutputMismatch (output of another job), DispatchError.
     """
     out = stream if stream is not None else sys.stderr
-    t0 = time.monotonic()
-    plan = plan_input(config)
-    plan_s = time.monotonic() - t0
     if getattr(worker_config, "output_uri", config.output_uri) != config.output_uri:
         raise ValueError(
             f"the worker writes to {worker_config.output_uri!r} but the driver's output is "
             f"{config.output_uri!r}: build both configs from the same spec"
         )
+    run = _Execution(config, worker_config, worker_cls, out, interactive, connect, events)
+    if config.incremental:
+        return _run_incremental(config, run)
+    t0 = time.monotonic()
+    plan = plan_input(config)
+    plan_s = time.monotonic() - t0
     store = open_store(config.output_uri, config.s3)
     store.check_writable()
     claim_output(store, plan, json.loads(config.resolved_spec))
@@ -161,32 +144,14 @@ def run_job(
         return previous
     if done:
         print(f"resuming {store.uri()}: {len(done)} of {len(plan.shards)} shards already committed", file=out)
-    progress = JobProgress(
-        total_shards=len(plan.shards),
-        total_images=plan.total_images,
-        done_shards=len(done),
-        done_images=sum(s.num_images for s in plan.shards if s.index in done),
-        stream=out,
-        interactive=interactive,
-        status_every_s=config.status_every_s,
+    progress = run.progress(
+        len(plan.shards),
+        plan.total_images,
+        len(done),
+        sum(s.num_images for s in plan.shards if s.index in done),
     )
     t1 = time.monotonic()
-    result: DispatchResult | None = None
-    if todo:
-        if hasattr(worker_config, "warmup_buckets") and not worker_config.warmup_buckets:
-            used = {b for s in todo for b in s.buckets_used}
-            buckets = tuple(b for b in plan.buckets_used if b in used)
-            worker_config = dataclasses.replace(worker_config, warmup_buckets=buckets)
-        if worker_cls is None:
-            from workers.actor import GenerationWorker
-
-            worker_cls = GenerationWorker
-        if connect is not None:
-            connect()
-        try:
-            result = run_shards(todo, worker_cls, (worker_config,), config.dispatch, progress)
-        finally:
-            progress.close()
+    result = run.dispatch(todo, plan.buckets_used, progress)
     dispatch_s = time.monotonic() - t1
     t2 = time.monotonic()
     committed = committed_shards(store) & {s.index for s in plan.shards}
@@ -212,13 +177,173 @@ def run_job(
     return summary
 
 
+@dataclass
+class _Execution:
+    """The parts of a run shared by plain and incremental jobs: progress and dispatch."""
+
+    config: DriverConfig
+    worker_config: Any
+    worker_cls: type | None
+    out: TextIO
+    interactive: bool | None
+    connect: Callable[[], Any] | None
+    events: DispatchEvents | None
+
+    def progress(self, shards: int, images: int, done_shards: int = 0, done_images: int = 0) -> JobProgress:
+        return JobProgress(
+            total_shards=shards,
+            total_images=images,
+            done_shards=done_shards,
+            done_images=done_images,
+            stream=self.out,
+            interactive=self.interactive,
+            status_every_s=self.config.status_every_s,
+        )
+
+    def dispatch(
+        self, todo: Sequence[ShardSpec], buckets_order: Sequence[str], progress: JobProgress
+    ) -> DispatchResult | None:
+        """Run `todo` on worker actors (connecting to Ray first); None when there is nothing."""
+        if not todo:
+            progress.close()
+            return None
+        worker_config, worker_cls = self.worker_config, self.worker_cls
+        if hasattr(worker_config, "warmup_buckets") and not worker_config.warmup_buckets:
+            used = {b for s in todo for b in s.buckets_used}
+            buckets = tuple(b for b in buckets_order if b in used)
+            worker_config = dataclasses.replace(worker_config, warmup_buckets=buckets)
+        if worker_cls is None:
+            from workers.actor import GenerationWorker
+
+            worker_cls = GenerationWorker
+        if self.connect is not None:
+            self.connect()
+        try:
+            events = FanOut(progress, self.events) if self.events is not None else progress
+            return run_shards(todo, worker_cls, (worker_config,), self.config.dispatch, events)
+        finally:
+            progress.close()
+            finish = getattr(self.events, "finish", None)
+            if callable(finish):
+                finish()
+
+
+def preview_increment(config: DriverConfig) -> IncrementPlan:
+    """What the next run of an incremental job would do, writing nothing (`ditfleet plan`).
+    Raises InputError, OutputMismatch as a run would."""
+    store = open_store(config.output_uri, config.s3)
+    resolved = json.loads(config.resolved_spec)
+    fingerprint = claim_incremental_output(store, config.plan, config.input_uri, resolved, write=False)
+    return plan_increment(prompt_source(config), config.plan, store, committed_shards(store), fingerprint)
+
+
+def _plan_increment(config: DriverConfig, store: ObjectStore, fingerprint: str) -> IncrementPlan:
+    """Plan the next run and write its record; plans again if another driver took the number."""
+    source = prompt_source(config)
+    for _ in range(_PLAN_TRIES):
+        plan = plan_increment(source, config.plan, store, committed_shards(store), fingerprint)
+        written = commit_increment(store, plan)
+        if written is not None:
+            return written
+    raise OutputMismatch(
+        f"output {store.uri()}: another driver planned a run at the same time, {_PLAN_TRIES} times in "
+        "a row. Is a second `ditfleet run` of this job writing to it? Let one run at a time"
+    )
+
+
+def _run_incremental(config: DriverConfig, run: _Execution) -> JobSummary:
+    out, t0 = run.out, time.monotonic()
+    store = open_store(config.output_uri, config.s3)
+    store.check_writable()
+    fingerprint = claim_incremental_output(
+        store, config.plan, config.input_uri, json.loads(config.resolved_spec)
+    )
+    plan = _plan_increment(config, store, fingerprint)
+    plan_s = time.monotonic() - t0
+    for line in plan.describe():
+        print(line, file=out)
+    todo = plan.todo
+    planned = {
+        "shards": len(todo),
+        "rows": sum(s.num_rows for s in todo),
+        "images": sum(s.num_images for s in todo),
+    }
+    if not todo:
+        shards = len(plan.recorded.live())
+        print(
+            f"{store.uri()}: nothing new in {plan.files} input file(s); all {shards} shards committed",
+            file=out,
+        )
+        if shards and not store.exists(success_key()):
+            # Every shard is committed but no run got to write _SUCCESS (it stopped just before).
+            summary = _incremental_summary(
+                store, fingerprint, planned, None, run.progress(0, 0), {}, OutputCounts()
+            )
+            store.put(success_key(), summary.to_json().encode(), "application/json")
+        return _incremental_summary(
+            store,
+            fingerprint,
+            planned,
+            None,
+            run.progress(0, 0),
+            {"wall_s": time.monotonic() - t0},
+            OutputCounts(),
+        )
+    if plan.record is not None and store.exists(success_key()):
+        store.delete(success_key())  # the output is incomplete until this run's shards commit
+    order = config.plan.rows.buckets.names
+    progress = run.progress(len(todo), planned["images"])
+    t1 = time.monotonic()
+    result = run.dispatch(todo, order, progress)
+    dispatch_s = time.monotonic() - t1
+    t2 = time.monotonic()
+    committed = committed_shards(store) & {s.index for s in todo}
+    counts = count_shards(store, sorted(committed))
+    timings = {
+        "plan_s": plan_s,
+        "dispatch_s": dispatch_s,
+        "count_s": time.monotonic() - t2,
+        "wall_s": time.monotonic() - t0,
+    }
+    summary = _incremental_summary(store, fingerprint, planned, result, progress, timings, counts)
+    if summary.shards["left"] == 0:
+        store.put(success_key(), summary.to_json().encode(), "application/json")
+    print(summary.format_text(), file=out)
+    return summary
+
+
+def _incremental_summary(
+    store: ObjectStore,
+    fingerprint: str,
+    planned: dict[str, int],
+    result: DispatchResult | None,
+    progress: JobProgress,
+    timings: dict[str, float],
+    counts: OutputCounts,
+) -> JobSummary:
+    """The summary of one incremental run: its shards (new and carried over), not the output's."""
+    full = {"plan_s": 0.0, "dispatch_s": 0.0, "count_s": 0.0, "wall_s": 0.0, **timings}
+    return build_summary(
+        output=store.uri(),
+        fingerprint=fingerprint,
+        planned=planned,
+        committed_before=0,
+        counts=counts,
+        dispatch=result,
+        progress=progress,
+        timings=full,
+    )
+
+
 __all__ = [
     "DispatchConfig",
     "DriverConfig",
     "OutputMismatch",
     "PlanConfig",
+    "claim_incremental_output",
     "claim_output",
     "plan_input",
+    "preview_increment",
     "run_job",
     "validate_job_input",
 ]

@@ -3,7 +3,8 @@
 Used by `ditfleet status` and by the driver for its final counts: the manifests are the truth
 (a shard committed by an earlier run, or by a twin of a speculative run, counts exactly as one
 committed now). Each manifest is read on its own, only the columns counted, so memory stays
-O(shards) whatever the number of rows.
+O(shards) whatever the number of rows. What was planned is in `_job.json`, or, for an
+incremental job, in the union of its run records (driver.runs).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from driver.runs import RecordedPlan, read_run_records
 from workers.layout import job_key, manifest_key, success_key
 from workers.manifest import committed_shards
 from workers.stores import ObjectNotFound, ObjectStore
@@ -109,14 +111,19 @@ class OutputStatus:
     committed: list[int]
     missing: list[int]  # planned shards without a manifest (empty when there is no _job.json)
     counts: OutputCounts
+    # Incremental jobs: {shards, rows, images} over every run's live shards, and the runs.
+    recorded: dict[str, int] | None = None
+
+    @property
+    def plan(self) -> dict[str, Any]:
+        return self.recorded if self.recorded is not None else ((self.job or {}).get("plan") or {})
 
     @property
     def planned_shards(self) -> int | None:
-        plan = (self.job or {}).get("plan") or {}
-        return plan.get("shards")
+        return self.plan.get("shards")
 
     def to_dict(self) -> dict[str, Any]:
-        plan = (self.job or {}).get("plan") or {}
+        plan = self.plan
         c = self.counts
         return {
             "output": self.uri,
@@ -131,14 +138,16 @@ class OutputStatus:
             "images": {"planned": plan.get("images"), "ok": c.images_ok, "failed": c.images_failed},
             "failures_by_error": c.errors_capped(),
             "shards_left": _ranges(self.missing),
+            **({"runs": self.recorded["runs"]} if self.recorded is not None else {}),
         }
 
     def format_text(self) -> str:
         d = self.to_dict()
         s, r, i = d["shards"], d["rows"], d["images"]
         state = "complete" if d["complete"] else ("not started" if not self.committed else "incomplete")
+        runs = f" ({d['runs']} incremental runs)" if "runs" in d else ""
         lines = [
-            f"output {self.uri}: {state}",
+            f"output {self.uri}: {state}{runs}",
             f"  shards: {s['committed']} committed of {_or_unknown(s['planned'])}, {s['left']} left",
             f"  rows:   {r['ok']} ok, {r['failed']} failed (of {_or_unknown(r['planned'])} planned)",
             f"  images: {i['ok']} ok, {i['failed']} failed (of {_or_unknown(i['planned'])} planned)",
@@ -173,9 +182,21 @@ def output_status(store: ObjectStore) -> OutputStatus:
     """Read what `store` (an output root) holds."""
     job = read_json(store, job_key())
     committed = sorted(committed_shards(store))
-    planned = ((job or {}).get("plan") or {}).get("shards")
     have = set(committed)
-    missing = [s for s in range(planned) if s not in have] if isinstance(planned, int) else []
+    recorded = None
+    if ((job or {}).get("plan") or {}).get("incremental"):
+        plan = RecordedPlan.of(read_run_records(store))
+        live = plan.live()
+        recorded = {
+            "shards": len(live),
+            "rows": sum(s.num_rows for s in live),
+            "images": sum(s.num_images for s in live),
+            "runs": len(plan.records),
+        }
+        missing = [s.index for s in live if s.index not in have]
+    else:
+        planned = ((job or {}).get("plan") or {}).get("shards")
+        missing = [s for s in range(planned) if s not in have] if isinstance(planned, int) else []
     return OutputStatus(
         uri=store.uri(),
         job=job,
@@ -183,4 +204,5 @@ def output_status(store: ObjectStore) -> OutputStatus:
         committed=committed,
         missing=missing,
         counts=count_shards(store, committed),
+        recorded=recorded,
     )

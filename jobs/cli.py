@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from driver.dispatch import DispatchError
 from driver.errors import InputError
-from driver.run import OutputMismatch, plan_input, run_job, validate_job_input
+from driver.run import OutputMismatch, plan_input, preview_increment, run_job, validate_job_input
 from driver.status import output_status
 from jobs.spec import JobSpec, SpecError, load_spec
 from workers.stores import S3Config, StoreError, open_store
@@ -73,6 +73,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     spec = load_spec(args.job)
+    if spec.input.incremental:
+        return _plan_incremental(spec, args.json)
     plan = plan_input(spec.to_driver_config())
     info = {
         "input": plan.source,
@@ -95,6 +97,35 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print("buckets: " + ", ".join(f"{b} ({n} shards)" for b, n in plan.bucket_usage.items()))
     print(f"output:  {info['output']}")
     print(f"actors:  {info['actors']['min']}..{info['actors']['max']}")
+    return EXIT_OK
+
+
+def _plan_incremental(spec: JobSpec, as_json: bool) -> int:
+    """`ditfleet plan` of an incremental job: what its next run would add (writes nothing)."""
+    plan = preview_increment(spec.to_driver_config())
+    todo = plan.todo
+    info = {
+        "input": spec.input_uri(),
+        "incremental": True,
+        "files": plan.files,
+        "next_run": plan.record.run if plan.record is not None else None,
+        "new_files": len(plan.record.files) if plan.record is not None else 0,
+        "new_shards": len(plan.new_shards),
+        "carried_shards": len(plan.carried),
+        "rows": sum(s.num_rows for s in todo),
+        "images": sum(s.num_images for s in todo),
+        "skipped_rows": plan.record.skipped_rows if plan.record is not None else 0,
+        "output": spec.output_uri(),
+        "fingerprint": plan.fingerprint,
+    }
+    if as_json:
+        print(json.dumps(info, indent=2))
+        return EXIT_OK
+    print(f"input:   {info['input']} ({info['files']} file(s), incremental)")
+    for line in plan.describe() or ["nothing new: a run now would do nothing"]:
+        print(line)
+    print(f"to run:  {len(todo)} shards, {info['rows']} rows, {info['images']} images")
+    print(f"output:  {info['output']}")
     return EXIT_OK
 
 

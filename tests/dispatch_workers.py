@@ -14,8 +14,11 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import pyarrow.fs as pafs
+
 from workers.layout import image_key, manifest_key
 from workers.manifest import ManifestRow, ManifestWriter
+from workers.rows import RowConfig, read_shard_rows
 from workers.stores import open_store
 
 
@@ -29,6 +32,9 @@ class SleepingWorkerConfig:
     slow_first_actor_s: float | None = None  # the first actor to start sleeps this per shard
     marker_dir: str | None = None  # where actors claim "first" and log their runs
     startup_s: float = 0.0
+    # Read and resolve the shard's real rows (workers.rows.read_shard_rows) for their ids,
+    # instead of using positions: for tests of jobs whose ids come from the input.
+    rows: RowConfig | None = None
 
 
 @dataclass
@@ -101,18 +107,28 @@ class SleepingWorker:
             time.sleep(self.config.hang[shard.index])
         else:
             time.sleep(self.shard_s)
+        if self.config.rows is not None:
+            rows = read_shard_rows(shard, pafs.LocalFileSystem(), self.config.rows)
+            images = [
+                (r.id, k if r.num_images > 1 else None, i)
+                for i, r in enumerate(rows)
+                for k in range(r.num_images)
+            ]
+        else:
+            images = [
+                (str(shard.position_start + i), None, shard.position_start + i) for i in range(shard.num_rows)
+            ]
         writer = ManifestWriter(shard.index, expected_rows=shard.num_images)
-        for i in range(shard.num_rows):
-            row_id = str(shard.position_start + i)
-            data = f"image {row_id}".encode()
-            key = image_key(shard.index, row_id, None, "png")
+        for row_id, k, seed in images:
+            data = f"image {row_id} {k}".encode() if k is not None else f"image {row_id}".encode()
+            key = image_key(shard.index, row_id, k, "png")
             self.store.put(key, data)
             writer.add(
                 ManifestRow(
                     id=row_id,
-                    k=0,
+                    k=k or 0,
                     prompt=f"prompt {row_id}",
-                    seed=int(row_id),
+                    seed=seed,
                     width=64,
                     height=64,
                     bucket="64x64",

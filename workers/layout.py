@@ -8,6 +8,8 @@
 {out}/webdataset/shard-{shard:05d}.tar              webdataset_key(shard)
     members {key}.{ext} and {key}.json              webdataset_sample_key(id, k)
 {out}/manifests/shard-{shard:05d}.parquet           manifest_key(shard)
+{out}/_runs/{run:05d}.json                          run_key(run)  (incremental jobs: one per run)
+{out}/_runs/{run:05d}-{token}.ids.parquet           run_ids_key(run, token)
 ```
 
 Keys are relative to the output root and always use "/" as separator; stores join them to
@@ -25,6 +27,7 @@ DATA_PREFIX = "data/"
 WEBDATASET_PREFIX = "webdataset/"
 MANIFESTS_PREFIX = "manifests/"
 TMP_PREFIX = "_tmp/"
+RUNS_PREFIX = "_runs/"
 JOB_KEY = "_job.json"
 SUCCESS_KEY = "_SUCCESS"
 
@@ -37,6 +40,8 @@ MAX_COMPONENT_BYTES = 200
 _HASH_HEX = 32  # 128 bits of sha256: collisions among shortened ids are not a practical concern
 
 _SHARD_FILE = re.compile(r"^shard-(\d{5,})\.parquet$")
+_RUN_FILE = re.compile(r"^(\d{5,})\.json$")
+_TOKEN = re.compile(r"^[0-9a-f]{1,64}$")
 # Kept as is: ASCII letters, digits, "-" and "." (a leading "." is escaped so that no component
 # is "." or "..", or a hidden file). Everything else, "_" (the k separator) and "~" (the escape
 # character) included, becomes "~XX" per UTF-8 byte.
@@ -153,6 +158,34 @@ def shard_of_manifest_key(key: str) -> int | None:
         return None
     match = _SHARD_FILE.match(key[len(MANIFESTS_PREFIX) :])
     return int(match.group(1)) if match else None
+
+
+def run_key(run: int) -> str:
+    """Key of an incremental job's run record: which shards run `run` planned, over which rows."""
+    return f"{RUNS_PREFIX}{_run(run)}.json"
+
+
+def run_ids_key(run: int, token: str) -> str:
+    """Key of the ids a run planned (one row per input row: shard, id). The token (hex) makes
+    the key unique to one planning attempt, so two drivers planning the same run number never
+    write the same object; the run record names the one that belongs to it."""
+    if not _TOKEN.match(token):
+        raise ValueError(f"a run token must be 1..64 lowercase hex digits, got {token!r}")
+    return f"{RUNS_PREFIX}{_run(run)}-{token}.ids.parquet"
+
+
+def run_of_key(key: str) -> int | None:
+    """The run number of a key made by run_key, or None for any other key."""
+    if not key.startswith(RUNS_PREFIX):
+        return None
+    match = _RUN_FILE.match(key[len(RUNS_PREFIX) :])
+    return int(match.group(1)) if match else None
+
+
+def _run(run: int) -> str:
+    if isinstance(run, bool) or not isinstance(run, int) or run < 1:
+        raise ValueError(f"a run number must be an int >= 1, got {run!r}")
+    return f"{run:05d}"
 
 
 def job_key() -> str:

@@ -6,7 +6,9 @@ id, seed or bucket cannot differ between what was planned and what is generated.
 
 Row resolution (columns of the prompt Parquet; "null" means absent for that row):
 - id: the `id` column (string, or integer in decimal), else the row's global input position
-  ("0", "1", ... counted over the files in input order).
+  ("0", "1", ... counted over the files in input order); in an incremental job, whose input
+  grows, the file's name and the row instead ("2024-06-01.parquet#17", see ShardSpec.id_prefix),
+  which no later file can shift.
 - seed: the `seed` column, else derive_seed(job_seed, id): same on any actor, attempt or run.
 - width/height: mapped to one of the job's buckets; none given -> the default bucket.
 - negative_prompt, steps, true_cfg_scale, num_images: the column, else the job default.
@@ -131,6 +133,9 @@ class ShardSpec:
     position_start: int  # global input position of row_start (a row without id uses its position)
     buckets_used: tuple[str, ...]  # bucket names, in the bucket set's order
     num_images: int  # images requested by the rows of this shard
+    # Rows without an id column take the id f"{id_prefix}{row}" instead of their position when
+    # this is set (incremental jobs: positions shift when a file is added before others).
+    id_prefix: str | None = None
 
     @property
     def num_rows(self) -> int:
@@ -185,11 +190,13 @@ def resolve_rows(
     file: str,
     first_row: int,
     first_position: int | None = None,
+    id_prefix: str | None = None,
 ) -> list[PromptRow]:
     """Resolve the rows of `batch` (rows first_row.. of `file`) into PromptRows.
 
     first_position is the global input position of the batch's first row (default first_row,
-    right for the first or only file); rows without an id use their position as id.
+    right for the first or only file); rows without an id use their position as id, or
+    f"{id_prefix}{row}" when id_prefix is given.
     """
     n = batch.num_rows
     position = first_row if first_position is None else first_position
@@ -212,7 +219,10 @@ def resolve_rows(
             raise RowResolutionError(
                 f"{file}: row {row}, column 'prompt': no prompt ({prompt!r}). Run the input through validation"
             )
-        row_id = _row_id(ids[i], file, row) if has_ids else str(position + i)
+        if has_ids:
+            row_id = _row_id(ids[i], file, row)
+        else:
+            row_id = f"{id_prefix}{row}" if id_prefix is not None else str(position + i)
         w, h = widths[i], heights[i]
         if (w is None) != (h is None):
             raise RowResolutionError(
@@ -282,6 +292,7 @@ def read_shard_rows(
                     shard.file,
                     first,
                     shard.position_start + first - shard.row_start,
+                    shard.id_prefix,
                 )
             at += batch.num_rows
             if at >= shard.row_stop:
