@@ -34,6 +34,8 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
+from workers.stores import fsync_dir
+
 log = logging.getLogger(__name__)
 
 MARKER = ".complete"
@@ -203,20 +205,6 @@ def node_lock(lock_path: Path, timeout_s: float, what: str) -> Iterator[float]:
 # -- one cache entry -----------------------------------------------------------------------------
 
 
-def _fsync(path: Path) -> None:
-    # Directories: makes renames durable; some filesystems refuse it, which is not fatal.
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 @dataclass(frozen=True)
 class CacheEntry:
     """One source at one revision in the cache directory (see the module docstring)."""
@@ -274,7 +262,7 @@ class CacheEntry:
         """Unmark the entry (before any file changes) and give a clean staging directory."""
         if self.marker.exists():
             self.marker.unlink()
-            _fsync(self.root)
+            fsync_dir(self.root)
         # Anything here is a leftover of a fetch that died (we hold the lock): never reuse it.
         shutil.rmtree(self.staging, ignore_errors=True)
         self.staging.mkdir(parents=True)
@@ -288,7 +276,7 @@ class CacheEntry:
         final = self.root / f.path
         final.parent.mkdir(parents=True, exist_ok=True)
         os.replace(staged, final)
-        _fsync(final.parent)
+        fsync_dir(final.parent)
 
     def finish(self, revision: str, files: Sequence[RemoteFile], fetched_bytes: int) -> None:
         """Write the marker last (atomically), then drop the staging directory."""
@@ -307,5 +295,5 @@ class CacheEntry:
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, self.marker)
-        _fsync(self.root)
+        fsync_dir(self.root)
         shutil.rmtree(self.staging, ignore_errors=True)

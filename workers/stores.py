@@ -150,7 +150,7 @@ class ObjectStore(abc.ABC):
         """Fail fast with a StoreError that says what to fix if this store cannot be written."""
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str | os.PathLike) -> None:
     # Makes a rename/link durable; some filesystems refuse fsync on directories: not fatal.
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -203,7 +203,7 @@ class LocalStore(ObjectStore):
         except BaseException:
             _unlink_quietly(tmp)
             raise
-        _fsync_dir(os.path.dirname(path))
+        fsync_dir(os.path.dirname(path))
 
     def put_file(self, key: str, f: BinaryIO, content_type: str | None = None) -> None:
         path = self._path(key)
@@ -213,7 +213,7 @@ class LocalStore(ObjectStore):
         except BaseException:
             _unlink_quietly(tmp)
             raise
-        _fsync_dir(os.path.dirname(path))
+        fsync_dir(os.path.dirname(path))
 
     def put_if_absent(self, key: str, data: bytes, content_type: str | None = None) -> bool:
         path = self._path(key)
@@ -233,7 +233,7 @@ class LocalStore(ObjectStore):
             raise
         finally:
             _unlink_quietly(tmp)
-        _fsync_dir(os.path.dirname(path))
+        fsync_dir(os.path.dirname(path))
         return True
 
     @staticmethod
