@@ -3,6 +3,8 @@
     ditfleet validate job.yaml             spec and every input row; no cluster, no GPU
     ditfleet plan job.yaml [--json]        rows, shards, buckets, images that a run would make
     ditfleet run job.yaml [--address A]    run or resume the job (local Ray, or a cluster)
+    ditfleet submit job.yaml --address http://HEAD:8265 --slot SLOT [--wait] [--working-dir DIR]
+                                           submit `ditfleet run job.yaml` to a cluster once per slot
     ditfleet status OUTPUT [--json]        committed shards, rows ok/failed, what is left
     ditfleet preview OUTPUT --out s.png    contact sheet of generated images with their prompts
 
@@ -28,6 +30,7 @@ from driver.errors import InputError
 from driver.run import OutputMismatch, plan_input, preview_increment, run_job, validate_job_input
 from driver.status import output_status
 from jobs.spec import JobSpec, SpecError, load_spec
+from jobs.submit import SubmitError
 from workers.stores import S3Config, StoreError, open_store
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
@@ -148,6 +151,28 @@ def cmd_run(args: argparse.Namespace) -> int:
     return summary.exit_code
 
 
+def cmd_submit(args: argparse.Namespace) -> int:
+    from jobs.submit import submit_slot
+
+    spec = load_spec(args.job)  # a bad job file fails here, not on the cluster
+    if not spec.name:
+        raise UsageError(
+            f"{args.job}: the job has no `name`; submit derives the Ray submission id from the name "
+            "and the slot, so give the job a name"
+        )
+    if not args.slot.strip():
+        raise UsageError('--slot must not be empty (e.g. the scheduled date: --slot "$(date -u +%F)")')
+    return submit_slot(
+        args.job,
+        spec.name,
+        args.address,
+        args.slot,
+        wait=args.wait,
+        working_dir=args.working_dir,
+        resubmit_failed=args.resubmit_failed,
+    )
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     status = output_status(open_store(args.output, _store_args(args)))
     if status.job is None and not status.committed:
@@ -184,6 +209,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", help="Ray cluster to use (default: RAY_ADDRESS, else a local Ray)")
     p.set_defaults(func=cmd_run)
 
+    p = sub.add_parser("submit", help="submit the job to a Ray cluster, once per schedule slot")
+    p.add_argument("job", help="job file (YAML or JSON); it must have a `name`")
+    p.add_argument("--address", help="the cluster's job server, http://HEAD:8265 (default: RAY_ADDRESS)")
+    p.add_argument(
+        "--slot",
+        required=True,
+        help="the schedule slot, e.g. the date; one job runs per job name and slot",
+    )
+    p.add_argument("--wait", action="store_true", help="follow the logs; exit with the job's status")
+    p.add_argument(
+        "--working-dir",
+        help="directory uploaded with the job (the job file is named relative to it when inside it)",
+    )
+    p.add_argument(
+        "--resubmit-failed",
+        action="store_true",
+        help="if the slot's job already ended FAILED or STOPPED, run it again (it resumes its output)",
+    )
+    p.set_defaults(func=cmd_submit)
+
     for name, helptext, func in (
         ("status", "what an output holds and what is left", cmd_status),
         ("preview", "contact sheet PNG of generated images with their prompts", cmd_preview),
@@ -215,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A store that cannot be used, a damaged file in the output: say what and where.
         _print_err(f"{type(e).__name__}: {e}")
         return EXIT_BAD_INPUT
-    except DispatchError as e:
+    except (DispatchError, SubmitError) as e:
         _print_err(str(e))
         return EXIT_FAILED
     except KeyboardInterrupt:
