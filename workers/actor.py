@@ -24,9 +24,11 @@ from .generate import BatchGenerator, GeneratedImage, image_requests, iter_gener
 from .input_files import filesystem_for
 from .layout import manifest_key
 from .manifest import ManifestRow, ManifestWriter, passthrough_json
+from .metrics import WorkerMetrics
 from .model_fetch import FetchConfig, fetch_model
 from .rows import PromptRow, RowConfig, ShardSpec, read_shard_rows
 from .shard_writers import ImageResult, ImageTask, ShardWriterConfig, make_shard_writer
+from .spot import StopOnSigterm
 from .stores import S3Config, open_store
 
 
@@ -115,6 +117,9 @@ class GenerationWorker:
         self.config = config
         self.worker_id = worker_identity()
         self._stop = threading.Event()
+        # Under Ray: SIGTERM (spot reclaim) abandons the running shard uncommitted, then exits.
+        self._sigterm = StopOnSigterm(self.request_stop).install()
+        self.metrics = WorkerMetrics(config.output_uri)
         # Storage first: a missing bucket or bad credentials fail before any model work.
         self.store = open_store(config.output_uri, config.s3)
         self.store.check_writable()
@@ -168,8 +173,18 @@ class GenerationWorker:
         self._stop.set()
 
     def run_shard(self, shard: ShardSpec, attempt: int = 0) -> ShardResult:
+        with self._sigterm.busy():
+            try:
+                return self._run_shard(shard, attempt)
+            except ShardAbandoned:
+                self.metrics.shard_finished("abandoned")
+                raise
+
+    def _run_shard(self, shard: ShardSpec, attempt: int) -> ShardResult:
         t0 = time.perf_counter()
         result = ShardResult(shard.index, attempt, "committed", worker_id=self.worker_id)
+        if self._stop.is_set():  # queued behind the shard a stop request interrupted
+            raise ShardAbandoned(f"shard {shard.index}: worker asked to stop before it started")
         if self.store.exists(manifest_key(shard.index)):
             result.status = "already_committed"
             return result
@@ -206,11 +221,13 @@ class GenerationWorker:
         result.recompiles = compile_count() - compiles_before
         stored_by_key = {(r.id, r.k): r for r in stored.results}
         manifest = ManifestWriter(shard.index, expected_rows=len(requests))
+        rows_written: list[ManifestRow] = []
         for req in requests:
             gen = generated[(req.row.id, req.k)]
             res = stored_by_key.get((req.row.id, req.k))
             row = self._manifest_row(req.row, req.k, gen, res, shard.index, attempt, result.recompiles)
             manifest.add(row)
+            rows_written.append(row)
             if row.status == "ok":
                 result.images_ok += 1
             else:
@@ -222,6 +239,7 @@ class GenerationWorker:
         result.upload_s += stored.data_upload_s
         if not manifest.commit(self.store):
             result.status = "already_committed"  # another attempt won; its images are the same bytes
+        self.metrics.shard_finished(result.status, rows_written if result.status == "committed" else ())
         result.rows = len(rows)
         result.wall_s = time.perf_counter() - t0
         return result
