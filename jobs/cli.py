@@ -141,8 +141,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         nonlocal started
         started = connect_ray(args.address)
 
+    from driver.metrics import DriverMetrics
+
     try:
-        summary = run_job(driver, worker, connect=connect)
+        summary = run_job(driver, worker, connect=connect, events=DriverMetrics(job=spec.name or ""))
     finally:
         if started:
             import ray
