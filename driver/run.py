@@ -237,14 +237,25 @@ def preview_increment(config: DriverConfig) -> IncrementPlan:
     return plan_increment(prompt_source(config), config.plan, store, committed_shards(store), fingerprint)
 
 
-def _plan_increment(config: DriverConfig, store: ObjectStore, fingerprint: str) -> IncrementPlan:
-    """Plan the next run and write its record; plans again if another driver took the number."""
+def _plan_increment(config: DriverConfig, store: ObjectStore) -> tuple[IncrementPlan, str]:
+    """Plan the next run and write its record; plans again if another driver took the number.
+
+    Nothing is written before the new files passed validation, and nothing at all when there
+    is nothing new. Returns the plan and the job's settings fingerprint.
+    """
     source = prompt_source(config)
+    spec = json.loads(config.resolved_spec)
     for _ in range(_PLAN_TRIES):
+        # Refuses changed settings before reading any input; writes nothing.
+        fingerprint = claim_incremental_output(store, config.plan, config.input_uri, spec, write=False)
         plan = plan_increment(source, config.plan, store, committed_shards(store), fingerprint)
+        if plan.record is None:
+            return plan, fingerprint
+        store.check_writable()
+        claim_incremental_output(store, config.plan, config.input_uri, spec)
         written = commit_increment(store, plan)
         if written is not None:
-            return written
+            return written, fingerprint
     raise OutputMismatch(
         f"output {store.uri()}: another driver planned a run at the same time, {_PLAN_TRIES} times in "
         "a row. Is a second `ditfleet run` of this job writing to it? Let one run at a time"
@@ -254,11 +265,7 @@ def _plan_increment(config: DriverConfig, store: ObjectStore, fingerprint: str) 
 def _run_incremental(config: DriverConfig, run: _Execution) -> JobSummary:
     out, t0 = run.out, time.monotonic()
     store = open_store(config.output_uri, config.s3)
-    store.check_writable()
-    fingerprint = claim_incremental_output(
-        store, config.plan, config.input_uri, json.loads(config.resolved_spec)
-    )
-    plan = _plan_increment(config, store, fingerprint)
+    plan, fingerprint = _plan_increment(config, store)
     plan_s = time.monotonic() - t0
     for line in plan.describe():
         print(line, file=out)

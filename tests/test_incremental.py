@@ -16,6 +16,7 @@ import pytest
 
 from driver.claim import OutputMismatch
 from driver.dispatch import DispatchConfig
+from driver.errors import InputError
 from driver.plan import PlanConfig
 from driver.run import DriverConfig, run_job
 from driver.status import output_status
@@ -207,6 +208,15 @@ def test_changed_settings_or_mode_are_refused_naming_what_differs(tmp_path: Path
         run(plain, worker)
     assert "made by an incremental job (input.incremental: true)" in str(err.value)
     assert store.get("_job.json") == job_before and not list(store.list(RUNS_PREFIX + "00002"))
+
+    # A new file with a bad row: the run fails before writing anything, naming the row.
+    pq.write_table(pa.table({"prompt": ["fine", " "]}), tmp_path / "in" / "bad.parquet")
+    before = snapshot(Path(driver.output_uri))
+    with pytest.raises(InputError) as err:
+        run(driver, worker)
+    assert "bad.parquet: row 1, column 'prompt': prompt is empty" in str(err.value)
+    assert snapshot(Path(driver.output_uri)) == before
+    (tmp_path / "in" / "bad.parquet").unlink()
 
     # A new shard size is fine: each run records its own shards.
     write_file(tmp_path / "in" / "b.parquet", 4)
