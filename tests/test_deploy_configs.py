@@ -379,6 +379,7 @@ def test_every_ditfleet_command_line_parses_with_the_real_cli(where: str, argv: 
 def test_example_job_validates_with_jobspec():
     spec = load_spec(JOB)  # the loader `ditfleet validate/run` use: SpecError on any problem
     assert spec.input.path.startswith("s3://") and spec.output.uri.startswith("s3://")
+    assert spec.input.incremental, "the nightly job adds each night's new files to one output"
     assert spec.model.path == "s3://your-bucket/models/qwen-image" and spec.model.dtype == "bf16"
     assert spec.gpus_per_actor() == 1 and spec.workers.max == 16
     assert spec.compile.vae is True
