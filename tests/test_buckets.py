@@ -110,10 +110,10 @@ def test_bucket_set_definition_errors():
 
 
 def test_prompt_length_bucket():
-    assert PROMPT_LENGTH_BUCKETS == (64, 128, 256, 512, 1024)
+    assert PROMPT_LENGTH_BUCKETS == (16, 32, 64, 128, 256, 512, 1024)
     assert [prompt_length_bucket(n) for n in (0, 1, 64, 65, 128, 200, 513, 1024)] == [
-        64,
-        64,
+        16,
+        16,
         64,
         128,
         128,
