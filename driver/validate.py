@@ -48,6 +48,8 @@ _RANGES: dict[str, tuple[float, float]] = {
 }
 _GIVE_PROMPT = "Give every row a prompt, or drop the row"
 _SHORTEN = "Shorten it, or raise the job's max_prompt_chars"
+# A '..' path segment, a leading slash or backslash, or an ASCII control character.
+_PATH_LIKE_ID = r"(^|[/\\])\.\.($|[/\\])|^[/\\]|[\x00-\x1f\x7f]"
 _BOTH_SIZES = "Give both width and height, or neither (the row then uses the job's default bucket)"
 
 
@@ -229,6 +231,11 @@ class RowValidator:
         if "id" in names:
             ids = batch.column("id")
             self._flag(at, "id", pc.is_null(ids), ids, "id is null", "Give every row an id, or drop the id column to use row positions")  # fmt: skip
+            if pa.types.is_string(ids.type) or pa.types.is_large_string(ids.type):
+                # Ids name output objects. Keys are escaped anyway (workers.layout), but an id that
+                # reads as a path climbing out of its folder is almost always a bug upstream.
+                climbs = pc.fill_null(pc.match_substring_regex(ids, _PATH_LIKE_ID), False)
+                self._flag(at, "id", climbs, ids, "id looks like a path ('..' segment, leading '/' or '\\', or a control character)", "Use ids without path syntax: they name the output objects")  # fmt: skip
         for column, (lo, hi) in _RANGES.items():
             if column in names:
                 self._check_range(at, column, plain(batch.column(column)), lo, hi)

@@ -102,6 +102,8 @@ CASES = [
     Case("negative seed", _single({"prompt": ok_prompts(2), "seed": [1, -1]}), "p.parquet", 1, "seed", "seed is outside [0, 9223372036854775807]", "Use a value"),
     Case("num_images 0", _single({"prompt": ok_prompts(2), "num_images": [0, 2]}), "p.parquet", 0, "num_images", "num_images is outside [1, 16]", "Use a value"),
     Case("null id", _single({"id": ["a", None], "prompt": ok_prompts(2)}), "p.parquet", 1, "id", "id is null", "Give every row an id"),
+    Case("id with ../", _single({"id": ["a", "../../etc/x"], "prompt": ok_prompts(2)}), "p.parquet", 1, "id", "id looks like a path", "Use ids without path syntax"),
+    Case("id with a control character", _single({"id": ["a\x00b", "c"], "prompt": ok_prompts(2)}), "p.parquet", 0, "id", "id looks like a path", "Use ids without path syntax"),
     Case("duplicate ids across two files", _dup_ids, "b.parquet", 1, "id", "id 'y' is already used by", "unique across all input files"),
     Case("integer 7 and string '7'", _int_and_str_ids, "b.parquet", 1, "id", "id '7' is already used by", "unique"),
     Case("position id collides with a given id", _position_vs_id, "b.parquet", 1, "id", "id '1' is already used by", "unique"),
