@@ -196,18 +196,15 @@ class LocalStore(ObjectStore):
         return tmp
 
     def put(self, key: str, data: bytes, content_type: str | None = None) -> None:
-        path = self._path(key)
-        tmp = self._write_temp(path, None, bytes(data))
-        try:
-            os.replace(tmp, path)
-        except BaseException:
-            _unlink_quietly(tmp)
-            raise
-        fsync_dir(os.path.dirname(path))
+        self._install(self._path(key), None, bytes(data))
 
     def put_file(self, key: str, f: BinaryIO, content_type: str | None = None) -> None:
-        path = self._path(key)
-        tmp = self._write_temp(path, f, None)
+        self._install(self._path(key), f, None)
+
+    def _install(self, path: str, f: BinaryIO | None, data: bytes | None) -> None:
+        """Write a temp file next to `path`, then rename it over `path`: readers see the old
+        object or the whole new one, never a part."""
+        tmp = self._write_temp(path, f, data)
         try:
             os.replace(tmp, path)
         except BaseException:
