@@ -177,34 +177,53 @@ def shape_geometry(
 
 
 def _shape_distance(
-    shape: str, x: torch.Tensor, y: torch.Tensor, cx: float, cy: float, r: float
+    shape: torch.Tensor, x: torch.Tensor, y: torch.Tensor, cx: torch.Tensor, cy: torch.Tensor, r: torch.Tensor
 ) -> torch.Tensor:
-    """Signed distance in pixels (negative inside). x, y: (H, W) pixel-centre coordinates."""
-    dx, dy = x - cx, y - cy
-    if shape == "circle":
-        return torch.sqrt(dx * dx + dy * dy) - r
-    if shape == "square":
-        return torch.maximum(dx.abs(), dy.abs()) - r
+    """Signed distance in pixels (negative inside), (B, H, W).
+
+    shape: (B,) index into SHAPES; x, y: (H, W) pixel-centre coordinates; cx, cy, r: (B,) pixels.
+    """
+    dx = x[None] - cx[:, None, None]  # (B, H, W)
+    dy = y[None] - cy[:, None, None]
+    r = r[:, None, None]
+    circle = torch.sqrt(dx * dx + dy * dy) - r
+    square = torch.maximum(dx.abs(), dy.abs()) - r
     # Upward isosceles triangle with apex (cx, cy - r) and base from (cx - r, cy + r) to (cx + r, cy + r):
     # intersection of three half-planes; its bounding box is the same 2r x 2r square (fill ratio 1/2).
-    base = dy - r
     # Side edges: outward unit normals (+-2, -1)/sqrt(5) of the lines through the apex and a base corner.
     inv = 1.0 / (5.0**0.5)
-    right = (2.0 * dx - dy - r) * inv
-    left = (-2.0 * dx - dy - r) * inv
-    return torch.maximum(base, torch.maximum(left, right))
+    triangle = torch.maximum(dy - r, torch.maximum((2.0 * dx - dy - r) * inv, (-2.0 * dx - dy - r) * inv))
+    kind = shape[:, None, None]
+    return torch.where(kind == 0, circle, torch.where(kind == 1, square, triangle))
 
 
-def render(scene: Scene, width: int, height: int, jitter: tuple[float, float] = (0.0, 0.0)) -> torch.Tensor:
-    """The scene as a float32 image (3, height, width) in [0, 1], anti-aliased over about one pixel."""
+def render_batch(
+    scenes: list[Scene], width: int, height: int, jitters: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Scenes as float32 images (B, 3, height, width) in [0, 1], anti-aliased over about one pixel.
+
+    jitters: (B, 2) in [-1, 1] (see `shape_geometry`), or None for centred shapes.
+    """
+    if jitters is None:
+        jitters = torch.zeros(len(scenes), 2)
+    geometry = torch.tensor(
+        [shape_geometry(s, width, height, (float(j[0]), float(j[1]))) for s, j in zip(scenes, jitters)],
+        dtype=torch.float32,
+    ).view(-1, 3)  # (B, 3): cx, cy, r
     ys = torch.arange(height, dtype=torch.float32) + 0.5
     xs = torch.arange(width, dtype=torch.float32) + 0.5
     y, x = torch.meshgrid(ys, xs, indexing="ij")  # (H, W)
-    cx, cy, r = shape_geometry(scene, width, height, jitter)
-    coverage = (0.5 - _shape_distance(scene.shape, x, y, cx, cy, r)).clamp(0.0, 1.0)  # (H, W)
-    fg = torch.tensor(PALETTE[scene.color]).view(3, 1, 1)
-    bg = torch.tensor(PALETTE[scene.background]).view(3, 1, 1)
-    return bg + (fg - bg) * coverage.unsqueeze(0)
+    shape = torch.tensor([SHAPES.index(s.shape) for s in scenes])
+    distance = _shape_distance(shape, x, y, geometry[:, 0], geometry[:, 1], geometry[:, 2])
+    coverage = (0.5 - distance).clamp(0.0, 1.0).unsqueeze(1)  # (B, 1, H, W)
+    fg = torch.tensor([PALETTE[s.color] for s in scenes]).view(-1, 3, 1, 1)
+    bg = torch.tensor([PALETTE[s.background] for s in scenes]).view(-1, 3, 1, 1)
+    return bg + (fg - bg) * coverage
+
+
+def render(scene: Scene, width: int, height: int, jitter: tuple[float, float] = (0.0, 0.0)) -> torch.Tensor:
+    """One scene as a float32 image (3, height, width) in [0, 1]."""
+    return render_batch([scene], width, height, torch.tensor([jitter], dtype=torch.float32))[0]
 
 
 def sample_batch(
@@ -218,5 +237,5 @@ def sample_batch(
     idx = torch.randint(len(scenes), (batch_size,), generator=generator)
     jit = torch.rand(batch_size, 2, generator=generator) * 2.0 - 1.0
     chosen = [scenes[i] for i in idx.tolist()]
-    images = torch.stack([render(s, width, height, (float(j[0]), float(j[1]))) for s, j in zip(chosen, jit)])
+    images = render_batch(chosen, width, height, jit)
     return images, [s.caption for s in chosen]

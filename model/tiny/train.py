@@ -1,0 +1,179 @@
+"""Train the bundled tiny text-to-image model from scratch and save it in the diffusers layout.
+
+    python -m model.tiny.train --out model/tiny/weights
+
+Stages: (1) the VAE as an autoencoder on procedural scenes, with its latent statistics measured
+after training; (2) the DiT and the text encoder jointly, by flow matching on VAE latents of the
+training captions (the 64 held-out captions are never seen). Everything is seeded: the same
+command on the same software gives the same weights. It runs on 2 CPU threads.
+
+Output (safetensors, fp16 on disk like the released Qwen-Image, loaded in any dtype):
+transformer/, vae/ (diffusers' AutoencoderKLQwenImage 3D layout), scheduler/, text_encoder/,
+tokenizer/, model_index.json, and train_log.txt with the losses and times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from model.scheduler import SchedulerConfig
+from model.tiny.scenes import all_scenes, split_scenes
+from model.tiny.text_encoder import TextEncoderConfig, TinyTextEncoder, WordTokenizer
+from model.tiny.train_dit import DiTTrainConfig, build_pools, train_dit
+from model.tiny.train_vae import VAETrainConfig, reconstruction_error, train_vae
+from model.transformer import QwenImageTransformer
+from model.vae import QwenImageVAE, vae_state_dict_3d
+
+# Qwen-Image's scheduler settings, in diffusers' FlowMatchEulerDiscreteScheduler spelling.
+SCHEDULER_CONFIG = {
+    "_class_name": "FlowMatchEulerDiscreteScheduler",
+    "base_image_seq_len": 256,
+    "base_shift": 0.5,
+    "invert_sigmas": False,
+    "max_image_seq_len": 8192,
+    "max_shift": 0.9,
+    "num_train_timesteps": 1000,
+    "shift": 1.0,
+    "shift_terminal": 0.02,
+    "stochastic_sampling": False,
+    "time_shift_type": "exponential",
+    "use_beta_sigmas": False,
+    "use_dynamic_shifting": True,
+    "use_exponential_sigmas": False,
+    "use_karras_sigmas": False,
+}
+MODEL_INDEX = {
+    "_class_name": "QwenImagePipeline",
+    "_diffusers_version": "0.35.0",
+    "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+    "text_encoder": ["model.tiny.text_encoder", "TinyTextEncoder"],
+    "tokenizer": ["model.tiny.text_encoder", "WordTokenizer"],
+    "transformer": ["diffusers", "QwenImageTransformer2DModel"],
+    "vae": ["diffusers", "AutoencoderKLQwenImage"],
+}
+SAVE_DTYPE = torch.float16
+TEXT_HIDDEN = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyTrainConfig:
+    seed: int = 0
+    threads: int = 2
+    vae: VAETrainConfig = VAETrainConfig()
+    dit: DiTTrainConfig = DiTTrainConfig()
+
+
+def caption_vocabulary() -> list[str]:
+    """Every word of every caption (held-out ones included: a vocabulary is not training data)."""
+    words = {w for s in all_scenes() for w in re.findall(r"[a-z0-9]+", s.caption)}
+    return sorted(words | {"center", "an"})
+
+
+def _save_fp16(state: dict[str, torch.Tensor], config: dict, out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    state = {
+        k: (v.to(SAVE_DTYPE) if v.is_floating_point() else v).contiguous().cpu() for k, v in state.items()
+    }
+    save_file(state, str(out_dir / "diffusion_pytorch_model.safetensors"))
+
+
+def save_model(
+    out: Path, transformer: QwenImageTransformer, vae: QwenImageVAE, text_encoder: TinyTextEncoder
+) -> None:
+    """Write the whole model folder in the diffusers layout."""
+    out.mkdir(parents=True, exist_ok=True)
+    _save_fp16(transformer.state_dict(), transformer.config.to_dict(), out / "transformer")
+    _save_fp16(vae_state_dict_3d(vae), vae.config.to_dict(), out / "vae")
+    (out / "scheduler").mkdir(exist_ok=True)
+    (out / "scheduler" / "scheduler_config.json").write_text(
+        json.dumps(SCHEDULER_CONFIG, indent=2, sort_keys=True)
+    )
+    text_encoder.save(out)
+    (out / "model_index.json").write_text(json.dumps(MODEL_INDEX, indent=2, sort_keys=True))
+
+
+def train(config: TinyTrainConfig, out: Path) -> float:
+    """Train everything and save to `out`; returns the wall time in seconds."""
+    out.mkdir(parents=True, exist_ok=True)
+    log_file = (out / "train_log.txt").open("w")
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+        log_file.write(line + "\n")
+        log_file.flush()
+
+    torch.set_num_threads(config.threads)
+    torch.manual_seed(config.seed)
+    generator = torch.Generator().manual_seed(config.seed)
+    train_scenes, held_out = split_scenes()
+    log(f"config {json.dumps(dataclasses.asdict(config))}")
+    log(
+        f"scenes: {len(train_scenes)} train captions, {len(held_out)} held out; torch {torch.__version__}, {config.threads} threads"
+    )
+    start, cpu_start = time.time(), time.process_time()
+
+    vae = train_vae(config.vae, train_scenes, generator, log)
+    log(
+        f"vae reconstruction L1 (0..1 units, 128x128): {reconstruction_error(vae, train_scenes, 32, generator):.4f}"
+    )
+    log(f"stage vae done at {time.time() - start:.0f}s")
+
+    tokenizer = WordTokenizer.from_words(caption_vocabulary())
+    text_encoder = TinyTextEncoder(
+        TextEncoderConfig(vocab_size=len(tokenizer), hidden_size=TEXT_HIDDEN), tokenizer
+    )
+    pools = build_pools(vae, text_encoder, train_scenes, config.dit, generator)
+    log(f"latent pools: {[tuple(p.tokens.shape) for p in pools]} at {time.time() - start:.0f}s")
+    scheduler = SchedulerConfig.from_dict(SCHEDULER_CONFIG)
+    transformer, text_encoder = train_dit(config.dit, pools, text_encoder, scheduler, generator, log)
+    log(f"stage dit done at {time.time() - start:.0f}s")
+
+    save_model(out, transformer, vae, text_encoder)
+    total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    elapsed = time.time() - start
+    cpu = time.process_time() - cpu_start
+    # CPU seconds over threads ~ the wall time on an otherwise idle machine (the wall time includes
+    # whatever else shares the cores).
+    log(
+        f"saved to {out} ({total / 1e6:.1f} MB); total training time {elapsed:.0f}s ({elapsed / 60:.1f} min) wall, "
+        f"{cpu:.0f} CPU-seconds ({cpu / config.threads / 60:.1f} min on {config.threads} idle cores)"
+    )
+    log_file.close()
+    return elapsed
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description="Train the bundled tiny model (procedural shapes) from scratch."
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path(__file__).parent / "weights", help="output model folder"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--vae-steps", type=int, default=VAETrainConfig.steps)
+    parser.add_argument("--dit-steps", type=int, default=DiTTrainConfig.steps)
+    parser.add_argument(
+        "--pool-per-bucket", type=int, default=DiTTrainConfig.pool_per_bucket, help="images encoded per bucket for the DiT"
+    )
+    args = parser.parse_args(argv)
+    config = TinyTrainConfig(
+        seed=args.seed,
+        threads=args.threads,
+        vae=dataclasses.replace(VAETrainConfig(), steps=args.vae_steps),
+        dit=dataclasses.replace(DiTTrainConfig(), steps=args.dit_steps, pool_per_bucket=args.pool_per_bucket),
+    )
+    train(config, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""Stage 2 of the tiny model: the Qwen-Image DiT (our class, tiny config) and the text encoder, jointly,
+with rectified-flow (flow-matching) training on VAE latents.
+
+x_s = (1 - s) * x0 + s * noise, and the transformer predicts the velocity noise - x0 at timestep s
+(the sampler's sigma; the model takes t / 1000 = s). s is logit-normal, then shifted with the
+scheduler's own exponential shift for the bucket's token count, so training spends its effort
+where the sampler will ask. Captions are dropped to the negative prompt " " 10% of the time so that
+true CFG has an unconditional branch to guide against. An EMA of the weights is what gets saved.
+
+Latents come from a pool encoded once (posterior means, normalised with the VAE's statistics,
+packed 2x2), one pool per resolution bucket; batches take turns over the buckets.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from model.sampling import pack_latents
+from model.scheduler import SchedulerConfig, shift_mu
+from model.tiny.scenes import TINY_BUCKETS, Scene, sample_batch
+from model.tiny.text_encoder import TinyTextEncoder
+from model.tiny.train_vae import lr_at
+from model.transformer import QwenImageTransformer, TransformerConfig
+from model.vae import QwenImageVAE
+
+NEGATIVE_PROMPT = " "
+
+
+@dataclass(frozen=True)
+class DiTTrainConfig:
+    num_layers: int = 4
+    num_attention_heads: int = 4
+    attention_head_dim: int = 32
+    axes_dims_rope: tuple[int, int, int] = (8, 12, 12)
+    steps: int = 3000
+    batch_size: int = 48
+    lr: float = 6e-4
+    warmup: int = 100
+    weight_decay: float = 0.01
+    caption_dropout: float = 0.1
+    ema_decay: float = 0.998
+    # Images encoded once per bucket; jitter makes each a new view of its scene.
+    pool_per_bucket: int = 2048
+    max_text_tokens: int = 32
+
+    def transformer_config(self, text_dim: int) -> TransformerConfig:
+        return TransformerConfig(
+            patch_size=2,
+            in_channels=64,
+            out_channels=16,
+            num_layers=self.num_layers,
+            attention_head_dim=self.attention_head_dim,
+            num_attention_heads=self.num_attention_heads,
+            joint_attention_dim=text_dim,
+            axes_dims_rope=self.axes_dims_rope,
+        )
+
+
+@dataclass
+class LatentPool:
+    """Packed normalised latents of one bucket: tokens (N, h*w, 64), text ids/mask (N, T)."""
+
+    width: int
+    height: int
+    tokens: torch.Tensor
+    ids: torch.Tensor
+    mask: torch.Tensor
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return self.height // 16, self.width // 16
+
+
+@torch.no_grad()
+def build_pools(
+    vae: QwenImageVAE,
+    text_encoder: TinyTextEncoder,
+    scenes: list[Scene],
+    config: DiTTrainConfig,
+    generator: torch.Generator,
+) -> list[LatentPool]:
+    pools = []
+    for width, height in TINY_BUCKETS:
+        chunks, captions = [], []
+        for start in range(0, config.pool_per_bucket, 64):
+            n = min(64, config.pool_per_bucket - start)
+            images, caps = sample_batch(scenes, n, width, height, generator)
+            z = vae.normalize(vae.encode(images * 2.0 - 1.0))  # (n, 16, H/8, W/8)
+            chunks.append(pack_latents(z))  # (n, H/16 * W/16, 64)
+            captions += caps
+        ids, mask = text_encoder.tokenize(captions, config.max_text_tokens)
+        pools.append(LatentPool(width, height, torch.cat(chunks), ids, mask))
+    return pools
+
+
+def sample_sigmas(
+    n: int, image_seq_len: int, scheduler: SchedulerConfig, generator: torch.Generator
+) -> torch.Tensor:
+    """(n,) in (0, 1): logit-normal, then the scheduler's exponential shift for this token count."""
+    s = torch.sigmoid(torch.randn(n, generator=generator))
+    mu = shift_mu(scheduler, image_seq_len)
+    return math.exp(mu) / (math.exp(mu) + (1.0 / s - 1.0))
+
+
+def drop_captions(
+    ids: torch.Tensor, mask: torch.Tensor, p: float, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replace a fraction p of rows by the tokens of the negative prompt " " (just <bos>)."""
+    drop = torch.rand(ids.shape[0], generator=generator) < p
+    ids, mask = ids.clone(), mask.clone()
+    bos = ids[:, :1].clone()  # every row starts with <bos>
+    ids[drop] = 0
+    mask[drop] = 0
+    ids[drop, 0] = bos[drop, 0]
+    mask[drop, 0] = 1
+    return ids, mask
+
+
+class EMA:
+    """Exponential moving average of a module's floating-point state, with a short warm-up."""
+
+    def __init__(self, module: torch.nn.Module, decay: float) -> None:
+        self.decay = decay
+        self.shadow = copy.deepcopy(module).eval().requires_grad_(False)
+        self.updates = 0
+
+    @torch.no_grad()
+    def update(self, module: torch.nn.Module) -> None:
+        self.updates += 1
+        d = min(self.decay, (1 + self.updates) / (10 + self.updates))
+        for s, p in zip(self.shadow.parameters(), module.parameters()):
+            s.lerp_(p.detach(), 1.0 - d)
+
+
+def adaln_zero_init(transformer: QwenImageTransformer) -> None:
+    """Zero the modulation and output projections (DiT's adaLN-Zero): every block starts as the
+    identity and the model predicts zero, which trains markedly faster than the default init."""
+    with torch.no_grad():
+        for block in transformer.transformer_blocks:
+            for mod in (block.img_mod[1], block.txt_mod[1]):
+                mod.weight.zero_()
+                mod.bias.zero_()
+        for linear in (transformer.norm_out.linear, transformer.proj_out):
+            linear.weight.zero_()
+            linear.bias.zero_()
+
+
+class _Joint(torch.nn.Module):
+    """Text encoder + transformer as one module, so one optimizer and one EMA cover both."""
+
+    def __init__(self, text_encoder: TinyTextEncoder, transformer: QwenImageTransformer) -> None:
+        super().__init__()
+        self.text_encoder = text_encoder
+        self.transformer = transformer
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        sigmas: torch.Tensor,
+        grid: tuple[int, int],
+    ) -> torch.Tensor:
+        text = self.text_encoder(ids, mask)  # (B, T, D_text)
+        shapes = [(1, grid[0], grid[1])] * tokens.shape[0]
+        return self.transformer(tokens, text, mask, sigmas, shapes)  # (B, N, 64)
+
+
+def train_dit(
+    config: DiTTrainConfig,
+    pools: list[LatentPool],
+    text_encoder: TinyTextEncoder,
+    scheduler: SchedulerConfig,
+    generator: torch.Generator,
+    log: Callable[[str], None] = print,
+) -> tuple[QwenImageTransformer, TinyTextEncoder]:
+    """Returns the EMA transformer and text encoder, in eval mode."""
+    transformer = QwenImageTransformer(config.transformer_config(text_encoder.hidden_size))
+    adaln_zero_init(transformer)
+    joint = _Joint(text_encoder, transformer).train()
+    ema = EMA(joint, config.ema_decay)
+    decay, no_decay = [], []
+    for name, p in joint.named_parameters():
+        (no_decay if p.ndim < 2 or "embed" in name or "pos" in name else decay).append(p)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.lr,
+        betas=(0.9, 0.99),
+    )
+    start, running = time.time(), [None] * len(pools)
+    for step in range(config.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, config.steps, config.warmup, config.lr)
+        b = step % len(pools)
+        pool = pools[b]
+        idx = torch.randint(pool.tokens.shape[0], (config.batch_size,), generator=generator)
+        x0 = pool.tokens[idx]  # (B, N, 64)
+        ids, mask = drop_captions(pool.ids[idx], pool.mask[idx], config.caption_dropout, generator)
+        length = int(mask.sum(dim=1).max())  # trim padding every row shares
+        ids, mask = ids[:, :length], mask[:, :length]
+        sig = sample_sigmas(config.batch_size, x0.shape[1], scheduler, generator)
+        noise = torch.randn(x0.shape, generator=generator)
+        x_s = (1.0 - sig[:, None, None]) * x0 + sig[:, None, None] * noise
+        pred = joint(x_s, ids, mask, sig, pool.grid)
+        loss = (pred - (noise - x0)).pow(2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(joint.parameters(), 1.0)
+        opt.step()
+        ema.update(joint)
+        running[b] = loss.item() if running[b] is None else 0.98 * running[b] + 0.02 * loss.item()
+        if step % 100 == 0 or step == config.steps - 1:
+            per_bucket = "  ".join(
+                f"{p.width}x{p.height} {r:.4f}" for p, r in zip(pools, running) if r is not None
+            )
+            log(
+                f"dit step {step:5d}  loss {per_bucket}  lr {opt.param_groups[0]['lr']:.2e}  {time.time() - start:6.0f}s"
+            )
+    shadow = ema.shadow
+    return shadow.transformer.eval(), shadow.text_encoder.eval()
