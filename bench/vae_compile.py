@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import statistics
 import sys
 import tempfile
@@ -151,6 +152,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
         names = [b.name for b in buckets]
         store = work / "shared-store"
         env = {"TORCHINDUCTOR_COMPILE_THREADS": "1"} if device.type == "cpu" else {}
+        env["DITFLEET_COMPILE_CACHE_KEY"] = secrets.token_hex(32)  # blobs are sealed with it
         cold = spawn_prewarm(model, names, store, work / "inductor-a", args.device, extra_env=env)
         hot = spawn_prewarm(model, names, store, work / "inductor-b", args.device, extra_env=env)
         cold_s, hot_s = cold["load_s"] + cold["warmup_s"], hot["load_s"] + hot["warmup_s"]

@@ -19,16 +19,23 @@ key counts as missing). Writes are create-only (the first writer
 wins; a concurrent second one is refused and keeps nothing), and every blob starts with a header
 carrying its key, its length and a SHA-256 of its content, so a torn, truncated or foreign blob
 is detected and ignored with a warning. A missing blob, or one for another key (a new torch, a
-new bucket set), simply means a normal compile. Everything cached is content-addressed inside
-torch too, so a wrong blob can cost a compile but never select wrong code.
+new bucket set), simply means a normal compile.
 
-The store is the job's own storage; what it holds is executable (pickled graphs, kernel
-libraries) and must be trusted as much as the code that runs the job.
+Trust. What a blob holds is executable: torch unpickles the artifacts, and the kernel libraries
+are loaded with dlopen. Anyone who can write to the job's storage could plant one, and a
+checksum in the blob's own header proves nothing (the writer recomputes it). So every blob is
+sealed (`seal`): an HMAC-SHA256 over the whole blob, with a secret key that lives outside the
+storage (the worker reads it from an environment variable or a mounted secret file), is put in
+front of it. A reader checks the tag first (`open_sealed`, constant-time compare) and a blob
+that fails is never parsed, unpickled or written anywhere: the actor warns and compiles
+normally. Without a key there is no shared cache at all. The seal covers the whole blob, so it
+holds whatever the blob carries.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
 import platform
@@ -52,6 +59,11 @@ FORMAT = 1
 CACHE_PREFIX = "_compile_cache"  # next to the job's output: {out}/_compile_cache/<key>.bin
 MAGIC = b"DITFLEET-COMPILE-CACHE\n"
 _HEADER_LEN = struct.Struct(">Q")
+# A sealed blob: SEAL_MAGIC, the 32-byte HMAC-SHA256 tag, then the blob (MAGIC ...). The tag is
+# computed over SEAL_MAGIC + blob with the fleet's secret key.
+SEAL_MAGIC = b"DITFLEET-COMPILE-CACHE-HMAC-SHA256\n"
+_TAG_LEN = hashlib.sha256().digest_size
+MIN_SECRET_BYTES = 16
 # Inductor's compiled C++ kernel libraries: <2-char shard>/<hash>[.suffix].so
 _KERNEL_NAME = re.compile(r"^[0-9a-z]{2}/[0-9a-z]+(\.[0-9a-z_]+)*\.so$")
 
@@ -62,6 +74,10 @@ class CompileCacheWarning(RuntimeWarning):
 
 class CorruptCacheBlob(ValueError):
     """A blob whose header, length or checksum does not hold."""
+
+
+class UnauthenticatedCacheBlob(CorruptCacheBlob):
+    """A blob without a valid HMAC tag for this fleet's key: never unpacked."""
 
 
 class ArtifactStore(Protocol):
@@ -285,13 +301,48 @@ def unpack(key: CacheKey, blob: bytes) -> tuple[bytes, dict[str, bytes]]:
     return megacache, kernels
 
 
+def _check_secret(secret: bytes) -> None:
+    if not isinstance(secret, bytes) or len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"a compile cache key must be at least {MIN_SECRET_BYTES} bytes")
+
+
+def _tag(secret: bytes, blob: bytes) -> bytes:
+    return hmac.new(secret, SEAL_MAGIC + blob, hashlib.sha256).digest()
+
+
+def seal(blob: bytes, secret: bytes) -> bytes:
+    """The blob with its HMAC-SHA256 tag (key `secret`) in front: what goes into the store."""
+    _check_secret(secret)
+    return SEAL_MAGIC + _tag(secret, blob) + blob
+
+
+def open_sealed(sealed: bytes, secret: bytes) -> bytes:
+    """The blob inside `sealed` if its tag verifies with `secret`; else UnauthenticatedCacheBlob.
+
+    Nothing of the blob is interpreted before the tag is checked over all of it.
+    """
+    _check_secret(secret)
+    start = len(SEAL_MAGIC)
+    if not sealed.startswith(SEAL_MAGIC) or len(sealed) < start + _TAG_LEN:
+        raise UnauthenticatedCacheBlob(
+            "it carries no authentication tag (written by an older ditfleet, or by someone else)"
+        )
+    tag, blob = sealed[start : start + _TAG_LEN], sealed[start + _TAG_LEN :]
+    if not hmac.compare_digest(tag, _tag(secret, blob)):
+        raise UnauthenticatedCacheBlob(
+            "its HMAC-SHA256 tag does not verify with this fleet's compile cache key (it was "
+            "written with another key, altered, or forged)"
+        )
+    return blob
+
+
 # ---------------------------------------------------------------------------------------------
 # Load before warm-up, save after it
 
 
 @dataclass(frozen=True)
 class CacheLoadResult:
-    status: str  # "loaded" | "missing" | "corrupt" | "error" (the store failed)
+    status: str  # "loaded" | "missing" | "unauthenticated" | "corrupt" | "error" (the store failed)
     key: str
     seconds: float
     artifacts: int = 0
@@ -309,12 +360,15 @@ class CacheSaveResult:
     kernels: int = 0
 
 
-def load_shared_cache(store: ArtifactStore, key: CacheKey) -> CacheLoadResult:
+def load_shared_cache(store: ArtifactStore, key: CacheKey, secret: bytes) -> CacheLoadResult:
     """Load the blob under `key` into this process's compile caches, before warm-up.
 
-    Never raises: a corrupt blob gives a CompileCacheWarning and status "corrupt", a failing
-    store one with status "error"; the warm-up then compiles normally.
+    secret: the fleet's compile cache key; a blob whose HMAC tag does not verify with it is
+    never unpacked (status "unauthenticated"). Never raises: a bad blob gives a
+    CompileCacheWarning and status "unauthenticated" or "corrupt", a failing store one with
+    status "error"; the warm-up then compiles normally.
     """
+    _check_secret(secret)
     start = time.perf_counter()
     try:
         blob = store.get(key.name)
@@ -326,6 +380,15 @@ def load_shared_cache(store: ArtifactStore, key: CacheKey) -> CacheLoadResult:
         return CacheLoadResult("error", key.name, time.perf_counter() - start, reason=reason)
     if blob is None:
         return CacheLoadResult("missing", key.name, time.perf_counter() - start)
+    try:
+        blob = open_sealed(blob, secret)
+    except UnauthenticatedCacheBlob as e:
+        _warn(
+            f"shared compile cache {key.name!r} is not trusted: {e}. It was not unpacked and "
+            "nothing of it was written or loaded; compiling normally. If the fleet's key was "
+            "rotated, delete the blob; otherwise find out who wrote it."
+        )
+        return CacheLoadResult("unauthenticated", key.name, time.perf_counter() - start, reason=str(e))
     try:
         megacache, kernels = unpack(key, blob)
         info = torch.compiler.load_cache_artifacts(megacache) if megacache else None
@@ -344,12 +407,14 @@ def load_shared_cache(store: ArtifactStore, key: CacheKey) -> CacheLoadResult:
 
 
 def save_shared_cache(
-    store: ArtifactStore, key: CacheKey, since: KernelSnapshot | None = None
+    store: ArtifactStore, key: CacheKey, secret: bytes, since: KernelSnapshot | None = None
 ) -> CacheSaveResult:
-    """Save what this process compiled under `key` (create-only), after warm-up.
+    """Save what this process compiled under `key` (create-only, sealed with `secret`), after
+    warm-up.
 
     since: the snapshot taken before warm-up; the kernel libraries built after it go along.
     """
+    _check_secret(secret)
     start = time.perf_counter()
     saved = torch.compiler.save_cache_artifacts()
     megacache, artifacts = b"", 0
@@ -359,7 +424,7 @@ def save_shared_cache(
     kernels = {n: (since.root / n).read_bytes() for n in since.new_since()} if since is not None else {}
     if not megacache and not kernels:
         return CacheSaveResult("empty", key.name, time.perf_counter() - start)
-    blob = pack(key, megacache, kernels)
+    blob = seal(pack(key, megacache, kernels), secret)
     try:
         status = "saved" if store.put_if_absent(key.name, blob) else "exists"
     except Exception as e:  # the next actor compiles too; this one goes on

@@ -1,10 +1,12 @@
 """An actor's start-up in one call: shared cache in, compile, warm up, shared cache out.
 
-    report = prepare_worker_pipeline(pipe, config, buckets, artifact_store=store)
+    report = prepare_worker_pipeline(pipe, config, buckets, artifact_store=store, cache_secret=key)
 
 Order matters: the shared artifacts must be loaded before anything compiles, and saved only
 after the warm-up compiled every bucket. With nothing to compile (vae=False, dit=False) there is
-nothing to warm or share, and it returns at once.
+nothing to warm or share, and it returns at once. The shared cache is used only with both a store
+and the fleet's secret key (compile.cache: blobs are authenticated with it); without the key
+nothing is loaded from or saved to the store.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def prepare_worker_pipeline(
     config: CompileConfig,
     buckets: Sequence[ResolutionBucket | str],
     artifact_store: ArtifactStore | None = None,
+    cache_secret: bytes | None = None,
     *,
     batch_sizes: Sequence[int] = (1,),
     prompts: Sequence[str] = WARMUP_PROMPTS,
@@ -65,7 +68,8 @@ def prepare_worker_pipeline(
     max_sequence_length: int = 512,
     steps: int = 2,
 ) -> PreparedPipeline:
-    """Compile and warm `pipe` for `buckets`, through the shared cache when a store is given.
+    """Compile and warm `pipe` for `buckets`, through the shared cache when a store and the
+    secret key that authenticates its blobs are given.
 
     batch_sizes: the batch sizes requests will have; they matter only with the DiT compiled
     (the VAE decodes image by image), e.g. range(1, batch_size + 1) when partial batches occur.
@@ -74,9 +78,11 @@ def prepare_worker_pipeline(
     report = apply_compile(pipe, config)
     if not report.methods:
         return PreparedPipeline(report, None, None, None, time.perf_counter() - start)
-    share = config.shared_cache and artifact_store is not None
+    share = config.shared_cache and artifact_store is not None and cache_secret is not None
     key = cache_key(pipe, config, buckets, prompt_lengths=length_buckets, batch_sizes=batch_sizes)
-    loaded = load_shared_cache(artifact_store, key) if share and artifact_store is not None else None
+    loaded = None
+    if share and artifact_store is not None and cache_secret is not None:
+        loaded = load_shared_cache(artifact_store, key, cache_secret)
     snapshot = KernelSnapshot.take() if share else None
     warm = warm_up(
         pipe,
@@ -88,8 +94,9 @@ def prepare_worker_pipeline(
         max_sequence_length=max_sequence_length,
     )
     saved = None
-    if share and artifact_store is not None and (loaded is None or loaded.status != "loaded"):
-        saved = save_shared_cache(artifact_store, key, since=snapshot)
+    unloaded = loaded is None or loaded.status != "loaded"
+    if share and artifact_store is not None and cache_secret is not None and unloaded:
+        saved = save_shared_cache(artifact_store, key, cache_secret, since=snapshot)
     return PreparedPipeline(report, warm, loaded, saved, time.perf_counter() - start)
 
 

@@ -1,6 +1,7 @@
 """Warm a model's compiled buckets in one process, through the shared compile cache.
 
-`python -m compile.prewarm --model DIR --buckets 32x32,48x32 --store DIR` loads the pipeline,
+`python -m compile.prewarm --model DIR --buckets 32x32,48x32 --store DIR` (with the fleet's
+compile cache key in DITFLEET_COMPILE_CACHE_KEY, or another variable named by --key-env) loads the pipeline,
 loads the shared cache (if any), compiles and warms every bucket, saves the cache (if it was
 missing), and prints one JSON line of timings. It is what one actor's start-up does, on its own:
 run it on one node to fill the cache before a fleet starts, or in fresh processes to measure
@@ -26,6 +27,7 @@ from .cache import DirectoryArtifactStore
 from .policy import CompileConfig
 from .prepare import prepare_worker_pipeline
 
+DEFAULT_KEY_ENV = "DITFLEET_COMPILE_CACHE_KEY"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -37,15 +39,17 @@ def prewarm(
     dtype: str = "float32",
     dit: bool = False,
     steps: int = 2,
+    cache_secret: bytes | None = None,
 ) -> dict[str, Any]:
-    """One actor's start-up (`prepare_worker_pipeline`) with a directory as the shared store."""
+    """One actor's start-up (`prepare_worker_pipeline`) with a directory as the shared store;
+    without `cache_secret` nothing is shared."""
     from model import load_pipeline
 
     start = time.perf_counter()
     pipe = load_pipeline(model, device=device, dtype=_DTYPES[dtype])
     store = DirectoryArtifactStore(store_dir) if store_dir else None
     prepared = prepare_worker_pipeline(
-        pipe, CompileConfig(dit=dit), BucketSet.from_names(buckets).buckets, store, steps=steps
+        pipe, CompileConfig(dit=dit), BucketSet.from_names(buckets).buckets, store, cache_secret, steps=steps
     )
     warm, loaded, saved = prepared.warmup, prepared.cache_load, prepared.cache_save
     assert warm is not None  # the VAE is compiled, so there was a warm-up
@@ -101,7 +105,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
     parser.add_argument("--dit", action="store_true", help="also compile the DiT blocks")
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument(
+        "--key-env",
+        default=DEFAULT_KEY_ENV,
+        help="environment variable holding the compile cache key (without it nothing is shared)",
+    )
     args = parser.parse_args(argv)
+    # The key is a credential: it comes from the environment of this entry point, never a file
+    # in the store. Its text (at least 16 bytes) is the HMAC key.
+    key_text = os.environ.get(args.key_env, "")
+    secret = key_text.encode() if key_text else None
     result = prewarm(
         args.model,
         [b for b in args.buckets.split(",") if b],
@@ -110,6 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         dtype=args.dtype,
         dit=args.dit,
         steps=args.steps,
+        cache_secret=secret,
     )
     print(json.dumps(result, sort_keys=True))
     return 0

@@ -25,6 +25,7 @@ from driver.dispatch import DispatchConfig
 from driver.plan import PlanConfig
 from driver.run import DriverConfig
 from workers.actor import WorkerConfig
+from workers.cache_secret import CacheSecretSource
 from workers.rows import CFG_RANGE, MAX_SEED, NUM_IMAGES_RANGE, STEPS_RANGE, RowConfig
 from workers.shard_writers import ShardWriterConfig
 from workers.stores import S3Config
@@ -155,8 +156,32 @@ class CompileSpec(_Section):
         False, description="Compile the DiT blocks too (longer start-up, faster steps on GPUs)."
     )
     shared_cache: bool = Field(
-        True, description="Share compiled artifacts through the output store, so new actors start faster."
+        True,
+        description="Share compiled artifacts through the output store, so new actors start faster. "
+        "Only blobs authenticated with the fleet's secret key are loaded (they hold executable code); "
+        "without a key on the actor's node the shared cache is off.",
     )
+    cache_key_env: str | None = Field(
+        "DITFLEET_COMPILE_CACHE_KEY",
+        description="Environment variable, on every actor's node, holding the secret key (at least 16 "
+        "bytes, e.g. `openssl rand -hex 32`) that authenticates shared compile artifacts. Never put "
+        "the key itself in the job file or the bucket.",
+    )
+    cache_key_file: str | None = Field(
+        None,
+        description="Absolute path, on every actor's node, of a file holding that key (a mounted "
+        "secret); wins over cache_key_env.",
+    )
+
+    @field_validator("cache_key_file")
+    @classmethod
+    def _absolute_key_file(cls, path: str | None) -> str | None:
+        if path is not None and not os.path.isabs(path):
+            raise ValueError(
+                "cache_key_file must be an absolute path on the actors' nodes (a mounted secret, "
+                "e.g. /etc/ditfleet/compile-cache-key)"
+            )
+        return path
 
 
 class WorkersSpec(_Section):
@@ -338,6 +363,9 @@ class JobSpec(_Section):
             max_sequence_length=self.model.max_sequence_length,
             compile=CompileConfig(
                 vae=self.compile.vae, dit=self.compile.dit, shared_cache=self.compile.shared_cache
+            ),
+            compile_cache_key=CacheSecretSource(
+                env=self.compile.cache_key_env, file=self.compile.cache_key_file
             ),
             writer=ShardWriterConfig(
                 output_format=self.output.format,

@@ -33,7 +33,7 @@ from compile import (
     remove_compile,
     warm_up,
 )
-from compile.cache import pack, unpack
+from compile.cache import UnauthenticatedCacheBlob, open_sealed, pack, seal, unpack
 from compile.prewarm import spawn_prewarm
 from model import load_pipeline
 from tests.compile_helpers import SMALL_BUCKETS, generate, perturbed_vae, random_embeds, velocity
@@ -202,6 +202,9 @@ def test_compile_count_counts_dynamo_compiles():
 # The shared cache
 
 
+SECRET = b"0123456789abcdef0123456789abcdef"
+
+
 def _key(name: str = "k.compile-cache") -> CacheKey:
     return CacheKey(name=name, fields=(("what", "test"),))
 
@@ -225,10 +228,10 @@ def test_cache_blob_round_trip_and_every_corruption_is_caught():
 def test_a_corrupt_shared_cache_warns_and_a_missing_one_is_normal(tmp_path):
     store = DirectoryArtifactStore(tmp_path)
     key = _key()
-    assert load_shared_cache(store, key).status == "missing"
-    assert store.put_if_absent(key.name, pack(key, b"m", {})[:-1])  # torn
+    assert load_shared_cache(store, key, SECRET).status == "missing"
+    assert store.put_if_absent(key.name, seal(pack(key, b"m", {})[:-1], SECRET))  # torn before sealing
     with pytest.warns(CompileCacheWarning, match="k.compile-cache"):
-        result = load_shared_cache(store, key)
+        result = load_shared_cache(store, key, SECRET)
     assert result.status == "corrupt" and "bytes" in result.reason
 
 
@@ -269,7 +272,11 @@ def test_cache_key_follows_what_the_compiled_code_depends_on(random_model_dir):
 def test_a_fresh_actor_warms_faster_from_the_shared_cache(random_model_dir, tmp_path):
     """Two fresh processes, each with its own empty local Inductor cache, sharing one store."""
     store = tmp_path / "shared"
-    env = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    env = {
+        "OMP_NUM_THREADS": "1",
+        "TORCHINDUCTOR_COMPILE_THREADS": "1",
+        "DITFLEET_COMPILE_CACHE_KEY": SECRET.decode(),
+    }
     buckets = [SMALL_BUCKETS[0].name]
     first = spawn_prewarm(random_model_dir, buckets, store, tmp_path / "inductor-a", extra_env=env)
     second = spawn_prewarm(random_model_dir, buckets, store, tmp_path / "inductor-b", extra_env=env)
@@ -280,3 +287,82 @@ def test_a_fresh_actor_warms_faster_from_the_shared_cache(random_model_dir, tmp_
     warm = second["load_s"] + second["warmup_s"]
     print(f"\nwarm-up without shared cache {cold:.1f}s, with it {warm:.1f}s: {cold / warm:.1f}x")
     assert cold / warm >= 2.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Trust: only blobs sealed with the fleet's key are ever unpacked
+
+
+class _Payload:
+    """Unpickling this creates a file: what a planted pickle in the cache would do."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_sealed_blob_opens_only_with_its_key_and_every_byte_is_covered():
+    blob = pack(_key(), b"mega", {"ab/cabc.so": b"\x7fELF.."})
+    sealed = seal(blob, SECRET)
+    assert open_sealed(sealed, SECRET) == blob
+    with pytest.raises(UnauthenticatedCacheBlob, match="does not verify"):
+        open_sealed(sealed, SECRET[::-1])
+    for at in (0, len(sealed) // 2, len(sealed) - 1):  # the magic, the tag, the header, the payload
+        bad = bytearray(sealed)
+        bad[at] ^= 0x01
+        with pytest.raises(UnauthenticatedCacheBlob):
+            open_sealed(bytes(bad), SECRET)
+    with pytest.raises(UnauthenticatedCacheBlob, match="no authentication tag"):
+        open_sealed(blob, SECRET)  # an unsealed blob with a perfectly good header
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        seal(blob, b"short")
+
+
+def test_a_forged_blob_writes_nothing_and_the_actor_compiles_normally(
+    random_model_dir, tmp_path, monkeypatch
+):
+    """Someone with write access to the output plants a blob under the actor's key, with a
+    header whose SHA-256 they recomputed: a pickle that runs code, and a kernel library."""
+    from compile import prepare_worker_pipeline
+
+    inductor = tmp_path / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductor))
+    pipe = load_pipeline(random_model_dir)
+    config = CompileConfig(vae=True, vae_backend="eager")
+    buckets = [SMALL_BUCKETS[0]]
+    key = cache_key(pipe, config, buckets, prompt_lengths=PROMPT_LENGTH_BUCKETS)  # the actor's key
+    marker = tmp_path / "payload-ran"
+    import pickle
+
+    planted = pack(key, pickle.dumps(_Payload(str(marker))), {"ab/cabcdef.so": b"\x7fELF planted"})
+    assert unpack(key, planted)[1], "the forged blob passes every header and checksum test"
+    store = DirectoryArtifactStore(tmp_path / "shared")
+    for i, forged in enumerate((planted, seal(planted, b"another fleet's key, 32 bytes.."))):
+        (tmp_path / "shared" / key.name).unlink(missing_ok=True)
+        assert store.put_if_absent(key.name, forged)
+        pipe = load_pipeline(random_model_dir)
+        with pytest.warns(CompileCacheWarning, match="not trusted"):
+            prepared = prepare_worker_pipeline(pipe, config, buckets, store, SECRET, steps=1)
+        assert prepared.cache_load is not None and prepared.cache_load.status == "unauthenticated", i
+        assert not marker.exists(), "the planted pickle was unpickled"
+        written = [p for p in inductor.rglob("*") if p.is_file()] if inductor.exists() else []
+        assert written == [], f"files written into the Inductor cache: {written}"
+        assert prepared.fallbacks == {} and prepared.compile.status == {"vae.decode": "compiled"}
+        assert prepared.warmup is not None and (prepared.warmup.compiles >= 1 or i > 0)  # Dynamo reuses
+        # It compiled normally and left the planted blob alone (create-only: it is not replaced).
+        assert prepared.cache_save is not None and prepared.cache_save.status in ("exists", "empty")
+        assert store.get(key.name) == forged
+
+
+def test_without_a_key_nothing_is_read_from_or_written_to_the_store(random_model_dir, tmp_path):
+    from compile import prepare_worker_pipeline
+
+    pipe = load_pipeline(random_model_dir)
+    config = CompileConfig(vae=True, vae_backend="eager")
+    store = DirectoryArtifactStore(tmp_path / "shared")
+    prepared = prepare_worker_pipeline(pipe, config, [SMALL_BUCKETS[0]], store, None, steps=1)
+    assert prepared.cache_load is None and prepared.cache_save is None
+    assert not (tmp_path / "shared").exists()
+    assert prepared.compile.status == {"vae.decode": "compiled"}

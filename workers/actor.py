@@ -20,6 +20,7 @@ import torch
 from compile import CompileConfig, compile_count, prepare_worker_pipeline
 from model import load_pipeline
 
+from .cache_secret import CacheSecretSource, read_cache_secret, say_shared_cache_off
 from .generate import BatchGenerator, GeneratedImage, image_requests, iter_generated, plan_batches
 from .input_files import filesystem_for
 from .layout import manifest_key
@@ -51,6 +52,8 @@ class WorkerConfig:
     max_sequence_length: int = 512
     warmup_buckets: tuple[str, ...] = ()  # the buckets this job uses; empty = every job bucket
     compile: CompileConfig = field(default_factory=CompileConfig)
+    # Where each actor finds the key that authenticates the shared compile cache (not the key).
+    compile_cache_key: CacheSecretSource = field(default_factory=CacheSecretSource)
     writer: ShardWriterConfig = field(default_factory=ShardWriterConfig)
     s3: S3Config = field(default_factory=S3Config)
 
@@ -136,11 +139,15 @@ class GenerationWorker:
         )
         load_s = time.perf_counter() - t_load
         buckets = config.warmup_buckets or config.rows.buckets.names
+        secret = read_cache_secret(config.compile_cache_key) if config.compile.shared_cache else None
+        if secret is not None and secret.key is None and (config.compile.vae or config.compile.dit):
+            say_shared_cache_off(secret.off_reason)
         self.compile_report = prepare_worker_pipeline(
             self.pipe,
             config.compile,
             [config.rows.buckets.get(b) for b in buckets],
             artifact_store=self.store,
+            cache_secret=secret.key if secret is not None else None,
             # A compiled DiT is specialised to the batch size: partial batches and OOM halving
             # produce every size up to batch_size, so warm them all. The VAE decodes per image.
             batch_sizes=tuple(range(1, config.batch_size + 1)) if config.compile.dit else (1,),
@@ -157,6 +164,7 @@ class GenerationWorker:
             "model_fetch": self.model.to_dict(),
             "load_s": round(load_s, 3),
             "compile": self.compile_report.to_dict(),
+            "shared_compile_cache": "off" if secret is None else ("on" if secret.key else f"off: {secret.off_reason}"),
             "warmup_s": self.compile_report.warmup.seconds_per_bucket() if self.compile_report.warmup else {},
             "startup_s": round(time.perf_counter() - t0, 3),
         }

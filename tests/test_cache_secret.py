@@ -1,0 +1,64 @@
+"""The compile cache key: where an actor finds it, and the shared cache off (said once) without it."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from jobs.spec import SpecError, parse_spec
+from workers import cache_secret
+from workers.cache_secret import CacheSecretSource, read_cache_secret, say_shared_cache_off
+
+KEY = "4f1c0e8d2b7a69350c1d2e3f4a5b6c7d"
+
+
+def test_the_key_comes_from_the_named_variable_or_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("MY_FLEET_KEY", KEY)
+    assert read_cache_secret(CacheSecretSource(env="MY_FLEET_KEY")).key == KEY.encode()
+    secret_file = tmp_path / "compile-cache-key"
+    secret_file.write_bytes(b"another key of at least sixteen bytes\n")
+    got = read_cache_secret(CacheSecretSource(env="MY_FLEET_KEY", file=str(secret_file)))
+    assert got.key == b"another key of at least sixteen bytes", "the file wins; its newline is dropped"
+
+
+@pytest.mark.parametrize(
+    "source, env, why",
+    [
+        (CacheSecretSource(env="UNSET_FLEET_KEY"), None, r"\$UNSET_FLEET_KEY is not set"),
+        (CacheSecretSource(env="MY_FLEET_KEY"), "short", "holds 5 bytes, fewer than the 16"),
+        (CacheSecretSource(env=None, file="/nonexistent/key"), None, "/nonexistent/key cannot be read"),
+        (CacheSecretSource(env=None, file=None), None, "both null"),
+    ],
+)
+def test_without_a_usable_key_the_shared_cache_is_off_and_says_why(source, env, why, monkeypatch):
+    monkeypatch.delenv("UNSET_FLEET_KEY", raising=False)
+    if env is not None:
+        monkeypatch.setenv("MY_FLEET_KEY", env)
+    got = read_cache_secret(source)
+    assert got.key is None
+    assert "shared compile cache is off" in got.off_reason
+    assert __import__("re").search(why, got.off_reason), got.off_reason
+
+
+def test_the_worker_log_says_it_once(monkeypatch, caplog):
+    monkeypatch.setattr(cache_secret, "_said_off", False)
+    with caplog.at_level(logging.WARNING, logger="workers.cache_secret"):
+        for _ in range(3):
+            say_shared_cache_off("no compile cache key: the shared compile cache is off")
+    assert [r.getMessage() for r in caplog.records].count(
+        "no compile cache key: the shared compile cache is off"
+    ) == 1
+
+
+def test_the_spec_names_where_the_key_is_never_the_key(tmp_path):
+    base = "input: {path: p.parquet}\noutput: {uri: out}\n"
+    spec = parse_spec(base + "compile: {cache_key_file: /etc/ditfleet/compile-cache-key}\n", "job.yaml")
+    source = spec.to_worker_config().compile_cache_key
+    assert source == CacheSecretSource(
+        env="DITFLEET_COMPILE_CACHE_KEY", file="/etc/ditfleet/compile-cache-key"
+    )
+    default = parse_spec(base, "job.yaml").to_worker_config().compile_cache_key
+    assert default.env == "DITFLEET_COMPILE_CACHE_KEY" and default.file is None
+    with pytest.raises(SpecError, match=r"job.yaml:3: compile.cache_key_file: .*absolute path"):
+        parse_spec(base + "compile: {cache_key_file: key.txt}\n", "job.yaml")
