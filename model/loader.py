@@ -23,6 +23,8 @@ from .weights import WeightsError, assign_state_dict, read_config, read_state_di
 
 TINY_MODEL_DIR = Path(__file__).parent / "tiny" / "weights"
 REQUIRED_COMPONENTS = ("transformer", "vae", "scheduler")
+# model_index.json pipeline classes whose transformer/vae/scheduler this loader computes exactly.
+SUPPORTED_PIPELINES = ("QwenImagePipeline",)
 
 
 def resolve_model_dir(path: str | Path) -> Path:
@@ -36,7 +38,29 @@ def resolve_model_dir(path: str | Path) -> Path:
             f"model path {root}: missing {missing}. A model folder needs transformer/, vae/ and scheduler/ "
             "(the diffusers layout)."
         )
+    check_model_index(root)
     return root
+
+
+def check_model_index(root: Path) -> None:
+    """Refuse a checkpoint of another pipeline (an edit or layered model, Flux, ...) up front.
+
+    model_index.json is optional (a hand-assembled folder may lack it); when present it names the
+    pipeline the weights were trained for.
+    """
+    path = root / "model_index.json"
+    if not path.is_file():
+        return
+    try:
+        index = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise WeightsError(f"{path}: not valid JSON ({e}).") from e
+    cls = index.get("_class_name") if isinstance(index, dict) else None
+    if cls not in SUPPORTED_PIPELINES:
+        raise WeightsError(
+            f"{path}: _class_name is {cls!r}; ditfleet runs {list(SUPPORTED_PIPELINES)} checkpoints "
+            "(text-to-image Qwen-Image). Point the model path at one of those."
+        )
 
 
 def model_revision(root: Path) -> str:

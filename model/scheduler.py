@@ -12,6 +12,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from .weights import drop_ignored_keys
+
 # Scheduler features we do not implement; a config that turns one on is refused, not ignored.
 _UNSUPPORTED_FLAGS = (
     "use_karras_sigmas",
@@ -20,6 +22,9 @@ _UNSUPPORTED_FLAGS = (
     "stochastic_sampling",
     "invert_sigmas",
 )
+
+
+DIFFUSERS_CLASS = "FlowMatchEulerDiscreteScheduler"
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,11 @@ class SchedulerConfig:
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "scheduler/scheduler_config.json") -> SchedulerConfig:
+        cls_name = d.get("_class_name", DIFFUSERS_CLASS)
+        if cls_name != DIFFUSERS_CLASS:
+            raise ValueError(
+                f"{where}: _class_name is {cls_name!r}; only {DIFFUSERS_CLASS!r} (flow-match Euler) is supported"
+            )
         on = [k for k in _UNSUPPORTED_FLAGS if d.get(k)]
         if on:
             raise ValueError(
@@ -44,11 +54,19 @@ class SchedulerConfig:
         if d.get("time_shift_type", "exponential") not in ("exponential", "linear"):
             raise ValueError(f"{where}: time_shift_type must be 'exponential' or 'linear'")
         known = {f.name for f in fields(cls)}
+        # Every argument of diffusers' FlowMatchEulerDiscreteScheduler is either a field or an
+        # unsupported flag (checked above); anything else diffusers ignores too.
+        extra = {
+            k: "not an argument of the flow-match Euler scheduler"
+            for k in d
+            if k not in known and k not in _UNSUPPORTED_FLAGS
+        }
+        d = drop_ignored_keys({k: v for k, v in d.items() if not k.startswith("_")}, extra, "scheduler")
         return cls(**{k: v for k, v in d.items() if k in known})
 
     def to_dict(self) -> dict:
         return {
-            "_class_name": "FlowMatchEulerDiscreteScheduler",
+            "_class_name": DIFFUSERS_CLASS,
             **{f.name: getattr(self, f.name) for f in fields(self)},
         }
 

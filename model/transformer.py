@@ -18,6 +18,13 @@ from torch import nn
 
 from .modulation_cache import ModulationCache, ModulationKey, make_key
 from .rope import RotaryTables, apply_rotary
+from .weights import drop_ignored_keys
+
+# Keys of published transformer configs that diffusers' QwenImageTransformer2DModel does not take.
+IGNORED_KEYS = {
+    "pooled_projection_dim": "a Flux-era key; Qwen-Image has no pooled text projection (diffusers ignores it)",
+}
+DIFFUSERS_CLASS = "QwenImageTransformer2DModel"
 
 
 @dataclass(frozen=True)
@@ -54,14 +61,27 @@ class TransformerConfig:
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "transformer/config.json") -> TransformerConfig:
+        cls_name = d.get("_class_name", DIFFUSERS_CLASS)
+        if cls_name != DIFFUSERS_CLASS:
+            raise ValueError(
+                f"{where}: _class_name is {cls_name!r}; expected {DIFFUSERS_CLASS!r} (a Qwen-Image transformer). "
+                "Point the model path at a Qwen-Image checkpoint."
+            )
+        d = drop_ignored_keys(d, IGNORED_KEYS, "transformer")
         known = {f.name for f in fields(cls)}
         unknown = sorted(k for k in d if not k.startswith("_") and k not in known)
         if unknown:
-            raise ValueError(f"{where}: unknown keys {unknown}; is this a Qwen-Image transformer config?")
+            raise ValueError(
+                f"{where}: unknown keys {unknown}; they may change the model, so they are refused. "
+                "Is this a Qwen-Image transformer config?"
+            )
         kwargs = {k: v for k, v in d.items() if k in known}
         if "axes_dims_rope" in kwargs:
             kwargs["axes_dims_rope"] = tuple(kwargs["axes_dims_rope"])
-        return cls(**kwargs)
+        try:
+            return cls(**kwargs)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from e
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}

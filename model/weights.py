@@ -8,13 +8,17 @@ an error that names the keys, never a silently half-random model.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+import logging
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+log = logging.getLogger(__name__)
+_ignored_seen: set[tuple[str, str]] = set()
 
 
 class WeightsError(ValueError):
@@ -31,6 +35,23 @@ def read_config(component_dir: Path) -> dict:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise WeightsError(f"{path}: not valid JSON ({e}).") from e
+
+
+def drop_ignored_keys(d: dict, ignored: Mapping[str, str], kind: str) -> dict:
+    """`d` without the keys that published configs carry but that do not change the computation.
+
+    `ignored` maps each such key to why it is harmless. Each (kind, key) is logged once per
+    process at debug level, the way diffusers drops config keys its classes do not take.
+    """
+    out = {}
+    for k, v in d.items():
+        if k in ignored:
+            if (kind, k) not in _ignored_seen:
+                _ignored_seen.add((kind, k))
+                log.debug("%s config: ignoring %r (%s)", kind, k, ignored[k])
+            continue
+        out[k] = v
+    return out
 
 
 def safetensors_files(component_dir: Path) -> list[Path]:
