@@ -41,6 +41,7 @@ from driver.runs import (
 )
 from driver.validate import plain, scan_input
 from workers.input_files import InputFileError, footer_sha256
+from workers.layout import success_key
 from workers.rows import ShardSpec
 from workers.stores import ObjectStore
 
@@ -252,12 +253,18 @@ def plan_increment(
 def commit_increment(store: ObjectStore, plan: IncrementPlan) -> IncrementPlan | None:
     """Write the plan's ids and then its run record (create-only); returns the plan as written
     (its record names its ids), or None when another driver took this run number first (plan
-    again). A plan without a record writes nothing."""
+    again). A plan without a record writes nothing.
+
+    `_SUCCESS` goes before the record: the record plans shards that are not committed, and
+    `_SUCCESS` must never stand next to those, whenever the driver is killed.
+    """
     record = plan.record
     if record is None:
         return plan
     if record.shards:
         record = dataclasses.replace(record, ids_key=write_ids(store, record.run, plan.token, plan.ids))
+    if record.shards or record.superseded:
+        store.delete(success_key())
     if not claim_run(store, record):
         return None
     return dataclasses.replace(plan, record=record)

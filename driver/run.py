@@ -136,6 +136,7 @@ def run_job(
     store = open_store(config.output_uri, config.s3)
     store.check_writable()
     claim_output(store, plan, json.loads(config.resolved_spec))
+    _remove_stale_temp_files(store, out)
     planned = {"shards": len(plan.shards), "rows": plan.total_rows, "images": plan.total_images}
     done = committed_shards(store) & {s.index for s in plan.shards}
     todo = [s for s in plan.shards if s.index not in done]
@@ -296,8 +297,11 @@ def _run_incremental(config: DriverConfig, run: _Execution) -> JobSummary:
             {"wall_s": time.monotonic() - t0},
             OutputCounts(),
         )
-    if plan.record is not None and store.exists(success_key()):
-        store.delete(success_key())  # the output is incomplete until this run's shards commit
+    if store.exists(success_key()):
+        # The output is incomplete until these shards commit. commit_increment removed it before
+        # writing a new record; this catches shards carried over from a run that left it behind.
+        store.delete(success_key())
+    _remove_stale_temp_files(store, out)
     order = config.plan.rows.buckets.names
     progress = run.progress(len(todo), planned["images"])
     t1 = time.monotonic()
@@ -317,6 +321,13 @@ def _run_incremental(config: DriverConfig, run: _Execution) -> JobSummary:
         store.put(success_key(), summary.to_json().encode(), "application/json")
     print(summary.format_text(), file=out)
     return summary
+
+
+def _remove_stale_temp_files(store: ObjectStore, out: TextIO) -> None:
+    """Temp files of writers killed mid-write (local outputs) would stay forever: remove them."""
+    removed = store.remove_stale_temp_files()
+    if removed:
+        print(f"{store.uri()}: removed {removed} temporary file(s) left by killed writers", file=out)
 
 
 def _incremental_summary(

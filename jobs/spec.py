@@ -237,6 +237,13 @@ class S3Spec(_Section):
     addressing_style: Literal["auto", "path", "virtual"] = Field(
         "auto", description="'path' for most S3-compatible servers (bucket in the path, not the host name)."
     )
+    single_writer: bool = Field(
+        False,
+        description="Allow an output store without conditional writes (it answers 501 to "
+        "If-None-Match), which is refused otherwise: commits then check and write in two steps, "
+        "safe only while one driver at a time writes the output and no shard runs twice at once "
+        "(needs workers.speculative_tail: false).",
+    )
 
 
 class JobSpec(_Section):
@@ -254,6 +261,15 @@ class JobSpec(_Section):
     workers: WorkersSpec = Field(default_factory=WorkersSpec, description="The actor fleet.")
     shards: ShardsSpec = Field(default_factory=ShardsSpec, description="Units of work.")
     s3: S3Spec = Field(default_factory=S3Spec, description="Client settings for s3:// input and output.")
+
+    @model_validator(mode="after")
+    def _single_writer_needs_no_twins(self) -> JobSpec:
+        if self.s3.single_writer and self.workers.speculative_tail:
+            raise ValueError(
+                "s3.single_writer: true needs workers.speculative_tail: false (a speculative twin is "
+                "a second writer of the same shard, which such a store cannot keep apart)"
+            )
+        return self
 
     # -- resolution ------------------------------------------------------------------------------
 
@@ -324,6 +340,7 @@ class JobSpec(_Section):
             region=self.s3.region,
             max_attempts=self.s3.max_attempts,
             addressing_style=self.s3.addressing_style,
+            single_writer=self.s3.single_writer,
         )
 
     def to_driver_config(self) -> DriverConfig:

@@ -128,6 +128,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._reply(*_s3_error(500, "InternalError", "We encountered an internal error."))
         elif action == "not_found":
             self._reply(*_s3_error(404, "NoSuchKey", "The specified key does not exist."))
+        elif action == "precondition_failed":
+            self._reply(
+                *_s3_error(412, "PreconditionFailed", "At least one of the pre-conditions did not hold")
+            )
         elif action == "not_implemented":
             self._reply(
                 *_s3_error(

@@ -267,3 +267,82 @@ def test_real_worker_through_the_cli_adds_a_days_file(random_model_dir, tmp_path
     assert main(["status", str(out), "--json"]) == 0
     status = json.loads(capsys.readouterr().out)
     assert status["complete"] and status["images"] == {"planned": 15, "ok": 15, "failed": 0}
+
+
+class _KilledAfter:
+    """The output store of a driver that is killed (raises) after `writes` writes or deletes."""
+
+    def __init__(self, store, writes: int) -> None:
+        self._store, self._left = store, writes
+
+    def __getattr__(self, name):
+        attr = getattr(self._store, name)
+        if name not in ("put", "put_if_absent", "delete", "put_file"):
+            return attr
+
+        def write(*args, **kwargs):
+            if self._left == 0:
+                raise KeyboardInterrupt("driver killed")
+            self._left -= 1
+            return attr(*args, **kwargs)
+
+        return write
+
+
+def _success_with_uncommitted_shards(out: str) -> list[int]:
+    """Planned shards without a manifest, if _SUCCESS is there (else [])."""
+    from driver.runs import RecordedPlan, read_run_records
+    from workers.manifest import committed_shards
+
+    store = open_store(out)
+    if not store.exists(success_key()):
+        return []
+    planned = {s.index for s in RecordedPlan.of(read_run_records(store)).live()}
+    return sorted(planned - committed_shards(store))
+
+
+def test_success_never_stands_next_to_uncommitted_shards_wherever_the_driver_dies(tmp_path: Path):
+    from driver.claim import claim_incremental_output
+    from driver.increment import commit_increment, plan_increment
+    from driver.run import prompt_source
+    from workers.manifest import committed_shards
+
+    src = tmp_path / "in"
+    write_file(src / "day1.parquet", 12, ids=[f"d1-{i}" for i in range(12)])
+    driver, worker = configs(tmp_path)
+    assert run(driver, worker)[0].status == "succeeded"
+    write_file(src / "day2.parquet", 9, ids=[f"d2-{i}" for i in range(9)])
+    out = driver.output_uri
+    spec = json.loads(driver.resolved_spec)
+    for writes in range(6):  # killed after 0, 1, 2, ... writes of the planning step
+        store = open_store(out)
+        assert store.exists(success_key()) or writes > 0
+        fingerprint = claim_incremental_output(store, driver.plan, driver.input_uri, spec, write=False)
+        plan = plan_increment(prompt_source(driver), driver.plan, store, committed_shards(store), fingerprint)
+        try:
+            done = commit_increment(_KilledAfter(store, writes), plan)
+        except KeyboardInterrupt:
+            done = None
+        assert _success_with_uncommitted_shards(out) == [], f"killed after {writes} writes"
+        if done is not None:
+            break
+    else:
+        raise AssertionError("planning never finished")
+    assert not open_store(out).exists(success_key())
+    second, log = run(driver, worker)  # the run that was killed is run again: it completes
+    assert second.status == "succeeded", log
+    assert open_store(out).exists(success_key()) and _success_with_uncommitted_shards(out) == []
+
+
+def test_a_stale_success_is_removed_before_carried_shards_run(tmp_path: Path):
+    """An output that an older driver left with _SUCCESS next to an uncommitted shard."""
+    src = tmp_path / "in"
+    write_file(src / "day1.parquet", 30, ids=[f"d1-{i}" for i in range(30)])
+    driver, failing = configs(tmp_path, fail={1: -1})
+    assert run(driver, failing)[0].status == "failed"
+    store = open_store(driver.output_uri)
+    store.put(success_key(), b"{}")  # what a driver killed between record and delete left behind
+    assert _success_with_uncommitted_shards(driver.output_uri) == [1]
+    again, log = run(driver, failing)  # nothing new; shard 1 is carried over and fails again
+    assert again.status == "failed" and "running them now" in log
+    assert not store.exists(success_key())

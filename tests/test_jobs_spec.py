@@ -233,3 +233,12 @@ def test_preview_reads_every_output_format(tmp_path, output_format, capsys):
     # Cells are 176 pixels wide; each image is centred in its 160-pixel thumbnail box.
     for n, colour in enumerate(colours.values()):
         assert image.getpixel((n * 176 + 8 + 80, 8 + 80)) == colour
+
+
+def test_single_writer_is_explicit_and_excludes_speculative_twins():
+    base = "input: {path: p.parquet}\noutput: {uri: s3://b/out}\n"
+    assert parse_spec(base).to_driver_config().s3.single_writer is False
+    with pytest.raises(SpecError, match="single_writer: true needs workers.speculative_tail: false"):
+        parse_spec(base + "s3: {single_writer: true}\n")
+    spec = parse_spec(base + "s3: {single_writer: true}\nworkers: {speculative_tail: false}\n")
+    assert spec.to_driver_config().s3.single_writer and spec.to_worker_config().s3.single_writer

@@ -170,18 +170,46 @@ def test_put_if_absent_native_conditional_write(s3_server, s3_bucket, fault_prox
     assert store.get(key) == b"first"
 
 
-def test_put_if_absent_falls_back_when_the_store_lacks_conditional_writes(
-    s3_server, s3_bucket, fault_proxy, caplog
+def test_a_store_without_conditional_writes_is_refused_before_any_work(
+    s3_server, s3_bucket, fault_proxy
 ) -> None:
     fault_proxy.set_plan(FaultPlan(reject_if_none_match=True))
     store = open_store(f"s3://{s3_bucket}/out", s3_server.config(fault_proxy.endpoint_url))
+    with pytest.raises(StoreError, match=r"does not support conditional writes.*s3.single_writer: true"):
+        store.check_writable()
+    with pytest.raises(StoreError, match="does not support conditional writes"):
+        store.put_if_absent("manifests/shard-00000.parquet", b"first")
+    assert _missing(s3_server.admin, s3_bucket, "out/manifests/shard-00000.parquet")
+
+
+def test_single_writer_allows_such_a_store_with_head_then_put(
+    s3_server, s3_bucket, fault_proxy, caplog
+) -> None:
+    fault_proxy.set_plan(FaultPlan(reject_if_none_match=True))
+    config = s3_server.config(fault_proxy.endpoint_url, single_writer=True)
+    store = open_store(f"s3://{s3_bucket}/out", config)
     with caplog.at_level(logging.WARNING):
+        store.check_writable()
         assert store.put_if_absent("manifests/shard-00000.parquet", b"first") is True
         assert store.put_if_absent("manifests/shard-00000.parquet", b"second") is False
         assert store.put_if_absent("manifests/shard-00001.parquet", b"other") is True
     assert store.get("manifests/shard-00000.parquet") == b"first"
-    assert fault_proxy.counts["not_implemented"] == 1  # asked once, then remembered
-    assert "not atomic" in caplog.text and "non-atomic create-only write" in caplog.text
+    assert fault_proxy.counts["not_implemented"] == 1  # asked once (the probe), then remembered
+    assert "not atomic" in caplog.text and "single_writer" in caplog.text
+
+
+def test_a_refused_commit_with_nothing_there_is_not_a_commit(s3_server, s3_bucket, fault_proxy) -> None:
+    """412 to the conditional PUT, yet no object under the key: nobody committed; the caller
+    must retry rather than count the shard as committed by someone else."""
+    key = "manifests/shard-00002.parquet"
+    fault_proxy.set_plan(
+        FaultPlan(rules=[Rule(lambda m, p: m == "PUT" and key in p, "precondition_failed", times=1)])
+    )
+    store = open_store(f"s3://{s3_bucket}/out", s3_server.config(fault_proxy.endpoint_url))
+    with pytest.raises(StoreError, match="refused .*412.* but no object is there.*retry"):
+        store.put_if_absent(key, b"mine")
+    assert store.put_if_absent(key, b"mine") is True  # the retry commits
+    assert store.get(key) == b"mine"
 
 
 def test_put_if_absent_whose_reply_was_lost_still_wins(s3_server, s3_bucket, fault_proxy) -> None:

@@ -165,3 +165,59 @@ def test_s3_config_is_checked() -> None:
         S3Config(multipart_chunksize=1024)
     with pytest.raises(ValueError, match="request_checksum_calculation"):
         S3Config(request_checksum_calculation="always")
+
+
+def test_local_refused_create_with_nothing_there_is_not_a_commit(tmp_path, monkeypatch) -> None:
+    """link() says the name exists, but the file is gone when we look: nobody committed."""
+    store = LocalStore(str(tmp_path / "out"))
+    real_link = os.link
+
+    def link_after_a_vanished_twin(src, dst):
+        raise FileExistsError(17, "File exists", dst)
+
+    monkeypatch.setattr(os, "link", link_after_a_vanished_twin)
+    with pytest.raises(StoreError, match="refused .* gone now .*retry"):
+        store.put_if_absent("manifests/shard-00000.parquet", b"mine")
+    monkeypatch.setattr(os, "link", real_link)
+    assert store.put_if_absent("manifests/shard-00000.parquet", b"mine") is True
+    assert store.put_if_absent("manifests/shard-00000.parquet", b"theirs") is False
+
+
+def test_local_temp_files_of_killed_writers_are_removed_young_ones_kept(tmp_path) -> None:
+    import subprocess
+    import sys
+    import time
+
+    root = tmp_path / "out"
+    store = LocalStore(str(root))
+    store.put("images/00000/a.png", b"kept")
+    # A writer killed mid-write: a real process writing a large object through the store.
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time\n"
+            "from workers.stores import LocalStore\n"
+            "class Endless:\n"  # a slow, endless source: the write is in progress when killed
+            "    def read(self, n=-1):\n"
+            "        time.sleep(0.01)\n"
+            "        return b'x' * 4096\n"
+            "    def tell(self): return 0\n"
+            f"LocalStore({str(root)!r}).put_file('images/00000/b.png', Endless())\n",
+        ],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    deadline = time.monotonic() + 30
+    while not [p for p in root.rglob(".ditfleet-tmp-*")] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child.kill()
+    child.wait()
+    left = list(root.rglob(".ditfleet-tmp-*"))
+    assert len(left) == 1, "the killed writer left its temp file"
+    assert store.remove_stale_temp_files() == 0, "a young temp file may be a live writer's"
+    old = time.time() - 3600
+    os.utime(left[0], (old, old))
+    assert store.remove_stale_temp_files() == 1
+    assert sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()) == [
+        "images/00000/a.png"
+    ]

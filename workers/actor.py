@@ -164,7 +164,9 @@ class GenerationWorker:
             "model_fetch": self.model.to_dict(),
             "load_s": round(load_s, 3),
             "compile": self.compile_report.to_dict(),
-            "shared_compile_cache": "off" if secret is None else ("on" if secret.key else f"off: {secret.off_reason}"),
+            "shared_compile_cache": "off"
+            if secret is None
+            else ("on" if secret.key else f"off: {secret.off_reason}"),
             "warmup_s": self.compile_report.warmup.seconds_per_bucket() if self.compile_report.warmup else {},
             "startup_s": round(time.perf_counter() - t0, 3),
         }

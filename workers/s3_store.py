@@ -227,63 +227,85 @@ class S3Store(ObjectStore):
     @_names_the_object("create-only PUT")
     def put_if_absent(self, key: str, data: bytes, content_type: str | None = None) -> bool:
         data = bytes(data)
-        # HEAD first: one cheap request per commit; it answers the resume case without a write
-        # and keeps a store that silently ignores If-None-Match from overwriting an existing
-        # object except in a true race.
+        # HEAD first: one cheap request per commit; it answers the resume case without a write.
         if self.exists(key):
-            return self._holds(key, data)
-        if self._conditional_writes is not False:
-            for attempt in range(_CONFLICT_RETRIES):
-                try:
-                    self._put_object(key, data, content_type, IfNoneMatch="*")
-                    self._conditional_writes = True
-                    return True
-                except ClientError as e:
-                    code, status = _error_code(e), _status(e)
-                    if code == "PreconditionFailed" or status == 412:
-                        return self._holds(key, data)
-                    if code == "ConditionalRequestConflict" or status == 409:
-                        time.sleep(0.05 * 2**attempt)
-                        continue
-                    if code in _NO_CONDITIONAL_WRITE or status == 501:
-                        self._no_conditional_writes(code or str(status))
-                        break
-                    raise
-            else:
-                return self._holds(key, data)
-        # Fallback for stores without conditional writes: HEAD then PUT. Two writers racing
-        # between the two requests can both "win"; the later PUT's bytes stay.
+            return self._refused(key, data, "it exists")
+        if self._conditional_writes is False:
+            return self._head_then_put(key, data, content_type)
+        for attempt in range(_CONFLICT_RETRIES):
+            try:
+                self._put_object(key, data, content_type, IfNoneMatch="*")
+                self._conditional_writes = True
+                return True
+            except ClientError as e:
+                code, status = _error_code(e), _status(e)
+                if code == "PreconditionFailed" or status == 412:
+                    return self._refused(key, data, "the server answered 412 PreconditionFailed")
+                if code == "ConditionalRequestConflict" or status == 409:
+                    time.sleep(0.05 * 2**attempt)
+                    continue
+                if code in _NO_CONDITIONAL_WRITE or status == 501:
+                    self._no_conditional_writes(code or str(status))
+                    return self._head_then_put(key, data, content_type)
+                raise
+        return self._refused(key, data, f"{_CONFLICT_RETRIES} conflicting conditional writes (409)")
+
+    def _refused(self, key: str, data: bytes, why: str) -> bool:
+        """The create-only write did not happen because the key is taken: True if it holds our
+        bytes (a retried write of ours), False if another writer's. A refusal with nothing
+        there is not a commit by anyone: raise, so that the caller retries the whole write."""
+        held = self._holds(key, data)
+        if held is None:
+            raise StoreError(
+                f"create-only PUT of {self.uri(key)} at {self._endpoint()} was refused ({why}) but "
+                "no object is there (deleted meanwhile, or an inconsistent store); nothing was "
+                "committed, retry the write"
+            )
+        return held
+
+    def _head_then_put(self, key: str, data: bytes, content_type: str | None) -> bool:
+        # Only with `single_writer` (checked in _no_conditional_writes): two writers racing between
+        # the two requests could both "win", the later PUT's bytes staying.
         if self.exists(key):
-            return self._holds(key, data)
-        log.warning("non-atomic create-only write of %s (HEAD then PUT)", self.uri(key))
+            return self._refused(key, data, "it exists")
         self._put_object(key, data, content_type)
         return True
 
     def _no_conditional_writes(self, code: str) -> None:
+        """The store answered `code` (501) to If-None-Match: refuse it unless single_writer."""
+        if not self.config.single_writer:
+            raise StoreError(
+                f"{self.uri()} at {self._endpoint()} does not support conditional writes: it "
+                f"answered {code} to a PUT with If-None-Match: *. The shard commit needs them: "
+                "without them two writers (a retried or speculative shard, a second driver) can "
+                "both commit and replace what the other committed. Use a store that supports "
+                "them (AWS S3, a recent MinIO or Cloudflare R2), or, if you make sure only one "
+                "driver with no speculative attempts ever writes this output, set "
+                "`s3.single_writer: true` in the job"
+            )
         with self._lock:
             if self._conditional_writes is None or self._conditional_writes:
                 log.warning(
-                    "%s at %s answered %s to a PUT with If-None-Match: *; create-only writes "
-                    "fall back to HEAD then PUT, which is not atomic: two writers racing for one "
-                    "key can both succeed. Use a store that supports conditional writes for "
-                    "concurrent runs.",
+                    "%s at %s answered %s to a PUT with If-None-Match: *; s3.single_writer is set, "
+                    "so create-only writes fall back to HEAD then PUT, which is not atomic",
                     self.uri(),
                     self._endpoint(),
                     code,
                 )
             self._conditional_writes = False
 
-    def _holds(self, key: str, data: bytes) -> bool:
+    def _holds(self, key: str, data: bytes) -> bool | None:
+        """True: the key holds `data`; False: other bytes; None: no object."""
         try:
             head = self.client.head_object(Bucket=self.bucket, Key=self._key(key))
             if int(head.get("ContentLength", -1)) != len(data):
                 return False
             return self.get(key) == data
         except ObjectNotFound:
-            return False
+            return None
         except ClientError as e:
             if _status(e) == 404:
-                return False
+                return None
             raise
 
     # -- reads ---------------------------------------------------------------------------
@@ -345,7 +367,17 @@ class S3Store(ObjectStore):
         probe = write_check_key(uuid.uuid4().hex)
         step = "PUT"
         try:
-            self._put_object(probe, b"ok", "text/plain")
+            try:
+                # Conditional, as the shard commit will be: a store without conditional writes is
+                # refused here, before any work (unless single_writer).
+                self._put_object(probe, b"ok", "text/plain", IfNoneMatch="*")
+                self._conditional_writes = True
+            except ClientError as e:
+                code = _error_code(e)
+                if not (code in _NO_CONDITIONAL_WRITE or _status(e) == 501):
+                    raise
+                self._no_conditional_writes(code or "501")
+                self._put_object(probe, b"ok", "text/plain")
             step = "HEAD"
             self.client.head_object(Bucket=self.bucket, Key=self._key(probe))
             step = "LIST"

@@ -11,6 +11,7 @@ import errno
 import logging
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ _MiB = 1024 * 1024
 # Temporary files of the local store start with this; `list` hides them and keys may not use it.
 _TMP_MARK = ".ditfleet-tmp-"
 _COPY_CHUNK = 8 * _MiB
+# A temp file untouched this long belongs to a writer that was killed (a live one writes on).
+STALE_TEMP_AGE_S = 600.0
 
 
 class StoreError(RuntimeError):
@@ -55,6 +58,9 @@ class S3Config:
     max_pool_connections: int = 32  # >= the upload threads that share one client
     addressing_style: str = "auto"  # "path" for most S3-compatible servers, "virtual", "auto"
     list_page_size: int = 1000  # keys per LIST request (S3's maximum; some servers allow fewer)
+    # A store without conditional writes (501 to If-None-Match) is refused unless the user vouches
+    # that one writer at a time uses the output: create-only writes then fall back to HEAD + PUT.
+    single_writer: bool = False
 
     def __post_init__(self) -> None:
         checks = [
@@ -123,7 +129,8 @@ class ObjectStore(abc.ABC):
 
         Returns True when the key now holds `data` because of this call, or holds identical
         bytes already (a retried write of ours whose reply was lost looks exactly like that);
-        False when another writer's different bytes are there: that writer won.
+        False when another writer's different bytes are there: that writer won. Raises
+        StoreError when the write was refused but no object is there: nobody won, retry.
         """
 
     @abc.abstractmethod
@@ -148,6 +155,15 @@ class ObjectStore(abc.ABC):
     @abc.abstractmethod
     def check_writable(self) -> None:
         """Fail fast with a StoreError that says what to fix if this store cannot be written."""
+
+    def remove_stale_temp_files(self, min_age_s: float = STALE_TEMP_AGE_S) -> int:
+        """Remove what writers killed mid-write left behind (none by default); returns how many.
+
+        Only files untouched for `min_age_s` go: a live writer's temp file is younger. S3 has
+        nothing here: an unfinished multipart upload is never an object, and the bucket's
+        AbortIncompleteMultipartUpload lifecycle rule removes its parts (deploy/).
+        """
+        return 0
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -220,7 +236,13 @@ class LocalStore(ObjectStore):
             # link() fails if the target exists, atomically, on every POSIX filesystem.
             os.link(tmp, path)
         except FileExistsError:
-            return self._holds(path, data)
+            held = self._holds(path, data)
+            if held is None:
+                raise StoreError(
+                    f"create-only write of {path} was refused (the name existed) but the file is "
+                    "gone now (deleted meanwhile); nothing was committed, retry the write"
+                ) from None
+            return held
         except OSError as e:
             if e.errno in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
                 raise StoreError(
@@ -234,14 +256,15 @@ class LocalStore(ObjectStore):
         return True
 
     @staticmethod
-    def _holds(path: str, data: bytes) -> bool:
+    def _holds(path: str, data: bytes) -> bool | None:
+        """True: the file holds `data`; False: other bytes; None: no file."""
         try:
             if os.path.getsize(path) != len(data):
                 return False
             with open(path, "rb") as existing:
                 return existing.read() == data
         except FileNotFoundError:
-            return False
+            return None
 
     def get(self, key: str) -> bytes:
         path = self._path(key)
@@ -274,6 +297,23 @@ class LocalStore(ObjectStore):
 
     def uri(self, key: str = "") -> str:
         return self._path(key) if key else self.root
+
+    def remove_stale_temp_files(self, min_age_s: float = STALE_TEMP_AGE_S) -> int:
+        if not os.path.isdir(self.root):
+            return 0
+        cutoff, removed = time.time() - min_age_s, 0
+        for dirpath, _dirnames, filenames in os.walk(self.root):
+            for name in filenames:
+                if not name.startswith(_TMP_MARK):
+                    continue
+                path = os.path.join(dirpath, name)
+                try:
+                    if os.lstat(path).st_mtime < cutoff:
+                        os.unlink(path)
+                        removed += 1
+                except FileNotFoundError:  # its writer finished, or another cleaner was first
+                    pass
+        return removed
 
     def check_writable(self) -> None:
         if os.path.exists(self.root) and not os.path.isdir(self.root):
