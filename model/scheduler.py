@@ -2,7 +2,8 @@
 
 sigma goes from 1 (pure noise) to 0. The shift grows with the image token count (mu is linear in
 the token count between `base_image_seq_len` and `max_image_seq_len`), then the schedule is
-stretched so its last sigma is `shift_terminal`. The model sees t = 1000 * sigma.
+stretched so its last sigma is `shift_terminal` (when set). The model sees t = 1000 * sigma.
+What diffusers' FlowMatchEulerDiscreteScheduler computes for the same config, value for value.
 """
 
 from __future__ import annotations
@@ -22,14 +23,23 @@ _UNSUPPORTED_FLAGS = (
     "stochastic_sampling",
     "invert_sigmas",
 )
-
-
+# The transformer's timestep embedding takes t / 1000 (diffusers' convention, whatever the
+# scheduler's num_train_timesteps), so a schedule over another range would feed it other times.
+TRAIN_TIMESTEPS = 1000
 DIFFUSERS_CLASS = "FlowMatchEulerDiscreteScheduler"
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    num_train_timesteps: int = 1000
+    """The keys of diffusers' FlowMatchEulerDiscreteScheduler config that shape the schedule.
+
+    Qwen-Image: dynamic exponential shift (mu from 0.5 at 256 image tokens to 0.9 at 8192),
+    stretched to end at 0.02. Qwen-Image-Lightning (distilled for 4-8 steps): base_shift =
+    max_shift = ln(3), i.e. a constant shift of 3 whatever the size, and no terminal stretch
+    (shift_terminal null).
+    """
+
+    num_train_timesteps: int = TRAIN_TIMESTEPS
     use_dynamic_shifting: bool = True
     time_shift_type: str = "exponential"
     base_image_seq_len: int = 256
@@ -41,6 +51,11 @@ class SchedulerConfig:
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "scheduler/scheduler_config.json") -> SchedulerConfig:
+        """Every key is accounted for: a setting we compute, a feature flag that must be off
+        (refused when on), or a key diffusers' FlowMatchEulerDiscreteScheduler does not take
+        either (ignored, logged once at debug level, as diffusers does)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: a scheduler config must be a JSON object, got {type(d).__name__}")
         cls_name = d.get("_class_name", DIFFUSERS_CLASS)
         if cls_name != DIFFUSERS_CLASS:
             raise ValueError(
@@ -51,8 +66,6 @@ class SchedulerConfig:
             raise ValueError(
                 f"{where}: {on} are not supported by the flow-match Euler sampler; set them false"
             )
-        if d.get("time_shift_type", "exponential") not in ("exponential", "linear"):
-            raise ValueError(f"{where}: time_shift_type must be 'exponential' or 'linear'")
         known = {f.name for f in fields(cls)}
         # Every argument of diffusers' FlowMatchEulerDiscreteScheduler is either a field or an
         # unsupported flag (checked above); anything else diffusers ignores too.
@@ -62,7 +75,26 @@ class SchedulerConfig:
             if k not in known and k not in _UNSUPPORTED_FLAGS
         }
         d = drop_ignored_keys({k: v for k, v in d.items() if not k.startswith("_")}, extra, "scheduler")
-        return cls(**{k: v for k, v in d.items() if k in known})
+        config = cls(**{k: v for k, v in d.items() if k in known})
+        config.check(where)
+        return config
+
+    def check(self, where: str = "scheduler config") -> None:
+        if self.time_shift_type not in ("exponential", "linear"):
+            raise ValueError(
+                f"{where}: time_shift_type must be 'exponential' or 'linear', got {self.time_shift_type!r}"
+            )
+        if self.num_train_timesteps != TRAIN_TIMESTEPS:
+            raise ValueError(
+                f"{where}: num_train_timesteps {self.num_train_timesteps}; Qwen-Image models take "
+                f"timesteps over [0, {TRAIN_TIMESTEPS}]"
+            )
+        if self.use_dynamic_shifting and self.max_image_seq_len == self.base_image_seq_len:
+            raise ValueError(f"{where}: base_image_seq_len and max_image_seq_len must differ")
+        if self.shift_terminal is not None and not 0 <= self.shift_terminal < 1:
+            raise ValueError(f"{where}: shift_terminal must be in [0, 1) or null, got {self.shift_terminal}")
+        if not self.use_dynamic_shifting and self.shift <= 0:
+            raise ValueError(f"{where}: shift must be > 0, got {self.shift}")
 
     def to_dict(self) -> dict:
         return {
@@ -84,10 +116,11 @@ def sigma_schedule(config: SchedulerConfig, steps: int, image_seq_len: int) -> t
     sigmas = torch.linspace(1.0, 1.0 / steps, steps, dtype=torch.float64).to(torch.float32)
     if config.use_dynamic_shifting:
         mu = shift_mu(config, image_seq_len)
-        if config.time_shift_type == "exponential":
-            sigmas = math.exp(mu) / (math.exp(mu) + (1 / sigmas - 1))
-        else:
-            sigmas = mu / (mu + (1 / sigmas - 1))
+        # As a float32 tensor, not a Python scalar: torch computes `scalar / tensor` as
+        # `scalar * reciprocal(tensor)`, which rounds twice and can miss the reference's
+        # float32 quotient by one ulp.
+        a = torch.tensor(math.exp(mu) if config.time_shift_type == "exponential" else mu, dtype=torch.float32)
+        sigmas = a / (a + (1 / sigmas - 1))
     else:
         sigmas = config.shift * sigmas / (1 + (config.shift - 1) * sigmas)
     # With one step the only sigma is 1 and there is nothing to stretch (the reference divides
