@@ -120,6 +120,7 @@ def load_pipeline(
     modulation_cache: str = "cfg",
     cfg_batched: bool = False,
     load_text_encoder_too: bool = True,
+    cfg_mode: str | None = None,
     model_id: str | None = None,
 ) -> TextToImagePipeline:
     """model_id names the model in manifests (default: the path as given); a worker passes the
@@ -137,4 +138,5 @@ def load_pipeline(
         model_id=model_id or str(path),
         model_revision=model_revision(root),
         cfg_batched=cfg_batched,
+        cfg_mode=cfg_mode,
     )

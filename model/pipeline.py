@@ -12,6 +12,12 @@ from .text_encoder import TextEncoder
 from .transformer import QwenImageTransformer
 
 DEFAULT_NEGATIVE_PROMPT = " "
+CFG_MODES = ("serial", "batched", "auto")
+# "auto" batches the two CFG passes only while one pass is too small to fill a GPU (tokens per
+# pass below this) and concatenating them pads little; larger passes gain nothing from doubling
+# the batch and would pay twice the activation memory. CPUs always run serial.
+AUTO_BATCHED_MAX_TOKENS = 4096
+AUTO_BATCHED_MAX_PADDING = 0.05
 
 
 class TextToImagePipeline:
@@ -24,14 +30,35 @@ class TextToImagePipeline:
         model_id: str = "",
         model_revision: str = "",
         cfg_batched: bool = False,
+        cfg_mode: str | None = None,
     ) -> None:
         self.transformer = transformer
         self.vae = vae
         self.scheduler = scheduler
         self.text_encoder = text_encoder
         self.model_id, self.model_revision = model_id, model_revision
-        self.cfg_batched = cfg_batched
+        mode = cfg_mode if cfg_mode is not None else ("batched" if cfg_batched else "serial")
+        if mode not in CFG_MODES:
+            raise ValueError(f"cfg_mode must be one of {CFG_MODES}, got {mode!r}")
+        self.cfg_mode = mode
         self.timestep_bank = TimestepBank()
+
+    @property
+    def cfg_batched(self) -> bool:
+        """Whether CFG always runs batched (pads both branches to one text length)."""
+        return self.cfg_mode == "batched"
+
+    def batch_cfg(self, batch: int, image_tokens: int, cond_len: int, uncond_len: int) -> bool:
+        """Whether this request's two CFG passes run as one forward (see CFG_MODES)."""
+        if self.cfg_mode != "auto":
+            return self.cfg_mode == "batched"
+        if self.device.type != "cuda":
+            return False
+        longest = max(cond_len, uncond_len)
+        padding = abs(cond_len - uncond_len) / (2 * (image_tokens + longest))
+        return (
+            batch * (image_tokens + longest) < AUTO_BATCHED_MAX_TOKENS and padding <= AUTO_BATCHED_MAX_PADDING
+        )
 
     @property
     def device(self) -> torch.device:
@@ -114,15 +141,12 @@ class TextToImagePipeline:
                 negative_prompt_embeds, negative_prompt_embeds_mask = self.encode_prompt(
                     neg_list, max_sequence_length
                 )
-        cond = Conditioning(
-            prompt_embeds.to(self.device, self.dtype), _mask_or_none(prompt_embeds_mask, self.device)
-        )
+        cond = _conditioning(prompt_embeds, prompt_embeds_mask, self.device, self.dtype)
         uncond = None
         if do_cfg:
             assert negative_prompt_embeds is not None
-            uncond = Conditioning(
-                negative_prompt_embeds.to(self.device, self.dtype),
-                _mask_or_none(negative_prompt_embeds_mask, self.device),
+            uncond = _conditioning(
+                negative_prompt_embeds, negative_prompt_embeds_mask, self.device, self.dtype
             )
         latents = initial_noise(list(seeds), height, width, self.device, self.dtype)
         scale_arg: torch.Tensor | float = (
@@ -138,16 +162,30 @@ class TextToImagePipeline:
             latent_grid(height, width),
             steps,
             self.scheduler,
-            cfg_batched=self.cfg_batched,
+            cfg_batched=uncond is not None
+            and self.batch_cfg(B, latents.shape[1], cond.embeds.shape[1], uncond.embeds.shape[1]),
             timestep_bank=bank,
             on_step=on_step,
         )
         return self.decode(latents, height, width)
 
 
-def _mask_or_none(mask: torch.Tensor | None, device) -> torch.Tensor | None:
-    """An all-ones mask is dropped: attention then runs unmasked (and can use flash kernels)."""
+def _conditioning(embeds: torch.Tensor, mask: torch.Tensor | None, device, dtype) -> Conditioning:
+    """Embeddings on the device, cut to the longest prompt; the mask dropped when nothing is padded.
+
+    Padding past every prompt's end is work for nothing; a batch whose prompts are all the same
+    length needs no mask at all, so attention runs unmasked (flash kernels on CUDA).
+    """
+    embeds = embeds.to(device, dtype)
     if mask is None:
-        return None
+        return Conditioning(embeds, None)
+    if mask.shape != embeds.shape[:2]:
+        raise ValueError(
+            f"prompt mask {tuple(mask.shape)} does not match embeddings {tuple(embeds.shape[:2])}"
+        )
     mask = mask.to(device)
-    return None if bool(mask.all()) else mask
+    real = mask.to(torch.bool)
+    longest = int(real.sum(dim=1).max()) if real.numel() else 0
+    if longest < mask.shape[1] and not bool(real[:, longest:].any()):
+        embeds, mask, real = embeds[:, :longest], mask[:, :longest], real[:, :longest]
+    return Conditioning(embeds, None if bool(real.all()) else mask)

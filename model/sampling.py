@@ -105,7 +105,12 @@ def denoise(
     timestep_bank: TimestepBank | None = None,
     on_step: Callable[[int], None] | None = None,
 ) -> torch.Tensor:
-    """Run the flow-match Euler loop; returns latents (B, N, 64) in the input dtype."""
+    """Run the flow-match Euler loop; returns latents (B, N, 64) in the input dtype.
+
+    cfg_batched: the conditional and unconditional passes of a step run as one forward of 2B
+    (text padded to the longer branch); else as two forwards of B. Either way the step's
+    modulation is computed once: one forward, or a cache hit in the second.
+    """
     h, w = grid
     image_seq_len = h * w
     sigmas = sigma_schedule(scheduler, steps, image_seq_len).to(latents.device)
@@ -125,13 +130,8 @@ def denoise(
         if uncond is None:
             velocity = transformer(latents, cond.embeds, cond.mask, timestep, img_shapes)
         elif cfg_batched:
-            both = transformer(
-                torch.cat([latents, latents]),
-                torch.cat([cond.embeds, uncond.embeds]),
-                _cat_masks(cond, uncond),
-                timestep,
-                img_shapes * 2,
-            )
+            embeds, mask = _cat_branches(cond, uncond)
+            both = transformer(torch.cat([latents, latents]), embeds, mask, timestep, img_shapes * 2)
             c, u = both.chunk(2)
             velocity = true_cfg(c, u, true_cfg_scale)
         else:
@@ -144,8 +144,16 @@ def denoise(
     return latents
 
 
-def _cat_masks(a: Conditioning, b: Conditioning) -> torch.Tensor | None:
-    if a.mask is None and b.mask is None:
-        return None
-    ones = lambda c: torch.ones(c.embeds.shape[:2], dtype=torch.long, device=c.embeds.device)  # noqa: E731
-    return torch.cat([a.mask if a.mask is not None else ones(a), b.mask if b.mask is not None else ones(b)])
+def _cat_branches(a: Conditioning, b: Conditioning) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Both branches as one batch (2B, max(La, Lb), D), the shorter padded on the right, and its
+    mask (None when neither branch is padded)."""
+    length = max(a.embeds.shape[1], b.embeds.shape[1])
+    if a.mask is None and b.mask is None and a.embeds.shape[1] == b.embeds.shape[1]:
+        return torch.cat([a.embeds, b.embeds]), None
+    embeds, masks = [], []
+    for c in (a, b):
+        B, L, _ = c.embeds.shape
+        mask = c.mask if c.mask is not None else torch.ones(B, L, dtype=torch.long, device=c.embeds.device)
+        embeds.append(torch.nn.functional.pad(c.embeds, (0, 0, 0, length - L)))
+        masks.append(torch.nn.functional.pad(mask.long(), (0, length - L)))
+    return torch.cat(embeds), torch.cat(masks)

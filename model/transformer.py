@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import AttentionStats, TextPadding, joint_attention
 from .modulation_cache import ModulationCache, ModulationKey, make_key
-from .rope import RotaryTables, apply_rotary
+from .rope import RotaryTables, Rotation, apply_rotary
 from .weights import drop_ignored_keys
 
 # Keys of published transformer configs that diffusers' QwenImageTransformer2DModel does not take.
@@ -158,7 +159,11 @@ class GeluMLP(nn.Module):
 
 
 class JointAttention(nn.Module):
-    """Attention over [text, image] with per-head RMS q/k norms and interleaved RoPE."""
+    """Attention over [image, text] with per-head RMS q/k norms and interleaved RoPE.
+
+    Split in two tensor functions around the attention kernel, so that a compiler can take the
+    elementwise-heavy parts while the kernel choice (`model.attention`) stays a runtime decision.
+    """
 
     def __init__(self, dim: int, heads: int, head_dim: int) -> None:
         super().__init__()
@@ -170,36 +175,63 @@ class JointAttention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(dim, dim), nn.Dropout(0.0)])
         self.to_add_out = nn.Linear(dim, dim)
 
-    def forward(
+    def qkv(
         self,
-        img: torch.Tensor,  # (B, N, D)
+        img: torch.Tensor,  # (B, N, D), normed and modulated
         txt: torch.Tensor,  # (B, L, D)
-        attn_mask: torch.Tensor | None,  # (B, 1, 1, L + N) bool, or None when nothing is padded
-        rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        img_cos, img_sin, txt_cos, txt_sin = rope
-        L = txt.shape[1]
+        rope: tuple[Rotation, Rotation],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v (B, H, N + L, hd): image tokens first, then text."""
+        img_rot, txt_rot = rope
         split = (-1, self.head_dim)
-        q_i = apply_rotary(
-            self.norm_q(self.to_q(img).unflatten(-1, split)), img_cos, img_sin
-        )  # (B, N, H, hd)
-        k_i = apply_rotary(self.norm_k(self.to_k(img).unflatten(-1, split)), img_cos, img_sin)
-        v_i = self.to_v(img).unflatten(-1, split)
-        q_t = apply_rotary(
-            self.norm_added_q(self.add_q_proj(txt).unflatten(-1, split)), txt_cos, txt_sin
-        )  # (B, L, H, hd)
-        k_t = apply_rotary(self.norm_added_k(self.add_k_proj(txt).unflatten(-1, split)), txt_cos, txt_sin)
-        v_t = self.add_v_proj(txt).unflatten(-1, split)
-        q = torch.cat([q_t, q_i], dim=1).transpose(1, 2)  # (B, H, L+N, hd)
-        k = torch.cat([k_t, k_i], dim=1).transpose(1, 2)
-        v = torch.cat([v_t, v_i], dim=1).transpose(1, 2).to(q.dtype)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # (B, H, L+N, hd)
-        out = out.transpose(1, 2).flatten(2).to(q.dtype)  # (B, L+N, D)
-        return self.to_out[0](out[:, L:].contiguous()), self.to_add_out(out[:, :L].contiguous())
+        q = torch.cat(
+            [
+                _rms_rotary(self.to_q(img).unflatten(-1, split), self.norm_q, img_rot),
+                _rms_rotary(self.add_q_proj(txt).unflatten(-1, split), self.norm_added_q, txt_rot),
+            ],
+            dim=1,
+        )  # (B, N + L, H, hd)
+        k = torch.cat(
+            [
+                _rms_rotary(self.to_k(img).unflatten(-1, split), self.norm_k, img_rot),
+                _rms_rotary(self.add_k_proj(txt).unflatten(-1, split), self.norm_added_k, txt_rot),
+            ],
+            dim=1,
+        )
+        v = torch.cat([self.to_v(img).unflatten(-1, split), self.add_v_proj(txt).unflatten(-1, split)], dim=1)
+        return q.transpose(1, 2), k.transpose(1, 2), v.to(q.dtype).transpose(1, 2)
+
+    def project_out(self, out: torch.Tensor, image_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention output (B, H, N + L, hd) -> (image (B, N, D), text (B, L, D))."""
+        out = out.transpose(1, 2).flatten(2)  # (B, N + L, D)
+        return self.to_out[0](out[:, :image_len]), self.to_add_out(out[:, image_len:])
 
 
-def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return x * (1 + scale[:, None]) + shift[:, None]
+def _rms_rotary(x: torch.Tensor, norm: RMSNorm, rotation: Rotation) -> torch.Tensor:
+    """Per-head RMS norm, then RoPE, both in fp32 with one cast back: x (B, S, H, hd).
+
+    Same math as RMSNorm then apply_rotary; it skips their cast to the weight dtype and back.
+    """
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.float()
+    return apply_rotary(normed, rotation).to(x.dtype)
+
+
+def _norm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm without affine, then x * (1 + scale) + shift; x (B, S, D), shift/scale (B or 1, D).
+
+    With one modulation row for the whole batch (one timestep per step, the usual case) the
+    modulation is LayerNorm's own affine: one kernel instead of three.
+    """
+    D = x.shape[-1]
+    if shift.shape[0] == 1:
+        return F.layer_norm(x, (D,), weight=1 + scale[0], bias=shift[0], eps=eps)
+    return torch.addcmul(shift[:, None], F.layer_norm(x, (D,), eps=eps), 1 + scale[:, None])
+
+
+def _gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x + gate * y in one kernel; gate (B or 1, D)."""
+    return torch.addcmul(x, gate[:, None], y)
 
 
 class TransformerBlock(nn.Module):
@@ -231,13 +263,14 @@ class TransformerBlock(nn.Module):
         img: torch.Tensor,  # (B, N, D)
         txt: torch.Tensor,  # (B, L, D)
         temb: torch.Tensor,  # (B or 1, D)
-        attn_mask: torch.Tensor | None,
-        rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        padding: TextPadding,
+        rope: tuple[Rotation, Rotation],
         mod_key: ModulationKey | None = None,
         mod_cache: ModulationCache | None = None,
+        stats: AttentionStats | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         img_mod, txt_mod = self.modulation(temb, mod_key, mod_cache)
-        return self.body(img, txt, img_mod, txt_mod, attn_mask, rope)
+        return self.body(img, txt, img_mod, txt_mod, padding, rope, stats)
 
     def body(
         self,
@@ -245,28 +278,52 @@ class TransformerBlock(nn.Module):
         txt: torch.Tensor,  # (B, L, D)
         img_mod: torch.Tensor,  # (B or 1, 6D)
         txt_mod: torch.Tensor,  # (B or 1, 6D)
-        attn_mask: torch.Tensor | None,
-        rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        padding: TextPadding,
+        rope: tuple[Rotation, Rotation],
+        stats: AttentionStats | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention and MLP given the modulation; a pure tensor function of its inputs.
+        """Attention and MLP given the modulation.
 
-        Kept apart from `forward` so that a caller can wrap the tensor work alone, leaving the
-        modulation cache lookup (Python state keyed by tensor identity) outside the wrapped region.
+        `attention_inputs` and `attention_outputs` are pure tensor functions (what a compiler
+        takes); the attention kernel between them depends on the batch's padding, decided per
+        forward. The modulation cache lookup (Python state keyed by tensor identity) stays in
+        `forward`.
         """
-        i_sh1, i_sc1, i_g1, i_sh2, i_sc2, i_g2 = img_mod.chunk(6, dim=-1)
-        t_sh1, t_sc1, t_g1, t_sh2, t_sc2, t_g2 = txt_mod.chunk(6, dim=-1)
-        D = img.shape[-1]
-        img_in = _modulate(F.layer_norm(img, (D,), eps=self.eps), i_sh1, i_sc1)
-        txt_in = _modulate(F.layer_norm(txt, (D,), eps=self.eps), t_sh1, t_sc1)
-        img_attn, txt_attn = self.attn(img_in, txt_in, attn_mask, rope)
-        img = img + i_g1[:, None] * img_attn
-        txt = txt + t_g1[:, None] * txt_attn
-        img = img + i_g2[:, None] * self.img_mlp(
-            _modulate(F.layer_norm(img, (D,), eps=self.eps), i_sh2, i_sc2)
-        )
-        txt = txt + t_g2[:, None] * self.txt_mlp(
-            _modulate(F.layer_norm(txt, (D,), eps=self.eps), t_sh2, t_sc2)
-        )
+        q, k, v = self.attention_inputs(img, txt, img_mod, txt_mod, rope)
+        attn = joint_attention(q, k, v, padding, stats)  # (B, H, N + L, hd)
+        return self.attention_outputs(img, txt, attn, img_mod, txt_mod)
+
+    def attention_inputs(
+        self,
+        img: torch.Tensor,  # (B, N, D)
+        txt: torch.Tensor,  # (B, L, D)
+        img_mod: torch.Tensor,  # (B or 1, 6D)
+        txt_mod: torch.Tensor,  # (B or 1, 6D)
+        rope: tuple[Rotation, Rotation],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """LayerNorm + modulate, q/k/v projections, q/k RMS norm + RoPE: (B, H, N + L, hd) each."""
+        i_sh1, i_sc1 = img_mod.chunk(6, dim=-1)[:2]
+        t_sh1, t_sc1 = txt_mod.chunk(6, dim=-1)[:2]
+        img_in = _norm_modulate(img, i_sh1, i_sc1, self.eps)
+        txt_in = _norm_modulate(txt, t_sh1, t_sc1, self.eps)
+        return self.attn.qkv(img_in, txt_in, rope)
+
+    def attention_outputs(
+        self,
+        img: torch.Tensor,  # (B, N, D)
+        txt: torch.Tensor,  # (B, L, D)
+        attn: torch.Tensor,  # (B, H, N + L, hd)
+        img_mod: torch.Tensor,  # (B or 1, 6D)
+        txt_mod: torch.Tensor,  # (B or 1, 6D)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Output projections, gated residuals, LayerNorm + modulate, MLPs: new (img, txt)."""
+        _, _, i_g1, i_sh2, i_sc2, i_g2 = img_mod.chunk(6, dim=-1)
+        _, _, t_g1, t_sh2, t_sc2, t_g2 = txt_mod.chunk(6, dim=-1)
+        img_attn, txt_attn = self.attn.project_out(attn, img.shape[1])
+        img = _gated_residual(img, i_g1, img_attn)
+        txt = _gated_residual(txt, t_g1, txt_attn)
+        img = _gated_residual(img, i_g2, self.img_mlp(_norm_modulate(img, i_sh2, i_sc2, self.eps)))
+        txt = _gated_residual(txt, t_g2, self.txt_mlp(_norm_modulate(txt, t_sh2, t_sc2, self.eps)))
         if img.dtype == torch.float16:  # keep fp16 activations finite, as the reference does
             img, txt = img.clip(-65504, 65504), txt.clip(-65504, 65504)
         return img, txt
@@ -281,13 +338,18 @@ class OutputNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
         scale, shift = self.linear(F.silu(temb).to(x.dtype)).chunk(2, dim=-1)
-        return _modulate(F.layer_norm(x, (x.shape[-1],), eps=1e-6), shift, scale)
+        return _norm_modulate(x, shift, scale, 1e-6)
 
 
 class QwenImageTransformer(nn.Module):
-    def __init__(self, config: TransformerConfig, modulation_cache: str = "cfg") -> None:
+    def __init__(
+        self, config: TransformerConfig, modulation_cache: str = "cfg", padded_attention: str = "split"
+    ) -> None:
         super().__init__()
         self.config = config
+        # How a batch with padded prompts attends (see model.attention); "mask" is the reference.
+        self.padded_attention = padded_attention
+        self.attention_stats = AttentionStats()
         D = config.inner_dim
         self.rope = RotaryTables(config.axes_dims_rope)
         self.time_text_embed = TimeTextEmbed(D, config.use_additional_t_cond)
@@ -322,15 +384,13 @@ class QwenImageTransformer(nn.Module):
         mod_key = make_key(self, timestep, additional_t_cond, dtype, device)
         temb = self.time_text_embed(timestep.to(dtype), dtype, additional_t_cond)  # (B, D)
         txt = self.txt_in(self.txt_norm(encoder_hidden_states))
-        L = txt.shape[1]
-        attn_mask = None
-        if encoder_hidden_states_mask is not None:
-            text_mask = encoder_hidden_states_mask.to(torch.bool)
-            image_mask = torch.ones(img.shape[:2], dtype=torch.bool, device=device)
-            attn_mask = torch.cat([text_mask, image_mask], dim=1)[:, None, None, :]  # (B, 1, 1, L+N)
+        (B, N), L = img.shape[:2], txt.shape[1]
+        padding = TextPadding.build(encoder_hidden_states_mask, B, L, N, self.padded_attention)
         rope = self.rope.tables(_first_shape(img_shapes), L, device)
         for block in self.transformer_blocks:
-            img, txt = block(img, txt, temb, attn_mask, rope, mod_key, self.modulation_cache)
+            img, txt = block(
+                img, txt, temb, padding, rope, mod_key, self.modulation_cache, self.attention_stats
+            )
         return self.proj_out(self.norm_out(img, temb))
 
 
