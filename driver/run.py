@@ -32,6 +32,7 @@ from typing import Any, TextIO
 from driver.claim import OutputMismatch, claim_incremental_output, claim_output
 from driver.dispatch import DispatchConfig, DispatchEvents, DispatchResult, run_shards
 from driver.increment import IncrementPlan, commit_increment, plan_increment
+from driver.locations import check_locations
 from driver.metrics import FanOut
 from driver.plan import JobPlan, PlanConfig, plan_job
 from driver.progress import JobProgress
@@ -76,6 +77,8 @@ class DriverConfig:
 
 
 def prompt_source(config: DriverConfig) -> PromptSource:
+    # Every path that reads the input (validate, plan, run) first checks where input and output are.
+    check_locations(config.input_uri, config.output_uri)
     fs = filesystem_for(config.input_uri, endpoint_url=config.s3.endpoint_url, region=config.s3.region)
     return PromptSource(config.input_uri, fs)
 

@@ -8,8 +8,10 @@
     ditfleet status OUTPUT [--json]        committed shards, rows ok/failed, what is left
     ditfleet preview OUTPUT --out s.png    contact sheet of generated images with their prompts
 
-Exit codes: 0 done; 1 the job ran but rows or shards failed (or, for status, the output is
-incomplete); 2 bad job file, bad input, an output of another job, or bad usage: nothing written.
+Exit codes: 0 done; 1 the job ran but rows or shards failed, or it stopped on a store error
+after retries (committed shards are kept: run it again to resume; for status, the output is
+incomplete); 2 bad job file, bad input, a location or store that cannot be used, an output of
+another job, or bad usage: nothing written.
 
 `run` connects to an existing cluster when --address or RAY_ADDRESS is given (that is how it
 runs as the entrypoint of `ray job submit --working-dir . -- ditfleet run job.yaml`), else it
@@ -27,11 +29,13 @@ from collections.abc import Sequence
 
 from driver.dispatch import DispatchError
 from driver.errors import InputError
+from driver.locations import LocationError, check_local_output_nodes
 from driver.run import OutputMismatch, plan_input, preview_increment, run_job, validate_job_input
 from driver.status import output_status
 from jobs.spec import JobSpec, SpecError, load_spec
 from jobs.submit import SubmitError
-from workers.stores import S3Config, StoreError, open_store
+from workers.input_files import is_s3
+from workers.stores import S3Config, StoreConfigError, StoreError, open_store
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -59,6 +63,13 @@ def connect_ray(address: str | None) -> bool:
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING")
     return True
+
+
+def alive_ray_nodes() -> int:
+    """Nodes of the connected Ray cluster that are alive now."""
+    import ray
+
+    return sum(1 for node in ray.nodes() if node.get("Alive"))
 
 
 def _store_args(args: argparse.Namespace) -> S3Config:
@@ -139,11 +150,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     def connect() -> None:
         nonlocal started
-        started = connect_ray(args.address)
+        started = connect_ray(args.address) or started
 
     from driver.metrics import DriverMetrics
 
     try:
+        on_cluster = bool(args.address or os.environ.get("RAY_ADDRESS"))
+        if on_cluster and not is_s3(driver.output_uri) and not spec.output.shared_filesystem:
+            connect()  # before anything is written: a local output needs a one-node cluster
+            check_local_output_nodes(driver.output_uri, False, alive_ray_nodes())
         summary = run_job(driver, worker, connect=connect, events=DriverMetrics(job=spec.name or ""))
     finally:
         if started:
@@ -255,10 +270,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (SpecError, InputError, OutputMismatch, UsageError) as e:
+    except (SpecError, InputError, OutputMismatch, UsageError, LocationError) as e:
         _print_err(str(e))
         return EXIT_BAD_INPUT
-    except (StoreError, ValueError, OSError) as e:
+    except StoreConfigError as e:  # found before any work: nothing written
+        _print_err(f"{type(e).__name__}: {e}")
+        return EXIT_BAD_INPUT
+    except (StoreError, OSError) as e:
+        # A store that failed after its retries, mid-job: the job failed, its input was fine.
+        if args.command == "run":
+            _print_err(
+                f"the job failed on a store error, after retries ({type(e).__name__}: {e}). Committed "
+                "shards are kept: run the same command again to resume"
+            )
+        else:
+            _print_err(f"{type(e).__name__}: {e}")
+        return EXIT_FAILED
+    except ValueError as e:
         # A store that cannot be used, a damaged file in the output: say what and where.
         _print_err(f"{type(e).__name__}: {e}")
         return EXIT_BAD_INPUT

@@ -26,6 +26,7 @@ from driver.plan import PlanConfig
 from driver.run import DriverConfig
 from workers.actor import WorkerConfig
 from workers.cache_secret import CacheSecretSource
+from workers.input_files import check_s3_uri
 from workers.rows import CFG_RANGE, MAX_SEED, NUM_IMAGES_RANGE, STEPS_RANGE, RowConfig
 from workers.shard_writers import ShardWriterConfig
 from workers.stores import S3Config
@@ -41,6 +42,10 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _plain_s3_uri(uri: str) -> str:
+    return check_s3_uri(uri, "path")
+
+
 class InputSpec(_Section):
     path: str = Field(
         description="The prompt Parquet: a file, a directory of *.parquet files, or a glob "
@@ -54,6 +59,8 @@ class InputSpec(_Section):
         "started with, and a grown input is refused. Ids of rows without an id column differ between "
         "the two modes, so the mode of an output cannot change.",
     )
+
+    _path_ok = field_validator("path")(_plain_s3_uri)
 
 
 class OutputSpec(_Section):
@@ -73,6 +80,15 @@ class OutputSpec(_Section):
     quality: int | None = Field(
         None, ge=1, le=100, description="webp/jpeg quality 1..100; null: the codec's default. Not for png."
     )
+
+    shared_filesystem: bool = Field(
+        False,
+        description="A local output path is on a filesystem every node mounts at the same place (NFS, "
+        "EFS, Lustre). Without it a local output is refused on a cluster of more than one node: each "
+        "node would write to its own disk.",
+    )
+
+    _uri_ok = field_validator("uri")(_plain_s3_uri)
 
     @model_validator(mode="after")
     def _quality_needs_lossy(self) -> OutputSpec:
@@ -100,6 +116,8 @@ class ModelSpec(_Section):
         "'table' once per bucket schedule per actor (more memory). Outputs are identical.",
     )
     max_sequence_length: int = Field(512, ge=1, le=1024, description="Longest prompt, in text tokens.")
+
+    _path_ok = field_validator("path")(_plain_s3_uri)
 
 
 class SamplingSpec(_Section):
@@ -290,6 +308,10 @@ class JobSpec(_Section):
     def output_uri(self) -> str:
         return _absolute(self.output.uri)
 
+    def model_cache_dir(self) -> str:
+        """`~` expanded and made absolute: every actor fetches weights to the same place."""
+        return _absolute(self.model.cache_dir)
+
     def model_path(self) -> str:
         return self.model.path if self.model.path == TINY_MODEL else _absolute(self.model.path)
 
@@ -299,6 +321,7 @@ class JobSpec(_Section):
         doc["input"]["path"] = self.input_uri()
         doc["output"]["uri"] = self.output_uri()
         doc["model"]["path"] = self.model_path()
+        doc["model"]["cache_dir"] = self.model_cache_dir()
         doc["buckets"]["names"] = self.bucket_names()
         doc["workers"]["max"] = self.workers.max or self.workers.min
         doc["workers"]["gpus"] = self.gpus_per_actor()
@@ -372,7 +395,7 @@ class JobSpec(_Section):
             output_uri=self.output_uri(),
             rows=self.row_config(),
             model_path=self.model_path(),
-            model_cache_dir=self.model.cache_dir,
+            model_cache_dir=self.model_cache_dir(),
             device=self.model.device,
             dtype=self.model.dtype,
             modulation_cache=self.model.modulation_cache,

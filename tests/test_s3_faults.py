@@ -226,3 +226,39 @@ def test_put_if_absent_whose_reply_was_lost_still_wins(s3_server, s3_bucket, fau
     assert fault_proxy.counts["drop_response"] == 1
     assert store.put_if_absent(key, b"a later attempt") is False
     assert store.get(key) == b"mine"
+
+
+def _job_file(tmp_path, bucket: str, endpoint: str) -> str:
+    from tests.worker_fixtures import write_prompts
+
+    prompts = write_prompts(tmp_path / "prompts.parquet", 4, sizes=False)
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        f"input: {{path: '{prompts}'}}\n"
+        f"output: {{uri: 's3://{bucket}/out'}}\n"
+        f"s3: {{endpoint_url: '{endpoint}', region: us-east-1, addressing_style: path, max_attempts: 2}}\n"
+    )
+    return str(job)
+
+
+def test_a_store_failing_mid_job_exits_1_and_says_it_is_resumable(
+    s3_server, s3_bucket, fault_proxy, tmp_path, capsys
+) -> None:
+    from jobs.cli import main
+
+    # The output checks out, then every write of the job's claim fails with 500s past the retries.
+    fault_proxy.set_plan(FaultPlan(rules=[Rule(lambda m, p: m == "PUT" and "_job.json" in p, "error500")]))
+    assert main(["run", _job_file(tmp_path, s3_bucket, fault_proxy.endpoint_url)]) == 1
+    err = capsys.readouterr().err
+    assert "the job failed on a store error, after retries" in err and "_job.json" in err
+    assert "run the same command again to resume" in err
+    assert fault_proxy.counts["error500"] == 2
+
+
+def test_a_store_that_cannot_be_used_exits_2_before_any_work(
+    s3_server, fault_proxy, tmp_path, capsys
+) -> None:
+    from jobs.cli import main
+
+    assert main(["run", _job_file(tmp_path, "no-such-bucket", fault_proxy.endpoint_url)]) == 2
+    assert "does not exist: create it" in capsys.readouterr().err

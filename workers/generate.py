@@ -85,16 +85,28 @@ class BatchGenerator:
         self.oom_splits = 0
 
     def run(self, batch: list[ImageRequest]) -> list[GeneratedImage]:
-        try:
-            return self._run_once(batch)
-        except Exception as e:  # noqa: BLE001 - an OOM is recoverable, anything else is re-raised
-            if not _is_oom(e) or len(batch) == 1:
-                raise
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            self.oom_splits += 1
-            half = len(batch) // 2
-            return self.run(batch[:half]) + self.run(batch[half:])
+        """Images of `batch` in its order; an OOM splits the failing part in halves, depth first."""
+        out: list[GeneratedImage] = []
+        queue = [batch]
+        while queue:
+            part = queue.pop(0)
+            failed = False
+            try:
+                out += self._run_once(part)
+            except Exception as e:  # noqa: BLE001 - an OOM is recoverable, anything else is re-raised
+                if not _is_oom(e) or len(part) == 1:
+                    raise
+                failed = True
+            if failed:
+                # Retried here, after the except block: inside it the exception's traceback keeps
+                # the failed attempt's frames, and every tensor they hold, alive through the retry,
+                # and empty_cache could not give their memory back.
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                self.oom_splits += 1
+                half = len(part) // 2
+                queue[:0] = [part[:half], part[half:]]
+        return out
 
     def _run_once(self, batch: list[ImageRequest]) -> list[GeneratedImage]:
         t0 = time.perf_counter()

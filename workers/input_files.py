@@ -32,6 +32,20 @@ def is_s3(uri: str) -> bool:
     return str(uri).startswith(S3_SCHEME)
 
 
+def check_s3_uri(uri: str, what: str = "location") -> str:
+    """Refuse '#' and '?' in an s3:// URI, for input and output alike: URL parsing would read them
+    as a fragment or a query and silently cut the key there. Returns `uri`."""
+    if is_s3(uri):
+        bad = sorted({c for c in "#?" if c in uri})
+        if bad:
+            raise ValueError(
+                f"the {what} {uri} contains {' and '.join(repr(c) for c in bad)}: in an s3:// URI these "
+                "start a URL fragment or query and would cut the key. Rename the prefix or objects "
+                "without them (for a one-character wildcard in an input glob, use [...])"
+            )
+    return uri
+
+
 def filesystem_for(
     uri: str, *, endpoint_url: str | None = None, region: str | None = None
 ) -> pafs.FileSystem:

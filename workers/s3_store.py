@@ -35,7 +35,7 @@ from botocore.exceptions import (
 )
 
 from workers.layout import write_check_key
-from workers.stores import ObjectNotFound, ObjectStore, S3Config, StoreError, check_key
+from workers.stores import ObjectNotFound, ObjectStore, S3Config, StoreConfigError, StoreError, check_key
 
 log = logging.getLogger(__name__)
 
@@ -274,7 +274,7 @@ class S3Store(ObjectStore):
     def _no_conditional_writes(self, code: str) -> None:
         """The store answered `code` (501) to If-None-Match: refuse it unless single_writer."""
         if not self.config.single_writer:
-            raise StoreError(
+            raise StoreConfigError(
                 f"{self.uri()} at {self._endpoint()} does not support conditional writes: it "
                 f"answered {code} to a PUT with If-None-Match: *. The shard commit needs them: "
                 "without them two writers (a retried or speculative shard, a second driver) can "
@@ -383,18 +383,18 @@ class S3Store(ObjectStore):
             step = "LIST"
             self.client.list_objects_v2(Bucket=self.bucket, Prefix=self.prefix, MaxKeys=1)
         except (NoCredentialsError, PartialCredentialsError) as e:
-            raise StoreError(f"no usable AWS credentials for {where}: {e}; {creds_hint}") from None
+            raise StoreConfigError(f"no usable AWS credentials for {where}: {e}; {creds_hint}") from None
         except EndpointConnectionError as e:
-            raise StoreError(f"cannot reach {where}: {e}; check endpoint_url and the network") from None
+            raise StoreConfigError(f"cannot reach {where}: {e}; check endpoint_url and the network") from None
         except ClientError as e:
             code, status = _error_code(e), _status(e)
             if code == "NoSuchBucket" or (status == 404 and step == "PUT"):
-                raise StoreError(
+                raise StoreConfigError(
                     f"{where} does not exist: create it (aws s3 mb s3://{self.bucket}) or fix "
                     f"the output URI {self.uri()}"
                 ) from None
             if status in (401, 403):
-                raise StoreError(
+                raise StoreConfigError(
                     f"{step} under {self.uri()} was denied by {where} (HTTP {status} {code}); {creds_hint}"
                 ) from None
             if status == 301 or code in ("PermanentRedirect", "AuthorizationHeaderMalformed"):
@@ -403,10 +403,10 @@ class S3Store(ObjectStore):
                     .get("HTTPHeaders", {})
                     .get("x-amz-bucket-region", "another region")
                 )
-                raise StoreError(f"{where} is in {region}: set the S3 region to it") from None
-            raise StoreError(f"cannot use {where} ({step} failed): {code or status}: {e}") from None
+                raise StoreConfigError(f"{where} is in {region}: set the S3 region to it") from None
+            raise StoreConfigError(f"cannot use {where} ({step} failed): {code or status}: {e}") from None
         except BotoCoreError as e:
-            raise StoreError(f"cannot use {where} ({step} failed): {e}") from None
+            raise StoreConfigError(f"cannot use {where} ({step} failed): {e}") from None
         try:
             self.delete(probe)
         except StoreError as e:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 from urllib.parse import urlparse
 
+from workers.input_files import check_s3_uri
 from workers.layout import write_check_key
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,12 @@ STALE_TEMP_AGE_S = 600.0
 
 
 class StoreError(RuntimeError):
-    """A store cannot be used as configured (missing bucket, bad credentials, not writable)."""
+    """A store request failed (after retries), or the store cannot be used at all."""
+
+
+class StoreConfigError(StoreError):
+    """A store cannot be used as configured (missing bucket, bad credentials, not writable, no
+    conditional writes): found before any work, so nothing was written."""
 
 
 class ObjectNotFound(FileNotFoundError):
@@ -245,7 +251,7 @@ class LocalStore(ObjectStore):
             return held
         except OSError as e:
             if e.errno in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
-                raise StoreError(
+                raise StoreConfigError(
                     f"{self.root}: this filesystem does not support hard links, which the "
                     f"create-only commit of {key!r} needs; use another directory or s3://"
                 ) from e
@@ -317,13 +323,13 @@ class LocalStore(ObjectStore):
 
     def check_writable(self) -> None:
         if os.path.exists(self.root) and not os.path.isdir(self.root):
-            raise StoreError(f"output {self.root} exists and is not a directory: choose another path")
+            raise StoreConfigError(f"output {self.root} exists and is not a directory: choose another path")
         probe = write_check_key(uuid.uuid4().hex)
         try:
             self.put(probe, b"ok")
             self.delete(probe)
         except OSError as e:
-            raise StoreError(
+            raise StoreConfigError(
                 f"cannot write under {self.root} ({e.strerror or e}): check the path and its "
                 "permissions, or choose another output"
             ) from e
@@ -339,6 +345,7 @@ def _unlink_quietly(path: str) -> None:
 def open_store(uri: str, config: S3Config | None = None) -> ObjectStore:
     """Open the store an output URI names: "/path", "relative/path", "file:///path" or
     "s3://bucket[/prefix]". `config` applies to s3:// only."""
+    check_s3_uri(uri, "store")
     parsed = urlparse(uri)
     if parsed.scheme in ("", "file"):
         if parsed.scheme == "file":

@@ -1,0 +1,121 @@
+"""Where input and output may be: refused before anything is read, written or started."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from driver.locations import (
+    LocationError,
+    check_local_output_nodes,
+    check_locations,
+    ray_working_dir_package,
+)
+from jobs.cli import main
+from jobs.spec import parse_spec
+from tests.worker_fixtures import write_prompts
+from workers.stores import open_store
+
+
+def _job(tmp_path: Path, input_path: str, output: str, extra: str = "") -> Path:
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        f"input: {{path: '{input_path}', incremental: {'true' if 'inc' in extra else 'false'}}}\n"
+        f"output: {{uri: '{output}'}}\n"
+    )
+    return job
+
+
+@pytest.mark.parametrize("incremental", ["", "inc"])
+@pytest.mark.parametrize("command", ["validate", "plan", "run"])
+def test_an_output_inside_the_input_directory_is_refused(tmp_path, capsys, command, incremental):
+    prompts = tmp_path / "prompts"
+    write_prompts(prompts / "day1.parquet", 5, sizes=False)
+    job = _job(tmp_path, str(prompts), str(prompts / "out"), incremental)
+    assert main([command, str(job)]) == 2
+    err = capsys.readouterr().err
+    assert f"the output {prompts / 'out'} is inside the input {prompts}" in err
+    assert "read back as prompts" in err
+    assert not (prompts / "out").exists(), "nothing written"
+
+
+@pytest.mark.parametrize(
+    "input_uri, output_uri, inside",
+    [
+        ("s3://b/prompts", "s3://b/prompts/out", True),
+        ("s3://b/prompts/", "s3://b/prompts", True),
+        ("s3://b/prompts/**/*.parquet", "s3://b/prompts/day=3/out", True),
+        ("s3://b/prompts", "s3://b/prompts-out", False),
+        ("s3://b/prompts", "s3://other/prompts/out", False),
+    ],
+)
+def test_s3_output_inside_the_input_prefix(input_uri, output_uri, inside):
+    if inside:
+        with pytest.raises(LocationError, match="inside the input"):
+            check_locations(input_uri, output_uri)
+    else:
+        check_locations(input_uri, output_uri)
+
+
+def test_a_single_input_file_may_have_its_output_beside_it(tmp_path):
+    prompts = write_prompts(tmp_path / "p.parquet", 3, sizes=False)
+    check_locations(str(prompts), str(tmp_path / "out"))
+    with pytest.raises(LocationError, match="inside the input"):
+        check_locations(str(tmp_path / "*.parquet"), str(tmp_path / "out"))
+
+
+@pytest.mark.parametrize("uri", ["s3://bucket/out#1", "s3://bucket/out?versionId=3", "s3://b/p/day?.parquet"])
+def test_hash_and_question_mark_in_s3_uris_are_refused_everywhere(uri, tmp_path):
+    with pytest.raises(LocationError, match="would cut the key"):
+        check_locations(uri, str(tmp_path / "out"))
+    with pytest.raises(LocationError, match="would cut the key"):
+        check_locations(str(tmp_path / "p.parquet"), uri)
+    with pytest.raises(ValueError, match="would cut the key"):
+        open_store(uri)
+    from jobs.spec import SpecError
+
+    with pytest.raises(SpecError, match="output.uri: .*would cut the key"):
+        parse_spec(f"input: {{path: p.parquet}}\noutput: {{uri: '{uri}'}}\n", "job.yaml")
+    with pytest.raises(SpecError, match="input.path: .*would cut the key"):
+        parse_spec(f"input: {{path: '{uri}'}}\noutput: {{uri: out}}\n", "job.yaml")
+    # Local paths keep them: they are plain file names there.
+    assert open_store(str(tmp_path / "a#b")).uri() == str(tmp_path / "a#b")
+
+
+def test_model_cache_dir_is_expanded_and_absolute(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    base = "input: {path: p.parquet}\noutput: {uri: out}\n"
+    assert parse_spec(base + "model: {cache_dir: ~/models}\n").to_worker_config().model_cache_dir == str(
+        tmp_path / "home" / "models"
+    )
+    spec = parse_spec(base + "model: {cache_dir: cache/models}\n")
+    assert spec.to_worker_config().model_cache_dir == str(tmp_path / "cache" / "models")
+    assert spec.resolved()["model"]["cache_dir"] == str(tmp_path / "cache" / "models")
+
+
+def test_paths_inside_a_ray_working_dir_package_are_refused(tmp_path, monkeypatch, capsys):
+    """What `ray job submit --working-dir . -- ditfleet run jobs/examples/tiny.yaml` does: the
+    job runs in the unpacked package, so its relative paths resolve in there."""
+    package = tmp_path / "session_1" / "runtime_resources" / "working_dir_files" / "_ray_pkg_3f2a9c"
+    write_prompts(package / "jobs" / "prompts.parquet", 4, sizes=False)
+    monkeypatch.chdir(package)
+    (package / "job.yaml").write_text("input: {path: /tmp/elsewhere.parquet}\noutput: {uri: out/tiny}\n")
+    assert ray_working_dir_package("out/tiny") == str(package)
+    assert main(["run", "job.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert f"the output {package / 'out' / 'tiny'} is inside the Ray job's working_dir package" in err
+    assert "use an s3:// URI, or an absolute path on a filesystem that every node mounts" in err
+    with pytest.raises(LocationError, match="the input .* working_dir package"):
+        check_locations(str(package / "jobs" / "prompts.parquet"), str(tmp_path / "out"))
+    assert not (package / "out").exists()
+    assert ray_working_dir_package(str(tmp_path / "my_ray_pkg_x" / "out")) is None
+
+
+def test_a_local_output_on_several_nodes_needs_a_shared_filesystem():
+    check_local_output_nodes("/data/out", shared_filesystem=False, alive_nodes=1)
+    check_local_output_nodes("/mnt/efs/out", shared_filesystem=True, alive_nodes=3)
+    check_local_output_nodes("s3://b/out", shared_filesystem=False, alive_nodes=3)
+    with pytest.raises(LocationError, match="this Ray cluster has 3 nodes: each node would write"):
+        check_local_output_nodes("/data/out", shared_filesystem=False, alive_nodes=3)

@@ -1,0 +1,87 @@
+"""An OOM halves the batch and retries it after the failed attempt's tensors are freed."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from model import load_pipeline
+from workers.generate import BatchGenerator, image_requests, plan_batches
+from workers.rows import PromptRow
+
+
+def _rows(n: int) -> list[PromptRow]:
+    return [
+        PromptRow(
+            id=f"r{i}",
+            prompt=f"a small red circle number {i}",
+            negative_prompt=" ",
+            seed=100 + i,
+            width=32,
+            height=32,
+            requested_width=None,
+            requested_height=None,
+            bucket="32x32",
+            steps=1,
+            true_cfg_scale=2.0,
+            num_images=1,
+            file="prompts.parquet",
+            row=i,
+        )
+        for i in range(n)
+    ]
+
+
+@pytest.fixture(scope="module")
+def pipe(random_model_dir):
+    return load_pipeline(random_model_dir)
+
+
+def test_the_failed_batch_is_freed_before_the_retry_and_images_match(pipe):
+    requests = image_requests(_rows(4))
+    real_generate = pipe.generate
+    failed_tensors: list[weakref.ref] = []
+    alive_at_retry: list[int] = []
+
+    def generate_that_runs_out_of_memory(**kwargs):
+        if len(kwargs["seeds"]) > 1:
+            activations = torch.empty(8 * 1024 * 1024)  # what a real attempt holds when it fails
+            failed_tensors.append(weakref.ref(activations))
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        alive_at_retry.append(sum(ref() is not None for ref in failed_tensors))
+        return real_generate(**kwargs)
+
+    expected = BatchGenerator(pipe, max_sequence_length=64).run(requests[:1]) + BatchGenerator(
+        pipe, max_sequence_length=64
+    ).run(requests[1:2])
+    gc.disable()  # refcounting alone must free them: no reliance on a collection
+    try:
+        pipe.generate = generate_that_runs_out_of_memory
+        generator = BatchGenerator(pipe, max_sequence_length=64)
+        (batch,) = plan_batches(requests, 4)
+        images = generator.run(batch)
+    finally:
+        gc.enable()
+        del pipe.generate
+    assert generator.oom_splits == 3  # 4 -> 2 + 2 -> 1 + 1 + 1 + 1
+    assert [img.request for img in images] == requests, "input order is kept"
+    assert len(failed_tensors) == 3 and alive_at_retry == [0, 0, 0, 0]
+    for got, want in zip(images[:2], expected):
+        assert torch.equal(got.pixels, want.pixels)
+
+
+def test_a_single_image_oom_or_another_error_is_raised(pipe):
+    requests = image_requests(_rows(2))
+
+    def broken(**kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    pipe.generate = broken
+    try:
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            BatchGenerator(pipe).run(requests)
+    finally:
+        del pipe.generate
