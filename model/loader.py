@@ -10,10 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from .lora import LoraFile, LoraSpec, adapters_revision, merge_updates, plan_updates, read_loras
 from .pipeline import TextToImagePipeline
 from .scheduler import SchedulerConfig
 from .text_encoder import QwenVLTextEncoder, TextEncoder
@@ -83,17 +85,22 @@ def model_revision(root: Path) -> str:
 
 
 def load_transformer(
-    component_dir: Path, device, dtype, modulation_cache: str = "cfg"
+    component_dir: Path, device, dtype, modulation_cache: str = "cfg", loras: Sequence[LoraFile] = ()
 ) -> QwenImageTransformer:
+    """`loras` are merged into the weights after loading (see model/lora.py)."""
     config = TransformerConfig.from_dict(read_config(component_dir), where=str(component_dir / "config.json"))
     with torch.device("meta"):
         model = QwenImageTransformer(config, modulation_cache=modulation_cache)
+    updates = plan_updates(loras, model)  # every adapter key checked before any weight is read
     assign_state_dict(model, read_state_dict(component_dir), str(component_dir), dtype, device)
+    merge_updates(model, updates)
     return model.eval().requires_grad_(False)
 
 
 def load_scheduler(component_dir: Path) -> SchedulerConfig:
-    path = component_dir / "scheduler_config.json"
+    """From a scheduler folder, or from a scheduler_config.json given directly."""
+    component_dir = Path(component_dir)
+    path = component_dir if component_dir.is_file() else component_dir / "scheduler_config.json"
     if not path.is_file():
         raise WeightsError(f"{path}: missing. The scheduler folder needs scheduler_config.json.")
     return SchedulerConfig.from_dict(json.loads(path.read_text()), where=str(path))
@@ -122,21 +129,35 @@ def load_pipeline(
     load_text_encoder_too: bool = True,
     cfg_mode: str | None = None,
     model_id: str | None = None,
+    loras: Sequence[LoraSpec] = (),
+    scheduler_config: str | Path | None = None,
 ) -> TextToImagePipeline:
     """model_id names the model in manifests (default: the path as given); a worker passes the
-    remote source here when `path` is a node-local copy."""
+    remote source here when `path` is a node-local copy.
+
+    `loras` are merged into the transformer, in order. `scheduler_config` (a scheduler_config.json
+    or a folder holding one) replaces the checkpoint's scheduler, e.g. a distilled LoRA's few-step
+    schedule over the base model. Both change the model revision the manifests record."""
     root = resolve_model_dir(path)
+    # A bad adapter or schedule fails here, before any weight is read or anything moves to a GPU.
+    adapters = read_loras(loras)
+    scheduler = load_scheduler(Path(scheduler_config) if scheduler_config else root / "scheduler")
+    revision = model_revision(root)
+    if scheduler_config:
+        override = json.dumps(scheduler.to_dict(), sort_keys=True)
+        revision = hashlib.sha256(f"{revision}:scheduler:{override}".encode()).hexdigest()[:16]
+    revision = adapters_revision(revision, adapters)
     safetensors_files(root / "transformer")  # refuse pickle-only folders before building anything
-    transformer = load_transformer(root / "transformer", device, dtype, modulation_cache)
+    transformer = load_transformer(root / "transformer", device, dtype, modulation_cache, adapters)
     vae = load_vae(root / "vae", device=device, dtype=dtype)
     text_encoder = load_text_encoder(root, device, dtype) if load_text_encoder_too else None
     return TextToImagePipeline(
         transformer,
         vae,
-        load_scheduler(root / "scheduler"),
+        scheduler,
         text_encoder,
         model_id=model_id or str(path),
-        model_revision=model_revision(root),
+        model_revision=revision,
         cfg_batched=cfg_batched,
         cfg_mode=cfg_mode,
     )
