@@ -27,7 +27,7 @@ from .compiled_method import CompiledMethod, CompileFallbackWarning
 from .counting import compile_count, count_compiles
 from .policy import CompileConfig, CompileReport, apply_compile, compiled_methods, remove_compile
 from .prepare import PreparedPipeline, prepare_worker_pipeline
-from .prompt_inputs import encode_padded, pad_guidance_inputs
+from .prompt_inputs import encode_padded, encode_unpadded, pad_guidance_inputs
 from .warmup import BucketWarmup, WarmupReport, warm_up
 
 __all__ = [
@@ -57,6 +57,7 @@ __all__ = [
     "compiled_methods",
     "count_compiles",
     "encode_padded",
+    "encode_unpadded",
     "load_shared_cache",
     "pad_guidance_inputs",
     "pad_prompt_embeds",

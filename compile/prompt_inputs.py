@@ -89,6 +89,43 @@ def encode_padded(
     )
 
 
+def encode_unpadded(
+    pipe: Any,
+    prompts: Sequence[str],
+    negative_prompts: Sequence[str] | str | None = None,
+    true_cfg_scale: float | Sequence[float] = 4.0,
+    max_sequence_length: int = 512,
+) -> GuidanceInputs:
+    """Encode prompts (and, when CFG is on, their negatives; default " ") for `pipe.generate`.
+
+    Each branch is padded only to its own longest prompt (what the encoder returns), since the
+    DiT takes any text length. A negative shared by the whole batch (the usual " ") is encoded
+    once and expanded, so the unconditional pass is never padded.
+    """
+    embeds, mask = pipe.encode_prompt(list(prompts), max_sequence_length)
+    out: GuidanceInputs = {
+        "prompt_embeds": embeds,
+        "prompt_embeds_mask": mask,
+        "negative_prompt_embeds": None,
+        "negative_prompt_embeds_mask": None,
+    }
+    if cfg_enabled(true_cfg_scale):
+        neg = DEFAULT_NEGATIVE_PROMPT if negative_prompts is None else negative_prompts
+        neg_list = [neg] * len(prompts) if isinstance(neg, str) else list(neg)
+        if len(neg_list) != len(prompts):
+            raise ValueError(
+                f"need one negative prompt per prompt: {len(prompts)} prompts, {len(neg_list)} negatives"
+            )
+        if len(set(neg_list)) == 1:
+            one, one_mask = pipe.encode_prompt(neg_list[:1], max_sequence_length)  # (1, L, D), (1, L)
+            neg_embeds = one.expand(len(prompts), -1, -1)
+            neg_mask = one_mask.expand(len(prompts), -1)
+        else:
+            neg_embeds, neg_mask = pipe.encode_prompt(neg_list, max_sequence_length)
+        out["negative_prompt_embeds"], out["negative_prompt_embeds_mask"] = neg_embeds, neg_mask
+    return out
+
+
 def _ones_if_none(embeds: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     if mask is not None:
         return mask

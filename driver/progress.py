@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from driver.dispatch import DispatchEvents, DispatchSnapshot, ShardFailure
@@ -47,6 +47,7 @@ class WorkerStats:
     encode_s: float = 0.0
     upload_s: float = 0.0
     recompiles: int = 0
+    attention: dict[str, int] = field(default_factory=dict)  # DiT attention counts, summed
 
     @property
     def images_per_s(self) -> float:
@@ -63,6 +64,7 @@ class WorkerStats:
             "encode_s": round(self.encode_s, 3),
             "upload_s": round(self.upload_s, 3),
             "recompiles": self.recompiles,
+            "attention": dict(self.attention),
         }
 
 
@@ -239,6 +241,8 @@ class JobProgress(DispatchEvents):
         w.encode_s += float(_num(result, "encode_s"))
         w.upload_s += float(_num(result, "upload_s"))
         w.recompiles += int(_num(result, "recompiles"))
+        for name, value in (getattr(result, "attention", None) or {}).items():
+            w.attention[name] = w.attention.get(name, 0) + int(value)
         rate = (ok + failed) / wall if wall > 0 else 0.0
         failed_text = f", {failed} FAILED" if failed else ""
         self.log(

@@ -37,6 +37,7 @@ class JobSummary:
     workers: dict[str, dict[str, Any]]  # per worker: shards, images, busy_s, images_per_s
     dispatch: dict[str, int]  # DispatchStats
     recompiles: int = 0  # compilations on the request path, over all shards (should be 0)
+    attention: dict[str, Any] = field(default_factory=dict)  # DiT attention counts and shares
     compile_fallbacks: dict[str, dict[str, str]] = field(default_factory=dict)  # worker -> target -> why
     version: int = SUMMARY_VERSION
 
@@ -78,6 +79,12 @@ class JobSummary:
             lines.append(
                 f"  worker {worker}: {w['shards']} shards, {w['images_ok']} images, {w['images_per_s']:.2f} img/s"
             )
+        a = self.attention
+        if a.get("calls"):
+            lines.append(
+                f"  DiT attention: {a['calls']} calls, {a['masked_call_share']:.1%} with a dense mask, "
+                f"{a['padded_call_share']:.1%} padded; padding {a['padded_token_share']:.2%} of tokens"
+            )
         if self.recompiles:
             lines.append(f"  WARNING: {self.recompiles} compilations on the request path (expected 0)")
         for worker, fallbacks in self.compile_fallbacks.items():
@@ -97,6 +104,23 @@ class JobSummary:
 
 def _stats(values: list[float]) -> tuple[float, float]:
     return (statistics.fmean(values), max(values)) if values else (0.0, 0.0)
+
+
+def attention_summary(per_worker: list[dict[str, int]]) -> dict[str, Any]:
+    """Summed DiT attention counts and the shares that say whether the fast path was taken:
+    calls with a dense mask, padded calls (any kernel), padded tokens of all tokens computed."""
+    total: dict[str, Any] = {}
+    for counts in per_worker:
+        for name, value in counts.items():
+            total[name] = total.get(name, 0) + int(value)
+    calls = total.get("calls", 0)
+    tokens = total.get("image_tokens", 0) + total.get("text_tokens", 0)
+    if calls:
+        total["masked_call_share"] = round(total.get("masked_calls", 0) / calls, 4)
+        padded_calls = total.get("masked_calls", 0) + total.get("split_calls", 0)
+        total["padded_call_share"] = round(padded_calls / calls, 4)
+        total["padded_token_share"] = round(total.get("padded_tokens", 0) / tokens, 4) if tokens else 0.0
+    return total
 
 
 def startup_summary(reports: dict[str, dict]) -> dict[str, Any]:
@@ -177,5 +201,6 @@ def build_summary(
         workers=workers,
         dispatch=asdict(dispatch.stats) if dispatch else {},
         recompiles=sum(w.recompiles for w in progress.workers.values()),
+        attention=attention_summary([w.attention for w in progress.workers.values()]),
         compile_fallbacks={w: fb for w, r in reports.items() if (fb := compile_fallbacks(r))},
     )

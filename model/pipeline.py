@@ -84,6 +84,11 @@ class TextToImagePipeline:
         embeds, mask = self.text_encoder.encode(list(prompts), max_length)
         return embeds.to(self.device, self.dtype), mask.to(self.device)
 
+    def count_tokens(self, prompts: Sequence[str], max_length: int = 512) -> list[int] | None:
+        """Each prompt's embedding length, from the tokenizer alone; None if the encoder can't say."""
+        count = getattr(self.text_encoder, "count_tokens", None)
+        return None if count is None else list(count(list(prompts), max_length))
+
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """Packed latents (B, N, 64) -> images (B, 3, H, W) in [0, 1], fp32."""

@@ -27,6 +27,9 @@ class TextEncoder(Protocol):
 
     def encode(self, prompts: list[str], max_length: int = 512) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    # Optional: `count_tokens(prompts, max_length) -> list[int]`, the L of each prompt's
+    # embedding without running the model; the worker batches prompts of like length with it.
+
 
 class QwenVLTextEncoder:
     """Qwen2.5-VL's last hidden state over Qwen-Image's prompt template."""
@@ -53,6 +56,12 @@ class QwenVLTextEncoder:
             str(text_encoder_dir), torch_dtype=dtype, local_files_only=True, use_safetensors=True
         )
         return cls(model.to(device).eval(), tok, device, dtype)
+
+    def count_tokens(self, prompts: list[str], max_length: int = 512) -> list[int]:
+        """Each prompt's embedding length as `encode` makes it (tokenizer only, no model)."""
+        texts = [QWEN_IMAGE_TEMPLATE.format(p) for p in prompts]
+        ids = self.tokenizer(texts, max_length=QWEN_TOKENIZER_MAX + QWEN_IMAGE_DROP_TOKENS, truncation=True)
+        return [min(max(len(t) - QWEN_IMAGE_DROP_TOKENS, 0), max_length) for t in ids["input_ids"]]
 
     @torch.no_grad()
     def encode(self, prompts: list[str], max_length: int = 512) -> tuple[torch.Tensor, torch.Tensor]:

@@ -109,3 +109,74 @@ def test_images_without_mask_match_masked_reference(random_model_dir):
     )
     assert stats.since(before)["split_calls"] == stats.since(before)["masked_calls"] == 0
     assert (alone - reference[2:]).abs().max().item() <= 1e-4
+
+
+def _requests(lengths: list[int], bucket=(32, 32), cfg: float = 4.0):
+    from workers.generate import ImageRequest
+    from workers.rows import PromptRow
+
+    rows = [
+        PromptRow(
+            id=f"r{i}",
+            prompt=" ".join(["red"] * (n - 1)),
+            negative_prompt=" ",
+            seed=i,
+            width=bucket[0],
+            height=bucket[1],
+            requested_width=None,
+            requested_height=None,
+            bucket=f"{bucket[0]}x{bucket[1]}",
+            steps=2,
+            true_cfg_scale=cfg,
+            num_images=1,
+            file="f",
+            row=i,
+        )  # fmt: skip
+        for i, n in enumerate(lengths)
+    ]
+    return [ImageRequest(r, 0) for r in rows]
+
+
+def _word_count(prompts: list[str]) -> list[int]:
+    return [1 + len(p.split()) for p in prompts]  # <bos> + words, as the tiny tokenizer counts
+
+
+def test_batches_are_sorted_by_length_and_cut_at_the_padding_budget():
+    from workers.generate import padded_share, plan_batches
+
+    lengths = [40, 12, 13, 12, 41, 90, 12, 40, 13]
+    reqs = _requests(lengths, bucket=(64, 64))  # 16 image tokens: padding weighs a lot
+    batches = plan_batches(reqs, 4, _word_count, max_padded_share=0.01)
+    got = [[len(r.row.prompt.split()) + 1 for r in b] for b in batches]
+    # [12 12 12 13] would pad 3 of 184 tokens (1.6%), [40 40 41] pads 2 of 222 (0.9%)
+    assert got == [[12, 12, 12], [13, 13], [40, 40, 41], [90]]
+    assert plan_batches(reqs, 4) == [reqs[:4], reqs[4:8], reqs[8:]]  # no tokenizer: input order
+    loose = plan_batches(reqs, 4, _word_count, max_padded_share=1.0)
+    assert [len(b) for b in loose] == [4, 4, 1]
+    table = {(r.row.id, 0): (len(r.row.prompt.split()) + 1, 1) for r in reqs}
+    assert all(padded_share(b, table) <= 0.01 for b in batches)
+
+
+def test_worker_reports_mask_counts_and_padded_share(random_model_dir, tmp_path):
+    """A shard of mixed prompt lengths: no call carries a dense mask, padding stays under 5%."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.worker_fixtures import row_config, shard_of, worker_config
+    from workers.actor import GenerationWorker
+
+    words = ["a red circle", "a red circle", "a small blue square", "a small blue square at the top",
+             "a red circle", "a large green triangle on a white background", "a small blue square"]  # fmt: skip
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"id": [f"q{i}" for i in range(len(words))], "prompt": words}), path)
+    worker = GenerationWorker(
+        worker_config(random_model_dir, str(tmp_path / "out"), rows=row_config(buckets=("32x32",)))
+    )
+    result = worker.run_shard(shard_of(path, 0, 0, len(words), buckets=("32x32",)), attempt=0)
+    a = result.attention
+    assert result.images_ok == len(words)
+    layers, steps = 2, 2
+    # Lengths 4 x3, 5 x2, 7, 8 (with <bos>) at 4 image tokens: batches [4 4 4] [5 5] [7] [8]
+    assert a["calls"] == 4 * steps * 2 * layers  # 4 batches, cond + uncond per step
+    assert a["masked_calls"] == 0 and a["split_calls"] == 0 and a["padded_tokens"] == 0
+    assert a["image_tokens"] == len(words) * steps * 2 * layers * 4

@@ -79,6 +79,9 @@ class ShardResult:
     wall_s: float = 0.0
     worker_id: str = ""
     recompiles: int = 0
+    # DiT attention over this shard (model.attention.AttentionStats): calls, masked_calls (a
+    # dense mask), split_calls (padded, run unmasked per text length), image/text/padded tokens.
+    attention: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -204,10 +207,12 @@ class GenerationWorker:
         rows = read_shard_rows(shard, fs, self.config.rows)
         requests = image_requests(rows)
         compiles_before = compile_count()
+        attention_before = self.pipe.transformer.attention_stats.to_dict()
         generated: dict[tuple[str, int], GeneratedImage] = {}
         writer = make_shard_writer(self.store, shard.index, self.config.writer)
         try:
-            for image in iter_generated(self.generator, plan_batches(requests, self.config.batch_size)):
+            batches = plan_batches(requests, self.config.batch_size, self.generator.count_tokens)
+            for image in iter_generated(self.generator, batches):
                 if self._stop.is_set():
                     raise ShardAbandoned(f"shard {shard.index}: worker asked to stop; nothing committed")
                 req = image.request
@@ -229,6 +234,7 @@ class GenerationWorker:
             writer.abort()
             raise
         result.recompiles = compile_count() - compiles_before
+        result.attention = self.pipe.transformer.attention_stats.since(attention_before)
         stored_by_key = {(r.id, r.k): r for r in stored.results}
         manifest = ManifestWriter(shard.index, expected_rows=len(requests))
         rows_written: list[ManifestRow] = []

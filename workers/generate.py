@@ -1,20 +1,22 @@
-"""Batched generation of one shard's images: grouping, seeds, prompt padding, OOM back-off.
+"""Batched generation of one shard's images: grouping, seeds, length-sorted batches, OOM back-off.
 
-A batch shares one resolution bucket, one step count and one CFG on/off decision, so every
-tensor shape in it is the same and the compiled shapes of warm-up are the ones used here.
-Prompts are padded to their prompt-length bucket, so prompt length never changes a shape either.
+A batch shares one resolution bucket, one step count and one CFG on/off decision. Inside those
+groups prompts are sorted by token length and cut into batches that carry little padding, so most
+DiT attention calls run unmasked and the padded rest is a small share of the tokens (the shard
+result reports both). Prompts are not padded to prompt-length buckets: a compiled DiT takes the
+text length (and batch size) as dynamic dimensions.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from compile import PROMPT_LENGTH_BUCKETS, encode_padded
+from compile import PROMPT_LENGTH_BUCKETS, encode_unpadded
 from model import TextToImagePipeline
 
 from .rows import MAX_SEED, PromptRow
@@ -55,15 +57,91 @@ def image_requests(rows: Sequence[PromptRow]) -> list[ImageRequest]:
     return [ImageRequest(r, k) for r in rows for k in range(r.num_images)]
 
 
-def plan_batches(requests: Sequence[ImageRequest], batch_size: int) -> list[list[ImageRequest]]:
-    """Group by (bucket, steps, CFG on/off), keep input order inside a group, cut to batch_size.
+# A batch stops growing when one more prompt would make padding more than this share of the
+# tokens its DiT passes compute (image + text, both CFG branches). Padded text costs only its
+# linear-layer work (attention skips it), so the share is the compute it wastes.
+MAX_PADDED_SHARE = 0.02
 
+TokenCounter = Callable[[list[str]], "list[int] | None"]
+
+
+def plan_batches(
+    requests: Sequence[ImageRequest],
+    batch_size: int,
+    count_tokens: TokenCounter | None = None,
+    max_padded_share: float = MAX_PADDED_SHARE,
+) -> list[list[ImageRequest]]:
+    """Group by (bucket, steps, CFG on/off); inside a group, sort by token length and cut.
+
+    count_tokens: prompt -> embedding length in tokens (the text encoder's tokenizer). Without
+    it, input order is kept and batches are cut at batch_size. With it, requests are sorted by
+    (negative length, prompt length, input order) and a batch is closed at batch_size or when
+    the next request would push its padding past `max_padded_share` of its tokens.
     Deterministic: the same shard always gives the same batches, so reruns are bit-identical.
     """
     groups: dict[tuple, list[ImageRequest]] = {}
     for req in requests:
         groups.setdefault((req.row.bucket, req.row.steps, req.uses_cfg), []).append(req)
-    return [reqs[i : i + batch_size] for reqs in groups.values() for i in range(0, len(reqs), batch_size)]
+    if count_tokens is None:
+        return [reqs[i : i + batch_size] for reqs in groups.values() for i in range(0, len(reqs), batch_size)]
+    lengths = _token_lengths(requests, count_tokens)
+    if lengths is None:
+        return plan_batches(requests, batch_size)
+    batches: list[list[ImageRequest]] = []
+    for reqs in groups.values():
+        order = sorted(
+            range(len(reqs)), key=lambda i: (lengths[_key(reqs[i])][1], lengths[_key(reqs[i])][0], i)
+        )
+        batch: list[ImageRequest] = []
+        for i in order:
+            req = reqs[i]
+            if batch and (
+                len(batch) >= batch_size or padded_share(batch + [req], lengths) > max_padded_share
+            ):
+                batches.append(batch)
+                batch = []
+            batch.append(req)
+        if batch:
+            batches.append(batch)
+    return batches
+
+
+def _key(req: ImageRequest) -> tuple[str, int]:
+    return (req.row.id, req.k)
+
+
+def _token_lengths(
+    requests: Sequence[ImageRequest], count_tokens: TokenCounter
+) -> dict[tuple[str, int], tuple[int, int]] | None:
+    """(prompt tokens, negative tokens or 0 without CFG) per request; None if uncountable."""
+    texts = sorted(
+        {r.row.prompt for r in requests} | {r.row.negative_prompt or " " for r in requests if r.uses_cfg}
+    )
+    counts = count_tokens(texts) if texts else []
+    if counts is None:
+        return None
+    by_text = dict(zip(texts, counts))
+    return {
+        _key(r): (by_text[r.row.prompt], by_text[r.row.negative_prompt or " "] if r.uses_cfg else 0)
+        for r in requests
+    }
+
+
+def image_tokens(req: ImageRequest) -> int:
+    """The DiT's image tokens for a request's bucket: (H/16) * (W/16)."""
+    return (req.row.width // 16) * (req.row.height // 16)
+
+
+def padded_share(batch: Sequence[ImageRequest], lengths: dict[tuple[str, int], tuple[int, int]]) -> float:
+    """Padded text tokens / all tokens of the batch's DiT passes (each branch padded to its longest)."""
+    n = image_tokens(batch[0])
+    cond = [lengths[_key(r)][0] for r in batch]
+    padded, total = sum(max(cond) - c for c in cond), len(batch) * (n + max(cond))
+    if batch[0].uses_cfg:
+        neg = [lengths[_key(r)][1] for r in batch]
+        padded += sum(max(neg) - c for c in neg)
+        total += len(batch) * (n + max(neg))
+    return padded / total
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -81,8 +159,12 @@ class BatchGenerator:
     ) -> None:
         self.pipe = pipe
         self.max_sequence_length = max_sequence_length
-        self.prompt_buckets = tuple(prompt_buckets)
+        self.prompt_buckets = tuple(prompt_buckets)  # kept for callers; requests are not padded
         self.oom_splits = 0
+
+    def count_tokens(self, prompts: list[str]) -> list[int] | None:
+        """Embedding lengths from the text encoder's tokenizer (None: batch in input order)."""
+        return self.pipe.count_tokens(prompts, self.max_sequence_length)
 
     def run(self, batch: list[ImageRequest]) -> list[GeneratedImage]:
         """Images of `batch` in its order; an OOM splits the failing part in halves, depth first."""
@@ -113,13 +195,12 @@ class BatchGenerator:
         first = batch[0].row
         rows = [r.row for r in batch]
         scales = [r.true_cfg_scale for r in rows] if batch[0].uses_cfg else 1.0
-        # Prompts and negatives padded to prompt-length buckets exactly as warm-up padded them.
-        inputs = encode_padded(
+        # Each branch padded only to its longest prompt; a shared negative is encoded once.
+        inputs = encode_unpadded(
             self.pipe,
             [r.prompt for r in rows],
             [r.negative_prompt or " " for r in rows] if batch[0].uses_cfg else None,
             scales,
-            self.prompt_buckets,
             self.max_sequence_length,
         )
         images = self.pipe.generate(

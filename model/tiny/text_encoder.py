@@ -148,6 +148,11 @@ class TinyTextEncoder(nn.Module):
             mask[i, : len(s)] = 1
         return ids, mask
 
+    def count_tokens(self, prompts: list[str], max_length: int = 512) -> list[int]:
+        """Each prompt's embedding length as `encode` makes it (tokenizer only, no model)."""
+        max_length = min(max_length, self.config.max_positions)
+        return [len(self.tokenizer.tokenize(p, max_length)) for p in prompts]
+
     def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """ids, mask: (B, L) -> embeddings (B, L, D); padded positions are zeroed."""
         positions = torch.arange(ids.shape[1], device=ids.device)
