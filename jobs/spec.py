@@ -24,7 +24,7 @@ from compile.buckets import QWEN_IMAGE_BUCKETS, TINY_BUCKETS, BucketError, Bucke
 from driver.dispatch import DispatchConfig
 from driver.plan import PlanConfig
 from driver.run import DriverConfig
-from workers.actor import WorkerConfig
+from workers.actor import LoraSpec, WorkerConfig
 from workers.cache_secret import CacheSecretSource
 from workers.input_files import check_s3_uri
 from workers.rows import CFG_RANGE, MAX_SEED, NUM_IMAGES_RANGE, STEPS_RANGE, RowConfig
@@ -44,6 +44,37 @@ class _Section(BaseModel):
 
 def _plain_s3_uri(uri: str) -> str:
     return check_s3_uri(uri, "path")
+
+
+def _local_file(path: str) -> str:
+    """A file every node reads at the same local path (file:///x means /x); remote URIs are
+    refused, since only the model folder is fetched to the nodes."""
+    if path.startswith("file://"):
+        path = path.removeprefix("file://")
+    if "://" in path:
+        raise ValueError(
+            f"{path!r}: must be a local path that every node sees (a shared filesystem, or baked into "
+            "the node image), not a remote URI"
+        )
+    if not path:
+        raise ValueError("must not be empty")
+    return path
+
+
+class LoraAdapterSpec(_Section):
+    path: str = Field(
+        description="A LoRA .safetensors file for the DiT, in the diffusers/PEFT layout "
+        "(transformer.<layer>.lora_A/lora_B) or the kohya/ComfyUI one (lora_down/lora_up, alpha). "
+        "A local path every node sees; relative paths start at the current directory."
+    )
+    scale: float = Field(
+        1.0,
+        ge=-8.0,
+        le=8.0,
+        description="Strength of the adapter: its update is multiplied by this (diffusers' adapter weight).",
+    )
+
+    _path_ok = field_validator("path")(_local_file)
 
 
 class InputSpec(_Section):
@@ -116,8 +147,21 @@ class ModelSpec(_Section):
         "'table' once per bucket schedule per actor (more memory). Outputs are identical.",
     )
     max_sequence_length: int = Field(512, ge=1, le=1024, description="Longest prompt, in text tokens.")
+    loras: list[LoraAdapterSpec] = Field(
+        default_factory=list,
+        description="LoRA adapters merged into the DiT weights at load, in this order (a LoRA form of "
+        "a distilled model like Qwen-Image-Lightning too). The manifests' model_revision names the "
+        "base, the adapters and their scales. A key that matches no layer is an error.",
+    )
+    scheduler_config: str | None = Field(
+        None,
+        description="A scheduler_config.json (or a folder holding one) replacing the checkpoint's "
+        "scheduler/: the few-step schedule a distilled LoRA was trained with. null: the checkpoint's own "
+        "(a merged distilled checkpoint ships its schedule there). A local path every node sees.",
+    )
 
     _path_ok = field_validator("path")(_plain_s3_uri)
+    _scheduler_ok = field_validator("scheduler_config")(lambda v: None if v is None else _local_file(v))
 
 
 class SamplingSpec(_Section):
@@ -315,6 +359,12 @@ class JobSpec(_Section):
     def model_path(self) -> str:
         return self.model.path if self.model.path == TINY_MODEL else _absolute(self.model.path)
 
+    def model_loras(self) -> tuple[LoraSpec, ...]:
+        return tuple(LoraSpec(_absolute(a.path), a.scale) for a in self.model.loras)
+
+    def model_scheduler_config(self) -> str | None:
+        return _absolute(self.model.scheduler_config) if self.model.scheduler_config else None
+
     def resolved(self) -> dict[str, Any]:
         """The spec with every default and path filled in (JSON-safe): what `_job.json` stores."""
         doc = self.model_dump(mode="json")
@@ -322,6 +372,8 @@ class JobSpec(_Section):
         doc["output"]["uri"] = self.output_uri()
         doc["model"]["path"] = self.model_path()
         doc["model"]["cache_dir"] = self.model_cache_dir()
+        doc["model"]["loras"] = [{"path": a.path, "scale": a.scale} for a in self.model_loras()]
+        doc["model"]["scheduler_config"] = self.model_scheduler_config()
         doc["buckets"]["names"] = self.bucket_names()
         doc["workers"]["max"] = self.workers.max or self.workers.min
         doc["workers"]["gpus"] = self.gpus_per_actor()
@@ -343,8 +395,10 @@ class JobSpec(_Section):
         """Settings that change the stored bytes of an image, for the plan's fingerprint.
         The batch size is one: batched kernels round differently for different batch shapes, so
         an image can differ in a few pixel values between batch sizes (measured on CPU, fp32).
-        The modulation cache is not: outputs are identical with and without it."""
-        return {
+        The modulation cache is not: outputs are identical with and without it.
+        Adapters and a scheduler override are listed only when set, so outputs planned before
+        they existed keep their fingerprint."""
+        settings: dict[str, Any] = {
             "model": self.model_path(),
             "device": self.model.device,
             "dtype": self.model.dtype,
@@ -356,6 +410,11 @@ class JobSpec(_Section):
             "image_format": self.output.image_format,
             "quality": self.output.quality,
         }
+        if self.model.loras:
+            settings["loras"] = [{"path": a.path, "scale": a.scale} for a in self.model_loras()]
+        if self.model.scheduler_config:
+            settings["scheduler_config"] = self.model_scheduler_config()
+        return settings
 
     def s3_config(self) -> S3Config:
         return S3Config(
@@ -399,6 +458,8 @@ class JobSpec(_Section):
             device=self.model.device,
             dtype=self.model.dtype,
             modulation_cache=self.model.modulation_cache,
+            loras=self.model_loras(),
+            scheduler_config=self.model_scheduler_config(),
             batch_size=self.workers.batch_size,
             max_sequence_length=self.model.max_sequence_length,
             compile=CompileConfig(

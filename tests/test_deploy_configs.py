@@ -388,3 +388,48 @@ def test_example_job_validates_with_jobspec():
     assert driver.dispatch.max_actors == 16 and driver.dispatch.num_gpus == 1
     assert driver.output_uri == worker.output_uri == spec.output.uri
     assert worker.dtype == "bf16" and worker.compile.vae is True and worker.model_path == spec.model.path
+
+
+LIGHTNING_JOB = DEPLOY / "qwen-image-lightning.yaml"
+LIGHTNING_SCHEDULER = ROOT / "tests" / "data" / "published" / "qwen-image-lightning" / "scheduler"
+
+
+def test_lightning_job_validates_with_jobspec():
+    """The few-step distilled model: 4-8 steps, CFG off, its checkpoint's own scheduler."""
+    spec = load_spec(LIGHTNING_JOB)
+    assert 4 <= spec.sampling.steps <= 8
+    assert spec.sampling.true_cfg_scale == 1.0 and spec.sampling.negative_prompt is None
+    assert spec.model.path.startswith("s3://") and spec.model.dtype == "bf16"
+    assert spec.model.loras == [] and spec.model.scheduler_config is None  # the merged checkpoint's own
+    worker = spec.to_worker_config()
+    assert worker.rows.steps == spec.sampling.steps and worker.rows.true_cfg_scale == 1.0
+    assert worker.loras == () and worker.scheduler_config is None
+    assert spec.output.uri != _job_spec().output.uri, "its own output: other images, other dataset"
+
+
+def test_lightning_lora_form_in_the_header_validates(tmp_path):
+    """The LoRA form the header comment shows, spliced into the job, parses and reaches the worker."""
+    text = LIGHTNING_JOB.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    start = lines.index("#   model:")
+    block = []
+    for line in lines[start:]:
+        if not line.startswith("#   "):
+            break
+        block.append(line[4:])
+    form = yaml.safe_load("\n".join(block))["model"]
+    doc = yaml.safe_load(text)
+    doc["model"].update(form)
+    job = tmp_path / "lightning-lora.yaml"
+    job.write_text(yaml.safe_dump(doc), encoding="utf-8")
+    spec = load_spec(job)
+    worker = spec.to_worker_config()
+    assert [(a.path, a.scale) for a in worker.loras] == [
+        ("/mnt/models/Qwen-Image-Lightning-8steps-V2.0.safetensors", 1.0)
+    ]
+    assert worker.scheduler_config == "/mnt/models/qwen-image-lightning/scheduler_config.json"
+    # Adapters change the images, so they are part of the output's fingerprint.
+    settings = spec.image_settings()
+    assert settings["loras"] == [{"path": worker.loras[0].path, "scale": 1.0}]
+    assert settings["scheduler_config"] == worker.scheduler_config
+    assert "loras" not in load_spec(LIGHTNING_JOB).image_settings()

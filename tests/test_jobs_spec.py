@@ -50,6 +50,21 @@ def minimal(tmp_path: Path, extra: str = "") -> str:
         ("buckets:\n  names: [100x100]\n", ["buckets.names", "not a positive multiple of 16"]),
         ("workers:\n  min: 3\n  max: 2\n", ["workers: max (2) must be >= min (3)"]),
         ("model:\n  dtype: fp16\n", ["model.dtype: Input should be 'auto', 'bf16' or 'fp32' (got 'fp16')"]),
+        (
+            "model:\n  loras:\n    - path: s3://b/l.safetensors\n",
+            [
+                "job.yaml:7: model.loras.0.path: 's3://b/l.safetensors': must be a local path that every node sees"
+            ],
+        ),
+        (
+            "model:\n  loras:\n    - path: a.safetensors\n      scale: 20\n",
+            ["job.yaml:8: model.loras.0.scale:", "less than or equal to 8", "(got 20)"],
+        ),
+        ("model:\n  loras:\n    - scale: 1\n", ["job.yaml:7: model.loras.0.path: required, missing"]),
+        (
+            "model:\n  scheduler_config: hf://org/x\n",
+            ["job.yaml:6: model.scheduler_config: 'hf://org/x': must be a local path"],
+        ),
     ],
 )
 def test_spec_errors_name_the_file_line_and_key(tmp_path, extra, expected):

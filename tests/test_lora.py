@@ -325,3 +325,43 @@ def test_metadata_rank_must_match_the_factors(tmp_path, random_model_dir):
     save_file(sd, str(path), metadata={"lora_adapter_metadata": json.dumps({"transformer.r": 8})})
     with pytest.raises(LoraError, match=r"meta\.safetensors: img_in: its metadata says rank 8"):
         _load_to_cuda(random_model_dir, path)
+
+
+# -- through the worker ---------------------------------------------------------------------------
+
+
+def test_worker_merges_adapters_and_manifests_name_the_revision(tmp_path, random_model_dir):
+    """The job's model.loras and model.scheduler_config reach load_pipeline through the worker, and
+    every manifest row carries the revision of base + adapters + schedule."""
+    import dataclasses
+
+    from tests.worker_fixtures import row_config, shard_of, worker_config, write_prompts
+    from workers.actor import GenerationWorker
+    from workers.manifest import read_manifests
+    from workers.stores import open_store
+
+    prompts = write_prompts(tmp_path / "prompts.parquet", 3)
+    adapter = write_kohya_lora(tmp_path / "adapter.safetensors", 9, flat=True)
+    rows = row_config(steps=4, cfg=1.0)
+    base = GenerationWorker(worker_config(random_model_dir, str(tmp_path / "base"), rows=rows))
+    config = dataclasses.replace(
+        worker_config(random_model_dir, str(tmp_path / "lora"), rows=rows),
+        loras=(LoraSpec(str(adapter), 0.9),),
+        scheduler_config=str(LIGHTNING_SCHEDULER),
+    )
+    worker = GenerationWorker(config)
+    assert worker.startup_report()["loras"] == [{"path": str(adapter), "scale": 0.9}]
+    for w in (base, worker):
+        assert w.run_shard(shard_of(prompts, 0, 0, 3)).images_ok == 3
+    with_lora = read_manifests(open_store(str(tmp_path / "lora"))).to_pandas()
+    without = read_manifests(open_store(str(tmp_path / "base"))).to_pandas()
+    assert set(with_lora["model_revision"]) == {worker.pipe.model_revision}
+    assert set(without["model_revision"]) == {base.pipe.model_revision} != {worker.pipe.model_revision}
+    assert not set(with_lora["sha256"]) & set(without["sha256"])  # other model, other images
+
+    bad = _bad(
+        tmp_path / "other.safetensors",
+        {"x.lora_A.weight": torch.zeros(1, 2), "x.lora_B.weight": torch.zeros(2, 1)},
+    )
+    with pytest.raises(LoraError, match=r"other\.safetensors: none of its 2 keys"):
+        GenerationWorker(dataclasses.replace(config, loras=(LoraSpec(str(bad)),)))

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from compile import CompileConfig, compile_count, prepare_worker_pipeline
-from model import load_pipeline
+from model import LoraSpec, load_pipeline
 
 from .cache_secret import CacheSecretSource, read_cache_secret, say_shared_cache_off
 from .generate import BatchGenerator, GeneratedImage, image_requests, iter_generated, plan_batches
@@ -47,6 +47,8 @@ class WorkerConfig:
     device: str = "auto"  # auto: cuda when there is a GPU, else cpu
     dtype: str = "auto"  # auto: bf16 on cuda, fp32 on cpu; or bf16 | fp32
     modulation_cache: str = "cfg"  # off | cfg | table
+    loras: tuple[LoraSpec, ...] = ()  # adapters merged into the DiT at load (local files), in order
+    scheduler_config: str | None = None  # replaces the checkpoint's scheduler (a distilled LoRA's)
     cfg_batched: bool = False  # cond+uncond in one batch (more memory, fewer launches)
     batch_size: int = 4
     max_sequence_length: int = 512
@@ -139,6 +141,8 @@ class GenerationWorker:
             config.modulation_cache,
             cfg_batched=config.cfg_batched,
             model_id=config.model_path,
+            loras=config.loras,
+            scheduler_config=config.scheduler_config,
         )
         load_s = time.perf_counter() - t_load
         buckets = config.warmup_buckets or config.rows.buckets.names
@@ -164,6 +168,7 @@ class GenerationWorker:
             "dtype": str(self.dtype).removeprefix("torch."),
             "model_id": self.pipe.model_id,
             "model_revision": self.pipe.model_revision,
+            "loras": [{"path": a.path, "scale": a.scale} for a in config.loras],
             "model_fetch": self.model.to_dict(),
             "load_s": round(load_s, 3),
             "compile": self.compile_report.to_dict(),
