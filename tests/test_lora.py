@@ -365,3 +365,32 @@ def test_worker_merges_adapters_and_manifests_name_the_revision(tmp_path, random
     )
     with pytest.raises(LoraError, match=r"other\.safetensors: none of its 2 keys"):
         GenerationWorker(dataclasses.replace(config, loras=(LoraSpec(str(bad)),)))
+
+
+def test_lightning_style_keys_match_the_published_full_depth_model(tmp_path):
+    """Every linear layer of the 60 blocks of the published Qwen-Image transformer (built on the
+    meta device), named the way the Lightning LoRA files name them (bare module names,
+    lora_down/lora_up, an alpha each) and in the kohya spelling: all matched, none left over."""
+    from model.lora import plan_updates, read_lora
+    from model.transformer import QwenImageTransformer, TransformerConfig
+
+    published = Path(__file__).parent / "data" / "published" / "qwen-image" / "transformer" / "config.json"
+    config = TransformerConfig.from_dict(json.loads(published.read_text()), where=str(published))
+    with torch.device("meta"):
+        model = QwenImageTransformer(config)
+    linears = {
+        n: m
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and n.startswith("transformer_blocks.")
+    }
+    assert len(linears) == 60 * 14  # q/k/v, add_q/k/v, to_out, to_add_out, img/txt mod, 2 MLPs x 2
+    for flat in (False, True):
+        sd = {}
+        for name, m in linears.items():  # rank 1 in bf16 keeps the file small (17 MB)
+            raw = "lora_unet_" + name.replace(".", "_") if flat else name
+            sd[f"{raw}.lora_down.weight"] = torch.zeros(1, m.in_features, dtype=torch.bfloat16)
+            sd[f"{raw}.lora_up.weight"] = torch.zeros(m.out_features, 1, dtype=torch.bfloat16)
+            sd[f"{raw}.alpha"] = torch.tensor(1.0)
+        path = _bad(tmp_path / f"lightning-{flat}.safetensors", sd)
+        updates = plan_updates([read_lora(LoraSpec(str(path)))], model)
+        assert sorted(u.module for u in updates) == sorted(linears)
