@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from driver.errors import file_error
-from driver.plan import PlanConfig, ShardCutter
+from driver.plan import PlanConfig, ShardCutter, row_group_warnings
 from driver.prompts import InputFile, PromptSource
 from driver.runs import (
     FileEntry,
@@ -63,6 +63,7 @@ class IncrementPlan:
     record: RunRecord | None
     ids: tuple[tuple[int, pa.Array], ...] = field(default=(), repr=False)  # (shard, ids) of new shards
     token: str = ""
+    warnings: tuple[str, ...] = ()  # about the new files: nothing wrong, but slow
 
     @property
     def new_shards(self) -> tuple[ShardSpec, ...]:
@@ -96,6 +97,7 @@ class IncrementPlan:
                 )
         if self.carried:
             lines.append(f"{len(self.carried)} shard(s) of earlier runs not committed yet: running them now")
+        lines += [f"warning: {w}" for w in self.warnings]
         return lines
 
 
@@ -246,7 +248,14 @@ def plan_increment(
         skipped_rows=sum(selector.skipped.values()),
     )
     return IncrementPlan(
-        fingerprint, recorded, len(files), tuple(carried), record, tuple(shard_ids), secrets.token_hex(8)
+        fingerprint,
+        recorded,
+        len(files),
+        tuple(carried),
+        record,
+        tuple(shard_ids),
+        secrets.token_hex(8),
+        tuple(row_group_warnings(source, to_read, config.shard_size)),
     )
 
 

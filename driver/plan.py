@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
@@ -28,7 +28,7 @@ from compile.buckets import BucketError
 from driver.errors import file_error
 from driver.prompts import DEFAULT_BATCH_ROWS, InputFile, PromptSource
 from driver.validate import DEFAULT_MAX_ERRORS, plain, scan_input, valid_sizes
-from workers.input_files import InputFileError, footer_sha256
+from workers.input_files import InputFileError, footer_sha256, largest_row_group
 from workers.rows import MAX_SIDE, RowConfig, ShardSpec
 
 FINGERPRINT_VERSION = 1
@@ -86,6 +86,7 @@ class JobPlan:
     total_images: int
     buckets_used: tuple[str, ...]  # in the bucket set's order
     empty_files: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()  # for the log: nothing wrong with the input, but slow
 
     def fingerprint_doc(self) -> dict[str, Any]:
         """The settings and input identities the fingerprint is computed over (stored in _job.json)."""
@@ -315,7 +316,42 @@ def plan_job(source: PromptSource, config: PlanConfig) -> JobPlan:
         total_images=sum(s.num_images for s in cutter.shards),
         buckets_used=tuple(b.name for i, b in enumerate(buckets) if i in cutter.used),
         empty_files=report.empty_files,
+        warnings=tuple(row_group_warnings(source, report.files, config.shard_size)),
     )
+
+
+# A row group this many times a shard makes each actor read and decode up to that many times the
+# rows it needs (a shard's rows are read from its row group's start).
+ROW_GROUP_WARN_RATIO = 4
+_ROW_GROUP_WARN_FILES = 3
+
+
+def row_group_warnings(source: PromptSource, files: Sequence[InputFile], shard_size: int) -> list[str]:
+    """Files whose row groups are large next to the shards: each actor decodes whole stretches of
+    a row group it mostly does not need. One footer read per file."""
+    limit = ROW_GROUP_WARN_RATIO * shard_size
+    large: list[tuple[str, int]] = []
+    for f in files:
+        try:
+            rows = largest_row_group(source.filesystem, f.uri)
+        except InputFileError:  # reported by validation
+            continue
+        if rows > limit:
+            large.append((f.uri, rows))
+    if not large:
+        return []
+    shown = ", ".join(f"{uri} ({rows} rows)" for uri, rows in large[:_ROW_GROUP_WARN_FILES])
+    more = (
+        f" and {len(large) - _ROW_GROUP_WARN_FILES} more file(s)"
+        if len(large) > _ROW_GROUP_WARN_FILES
+        else ""
+    )
+    return [
+        f"row groups much larger than a shard ({shard_size} rows) in {shown}{more}: an actor reads a "
+        "row group from its start up to its shard's last row, so most of what it reads belongs to "
+        "other shards. Rewrite the files with smaller row groups, e.g. "
+        f"pyarrow.parquet.write_table(table, path, row_group_size={shard_size}), or raise shards.size"
+    ]
 
 
 def runtime_versions() -> dict[str, str]:

@@ -136,6 +136,8 @@ def run_job(
     t0 = time.monotonic()
     plan = plan_input(config)
     plan_s = time.monotonic() - t0
+    for warning in plan.warnings:
+        print(f"warning: {warning}", file=out)
     store = open_store(config.output_uri, config.s3)
     store.check_writable()
     claim_output(store, plan, json.loads(config.resolved_spec))

@@ -111,6 +111,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print("buckets: " + ", ".join(f"{b} ({n} shards)" for b, n in plan.bucket_usage.items()))
     print(f"output:  {info['output']}")
     print(f"actors:  {info['actors']['min']}..{info['actors']['max']}")
+    for warning in plan.warnings:
+        print(f"warning: {warning}")
     return EXIT_OK
 
 

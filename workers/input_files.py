@@ -86,10 +86,20 @@ _NOT_PARQUET_HINT = (
 )
 
 
-def open_parquet(filesystem: pafs.FileSystem, uri: str) -> pq.ParquetFile:
-    """Open `uri` for reading its footer and row groups. Call .close() (or use `with`) when done."""
+# Streaming reads of one shard's rows: bytes are fetched as decoding asks for them, in pieces of
+# this size, so a shard stops reading at its last row instead of fetching whole column chunks.
+STREAM_BUFFER_BYTES = 4 * 1024 * 1024
+
+
+def open_parquet(filesystem: pafs.FileSystem, uri: str, stream: bool = False) -> pq.ParquetFile:
+    """Open `uri` for reading its footer and row groups. Call .close() (or use `with`) when done.
+
+    stream: fetch column data as it is decoded (STREAM_BUFFER_BYTES at a time) instead of whole
+    column chunks up front; for reading a part of a row group.
+    """
+    buffering = {"pre_buffer": False, "buffer_size": STREAM_BUFFER_BYTES} if stream else {}
     try:
-        return pq.ParquetFile(fs_path(uri), filesystem=filesystem)
+        return pq.ParquetFile(fs_path(uri), filesystem=filesystem, **buffering)
     except FileNotFoundError as e:
         raise InputFileError(
             uri, "file not found", "Check the input path, and that the file was not moved"
@@ -103,6 +113,13 @@ def open_parquet(filesystem: pafs.FileSystem, uri: str) -> pq.ParquetFile:
         raise InputFileError(
             uri, f"cannot be read ({text.strip()})", "Check that the file is readable"
         ) from e
+
+
+def largest_row_group(filesystem: pafs.FileSystem, uri: str) -> int:
+    """Rows in the file's largest row group (0 for an empty file); reads the footer only."""
+    with open_parquet(filesystem, uri) as pf:
+        meta = pf.metadata
+        return max((meta.row_group(g).num_rows for g in range(meta.num_row_groups)), default=0)
 
 
 def footer_sha256(filesystem: pafs.FileSystem, uri: str) -> str:

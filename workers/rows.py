@@ -259,12 +259,14 @@ def resolve_rows(
 def read_shard_rows(
     shard: ShardSpec, filesystem: pafs.FileSystem, config: RowConfig, batch_rows: int = 4096
 ) -> list[PromptRow]:
-    """Read and resolve the rows of one shard: only the row groups that overlap it are read.
+    """Read and resolve the rows of one shard: only the row groups that overlap it are read, and
+    of those only up to the shard's last row (streamed: nothing after it is fetched or decoded;
+    rows before its first are decoded, as Parquet pages are, but never turned into rows).
 
     Raises InputFileError if the file no longer holds the planned rows or images (it changed
     after planning).
     """
-    with open_parquet(filesystem, shard.file) as pf:
+    with open_parquet(filesystem, shard.file, stream=True) as pf:
         meta = pf.metadata
         if meta.num_rows < shard.row_stop:
             raise InputFileError(
@@ -282,6 +284,7 @@ def read_shard_rows(
             start += size
         rows: list[PromptRow] = []
         at = first_group_row or 0
+        batch_rows = max(1, min(batch_rows, shard.num_rows))  # no batch reaches far past the shard
         for batch in pf.iter_batches(batch_size=batch_rows, row_groups=groups):
             lo, hi = max(shard.row_start - at, 0), min(shard.row_stop - at, batch.num_rows)
             if hi > lo:
