@@ -433,3 +433,78 @@ def test_lightning_lora_form_in_the_header_validates(tmp_path):
     assert settings["loras"] == [{"path": worker.loras[0].path, "scale": 1.0}]
     assert settings["scheduler_config"] == worker.scheduler_config
     assert "loras" not in load_spec(LIGHTNING_JOB).image_settings()
+
+
+# -- who may talk to the cluster ---------------------------------------------------------------------
+
+LIFECYCLE = DEPLOY / "s3-lifecycle.json"
+
+
+def _env(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def _assert_ray_token(container: dict[str, Any], where: str) -> str:
+    """RAY_AUTH_MODE=token and RAY_AUTH_TOKEN from a Secret; returns the Secret's name."""
+    env = _env(container)
+    assert env.get("RAY_AUTH_MODE", {}).get("value") == "token", f"{where}: RAY_AUTH_MODE=token missing"
+    ref = env.get("RAY_AUTH_TOKEN", {}).get("valueFrom", {}).get("secretKeyRef", {})
+    assert ref.get("name") and ref.get("key") and not ref.get("optional"), (
+        f"{where}: RAY_AUTH_TOKEN must come from a Secret (never a literal value)"
+    )
+    return f"{ref['name']}/{ref['key']}"
+
+
+def _ray_containers(spec: dict[str, Any], where: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    for c in spec["headGroupSpec"]["template"]["spec"]["containers"]:
+        yield f"{where} head {c['name']}", c
+    for group in spec["workerGroupSpecs"]:
+        for c in group["template"]["spec"]["containers"]:
+            yield f"{where} group {group['groupName']} {c['name']}", c
+
+
+def test_the_jobs_api_needs_rays_token_everywhere_it_is_reachable():
+    rayjob = _one(RAYJOB, "RayJob")["spec"]
+    cluster = _one(NIGHTLY, "RayCluster")["spec"]
+    cron_pod = _one(NIGHTLY, "CronJob")["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    secrets = set()
+    for spec, where in ((rayjob["rayClusterSpec"], str(RAYJOB)), (cluster, str(NIGHTLY))):
+        assert spec["headGroupSpec"]["rayStartParams"].get("dashboard-host") == "0.0.0.0"
+        for name, container in _ray_containers(spec, where):
+            secrets.add(_assert_ray_token(container, name))
+    # What talks to the dashboard: the RayJob's submitter pod and the CronJob's `ditfleet submit`.
+    submitter = rayjob["submitterPodTemplate"]["spec"]
+    _check_pod_spec(submitter, f"{RAYJOB} submitter")
+    secrets.add(_assert_ray_token(submitter["containers"][0], f"{RAYJOB} submitter"))
+    secrets.add(_assert_ray_token(cron_pod["containers"][0], f"{NIGHTLY} CronJob"))
+    assert secrets == {"ditfleet-ray-auth/auth_token"}, "one token for the cluster and its clients"
+    for path in (RAYJOB, NIGHTLY):  # the header says how to make the Secret
+        assert (
+            "kubectl create secret generic ditfleet-ray-auth --from-literal=auth_token=" in path.read_text()
+        )
+    # The launcher's dashboard stays on the head's loopback (reached through `ray dashboard`).
+    launcher = yaml.safe_load(LAUNCHER.read_text())
+    assert "--dashboard-host=127.0.0.1" in " ".join(launcher["head_start_ray_commands"])
+
+
+def test_gpu_workers_get_the_compile_cache_key_from_a_secret():
+    env_name = _job_spec().compile.cache_key_env
+    for spec, where in (
+        (_one(RAYJOB, "RayJob")["spec"]["rayClusterSpec"], RAYJOB),
+        (_one(NIGHTLY, "RayCluster")["spec"], NIGHTLY),
+    ):
+        for group in spec["workerGroupSpecs"]:
+            env = _env(group["template"]["spec"]["containers"][0])
+            ref = env.get(env_name, {}).get("valueFrom", {}).get("secretKeyRef", {})
+            assert ref.get("name") == "ditfleet-compile-cache-key", f"{where} {group['groupName']}"
+
+
+def test_the_bucket_lifecycle_rule_aborts_unfinished_multipart_uploads(s3_server, s3_bucket):
+    doc = json.loads(LIFECYCLE.read_text())
+    (rule,) = doc["Rules"]
+    assert rule["Status"] == "Enabled" and rule["Filter"] == {"Prefix": ""}
+    assert 1 <= rule["AbortIncompleteMultipartUpload"]["DaysAfterInitiation"] <= 7
+    # A real S3 API takes it as written (the same call as `aws s3api put-bucket-lifecycle-configuration`).
+    s3_server.admin.put_bucket_lifecycle_configuration(Bucket=s3_bucket, LifecycleConfiguration=doc)
+    stored = s3_server.admin.get_bucket_lifecycle_configuration(Bucket=s3_bucket)["Rules"]
+    assert stored[0]["AbortIncompleteMultipartUpload"] == rule["AbortIncompleteMultipartUpload"]
