@@ -46,15 +46,17 @@ def _plain_s3_uri(uri: str) -> str:
     return check_s3_uri(uri, "path")
 
 
-def _local_file(path: str) -> str:
-    """A file every node reads at the same local path (file:///x means /x); remote URIs are
-    refused, since only the model folder is fetched to the nodes."""
+def _node_file(path: str) -> str:
+    """One file every node can read: s3://bucket/key (fetched into each node's model cache) or a
+    local path that every node sees (file:///x means /x)."""
+    if path.startswith("s3://"):
+        return check_s3_uri(path, "path")
     if path.startswith("file://"):
         path = path.removeprefix("file://")
     if "://" in path:
         raise ValueError(
-            f"{path!r}: must be a local path that every node sees (a shared filesystem, or baked into "
-            "the node image), not a remote URI"
+            f"{path!r}: give s3://bucket/key or a local path that every node sees (a shared filesystem, "
+            "or baked into the node image)"
         )
     if not path:
         raise ValueError("must not be empty")
@@ -65,7 +67,8 @@ class LoraAdapterSpec(_Section):
     path: str = Field(
         description="A LoRA .safetensors file for the DiT, in the diffusers/PEFT layout "
         "(transformer.<layer>.lora_A/lora_B) or the kohya/ComfyUI one (lora_down/lora_up, alpha). "
-        "A local path every node sees; relative paths start at the current directory."
+        "s3://bucket/key (fetched once per node into model.cache_dir) or a local path every node sees; "
+        "relative paths start at the current directory."
     )
     scale: float = Field(
         1.0,
@@ -74,7 +77,7 @@ class LoraAdapterSpec(_Section):
         description="Strength of the adapter: its update is multiplied by this (diffusers' adapter weight).",
     )
 
-    _path_ok = field_validator("path")(_local_file)
+    _path_ok = field_validator("path")(_node_file)
 
 
 class InputSpec(_Section):
@@ -157,11 +160,11 @@ class ModelSpec(_Section):
         None,
         description="A scheduler_config.json (or a folder holding one) replacing the checkpoint's "
         "scheduler/: the few-step schedule a distilled LoRA was trained with. null: the checkpoint's own "
-        "(a merged distilled checkpoint ships its schedule there). A local path every node sees.",
+        "(a merged distilled checkpoint ships its schedule there). s3://bucket/key or a local path every node sees.",
     )
 
     _path_ok = field_validator("path")(_plain_s3_uri)
-    _scheduler_ok = field_validator("scheduler_config")(lambda v: None if v is None else _local_file(v))
+    _scheduler_ok = field_validator("scheduler_config")(lambda v: None if v is None else _node_file(v))
 
 
 class SamplingSpec(_Section):

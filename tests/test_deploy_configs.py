@@ -425,9 +425,10 @@ def test_lightning_lora_form_in_the_header_validates(tmp_path):
     spec = load_spec(job)
     worker = spec.to_worker_config()
     assert [(a.path, a.scale) for a in worker.loras] == [
-        ("/mnt/models/Qwen-Image-Lightning-8steps-V2.0.safetensors", 1.0)
+        ("s3://your-bucket/loras/Qwen-Image-Lightning-8steps-V2.0.safetensors", 1.0)
     ]
-    assert worker.scheduler_config == "/mnt/models/qwen-image-lightning/scheduler_config.json"
+    assert worker.scheduler_config == "s3://your-bucket/loras/qwen-image-lightning/scheduler_config.json"
+    assert worker.model_path == "s3://your-bucket/models/qwen-image"
     # Adapters change the images, so they are part of the output's fingerprint.
     settings = spec.image_settings()
     assert settings["loras"] == [{"path": worker.loras[0].path, "scale": 1.0}]

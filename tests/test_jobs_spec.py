@@ -51,9 +51,9 @@ def minimal(tmp_path: Path, extra: str = "") -> str:
         ("workers:\n  min: 3\n  max: 2\n", ["workers: max (2) must be >= min (3)"]),
         ("model:\n  dtype: fp16\n", ["model.dtype: Input should be 'auto', 'bf16' or 'fp32' (got 'fp16')"]),
         (
-            "model:\n  loras:\n    - path: s3://b/l.safetensors\n",
+            "model:\n  loras:\n    - path: hf://org/l.safetensors\n",
             [
-                "job.yaml:7: model.loras.0.path: 's3://b/l.safetensors': must be a local path that every node sees"
+                "job.yaml:7: model.loras.0.path: 'hf://org/l.safetensors': give s3://bucket/key or a local path"
             ],
         ),
         (
@@ -63,7 +63,7 @@ def minimal(tmp_path: Path, extra: str = "") -> str:
         ("model:\n  loras:\n    - scale: 1\n", ["job.yaml:7: model.loras.0.path: required, missing"]),
         (
             "model:\n  scheduler_config: hf://org/x\n",
-            ["job.yaml:6: model.scheduler_config: 'hf://org/x': must be a local path"],
+            ["job.yaml:6: model.scheduler_config: 'hf://org/x': give s3://bucket/key or a local path"],
         ),
     ],
 )

@@ -330,9 +330,12 @@ def test_metadata_rank_must_match_the_factors(tmp_path, random_model_dir):
 # -- through the worker ---------------------------------------------------------------------------
 
 
-def test_worker_merges_adapters_and_manifests_name_the_revision(tmp_path, random_model_dir):
-    """The job's model.loras and model.scheduler_config reach load_pipeline through the worker, and
-    every manifest row carries the revision of base + adapters + schedule."""
+def test_worker_merges_adapters_and_manifests_name_the_revision(
+    tmp_path, random_model_dir, s3_server, s3_bucket, s3_config
+):
+    """The job's model.loras and model.scheduler_config reach load_pipeline through the worker
+    (here from S3, through the node's model cache), and every manifest row carries the revision
+    of base + adapters + schedule."""
     import dataclasses
 
     from tests.worker_fixtures import row_config, shard_of, worker_config, write_prompts
@@ -342,15 +345,29 @@ def test_worker_merges_adapters_and_manifests_name_the_revision(tmp_path, random
 
     prompts = write_prompts(tmp_path / "prompts.parquet", 3)
     adapter = write_kohya_lora(tmp_path / "adapter.safetensors", 9, flat=True)
+    schedule = LIGHTNING_SCHEDULER / "scheduler_config.json"
+    s3_server.admin.upload_file(str(adapter), s3_bucket, "loras/adapter.safetensors")
+    s3_server.admin.upload_file(str(schedule), s3_bucket, "loras/scheduler_config.json")
     rows = row_config(steps=4, cfg=1.0)
     base = GenerationWorker(worker_config(random_model_dir, str(tmp_path / "base"), rows=rows))
+    remote = (LoraSpec(f"s3://{s3_bucket}/loras/adapter.safetensors", 0.9),)
     config = dataclasses.replace(
-        worker_config(random_model_dir, str(tmp_path / "lora"), rows=rows),
-        loras=(LoraSpec(str(adapter), 0.9),),
-        scheduler_config=str(LIGHTNING_SCHEDULER),
+        worker_config(random_model_dir, str(tmp_path / "lora"), rows=rows, s3=s3_config),
+        model_cache_dir=str(tmp_path / "cache"),
+        loras=remote,
+        scheduler_config=f"s3://{s3_bucket}/loras/scheduler_config.json",
     )
     worker = GenerationWorker(config)
-    assert worker.startup_report()["loras"] == [{"path": str(adapter), "scale": 0.9}]
+    assert worker.startup_report()["loras"] == [{"path": remote[0].path, "scale": 0.9}]
+    # The revision follows the bytes, not where they came from.
+    local = load_pipeline(
+        random_model_dir,
+        loras=[LoraSpec(str(adapter), 0.9)],
+        scheduler_config=schedule,
+        load_text_encoder_too=False,
+    )
+    assert worker.pipe.model_revision == local.model_revision
+    assert worker.pipe.scheduler == local.scheduler != base.pipe.scheduler
     for w in (base, worker):
         assert w.run_shard(shard_of(prompts, 0, 0, 3)).images_ok == 3
     with_lora = read_manifests(open_store(str(tmp_path / "lora"))).to_pandas()

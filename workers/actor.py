@@ -21,6 +21,7 @@ from compile import CompileConfig, compile_count, prepare_worker_pipeline
 from model import LoraSpec, load_pipeline
 
 from .cache_secret import CacheSecretSource, read_cache_secret, say_shared_cache_off
+from .file_fetch import fetch_file
 from .generate import BatchGenerator, GeneratedImage, image_requests, iter_generated, plan_batches
 from .input_files import filesystem_for
 from .layout import manifest_key
@@ -47,7 +48,7 @@ class WorkerConfig:
     device: str = "auto"  # auto: cuda when there is a GPU, else cpu
     dtype: str = "auto"  # auto: bf16 on cuda, fp32 on cpu; or bf16 | fp32
     modulation_cache: str = "cfg"  # off | cfg | table
-    loras: tuple[LoraSpec, ...] = ()  # adapters merged into the DiT at load (local files), in order
+    loras: tuple[LoraSpec, ...] = ()  # adapters merged into the DiT at load, in order (local or s3://)
     scheduler_config: str | None = None  # replaces the checkpoint's scheduler (a distilled LoRA's)
     cfg_batched: bool = False  # cond+uncond in one batch (more memory, fewer launches)
     batch_size: int = 4
@@ -134,6 +135,10 @@ class GenerationWorker:
         self.device, self.dtype = resolve_device(config.device, config.dtype)
         t_load = time.perf_counter()
         self.model = fetch_model(config.model_path, config.model_cache_dir, config.s3, config.model_fetch)
+        # Adapters and a schedule on S3 come to the node's cache like the weights.
+        local = lambda src: str(fetch_file(src, config.model_cache_dir, config.s3, config.model_fetch))  # noqa: E731
+        loras = tuple(LoraSpec(local(a.path), a.scale) for a in config.loras)
+        scheduler_config = local(config.scheduler_config) if config.scheduler_config else None
         self.pipe = load_pipeline(
             self.model.local_path,
             self.device,
@@ -141,8 +146,8 @@ class GenerationWorker:
             config.modulation_cache,
             cfg_batched=config.cfg_batched,
             model_id=config.model_path,
-            loras=config.loras,
-            scheduler_config=config.scheduler_config,
+            loras=loras,
+            scheduler_config=scheduler_config,
         )
         load_s = time.perf_counter() - t_load
         buckets = config.warmup_buckets or config.rows.buckets.names
