@@ -119,3 +119,46 @@ def test_a_local_output_on_several_nodes_needs_a_shared_filesystem():
     check_local_output_nodes("s3://b/out", shared_filesystem=False, alive_nodes=3)
     with pytest.raises(LocationError, match="this Ray cluster has 3 nodes: each node would write"):
         check_local_output_nodes("/data/out", shared_filesystem=False, alive_nodes=3)
+
+
+@pytest.mark.slow
+def test_ditfleet_run_refuses_a_local_output_on_a_two_node_cluster(tmp_path):
+    """A real two-node Ray (both nodes on 127.0.0.1); `ditfleet run --address` in its own process."""
+    import os
+    import subprocess
+    import sys
+
+    from ray.cluster_utils import Cluster
+
+    from tests.fixtures_ray import LOOPBACK, LOOPBACK_ENV
+
+    prompts = write_prompts(tmp_path / "prompts.parquet", 4, sizes=False)
+    job = _job(tmp_path, str(prompts), str(tmp_path / "out"))
+    saved = {k: os.environ.get(k) for k in LOOPBACK_ENV}
+    os.environ.update(LOOPBACK_ENV)
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 0, "include_dashboard": False, "node_ip_address": LOOPBACK},
+    )
+    try:
+        cluster.add_node(num_cpus=1, node_ip_address=LOOPBACK)
+        cluster.wait_for_nodes()
+        done = subprocess.run(
+            [sys.executable, "-m", "jobs.cli", "run", str(job), "--address", cluster.address],
+            cwd=Path(__file__).resolve().parent.parent,
+            env={**os.environ, **LOOPBACK_ENV},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        cluster.shutdown()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "is a local path, and this Ray cluster has 2 nodes" in done.stderr
+    assert "output.shared_filesystem: true" in done.stderr
+    assert not (tmp_path / "out").exists(), "nothing written"
