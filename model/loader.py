@@ -100,10 +100,15 @@ def load_transformer(
 def load_scheduler(component_dir: Path) -> SchedulerConfig:
     """From a scheduler folder, or from a scheduler_config.json given directly."""
     component_dir = Path(component_dir)
-    path = component_dir if component_dir.is_file() else component_dir / "scheduler_config.json"
+    given_file = component_dir.is_file() or component_dir.suffix == ".json"
+    path = component_dir if given_file else component_dir / "scheduler_config.json"
     if not path.is_file():
         raise WeightsError(f"{path}: missing. The scheduler folder needs scheduler_config.json.")
-    return SchedulerConfig.from_dict(json.loads(path.read_text()), where=str(path))
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise WeightsError(f"{path}: not valid JSON ({e}).") from None
+    return SchedulerConfig.from_dict(raw, where=str(path))
 
 
 def load_text_encoder(root: Path, device, dtype) -> TextEncoder | None:

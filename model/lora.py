@@ -285,8 +285,9 @@ def _peft_scaling(lora: LoraFile, module: str, rank: int) -> float:
     c = lora.config
     if not c:
         return 1.0
-    r = _pattern_value(c.get("rank_pattern") or {}, module, c.get("r", rank))
-    alpha = _pattern_value(c.get("alpha_pattern") or {}, module, c.get("lora_alpha", r))
+    # PEFT's LoraConfig defaults (r = lora_alpha = 8) where the metadata leaves a field out.
+    r = _pattern_value(c.get("rank_pattern") or {}, module, c.get("r", 8))
+    alpha = _pattern_value(c.get("alpha_pattern") or {}, module, c.get("lora_alpha", 8))
     if int(r) != rank:
         raise LoraError(
             f"LoRA {lora.path}: {module}: its metadata says rank {r} but the factors have rank {rank}."

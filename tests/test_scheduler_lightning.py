@@ -80,3 +80,29 @@ def test_a_config_asking_for_another_schedule_is_refused(tmp_path, change, messa
     with pytest.raises(ValueError, match=message) as e:
         load_scheduler(tmp_path)
     assert str(tmp_path / "scheduler_config.json") in str(e.value)
+
+
+def test_a_merged_checkpoint_brings_its_schedule_and_an_override_wins(tmp_path, random_model_dir):
+    """A distilled checkpoint in the diffusers layout: its scheduler/ folder is the schedule used;
+    model.scheduler_config (a file or a folder) replaces whatever the checkpoint has."""
+    import shutil
+
+    from model import load_pipeline
+
+    merged = tmp_path / "lightning-merged"
+    shutil.copytree(random_model_dir, merged)
+    shutil.copy(LIGHTNING / "scheduler_config.json", merged / "scheduler" / "scheduler_config.json")
+    assert load_pipeline(merged, load_text_encoder_too=False).scheduler == load_scheduler(LIGHTNING)
+    base = load_pipeline(random_model_dir, load_text_encoder_too=False)
+    assert base.scheduler == QWEN_IMAGE
+    for override in (LIGHTNING, LIGHTNING / "scheduler_config.json"):
+        pipe = load_pipeline(random_model_dir, scheduler_config=override, load_text_encoder_too=False)
+        assert pipe.scheduler == load_scheduler(LIGHTNING) and pipe.model_revision != base.model_revision
+    missing = tmp_path / "nowhere" / "scheduler_config.json"
+    with pytest.raises(ValueError, match=r"nowhere/scheduler_config\.json: missing"):
+        load_pipeline(random_model_dir, scheduler_config=missing, load_text_encoder_too=False)
+    (tmp_path / "broken.json").write_text("{'shift': 3")
+    with pytest.raises(ValueError, match=r"broken\.json: not valid JSON"):
+        load_pipeline(
+            random_model_dir, scheduler_config=tmp_path / "broken.json", load_text_encoder_too=False
+        )
