@@ -15,13 +15,14 @@ from pathlib import Path
 
 import torch
 
+from .checkpoint import Checkpoint, load_streaming
 from .lora import LoraFile, LoraSpec, adapters_revision, merge_updates, plan_updates, read_loras
 from .pipeline import TextToImagePipeline
 from .scheduler import SchedulerConfig
 from .text_encoder import QwenVLTextEncoder, TextEncoder
 from .transformer import QwenImageTransformer, TransformerConfig
 from .vae import load_vae
-from .weights import WeightsError, assign_state_dict, read_config, read_state_dict, safetensors_files
+from .weights import WeightsError, read_config
 
 TINY_MODEL_DIR = Path(__file__).parent / "tiny" / "weights"
 REQUIRED_COMPONENTS = ("transformer", "vae", "scheduler")
@@ -84,15 +85,25 @@ def model_revision(root: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def prepare_transformer(
+    component_dir: Path, modulation_cache: str = "cfg"
+) -> tuple[QwenImageTransformer, Checkpoint]:
+    """Config parsed, checkpoint headers checked, model built on the meta device: no weight read yet."""
+    config = TransformerConfig.from_dict(read_config(component_dir), where=str(component_dir / "config.json"))
+    checkpoint = Checkpoint(component_dir)
+    with torch.device("meta"):
+        model = QwenImageTransformer(config, modulation_cache=modulation_cache)
+    checkpoint.check_matches(model, str(component_dir))
+    return model, checkpoint
+
+
 def load_transformer(
     component_dir: Path, device, dtype, modulation_cache: str = "cfg", loras: Sequence[LoraFile] = ()
 ) -> QwenImageTransformer:
     """`loras` are merged into the weights after loading (see model/lora.py)."""
-    config = TransformerConfig.from_dict(read_config(component_dir), where=str(component_dir / "config.json"))
-    with torch.device("meta"):
-        model = QwenImageTransformer(config, modulation_cache=modulation_cache)
+    model, checkpoint = prepare_transformer(component_dir, modulation_cache)
     updates = plan_updates(loras, model)  # every adapter key checked before any weight is read
-    assign_state_dict(model, read_state_dict(component_dir), str(component_dir), dtype, device)
+    load_streaming(model, checkpoint, str(component_dir), dtype, device)
     merge_updates(model, updates)
     return model.eval().requires_grad_(False)
 
@@ -144,7 +155,9 @@ def load_pipeline(
     or a folder holding one) replaces the checkpoint's scheduler, e.g. a distilled LoRA's few-step
     schedule over the base model. Both change the model revision the manifests record."""
     root = resolve_model_dir(path)
-    # A bad adapter or schedule fails here, before any weight is read or anything moves to a GPU.
+    # Everything that can be wrong with the files (a bad adapter or schedule, configs, shard
+    # headers and keys of the transformer) fails here, before any weight is read or any device
+    # memory is used; the (small) VAE is loaded on the CPU first for the same reason.
     adapters = read_loras(loras)
     scheduler = load_scheduler(Path(scheduler_config) if scheduler_config else root / "scheduler")
     revision = model_revision(root)
@@ -152,9 +165,15 @@ def load_pipeline(
         override = json.dumps(scheduler.to_dict(), sort_keys=True)
         revision = hashlib.sha256(f"{revision}:scheduler:{override}".encode()).hexdigest()[:16]
     revision = adapters_revision(revision, adapters)
-    safetensors_files(root / "transformer")  # refuse pickle-only folders before building anything
-    transformer = load_transformer(root / "transformer", device, dtype, modulation_cache, adapters)
-    vae = load_vae(root / "vae", device=device, dtype=dtype)
+    transformer, checkpoint = prepare_transformer(root / "transformer", modulation_cache)
+    updates = plan_updates(adapters, transformer)
+    if load_text_encoder_too and (root / "text_encoder").is_dir():
+        Checkpoint(root / "text_encoder")  # its shards complete, before the DiT takes device memory
+    vae = load_vae(root / "vae", device="cpu", dtype=dtype)
+    load_streaming(transformer, checkpoint, str(root / "transformer"), dtype, device)
+    merge_updates(transformer, updates)
+    transformer = transformer.eval().requires_grad_(False)
+    vae = vae.to(device)
     text_encoder = load_text_encoder(root, device, dtype) if load_text_encoder_too else None
     return TextToImagePipeline(
         transformer,

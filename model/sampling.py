@@ -64,6 +64,17 @@ def true_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: torch.Tensor | flo
     return combined * (cond_norm / comb_norm)
 
 
+def model_timestep(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The scheduler's t in [0, 1000] -> what the transformer takes, t / 1000 in `dtype`.
+
+    Rounded to `dtype` first, then divided in `dtype`, exactly as the reference pipeline does
+    (`t.to(latents.dtype) / 1000`): in bf16 dividing first and rounding after lands on another
+    value for some steps (t = 392.6 gives 0.3906 instead of 0.3926), and the DiT output there
+    differs by tens of percent, so the trajectory leaves the reference's.
+    """
+    return t.to(dtype) / 1000.0
+
+
 @dataclass
 class Conditioning:
     embeds: torch.Tensor  # (B, L, D)
@@ -85,7 +96,7 @@ class TimestepBank:
         full_key = (key, str(device), dtype)
         if full_key not in self._bank:
             ts = (sigmas[:-1] * 1000.0).to(device)  # the scheduler's t in [0, 1000]
-            self._bank[full_key] = [(ts[i : i + 1] / 1000.0).to(dtype) for i in range(ts.shape[0])]
+            self._bank[full_key] = [model_timestep(ts[i : i + 1], dtype) for i in range(ts.shape[0])]
         return self._bank[full_key]
 
     def clear(self) -> None:
@@ -126,7 +137,7 @@ def denoise(
         if bank_steps is not None:
             timestep = bank_steps[i]
         else:
-            timestep = (ts[i : i + 1] / 1000.0).to(latents.dtype)
+            timestep = model_timestep(ts[i : i + 1], latents.dtype)
         if uncond is None:
             velocity = transformer(latents, cond.embeds, cond.mask, timestep, img_shapes)
         elif cfg_batched:

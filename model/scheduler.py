@@ -109,11 +109,25 @@ def shift_mu(config: SchedulerConfig, image_seq_len: int) -> float:
     return image_seq_len * m + (config.base_shift - m * config.base_image_seq_len)
 
 
+def _linspace(start: float, stop: float, n: int) -> torch.Tensor:
+    """numpy.linspace's float64 arithmetic (i * step + start, last = stop), which the reference
+    pipeline uses; torch.linspace computes from both ends and can differ in the last bit."""
+    if n == 1:
+        return torch.tensor([start], dtype=torch.float64)
+    y = torch.arange(n, dtype=torch.float64) * ((stop - start) / (n - 1)) + start
+    y[-1] = stop
+    return y
+
+
 def sigma_schedule(config: SchedulerConfig, steps: int, image_seq_len: int) -> torch.Tensor:
-    """(steps + 1,) fp32 sigmas on CPU, from ~1 down to shift_terminal, then a final 0."""
+    """(steps + 1,) fp32 sigmas on CPU, from ~1 down to shift_terminal, then a final 0.
+
+    Every operation is done in fp32 in the reference scheduler's order, so the t it yields (and
+    so each bf16 timestep) equals the reference's bit for bit.
+    """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    sigmas = torch.linspace(1.0, 1.0 / steps, steps, dtype=torch.float64).to(torch.float32)
+    sigmas = _linspace(1.0, 1.0 / steps, steps).to(torch.float32)
     if config.use_dynamic_shifting:
         mu = shift_mu(config, image_seq_len)
         # As a float32 tensor, not a Python scalar: torch computes `scalar / tensor` as
@@ -127,7 +141,8 @@ def sigma_schedule(config: SchedulerConfig, steps: int, image_seq_len: int) -> t
     # by zero there and returns NaN).
     if config.shift_terminal and float(sigmas[-1]) < 1.0:
         one_minus = 1 - sigmas
-        sigmas = 1 - one_minus / (one_minus[-1] / (1 - config.shift_terminal))
+        scale = one_minus[-1] / torch.tensor(1 - config.shift_terminal, dtype=torch.float32)
+        sigmas = 1 - one_minus / scale
     return torch.cat([sigmas.to(torch.float32), torch.zeros(1, dtype=torch.float32)])
 
 

@@ -122,7 +122,8 @@ def sinusoidal_embedding(t: torch.Tensor, channels: int = 256, scale: float = 10
     """
     half = channels // 2
     freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
-    args = scale * t[:, None].float() * freqs[None, :]
+    # t * freqs first, then the scale: the reference's order, so the fp32 arguments match bit for bit.
+    args = scale * (t[:, None].float() * freqs[None, :])
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
 

@@ -137,7 +137,9 @@ def test_full_depth_transformer_on_meta_has_the_published_size(model):
         ref = QwenImageTransformer2DModel.from_config(raw)
     ours_state, ref_state = ours.state_dict(), ref.state_dict()
     assert len(ours_state) == PUBLISHED_TRANSFORMER_TENSORS
-    assert {k: tuple(v.shape) for k, v in ours_state.items()} == {k: tuple(v.shape) for k, v in ref_state.items()}
+    assert {k: tuple(v.shape) for k, v in ours_state.items()} == {
+        k: tuple(v.shape) for k, v in ref_state.items()
+    }
     assert sum(p.numel() for p in ours.parameters()) == PUBLISHED_TRANSFORMER_PARAMS
 
 
