@@ -317,9 +317,9 @@ def merge_updates(model: torch.nn.Module, updates: Sequence[LayerUpdate]) -> Non
         if w.device.type == "cpu" and w.dtype in (torch.float16, torch.bfloat16):
             # Half-precision matmuls are slow (and rounded differently) on CPUs: PEFT computes
             # the delta in fp32 there and rounds it once.
-            delta = ((up.float() @ down.float()) * u.scaling).to(w.dtype)
+            delta = (up.float() @ down.float()).mul_(u.scaling).to(w.dtype)
         else:
-            delta = (up @ down) * u.scaling
+            delta = (up @ down).mul_(u.scaling)  # in place: one (out, in) temporary, not two
         w += delta
         if u.bias is not None:
             layer.bias += u.bias.to(device=w.device, dtype=layer.bias.dtype) * u.scaling

@@ -411,3 +411,22 @@ def test_lightning_style_keys_match_the_published_full_depth_model(tmp_path):
         path = _bad(tmp_path / f"lightning-{flat}.safetensors", sd)
         updates = plan_updates([read_lora(LoraSpec(str(path)))], model)
         assert sorted(u.module for u in updates) == sorted(linears)
+
+
+def test_bench_script_prints_one_json_line():
+    """bench/lora_merge.py at the published widths, one block, rank 4 (seconds on CPU)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(
+        [sys.executable, str(root / "bench" / "lora_merge.py"), "--rank", "4", "--threads", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        cwd=root,
+    ).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["bench"] == "lora_merge" and result["adapted_layers"] == 14 and result["rank"] == 4
+    assert result["merge_s"] > 0 and result["estimate_60_blocks_s"] > 0
