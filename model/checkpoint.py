@@ -159,7 +159,10 @@ class Checkpoint:
             )
         bad = [f"{k}: checkpoint {got[k]} vs model {expected[k]}" for k in expected if got[k] != expected[k]]
         if bad:
-            raise WeightsError(f"{where}: shape mismatch for {len(bad)} keys, e.g. {bad[:5]}.")
+            raise WeightsError(
+                f"{where}: shape mismatch for {len(bad)} keys, e.g. {bad[:5]}. "
+                "Check that the config.json belongs to these weights."
+            )
 
     def iter_shards(self) -> Iterator[tuple[Path, Iterator[tuple[str, torch.Tensor]]]]:
         """(file, an iterator of its tensors on the CPU), one file at a time.

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from model.checkpoint import Checkpoint
 from model.vae_blocks import CausalConv2d, Decoder, Encoder, Resample, RMSNorm
 from model.weights import WeightsError, assign_state_dict, read_config, read_state_dict
 
@@ -285,6 +286,7 @@ def load_vae(
     config = VAEConfig.from_dict(raw, source=str(cfg_path))
     with torch.device("meta"):
         vae = QwenImageVAE(config, with_encoder=with_encoder)
+    Checkpoint(component_dir)  # a missing or truncated file is named before anything is read
     state = state_dict_from_3d(vae, read_state_dict(component_dir), where=str(component_dir))
     ignore = () if with_encoder else ENCODER_PREFIXES
     assign_state_dict(
