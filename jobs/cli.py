@@ -7,6 +7,7 @@
                                            submit `ditfleet run job.yaml` to a cluster once per slot
     ditfleet status OUTPUT [--json]        committed shards, rows ok/failed, what is left
     ditfleet preview OUTPUT --out s.png    contact sheet of generated images with their prompts
+    ditfleet inspect MODEL [--bucket WxH]  a model's components and memory plan (configs and headers only)
 
 Exit codes: 0 done; 1 the job ran but rows or shards failed, or it stopped on a store error
 after retries (committed shards are kept: run it again to resume; for status, the output is
@@ -30,6 +31,7 @@ from collections.abc import Sequence
 from driver.dispatch import DispatchError
 from driver.errors import InputError
 from driver.locations import LocationError, check_local_output_nodes
+from driver.memory_plan import JobMemoryPlan, MemoryPlanError, job_memory_plan
 from driver.run import OutputMismatch, plan_input, preview_increment, run_job, validate_job_input
 from driver.status import output_status
 from jobs.spec import JobSpec, SpecError, load_spec
@@ -76,19 +78,49 @@ def _store_args(args: argparse.Namespace) -> S3Config:
     return S3Config(endpoint_url=args.endpoint_url, region=args.region)
 
 
+def _memory_plan(spec: JobSpec) -> JobMemoryPlan | None:
+    """The job's memory plan; None when the model cannot be read at plan time (hf://)."""
+    return job_memory_plan(spec.memory_request())
+
+
+def _check_memory(spec: JobSpec, job: str) -> JobMemoryPlan | None:
+    """Refuse a job whose batch cannot fit workers.gpu_memory_gb (nothing to check without it)."""
+    if spec.workers.gpu_memory_gb is None:
+        return None
+    memory = _memory_plan(spec)
+    if memory is None:
+        _print_err(f"{job}: {spec.model.path}: configs are not read at plan time; memory not checked")
+        return None
+    memory.check(job)
+    return memory
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     spec = load_spec(args.job)
     report = validate_job_input(spec.to_driver_config())
     if not report.ok:
         raise InputError(report.errors, report.total)
+    memory = _check_memory(spec, args.job)
     print(f"{args.job}: ok: {report.rows} rows in {len(report.files)} file(s) under {spec.input_uri()}")
+    if memory is not None:
+        print(f"memory: fits {spec.workers.gpu_memory_gb:g} GB; worst: {memory.worst().describe()}")
     return EXIT_OK
+
+
+def _print_memory(memory: JobMemoryPlan | None, spec: JobSpec) -> None:
+    if memory is None:
+        print(f"memory:  {spec.model.path}: not read at plan time (hf://); `ditfleet inspect` a local copy")
+        return
+    for i, line in enumerate(memory.lines()):
+        print(("memory:  " if i == 0 else "         ") + line)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     spec = load_spec(args.job)
     if spec.input.incremental:
-        return _plan_incremental(spec, args.json)
+        code = _plan_incremental(spec, args.json)
+        _check_memory(spec, args.job)
+        return code
     plan = plan_input(spec.to_driver_config())
     info = {
         "input": plan.source,
@@ -102,18 +134,27 @@ def cmd_plan(args: argparse.Namespace) -> int:
         "actors": {"min": spec.workers.min, "max": spec.workers.max or spec.workers.min},
         "fingerprint": plan.fingerprint(),
     }
+    memory = _memory_plan(spec)
+    info["memory"] = memory.to_dict() if memory is not None else None
     if args.json:
         print(json.dumps(info, indent=2))
-        return EXIT_OK
+    else:
+        _print_plan_text(info, plan.bucket_usage, plan.warnings)
+        _print_memory(memory, spec)
+    if memory is not None and spec.workers.gpu_memory_gb is not None:
+        memory.check(args.job)
+    return EXIT_OK
+
+
+def _print_plan_text(info: dict, bucket_usage: dict[str, int], warnings: Sequence[str] = ()) -> None:
     print(f"input:   {info['input']} ({info['files']} file(s))")
     print(f"rows:    {info['rows']}, images: {info['images']}")
     print(f"shards:  {info['shards']} of up to {info['shard_size']} rows")
-    print("buckets: " + ", ".join(f"{b} ({n} shards)" for b, n in plan.bucket_usage.items()))
+    print("buckets: " + ", ".join(f"{b} ({n} shards)" for b, n in bucket_usage.items()))
     print(f"output:  {info['output']}")
     print(f"actors:  {info['actors']['min']}..{info['actors']['max']}")
-    for warning in plan.warnings:
+    for warning in warnings:
         print(f"warning: {warning}")
-    return EXIT_OK
 
 
 def _plan_incremental(spec: JobSpec, as_json: bool) -> int:
@@ -147,6 +188,7 @@ def _plan_incremental(spec: JobSpec, as_json: bool) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     spec: JobSpec = load_spec(args.job)
+    _check_memory(spec, args.job)  # before any actor is asked for
     driver, worker = spec.to_driver_config(), spec.to_worker_config()
     started = False
 
@@ -210,6 +252,22 @@ def cmd_preview(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from jobs.inspect_model import format_inspection, inspect_model
+
+    info = inspect_model(
+        args.model,
+        buckets=args.bucket or (),
+        batch=args.batch,
+        dtype=args.dtype,
+        gpus_gb=args.gpu_gb,
+        max_sequence_length=args.max_sequence_length,
+        s3=_store_args(args),
+    )
+    print(json.dumps(info, indent=2) if args.json else format_inspection(info))
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ditfleet", description="Generate image datasets on a Ray cluster.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -248,6 +306,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_submit)
 
+    p = sub.add_parser("inspect", help="a model's components and memory plan (reads configs and headers only)")
+    p.add_argument("model", help="a diffusers-layout model folder, s3://bucket/prefix (configs only), or 'tiny'")
+    p.add_argument("--bucket", action="append", help="image size WxH (repeatable; default: the largest)")
+    p.add_argument("--batch", type=int, default=1, help="images per batch (default 1)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument(
+        "--gpu-gb", type=float, nargs="+", default=[80.0, 48.0, 24.0], help="GPU sizes in GB (default 80 48 24)"
+    )
+    p.add_argument("--max-sequence-length", type=int, default=512, help="longest prompt in tokens (default 512)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--endpoint-url", help="S3-compatible endpoint for s3:// models")
+    p.add_argument("--region", help="S3 region")
+    p.set_defaults(func=cmd_inspect)
+
     for name, helptext, func in (
         ("status", "what an output holds and what is left", cmd_status),
         ("preview", "contact sheet PNG of generated images with their prompts", cmd_preview),
@@ -272,7 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (SpecError, InputError, OutputMismatch, UsageError, LocationError) as e:
+    except (SpecError, InputError, OutputMismatch, UsageError, LocationError, MemoryPlanError) as e:
         _print_err(str(e))
         return EXIT_BAD_INPUT
     except StoreConfigError as e:  # found before any work: nothing written

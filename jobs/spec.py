@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from compile import CompileConfig
 from compile.buckets import QWEN_IMAGE_BUCKETS, TINY_BUCKETS, BucketError, BucketSet, ResolutionBucket
 from driver.dispatch import DispatchConfig
+from driver.memory_plan import MemoryRequest
 from driver.plan import PlanConfig
 from driver.run import DriverConfig
 from workers.actor import LoraSpec, WorkerConfig
@@ -162,6 +163,20 @@ class ModelSpec(_Section):
         "scheduler/: the few-step schedule a distilled LoRA was trained with. null: the checkpoint's own "
         "(a merged distilled checkpoint ships its schedule there). s3://bucket/key or a local path every node sees.",
     )
+    text_encoder: Literal["gpu", "cpu", "offload"] = Field(
+        "gpu",
+        description="Where the text encoder lives: 'gpu' (always next to the DiT), 'cpu' (encodes on the "
+        "CPU; its weights never take GPU memory), 'offload' (comes onto the GPU to encode a shard's prompts "
+        "up front, then leaves; the DiT waits in host memory meanwhile when both do not fit). "
+        "`ditfleet plan` shows what each needs.",
+    )
+    embedding_cache_mb: int = Field(
+        256,
+        ge=0,
+        le=1 << 20,
+        description="Prompt embeddings kept per actor (least recently used dropped first), so the job's "
+        "negative prompt and repeated prompts are encoded once; 0: keep none.",
+    )
 
     _path_ok = field_validator("path")(_plain_s3_uri)
     _scheduler_ok = field_validator("scheduler_config")(lambda v: None if v is None else _node_file(v))
@@ -262,6 +277,12 @@ class WorkersSpec(_Section):
     cpus: float = Field(1.0, ge=0, description="CPUs per actor (encode/upload threads run on them).")
     batch_size: int = Field(
         4, ge=1, le=1024, description="Images generated together (same bucket and steps)."
+    )
+    gpu_memory_gb: float | None = Field(
+        None,
+        gt=0,
+        description="Memory of each actor's GPU in GB as the card is sold (80, 48, 24, ...): plan and "
+        "validate refuse a batch size that cannot fit it and name the largest that does; null: no check.",
     )
     shards_in_flight: int = Field(
         2, ge=1, le=8, description="Shards queued per actor, so its GPU never waits."
@@ -419,6 +440,25 @@ class JobSpec(_Section):
             settings["scheduler_config"] = self.model_scheduler_config()
         return settings
 
+    def memory_request(self) -> MemoryRequest:
+        """What one actor asks of its GPU, for the memory plan (every bucket of the job)."""
+        table = self.model.modulation_cache == "table"
+        on_cpu = self.model.device == "cpu" or self.gpus_per_actor() == 0
+        return MemoryRequest(
+            model_path=self.model_path(),
+            buckets=tuple(self.bucket_names()),
+            batch_size=self.workers.batch_size,
+            # auto is bf16 on a GPU, fp32 on the CPU (an actor without a GPU)
+            dtype="fp32" if self.model.dtype == "fp32" or (on_cpu and self.model.dtype == "auto") else "bf16",
+            text_encoder=self.model.text_encoder,
+            gpu_memory_gb=self.workers.gpu_memory_gb,
+            cfg="serial",  # rows may turn CFG on whatever the default; serial passes hold one output more
+            vae_batch=1 if self.compile.vae else None,
+            max_sequence_length=self.model.max_sequence_length,
+            table_steps=(self.sampling.steps,) if table else (),
+            s3=self.s3_config(),
+        )
+
     def s3_config(self) -> S3Config:
         return S3Config(
             endpoint_url=self.s3.endpoint_url,
@@ -465,6 +505,8 @@ class JobSpec(_Section):
             scheduler_config=self.model_scheduler_config(),
             batch_size=self.workers.batch_size,
             max_sequence_length=self.model.max_sequence_length,
+            text_encoder=self.model.text_encoder,
+            embedding_cache_bytes=self.model.embedding_cache_mb * 2**20,
             compile=CompileConfig(
                 vae=self.compile.vae, dit=self.compile.dit, shared_cache=self.compile.shared_cache
             ),

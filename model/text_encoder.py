@@ -63,6 +63,12 @@ class QwenVLTextEncoder:
         ids = self.tokenizer(texts, max_length=QWEN_TOKENIZER_MAX + QWEN_IMAGE_DROP_TOKENS, truncation=True)
         return [min(max(len(t) - QWEN_IMAGE_DROP_TOKENS, 0), max_length) for t in ids["input_ids"]]
 
+    def to(self, device: str | torch.device) -> QwenVLTextEncoder:
+        """Move the encoder (e.g. off the GPU between shards); returns self."""
+        self.model.to(device)
+        self.device = torch.device(device)
+        return self
+
     @torch.no_grad()
     def encode(self, prompts: list[str], max_length: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
         texts = [QWEN_IMAGE_TEMPLATE.format(p) for p in prompts]

@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from compile import CompileConfig, compile_count, prepare_worker_pipeline
-from model import LoraSpec, load_pipeline
+from model import LoraSpec, load_pipeline, resolve_model_dir
+from model.loader import load_text_encoder
 
 from .cache_secret import CacheSecretSource, read_cache_secret, say_shared_cache_off
 from .file_fetch import fetch_file
@@ -32,6 +33,7 @@ from .rows import PromptRow, RowConfig, ShardSpec, read_shard_rows
 from .shard_writers import ImageResult, ImageTask, ShardWriterConfig, make_shard_writer
 from .spot import StopOnSigterm
 from .stores import S3Config, open_store
+from .text_embeddings import PLACEMENTS, PlacedTextEncoder
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,8 @@ class WorkerConfig:
     cfg_batched: bool = False  # cond+uncond in one batch (more memory, fewer launches)
     batch_size: int = 4
     max_sequence_length: int = 512
+    text_encoder: str = "gpu"  # gpu | cpu | offload: where the text encoder lives (text_embeddings.py)
+    embedding_cache_bytes: int = 256 * 2**20  # prompt embeddings kept per actor (host memory)
     warmup_buckets: tuple[str, ...] = ()  # the buckets this job uses; empty = every job bucket
     compile: CompileConfig = field(default_factory=CompileConfig)
     # Where each actor finds the key that authenticates the shared compile cache (not the key).
@@ -65,6 +69,8 @@ class WorkerConfig:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.dtype not in ("auto", "bf16", "fp32"):
             raise ValueError(f"dtype must be auto, bf16 or fp32, got {self.dtype!r}")
+        if self.text_encoder not in PLACEMENTS:
+            raise ValueError(f"text_encoder must be one of {PLACEMENTS}, got {self.text_encoder!r}")
 
 
 @dataclass
@@ -148,7 +154,9 @@ class GenerationWorker:
             model_id=config.model_path,
             loras=loras,
             scheduler_config=scheduler_config,
+            load_text_encoder_too=config.text_encoder == "gpu",
         )
+        self.text = place_text_encoder(self.pipe, self.model.local_path, config)
         load_s = time.perf_counter() - t_load
         buckets = config.warmup_buckets or config.rows.buckets.names
         secret = read_cache_secret(config.compile_cache_key) if config.compile.shared_cache else None
@@ -176,6 +184,7 @@ class GenerationWorker:
             "loras": [{"path": a.path, "scale": a.scale} for a in config.loras],
             "model_fetch": self.model.to_dict(),
             "load_s": round(load_s, 3),
+            "text_encoder": config.text_encoder,
             "compile": self.compile_report.to_dict(),
             "shared_compile_cache": "off"
             if secret is None
@@ -216,6 +225,8 @@ class GenerationWorker:
         )
         rows = read_shard_rows(shard, fs, self.config.rows)
         requests = image_requests(rows)
+        if self.text is not None:  # offload: the encoder visits the GPU once per shard, here
+            self.text.prefetch(shard_prompts(requests), self.config.max_sequence_length)
         compiles_before = compile_count()
         attention_before = self.pipe.transformer.attention_stats.to_dict()
         generated: dict[tuple[str, int], GeneratedImage] = {}
@@ -243,6 +254,9 @@ class GenerationWorker:
         except BaseException:
             writer.abort()
             raise
+        finally:
+            if self.text is not None:
+                self.text.release()
         result.recompiles = compile_count() - compiles_before
         result.attention = self.pipe.transformer.attention_stats.since(attention_before)
         stored_by_key = {(r.id, r.k): r for r in stored.results}
@@ -269,6 +283,10 @@ class GenerationWorker:
         result.rows = len(rows)
         result.wall_s = time.perf_counter() - t0
         return result
+
+    def text_encoder_stats(self) -> dict:
+        """Placement, prompts encoded, embedding-cache hits and misses (empty without an encoder)."""
+        return self.text.stats() if self.text is not None else {}
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -313,3 +331,32 @@ class GenerationWorker:
             recompiles=recompiles,
             extra=row.extra or None,
         )
+
+
+def place_text_encoder(pipe, local_path, config: WorkerConfig) -> PlacedTextEncoder | None:
+    """Put the pipeline's text encoder where the job says, behind the embedding cache.
+
+    `gpu`: it was loaded next to the DiT. `cpu` and `offload`: it is loaded on the CPU here, so
+    its weights never sit on the GPU next to the DiT's at start-up. None for a model without one.
+    """
+    if config.text_encoder != "gpu":
+        pipe.text_encoder = load_text_encoder(resolve_model_dir(local_path), "cpu", pipe.dtype)
+    if pipe.text_encoder is None:
+        return None
+    placed = PlacedTextEncoder(
+        pipe.text_encoder,
+        config.text_encoder,
+        pipe.device,
+        config.embedding_cache_bytes,
+        transformer=pipe.transformer,
+    )
+    pipe.text_encoder = placed
+    return placed
+
+
+def shard_prompts(requests) -> list[str]:
+    """Every text a shard's batches will encode: prompts, and negatives where CFG is on (the
+    batch generator encodes `negative_prompt or " "` for those)."""
+    out = [r.row.prompt for r in requests]
+    out += [r.row.negative_prompt or " " for r in requests if r.uses_cfg]
+    return out
