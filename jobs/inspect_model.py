@@ -7,6 +7,7 @@ second on a 58 GB checkpoint, on a laptop.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from compile.buckets import PROMPT_LENGTH_BUCKETS, QWEN_IMAGE_BUCKETS, TINY_BUCKETS, prompt_length_bucket
@@ -15,12 +16,14 @@ from model.loader import resolve_model_dir
 from model.memory import (
     GB,
     TEXT_ENCODER_PLACEMENTS,
+    CheckpointSize,
     ModelMemory,
     checkpoint_size,
     dit_activation_bytes,
     largest_batch,
     plan_memory,
 )
+from model.weights import WeightsError
 from workers.stores import S3Config
 
 DEFAULT_GPUS_GB = (80.0, 48.0, 24.0)
@@ -52,8 +55,8 @@ def inspect_model(
     components: dict[str, Any] = {}
     for name, n in params.items():
         entry: dict[str, Any] = {"params": n, f"{dtype}_gb": round(n * (2 if dtype == "bf16" else 4) / GB, 3)}
-        if root is not None:
-            ck = checkpoint_size(root / name)
+        ck = _checkpoint(root, name)
+        if ck is not None:
             entry["checkpoint"] = {
                 "files": ck.files, "tensors": ck.tensors, "params": ck.params,
                 "gb": round(ck.bytes / GB, 3), "dtypes": list(ck.dtypes),
@@ -86,6 +89,18 @@ def inspect_model(
         "plans": plans,
         "math_attention_extra_gb": _math_attention_extra(model, plans, dtype, text_len),
     }
+
+
+def _checkpoint(root: Path | None, component: str) -> CheckpointSize | None:
+    """The component's safetensors headers; None for a remote model or a folder of configs only."""
+    if root is None:
+        return None
+    try:
+        return checkpoint_size(root / component)
+    except WeightsError as e:
+        if "no *.safetensors" in str(e):
+            return None
+        raise
 
 
 def _math_attention_extra(

@@ -170,19 +170,19 @@ def dit_activation_bytes(
 ) -> int:
     """Peak bytes above the weights of one DiT forward of `batch` sequences.
 
-    In a block (per sequence, in units of D * e): the attention phase holds the block inputs,
-    the modulated inputs, q/k/v per stream, the joint q/k/v, the attention output and its
-    re-laid copy: 10 S. The MLP phase holds inputs, modulated inputs, attention outputs and the
-    updated stream (4 S), then 9 x the longer stream (normed, modulated, 4D up-projection and
-    its GELU). "fused" is SDPA's flash/memory-efficient kernels; "math" also materialises the
-    scores and their softmax, 2 x heads x S^2 elements (the path a masked attention falls back
-    to where no fused kernel takes the mask).
+    Per sequence, in units of D * e: a block's q, k, v and attention output (4 S) stay alive
+    through its MLPs; the image MLP then also holds the block input, the attention projection,
+    the first residual and its normed copy (4 N), the text stream (3 L) and the 4D-wide
+    up-projection with its GELU (8 N); the text MLP the same with N and L swapped. The larger of
+    the two is the peak (the attention itself needs less). "fused" is SDPA's flash or
+    memory-efficient kernel; "math" materialises the scores and their softmax, 2 x heads x S^2
+    elements (a masked attention where no fused kernel takes the mask).
     """
     N, L = (height // 16) * (width // 16), text_len
     S, D = N + L, cfg.inner_dim
-    block = max(10 * S, 4 * S + 9 * max(N, L)) * D * e
+    block = (4 * S + 12 * max(N, L) + 3 * min(N, L)) * D * e
     if attention == "math":
-        block = max(block, 7 * S * D * e + 2 * cfg.num_attention_heads * S * S * e)
+        block = max(block, 4 * S * D * e + 2 * cfg.num_attention_heads * S * S * e)
     elif attention != "fused":
         raise ValueError(f"attention must be 'fused' or 'math', got {attention!r}")
     inputs = (N * cfg.in_channels + L * cfg.joint_attention_dim) * e  # latents and prompt embeddings
