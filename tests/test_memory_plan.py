@@ -64,7 +64,9 @@ def test_parameter_counts_match_the_modules_built_on_meta(qwen):
         num_layers=2, attention_head_dim=16, num_attention_heads=3, joint_attention_dim=32,
         axes_dims_rope=(4, 6, 6), use_additional_t_cond=True, out_channels=None,
     )  # fmt: skip
-    small_vae = VAEConfig(base_dim=32, dim_mult=(1, 2, 4), temperal_downsample=(False, True), attn_scales=(1.0,))
+    small_vae = VAEConfig(
+        base_dim=32, dim_mult=(1, 2, 4), temperal_downsample=(False, True), attn_scales=(1.0,)
+    )
     with torch.device("meta"):
         assert transformer_params(small) == _count(QwenImageTransformer(small))
         assert vae_params(small_vae, with_encoder=True) == _count(QwenImageVAE(small_vae, with_encoder=True))
@@ -118,7 +120,6 @@ def test_dit_estimate_matches_measured_peak_on_a_real_width_block(dtype):
     e = 2 if dtype == torch.bfloat16 else 4
     estimate = dit_activation_bytes(model.config, 1, size, size, text_len, e)
     assert abs(measured - estimate) <= TOLERANCE * estimate, (measured, estimate)
-    del model
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -138,7 +139,9 @@ def test_vae_decode_estimate_matches_measured_peak_at_full_width(dtype):
 
 
 def test_qwen_image_at_1328_fits_48_gb_only_with_the_text_encoder_off_the_gpu(qwen):
-    plan = lambda te, gb: plan_memory(qwen, height=1328, width=1328, batch=1, text_encoder=te, gpu_memory_gb=gb)  # noqa: E731
+    plan = lambda te, gb: plan_memory(
+        qwen, height=1328, width=1328, batch=1, text_encoder=te, gpu_memory_gb=gb
+    )  # noqa: E731
     assert plan("gpu", 80).weights["transformer"] == 2 * 20_430_401_088
     assert plan("gpu", 80).fits and plan("cpu", 80).fits and plan("offload", 80).fits
     assert not plan("offload", 80).dit_swapped  # both fit next to each other on 80 GB
@@ -230,10 +233,13 @@ def test_a_job_that_fits_plans_with_its_memory(tmp_path, qwen_configs_dir, capsy
 def test_inspect_reads_headers_and_prints_the_plan(qwen_configs_dir, capsys):
     assert main(["inspect", "tiny", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["components"]["transformer"]["checkpoint"]["params"] == info["components"]["transformer"]["params"]
+    assert (
+        info["components"]["transformer"]["checkpoint"]["params"]
+        == info["components"]["transformer"]["params"]
+    )
     assert main(["inspect", str(qwen_configs_dir), "--gpu-gb", "80", "48"]) == 0
     out = capsys.readouterr().out
-    assert "transformer     20.430 B params" in out
+    assert "transformer    20.430 B params" in out
     assert "1328x1328 x1, text encoder gpu" in out and "48 GB: no (max batch 0)" in out
     assert "text encoder cpu" in out and "48 GB: fits (max batch 7)" in out
 
@@ -241,7 +247,10 @@ def test_inspect_reads_headers_and_prints_the_plan(qwen_configs_dir, capsys):
 def test_qwen_plan_numbers_for_the_readme(qwen):
     """The numbers README.md quotes for 1328x1328 (batch 1, bf16)."""
     peaks = {
-        te: round(plan_memory(qwen, height=1328, width=1328, batch=1, text_encoder=te, gpu_memory_gb=48).peak / GB, 1)
+        te: round(
+            plan_memory(qwen, height=1328, width=1328, batch=1, text_encoder=te, gpu_memory_gb=48).peak / GB,
+            1,
+        )
         for te in ("gpu", "cpu", "offload")
     }
     assert peaks == {"gpu": 61.7, "cpu": 45.1, "offload": 45.1}
