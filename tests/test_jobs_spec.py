@@ -257,3 +257,24 @@ def test_single_writer_is_explicit_and_excludes_speculative_twins():
         parse_spec(base + "s3: {single_writer: true}\n")
     spec = parse_spec(base + "s3: {single_writer: true}\nworkers: {speculative_tail: false}\n")
     assert spec.to_driver_config().s3.single_writer and spec.to_worker_config().s3.single_writer
+
+
+def test_adapters_and_schedule_are_part_of_the_output_fingerprint(tmp_path):
+    """Another LoRA, scale or schedule makes other images: an output refuses to resume with them."""
+    from driver.plan import describe_differences, settings_doc
+
+    def doc(extra: str = "") -> dict:
+        spec = load_spec(write_job(tmp_path, minimal(tmp_path, extra)))
+        return settings_doc(spec.to_driver_config().plan)
+
+    plain = doc()
+    assert "loras" not in plain["image_settings"]  # outputs planned before adapters keep their fingerprint
+    lora = doc("model:\n  loras:\n    - path: a.safetensors\n      scale: 0.5\n")
+    stronger = doc("model:\n  loras:\n    - path: a.safetensors\n      scale: 0.6\n")
+    lightning = doc("model:\n  scheduler_config: s3://b/lightning/scheduler_config.json\n")
+    assert len({json.dumps(d, sort_keys=True) for d in (plain, lora, stronger, lightning)}) == 4
+    (change,) = describe_differences(lora, stronger)
+    assert change.startswith("image_settings.loras:") and "0.5" in change and "0.6" in change
+    assert any(
+        c.startswith("image_settings.scheduler_config:") for c in describe_differences(plain, lightning)
+    )
