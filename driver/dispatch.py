@@ -30,6 +30,7 @@ from typing import Any
 
 import ray
 
+from driver.fence import wait_actors_gone
 from driver.pool import ActorPool, Run, Slot, SlotState, error_kind, short_error
 
 _PENDING, _COMMITTED, _FAILED = 0, 1, 2
@@ -61,6 +62,9 @@ class DispatchConfig:
     placement_timeout_s: float | None = 1800.0  # no actor ready for this long while shards wait: stop
     max_start_failures: int = 3  # actors failing to start in a row (none ready between): stop
     tick_s: float = 0.5  # longest wait between checks of timers (retirement, tail, progress)
+    # After the last shard settled, wait this long at most for every actor's process to be gone
+    # (driver.fence), so that no run can still write when the driver writes _SUCCESS.
+    fence_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         checks = [
@@ -78,6 +82,7 @@ class DispatchConfig:
             ),
             (self.max_start_failures >= 1, "max_start_failures must be >= 1"),
             (self.tick_s > 0, "tick_s must be > 0"),
+            (self.fence_timeout_s >= 0, "fence_timeout_s must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:
@@ -118,6 +123,7 @@ class DispatchResult:
     wall_s: float  # from the first actor started to the last shard settled
     ready_actor_s: float  # sum over actors of the time they were ready (until the end)
     busy_actor_s: float  # sum of shard run times (executing, duplicates included)
+    unfenced_actors: list[str] = field(default_factory=list)  # actor ids whose process outlived the fence wait
 
 
 @dataclass(frozen=True)
@@ -601,4 +607,11 @@ def run_shards(
         num_gpus=config.num_gpus,
         resources=dict(config.resources),
     )
-    return Dispatcher(shards, pool, config, events or DispatchEvents()).run()
+    try:
+        result = Dispatcher(shards, pool, config, events or DispatchEvents()).run()
+    except BaseException:
+        pool.stop_all()
+        raise
+    # Every actor was killed when the loop ended; wait until none can write any more.
+    result.unfenced_actors = wait_actors_gone(pool.handles, config.fence_timeout_s)
+    return result

@@ -105,11 +105,13 @@ class ActorPool:
         )
         self._args = worker_args
         self.slots: dict[int, Slot] = {}
+        self.handles: list[Any] = []  # every actor ever started: all are fenced at the end
         self._next_id = 0
         self.started = 0
 
     def start(self) -> Slot:
         handle = self._actor_cls.remote(*self._args)
+        self.handles.append(handle)
         slot = Slot(
             id=self._next_id,
             handle=handle,

@@ -11,6 +11,11 @@
 4. Count rows and images from the manifests; when every shard is committed, write `_SUCCESS`
    (the summary, JSON). Print the summary. The caller exits with `summary.exit_code`.
 
+`_SUCCESS` is written only after dispatch has fenced every actor (driver.fence: each one's
+process is gone) and the orphans of this run's committed shards (objects of losing or killed
+runs, which no manifest names, see workers.layout) are deleted: at that point nothing of the
+job writes any more, and the data areas hold exactly what the manifests name.
+
 An incremental job (DriverConfig.incremental, see driver.increment) runs steps 1-2 differently:
 `_job.json` fingerprints the settings alone; each run plans only the rows its output does not
 have yet, records its shards in `_runs/`, and runs them together with any shard an earlier run
@@ -40,6 +45,7 @@ from driver.prompts import PromptSource
 from driver.status import OutputCounts, count_shards, read_json
 from driver.summary import JobSummary, build_summary
 from driver.validate import ValidationReport, validate_input
+from driver.verify import clean_orphans
 from workers.input_files import filesystem_for
 from workers.layout import success_key
 from workers.manifest import committed_shards
@@ -177,10 +183,30 @@ def run_job(
             "wall_s": time.monotonic() - t0,
         },
     )
-    if summary.shards["left"] == 0:
-        store.put(success_key(), summary.to_json().encode(), "application/json")
+    finish_output(store, summary, result, committed & {s.index for s in todo}, out)
     print(summary.format_text(), file=out)
     return summary
+
+
+def finish_output(
+    store: ObjectStore, summary: JobSummary, result: DispatchResult | None, ran: set[int], out: TextIO
+) -> None:
+    """The end of a run: warn about actors the fence could not confirm gone, delete the orphans
+    of the shards `ran` (committed ones only have any), then write `_SUCCESS` if every planned
+    shard is committed. `result` is None when nothing was dispatched."""
+    unfenced = result.unfenced_actors if result is not None else []
+    if unfenced:
+        print(
+            f"WARNING: {len(unfenced)} killed actor(s) still had a live process when the driver "
+            f"stopped waiting ({', '.join(unfenced[:5])}); anything they still upload is an orphan "
+            "that no manifest names: `ditfleet verify --clean` removes it",
+            file=out,
+        )
+    cleaned = clean_orphans(store, sorted(ran))
+    if cleaned:
+        print(f"removed {cleaned} objects of losing or killed runs (no manifest names them)", file=out)
+    if summary.shards["left"] == 0:
+        store.put(success_key(), summary.to_json().encode(), "application/json")
 
 
 @dataclass
@@ -322,8 +348,7 @@ def _run_incremental(config: DriverConfig, run: _Execution) -> JobSummary:
         "wall_s": time.monotonic() - t0,
     }
     summary = _incremental_summary(store, fingerprint, planned, result, progress, timings, counts)
-    if summary.shards["left"] == 0:
-        store.put(success_key(), summary.to_json().encode(), "application/json")
+    finish_output(store, summary, result, committed, out)
     print(summary.format_text(), file=out)
     return summary
 
@@ -365,6 +390,7 @@ __all__ = [
     "PlanConfig",
     "claim_incremental_output",
     "claim_output",
+    "finish_output",
     "plan_input",
     "preview_increment",
     "run_job",

@@ -6,13 +6,16 @@
     ditfleet submit job.yaml --address http://HEAD:8265 --slot SLOT [--wait] [--working-dir DIR]
                                            submit `ditfleet run job.yaml` to a cluster once per slot
     ditfleet status OUTPUT [--json]        committed shards, rows ok/failed, what is left
+    ditfleet verify OUTPUT [--partial] [--clean] [--json]
+                                           check an output end to end from its manifests
     ditfleet preview OUTPUT --out s.png    contact sheet of generated images with their prompts
     ditfleet inspect MODEL [--bucket WxH]  a model's components and memory plan (configs and headers only)
 
 Exit codes: 0 done; 1 the job ran but rows or shards failed, or it stopped on a store error
 after retries (committed shards are kept: run it again to resume; for status, the output is
-incomplete); 2 bad job file, bad input, a location or store that cannot be used, an output of
-another job, or bad usage: nothing written.
+incomplete; for verify, a problem was found or the output is incomplete); 2 bad job file, bad
+input, a location or store that cannot be used, an output of another job, or bad usage: nothing
+written.
 
 `run` connects to an existing cluster when --address or RAY_ADDRESS is given (that is how it
 runs as the entrypoint of `ray job submit --working-dir . -- ditfleet run job.yaml`), else it
@@ -243,6 +246,19 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK if d["complete"] and not d["rows"]["failed"] else EXIT_FAILED
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    from driver.verify import verify_output
+
+    report = verify_output(
+        open_store(args.output, _store_args(args)),
+        partial=args.partial,
+        clean=args.clean,
+        hash_objects=not args.no_hash,
+    )
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_text())
+    return EXIT_OK if report.exit_code == 0 else EXIT_FAILED
+
+
 def cmd_preview(args: argparse.Namespace) -> int:
     from jobs.preview import write_preview
 
@@ -322,6 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, helptext, func in (
         ("status", "what an output holds and what is left", cmd_status),
+        ("verify", "check an output end to end: every row once, every object's sha256", cmd_verify),
         ("preview", "contact sheet PNG of generated images with their prompts", cmd_preview),
     ):
         p = sub.add_parser(name, help=helptext)
@@ -331,6 +348,22 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         if name == "status":
             p.add_argument("--json", action="store_true", help="print JSON")
+        elif name == "verify":
+            p.add_argument("--json", action="store_true", help="print JSON")
+            p.add_argument(
+                "--partial",
+                action="store_true",
+                help="a running or unfinished output: uncommitted shards and no _SUCCESS are not errors",
+            )
+            p.add_argument(
+                "--clean",
+                action="store_true",
+                help="delete orphans: objects of losing or killed runs of committed shards, "
+                "which no manifest names (never anything a manifest names)",
+            )
+            p.add_argument(
+                "--no-hash", action="store_true", help="check presence only; do not read and hash objects"
+            )
         else:
             p.add_argument("--out", required=True, help="PNG file to write")
             p.add_argument("--max", type=int, default=24, help="images on the sheet (default 24)")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import pyarrow.fs as pafs
 
-from workers.layout import image_key, manifest_key
+from workers.layout import image_key, manifest_key, new_attempt_token
 from workers.manifest import ManifestRow, ManifestWriter
 from workers.rows import RowConfig, read_shard_rows
 from workers.stores import open_store
@@ -119,9 +119,10 @@ class SleepingWorker:
                 (str(shard.position_start + i), None, shard.position_start + i) for i in range(shard.num_rows)
             ]
         writer = ManifestWriter(shard.index, expected_rows=shard.num_images)
+        token = new_attempt_token(attempt)
         for row_id, k, seed in images:
             data = f"image {row_id} {k}".encode() if k is not None else f"image {row_id}".encode()
-            key = image_key(shard.index, row_id, k, "png")
+            key = image_key(shard.index, token, row_id, k, "png")
             self.store.put(key, data)
             writer.add(
                 ManifestRow(

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from jobs.cli import main
 from jobs.spec import JobSpec, SpecError, load_spec, parse_spec
-from workers.layout import image_key, job_key
+from workers.layout import image_key, job_key, new_attempt_token
 from workers.manifest import ManifestRow, ManifestWriter
 from workers.stores import open_store
 
@@ -151,7 +151,7 @@ def _fake_output(root: Path, shards: int, planned: int) -> None:
             row_id = f"s{shard}-{k}"
             buf = io.BytesIO()
             Image.new("RGB", (64, 48), colour).save(buf, format="PNG")
-            key = image_key(shard, row_id, None, "png")
+            key = image_key(shard, "a0-00000000000000ff", row_id, None, "png")
             store.put(key, buf.getvalue())
             ok = not (shard == 0 and k == 1)
             writer.add(
@@ -213,7 +213,9 @@ def test_preview_reads_every_output_format(tmp_path, output_format, capsys):
     out = tmp_path / "out"
     store = open_store(str(out))
     colours = {"a": (255, 0, 0), "b.c": (0, 0, 255), "d": (0, 255, 0)}
-    writer = make_shard_writer(store, 0, ShardWriterConfig(output_format=output_format, threads=2))
+    writer = make_shard_writer(
+        store, 0, ShardWriterConfig(output_format=output_format, threads=2), new_attempt_token(0)
+    )
     for row_id, colour in colours.items():
         writer.add(ImageTask(row_id, 0, 1, f"a {row_id} square"), np.full((32, 48, 3), colour, np.uint8))
     stored = writer.finish()

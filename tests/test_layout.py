@@ -19,6 +19,8 @@ from workers.layout import (
 )
 from workers.stores import check_key
 
+T = "a0-0123456789abcdef"  # an attempt token (layout.new_attempt_token makes random ones)
+
 LONG = "x" * 10_000
 HOSTILE = [
     ("../x", "~2E.~2Fx"),
@@ -76,7 +78,7 @@ def test_distinct_ids_give_distinct_keys() -> None:
     ids |= {raw for raw, _ in HOSTILE if isinstance(raw, str)} | {LONG, LONG + "z"}
     assert len({safe_key_component(i) for i in ids}) == len(ids)
     # The "_k" suffix cannot make two images of different rows share a key.
-    keys = [image_key(0, i, image_index_in_key(k, n), "png") for i in ids for n in (1, 2) for k in range(n)]
+    keys = [image_key(0, T, i, image_index_in_key(k, n), "png") for i in ids for n in (1, 2) for k in range(n)]
     assert len(set(keys)) == len(keys)
 
 
@@ -87,23 +89,26 @@ def test_bad_ids_are_refused() -> None:
 
 
 def test_layout_keys() -> None:
-    assert image_key(3, "a/b", None, "png") == "images/00003/a~2Fb.png"
-    assert image_key(3, "x", 2, "jpg") == "images/00003/x_2.jpg"
-    assert image_key(123456, "x", 0, "webp") == "images/123456/x_0.webp"
+    assert image_key(3, T, "a/b", None, "png") == f"images/00003/{T}/a~2Fb.png"
+    assert image_key(3, T, "x", 2, "jpg") == f"images/00003/{T}/x_2.jpg"
+    assert image_key(123456, T, "x", 0, "webp") == f"images/123456/{T}/x_0.webp"
     assert image_file_name("x", 1, "png") == "x_1.png"
     assert manifest_key(7) == "manifests/shard-00007.parquet"
-    assert data_key(7) == "data/shard-00007.parquet"
+    assert data_key(7, T) == f"data/shard-00007-{T}.parquet"
+    assert layout.webdataset_key(7, T) == f"webdataset/shard-00007-{T}.tar"
     assert layout.job_key() == "_job.json" and layout.success_key() == "_SUCCESS"
     assert shard_of_manifest_key(manifest_key(42)) == 42
     assert shard_of_manifest_key(manifest_key(1_234_567)) == 1_234_567
     assert shard_of_manifest_key("manifests/shard-00001.parquet.tmp") is None
     assert shard_of_manifest_key("data/shard-00001.parquet") is None
     with pytest.raises(ValueError, match="extension"):
-        image_key(0, "x", None, "gif")
+        image_key(0, T, "x", None, "gif")
     with pytest.raises(ValueError, match="shard index"):
         manifest_key(-1)
     with pytest.raises(ValueError, match="image index"):
-        image_key(0, "x", -1, "png")
+        image_key(0, T, "x", -1, "png")
+    with pytest.raises(ValueError, match="attempt token"):
+        image_key(0, "../x", "x", None, "png")
 
 
 @pytest.mark.parametrize(
@@ -112,3 +117,16 @@ def test_layout_keys() -> None:
 def test_stores_refuse_unsafe_keys(key: str) -> None:
     with pytest.raises(ValueError, match="object key"):
         check_key(key)
+
+
+def test_attempt_tokens_and_attempt_objects() -> None:
+    tokens = {layout.new_attempt_token(3) for _ in range(100)}
+    assert len(tokens) == 100 and all(t.startswith("a3-") and len(t) == 19 for t in tokens)
+    for key in (image_key(12, T, "x", None, "png"), data_key(12, T), layout.webdataset_key(12, T)):
+        assert layout.attempt_object(key) == layout.AttemptObject(12, T)
+        assert any(key.startswith(p) for p in layout.attempt_prefixes(12))
+        assert not any(key.startswith(p) for p in layout.attempt_prefixes(1))
+    for other in ("images/00012/x.png", "data/shard-00012.parquet", manifest_key(12), "_SUCCESS"):
+        assert layout.attempt_object(other) is None
+    with pytest.raises(ValueError, match="attempt number"):
+        layout.new_attempt_token(-1)

@@ -24,6 +24,8 @@ from workers.shard_writers import (
 )
 from workers.stores import open_store
 
+T = "a0-0123456789abcdef"  # an attempt token (layout.new_attempt_token makes random ones)
+
 
 def picture(i: int, h: int = 24, w: int = 32) -> np.ndarray:
     """(3, H, W) float32 in [0, 1], different per i."""
@@ -161,7 +163,7 @@ def _tasks(n: int) -> list[tuple[ImageTask, np.ndarray]]:
 def test_files_format_to_s3_under_faults(s3_server, s3_bucket, fault_proxy) -> None:
     fault_proxy.set_plan(FaultPlan(rate=0.3, kinds=("slowdown", "reset"), seed=3))
     store = open_store(f"s3://{s3_bucket}/out", s3_server.config(fault_proxy.endpoint_url, max_attempts=12))
-    writer = make_shard_writer(store, 5, ShardWriterConfig(max_in_flight=4, threads=4))
+    writer = make_shard_writer(store, 5, ShardWriterConfig(max_in_flight=4, threads=4), T)
     items = _tasks(12)
     bad = np.full((3, 24, 32), np.inf, dtype=np.float32)
     for task, image in items[:6]:
@@ -189,8 +191,8 @@ def test_files_format_shard_fails_whole_when_storage_is_down(s3_server, s3_bucke
         FaultPlan(rules=[Rule(lambda method, path: method == "PUT" and "x~2F3" in path, "cut")])
     )
     store = open_store(f"s3://{s3_bucket}/out", s3_server.config(fault_proxy.endpoint_url, max_attempts=2))
-    writer = make_shard_writer(store, 0, ShardWriterConfig(max_in_flight=2, threads=2))
-    with pytest.raises(ShardStoreError, match=r"images/00000/x~2F3.png"):
+    writer = make_shard_writer(store, 0, ShardWriterConfig(max_in_flight=2, threads=2), T)
+    with pytest.raises(ShardStoreError, match=r"images/00000/a0-0123456789abcdef/x~2F3.png"):
         for i in range(8):
             writer.add(ImageTask(id=f"x/{i}"), picture(i))
         writer.finish()
@@ -208,7 +210,7 @@ def test_parquet_format_loads_with_datasets_as_images(where: str, request, tmp_p
     config = ShardWriterConfig(
         output_format="parquet", row_group_rows=3, spool_max_bytes=4096, tmp_dir=str(tmp_path)
     )
-    writer = make_shard_writer(store, 2, config)
+    writer = make_shard_writer(store, 2, config, T)
     items = _tasks(8)
     for task, image in items[:4]:
         writer.add(task, image)
@@ -216,10 +218,10 @@ def test_parquet_format_loads_with_datasets_as_images(where: str, request, tmp_p
     for task, image in items[4:]:
         writer.add(task, image)
     stored = writer.finish()
-    assert stored.data_uri == store.uri(data_key(2)) and stored.data_bytes > 0
+    assert stored.data_uri == store.uri(data_key(2, T)) and stored.data_bytes > 0
     assert [r.ok for r in stored.results].count(False) == 1
 
-    data = store.get(data_key(2))
+    data = store.get(data_key(2, T))
     assert pq.ParquetFile(io.BytesIO(data)).metadata.num_row_groups == 3  # 9 images / 3 per group
     local = tmp_path / "shard.parquet"
     local.write_bytes(data)
@@ -243,9 +245,9 @@ def test_parquet_format_loads_with_datasets_as_images(where: str, request, tmp_p
 def test_parquet_format_never_leaves_a_partial_data_file(s3_server, s3_bucket, fault_proxy) -> None:
     store = open_store(f"s3://{s3_bucket}/out", s3_server.config(fault_proxy.endpoint_url, max_attempts=2))
     fault_proxy.set_plan(FaultPlan(rules=[Rule(lambda method, path: method == "PUT", "cut")]))
-    writer = make_shard_writer(store, 1, ShardWriterConfig(output_format="parquet"))
+    writer = make_shard_writer(store, 1, ShardWriterConfig(output_format="parquet"), T)
     for task, image in _tasks(3):
         writer.add(task, image)
-    with pytest.raises(ShardStoreError, match=r"data/shard-00001.parquet could not be stored"):
+    with pytest.raises(ShardStoreError, match=r"data/shard-00001-a0-0123456789abcdef.parquet could not be stored"):
         writer.finish()
     assert list(store.list("")) == []

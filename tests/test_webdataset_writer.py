@@ -16,13 +16,14 @@ import pytest
 from tests.worker_fixtures import shard_of, worker_config, write_prompts
 from workers.actor import GenerationWorker
 from workers.generate import image_seed
-from workers.layout import manifest_key, webdataset_key, webdataset_sample_key
+from workers.layout import attempt_object, manifest_key, webdataset_key, webdataset_sample_key
 from workers.manifest import read_manifests
 from workers.rows import ShardSpec
 from workers.shard_writers import ImageTask, ShardStoreError, ShardWriterConfig, make_shard_writer
 from workers.stores import ObjectStore, open_store
 
 N = 12
+T = "a0-0123456789abcdef"  # an attempt token, for writers used directly
 _MiB = 1024 * 1024
 
 
@@ -55,7 +56,8 @@ def _check_against_manifest(store: ObjectStore, shard: int, tar_bytes: bytes, ex
     ok = [r for r in manifest if r["status"] == "ok"]
     assert len(ok) * 2 == len(members)
     for row in ok:
-        assert row["uri"] == store.uri(webdataset_key(shard))
+        assert row["uri"] == ok[0]["uri"]  # one tar per shard
+        assert attempt_object(row["uri"].removeprefix(store.uri() + "/")).shard == shard
         num_images = sum(r["id"] == row["id"] for r in manifest)
         key = webdataset_sample_key(row["id"], None if num_images == 1 else row["k"])
         assert "." not in key
@@ -77,8 +79,9 @@ def test_worker_shard_reads_back_with_tarfile_and_reruns_byte_identical(random_m
     result = worker.run_shard(shard_of(prompts, 2, 0, N), attempt=0)
     assert result.status == "committed" and result.images_ok == N and result.images_failed == 0
     store = open_store(str(out))
-    assert sorted(store.list("")) == [manifest_key(2), webdataset_key(2)]  # no per-image objects
-    first = (out / webdataset_key(2)).read_bytes()
+    tar = webdataset_key(2, result.attempt_token)
+    assert sorted(store.list("")) == [manifest_key(2), tar]  # no per-image objects
+    first = (out / tar).read_bytes()
     docs = _check_against_manifest(store, 2, first)
     assert len(docs) == N
     assert docs["p00000"]["seed"] == 1000 and (docs["p00000"]["width"], docs["p00000"]["height"]) == (48, 32)
@@ -86,10 +89,13 @@ def test_worker_shard_reads_back_with_tarfile_and_reruns_byte_identical(random_m
     for _, data in _members(first)[0::2]:
         assert data[:8] == b"\x89PNG\r\n\x1a\n"
 
-    # A rerun of the shard (another attempt after a lost commit) writes the same tar, byte for byte.
+    # A rerun of the shard (another attempt after a lost commit) writes the same tar, byte for
+    # byte, under its own key: it never replaces the first run's.
     store.delete(manifest_key(2))
-    assert worker.run_shard(shard_of(prompts, 2, 0, N), attempt=1).status == "committed"
-    assert (out / webdataset_key(2)).read_bytes() == first
+    again = worker.run_shard(shard_of(prompts, 2, 0, N), attempt=1)
+    assert again.status == "committed" and again.attempt_token != result.attempt_token
+    assert (out / webdataset_key(2, again.attempt_token)).read_bytes() == first
+    assert (out / tar).read_bytes() == first
     assert read_manifests(store)["attempt"].to_pylist() == [1] * N
 
 
@@ -120,8 +126,10 @@ def test_ids_with_dots_and_several_images_per_row_get_distinct_dot_free_keys(ran
     worker = GenerationWorker(
         worker_config(random_model_dir, str(out), output_format="webdataset", image_format="webp")
     )
-    assert worker.run_shard(shard, attempt=0).images_ok == sum(counts)
-    docs = _check_against_manifest(open_store(str(out)), 0, (out / webdataset_key(0)).read_bytes(), "webp")
+    result = worker.run_shard(shard, attempt=0)
+    assert result.images_ok == sum(counts)
+    tar = (out / webdataset_key(0, result.attempt_token)).read_bytes()
+    docs = _check_against_manifest(open_store(str(out)), 0, tar, "webp")
     assert len(docs) == sum(counts)
     assert sorted((d["id"], d["k"]) for d in docs.values()) == sorted(
         (i, k) for i, n in zip(ids, counts) for k in range(n)
@@ -132,11 +140,13 @@ def test_ids_with_dots_and_several_images_per_row_get_distinct_dot_free_keys(ran
 def test_worker_shard_to_s3(random_model_dir, prompts, s3_server, s3_bucket):
     uri = f"s3://{s3_bucket}/wds"
     cfg = worker_config(random_model_dir, uri, s3=s3_server.config(), output_format="webdataset")
-    assert GenerationWorker(cfg).run_shard(shard_of(prompts, 0, 0, N), attempt=0).images_ok == N
+    result = GenerationWorker(cfg).run_shard(shard_of(prompts, 0, 0, N), attempt=0)
+    assert result.images_ok == N
     store = open_store(uri, s3_server.config())
-    head = s3_server.admin.head_object(Bucket=s3_bucket, Key=f"wds/{webdataset_key(0)}")
+    key = webdataset_key(0, result.attempt_token)
+    head = s3_server.admin.head_object(Bucket=s3_bucket, Key=f"wds/{key}")
     assert head["ContentType"] == "application/x-tar"
-    assert len(_check_against_manifest(store, 0, store.get(webdataset_key(0)))) == N
+    assert len(_check_against_manifest(store, 0, store.get(key))) == N
 
 
 # -- the writer on its own: big tars, failed rows, abort ---------------------------------------
@@ -154,15 +164,15 @@ def test_big_tar_goes_up_in_parts_through_the_spool_on_disk(s3_server, s3_bucket
     cfg = ShardWriterConfig(
         output_format="webdataset", png_compress_level=1, spool_max_bytes=_MiB, tmp_dir=str(tmp_path)
     )
-    writer = make_shard_writer(store, 7, cfg)
+    writer = make_shard_writer(store, 7, cfg, T)
     images = [_noise(i, 800) for i in range(4)]  # ~1.9 MB each, ~7.7 MB of tar
     for i, image in enumerate(images):
         writer.add(ImageTask(f"big-{i}", prompt=f"noise {i}", seed=i), image)
     stored = writer.finish()
-    assert stored.data_uri == store.uri(webdataset_key(7)) and stored.data_bytes > 5 * _MiB
-    head = s3_server.admin.head_object(Bucket=s3_bucket, Key=f"big/{webdataset_key(7)}")
+    assert stored.data_uri == store.uri(webdataset_key(7, T)) and stored.data_bytes > 5 * _MiB
+    head = s3_server.admin.head_object(Bucket=s3_bucket, Key=f"big/{webdataset_key(7, T)}")
     assert head["ETag"].strip('"').endswith("-2")  # a multipart ETag: two parts
-    members = _members(store.get(webdataset_key(7)))
+    members = _members(store.get(webdataset_key(7, T)))
     assert [m.name for m, _ in members] == [f"big-{i}.{ext}" for i in range(4) for ext in ("png", "json")]
     for (_, data), result in zip(members[0::2], stored.results):
         assert hashlib.sha256(data).hexdigest() == result.sha256
@@ -171,25 +181,25 @@ def test_big_tar_goes_up_in_parts_through_the_spool_on_disk(s3_server, s3_bucket
 
 def test_a_row_that_cannot_be_encoded_fails_alone(tmp_path):
     store = open_store(str(tmp_path / "out"))
-    writer = make_shard_writer(store, 0, ShardWriterConfig(output_format="webdataset"))
+    writer = make_shard_writer(store, 0, ShardWriterConfig(output_format="webdataset"), T)
     bad = np.full((3, 16, 16), np.nan, dtype=np.float32)
     for i in range(3):
         writer.add(ImageTask(f"r{i}", seed=i), bad if i == 1 else _noise(i, 16))
     stored = writer.finish()
     assert [r.ok for r in stored.results] == [True, False, True]
     assert "non-finite" in (stored.results[1].error or "")
-    names = [m.name for m, _ in _members(store.get(webdataset_key(0)))]
+    names = [m.name for m, _ in _members(store.get(webdataset_key(0, T)))]
     assert names == ["r0.png", "r0.json", "r2.png", "r2.json"]
 
     # Every row failed: no tar at all.
-    writer = make_shard_writer(store, 1, ShardWriterConfig(output_format="webdataset"))
+    writer = make_shard_writer(store, 1, ShardWriterConfig(output_format="webdataset"), T)
     writer.add(ImageTask("only", seed=0), bad)
-    assert writer.finish().data_uri is None and not store.exists(webdataset_key(1))
+    assert writer.finish().data_uri is None and not store.exists(webdataset_key(1, T))
 
 
 def test_abort_and_a_failed_store_leave_nothing(tmp_path):
     store = open_store(str(tmp_path / "out"))
-    writer = make_shard_writer(store, 0, ShardWriterConfig(output_format="webdataset"))
+    writer = make_shard_writer(store, 0, ShardWriterConfig(output_format="webdataset"), T)
     for i in range(5):
         writer.add(ImageTask(f"r{i}", seed=i), _noise(i, 16))
     writer.abort()
@@ -199,8 +209,8 @@ def test_abort_and_a_failed_store_leave_nothing(tmp_path):
     blocker = Path(tmp_path / "out" / "webdataset")
     blocker.parent.mkdir(parents=True, exist_ok=True)
     blocker.write_bytes(b"a file where the tar's directory should be")
-    writer = make_shard_writer(store, 3, ShardWriterConfig(output_format="webdataset"))
+    writer = make_shard_writer(store, 3, ShardWriterConfig(output_format="webdataset"), T)
     writer.add(ImageTask("r0", seed=0), _noise(0, 16))
-    with pytest.raises(ShardStoreError, match=r"shard-00003\.tar could not be stored"):
+    with pytest.raises(ShardStoreError, match=r"shard-00003-a0-0123456789abcdef\.tar could not be stored"):
         writer.finish()
     assert [k for k in store.list("") if k != "webdataset"] == []

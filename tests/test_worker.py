@@ -12,7 +12,7 @@ import pytest
 from tests.fault_proxy import FaultPlan, Rule
 from tests.worker_fixtures import shard_of, worker_config, write_prompts
 from workers.actor import GenerationWorker
-from workers.layout import manifest_key
+from workers.layout import data_key, manifest_key
 from workers.manifest import read_manifests
 from workers.stores import StoreError, open_store
 
@@ -86,7 +86,8 @@ def test_shard_to_s3_twice_is_byte_identical_and_committed_once(
 def test_parquet_format_loads_with_datasets_as_images(random_model_dir, prompts, tmp_path):
     out = tmp_path / "out"
     worker = GenerationWorker(worker_config(random_model_dir, str(out), output_format="parquet"))
-    assert worker.run_shard(shard_of(prompts, 1, 0, N), attempt=0).images_ok == N
+    result = worker.run_shard(shard_of(prompts, 1, 0, N), attempt=0)
+    assert result.images_ok == N
     import datasets
 
     ds = datasets.load_dataset("parquet", data_files=str(out / "data" / "*.parquet"), split="train")
@@ -95,7 +96,7 @@ def test_parquet_format_loads_with_datasets_as_images(random_model_dir, prompts,
     img = ds[0]["image"]
     assert img.size in {(32, 32), (48, 32)}
     manifest = read_manifests(open_store(str(out))).to_pandas()
-    data = pq.read_table(out / "data" / "shard-00001.parquet").to_pandas()
+    data = pq.read_table(out / data_key(1, result.attempt_token)).to_pandas()
     by_id = dict(zip(data["id"], data["image"]))
     for _, row in manifest.iterrows():
         assert hashlib.sha256(by_id[row["id"]]["bytes"]).hexdigest() == row["sha256"]

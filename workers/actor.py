@@ -5,6 +5,10 @@ read its rows -> batch by bucket -> generate (one seeded generator per image) ->
 to a bounded pool of encode+upload threads while the next batch computes -> when the last image
 is durably stored, write the manifest create-only. That write is the shard's commit; a second
 attempt of a committed shard sees it and discards its work.
+
+Every run of a shard draws its own attempt token and writes its objects only under keys that
+carry it (workers.layout), so a run never touches what another run stored: the committed
+manifest's objects stay as they were, whatever a losing or late run does afterwards.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from .cache_secret import CacheSecretSource, read_cache_secret, say_shared_cache
 from .file_fetch import fetch_file
 from .generate import BatchGenerator, GeneratedImage, image_requests, iter_generated, plan_batches
 from .input_files import filesystem_for
-from .layout import manifest_key
+from .layout import manifest_key, new_attempt_token
 from .manifest import ManifestRow, ManifestWriter, passthrough_json
 from .metrics import WorkerMetrics
 from .model_fetch import FetchConfig, fetch_model
@@ -91,6 +95,7 @@ class ShardResult:
     # DiT attention over this shard (model.attention.AttentionStats): calls, masked_calls (a
     # dense mask), split_calls (padded, run unmasked per text length), image/text/padded tokens.
     attention: dict[str, int] = field(default_factory=dict)
+    attempt_token: str = ""  # the key component of this run's objects (layout.new_attempt_token)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -214,7 +219,8 @@ class GenerationWorker:
 
     def _run_shard(self, shard: ShardSpec, attempt: int) -> ShardResult:
         t0 = time.perf_counter()
-        result = ShardResult(shard.index, attempt, "committed", worker_id=self.worker_id)
+        token = new_attempt_token(attempt)
+        result = ShardResult(shard.index, attempt, "committed", worker_id=self.worker_id, attempt_token=token)
         if self._stop.is_set():  # queued behind the shard a stop request interrupted
             raise ShardAbandoned(f"shard {shard.index}: worker asked to stop before it started")
         if self.store.exists(manifest_key(shard.index)):
@@ -230,7 +236,7 @@ class GenerationWorker:
         compiles_before = compile_count()
         attention_before = self.pipe.transformer.attention_stats.to_dict()
         generated: dict[tuple[str, int], GeneratedImage] = {}
-        writer = make_shard_writer(self.store, shard.index, self.config.writer)
+        writer = make_shard_writer(self.store, shard.index, self.config.writer, token)
         try:
             batches = plan_batches(requests, self.config.batch_size, self.generator.count_tokens)
             for image in iter_generated(self.generator, batches):
@@ -278,7 +284,10 @@ class GenerationWorker:
             result.upload_s += row.upload_s or 0.0
         result.upload_s += stored.data_upload_s
         if not manifest.commit(self.store):
-            result.status = "already_committed"  # another attempt won; its images are the same bytes
+            # Another run committed first and its manifest names its own objects: ours are
+            # orphans under our token. Deleting them touches nothing any manifest names.
+            result.status = "already_committed"
+            self._drop(stored.keys)
         self.metrics.shard_finished(result.status, rows_written if result.status == "committed" else ())
         result.rows = len(rows)
         result.wall_s = time.perf_counter() - t0
@@ -289,6 +298,15 @@ class GenerationWorker:
         return self.text.stats() if self.text is not None else {}
 
     # -- helpers ---------------------------------------------------------------------------------
+
+    def _drop(self, keys: tuple[str, ...]) -> None:
+        """Best-effort removal of a losing run's objects; what is left, the driver's cleanup or
+        `ditfleet verify --clean` removes."""
+        for key in keys:
+            try:
+                self.store.delete(key)
+            except Exception:  # noqa: BLE001 - an orphan left behind is harmless
+                return
 
     def _manifest_row(
         self,

@@ -3,9 +3,9 @@
 ```
 {out}/_job.json                                     job_key()
 {out}/_SUCCESS                                      success_key()
-{out}/images/{shard:05d}/{id}[_{k}].{ext}           image_key(shard, id, k, ext)
-{out}/data/shard-{shard:05d}.parquet                data_key(shard)
-{out}/webdataset/shard-{shard:05d}.tar              webdataset_key(shard)
+{out}/images/{shard:05d}/{attempt}/{id}[_{k}].{ext} image_key(shard, attempt, id, k, ext)
+{out}/data/shard-{shard:05d}-{attempt}.parquet      data_key(shard, attempt)
+{out}/webdataset/shard-{shard:05d}-{attempt}.tar    webdataset_key(shard, attempt)
     members {key}.{ext} and {key}.json              webdataset_sample_key(id, k)
 {out}/manifests/shard-{shard:05d}.parquet           manifest_key(shard)
 {out}/_runs/{run:05d}.json                          run_key(run)  (incremental jobs: one per run)
@@ -15,12 +15,25 @@
 Keys are relative to the output root and always use "/" as separator; stores join them to
 their root. Ids from the input go through `safe_key_component`, so no input can address an
 object outside the output root.
+
+Attempt-scoped objects. `{attempt}` is an attempt token, "a{n}-{16 hex}" (`new_attempt_token`):
+the attempt number and 64 random bits drawn by the worker each time it starts a shard. Every
+object a run of a shard writes (images, data file, tar) has its run's token in its key, so two
+runs of a shard never write the same key, whatever they generate: a speculative twin, a
+straggler after a kill, or a retry after an OOM split (whose pixels differ at rounding level)
+writes next to the others, never over them. Only the manifest key is shared, and it is written
+create-only: the first run to commit names its own objects, and no later write can change them.
+The objects of every other run of a committed shard are orphans no manifest names
+(`attempt_object`, `attempt_prefixes` find them; the driver deletes them before `_SUCCESS` and
+`ditfleet verify --clean` after).
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+import secrets
+from dataclasses import dataclass
 
 IMAGES_PREFIX = "images/"
 DATA_PREFIX = "data/"
@@ -42,6 +55,12 @@ _HASH_HEX = 32  # 128 bits of sha256: collisions among shortened ids are not a p
 _SHARD_FILE = re.compile(r"^shard-(\d{5,})\.parquet$")
 _RUN_FILE = re.compile(r"^(\d{5,})\.json$")
 _TOKEN = re.compile(r"^[0-9a-f]{1,64}$")
+_ATTEMPT = r"a\d{1,6}-[0-9a-f]{16}"
+_ATTEMPT_TOKEN = re.compile(f"^{_ATTEMPT}$")
+_IMAGE_OBJECT = re.compile(rf"^{IMAGES_PREFIX}(\d{{5,}})/({_ATTEMPT})/[^/]+$")
+_DATA_OBJECT = re.compile(rf"^{DATA_PREFIX}shard-(\d{{5,}})-({_ATTEMPT})\.parquet$")
+_WEBDATASET_OBJECT = re.compile(rf"^{WEBDATASET_PREFIX}shard-(\d{{5,}})-({_ATTEMPT})\.tar$")
+SHARD_DATA_PREFIXES = (IMAGES_PREFIX, DATA_PREFIX, WEBDATASET_PREFIX)
 # Kept as is: ASCII letters, digits, "-" and "." (a leading "." is escaped so that no component
 # is "." or "..", or a hidden file). Everything else, "_" (the k separator) and "~" (the escape
 # character) included, becomes "~XX" per UTF-8 byte.
@@ -99,15 +118,32 @@ def _k_suffix(k: int | None) -> str:
     return f"_{k}"
 
 
-def image_key(shard: int, id_: str | int, k: int | None, ext: str) -> str:
-    """Key of one image in the "files" format: images/{shard:05d}/{id}[_{k}].{ext}.
+def new_attempt_token(attempt: int) -> str:
+    """A fresh token for one run of a shard: "a{attempt}-{16 hex}" (64 random bits).
 
-    k is the image's index within its row; pass k=None when the row asks for one image (the
-    common case) so that the key is just the id, see `image_index_in_key`.
+    Drawn anew for every run, also for two runs with the same attempt number (a queued run moved
+    to an idle actor keeps its number, and the original may start anyway)."""
+    if isinstance(attempt, bool) or not isinstance(attempt, int) or not 0 <= attempt < 10**6:
+        raise ValueError(f"an attempt number must be an int in 0..999999, got {attempt!r}")
+    return f"a{attempt}-{secrets.token_hex(8)}"
+
+
+def _attempt(token: str) -> str:
+    if not isinstance(token, str) or not _ATTEMPT_TOKEN.match(token):
+        raise ValueError(f"an attempt token looks like 'a0-0123456789abcdef' (new_attempt_token), got {token!r}")
+    return token
+
+
+def image_key(shard: int, attempt: str, id_: str | int, k: int | None, ext: str) -> str:
+    """Key of one image in the "files" format: images/{shard:05d}/{attempt}/{id}[_{k}].{ext}.
+
+    attempt: the run's token (`new_attempt_token`). k is the image's index within its row; pass
+    k=None when the row asks for one image (the common case) so that the file name is just the
+    id, see `image_index_in_key`.
     """
     if ext not in IMAGE_EXTENSIONS.values():
         raise ValueError(f"image extension {ext!r} is not one of {sorted(IMAGE_EXTENSIONS.values())}")
-    return f"{IMAGES_PREFIX}{_shard(shard)}/{safe_key_component(id_)}{_k_suffix(k)}.{ext}"
+    return f"{IMAGES_PREFIX}{_shard(shard)}/{_attempt(attempt)}/{safe_key_component(id_)}{_k_suffix(k)}.{ext}"
 
 
 def image_index_in_key(k: int, num_images: int) -> int | None:
@@ -121,17 +157,41 @@ def image_index_in_key(k: int, num_images: int) -> int | None:
 
 def image_file_name(id_: str | int, k: int | None, ext: str) -> str:
     """The last component of `image_key` (used as the `path` of an embedded image)."""
-    return image_key(0, id_, k, ext).rsplit("/", 1)[1]
+    return image_key(0, "a0-0000000000000000", id_, k, ext).rsplit("/", 1)[1]
 
 
-def data_key(shard: int) -> str:
-    """Key of a shard's data file in the "parquet" format."""
-    return f"{DATA_PREFIX}shard-{_shard(shard)}.parquet"
+def data_key(shard: int, attempt: str) -> str:
+    """Key of a shard's data file in the "parquet" format, written by the run `attempt`."""
+    return f"{DATA_PREFIX}shard-{_shard(shard)}-{_attempt(attempt)}.parquet"
 
 
-def webdataset_key(shard: int) -> str:
-    """Key of a shard's tar in the "webdataset" format."""
-    return f"{WEBDATASET_PREFIX}shard-{_shard(shard)}.tar"
+def webdataset_key(shard: int, attempt: str) -> str:
+    """Key of a shard's tar in the "webdataset" format, written by the run `attempt`."""
+    return f"{WEBDATASET_PREFIX}shard-{_shard(shard)}-{_attempt(attempt)}.tar"
+
+
+@dataclass(frozen=True)
+class AttemptObject:
+    """What a key of the shard data areas says: which shard, which run (token)."""
+
+    shard: int
+    attempt: str
+
+
+def attempt_object(key: str) -> AttemptObject | None:
+    """The shard and attempt token of an image, data file or tar key made by this layout;
+    None for any other key (outputs of earlier versions had keys without a token)."""
+    for pattern in (_IMAGE_OBJECT, _DATA_OBJECT, _WEBDATASET_OBJECT):
+        match = pattern.match(key)
+        if match:
+            return AttemptObject(int(match.group(1)), match.group(2))
+    return None
+
+
+def attempt_prefixes(shard: int) -> tuple[str, ...]:
+    """Key prefixes under which every run of `shard` writes its objects, for every format."""
+    s = _shard(shard)
+    return (f"{IMAGES_PREFIX}{s}/", f"{DATA_PREFIX}shard-{s}-", f"{WEBDATASET_PREFIX}shard-{s}-")
 
 
 def webdataset_sample_key(id_: str | int, k: int | None) -> str:

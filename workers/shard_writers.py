@@ -7,6 +7,11 @@ Each takes images one at a time (`add`), encodes and stores them on a bounded Up
 manifest: the caller turns results into manifest rows and commits them after `finish`
 returned, i.e. after every image is durably stored. A new format is one more class with
 `add`/`finish`/`abort` and an entry in OUTPUT_FORMATS.
+
+Every writer is made for one run of one shard and writes only keys that carry the run's attempt
+token (layout.image_key, data_key, webdataset_key): no two runs of a shard ever write the same
+key, so whatever a losing, late or killed run uploads, the objects the committed manifest names
+stay exactly as they were committed.
 """
 
 from __future__ import annotations
@@ -87,9 +92,10 @@ class StoredShard:
     """What `finish` returns: one result per image (order of `add`), the data file if any."""
 
     results: list[ImageResult]
-    data_uri: str | None = None  # "parquet" format only
+    data_uri: str | None = None  # "parquet" and "webdataset" formats
     data_bytes: int = 0
     data_upload_s: float = 0.0
+    keys: tuple[str, ...] = ()  # every key this run stored (all carry its attempt token)
 
 
 class ShardWriter(Protocol):
@@ -116,16 +122,17 @@ def _encode(cfg: ShardWriterConfig, image: Any) -> tuple[bytes | None, float, st
 
 
 class FilesShardWriter:
-    """One object per image at layout.image_key(shard, id, k, ext)."""
+    """One object per image at layout.image_key(shard, attempt, id, k, ext)."""
 
-    def __init__(self, store: ObjectStore, shard: int, config: ShardWriterConfig) -> None:
-        self.store, self.shard, self.config = store, shard, config
+    def __init__(self, store: ObjectStore, shard: int, config: ShardWriterConfig, attempt: str) -> None:
+        self.store, self.shard, self.config, self.attempt = store, shard, config, attempt
         self._ext = extension(config.image_format)
         self._mime = content_type(config.image_format)
         self._pool = UploadPool(config.max_in_flight, config.threads)
+        self._keys: list[str] = []  # appended by the pool's threads (list.append is atomic)
 
     def add(self, task: ImageTask, image: Any) -> None:
-        key = image_key(self.shard, task.id, image_index_in_key(task.k, task.num_images), self._ext)
+        key = image_key(self.shard, self.attempt, task.id, image_index_in_key(task.k, task.num_images), self._ext)
         self._pool.submit(self.store.uri(key), lambda: self._store_one(key, task, image))
 
     def _store_one(self, key: str, task: ImageTask, image: Any) -> ImageResult:
@@ -134,6 +141,7 @@ class FilesShardWriter:
             return ImageResult(task.id, task.k, encode_s=encode_s, error=error)
         start = time.perf_counter()
         self.store.put(key, data, self._mime)  # raises after the store's retries: shard fails
+        self._keys.append(key)
         upload_s = time.perf_counter() - start
         return ImageResult(
             task.id, task.k, self.store.uri(key), sha256_hex(data), len(data), encode_s, upload_s
@@ -141,13 +149,15 @@ class FilesShardWriter:
 
     def finish(self) -> StoredShard:
         try:
-            return StoredShard(self._pool.drain())
+            results = self._pool.drain()
+            return StoredShard(results, keys=tuple(self._keys))
         finally:
             self._pool.close()
 
     def abort(self) -> None:
-        # Images already stored stay: their keys and bytes are deterministic, so a retry of the
-        # shard overwrites them with the same content, and without a manifest nothing points at them.
+        # Images already stored stay: they are under this run's attempt token, which no manifest
+        # names unless this run commits, so they are orphans that the driver deletes once another
+        # run commits the shard (or `ditfleet verify --clean` does).
         self._pool.close()
 
 
@@ -203,9 +213,9 @@ class ParquetShardWriter:
     file (the manifest has them).
     """
 
-    def __init__(self, store: ObjectStore, shard: int, config: ShardWriterConfig) -> None:
+    def __init__(self, store: ObjectStore, shard: int, config: ShardWriterConfig, attempt: str) -> None:
         self.store, self.shard, self.config = store, shard, config
-        self.key = data_key(shard)
+        self.key = data_key(shard, attempt)
         self._ext = extension(config.image_format)
         self._spool = tempfile.SpooledTemporaryFile(max_size=config.spool_max_bytes, dir=config.tmp_dir)
         self._writer: pq.ParquetWriter | None = None
@@ -283,7 +293,9 @@ class ParquetShardWriter:
                 raise ShardStoreError(
                     f"{self.store.uri(self.key)} could not be stored: {type(e).__name__}: {e}"
                 ) from e
-            return StoredShard(results, self.store.uri(self.key), size, time.perf_counter() - start)
+            return StoredShard(
+                results, self.store.uri(self.key), size, time.perf_counter() - start, (self.key,)
+            )
         finally:
             self.abort()
 
@@ -293,20 +305,21 @@ class ParquetShardWriter:
         self._spool.close()
 
 
-def _webdataset_writer(store: ObjectStore, shard: int, config: ShardWriterConfig) -> ShardWriter:
+def _webdataset_writer(store: ObjectStore, shard: int, config: ShardWriterConfig, attempt: str) -> ShardWriter:
     # Imported here, not at the top: webdataset_writer builds on this module's ImageTask,
     # StoredShard and _encode, so a top-level import would be circular.
     from workers.webdataset_writer import WebDatasetShardWriter
 
-    return WebDatasetShardWriter(store, shard, config)
+    return WebDatasetShardWriter(store, shard, config, attempt)
 
 
-OUTPUT_FORMATS: dict[str, Callable[[ObjectStore, int, ShardWriterConfig], ShardWriter]] = {
+OUTPUT_FORMATS: dict[str, Callable[[ObjectStore, int, ShardWriterConfig, str], ShardWriter]] = {
     "files": FilesShardWriter,
     "parquet": ParquetShardWriter,
     "webdataset": _webdataset_writer,  # workers/webdataset_writer.py: one tar per shard
 }
 
 
-def make_shard_writer(store: ObjectStore, shard: int, config: ShardWriterConfig) -> ShardWriter:
-    return OUTPUT_FORMATS[config.output_format](store, shard, config)
+def make_shard_writer(store: ObjectStore, shard: int, config: ShardWriterConfig, attempt: str) -> ShardWriter:
+    """The writer of one run of `shard`; attempt: the run's token (layout.new_attempt_token)."""
+    return OUTPUT_FORMATS[config.output_format](store, shard, config, attempt)

@@ -1,7 +1,7 @@
 """Output format "webdataset": one tar per shard, two members per image.
 
 ```
-{out}/webdataset/shard-{shard:05d}.tar
+{out}/webdataset/shard-{shard:05d}-{attempt}.tar
     {key}.{png|webp|jpg}    the encoded image (the bytes the manifest's sha256 is of)
     {key}.json              {"id", "k", "prompt", "negative_prompt", "seed", "width", "height", "extra"}
 ```
@@ -10,9 +10,10 @@
 WebDataset readers take everything before the first dot of a member's base name as the sample
 key. The two members of a sample are adjacent, as those readers require.
 
-The tar is the same bytes on every run of the shard: members are appended in the order of `add`
-(encoding runs on the pool's threads, appending on the caller's), and every header field that
-could vary (mtime, uid, gid, owner names, mode) is fixed. The tar is built in a spooled temp
+Given the same images, the tar is the same bytes on every run of the shard: members are appended
+in the order of `add` (encoding runs on the pool's threads, appending on the caller's), and every
+header field that could vary (mtime, uid, gid, owner names, mode) is fixed. Each run still writes
+its own key (the attempt token in it), since two runs need not make the same pixels. The tar is built in a spooled temp
 file (memory up to `spool_max_bytes`, then disk) and stored with one whole-object write at
 `finish` (a multipart upload for big ones, which the store aborts on error), so a reader never
 sees part of a tar and `abort` leaves nothing behind. Failed rows have no members (the manifest
@@ -72,11 +73,12 @@ def _member(name: str, size: int) -> tarfile.TarInfo:
 
 
 class WebDatasetShardWriter:
-    """One tar per shard at layout.webdataset_key(shard), samples in the order added."""
+    """One tar per run of a shard at layout.webdataset_key(shard, attempt), samples in the
+    order added."""
 
-    def __init__(self, store: ObjectStore, shard: int, config: ShardWriterConfig) -> None:
+    def __init__(self, store: ObjectStore, shard: int, config: ShardWriterConfig, attempt: str) -> None:
         self.store, self.shard, self.config = store, shard, config
-        self.key = webdataset_key(shard)
+        self.key = webdataset_key(shard, attempt)
         self._ext = extension(config.image_format)
         self._spool = tempfile.SpooledTemporaryFile(max_size=config.spool_max_bytes, dir=config.tmp_dir)
         # PAX: member names longer than ustar's 100 bytes (long ids) are stored whole.
@@ -125,7 +127,9 @@ class WebDatasetShardWriter:
                     f"{self.store.uri(self.key)} could not be stored: {type(e).__name__}: {e}. "
                     "The shard is not committed; it can be retried."
                 ) from e
-            return StoredShard(results, self.store.uri(self.key), size, time.perf_counter() - start)
+            return StoredShard(
+                results, self.store.uri(self.key), size, time.perf_counter() - start, (self.key,)
+            )
         finally:
             self.abort()
 

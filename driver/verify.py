@@ -1,0 +1,458 @@
+"""`ditfleet verify OUT`: check an output end to end from what it holds, nothing else.
+
+What is checked (every problem is one line naming the shard, row or key):
+- the plan: which shards exist, from `_job.json` (a plain job) or the run records (an
+  incremental one). Every manifest belongs to a planned shard; a planned shard without one is
+  missing (an error once `_SUCCESS` is there, "not yet" otherwise);
+- every manifest: the manifest schema, rows of its own shard only, each (id, k) once, and as
+  many rows and images as the plan gave the shard (where the plan records that);
+- every input row exactly once over the whole output: no (id, k) in two manifests, each id's
+  images k = 0..n-1, and, when complete, as many rows and images as were planned;
+- every ok row's object: present, `bytes` long, hashing to its `sha256` (for the "parquet" and
+  "webdataset" formats, the row's image inside the shard's data file or tar; the data file holds
+  no row its manifest does not name);
+- the shard data areas (images/, data/, webdataset/): a key no committed manifest names is an
+  orphan when it is an attempt object of a committed shard (a losing, late or killed run wrote
+  it; harmless, `--clean` deletes it), pending when its shard is not committed yet (a run in
+  progress or one that failed), and a stray (an error) otherwise;
+- `_SUCCESS`: present only when every planned shard is committed, and (plain jobs) with the
+  counts the manifests give.
+
+Manifests are read before the data areas are listed: an object a manifest names was stored
+before that manifest was written, so a running job cannot make a committed object look missing.
+Exit 0 when nothing is wrong and the output is complete (or `partial` was asked for).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import tarfile
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from driver.runs import RecordedPlan, RunRecordError, read_run_records
+from driver.status import read_json
+from workers.layout import (
+    DATA_PREFIX,
+    IMAGE_EXTENSIONS,
+    MANIFESTS_PREFIX,
+    SHARD_DATA_PREFIXES,
+    WEBDATASET_PREFIX,
+    attempt_object,
+    attempt_prefixes,
+    image_index_in_key,
+    job_key,
+    manifest_key,
+    shard_of_manifest_key,
+    success_key,
+    webdataset_sample_key,
+)
+from workers.manifest import MANIFEST_SCHEMA
+from workers.stores import ObjectNotFound, ObjectStore
+
+_THREADS = 16
+MAX_LISTED = 20  # problems (and orphans) printed one per line; the rest are counted
+
+
+@dataclass
+class VerifyReport:
+    output: str
+    planned_shards: int | None = None
+    committed: int = 0
+    missing: list[int] = field(default_factory=list)  # planned shards without a manifest
+    rows: int = 0
+    images_ok: int = 0
+    images_failed: int = 0
+    objects_checked: int = 0  # ok rows whose bytes were read and hashed
+    success: bool = False  # _SUCCESS is there
+    problems: list[str] = field(default_factory=list)
+    orphans: list[str] = field(default_factory=list)  # keys: attempt objects no manifest names
+    pending: int = 0  # attempt objects of shards not committed yet
+    cleaned: int = 0  # orphans deleted (--clean)
+    partial: bool = False  # a running or unfinished output is fine
+    moved_from: str | None = None  # the manifests name objects under another root (a copy)
+
+    @property
+    def complete(self) -> bool:
+        return self.success and not self.missing
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if not self.problems and (self.complete or self.partial) else 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "output": self.output,
+            "ok": self.exit_code == 0,
+            "complete": self.complete,
+            "shards": {"planned": self.planned_shards, "committed": self.committed, "missing": len(self.missing)},
+            "rows": self.rows,
+            "images": {"ok": self.images_ok, "failed": self.images_failed},
+            "objects_checked": self.objects_checked,
+            "success_marker": self.success,
+            "problems": self.problems,
+            "orphans": len(self.orphans),
+            "orphans_cleaned": self.cleaned,
+            "pending_attempt_objects": self.pending,
+            "moved_from": self.moved_from,
+        }
+
+    def format_text(self) -> str:
+        verdict = "OK" if self.exit_code == 0 else ("PROBLEMS" if self.problems else "INCOMPLETE")
+        planned = "?" if self.planned_shards is None else str(self.planned_shards)
+        lines = [
+            f"verify {self.output}: {verdict}",
+            f"  shards:  {self.committed} committed of {planned}, {len(self.missing)} missing",
+            f"  rows:    {self.rows} (each exactly once); images {self.images_ok} ok, "
+            f"{self.images_failed} failed; {self.objects_checked} objects hashed",
+            f"  _SUCCESS: {'present' if self.success else 'absent'}",
+        ]
+        if self.moved_from:
+            lines.append(f"  note: the manifests name objects under {self.moved_from} (a moved or copied output)")
+        if self.missing and not self.problems:
+            lines.append(
+                f"  not complete: {len(self.missing)} shards not committed yet; run the job again "
+                "(or wait for it) to finish them"
+            )
+        if self.orphans:
+            what = f"{self.cleaned} deleted" if self.cleaned else "harmless; --clean deletes them"
+            lines.append(f"  orphans: {len(self.orphans)} objects of losing/late runs no manifest names ({what})")
+            lines.extend(f"    {k}" for k in self.orphans[:MAX_LISTED] if not self.cleaned)
+        if self.pending:
+            lines.append(f"  pending: {self.pending} objects of runs of uncommitted shards (kept)")
+        for p in self.problems[:MAX_LISTED]:
+            lines.append(f"  PROBLEM: {p}")
+        if len(self.problems) > MAX_LISTED:
+            lines.append(f"  ... and {len(self.problems) - MAX_LISTED} more problems")
+        return "\n".join(lines)
+
+
+@dataclass
+class _Plan:
+    shards: set[int]
+    rows: int | None  # totals (plain jobs); None when unknown
+    images: int | None
+    per_shard: dict[int, tuple[int, int]]  # shard -> (rows, images), where the plan says
+    incremental: bool
+
+
+def _read_plan(store: ObjectStore, job: dict[str, Any], report: VerifyReport) -> _Plan | None:
+    plan = job.get("plan") or {}
+    if plan.get("incremental"):
+        try:
+            recorded = RecordedPlan.of(read_run_records(store))
+        except RunRecordError as e:
+            report.problems.append(str(e))
+            return None
+        live = recorded.live()
+        return _Plan(
+            {s.index for s in live},
+            sum(s.num_rows for s in live),
+            sum(s.num_images for s in live),
+            {s.index: (s.num_rows, s.num_images) for s in live},
+            True,
+        )
+    shards = plan.get("shards")
+    if not isinstance(shards, int) or shards < 0:
+        report.problems.append(f"{store.uri(job_key())} has no plan.shards: was it written by ditfleet?")
+        return None
+    return _Plan(set(range(shards)), plan.get("rows"), plan.get("images"), {}, False)
+
+
+def _key_of(root: str, uri: str) -> tuple[str | None, bool]:
+    """(key of `uri` under the output root, whether the uri names another root). Manifests hold
+    absolute URIs; an output that was copied or moved (`aws s3 sync`, `cp -r`) still names the
+    old root, so the key is then taken from the last data-area component of the uri (ids are
+    escaped, so no "/" of an id can be mistaken for one)."""
+    prefix = root.rstrip("/") + "/"
+    if uri.startswith(prefix):
+        return uri[len(prefix) :], False
+    for area in SHARD_DATA_PREFIXES:
+        at = uri.rfind("/" + area)
+        if at != -1:
+            return uri[at + 1 :], True
+    return None, True
+
+
+@dataclass
+class _Shard:
+    """What one committed manifest says."""
+
+    shard: int
+    ids: pa.Array
+    ks: pa.Array
+    ok: list[dict[str, Any]]  # ok rows: id, k, uri, sha256, bytes, format
+    failed: int
+    images_per_id: Counter
+
+
+def _read_manifest(store: ObjectStore, shard: int, plan: _Plan, problems: list[str]) -> _Shard | None:
+    where = store.uri(manifest_key(shard))
+    try:
+        table = pq.read_table(io.BytesIO(store.get(manifest_key(shard))))
+    except Exception as e:  # noqa: BLE001 - a damaged manifest is a finding, not a crash
+        problems.append(f"{where}: cannot be read as Parquet ({type(e).__name__}: {e})")
+        return None
+    if not table.schema.equals(MANIFEST_SCHEMA, check_metadata=False):
+        problems.append(f"{where}: not the manifest schema (another ditfleet version or a foreign file)")
+        return None
+    shards = set(table.column("shard").to_pylist())
+    if shards != {shard}:
+        problems.append(f"{where}: holds rows of shards {sorted(shards)}, not only {shard}")
+    pairs = Counter(zip(table.column("id").to_pylist(), table.column("k").to_pylist()))
+    for (id_, k), n in pairs.items():
+        if n > 1:
+            problems.append(f"{where}: row id={id_!r} k={k} appears {n} times")
+    per_id = Counter(table.column("id").to_pylist())
+    if shard in plan.per_shard:
+        rows, images = plan.per_shard[shard]
+        if len(per_id) != rows or table.num_rows != images:
+            problems.append(
+                f"{where}: {len(per_id)} rows / {table.num_rows} images, the plan has {rows} / {images}"
+            )
+    status = table.column("status")
+    ok_mask = pc.equal(status, "ok")
+    ok = table.filter(ok_mask).select(["id", "k", "uri", "sha256", "bytes", "format"]).to_pylist()
+    return _Shard(shard, table.column("id"), table.column("k"), ok, table.num_rows - len(ok), per_id)
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _check_rows(found: dict[tuple[str, int], bytes], rows: list[dict], where: str) -> list[str]:
+    problems = []
+    for r in rows:
+        data = found.pop((r["id"], r["k"]), None)
+        if data is None:
+            problems.append(f"{where}: has no image for manifest row id={r['id']!r} k={r['k']}")
+        elif len(data) != r["bytes"] or _sha(data) != r["sha256"]:
+            problems.append(
+                f"{where}: image of row id={r['id']!r} k={r['k']} is {len(data)} bytes with sha256 "
+                f"{_sha(data)[:16]}..., the manifest says {r['bytes']} bytes, {r['sha256'][:16]}..."
+            )
+    for id_, k in list(found)[:3]:
+        problems.append(f"{where}: holds row id={id_!r} k={k}, which its manifest does not name as ok")
+    return problems
+
+
+def _check_object(store: ObjectStore, key: str, rows: list[dict], per_id: Counter) -> list[str]:
+    """Problems of one stored object against the ok manifest rows that name it."""
+    where = store.uri(key)
+    try:
+        data = store.get(key)
+    except ObjectNotFound:
+        return [f"{where}: missing (named by {len(rows)} ok manifest rows)"]
+    if key.startswith(DATA_PREFIX):
+        try:
+            table = pq.read_table(io.BytesIO(data), columns=["id", "k", "image"])
+        except Exception as e:  # noqa: BLE001
+            return [f"{where}: cannot be read as Parquet ({type(e).__name__}: {e})"]
+        images = table.column("image").to_pylist()
+        found = {
+            (i, k): img["bytes"]
+            for i, k, img in zip(table.column("id").to_pylist(), table.column("k").to_pylist(), images)
+        }
+        return _check_rows(found, rows, where)
+    if key.startswith(WEBDATASET_PREFIX):
+        try:
+            with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+                members = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}  # type: ignore[union-attr]
+        except (tarfile.TarError, OSError) as e:
+            return [f"{where}: cannot be read as a tar ({e})"]
+        found = {}
+        for r in rows:
+            name = webdataset_sample_key(r["id"], image_index_in_key(r["k"], per_id[r["id"]]))
+            ext = IMAGE_EXTENSIONS.get(r["format"], r["format"])
+            if f"{name}.{ext}" in members:
+                found[(r["id"], r["k"])] = members[f"{name}.{ext}"]
+        return _check_rows(found, rows, where)
+    (r,) = rows if len(rows) == 1 else (None,)
+    if r is None:
+        return [f"{where}: named by {len(rows)} manifest rows; an image object belongs to one"]
+    if len(data) != r["bytes"] or _sha(data) != r["sha256"]:
+        return [
+            f"{where}: {len(data)} bytes with sha256 {_sha(data)[:16]}..., the manifest row "
+            f"id={r['id']!r} k={r['k']} says {r['bytes']} bytes, {r['sha256'][:16]}..."
+        ]
+    return []
+
+
+def verify_output(
+    store: ObjectStore, *, partial: bool = False, clean: bool = False, hash_objects: bool = True
+) -> VerifyReport:
+    """Check the output at `store`; with `clean`, delete the orphans found (attempt objects of
+    committed shards that their manifest does not name: nothing can ever name them)."""
+    report = VerifyReport(output=store.uri(), partial=partial)
+    try:
+        job = read_json(store, job_key())
+        success = read_json(store, success_key())
+    except ValueError as e:
+        report.problems.append(str(e))
+        return report
+    if job is None:
+        report.problems.append(
+            f"{store.uri(job_key())} is missing: not a ditfleet output, or no run got past planning"
+        )
+        return report
+    report.success = success is not None
+    plan = _read_plan(store, job, report)
+    if plan is None:
+        return report
+    report.planned_shards = len(plan.shards)
+
+    # 1. Manifests (read first: see the module docstring).
+    committed: list[int] = []
+    for key in store.list(MANIFESTS_PREFIX):
+        shard = shard_of_manifest_key(key)
+        if shard is None:
+            report.problems.append(f"{store.uri(key)}: stray file in manifests/ (not a shard manifest)")
+        elif shard not in plan.shards:
+            report.problems.append(
+                f"{store.uri(key)}: manifest of shard {shard}, which the plan does not have (or superseded)"
+            )
+        else:
+            committed.append(shard)
+    committed.sort()
+    report.committed = len(committed)
+    report.missing = sorted(plan.shards - set(committed))
+    with ThreadPoolExecutor(max_workers=_THREADS) as pool:
+        shards = [s for s in pool.map(lambda s: _read_manifest(store, s, plan, report.problems), committed) if s]
+
+    # 2. Every row exactly once over the output.
+    if shards:
+        table = pa.table(
+            {"id": pa.chunked_array([s.ids for s in shards]), "k": pa.chunked_array([s.ks for s in shards])}
+        )
+        by_pair = table.group_by(["id", "k"]).aggregate([([], "count_all")])
+        dups = by_pair.filter(pc.greater(by_pair.column("count_all"), 1))
+        for id_, k, n in zip(*(dups.column(c).to_pylist()[:MAX_LISTED] for c in ("id", "k", "count_all"))):
+            report.problems.append(f"row id={id_!r} k={k} is in {n} manifests (a row must be in one)")
+        by_id = table.group_by("id").aggregate([("k", "min"), ("k", "max"), ("k", "count_distinct")])
+        gaps = by_id.filter(
+            pc.or_(
+                pc.not_equal(by_id.column("k_min"), 0),
+                pc.not_equal(pc.add(by_id.column("k_max"), 1), by_id.column("k_count_distinct")),
+            )
+        )
+        for id_ in gaps.column("id").to_pylist()[:MAX_LISTED]:
+            report.problems.append(f"row id={id_!r}: its images are not k = 0..n-1 (one is missing)")
+        report.rows = by_id.num_rows
+    report.images_ok = sum(len(s.ok) for s in shards)
+    report.images_failed = sum(s.failed for s in shards)
+    images = report.images_ok + report.images_failed
+    if not report.missing and plan.rows is not None and plan.images is not None:
+        if report.rows != plan.rows or images != plan.images:
+            report.problems.append(
+                f"the manifests hold {report.rows} rows / {images} images, the plan has "
+                f"{plan.rows} / {plan.images}"
+            )
+
+    # 3. Objects named by ok rows.
+    root = store.uri()
+    named: dict[str, list[dict]] = defaultdict(list)
+    per_id_of: dict[str, Counter] = {}
+    for s in shards:
+        for r in s.ok:
+            key, moved = _key_of(root, r["uri"])
+            if moved and key is not None and report.moved_from is None:
+                report.moved_from = r["uri"][: -len(key) - 1]
+            if key is None:
+                report.problems.append(
+                    f"shard {s.shard} row id={r['id']!r} k={r['k']}: uri {r['uri']} is not under {root}"
+                )
+                continue
+            named[key].append(r)
+            per_id_of[key] = s.images_per_id
+    listed: set[str] = set()
+    committed_set = set(committed)
+    for prefix in SHARD_DATA_PREFIXES:
+        for key in store.list(prefix):
+            listed.add(key)
+            if key in named:
+                continue
+            obj = attempt_object(key)
+            if obj is not None and obj.shard in committed_set:
+                report.orphans.append(key)
+            elif obj is not None and obj.shard in plan.shards:
+                report.pending += 1
+            else:
+                report.problems.append(
+                    f"{store.uri(key)}: stray object (no manifest names it, and it is not an attempt "
+                    "object of a planned shard)"
+                )
+    for key, rows in named.items():
+        if key not in listed:
+            report.problems.append(f"{store.uri(key)}: missing (named by {len(rows)} ok manifest rows)")
+    if hash_objects:
+        present = [k for k in named if k in listed]
+        with ThreadPoolExecutor(max_workers=_THREADS) as pool:
+            for found in pool.map(lambda k: _check_object(store, k, named[k], per_id_of[k]), present):
+                report.problems.extend(found)
+        report.objects_checked = sum(len(named[k]) for k in present)
+
+    # 4. _SUCCESS.
+    if success is not None:
+        if report.missing:
+            report.problems.append(
+                f"_SUCCESS is present but {len(report.missing)} planned shards are not committed "
+                f"(e.g. {report.missing[:5]}): the output is not complete; run the job again"
+            )
+        elif not plan.incremental:
+            said = (success.get("images") or {}) if isinstance(success.get("images"), dict) else {}
+            if (said.get("ok"), said.get("failed")) != (report.images_ok, report.images_failed):
+                report.problems.append(
+                    f"_SUCCESS says {said.get('ok')} images ok / {said.get('failed')} failed, the "
+                    f"manifests {report.images_ok} / {report.images_failed}"
+                )
+
+    report.orphans.sort()
+    if clean and report.orphans:
+        report.cleaned = _delete(store, report.orphans)
+    return report
+
+
+def _delete(store: ObjectStore, keys: list[str]) -> int:
+    with ThreadPoolExecutor(max_workers=_THREADS) as pool:
+        list(pool.map(store.delete, keys))
+    return len(keys)
+
+
+def shard_orphans(store: ObjectStore, shard: int) -> list[str]:
+    """Attempt objects of a committed shard that its manifest does not name; [] when the shard
+    has no manifest (its runs' objects are still in play then)."""
+    try:
+        table = pq.read_table(io.BytesIO(store.get(manifest_key(shard))), columns=["uri"])
+    except ObjectNotFound:
+        return []
+    root = store.uri()
+    named = {_key_of(root, u)[0] for u in table.column("uri").to_pylist() if u}
+    return [
+        key
+        for prefix in attempt_prefixes(shard)
+        for key in store.list(prefix)
+        if key not in named and (obj := attempt_object(key)) is not None and obj.shard == shard
+    ]
+
+
+def clean_orphans(store: ObjectStore, shards: Iterable[int]) -> int:
+    """Delete the orphans of the given shards (only committed ones have any); returns how many.
+    Safe while stragglers run: a committed manifest never changes, so an object it does not name
+    now it never will."""
+    shards = list(shards)
+    if not shards:
+        return 0
+    with ThreadPoolExecutor(max_workers=min(_THREADS, len(shards))) as pool:
+        orphans = [k for keys in pool.map(lambda s: shard_orphans(store, s), shards) for k in keys]
+    return _delete(store, orphans) if orphans else 0
+
+
+__all__ = ["VerifyReport", "clean_orphans", "shard_orphans", "verify_output"]
