@@ -205,7 +205,7 @@ _NOT_IMAGE = [f.name for f in DATA_SCHEMA if f.name != "image"]
 
 
 class ParquetShardWriter:
-    """One Parquet file per shard at layout.data_key(shard), rows in the order added.
+    """One Parquet file per run of a shard at layout.data_key(shard, attempt), rows in the order added.
 
     Row groups are streamed into a spooled temp file (memory up to `spool_max_bytes`, then
     disk), and the finished file goes to the store in one whole-object write, so a reader never
