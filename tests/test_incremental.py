@@ -267,6 +267,11 @@ def test_real_worker_through_the_cli_adds_a_days_file(random_model_dir, tmp_path
     assert main(["status", str(out), "--json"]) == 0
     status = json.loads(capsys.readouterr().out)
     assert status["complete"] and status["images"] == {"planned": 15, "ok": 15, "failed": 0}
+    # verify takes the plan of an incremental output from its run records.
+    assert main(["verify", str(out), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["rows"] == 15 and report["shards"] == {"planned": 3, "committed": 3, "missing": 0}
+    assert report["objects_checked"] == 15 and not report["problems"]
 
 
 class _KilledAfter:
