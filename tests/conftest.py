@@ -20,3 +20,12 @@ def random_model_dir(tmp_path_factory):
     from tests.model_fixtures import add_tiny_text_encoder, make_diffusers_model_dir
 
     return add_tiny_text_encoder(make_diffusers_model_dir(tmp_path_factory.mktemp("random-model")))
+
+
+@pytest.fixture(scope="session")
+def real_widths_dir(tmp_path_factory):
+    """Qwen-Image's published layout cut to one block (hidden 3072, text 3584, the full VAE), random
+    bf16 weights in four hub-style shards + index (tests/real_widths.py); about 1 GB on disk."""
+    from tests.real_widths import write_real_widths_checkpoint
+
+    return write_real_widths_checkpoint(tmp_path_factory.mktemp("real-widths") / "qwen-image", num_layers=1)

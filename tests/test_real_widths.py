@@ -18,14 +18,9 @@ from model import load_pipeline
 from model.loader import load_transformer
 from model.sampling import model_timestep
 from model.scheduler import SchedulerConfig, sigma_schedule
-from tests.real_widths import PUBLISHED, write_real_widths_checkpoint
+from tests.real_widths import PUBLISHED
 
 TEXT_DIM = 3584
-
-
-@pytest.fixture(scope="session")
-def real_widths_dir(tmp_path_factory):
-    return write_real_widths_checkpoint(tmp_path_factory.mktemp("real-widths") / "qwen-image", num_layers=1)
 
 
 def _diffusers_transformer(root, dtype):
