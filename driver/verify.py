@@ -435,9 +435,12 @@ def shard_orphans(store: ObjectStore, shard: int) -> list[str]:
         return []
     root = store.uri()
     named = {_key_of(root, u)[0] for u in table.column("uri").to_pylist() if u}
+    prefixes = attempt_prefixes(shard)
+    # One output has one format: list only its area when the manifest names an object there.
+    used = [p for p in prefixes if any(k and k.startswith(p) for k in named)]
     return [
         key
-        for prefix in attempt_prefixes(shard)
+        for prefix in used or prefixes
         for key in store.list(prefix)
         if key not in named and (obj := attempt_object(key)) is not None and obj.shard == shard
     ]

@@ -1,0 +1,102 @@
+"""How long `ditfleet verify` and the driver's orphan cleanup take on an output of many objects.
+
+Builds a synthetic "files"-format output in a temporary directory (random bytes as images, one
+manifest per shard, `_job.json`, and one orphan run per shard), then times:
+- verify_output with hashing (reads every object), and without (`--no-hash`: listing only);
+- clean_orphans over every shard (what the driver does before `_SUCCESS`).
+
+    python -m bench.verify_scan --shards 40 --images 250 --bytes 4096
+
+Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import tempfile
+import time
+
+from driver.verify import clean_orphans, verify_output
+from workers.layout import image_key, job_key, new_attempt_token
+from workers.manifest import ManifestRow, ManifestWriter
+from workers.stores import open_store
+
+
+def build(root: str, shards: int, images: int, size: int) -> None:
+    store = open_store(root)
+    for shard in range(shards):
+        token, loser = new_attempt_token(0), new_attempt_token(1)
+        writer = ManifestWriter(shard, expected_rows=images)
+        for i in range(images):
+            row_id = f"r{shard:05d}-{i:05d}"
+            data = os.urandom(size)
+            key = image_key(shard, token, row_id, None, "png")
+            store.put(key, data)
+            if i % 10 == 0:  # a losing run stored a tenth of the shard before it lost
+                store.put(image_key(shard, loser, row_id, None, "png"), os.urandom(size))
+            writer.add(
+                ManifestRow(
+                    id=row_id,
+                    k=0,
+                    prompt="p",
+                    seed=i,
+                    width=64,
+                    height=64,
+                    bucket="64x64",
+                    steps=2,
+                    true_cfg_scale=1.0,
+                    model_id="bench",
+                    status="ok",
+                    uri=store.uri(key),
+                    sha256=hashlib.sha256(data).hexdigest(),
+                    bytes=size,
+                    format="png",
+                    worker="bench",
+                    attempt=0,
+                    shard=shard,
+                )
+            )
+        writer.commit(store)
+    plan = {"shards": shards, "rows": shards * images, "images": shards * images}
+    store.put(job_key(), json.dumps({"fingerprint": "bench", "plan": plan}).encode())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shards", type=int, default=40)
+    parser.add_argument("--images", type=int, default=250)
+    parser.add_argument("--bytes", type=int, default=4096)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="verify-scan-") as root:
+        build(root, args.shards, args.images, args.bytes)
+        store = open_store(root)
+        t0 = time.perf_counter()
+        hashed = verify_output(store, partial=True)
+        t1 = time.perf_counter()
+        listed = verify_output(store, partial=True, hash_objects=False)
+        t2 = time.perf_counter()
+        removed = clean_orphans(store, range(args.shards))
+        t3 = time.perf_counter()
+        assert not hashed.problems and hashed.objects_checked == args.shards * args.images, hashed.problems[:3]
+        assert removed == len(hashed.orphans) == len(listed.orphans)
+        print(
+            json.dumps(
+                {
+                    "bench": "verify_scan",
+                    "shards": args.shards,
+                    "objects": args.shards * args.images,
+                    "orphans": removed,
+                    "verify_hash_s": round(t1 - t0, 3),
+                    "verify_hash_objects_per_s": round(hashed.objects_checked / (t1 - t0), 1),
+                    "verify_no_hash_s": round(t2 - t1, 3),
+                    "clean_orphans_s": round(t3 - t2, 3),
+                }
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
