@@ -46,7 +46,7 @@ from driver.status import OutputCounts, count_shards, read_json
 from driver.summary import JobSummary, build_summary
 from driver.validate import ValidationReport, validate_input
 from driver.verify import clean_orphans
-from workers.input_files import filesystem_for
+from workers.input_files import filesystem_for, is_s3
 from workers.layout import success_key
 from workers.manifest import committed_shards
 from workers.rows import ShardSpec
@@ -72,6 +72,9 @@ class DriverConfig:
     status_every_s: float = 30.0  # progress line interval when stderr is not a terminal
     # The input grows between runs: each run adds only the rows the output lacks (driver.increment).
     incremental: bool = False
+    # A local output on a filesystem every node mounts at the same path (else only actors on the
+    # driver's node may write it).
+    shared_filesystem: bool = False
 
     def __post_init__(self) -> None:
         if not self.input_uri or not self.output_uri:
@@ -250,6 +253,7 @@ class _Execution:
             worker_cls = GenerationWorker
         if self.connect is not None:
             self.connect()
+        worker_config = _pin_output_node(self.config, worker_config)
         try:
             events = FanOut(progress, self.events) if self.events is not None else progress
             return run_shards(todo, worker_cls, (worker_config,), self.config.dispatch, events)
@@ -258,6 +262,22 @@ class _Execution:
             finish = getattr(self.events, "finish", None)
             if callable(finish):
                 finish()
+
+
+def _pin_output_node(config: DriverConfig, worker_config: Any) -> Any:
+    """A node-local output: actors must run on the driver's node (the worker checks)."""
+    if (
+        is_s3(config.output_uri)
+        or config.shared_filesystem
+        or not hasattr(worker_config, "local_output_node")
+    ):
+        return worker_config
+    import ray
+
+    if not ray.is_initialized():
+        return worker_config
+    node = ray.get_runtime_context().get_node_id()
+    return dataclasses.replace(worker_config, local_output_node=node)
 
 
 def preview_increment(config: DriverConfig) -> IncrementPlan:

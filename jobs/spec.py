@@ -490,6 +490,7 @@ class JobSpec(_Section):
             s3=self.s3_config(),
             resolved_spec=json.dumps(self.resolved(), sort_keys=True),
             incremental=self.input.incremental,
+            shared_filesystem=self.output.shared_filesystem,
         )
 
     def to_worker_config(self) -> WorkerConfig:

@@ -162,3 +162,41 @@ def test_ditfleet_run_refuses_a_local_output_on_a_two_node_cluster(tmp_path):
     assert "is a local path, and this Ray cluster has 2 nodes" in done.stderr
     assert "output.shared_filesystem: true" in done.stderr
     assert not (tmp_path / "out").exists(), "nothing written"
+
+
+def test_an_actor_on_another_node_refuses_a_node_local_output(tmp_path, ray_cluster):
+    """Nodes an autoscaler adds after the start: the worker itself checks where it runs."""
+    import ray
+
+    from workers.actor import GenerationWorker, WorkerConfig, check_output_node
+    from workers.stores import StoreConfigError
+
+    here = ray.get_runtime_context().get_node_id()
+    check_output_node(str(tmp_path / "out"), here, here)
+    check_output_node(str(tmp_path / "out"), None, here)  # s3:// or a shared filesystem
+    config = WorkerConfig(output_uri=str(tmp_path / "out"), local_output_node="ab" * 28)
+    with pytest.raises(
+        StoreConfigError, match="local path on the driver's node .* this actor runs on another"
+    ):
+        GenerationWorker(config)
+    assert not (tmp_path / "out").exists(), "refused before touching the output"
+
+
+def test_the_driver_pins_a_local_output_to_its_node_unless_shared(tmp_path, ray_cluster):
+    import dataclasses
+
+    import ray
+
+    from driver.run import DriverConfig, _pin_output_node
+    from workers.actor import WorkerConfig
+
+    worker = WorkerConfig(output_uri=str(tmp_path / "out"))
+    driver = DriverConfig(input_uri=str(tmp_path / "p.parquet"), output_uri=str(tmp_path / "out"))
+    assert _pin_output_node(driver, worker).local_output_node == ray.get_runtime_context().get_node_id()
+    shared = dataclasses.replace(driver, shared_filesystem=True)
+    assert _pin_output_node(shared, worker).local_output_node is None
+    on_s3 = DriverConfig(input_uri="s3://b/p.parquet", output_uri="s3://b/out")
+    assert (
+        _pin_output_node(on_s3, dataclasses.replace(worker, output_uri="s3://b/out")).local_output_node
+        is None
+    )

@@ -36,7 +36,7 @@ from .model_fetch import FetchConfig, fetch_model
 from .rows import PromptRow, RowConfig, ShardSpec, read_shard_rows
 from .shard_writers import ImageResult, ImageTask, ShardWriterConfig, make_shard_writer
 from .spot import StopOnSigterm
-from .stores import S3Config, open_store
+from .stores import S3Config, StoreConfigError, open_store
 from .text_embeddings import PLACEMENTS, PlacedTextEncoder
 
 
@@ -63,6 +63,10 @@ class WorkerConfig:
     embedding_cache_bytes: int = 256 * 2**20  # prompt embeddings kept per actor (host memory)
     warmup_buckets: tuple[str, ...] = ()  # the buckets this job uses; empty = every job bucket
     compile: CompileConfig = field(default_factory=CompileConfig)
+    # A local output that is not on a shared filesystem: the Ray node id of the driver, the one
+    # node whose disk it is. An actor on any other node refuses to start (it would write to its
+    # own disk). None: an s3:// output, or a filesystem every node shares.
+    local_output_node: str | None = None
     # Where each actor finds the key that authenticates the shared compile cache (not the key).
     compile_cache_key: CacheSecretSource = field(default_factory=CacheSecretSource)
     writer: ShardWriterConfig = field(default_factory=ShardWriterConfig)
@@ -119,6 +123,28 @@ def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
     return dev, dt
 
 
+def current_node_id() -> str | None:
+    """The Ray node this process runs on (None outside Ray)."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except Exception:  # noqa: BLE001 - outside a Ray worker there is no node to compare
+        return None
+
+
+def check_output_node(output_uri: str, output_node: str | None, here: str | None) -> None:
+    """Refuse to write a node-local output from another node (see WorkerConfig.local_output_node)."""
+    if output_node is None or here is None or here == output_node:
+        return
+    raise StoreConfigError(
+        f"the output {output_uri} is a local path on the driver's node ({output_node[:12]}), and this "
+        f"actor runs on another node ({here[:12]}): it would write images and manifests to its own "
+        "disk. Use an s3:// output, or an absolute path on a filesystem every node mounts at the same "
+        "place (then set output.shared_filesystem: true)"
+    )
+
+
 def worker_identity() -> str:
     actor = ""
     try:
@@ -141,6 +167,7 @@ class GenerationWorker:
         self._sigterm = StopOnSigterm(self.request_stop).install()
         self.metrics = WorkerMetrics(config.output_uri)
         # Storage first: a missing bucket or bad credentials fail before any model work.
+        check_output_node(config.output_uri, config.local_output_node, current_node_id())
         self.store = open_store(config.output_uri, config.s3)
         self.store.check_writable()
         self.device, self.dtype = resolve_device(config.device, config.dtype)
