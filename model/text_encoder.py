@@ -3,6 +3,18 @@
 The pipeline only needs `encode(prompts, max_length) -> (embeds (B, L, D), mask (B, L))`, where L
 is the longest prompt in tokens and mask is 1 for real tokens. The real encoder is Qwen2.5-VL-7B
 through `transformers` (the `qwen` extra); the bundled tiny model has its own small encoder.
+
+Which hidden state Qwen-Image reads: the reference pipeline (diffusers `QwenImagePipeline.
+_get_qwen_prompt_embeds`, `hidden_states = encoder_hidden_states.hidden_states[-1]`) runs
+Qwen2.5-VL with `output_hidden_states=True`. In the transformers the published text encoder was
+saved with (its config.json records 4.53.1; 4.57.1 is the same), `Qwen2_5_VLTextModel.forward`
+applies the final RMSNorm and then appends that normalised tensor as the last entry
+(`hidden_states = self.norm(hidden_states)`; "add hidden states from the last decoder layer").
+So the model was trained on the language model's last hidden state AFTER the final norm. In
+transformers 5 the entry is whatever output capturing records: by default tied to
+`last_hidden_state` (after the norm), but with `tie_last_hidden_states=False` in a config it is
+the last decoder layer's output before the norm (Qwen3-VL based pipelines rely on exactly that).
+We therefore never read `hidden_states[-1]`: a forward hook captures the final norm's output.
 """
 
 from __future__ import annotations
@@ -63,6 +75,38 @@ class QwenVLTextEncoder:
         ids = self.tokenizer(texts, max_length=QWEN_TOKENIZER_MAX + QWEN_IMAGE_DROP_TOKENS, truncation=True)
         return [min(max(len(t) - QWEN_IMAGE_DROP_TOKENS, 0), max_length) for t in ids["input_ids"]]
 
+    def _final_norm(self) -> torch.nn.Module:
+        """The language model's final RMSNorm, wherever this transformers version keeps it
+        (`model.language_model.norm` from 4.52, `model.norm` before)."""
+        inner = getattr(self.model, "model", self.model)
+        norm = getattr(getattr(inner, "language_model", inner), "norm", None)
+        if not isinstance(norm, torch.nn.Module):
+            raise RuntimeError(
+                f"{type(self.model).__name__}: cannot find the language model's final norm; "
+                "this transformers version lays Qwen2.5-VL out differently."
+            )
+        return norm
+
+    def _last_hidden_state(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The final norm's output (B, T, D): the state Qwen-Image was trained on (see the module
+        docstring), captured by a hook so that no version's `hidden_states` semantics matter."""
+        captured: list[torch.Tensor] = []
+        handle = self._final_norm().register_forward_hook(lambda m, args, out: captured.append(out))
+        try:
+            # The multimodal model without the LM head: positions (M-RoPE) as the full model
+            # computes them, but no vocabulary-sized logits.
+            inner = (
+                self.model.model
+                if hasattr(getattr(self.model, "model", None), "language_model")
+                else self.model
+            )
+            inner(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        finally:
+            handle.remove()
+        if len(captured) != 1:
+            raise RuntimeError(f"expected one call of the final norm per encode, saw {len(captured)}")
+        return captured[0]
+
     def to(self, device: str | torch.device) -> QwenVLTextEncoder:
         """Move the encoder (e.g. off the GPU between shards); returns self."""
         self.model.to(device)
@@ -79,10 +123,7 @@ class QwenVLTextEncoder:
             truncation=True,
             return_tensors="pt",
         ).to(self.device)
-        out = self.model(
-            input_ids=tokens.input_ids, attention_mask=tokens.attention_mask, output_hidden_states=True
-        )
-        hidden = out.hidden_states[-1]  # (B, T, D)
+        hidden = self._last_hidden_state(tokens.input_ids, tokens.attention_mask)  # (B, T, D)
         mask = tokens.attention_mask.bool()
         # Keep each prompt's real tokens (padding may sit on either side), minus the template head.
         per_prompt = [h[m][QWEN_IMAGE_DROP_TOKENS:][:max_length] for h, m in zip(hidden, mask)]

@@ -176,3 +176,74 @@ def test_load_pipeline_picks_qwen_text_encoder(qwen_dirs, tmp_path):
     assert isinstance(pipe.text_encoder, QwenVLTextEncoder)
     embeds, mask = pipe.text_encoder.encode(PROMPTS[:1])
     assert embeds.shape[-1] == 32 and mask.all()
+
+
+def _states_around_final_norm(model, ids, mask):
+    """(last decoder layer output, final norm output), each (B, T, D), captured by hooks."""
+    lm = model.model.language_model
+    cap = {}
+    h1 = lm.layers[-1].register_forward_hook(
+        lambda m, a, o: cap.__setitem__("pre", o[0] if isinstance(o, tuple) else o)
+    )
+    h2 = lm.norm.register_forward_hook(lambda m, a, o: cap.__setitem__("post", o))
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    finally:
+        h1.remove(), h2.remove()
+    return cap["pre"], cap["post"], out.hidden_states[-1]
+
+
+def _select(hidden, mask, max_length=512):
+    """What encode keeps of each prompt: its real tokens minus the template head."""
+    return [h[m.bool()][QWEN_IMAGE_DROP_TOKENS:][:max_length] for h, m in zip(hidden, mask)]
+
+
+def test_reads_the_state_after_the_final_norm(qwen_dirs):
+    """Qwen-Image was trained on the language model's last hidden state after its final RMSNorm
+    (transformers 4.53.1, the version its text encoder config records, appends the normed state
+    as hidden_states[-1]); encode returns exactly that, not the last decoder layer's raw output."""
+    root, _, _ = qwen_dirs
+    enc = QwenVLTextEncoder.from_dirs(root / "text_encoder", root / "tokenizer", "cpu", torch.float32)
+    embeds, mask = enc.encode(PROMPTS)
+    tokens = enc.tokenizer(
+        [QWEN_IMAGE_TEMPLATE.format(p) for p in PROMPTS], padding=True, return_tensors="pt"
+    )
+    pre, post, _ = _states_around_final_norm(enc.model, tokens.input_ids, tokens.attention_mask)
+    for i, (p_post, p_pre) in enumerate(
+        zip(_select(post, tokens.attention_mask), _select(pre, tokens.attention_mask))
+    ):
+        n = int(mask[i].sum())
+        assert torch.allclose(embeds[i, :n], p_post, atol=1e-6)
+        assert not torch.allclose(embeds[i, :n], p_pre, atol=1e-2)
+
+
+def test_independent_of_what_hidden_states_minus_one_means(qwen_dirs):
+    """transformers 5 lets a config untie hidden_states[-1] from last_hidden_state, making it the
+    pre-norm state; the reference pipeline's embeddings then change, ours do not."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+
+    root, _, _ = qwen_dirs
+    enc = QwenVLTextEncoder.from_dirs(root / "text_encoder", root / "tokenizer", "cpu", torch.float32)
+    before, mask = enc.encode(PROMPTS)
+    lm_config = enc.model.model.language_model.config
+    lm_config.tie_last_hidden_states = False
+    tokens = enc.tokenizer(
+        [QWEN_IMAGE_TEMPLATE.format(p) for p in PROMPTS], padding=True, return_tensors="pt"
+    )
+    pre, post, last = _states_around_final_norm(enc.model, tokens.input_ids, tokens.attention_mask)
+    if not torch.equal(last, pre):
+        pytest.skip("this transformers version has no tie_last_hidden_states switch")
+    after, after_mask = enc.encode(PROMPTS)
+    assert torch.equal(after, before) and torch.equal(after_mask, mask)
+    pipe = QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(), vae=None, text_encoder=enc.model, tokenizer=enc.tokenizer,
+        transformer=None,
+    )  # fmt: skip
+    with torch.no_grad():
+        ref, _ = pipe.encode_prompt(PROMPTS, device="cpu", max_sequence_length=512)
+    assert (ref - before).abs().max().item() > 1e-2  # the reference now reads the pre-norm state
+    lm_config.tie_last_hidden_states = True
+    with torch.no_grad():
+        ref, _ = pipe.encode_prompt(PROMPTS, device="cpu", max_sequence_length=512)
+    assert (ref - before).abs().max().item() <= 1e-5
