@@ -49,6 +49,8 @@ def ray_cluster() -> Iterator[RayCluster]:
     if ray.is_initialized():  # a test that called ray.init itself must not leak into the others
         ray.shutdown()
     ray.init(
+        # "local": always a fresh cluster of our own, never one a `ray start` left on this machine.
+        address="local",
         num_cpus=SESSION_CPUS,
         num_gpus=0,
         include_dashboard=False,
