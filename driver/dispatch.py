@@ -13,6 +13,9 @@ Tail: when the queue is empty and actors sit idle, shards queued behind another 
 actor move to an idle actor (the queued call is cancelled), and shards that have run much longer
 than the median get a second, speculative run. The first commit wins: the worker's create-only
 manifest write guarantees at most one manifest per shard, and only the first result is counted.
+Each run writes its objects under its own attempt token, so a twin never touches what the
+winner's manifest names. When the last shard settled, every actor is killed and `run_shards`
+waits until their processes are gone (driver.fence) before it returns.
 
 Cost per event is O(actors + in-flight runs); driver memory is O(shards) (a few ints per shard
 and one result per committed shard).
@@ -563,7 +566,8 @@ class Dispatcher:
         candidates.sort(key=lambda c: (c[0], c[1]))
         for slot, (kind, _, ref, run) in zip(idle, candidates):
             # A moved run keeps its attempt number: the queued original is cancelled before it
-            # starts (or, if it started meanwhile, both write the same bytes and one commits).
+            # starts (or, if it started meanwhile, each writes under its own attempt token and
+            # the first to commit wins; the other's objects are orphans, see workers.layout).
             self._submit(run.pos, slot, speculative=kind == 1, attempt=run.attempt if kind == 0 else None)
             if kind == 0:
                 self.stats.tail_moves += 1
