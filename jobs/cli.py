@@ -82,8 +82,17 @@ def _store_args(args: argparse.Namespace) -> S3Config:
 
 
 def _memory_plan(spec: JobSpec) -> JobMemoryPlan | None:
-    """The job's memory plan; None when the model cannot be read at plan time (hf://)."""
-    return job_memory_plan(spec.memory_request())
+    """The job's memory plan; None when the model cannot be read at plan time (hf://).
+
+    Without workers.gpu_memory_gb the plan is information only: a model whose configs cannot be
+    read here (a bucket this machine has no access to) is reported, not an error."""
+    if spec.workers.gpu_memory_gb is not None:
+        return job_memory_plan(spec.memory_request())
+    try:
+        return job_memory_plan(spec.memory_request())
+    except (StoreError, OSError, ValueError) as e:
+        _print_err(f"memory plan skipped: {spec.model.path}: {e}")
+        return None
 
 
 def _check_memory(spec: JobSpec, job: str) -> JobMemoryPlan | None:
@@ -112,7 +121,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def _print_memory(memory: JobMemoryPlan | None, spec: JobSpec) -> None:
     if memory is None:
-        print(f"memory:  {spec.model.path}: not read at plan time (hf://); `ditfleet inspect` a local copy")
+        print(f"memory:  {spec.model.path}: configs not read here; `ditfleet inspect` a local copy")
         return
     for i, line in enumerate(memory.lines()):
         print(("memory:  " if i == 0 else "         ") + line)

@@ -113,3 +113,29 @@ def test_shard_prompts_cover_prompts_and_negatives_where_cfg_is_on():
 def test_a_bad_placement_is_refused():
     with pytest.raises(ValueError, match="gpu, cpu or offload|one of"):
         WorkerConfig(output_uri="unused", text_encoder="disk")
+
+
+def test_worker_with_offloaded_encoder_writes_the_same_images_encoding_each_text_once(tmp_path):
+    """A whole shard through the worker (tiny model, repeated prompts): the same image bytes as
+    with the encoder on the device, and each distinct text encoded once."""
+    import dataclasses
+
+    from tests.worker_fixtures import shard_of, worker_config, write_prompts
+    from workers.actor import GenerationWorker
+    from workers.manifest import read_manifests
+    from workers.stores import open_store
+
+    prompts = write_prompts(tmp_path / "prompts.parquet", 8, sizes=False, extra=False)  # 4 colours x 3 shapes
+    digests = {}
+    for placement in ("gpu", "offload"):
+        out = str(tmp_path / placement)
+        config = dataclasses.replace(worker_config("tiny", out, batch_size=4), text_encoder=placement)
+        worker = GenerationWorker(config)
+        assert worker.run_shard(shard_of(prompts, 0, 0, 8)).status == "committed"
+        stats = worker.text_encoder_stats()
+        assert stats["placement"] == placement
+        if placement == "offload":  # 8 rows, 8 distinct prompts... plus the shared negative " "
+            assert stats["encoder_calls"] == 9 and stats["dit_swaps"] == 0
+        table = read_manifests(open_store(out)).to_pandas().sort_values("id")
+        digests[placement] = list(table["sha256"])
+    assert digests["gpu"] == digests["offload"]

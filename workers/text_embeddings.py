@@ -171,7 +171,7 @@ class PlacedTextEncoder:
             return 0
         if self.placement != "offload":
             for p in misses:
-                self._pinned[(p, max_length)] = self._embedding(p, max_length, keep=True)
+                self._pinned[(p, max_length)] = self._embedding(p, max_length, keep=True, force=True)
             return len(misses)
         swap = self._needs_swap()
         if swap:
@@ -227,6 +227,8 @@ class PlacedTextEncoder:
         if self.device.type != "cuda":
             return False
         free, _ = torch.cuda.mem_get_info(self.device)
+        # Blocks the caching allocator holds but no tensor uses are free for the encoder too.
+        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         need = _module_bytes(self.encoder) + _ENCODE_HEADROOM
         return free < need
 
