@@ -129,7 +129,7 @@ def format_inspection(info: dict[str, Any]) -> str:
             )
         lines.append(line)
     lines.append(
-        f"memory plan ({dtype}, prompts padded to {info['text_len']} tokens, serial CFG, one image per VAE decode; "
+        f"memory plan ({dtype}, prompts up to {info['text_len']} tokens, serial CFG, one image per VAE decode; "
         "peak GB, then per GPU: fits and the largest batch):"
     )
     for row in info["plans"]:

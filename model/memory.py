@@ -240,21 +240,17 @@ def vae_decode_activation_bytes(cfg: VAEConfig, batch: int, height: int, width: 
 
 def text_encode_activation_bytes(config: dict[str, Any], tokens: int, e: int) -> int:
     """Peak bytes above the weights of encoding one prompt of `tokens` tokens (prompts are
-    encoded one at a time): every layer's hidden state is returned, the lm_head's logits are
-    computed, and the MLP holds three intermediate-width tensors."""
+    encoded one at a time, without the LM head: the final norm's output is captured): the
+    residual stream, its norm, attention output and the captured state (4 H), and the MLP's gate,
+    up and product (3 x the intermediate width)."""
     cls = config.get("_class_name") or (config.get("architectures") or [""])[0]
     if cls == "TinyTextEncoder":
-        H, layers, V, inter = config["hidden_size"], config["num_layers"], 0, 4 * config["hidden_size"]
+        H, inter = config["hidden_size"], 4 * config["hidden_size"]
         tokens = min(tokens, config["max_positions"])
     else:
         t = _qwen_text(config)
-        H, layers, V, inter = (
-            t["hidden_size"],
-            t["num_hidden_layers"],
-            t["vocab_size"],
-            t["intermediate_size"],
-        )
-    return tokens * e * ((layers + 1) * H + V + 3 * inter)
+        H, inter = t["hidden_size"], t["intermediate_size"]
+    return tokens * e * (4 * H + 3 * inter)
 
 
 # -- the model and its plan ---------------------------------------------------------------------
