@@ -3,7 +3,8 @@
 Everything here reads only the files' headers (a few kilobytes each), so a broken checkpoint (a
 missing or truncated shard, an index that names absent files or tensors, tensors of the wrong
 shape) is refused by name before any weight is read or any device memory is touched. Loading then
-streams shard by shard: at most one shard's tensors are in host memory beyond the model itself.
+streams shard by shard, tensor by tensor: host memory beyond the model itself stays at about one
+tensor.
 """
 
 from __future__ import annotations
@@ -22,12 +23,6 @@ from .weights import WeightsError, safetensors_files
 # diffusers / transformers shard names: <stem>-00002-of-00009.safetensors
 _SHARD_NAME = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.safetensors$")
 _MAX_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit
-
-_DTYPE_BYTES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-    "F8_E4M3": 1, "F8_E5M2": 1,
-}  # fmt: skip
-
 
 _TORCH_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -70,8 +65,8 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
         numel = 1
         for s in shape:
             numel *= s
-        width = _DTYPE_BYTES.get(meta["dtype"])
-        if width is not None and end - start != numel * width:
+        dtype = _TORCH_DTYPES.get(meta["dtype"])
+        if dtype is not None and end - start != numel * dtype.itemsize:
             raise WeightsError(f"{path}: tensor {name!r} has inconsistent offsets. Re-download this file.")
         data_end = max(data_end, end)
         entries[name] = TensorEntry(path, meta["dtype"], shape, 8 + n + start, 8 + n + end)

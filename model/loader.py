@@ -126,14 +126,26 @@ def load_text_encoder(root: Path, device, dtype) -> TextEncoder | None:
     te_dir = root / "text_encoder"
     if not te_dir.is_dir():
         return None
-    cls = read_config(te_dir).get("_class_name") or read_config(te_dir).get("architectures", [""])[0]
-    if cls == "TinyTextEncoder":
+    if text_encoder_kind(te_dir) == "tiny":
         from .tiny.text_encoder import TinyTextEncoder
 
         return TinyTextEncoder.load(root, device=device, dtype=dtype)
+    return QwenVLTextEncoder.from_dirs(te_dir, root / "tokenizer", device, dtype)
+
+
+def text_encoder_kind(te_dir: Path) -> str:
+    """ "tiny" or "qwen2.5-vl" from text_encoder/config.json; any other model is refused by name."""
+    config = read_config(te_dir)
+    archs = config.get("architectures") or [""]
+    cls = config.get("_class_name") or archs[0]
+    if cls == "TinyTextEncoder":
+        return "tiny"
     if cls.startswith("Qwen2_5_VL"):
-        return QwenVLTextEncoder.from_dirs(te_dir, root / "tokenizer", device, dtype)
-    raise WeightsError(f"{te_dir}/config.json: unknown text encoder class {cls!r}")
+        return "qwen2.5-vl"
+    raise WeightsError(
+        f"{te_dir / 'config.json'}: text encoder {cls!r} is not Qwen2.5-VL (Qwen-Image's encoder). "
+        "Point the model path at a Qwen-Image checkpoint."
+    )
 
 
 def load_pipeline(
@@ -168,7 +180,8 @@ def load_pipeline(
     transformer, checkpoint = prepare_transformer(root / "transformer", modulation_cache)
     updates = plan_updates(adapters, transformer)
     if load_text_encoder_too and (root / "text_encoder").is_dir():
-        Checkpoint(root / "text_encoder")  # its shards complete, before the DiT takes device memory
+        text_encoder_kind(root / "text_encoder")  # the right model, its shards complete,
+        Checkpoint(root / "text_encoder")  # before the DiT takes device memory
     vae = load_vae(root / "vae", device="cpu", dtype=dtype)
     load_streaming(transformer, checkpoint, str(root / "transformer"), dtype, device)
     merge_updates(transformer, updates)

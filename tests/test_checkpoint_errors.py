@@ -140,3 +140,11 @@ def test_truncated_text_encoder_named(sharded_dir, tmp_path):
     te_file.write_bytes(te_file.read_bytes()[:-10])
     with pytest.raises(WeightsError, match=rf"{te_file}: truncated"):
         load_pipeline(root, device="cuda")
+
+
+def test_text_encoder_of_another_architecture(sharded_dir, tmp_path):
+    root, _ = _copy(sharded_dir, tmp_path)
+    t5 = {"architectures": ["T5EncoderModel"], "d_model": 4096}
+    (root / "text_encoder" / "config.json").write_text(json.dumps(t5))
+    with pytest.raises(WeightsError, match=r"text_encoder/config.json.*T5EncoderModel"):
+        load_pipeline(root, device="cuda")
