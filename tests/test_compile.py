@@ -350,7 +350,8 @@ def test_a_forged_blob_writes_nothing_and_the_actor_compiles_normally(
         written = [p for p in inductor.rglob("*") if p.is_file()] if inductor.exists() else []
         assert written == [], f"files written into the Inductor cache: {written}"
         assert prepared.fallbacks == {} and prepared.compile.status == {"vae.decode": "compiled"}
-        assert prepared.warmup is not None and (prepared.warmup.compiles >= 1 or i > 0)  # Dynamo reuses
+        # It warmed up the compiled decode as usual (Dynamo may reuse graphs an earlier test made).
+        assert prepared.warmup is not None and all(b.runs > 0 for b in prepared.warmup.buckets)
         # It compiled normally and left the planted blob alone (create-only: it is not replaced).
         assert prepared.cache_save is not None and prepared.cache_save.status in ("exists", "empty")
         assert store.get(key.name) == forged
