@@ -37,6 +37,7 @@ class MemoryRequest:
     max_sequence_length: int = 512
     table_steps: tuple[int, ...] = ()  # schedules kept per bucket in "table" modulation mode
     s3: S3Config | None = None
+    device: str = "cuda"  # cuda | cpu (an actor without a GPU: the plan is of host memory)
 
     @property
     def text_len(self) -> int:
@@ -157,6 +158,7 @@ def job_memory_plan(request: MemoryRequest, model: ModelMemory | None = None) ->
         vae_batch=request.vae_batch,
         text_len=request.text_len,
         modulation_table_steps=request.table_steps,
+        device=request.device,
     )
     plans, largest = [], {}
     for name in request.buckets:

@@ -457,6 +457,7 @@ class JobSpec(_Section):
             max_sequence_length=self.model.max_sequence_length,
             table_steps=(self.sampling.steps,) if table else (),
             s3=self.s3_config(),
+            device="cpu" if on_cpu else "cuda",
         )
 
     def s3_config(self) -> S3Config:

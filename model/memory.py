@@ -330,6 +330,7 @@ class MemoryPlan:
     capacity: int | None = None  # bytes of the GPU, None: unknown
     dit_swapped: bool = False
     host: int = 0  # bytes kept in host memory (a CPU text encoder, a swapped DiT)
+    device: str = "cuda"
 
     @property
     def peak(self) -> int:
@@ -364,6 +365,7 @@ class MemoryPlan:
             "fits": self.fits,
             "dit_swapped": self.dit_swapped,
             "host_gb": gb(self.host),
+            "device": self.device,
         }
 
     def describe(self) -> str:
@@ -373,8 +375,9 @@ class MemoryPlan:
         if self.capacity is not None:
             verdict = f" of {gb(self.capacity)} GB: " + ("fits" if self.fits else "DOES NOT FIT")
         swap = ", DiT waits in host memory while encoding" if self.dit_swapped else ""
+        where = f"text encoder {self.text_encoder}" if self.device == "cuda" else "on the CPU"
         return (
-            f"{self.width}x{self.height} x{self.batch} {self.dtype}, text encoder {self.text_encoder}: "
+            f"{self.width}x{self.height} x{self.batch} {self.dtype}, {where}: "
             f"peak {gb(self.peak)} GB ({self.peak_phase}){verdict}{swap}"
         )
 
@@ -393,6 +396,7 @@ def plan_memory(
     modulation_table_steps: tuple[int, ...] = (),
     gpu_memory_gb: float | None = None,
     attention: str = "fused",
+    device: str = "cuda",
 ) -> MemoryPlan:
     """The memory plan of generating `batch` images of height x width.
 
@@ -400,6 +404,7 @@ def plan_memory(
     vae_batch: images per VAE decode call (1 when the decode is compiled), None: the batch.
     text_len: the padded prompt length the DiT sees (the prompt-length bucket).
     modulation_table_steps: step counts of the schedules kept in "table" modulation-cache mode.
+    device: "cuda" adds the CUDA context's reserve; "cpu" (an actor without a GPU) does not.
     """
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
@@ -431,7 +436,7 @@ def plan_memory(
         extra["modulation_table"] = sum(modulation_table_steps) * layers * 2 * 6 * D * e
     # Latents, velocities and embeddings of the batch while the VAE runs: small, but resident.
     carried = sum(extra.values())
-    resident = dit_w + vae_w + carried + CUDA_RESERVE
+    resident = dit_w + vae_w + carried + (CUDA_RESERVE if device == "cuda" else 0)
     te_resident = te_w if text_encoder == "gpu" else 0
     frag = lambda b: int(b * FRAGMENTATION)  # noqa: E731
     phases = {
@@ -465,6 +470,7 @@ def plan_memory(
         capacity=capacity,
         dit_swapped=swapped,
         host=host,
+        device=device,
     )
 
 

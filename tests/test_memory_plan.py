@@ -139,9 +139,9 @@ def test_vae_decode_estimate_matches_measured_peak_at_full_width(dtype):
 
 
 def test_qwen_image_at_1328_fits_48_gb_only_with_the_text_encoder_off_the_gpu(qwen):
-    plan = lambda te, gb: plan_memory(
-        qwen, height=1328, width=1328, batch=1, text_encoder=te, gpu_memory_gb=gb
-    )  # noqa: E731
+    def plan(te, gb):
+        return plan_memory(qwen, height=1328, width=1328, batch=1, text_encoder=te, gpu_memory_gb=gb)
+
     assert plan("gpu", 80).weights["transformer"] == 2 * 20_430_401_088
     assert plan("gpu", 80).fits and plan("cpu", 80).fits and plan("offload", 80).fits
     assert not plan("offload", 80).dit_swapped  # both fit next to each other on 80 GB
@@ -254,3 +254,10 @@ def test_qwen_plan_numbers_for_the_readme(qwen):
         for te in ("gpu", "cpu", "offload")
     }
     assert peaks == {"gpu": 61.7, "cpu": 45.1, "offload": 45.1}
+
+
+def test_a_cpu_job_is_planned_in_host_memory_without_the_cuda_reserve(capsys):
+    assert main(["plan", str(REPO / "jobs" / "examples" / "tiny.yaml"), "--json"]) == 0  # gpus: 0
+    buckets = json.loads(capsys.readouterr().out)["memory"]["buckets"]
+    assert {b["device"] for b in buckets} == {"cpu"} and {b["dtype"] for b in buckets} == {"fp32"}
+    assert all(b["peak_gb"] < 0.5 for b in buckets)  # a 10 MB model: no 1.5 GiB CUDA context
