@@ -81,6 +81,8 @@ def test_losing_a_node_mid_job_loses_and_duplicates_nothing(random_model_dir, s3
     assert verify["ok"] and verify["complete"] and not verify["problems"], result["verify_text"]
     assert verify["rows"] == ROWS and verify["images"] == {"ok": ROWS, "failed": 0}
     assert verify["objects_checked"] == ROWS and verify["orphans"] == 0, result["verify_text"]
+    # The fence before _SUCCESS confirmed every actor's process gone, the lost node's included.
+    assert "still had a live process" not in result["log"], result["log"]
     # Weights: downloaded once into the node cache; every other actor found them there. (The
     # nodes of this test share one disk, so "once per node" is once here.)
     fetches = [w["model_fetch"] for w in summary["startup"]["per_worker"].values()]
