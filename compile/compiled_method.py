@@ -41,7 +41,12 @@ class CompiledMethod:
     chunks of this many rows (the last one zero-padded) and the results concatenated, so the
     compiled shape never depends on the caller's batch size.
     shape_limit: the recompile limit in force while this target runs (raised from Dynamo's
-    default, for this call only, to fit every bucket x prompt-length shape of a warm-up).
+    default, for this call only, to fit every shape of a warm-up).
+    dynamic_dims: {argument position: dims} marked dynamic on every call (e.g. the batch and the
+    text length of a DiT block), traced as symbols without specialising sizes 0 and 1
+    (`backed_size_oblivious`) or equal sizes to each other, so one graph serves every value.
+    An argument that is a tuple is walked: {4: {1: {"cos": (0,)}}} marks dim 0 of
+    args[4][1].cos.
     """
 
     def __init__(
@@ -52,6 +57,7 @@ class CompiledMethod:
         label: str = "",
         split_batch: int | None = None,
         shape_limit: int = DEFAULT_SHAPE_LIMIT,
+        dynamic_dims: dict[int, Any] | None = None,
     ) -> None:
         function = getattr(type(target), name, None)
         if not callable(function):
@@ -65,6 +71,7 @@ class CompiledMethod:
         self.compile_kwargs = dict(compile_kwargs)
         self.split_batch = split_batch
         self.shape_limit = shape_limit
+        self.dynamic_dims = dynamic_dims
         # torch.compile is lazy: nothing is traced until the first call.
         self._compiled: Callable[..., Any] | None = torch.compile(function, **compile_kwargs)
         self.calls = 0
@@ -139,7 +146,12 @@ class CompiledMethod:
             # The total over all objects also holds entries of targets since replaced.
             cfg.accumulated_recompile_limit = max(previous_total, 4 * self.shape_limit)
         try:
-            out = self._compiled(target, *args, **kwargs)
+            if self.dynamic_dims is None:
+                out = self._compiled(target, *args, **kwargs)
+            else:
+                _mark_dynamic(args, self.dynamic_dims)
+                with _symbolic_sizes():
+                    out = self._compiled(target, *args, **kwargs)
         except (RecompileError, torch.OutOfMemoryError):
             raise
         except FailOnRecompileLimitHit as e:
@@ -179,6 +191,24 @@ class CompiledMethod:
         return f"CompiledMethod({self.label}, status={self.status})"
 
 
+def _mark_dynamic(value: Any, spec: Any) -> None:
+    """Mark the dims `spec` names on the tensors inside `value` (see CompiledMethod)."""
+    if isinstance(value, torch.Tensor):
+        for dim in spec:
+            torch._dynamo.mark_dynamic(value, dim)
+        return
+    for key, sub in spec.items():
+        _mark_dynamic(getattr(value, key) if isinstance(key, str) else value[key], sub)
+
+
+def _symbolic_sizes() -> Any:
+    """While tracing: no 0/1 specialisation of dynamic sizes, no equating of equal sizes, so a
+    batch of 1 or a one-token prompt runs the same graph as any other."""
+    import torch.fx.experimental._config as fx_config
+
+    return fx_config.patch(backed_size_oblivious=True, use_duck_shape=False)
+
+
 def _first_line(error: BaseException, limit: int = 300) -> str:
     """The first line of an error, followed by its root cause's (Dynamo wraps backend errors)."""
     line = _line(error)
@@ -204,6 +234,7 @@ def compiled_method(
     compile_kwargs: dict[str, Any],
     label: str = "",
     split_batch: int | None = None,
+    dynamic_dims: dict[int, Any] | None = None,
 ) -> CompiledMethod:
     """Install (once) and return the CompiledMethod for `target.name`.
 
@@ -217,9 +248,12 @@ def compiled_method(
         and existing.is_for(target)
         and existing.compile_kwargs == compile_kwargs
         and existing.split_batch == split_batch
+        and existing.dynamic_dims == dynamic_dims
     ):
         return existing
-    method = CompiledMethod(target, name, compile_kwargs, label=label, split_batch=split_batch)
+    method = CompiledMethod(
+        target, name, compile_kwargs, label=label, split_batch=split_batch, dynamic_dims=dynamic_dims
+    )
     # object.__setattr__: an nn.Module's __setattr__ would do the same for a plain callable,
     # but this also works for targets that are not modules.
     object.__setattr__(target, name, method)

@@ -3,16 +3,18 @@
 Compile is applied from outside the model. The pipeline calls `pipe.vae.decode`, so `decode` is
 what is compiled (compiling the VAE module would compile `forward`, which decode never calls):
 the compiled callable is installed as the VAE object's own `decode` attribute. Optionally, each
-DiT block's `body` (attention + MLP, given the modulation) is compiled the same way; the block's
-`forward`, which looks the modulation up in the cache, stays eager, so the cache keeps working.
-All blocks share one code object, so Dynamo compiles the body once per input shape, not once per
-block.
+DiT block's two tensor functions around its attention kernel (`attention_inputs`: norm, modulate,
+q/k/v, RMS norm, RoPE; `attention_outputs`: projections, gated residuals, MLPs) are compiled the
+same way. The block's `forward` (the modulation cache lookup) and the attention kernel (unmasked,
+or split by text length, decided per batch) stay eager. The batch size and the text length are
+dynamic dimensions, so one graph per function serves every prompt length and batch size of a
+resolution bucket; all blocks share one code object, so it is one graph per bucket, not per block.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -22,7 +24,21 @@ from .counting import ensure_counting
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 VAE_LABEL = "vae.decode"
-DIT_LABEL = "transformer_blocks.{index}.body"
+DIT_LABEL = "transformer_blocks.{index}.{method}"
+# The compiled DiT block functions and their dynamic dims by argument position: batch (dim 0)
+# everywhere, text length on the text tensors and the text RoPE table. The image token count
+# stays static (one graph per resolution bucket, specialised to it).
+DIT_METHODS: dict[str, dict[int, Any]] = {
+    # attention_inputs(img, txt, img_mod, txt_mod, rope=(image Rotation, text Rotation))
+    "attention_inputs": {0: (0,), 1: (0, 1), 4: {1: {"cos": (0,), "sin": (0,), "polar": (0,)}}},
+    # attention_outputs(img, txt, img_attn, txt_attn, img_mod, txt_mod)
+    "attention_outputs": {0: (0,), 1: (0, 1), 2: (0,), 3: (0, 1)},
+}
+# compile.dit "auto": compile on CUDA when each actor is expected to make at least this many
+# images per resolution bucket it warms. Warm-up compiles 2 graphs per bucket (about a minute or
+# two on a GPU with autotuned matmuls); a compiled step is expected to save 10-20% of a 20-50
+# step image that takes tens of seconds at 1328x1328, so a few dozen images repay it.
+AUTO_DIT_IMAGES_PER_BUCKET = 50
 
 Backend = str | Callable[..., Any]
 
@@ -44,7 +60,7 @@ class CompileConfig:
     vae_mode: str = "default"
     vae_backend: Backend = "inductor"
     vae_batch: int | None = 1
-    dit: bool = False
+    dit: bool | str = False  # True, False, or "auto" (see resolve_dit)
     dit_mode: str | None = None
     dit_backend: Backend = "inductor"
     dynamic: bool = False
@@ -63,6 +79,8 @@ class CompileConfig:
                     f"CompileConfig.{name} must be a backend name such as 'inductor' or a callable, "
                     f"got {backend!r}"
                 )
+        if not isinstance(self.dit, bool) and self.dit != "auto":
+            raise ValueError(f"CompileConfig.dit must be true, false or 'auto', got {self.dit!r}")
         if self.vae_batch is not None and self.vae_batch < 1:
             raise ValueError(f"CompileConfig.vae_batch must be >= 1 or None, got {self.vae_batch}")
 
@@ -141,6 +159,8 @@ def apply_compile(pipe: Any, config: CompileConfig) -> CompileReport:
     """
     ensure_counting()
     device_type = torch.device(pipe.device).type
+    if config.dit == "auto":
+        raise ValueError("compile.dit is 'auto': resolve it first with resolve_dit(config, ...)")
     report = CompileReport(config, device_type)
     if config.vae:
         report.methods[VAE_LABEL] = compiled_method(
@@ -153,21 +173,34 @@ def apply_compile(pipe: Any, config: CompileConfig) -> CompileReport:
     else:
         uninstall(pipe.vae, "decode")
     for block in _blocks(pipe):
-        label = DIT_LABEL.format(index=block.index)
-        if config.dit:
-            report.methods[label] = compiled_method(
-                block, "body", config.compile_kwargs("dit", device_type), label=label
-            )
-        else:
-            uninstall(block, "body")
+        for method, dims in DIT_METHODS.items():
+            label = DIT_LABEL.format(index=block.index, method=method)
+            if config.dit:
+                report.methods[label] = compiled_method(
+                    block, method, config.compile_kwargs("dit", device_type), label=label, dynamic_dims=dims
+                )
+            else:
+                uninstall(block, method)
     return report
+
+
+def resolve_dit(
+    config: CompileConfig, device_type: str, expected_images: int | None, buckets: int
+) -> CompileConfig:
+    """The config with compile.dit "auto" decided: on for CUDA when the images each actor is
+    expected to make (None: unknown, taken as many) reach AUTO_DIT_IMAGES_PER_BUCKET per bucket."""
+    if config.dit != "auto":
+        return config
+    enough = expected_images is None or expected_images >= AUTO_DIT_IMAGES_PER_BUCKET * max(1, buckets)
+    return replace(config, dit=device_type == "cuda" and enough)
 
 
 def remove_compile(pipe: Any) -> None:
     """Undo apply_compile: the pipeline runs eager again."""
     uninstall(pipe.vae, "decode")
     for block in _blocks(pipe):
-        uninstall(block, "body")
+        for method in DIT_METHODS:
+            uninstall(block, method)
 
 
 def compiled_methods(pipe: Any) -> dict[str, CompiledMethod]:
@@ -177,10 +210,16 @@ def compiled_methods(pipe: Any) -> dict[str, CompiledMethod]:
     if isinstance(decode, CompiledMethod):
         found[VAE_LABEL] = decode
     for block in _blocks(pipe):
-        body = vars(block).get("body")
-        if isinstance(body, CompiledMethod):
-            found[DIT_LABEL.format(index=block.index)] = body
+        for method in DIT_METHODS:
+            fn = vars(block).get(method)
+            if isinstance(fn, CompiledMethod):
+                found[DIT_LABEL.format(index=block.index, method=method)] = fn
     return found
+
+
+def dit_compiled(pipe: Any) -> bool:
+    """Whether the DiT blocks of this pipeline run compiled functions."""
+    return any(label.startswith("transformer_blocks.") for label in compiled_methods(pipe))
 
 
 def _blocks(pipe: Any) -> list[Any]:

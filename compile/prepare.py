@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from .buckets import PROMPT_LENGTH_BUCKETS, ResolutionBucket
 from .cache import (
     ArtifactStore,
@@ -26,7 +28,7 @@ from .cache import (
     load_shared_cache,
     save_shared_cache,
 )
-from .policy import CompileConfig, CompileReport, apply_compile
+from .policy import CompileConfig, CompileReport, apply_compile, resolve_dit
 from .warmup import WARMUP_PROMPTS, WarmupReport, warm_up
 
 
@@ -67,14 +69,18 @@ def prepare_worker_pipeline(
     length_buckets: Sequence[int] = PROMPT_LENGTH_BUCKETS,
     max_sequence_length: int = 512,
     steps: int = 2,
+    expected_images: int | None = None,
 ) -> PreparedPipeline:
     """Compile and warm `pipe` for `buckets`, through the shared cache when a store and the
     secret key that authenticates its blobs are given.
 
-    batch_sizes: the batch sizes requests will have; they matter only with the DiT compiled
-    (the VAE decodes image by image), e.g. range(1, batch_size + 1) when partial batches occur.
+    batch_sizes: the batch sizes warm-up runs; one is enough (the VAE decodes image by image,
+    and a compiled DiT takes the batch size as a dynamic dimension).
+    expected_images: images this actor is expected to make; decides compile.dit "auto".
+    length_buckets: part of the shared cache key only (requests are no longer padded to them).
     """
     start = time.perf_counter()
+    config = resolve_dit(config, torch.device(pipe.device).type, expected_images, len(buckets))
     report = apply_compile(pipe, config)
     if not report.methods:
         return PreparedPipeline(report, None, None, None, time.perf_counter() - start)
@@ -88,7 +94,6 @@ def prepare_worker_pipeline(
         pipe,
         buckets,
         prompts=prompts,
-        length_buckets=length_buckets,
         batch_sizes=batch_sizes,
         steps=steps,
         max_sequence_length=max_sequence_length,

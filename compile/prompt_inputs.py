@@ -1,8 +1,9 @@
-"""Prompt embeddings padded to their prompt-length buckets: the request path's inputs.
+"""Prompt embeddings for `pipe.generate`: the request path's inputs.
 
-A compiled DiT is specialised to its text length L, so prompts are encoded and padded to a
-bucket length before `pipe.generate(prompt_embeds=...)`. Warm-up and the worker both build their
-inputs here, so warm-up traces exactly the shapes requests will have.
+Requests (the worker) and warm-up both build their inputs here, so warm-up traces exactly what
+requests run. `encode_unpadded` is the request path: each CFG branch padded only to its own
+longest prompt (a compiled DiT takes the text length as a dynamic dimension). `encode_padded` and
+`pad_guidance_inputs` pad to prompt-length buckets; they remain for comparisons and benchmarks.
 """
 
 from __future__ import annotations

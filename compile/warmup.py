@@ -1,15 +1,14 @@
 """Warm-up: run the real request path once per bucket so that requests never compile.
 
 For every resolution bucket and batch size, `warm_up` runs a short and a long prompt through
-encode -> pad to the prompt-length bucket -> denoise with true CFG -> decode, exactly as a request
-does (`compile.prompt_inputs`). Compiled graphs are specialised to input shapes, and the shapes
-do not depend on the number of steps, so 2 steps are enough.
+encode -> denoise with true CFG -> decode, exactly as a request does (`compile.prompt_inputs`).
+Compiled graphs are specialised to input shapes, and the shapes do not depend on the number of
+steps, so 2 steps are enough.
 
-The VAE decode sees only the resolution. A compiled DiT also sees the text length and whether a
-mask is present, so then every prompt-length bucket a request can reach is traced too, each with
-and without padding (a prompt that exactly fills its bucket has an all-ones mask, which the
-pipeline drops). Before running, it raises the recompile limit of every compiled target to the
-number of shapes it is about to trace.
+The VAE decode sees only the resolution. A compiled DiT takes the batch size and the text length
+as dynamic dimensions (`compile.policy.DIT_METHODS`), so it too compiles once per resolution: no
+prompt-length bucket, batch size or padding adds a graph. Before running, it raises the recompile
+limit of every compiled target to the number of shapes it is about to trace.
 """
 
 from __future__ import annotations
@@ -21,10 +20,10 @@ from typing import Any
 
 import torch
 
-from .buckets import PROMPT_LENGTH_BUCKETS, ResolutionBucket, prompt_length_bucket
+from .buckets import ResolutionBucket
 from .counting import compile_count
-from .policy import DIT_LABEL, compiled_methods
-from .prompt_inputs import GuidanceInputs, cfg_enabled, encode_padded, pad_guidance_inputs
+from .policy import compiled_methods
+from .prompt_inputs import GuidanceInputs, cfg_enabled, encode_unpadded
 
 # A short and a long prompt: with the usual tokenizers they land in different length buckets.
 WARMUP_PROMPTS: tuple[str, ...] = (
@@ -71,24 +70,17 @@ def warm_up(
     *,
     prompts: Sequence[str] = WARMUP_PROMPTS,
     embed_lengths: Sequence[int] = WARMUP_EMBED_LENGTHS,
-    extra_lengths: Sequence[int] | None = None,
-    length_buckets: Sequence[int] = PROMPT_LENGTH_BUCKETS,
     batch_sizes: Sequence[int] = (1,),
     steps: int = 2,
     true_cfg_scale: float = 4.0,
     max_sequence_length: int = 512,
-    pad_to_prompt_bucket: bool = True,
     seed: int = 0,
 ) -> WarmupReport:
-    """Run every bucket once per prompt case and batch size; return times and compile counts.
+    """Run every bucket once per prompt and batch size; return times and compile counts.
 
     prompts: encoded when the pipeline has a text encoder; without one, random embeddings of
-    `embed_lengths` tokens stand in for them.
-    extra_lengths: more text lengths (tokens) to trace with random embeddings, each padded to
-    its bucket. None: with the DiT compiled, every prompt-length bucket up to that of
-    max_sequence_length (a request may hit any of them, and each is a DiT graph); else none
-    (the VAE decode does not see the text).
-    pad_to_prompt_bucket=False traces the raw lengths (for comparisons only: requests are padded).
+    `embed_lengths` tokens stand in for them (and a one-token negative).
+    batch_sizes: with the DiT compiled, one is enough (the batch is a dynamic dimension).
     """
     resolved = [b if isinstance(b, ResolutionBucket) else ResolutionBucket.parse(b) for b in buckets]
     if not resolved:
@@ -98,36 +90,14 @@ def warm_up(
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     methods = compiled_methods(pipe)
-    dit_compiled = any(label == DIT_LABEL.format(index=0) for label in methods)
-    buckets_for_lengths = length_buckets if pad_to_prompt_bucket else (max_sequence_length,)
     cases = {
-        int(b): _cases(
-            pipe, int(b), prompts, embed_lengths, buckets_for_lengths, true_cfg_scale,
-            max_sequence_length, pad_to_prompt_bucket, seed,
-        )
+        int(b): _cases(pipe, int(b), prompts, embed_lengths, true_cfg_scale, max_sequence_length, seed)
         for b in batch_sizes
-    }  # fmt: skip
-    covered = _all_lengths(cases)
-    if extra_lengths is None:
-        top = prompt_length_bucket(max_sequence_length, length_buckets)
-        extra_lengths = (
-            [b for b in length_buckets if b <= top] if dit_compiled and pad_to_prompt_bucket else []
-        )
-    for length in extra_lengths:
-        padded = (
-            prompt_length_bucket(int(length), buckets_for_lengths) if pad_to_prompt_bucket else int(length)
-        )
-        if padded not in covered:
-            for batch, per_batch in cases.items():
-                per_batch.append(_masked(pipe, batch, int(length), padded, true_cfg_scale, seed))
+    }
     lengths = _all_lengths(cases)
-    if dit_compiled:
-        # A prompt that exactly fills its bucket has an all-ones mask, which the pipeline drops:
-        # the DiT body then runs without a mask, another graph for every length.
-        for batch, per_batch in cases.items():
-            per_batch += [_unmasked(pipe, batch, length, true_cfg_scale, seed) for length in lengths]
-    # Every (resolution, text length, batch, masked or not) is a separate graph of the DiT body.
-    shapes = len(resolved) * max(1, len(lengths)) * len(batch_sizes) * (2 if dit_compiled else 1) + 1
+    # One graph per resolution for each target (the DiT's batch and text length are dynamic);
+    # the margin covers a platform that specialises a size after all.
+    shapes = 2 * len(resolved) + 2
     for method in methods.values():
         method.fit_shapes(shapes)
 
@@ -165,34 +135,33 @@ def _cases(
     pipe: Any,
     batch: int,
     prompts: Sequence[str],
-    prompt_lengths: Sequence[int],
-    length_buckets: Sequence[int],
+    embed_lengths: Sequence[int],
     true_cfg_scale: float,
     max_sequence_length: int,
-    pad: bool,
     seed: int,
 ) -> list[GuidanceInputs]:
     """The generate() inputs of one batch size: one per prompt (or per embedding length)."""
-    cases: list[GuidanceInputs] = []
     if pipe.text_encoder is not None:
-        for prompt in prompts:
-            cases.append(
-                encode_padded(
-                    pipe, [prompt] * batch, None, true_cfg_scale, length_buckets, max_sequence_length
-                )
-            )
-    else:
-        for length in prompt_lengths:
-            embeds = _random_embeds(pipe, batch, int(length), seed)
-            neg = None
-            if cfg_enabled(true_cfg_scale):
-                neg = _random_embeds(pipe, batch, NEGATIVE_EMBED_LENGTH, seed + 1)
-            cases.append(
-                pad_guidance_inputs(
-                    embeds, None, neg, None, length_buckets, same_length=bool(pipe.cfg_batched)
-                )
-            )
-    return cases if pad else [_strip_padding(c) for c in cases]
+        return [
+            encode_unpadded(pipe, [prompt] * batch, None, true_cfg_scale, max_sequence_length)
+            for prompt in prompts
+        ]
+    cases: list[GuidanceInputs] = []
+    for length in embed_lengths:
+        neg = (
+            _random_embeds(pipe, batch, NEGATIVE_EMBED_LENGTH, seed + 1)
+            if cfg_enabled(true_cfg_scale)
+            else None
+        )
+        cases.append(
+            {
+                "prompt_embeds": _random_embeds(pipe, batch, int(length), seed),
+                "prompt_embeds_mask": None,
+                "negative_prompt_embeds": neg,
+                "negative_prompt_embeds_mask": None,
+            }
+        )
+    return cases
 
 
 def _random_embeds(pipe: Any, batch: int, length: int, seed: int) -> torch.Tensor:
@@ -202,52 +171,9 @@ def _random_embeds(pipe: Any, batch: int, length: int, seed: int) -> torch.Tenso
     return torch.randn(batch, length, dim, generator=g).to(pipe.device, pipe.dtype)
 
 
-def _unmasked(pipe: Any, batch: int, length: int, true_cfg_scale: float, seed: int) -> GuidanceInputs:
-    """Both branches `length` tokens long, every token real (all-ones masks)."""
-    embeds = _random_embeds(pipe, batch, length, seed)
-    ones = torch.ones(batch, length, dtype=torch.long, device=embeds.device)
-    cfg = cfg_enabled(true_cfg_scale)
-    return {
-        "prompt_embeds": embeds,
-        "prompt_embeds_mask": ones,
-        "negative_prompt_embeds": _random_embeds(pipe, batch, length, seed + 1) if cfg else None,
-        "negative_prompt_embeds_mask": ones if cfg else None,
-    }
-
-
-def _masked(
-    pipe: Any, batch: int, length: int, padded: int, true_cfg_scale: float, seed: int
-) -> GuidanceInputs:
-    """A `length`-token prompt padded to `padded` tokens, and a one-token negative likewise."""
-    embeds = _random_embeds(pipe, batch, padded, seed)
-    mask = torch.zeros(batch, padded, dtype=torch.long, device=embeds.device)
-    mask[:, : min(length, padded - 1)] = 1  # at least one padded token, so the mask is kept
-    cfg = cfg_enabled(true_cfg_scale)
-    neg_mask = torch.zeros_like(mask)
-    neg_mask[:, 0] = 1
-    return {
-        "prompt_embeds": embeds,
-        "prompt_embeds_mask": mask,
-        "negative_prompt_embeds": _random_embeds(pipe, batch, padded, seed + 1) if cfg else None,
-        "negative_prompt_embeds_mask": neg_mask if cfg else None,
-    }
-
-
 def _all_lengths(cases: dict[int, list[GuidanceInputs]]) -> list[int]:
     """Sorted text lengths (both branches) over every case."""
     return sorted(
         {t.shape[1] for per_batch in cases.values() for case in per_batch for k, t in case.items()
          if k.endswith("embeds") and t is not None}
     )  # fmt: skip
-
-
-def _strip_padding(case: GuidanceInputs) -> GuidanceInputs:
-    """Cut each branch back to its real tokens (all rows share the same prompt here)."""
-    out = dict(case)
-    for key in ("prompt_embeds", "negative_prompt_embeds"):
-        embeds, mask = case[key], case[f"{key}_mask"]
-        if embeds is None or mask is None:
-            continue
-        real = int(mask.sum(dim=1).max())
-        out[key], out[f"{key}_mask"] = embeds[:, :real], mask[:, :real]
-    return out

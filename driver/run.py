@@ -247,6 +247,11 @@ class _Execution:
             used = {b for s in todo for b in s.buckets_used}
             buckets = tuple(b for b in buckets_order if b in used)
             worker_config = dataclasses.replace(worker_config, warmup_buckets=buckets)
+        if hasattr(worker_config, "expected_images") and worker_config.expected_images is None:
+            # What one actor can expect to make: it decides whether compiling the DiT pays off.
+            images = sum(s.num_images for s in todo)
+            actors = max(1, self.config.dispatch.max_actors)
+            worker_config = dataclasses.replace(worker_config, expected_images=-(-images // actors))
         if worker_cls is None:
             from workers.actor import GenerationWorker
 

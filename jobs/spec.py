@@ -206,6 +206,13 @@ class SamplingSpec(_Section):
         description="Images per row (a row's `num_images` wins).",
     )
     max_prompt_chars: int = Field(4000, ge=1, le=10**7, description="Longer prompts are input errors.")
+    cfg_mode: Literal["serial", "batched", "auto"] = Field(
+        "auto",
+        description="How the two true-CFG passes of a step run: 'serial' (two forwards of the batch; "
+        "the modulation cache computes the step's modulation once), 'batched' (one forward of twice "
+        "the batch, text padded to the longer branch), 'auto' (batched on a GPU while a pass is too "
+        "small to fill it and batching pads little, else serial).",
+    )
 
 
 class BucketsSpec(_Section):
@@ -232,8 +239,11 @@ class BucketsSpec(_Section):
 
 class CompileSpec(_Section):
     vae: bool = Field(True, description="Compile the VAE decode, warmed once per bucket at actor start-up.")
-    dit: bool = Field(
-        False, description="Compile the DiT blocks too (longer start-up, faster steps on GPUs)."
+    dit: bool | Literal["auto"] = Field(
+        False,
+        description="Compile the DiT blocks too: one graph pair per resolution bucket (batch size and "
+        "prompt length are dynamic), longer start-up, faster steps on GPUs. 'auto': on for CUDA "
+        "actors expected to make enough images per bucket to repay the warm-up.",
     )
     shared_cache: bool = Field(
         True,
@@ -428,6 +438,7 @@ class JobSpec(_Section):
             "dtype": self.model.dtype,
             "compile_vae": self.compile.vae,
             "compile_dit": self.compile.dit,
+            "cfg_mode": self.sampling.cfg_mode,
             "max_sequence_length": self.model.max_sequence_length,
             "batch_size": self.workers.batch_size,
             "output_format": self.output.format,
@@ -505,6 +516,7 @@ class JobSpec(_Section):
             modulation_cache=self.model.modulation_cache,
             loras=self.model_loras(),
             scheduler_config=self.model_scheduler_config(),
+            cfg_mode=self.sampling.cfg_mode,
             batch_size=self.workers.batch_size,
             max_sequence_length=self.model.max_sequence_length,
             text_encoder=self.model.text_encoder,

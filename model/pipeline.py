@@ -20,6 +20,23 @@ AUTO_BATCHED_MAX_TOKENS = 4096
 AUTO_BATCHED_MAX_PADDING = 0.05
 
 
+def cfg_batched_for(
+    mode: str, device_type: str, batch: int, image_tokens: int, cond_len: int, uncond_len: int
+) -> bool:
+    """Serial or batched CFG for one request. "auto": batched only on CUDA, while one pass has
+    fewer than AUTO_BATCHED_MAX_TOKENS tokens and concatenating the branches pads at most
+    AUTO_BATCHED_MAX_PADDING of them."""
+    if mode not in CFG_MODES:
+        raise ValueError(f"cfg_mode must be one of {CFG_MODES}, got {mode!r}")
+    if mode != "auto":
+        return mode == "batched"
+    if device_type != "cuda":
+        return False
+    longest = max(cond_len, uncond_len)
+    padding = abs(cond_len - uncond_len) / (2 * (image_tokens + longest))
+    return batch * (image_tokens + longest) < AUTO_BATCHED_MAX_TOKENS and padding <= AUTO_BATCHED_MAX_PADDING
+
+
 class TextToImagePipeline:
     def __init__(
         self,
@@ -49,16 +66,8 @@ class TextToImagePipeline:
         return self.cfg_mode == "batched"
 
     def batch_cfg(self, batch: int, image_tokens: int, cond_len: int, uncond_len: int) -> bool:
-        """Whether this request's two CFG passes run as one forward (see CFG_MODES)."""
-        if self.cfg_mode != "auto":
-            return self.cfg_mode == "batched"
-        if self.device.type != "cuda":
-            return False
-        longest = max(cond_len, uncond_len)
-        padding = abs(cond_len - uncond_len) / (2 * (image_tokens + longest))
-        return (
-            batch * (image_tokens + longest) < AUTO_BATCHED_MAX_TOKENS and padding <= AUTO_BATCHED_MAX_PADDING
-        )
+        """Whether this request's two CFG passes run as one forward (see cfg_batched_for)."""
+        return cfg_batched_for(self.cfg_mode, self.device.type, batch, image_tokens, cond_len, uncond_len)
 
     @property
     def device(self) -> torch.device:

@@ -202,10 +202,19 @@ class JointAttention(nn.Module):
         v = torch.cat([self.to_v(img).unflatten(-1, split), self.add_v_proj(txt).unflatten(-1, split)], dim=1)
         return q.transpose(1, 2), k.transpose(1, 2), v.to(q.dtype).transpose(1, 2)
 
-    def project_out(self, out: torch.Tensor, image_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention output (B, H, N + L, hd) -> (image (B, N, D), text (B, L, D))."""
-        out = out.transpose(1, 2).flatten(2)  # (B, N + L, D)
-        return self.to_out[0](out[:, :image_len]), self.to_add_out(out[:, image_len:])
+    def project_out(self, img: torch.Tensor, txt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-stream attention outputs (B, N, D), (B, L, D) -> their output projections."""
+        return self.to_out[0](img), self.to_add_out(txt)
+
+
+def split_streams(out: torch.Tensor, image_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention output (B, H, N + L, hd) -> contiguous image (B, N, D) and text (B, L, D)."""
+    B, H, S, hd = out.shape
+    out = out.transpose(1, 2).reshape(B, S, H * hd)  # a view when SDPA returned (B, S, H, hd) memory
+    # Two fresh dense tensors, always copied: a compiled consumer then sees the same strides and
+    # offset whatever the batch size, text length or the attention kernel's output layout.
+    contiguous = torch.contiguous_format
+    return out[:, :image_len].clone(memory_format=contiguous), out[:, image_len:].clone(memory_format=contiguous)
 
 
 def _rms_rotary(x: torch.Tensor, norm: RMSNorm, rotation: Rotation) -> torch.Tensor:
@@ -292,7 +301,8 @@ class TransformerBlock(nn.Module):
         """
         q, k, v = self.attention_inputs(img, txt, img_mod, txt_mod, rope)
         attn = joint_attention(q, k, v, padding, stats)  # (B, H, N + L, hd)
-        return self.attention_outputs(img, txt, attn, img_mod, txt_mod)
+        img_attn, txt_attn = split_streams(attn, img.shape[1])
+        return self.attention_outputs(img, txt, img_attn, txt_attn, img_mod, txt_mod)
 
     def attention_inputs(
         self,
@@ -313,14 +323,15 @@ class TransformerBlock(nn.Module):
         self,
         img: torch.Tensor,  # (B, N, D)
         txt: torch.Tensor,  # (B, L, D)
-        attn: torch.Tensor,  # (B, H, N + L, hd)
+        img_attn: torch.Tensor,  # (B, N, D) attention output, before its projection
+        txt_attn: torch.Tensor,  # (B, L, D)
         img_mod: torch.Tensor,  # (B or 1, 6D)
         txt_mod: torch.Tensor,  # (B or 1, 6D)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Output projections, gated residuals, LayerNorm + modulate, MLPs: new (img, txt)."""
         _, _, i_g1, i_sh2, i_sc2, i_g2 = img_mod.chunk(6, dim=-1)
         _, _, t_g1, t_sh2, t_sc2, t_g2 = txt_mod.chunk(6, dim=-1)
-        img_attn, txt_attn = self.attn.project_out(attn, img.shape[1])
+        img_attn, txt_attn = self.attn.project_out(img_attn, txt_attn)
         img = _gated_residual(img, i_g1, img_attn)
         txt = _gated_residual(txt, t_g1, txt_attn)
         img = _gated_residual(img, i_g2, self.img_mlp(_norm_modulate(img, i_sh2, i_sc2, self.eps)))

@@ -15,7 +15,6 @@ import weakref
 
 import pytest
 import torch
-from torch._dynamo.exc import RecompileError
 
 from compile import (
     PROMPT_LENGTH_BUCKETS,
@@ -24,6 +23,7 @@ from compile import (
     CompileConfig,
     CompileFallbackWarning,
     DirectoryArtifactStore,
+    ResolutionBucket,
     apply_compile,
     cache_key,
     compile_count,
@@ -46,7 +46,7 @@ PROMPT_CASES = ((1, 1), (5, 3), (30, 64), (64, 9), (65, 2), (100, 128), (128, 12
 def warmed(random_model_dir):
     pipe = load_pipeline(random_model_dir)
     report = apply_compile(pipe, CompileConfig(vae=True, dit=True, dit_backend="eager"))
-    # The compiled DiT is traced for every prompt-length bucket up to max_sequence_length.
+    # The compiled DiT takes any text length: one warm-up per bucket covers every case below.
     warm = warm_up(pipe, SMALL_BUCKETS, max_sequence_length=128)
     return pipe, report, warm
 
@@ -55,7 +55,6 @@ def test_warmed_buckets_never_compile_again(warmed, random_model_dir):
     pipe, report, warm = warmed
     assert [b.bucket for b in warm.buckets] == ["32x32", "48x32"]
     assert all(b.seconds > 0 and b.runs > 0 for b in warm.buckets)
-    assert warm.prompt_lengths == tuple(b for b in PROMPT_LENGTH_BUCKETS if b <= 128)
     assert warm.compiles >= 2, "each bucket compiles at least its VAE decode"
     assert report.fallbacks == {} and set(report.status.values()) == {"compiled"}
 
@@ -94,10 +93,11 @@ def test_warmed_buckets_never_compile_again(warmed, random_model_dir):
             h.remove()
     assert len(calls) == 2 * len(pipe.transformer.transformer_blocks)  # 2 steps
 
-    # The guard is real: a prompt-length bucket the warm-up never saw does recompile.
+    # Prompts longer than any prompt-length bucket need no new graph either.
     long_cond = random_embeds(pipe, 1, 200, seed=5)
-    with torch._dynamo.config.patch(error_on_recompile=True), pytest.raises(RecompileError):
+    with torch._dynamo.config.patch(error_on_recompile=True), count_compiles() as tally:
         generate(pipe, SMALL_BUCKETS[0], pad_guidance_inputs(*long_cond, *random_embeds(pipe, 1, 2, 6)))
+    assert tally.count == 0
 
 
 @torch.no_grad()
@@ -331,7 +331,8 @@ def test_a_forged_blob_writes_nothing_and_the_actor_compiles_normally(
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductor))
     pipe = load_pipeline(random_model_dir)
     config = CompileConfig(vae=True, vae_backend="eager")
-    buckets = [SMALL_BUCKETS[0]]
+    # A size no earlier test decodes: Dynamo would reuse that test's graph and compile nothing.
+    buckets = [ResolutionBucket(64, 48)]
     key = cache_key(pipe, config, buckets, prompt_lengths=PROMPT_LENGTH_BUCKETS)  # the actor's key
     marker = tmp_path / "payload-ran"
     import pickle

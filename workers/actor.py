@@ -57,11 +57,13 @@ class WorkerConfig:
     loras: tuple[LoraSpec, ...] = ()  # adapters merged into the DiT at load, in order (local or s3://)
     scheduler_config: str | None = None  # replaces the checkpoint's scheduler (a distilled LoRA's)
     cfg_batched: bool = False  # cond+uncond in one batch (more memory, fewer launches)
+    cfg_mode: str | None = None  # serial | batched | auto; None: from cfg_batched
     batch_size: int = 4
     max_sequence_length: int = 512
     text_encoder: str = "gpu"  # gpu | cpu | offload: where the text encoder lives (text_embeddings.py)
     embedding_cache_bytes: int = 256 * 2**20  # prompt embeddings kept per actor (host memory)
     warmup_buckets: tuple[str, ...] = ()  # the buckets this job uses; empty = every job bucket
+    expected_images: int | None = None  # images one actor is expected to make (compile.dit "auto")
     compile: CompileConfig = field(default_factory=CompileConfig)
     # A local output that is not on a shared filesystem: the Ray node id of the driver, the one
     # node whose disk it is. An actor on any other node refuses to start (it would write to its
@@ -183,6 +185,7 @@ class GenerationWorker:
             self.dtype,
             config.modulation_cache,
             cfg_batched=config.cfg_batched,
+            cfg_mode=config.cfg_mode,
             model_id=config.model_path,
             loras=loras,
             scheduler_config=scheduler_config,
@@ -200,10 +203,11 @@ class GenerationWorker:
             [config.rows.buckets.get(b) for b in buckets],
             artifact_store=self.store,
             cache_secret=secret.key if secret is not None else None,
-            # A compiled DiT is specialised to the batch size: partial batches and OOM halving
-            # produce every size up to batch_size, so warm them all. The VAE decodes per image.
-            batch_sizes=tuple(range(1, config.batch_size + 1)) if config.compile.dit else (1,),
+            # A compiled DiT takes the batch size and text length as dynamic dimensions: one
+            # batch of the configured size traces the graph every batch of 1..batch_size uses.
+            batch_sizes=(config.batch_size,) if config.compile.dit else (1,),
             max_sequence_length=config.max_sequence_length,
+            expected_images=config.expected_images,
         )
         self.generator = BatchGenerator(self.pipe, config.max_sequence_length)
         self.startup = {
