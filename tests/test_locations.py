@@ -200,3 +200,35 @@ def test_the_driver_pins_a_local_output_to_its_node_unless_shared(tmp_path, ray_
         _pin_output_node(on_s3, dataclasses.replace(worker, output_uri="s3://b/out")).local_output_node
         is None
     )
+
+
+@pytest.mark.slow
+def test_submitting_the_example_job_from_the_checkout_is_refused_with_what_to_do(ray_head):
+    """As a new user would: `ray job submit --working-dir . -- ditfleet run jobs/examples/tiny.yaml`."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    repo = Path(__file__).resolve().parents[1]
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    # What the README says a submission needs on a cluster with token authentication.
+    env = {**ray_head.env, "RAY_AUTH_MODE": "token"}
+    args = ["--working-dir", str(repo), "--", "ditfleet", "run", "jobs/examples/tiny.yaml"]
+    for _ in range(30):  # the head's job agent answers "No available agent" while it starts
+        done = subprocess.run(
+            [ray_bin, "job", "submit", "--address", ray_head.dashboard_url, *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=repo,
+        )
+        if "No available agent" not in done.stdout + done.stderr:
+            break
+        time.sleep(2)
+    logs = done.stdout + done.stderr
+    assert done.returncode != 0, logs[-3000:]
+    assert "inside the Ray job's working_dir package" in logs and "_ray_pkg_" in logs, logs[-3000:]
+    assert "use an s3:// URI, or an absolute path on a filesystem that every node mounts" in logs
+    assert "job succeeded" not in logs
