@@ -81,10 +81,21 @@ def wait_actors_gone(handles: Iterable[Any], timeout_s: float = 60.0, poll_s: fl
     remote_check = ray.remote(num_cpus=0, max_retries=0)(_gone_on_this_node)
     deadline = time.monotonic() + timeout_s
     while pending:
-        alive_nodes = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
+        try:
+            alive_nodes = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
+        except Exception:  # noqa: BLE001 - as above
+            alive_nodes = None
+        if alive_nodes is None:
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(poll_s)
+            continue
         on_node: dict[str, list[tuple[str, int]]] = defaultdict(list)
         for actor in list(pending):
-            info = state.actors(actor) or {}
+            try:
+                info = state.actors(actor) or {}
+            except Exception:  # noqa: BLE001 - the GCS did not answer: not confirmed, ask again
+                continue
             if info.get("State") != "DEAD":
                 continue
             node, pid = (info.get("Address") or {}).get("NodeID"), int(info.get("Pid") or 0)
