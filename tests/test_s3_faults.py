@@ -262,3 +262,16 @@ def test_a_store_that_cannot_be_used_exits_2_before_any_work(
 
     assert main(["run", _job_file(tmp_path, "no-such-bucket", fault_proxy.endpoint_url)]) == 2
     assert "does not exist: create it" in capsys.readouterr().err
+
+
+def test_ditfleet_run_refuses_a_store_without_conditional_writes(
+    s3_server, s3_bucket, fault_proxy, tmp_path, capsys
+) -> None:
+    from jobs.cli import main
+
+    fault_proxy.set_plan(FaultPlan(reject_if_none_match=True))
+    assert main(["run", _job_file(tmp_path, s3_bucket, fault_proxy.endpoint_url)]) == 2
+    err = capsys.readouterr().err
+    assert "does not support conditional writes" in err and "s3.single_writer: true" in err
+    listed = s3_server.admin.list_objects_v2(Bucket=s3_bucket, Prefix="out/").get("Contents", [])
+    assert listed == [], "nothing written (the probe is removed)"
