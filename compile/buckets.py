@@ -1,15 +1,16 @@
 """Resolution buckets and prompt-length buckets, defined once for the whole project.
 
-A compiled VAE decode (and DiT) is specialised to the shapes it has seen. Every image is therefore
-generated at one of a few resolution buckets, and every prompt embedding is padded to one of a few
-prompt-lengths, so the set of shapes is known before the first request and nothing compiles later.
+A compiled VAE decode (and DiT) is specialised to the image shapes it has seen. Every image is
+therefore generated at one of a few resolution buckets, so the set of shapes is known before the
+first request and nothing compiles later. The compiled DiT takes the text length (and the batch
+size) as dynamic dimensions, so requests are not padded to prompt-length buckets.
 
 Resolution: a bucket is (width, height) in pixels, both multiples of 16 (8x VAE compression, then
 2x2 latent packing). A requested size maps to the bucket with the same size, else to the one with
 the nearest aspect ratio, or is refused in strict mode.
 
-Prompt length: embeddings (B, L, D) are zero-padded to the smallest bucket length >= L with the
-padding masked off, so the attention mask keeps the padding from changing any output.
+Prompt length (kept for comparisons and the shared cache key): embeddings (B, L, D) can be
+zero-padded to the smallest bucket length >= L with the padding masked off, which changes no output.
 """
 
 from __future__ import annotations
