@@ -143,6 +143,51 @@ def padded_kernels(
     return {name: round(statistics.median(t), 2) for name, t in times.items()}
 
 
+def _unfused_rms_rotary(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """RMS norm cast to the weight dtype, then RoPE by stack of real halves: the reference form."""
+    var = x.float().pow(2).mean(-1, keepdim=True)
+    normed = (x.float() * torch.rsqrt(var + 1e-6)).to(weight.dtype) * weight
+    xf = normed.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2).to(x.dtype)
+
+
+def elementwise(cfg: TransformerConfig, tokens: int, device, dtype, clock: Clock, rounds: int) -> dict:
+    """ms of each elementwise group of a block on `tokens` tokens: the reference's separate ops
+    ("unfused") against ours (model.transformer's helpers), eager."""
+    from model.rope import Rotation
+    from model.transformer import RMSNorm, _gated_residual, _norm_modulate, _rms_rotary
+
+    D, H, hd = cfg.inner_dim, cfg.num_attention_heads, cfg.attention_head_dim
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, tokens, H, hd, generator=g).to(device, dtype)
+    h, y = (torch.randn(1, tokens, D, generator=g).to(device, dtype) for _ in range(2))
+    shift, scale, gate = (torch.randn(1, D, generator=g).to(device, dtype) for _ in range(3))
+    norm = RMSNorm(hd).to(device, dtype)
+    rot = Rotation.from_angles(torch.randn(tokens, hd // 2, generator=g)).to(device)
+    pairs = {
+        "rms_norm_rope": (
+            lambda: _unfused_rms_rotary(x, norm.weight, rot.cos, rot.sin),
+            lambda: _rms_rotary(x, norm, rot),
+        ),
+        "layer_norm_modulate": (
+            lambda: F.layer_norm(h, (D,), eps=1e-6) * (1 + scale[:, None]) + shift[:, None],
+            lambda: _norm_modulate(h, shift, scale, 1e-6),
+        ),
+        "gate_residual": (lambda: h + gate[:, None] * y, lambda: _gated_residual(h, gate, y)),
+    }
+    out = {}
+    for name, (ref_fn, ours_fn) in pairs.items():
+        times: dict[str, list[float]] = {"unfused": [], "ours": []}
+        ref_fn(), ours_fn()
+        for _ in range(max(rounds, 5)):
+            times["unfused"].append(clock.ms(ref_fn))
+            times["ours"].append(clock.ms(ours_fn))
+        out[name] = {k: round(statistics.median(v), 2) for k, v in times.items()}
+    return out
+
+
 def bench_size(size, args, cfg, ours, compiled, ref, device, dtype, clock, peak) -> dict:
     """One image size: every number of the report."""
     h, w = latent_grid(size, size)
@@ -231,6 +276,7 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--no-diffusers", action="store_true")
     ap.add_argument("--compile-mode", default=None, help="Inductor mode (default: the worker's choice)")
+    ap.add_argument("--elementwise-only", action="store_true", help="only the elementwise groups")
     ap.add_argument("--peak-tflops", type=float, default=None, help="bf16 peak (default: by GPU name)")
     args = ap.parse_args()
 
@@ -243,6 +289,14 @@ def main() -> None:
     sizes = args.size or [256, 512]
     clock = Clock(device)
     cfg = published_config(args.layers, args.heads)
+    if args.elementwise_only:
+        for size in sizes:
+            h, w = latent_grid(size, size)
+            tokens = h * w + args.text_tokens
+            row = elementwise(cfg, tokens, device, dtype, clock, args.rounds)
+            print(json.dumps({"bench": "dit_forward_elementwise", "size": size, "tokens": tokens,
+                              "dtype": str(dtype).removeprefix("torch."), "ms": row}))  # fmt: skip
+        return
     torch.manual_seed(0)
     with torch.device(device):
         ours = QwenImageTransformer(cfg)
