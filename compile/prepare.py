@@ -12,7 +12,7 @@ nothing is loaded from or saved to the store.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +70,7 @@ def prepare_worker_pipeline(
     max_sequence_length: int = 512,
     steps: int = 2,
     expected_images: int | None = None,
+    on_bucket: Callable[[int, int, str], None] | None = None,
 ) -> PreparedPipeline:
     """Compile and warm `pipe` for `buckets`, through the shared cache when a store and the
     secret key that authenticates its blobs are given.
@@ -77,6 +78,7 @@ def prepare_worker_pipeline(
     batch_sizes: the batch sizes warm-up runs; one is enough (the VAE decodes image by image,
     and a compiled DiT takes the batch size as a dynamic dimension).
     expected_images: images this actor is expected to make; decides compile.dit "auto".
+    on_bucket: called as (i, n, 'WxH') before warm-up of bucket i of n starts (progress).
     length_buckets: part of the shared cache key only (requests are no longer padded to them).
     """
     start = time.perf_counter()
@@ -97,6 +99,7 @@ def prepare_worker_pipeline(
         batch_sizes=batch_sizes,
         steps=steps,
         max_sequence_length=max_sequence_length,
+        on_bucket=on_bucket,
     )
     saved = None
     unloaded = loaded is None or loaded.status != "loaded"

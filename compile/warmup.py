@@ -14,7 +14,7 @@ limit of every compiled target to the number of shapes it is about to trace.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -75,12 +75,14 @@ def warm_up(
     true_cfg_scale: float = 4.0,
     max_sequence_length: int = 512,
     seed: int = 0,
+    on_bucket: Callable[[int, int, str], None] | None = None,
 ) -> WarmupReport:
     """Run every bucket once per prompt and batch size; return times and compile counts.
 
     prompts: encoded when the pipeline has a text encoder; without one, random embeddings of
     `embed_lengths` tokens stand in for them (and a one-token negative).
     batch_sizes: with the DiT compiled, one is enough (the batch is a dynamic dimension).
+    on_bucket: called as (i, n, 'WxH') before bucket i of n (from 1) starts, for progress.
     """
     resolved = [b if isinstance(b, ResolutionBucket) else ResolutionBucket.parse(b) for b in buckets]
     if not resolved:
@@ -103,7 +105,9 @@ def warm_up(
 
     timings = []
     start_all, compiles_all = time.perf_counter(), compile_count()
-    for bucket in resolved:
+    for i, bucket in enumerate(resolved, start=1):
+        if on_bucket is not None:
+            on_bucket(i, len(resolved), bucket.name)
         start, compiles, runs = time.perf_counter(), compile_count(), 0
         for batch, per_batch in cases.items():
             for case in per_batch:

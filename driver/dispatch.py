@@ -33,8 +33,10 @@ from typing import Any
 
 import ray
 
+from driver.actor_phases import ActorPhase, PhaseTracker, actor_id
 from driver.fence import wait_actors_gone
 from driver.pool import ActorPool, Run, Slot, SlotState, error_kind, short_error
+from workers.startup_phase import forget_phase
 
 _PENDING, _COMMITTED, _FAILED = 0, 1, 2
 # Exceptions (by type name, as they cross process boundaries) with which a worker says it is
@@ -139,6 +141,9 @@ class DispatchSnapshot:
     actors_starting: int
     actors_ready: int
     waiting_for_placement_s: float  # how long shards have waited with no actor ready (0 if one is)
+    # Each starting actor's phase: waiting for resources / unplaceable (Ray), loading, compiling
+    # bucket i of n, ready (the actor's own report); see driver.actor_phases.
+    starting_phases: tuple[ActorPhase, ...] = ()
 
 
 class DispatchEvents:
@@ -209,6 +214,8 @@ class Dispatcher:
         self.start_failures_in_row = 0
         self.ready_actor_s = 0.0
         self.busy_actor_s = 0.0
+        request = {"CPU": config.num_cpus, "GPU": config.num_gpus, **dict(config.resources)}
+        self.phases = PhaseTracker(request)
         now = time.monotonic()
         self.no_ready_since: float | None = now
         self.queue_empty_since: float | None = None if self.queue else now
@@ -250,6 +257,9 @@ class Dispatcher:
             actors_starting=len(self.starting),
             actors_ready=self.pool.count(SlotState.READY),
             waiting_for_placement_s=waiting,
+            starting_phases=self.phases.poll(
+                [self.pool.slots[i] for i in self.starting.values() if i in self.pool.slots], now
+            ),
         )
 
     def _wait_and_handle(self) -> None:
@@ -315,6 +325,7 @@ class Dispatcher:
 
     def _handle_startup(self, ref: Any) -> None:
         slot = self.pool.slots[self.starting.pop(ref)]
+        forget_phase(actor_id(slot.handle))
         try:
             report = ray.get(ref)
         except Exception as e:  # noqa: BLE001 - any start failure is reported, then replaced
@@ -345,6 +356,7 @@ class Dispatcher:
             self.ready_actor_s += now - slot.ready_at
         if slot.startup_ref is not None:
             self.starting.pop(slot.startup_ref, None)
+            forget_phase(actor_id(slot.handle))
         self.pool.stop(slot)
         if self.no_ready_since is None and not self.pool.count(SlotState.READY):
             self.no_ready_since = now

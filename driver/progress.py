@@ -16,11 +16,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from driver.actor_phases import UNPLACEABLE, WAITING, ActorPhase
 from driver.dispatch import DispatchEvents, DispatchSnapshot, ShardFailure
 
 _BAR_WIDTH = 24
 _REDRAW_S = 0.25  # bar redraws at most this often
-_PLACEMENT_NOTICE_S = 30.0  # say so when shards have waited this long for any actor
+_STARTUP_NOTICE_S = 30.0  # say where the actors are when shards have waited this long for any
 
 
 def format_duration(seconds: float | None) -> str:
@@ -87,6 +88,38 @@ def compile_fallbacks(report: dict) -> dict[str, str]:
     return dict(fallbacks) if isinstance(fallbacks, dict) else {}
 
 
+def starting_summary(phases: tuple[ActorPhase, ...]) -> str:
+    """'1 compiling bucket 2/3 (512x512) 12s, 1 waiting for resources 40s': actors by phase, with
+    the longest time one of them has spent in it."""
+    counts: Counter = Counter()
+    longest: dict[str, float] = {}
+    for p in phases:
+        label = p.describe()
+        counts[label] += 1
+        longest[label] = max(longest.get(label, 0.0), p.in_phase_s)
+    return ", ".join(f"{counts[k]} {k} {format_duration(longest[k])}" for k in longest)
+
+
+def startup_notice(waited_s: float, phases: tuple[ActorPhase, ...], starting: int) -> str:
+    """The line printed while no actor is ready: where each one is, and why, if Ray says why."""
+    where = starting_summary(phases) or f"{starting} starting"
+    line = f"no worker actor ready after {format_duration(waited_s)}: {where}"
+    unplaceable = [p for p in phases if p.phase == UNPLACEABLE]
+    waiting = [p for p in phases if p.phase == WAITING]
+    if unplaceable:
+        line += (
+            f". {plural(len(unplaceable), 'actor')} cannot be placed: each {unplaceable[0].detail} "
+            "(an autoscaler adds such a node; without one, lower workers.gpus/cpus)"
+        )
+    if waiting:
+        line += (
+            f". {plural(len(waiting), 'actor')} pending placement: the cluster has no free resources "
+            "for one now (an autoscaler adds nodes for them; without one, lower workers.gpus/cpus "
+            "or workers.max)"
+        )
+    return line
+
+
 def _num(result: Any, name: str, default: float = 0) -> Any:
     value = getattr(result, name, default)
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else default
@@ -107,10 +140,12 @@ class JobProgress(DispatchEvents):
         stream: TextIO | None = None,
         interactive: bool | None = None,
         status_every_s: float = 30.0,
+        startup_notice_s: float = _STARTUP_NOTICE_S,
     ) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.interactive = self.stream.isatty() if interactive is None else interactive
         self.status_every_s = status_every_s
+        self.startup_notice_s = startup_notice_s
         self.total_shards, self.total_images = total_shards, total_images
         self.done_shards_before, self.done_images_before = done_shards, done_images
         self.shards_committed = self.shards_failed = self.retries = 0
@@ -144,7 +179,10 @@ class JobProgress(DispatchEvents):
         rate = self.images_per_s()
         eta = (self.total_images - done) / rate if rate > 0 else None
         snap = self._snapshot
-        actors = f" | actors {snap.actors_ready} ready, {snap.actors_starting} starting" if snap else ""
+        actors = ""
+        if snap:
+            starting = starting_summary(snap.starting_phases) or f"{snap.actors_starting} starting"
+            actors = f" | actors {snap.actors_ready} ready" + (f", {starting}" if snap.actors_starting else "")
         failed = f" ({self.images_failed} failed)" if self.images_failed else ""
         return (
             f"[{'#' * filled}{'-' * (_BAR_WIDTH - filled)}] {frac:4.0%} {done}/{self.total_images} images"
@@ -265,14 +303,14 @@ class JobProgress(DispatchEvents):
         self._snapshot = snapshot
         now = time.monotonic()
         if (
-            snapshot.waiting_for_placement_s >= _PLACEMENT_NOTICE_S
-            and now - self._last_placement_notice >= _PLACEMENT_NOTICE_S
+            snapshot.waiting_for_placement_s >= self.startup_notice_s
+            and now - self._last_placement_notice >= self.startup_notice_s
         ):
             self._last_placement_notice = now
             self.log(
-                f"waiting {format_duration(snapshot.waiting_for_placement_s)} for worker actors to be placed "
-                f"({snapshot.actors_starting} pending): the cluster has no free resources for one yet "
-                "(an autoscaler adds nodes for them; without one, lower workers.gpus/cpus)"
+                startup_notice(
+                    snapshot.waiting_for_placement_s, snapshot.starting_phases, snapshot.actors_starting
+                )
             )
         self._draw()
 

@@ -36,6 +36,7 @@ from .model_fetch import FetchConfig, fetch_model
 from .rows import PromptRow, RowConfig, ShardSpec, read_shard_rows
 from .shard_writers import ImageResult, ImageTask, ShardWriterConfig, make_shard_writer
 from .spot import StopOnSigterm
+from .startup_phase import COMPILING, LOADING, READY, publish_phase
 from .stores import S3Config, StoreConfigError, open_store
 from .text_embeddings import PLACEMENTS, PlacedTextEncoder
 
@@ -162,6 +163,7 @@ def worker_identity() -> str:
 class GenerationWorker:
     def __init__(self, config: WorkerConfig) -> None:
         t0 = time.perf_counter()
+        publish_phase(LOADING)  # placed: the driver stops saying it waits for resources
         self.config = config
         self.worker_id = worker_identity()
         self._stop = threading.Event()
@@ -208,6 +210,7 @@ class GenerationWorker:
             batch_sizes=(config.batch_size,) if config.compile.dit else (1,),
             max_sequence_length=config.max_sequence_length,
             expected_images=config.expected_images,
+            on_bucket=lambda i, n, name: publish_phase(COMPILING, bucket=i, buckets=n, name=name),
         )
         self.generator = BatchGenerator(self.pipe, config.max_sequence_length)
         self.startup = {
@@ -228,6 +231,7 @@ class GenerationWorker:
             "warmup_s": self.compile_report.warmup.seconds_per_bucket() if self.compile_report.warmup else {},
             "startup_s": round(time.perf_counter() - t0, 3),
         }
+        publish_phase(READY)
 
     # -- actor API -------------------------------------------------------------------------------
 
