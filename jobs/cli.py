@@ -403,7 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _print_err(f"{type(e).__name__}: {e}")
         return EXIT_FAILED
     except ValueError as e:
-        # A store that cannot be used, a damaged file in the output: say what and where.
+        # A damaged file in the output, a value that cannot be used: say what and where.
         _print_err(f"{type(e).__name__}: {e}")
         return EXIT_BAD_INPUT
     except (DispatchError, SubmitError) as e:
