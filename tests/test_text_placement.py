@@ -139,3 +139,26 @@ def test_worker_with_offloaded_encoder_writes_the_same_images_encoding_each_text
         table = read_manifests(open_store(out)).to_pandas().sort_values("id")
         digests[placement] = list(table["sha256"])
     assert digests["gpu"] == digests["offload"]
+
+
+def test_offloaded_qwen_encoder_gives_each_prompt_its_own_encoding(tmp_path):
+    """A small random Qwen2.5-VL through the real QwenVLTextEncoder: offload moves it (`.to`), a
+    batch's embeddings are each prompt's own, token counts come from its tokenizer."""
+    pytest.importorskip("transformers")
+    from model.text_encoder import QwenVLTextEncoder
+    from tests.test_qwen_text_encoder import make_text_encoder, make_tokenizer
+
+    make_tokenizer(tmp_path / "tokenizer")
+    make_text_encoder(tmp_path / "text_encoder")
+    raw = QwenVLTextEncoder.from_dirs(tmp_path / "text_encoder", tmp_path / "tokenizer", "cpu", torch.float32)
+    placed = PlacedTextEncoder(raw, "offload", "cpu", 2**20)
+    texts = ["a red fox", "a lighthouse on the far rocks at dusk, thin mist over the water"]
+    assert placed.prefetch([*texts, texts[0]], 64) == 2
+    embeds, mask = placed.encode(texts, 64)
+    for i, text in enumerate(texts):
+        alone, alone_mask = raw.encode([text], 64)
+        n = int(alone_mask.sum())
+        assert int(mask[i].sum()) == n and torch.equal(embeds[i, :n], alone[0, :n])
+        assert not embeds[i, n:].any()
+    assert placed.count_tokens(texts, 64) == [int(m.sum()) for m in mask]
+    assert placed.encoder_calls == 2 and raw.device == torch.device("cpu")
