@@ -28,6 +28,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 
@@ -216,6 +217,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             connect()  # before anything is written: a local output needs a one-node cluster
             check_local_output_nodes(driver.output_uri, False, alive_ray_nodes())
         summary = run_job(driver, worker, connect=connect, events=DriverMetrics(job=spec.name or ""))
+        if summary.shards.get("committed"):
+            print(report_hint(driver.output_uri))
     finally:
         if started:
             import ray
@@ -275,6 +278,23 @@ def cmd_preview(args: argparse.Namespace) -> int:
     shown = write_preview(store, args.out, limit=args.max, columns=args.columns)
     print(f"wrote {args.out}: {shown} images from {store.uri()}")
     return EXIT_OK
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from jobs.report import write_report
+
+    store = open_store(args.output, _store_args(args))
+    try:
+        data = write_report(store, args.html, samples=args.max)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    print(f"wrote {args.html}: report of {store.uri()} ({len(data.rows)} images, {len(data.samples)} samples)")
+    return EXIT_OK
+
+
+def report_hint(output: str) -> str:
+    """The line `ditfleet run` ends with: how to get the job's report page."""
+    return f"report: ditfleet report {shlex.quote(output)} --html report.html  (one HTML page; open it in a browser)"
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -349,6 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("status", "what an output holds and what is left", cmd_status),
         ("verify", "check an output end to end: every row once, every object's sha256", cmd_verify),
         ("preview", "contact sheet PNG of generated images with their prompts", cmd_preview),
+        ("report", "one self-contained HTML page: summary, rates, start-up costs, failures, samples", cmd_report),
     ):
         p = sub.add_parser(name, help=helptext)
         p.add_argument("output", help="output directory or s3://bucket/prefix")
@@ -373,6 +394,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(
                 "--no-hash", action="store_true", help="check presence only; do not read and hash objects"
             )
+        elif name == "report":
+            p.add_argument("--html", default="report.html", help="HTML file to write (default report.html)")
+            p.add_argument("--max", type=int, default=24, help="sample images on the page (default 24)")
         else:
             p.add_argument("--out", required=True, help="PNG file to write")
             p.add_argument("--max", type=int, default=24, help="images on the sheet (default 24)")

@@ -1,0 +1,307 @@
+"""`ditfleet report OUT`: one self-contained HTML page about a job's output.
+
+Everything comes from the output itself, through the store (local or s3://): `_SUCCESS` (the
+driver's summary: counts, failures by error, each actor's start-up report) and the manifests
+(each image's status, error, worker, shard and generation time). The page has no scripts and
+loads nothing: the plots are inline SVG, the sample images data: URIs of small JPEG thumbnails.
+
+Rates over time: the manifests record how long each image took to generate (its share of its
+batch), not when. A worker runs its shards one after another, so a worker's timeline is rebuilt
+by laying its images end to end in shard order: time on the plot is that worker's generation
+time since it took its first shard (start-up, queueing and encode overlap are not in it).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from jobs.preview import collect
+from workers.layout import success_key
+from workers.manifest import read_manifests
+from workers.stores import ObjectNotFound, ObjectStore
+
+THUMB = 128  # longest side of a sample thumbnail, pixels
+SAMPLES = 24
+MAX_FAILURE_ROWS = 200  # the failures table lists at most this many images (the counts are all)
+_BINS = 24  # points per rate curve
+_PLOT_W, _PLOT_H, _MARGIN = 640, 260, 48
+_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
+
+
+@dataclass
+class ReportData:
+    output: str
+    summary: dict[str, Any] | None  # _SUCCESS, or None for an unfinished output
+    rows: list[dict[str, Any]]  # manifest rows (without prompts' pass-through columns)
+    samples: list[tuple[str, str, bytes]] = field(default_factory=list)  # (label, prompt, jpeg)
+
+
+def load_report_data(store: ObjectStore, samples: int = SAMPLES) -> ReportData:
+    """Read what the page shows from the output (raises ValueError if it has no manifests)."""
+    try:
+        summary = json.loads(store.get(success_key()))
+    except ObjectNotFound:
+        summary = None
+    except ValueError as e:
+        raise ValueError(f"{store.uri(success_key())} is not valid JSON ({e}); was it written by ditfleet?") from e
+    table = read_manifests(store)
+    if table.num_rows == 0:
+        raise ValueError(f"{store.uri()} has no committed manifests yet: nothing to report; run the job first")
+    columns = ["id", "k", "prompt", "status", "error", "worker", "shard", "attempt", "bucket", "generate_s"]
+    rows = table.select(columns).to_pylist()
+    thumbs = []
+    for image in collect(store, samples):
+        thumb = image.image.copy()
+        thumb.thumbnail((THUMB, THUMB))
+        buf = io.BytesIO()
+        thumb.save(buf, format="JPEG", quality=85)
+        label = image.id if image.k == 0 else f"{image.id} #{image.k}"
+        thumbs.append((label, image.prompt, buf.getvalue()))
+    return ReportData(store.uri(), summary, rows, thumbs)
+
+
+# -- numbers ---------------------------------------------------------------------------------------
+
+
+def worker_timelines(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Per worker: the end time of each of its images on its rebuilt timeline (see the docstring)."""
+    out: dict[str, list[float]] = {}
+    by_worker: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        by_worker[r["worker"]].append(r)
+    for worker, items in sorted(by_worker.items()):
+        items.sort(key=lambda r: (r["shard"], r["attempt"], r["id"], r["k"]))
+        t, ends = 0.0, []
+        for r in items:
+            t += float(r["generate_s"] or 0.0)
+            ends.append(t)
+        out[worker] = ends
+    return out
+
+
+def rate_curve(ends: list[float], span: float, bins: int = _BINS) -> list[tuple[float, float]]:
+    """(bin middle, images per second in the bin) over [0, span]."""
+    if span <= 0:
+        return []
+    width = span / bins
+    counts = [0] * bins
+    for t in ends:
+        counts[min(int(t / width), bins - 1)] += 1
+    return [((i + 0.5) * width, c / width) for i, c in enumerate(counts)]
+
+
+# -- SVG ---------------------------------------------------------------------------------------------
+
+
+def _axes(x_max: float, y_max: float, x_label: str, y_label: str) -> list[str]:
+    w, h, m = _PLOT_W, _PLOT_H, _MARGIN
+    parts = [
+        f'<line x1="{m}" y1="{h - m}" x2="{w - 10}" y2="{h - m}" stroke="#333"/>',
+        f'<line x1="{m}" y1="10" x2="{m}" y2="{h - m}" stroke="#333"/>',
+        f'<text x="{(w + m) / 2}" y="{h - 8}" text-anchor="middle">{html.escape(x_label)}</text>',
+        f'<text x="14" y="{(h - m) / 2}" text-anchor="middle" transform="rotate(-90 14 {(h - m) / 2})">'
+        f"{html.escape(y_label)}</text>",
+    ]
+    for i in range(5):
+        fx, fy = i / 4, i / 4
+        x = m + fx * (w - 10 - m)
+        y = h - m - fy * (h - m - 10)
+        parts.append(f'<text x="{x:.1f}" y="{h - m + 16}" text-anchor="middle">{fx * x_max:.3g}</text>')
+        parts.append(f'<text x="{m - 4}" y="{y + 4:.1f}" text-anchor="end">{fy * y_max:.3g}</text>')
+        parts.append(f'<line x1="{m}" y1="{y:.1f}" x2="{w - 10}" y2="{y:.1f}" stroke="#ddd"/>')
+    return parts
+
+
+def rate_plot_svg(timelines: dict[str, list[float]]) -> str:
+    """Images per second over (rebuilt) time, one line per worker."""
+    span = max((ends[-1] for ends in timelines.values() if ends), default=0.0)
+    # About 4 images per bin on the busiest worker: fewer, and the curve is a row of spikes.
+    bins = max(2, min(_BINS, max((len(e) for e in timelines.values()), default=0) // 4))
+    curves = {w: rate_curve(ends, span, bins) for w, ends in timelines.items()}
+    y_max = max((r for c in curves.values() for _, r in c), default=0.0) * 1.1 or 1.0
+    w, h, m = _PLOT_W, _PLOT_H, _MARGIN
+    parts = _axes(span or 1.0, y_max, "generation time on the worker (s)", "images / s")
+    legend = []
+    for i, (worker, curve) in enumerate(curves.items()):
+        colour = _COLOURS[i % len(_COLOURS)]
+        points = " ".join(
+            f"{m + t / (span or 1.0) * (w - 10 - m):.1f},{h - m - r / y_max * (h - m - 10):.1f}" for t, r in curve
+        )
+        parts.append(f'<polyline class="rate" fill="none" stroke="{colour}" stroke-width="2" points="{points}"/>')
+        legend.append(f'<span style="color:{colour}">&#9632;</span> {html.escape(worker)}')
+    return (
+        f'<svg id="rate-plot" xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
+        f'viewBox="0 0 {w} {h}" font-size="11">{"".join(parts)}</svg>'
+        f'<p class="legend">{" &nbsp; ".join(legend)}</p>'
+    )
+
+
+def worker_bars_svg(per_worker: dict[str, tuple[int, float]]) -> str:
+    """A horizontal bar per worker: images per second of generation time (label: images)."""
+    items = sorted(per_worker.items())
+    rates = {wk: (n / s if s > 0 else 0.0) for wk, (n, s) in items}
+    top = max(rates.values(), default=0.0) or 1.0
+    bar_h, label_w, w = 22, 260, _PLOT_W
+    h = bar_h * len(items) + 10
+    parts = []
+    for i, (worker, (n, _busy)) in enumerate(items):
+        y = 5 + i * bar_h
+        length = rates[worker] / top * (w - label_w - 170)
+        parts.append(f'<text x="{label_w - 6}" y="{y + 15}" text-anchor="end">{html.escape(worker[-36:])}</text>')
+        parts.append(
+            f'<rect class="bar" x="{label_w}" y="{y + 3}" width="{max(length, 1):.1f}" height="{bar_h - 6}" '
+            f'fill="{_COLOURS[i % len(_COLOURS)]}"/>'
+        )
+        parts.append(
+            f'<text x="{label_w + length + 6:.1f}" y="{y + 15}">{rates[worker]:.2f} img/s ({n} images)</text>'
+        )
+    return (
+        f'<svg id="worker-bars" xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
+        f'viewBox="0 0 {w} {h}" font-size="11">{"".join(parts)}</svg>'
+    )
+
+
+# -- HTML --------------------------------------------------------------------------------------------
+
+
+def _table(head: list[str] | None, body: list[list[Any]], table_id: str = "") -> str:
+    ident = f' id="{table_id}"' if table_id else ""
+    if head is None:
+        body_html = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in body
+        )
+        return f"<table{ident}><tbody>{body_html}</tbody></table>"
+    th = "".join(f"<th>{html.escape(str(c))}</th>" for c in head)
+    trs = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in body)
+    return f"<table{ident}><thead><tr>{th}</tr></thead><tbody>{trs}</tbody></table>"
+
+
+def _seconds(value: Any) -> str:
+    if isinstance(value, dict):
+        value = sum(v for v in value.values() if isinstance(v, (int, float)))
+    return f"{value:.1f} s" if isinstance(value, (int, float)) else "-"
+
+
+def startup_rows(summary: dict[str, Any] | None) -> list[list[Any]]:
+    """Per actor: ready (as the driver saw it), placement + process start, load, compile, warm-up."""
+    reports = ((summary or {}).get("startup") or {}).get("per_worker") or {}
+    rows = []
+    for worker, r in sorted(reports.items()):
+        ready, ctor = r.get("ready_s"), r.get("startup_s")
+        before = ready - ctor if isinstance(ready, (int, float)) and isinstance(ctor, (int, float)) else None
+        comp = r.get("compile") or {}
+        warm = comp.get("warmup") or {}
+        per_bucket = r.get("warmup_s") if isinstance(r.get("warmup_s"), dict) else {}
+        rows.append(
+            [
+                worker,
+                _seconds(ready),
+                _seconds(before),
+                _seconds(r.get("load_s")),
+                _seconds(comp.get("seconds")),
+                ", ".join(f"{b} {s:.1f} s" for b, s in per_bucket.items()) or _seconds(r.get("warmup_s")),
+                warm.get("compiles", "-"),
+                (comp.get("cache_load") or {}).get("status", "-") if isinstance(comp.get("cache_load"), dict) else "-",
+                f"{r.get('device', '')} {r.get('dtype', '')}".strip() or "-",
+            ]
+        )
+    return rows
+
+
+_CSS = """
+body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width:1100px}
+h1{font-size:20px}h2{font-size:16px;margin-top:28px;border-bottom:1px solid #ccc}
+table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}
+.ok{color:#1a7f37}.bad{color:#b42318}.legend{font-size:12px}.note{font-size:12px;color:#555}
+.grid{display:flex;flex-wrap:wrap;gap:10px}.cell{width:150px;font-size:11px}
+.cell img{display:block;width:128px;height:auto;border:1px solid #ccc;image-rendering:pixelated}
+"""
+
+
+def render_html(data: ReportData) -> str:
+    s = data.summary
+    rows = data.rows
+    images_ok = sum(1 for r in rows if r["status"] == "ok")
+    failed = [r for r in rows if r["status"] != "ok"]
+    errors = Counter(r["error"] or "?" for r in failed)
+    if s:
+        errors = Counter(s.get("failures_by_error") or {}) or errors
+    status = s["status"] if s else "not finished (no _SUCCESS yet): what is committed so far"
+    shards = sorted({r["shard"] for r in rows})
+    planned = (s or {}).get("images", {}).get("planned", "?")
+    wall = ((s or {}).get("timings") or {}).get("wall_s")
+    summary_rows = [
+        ["status", status],
+        ["output", data.output],
+        ["shards committed", f"{len(shards)}" + (f" of {s['shards']['planned']}" if s else "")],
+        ["prompt rows", (f"{s['rows']['ok']} ok, {s['rows']['failed']} failed of {s['rows']['planned']}" if s
+                         else len({r['id'] for r in rows}))],
+        ["images", f"{images_ok} ok, {len(failed)} failed of {planned}"],
+        ["job wall time", _seconds(wall)],
+        ["workers", len({r["worker"] for r in rows})],
+    ]  # fmt: skip
+    timelines = worker_timelines(rows)
+    per_worker: dict[str, tuple[int, float]] = {}
+    for r in rows:
+        n, t = per_worker.get(r["worker"], (0, 0.0))
+        per_worker[r["worker"]] = (n + 1, t + float(r["generate_s"] or 0.0))
+    failures_by_error = _table(["error", "count"], [[e, c] for e, c in errors.most_common()], "errors")
+    failure_table = _table(
+        ["shard", "id", "k", "attempt", "worker", "error"],
+        [[r["shard"], r["id"], r["k"], r["attempt"], r["worker"], r["error"] or "?"] for r in failed[:MAX_FAILURE_ROWS]],
+        "failures",
+    )
+    failed_shards = (s or {}).get("failed_shards") or []
+    shard_table = (
+        _table(["shard", "attempts", "kind", "error"], [[f.get(k) for k in ("shard", "attempts", "kind", "error")]
+                                                        for f in failed_shards], "failed-shards")
+        if failed_shards else ""
+    )  # fmt: skip
+    cells = "".join(
+        f'<div class="cell"><img src="data:image/jpeg;base64,{base64.b64encode(jpeg).decode()}" '
+        f'alt="{html.escape(label)}"><b>{html.escape(label)}</b><br>{html.escape(prompt)}</div>'
+        for label, prompt, jpeg in data.samples
+    )
+    startup = startup_rows(s)
+    startup_html = (
+        _table(
+            ["worker", "ready", "placement + process", "load", "compile + warm-up", "warm-up per bucket",
+             "compiles", "compile cache", "device"],
+            startup,
+            "startup",
+        )
+        if startup
+        else '<p class="note">No start-up reports: the output has no _SUCCESS yet (they are part of it).</p>'
+    )  # fmt: skip
+    more = f" (first {MAX_FAILURE_ROWS} of {len(failed)})" if len(failed) > MAX_FAILURE_ROWS else ""
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>ditfleet report: {html.escape(data.output)}</title>
+<style>{_CSS}</style></head><body>
+<h1>ditfleet job report</h1>
+<h2>Summary</h2>{_table(None, summary_rows, "summary")}
+<h2>Failures by error</h2>{failures_by_error if errors else '<p class="ok">No failures.</p>'}
+<h2>Images per second over time</h2>
+<p class="note">Each worker's images laid end to end in shard order by their generation time from the
+manifests (the manifests record durations, not clock times); start-up and waits are not on this axis.</p>
+{rate_plot_svg(timelines)}
+<h2>Images per second per worker</h2>{worker_bars_svg(per_worker)}
+<h2>Start-up costs per actor</h2>{startup_html}
+<h2>Failed images{more}</h2>{failure_table if failed else '<p class="ok">No failed images.</p>'}
+{'<h2>Failed shards</h2>' + shard_table if shard_table else ''}
+<h2>Sample images</h2><div class="grid" id="samples">{cells}</div>
+</body></html>
+"""
+
+
+def write_report(store: ObjectStore, html_path: str, samples: int = SAMPLES) -> ReportData:
+    """Write the page for the output in `store` to the local file `html_path`."""
+    data = load_report_data(store, samples)
+    with open(html_path, "w", encoding="utf-8") as f:
+        f.write(render_html(data))
+    return data
