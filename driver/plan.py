@@ -323,13 +323,14 @@ def plan_job(source: PromptSource, config: PlanConfig) -> JobPlan:
 # A row group this many times a shard makes each actor read and decode up to that many times the
 # rows it needs (a shard's rows are read from its row group's start).
 ROW_GROUP_WARN_RATIO = 4
+ROW_GROUP_WARN_MIN_ROWS = 10_000  # below this a whole row group is read in no time: no warning
 _ROW_GROUP_WARN_FILES = 3
 
 
 def row_group_warnings(source: PromptSource, files: Sequence[InputFile], shard_size: int) -> list[str]:
     """Files whose row groups are large next to the shards: each actor decodes whole stretches of
     a row group it mostly does not need. One footer read per file."""
-    limit = ROW_GROUP_WARN_RATIO * shard_size
+    limit = max(ROW_GROUP_WARN_RATIO * shard_size, ROW_GROUP_WARN_MIN_ROWS)
     large: list[tuple[str, int]] = []
     for f in files:
         try:

@@ -83,11 +83,13 @@ def _one_row_group_file(path: Path, n: int) -> Path:
 
 
 def test_plan_warns_about_row_groups_much_larger_than_shards(tmp_path):
-    big = _one_row_group_file(tmp_path / "big.parquet", 5000)
-    plan = plan_job(PromptSource(str(big)), PlanConfig(shard_size=100))
+    big = _one_row_group_file(tmp_path / "big.parquet", 20_000)
+    plan = plan_job(PromptSource(str(big)), PlanConfig(shard_size=256))
     (warning,) = plan.warnings
-    assert f"{big} (5000 rows)" in warning and "row_group_size=100" in warning
-    assert plan_job(PromptSource(str(big)), PlanConfig(shard_size=2000)).warnings == ()
+    assert f"{big} (20000 rows)" in warning and "row_group_size=256" in warning
+    assert plan_job(PromptSource(str(big)), PlanConfig(shard_size=8000)).warnings == ()
+    small = _one_row_group_file(tmp_path / "small.parquet", 5000)  # read whole in no time
+    assert plan_job(PromptSource(str(small)), PlanConfig(shard_size=5)).warnings == ()
 
 
 def test_a_shard_reads_its_row_group_only_up_to_its_last_row(tmp_path):
