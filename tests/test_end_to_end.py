@@ -67,7 +67,16 @@ def test_200_rows_to_s3_every_row_once_with_status(random_model_dir, s3_server, 
     s3 = f"{{endpoint_url: '{s3_server.endpoint_url}', region: {REGION}, addressing_style: path}}"
     job = write_job(tmp_path / "job.yaml", random_model_dir, prompts, uri, s3=s3)
     assert main(["run", str(job)]) == 0
-    assert "job succeeded" in capsys.readouterr().err
+    printed = capsys.readouterr()
+    assert "job succeeded" in printed.err
+    assert f"report: ditfleet report {uri} --html report.html" in printed.out
+
+    # The report reads an s3:// output through the same store.
+    page = tmp_path / "report.html"
+    args = ["--endpoint-url", s3_server.endpoint_url, "--region", REGION, "--html", str(page), "--max", "4"]
+    assert main(["report", uri, *args]) == 0
+    assert f"wrote {page}: report of {uri}" in capsys.readouterr().out
+    assert "200 ok, 0 failed of 200" in page.read_text()
 
     store = open_store(
         uri, S3Config(endpoint_url=s3_server.endpoint_url, region=REGION, addressing_style="path")
