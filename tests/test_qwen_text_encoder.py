@@ -141,6 +141,9 @@ def test_matches_diffusers_encode_prompt(qwen_dirs):
 
     lengths = mask.sum(1).tolist()
     assert len(set(lengths)) == 3 and min(lengths) > 0  # three different lengths, none empty
+    # The tokenizer alone predicts every embedding length (the worker batches by it).
+    assert ours.count_tokens(PROMPTS, 512) == lengths
+    assert ours.count_tokens(PROMPTS, 8) == [min(n, 8) for n in lengths]
     assert embeds.shape == ref_embeds.shape == (3, max(lengths), 32)
     assert embeds.dtype == torch.float32
     assert torch.equal(mask.long(), ref_mask.long())
