@@ -4,7 +4,6 @@ both, and "auto" picks by device and pass size."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from model import load_pipeline
 from model.pipeline import cfg_batched_for
@@ -85,3 +84,9 @@ def test_spec_cfg_mode_reaches_the_worker(tmp_path):
     assert JobSpec.model_validate(base).sampling.cfg_mode == "auto"
     with pytest.raises(ValueError, match="cfg_mode"):
         JobSpec.model_validate({**base, "sampling": {"cfg_mode": "parallel"}})
+    # compile.dit takes "auto" too; the worker decides it (CUDA, enough images per bucket).
+    assert (
+        JobSpec.model_validate({**base, "compile": {"dit": "auto"}}).to_worker_config().compile.dit == "auto"
+    )
+    with pytest.raises(ValueError, match="dit"):
+        JobSpec.model_validate({**base, "compile": {"dit": "sometimes"}})
