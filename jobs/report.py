@@ -29,7 +29,6 @@ from workers.stores import ObjectNotFound, ObjectStore
 THUMB = 128  # longest side of a sample thumbnail, pixels
 SAMPLES = 24
 MAX_FAILURE_ROWS = 200  # the failures table lists at most this many images (the counts are all)
-_BINS = 24  # points per rate curve
 _PLOT_W, _PLOT_H, _MARGIN = 640, 260, 48
 _COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
 
@@ -39,7 +38,8 @@ class ReportData:
     output: str
     summary: dict[str, Any] | None  # _SUCCESS, or None for an unfinished output
     rows: list[dict[str, Any]]  # manifest rows (without prompts' pass-through columns)
-    samples: list[tuple[str, str, bytes]] = field(default_factory=list)  # (label, prompt, jpeg)
+    # (label, prompt, jpeg thumbnail, (width, height) to show it at: fit into THUMB x THUMB)
+    samples: list[tuple[str, str, bytes, tuple[int, int]]] = field(default_factory=list)
 
 
 def load_report_data(store: ObjectStore, samples: int = SAMPLES) -> ReportData:
@@ -62,38 +62,31 @@ def load_report_data(store: ObjectStore, samples: int = SAMPLES) -> ReportData:
         buf = io.BytesIO()
         thumb.save(buf, format="JPEG", quality=85)
         label = image.id if image.k == 0 else f"{image.id} #{image.k}"
-        thumbs.append((label, image.prompt, buf.getvalue()))
+        scale = THUMB / max(image.image.size)  # small images are shown enlarged, pixelated
+        shown = (round(image.image.width * scale), round(image.image.height * scale))
+        thumbs.append((label, image.prompt, buf.getvalue(), shown))
     return ReportData(store.uri(), summary, rows, thumbs)
 
 
 # -- numbers ---------------------------------------------------------------------------------------
 
 
-def worker_timelines(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
-    """Per worker: the end time of each of its images on its rebuilt timeline (see the docstring)."""
-    out: dict[str, list[float]] = {}
-    by_worker: dict[str, list[dict]] = defaultdict(list)
+def worker_timelines(rows: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
+    """Per worker, one point per shard run: (end of the shard on the worker's rebuilt timeline,
+    the shard's images per second of generation time). See the module docstring."""
+    runs: dict[str, dict[tuple[int, int], list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
-        by_worker[r["worker"]].append(r)
-    for worker, items in sorted(by_worker.items()):
-        items.sort(key=lambda r: (r["shard"], r["attempt"], r["id"], r["k"]))
-        t, ends = 0.0, []
-        for r in items:
-            t += float(r["generate_s"] or 0.0)
-            ends.append(t)
-        out[worker] = ends
+        runs[r["worker"]][(r["shard"], r["attempt"])].append(float(r["generate_s"] or 0.0))
+    out: dict[str, list[tuple[float, float]]] = {}
+    for worker in sorted(runs):
+        t, points = 0.0, []
+        for key in sorted(runs[worker]):
+            times = runs[worker][key]
+            busy = sum(times)
+            t += busy
+            points.append((t, len(times) / busy if busy > 0 else 0.0))
+        out[worker] = points
     return out
-
-
-def rate_curve(ends: list[float], span: float, bins: int = _BINS) -> list[tuple[float, float]]:
-    """(bin middle, images per second in the bin) over [0, span]."""
-    if span <= 0:
-        return []
-    width = span / bins
-    counts = [0] * bins
-    for t in ends:
-        counts[min(int(t / width), bins - 1)] += 1
-    return [((i + 0.5) * width, c / width) for i, c in enumerate(counts)]
 
 
 # -- SVG ---------------------------------------------------------------------------------------------
@@ -119,11 +112,9 @@ def _axes(x_max: float, y_max: float, x_label: str, y_label: str) -> list[str]:
 
 
 def rate_plot_svg(timelines: dict[str, list[float]]) -> str:
-    """Images per second over (rebuilt) time, one line per worker."""
-    span = max((ends[-1] for ends in timelines.values() if ends), default=0.0)
-    # About 4 images per bin on the busiest worker: fewer, and the curve is a row of spikes.
-    bins = max(2, min(_BINS, max((len(e) for e in timelines.values()), default=0) // 4))
-    curves = {w: rate_curve(ends, span, bins) for w, ends in timelines.items()}
+    """Images per second over (rebuilt) time, one line per worker, a marked point per shard."""
+    curves = timelines
+    span = max((pts[-1][0] for pts in curves.values() if pts), default=0.0)
     y_max = max((r for c in curves.values() for _, r in c), default=0.0) * 1.1 or 1.0
     w, h, m = _PLOT_W, _PLOT_H, _MARGIN
     parts = _axes(span or 1.0, y_max, "generation time on the worker (s)", "images / s")
@@ -134,6 +125,9 @@ def rate_plot_svg(timelines: dict[str, list[float]]) -> str:
             f"{m + t / (span or 1.0) * (w - 10 - m):.1f},{h - m - r / y_max * (h - m - 10):.1f}" for t, r in curve
         )
         parts.append(f'<polyline class="rate" fill="none" stroke="{colour}" stroke-width="2" points="{points}"/>')
+        for t, r in curve:
+            x, y = m + t / (span or 1.0) * (w - 10 - m), h - m - r / y_max * (h - m - 10)
+            parts.append(f'<circle class="shard" cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{colour}"/>')
         legend.append(f'<span style="color:{colour}">&#9632;</span> {html.escape(worker)}')
     return (
         f'<svg id="rate-plot" xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
@@ -220,7 +214,7 @@ h1{font-size:20px}h2{font-size:16px;margin-top:28px;border-bottom:1px solid #ccc
 table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}
 .ok{color:#1a7f37}.bad{color:#b42318}.legend{font-size:12px}.note{font-size:12px;color:#555}
 .grid{display:flex;flex-wrap:wrap;gap:10px}.cell{width:150px;font-size:11px}
-.cell img{display:block;width:128px;height:auto;border:1px solid #ccc;image-rendering:pixelated}
+.cell img{display:block;border:1px solid #ccc;image-rendering:pixelated}
 """
 
 
@@ -246,7 +240,7 @@ def render_html(data: ReportData) -> str:
         ["job wall time", _seconds(wall)],
         ["workers", len({r["worker"] for r in rows})],
     ]  # fmt: skip
-    timelines = worker_timelines(rows)
+    timelines = worker_timelines(rows)  # fmt: skip
     per_worker: dict[str, tuple[int, float]] = {}
     for r in rows:
         n, t = per_worker.get(r["worker"], (0, 0.0))
@@ -265,8 +259,9 @@ def render_html(data: ReportData) -> str:
     )  # fmt: skip
     cells = "".join(
         f'<div class="cell"><img src="data:image/jpeg;base64,{base64.b64encode(jpeg).decode()}" '
-        f'alt="{html.escape(label)}"><b>{html.escape(label)}</b><br>{html.escape(prompt)}</div>'
-        for label, prompt, jpeg in data.samples
+        f'width="{w}" height="{h}" alt="{html.escape(label)}"><b>{html.escape(label)}</b><br>'
+        f"{html.escape(prompt)}</div>"
+        for label, prompt, jpeg, (w, h) in data.samples
     )
     startup = startup_rows(s)
     startup_html = (
@@ -287,8 +282,9 @@ def render_html(data: ReportData) -> str:
 <h2>Summary</h2>{_table(None, summary_rows, "summary")}
 <h2>Failures by error</h2>{failures_by_error if errors else '<p class="ok">No failures.</p>'}
 <h2>Images per second over time</h2>
-<p class="note">Each worker's images laid end to end in shard order by their generation time from the
-manifests (the manifests record durations, not clock times); start-up and waits are not on this axis.</p>
+<p class="note">One point per shard run: its images per second of generation time, at the shard's end
+on its worker's timeline, which lays the worker's shards end to end in shard order by the generation
+times in the manifests (they record durations, not clock times); start-up and waits are not on it.</p>
 {rate_plot_svg(timelines)}
 <h2>Images per second per worker</h2>{worker_bars_svg(per_worker)}
 <h2>Start-up costs per actor</h2>{startup_html}
