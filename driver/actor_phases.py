@@ -102,7 +102,8 @@ class PhaseTracker:
     def poll(self, slots: list[Any], now: float | None = None) -> tuple[ActorPhase, ...]:
         """slots: the pool's STARTING slots (id, handle, created_at)."""
         now = time.monotonic() if now is None else now
-        if now - self._last_poll < self.every_s:
+        # Two GCS reads per starting actor: a fleet of hundreds is polled less often.
+        if now - self._last_poll < max(self.every_s, len(slots) / 50):
             return self._phases
         self._last_poll = now
         live = {s.id for s in slots}
