@@ -63,6 +63,17 @@ def pad_guidance_inputs(
     return out
 
 
+def negatives_per_prompt(prompts: Sequence[str], negative_prompts: Sequence[str] | str | None) -> list[str]:
+    """One negative prompt per prompt: the default " " when none is given, a string for all."""
+    neg = DEFAULT_NEGATIVE_PROMPT if negative_prompts is None else negative_prompts
+    neg_list = [neg] * len(prompts) if isinstance(neg, str) else list(neg)
+    if len(neg_list) != len(prompts):
+        raise ValueError(
+            f"need one negative prompt per prompt: {len(prompts)} prompts, {len(neg_list)} negatives"
+        )
+    return neg_list
+
+
 def encode_padded(
     pipe: Any,
     prompts: Sequence[str],
@@ -78,12 +89,7 @@ def encode_padded(
     embeds, mask = pipe.encode_prompt(list(prompts), max_sequence_length)
     neg_embeds = neg_mask = None
     if cfg_enabled(true_cfg_scale):
-        neg = DEFAULT_NEGATIVE_PROMPT if negative_prompts is None else negative_prompts
-        neg_list = [neg] * len(prompts) if isinstance(neg, str) else list(neg)
-        if len(neg_list) != len(prompts):
-            raise ValueError(
-                f"need one negative prompt per prompt: {len(prompts)} prompts, {len(neg_list)} negatives"
-            )
+        neg_list = negatives_per_prompt(prompts, negative_prompts)
         neg_embeds, neg_mask = pipe.encode_prompt(neg_list, max_sequence_length)
     return pad_guidance_inputs(
         embeds, mask, neg_embeds, neg_mask, length_buckets, same_length=bool(pipe.cfg_batched)
@@ -111,12 +117,7 @@ def encode_unpadded(
         "negative_prompt_embeds_mask": None,
     }
     if cfg_enabled(true_cfg_scale):
-        neg = DEFAULT_NEGATIVE_PROMPT if negative_prompts is None else negative_prompts
-        neg_list = [neg] * len(prompts) if isinstance(neg, str) else list(neg)
-        if len(neg_list) != len(prompts):
-            raise ValueError(
-                f"need one negative prompt per prompt: {len(prompts)} prompts, {len(neg_list)} negatives"
-            )
+        neg_list = negatives_per_prompt(prompts, negative_prompts)
         if len(set(neg_list)) == 1:
             one, one_mask = pipe.encode_prompt(neg_list[:1], max_sequence_length)  # (1, L, D), (1, L)
             neg_embeds = one.expand(len(prompts), -1, -1)

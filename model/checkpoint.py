@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .weights import WeightsError, safetensors_files
+from .weights import WeightsError, check_state_matches, safetensors_files
 
 # diffusers / transformers shard names: <stem>-00002-of-00009.safetensors
 _SHARD_NAME = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.safetensors$")
@@ -139,25 +139,8 @@ class Checkpoint:
     ) -> None:
         """Every key of `module` present with its shape, and nothing else (names the keys)."""
         expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
-        got = {k: e.shape for k, e in self.tensors.items() if not k.startswith(ignore_prefixes)}
-        missing, unexpected = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
-        if missing or unexpected:
-            parts = []
-            if missing:
-                parts.append(f"missing keys ({len(missing)}): {missing[:20]}")
-            if unexpected:
-                parts.append(f"unexpected keys ({len(unexpected)}): {unexpected[:20]}")
-            raise WeightsError(
-                f"{where}: the checkpoint does not match the model built from its config.json: "
-                + "; ".join(parts)
-                + ". Check that the config.json belongs to these weights."
-            )
-        bad = [f"{k}: checkpoint {got[k]} vs model {expected[k]}" for k in expected if got[k] != expected[k]]
-        if bad:
-            raise WeightsError(
-                f"{where}: shape mismatch for {len(bad)} keys, e.g. {bad[:5]}. "
-                "Check that the config.json belongs to these weights."
-            )
+        got = {k: tuple(e.shape) for k, e in self.tensors.items() if not k.startswith(ignore_prefixes)}
+        check_state_matches(expected, got, where)
 
     def iter_shards(self) -> Iterator[tuple[Path, Iterator[tuple[str, torch.Tensor]]]]:
         """(file, an iterator of its tensors on the CPU), one file at a time.

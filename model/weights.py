@@ -88,6 +88,35 @@ def read_state_dict(component_dir: Path, device: str | torch.device = "cpu") -> 
     return state
 
 
+
+def check_state_matches(
+    expected: Mapping[str, tuple[int, ...]], got: Mapping[str, tuple[int, ...]], where: str
+) -> None:
+    """Every key the model expects is in the checkpoint with its shape, and nothing else.
+
+    Both sides are {key: shape}: the model's from its state dict, the checkpoint's from tensors or
+    from safetensors headers (so a mismatch is found before any weight is read).
+    """
+    missing, unexpected = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing keys ({len(missing)}): {missing[:20]}")
+        if unexpected:
+            parts.append(f"unexpected keys ({len(unexpected)}): {unexpected[:20]}")
+        raise WeightsError(
+            f"{where}: the checkpoint does not match the model built from its config.json: "
+            + "; ".join(parts)
+            + ". Check that the config.json belongs to these weights."
+        )
+    bad = [f"{k}: checkpoint {got[k]} vs model {expected[k]}" for k in expected if got[k] != expected[k]]
+    if bad:
+        raise WeightsError(
+            f"{where}: shape mismatch for {len(bad)} keys, e.g. {bad[:5]}. "
+            "Check that the config.json belongs to these weights."
+        )
+
+
 def assign_state_dict(
     module: torch.nn.Module,
     state: dict[str, torch.Tensor],
@@ -106,28 +135,11 @@ def assign_state_dict(
     ignore = tuple(ignore_prefixes)
     fp32_markers = tuple(keep_fp32)
     state = {k: v for k, v in state.items() if not k.startswith(ignore)} if ignore else state
-    expected = set(module.state_dict().keys())
-    got = set(state.keys())
-    missing, unexpected = sorted(expected - got), sorted(got - expected)
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing keys ({len(missing)}): {missing[:20]}")
-        if unexpected:
-            parts.append(f"unexpected keys ({len(unexpected)}): {unexpected[:20]}")
-        raise WeightsError(
-            f"{where}: the checkpoint does not match the model built from its config.json: "
-            + "; ".join(parts)
-            + ". Check that the config.json belongs to these weights."
-        )
-    shapes = module.state_dict()
-    bad = [
-        f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(shapes[k].shape)}"
-        for k, v in state.items()
-        if v.shape != shapes[k].shape
-    ]
-    if bad:
-        raise WeightsError(f"{where}: shape mismatch for {len(bad)} keys, e.g. {bad[:5]}.")
+    check_state_matches(
+        {k: tuple(v.shape) for k, v in module.state_dict().items()},
+        {k: tuple(v.shape) for k, v in state.items()},
+        where,
+    )
     cast = {}
     for k, v in state.items():
         target = torch.float32 if any(m in k for m in fp32_markers) else dtype

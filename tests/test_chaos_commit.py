@@ -31,13 +31,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from driver.plan import PlanConfig
-from driver.progress import JobProgress
-from driver.run import DriverConfig, claim_output, finish_output, plan_input
-from driver.status import count_shards
-from driver.summary import build_summary
+from driver.run import DriverConfig, claim_output, plan_input
 from driver.verify import verify_output
 from jobs.cli import main
-from tests.worker_fixtures import row_config, worker_config, write_prompts
+from tests.worker_fixtures import finish_like_driver, row_config, worker_config, write_prompts
 from workers.actor import GenerationWorker
 from workers.layout import MANIFESTS_PREFIX, attempt_object, manifest_key, success_key
 from workers.stores import ObjectStore, open_store
@@ -159,24 +156,6 @@ def _reset(gated: GatedStore) -> None:
     gated.after_success.clear()
 
 
-def _finish(store: ObjectStore, plan: Any) -> None:
-    """The driver's end of a run, as run_job does it: count, clean, `_SUCCESS`."""
-    n = len(plan.shards)
-    progress = JobProgress(total_shards=n, total_images=plan.total_images, stream=io.StringIO(), interactive=False)
-    summary = build_summary(
-        output=store.uri(),
-        fingerprint=plan.fingerprint(),
-        planned={"shards": n, "rows": plan.total_rows, "images": plan.total_images},
-        committed_before=0,
-        counts=count_shards(store, range(n)),
-        dispatch=None,
-        progress=progress,
-        timings={"plan_s": 0.0, "dispatch_s": 0.0, "count_s": 0.0, "wall_s": 0.0},
-    )
-    assert summary.shards["left"] == 0
-    finish_output(store, summary, None, set(range(n)), io.StringIO())
-
-
 def _committed_objects(store: ObjectStore, shard: int) -> tuple[bytes, dict[str, str]]:
     """The shard's manifest bytes and {key: sha256} of the objects its ok rows name."""
     manifest = store.get(manifest_key(shard))
@@ -240,7 +219,7 @@ def test_two_runs_with_different_bytes_interleaved_every_way(
             b = Attempt(worker_b, shard, 1).join()
             assert b.error is None and b.result.status == "committed"
             if how == "killed_upload_after_success":
-                _finish(store, plan)  # every shard is committed now: the driver writes _SUCCESS
+                finish_like_driver(store, plan)  # every shard is committed now: the driver writes _SUCCESS
                 assert store.exists(success_key())
             gated_a.hold_uploads.set()
             a.join()

@@ -15,13 +15,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from driver.plan import PlanConfig
-from driver.progress import JobProgress
-from driver.run import DriverConfig, claim_output, finish_output, plan_input
-from driver.status import count_shards
-from driver.summary import build_summary
+from driver.run import DriverConfig, claim_output, plan_input
 from driver.verify import verify_output
 from jobs.cli import main
-from tests.worker_fixtures import row_config, worker_config, write_prompts
+from tests.worker_fixtures import finish_like_driver, row_config, worker_config, write_prompts
 from workers.actor import GenerationWorker
 from workers.layout import (
     data_key,
@@ -48,18 +45,7 @@ def _make_output(root: Path, model_dir: Path, prompts: Path, output_format: str)
     claim_output(store, plan, {})
     worker = GenerationWorker(worker_config(model_dir, str(root), output_format=output_format))
     tokens = {s.index: worker.run_shard(s, 0).attempt_token for s in plan.shards}
-    n = len(plan.shards)
-    summary = build_summary(
-        output=store.uri(),
-        fingerprint=plan.fingerprint(),
-        planned={"shards": n, "rows": plan.total_rows, "images": plan.total_images},
-        committed_before=0,
-        counts=count_shards(store, range(n)),
-        dispatch=None,
-        progress=JobProgress(total_shards=n, total_images=plan.total_images, stream=io.StringIO(), interactive=False),
-        timings={"plan_s": 0.0, "dispatch_s": 0.0, "count_s": 0.0, "wall_s": 0.0},
-    )
-    finish_output(store, summary, None, set(range(n)), io.StringIO())
+    finish_like_driver(store, plan)
     return tokens
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -86,3 +87,31 @@ def worker_config(
         writer=ShardWriterConfig(output_format=output_format, threads=4, max_in_flight=8, **writer),  # type: ignore[arg-type]
         s3=s3 or S3Config(),
     )
+
+
+def finish_like_driver(store: Any, plan: Any) -> None:
+    """The driver's end of a run, as `run_job` does it: count the shards, clean up, write `_SUCCESS`.
+
+    For tests that run shards on the real worker without a Ray cluster; every planned shard must
+    be committed.
+    """
+    import io
+
+    from driver.progress import JobProgress
+    from driver.run import finish_output
+    from driver.status import count_shards
+    from driver.summary import build_summary
+
+    n = len(plan.shards)
+    summary = build_summary(
+        output=store.uri(),
+        fingerprint=plan.fingerprint(),
+        planned={"shards": n, "rows": plan.total_rows, "images": plan.total_images},
+        committed_before=0,
+        counts=count_shards(store, range(n)),
+        dispatch=None,
+        progress=JobProgress(total_shards=n, total_images=plan.total_images, stream=io.StringIO(), interactive=False),
+        timings={"plan_s": 0.0, "dispatch_s": 0.0, "count_s": 0.0, "wall_s": 0.0},
+    )
+    assert summary.shards["left"] == 0, f"finish_like_driver: {summary.shards['left']} shards not committed"
+    finish_output(store, summary, None, set(range(n)), io.StringIO())
