@@ -23,6 +23,7 @@ from .cache import (
     load_shared_cache,
     save_shared_cache,
 )
+from .claims import BucketClaims, ClaimOutcome, CompileClaimWarning
 from .compiled_method import CompiledMethod, CompileFallbackWarning
 from .counting import compile_count, count_compiles
 from .policy import CompileConfig, CompileReport, apply_compile, compiled_methods, remove_compile
@@ -35,12 +36,15 @@ __all__ = [
     "QWEN_IMAGE_BUCKETS",
     "TINY_BUCKETS",
     "ArtifactStore",
+    "BucketClaims",
     "BucketError",
     "BucketSet",
     "BucketWarmup",
     "CacheKey",
     "CacheLoadResult",
     "CacheSaveResult",
+    "ClaimOutcome",
+    "CompileClaimWarning",
     "CompileCacheWarning",
     "CompileConfig",
     "CompileFallbackWarning",

@@ -54,6 +54,10 @@ class CompileConfig:
     so a partial batch never adds a shape; 1 also makes decoding independent of the batch.
     shared_cache: load compiled artifacts from the job's storage before warm-up and save them
     after it (the worker does this with `compile.cache`).
+    claim_timeout_s: actors on one machine claim buckets before compiling them, so each bucket
+    compiles once (`compile.claims`); a waiter compiles a bucket itself after this long. 0 turns
+    the coordination off (every actor compiles every bucket). Not part of the compiled code, so
+    not part of the cache key.
     """
 
     vae: bool = True
@@ -66,6 +70,7 @@ class CompileConfig:
     dynamic: bool = False
     fullgraph: bool = True
     shared_cache: bool = True
+    claim_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         for name in ("vae_mode", "dit_mode"):
@@ -81,6 +86,8 @@ class CompileConfig:
                 )
         if not isinstance(self.dit, bool) and self.dit != "auto":
             raise ValueError(f"CompileConfig.dit must be true, false or 'auto', got {self.dit!r}")
+        if not self.claim_timeout_s >= 0:
+            raise ValueError(f"CompileConfig.claim_timeout_s must be >= 0, got {self.claim_timeout_s}")
         if self.vae_batch is not None and self.vae_batch < 1:
             raise ValueError(f"CompileConfig.vae_batch must be >= 1 or None, got {self.vae_batch}")
 

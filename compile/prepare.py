@@ -6,7 +6,8 @@ Order matters: the shared artifacts must be loaded before anything compiles, and
 after the warm-up compiled every bucket. With nothing to compile (vae=False, dit=False) there is
 nothing to warm or share, and it returns at once. The shared cache is used only with both a store
 and the fleet's secret key (compile.cache: blobs are authenticated with it); without the key
-nothing is loaded from or saved to the store.
+nothing is loaded from or saved to the store. Warm-up claims each bucket on this machine first
+(`compile.claims`), so actors starting together compile each bucket once between them.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ from .cache import (
     CacheSaveResult,
     KernelSnapshot,
     cache_key,
+    inductor_cache_dir,
     load_shared_cache,
     save_shared_cache,
 )
+from .claims import BucketClaims
 from .policy import CompileConfig, CompileReport, apply_compile, resolve_dit
 from .warmup import WARMUP_PROMPTS, WarmupReport, warm_up
 
@@ -92,6 +95,12 @@ def prepare_worker_pipeline(
     if share and artifact_store is not None and cache_secret is not None:
         loaded = load_shared_cache(artifact_store, key, cache_secret)
     snapshot = KernelSnapshot.take() if share else None
+    # Actors starting together on this machine split the buckets instead of each compiling all.
+    claims = (
+        BucketClaims(inductor_cache_dir(), key.name, config.claim_timeout_s)
+        if config.claim_timeout_s > 0
+        else None
+    )
     warm = warm_up(
         pipe,
         buckets,
@@ -100,6 +109,7 @@ def prepare_worker_pipeline(
         steps=steps,
         max_sequence_length=max_sequence_length,
         on_bucket=on_bucket,
+        claims=claims,
     )
     saved = None
     unloaded = loaded is None or loaded.status != "loaded"

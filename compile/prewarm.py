@@ -40,6 +40,7 @@ def prewarm(
     dit: bool = False,
     steps: int = 2,
     cache_secret: bytes | None = None,
+    claim_timeout_s: float = 600.0,
 ) -> dict[str, Any]:
     """One actor's start-up (`prepare_worker_pipeline`) with a directory as the shared store;
     without `cache_secret` nothing is shared."""
@@ -49,7 +50,12 @@ def prewarm(
     pipe = load_pipeline(model, device=device, dtype=_DTYPES[dtype])
     store = DirectoryArtifactStore(store_dir) if store_dir else None
     prepared = prepare_worker_pipeline(
-        pipe, CompileConfig(dit=dit), BucketSet.from_names(buckets).buckets, store, cache_secret, steps=steps
+        pipe,
+        CompileConfig(dit=dit, claim_timeout_s=claim_timeout_s),
+        BucketSet.from_names(buckets).buckets,
+        store,
+        cache_secret,
+        steps=steps,
     )
     warm, loaded, saved = prepared.warmup, prepared.cache_load, prepared.cache_save
     assert warm is not None  # the VAE is compiled, so there was a warm-up
@@ -61,6 +67,16 @@ def prewarm(
         "warmup_s": round(warm.seconds, 3),
         "seconds_per_bucket": {k: round(v, 3) for k, v in warm.seconds_per_bucket().items()},
         "compiles": warm.compiles,
+        "inductor_compiles": sum(b.inductor_compiles for b in warm.buckets),
+        "buckets": [
+            {
+                "bucket": b.bucket,
+                "claim": b.claim,
+                "waited_s": b.waited_s,
+                "inductor_compiles": b.inductor_compiles,
+            }
+            for b in warm.buckets
+        ],
         "fallbacks": prepared.fallbacks,
         "save": saved.status if saved else "skipped",
         "save_bytes": saved.bytes if saved else 0,
@@ -106,6 +122,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dit", action="store_true", help="also compile the DiT blocks")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument(
+        "--claim-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for another process compiling a bucket on this machine (0: no claims)",
+    )
+    parser.add_argument(
         "--key-env",
         default=DEFAULT_KEY_ENV,
         help="environment variable holding the compile cache key (without it nothing is shared)",
@@ -124,6 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         dit=args.dit,
         steps=args.steps,
         cache_secret=secret,
+        claim_timeout_s=args.claim_timeout,
     )
     print(json.dumps(result, sort_keys=True))
     return 0

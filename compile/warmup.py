@@ -9,6 +9,10 @@ The VAE decode sees only the resolution. A compiled DiT takes the batch size and
 as dynamic dimensions (`compile.policy.DIT_METHODS`), so it too compiles once per resolution: no
 prompt-length bucket, batch size or padding adds a graph. Before running, it raises the recompile
 limit of every compiled target to the number of shapes it is about to trace.
+
+With `claims` (compile.claims), actors on one machine warm the buckets they can claim first and
+then the ones others were compiling, which by then come from the local Inductor cache: each
+bucket is compiled once per machine, not once per actor.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 import torch
 
 from .buckets import ResolutionBucket
+from .claims import BucketClaims, ClaimOutcome
 from .counting import compile_count
 from .policy import compiled_methods
 from .prompt_inputs import GuidanceInputs, cfg_enabled, encode_unpadded
@@ -43,8 +48,13 @@ NEGATIVE_EMBED_LENGTH = 1  # the default negative prompt " " is one token or so
 class BucketWarmup:
     bucket: str  # 'WxH'
     seconds: float  # wall time of every run of this bucket, compiles included
-    compiles: int  # Dynamo compilations during them
+    compiles: int  # Dynamo compilations during them (traces: a cache hit counts too)
     runs: int  # pipeline calls made
+    # Inductor graph compiles (FX graph cache misses and bypasses): 0 when every graph of the
+    # bucket came from the local cache, e.g. because another actor on the machine compiled it.
+    inductor_compiles: int = 0
+    claim: str = "off"  # compile.claims: claimed | waited | timeout | off
+    waited_s: float = 0.0  # time spent waiting for another actor's claim on it
 
 
 @dataclass(frozen=True)
@@ -76,6 +86,7 @@ def warm_up(
     max_sequence_length: int = 512,
     seed: int = 0,
     on_bucket: Callable[[int, int, str], None] | None = None,
+    claims: BucketClaims | None = None,
 ) -> WarmupReport:
     """Run every bucket once per prompt and batch size; return times and compile counts.
 
@@ -83,6 +94,8 @@ def warm_up(
     `embed_lengths` tokens stand in for them (and a one-token negative).
     batch_sizes: with the DiT compiled, one is enough (the batch is a dynamic dimension).
     on_bucket: called as (i, n, 'WxH') before bucket i of n (from 1) starts, for progress.
+    claims: coordinate with other processes on this machine so each bucket compiles once; the
+    buckets are then warmed in claim order (those free first), not in the order given.
     """
     resolved = [b if isinstance(b, ResolutionBucket) else ResolutionBucket.parse(b) for b in buckets]
     if not resolved:
@@ -105,10 +118,13 @@ def warm_up(
 
     timings = []
     start_all, compiles_all = time.perf_counter(), compile_count()
-    for i, bucket in enumerate(resolved, start=1):
+
+    def announce(bucket: ResolutionBucket, done: int) -> None:
         if on_bucket is not None:
-            on_bucket(i, len(resolved), bucket.name)
-        start, compiles, runs = time.perf_counter(), compile_count(), 0
+            on_bucket(done + 1, len(resolved), bucket.name)
+
+    def run_bucket(bucket: ResolutionBucket, outcome: ClaimOutcome) -> None:
+        start, compiles, graphs, runs = time.perf_counter(), compile_count(), _inductor_compiles(), 0
         for batch, per_batch in cases.items():
             for case in per_batch:
                 pipe.generate(
@@ -121,8 +137,35 @@ def warm_up(
                 )
                 runs += 1
         timings.append(
-            BucketWarmup(bucket.name, time.perf_counter() - start, compile_count() - compiles, runs)
+            BucketWarmup(
+                bucket.name,
+                time.perf_counter() - start + outcome.waited_s,
+                compile_count() - compiles,
+                runs,
+                _inductor_compiles() - graphs,
+                outcome.how,
+                outcome.waited_s,
+            )
         )
+
+    if claims is None:
+        for bucket in resolved:
+            announce(bucket, len(timings))
+            run_bucket(bucket, ClaimOutcome("off"))
+    else:
+        held_elsewhere = []
+        for bucket in resolved:  # first the buckets no one is compiling now
+            fd = claims.try_claim(bucket.name)
+            if fd is None:
+                held_elsewhere.append(bucket)
+                continue
+            announce(bucket, len(timings))
+            with claims.hold(bucket.name, fd) as outcome:
+                run_bucket(bucket, outcome)
+        for bucket in held_elsewhere:  # then the others: from the cache once their claimant is done
+            announce(bucket, len(timings))
+            with claims.hold(bucket.name) as outcome:
+                run_bucket(bucket, outcome)
     fallbacks = {label: m.fallback_reason for label, m in methods.items() if m.fallback_reason}
     return WarmupReport(
         buckets=tuple(timings),
@@ -133,6 +176,13 @@ def warm_up(
         shape_limit=max((m.shape_limit for m in methods.values()), default=0),
         fallbacks=fallbacks,
     )
+
+
+def _inductor_compiles() -> int:
+    """Inductor graph compiles so far in this process (FX graph cache misses and bypasses)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_bypass"])
 
 
 def _cases(

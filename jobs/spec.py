@@ -251,6 +251,14 @@ class CompileSpec(_Section):
         "Only blobs authenticated with the fleet's secret key are loaded (they hold executable code); "
         "without a key on the actor's node the shared cache is off.",
     )
+    claim_timeout_s: float = Field(
+        600.0,
+        ge=0,
+        description="Actors on one machine claim each bucket before compiling it, so a bucket compiles "
+        "once per machine and the others load it from the local compile cache; a waiter compiles the "
+        "bucket itself after this many seconds (a dead claimant frees it at once). 0: every actor "
+        "compiles every bucket.",
+    )
     cache_key_env: str | None = Field(
         "DITFLEET_COMPILE_CACHE_KEY",
         description="Environment variable, on every actor's node, holding the secret key (at least 16 "
@@ -522,7 +530,10 @@ class JobSpec(_Section):
             text_encoder=self.model.text_encoder,
             embedding_cache_bytes=self.model.embedding_cache_mb * 2**20,
             compile=CompileConfig(
-                vae=self.compile.vae, dit=self.compile.dit, shared_cache=self.compile.shared_cache
+                vae=self.compile.vae,
+                dit=self.compile.dit,
+                shared_cache=self.compile.shared_cache,
+                claim_timeout_s=self.compile.claim_timeout_s,
             ),
             compile_cache_key=CacheSecretSource(
                 env=self.compile.cache_key_env, file=self.compile.cache_key_file
