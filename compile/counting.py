@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 _lock = threading.Lock()
-_state = {"registered": False, "count": 0}
+_state = {"count": 0}
 
 
 def _on_compile_start(args) -> None:
@@ -33,12 +33,16 @@ def _on_compile_start(args) -> None:
 
 
 def ensure_counting() -> None:
-    """Register the compile-start callback once per process (idempotent, thread-safe)."""
+    """Register the compile-start callback (idempotent, thread-safe).
+
+    `torch._dynamo.reset()` (called by torch itself and by libraries) clears every registered
+    callback, so this checks that ours is still there rather than remembering that it once was;
+    every count taken goes through here, so a reset between two counts is repaired at the next.
+    """
+    handler = torch._dynamo.callback_handler
     with _lock:
-        if _state["registered"]:
-            return
-        torch._dynamo.callback_handler.register_start_callback(_on_compile_start)
-        _state["registered"] = True
+        if _on_compile_start not in handler.start_callbacks:
+            handler.register_start_callback(_on_compile_start)
 
 
 def compile_count() -> int:

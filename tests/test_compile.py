@@ -198,6 +198,16 @@ def test_compile_count_counts_dynamo_compiles():
     assert compile_count() - before == 1
 
 
+def test_compile_count_survives_a_dynamo_reset():
+    # torch._dynamo.reset() drops every compile callback; counting must pick up again after it.
+    compile_count()
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: x - 3, backend="eager")
+    before = compile_count()
+    fn(torch.ones(2))
+    assert compile_count() - before == 1
+
+
 # ---------------------------------------------------------------------------------------------
 # The shared cache
 
