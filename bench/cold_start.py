@@ -3,6 +3,7 @@ claims (each bucket compiled once per machine), side by side in one run.
 
     python bench/cold_start.py                 # jobs/examples/tiny.yaml, off then on
     python bench/cold_start.py --order on,off  # the other order (the machine warms up too)
+    python bench/cold_start.py --repeat 2      # off, on, off, on: medians (a shared machine is noisy)
 
 For each variant it runs `ditfleet run` on a copy of the job whose output, model cache and
 Inductor cache (TORCHINDUCTOR_CACHE_DIR) are fresh temporary directories, without a shared
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -84,34 +86,40 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--job", default=str(ROOT / "jobs/examples/tiny.yaml"))
     parser.add_argument("--order", default="off,on", help="variants in run order: off,on or on,off")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds of both variants, interleaved")
     parser.add_argument("--timeout", type=float, default=900)
     args = parser.parse_args(argv)
     order = [v.strip() for v in args.order.split(",")]
     if sorted(order) != ["off", "on"]:
         parser.error(f"--order must name off and on once each, got {args.order!r}")
-    results = {}
-    for variant in order:
-        r = run_variant(Path(args.job).resolve(), variant == "on", args.timeout)
-        results[variant] = r
-        per_actor = "; ".join(
-            f"warm-up {a['warmup_s']:.1f} s, compiled {a['compiled']}, from cache {a['from_cache']}"
-            for a in r["actors"].values()
-        )
-        print(
-            f"claims {variant}: wall {r['wall_s']:.1f} s (job {r['job_wall_s']:.1f} s), {per_actor}",
-            flush=True,
-        )
-    off, on = results["off"], results["on"]
+    rounds: dict[str, list[dict]] = {"off": [], "on": []}
+    for _ in range(max(1, args.repeat)):
+        for variant in order:
+            r = run_variant(Path(args.job).resolve(), variant == "on", args.timeout)
+            r["load_avg_1m"] = round(os.getloadavg()[0], 2)
+            rounds[variant].append(r)
+            per_actor = "; ".join(
+                f"warm-up {a['warmup_s']:.1f} s, compiled {a['compiled']}, from cache {a['from_cache']}"
+                for a in r["actors"].values()
+            )
+            print(
+                f"claims {variant}: wall {r['wall_s']:.1f} s (job {r['job_wall_s']:.1f} s, load "
+                f"{r['load_avg_1m']}), {per_actor}",
+                flush=True,
+            )
     mean = lambda r: sum(a["warmup_s"] for a in r["actors"].values()) / max(1, len(r["actors"]))  # noqa: E731
+    med = {v: statistics.median(r["wall_s"] for r in rs) for v, rs in rounds.items()}
     out = {
         "bench": "cold_start",
         "job": str(Path(args.job)),
         "cpus": os.cpu_count(),
-        "load_avg_1m": round(os.getloadavg()[0], 2),
-        "off": off,
-        "on": on,
-        "wall_speedup": round(off["wall_s"] / on["wall_s"], 2),
-        "warmup_mean_s": {"off": round(mean(off), 2), "on": round(mean(on), 2)},
+        "off": rounds["off"],
+        "on": rounds["on"],
+        "wall_s_median": med,
+        "wall_speedup": round(med["off"] / med["on"], 2),
+        "warmup_mean_s_median": {
+            v: round(statistics.median(mean(r) for r in rs), 2) for v, rs in rounds.items()
+        },
     }
     print(json.dumps(out, sort_keys=True))
     return 0
