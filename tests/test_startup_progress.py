@@ -59,6 +59,12 @@ def test_unplaceable_actor_is_reported_as_such(tmp_path):
 
 
 def test_slow_warmup_is_reported_as_loading_then_compiling(tmp_path):
+    # A `ray.cluster_utils.Cluster` shut down anywhere in the process resets this process's GCS
+    # key-value client although Ray stays connected (other tests of the session do that); the
+    # phases must still be read.
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_reset()
     out = io.StringIO()
     config = DispatchConfig(min_actors=1, max_actors=1, num_cpus=0.5, tick_s=0.1)
     worker = SleepingWorkerConfig(output_uri=str(tmp_path / "out"), shard_s=0.01)

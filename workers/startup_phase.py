@@ -27,8 +27,17 @@ def phase_key(actor_id: str) -> bytes:
 
 
 def _kv():
+    """Ray's GCS key-value client of this process.
+
+    Something in the process can drop it while Ray stays connected (`ray.cluster_utils.Cluster.
+    shutdown()` resets it for every cluster, its own or not); then it is re-attached to the
+    connected worker's GCS client instead of every read failing for the rest of the process.
+    """
+    import ray
     from ray.experimental import internal_kv
 
+    if not internal_kv._internal_kv_initialized() and ray.is_initialized():
+        internal_kv._initialize_internal_kv(ray._private.worker.global_worker.gcs_client)
     return internal_kv
 
 
