@@ -1,74 +1,69 @@
-"""Compile policy, buckets, warm-up and the fleet-shared compile cache, applied from outside the model."""
+"""Compile policy, buckets, warm-up and the fleet-shared compile cache, applied from outside the model.
 
-from .buckets import (
-    PROMPT_LENGTH_BUCKETS,
-    QWEN_IMAGE_BUCKETS,
-    TINY_BUCKETS,
-    BucketError,
-    BucketSet,
-    ResolutionBucket,
-    pad_prompt_embeds,
-    pad_to_bucket,
-    prompt_length_bucket,
-)
-from .cache import (
-    ArtifactStore,
-    CacheKey,
-    CacheLoadResult,
-    CacheSaveResult,
-    CompileCacheWarning,
-    DirectoryArtifactStore,
-    KernelSnapshot,
-    cache_key,
-    load_shared_cache,
-    save_shared_cache,
-)
-from .claims import BucketClaims, ClaimOutcome, CompileClaimWarning
-from .compiled_method import CompiledMethod, CompileFallbackWarning
-from .counting import compile_count, count_compiles
-from .policy import CompileConfig, CompileReport, apply_compile, compiled_methods, remove_compile
-from .prepare import PreparedPipeline, prepare_worker_pipeline
-from .prompt_inputs import encode_padded, encode_unpadded, pad_guidance_inputs
-from .warmup import BucketWarmup, WarmupReport, warm_up
+Names load on first use (PEP 562): `from compile.buckets import BucketSet` or
+`from compile import CompileConfig` must not import torch, because the job spec and the driver's
+planning (`ditfleet validate`, `ditfleet plan`) use them; the modules that compile import torch.
+"""
 
-__all__ = [
-    "PROMPT_LENGTH_BUCKETS",
-    "QWEN_IMAGE_BUCKETS",
-    "TINY_BUCKETS",
-    "ArtifactStore",
-    "BucketClaims",
-    "BucketError",
-    "BucketSet",
-    "BucketWarmup",
-    "CacheKey",
-    "CacheLoadResult",
-    "CacheSaveResult",
-    "ClaimOutcome",
-    "CompileClaimWarning",
-    "CompileCacheWarning",
-    "CompileConfig",
-    "CompileFallbackWarning",
-    "CompileReport",
-    "CompiledMethod",
-    "DirectoryArtifactStore",
-    "KernelSnapshot",
-    "PreparedPipeline",
-    "ResolutionBucket",
-    "WarmupReport",
-    "apply_compile",
-    "cache_key",
-    "compile_count",
-    "compiled_methods",
-    "count_compiles",
-    "encode_padded",
-    "encode_unpadded",
-    "load_shared_cache",
-    "pad_guidance_inputs",
-    "pad_prompt_embeds",
-    "pad_to_bucket",
-    "prepare_worker_pipeline",
-    "prompt_length_bucket",
-    "remove_compile",
-    "save_shared_cache",
-    "warm_up",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# name -> the submodule that defines it
+_WHERE = {
+    "BucketError": "buckets",
+    "BucketSet": "buckets",
+    "PROMPT_LENGTH_BUCKETS": "buckets",
+    "QWEN_IMAGE_BUCKETS": "buckets",
+    "ResolutionBucket": "buckets",
+    "TINY_BUCKETS": "buckets",
+    "prompt_length_bucket": "buckets",
+    "ArtifactStore": "cache",
+    "CacheKey": "cache",
+    "CacheLoadResult": "cache",
+    "CacheSaveResult": "cache",
+    "CompileCacheWarning": "cache",
+    "DirectoryArtifactStore": "cache",
+    "KernelSnapshot": "cache",
+    "cache_key": "cache",
+    "load_shared_cache": "cache",
+    "save_shared_cache": "cache",
+    "BucketClaims": "claims",
+    "ClaimOutcome": "claims",
+    "CompileClaimWarning": "claims",
+    "CompileFallbackWarning": "compiled_method",
+    "CompiledMethod": "compiled_method",
+    "compile_count": "counting",
+    "count_compiles": "counting",
+    "CompileConfig": "config",
+    "CompileReport": "policy",
+    "apply_compile": "policy",
+    "compiled_methods": "policy",
+    "remove_compile": "policy",
+    "PreparedPipeline": "prepare",
+    "prepare_worker_pipeline": "prepare",
+    "encode_padded": "prompt_inputs",
+    "encode_unpadded": "prompt_inputs",
+    "pad_guidance_inputs": "prompt_inputs",
+    "pad_prompt_embeds": "prompt_padding",
+    "pad_to_bucket": "prompt_padding",
+    "BucketWarmup": "warmup",
+    "WarmupReport": "warmup",
+    "warm_up": "warmup",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))

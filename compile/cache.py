@@ -53,6 +53,7 @@ from typing import Any, Protocol
 import torch
 
 from .buckets import ResolutionBucket
+from .config import MIN_SECRET_BYTES
 from .policy import CompileConfig
 
 FORMAT = 1
@@ -63,7 +64,6 @@ _HEADER_LEN = struct.Struct(">Q")
 # computed over SEAL_MAGIC + blob with the fleet's secret key.
 SEAL_MAGIC = b"DITFLEET-COMPILE-CACHE-HMAC-SHA256\n"
 _TAG_LEN = hashlib.sha256().digest_size
-MIN_SECRET_BYTES = 16
 # Inductor's compiled C++ kernel libraries: <2-char shard>/<hash>[.suffix].so
 _KERNEL_NAME = re.compile(r"^[0-9a-z]{2}/[0-9a-z]+(\.[0-9a-z_]+)*\.so$")
 

@@ -15,7 +15,8 @@ import torch
 
 from model.pipeline import DEFAULT_NEGATIVE_PROMPT
 
-from .buckets import PROMPT_LENGTH_BUCKETS, pad_prompt_embeds, prompt_length_bucket
+from .buckets import PROMPT_LENGTH_BUCKETS, prompt_length_bucket
+from .prompt_padding import pad_prompt_embeds
 
 GuidanceInputs = dict[str, torch.Tensor | None]
 

@@ -23,6 +23,8 @@ and one result per committed shard).
 
 from __future__ import annotations
 
+# Ray is imported inside the functions that use it: `ditfleet validate` and `plan` import this
+# module (for its types) and must not pay for loading Ray.
 import math
 import statistics
 import time
@@ -30,8 +32,6 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-import ray
 
 from driver.actor_phases import ActorPhase, PhaseTracker, actor_id
 from driver.fence import wait_actors_gone
@@ -263,6 +263,7 @@ class Dispatcher:
         )
 
     def _wait_and_handle(self) -> None:
+        import ray
         refs = [*self.runs, *self.starting]
         if not refs:
             time.sleep(min(self.config.tick_s, 0.05))  # nothing in flight: _scale starts actors next turn
@@ -324,6 +325,7 @@ class Dispatcher:
             )
 
     def _handle_startup(self, ref: Any) -> None:
+        import ray
         slot = self.pool.slots[self.starting.pop(ref)]
         forget_phase(actor_id(slot.handle))
         try:
@@ -479,6 +481,7 @@ class Dispatcher:
         return run
 
     def _handle_run(self, ref: Any) -> None:
+        import ray
         run = self.runs[ref]
         slot = self.pool.slots.get(run.slot)
         try:
@@ -560,6 +563,7 @@ class Dispatcher:
 
     def _tail(self) -> None:
         """With nothing queued, give idle actors the runs that would finish last."""
+        import ray
         if not self.config.speculative_tail or self.queue:
             return
         idle = [s for s in self.pool.slots.values() if s.state is SlotState.READY and not s.runs]
@@ -594,6 +598,7 @@ def _index(shard: Any, pos: int) -> int:
 
 
 def _cluster_resources() -> str:
+    import ray
     try:
         return str({k: v for k, v in ray.cluster_resources().items() if not k.startswith("node:")})
     except Exception:  # noqa: BLE001 - only used to word an error message
@@ -614,6 +619,7 @@ def run_shards(
     actor with `config`'s resources. Ray must be initialised. Raises DispatchError when the job
     cannot go on (actors keep failing to start, or none can be placed).
     """
+    import ray
     if not ray.is_initialized():
         raise DispatchError("Ray is not initialised: connect with ray.init() before dispatching")
     pool = ActorPool(

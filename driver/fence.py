@@ -16,14 +16,14 @@ as harmless and `--clean` deletes. It cannot change a committed object.
 
 from __future__ import annotations
 
+# Ray is imported inside the functions that use it: `ditfleet validate` and `plan` import this
+# module (for its types) and must not pay for loading Ray.
 import os
 import socket
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
-
-import ray
 
 
 def process_gone(pid: int) -> bool:
@@ -54,6 +54,7 @@ def _actor_id(handle: Any) -> str:
 
 
 def _local_addresses() -> set[str]:
+    import ray
     addresses = {"127.0.0.1"}
     try:
         addresses.add(ray.util.get_node_ip_address())
@@ -71,6 +72,7 @@ def wait_actors_gone(handles: Iterable[Any], timeout_s: float = 60.0, poll_s: fl
 
     Returns the ids of the actors not confirmed gone within `timeout_s` (empty: all gone).
     """
+    import ray
     from ray._private import state  # the GCS actor table: state and pid, no dashboard needed
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

@@ -13,7 +13,10 @@ from typing import Any
 from urllib.parse import urlparse
 
 from compile.buckets import PROMPT_LENGTH_BUCKETS, ResolutionBucket, prompt_length_bucket
-from model.loader import resolve_model_dir
+
+# model.folder and model.memory read configs and safetensors headers without torch: planning a
+# job (`ditfleet plan`) does not load it.
+from model.folder import resolve_model_dir
 from model.memory import GB, MemoryPlan, ModelMemory, largest_batch, plan_memory
 from workers.stores import ObjectNotFound, S3Config, StoreError, open_store
 

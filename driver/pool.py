@@ -9,13 +9,13 @@ runs queued on it, the first is executing and the rest wait behind it.
 
 from __future__ import annotations
 
+# Ray is imported inside the functions that use it: `ditfleet validate` and `plan` import this
+# module (for its types) and must not pay for loading Ray.
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
-
-import ray
 
 
 class SlotState(Enum):
@@ -55,6 +55,7 @@ class Slot:
 def short_error(error: BaseException, limit: int = 300) -> str:
     """One line for logs and summaries: the exception type and the last line of its message
     (Ray wraps remote errors in a traceback whose last line is the original exception)."""
+    import ray
     text = str(error).strip()
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     cause = getattr(error, "cause", None)
@@ -72,6 +73,7 @@ def short_error(error: BaseException, limit: int = 300) -> str:
 
 def error_kind(error: BaseException) -> str:
     """A short class for counting failures: 'actor_died', or the remote exception's type name."""
+    import ray
     if isinstance(error, ray.exceptions.RayActorError):
         return "actor_died"
     cause = getattr(error, "cause", None)
@@ -96,6 +98,7 @@ class ActorPool:
         # max_restarts=0 and no task retries: a dead actor is replaced by the dispatcher, which
         # knows which shard it held and requeues it; Ray retrying behind its back would run the
         # shard again without the attempt count.
+        import ray
         self._actor_cls = ray.remote(worker_cls).options(
             num_cpus=num_cpus,
             num_gpus=num_gpus,
@@ -132,6 +135,7 @@ class ActorPool:
 
     def stop(self, slot: Slot) -> None:
         """Kill the actor (no-op if it is already dead) and forget it."""
+        import ray
         self.slots.pop(slot.id, None)
         try:
             ray.kill(slot.handle, no_restart=True)

@@ -19,14 +19,14 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from compile import CompileConfig
 from compile.buckets import QWEN_IMAGE_BUCKETS, TINY_BUCKETS, BucketError, BucketSet, ResolutionBucket
+from compile.config import CompileConfig
 from driver.dispatch import DispatchConfig
 from driver.memory_plan import MemoryRequest
 from driver.plan import PlanConfig
 from driver.run import DriverConfig
-from workers.actor import LoraSpec, WorkerConfig
 from workers.cache_secret import CacheSecretSource
+from workers.contract import LoraSpec, WorkerConfig
 from workers.input_files import check_s3_uri
 from workers.rows import CFG_RANGE, MAX_SEED, NUM_IMAGES_RANGE, STEPS_RANGE, RowConfig
 from workers.shard_writers import ShardWriterConfig

@@ -16,6 +16,13 @@ from pathlib import Path
 import torch
 
 from .checkpoint import Checkpoint, load_streaming
+from .folder import (  # noqa: F401 - re-exported: the folder checks are torch-free
+    REQUIRED_COMPONENTS,
+    SUPPORTED_PIPELINES,
+    TINY_MODEL_DIR,
+    check_model_index,
+    resolve_model_dir,
+)
 from .lora import LoraFile, LoraSpec, adapters_revision, merge_updates, plan_updates, read_loras
 from .pipeline import TextToImagePipeline
 from .scheduler import SchedulerConfig
@@ -23,47 +30,6 @@ from .text_encoder import QwenVLTextEncoder, TextEncoder
 from .transformer import QwenImageTransformer, TransformerConfig
 from .vae import load_vae
 from .weights import WeightsError, read_config
-
-TINY_MODEL_DIR = Path(__file__).parent / "tiny" / "weights"
-REQUIRED_COMPONENTS = ("transformer", "vae", "scheduler")
-# model_index.json pipeline classes whose transformer/vae/scheduler this loader computes exactly.
-SUPPORTED_PIPELINES = ("QwenImagePipeline",)
-
-
-def resolve_model_dir(path: str | Path) -> Path:
-    """ "tiny" -> the bundled model; else a local directory in the diffusers layout."""
-    root = TINY_MODEL_DIR if str(path) == "tiny" else Path(path)
-    if not root.is_dir():
-        raise WeightsError(f"model path {root}: not a directory. Give a diffusers-layout folder or 'tiny'.")
-    missing = [c for c in REQUIRED_COMPONENTS if not (root / c).is_dir()]
-    if missing:
-        raise WeightsError(
-            f"model path {root}: missing {missing}. A model folder needs transformer/, vae/ and scheduler/ "
-            "(the diffusers layout)."
-        )
-    check_model_index(root)
-    return root
-
-
-def check_model_index(root: Path) -> None:
-    """Refuse a checkpoint of another pipeline (an edit or layered model, Flux, ...) up front.
-
-    model_index.json is optional (a hand-assembled folder may lack it); when present it names the
-    pipeline the weights were trained for.
-    """
-    path = root / "model_index.json"
-    if not path.is_file():
-        return
-    try:
-        index = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise WeightsError(f"{path}: not valid JSON ({e}).") from e
-    cls = index.get("_class_name") if isinstance(index, dict) else None
-    if cls not in SUPPORTED_PIPELINES:
-        raise WeightsError(
-            f"{path}: _class_name is {cls!r}; ditfleet runs {list(SUPPORTED_PIPELINES)} checkpoints "
-            "(text-to-image Qwen-Image). Point the model path at one of those."
-        )
 
 
 def model_revision(root: Path) -> str:

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from .lora_spec import LoraSpec  # noqa: F401 - re-exported: the spec is torch-free
 from .weights import PICKLE_SUFFIXES, WeightsError
 
 # diffusers' key for the PEFT LoraConfig it writes into the safetensors header.
@@ -63,18 +64,6 @@ _SHOW = 20  # keys listed in an error message
 
 class LoraError(WeightsError):
     """A LoRA file that cannot be merged into this model; the message names the file and keys."""
-
-
-@dataclass(frozen=True)
-class LoraSpec:
-    """One adapter a job asks for: a local .safetensors file and the strength to merge it with."""
-
-    path: str
-    scale: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not math.isfinite(self.scale):
-            raise ValueError(f"LoRA {self.path}: scale must be a finite number, got {self.scale}")
 
 
 @dataclass

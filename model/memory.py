@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .transformer import TransformerConfig
-from .vae import VAEConfig
-from .weights import WeightsError, read_config, safetensors_files
+from .folder import WeightsError, read_config, safetensors_files
+from .transformer_config import TransformerConfig
+from .vae_config import VAEConfig
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 GB = 10**9  # GPU memory is quoted in decimal GB (an "80 GB" card holds at least 80e9 bytes)

@@ -8,77 +8,20 @@ an error that names the keys, never a silently half-random model.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-
-log = logging.getLogger(__name__)
-_ignored_seen: set[tuple[str, str]] = set()
-
-
-class WeightsError(ValueError):
-    """A component directory that cannot be loaded as-is; the message says what to do."""
-
-
-def read_config(component_dir: Path) -> dict:
-    path = Path(component_dir) / "config.json"
-    if not path.is_file():
-        raise WeightsError(
-            f"{path}: missing. A diffusers-layout component needs a config.json next to its weights."
-        )
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise WeightsError(f"{path}: not valid JSON ({e}).") from e
-
-
-def drop_ignored_keys(d: dict, ignored: Mapping[str, str], kind: str) -> dict:
-    """`d` without the keys that published configs carry but that do not change the computation.
-
-    `ignored` maps each such key to why it is harmless. Each (kind, key) is logged once per
-    process at debug level, the way diffusers drops config keys its classes do not take.
-    """
-    out = {}
-    for k, v in d.items():
-        if k in ignored:
-            if (kind, k) not in _ignored_seen:
-                _ignored_seen.add((kind, k))
-                log.debug("%s config: ignoring %r (%s)", kind, k, ignored[k])
-            continue
-        out[k] = v
-    return out
-
-
-def safetensors_files(component_dir: Path) -> list[Path]:
-    """The safetensors files of one component, in shard order; refuses pickle checkpoints."""
-    component_dir = Path(component_dir)
-    if not component_dir.is_dir():
-        raise WeightsError(f"{component_dir}: not a directory. Expected a diffusers-layout component folder.")
-    index = sorted(component_dir.glob("*.safetensors.index.json"))
-    if index:
-        weight_map = json.loads(index[0].read_text()).get("weight_map", {})
-        names = sorted(set(weight_map.values()))
-        missing = [n for n in names if not (component_dir / n).is_file()]
-        if missing:
-            raise WeightsError(
-                f"{index[0]}: lists shards that are not there: {missing}. Re-download the component."
-            )
-        return [component_dir / n for n in names]
-    files = sorted(component_dir.glob("*.safetensors"))
-    if files:
-        return files
-    pickles = [p.name for p in component_dir.iterdir() if p.suffix in PICKLE_SUFFIXES]
-    if pickles:
-        raise WeightsError(
-            f"{component_dir}: only pickle checkpoints found ({', '.join(pickles)}). Pickle files can run code when "
-            "loaded, so they are refused: convert them to safetensors (e.g. save_pretrained(safe_serialization=True))."
-        )
-    raise WeightsError(f"{component_dir}: no *.safetensors weights found.")
+# The torch-free readers of a component folder live in model.folder; re-exported here.
+from .folder import (  # noqa: F401
+    PICKLE_SUFFIXES,
+    WeightsError,
+    drop_ignored_keys,
+    read_config,
+    safetensors_files,
+)
 
 
 def read_state_dict(component_dir: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:

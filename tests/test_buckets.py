@@ -10,10 +10,9 @@ from compile.buckets import (
     BucketError,
     BucketSet,
     ResolutionBucket,
-    pad_prompt_embeds,
-    pad_to_bucket,
     prompt_length_bucket,
 )
+from compile.prompt_padding import pad_prompt_embeds, pad_to_bucket
 
 QWEN = BucketSet(QWEN_IMAGE_BUCKETS)
 TINY = BucketSet(TINY_BUCKETS)

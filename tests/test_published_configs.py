@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from model import weights
+from model import folder
 from model.loader import check_model_index, load_scheduler
 from model.scheduler import SchedulerConfig, sigma_schedule
 from model.transformer import QwenImageTransformer, TransformerConfig
@@ -45,8 +45,8 @@ def test_published_transformer_config_loads(model):
 def test_pooled_projection_dim_is_ignored_once_at_debug(caplog):
     raw = _json("qwen-image", "transformer/config.json")
     assert raw["pooled_projection_dim"] == 768  # the key the published file really carries
-    weights._ignored_seen.discard(("transformer", "pooled_projection_dim"))
-    with caplog.at_level(logging.DEBUG, logger="model.weights"):
+    folder._ignored_seen.discard(("transformer", "pooled_projection_dim"))
+    with caplog.at_level(logging.DEBUG, logger="model.folder"):
         TransformerConfig.from_dict(raw)
         TransformerConfig.from_dict(raw)
     hits = [r for r in caplog.records if "pooled_projection_dim" in r.getMessage()]

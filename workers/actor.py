@@ -17,99 +17,30 @@ import os
 import socket
 import threading
 import time
-from dataclasses import asdict, dataclass, field
 
 import torch
 
-from compile import CompileConfig, compile_count, prepare_worker_pipeline
+from compile import compile_count, prepare_worker_pipeline
 from model import LoraSpec, load_pipeline, resolve_model_dir
 from model.loader import load_text_encoder
 
-from .cache_secret import CacheSecretSource, read_cache_secret, say_shared_cache_off
+from .cache_secret import read_cache_secret, say_shared_cache_off
+
+# The driver-worker contract lives in the torch-free workers.contract; re-exported here.
+from .contract import ShardAbandoned, ShardResult, WorkerConfig  # noqa: F401
 from .file_fetch import fetch_file
 from .generate import BatchGenerator, GeneratedImage, image_requests, iter_generated, plan_batches
 from .input_files import filesystem_for
 from .layout import manifest_key, new_attempt_token
 from .manifest import ManifestRow, ManifestWriter, passthrough_json
 from .metrics import WorkerMetrics
-from .model_fetch import FetchConfig, fetch_model
-from .rows import PromptRow, RowConfig, ShardSpec, read_shard_rows
-from .shard_writers import ImageResult, ImageTask, ShardWriterConfig, make_shard_writer
+from .model_fetch import fetch_model
+from .rows import PromptRow, ShardSpec, read_shard_rows
+from .shard_writers import ImageResult, ImageTask, make_shard_writer
 from .spot import StopOnSigterm
 from .startup_phase import COMPILING, LOADING, READY, publish_phase
-from .stores import S3Config, StoreConfigError, open_store
-from .text_embeddings import PLACEMENTS, PlacedTextEncoder
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    """What one worker needs; built by jobs/ from the job spec."""
-
-    output_uri: str
-    rows: RowConfig = field(default_factory=RowConfig)
-    model_path: str = (
-        "tiny"  # a local diffusers-layout folder, "tiny", s3://bucket/prefix or hf://org/name@rev
-    )
-    model_cache_dir: str = "/tmp/ditfleet/models"  # node-local: remote weights are fetched here once per node
-    model_fetch: FetchConfig = field(default_factory=FetchConfig)
-    device: str = "auto"  # auto: cuda when there is a GPU, else cpu
-    dtype: str = "auto"  # auto: bf16 on cuda, fp32 on cpu; or bf16 | fp32
-    modulation_cache: str = "cfg"  # off | cfg | table
-    loras: tuple[LoraSpec, ...] = ()  # adapters merged into the DiT at load, in order (local or s3://)
-    scheduler_config: str | None = None  # replaces the checkpoint's scheduler (a distilled LoRA's)
-    cfg_batched: bool = False  # cond+uncond in one batch (more memory, fewer launches)
-    cfg_mode: str | None = None  # serial | batched | auto; None: from cfg_batched
-    batch_size: int = 4
-    max_sequence_length: int = 512
-    text_encoder: str = "gpu"  # gpu | cpu | offload: where the text encoder lives (text_embeddings.py)
-    embedding_cache_bytes: int = 256 * 2**20  # prompt embeddings kept per actor (host memory)
-    warmup_buckets: tuple[str, ...] = ()  # the buckets this job uses; empty = every job bucket
-    expected_images: int | None = None  # images one actor is expected to make (compile.dit "auto")
-    compile: CompileConfig = field(default_factory=CompileConfig)
-    # A local output that is not on a shared filesystem: the Ray node id of the driver, the one
-    # node whose disk it is. An actor on any other node refuses to start (it would write to its
-    # own disk). None: an s3:// output, or a filesystem every node shares.
-    local_output_node: str | None = None
-    # Where each actor finds the key that authenticates the shared compile cache (not the key).
-    compile_cache_key: CacheSecretSource = field(default_factory=CacheSecretSource)
-    writer: ShardWriterConfig = field(default_factory=ShardWriterConfig)
-    s3: S3Config = field(default_factory=S3Config)
-
-    def __post_init__(self) -> None:
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
-        if self.dtype not in ("auto", "bf16", "fp32"):
-            raise ValueError(f"dtype must be auto, bf16 or fp32, got {self.dtype!r}")
-        if self.text_encoder not in PLACEMENTS:
-            raise ValueError(f"text_encoder must be one of {PLACEMENTS}, got {self.text_encoder!r}")
-
-
-@dataclass
-class ShardResult:
-    shard: int
-    attempt: int
-    status: str  # committed | already_committed
-    rows: int = 0
-    images_ok: int = 0
-    images_failed: int = 0
-    errors: dict[str, int] = field(default_factory=dict)
-    generate_s: float = 0.0
-    encode_s: float = 0.0
-    upload_s: float = 0.0
-    wall_s: float = 0.0
-    worker_id: str = ""
-    recompiles: int = 0
-    # DiT attention over this shard (model.attention.AttentionStats): calls, masked_calls (a
-    # dense mask), split_calls (padded, run unmasked per text length), image/text/padded tokens.
-    attention: dict[str, int] = field(default_factory=dict)
-    attempt_token: str = ""  # the key component of this run's objects (layout.new_attempt_token)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-class ShardAbandoned(RuntimeError):
-    """The worker was asked to stop (spot reclaim); nothing of the shard was committed."""
+from .stores import StoreConfigError, open_store
+from .text_embeddings import PlacedTextEncoder
 
 
 def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:

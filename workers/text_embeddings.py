@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 
+from workers.contract import PLACEMENTS
+
 log = logging.getLogger(__name__)
 
-PLACEMENTS = ("gpu", "cpu", "offload")
 # Room left next to the text encoder's weights for its activations and the allocator.
 _ENCODE_HEADROOM = 2 * 2**30
 

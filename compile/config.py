@@ -1,0 +1,105 @@
+"""How the worker compiles the pipeline, as plain data: `CompileConfig` (no torch here).
+
+The job spec and the driver build and hand this down without importing torch; `compile.policy`
+applies it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+# The shortest key that authenticates the shared compile cache (compile.cache); the worker's
+# key reader checks it without importing torch.
+MIN_SECRET_BYTES = 16
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+# compile.dit "auto": compile on CUDA when each actor is expected to make at least this many
+# images per resolution bucket it warms. Warm-up compiles 2 graphs per bucket (about a minute or
+# two on a GPU with autotuned matmuls); a compiled step is expected to save 10-20% of a 20-50
+# step image that takes tens of seconds at 1328x1328, so a few dozen images repay it.
+AUTO_DIT_IMAGES_PER_BUCKET = 50
+
+Backend = str | Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """How the worker compiles the pipeline. Backends other than "inductor" ignore the mode.
+
+    dit_mode None means the platform's choice: "max-autotune-no-cudagraphs" on CUDA (autotuned
+    matmuls; no CUDA graphs, whose static buffers clash with regional compile and the cache),
+    "default" elsewhere (max-autotune on CPU costs minutes for nothing).
+    vae_batch: the VAE decodes this many images per compiled call (the last chunk zero-padded),
+    so a partial batch never adds a shape; 1 also makes decoding independent of the batch.
+    shared_cache: load compiled artifacts from the job's storage before warm-up and save them
+    after it (the worker does this with `compile.cache`).
+    claim_timeout_s: actors on one machine claim buckets before compiling them, so each bucket
+    compiles once (`compile.claims`); a waiter compiles a bucket itself after this long. 0 turns
+    the coordination off (every actor compiles every bucket). Not part of the compiled code, so
+    not part of the cache key.
+    """
+
+    vae: bool = True
+    vae_mode: str = "default"
+    vae_backend: Backend = "inductor"
+    vae_batch: int | None = 1
+    dit: bool | str = False  # True, False, or "auto" (see resolve_dit)
+    dit_mode: str | None = None
+    dit_backend: Backend = "inductor"
+    dynamic: bool = False
+    fullgraph: bool = True
+    shared_cache: bool = True
+    claim_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        for name in ("vae_mode", "dit_mode"):
+            mode = getattr(self, name)
+            if mode is not None and mode not in COMPILE_MODES:
+                raise ValueError(f"CompileConfig.{name} is {mode!r}; use one of {COMPILE_MODES}")
+        for name in ("vae_backend", "dit_backend"):
+            backend = getattr(self, name)
+            if not (isinstance(backend, str) and backend) and not callable(backend):
+                raise ValueError(
+                    f"CompileConfig.{name} must be a backend name such as 'inductor' or a callable, "
+                    f"got {backend!r}"
+                )
+        if not isinstance(self.dit, bool) and self.dit != "auto":
+            raise ValueError(f"CompileConfig.dit must be true, false or 'auto', got {self.dit!r}")
+        if not self.claim_timeout_s >= 0:
+            raise ValueError(f"CompileConfig.claim_timeout_s must be >= 0, got {self.claim_timeout_s}")
+        if self.vae_batch is not None and self.vae_batch < 1:
+            raise ValueError(f"CompileConfig.vae_batch must be >= 1 or None, got {self.vae_batch}")
+
+    def mode_for(self, target: str, device_type: str) -> str:
+        """The resolved mode of "vae" or "dit" on a device type ("cuda", "cpu", ...)."""
+        if target == "vae":
+            return self.vae_mode
+        if target == "dit":
+            if self.dit_mode is not None:
+                return self.dit_mode
+            return "max-autotune-no-cudagraphs" if device_type == "cuda" else "default"
+        raise ValueError(f"compile target must be 'vae' or 'dit', got {target!r}")
+
+    def compile_kwargs(self, target: str, device_type: str) -> dict[str, Any]:
+        """Keyword arguments for torch.compile of "vae" or "dit" on a device type."""
+        backend = self.vae_backend if target == "vae" else self.dit_backend
+        kwargs: dict[str, Any] = {"backend": backend, "fullgraph": self.fullgraph, "dynamic": self.dynamic}
+        if backend == "inductor":
+            kwargs["mode"] = self.mode_for(target, device_type)
+        return kwargs
+
+    def describe(self, device_type: str) -> dict[str, Any]:
+        """JSON-ready settings (what the compile cache key and the worker's stats record)."""
+        out: dict[str, Any] = {"dynamic": self.dynamic, "fullgraph": self.fullgraph}
+        for target, on in (("vae", self.vae), ("dit", self.dit)):
+            if not on:
+                out[target] = "off"
+                continue
+            backend = self.vae_backend if target == "vae" else self.dit_backend
+            name = backend if isinstance(backend, str) else getattr(backend, "__qualname__", repr(backend))
+            out[target] = f"{name}:{self.mode_for(target, device_type)}"
+        out["vae_batch"] = self.vae_batch
+        return out
