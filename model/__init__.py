@@ -7,8 +7,7 @@ planning side without loading torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from .lazy_exports import lazy_exports
 
 # name -> the submodule that defines it
 _WHERE = {
@@ -26,14 +25,4 @@ _WHERE = {
 __all__ = sorted(_WHERE)
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_WHERE))
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE)

@@ -23,6 +23,7 @@ TINY_JOB = ROOT / "jobs" / "examples" / "tiny.yaml"
 TORCH_FREE_MODEL = {
     "model",
     "model.folder",
+    "model.lazy_exports",  # the packages' load-on-first-use attributes
     "model.lora_spec",
     "model.memory",
     "model.transformer_config",
