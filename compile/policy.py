@@ -139,10 +139,5 @@ def compiled_methods(pipe: Any) -> dict[str, CompiledMethod]:
     return found
 
 
-def dit_compiled(pipe: Any) -> bool:
-    """Whether the DiT blocks of this pipeline run compiled functions."""
-    return any(label.startswith("transformer_blocks.") for label in compiled_methods(pipe))
-
-
 def _blocks(pipe: Any) -> list[Any]:
     return list(pipe.transformer.transformer_blocks)

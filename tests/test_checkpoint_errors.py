@@ -126,19 +126,12 @@ def test_pipeline_of_another_kind(sharded_dir, tmp_path):
         load_pipeline(root, device="cuda")
 
 
-def test_truncated_vae_named(sharded_dir, tmp_path):
+@pytest.mark.parametrize("component", ["vae", "text_encoder"])
+def test_truncated_component_named(sharded_dir, tmp_path, component):
     root, _ = _copy(sharded_dir, tmp_path)
-    vae_file = next((root / "vae").glob("*.safetensors"))
-    vae_file.write_bytes(vae_file.read_bytes()[:-10])
-    with pytest.raises(WeightsError, match=rf"{vae_file}: truncated"):
-        load_pipeline(root, device="cuda")
-
-
-def test_truncated_text_encoder_named(sharded_dir, tmp_path):
-    root, _ = _copy(sharded_dir, tmp_path)
-    te_file = next((root / "text_encoder").glob("*.safetensors"))
-    te_file.write_bytes(te_file.read_bytes()[:-10])
-    with pytest.raises(WeightsError, match=rf"{te_file}: truncated"):
+    weights = next((root / component).glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:-10])
+    with pytest.raises(WeightsError, match=rf"{weights}: truncated"):
         load_pipeline(root, device="cuda")
 
 
