@@ -20,9 +20,9 @@ import tempfile
 import time
 
 from driver.verify import clean_orphans, verify_output
-from workers.layout import image_key, job_key, new_attempt_token
-from workers.manifest import ManifestRow, ManifestWriter
-from workers.stores import open_store
+from workers.output.layout import image_key, job_key, new_attempt_token
+from workers.output.manifest import ManifestRow, ManifestWriter
+from workers.storage import open_store
 
 
 def build(root: str, shards: int, images: int, size: int) -> None:

@@ -90,8 +90,8 @@ def start_s3(tmp: Path) -> tuple[subprocess.Popen, str, Any]:
         if server.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"the moto S3 server did not start; see {tmp / 'moto.log'}")
         time.sleep(0.1)
-    from workers.s3_store import make_s3_client
-    from workers.stores import S3Config
+    from workers.storage import S3Config
+    from workers.storage.s3 import make_s3_client
 
     endpoint = f"http://127.0.0.1:{port}"
     client = make_s3_client(S3Config(endpoint_url=endpoint, region="us-east-1", addressing_style="path"))

@@ -27,10 +27,10 @@ from compile import CompileConfig
 from compile.buckets import BucketSet
 from workers.actor import GenerationWorker, WorkerConfig
 from workers.generate import image_requests, iter_generated, plan_batches
-from workers.input_files import filesystem_for
+from workers.output.formats import ShardWriterConfig
 from workers.rows import RowConfig, ShardSpec, read_shard_rows
-from workers.shard_writers import ShardWriterConfig
-from workers.stores import S3Config
+from workers.storage import S3Config
+from workers.storage.input_files import filesystem_for
 
 
 def free_port() -> int:
@@ -84,7 +84,7 @@ def main() -> None:
     )
     wait_for_port(host, port)
     s3 = S3Config(endpoint_url=f"http://{host}:{port}", region="us-east-1", addressing_style="path")
-    from workers.s3_store import make_s3_client
+    from workers.storage.s3 import make_s3_client
 
     make_s3_client(s3).create_bucket(Bucket="bench")
     tmp = Path(tempfile.mkdtemp())

@@ -23,9 +23,9 @@ from driver.plan import (
     settings_doc,
 )
 from driver.status import read_json
-from workers.layout import job_key
-from workers.manifest import committed_shards
-from workers.stores import ObjectStore
+from workers.output.layout import job_key
+from workers.output.manifest import committed_shards
+from workers.storage import ObjectStore
 
 
 class OutputMismatch(ValueError):

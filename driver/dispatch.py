@@ -583,7 +583,7 @@ class Dispatcher:
         for slot, (kind, _, ref, run) in zip(idle, candidates):
             # A moved run keeps its attempt number: the queued original is cancelled before it
             # starts (or, if it started meanwhile, each writes under its own attempt token and
-            # the first to commit wins; the other's objects are orphans, see workers.layout).
+            # the first to commit wins; the other's objects are orphans, see workers.output.layout).
             self._submit(run.pos, slot, speculative=kind == 1, attempt=run.attempt if kind == 0 else None)
             if kind == 0:
                 self.stats.tail_moves += 1

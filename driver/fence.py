@@ -8,7 +8,7 @@ zero-CPU task pinned there looks; a node the GCS reports dead took its processes
 raylet's workers exit when the raylet goes). A zombie (exited, not yet reaped) counts as gone.
 
 This is the second line of defence. The first needs no cooperation from Ray: every run of a
-shard writes only keys carrying its own attempt token (workers.layout), and the manifest is
+shard writes only keys carrying its own attempt token (workers.output.layout), and the manifest is
 written create-only, so even a process that outlives this wait (a node partitioned from the
 GCS) can only add objects no committed manifest names: orphans that `ditfleet verify` reports
 as harmless and `--clean` deletes. It cannot change a committed object.

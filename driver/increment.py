@@ -40,10 +40,10 @@ from driver.runs import (
     write_ids,
 )
 from driver.validate import plain, scan_input
-from workers.input_files import InputFileError, footer_sha256
-from workers.layout import success_key
+from workers.output.layout import success_key
 from workers.rows import ShardSpec
-from workers.stores import ObjectStore
+from workers.storage import ObjectStore
+from workers.storage.input_files import InputFileError, footer_sha256
 
 ID_SEPARATOR = "#"  # between a file's name and the row, in the id of a row without an id column
 _IDENTITY_THREADS = 16

@@ -3,7 +3,7 @@
 - An output inside the input directory (or prefix) would be read back as input: its manifests
   are Parquet files. Refused for plain and incremental jobs alike.
 - `#` and `?` in an s3:// URI: URL parsing reads them as a fragment or query and cuts the key
-  there (workers.input_files.check_s3_uri).
+  there (workers.storage.input_files.check_s3_uri).
 - A local path inside a Ray job's working_dir package (`.../runtime_resources/working_dir_files/
   _ray_pkg_*/`): `ray job submit --working-dir .` runs the job there, so a relative path in the
   job file lands in a temporary folder that no user looks into and Ray deletes.
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-from workers.input_files import check_s3_uri, is_s3
+from workers.storage.input_files import check_s3_uri, is_s3
 
 _GLOB_CHARS = frozenset("*?[")
 _RAY_PKG_PARENT = "working_dir_files"

@@ -18,7 +18,7 @@ from compile.buckets import PROMPT_LENGTH_BUCKETS, ResolutionBucket, prompt_leng
 # job (`ditfleet plan`) does not load it.
 from model.folder import resolve_model_dir
 from model.memory import GB, MemoryPlan, ModelMemory, largest_batch, plan_memory
-from workers.stores import ObjectNotFound, S3Config, StoreError, open_store
+from workers.storage import ObjectNotFound, S3Config, StoreError, open_store
 
 
 class MemoryPlanError(ValueError):

@@ -28,8 +28,8 @@ from compile.buckets import BucketError
 from driver.errors import file_error
 from driver.prompts import DEFAULT_BATCH_ROWS, InputFile, PromptSource
 from driver.validate import DEFAULT_MAX_ERRORS, plain, scan_input, valid_sizes
-from workers.input_files import InputFileError, footer_sha256, largest_row_group
 from workers.rows import MAX_SIDE, RowConfig, ShardSpec
+from workers.storage.input_files import InputFileError, footer_sha256, largest_row_group
 
 FINGERPRINT_VERSION = 1
 JOB_DOC_VERSION = 1

@@ -16,7 +16,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from driver.errors import file_error
-from workers.input_files import InputFileError, filesystem_for, fs_path, is_s3, open_parquet, to_uri
+from workers.storage.input_files import InputFileError, filesystem_for, fs_path, is_s3, open_parquet, to_uri
 
 PARQUET_SUFFIX = ".parquet"
 _GLOB_CHARS = frozenset("*?[")
@@ -49,7 +49,7 @@ class PromptSource:
 
     filesystem: the pyarrow FileSystem to read through; default: the local one, or an S3 one
     with the standard AWS configuration for "s3://" (pass one built with
-    workers.input_files.filesystem_for(uri, endpoint_url=...) for another endpoint).
+    workers.storage.input_files.filesystem_for(uri, endpoint_url=...) for another endpoint).
     files: the files to read, when the caller has resolved them already (an incremental run
     reads only the files its output has not seen); they are read in the order given.
     Errors are InputErrors that name the path and say what to do.

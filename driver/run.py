@@ -13,7 +13,7 @@
 
 `_SUCCESS` is written only after dispatch has fenced every actor (driver.fence: each one's
 process is gone) and the orphans of this run's committed shards (objects of losing or killed
-runs, which no manifest names, see workers.layout) are deleted: at that point nothing of the
+runs, which no manifest names, see workers.output.layout) are deleted: at that point nothing of the
 job writes any more, and the data areas hold exactly what the manifests name.
 
 An incremental job (DriverConfig.incremental, see driver.increment) runs steps 1-2 differently:
@@ -46,11 +46,11 @@ from driver.status import OutputCounts, count_shards, read_json
 from driver.summary import JobSummary, build_summary
 from driver.validate import ValidationReport, validate_input
 from driver.verify import clean_orphans
-from workers.input_files import filesystem_for, is_s3
-from workers.layout import success_key
-from workers.manifest import committed_shards
+from workers.output.layout import success_key
+from workers.output.manifest import committed_shards
 from workers.rows import ShardSpec
-from workers.stores import ObjectStore, S3Config, open_store
+from workers.storage import ObjectStore, S3Config, open_store
+from workers.storage.input_files import filesystem_for, is_s3
 
 _PLAN_TRIES = 5  # an incremental run plans again when another driver took its run number
 

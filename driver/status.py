@@ -21,9 +21,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from driver.runs import RecordedPlan, read_run_records
-from workers.layout import job_key, manifest_key, success_key
-from workers.manifest import committed_shards
-from workers.stores import ObjectNotFound, ObjectStore
+from workers.output.layout import job_key, manifest_key, success_key
+from workers.output.manifest import committed_shards
+from workers.storage import ObjectNotFound, ObjectStore
 
 _COLUMNS = ["id", "status", "error"]
 _READ_THREADS = 16  # manifests are small; reading them is round trips, not bandwidth

@@ -232,7 +232,7 @@ class RowValidator:
             ids = batch.column("id")
             self._flag(at, "id", pc.is_null(ids), ids, "id is null", "Give every row an id, or drop the id column to use row positions")  # fmt: skip
             if pa.types.is_string(ids.type) or pa.types.is_large_string(ids.type):
-                # Ids name output objects. Keys are escaped anyway (workers.layout), but an id that
+                # Ids name output objects. Keys are escaped anyway (workers.output.layout), but an id that
                 # reads as a path climbing out of its folder is almost always a bug upstream.
                 climbs = pc.fill_null(pc.match_substring_regex(ids, _PATH_LIKE_ID), False)
                 self._flag(at, "id", climbs, ids, "id looks like a path ('..' segment, leading '/' or '\\', or a control character)", "Use ids without path syntax: they name the output objects")  # fmt: skip

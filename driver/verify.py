@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 
 from driver.runs import RecordedPlan, RunRecordError, read_run_records
 from driver.status import read_json
-from workers.layout import (
+from workers.output.layout import (
     DATA_PREFIX,
     IMAGE_EXTENSIONS,
     MANIFESTS_PREFIX,
@@ -55,8 +55,8 @@ from workers.layout import (
     success_key,
     webdataset_sample_key,
 )
-from workers.manifest import MANIFEST_SCHEMA
-from workers.stores import ObjectNotFound, ObjectStore
+from workers.output.manifest import MANIFEST_SCHEMA
+from workers.storage import ObjectNotFound, ObjectStore
 
 _THREADS = 16
 MAX_LISTED = 20  # problems (and orphans) printed one per line; the rest are counted

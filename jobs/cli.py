@@ -40,8 +40,8 @@ from driver.run import OutputMismatch, plan_input, preview_increment, run_job, v
 from driver.status import output_status
 from jobs.spec import JobSpec, SpecError, load_spec
 from jobs.submit import SubmitError
-from workers.input_files import is_s3
-from workers.stores import S3Config, StoreConfigError, StoreError, open_store
+from workers.storage import S3Config, StoreConfigError, StoreError, open_store
+from workers.storage.input_files import is_s3
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 

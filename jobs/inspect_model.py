@@ -24,7 +24,7 @@ from model.memory import (
     plan_memory,
 )
 from model.weights import WeightsError
-from workers.stores import S3Config
+from workers.storage import S3Config
 
 DEFAULT_GPUS_GB = (80.0, 48.0, 24.0)
 

@@ -17,9 +17,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from PIL import Image, ImageDraw, ImageFont
 
-from workers.layout import DATA_PREFIX, WEBDATASET_PREFIX, manifest_key
-from workers.manifest import committed_shards
-from workers.stores import ObjectStore
+from workers.output.layout import DATA_PREFIX, WEBDATASET_PREFIX, manifest_key
+from workers.output.manifest import committed_shards
+from workers.storage import ObjectStore
 
 _COLUMNS = ["id", "k", "prompt", "status", "uri", "shard", "width", "height"]
 THUMB = 160  # longest side of a thumbnail, pixels

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jobs.preview import collect
-from workers.layout import success_key
-from workers.manifest import read_manifests
-from workers.stores import ObjectNotFound, ObjectStore
+from workers.output.layout import success_key
+from workers.output.manifest import read_manifests
+from workers.storage import ObjectNotFound, ObjectStore
 
 THUMB = 128  # longest side of a sample thumbnail, pixels
 SAMPLES = 24

@@ -27,10 +27,10 @@ from driver.plan import PlanConfig
 from driver.run import DriverConfig
 from workers.cache_secret import CacheSecretSource
 from workers.contract import LoraSpec, WorkerConfig
-from workers.input_files import check_s3_uri
+from workers.output.formats import ShardWriterConfig
 from workers.rows import CFG_RANGE, MAX_SEED, NUM_IMAGES_RANGE, STEPS_RANGE, RowConfig
-from workers.shard_writers import ShardWriterConfig
-from workers.stores import S3Config
+from workers.storage import S3Config
+from workers.storage.input_files import check_s3_uri
 
 TINY_MODEL = "tiny"
 

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 import pyarrow.fs as pafs
 
-from workers.layout import image_key, manifest_key, new_attempt_token
-from workers.manifest import ManifestRow, ManifestWriter
+from workers.output.layout import image_key, manifest_key, new_attempt_token
+from workers.output.manifest import ManifestRow, ManifestWriter
 from workers.rows import RowConfig, read_shard_rows
-from workers.stores import open_store
+from workers.storage import open_store
 
 
 @dataclass(frozen=True)

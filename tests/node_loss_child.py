@@ -41,8 +41,8 @@ def main(spec_path: str) -> int:
     from driver.run import DriverConfig, run_job
     from driver.verify import verify_output
     from tests.worker_fixtures import row_config, worker_config
-    from workers.layout import MANIFESTS_PREFIX
-    from workers.stores import S3Config, open_store
+    from workers.output.layout import MANIFESTS_PREFIX
+    from workers.storage import S3Config, open_store
 
     s3 = S3Config(endpoint_url=spec["endpoint_url"], region=spec["region"], addressing_style="path")
     node_args = {"node_ip_address": LOOPBACK, "object_store_memory": 80 * _MiB}

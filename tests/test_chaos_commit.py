@@ -36,8 +36,8 @@ from driver.verify import verify_output
 from jobs.cli import main
 from tests.worker_fixtures import finish_like_driver, row_config, worker_config, write_prompts
 from workers.actor import GenerationWorker
-from workers.layout import MANIFESTS_PREFIX, attempt_object, manifest_key, success_key
-from workers.stores import ObjectStore, open_store
+from workers.output.layout import MANIFESTS_PREFIX, attempt_object, manifest_key, success_key
+from workers.storage import ObjectStore, open_store
 
 INTERLEAVINGS = (
     "a_commits_first",

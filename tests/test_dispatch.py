@@ -19,10 +19,10 @@ import pytest
 
 from driver.dispatch import DispatchConfig, DispatchEvents, run_shards
 from tests.dispatch_workers import SleepingWorker, SleepingWorkerConfig
-from workers.layout import manifest_key
-from workers.manifest import committed_shards
+from workers.output.layout import manifest_key
+from workers.output.manifest import committed_shards
 from workers.rows import ShardSpec
-from workers.stores import open_store
+from workers.storage import open_store
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 

@@ -15,9 +15,9 @@ from driver.plan import PlanConfig
 from driver.run import DriverConfig, OutputMismatch, run_job
 from driver.status import output_status
 from tests.dispatch_workers import SleepingWorker, SleepingWorkerConfig
-from workers.layout import job_key, success_key
+from workers.output.layout import job_key, success_key
 from workers.rows import RowConfig
-from workers.stores import open_store
+from workers.storage import open_store
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 

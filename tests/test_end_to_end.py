@@ -25,9 +25,9 @@ from jobs.cli import main
 from tests.fixtures_ray import LOOPBACK_ENV
 from tests.fixtures_s3 import FAKE_CREDENTIALS, REGION
 from tests.worker_fixtures import write_prompts
-from workers.layout import MANIFESTS_PREFIX, success_key
-from workers.manifest import read_manifests
-from workers.stores import S3Config, open_store
+from workers.output.layout import MANIFESTS_PREFIX, success_key
+from workers.output.manifest import read_manifests
+from workers.storage import S3Config, open_store
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 REPO = Path(__file__).resolve().parents[1]

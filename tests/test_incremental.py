@@ -21,10 +21,10 @@ from driver.plan import PlanConfig
 from driver.run import DriverConfig, run_job
 from driver.status import output_status
 from tests.dispatch_workers import SleepingWorker, SleepingWorkerConfig
-from workers.layout import RUNS_PREFIX, run_key, success_key
-from workers.manifest import read_manifests
+from workers.output.layout import RUNS_PREFIX, run_key, success_key
+from workers.output.manifest import read_manifests
 from workers.rows import RowConfig
-from workers.stores import open_store
+from workers.storage import open_store
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 ROWS = RowConfig(job_seed=3)
@@ -297,7 +297,7 @@ class _KilledAfter:
 def _success_with_uncommitted_shards(out: str) -> list[int]:
     """Planned shards without a manifest, if _SUCCESS is there (else [])."""
     from driver.runs import RecordedPlan, read_run_records
-    from workers.manifest import committed_shards
+    from workers.output.manifest import committed_shards
 
     store = open_store(out)
     if not store.exists(success_key()):
@@ -310,7 +310,7 @@ def test_success_never_stands_next_to_uncommitted_shards_wherever_the_driver_die
     from driver.claim import claim_incremental_output
     from driver.increment import commit_increment, plan_increment
     from driver.run import prompt_source
-    from workers.manifest import committed_shards
+    from workers.output.manifest import committed_shards
 
     src = tmp_path / "in"
     write_file(src / "day1.parquet", 12, ids=[f"d1-{i}" for i in range(12)])

@@ -16,9 +16,9 @@ from pydantic import BaseModel
 
 from jobs.cli import main
 from jobs.spec import JobSpec, SpecError, load_spec, parse_spec
-from workers.layout import image_key, job_key, new_attempt_token
-from workers.manifest import ManifestRow, ManifestWriter
-from workers.stores import open_store
+from workers.output.layout import image_key, job_key, new_attempt_token
+from workers.output.manifest import ManifestRow, ManifestWriter
+from workers.storage import open_store
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "jobs" / "examples" / "tiny.yaml"
 
@@ -208,7 +208,7 @@ def test_cli_status_and_preview_read_the_output(tmp_path, capsys):
 def test_preview_reads_every_output_format(tmp_path, output_format, capsys):
     import numpy as np
 
-    from workers.shard_writers import ImageTask, ShardWriterConfig, make_shard_writer
+    from workers.output.formats import ImageTask, ShardWriterConfig, make_shard_writer
 
     out = tmp_path / "out"
     store = open_store(str(out))

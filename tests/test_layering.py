@@ -32,16 +32,9 @@ MODEL_OPTIONAL_IMPORTS = {
 }
 
 # Two-way dependencies whose second direction is a function-level import. None is a module-level
-# cycle (that would fail outright); each is listed here so that a new one is a decision, and the
-# test fails when a listed one is gone (then delete its line). Both go when workers/ is split
-# into rooms (storage/, output/formats/).
-DEFERRED_CYCLES = {
-    # stores.open_store builds an S3Store; s3_store implements stores.ObjectStore.
-    frozenset({"workers.stores", "workers.s3_store"}),
-    # the writer registry in shard_writers names the webdataset writer, which builds on
-    # shard_writers' ImageTask and config.
-    frozenset({"workers.shard_writers", "workers.webdataset_writer"}),
-}
+# cycle (that would fail outright); each would be listed here so that a new one is a decision, and
+# the test fails when a listed one is gone (then delete its line). There are none.
+DEFERRED_CYCLES: set[frozenset[str]] = set()
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from driver.locations import (
 from jobs.cli import main
 from jobs.spec import parse_spec
 from tests.worker_fixtures import write_prompts
-from workers.stores import open_store
+from workers.storage import open_store
 
 
 def _job(tmp_path: Path, input_path: str, output: str, extra: str = "") -> Path:
@@ -169,7 +169,7 @@ def test_an_actor_on_another_node_refuses_a_node_local_output(tmp_path, ray_clus
     import ray
 
     from workers.actor import GenerationWorker, WorkerConfig, check_output_node
-    from workers.stores import StoreConfigError
+    from workers.storage import StoreConfigError
 
     here = ray.get_runtime_context().get_node_id()
     check_output_node(str(tmp_path / "out"), here, here)

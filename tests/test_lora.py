@@ -340,8 +340,8 @@ def test_worker_merges_adapters_and_manifests_name_the_revision(
 
     from tests.worker_fixtures import row_config, shard_of, worker_config, write_prompts
     from workers.actor import GenerationWorker
-    from workers.manifest import read_manifests
-    from workers.stores import open_store
+    from workers.output.manifest import read_manifests
+    from workers.storage import open_store
 
     prompts = write_prompts(tmp_path / "prompts.parquet", 3)
     adapter = write_kohya_lora(tmp_path / "adapter.safetensors", 9, flat=True)

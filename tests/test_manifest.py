@@ -11,8 +11,8 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 import pytest
 
-from workers.layout import manifest_key
-from workers.manifest import (
+from workers.output.layout import manifest_key
+from workers.output.manifest import (
     MANIFEST_SCHEMA,
     ManifestRow,
     ManifestWriter,
@@ -20,7 +20,7 @@ from workers.manifest import (
     passthrough_json,
     read_manifests,
 )
-from workers.stores import ObjectStore, open_store
+from workers.storage import ObjectStore, open_store
 
 DESIGN_COLUMNS = {
     "id", "prompt", "negative_prompt", "seed", "width", "height", "bucket", "steps", "true_cfg_scale",

@@ -29,9 +29,9 @@ import torch
 from filelock import FileLock
 
 from tests.fault_proxy import FaultPlan, Rule
-from workers.model_cache import MARKER, REQUIRED_FILES, file_digests, mismatches
-from workers.model_fetch import FetchConfig, ModelFetchError, fetch_model
-from workers.s3_store import S3Store
+from workers.storage.s3 import S3Store
+from workers.weights.fetch import FetchConfig, ModelFetchError, fetch_model
+from workers.weights.node_cache import MARKER, REQUIRED_FILES, file_digests, mismatches
 
 REPO = Path(__file__).resolve().parents[1]
 PREFIX = "models/tiny-v1"

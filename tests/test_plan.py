@@ -22,8 +22,8 @@ from compile.buckets import TINY_BUCKETS, BucketSet
 from driver.errors import InputError
 from driver.plan import JobPlan, PlanConfig, fingerprint_mismatch, job_document, plan_job
 from driver.prompts import PromptSource
-from workers.input_files import InputFileError, filesystem_for
 from workers.rows import PromptRow, RowConfig, derive_seed, read_shard_rows, resolve_rows
+from workers.storage.input_files import InputFileError, filesystem_for
 
 REPO = Path(__file__).resolve().parents[1]
 ROWS = RowConfig(job_seed=1234, buckets=BucketSet(TINY_BUCKETS), steps=4, true_cfg_scale=3.0)

@@ -26,7 +26,7 @@ from driver.run import DriverConfig, run_job
 from jobs.cli import main
 from jobs.report import THUMB, load_report_data, render_html
 from tests.worker_fixtures import row_config, worker_config, write_prompts
-from workers.stores import open_store
+from workers.storage import open_store
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 

@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 
 from driver.plan import PlanConfig, plan_job
 from driver.prompts import PromptSource
-from workers.input_files import STREAM_BUFFER_BYTES
 from workers.rows import RowConfig, read_shard_rows
+from workers.storage.input_files import STREAM_BUFFER_BYTES
 
 
 class _CountingHandler(pafs.FileSystemHandler):

@@ -17,7 +17,7 @@ import pytest
 from botocore.exceptions import ClientError
 
 from tests.fault_proxy import FaultPlan, Rule
-from workers.stores import StoreError, open_store
+from workers.storage import StoreError, open_store
 
 _MiB = 1024 * 1024
 

@@ -12,9 +12,8 @@ import pytest
 from PIL import Image
 
 from tests.fault_proxy import FaultPlan, Rule
-from workers.image_codec import ImageEncodeError, encode_image, sha256_hex
-from workers.layout import data_key
-from workers.shard_writers import (
+from workers.output.codec import ImageEncodeError, encode_image, sha256_hex
+from workers.output.formats import (
     ImageResult,
     ImageTask,
     ShardStoreError,
@@ -22,7 +21,8 @@ from workers.shard_writers import (
     UploadPool,
     make_shard_writer,
 )
-from workers.stores import open_store
+from workers.output.layout import data_key
+from workers.storage import open_store
 
 T = "a0-0123456789abcdef"  # an attempt token (layout.new_attempt_token makes random ones)
 

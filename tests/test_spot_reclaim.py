@@ -20,9 +20,9 @@ from driver.dispatch import DispatchConfig
 from driver.plan import PlanConfig
 from driver.run import DriverConfig, run_job
 from tests.worker_fixtures import row_config, worker_config, write_prompts
-from workers.layout import IMAGES_PREFIX, MANIFESTS_PREFIX, manifest_key
-from workers.manifest import read_manifests
-from workers.stores import open_store
+from workers.output.layout import IMAGES_PREFIX, MANIFESTS_PREFIX, manifest_key
+from workers.output.manifest import read_manifests
+from workers.storage import open_store
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 

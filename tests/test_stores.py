@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from workers.s3_store import S3Store
-from workers.stores import LocalStore, ObjectNotFound, ObjectStore, S3Config, StoreError, open_store
+from workers.storage import LocalStore, ObjectNotFound, ObjectStore, S3Config, StoreError, open_store
+from workers.storage.s3 import S3Store
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -197,7 +197,7 @@ def test_local_temp_files_of_killed_writers_are_removed_young_ones_kept(tmp_path
             sys.executable,
             "-c",
             "import time\n"
-            "from workers.stores import LocalStore\n"
+            "from workers.storage import LocalStore\n"
             "class Endless:\n"  # a slow, endless source: the write is in progress when killed
             "    def read(self, n=-1):\n"
             "        time.sleep(0.01)\n"

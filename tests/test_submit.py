@@ -13,9 +13,9 @@ import pytest
 from jobs.cli import main
 from jobs.submit import MAX_ID_CHARS, entrypoint, exit_code, submission_id
 from tests.worker_fixtures import write_prompts
-from workers.layout import success_key
-from workers.manifest import read_manifests
-from workers.stores import open_store
+from workers.output.layout import success_key
+from workers.output.manifest import read_manifests
+from workers.storage import open_store
 
 REPO = Path(__file__).resolve().parents[1]
 

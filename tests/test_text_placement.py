@@ -122,8 +122,8 @@ def test_worker_with_offloaded_encoder_writes_the_same_images_encoding_each_text
 
     from tests.worker_fixtures import shard_of, worker_config, write_prompts
     from workers.actor import GenerationWorker
-    from workers.manifest import read_manifests
-    from workers.stores import open_store
+    from workers.output.manifest import read_manifests
+    from workers.storage import open_store
 
     prompts = write_prompts(tmp_path / "prompts.parquet", 8, sizes=False, extra=False)  # 4 colours x 3 shapes
     digests = {}

@@ -20,7 +20,7 @@ from driver.verify import verify_output
 from jobs.cli import main
 from tests.worker_fixtures import finish_like_driver, row_config, worker_config, write_prompts
 from workers.actor import GenerationWorker
-from workers.layout import (
+from workers.output.layout import (
     data_key,
     image_key,
     manifest_key,
@@ -28,8 +28,8 @@ from workers.layout import (
     success_key,
     webdataset_key,
 )
-from workers.manifest import MANIFEST_SCHEMA
-from workers.stores import open_store
+from workers.output.manifest import MANIFEST_SCHEMA
+from workers.storage import open_store
 
 ROWS, SHARD_SIZE = 6, 2
 

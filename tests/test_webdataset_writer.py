@@ -16,11 +16,11 @@ import pytest
 from tests.worker_fixtures import shard_of, worker_config, write_prompts
 from workers.actor import GenerationWorker
 from workers.generate import image_seed
-from workers.layout import attempt_object, manifest_key, webdataset_key, webdataset_sample_key
-from workers.manifest import read_manifests
+from workers.output.formats import ImageTask, ShardStoreError, ShardWriterConfig, make_shard_writer
+from workers.output.layout import attempt_object, manifest_key, webdataset_key, webdataset_sample_key
+from workers.output.manifest import read_manifests
 from workers.rows import ShardSpec
-from workers.shard_writers import ImageTask, ShardStoreError, ShardWriterConfig, make_shard_writer
-from workers.stores import ObjectStore, open_store
+from workers.storage import ObjectStore, open_store
 
 N = 12
 T = "a0-0123456789abcdef"  # an attempt token, for writers used directly

@@ -12,9 +12,9 @@ import pytest
 from tests.fault_proxy import FaultPlan, Rule
 from tests.worker_fixtures import shard_of, worker_config, write_prompts
 from workers.actor import GenerationWorker
-from workers.layout import data_key, manifest_key
-from workers.manifest import read_manifests
-from workers.stores import StoreError, open_store
+from workers.output.layout import data_key, manifest_key
+from workers.output.manifest import read_manifests
+from workers.storage import StoreError, open_store
 
 N = 12
 

@@ -11,9 +11,9 @@ import pyarrow.parquet as pq
 from compile import CompileConfig
 from compile.buckets import BucketSet
 from workers.actor import WorkerConfig
+from workers.output.formats import ShardWriterConfig
 from workers.rows import RowConfig, ShardSpec
-from workers.shard_writers import ShardWriterConfig
-from workers.stores import S3Config
+from workers.storage import S3Config
 
 COLOURS = ("red", "green", "blue", "yellow")
 SHAPES = ("circle", "square", "triangle")

@@ -7,7 +7,7 @@ is durably stored, write the manifest create-only. That write is the shard's com
 attempt of a committed shard sees it and discards its work.
 
 Every run of a shard draws its own attempt token and writes its objects only under keys that
-carry it (workers.layout), so a run never touches what another run stored: the committed
+carry it (workers.output.layout), so a run never touches what another run stored: the committed
 manifest's objects stay as they were, whatever a losing or late run does afterwards.
 """
 
@@ -23,24 +23,23 @@ import torch
 from compile import compile_count, prepare_worker_pipeline
 from model import LoraSpec, load_pipeline, resolve_model_dir
 from model.loader import load_text_encoder
-
-from .cache_secret import read_cache_secret, say_shared_cache_off
+from workers.cache_secret import read_cache_secret, say_shared_cache_off
 
 # The driver-worker contract lives in the torch-free workers.contract; re-exported here.
-from .contract import ShardAbandoned, ShardResult, WorkerConfig  # noqa: F401
-from .file_fetch import fetch_file
-from .generate import BatchGenerator, GeneratedImage, image_requests, iter_generated, plan_batches
-from .input_files import filesystem_for
-from .layout import manifest_key, new_attempt_token
-from .manifest import ManifestRow, ManifestWriter, passthrough_json
-from .metrics import WorkerMetrics
-from .model_fetch import fetch_model
-from .rows import PromptRow, ShardSpec, read_shard_rows
-from .shard_writers import ImageResult, ImageTask, make_shard_writer
-from .spot import StopOnSigterm
-from .startup_phase import COMPILING, LOADING, READY, publish_phase
-from .stores import StoreConfigError, open_store
-from .text_embeddings import PlacedTextEncoder
+from workers.contract import ShardAbandoned, ShardResult, WorkerConfig  # noqa: F401
+from workers.generate import BatchGenerator, GeneratedImage, image_requests, iter_generated, plan_batches
+from workers.metrics import WorkerMetrics
+from workers.output.formats import ImageResult, ImageTask, make_shard_writer
+from workers.output.layout import manifest_key, new_attempt_token
+from workers.output.manifest import ManifestRow, ManifestWriter, passthrough_json
+from workers.rows import PromptRow, ShardSpec, read_shard_rows
+from workers.spot import StopOnSigterm
+from workers.startup_phase import COMPILING, LOADING, READY, publish_phase
+from workers.storage import StoreConfigError, open_store
+from workers.storage.input_files import filesystem_for
+from workers.text_embeddings import PlacedTextEncoder
+from workers.weights.fetch import fetch_model
+from workers.weights.files import fetch_file
 
 
 def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:

@@ -11,12 +11,11 @@ from dataclasses import asdict, dataclass, field
 
 from compile.config import CompileConfig
 from model.lora_spec import LoraSpec  # noqa: F401 - re-exported for the job spec
-
-from .cache_secret import CacheSecretSource
-from .model_fetch import FetchConfig
-from .rows import RowConfig
-from .shard_writers import ShardWriterConfig
-from .stores import S3Config
+from workers.cache_secret import CacheSecretSource
+from workers.output.formats import ShardWriterConfig
+from workers.rows import RowConfig
+from workers.storage import S3Config
+from workers.weights.fetch import FetchConfig
 
 # Where the text encoder lives (workers.text_embeddings places it).
 PLACEMENTS = ("gpu", "cpu", "offload")

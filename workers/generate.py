@@ -18,8 +18,7 @@ import torch
 
 from compile import PROMPT_LENGTH_BUCKETS, encode_unpadded
 from model import TextToImagePipeline
-
-from .rows import MAX_SEED, PromptRow
+from workers.rows import MAX_SEED, PromptRow
 
 
 def image_seed(row_seed: int, k: int) -> int:

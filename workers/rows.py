@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from compile.buckets import QWEN_IMAGE_BUCKETS, BucketSet, ResolutionBucket
-from workers.input_files import InputFileError, open_parquet
+from workers.storage.input_files import InputFileError, open_parquet
 
 # Columns with a meaning; every other column is passed through to the manifest.
 KNOWN_COLUMNS = (

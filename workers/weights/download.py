@@ -33,7 +33,7 @@ from botocore.exceptions import (
 from s3transfer.exceptions import RetriesExceededError, S3DownloadFailedError
 from s3transfer.subscribers import BaseSubscriber
 
-from workers.model_cache import (
+from workers.weights.node_cache import (
     MARKER,
     CacheEntry,
     ModelFetchError,

@@ -29,11 +29,11 @@ import tempfile
 import time
 from typing import Any
 
-from workers.image_codec import extension, sha256_hex
-from workers.layout import image_index_in_key, webdataset_key, webdataset_sample_key
-from workers.shard_writers import ImageTask, ShardWriterConfig, StoredShard, _encode
-from workers.stores import ObjectStore
-from workers.upload_pool import ImageResult, ShardStoreError, UploadPool
+from workers.output.codec import extension, sha256_hex
+from workers.output.formats.base import ImageTask, ShardWriterConfig, StoredShard, encode_task_image
+from workers.output.layout import image_index_in_key, webdataset_key, webdataset_sample_key
+from workers.output.upload_pool import ImageResult, ShardStoreError, UploadPool
+from workers.storage.base import ObjectStore
 
 TAR_CONTENT_TYPE = "application/x-tar"
 # Fixed header fields: the tar's bytes depend on the images and their metadata only.
@@ -93,7 +93,7 @@ class WebDatasetShardWriter:
         key = webdataset_sample_key(task.id, image_index_in_key(task.k, task.num_images))
         self._pool.submit(
             f"{self.store.uri(self.key)} member {key}.{self._ext}",
-            lambda: (task, key, *_encode(self.config, image)),
+            lambda: (task, key, *encode_task_image(self.config, image)),
         )
 
     def _append(self, value: tuple[ImageTask, str, bytes | None, float, str | None, int, int]) -> ImageResult:

@@ -34,8 +34,15 @@ from botocore.exceptions import (
     PartialCredentialsError,
 )
 
-from workers.layout import write_check_key
-from workers.stores import ObjectNotFound, ObjectStore, S3Config, StoreConfigError, StoreError, check_key
+from workers.output.layout import write_check_key
+from workers.storage.base import (
+    ObjectNotFound,
+    ObjectStore,
+    S3Config,
+    StoreConfigError,
+    StoreError,
+    check_key,
+)
 
 log = logging.getLogger(__name__)
 

@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from workers.model_cache import CacheEntry, ModelFetchError, RemoteFile, check_layout, content_revision
-from workers.model_download import FetchConfig, download_files, list_s3_model
-from workers.s3_store import make_s3_client
-from workers.stores import S3Config
+from workers.storage import S3Config
+from workers.storage.s3 import make_s3_client
+from workers.weights.download import FetchConfig, download_files, list_s3_model
+from workers.weights.node_cache import CacheEntry, ModelFetchError, RemoteFile, check_layout, content_revision
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def fetch_model(
     if scheme == "s3":
         return _fetch_s3(source, Path(cache_dir), s3, config, progress, t0)
     if scheme == "hf":
-        from workers.hub_fetch import fetch_hub_snapshot
+        from workers.weights.hub import fetch_hub_snapshot
 
         snap = fetch_hub_snapshot(source, Path(cache_dir), config.lock_timeout_s)
         return FetchedModel(

@@ -1,0 +1,52 @@
+"""Output format "files": one object per image at layout.image_key(shard, attempt, id, k, ext)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from workers.output.codec import content_type, extension, sha256_hex
+from workers.output.formats.base import ImageTask, ShardWriterConfig, StoredShard, encode_task_image
+from workers.output.layout import image_index_in_key, image_key
+from workers.output.upload_pool import ImageResult, UploadPool
+from workers.storage.base import ObjectStore
+
+
+class FilesShardWriter:
+    """One object per image at layout.image_key(shard, attempt, id, k, ext)."""
+
+    def __init__(self, store: ObjectStore, shard: int, config: ShardWriterConfig, attempt: str) -> None:
+        self.store, self.shard, self.config, self.attempt = store, shard, config, attempt
+        self._ext = extension(config.image_format)
+        self._mime = content_type(config.image_format)
+        self._pool = UploadPool(config.max_in_flight, config.threads)
+        self._keys: list[str] = []  # appended by the pool's threads (list.append is atomic)
+
+    def add(self, task: ImageTask, image: Any) -> None:
+        key = image_key(self.shard, self.attempt, task.id, image_index_in_key(task.k, task.num_images), self._ext)
+        self._pool.submit(self.store.uri(key), lambda: self._store_one(key, task, image))
+
+    def _store_one(self, key: str, task: ImageTask, image: Any) -> ImageResult:
+        data, encode_s, error, _, _ = encode_task_image(self.config, image)
+        if data is None:
+            return ImageResult(task.id, task.k, encode_s=encode_s, error=error)
+        start = time.perf_counter()
+        self.store.put(key, data, self._mime)  # raises after the store's retries: shard fails
+        self._keys.append(key)
+        upload_s = time.perf_counter() - start
+        return ImageResult(
+            task.id, task.k, self.store.uri(key), sha256_hex(data), len(data), encode_s, upload_s
+        )
+
+    def finish(self) -> StoredShard:
+        try:
+            results = self._pool.drain()
+            return StoredShard(results, keys=tuple(self._keys))
+        finally:
+            self._pool.close()
+
+    def abort(self) -> None:
+        # Images already stored stay: they are under this run's attempt token, which no manifest
+        # names unless this run commits, so they are orphans that the driver deletes once another
+        # run commits the shard (or `ditfleet verify --clean` does).
+        self._pool.close()

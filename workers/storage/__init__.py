@@ -1,0 +1,30 @@
+"""Where bytes are stored: the object store interface (base), a local directory (local), S3 (s3),
+the store a URI names (open), and the prompt Parquet files as pyarrow reads them (input_files).
+
+The names most callers need are importable from here; s3.py (boto3) loads only when an s3://
+store is opened.
+"""
+
+from workers.storage.base import (
+    ObjectNotFound,
+    ObjectStore,
+    S3Config,
+    StoreConfigError,
+    StoreError,
+    check_key,
+    fsync_dir,
+)
+from workers.storage.local import LocalStore
+from workers.storage.open import open_store
+
+__all__ = [
+    "LocalStore",
+    "ObjectNotFound",
+    "ObjectStore",
+    "S3Config",
+    "StoreConfigError",
+    "StoreError",
+    "check_key",
+    "fsync_dir",
+    "open_store",
+]

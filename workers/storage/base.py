@@ -1,0 +1,179 @@
+"""The object store interface: whole-object writes, a create-only put, listing; and its errors.
+
+Every write is whole or not at all: a reader never sees a partial object. `put_if_absent` is
+the create-only write the shard commit relies on (the first writer wins). Implementations:
+local.py (a directory) and s3.py (S3 and S3-compatible endpoints); open.py picks one by URI.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import BinaryIO
+
+log = logging.getLogger(__name__)
+
+_MiB = 1024 * 1024
+# Temporary files of the local store start with this; `list` hides them and keys may not use it.
+_TMP_MARK = ".ditfleet-tmp-"
+_COPY_CHUNK = 8 * _MiB
+# A temp file untouched this long belongs to a writer that was killed (a live one writes on).
+STALE_TEMP_AGE_S = 600.0
+
+
+class StoreError(RuntimeError):
+    """A store request failed (after retries), or the store cannot be used at all."""
+
+
+class StoreConfigError(StoreError):
+    """A store cannot be used as configured (missing bucket, bad credentials, not writable, no
+    conditional writes): found before any work, so nothing was written."""
+
+
+class ObjectNotFound(FileNotFoundError):
+    """`get` of a key that does not exist."""
+
+
+@dataclass(frozen=True)
+class S3Config:
+    """Client settings for S3 and S3-compatible stores. Credentials are not here on purpose:
+    boto3 finds them through its normal chain (env, profile, instance role)."""
+
+    endpoint_url: str | None = None  # None = AWS; e.g. "http://127.0.0.1:9000" for MinIO
+    region: str | None = None
+    max_attempts: int = 10  # total attempts per request, first included (botocore "standard" mode)
+    # "when_required": do not add the CRC checksums newer botocore sends by default, which many
+    # S3-compatible servers reject. Content-MD5 is sent on every upload instead.
+    request_checksum_calculation: str = "when_required"
+    response_checksum_validation: str = "when_required"
+    multipart_threshold: int = 64 * _MiB  # objects of at least this size go up in parts
+    multipart_chunksize: int = 16 * _MiB  # part size (S3 requires >= 5 MiB for all but the last)
+    multipart_concurrency: int = 4  # parts of one object in flight at once
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 60.0
+    max_pool_connections: int = 32  # >= the upload threads that share one client
+    addressing_style: str = "auto"  # "path" for most S3-compatible servers, "virtual", "auto"
+    list_page_size: int = 1000  # keys per LIST request (S3's maximum; some servers allow fewer)
+    # A store without conditional writes (501 to If-None-Match) is refused unless the user vouches
+    # that one writer at a time uses the output: create-only writes then fall back to HEAD + PUT.
+    single_writer: bool = False
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.max_attempts >= 1, "max_attempts must be >= 1"),
+            (
+                self.request_checksum_calculation in ("when_required", "when_supported"),
+                "request_checksum_calculation must be 'when_required' or 'when_supported'",
+            ),
+            (
+                self.response_checksum_validation in ("when_required", "when_supported"),
+                "response_checksum_validation must be 'when_required' or 'when_supported'",
+            ),
+            (self.multipart_chunksize >= 5 * _MiB, "multipart_chunksize must be >= 5 MiB (an S3 rule)"),
+            (
+                self.multipart_threshold >= self.multipart_chunksize,
+                "multipart_threshold must be >= multipart_chunksize",
+            ),
+            (self.multipart_concurrency >= 1, "multipart_concurrency must be >= 1"),
+            (self.connect_timeout_s > 0 and self.read_timeout_s > 0, "timeouts must be > 0"),
+            (self.max_pool_connections >= 1, "max_pool_connections must be >= 1"),
+            (1 <= self.list_page_size <= 1000, "list_page_size must be in 1..1000"),
+            (
+                self.addressing_style in ("auto", "path", "virtual"),
+                "addressing_style must be 'auto', 'path' or 'virtual'",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"S3Config: {message} (got {self!r})")
+
+
+def check_key(key: str) -> str:
+    """Refuse a key that could escape the store's root or is not a plain relative path."""
+    bad = None
+    if not isinstance(key, str) or not key:
+        bad = "is empty or not a string"
+    elif key.startswith("/"):
+        bad = "starts with '/'"
+    elif "\\" in key:
+        bad = "contains a backslash"
+    elif any(ord(c) < 0x20 or ord(c) == 0x7F for c in key):
+        bad = "contains a control character"
+    elif any(part in ("", ".", "..") for part in key.split("/")):
+        bad = "has an empty, '.' or '..' component"
+    elif any(part.startswith(_TMP_MARK) for part in key.split("/")):
+        bad = f"uses the reserved prefix {_TMP_MARK!r}"
+    if bad:
+        raise ValueError(f"object key {key!r} {bad}; build keys with workers.output.layout")
+    return key
+
+
+class ObjectStore(abc.ABC):
+    """A flat key -> bytes store rooted at one location; keys are '/'-separated and relative."""
+
+    @abc.abstractmethod
+    def put(self, key: str, data: bytes, content_type: str | None = None) -> None:
+        """Write the whole object (replacing any existing one); never visible half-written."""
+
+    @abc.abstractmethod
+    def put_file(self, key: str, f: BinaryIO, content_type: str | None = None) -> None:
+        """Like `put`, streaming from a seekable binary file from its current position to EOF."""
+
+    @abc.abstractmethod
+    def put_if_absent(self, key: str, data: bytes, content_type: str | None = None) -> bool:
+        """Create the object only if the key is free.
+
+        Returns True when the key now holds `data` because of this call, or holds identical
+        bytes already (a retried write of ours whose reply was lost looks exactly like that);
+        False when another writer's different bytes are there: that writer won. Raises
+        StoreError when the write was refused but no object is there: nobody won, retry.
+        """
+
+    @abc.abstractmethod
+    def get(self, key: str) -> bytes:
+        """The object's bytes; raises ObjectNotFound."""
+
+    @abc.abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> Iterator[str]:
+        """Keys starting with `prefix` (a string prefix, not a directory), lazily, any order."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove the object; deleting a missing key is not an error."""
+
+    @abc.abstractmethod
+    def uri(self, key: str = "") -> str:
+        """Where the key lives, in a form other tools open ("s3://b/p/k" or an absolute path)."""
+
+    @abc.abstractmethod
+    def check_writable(self) -> None:
+        """Fail fast with a StoreError that says what to fix if this store cannot be written."""
+
+    def remove_stale_temp_files(self, min_age_s: float = STALE_TEMP_AGE_S) -> int:
+        """Remove what writers killed mid-write left behind (none by default); returns how many.
+
+        Only files untouched for `min_age_s` go: a live writer's temp file is younger. S3 has
+        nothing here: an unfinished multipart upload is never an object, and the bucket's
+        AbortIncompleteMultipartUpload lifecycle rule removes its parts (deploy/).
+        """
+        return 0
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    # Makes a rename/link durable; some filesystems refuse fsync on directories: not fatal.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,183 @@
+"""A local (or network) directory as an object store: temp file, fsync, rename or hard link."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from typing import BinaryIO
+
+from workers.output.layout import write_check_key
+from workers.storage.base import (
+    _COPY_CHUNK,
+    _TMP_MARK,
+    STALE_TEMP_AGE_S,
+    ObjectNotFound,
+    ObjectStore,
+    StoreConfigError,
+    StoreError,
+    check_key,
+    fsync_dir,
+)
+
+log = logging.getLogger(__name__)
+
+
+class LocalStore(ObjectStore):
+    """A directory on a local or network filesystem. Writes go to a temporary file in the
+    target's directory, are fsynced, then renamed (put) or hard-linked (put_if_absent) into
+    place, so a reader sees the old object, the new one, or none, never a prefix of one."""
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(root)
+
+    def __repr__(self) -> str:
+        return f"LocalStore({self.root!r})"
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.root, *check_key(key).split("/"))
+
+    def _write_temp(self, path: str, f: BinaryIO | None, data: bytes | None) -> str:
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f"{_TMP_MARK}{uuid.uuid4().hex}")
+        try:
+            with open(tmp, "xb") as out:
+                if f is None:
+                    out.write(data)  # type: ignore[arg-type]
+                else:
+                    shutil.copyfileobj(f, out, _COPY_CHUNK)
+                out.flush()
+                os.fsync(out.fileno())
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+        return tmp
+
+    def put(self, key: str, data: bytes, content_type: str | None = None) -> None:
+        self._install(self._path(key), None, bytes(data))
+
+    def put_file(self, key: str, f: BinaryIO, content_type: str | None = None) -> None:
+        self._install(self._path(key), f, None)
+
+    def _install(self, path: str, f: BinaryIO | None, data: bytes | None) -> None:
+        """Write a temp file next to `path`, then rename it over `path`: readers see the old
+        object or the whole new one, never a part."""
+        tmp = self._write_temp(path, f, data)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+        fsync_dir(os.path.dirname(path))
+
+    def put_if_absent(self, key: str, data: bytes, content_type: str | None = None) -> bool:
+        path = self._path(key)
+        data = bytes(data)
+        tmp = self._write_temp(path, None, data)
+        try:
+            # link() fails if the target exists, atomically, on every POSIX filesystem.
+            os.link(tmp, path)
+        except FileExistsError:
+            held = self._holds(path, data)
+            if held is None:
+                raise StoreError(
+                    f"create-only write of {path} was refused (the name existed) but the file is "
+                    "gone now (deleted meanwhile); nothing was committed, retry the write"
+                ) from None
+            return held
+        except OSError as e:
+            if e.errno in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+                raise StoreConfigError(
+                    f"{self.root}: this filesystem does not support hard links, which the "
+                    f"create-only commit of {key!r} needs; use another directory or s3://"
+                ) from e
+            raise
+        finally:
+            _unlink_quietly(tmp)
+        fsync_dir(os.path.dirname(path))
+        return True
+
+    @staticmethod
+    def _holds(path: str, data: bytes) -> bool | None:
+        """True: the file holds `data`; False: other bytes; None: no file."""
+        try:
+            if os.path.getsize(path) != len(data):
+                return False
+            with open(path, "rb") as existing:
+                return existing.read() == data
+        except FileNotFoundError:
+            return None
+
+    def get(self, key: str) -> bytes:
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            raise ObjectNotFound(f"no object {key!r} at {path}") from None
+
+    def exists(self, key: str) -> bool:
+        return os.path.isfile(self._path(key))
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        # Walk only the directory the prefix names, then filter by the string prefix.
+        base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        if base:
+            check_key(base)  # a prefix such as "../" must not walk outside the root
+        top = os.path.join(self.root, *base.split("/")) if base else self.root
+        for dirpath, dirnames, filenames in os.walk(top):
+            dirnames[:] = [d for d in dirnames if not d.startswith(_TMP_MARK)]
+            rel = os.path.relpath(dirpath, self.root)
+            rel = "" if rel == "." else rel.replace(os.sep, "/") + "/"
+            for name in filenames:
+                key = rel + name
+                if not name.startswith(_TMP_MARK) and key.startswith(prefix):
+                    yield key
+
+    def delete(self, key: str) -> None:
+        _unlink_quietly(self._path(key))
+
+    def uri(self, key: str = "") -> str:
+        return self._path(key) if key else self.root
+
+    def remove_stale_temp_files(self, min_age_s: float = STALE_TEMP_AGE_S) -> int:
+        if not os.path.isdir(self.root):
+            return 0
+        cutoff, removed = time.time() - min_age_s, 0
+        for dirpath, _dirnames, filenames in os.walk(self.root):
+            for name in filenames:
+                if not name.startswith(_TMP_MARK):
+                    continue
+                path = os.path.join(dirpath, name)
+                try:
+                    if os.lstat(path).st_mtime < cutoff:
+                        os.unlink(path)
+                        removed += 1
+                except FileNotFoundError:  # its writer finished, or another cleaner was first
+                    pass
+        return removed
+
+    def check_writable(self) -> None:
+        if os.path.exists(self.root) and not os.path.isdir(self.root):
+            raise StoreConfigError(f"output {self.root} exists and is not a directory: choose another path")
+        probe = write_check_key(uuid.uuid4().hex)
+        try:
+            self.put(probe, b"ok")
+            self.delete(probe)
+        except OSError as e:
+            raise StoreConfigError(
+                f"cannot write under {self.root} ({e.strerror or e}): check the path and its "
+                "permissions, or choose another output"
+            ) from e
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
