@@ -265,7 +265,7 @@ def test_a_cpu_job_is_planned_in_host_memory_without_the_cuda_reserve(capsys):
 
 def test_a_model_in_a_bucket_is_planned_from_its_config_files(s3_server, s3_bucket):
     from driver.memory_plan import MemoryPlanError, MemoryRequest, job_memory_plan
-    from workers.storage import open_store
+    from workers.storage import StoreError, open_store
 
     uri = f"s3://{s3_bucket}/models/qwen-image"
     store = open_store(uri, s3_server.config())
@@ -280,5 +280,5 @@ def test_a_model_in_a_bucket_is_planned_from_its_config_files(s3_server, s3_buck
     with pytest.raises(MemoryPlanError, match="the largest batch that fits 48 GB is 7"):
         plan.check("job.yaml")
     store.delete("vae/config.json")
-    with pytest.raises(Exception, match="vae/config.json"):
+    with pytest.raises(StoreError, match=rf"s3://{s3_bucket}/models/qwen-image/vae/config.json: missing"):
         job_memory_plan(request)

@@ -68,7 +68,9 @@ def test_put_cut_half_way_leaves_no_visible_object(s3_server, s3_bucket, fault_p
     store.put("images/00000/old.png", b"old bytes")
     fault_proxy.set_plan(FaultPlan(rules=[Rule(lambda method, path: method == "PUT", "cut")]))
     for key in ("images/00000/new.png", "images/00000/old.png"):
-        with pytest.raises(Exception, match="(?i)connection|closed|reset|aborted"):
+        with pytest.raises(
+            StoreError, match=rf"S3 PUT of s3://{s3_bucket}/out/{key} .*(?i:connection|closed|reset|aborted)"
+        ):
             store.put(key, _blob(1, 64 * 1024))
     assert fault_proxy.counts["cut"] == 4  # both attempts of both puts reached the server half-sent
     assert _missing(s3_server.admin, s3_bucket, "out/images/00000/new.png")
@@ -91,7 +93,10 @@ def test_multipart_upload_whole_and_aborted_on_any_error(s3_server, s3_bucket, f
     fault_proxy.set_plan(
         FaultPlan(rules=[Rule(lambda method, path: method == "PUT" and "partNumber=2" in path, "cut")])
     )
-    with pytest.raises(Exception, match="(?i)connection|closed|reset|aborted"):
+    with pytest.raises(
+        StoreError,
+        match=rf"S3 PUT of s3://{s3_bucket}/out/data/shard-00001.parquet .*(?i:connection|closed|reset|aborted)",
+    ):
         store.put("data/shard-00001.parquet", data)
     assert _missing(s3_server.admin, s3_bucket, "out/data/shard-00001.parquet")
     assert _no_multipart_uploads(s3_server.admin, s3_bucket)

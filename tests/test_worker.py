@@ -12,6 +12,7 @@ import pytest
 from tests.fault_proxy import FaultPlan, Rule
 from tests.worker_fixtures import shard_of, worker_config, write_prompts
 from workers.actor import GenerationWorker
+from workers.output.formats import ShardStoreError
 from workers.output.layout import data_key, manifest_key
 from workers.output.manifest import read_manifests
 from workers.storage import StoreError, open_store
@@ -126,7 +127,10 @@ def test_upload_that_keeps_failing_commits_nothing(
         f"s3://{s3_bucket}/cut",
         s3=s3_server.config(fault_proxy.endpoint_url, max_attempts=2),
     )
-    with pytest.raises(Exception, match="p00004"):
+    with pytest.raises(
+        ShardStoreError,
+        match=r"1 image\(s\) could not be stored; first: s3://[^ ]*/cut/images/00000/[^ ]*/p00004\.png",
+    ):
         GenerationWorker(cfg).run_shard(shard_of(prompts, 0, 0, N), attempt=0)
     keys = list(open_store(f"s3://{s3_bucket}/cut", s3_server.config()).list(""))
     assert not [k for k in keys if k.startswith("manifests/")]
