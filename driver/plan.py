@@ -8,17 +8,16 @@ the same `workers.rows.resolve_rows` the planner's counts come from.
 The plan's fingerprint covers everything that changes the images a row gets (model identity,
 sampling defaults, buckets, job seed, shard size) and the identity of every input file, so an
 output directory is never resumed with a different job. Incremental jobs (driver.increment)
-fingerprint the settings alone and record each run's shards in the output.
+fingerprint the settings alone and record each run's shards in the output. The fingerprint is
+stored, with what it covers, in the output's `_job.json` (driver.job_file).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import platform
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from importlib import metadata
 from typing import Any
 
 import pyarrow as pa
@@ -32,7 +31,6 @@ from workers.rows import MAX_SIDE, RowConfig, ShardSpec
 from workers.storage.input_files import InputFileError, footer_sha256, largest_row_group
 
 FINGERPRINT_VERSION = 1
-JOB_DOC_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -102,11 +100,6 @@ class JobPlan:
         """sha256 (hex) of the canonical JSON of fingerprint_doc()."""
         return fingerprint_of(self.fingerprint_doc())
 
-    def diff(self, other_doc: Mapping[str, Any]) -> list[str]:
-        """In words, how `other_doc` (an earlier fingerprint_doc, e.g. from an existing _job.json)
-        differs from this plan; empty when they are the same."""
-        return describe_differences(other_doc, self.fingerprint_doc())
-
     @property
     def bucket_usage(self) -> dict[str, int]:
         """Shards per bucket (a shard counts once per bucket it uses)."""
@@ -144,39 +137,6 @@ def settings_doc(config: PlanConfig, incremental: bool = False) -> dict[str, Any
 
 def fingerprint_of(doc: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def describe_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
-    """'job_seed: 1 in the existing output, 2 now', 'input file ... was added', ..."""
-    out: list[str] = []
-    for key in sorted((set(old) | set(new)) - {"inputs", "image_settings"}):
-        if old.get(key) != new.get(key):
-            out.append(f"{key}: {old.get(key)!r} in the existing output, {new.get(key)!r} now")
-    old_img, new_img = old.get("image_settings") or {}, new.get("image_settings") or {}
-    for key in sorted(set(old_img) | set(new_img)):
-        if old_img.get(key) != new_img.get(key):
-            out.append(
-                f"image_settings.{key}: {old_img.get(key)!r} in the existing output, {new_img.get(key)!r} now"
-            )
-    old_in = {i["uri"]: i for i in old.get("inputs") or []}
-    new_in = {i["uri"]: i for i in new.get("inputs") or []}
-    for uri in new_in.keys() - old_in.keys():
-        out.append(f"input file {uri} was added")
-    for uri in old_in.keys() - new_in.keys():
-        out.append(f"input file {uri} was removed")
-    for uri in sorted(old_in.keys() & new_in.keys()):
-        a, b = old_in[uri], new_in[uri]
-        changes = [f"{k} {a.get(k)} -> {b.get(k)}" for k in ("size", "rows") if a.get(k) != b.get(k)]
-        if a.get("footer_sha256") != b.get("footer_sha256"):
-            changes.append("content differs")
-        if changes:
-            out.append(f"input file {uri} changed ({', '.join(changes)})")
-    same_files = old_in.keys() == new_in.keys()
-    if same_files and [i["uri"] for i in old.get("inputs") or []] != [
-        i["uri"] for i in new.get("inputs") or []
-    ]:
-        out.append("input files are in a different order (rows without an id would get other ids)")
-    return out
 
 
 class ShardCutter:
@@ -352,57 +312,4 @@ def row_group_warnings(source: PromptSource, files: Sequence[InputFile], shard_s
         "row group from its start up to its shard's last row, so most of what it reads belongs to "
         "other shards. Rewrite the files with smaller row groups, e.g. "
         f"pyarrow.parquet.write_table(table, path, row_group_size={shard_size}), or raise shards.size"
-    ]
-
-
-def runtime_versions() -> dict[str, str]:
-    """Versions that can change the images or the output format, for _job.json."""
-    out = {"python": platform.python_version()}
-    for dist in ("ditfleet", "torch", "pyarrow"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist] = "not installed"
-    return out
-
-
-def job_document(
-    plan: JobPlan,
-    resolved_spec: Mapping[str, Any],
-    versions: Mapping[str, str] | None = None,
-    created_at: str | None = None,
-) -> dict[str, Any]:
-    """The content of {out}/_job.json: the resolved job spec (from jobs/, JSON-safe), the plan's
-    fingerprint and what it was computed over, plan totals, and software versions."""
-    doc: dict[str, Any] = {
-        "version": JOB_DOC_VERSION,
-        "spec": dict(resolved_spec),
-        "fingerprint": plan.fingerprint(),
-        "fingerprint_doc": plan.fingerprint_doc(),
-        "plan": {
-            "source": plan.source,
-            "files": len(plan.inputs),
-            "rows": plan.total_rows,
-            "images": plan.total_images,
-            "shards": len(plan.shards),
-            "shard_size": plan.config.shard_size,
-            "buckets_used": list(plan.buckets_used),
-            "empty_files": list(plan.empty_files),
-        },
-        "versions": dict(versions) if versions is not None else runtime_versions(),
-    }
-    if created_at is not None:
-        doc["created_at"] = created_at
-    return doc
-
-
-def fingerprint_mismatch(existing_job_doc: Mapping[str, Any], plan: JobPlan) -> list[str]:
-    """Why an output's existing _job.json does not belong to `plan`; empty when it does."""
-    if existing_job_doc.get("fingerprint") == plan.fingerprint():
-        return []
-    old = existing_job_doc.get("fingerprint_doc")
-    if not isinstance(old, Mapping):
-        return ["the existing _job.json has no fingerprint_doc (written by another version or tool)"]
-    return plan.diff(old) or [
-        "the fingerprint differs, but no listed setting does (fingerprint format changed)"
     ]

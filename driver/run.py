@@ -39,10 +39,11 @@ from driver.dispatch import DispatchConfig, DispatchEvents, DispatchResult, run_
 from driver.increment import IncrementPlan, commit_increment, plan_increment
 from driver.locations import check_locations
 from driver.metrics import FanOut
+from driver.output_json import read_json
 from driver.plan import JobPlan, PlanConfig, plan_job
 from driver.progress import JobProgress
 from driver.prompts import PromptSource
-from driver.status import OutputCounts, count_shards, read_json
+from driver.status import OutputCounts, count_shards
 from driver.summary import JobSummary, build_summary
 from driver.validate import ValidationReport, validate_input
 from driver.verify import clean_orphans

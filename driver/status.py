@@ -10,7 +10,6 @@ incremental job, in the union of its run records (driver.runs).
 from __future__ import annotations
 
 import io
-import json
 from collections import Counter
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -20,10 +19,12 @@ from typing import Any
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from driver.job_file import read_job_file
+from driver.output_json import read_json
 from driver.runs import RecordedPlan, read_run_records
-from workers.output.layout import job_key, manifest_key, success_key
+from workers.output.layout import manifest_key, success_key
 from workers.output.manifest import committed_shards
-from workers.storage import ObjectNotFound, ObjectStore
+from workers.storage import ObjectStore
 
 _COLUMNS = ["id", "status", "error"]
 _READ_THREADS = 16  # manifests are small; reading them is round trips, not bandwidth
@@ -85,22 +86,6 @@ def count_shards(store: ObjectStore, shards: Iterable[int], threads: int = _READ
     return total
 
 
-def read_json(store: ObjectStore, key: str) -> dict[str, Any] | None:
-    """The JSON object at `key`, or None when there is none. Raises ValueError naming the key
-    when it is not JSON (a damaged or foreign file)."""
-    try:
-        data = store.get(key)
-    except ObjectNotFound:
-        return None
-    try:
-        doc = json.loads(data)
-    except ValueError as e:
-        raise ValueError(f"{store.uri(key)} is not valid JSON ({e}); was it written by ditfleet?") from e
-    if not isinstance(doc, dict):
-        raise ValueError(f"{store.uri(key)} does not hold a JSON object; was it written by ditfleet?")
-    return doc
-
-
 @dataclass
 class OutputStatus:
     """An output as `ditfleet status` shows it."""
@@ -117,10 +102,6 @@ class OutputStatus:
     @property
     def plan(self) -> dict[str, Any]:
         return self.recorded if self.recorded is not None else ((self.job or {}).get("plan") or {})
-
-    @property
-    def planned_shards(self) -> int | None:
-        return self.plan.get("shards")
 
     def to_dict(self) -> dict[str, Any]:
         plan = self.plan
@@ -180,7 +161,7 @@ def _ranges(shards: list[int], limit: int = 20) -> str:
 
 def output_status(store: ObjectStore) -> OutputStatus:
     """Read what `store` (an output root) holds."""
-    job = read_json(store, job_key())
+    job = read_job_file(store)
     committed = sorted(committed_shards(store))
     have = set(committed)
     recorded = None

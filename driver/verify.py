@@ -38,8 +38,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from driver.output_json import read_json
 from driver.runs import RecordedPlan, RunRecordError, read_run_records
-from driver.status import read_json
 from workers.output.layout import (
     DATA_PREFIX,
     IMAGE_EXTENSIONS,

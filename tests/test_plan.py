@@ -20,7 +20,8 @@ import pytest
 
 from compile.buckets import TINY_BUCKETS, BucketSet
 from driver.errors import InputError
-from driver.plan import JobPlan, PlanConfig, fingerprint_mismatch, job_document, plan_job
+from driver.job_file import describe_differences, fingerprint_differences, job_document
+from driver.plan import JobPlan, PlanConfig, plan_job
 from driver.prompts import PromptSource
 from workers.rows import PromptRow, RowConfig, derive_seed, read_shard_rows, resolve_rows
 from workers.storage.input_files import InputFileError, filesystem_for
@@ -207,7 +208,7 @@ def test_fingerprint_is_stable_and_says_what_changed(tmp_path: Path):
     first = plan_of(tmp_path / "in", image_settings=settings)
     again = plan_of(tmp_path / "in", image_settings=dict(settings))
     assert first.fingerprint() == again.fingerprint() and len(first.fingerprint()) == 64
-    assert first.diff(again.fingerprint_doc()) == []
+    assert describe_differences(again.fingerprint_doc(), first.fingerprint_doc()) == []
 
     seed = plan_of(
         tmp_path / "in",
@@ -215,17 +216,17 @@ def test_fingerprint_is_stable_and_says_what_changed(tmp_path: Path):
         image_settings=settings,
     )
     assert seed.fingerprint() != first.fingerprint()
-    assert seed.diff(first.fingerprint_doc()) == ["job_seed: 1234 in the existing output, 9 now"]
+    assert describe_differences(first.fingerprint_doc(), seed.fingerprint_doc()) == ["job_seed: 1234 in the existing output, 9 now"]
 
     revision = plan_of(tmp_path / "in", image_settings={**settings, "revision": "def"})
-    assert revision.diff(first.fingerprint_doc()) == [
+    assert describe_differences(first.fingerprint_doc(), revision.fingerprint_doc()) == [
         "image_settings.revision: 'abc' in the existing output, 'def' now"
     ]
 
     write(tmp_path / "in" / "b.parquet", {"prompt": ["w"]})  # same size, other content
     write(tmp_path / "in" / "c.parquet", {"prompt": ["v"]})
     changed = plan_of(tmp_path / "in", image_settings=settings)
-    assert changed.diff(first.fingerprint_doc()) == [
+    assert describe_differences(first.fingerprint_doc(), changed.fingerprint_doc()) == [
         f"input file {tmp_path / 'in' / 'c.parquet'} was added",
         f"input file {tmp_path / 'in' / 'b.parquet'} changed (content differs)",
     ]
@@ -238,9 +239,9 @@ def test_job_document_and_resume_check(tmp_path: Path):
     assert doc["spec"] == {"output": "s3://b/out"} and doc["versions"] == {"torch": "x"}
     assert doc["fingerprint"] == plan.fingerprint()
     assert doc["plan"]["rows"] == 3 and doc["plan"]["images"] == 6 and doc["plan"]["shards"] == 2
-    assert fingerprint_mismatch(doc, plan) == []
+    assert fingerprint_differences(doc, plan.fingerprint(), plan.fingerprint_doc()) == []
     other = plan_of(tmp_path / "p.parquet", shard_size=3, image_settings={"model": "tiny"})
-    assert fingerprint_mismatch(doc, other) == ["shard_size: 2 in the existing output, 3 now"]
+    assert fingerprint_differences(doc, other.fingerprint(), other.fingerprint_doc()) == ["shard_size: 2 in the existing output, 3 now"]
     assert set(job_document(plan, {})["versions"]) == {"python", "ditfleet", "torch", "pyarrow"}
 
 

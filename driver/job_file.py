@@ -1,0 +1,196 @@
+"""`_job.json`, the file that says which job an output belongs to; this module owns it.
+
+What it holds (one version for plain and incremental jobs):
+
+    version          JOB_FILE_VERSION
+    spec             the resolved job spec (every default filled in), so an output says how it was made
+    fingerprint      sha256 of fingerprint_doc (driver.plan.fingerprint_of)
+    fingerprint_doc  what the fingerprint covers: the settings that change pixels and, for a plain
+                     job, the identity of every input file (an incremental job's input grows, so
+                     its fingerprint covers the settings alone, with "incremental": true)
+    plan             totals of a plain job's plan; an incremental job's source and shard size
+    versions         python, ditfleet, torch, pyarrow
+    created_at       when the output was claimed (UTC, ISO 8601)
+
+It is written once, create-only (`write_job_file`): of two drivers claiming the same output, one
+wins and the other reads what won. `read_job_file` reads it back, `fingerprint_differences` says in
+words how a new job differs from the one on disk. The claim policy (when to write, when to refuse)
+is driver.claim's.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import platform
+from collections.abc import Mapping
+from importlib import metadata
+from typing import Any
+
+from driver.output_json import read_json
+from driver.plan import JobPlan, PlanConfig, fingerprint_of, settings_doc
+from workers.output.layout import job_key
+from workers.storage import ObjectStore
+
+JOB_FILE_VERSION = 1
+_RESTORE = "Restore it from a backup, or write to a new output"
+
+
+class OutputMismatch(ValueError):
+    """The output holds another job's results (different fingerprint) or is not a job output."""
+
+
+def runtime_versions() -> dict[str, str]:
+    """Versions that can change the images or the output format."""
+    out = {"python": platform.python_version()}
+    for dist in ("ditfleet", "torch", "pyarrow"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = "not installed"
+    return out
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _document(
+    spec: Mapping[str, Any],
+    fingerprint_doc: Mapping[str, Any],
+    plan: dict[str, Any],
+    versions: Mapping[str, str] | None,
+    created_at: str | None,
+) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "version": JOB_FILE_VERSION,
+        "spec": dict(spec),
+        "fingerprint": fingerprint_of(fingerprint_doc),
+        "fingerprint_doc": dict(fingerprint_doc),
+        "plan": plan,
+        "versions": dict(versions) if versions is not None else runtime_versions(),
+    }
+    if created_at is not None:
+        doc["created_at"] = created_at
+    return doc
+
+
+def job_document(
+    plan: JobPlan,
+    resolved_spec: Mapping[str, Any],
+    versions: Mapping[str, str] | None = None,
+    created_at: str | None = None,
+) -> dict[str, Any]:
+    """The `_job.json` of a plain job: its spec, the plan's fingerprint and totals, versions."""
+    totals = {
+        "source": plan.source,
+        "files": len(plan.inputs),
+        "rows": plan.total_rows,
+        "images": plan.total_images,
+        "shards": len(plan.shards),
+        "shard_size": plan.config.shard_size,
+        "buckets_used": list(plan.buckets_used),
+        "empty_files": list(plan.empty_files),
+    }
+    return _document(resolved_spec, plan.fingerprint_doc(), totals, versions, created_at)
+
+
+def incremental_job_document(
+    config: PlanConfig,
+    source: str,
+    resolved_spec: Mapping[str, Any],
+    versions: Mapping[str, str] | None = None,
+    created_at: str | None = None,
+) -> dict[str, Any]:
+    """The `_job.json` of an incremental job: the settings fingerprint only (its runs record
+    their shards in `_runs/`, driver.run_records)."""
+    plan = {"source": source, "incremental": True, "shard_size": config.shard_size}
+    return _document(resolved_spec, settings_doc(config, incremental=True), plan, versions, created_at)
+
+
+def write_job_file(store: ObjectStore, doc: Mapping[str, Any]) -> bool:
+    """Write `_job.json` create-only, stamped with the time unless `doc` has one. False: the
+    output has one already (nothing written)."""
+    doc = {**doc, "created_at": doc.get("created_at") or _now()}
+    return store.put_if_absent(job_key(), (json.dumps(doc, indent=2) + "\n").encode(), "application/json")
+
+
+def read_job_file(store: ObjectStore) -> dict[str, Any] | None:
+    """The output's `_job.json` as written, or None when there is none. Raises OutputMismatch
+    naming the file when it is not a JSON object (damaged, or written by another tool)."""
+    try:
+        return read_json(store, job_key())
+    except ValueError as e:
+        raise OutputMismatch(f"{e}. {_RESTORE}") from e
+
+
+def check_job_file(store: ObjectStore, doc: Mapping[str, Any]) -> None:
+    """Refuse a `_job.json` that this ditfleet cannot compare a job with, naming the file."""
+    where = store.uri(job_key())
+    version = doc.get("version")
+    if version != JOB_FILE_VERSION:
+        if isinstance(version, int) and version > JOB_FILE_VERSION:
+            raise OutputMismatch(
+                f"{where} has version {version}; this ditfleet reads version {JOB_FILE_VERSION}. "
+                "Run the job with the ditfleet version that made the output, or write to a new output"
+            )
+        raise OutputMismatch(
+            f"{where} is not a ditfleet job file (version {version!r}, expected {JOB_FILE_VERSION}): "
+            f"it was written by another tool, or damaged. {_RESTORE}"
+        )
+    for key, kind in (("fingerprint", str), ("fingerprint_doc", Mapping)):
+        if not isinstance(doc.get(key), kind):
+            raise OutputMismatch(
+                f"{where} has no valid {key!r}, so this job cannot be checked against it. {_RESTORE}"
+            )
+
+
+def fingerprint_differences(
+    existing: Mapping[str, Any], fingerprint: str, fingerprint_doc: Mapping[str, Any]
+) -> list[str]:
+    """Why an existing (checked) `_job.json` does not belong to the job with this fingerprint, in
+    words; empty when it does."""
+    if existing.get("fingerprint") == fingerprint:
+        return []
+    return describe_differences(existing["fingerprint_doc"], fingerprint_doc) or [
+        "the fingerprint differs, but no listed setting does (fingerprint format changed)"
+    ]
+
+
+def describe_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """'job_seed: 1 in the existing output, 2 now', 'input file ... was added', ... between two
+    fingerprint docs."""
+    out = _setting_differences(old, new)
+    old_in = {i["uri"]: i for i in old.get("inputs") or []}
+    new_in = {i["uri"]: i for i in new.get("inputs") or []}
+    for uri in new_in.keys() - old_in.keys():
+        out.append(f"input file {uri} was added")
+    for uri in old_in.keys() - new_in.keys():
+        out.append(f"input file {uri} was removed")
+    for uri in sorted(old_in.keys() & new_in.keys()):
+        a, b = old_in[uri], new_in[uri]
+        changes = [f"{k} {a.get(k)} -> {b.get(k)}" for k in ("size", "rows") if a.get(k) != b.get(k)]
+        if a.get("footer_sha256") != b.get("footer_sha256"):
+            changes.append("content differs")
+        if changes:
+            out.append(f"input file {uri} changed ({', '.join(changes)})")
+    same_files = old_in.keys() == new_in.keys()
+    if same_files and [i["uri"] for i in old.get("inputs") or []] != [
+        i["uri"] for i in new.get("inputs") or []
+    ]:
+        out.append("input files are in a different order (rows without an id would get other ids)")
+    return out
+
+
+def _setting_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    out: list[str] = []
+    for key in sorted((set(old) | set(new)) - {"inputs", "image_settings"}):
+        if old.get(key) != new.get(key):
+            out.append(f"{key}: {old.get(key)!r} in the existing output, {new.get(key)!r} now")
+    old_img, new_img = old.get("image_settings") or {}, new.get("image_settings") or {}
+    for key in sorted(set(old_img) | set(new_img)):
+        if old_img.get(key) != new_img.get(key):
+            out.append(
+                f"image_settings.{key}: {old_img.get(key)!r} in the existing output, {new_img.get(key)!r} now"
+            )
+    return out
