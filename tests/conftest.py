@@ -29,3 +29,14 @@ def real_widths_dir(tmp_path_factory):
     from tests.real_widths import write_real_widths_checkpoint
 
     return write_real_widths_checkpoint(tmp_path_factory.mktemp("real-widths") / "qwen-image", num_layers=1)
+
+
+@pytest.fixture
+def torch_threads():
+    """Set torch's intra-op thread count for one test: `torch_threads(2)`. The count is process-wide,
+    so it is put back afterwards rather than leaking into every later test of the session."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
