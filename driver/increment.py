@@ -3,7 +3,7 @@
 An incremental job (`input.incremental: true`) reads a directory or prefix that grows. A run:
 
 1. lists the input files and identifies each by size and footer hash (one small read per file);
-2. reads the output's run records (driver.runs): the shards every earlier run planned;
+2. reads the output's run records (driver.run_records): the shards every earlier run planned;
 3. carries over the earlier shards that are not committed yet (a crashed or failed run), with
    their numbers, if their file is unchanged; gives up (supersedes) those whose file changed or
    went away, so that their rows are planned again from the files as they are now;
@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 from driver.errors import file_error
 from driver.plan import PlanConfig, ShardCutter, row_group_warnings
 from driver.prompts import InputFile, PromptSource
-from driver.runs import (
+from driver.run_records import (
     FileEntry,
     RecordedPlan,
     RunRecord,

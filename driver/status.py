@@ -4,7 +4,7 @@ Used by `ditfleet status` and by the driver for its final counts: the manifests 
 (a shard committed by an earlier run, or by a twin of a speculative run, counts exactly as one
 committed now). Each manifest is read on its own, only the columns counted, so memory stays
 O(shards) whatever the number of rows. What was planned is in `_job.json`, or, for an
-incremental job, in the union of its run records (driver.runs).
+incremental job, in the union of its run records (driver.run_records).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 
 from driver.job_file import read_job_file
 from driver.output_json import read_json
-from driver.runs import RecordedPlan, read_run_records
+from driver.run_records import RecordedPlan, read_run_records
 from workers.output.layout import manifest_key, success_key
 from workers.output.manifest import committed_shards
 from workers.storage import ObjectStore

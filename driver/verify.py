@@ -39,7 +39,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from driver.output_json import read_json
-from driver.runs import RecordedPlan, RunRecordError, read_run_records
+from driver.run_records import RecordedPlan, RunRecordError, read_run_records
 from workers.output.layout import (
     DATA_PREFIX,
     IMAGE_EXTENSIONS,

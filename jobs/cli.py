@@ -36,7 +36,7 @@ from driver.dispatch import DispatchError
 from driver.errors import InputError
 from driver.locations import LocationError, check_local_output_nodes
 from driver.memory_plan import JobMemoryPlan, MemoryPlanError, job_memory_plan
-from driver.run import OutputMismatch, plan_input, preview_increment, run_job, validate_job_input
+from driver.run_job import OutputMismatch, plan_input, preview_increment, run_job, validate_job_input
 from driver.status import output_status
 from jobs.spec import JobSpec, SpecError, load_spec
 from jobs.submit import SubmitError

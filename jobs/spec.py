@@ -24,7 +24,7 @@ from compile.config import CompileConfig
 from driver.dispatch import DispatchConfig
 from driver.memory_plan import MemoryRequest
 from driver.plan import PlanConfig
-from driver.run import DriverConfig
+from driver.run_job import DriverConfig
 from workers.cache_secret import CacheSecretSource
 from workers.contract import LoraSpec, WorkerConfig
 from workers.output.formats import ShardWriterConfig

@@ -38,7 +38,7 @@ def main(spec_path: str) -> int:
 
     from driver.dispatch import DispatchConfig
     from driver.plan import PlanConfig
-    from driver.run import DriverConfig, run_job
+    from driver.run_job import DriverConfig, run_job
     from driver.verify import verify_output
     from tests.worker_fixtures import row_config, worker_config
     from workers.output.layout import MANIFESTS_PREFIX

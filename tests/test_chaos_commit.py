@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from driver.plan import PlanConfig
-from driver.run import DriverConfig, claim_output, plan_input
+from driver.run_job import DriverConfig, claim_output, plan_input
 from driver.verify import verify_output
 from jobs.cli import main
 from tests.worker_fixtures import finish_like_driver, row_config, worker_config, write_prompts

@@ -12,7 +12,7 @@ import pytest
 
 from driver.dispatch import DispatchConfig
 from driver.plan import PlanConfig
-from driver.run import DriverConfig, OutputMismatch, run_job
+from driver.run_job import DriverConfig, OutputMismatch, run_job
 from driver.status import output_status
 from tests.dispatch_workers import SleepingWorker, SleepingWorkerConfig
 from workers.output.layout import job_key, success_key

@@ -18,7 +18,7 @@ from driver.claim import OutputMismatch
 from driver.dispatch import DispatchConfig
 from driver.errors import InputError
 from driver.plan import PlanConfig
-from driver.run import DriverConfig, run_job
+from driver.run_job import DriverConfig, run_job
 from driver.status import output_status
 from tests.dispatch_workers import SleepingWorker, SleepingWorkerConfig
 from workers.output.layout import RUNS_PREFIX, run_key, success_key
@@ -296,7 +296,7 @@ class _KilledAfter:
 
 def _success_with_uncommitted_shards(out: str) -> list[int]:
     """Planned shards without a manifest, if _SUCCESS is there (else [])."""
-    from driver.runs import RecordedPlan, read_run_records
+    from driver.run_records import RecordedPlan, read_run_records
     from workers.output.manifest import committed_shards
 
     store = open_store(out)
@@ -309,7 +309,7 @@ def _success_with_uncommitted_shards(out: str) -> list[int]:
 def test_success_never_stands_next_to_uncommitted_shards_wherever_the_driver_dies(tmp_path: Path):
     from driver.claim import claim_incremental_output
     from driver.increment import commit_increment, plan_increment
-    from driver.run import prompt_source
+    from driver.run_job import prompt_source
     from workers.output.manifest import committed_shards
 
     src = tmp_path / "in"

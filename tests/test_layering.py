@@ -169,7 +169,7 @@ def test_the_parser_sees_every_layer_and_its_imports():
     seen = {(e.source, e.target) for e in edges}
     assert ("driver.plan", "workers.rows") in seen
     assert ("workers.actor", "workers.contract") in seen  # relative: `from .contract import ...`
-    assert ("jobs.cli", "driver.run") in seen
+    assert ("jobs.cli", "driver.run_job") in seen
 
 
 def test_no_upward_import():

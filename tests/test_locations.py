@@ -187,7 +187,7 @@ def test_the_driver_pins_a_local_output_to_its_node_unless_shared(tmp_path, ray_
 
     import ray
 
-    from driver.run import DriverConfig, _pin_output_node
+    from driver.run_job import DriverConfig, _pin_output_node
     from workers.actor import WorkerConfig
 
     worker = WorkerConfig(output_uri=str(tmp_path / "out"))

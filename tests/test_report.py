@@ -22,7 +22,7 @@ from PIL import Image
 
 from driver.dispatch import DispatchConfig
 from driver.plan import PlanConfig
-from driver.run import DriverConfig, run_job
+from driver.run_job import DriverConfig, run_job
 from jobs.cli import main
 from jobs.report import THUMB, load_report_data, render_html
 from tests.worker_fixtures import row_config, worker_config, write_prompts

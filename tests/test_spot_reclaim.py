@@ -18,7 +18,7 @@ import pytest
 
 from driver.dispatch import DispatchConfig
 from driver.plan import PlanConfig
-from driver.run import DriverConfig, run_job
+from driver.run_job import DriverConfig, run_job
 from tests.worker_fixtures import row_config, worker_config, write_prompts
 from workers.output.layout import IMAGES_PREFIX, MANIFESTS_PREFIX, manifest_key
 from workers.output.manifest import read_manifests

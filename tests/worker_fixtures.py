@@ -98,7 +98,7 @@ def finish_like_driver(store: Any, plan: Any) -> None:
     import io
 
     from driver.progress import JobProgress
-    from driver.run import finish_output
+    from driver.run_job import finish_output
     from driver.status import count_shards
     from driver.summary import build_summary
 
