@@ -13,6 +13,13 @@ were built during the warm-up (`KernelSnapshot`), written back under the same na
 kernels an actor's local cache already held are not in its blob (a fleet node starts with an
 empty cache, so this matters only on a developer's machine).
 
+The compiled DiT is covered the same way: its graphs have dynamic batch and text-length
+dimensions, so the artifacts of one warm-up serve every prompt length and batch size, and the
+CFG mode (serial or batched: only the batch size differs) does not change them. What a loading
+actor still does itself: Dynamo traces each graph again (seconds), and on CPU Inductor
+preprocesses and precompiles its C++ prefix header once per node (outside the cache directory,
+tens of seconds on a fresh node) before it loads the first kernel library.
+
 Storage goes through a two-method interface (`ArtifactStore`), so this module does not know S3;
 the worker's object stores fit it as they are (a `get` that raises FileNotFoundError for a missing
 key counts as missing). Writes are create-only (the first writer

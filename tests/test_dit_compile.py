@@ -1,11 +1,18 @@
 """The compiled DiT: one graph pair per resolution bucket, then no compile for any prompt length
-(1-1024 tokens) or batch size up to batch_size, padded or not.
+(1-1024 tokens) or batch size up to batch_size, padded or not; and a fresh actor that loads the
+graphs and kernels from the shared compile cache instead of compiling them.
 
 Dynamo's "eager" backend guards and recompiles exactly as Inductor does, at no codegen cost; one
 slow case runs Inductor itself on one bucket.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,3 +108,53 @@ def test_inductor_dit_one_bucket_any_length_and_batch(random_model_dir):
             expected = generate(eager, SMALL_BUCKETS[0], inputs, seeds=range(batch), steps=1)
             torch.testing.assert_close(image, expected, atol=1e-4, rtol=0)
     assert tally.count == 0
+
+
+@pytest.mark.slow
+def test_a_fresh_actor_loads_the_compiled_dit_from_the_shared_cache(random_model_dir, tmp_path):
+    """Actor A compiles the DiT with Inductor and publishes; actor B, a fresh process with an
+    empty local Inductor cache, loads the blob: its warm-up finds both graphs in the cache and
+    builds no kernel library, its images equal A's bit for bit, and no request compiles."""
+    cases = [[1, 1], [3, 7], [2, 300]]  # batch sizes and prompt lengths the warm-up never ran
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TORCHINDUCTOR_COMPILE_THREADS": "1",
+        "DITFLEET_COMPILE_CACHE_KEY": "dit cache test key, 32 bytes...",
+    }
+    root = Path(__file__).resolve().parents[1]
+    results = {}
+    for actor in ("a", "b"):
+        args = {
+            "model": str(random_model_dir),
+            "buckets": [SMALL_BUCKETS[0].name],
+            "store": str(tmp_path / "shared"),
+            "cfg_mode": "serial",
+            "cases": cases,
+            "images": str(tmp_path / f"{actor}.pt"),
+        }
+        done = subprocess.run(
+            [sys.executable, "-m", "tests.dit_cache_child", json.dumps(args)],
+            cwd=root,
+            env={**env, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor-{actor}")},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stderr[-4000:]
+        results[actor] = json.loads(done.stdout.strip().splitlines()[-1])
+    a, b = results["a"], results["b"]
+    assert (a["load"], a["save"], b["load"], b["save"]) == ("missing", "saved", "loaded", "skipped")
+    assert a["key"] == b["key"] and a["fxgraph_miss"] == 2 and a["startup_kernel_builds"] > 0
+    assert b["kernels_loaded"] == a["save_kernels"] > 0
+    # B: both graphs (attention_inputs, attention_outputs) from the cache, no kernel built.
+    assert (b["fxgraph_hit"], b["fxgraph_miss"], b["fxgraph_bypass"]) == (2, 0, 0), b
+    assert b["startup_kernel_builds"] == 0, b
+    assert set(b["status"].values()) == {"compiled"}
+    for r in (a, b):
+        assert (r["request_compiles"], r["request_kernel_builds"]) == (0, 0), r
+    images_a, images_b = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
+    assert sorted(images_a) == sorted(images_b) and len(images_a) == len(cases)
+    for name, image in images_a.items():
+        assert torch.equal(image, images_b[name]), name
+    print(f"\nstart-up of the compiled DiT: {a['startup_s']}s compiling, {b['startup_s']}s from the cache")
