@@ -5,21 +5,18 @@
 1. Plan: validate every input row and cut shards (driver.plan). Bad input raises InputError
    here, before the output is touched or any actor starts.
 2. Output: write `_job.json` create-only, or, if the output has one, check that its fingerprint
-   is this plan's (else OutputMismatch, saying what differs). Committed shards (manifests) are
-   skipped: running the same command again resumes.
+   is this plan's (else OutputMismatch, saying what differs; driver.claim). Committed shards
+   (manifests) are skipped: running the same command again resumes.
 3. Dispatch the remaining shards over worker actors (driver.dispatch).
-4. Count rows and images from the manifests; when every shard is committed, write `_SUCCESS`
-   (the summary, JSON). Print the summary. The caller exits with `summary.exit_code`.
-
-`_SUCCESS` is written only after dispatch has fenced every actor (driver.fence: each one's
-process is gone) and the orphans of this run's committed shards (objects of losing or killed
-runs, which no manifest names, see workers.output.layout) are deleted: at that point nothing of the
-job writes any more, and the data areas hold exactly what the manifests name.
+4. Finish (driver.finish): count rows and images from the manifests, delete the orphans of this
+   run's shards, and when every shard is committed write `_SUCCESS` (the summary, JSON). Print
+   the summary. The caller exits with `summary.exit_code`.
 
 An incremental job (DriverConfig.incremental, see driver.increment) runs steps 1-2 differently:
 `_job.json` fingerprints the settings alone; each run plans only the rows its output does not
-have yet, records its shards in `_runs/`, and runs them together with any shard an earlier run
-left uncommitted. Its summary counts this run's shards; `ditfleet status` counts the output.
+have yet, records its shards in `_runs/` (driver.run_records), and runs them together with any
+shard an earlier run left uncommitted. Its summary counts this run's shards; `ditfleet status`
+counts the output. Steps 3-4 are the same code for both.
 
 Ray must be initialised by the caller (jobs/ does it), unless nothing is left to run.
 """
@@ -32,21 +29,21 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import TextIO
 
 from driver.claim import OutputMismatch, claim_incremental_output, claim_output
-from driver.dispatch import DispatchConfig, DispatchEvents, DispatchResult, run_shards
+from driver.dispatch import DispatchConfig, DispatchResult, run_shards
+from driver.finish import finish_run
 from driver.increment import IncrementPlan, commit_increment, plan_increment
 from driver.locations import check_locations
-from driver.metrics import FanOut
-from driver.output_json import read_json
+from driver.metrics import DriverMetrics, FanOut
 from driver.plan import JobPlan, PlanConfig, plan_job
 from driver.progress import JobProgress
 from driver.prompts import PromptSource
-from driver.status import OutputCounts, count_shards
-from driver.summary import JobSummary, build_summary
+from driver.status import OutputCounts
+from driver.summary import JobSummary, build_summary, read_success, write_success
 from driver.validate import ValidationReport, validate_input
-from driver.verify import clean_orphans
+from workers.contract import WorkerConfig
 from workers.output.layout import success_key
 from workers.output.manifest import committed_shards
 from workers.rows import ShardSpec
@@ -103,114 +100,150 @@ def plan_input(config: DriverConfig) -> JobPlan:
     return plan_job(prompt_source(config), config.plan)
 
 
-def _done_summary(store: ObjectStore) -> JobSummary | None:
-    doc = read_json(store, success_key())
-    if doc is None:
-        return None
-    names = {f.name for f in dataclasses.fields(JobSummary)}
-    try:
-        return JobSummary(**{k: v for k, v in doc.items() if k in names})
-    except TypeError:
-        return None  # written by another version: recount
+@dataclass(frozen=True)
+class _Work:
+    """What a run dispatches, and what its summary counts."""
+
+    store: ObjectStore
+    fingerprint: str
+    shards: Sequence[ShardSpec]  # counted: a plain job's plan, or one incremental run's shards
+    committed_before: frozenset[int]  # of `shards`, committed before this run
+    planned: dict[str, int]  # shards, rows, images of `shards`
+    buckets_order: Sequence[str]  # the order actors warm buckets up in
+    plan_s: float
+
+    @property
+    def todo(self) -> list[ShardSpec]:
+        return [s for s in self.shards if s.index not in self.committed_before]
 
 
 def run_job(
     config: DriverConfig,
-    worker_config: Any,
+    worker_config: WorkerConfig,
     *,
     worker_cls: type | None = None,
     stream: TextIO | None = None,
     interactive: bool | None = None,
-    connect: Callable[[], Any] | None = None,
-    events: DispatchEvents | None = None,
+    connect: Callable[[], object] | None = None,
+    events: DriverMetrics | None = None,
 ) -> JobSummary:
     """Run (or resume) a job to the end and return its summary; see the module docstring.
 
-    worker_config: workers.actor.WorkerConfig, handed to each actor (its warmup_buckets are set
-    to the buckets of the shards left, when empty). worker_cls: the actor class, by default
+    worker_config: handed to each actor (its warmup_buckets are set to the buckets of the
+    shards left, when empty). worker_cls: the actor class, by default
     workers.actor.GenerationWorker (tests pass a stand-in with the same methods). connect: called
     once planning passed and there are shards to run, to connect to Ray (so a bad input or an
-    already complete output never waits for a cluster). events: a second sink for dispatch
-    events next to the progress display (driver.metrics.DriverMetrics exports them to Ray).
+    already complete output never waits for a cluster). events: the driver's metrics, a second
+    sink for dispatch events next to the progress display (exported to Ray).
     Raises InputError (bad input), OutputMismatch (output of another job), DispatchError.
     """
     out = stream if stream is not None else sys.stderr
-    if getattr(worker_config, "output_uri", config.output_uri) != config.output_uri:
+    if worker_config.output_uri != config.output_uri:
         raise ValueError(
             f"the worker writes to {worker_config.output_uri!r} but the driver's output is "
             f"{config.output_uri!r}: build both configs from the same spec"
         )
     run = _Execution(config, worker_config, worker_cls, out, interactive, connect, events)
-    if config.incremental:
-        return _run_incremental(config, run)
-    t0 = time.monotonic()
+    started = time.monotonic()
+    work = _incremental_work(run, started) if config.incremental else _plain_work(run, started)
+    if isinstance(work, JobSummary):
+        return work  # nothing to run
+    progress = run.progress(
+        len(work.shards),
+        work.planned["images"],
+        len(work.committed_before),
+        sum(s.num_images for s in work.shards if s.index in work.committed_before),
+    )
+    t1 = time.monotonic()
+    result = run.dispatch(work.todo, work.buckets_order, progress)
+    return finish_run(
+        work.store,
+        shards=work.shards,
+        committed_before=work.committed_before,
+        fingerprint=work.fingerprint,
+        planned=work.planned,
+        result=result,
+        progress=progress,
+        timings={"plan_s": work.plan_s, "dispatch_s": time.monotonic() - t1},
+        started=started,
+        out=out,
+    )
+
+
+def _plain_work(run: _Execution, started: float) -> _Work | JobSummary:
+    """Plan, claim the output, and leave out the committed shards; the summary in `_SUCCESS`
+    when the output is complete already."""
+    config, out = run.config, run.out
     plan = plan_input(config)
-    plan_s = time.monotonic() - t0
+    plan_s = time.monotonic() - started
     for warning in plan.warnings:
         print(f"warning: {warning}", file=out)
     store = open_store(config.output_uri, config.s3)
     store.check_writable()
     claim_output(store, plan, json.loads(config.resolved_spec))
     _remove_stale_temp_files(store, out)
-    planned = {"shards": len(plan.shards), "rows": plan.total_rows, "images": plan.total_images}
     done = committed_shards(store) & {s.index for s in plan.shards}
-    todo = [s for s in plan.shards if s.index not in done]
-    if not todo and (previous := _done_summary(store)) is not None:
+    if len(done) == len(plan.shards) and (previous := read_success(store)) is not None:
         print(f"{store.uri()}: already complete ({len(done)} shards committed); nothing to do", file=out)
         return previous
     if done:
         print(f"resuming {store.uri()}: {len(done)} of {len(plan.shards)} shards already committed", file=out)
-    progress = run.progress(
-        len(plan.shards),
-        plan.total_images,
-        len(done),
-        sum(s.num_images for s in plan.shards if s.index in done),
+    return _Work(
+        store,
+        plan.fingerprint(),
+        plan.shards,
+        frozenset(done),
+        {"shards": len(plan.shards), "rows": plan.total_rows, "images": plan.total_images},
+        plan.buckets_used,
+        plan_s,
     )
-    t1 = time.monotonic()
-    result = run.dispatch(todo, plan.buckets_used, progress)
-    dispatch_s = time.monotonic() - t1
-    t2 = time.monotonic()
-    committed = committed_shards(store) & {s.index for s in plan.shards}
-    counts = count_shards(store, sorted(committed))
-    summary = build_summary(
-        output=store.uri(),
-        fingerprint=plan.fingerprint(),
-        planned=planned,
-        committed_before=len(done),
-        counts=counts,
-        dispatch=result,
-        progress=progress,
-        timings={
-            "plan_s": plan_s,
-            "dispatch_s": dispatch_s,
-            "count_s": time.monotonic() - t2,
-            "wall_s": time.monotonic() - t0,
-        },
-    )
-    finish_output(store, summary, result, committed & {s.index for s in todo}, out)
-    print(summary.format_text(), file=out)
-    return summary
 
 
-def finish_output(
-    store: ObjectStore, summary: JobSummary, result: DispatchResult | None, ran: set[int], out: TextIO
-) -> None:
-    """The end of a run: warn about actors the fence could not confirm gone, delete the orphans
-    of the shards `ran` (committed ones only have any), then write `_SUCCESS` if every planned
-    shard is committed. `result` is None when nothing was dispatched."""
-    unfenced = result.unfenced_actors if result is not None else []
-    if unfenced:
+def _incremental_work(run: _Execution, started: float) -> _Work | JobSummary:
+    """Plan the next run of an incremental job (writing its record); its summary when there is
+    nothing new to run."""
+    config, out = run.config, run.out
+    store = open_store(config.output_uri, config.s3)
+    plan, fingerprint = _plan_increment(config, store)
+    plan_s = time.monotonic() - started
+    for line in plan.describe():
+        print(line, file=out)
+    todo = plan.todo
+    planned = {
+        "shards": len(todo),
+        "rows": sum(s.num_rows for s in todo),
+        "images": sum(s.num_images for s in todo),
+    }
+    if not todo:
+        shards = len(plan.recorded.live())
         print(
-            f"WARNING: {len(unfenced)} killed actor(s) still had a live process when the driver "
-            f"stopped waiting ({', '.join(unfenced[:5])}); anything they still upload is an orphan "
-            "that no manifest names: `ditfleet verify --clean` removes it",
+            f"{store.uri()}: nothing new in {plan.files} input file(s); all {shards} shards committed",
             file=out,
         )
-    cleaned = clean_orphans(store, sorted(ran))
-    if cleaned:
-        print(f"removed {cleaned} objects of losing or killed runs (no manifest names them)", file=out)
-    if summary.shards["left"] == 0:
-        store.put(success_key(), summary.to_json().encode(), "application/json")
+        summary = build_summary(
+            output=store.uri(),
+            fingerprint=fingerprint,
+            planned=planned,
+            committed_before=0,
+            counts=OutputCounts(),
+            dispatch=None,
+            progress=run.progress(0, 0),
+            timings={"plan_s": 0.0, "dispatch_s": 0.0, "count_s": 0.0, "wall_s": time.monotonic() - started},
+        )
+        if shards and not store.exists(success_key()):
+            # Every shard is committed but no run got to write _SUCCESS (it stopped just before).
+            write_success(store, summary)
+        return summary
+    if store.exists(success_key()):
+        # The output is incomplete until these shards commit. commit_increment removed it before
+        # writing a new record; this catches shards carried over from a run that left it behind.
+        store.delete(success_key())
+    _remove_stale_temp_files(store, out)
+    order = config.plan.rows.buckets.names
+    return _Work(store, fingerprint, todo, frozenset(), planned, order, plan_s)
+    return _Work(
+        store, fingerprint, todo, frozenset(), planned, config.plan.rows.buckets.names, time.monotonic() - started
+    )
 
 
 @dataclass
@@ -218,12 +251,12 @@ class _Execution:
     """The parts of a run shared by plain and incremental jobs: progress and dispatch."""
 
     config: DriverConfig
-    worker_config: Any
+    worker_config: WorkerConfig
     worker_cls: type | None
     out: TextIO
     interactive: bool | None
-    connect: Callable[[], Any] | None
-    events: DispatchEvents | None
+    connect: Callable[[], object] | None
+    events: DriverMetrics | None
 
     def progress(self, shards: int, images: int, done_shards: int = 0, done_images: int = 0) -> JobProgress:
         return JobProgress(
@@ -243,16 +276,8 @@ class _Execution:
         if not todo:
             progress.close()
             return None
-        worker_config, worker_cls = self.worker_config, self.worker_cls
-        if hasattr(worker_config, "warmup_buckets") and not worker_config.warmup_buckets:
-            used = {b for s in todo for b in s.buckets_used}
-            buckets = tuple(b for b in buckets_order if b in used)
-            worker_config = dataclasses.replace(worker_config, warmup_buckets=buckets)
-        if hasattr(worker_config, "expected_images") and worker_config.expected_images is None:
-            # What one actor can expect to make: it decides whether compiling the DiT pays off.
-            images = sum(s.num_images for s in todo)
-            actors = max(1, self.config.dispatch.max_actors)
-            worker_config = dataclasses.replace(worker_config, expected_images=-(-images // actors))
+        worker_config = _fill_in_for(self.worker_config, todo, buckets_order, self.config.dispatch.max_actors)
+        worker_cls = self.worker_cls
         if worker_cls is None:
             from workers.actor import GenerationWorker
 
@@ -265,18 +290,29 @@ class _Execution:
             return run_shards(todo, worker_cls, (worker_config,), self.config.dispatch, events)
         finally:
             progress.close()
-            finish = getattr(self.events, "finish", None)
-            if callable(finish):
-                finish()
+            if self.events is not None:
+                self.events.finish()
 
 
-def _pin_output_node(config: DriverConfig, worker_config: Any) -> Any:
+def _fill_in_for(
+    worker_config: WorkerConfig, todo: Sequence[ShardSpec], buckets_order: Sequence[str], max_actors: int
+) -> WorkerConfig:
+    """The worker settings left to the driver, from the shards to run: the buckets to warm up
+    (those the shards use, in the bucket set's order) and the images one actor can expect to
+    make (it decides whether compiling the DiT pays off)."""
+    if not worker_config.warmup_buckets:
+        used = {b for s in todo for b in s.buckets_used}
+        buckets = tuple(b for b in buckets_order if b in used)
+        worker_config = dataclasses.replace(worker_config, warmup_buckets=buckets)
+    if worker_config.expected_images is None:
+        images = sum(s.num_images for s in todo)
+        worker_config = dataclasses.replace(worker_config, expected_images=-(-images // max(1, max_actors)))
+    return worker_config
+
+
+def _pin_output_node(config: DriverConfig, worker_config: WorkerConfig) -> WorkerConfig:
     """A node-local output: actors must run on the driver's node (the worker checks)."""
-    if (
-        is_s3(config.output_uri)
-        or config.shared_filesystem
-        or not hasattr(worker_config, "local_output_node")
-    ):
+    if is_s3(config.output_uri) or config.shared_filesystem:
         return worker_config
     import ray
 
@@ -320,93 +356,11 @@ def _plan_increment(config: DriverConfig, store: ObjectStore) -> tuple[Increment
     )
 
 
-def _run_incremental(config: DriverConfig, run: _Execution) -> JobSummary:
-    out, t0 = run.out, time.monotonic()
-    store = open_store(config.output_uri, config.s3)
-    plan, fingerprint = _plan_increment(config, store)
-    plan_s = time.monotonic() - t0
-    for line in plan.describe():
-        print(line, file=out)
-    todo = plan.todo
-    planned = {
-        "shards": len(todo),
-        "rows": sum(s.num_rows for s in todo),
-        "images": sum(s.num_images for s in todo),
-    }
-    if not todo:
-        shards = len(plan.recorded.live())
-        print(
-            f"{store.uri()}: nothing new in {plan.files} input file(s); all {shards} shards committed",
-            file=out,
-        )
-        if shards and not store.exists(success_key()):
-            # Every shard is committed but no run got to write _SUCCESS (it stopped just before).
-            summary = _incremental_summary(
-                store, fingerprint, planned, None, run.progress(0, 0), {}, OutputCounts()
-            )
-            store.put(success_key(), summary.to_json().encode(), "application/json")
-        return _incremental_summary(
-            store,
-            fingerprint,
-            planned,
-            None,
-            run.progress(0, 0),
-            {"wall_s": time.monotonic() - t0},
-            OutputCounts(),
-        )
-    if store.exists(success_key()):
-        # The output is incomplete until these shards commit. commit_increment removed it before
-        # writing a new record; this catches shards carried over from a run that left it behind.
-        store.delete(success_key())
-    _remove_stale_temp_files(store, out)
-    order = config.plan.rows.buckets.names
-    progress = run.progress(len(todo), planned["images"])
-    t1 = time.monotonic()
-    result = run.dispatch(todo, order, progress)
-    dispatch_s = time.monotonic() - t1
-    t2 = time.monotonic()
-    committed = committed_shards(store) & {s.index for s in todo}
-    counts = count_shards(store, sorted(committed))
-    timings = {
-        "plan_s": plan_s,
-        "dispatch_s": dispatch_s,
-        "count_s": time.monotonic() - t2,
-        "wall_s": time.monotonic() - t0,
-    }
-    summary = _incremental_summary(store, fingerprint, planned, result, progress, timings, counts)
-    finish_output(store, summary, result, committed, out)
-    print(summary.format_text(), file=out)
-    return summary
-
-
 def _remove_stale_temp_files(store: ObjectStore, out: TextIO) -> None:
     """Temp files of writers killed mid-write (local outputs) would stay forever: remove them."""
     removed = store.remove_stale_temp_files()
     if removed:
         print(f"{store.uri()}: removed {removed} temporary file(s) left by killed writers", file=out)
-
-
-def _incremental_summary(
-    store: ObjectStore,
-    fingerprint: str,
-    planned: dict[str, int],
-    result: DispatchResult | None,
-    progress: JobProgress,
-    timings: dict[str, float],
-    counts: OutputCounts,
-) -> JobSummary:
-    """The summary of one incremental run: its shards (new and carried over), not the output's."""
-    full = {"plan_s": 0.0, "dispatch_s": 0.0, "count_s": 0.0, "wall_s": 0.0, **timings}
-    return build_summary(
-        output=store.uri(),
-        fingerprint=fingerprint,
-        planned=planned,
-        committed_before=0,
-        counts=counts,
-        dispatch=result,
-        progress=progress,
-        timings=full,
-    )
 
 
 __all__ = [
@@ -416,7 +370,6 @@ __all__ = [
     "PlanConfig",
     "claim_incremental_output",
     "claim_output",
-    "finish_output",
     "plan_input",
     "preview_increment",
     "run_job",

@@ -6,14 +6,18 @@ manifests; timings, start-up costs and per-worker throughput are this run's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from driver.dispatch import DispatchResult
+from driver.output_json import read_json
 from driver.progress import JobProgress, compile_fallbacks, format_duration, plural, warmup_seconds
 from driver.status import OutputCounts
+from workers.output.layout import success_key
+from workers.storage import ObjectStore
 
 SUMMARY_VERSION = 1
 
@@ -100,6 +104,24 @@ class JobSummary:
         elif self.status == COMPLETED_WITH_FAILURES:
             lines.append("  Failed images have status 'failed' and an error in the manifests.")
         return "\n".join(lines)
+
+
+def write_success(store: ObjectStore, summary: JobSummary) -> None:
+    """Write `_SUCCESS`: the summary, as JSON. Only once every planned shard is committed."""
+    store.put(success_key(), summary.to_json().encode(), "application/json")
+
+
+def read_success(store: ObjectStore) -> JobSummary | None:
+    """The summary in `_SUCCESS`; None when there is none, or it was written by another version
+    (then the caller counts again)."""
+    doc = read_json(store, success_key())
+    if doc is None:
+        return None
+    names = {f.name for f in dataclasses.fields(JobSummary)}
+    try:
+        return JobSummary(**{k: v for k, v in doc.items() if k in names})
+    except TypeError:
+        return None
 
 
 def _stats(values: list[float]) -> tuple[float, float]:

@@ -16,15 +16,17 @@ from dataclasses import dataclass, field
 
 import pyarrow.fs as pafs
 
+from workers.contract import WorkerConfig
 from workers.output.layout import image_key, manifest_key, new_attempt_token
 from workers.output.manifest import ManifestRow, ManifestWriter
-from workers.rows import RowConfig, read_shard_rows
+from workers.rows import read_shard_rows
 from workers.storage import open_store
 
 
 @dataclass(frozen=True)
-class SleepingWorkerConfig:
-    output_uri: str
+class SleepingWorkerConfig(WorkerConfig):
+    """A WorkerConfig (what the driver hands every actor) with what the sleeper does per shard."""
+
     shard_s: float = 0.05  # sleep per shard
     fail: dict[int, int] = field(default_factory=dict)  # shard -> attempts that raise (-1: all)
     hang: dict[int, float] = field(default_factory=dict)  # shard -> sleep on attempt 0 instead
@@ -32,9 +34,9 @@ class SleepingWorkerConfig:
     slow_first_actor_s: float | None = None  # the first actor to start sleeps this per shard
     marker_dir: str | None = None  # where actors claim "first" and log their runs
     startup_s: float = 0.0
-    # Read and resolve the shard's real rows (workers.rows.read_shard_rows) for their ids,
-    # instead of using positions: for tests of jobs whose ids come from the input.
-    rows: RowConfig | None = None
+    # Read and resolve the shard's real rows (workers.rows.read_shard_rows, with `rows`) for their
+    # ids, instead of using positions: for tests of jobs whose ids come from the input.
+    read_rows: bool = False
 
 
 @dataclass
@@ -107,7 +109,7 @@ class SleepingWorker:
             time.sleep(self.config.hang[shard.index])
         else:
             time.sleep(self.shard_s)
-        if self.config.rows is not None:
+        if self.config.read_rows:
             rows = read_shard_rows(shard, pafs.LocalFileSystem(), self.config.rows)
             images = [
                 (r.id, k if r.num_images > 1 else None, i)

@@ -57,7 +57,8 @@ def configs(tmp_path: Path, seed: int = 3, **worker) -> tuple[DriverConfig, Slee
     )
     markers = tmp_path / "markers"
     markers.mkdir(exist_ok=True)
-    return driver, SleepingWorkerConfig(out, shard_s=0.02, marker_dir=str(markers), rows=rows, **worker)
+    worker = {"shard_s": 0.02, "marker_dir": str(markers), **worker}
+    return driver, SleepingWorkerConfig(out, rows=rows, read_rows=True, **worker)
 
 
 def run(driver: DriverConfig, worker: SleepingWorkerConfig):

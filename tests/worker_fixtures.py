@@ -90,28 +90,29 @@ def worker_config(
 
 
 def finish_like_driver(store: Any, plan: Any) -> None:
-    """The driver's end of a run, as `run_job` does it: count the shards, clean up, write `_SUCCESS`.
+    """The driver's end of a run, as `run_job` does it (driver.finish): count the shards, clean
+    up, write `_SUCCESS`.
 
     For tests that run shards on the real worker without a Ray cluster; every planned shard must
     be committed.
     """
     import io
+    import time
 
+    from driver.finish import finish_run
     from driver.progress import JobProgress
-    from driver.run_job import finish_output
-    from driver.status import count_shards
-    from driver.summary import build_summary
 
     n = len(plan.shards)
-    summary = build_summary(
-        output=store.uri(),
+    summary = finish_run(
+        store,
+        shards=plan.shards,
+        committed_before=frozenset(),
         fingerprint=plan.fingerprint(),
         planned={"shards": n, "rows": plan.total_rows, "images": plan.total_images},
-        committed_before=0,
-        counts=count_shards(store, range(n)),
-        dispatch=None,
+        result=None,
         progress=JobProgress(total_shards=n, total_images=plan.total_images, stream=io.StringIO(), interactive=False),
-        timings={"plan_s": 0.0, "dispatch_s": 0.0, "count_s": 0.0, "wall_s": 0.0},
+        timings={},
+        started=time.monotonic(),
+        out=io.StringIO(),
     )
     assert summary.shards["left"] == 0, f"finish_like_driver: {summary.shards['left']} shards not committed"
-    finish_output(store, summary, None, set(range(n)), io.StringIO())
