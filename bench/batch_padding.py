@@ -20,6 +20,7 @@ import random
 import pyarrow.parquet as pq
 
 from compile.buckets import BucketSet, ResolutionBucket
+from model.guidance import DEFAULT_NEGATIVE_PROMPT, negative_text
 from model.tiny.text_encoder import WordTokenizer
 from workers.generate import image_requests, plan_batches
 from workers.rows import PromptRow
@@ -45,7 +46,7 @@ def rows_for(prompts: list[str], buckets: list[ResolutionBucket], steps: int) ->
         PromptRow(
             id=str(i),
             prompt=p,
-            negative_prompt=" ",
+            negative_prompt=DEFAULT_NEGATIVE_PROMPT,
             seed=i,
             width=b.width,
             height=b.height,
@@ -72,7 +73,10 @@ def count_plan(rows: list[PromptRow], shard_size: int, batch_size: int, count, l
         for batch in plan_batches(image_requests(rows[start : start + shard_size]), batch_size, count):
             batches += 1
             n = (batch[0].row.width // 16) * (batch[0].row.height // 16)
-            for texts in ([r.row.prompt for r in batch], [r.row.negative_prompt or " " for r in batch]):
+            for texts in (
+                [r.row.prompt for r in batch],
+                [negative_text(r.row.negative_prompt) for r in batch],
+            ):
                 lengths = count(texts)
                 longest = max(lengths)
                 pad = sum(longest - x for x in lengths)

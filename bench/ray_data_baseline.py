@@ -190,7 +190,7 @@ def main() -> None:
     ap.add_argument("--region", default="us-east-1")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--true-cfg-scale", type=float, default=4.0)
-    ap.add_argument("--negative-prompt", default=" ")
+    ap.add_argument("--negative-prompt", default=" ")  # what a diffusers user passes for true CFG
     ap.add_argument("--concurrency", type=int, default=2, help="actors in the pool")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--rows-per-block", type=int, default=16, help="input rows per block (task)")

@@ -43,7 +43,6 @@ _WHERE = {
     "PreparedPipeline": "prepare",
     "prepare_worker_pipeline": "prepare",
     "encode_padded": "prompt_inputs",
-    "encode_unpadded": "prompt_inputs",
     "pad_guidance_inputs": "prompt_inputs",
     "pad_prompt_embeds": "prompt_padding",
     "pad_to_bucket": "prompt_padding",

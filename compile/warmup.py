@@ -1,7 +1,7 @@
 """Warm-up: run the real request path once per bucket so that requests never compile.
 
 For every resolution bucket and batch size, `warm_up` runs a short and a long prompt through
-encode -> denoise with true CFG -> decode, exactly as a request does (`compile.prompt_inputs`).
+encode -> denoise with true CFG -> decode, exactly as a request does (the pipeline's `encode_guidance`).
 Compiled graphs are specialised to input shapes, and the shapes do not depend on the number of
 steps, so 2 steps are enough.
 
@@ -24,11 +24,13 @@ from typing import Any
 
 import torch
 
+from model.guidance import cfg_on
+from model.pipeline import GuidanceInputs
+
 from .buckets import ResolutionBucket
 from .claims import BucketClaims, ClaimOutcome
 from .counting import compile_count
 from .policy import compiled_methods
-from .prompt_inputs import GuidanceInputs, cfg_enabled, encode_unpadded
 
 # A short and a long prompt: with the usual tokenizers they land in different length buckets.
 WARMUP_PROMPTS: tuple[str, ...] = (
@@ -41,7 +43,7 @@ WARMUP_PROMPTS: tuple[str, ...] = (
 )
 # For a pipeline without a text encoder: random embeddings of these token counts.
 WARMUP_EMBED_LENGTHS: tuple[int, ...] = (7, 77)
-NEGATIVE_EMBED_LENGTH = 1  # the default negative prompt " " is one token or so
+NEGATIVE_EMBED_LENGTH = 1  # the default negative prompt (model.guidance) is one token or so
 
 
 @dataclass(frozen=True)
@@ -197,16 +199,12 @@ def _cases(
     """The generate() inputs of one batch size: one per prompt (or per embedding length)."""
     if pipe.text_encoder is not None:
         return [
-            encode_unpadded(pipe, [prompt] * batch, None, true_cfg_scale, max_sequence_length)
+            pipe.encode_guidance([prompt] * batch, None, true_cfg_scale, max_sequence_length)
             for prompt in prompts
         ]
     cases: list[GuidanceInputs] = []
     for length in embed_lengths:
-        neg = (
-            _random_embeds(pipe, batch, NEGATIVE_EMBED_LENGTH, seed + 1)
-            if cfg_enabled(true_cfg_scale)
-            else None
-        )
+        neg = _random_embeds(pipe, batch, NEGATIVE_EMBED_LENGTH, seed + 1) if cfg_on(true_cfg_scale) else None
         cases.append(
             {
                 "prompt_embeds": _random_embeds(pipe, batch, int(length), seed),

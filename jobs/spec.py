@@ -25,6 +25,7 @@ from driver.dispatch import DispatchConfig
 from driver.memory_plan import MemoryRequest
 from driver.plan import PlanConfig
 from driver.run_job import DriverConfig
+from model.guidance import DEFAULT_NEGATIVE_PROMPT
 from workers.cache_secret import CacheSecretSource
 from workers.contract import LoraSpec, WorkerConfig
 from workers.output.formats import ShardWriterConfig
@@ -192,7 +193,9 @@ class SamplingSpec(_Section):
         le=CFG_RANGE[1],
         description="True CFG scale; > 1 with a negative prompt turns CFG on.",
     )
-    negative_prompt: str | None = Field(" ", description="Default negative prompt; null: none (CFG off).")
+    negative_prompt: str | None = Field(
+        DEFAULT_NEGATIVE_PROMPT, description="Default negative prompt; null: none (CFG off)."
+    )
     seed: int = Field(
         0,
         ge=0,

@@ -6,12 +6,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .guidance import cfg_on, negative_texts
 from .sampling import Conditioning, TimestepBank, denoise, initial_noise, latent_grid, unpack_latents
 from .scheduler import SchedulerConfig
 from .text_encoder import TextEncoder
 from .transformer import QwenImageTransformer
 
-DEFAULT_NEGATIVE_PROMPT = " "
+# The keyword arguments of `generate` that carry text: prompt_embeds, prompt_embeds_mask,
+# negative_prompt_embeds, negative_prompt_embeds_mask (the last two None without CFG).
+GuidanceInputs = dict[str, torch.Tensor | None]
 CFG_MODES = ("serial", "batched", "auto")
 # "auto" batches the two CFG passes only while one pass is too small to fill a GPU (tokens per
 # pass below this) and concatenating them pads little; larger passes gain nothing from doubling
@@ -111,10 +114,43 @@ class TextToImagePipeline:
         return next(self.vae.parameters()).dtype
 
     @torch.no_grad()
+    def encode_guidance(
+        self,
+        prompts: Sequence[str],
+        negative_prompts: Sequence[str | None] | str | None = None,
+        true_cfg_scale: float | Sequence[float] = 4.0,
+        max_sequence_length: int = 512,
+    ) -> GuidanceInputs:
+        """Encode prompts, and their negatives when CFG is on (model.guidance), for `generate`.
+
+        Each branch is padded only to its own longest prompt (what the encoder returns), since the
+        DiT takes any text length. A negative shared by the whole batch (the usual " ") is encoded
+        once and expanded, so the unconditional pass is never padded. Requests and warm-up both
+        build their inputs here, so warm-up traces exactly what requests run.
+        """
+        embeds, mask = self.encode_prompt(list(prompts), max_sequence_length)  # (B, L, D), (B, L)
+        out: GuidanceInputs = {
+            "prompt_embeds": embeds,
+            "prompt_embeds_mask": mask,
+            "negative_prompt_embeds": None,
+            "negative_prompt_embeds_mask": None,
+        }
+        if cfg_on(true_cfg_scale):
+            neg_list = negative_texts(len(prompts), negative_prompts)
+            if len(set(neg_list)) == 1:
+                one, one_mask = self.encode_prompt(neg_list[:1], max_sequence_length)  # (1, L', D), (1, L')
+                neg_embeds = one.expand(len(prompts), -1, -1)
+                neg_mask = one_mask.expand(len(prompts), -1)
+            else:
+                neg_embeds, neg_mask = self.encode_prompt(neg_list, max_sequence_length)
+            out["negative_prompt_embeds"], out["negative_prompt_embeds_mask"] = neg_embeds, neg_mask
+        return out
+
+    @torch.no_grad()
     def generate(
         self,
         prompt: Sequence[str] | None = None,
-        negative_prompt: Sequence[str] | str | None = None,
+        negative_prompt: Sequence[str | None] | str | None = None,
         *,
         prompt_embeds: torch.Tensor | None = None,
         prompt_embeds_mask: torch.Tensor | None = None,
@@ -130,38 +166,36 @@ class TextToImagePipeline:
     ) -> torch.Tensor:
         """Images (B, 3, H, W) in [0, 1], fp32; B = len(seeds).
 
-        True CFG is on when every `true_cfg_scale > 1` and a negative prompt exists (default " "
-        when prompts are given as text). A list of scales lets one batch carry per-row scales.
+        Text (prompt, negative_prompt) is encoded by `encode_guidance`; embeddings are taken as
+        given. True CFG follows model.guidance: on when every `true_cfg_scale > 1` and there is a
+        negative (for text, the default " " when none is given; for embeddings, negative
+        embeddings). A list of scales lets one batch carry per-row scales.
         """
         if (prompt is None) == (prompt_embeds is None):
             raise ValueError("pass exactly one of prompt or prompt_embeds")
-        if prompt is not None:
-            prompt_embeds, prompt_embeds_mask = self.encode_prompt(prompt, max_sequence_length)
-        assert prompt_embeds is not None
-        B = prompt_embeds.shape[0]
+        text_neg_with_embeds = negative_prompt is not None and prompt is None
+        if text_neg_with_embeds or (negative_prompt_embeds is not None and prompt is not None):
+            raise ValueError(
+                "pass negative_prompt (text) with prompt, negative_prompt_embeds with prompt_embeds"
+            )
+        inputs: GuidanceInputs = (
+            self.encode_guidance(prompt, negative_prompt, true_cfg_scale, max_sequence_length)
+            if prompt is not None
+            else {
+                "prompt_embeds": prompt_embeds,
+                "prompt_embeds_mask": prompt_embeds_mask,
+                "negative_prompt_embeds": negative_prompt_embeds,
+                "negative_prompt_embeds_mask": negative_prompt_embeds_mask,
+            }
+        )
+        cond, uncond = self._conditionings(inputs, true_cfg_scale)
+        B = cond.embeds.shape[0]
         if len(seeds) != B:
             raise ValueError(f"need one seed per image: {B} prompts but {len(seeds)} seeds")
         scales = torch.as_tensor(
             true_cfg_scale if isinstance(true_cfg_scale, Sequence) else [true_cfg_scale] * B,
             dtype=torch.float32,
         )
-        do_cfg = bool((scales > 1).all())
-        if do_cfg and negative_prompt_embeds is None:
-            if prompt is None and negative_prompt is None:
-                do_cfg = False  # embeddings given without negatives: nothing to guide against
-            else:
-                neg = negative_prompt if negative_prompt is not None else DEFAULT_NEGATIVE_PROMPT
-                neg_list = [neg] * B if isinstance(neg, str) else list(neg)
-                negative_prompt_embeds, negative_prompt_embeds_mask = self.encode_prompt(
-                    neg_list, max_sequence_length
-                )
-        cond = _conditioning(prompt_embeds, prompt_embeds_mask, self.device, self.dtype)
-        uncond = None
-        if do_cfg:
-            assert negative_prompt_embeds is not None
-            uncond = _conditioning(
-                negative_prompt_embeds, negative_prompt_embeds_mask, self.device, self.dtype
-            )
         latents = initial_noise(list(seeds), height, width, self.device, self.dtype)
         scale_arg: torch.Tensor | float = (
             float(scales[0]) if bool((scales == scales[0]).all()) else scales.to(self.device)
@@ -182,6 +216,17 @@ class TextToImagePipeline:
             on_step=on_step,
         )
         return self.decode(latents, height, width)
+
+    def _conditionings(
+        self, inputs: GuidanceInputs, true_cfg_scale: float | Sequence[float]
+    ) -> tuple[Conditioning, Conditioning | None]:
+        """(conditional, unconditional or None when CFG is off) on the pipeline's device."""
+        embeds, negative = inputs["prompt_embeds"], inputs["negative_prompt_embeds"]
+        assert embeds is not None
+        cond = _conditioning(embeds, inputs["prompt_embeds_mask"], self.device, self.dtype)
+        if negative is None or not cfg_on(true_cfg_scale):
+            return cond, None
+        return cond, _conditioning(negative, inputs["negative_prompt_embeds_mask"], self.device, self.dtype)
 
 
 def _conditioning(embeds: torch.Tensor, mask: torch.Tensor | None, device, dtype) -> Conditioning:

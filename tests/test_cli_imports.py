@@ -23,6 +23,7 @@ TINY_JOB = ROOT / "jobs" / "examples" / "tiny.yaml"
 TORCH_FREE_MODEL = {
     "model",
     "model.folder",
+    "model.guidance",  # the CFG rule and the default negative prompt (the spec's default)
     "model.lazy_exports",  # the packages' load-on-first-use attributes
     "model.lora_spec",
     "model.memory",

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compile.prompt_inputs import encode_unpadded
 from model import load_pipeline
 from workers.actor import WorkerConfig, place_text_encoder, shard_prompts
 from workers.generate import image_requests
@@ -21,7 +20,7 @@ PROMPTS = [
 
 
 def _generate(pipe) -> torch.Tensor:
-    inputs = encode_unpadded(pipe, PROMPTS, " ", 4.0, 64)
+    inputs = pipe.encode_guidance(PROMPTS, " ", 4.0, 64)
     return pipe.generate(**inputs, height=128, width=128, steps=2, true_cfg_scale=4.0, seeds=[1, 2, 3])
 
 

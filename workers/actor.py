@@ -22,6 +22,7 @@ import torch
 
 from compile import compile_count, prepare_worker_pipeline
 from model import LoraSpec, load_pipeline, resolve_model_dir
+from model.guidance import negative_text
 from model.loader import load_text_encoder
 from workers.cache_secret import read_cache_secret, say_shared_cache_off
 
@@ -338,8 +339,7 @@ def place_text_encoder(pipe, local_path, config: WorkerConfig) -> PlacedTextEnco
 
 
 def shard_prompts(requests) -> list[str]:
-    """Every text a shard's batches will encode: prompts, and negatives where CFG is on (the
-    batch generator encodes `negative_prompt or " "` for those)."""
+    """Every text a shard's batches will encode: prompts, and negatives where CFG is on."""
     out = [r.row.prompt for r in requests]
-    out += [r.row.negative_prompt or " " for r in requests if r.uses_cfg]
+    out += [negative_text(r.row.negative_prompt) for r in requests if r.uses_cfg]
     return out

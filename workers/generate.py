@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from compile import PROMPT_LENGTH_BUCKETS, encode_unpadded
+from compile import PROMPT_LENGTH_BUCKETS
 from model import TextToImagePipeline
+from model.guidance import cfg_on, negative_text
 from workers.rows import MAX_SEED, PromptRow
 
 
@@ -41,7 +42,7 @@ class ImageRequest:
 
     @property
     def uses_cfg(self) -> bool:
-        return self.row.true_cfg_scale > 1 and self.row.negative_prompt is not None
+        return cfg_on(self.row.true_cfg_scale, has_negative=self.row.negative_prompt is not None)
 
 
 @dataclass
@@ -114,14 +115,15 @@ def _token_lengths(
 ) -> dict[tuple[str, int], tuple[int, int]] | None:
     """(prompt tokens, negative tokens or 0 without CFG) per request; None if uncountable."""
     texts = sorted(
-        {r.row.prompt for r in requests} | {r.row.negative_prompt or " " for r in requests if r.uses_cfg}
+        {r.row.prompt for r in requests}
+        | {negative_text(r.row.negative_prompt) for r in requests if r.uses_cfg}
     )
     counts = count_tokens(texts) if texts else []
     if counts is None:
         return None
     by_text = dict(zip(texts, counts))
     return {
-        _key(r): (by_text[r.row.prompt], by_text[r.row.negative_prompt or " "] if r.uses_cfg else 0)
+        _key(r): (by_text[r.row.prompt], by_text[negative_text(r.row.negative_prompt)] if r.uses_cfg else 0)
         for r in requests
     }
 
@@ -195,10 +197,9 @@ class BatchGenerator:
         rows = [r.row for r in batch]
         scales = [r.true_cfg_scale for r in rows] if batch[0].uses_cfg else 1.0
         # Each branch padded only to its longest prompt; a shared negative is encoded once.
-        inputs = encode_unpadded(
-            self.pipe,
+        inputs = self.pipe.encode_guidance(
             [r.prompt for r in rows],
-            [r.negative_prompt or " " for r in rows] if batch[0].uses_cfg else None,
+            [r.negative_prompt for r in rows] if batch[0].uses_cfg else None,
             scales,
             self.max_sequence_length,
         )

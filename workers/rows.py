@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from compile.buckets import QWEN_IMAGE_BUCKETS, BucketSet, ResolutionBucket
+from model.guidance import DEFAULT_NEGATIVE_PROMPT
 from workers.storage.input_files import InputFileError, open_parquet
 
 # Columns with a meaning; every other column is passed through to the manifest.
@@ -81,8 +82,7 @@ class RowConfig:
     buckets: BucketSet = field(default_factory=lambda: BucketSet(QWEN_IMAGE_BUCKETS))
     steps: int = 50
     true_cfg_scale: float = 4.0
-    # Qwen-Image's default: true CFG needs a negative prompt, and " " is the neutral one.
-    negative_prompt: str | None = " "
+    negative_prompt: str | None = DEFAULT_NEGATIVE_PROMPT  # None: no negative, CFG off
     num_images: int = 1
     max_prompt_chars: int = 4000
 
