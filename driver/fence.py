@@ -74,7 +74,6 @@ def wait_actors_gone(handles: Iterable[Any], timeout_s: float = 60.0, poll_s: fl
     """
     import ray
     from ray._private import state  # the GCS actor table: state and pid, no dashboard needed
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     pending = {_actor_id(h) for h in handles}
     if not pending:
@@ -85,7 +84,7 @@ def wait_actors_gone(handles: Iterable[Any], timeout_s: float = 60.0, poll_s: fl
     while pending:
         try:
             alive_nodes = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
-        except Exception:  # noqa: BLE001 - as above
+        except Exception:  # noqa: BLE001 - the GCS did not answer: ask again
             alive_nodes = None
         if alive_nodes is None:
             if time.monotonic() >= deadline:
@@ -109,24 +108,35 @@ def wait_actors_gone(handles: Iterable[Any], timeout_s: float = 60.0, poll_s: fl
                     pending.discard(actor)
             else:
                 on_node[node].append((actor, pid))
-        refs = {
-            remote_check.options(
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
-            ).remote([pid for _, pid in entries]): entries
-            for node, entries in on_node.items()
-        }
-        left = deadline - time.monotonic()
-        if refs:
-            ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=max(min(left, 10.0), 0.1))
-            for ref in ready:
-                try:
-                    gone = ray.get(ref)
-                except Exception:  # noqa: BLE001 - the node died meanwhile: its processes with it
-                    gone = [True] * len(refs[ref])
-                for (actor, _), g in zip(refs[ref], gone):
-                    if g:
-                        pending.discard(actor)
+        if on_node:
+            left = deadline - time.monotonic()
+            pending -= _gone_on_other_nodes(remote_check, on_node, max(min(left, 10.0), 0.1))
         if not pending or time.monotonic() >= deadline:
             break
         time.sleep(poll_s)
     return sorted(pending)
+
+
+def _gone_on_other_nodes(
+    remote_check: Any, on_node: dict[str, list[tuple[str, int]]], timeout_s: float
+) -> set[str]:
+    """Ask a zero-CPU task on each node whether the pids of its actors are gone; returns the
+    actors confirmed gone within `timeout_s` (on_node: node id -> [(actor id, pid)])."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    refs = {
+        remote_check.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+        ).remote([pid for _, pid in entries]): entries
+        for node, entries in on_node.items()
+    }
+    confirmed: set[str] = set()
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    for ref in ready:
+        try:
+            gone = ray.get(ref)
+        except Exception:  # noqa: BLE001 - the node died meanwhile: its processes with it
+            gone = [True] * len(refs[ref])
+        confirmed.update(actor for (actor, _), g in zip(refs[ref], gone) if g)
+    return confirmed

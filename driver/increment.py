@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from driver.arrays import plain
 from driver.errors import file_error
 from driver.plan import PlanConfig, ShardCutter, row_group_warnings
 from driver.prompts import InputFile, PromptSource
@@ -39,7 +40,7 @@ from driver.run_records import (
     recorded_ids,
     write_ids,
 )
-from driver.validate import plain, scan_input
+from driver.validate import scan_input
 from workers.output.layout import success_key
 from workers.rows import ShardSpec
 from workers.storage import ObjectStore
@@ -154,6 +155,17 @@ class _NewRowSelector:
             )
             self.ids.setdefault(file.uri, []).append(ids.slice(start, stop - start))
 
+    def shard_ids(self, shards: Sequence[ShardSpec]) -> tuple[tuple[int, pa.Array], ...]:
+        """(shard, ids of its rows) for each of `shards`, cut from the ids passed on."""
+        out: list[tuple[int, pa.Array]] = []
+        for uri, chunks in self.ids.items():
+            ids = pa.concat_arrays(chunks)
+            at = 0
+            for shard in (s for s in shards if s.file == uri):
+                out.append((shard.index, ids.slice(at, shard.num_rows)))
+                at += shard.num_rows
+        return tuple(out)
+
 
 def _true_spans(indices: list[int]) -> list[tuple[int, int]]:
     """[0, 1, 2, 5, 6] -> [(0, 3), (5, 7)]: runs of consecutive indices as half-open spans."""
@@ -183,29 +195,9 @@ def plan_increment(
     files = source.files()
     sha = _identities(source, files)
     recorded = RecordedPlan.of(read_run_records(store))
-    current = {f.uri: (f.size, sha[f.uri]) for f in files}
-
-    carried: list[ShardSpec] = []
-    superseded_now: list[int] = []
-    for shard in recorded.live():
-        if shard.index in committed:
-            continue
-        now = current.get(shard.file)
-        if now is not None and recorded.file_entry(shard).same_content(*now):
-            carried.append(shard)
-        else:
-            superseded_now.append(shard.index)
+    carried, superseded_now = _carry_over(recorded, committed, {f.uri: (f.size, sha[f.uri]) for f in files})
     gone = recorded.superseded | set(superseded_now)
-
-    def needs_reading(f: InputFile) -> bool:
-        seen = recorded.latest_file.get(f.uri)
-        if seen is None or not seen[1].same_content(f.size, sha[f.uri]):
-            return True
-        # Unchanged since run seen[0], but shards over it were given up at or after that run
-        # (it was gone for a while): read it again for the rows of those shards.
-        return any(recorded.shards[i].file == f.uri and recorded.run_of[i] >= seen[0] for i in gone)
-
-    new_files = [f for f in files if needs_reading(f)]
+    new_files = _files_to_read(files, sha, recorded, gone)
     if not new_files and not superseded_now:
         return IncrementPlan(fingerprint, recorded, len(files), tuple(carried), None)
 
@@ -214,13 +206,10 @@ def plan_increment(
         with source.open(f) as pf:
             rows[f.uri] = pf.metadata.num_rows
     prefixes = {f.uri: source.relative_name(f) + ID_SEPARATOR for f in new_files}
-    cutter = ShardCutter(config, first_index=recorded.next_shard, id_prefixes=prefixes)
     to_read = [f for f in new_files if rows[f.uri]]
-    selector = _NewRowSelector(
-        cutter,
-        recorded_ids(store, recorded.records, gone) if to_read else pa.array([], pa.string()),
-        prefixes,
-    )
+    covered = recorded_ids(store, recorded.records, gone) if to_read else pa.array([], pa.string())
+    cutter = ShardCutter(config, first_index=recorded.next_shard, id_prefixes=prefixes)
+    selector = _NewRowSelector(cutter, covered, prefixes)
     if to_read:
         report = scan_input(
             PromptSource(source.uri, source.filesystem, files=to_read),
@@ -231,13 +220,6 @@ def plan_increment(
         )
         cutter.finish_file()
         report.raise_if_errors()
-    shard_ids: list[tuple[int, pa.Array]] = []
-    for uri, chunks in selector.ids.items():
-        ids = pa.concat_arrays(chunks)
-        at = 0
-        for shard in (s for s in cutter.shards if s.file == uri):
-            shard_ids.append((shard.index, ids.slice(at, shard.num_rows)))
-            at += shard.num_rows
     record = RunRecord(
         run=recorded.next_run,
         created_at=created_at or dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -253,10 +235,45 @@ def plan_increment(
         len(files),
         tuple(carried),
         record,
-        tuple(shard_ids),
+        selector.shard_ids(cutter.shards),
         secrets.token_hex(8),
         tuple(row_group_warnings(source, to_read, config.shard_size)),
     )
+
+
+def _carry_over(
+    recorded: RecordedPlan, committed: set[int], current: Mapping[str, tuple[int, str]]
+) -> tuple[list[ShardSpec], list[int]]:
+    """The uncommitted shards of earlier runs: those to run as recorded (their file is unchanged;
+    `current`: uri -> (size, footer sha256) now), and the indices of those to give up."""
+    carried: list[ShardSpec] = []
+    superseded: list[int] = []
+    for shard in recorded.live():
+        if shard.index in committed:
+            continue
+        now = current.get(shard.file)
+        if now is not None and recorded.file_entry(shard).same_content(*now):
+            carried.append(shard)
+        else:
+            superseded.append(shard.index)
+    return carried, superseded
+
+
+def _files_to_read(
+    files: Sequence[InputFile], sha: Mapping[str, str], recorded: RecordedPlan, gone: frozenset[int]
+) -> list[InputFile]:
+    """The files no record has seen as they are now, and those whose given-up shards (`gone`)
+    need their rows planned again."""
+
+    def needs_reading(f: InputFile) -> bool:
+        seen = recorded.latest_file.get(f.uri)
+        if seen is None or not seen[1].same_content(f.size, sha[f.uri]):
+            return True
+        # Unchanged since run seen[0], but shards over it were given up at or after that run
+        # (it was gone for a while): read it again for the rows of those shards.
+        return any(recorded.shards[i].file == f.uri and recorded.run_of[i] >= seen[0] for i in gone)
+
+    return [f for f in files if needs_reading(f)]
 
 
 def commit_increment(store: ObjectStore, plan: IncrementPlan) -> IncrementPlan | None:

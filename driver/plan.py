@@ -24,9 +24,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from compile.buckets import BucketError
+from driver.arrays import plain
 from driver.errors import file_error
 from driver.prompts import DEFAULT_BATCH_ROWS, InputFile, PromptSource
-from driver.validate import DEFAULT_MAX_ERRORS, plain, scan_input, valid_sizes
+from driver.validate import DEFAULT_MAX_ERRORS, scan_input, valid_sizes
 from workers.rows import MAX_SIDE, RowConfig, ShardSpec
 from workers.storage.input_files import InputFileError, footer_sha256, largest_row_group
 

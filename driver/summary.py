@@ -163,6 +163,14 @@ def startup_summary(reports: dict[str, dict]) -> dict[str, Any]:
     }
 
 
+def _status(shards_failed: bool, shards_left: bool, counts: OutputCounts) -> str:
+    if shards_failed or shards_left:  # shards left without failing: should not happen
+        return FAILED
+    if counts.images_failed or counts.rows_failed:
+        return COMPLETED_WITH_FAILURES
+    return SUCCEEDED
+
+
 def build_summary(
     *,
     output: str,
@@ -181,14 +189,7 @@ def build_summary(
         for f in (dispatch.failed if dispatch else [])
     ]
     committed = counts.shards
-    if failed:
-        status = FAILED
-    elif committed < planned["shards"]:
-        status = FAILED  # should not happen: every shard either committed or failed
-    elif counts.images_failed or counts.rows_failed:
-        status = COMPLETED_WITH_FAILURES
-    else:
-        status = SUCCEEDED
+    status = _status(bool(failed), committed < planned["shards"], counts)
     failures = counts.errors_capped()
     for f in failed:
         key = f"shard failed: {f['kind']}"

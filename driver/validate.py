@@ -7,14 +7,14 @@ A column of the wrong type is one schema-level problem for its file, not one per
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from driver.arrays import outside, plain
 from driver.duplicate_ids import DuplicateIds
 from driver.errors import InputError, RowError, describe_value
 from driver.prompts import DEFAULT_BATCH_ROWS, InputFile, PromptSource, iter_batches
@@ -66,25 +66,6 @@ def _kind(t: pa.DataType) -> str:
         if test(t):
             return kind
     return str(t)
-
-
-def plain(a: pa.Array) -> pa.Array:
-    """Dictionary-encoded and view strings as plain arrays, so every kernel accepts them."""
-    if isinstance(a, pa.DictionaryArray):
-        a = a.dictionary_decode()
-    return a.cast(pa.large_string()) if pa.types.is_string_view(a.type) else a
-
-
-def outside(v: pa.Array, lo: float, hi: float) -> pa.Array:
-    """v < lo or v > hi, null where v is null. Bounds are clipped to an integer column's own
-    type, so a uint64 or int8 column is compared without a failing cast."""
-    if pa.types.is_integer(v.type):
-        bits = v.type.bit_width
-        signed = pa.types.is_signed_integer(v.type)
-        low, high = (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if signed else (0, (1 << bits) - 1)
-        lo_v, hi_v = pa.scalar(max(math.ceil(lo), low), v.type), pa.scalar(min(math.floor(hi), high), v.type)
-        return pc.or_(pc.less(v, lo_v), pc.greater(v, hi_v))
-    return pc.or_(pc.less(v, lo), pc.greater(v, hi))
 
 
 def valid_sizes(w: pa.Array, h: pa.Array) -> tuple[pa.Array, pa.Array, pa.Array]:
@@ -276,6 +257,22 @@ class RowValidator:
 BatchCallback = Callable[[InputFile, int, int, pa.RecordBatch], None]
 
 
+def _read_schemas(
+    source: PromptSource, files: Sequence[InputFile], validator: RowValidator
+) -> list[pa.Schema | None]:
+    """Each file's schema, from its footer; None (and the problem reported) when it cannot be read."""
+    schemas: list[pa.Schema | None] = []
+    for file in files:
+        try:
+            with source.open(file) as pf:
+                schemas.append(pf.schema_arrow)
+        except InputError as e:
+            schemas.append(None)
+            for err in e.errors:
+                validator.add(err)
+    return schemas
+
+
 def scan_input(
     source: PromptSource,
     config: RowConfig,
@@ -291,15 +288,7 @@ def scan_input(
     """
     files = source.files()
     validator = RowValidator(config, max_errors)
-    schemas: list[pa.Schema | None] = []
-    for file in files:
-        try:
-            with source.open(file) as pf:
-                schemas.append(pf.schema_arrow)
-        except InputError as e:
-            schemas.append(None)
-            for err in e.errors:
-                validator.add(err)
+    schemas = _read_schemas(source, files, validator)
     # Without any id column, ids are positions, which cannot collide: skip the hashing.
     duplicates = DuplicateIds() if any(s is not None and "id" in s.names for s in schemas) else None
 
