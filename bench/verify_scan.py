@@ -13,15 +13,15 @@ Prints one JSON line.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import tempfile
 import time
 
 from driver.verify import clean_orphans, verify_output
+from tests.worker_fixtures import manifest_row, put_image
 from workers.output.layout import image_key, job_key, new_attempt_token
-from workers.output.manifest import ManifestRow, ManifestWriter
+from workers.output.manifest import ManifestWriter
 from workers.storage import open_store
 
 
@@ -32,32 +32,11 @@ def build(root: str, shards: int, images: int, size: int) -> None:
         writer = ManifestWriter(shard, expected_rows=images)
         for i in range(images):
             row_id = f"r{shard:05d}-{i:05d}"
-            data = os.urandom(size)
-            key = image_key(shard, token, row_id, None, "png")
-            store.put(key, data)
+            stored = put_image(store, image_key(shard, token, row_id, None, "png"), os.urandom(size))
             if i % 10 == 0:  # a losing run stored a tenth of the shard before it lost
                 store.put(image_key(shard, loser, row_id, None, "png"), os.urandom(size))
             writer.add(
-                ManifestRow(
-                    id=row_id,
-                    k=0,
-                    prompt="p",
-                    seed=i,
-                    width=64,
-                    height=64,
-                    bucket="64x64",
-                    steps=2,
-                    true_cfg_scale=1.0,
-                    model_id="bench",
-                    status="ok",
-                    uri=store.uri(key),
-                    sha256=hashlib.sha256(data).hexdigest(),
-                    bytes=size,
-                    format="png",
-                    worker="bench",
-                    attempt=0,
-                    shard=shard,
-                )
+                manifest_row(row_id, shard, stored, prompt="p", seed=i, model_id="bench", worker="bench")
             )
         writer.commit(store)
     plan = {"shards": shards, "rows": shards * images, "images": shards * images}

@@ -3,7 +3,6 @@ nothing written on bad input; plan, status and preview on real files."""
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 from pathlib import Path
@@ -16,8 +15,9 @@ from pydantic import BaseModel
 
 from jobs.cli import main
 from jobs.spec import JobSpec, SpecError, load_spec, parse_spec
+from tests.worker_fixtures import manifest_row, put_image
 from workers.output.layout import image_key, job_key, new_attempt_token
-from workers.output.manifest import ManifestRow, ManifestWriter
+from workers.output.manifest import ManifestWriter
 from workers.storage import open_store
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "jobs" / "examples" / "tiny.yaml"
@@ -151,31 +151,21 @@ def _fake_output(root: Path, shards: int, planned: int) -> None:
             row_id = f"s{shard}-{k}"
             buf = io.BytesIO()
             Image.new("RGB", (64, 48), colour).save(buf, format="PNG")
-            key = image_key(shard, "a0-00000000000000ff", row_id, None, "png")
-            store.put(key, buf.getvalue())
+            stored = put_image(
+                store, image_key(shard, "a0-00000000000000ff", row_id, None, "png"), buf.getvalue()
+            )
             ok = not (shard == 0 and k == 1)
             writer.add(
-                ManifestRow(
-                    id=row_id,
-                    k=0,
+                manifest_row(
+                    row_id,
+                    shard,
+                    stored if ok else None,
+                    error=None if ok else "boom",
                     prompt=f"a {colour} picture number {shard}",
-                    seed=1,
-                    width=64,
                     height=48,
                     bucket="64x48",
-                    steps=2,
-                    true_cfg_scale=1.0,
-                    model_id="test",
-                    status="ok" if ok else "failed",
-                    error=None if ok else "boom",
-                    uri=store.uri(key) if ok else None,
-                    sha256=hashlib.sha256(buf.getvalue()).hexdigest() if ok else None,
-                    bytes=len(buf.getvalue()) if ok else None,
-                    format="png",
                     worker="w",
-                    attempt=0,
-                    shard=shard,
-                )  # fmt: skip
+                )
             )
         writer.commit(store)
     store.put(job_key(), json.dumps({"fingerprint": "f", "plan": {"shards": planned, "rows": 2 * planned,
@@ -222,25 +212,16 @@ def test_preview_reads_every_output_format(tmp_path, output_format, capsys):
     manifest = ManifestWriter(0, expected_rows=3)
     for r in stored.results:
         manifest.add(
-            ManifestRow(
-                id=r.id,
+            manifest_row(
+                r.id,
+                0,
+                (r.uri, r.sha256, r.bytes),
                 k=r.k,
                 prompt=f"a {r.id} square",
-                seed=1,
                 width=48,
                 height=32,
                 bucket="48x32",
-                steps=2,
-                true_cfg_scale=1.0,
-                model_id="test",
-                status="ok",
-                uri=r.uri,
-                sha256=r.sha256,
-                bytes=r.bytes,
-                format="png",
                 worker="w",
-                attempt=0,
-                shard=0,
             )  # fmt: skip
         )
     manifest.commit(store)

@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 import pytest
 
+from tests.worker_fixtures import manifest_row
 from workers.output.layout import manifest_key
 from workers.output.manifest import (
     MANIFEST_SCHEMA,
@@ -56,34 +57,22 @@ DESIGN_COLUMNS = {name for name, _, _ in EXPECTED_COLUMNS}
 
 
 def make_row(shard: int, i: int, ok: bool = True, **overrides) -> ManifestRow:
+    stored = (f"s3://b/out/images/{shard:05d}/row-{i}.png", "ab" * 32, 1234) if ok else None
     fields = dict(
-        id=f"row-{i}",
-        k=0,
         prompt=f"a photo of thing {i}",
         negative_prompt=None if i % 2 else " ",
         seed=1_000_000_007 * i,
-        width=64,
         height=48,
         bucket="64x48",
-        steps=2,
         true_cfg_scale=4.0,
         model_id="tiny",
-        model_revision=None,
-        status="ok" if ok else "failed",
         error=None if ok else "encode failed: ImageEncodeError: non-finite values",
-        uri=f"s3://b/out/images/{shard:05d}/row-{i}.png" if ok else None,
-        sha256=("ab" * 32) if ok else None,
-        bytes=1234 if ok else None,
-        format="png",
         generate_s=0.5,
         encode_s=0.01 if ok else None,
         upload_s=0.02 if ok else None,
         worker="node-1/actor-0",
-        attempt=0,
-        shard=shard,
     )
-    fields.update(overrides)
-    return ManifestRow(**fields)
+    return manifest_row(f"row-{i}", shard, stored, **{**fields, **overrides})
 
 
 @pytest.fixture(params=["local", "s3"])
