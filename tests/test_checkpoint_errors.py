@@ -77,25 +77,21 @@ def test_truncated_header_named(sharded_dir, tmp_path):
         load_pipeline(root, device="cuda")
 
 
-def test_index_naming_an_absent_file(sharded_dir, tmp_path):
-    root, _ = _copy(sharded_dir, tmp_path)
-    index_path = root / "transformer" / INDEX
-    index = json.loads(index_path.read_text())
-    key = next(iter(index["weight_map"]))
-    index["weight_map"][key] = "diffusion_pytorch_model-00009-of-00009.safetensors"
-    index_path.write_text(json.dumps(index))
-    with pytest.raises(WeightsError, match=rf"{INDEX}.*diffusion_pytorch_model-00009-of-00009.safetensors"):
-        load_pipeline(root, device="cuda")
-
-
-def test_index_from_another_download(sharded_dir, tmp_path):
+@pytest.mark.parametrize("wrong", ["absent-file", "another-download"])
+def test_index_naming_the_wrong_file(sharded_dir, tmp_path, wrong):
+    """The index sends one tensor to a file the folder lacks, or to a shard that does not hold it."""
     root, shards = _copy(sharded_dir, tmp_path)
     index_path = root / "transformer" / INDEX
     index = json.loads(index_path.read_text())
     key = next(k for k, v in index["weight_map"].items() if v == shards[0].name)
-    index["weight_map"][key] = shards[1].name
+    if wrong == "absent-file":
+        index["weight_map"][key] = "diffusion_pytorch_model-00009-of-00009.safetensors"
+        message = rf"{INDEX}.*diffusion_pytorch_model-00009-of-00009.safetensors"
+    else:
+        index["weight_map"][key] = shards[1].name
+        message = rf"{INDEX}.*not where the index says.*{key}"
     index_path.write_text(json.dumps(index))
-    with pytest.raises(WeightsError, match=rf"{INDEX}.*not where the index says.*{key}"):
+    with pytest.raises(WeightsError, match=message):
         load_pipeline(root, device="cuda")
 
 
