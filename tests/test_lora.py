@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from model import load_pipeline
 from model.lora import LoraError, LoraSpec
-from tests.model_fixtures import diffusers_pipeline
+from tests.model_fixtures import diffusers_images, diffusers_pipeline, padded_embeds
 
 LIGHTNING_SCHEDULER = Path(__file__).parent / "data" / "published" / "qwen-image-lightning" / "scheduler"
 RANK = 4
@@ -172,42 +172,24 @@ def test_two_adapters_in_bf16_equal_diffusers_bit_for_bit(tmp_path, random_model
     _assert_same_weights(pipe.transformer, ref.transformer)
 
 
-def _embeds(seed: int, lens: list[int], dim: int = 16):
-    g = torch.Generator().manual_seed(seed)
-    e = torch.randn(len(lens), max(lens), dim, generator=g)
-    m = torch.zeros(len(lens), max(lens), dtype=torch.long)
-    for i, n in enumerate(lens):
-        m[i, :n] = 1
-    return e * m[..., None], m
-
-
 def test_lightning_lora_form_makes_diffusers_images(tmp_path, random_model_dir):
     """The LoRA form of a few-step distilled model: base weights + adapter + the distilled
     scheduler config, 4 steps, CFG off. Same images as diffusers set up the same way."""
     path = write_kohya_lora(tmp_path / "lightning.safetensors", 8, flat=False)
-    pos, mask = _embeds(0, [6, 3])
+    pos, mask = padded_embeds(0, [6, 3])
     seeds = [21, 22]
     ref = _reference(random_model_dir, [(path, 1.0)], scheduler=LIGHTNING_SCHEDULER)
-    expected = ref(
-        prompt_embeds=pos,
-        prompt_embeds_mask=mask,
-        height=64,
-        width=96,
-        num_inference_steps=4,
-        true_cfg_scale=1.0,
-        generator=[torch.Generator().manual_seed(s) for s in seeds],
-        output_type="pt",
-    ).images
-    kw = dict(prompt_embeds=pos, prompt_embeds_mask=mask, height=64, width=96, steps=4, true_cfg_scale=1.0)
+    inputs = dict(prompt_embeds=pos, prompt_embeds_mask=mask, height=64, width=96, true_cfg_scale=1.0)
+    expected = diffusers_images(ref, steps=4, seeds=seeds, **inputs)
     pipe = load_pipeline(
         random_model_dir,
         loras=[LoraSpec(str(path))],
         scheduler_config=LIGHTNING_SCHEDULER / "scheduler_config.json",
     )
-    got = pipe.generate(seeds=seeds, **kw)
+    got = pipe.generate(**inputs, steps=4, seeds=seeds)
     assert got.shape == expected.shape == (2, 3, 64, 96)
     assert (got - expected).abs().max().item() <= 1e-3
-    base = load_pipeline(random_model_dir).generate(seeds=seeds, **kw)
+    base = load_pipeline(random_model_dir).generate(**inputs, steps=4, seeds=seeds)
     assert (base - got).abs().max().item() > 0.05  # the adapter and the schedule do change the images
 
 

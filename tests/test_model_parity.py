@@ -7,7 +7,14 @@ import torch
 
 from model import TransformerConfig, WeightsError, load_pipeline
 from model.loader import load_transformer
-from tests.model_fixtures import TINY_TRANSFORMER, diffusers_pipeline
+from tests.model_fixtures import (
+    TINY_TRANSFORMER,
+    diffusers_images,
+    diffusers_pipeline,
+    guided_inputs,
+    padded_embeds,
+    text_mask,
+)
 
 
 def _reference_transformer(**overrides):
@@ -34,9 +41,7 @@ def test_transformer_matches_diffusers(tmp_path, grid, text_lens, overrides):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(B, h * w, 64, generator=g)
     txt = torch.randn(B, L, 16, generator=g)
-    mask = torch.zeros(B, L, dtype=torch.long)
-    for i, n in enumerate(text_lens):
-        mask[i, :n] = 1
+    mask = text_mask(list(text_lens))
     t = torch.tensor([0.73] * B)
     extra = torch.tensor([0, 1]) if overrides.get("use_additional_t_cond") else None
     shapes = [[(1, h, w)]] * B
@@ -65,46 +70,11 @@ def test_module_tree_mirrors_diffusers_keys(tmp_path):
     assert isinstance(block.img_mod[1], torch.nn.Linear)
 
 
-def _embeds(seed: int, lens: list[int], dim: int = 16):
-    g = torch.Generator().manual_seed(seed)
-    L = max(lens)
-    e = torch.randn(len(lens), L, dim, generator=g)
-    m = torch.zeros(len(lens), L, dtype=torch.long)
-    for i, n in enumerate(lens):
-        m[i, :n] = 1
-    return e * m[..., None], m
-
-
 def test_pipeline_matches_diffusers(random_model_dir):
     """Same embeddings, seeds, 4 steps, true_cfg_scale 4: images within 1e-3 per pixel."""
-    pos, pos_mask = _embeds(0, [6, 3])
-    neg, neg_mask = _embeds(1, [2, 2])
-    seeds = [11, 12]
-    ref = diffusers_pipeline(random_model_dir)
-    expected = ref(
-        prompt_embeds=pos,
-        prompt_embeds_mask=pos_mask,
-        negative_prompt_embeds=neg,
-        negative_prompt_embeds_mask=neg_mask,
-        height=64,
-        width=96,
-        num_inference_steps=4,
-        true_cfg_scale=4.0,
-        generator=[torch.Generator().manual_seed(s) for s in seeds],
-        output_type="pt",
-    ).images
-    pipe = load_pipeline(random_model_dir)
-    got = pipe.generate(
-        prompt_embeds=pos,
-        prompt_embeds_mask=pos_mask,
-        negative_prompt_embeds=neg,
-        negative_prompt_embeds_mask=neg_mask,
-        height=64,
-        width=96,
-        steps=4,
-        true_cfg_scale=4.0,
-        seeds=seeds,
-    )
+    inputs = guided_inputs([6, 3], [2, 2], height=64, width=96)
+    expected = diffusers_images(diffusers_pipeline(random_model_dir), steps=4, seeds=[11, 12], **inputs)
+    got = load_pipeline(random_model_dir).generate(**inputs, steps=4, seeds=[11, 12])
     assert got.shape == expected.shape == (2, 3, 64, 96)
     assert (got - expected).abs().max().item() <= 1e-3
 
@@ -128,7 +98,7 @@ def test_scheduler_matches_diffusers(random_model_dir):
 
 def test_same_seed_same_image_whatever_the_batch(random_model_dir):
     pipe = load_pipeline(random_model_dir)
-    pos, mask = _embeds(0, [5, 5, 5])
+    pos, mask = padded_embeds(0, [5, 5, 5])
     kw = dict(height=32, width=32, steps=2, true_cfg_scale=1.0)
     batch = pipe.generate(prompt_embeds=pos, prompt_embeds_mask=mask, seeds=[7, 8, 9], **kw)
     alone = pipe.generate(prompt_embeds=pos[1:2], prompt_embeds_mask=mask[1:2], seeds=[8], **kw)

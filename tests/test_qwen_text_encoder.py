@@ -19,7 +19,7 @@ pytest.importorskip("diffusers")
 from model.text_encoder import QWEN_IMAGE_DROP_TOKENS, QWEN_IMAGE_TEMPLATE, QwenVLTextEncoder  # noqa: E402
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-VOCAB_SIZE = 512  # model vocab; the tokenizer uses fewer ids
+TINY_CONFIG = Path(__file__).parent / "data" / "tiny-qwen2.5-vl" / "config.json"
 PROMPTS = [
     "a red cube",
     "",
@@ -55,39 +55,11 @@ def make_tokenizer(out: Path):
 
 
 def make_text_encoder(out: Path, seed: int = 0):
+    """A two-layer Qwen2.5-VL (hidden 32, 4 heads; mrope sections 1+1+2 = head_dim / 2) with a
+    one-block vision tower, random weights, its token ids at the top of the vocabulary."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    config = Qwen2_5_VLConfig(
-        text_config=dict(
-            vocab_size=VOCAB_SIZE,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=2048,
-            rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]},  # sums to head_dim / 2
-            bos_token_id=0,
-            eos_token_id=2,
-            pad_token_id=0,
-        ),
-        vision_config=dict(
-            depth=1,
-            hidden_size=16,
-            intermediate_size=32,
-            num_heads=2,
-            out_hidden_size=32,
-            patch_size=2,
-            spatial_merge_size=1,
-            temporal_patch_size=1,
-            window_size=4,
-            fullatt_block_indexes=[0],
-        ),
-        image_token_id=VOCAB_SIZE - 4,
-        video_token_id=VOCAB_SIZE - 3,
-        vision_start_token_id=VOCAB_SIZE - 2,
-        vision_end_token_id=VOCAB_SIZE - 1,
-    )
+    config = Qwen2_5_VLConfig(**json.loads(TINY_CONFIG.read_text()))
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(config).eval()
     model.save_pretrained(out, safe_serialization=True)

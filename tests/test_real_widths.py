@@ -18,26 +18,21 @@ from model import load_pipeline
 from model.loader import load_transformer
 from model.sampling import model_timestep
 from model.scheduler import SchedulerConfig, sigma_schedule
+from tests.model_fixtures import (
+    diffusers_images,
+    diffusers_pipeline,
+    diffusers_transformer,
+    guided_inputs,
+    padded_embeds,
+)
 from tests.real_widths import PUBLISHED
 
 TEXT_DIM = 3584
 
 
-def _diffusers_transformer(root, dtype):
-    from diffusers import QwenImageTransformer2DModel
-
-    return QwenImageTransformer2DModel.from_pretrained(root / "transformer", torch_dtype=dtype).eval()
-
-
 def _text(seed: int, lens: list[int]):
     """Stand-in prompt embeddings at the text encoder's width, padded with a mask."""
-    g = torch.Generator().manual_seed(seed)
-    L = max(lens)
-    e = torch.randn(len(lens), L, TEXT_DIM, generator=g) * 4
-    m = torch.zeros(len(lens), L, dtype=torch.long)
-    for i, n in enumerate(lens):
-        m[i, :n] = 1
-    return e * m[..., None], m
+    return padded_embeds(seed, lens, dim=TEXT_DIM, scale=4)
 
 
 def _inputs(h: int, w: int, lens: list[int], dtype):
@@ -73,30 +68,28 @@ def test_loads_through_load_pipeline(real_widths_dir, dtype):
     gc.collect()
 
 
-def test_fp32_transformer_matches_diffusers(real_widths_dir):
-    ref = _diffusers_transformer(real_widths_dir, torch.float32)
-    ours = load_transformer(real_widths_dir / "transformer", "cpu", torch.float32)
-    x, txt, mask, shapes = _inputs(16, 16, [12, 7], torch.float32)
-    t = torch.tensor([0.6, 0.6])
-    with torch.no_grad():
-        expected = ref(x, txt, mask, t, shapes, return_dict=False)[0]
-        got = ours(x, txt, mask, t, shapes)
-    assert (got - expected).abs().max().item() <= 2e-4
-    del ref, ours
-    gc.collect()
-
-
-def test_bf16_transformer_within_one_percent_of_diffusers(real_widths_dir):
-    ref = _diffusers_transformer(real_widths_dir, torch.bfloat16)
-    ours = load_transformer(real_widths_dir / "transformer", "cpu", torch.bfloat16)
-    x, txt, mask, shapes = _inputs(16, 16, [12, 7], torch.bfloat16)
-    t = model_timestep(torch.tensor([607.0, 607.0]), torch.bfloat16)
+def _transformer_outputs(root, dtype: torch.dtype, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ours, diffusers') transformer output in fp32, both loaded in `dtype` from the same files."""
+    ref = diffusers_transformer(root, dtype)
+    ours = load_transformer(root / "transformer", "cpu", dtype)
+    x, txt, mask, shapes = _inputs(16, 16, [12, 7], dtype)
     with torch.no_grad():
         expected = ref(x, txt, mask, t, shapes, return_dict=False)[0].float()
         got = ours(x, txt, mask, t, shapes).float()
-    assert (got - expected).norm().item() <= 0.01 * expected.norm().item()
     del ref, ours
     gc.collect()
+    return got, expected
+
+
+def test_fp32_transformer_matches_diffusers(real_widths_dir):
+    got, expected = _transformer_outputs(real_widths_dir, torch.float32, torch.tensor([0.6, 0.6]))
+    assert (got - expected).abs().max().item() <= 2e-4
+
+
+def test_bf16_transformer_within_one_percent_of_diffusers(real_widths_dir):
+    t = model_timestep(torch.tensor([607.0, 607.0]), torch.bfloat16)
+    got, expected = _transformer_outputs(real_widths_dir, torch.bfloat16, t)
+    assert (got - expected).norm().item() <= 0.01 * expected.norm().item()
 
 
 def test_bf16_timesteps_are_rounded_like_the_reference():
@@ -112,46 +105,15 @@ def test_bf16_timesteps_are_rounded_like_the_reference():
     assert round(ours[5].item(), 4) == 0.3926 and round(divided_first[5].item(), 4) == 0.3906
 
 
-def _reference_pipeline(root, dtype):
-    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
-
-    return QwenImagePipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(root / "scheduler"),
-        vae=AutoencoderKLQwenImage.from_pretrained(root / "vae", torch_dtype=dtype),
-        text_encoder=None,
-        tokenizer=None,
-        transformer=_diffusers_transformer(root, dtype),
-    )
-
-
 @pytest.mark.slow
 def test_pipeline_256_three_steps_true_cfg_matches_diffusers(real_widths_dir):
-    pos, pos_mask = _text(0, [9])
-    neg, neg_mask = _text(1, [3])
-    kw = dict(prompt_embeds=pos, prompt_embeds_mask=pos_mask, negative_prompt_embeds=neg)
-    ref = _reference_pipeline(real_widths_dir, torch.float32)
-    expected = ref(
-        **kw,
-        negative_prompt_embeds_mask=neg_mask,
-        height=256,
-        width=256,
-        num_inference_steps=3,
-        true_cfg_scale=4.0,
-        generator=[torch.Generator().manual_seed(5)],
-        output_type="pt",
-    ).images
+    inputs = guided_inputs([9], [3], height=256, width=256, dim=TEXT_DIM, scale=4)
+    ref = diffusers_pipeline(real_widths_dir, torch.float32)
+    expected = diffusers_images(ref, steps=3, seeds=[5], **inputs)
     del ref
     gc.collect()
     pipe = load_pipeline(real_widths_dir, dtype=torch.float32)
-    got = pipe.generate(
-        **kw,
-        negative_prompt_embeds_mask=neg_mask,
-        height=256,
-        width=256,
-        steps=3,
-        true_cfg_scale=4.0,
-        seeds=[5],
-    )
+    got = pipe.generate(**inputs, steps=3, seeds=[5])
     assert got.shape == expected.shape == (1, 3, 256, 256)
     assert (got - expected).abs().max().item() <= 2e-3
     del pipe
@@ -175,27 +137,22 @@ class _Recorder:
 @pytest.mark.slow
 def test_bf16_trajectory_follows_diffusers_step_by_step(real_widths_dir):
     """Each step: the same bf16 timestep tensor value, and a DiT output within 1% of the reference's."""
-    ref = _reference_pipeline(real_widths_dir, torch.bfloat16)
+    ref = diffusers_pipeline(real_widths_dir, torch.bfloat16)
     pipe = load_pipeline(real_widths_dir, dtype=torch.bfloat16)
     pos, pos_mask = _text(0, [9])
     for height, width, steps in [(256, 256, 8), (128, 256, 5), (128, 128, 4)]:
         rec_ref, rec_ours = _Recorder(), _Recorder()
         h1 = ref.transformer.register_forward_hook(rec_ref.reference, with_kwargs=True)
         h2 = pipe.transformer.register_forward_hook(rec_ours.ours)
-        ref(
+        size = dict(height=height, width=width, steps=steps, true_cfg_scale=1.0, seeds=[2])
+        diffusers_images(
+            ref,
             prompt_embeds=pos.to(torch.bfloat16),
             prompt_embeds_mask=pos_mask,
-            height=height,
-            width=width,
-            num_inference_steps=steps,
-            true_cfg_scale=1.0,
-            generator=[torch.Generator().manual_seed(2)],
             output_type="latent",
+            **size,
         )
-        pipe.generate(
-            prompt_embeds=pos, prompt_embeds_mask=pos_mask, height=height, width=width, steps=steps,
-            true_cfg_scale=1.0, seeds=[2],
-        )  # fmt: skip
+        pipe.generate(prompt_embeds=pos, prompt_embeds_mask=pos_mask, **size)
         h1.remove(), h2.remove()
         assert len(rec_ref.calls) == len(rec_ours.calls) == steps
         for i, ((t_ref, v_ref), (t_ours, v_ours)) in enumerate(zip(rec_ref.calls, rec_ours.calls)):
