@@ -44,7 +44,7 @@ def as_uint8(image: np.ndarray) -> np.ndarray:
 def test_encoding_is_deterministic_and_metadata_free(fmt: str) -> None:
     image = picture(1)
     a, b = encode_image(image, fmt), encode_image(image.copy(), fmt)
-    assert a == b and sha256_hex(a) == sha256_hex(b)
+    assert a == b
     decoded = Image.open(io.BytesIO(a))
     assert decoded.size == (32, 24) and decoded.format == {"png": "PNG", "webp": "WEBP", "jpeg": "JPEG"}[fmt]
     assert (

@@ -120,9 +120,9 @@ def test_local_put_never_shows_a_partial_file(tmp_path) -> None:
             self.sent += n
             return n
 
-    with pytest.raises(ConnectionError):
+    with pytest.raises(ConnectionError, match="source died half-way"):
         store.put_file("img.png", io.BufferedReader(DiesHalfWay()))
-    with pytest.raises(ConnectionError):
+    with pytest.raises(ConnectionError, match="source died half-way"):
         store.put_file("new.png", io.BufferedReader(DiesHalfWay()))
     assert store.get("img.png") == b"old"  # the old object, whole
     assert not store.exists("new.png")
