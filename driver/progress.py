@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from driver.actor_phases import UNPLACEABLE, WAITING, ActorPhase
-from driver.dispatch import DispatchEvents, DispatchSnapshot, ShardFailure
+from driver.dispatch.types import DispatchEvents, DispatchSnapshot, ShardFailure
+from workers.contract import ShardResult
+from workers.rows import ShardSpec
 
 _BAR_WIDTH = 24
 _REDRAW_S = 0.25  # bar redraws at most this often
@@ -53,6 +55,19 @@ class WorkerStats:
     @property
     def images_per_s(self) -> float:
         return (self.images_ok + self.images_failed) / self.busy_s if self.busy_s > 0 else 0.0
+
+    def add(self, result: ShardResult) -> None:
+        """Count one committed shard of this worker."""
+        self.shards += 1
+        self.images_ok += result.images_ok
+        self.images_failed += result.images_failed
+        self.busy_s += result.wall_s
+        self.generate_s += result.generate_s
+        self.encode_s += result.encode_s
+        self.upload_s += result.upload_s
+        self.recompiles += result.recompiles
+        for name, value in result.attention.items():
+            self.attention[name] = self.attention.get(name, 0) + value
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -118,11 +133,6 @@ def startup_notice(waited_s: float, phases: tuple[ActorPhase, ...], starting: in
             "or workers.max)"
         )
     return line
-
-
-def _num(result: Any, name: str, default: float = 0) -> Any:
-    value = getattr(result, name, default)
-    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else default
 
 
 class JobProgress(DispatchEvents):
@@ -252,48 +262,36 @@ class JobProgress(DispatchEvents):
         self.actor_events["retired"] += 1
         self.log(f"worker {worker_id} retired (idle, nothing queued)")
 
-    def shard_committed(self, shard: Any, result: Any) -> None:
+    def shard_committed(self, shard: ShardSpec, result: ShardResult) -> None:
         if self.first_result_at is None:
             self.first_result_at = time.monotonic()
         self.shards_committed += 1
-        status = getattr(result, "status", "committed")
-        worker = str(getattr(result, "worker_id", "") or "?")
-        attempt = _num(result, "attempt")
-        if status != "committed":
+        if result.status != "committed":
             self.log(
-                f"shard {shard.index:05d}: already committed (by an earlier or twin run), attempt {attempt}"
+                f"shard {shard.index:05d}: already committed (by an earlier or twin run), "
+                f"attempt {result.attempt}"
             )
             self._draw()
             return
-        ok, failed = int(_num(result, "images_ok")), int(_num(result, "images_failed"))
-        wall = float(_num(result, "wall_s"))
-        self.images_ok += ok
-        self.images_failed += failed
-        self.errors.update(getattr(result, "errors", None) or {})
-        w = self.workers.setdefault(worker, WorkerStats())
-        w.shards += 1
-        w.images_ok += ok
-        w.images_failed += failed
-        w.busy_s += wall
-        w.generate_s += float(_num(result, "generate_s"))
-        w.encode_s += float(_num(result, "encode_s"))
-        w.upload_s += float(_num(result, "upload_s"))
-        w.recompiles += int(_num(result, "recompiles"))
-        for name, value in (getattr(result, "attention", None) or {}).items():
-            w.attention[name] = w.attention.get(name, 0) + int(value)
-        rate = (ok + failed) / wall if wall > 0 else 0.0
-        failed_text = f", {failed} FAILED" if failed else ""
+        self.images_ok += result.images_ok
+        self.images_failed += result.images_failed
+        self.errors.update(result.errors)
+        worker = result.worker_id or "?"
+        self.workers.setdefault(worker, WorkerStats()).add(result)
+        done, wall = result.images_ok + result.images_failed, result.wall_s
+        rate = done / wall if wall > 0 else 0.0
+        failed_text = f", {result.images_failed} FAILED" if result.images_failed else ""
         self.log(
-            f"shard {shard.index:05d}: {ok} images ok{failed_text} in {wall:.1f} s ({rate:.2f} img/s) "
-            f"on {worker}, attempt {attempt}"
+            f"shard {shard.index:05d}: {result.images_ok} images ok{failed_text} in {wall:.1f} s "
+            f"({rate:.2f} img/s) on {worker}, attempt {result.attempt}"
         )
         self._draw()
 
-    def shard_retry(self, shard: Any, attempt: int, error: str) -> None:
+    def shard_retry(self, shard: ShardSpec, attempt: int, error: str) -> None:
         self.retries += 1
         self.log(f"shard {shard.index:05d}: will retry (attempt {attempt}) after: {error}")
 
-    def shard_failed(self, shard: Any, failure: ShardFailure) -> None:
+    def shard_failed(self, shard: ShardSpec, failure: ShardFailure) -> None:
         self.shards_failed += 1
         self.log(
             f"shard {shard.index:05d}: FAILED after {plural(failure.attempts, 'attempt')}: {failure.error}"

@@ -12,7 +12,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from driver.dispatch import DispatchResult
+from driver.dispatch.types import DispatchResult
 from driver.output_json import read_json
 from driver.progress import JobProgress, compile_fallbacks, format_duration, plural, warmup_seconds
 from driver.status import OutputCounts

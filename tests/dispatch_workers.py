@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import pyarrow.fs as pafs
 
-from workers.contract import WorkerConfig
+from workers.contract import ShardAbandoned, ShardResult, WorkerConfig
 from workers.output.layout import image_key, manifest_key, new_attempt_token
 from workers.output.manifest import ManifestRow, ManifestWriter
 from workers.rows import read_shard_rows
@@ -30,6 +30,8 @@ class SleepingWorkerConfig(WorkerConfig):
     shard_s: float = 0.05  # sleep per shard
     fail: dict[int, int] = field(default_factory=dict)  # shard -> attempts that raise (-1: all)
     hang: dict[int, float] = field(default_factory=dict)  # shard -> sleep on attempt 0 instead
+    # shard -> attempts that give the shard up as a worker asked to stop does (ShardAbandoned)
+    abandon: dict[int, int] = field(default_factory=dict)
     pid_dir: str | None = None  # attempt 0 of a `hang` shard writes "{pid_dir}/{shard}.pid"
     slow_first_actor_s: float | None = None  # the first actor to start sleeps this per shard
     marker_dir: str | None = None  # where actors claim "first" and log their runs
@@ -37,26 +39,6 @@ class SleepingWorkerConfig(WorkerConfig):
     # Read and resolve the shard's real rows (workers.rows.read_shard_rows, with `rows`) for their
     # ids, instead of using positions: for tests of jobs whose ids come from the input.
     read_rows: bool = False
-
-
-@dataclass
-class SleepingShardResult:
-    """Mirrors workers.actor.ShardResult."""
-
-    shard: int
-    attempt: int
-    status: str
-    rows_ok: int
-    rows_failed: int
-    images_ok: int
-    images_failed: int
-    errors: dict[str, int]
-    generate_s: float
-    encode_s: float
-    upload_s: float
-    wall_s: float
-    worker_id: str
-    recompiles: int = 0
 
 
 class SleepingWorker:
@@ -91,7 +73,7 @@ class SleepingWorker:
             with open(os.path.join(self.config.marker_dir, "runs.jsonl"), "a") as f:
                 f.write(json.dumps({"shard": shard, "attempt": attempt, "worker": self.worker_id}) + "\n")
 
-    def run_shard(self, shard, attempt: int) -> SleepingShardResult:
+    def run_shard(self, shard, attempt: int) -> ShardResult:
         t0 = time.monotonic()
         self._log_run(shard.index, attempt)
         if self.store.exists(manifest_key(shard.index)):
@@ -100,6 +82,8 @@ class SleepingWorker:
         if fails == -1 or attempt < fails:
             time.sleep(self.shard_s / 2)
             raise RuntimeError(f"injected failure of shard {shard.index} attempt {attempt}")
+        if attempt < self.config.abandon.get(shard.index, 0):
+            raise ShardAbandoned(f"shard {shard.index}: worker asked to stop; nothing committed")
         if attempt == 0 and shard.index in self.config.hang:
             if self.config.pid_dir:
                 path = os.path.join(self.config.pid_dir, f"{shard.index}.pid")
@@ -109,20 +93,9 @@ class SleepingWorker:
             time.sleep(self.config.hang[shard.index])
         else:
             time.sleep(self.shard_s)
-        if self.config.read_rows:
-            rows = read_shard_rows(shard, pafs.LocalFileSystem(), self.config.rows)
-            images = [
-                (r.id, k if r.num_images > 1 else None, i)
-                for i, r in enumerate(rows)
-                for k in range(r.num_images)
-            ]
-        else:
-            images = [
-                (str(shard.position_start + i), None, shard.position_start + i) for i in range(shard.num_rows)
-            ]
         writer = ManifestWriter(shard.index, expected_rows=shard.num_images)
         token = new_attempt_token(attempt)
-        for row_id, k, seed in images:
+        for row_id, k, seed in self._images(shard):
             data = f"image {row_id} {k}".encode() if k is not None else f"image {row_id}".encode()
             key = image_key(shard.index, token, row_id, k, "png")
             self.store.put(key, data)
@@ -149,12 +122,25 @@ class SleepingWorker:
                 )  # fmt: skip
             )
         won = writer.commit(self.store)
-        return self._result(shard, attempt, "committed" if won else "already_committed", t0)
+        return self._result(shard, attempt, "committed" if won else "already_committed", t0, token)
 
-    def _result(self, shard, attempt: int, status: str, t0: float) -> SleepingShardResult:
+    def _images(self, shard) -> list[tuple[str, int | None, int]]:
+        """(row id, k or None for a row of one image, seed) of each image of the shard."""
+        if not self.config.read_rows:
+            return [
+                (str(shard.position_start + i), None, shard.position_start + i) for i in range(shard.num_rows)
+            ]
+        rows = read_shard_rows(shard, pafs.LocalFileSystem(), self.config.rows)
+        return [
+            (r.id, k if r.num_images > 1 else None, i)
+            for i, r in enumerate(rows)
+            for k in range(r.num_images)
+        ]
+
+    def _result(self, shard, attempt: int, status: str, t0: float, token: str = "") -> ShardResult:
         n = shard.num_images if status == "committed" else 0
-        return SleepingShardResult(
-            shard=shard.index, attempt=attempt, status=status, rows_ok=n, rows_failed=0, images_ok=n,
-            images_failed=0, errors={}, generate_s=self.shard_s, encode_s=0.0, upload_s=0.0,
-            wall_s=time.monotonic() - t0, worker_id=self.worker_id,
+        return ShardResult(
+            shard=shard.index, attempt=attempt, status=status, rows=shard.num_rows if n else 0,
+            images_ok=n, generate_s=self.shard_s, wall_s=time.monotonic() - t0,
+            worker_id=self.worker_id, attempt_token=token,
         )  # fmt: skip

@@ -176,3 +176,19 @@ def test_idle_actors_retire_when_nothing_is_queued(tmp_path):
     assert_each_once(out, 4, result)
     assert result.stats.actors_retired >= 1 and len(retired) == result.stats.actors_retired
     assert json.dumps(result.stats.__dict__)
+
+
+def test_a_worker_that_abandons_its_shard_is_let_go_and_the_shard_rerun_without_an_attempt(tmp_path):
+    out = str(tmp_path / "out")
+    # The actor raises workers.contract.ShardAbandoned (as one asked to stop does): Ray hands the
+    # driver a RayTaskError that must be recognised as that type. max_attempts=1: were it counted
+    # as a failed run, shard 1 would be reported failed.
+    worker = SleepingWorkerConfig(out, shard_s=0.03, abandon={1: 1})
+    config = DispatchConfig(min_actors=2, max_actors=2, num_cpus=0.5, max_attempts=1, tick_s=0.1)
+    events = Recorder()
+    result = run_shards(make_shards(6), SleepingWorker, (worker,), config, events)
+    assert_each_once(out, 6, result)
+    assert result.failed == [] and result.stats.retries == 0 and events.retries == []
+    assert [kind for kind, _, _ in events.lost] == ["stopping"]
+    assert "ShardAbandoned" in events.lost[0][1]
+    assert manifest_attempts(out, 1) == {1}

@@ -107,12 +107,15 @@ def test_bad_input_fails_before_anything_is_written(tmp_path):
 def test_progress_bar_on_a_terminal_and_status_lines_without_one(tmp_path):
     from driver.dispatch import DispatchSnapshot
     from driver.progress import JobProgress
-    from tests.dispatch_workers import SleepingShardResult
+    from workers.contract import ShardResult
 
     class Shard:
         index = 4
 
-    result = SleepingShardResult(4, 0, "committed", 5, 0, 4, 1, {"boom": 1}, 1.0, 0.1, 0.1, 2.0, "w1")
+    result = ShardResult(
+        4, 0, "committed", rows=5, images_ok=4, images_failed=1, errors={"boom": 1}, generate_s=1.0,
+        encode_s=0.1, upload_s=0.1, wall_s=2.0, worker_id="w1",
+    )  # fmt: skip
     tty = io.StringIO()
     progress = JobProgress(total_shards=10, total_images=50, stream=tty, interactive=True)
     progress.actor_ready("w1", {"worker_id": "w1", "load_s": 1.5, "warmup_s": {"64x64": 2.0}}, 4.0)

@@ -1,0 +1,148 @@
+"""What dispatch takes and gives: its config, its events, its result. No Ray here.
+
+`driver.progress`, `driver.metrics`, `driver.summary` and the job spec import these; so do
+`ditfleet validate` and `plan`, which must not pay for loading Ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from driver.actor_phases import ActorPhase
+
+if TYPE_CHECKING:
+    from workers.contract import ShardResult
+    from workers.rows import ShardSpec
+
+
+class DispatchError(RuntimeError):
+    """The job cannot go on: actors keep failing to start, or none can be placed."""
+
+
+@dataclass(frozen=True)
+class DispatchConfig:
+    """How many actors, with what resources, and how shards are retried and duplicated."""
+
+    min_actors: int = 1  # started at once, and kept while shards wait
+    max_actors: int = 1  # grown to while shards wait; actors Ray cannot place yet just pend
+    num_gpus: float = 0.0  # per actor
+    num_cpus: float = 1.0  # per actor
+    resources: tuple[tuple[str, float], ...] = ()  # custom Ray resources per actor
+    shards_in_flight_per_actor: int = 2  # 1 running + queued ones, so the GPU never waits
+    max_attempts: int = 3  # failed runs of one shard before it is reported failed
+    speculative_tail: bool = True  # move/duplicate tail shards onto idle actors
+    speculative_after: float = 1.5  # a running shard is duplicated after this x the median shard time
+    idle_retire_s: float = 10.0  # an actor idle this long with an empty queue is stopped
+    shard_timeout_s: float | None = None  # a run longer than this kills its actor (None: no limit)
+    placement_timeout_s: float | None = 1800.0  # no actor ready for this long while shards wait: stop
+    max_start_failures: int = 3  # actors failing to start in a row (none ready between): stop
+    tick_s: float = 0.5  # longest wait between checks of timers (retirement, tail, progress)
+    # After the last shard settled, wait this long at most for every actor's process to be gone
+    # (driver.fence), so that no run can still write when the driver writes _SUCCESS.
+    fence_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.min_actors >= 1, "min_actors must be >= 1"),
+            (self.max_actors >= self.min_actors, "max_actors must be >= min_actors"),
+            (self.num_gpus >= 0 and self.num_cpus >= 0, "num_gpus and num_cpus must be >= 0"),
+            (self.shards_in_flight_per_actor >= 1, "shards_in_flight_per_actor must be >= 1"),
+            (self.max_attempts >= 1, "max_attempts must be >= 1"),
+            (self.speculative_after > 0, "speculative_after must be > 0"),
+            (self.idle_retire_s >= 0, "idle_retire_s must be >= 0"),
+            (self.shard_timeout_s is None or self.shard_timeout_s > 0, "shard_timeout_s must be > 0"),
+            (
+                self.placement_timeout_s is None or self.placement_timeout_s > 0,
+                "placement_timeout_s must be > 0",
+            ),
+            (self.max_start_failures >= 1, "max_start_failures must be >= 1"),
+            (self.tick_s > 0, "tick_s must be > 0"),
+            (self.fence_timeout_s >= 0, "fence_timeout_s must be >= 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"DispatchConfig: {message} (got {self!r})")
+
+    @property
+    def resource_request(self) -> dict[str, float]:
+        """What each actor asks Ray for."""
+        return {"CPU": self.num_cpus, "GPU": self.num_gpus, **dict(self.resources)}
+
+
+@dataclass(frozen=True)
+class ShardFailure:
+    """A shard given up after max_attempts failed runs."""
+
+    index: int
+    attempts: int  # failed runs (= max_attempts)
+    kind: str  # 'actor_died' or the exception type raised by run_shard
+    error: str  # the last error, one line
+
+
+@dataclass
+class DispatchStats:
+    actors_started: int = 0
+    actors_ready: int = 0
+    actor_deaths: int = 0  # died while ready (crash, kill, node loss, shard timeout)
+    start_failures: int = 0  # died before becoming ready
+    actors_replaced: int = 0  # stopped after failing shards in a row
+    actors_retired: int = 0  # stopped because idle with nothing queued
+    retries: int = 0  # runs requeued after a failure
+    tail_moves: int = 0  # queued runs moved to an idle actor
+    speculative_runs: int = 0  # second runs of slow shards
+    speculative_wins: int = 0  # shards whose speculative run committed first
+    duplicate_results: int = 0  # results of a shard already committed (counted once)
+
+
+@dataclass
+class DispatchResult:
+    results: list[ShardResult]  # the first result of each committed shard
+    failed: list[ShardFailure]
+    stats: DispatchStats
+    startup_reports: list[dict]
+    wall_s: float  # from the first actor started to the last shard settled
+    ready_actor_s: float  # sum over actors of the time they were ready (until the end)
+    busy_actor_s: float  # sum of shard run times (executing, duplicates included)
+    # Ids of the actors whose process outlived the fence wait (driver.fence).
+    unfenced_actors: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class DispatchSnapshot:
+    """What the dispatcher is doing now, for progress displays."""
+
+    queued: int
+    in_flight: int
+    pending_shards: int
+    actors_starting: int
+    actors_ready: int
+    waiting_for_placement_s: float  # how long shards have waited with no actor ready (0 if one is)
+    # Each starting actor's phase: waiting for resources / unplaceable (Ray), loading, compiling
+    # bucket i of n, ready (the actor's own report); see driver.actor_phases.
+    starting_phases: tuple[ActorPhase, ...] = ()
+
+
+class DispatchEvents:
+    """Callbacks from the dispatch loop (all no-ops here); `driver.progress` implements them.
+
+    They run on the driver's loop thread: keep them short.
+    """
+
+    def actor_starting(self, count: int) -> None: ...
+
+    def actor_ready(self, worker_id: str, report: dict, startup_s: float) -> None: ...
+
+    def actor_lost(self, worker_id: str, kind: str, error: str, starting: bool) -> None: ...
+
+    def actor_retired(self, worker_id: str) -> None: ...
+
+    def shard_started(self, shard: ShardSpec, attempt: int, worker_id: str, speculative: bool) -> None: ...
+
+    def shard_committed(self, shard: ShardSpec, result: ShardResult) -> None: ...
+
+    def shard_retry(self, shard: ShardSpec, attempt: int, error: str) -> None: ...
+
+    def shard_failed(self, shard: ShardSpec, failure: ShardFailure) -> None: ...
+
+    def tick(self, snapshot: DispatchSnapshot) -> None: ...
