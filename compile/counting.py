@@ -62,9 +62,6 @@ class CompileTally:
     start: int
     count: int = 0
 
-    def so_far(self) -> int:
-        return compile_count() - self.start
-
 
 @contextmanager
 def count_compiles() -> Iterator[CompileTally]:

@@ -14,7 +14,6 @@ import torch
 from .scheduler import SchedulerConfig, euler_step, sigma_schedule
 
 LATENT_CHANNELS = 16
-VAE_SCALE = 8
 
 
 def latent_grid(height: int, width: int) -> tuple[int, int]:

@@ -7,12 +7,11 @@ an error that names the keys, never a silently half-random model.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 # The torch-free readers of a component folder live in model.folder; re-exported here.
 from .folder import (  # noqa: F401
@@ -90,15 +89,3 @@ def assign_state_dict(
     module.load_state_dict(cast, strict=True, assign=True)
     return module
 
-
-def save_component(
-    module: torch.nn.Module, config: dict, out_dir: Path, extra: dict[str, torch.Tensor] | None = None
-) -> None:
-    """Write `config.json` + one safetensors file in the diffusers layout."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    state = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
-    if extra:
-        state.update(extra)
-    save_file(state, str(out_dir / "diffusion_pytorch_model.safetensors"))

@@ -85,3 +85,29 @@ def test_a_single_image_oom_or_another_error_is_raised(pipe):
             BatchGenerator(pipe).run(requests)
     finally:
         del pipe.generate
+
+
+def test_the_shard_result_reports_oom_splits(random_model_dir, tmp_path):
+    """A split changes pixels at rounding level, so the shard result says how many there were."""
+    from tests.worker_fixtures import shard_of, worker_config, write_prompts
+    from workers.actor import GenerationWorker
+
+    prompts = write_prompts(tmp_path / "prompts.parquet", 4, sizes=False)
+    worker = GenerationWorker(worker_config(random_model_dir, str(tmp_path / "out"), batch_size=4))
+    real_generate = worker.pipe.generate
+    failed_calls = []
+
+    def generate_that_runs_out_of_memory(**kwargs):
+        if len(kwargs["seeds"]) > 1:
+            failed_calls.append(len(kwargs["seeds"]))
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return real_generate(**kwargs)
+
+    worker.pipe.generate = generate_that_runs_out_of_memory
+    result = worker.run_shard(shard_of(prompts, 0, 0, 4), attempt=0)
+    assert result.status == "committed" and result.images_ok == 4
+    assert failed_calls == [4, 2, 2]  # 4 -> 2 + 2 -> 1 + 1 + 1 + 1
+    assert result.oom_splits == 3
+    del worker.pipe.generate
+    again = worker.run_shard(shard_of(prompts, 1, 0, 4), attempt=0)
+    assert again.oom_splits == 0  # counted per shard, not per actor

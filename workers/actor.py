@@ -166,9 +166,6 @@ class GenerationWorker:
 
     # -- actor API -------------------------------------------------------------------------------
 
-    def ping(self) -> str:
-        return self.worker_id
-
     def startup_report(self) -> dict:
         return dict(self.startup)
 
@@ -199,7 +196,7 @@ class GenerationWorker:
         requests = image_requests(rows)
         if self.text is not None:  # offload: the encoder visits the GPU once per shard, here
             self.text.prefetch(shard_prompts(requests), self.config.max_sequence_length)
-        compiles_before = compile_count()
+        compiles_before, oom_splits_before = compile_count(), self.generator.oom_splits
         attention_before = self.pipe.transformer.attention_stats.to_dict()
         generated: dict[tuple[str, int], GeneratedImage] = {}
         writer = make_shard_writer(self.store, shard.index, self.config.writer, token)
@@ -230,6 +227,7 @@ class GenerationWorker:
             if self.text is not None:
                 self.text.release()
         result.recompiles = compile_count() - compiles_before
+        result.oom_splits = self.generator.oom_splits - oom_splits_before
         result.attention = self.pipe.transformer.attention_stats.since(attention_before)
         stored_by_key = {(r.id, r.k): r for r in stored.results}
         manifest = ManifestWriter(shard.index, expected_rows=len(requests))

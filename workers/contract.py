@@ -79,6 +79,9 @@ class ShardResult:
     wall_s: float = 0.0
     worker_id: str = ""
     recompiles: int = 0
+    # Batches halved after a CUDA out-of-memory error and run again (workers.generate). Their
+    # images differ at rounding level from an unsplit run's: a lower batch_size avoids them.
+    oom_splits: int = 0
     # DiT attention over this shard (model.attention.AttentionStats): calls, masked_calls (a
     # dense mask), split_calls (padded, run unmasked per text length), image/text/padded tokens.
     attention: dict[str, int] = field(default_factory=dict)
