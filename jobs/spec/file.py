@@ -1,0 +1,110 @@
+"""Reading a job file: YAML (or JSON) text -> a validated `JobSpec`, or one `SpecError` that
+lists every problem as 'file:line: key.path: what is wrong'.
+
+Pydantic reports where a problem is as a key path; the YAML's own node marks give each path its
+line, so a user is sent to the line to fix, and an unknown key comes with the keys allowed there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from .job import JobSpec
+
+
+class SpecError(ValueError):
+    """A job file that cannot be used; the message names the file, line and key."""
+
+
+def load_spec(path: str | os.PathLike) -> JobSpec:
+    """Read and validate a job file (YAML, or JSON for *.json). Raises SpecError listing every
+    problem as 'file:line: key.path: what is wrong'."""
+    name = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError(f"{name}: job file not found; check the path") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError(f"{name}: cannot read the job file ({e})") from e
+    return parse_spec(text, name)
+
+
+def parse_spec(text: str, name: str = "<job>") -> JobSpec:
+    """Validate job text; `name` is the file name used in error messages."""
+    try:
+        data = json.loads(text) if name.endswith(".json") else yaml.safe_load(text)
+    except json.JSONDecodeError as e:
+        raise SpecError(f"{name}:{e.lineno}: not valid JSON: {e.msg}") from e
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise SpecError(f"{name}{where}: not valid YAML: {getattr(e, 'problem', None) or e}") from e
+    if not isinstance(data, dict):
+        raise SpecError(
+            f"{name}: a job file must be a mapping with at least 'input' and 'output' sections, "
+            f"got {type(data).__name__}"
+        )
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as e:
+        lines = _key_lines(text)
+        problems = [_describe(err, name, lines) for err in e.errors()]
+        head = f"{name}: {len(problems)} problem{'s' if len(problems) != 1 else ''} in the job file:"
+        raise SpecError("\n".join([head, *(f"  {p}" for p in problems)])) from None
+
+
+def _describe(err: dict[str, Any], name: str, lines: dict[tuple[str, ...], int]) -> str:
+    loc = tuple(str(p) for p in err["loc"])
+    key = ".".join(loc) or "(top level)"
+    line = next((lines[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in lines), None)
+    where = f"{name}:{line}" if line else name
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        allowed = ", ".join(_allowed_keys(loc[:-1]))
+        return f"{where}: {key}: unknown key; allowed here: {allowed}"
+    if kind == "missing":
+        return f"{where}: {key}: required, missing"
+    message = str(err["msg"]).removeprefix("Value error, ")
+    given = err.get("input")
+    shown = "" if isinstance(given, dict) else f" (got {given!r})"
+    return f"{where}: {key}: {message}{shown}"
+
+
+def _allowed_keys(loc: tuple[str, ...]) -> list[str]:
+    model: type[BaseModel] = JobSpec
+    for part in loc:
+        field = model.model_fields.get(part)
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)
+
+
+def _key_lines(text: str) -> dict[tuple[str, ...], int]:
+    """1-based line of every mapping key path in a YAML (or JSON) document, for error messages."""
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError:
+        return {}
+    out: dict[tuple[str, ...], int] = {}
+
+    def walk(node: Any, prefix: tuple[str, ...]) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                path = (*prefix, str(key.value))
+                out[path] = key.start_mark.line + 1
+                walk(value, path)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                out[(*prefix, str(i))] = item.start_mark.line + 1
+                walk(item, (*prefix, str(i)))
+
+    walk(root, ())
+    return out

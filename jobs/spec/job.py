@@ -1,0 +1,247 @@
+"""The job spec: one YAML (or JSON) file that says what to generate, where, and how.
+
+    spec = load_spec("job.yaml")          # SpecError naming the file, line and key on any problem
+    run_job(spec.to_driver_config(), spec.to_worker_config())
+
+`JobSpec` gathers the sections (jobs.spec.sections) and maps them onto the lower layers' configs.
+Relative local paths are resolved against the current directory when the spec is converted, so
+every actor gets the same absolute path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from compile.buckets import QWEN_IMAGE_BUCKETS, TINY_BUCKETS, BucketSet
+from compile.config import CompileConfig
+from driver.dispatch import DispatchConfig
+from driver.memory_plan import MemoryRequest
+from driver.plan import PlanConfig
+from driver.run_job import DriverConfig
+from workers.cache_secret import CacheSecretSource
+from workers.contract import LoraSpec, WorkerConfig
+from workers.output.formats import ShardWriterConfig
+from workers.rows import RowConfig
+from workers.storage import S3Config
+
+from .sections import (
+    TINY_MODEL,
+    BucketsSpec,
+    CompileSpec,
+    InputSpec,
+    ModelSpec,
+    OutputSpec,
+    S3Spec,
+    SamplingSpec,
+    Section,
+    ShardsSpec,
+    WorkersSpec,
+)
+
+
+class JobSpec(Section):
+    """A ditfleet job: what to generate (input), where (output), with what (model, sampling)."""
+
+    name: str | None = Field(None, description="A name for logs and summaries.")
+    input: InputSpec = Field(description="The prompts.")
+    output: OutputSpec = Field(description="Where results go.")
+    model: ModelSpec = Field(default_factory=ModelSpec, description="The model and its numerics.")
+    sampling: SamplingSpec = Field(
+        default_factory=SamplingSpec, description="Defaults for rows that give none."
+    )
+    buckets: BucketsSpec = Field(default_factory=BucketsSpec, description="Image sizes.")
+    compile: CompileSpec = Field(default_factory=CompileSpec, description="torch.compile at actor start-up.")
+    workers: WorkersSpec = Field(default_factory=WorkersSpec, description="The actor fleet.")
+    shards: ShardsSpec = Field(default_factory=ShardsSpec, description="Units of work.")
+    s3: S3Spec = Field(default_factory=S3Spec, description="Client settings for s3:// input and output.")
+
+    @model_validator(mode="after")
+    def _single_writer_needs_no_twins(self) -> JobSpec:
+        if self.s3.single_writer and self.workers.speculative_tail:
+            raise ValueError(
+                "s3.single_writer: true needs workers.speculative_tail: false (a speculative twin is "
+                "a second writer of the same shard, which such a store cannot keep apart)"
+            )
+        return self
+
+    # -- resolution ------------------------------------------------------------------------------
+
+    def bucket_names(self) -> list[str]:
+        if self.buckets.names is not None:
+            return list(self.buckets.names)
+        default = TINY_BUCKETS if self.model.path == TINY_MODEL else QWEN_IMAGE_BUCKETS
+        return [b.name for b in default]
+
+    def gpus_per_actor(self) -> float:
+        if self.workers.gpus is not None:
+            return self.workers.gpus
+        return 0.0 if self.model.path == TINY_MODEL else 1.0
+
+    def input_uri(self) -> str:
+        return _absolute(self.input.path)
+
+    def output_uri(self) -> str:
+        return _absolute(self.output.uri)
+
+    def model_cache_dir(self) -> str:
+        """`~` expanded and made absolute: every actor fetches weights to the same place."""
+        return _absolute(self.model.cache_dir)
+
+    def model_path(self) -> str:
+        return self.model.path if self.model.path == TINY_MODEL else _absolute(self.model.path)
+
+    def model_loras(self) -> tuple[LoraSpec, ...]:
+        return tuple(LoraSpec(_absolute(a.path), a.scale) for a in self.model.loras)
+
+    def model_scheduler_config(self) -> str | None:
+        return _absolute(self.model.scheduler_config) if self.model.scheduler_config else None
+
+    def resolved(self) -> dict[str, Any]:
+        """The spec with every default and path filled in (JSON-safe): what `_job.json` stores."""
+        doc = self.model_dump(mode="json")
+        doc["input"]["path"] = self.input_uri()
+        doc["output"]["uri"] = self.output_uri()
+        doc["model"]["path"] = self.model_path()
+        doc["model"]["cache_dir"] = self.model_cache_dir()
+        doc["model"]["loras"] = [{"path": a.path, "scale": a.scale} for a in self.model_loras()]
+        doc["model"]["scheduler_config"] = self.model_scheduler_config()
+        doc["buckets"]["names"] = self.bucket_names()
+        doc["workers"]["max"] = self.workers.max or self.workers.min
+        doc["workers"]["gpus"] = self.gpus_per_actor()
+        return doc
+
+    def row_config(self) -> RowConfig:
+        s = self.sampling
+        return RowConfig(
+            job_seed=s.seed,
+            buckets=BucketSet.from_names(self.bucket_names(), strict=self.buckets.strict),
+            steps=s.steps,
+            true_cfg_scale=s.true_cfg_scale,
+            negative_prompt=s.negative_prompt,
+            num_images=s.num_images,
+            max_prompt_chars=s.max_prompt_chars,
+        )
+
+    def image_settings(self) -> dict[str, Any]:
+        """Settings that change the stored bytes of an image, for the plan's fingerprint.
+        The batch size is one: batched kernels round differently for different batch shapes, so
+        an image can differ in a few pixel values between batch sizes (measured on CPU, fp32).
+        The modulation cache is not: outputs are identical with and without it.
+        Adapters and a scheduler override are listed only when set, so outputs planned before
+        they existed keep their fingerprint."""
+        settings: dict[str, Any] = {
+            "model": self.model_path(),
+            "device": self.model.device,
+            "dtype": self.model.dtype,
+            "compile_vae": self.compile.vae,
+            "compile_dit": self.compile.dit,
+            "cfg_mode": self.sampling.cfg_mode,
+            "max_sequence_length": self.model.max_sequence_length,
+            "batch_size": self.workers.batch_size,
+            "output_format": self.output.format,
+            "image_format": self.output.image_format,
+            "quality": self.output.quality,
+        }
+        if self.model.loras:
+            settings["loras"] = [{"path": a.path, "scale": a.scale} for a in self.model_loras()]
+        if self.model.scheduler_config:
+            settings["scheduler_config"] = self.model_scheduler_config()
+        return settings
+
+    def memory_request(self) -> MemoryRequest:
+        """What one actor asks of its GPU, for the memory plan (every bucket of the job)."""
+        table = self.model.modulation_cache == "table"
+        on_cpu = self.model.device == "cpu" or self.gpus_per_actor() == 0
+        return MemoryRequest(
+            model_path=self.model_path(),
+            buckets=tuple(self.bucket_names()),
+            batch_size=self.workers.batch_size,
+            # auto is bf16 on a GPU, fp32 on the CPU (an actor without a GPU)
+            dtype="fp32" if self.model.dtype == "fp32" or (on_cpu and self.model.dtype == "auto") else "bf16",
+            text_encoder=self.model.text_encoder,
+            gpu_memory_gb=self.workers.gpu_memory_gb,
+            cfg="serial",  # rows may turn CFG on whatever the default; serial passes hold one output more
+            vae_batch=1 if self.compile.vae else None,
+            max_sequence_length=self.model.max_sequence_length,
+            table_steps=(self.sampling.steps,) if table else (),
+            s3=self.s3_config(),
+            device="cpu" if on_cpu else "cuda",
+        )
+
+    def s3_config(self) -> S3Config:
+        return S3Config(
+            endpoint_url=self.s3.endpoint_url,
+            region=self.s3.region,
+            max_attempts=self.s3.max_attempts,
+            addressing_style=self.s3.addressing_style,
+            single_writer=self.s3.single_writer,
+        )
+
+    def to_driver_config(self) -> DriverConfig:
+        w = self.workers
+        return DriverConfig(
+            input_uri=self.input_uri(),
+            output_uri=self.output_uri(),
+            plan=PlanConfig(
+                rows=self.row_config(), shard_size=self.shards.size, image_settings=self.image_settings()
+            ),
+            dispatch=DispatchConfig(
+                min_actors=w.min,
+                max_actors=w.max or w.min,
+                num_gpus=self.gpus_per_actor(),
+                num_cpus=w.cpus,
+                shards_in_flight_per_actor=w.shards_in_flight,
+                max_attempts=self.shards.max_attempts,
+                speculative_tail=w.speculative_tail,
+                idle_retire_s=w.idle_retire_s,
+                placement_timeout_s=w.placement_timeout_s,
+            ),
+            s3=self.s3_config(),
+            resolved_spec=json.dumps(self.resolved(), sort_keys=True),
+            incremental=self.input.incremental,
+            shared_filesystem=self.output.shared_filesystem,
+        )
+
+    def to_worker_config(self) -> WorkerConfig:
+        return WorkerConfig(
+            output_uri=self.output_uri(),
+            rows=self.row_config(),
+            model_path=self.model_path(),
+            model_cache_dir=self.model_cache_dir(),
+            device=self.model.device,
+            dtype=self.model.dtype,
+            modulation_cache=self.model.modulation_cache,
+            loras=self.model_loras(),
+            scheduler_config=self.model_scheduler_config(),
+            cfg_mode=self.sampling.cfg_mode,
+            batch_size=self.workers.batch_size,
+            max_sequence_length=self.model.max_sequence_length,
+            text_encoder=self.model.text_encoder,
+            embedding_cache_bytes=self.model.embedding_cache_mb * 2**20,
+            compile=CompileConfig(
+                vae=self.compile.vae,
+                dit=self.compile.dit,
+                shared_cache=self.compile.shared_cache,
+                claim_timeout_s=self.compile.claim_timeout_s,
+            ),
+            compile_cache_key=CacheSecretSource(
+                env=self.compile.cache_key_env, file=self.compile.cache_key_file
+            ),
+            writer=ShardWriterConfig(
+                output_format=self.output.format,
+                image_format=self.output.image_format,
+                quality=self.output.quality,
+            ),
+            s3=self.s3_config(),
+        )
+
+
+def _absolute(path: str) -> str:
+    """s3:// and file:// URIs as given; a local path made absolute (against the current dir)."""
+    if "://" in path:
+        return path
+    return os.path.abspath(os.path.expanduser(path))
