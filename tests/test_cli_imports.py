@@ -27,6 +27,10 @@ TORCH_FREE_MODEL = {
     "model.lazy_exports",  # the packages' load-on-first-use attributes
     "model.lora_spec",
     "model.memory",
+    "model.memory.activations",
+    "model.memory.disk",
+    "model.memory.params",
+    "model.memory.plan",
     "model.transformer_config",
     "model.vae_config",
 }

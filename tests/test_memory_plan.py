@@ -1,4 +1,4 @@
-"""The memory plan (model/memory.py, driver/memory_plan.py, `ditfleet inspect`): parameter counts
+"""The memory plan (model/memory/, driver/memory_plan.py, `ditfleet inspect`): parameter counts
 against the modules themselves, activation estimates against the CPU allocator's measured peak
 on a real-width slice, and jobs that cannot fit refused naming the largest batch that does."""
 

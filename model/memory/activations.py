@@ -1,0 +1,108 @@
+"""Activation peaks: bytes above the weights of one DiT forward, one VAE decode, one prompt encode.
+
+They follow the lifetimes of the tensors in this package's forward passes (`transformer.py`,
+`vae_blocks.py`), checked against the CPU allocator's own peak on a real-width slice.
+Units: bytes; `e` is the activation element size (2 for bf16, 4 for fp32).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..transformer_config import TransformerConfig
+from ..vae_config import VAEConfig
+from .params import qwen_text_config
+
+
+def dit_activation_bytes(
+    cfg: TransformerConfig,
+    batch: int,
+    height: int,
+    width: int,
+    text_len: int,
+    e: int,
+    attention: str = "fused",
+) -> int:
+    """Peak bytes above the weights of one DiT forward of `batch` sequences.
+
+    Per sequence, in units of D * e: a block's q, k, v and attention output (4 S) stay alive
+    through its MLPs; the image MLP then also holds the block input, the attention projection,
+    the first residual and its normed copy (4 N), the text stream (3 L) and the 4D-wide
+    up-projection with its GELU (8 N); the text MLP the same with N and L swapped. The larger of
+    the two is the peak (the attention itself needs less). "fused" is SDPA's flash or
+    memory-efficient kernel; "math" materialises the scores and their softmax, 2 x heads x S^2
+    elements (a masked attention where no fused kernel takes the mask).
+    """
+    N, L = (height // 16) * (width // 16), text_len
+    S, D = N + L, cfg.inner_dim
+    block = (4 * S + 12 * max(N, L) + 3 * min(N, L)) * D * e
+    if attention == "math":
+        block = max(block, 4 * S * D * e + 2 * cfg.num_attention_heads * S * S * e)
+    elif attention != "fused":
+        raise ValueError(f"attention must be 'fused' or 'math', got {attention!r}")
+    inputs = (N * cfg.in_channels + L * cfg.joint_attention_dim) * e  # latents and prompt embeddings
+    return batch * (block + inputs)
+
+
+def _norm_peak(c: int, e: int) -> int:
+    """Channel RMSNorm (vae_blocks.RMSNorm) of c channels, per pixel: half precision normalises
+    an fp32 copy (2 fp32 tensors live), fp32 holds 3 tensors at `* scale * gamma`."""
+    return max(2 * c * 4, 3 * c * e) if e < 4 else 3 * c * e
+
+
+def _resblock_peak(i: int, o: int, e: int) -> int:
+    """Per pixel, above the block's input (held by the caller). A 3x3 conv counts a copy of its
+    input as workspace (the CPU's oneDNN reorders it; cuDNN's workspace is of that order)."""
+    h = o * e if i != o else 0
+    return h + max(
+        _norm_peak(i, e),
+        2 * i * e,  # norm1 output + SiLU
+        2 * i * e + o * e,  # SiLU, its workspace copy, conv1
+        o * e + _norm_peak(o, e),
+        3 * o * e,  # conv1 output + norm2 output + SiLU
+        4 * o * e,  # conv1 output, SiLU, its workspace copy, conv2
+    )
+
+
+def vae_decode_activation_bytes(cfg: VAEConfig, batch: int, height: int, width: int, e: int) -> int:
+    """Peak bytes above the weights of decoding `batch` images of height x width.
+
+    Walks the decoder's modules at their resolutions. A block's caller keeps the block's input
+    alive while the block runs (`x = block(x)`), so inside an up block every resnet after the
+    first also has the up block's input next to it. The peak is at full resolution: in the
+    last upsampler (nearest 2x, then a conv) or in the last block's norms.
+    """
+    s = cfg.spatial_compression
+    dims = [cfg.base_dim * u for u in (cfg.dim_mult[-1], *cfg.dim_mult[::-1])]
+    px = (height // s) * (width // s)  # latent pixels
+    c = dims[0]
+    attention = _norm_peak(c, e) + 3 * c * e + 2 * c * e  # norm, qkv, output and its re-laid copy
+    peak = px * (2 * c * e + max(_resblock_peak(c, c, e), attention))  # conv_in output held by the caller
+    for i, (d_in, d_out) in enumerate(zip(dims[:-1], dims[1:])):
+        d_in = d_in // 2 if i > 0 else d_in
+        for j in range(cfg.num_res_blocks + 1):
+            cin = d_in if j == 0 else d_out
+            held = 0 if j == 0 else d_in * e  # the up block's input
+            peak = max(peak, px * (held + cin * e + _resblock_peak(cin, d_out, e)))
+        if i != len(cfg.dim_mult) - 1:
+            # block input and last resnet output, then the upsampled map, its copy, the conv output
+            peak = max(peak, px * (d_in + d_out) * e + 4 * px * (2 * d_out * e + d_out // 2 * e))
+            px *= 4
+    last = dims[-1]
+    peak = max(peak, px * (last * e + max(_norm_peak(last, e), 2 * last * e)))  # norm_out, SiLU
+    return batch * peak
+
+
+def text_encode_activation_bytes(config: dict[str, Any], tokens: int, e: int) -> int:
+    """Peak bytes above the weights of encoding one prompt of `tokens` tokens (prompts are
+    encoded one at a time, without the LM head: the final norm's output is captured): the
+    residual stream, its norm, attention output and the captured state (4 H), and the MLP's gate,
+    up and product (3 x the intermediate width)."""
+    cls = config.get("_class_name") or (config.get("architectures") or [""])[0]
+    if cls == "TinyTextEncoder":
+        H, inter = config["hidden_size"], 4 * config["hidden_size"]
+        tokens = min(tokens, config["max_positions"])
+    else:
+        t = qwen_text_config(config)
+        H, inter = t["hidden_size"], t["intermediate_size"]
+    return tokens * e * (4 * H + 3 * inter)

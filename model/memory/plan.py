@@ -1,0 +1,257 @@
+"""The memory plan of one bucket: weights per component plus each phase's activation peak, with
+the CUDA reserve and fragmentation, against the memory of a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..folder import read_config
+from ..transformer_config import TransformerConfig
+from ..vae_config import VAEConfig
+from .activations import dit_activation_bytes, text_encode_activation_bytes, vae_decode_activation_bytes
+from .params import text_encoder_params, transformer_params, vae_params
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+GB = 10**9  # GPU memory is quoted in decimal GB (an "80 GB" card holds at least 80e9 bytes)
+GiB = 2**30
+# Outside torch's tensors: the CUDA context, cuBLAS/cuDNN handles and workspaces.
+CUDA_RESERVE = int(1.5 * GiB)
+# The caching allocator rounds blocks up and fragments under changing shapes.
+FRAGMENTATION = 1.10
+TEXT_ENCODER_PLACEMENTS = ("gpu", "cpu", "offload")
+# Qwen-Image's prompt template: its 34 leading tokens are dropped, a few trail the prompt.
+QWEN_TEMPLATE_TOKENS = 40
+
+
+@dataclass(frozen=True)
+class ModelMemory:
+    """What sizes a model: its configs (text_encoder None when the folder has none)."""
+
+    transformer: TransformerConfig
+    vae: VAEConfig
+    text_encoder: dict[str, Any] | None = None
+    name: str = ""
+
+    @classmethod
+    def from_dir(cls, root: str | Path, name: str | None = None) -> ModelMemory:
+        """Read `transformer/`, `vae/` (and `text_encoder/`) config.json; no weights."""
+        root = Path(root)
+        te_dir = root / "text_encoder"
+        return cls.from_configs(
+            read_config(root / "transformer"),
+            read_config(root / "vae"),
+            read_config(te_dir) if (te_dir / "config.json").is_file() else None,
+            name=name or str(root),
+            where=str(root),
+        )
+
+    @classmethod
+    def from_configs(
+        cls, transformer: dict, vae: dict, text_encoder: dict | None, name: str = "", where: str = ""
+    ) -> ModelMemory:
+        t_where, v_where = f"{where}/transformer/config.json", f"{where}/vae/config.json"
+        te = dict(text_encoder) if text_encoder is not None else None
+        model = cls(
+            TransformerConfig.from_dict(transformer, where=t_where),
+            VAEConfig.from_dict(vae, v_where),
+            te,
+            name,
+        )
+        if te is not None:
+            try:
+                text_encoder_params(te)
+            except KeyError as e:
+                raise ValueError(f"{where}/text_encoder/config.json: missing key {e}") from e
+        return model
+
+    def params(self) -> dict[str, int]:
+        out = {"transformer": transformer_params(self.transformer), "vae": vae_params(self.vae)}
+        if self.text_encoder is not None:
+            out["text_encoder"] = text_encoder_params(self.text_encoder)
+        return out
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes on the GPU, phase by phase, for one image size, batch and text-encoder placement.
+
+    Phases: "encode" (prompts through the text encoder), "denoise" (the DiT forward) and
+    "decode" (the VAE). `peak` is the largest phase. With `offload`, the text encoder comes onto
+    the GPU only to encode a shard's prompts; when it cannot sit next to the DiT, the DiT waits
+    in host memory meanwhile (`dit_swapped`).
+    """
+
+    model: str
+    dtype: str
+    width: int
+    height: int
+    batch: int
+    text_encoder: str
+    cfg: str
+    vae_batch: int
+    text_len: int
+    weights: dict[str, int]  # component -> bytes (in the plan's dtype)
+    phases: dict[str, int]  # phase -> peak bytes on the GPU (reserve and fragmentation included)
+    activations: dict[str, int]  # phase -> activation bytes (before fragmentation)
+    extra: dict[str, int] = field(default_factory=dict)  # e.g. the modulation table
+    capacity: int | None = None  # bytes of the GPU, None: unknown
+    dit_swapped: bool = False
+    host: int = 0  # bytes kept in host memory (a CPU text encoder, a swapped DiT)
+    device: str = "cuda"
+
+    @property
+    def peak(self) -> int:
+        return max(self.phases.values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda k: self.phases[k])
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.capacity is None else self.peak <= self.capacity
+
+    def to_dict(self) -> dict[str, Any]:
+        gb = lambda b: round(b / GB, 2)  # noqa: E731
+        return {
+            "model": self.model,
+            "bucket": f"{self.width}x{self.height}",
+            "batch": self.batch,
+            "dtype": self.dtype,
+            "text_encoder": self.text_encoder,
+            "cfg": self.cfg,
+            "vae_batch": self.vae_batch,
+            "text_len": self.text_len,
+            "weights_gb": {k: gb(v) for k, v in self.weights.items()},
+            "activations_gb": {k: gb(v) for k, v in self.activations.items()},
+            "extra_gb": {k: gb(v) for k, v in self.extra.items()},
+            "phases_gb": {k: gb(v) for k, v in self.phases.items()},
+            "peak_gb": gb(self.peak),
+            "peak_phase": self.peak_phase,
+            "capacity_gb": None if self.capacity is None else gb(self.capacity),
+            "fits": self.fits,
+            "dit_swapped": self.dit_swapped,
+            "host_gb": gb(self.host),
+            "device": self.device,
+        }
+
+    def describe(self) -> str:
+        """One line: '1328x1328 x1 bf16, text encoder cpu: peak 43.1 GB (decode) of 48 GB: fits'."""
+        gb = lambda b: f"{b / GB:.1f}"  # noqa: E731
+        verdict = ""
+        if self.capacity is not None:
+            verdict = f" of {gb(self.capacity)} GB: " + ("fits" if self.fits else "DOES NOT FIT")
+        swap = ", DiT waits in host memory while encoding" if self.dit_swapped else ""
+        where = f"text encoder {self.text_encoder}" if self.device == "cuda" else "on the CPU"
+        return (
+            f"{self.width}x{self.height} x{self.batch} {self.dtype}, {where}: "
+            f"peak {gb(self.peak)} GB ({self.peak_phase}){verdict}{swap}"
+        )
+
+
+def plan_memory(
+    model: ModelMemory,
+    *,
+    height: int,
+    width: int,
+    batch: int,
+    dtype: str = "bf16",
+    text_encoder: str = "gpu",
+    cfg: str = "serial",
+    vae_batch: int | None = 1,
+    text_len: int = 512,
+    modulation_table_steps: tuple[int, ...] = (),
+    gpu_memory_gb: float | None = None,
+    attention: str = "fused",
+    device: str = "cuda",
+) -> MemoryPlan:
+    """The memory plan of generating `batch` images of height x width.
+
+    cfg: "serial" (two DiT passes per step), "batched" (one pass of 2 x batch) or "off".
+    vae_batch: images per VAE decode call (1 when the decode is compiled), None: the batch.
+    text_len: the padded prompt length the DiT sees (the prompt-length bucket).
+    modulation_table_steps: step counts of the schedules kept in "table" modulation-cache mode.
+    device: "cuda" adds the CUDA context's reserve; "cpu" (an actor without a GPU) does not.
+    """
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+    if text_encoder not in TEXT_ENCODER_PLACEMENTS:
+        raise ValueError(f"text_encoder must be one of {TEXT_ENCODER_PLACEMENTS}, got {text_encoder!r}")
+    if cfg not in ("serial", "batched", "off"):
+        raise ValueError(f"cfg must be serial, batched or off, got {cfg!r}")
+    if batch < 1 or height % 16 or width % 16 or height < 16 or width < 16:
+        raise ValueError(
+            f"need batch >= 1 and sizes that are multiples of 16, got {batch} x {width}x{height}"
+        )
+    e = DTYPE_BYTES[dtype]
+    params = model.params()
+    weights = {k: v * e for k, v in params.items()}
+    dit_w, vae_w, te_w = weights["transformer"], weights["vae"], weights.get("text_encoder", 0)
+    dit_batch = 2 * batch if cfg == "batched" else batch
+    acts = {
+        "denoise": dit_activation_bytes(model.transformer, dit_batch, height, width, text_len, e, attention),
+        "decode": vae_decode_activation_bytes(model.vae, min(vae_batch or batch, batch), height, width, e),
+    }
+    tokens = text_len + (
+        QWEN_TEMPLATE_TOKENS if model.text_encoder and "vision_config" in model.text_encoder else 0
+    )
+    if model.text_encoder is not None:
+        acts["encode"] = text_encode_activation_bytes(model.text_encoder, tokens, e)
+    extra: dict[str, int] = {}
+    if modulation_table_steps:
+        D, layers = model.transformer.inner_dim, model.transformer.num_layers
+        extra["modulation_table"] = sum(modulation_table_steps) * layers * 2 * 6 * D * e
+    # Latents, velocities and embeddings of the batch while the VAE runs: small, but resident.
+    carried = sum(extra.values())
+    resident = dit_w + vae_w + carried + (CUDA_RESERVE if device == "cuda" else 0)
+    te_resident = te_w if text_encoder == "gpu" else 0
+    frag = lambda b: int(b * FRAGMENTATION)  # noqa: E731
+    phases = {
+        "denoise": resident + te_resident + frag(acts["denoise"]),
+        "decode": resident + te_resident + frag(acts["decode"]),
+    }
+    capacity = None if gpu_memory_gb is None else int(gpu_memory_gb * GB)
+    swapped = False
+    host = te_w if text_encoder != "gpu" else 0
+    if "encode" in acts and text_encoder != "cpu":
+        encode = resident + te_w + frag(acts["encode"])
+        if text_encoder == "offload" and capacity is not None and encode > capacity:
+            encode -= dit_w  # the DiT waits in host memory while the shard's prompts are encoded
+            swapped = True
+            host = max(host, te_w + dit_w)
+        phases["encode"] = encode
+    return MemoryPlan(
+        model=model.name,
+        dtype=dtype,
+        width=width,
+        height=height,
+        batch=batch,
+        text_encoder=text_encoder,
+        cfg=cfg,
+        vae_batch=min(vae_batch or batch, batch),
+        text_len=text_len,
+        weights=weights,
+        phases=phases,
+        activations=acts,
+        extra=extra,
+        capacity=capacity,
+        dit_swapped=swapped,
+        host=host,
+        device=device,
+    )
+
+
+def largest_batch(model: ModelMemory, gpu_memory_gb: float, limit: int = 1024, **kwargs: Any) -> int:
+    """The largest batch (<= limit) whose plan fits `gpu_memory_gb`; 0 when not even 1 fits.
+    kwargs: as for `plan_memory` (height and width required)."""
+    fits = lambda b: bool(plan_memory(model, batch=b, gpu_memory_gb=gpu_memory_gb, **kwargs).fits)  # noqa: E731
+    if not fits(1):
+        return 0
+    lo, hi = 1, limit  # peak grows with the batch: bisect for the last batch that fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
