@@ -50,6 +50,7 @@ class WorkerStats:
     encode_s: float = 0.0
     upload_s: float = 0.0
     recompiles: int = 0
+    oom_splits: int = 0  # batches halved after a CUDA out-of-memory error
     attention: dict[str, int] = field(default_factory=dict)  # DiT attention counts, summed
 
     @property
@@ -66,6 +67,7 @@ class WorkerStats:
         self.encode_s += result.encode_s
         self.upload_s += result.upload_s
         self.recompiles += result.recompiles
+        self.oom_splits += result.oom_splits
         for name, value in result.attention.items():
             self.attention[name] = self.attention.get(name, 0) + value
 
@@ -80,6 +82,7 @@ class WorkerStats:
             "encode_s": round(self.encode_s, 3),
             "upload_s": round(self.upload_s, 3),
             "recompiles": self.recompiles,
+            "oom_splits": self.oom_splits,
             "attention": dict(self.attention),
         }
 
@@ -281,6 +284,8 @@ class JobProgress(DispatchEvents):
         done, wall = result.images_ok + result.images_failed, result.wall_s
         rate = done / wall if wall > 0 else 0.0
         failed_text = f", {result.images_failed} FAILED" if result.images_failed else ""
+        if result.oom_splits:
+            failed_text += f", {plural(result.oom_splits, 'OOM split')}"
         self.log(
             f"shard {shard.index:05d}: {result.images_ok} images ok{failed_text} in {wall:.1f} s "
             f"({rate:.2f} img/s) on {worker}, attempt {result.attempt}"

@@ -41,6 +41,9 @@ class JobSummary:
     workers: dict[str, dict[str, Any]]  # per worker: shards, images, busy_s, images_per_s
     dispatch: dict[str, int]  # DispatchStats
     recompiles: int = 0  # compilations on the request path, over all shards (should be 0)
+    # Batches halved after a CUDA out-of-memory error: their images differ at rounding level
+    # from an unsplit batch's. A smaller workers.batch_size avoids them.
+    oom_splits: int = 0
     attention: dict[str, Any] = field(default_factory=dict)  # DiT attention counts and shares
     compile_fallbacks: dict[str, dict[str, str]] = field(default_factory=dict)  # worker -> target -> why
     version: int = SUMMARY_VERSION
@@ -91,6 +94,11 @@ class JobSummary:
             )
         if self.recompiles:
             lines.append(f"  WARNING: {self.recompiles} compilations on the request path (expected 0)")
+        if self.oom_splits:
+            lines.append(
+                f"  WARNING: {plural(self.oom_splits, 'OOM split')}: batches halved after CUDA out of memory; "
+                "their images differ at rounding level from unsplit ones (a smaller workers.batch_size avoids it)"
+            )
         for worker, fallbacks in self.compile_fallbacks.items():
             lines.append(f"  WARNING: {worker} ran eager: {fallbacks}")
         for message, n in self.failures_by_error.items():
@@ -224,6 +232,7 @@ def build_summary(
         workers=workers,
         dispatch=asdict(dispatch.stats) if dispatch else {},
         recompiles=sum(w.recompiles for w in progress.workers.values()),
+        oom_splits=sum(w.oom_splits for w in progress.workers.values()),
         attention=attention_summary([w.attention for w in progress.workers.values()]),
         compile_fallbacks={w: fb for w, r in reports.items() if (fb := compile_fallbacks(r))},
     )

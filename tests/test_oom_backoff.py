@@ -111,3 +111,35 @@ def test_the_shard_result_reports_oom_splits(random_model_dir, tmp_path):
     del worker.pipe.generate
     again = worker.run_shard(shard_of(prompts, 1, 0, 4), attempt=0)
     assert again.oom_splits == 0  # counted per shard, not per actor
+
+
+def test_the_progress_log_and_the_job_summary_show_oom_splits():
+    import io
+
+    from driver.progress import JobProgress
+    from driver.status import OutputCounts
+    from driver.summary import build_summary
+    from workers.contract import ShardResult
+    from workers.rows import ShardSpec
+
+    stream = io.StringIO()
+    progress = JobProgress(total_shards=2, total_images=8, stream=stream, interactive=False)
+    for index, splits in ((0, 3), (1, 0)):
+        shard = ShardSpec(index, "in.parquet", 0, 4, 0, ("32x32",), 4)
+        result = ShardResult(index, 0, "committed", rows=4, images_ok=4, wall_s=1.0, worker_id="w1")
+        result.oom_splits = splits
+        progress.shard_committed(shard, result)
+    assert "shard 00000: 4 images ok, 3 OOM splits in 1.0 s" in stream.getvalue()
+    assert "shard 00001: 4 images ok in 1.0 s" in stream.getvalue()
+    summary = build_summary(
+        output="out",
+        fingerprint="f",
+        planned={"shards": 2, "rows": 8, "images": 8},
+        committed_before=0,
+        counts=OutputCounts(shards=2, rows_ok=8, images_ok=8),
+        dispatch=None,
+        progress=progress,
+        timings={"wall_s": 2.0, "plan_s": 0.1, "dispatch_s": 1.9},
+    )
+    assert summary.oom_splits == 3 and summary.workers["w1"]["oom_splits"] == 3
+    assert "WARNING: 3 OOM splits: batches halved after CUDA out of memory" in summary.format_text()
