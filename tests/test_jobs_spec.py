@@ -98,13 +98,18 @@ def test_every_field_says_why_it_exists():
 
 
 def test_example_job_converts_to_consistent_lower_configs(monkeypatch):
+    from compile.buckets import BucketSet
+    from workers.rows import RowConfig
+
     monkeypatch.chdir(EXAMPLE.parents[2])
     spec = load_spec(EXAMPLE)
     driver, worker = spec.to_driver_config(), spec.to_worker_config()
     assert driver.output_uri == worker.output_uri == str(EXAMPLE.parents[2] / "out" / "tiny")
-    assert driver.plan.rows == worker.rows, "planner and worker must resolve rows identically"
+    # What jobs/examples/tiny.yaml asks for, as planner and worker must both resolve rows.
+    tiny = BucketSet.from_names(["128x128", "160x96", "96x160"], strict=True)
+    expected = RowConfig(job_seed=0, buckets=tiny, steps=20, true_cfg_scale=4.0, negative_prompt=" ")
+    assert driver.plan.rows == expected and worker.rows == expected
     assert driver.dispatch.num_gpus == 0 and driver.dispatch.max_actors == 2
-    assert worker.rows.buckets.names == ("128x128", "160x96", "96x160") and worker.rows.buckets.strict
     resolved = json.loads(driver.resolved_spec)
     assert resolved["input"]["path"].endswith("jobs/examples/prompts.parquet")
     assert resolved["workers"]["gpus"] == 0
