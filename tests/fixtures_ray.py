@@ -20,6 +20,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -215,3 +216,31 @@ def _stop_group(proc: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     proc.wait(timeout=10)
+
+
+def run_own_cluster(cmd: list[str], cwd: Path, env: dict[str, str], timeout_s: float) -> tuple[int, str, str]:
+    """Run a child that starts its own Ray (and whatever else) in its own session, away from the
+    session's cluster; return (returncode, stdout, stderr). If it runs over `timeout_s`, its whole
+    process group is killed and the test fails with the end of its stderr."""
+    env = {**env, "OMP_NUM_THREADS": "1"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"`{' '.join(cmd)}` ran over {timeout_s:.0f} s:\n{err[-3000:]}")
+    finally:
+        if proc.poll() is None:  # interrupted: leave no cluster behind
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    return proc.returncode, out, err

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.fixtures_ray import run_own_cluster
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -27,24 +27,8 @@ def test_both_paths_store_every_image_and_match_diffusers():
     cmd += ["--images", str(IMAGES), "--buckets", "64x64,80x48", "--steps", "2", "--actors", "1"]
     cmd += ["--batch-size", "4", "--shard-size", "4", "--rows-per-block", "4"]
     cmd += ["--rounds", "1", "--no-kill", "--no-profile", "--timeout-s", "150"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("RAY_ADDRESS", None)
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"the benchmark ran over 300 s:\n{err[-3000:]}")
-    assert proc.returncode == 0, err[-3000:]
+    returncode, out, err = run_own_cluster(cmd, REPO, dict(os.environ), timeout_s=300)
+    assert returncode == 0, err[-3000:]
     result = json.loads(out.strip().splitlines()[-1])
     assert "ditfleet" in out and "ray data + diffusers" in out, "the table is printed"
 

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.fixtures_ray import run_own_cluster
 from tests.fixtures_s3 import FAKE_CREDENTIALS, REGION
 from tests.worker_fixtures import write_prompts
 
@@ -45,24 +44,10 @@ def test_losing_a_node_mid_job_loses_and_duplicates_nothing(random_model_dir, s3
         "result": str(tmp_path / "result.json"),
     }
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    env = {**os.environ, **FAKE_CREDENTIALS, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop("RAY_ADDRESS", None)
-    child = subprocess.Popen(
-        [sys.executable, "-m", "tests.node_loss_child", str(tmp_path / "spec.json")],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = child.communicate(timeout=240)
-    finally:
-        if child.poll() is None:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait(10)
-    assert child.returncode == 0, err[-4000:]
+    env = {**os.environ, **FAKE_CREDENTIALS, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "tests.node_loss_child", str(tmp_path / "spec.json")]
+    returncode, _, err = run_own_cluster(cmd, ROOT, env, timeout_s=240)
+    assert returncode == 0, err[-4000:]
     result = json.loads((tmp_path / "result.json").read_text())
     summary, verify, removed = result["summary"], result["verify"], result["removed"]
 
