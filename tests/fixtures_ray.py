@@ -224,14 +224,9 @@ def run_own_cluster(cmd: list[str], cwd: Path, env: dict[str, str], timeout_s: f
     process group is killed and the test fails with the end of its stderr."""
     env = {**env, "OMP_NUM_THREADS": "1"}
     env.pop("RAY_ADDRESS", None)
+    pipe = subprocess.PIPE
     proc = subprocess.Popen(
-        cmd,
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+        cmd, cwd=cwd, env=env, stdout=pipe, stderr=pipe, text=True, start_new_session=True
     )
     try:
         out, err = proc.communicate(timeout=timeout_s)
