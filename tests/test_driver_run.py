@@ -33,7 +33,11 @@ def configs(tmp_path, seed: int = 0, **worker):
         input_uri=str(tmp_path / "prompts.parquet"),
         output_uri=out,
         plan=PlanConfig(rows=RowConfig(job_seed=seed), shard_size=5),
-        dispatch=DispatchConfig(min_actors=2, max_actors=2, num_cpus=0.5, max_attempts=1, tick_s=0.05),
+        # No tail speculation: a queued shard moved to an idle actor is a second attempt, and the
+        # test counts attempts (a slow first actor on a loaded machine would move some).
+        dispatch=DispatchConfig(
+            min_actors=2, max_actors=2, num_cpus=0.5, max_attempts=1, tick_s=0.05, speculative_tail=False
+        ),
         resolved_spec=json.dumps({"name": "test"}),
     )
     markers = tmp_path / "markers"
