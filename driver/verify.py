@@ -9,9 +9,10 @@ What is checked (every problem is one line naming the shard, row or key):
 - every input row exactly once over the whole output: no (id, k) in two manifests, each id's
   images k = 0..n-1, and, when complete, as many rows and images as were planned;
 - every ok row's object: present, `bytes` long, hashing to its `sha256` (for the "parquet" and
-  "webdataset" formats, the row's image inside the shard's data file or tar; the data file holds
-  no row its manifest does not name);
-- the shard data areas (images/, data/, webdataset/): a key no committed manifest names is an
+  "webdataset" formats, the row's image inside the shard's data file or tar; the data file or tar
+  holds no row its manifest does not name). Objects are read through their format's reader
+  (workers.output.formats), each once;
+- the format areas (images/, data/, webdataset/): a key no committed manifest names is an
   orphan when it is an attempt object of a committed shard (a losing, late or killed run wrote
   it; harmless, `--clean` deletes it), pending when its shard is not committed yet (a run in
   progress or one that failed), and a stray (an error) otherwise;
@@ -25,9 +26,7 @@ Exit 0 when nothing is wrong and the output is complete (or `partial` was asked 
 
 from __future__ import annotations
 
-import hashlib
 import io
-import tarfile
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -40,20 +39,22 @@ import pyarrow.parquet as pq
 
 from driver.output_json import read_json
 from driver.run_records import RecordedPlan, RunRecordError, read_run_records
+from workers.output.formats import (
+    FORMAT_AREAS,
+    ManifestImage,
+    StoredImageError,
+    object_key,
+    ok_images,
+    reader_for_key,
+)
 from workers.output.layout import (
-    DATA_PREFIX,
-    IMAGE_EXTENSIONS,
     MANIFESTS_PREFIX,
-    SHARD_DATA_PREFIXES,
-    WEBDATASET_PREFIX,
     attempt_object,
     attempt_prefixes,
-    image_index_in_key,
     job_key,
     manifest_key,
     shard_of_manifest_key,
     success_key,
-    webdataset_sample_key,
 )
 from workers.output.manifest import MANIFEST_SCHEMA
 from workers.storage import ObjectNotFound, ObjectStore
@@ -167,21 +168,6 @@ def _read_plan(store: ObjectStore, job: dict[str, Any], report: VerifyReport) ->
     return _Plan(set(range(shards)), plan.get("rows"), plan.get("images"), {}, False)
 
 
-def _key_of(root: str, uri: str) -> tuple[str | None, bool]:
-    """(key of `uri` under the output root, whether the uri names another root). Manifests hold
-    absolute URIs; an output that was copied or moved (`aws s3 sync`, `cp -r`) still names the
-    old root, so the key is then taken from the last data-area component of the uri (ids are
-    escaped, so no "/" of an id can be mistaken for one)."""
-    prefix = root.rstrip("/") + "/"
-    if uri.startswith(prefix):
-        return uri[len(prefix) :], False
-    for area in SHARD_DATA_PREFIXES:
-        at = uri.rfind("/" + area)
-        if at != -1:
-            return uri[at + 1 :], True
-    return None, True
-
-
 @dataclass
 class _Shard:
     """What one committed manifest says."""
@@ -189,9 +175,8 @@ class _Shard:
     shard: int
     ids: pa.Array
     ks: pa.Array
-    ok: list[dict[str, Any]]  # ok rows: id, k, uri, sha256, bytes, format
+    ok: list[ManifestImage]
     failed: int
-    images_per_id: Counter
 
 
 def _read_manifest(store: ObjectStore, shard: int, plan: _Plan, problems: list[str]) -> _Shard | None:
@@ -218,72 +203,20 @@ def _read_manifest(store: ObjectStore, shard: int, plan: _Plan, problems: list[s
             problems.append(
                 f"{where}: {len(per_id)} rows / {table.num_rows} images, the plan has {rows} / {images}"
             )
-    status = table.column("status")
-    ok_mask = pc.equal(status, "ok")
-    ok = table.filter(ok_mask).select(["id", "k", "uri", "sha256", "bytes", "format"]).to_pylist()
-    return _Shard(shard, table.column("id"), table.column("k"), ok, table.num_rows - len(ok), per_id)
+    ok = ok_images(table, per_id)
+    return _Shard(shard, table.column("id"), table.column("k"), ok, table.num_rows - len(ok))
 
 
-def _sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def _check_rows(found: dict[tuple[str, int], bytes], rows: list[dict], where: str) -> list[str]:
-    problems = []
-    for r in rows:
-        data = found.pop((r["id"], r["k"]), None)
-        if data is None:
-            problems.append(f"{where}: has no image for manifest row id={r['id']!r} k={r['k']}")
-        elif len(data) != r["bytes"] or _sha(data) != r["sha256"]:
-            problems.append(
-                f"{where}: image of row id={r['id']!r} k={r['k']} is {len(data)} bytes with sha256 "
-                f"{_sha(data)[:16]}..., the manifest says {r['bytes']} bytes, {r['sha256'][:16]}..."
-            )
-    for id_, k in list(found)[:3]:
-        problems.append(f"{where}: holds row id={id_!r} k={k}, which its manifest does not name as ok")
-    return problems
-
-
-def _check_object(store: ObjectStore, key: str, rows: list[dict], per_id: Counter) -> list[str]:
-    """Problems of one stored object against the ok manifest rows that name it."""
-    where = store.uri(key)
+def _check_object(store: ObjectStore, key: str, rows: list[ManifestImage]) -> list[str]:
+    """Problems of one stored object against the ok manifest rows that name it, read through
+    its format's reader."""
     try:
-        data = store.get(key)
+        stored = reader_for_key(key).read(store, key, rows)
     except ObjectNotFound:
-        return [f"{where}: missing (named by {len(rows)} ok manifest rows)"]
-    if key.startswith(DATA_PREFIX):
-        try:
-            table = pq.read_table(io.BytesIO(data), columns=["id", "k", "image"])
-        except Exception as e:  # noqa: BLE001
-            return [f"{where}: cannot be read as Parquet ({type(e).__name__}: {e})"]
-        images = table.column("image").to_pylist()
-        found = {
-            (i, k): img["bytes"]
-            for i, k, img in zip(table.column("id").to_pylist(), table.column("k").to_pylist(), images)
-        }
-        return _check_rows(found, rows, where)
-    if key.startswith(WEBDATASET_PREFIX):
-        try:
-            with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
-                members = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}  # type: ignore[union-attr]
-        except (tarfile.TarError, OSError) as e:
-            return [f"{where}: cannot be read as a tar ({e})"]
-        found = {}
-        for r in rows:
-            name = webdataset_sample_key(r["id"], image_index_in_key(r["k"], per_id[r["id"]]))
-            ext = IMAGE_EXTENSIONS.get(r["format"], r["format"])
-            if f"{name}.{ext}" in members:
-                found[(r["id"], r["k"])] = members[f"{name}.{ext}"]
-        return _check_rows(found, rows, where)
-    (r,) = rows if len(rows) == 1 else (None,)
-    if r is None:
-        return [f"{where}: named by {len(rows)} manifest rows; an image object belongs to one"]
-    if len(data) != r["bytes"] or _sha(data) != r["sha256"]:
-        return [
-            f"{where}: {len(data)} bytes with sha256 {_sha(data)[:16]}..., the manifest row "
-            f"id={r['id']!r} k={r['k']} says {r['bytes']} bytes, {r['sha256'][:16]}..."
-        ]
-    return []
+        return [f"{store.uri(key)}: missing (named by {len(rows)} ok manifest rows)"]
+    except StoredImageError as e:
+        return [str(e)]
+    return [p for p in map(stored.problem, rows) if p] + stored.unnamed_problems()
 
 
 def verify_output(
@@ -358,23 +291,19 @@ def verify_output(
 
     # 3. Objects named by ok rows.
     root = store.uri()
-    named: dict[str, list[dict]] = defaultdict(list)
-    per_id_of: dict[str, Counter] = {}
+    named: dict[str, list[ManifestImage]] = defaultdict(list)
     for s in shards:
         for r in s.ok:
-            key, moved = _key_of(root, r["uri"])
+            key, moved = object_key(root, r.uri)
             if moved and key is not None and report.moved_from is None:
-                report.moved_from = r["uri"][: -len(key) - 1]
+                report.moved_from = r.uri[: -len(key) - 1]
             if key is None:
-                report.problems.append(
-                    f"shard {s.shard} row id={r['id']!r} k={r['k']}: uri {r['uri']} is not under {root}"
-                )
+                report.problems.append(f"shard {s.shard} row {r.label}: uri {r.uri} is not under {root}")
                 continue
             named[key].append(r)
-            per_id_of[key] = s.images_per_id
     listed: set[str] = set()
     committed_set = set(committed)
-    for prefix in SHARD_DATA_PREFIXES:
+    for prefix in FORMAT_AREAS:
         for key in store.list(prefix):
             listed.add(key)
             if key in named:
@@ -395,7 +324,7 @@ def verify_output(
     if hash_objects:
         present = [k for k in named if k in listed]
         with ThreadPoolExecutor(max_workers=_THREADS) as pool:
-            for found in pool.map(lambda k: _check_object(store, k, named[k], per_id_of[k]), present):
+            for found in pool.map(lambda k: _check_object(store, k, named[k]), present):
                 report.problems.extend(found)
         report.objects_checked = sum(len(named[k]) for k in present)
 
@@ -434,7 +363,7 @@ def shard_orphans(store: ObjectStore, shard: int) -> list[str]:
     except ObjectNotFound:
         return []
     root = store.uri()
-    named = {_key_of(root, u)[0] for u in table.column("uri").to_pylist() if u}
+    named = {object_key(root, u)[0] for u in table.column("uri").to_pylist() if u}
     prefixes = attempt_prefixes(shard)
     # One output has one format: list only its area when the manifest names an object there.
     used = [p for p in prefixes if any(k and k.startswith(p) for k in named)]

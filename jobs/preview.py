@@ -1,27 +1,25 @@
 """A contact sheet of an output: a grid of generated images, each captioned with its prompt.
 
-Reads manifests shard by shard until it has enough ok images, then fetches only those images
-(their objects in the "files" format; the shard's data file in "parquet", its tar in "webdataset").
+Reads manifests shard by shard until it has enough ok images, then reads those images through
+their format's reader (workers.output.formats), each stored object once.
 """
 
 from __future__ import annotations
 
 import io
-import json
 import math
-import tarfile
 import textwrap
 from dataclasses import dataclass
 
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from PIL import Image, ImageDraw, ImageFont
 
-from workers.output.layout import DATA_PREFIX, WEBDATASET_PREFIX, manifest_key
+from workers.output.formats import MANIFEST_IMAGE_COLUMNS, ok_images, read_images
+from workers.output.layout import manifest_key
 from workers.output.manifest import committed_shards
 from workers.storage import ObjectStore
 
-_COLUMNS = ["id", "k", "prompt", "status", "uri", "shard", "width", "height"]
+_COLUMNS = [*MANIFEST_IMAGE_COLUMNS, "prompt"]
 THUMB = 160  # longest side of a thumbnail, pixels
 _CAPTION_CHARS = 26  # per caption line, at the default font
 _CAPTION_LINES = 4
@@ -36,59 +34,18 @@ class PreviewImage:
     image: Image.Image
 
 
-def _key_of(store: ObjectStore, uri: str) -> str:
-    """The store key of a manifest `uri` (which the worker built with store.uri(key))."""
-    root = store.uri().rstrip("/")
-    if not uri.startswith(root):
-        raise ValueError(f"image {uri} is not inside the output {root}; was the output moved?")
-    return uri[len(root) :].lstrip("/")
-
-
-def _images_in_data_file(blob: bytes) -> dict[tuple[str, int], bytes]:
-    """(id, k) -> image bytes of a "parquet" format data file."""
-    data = pq.read_table(io.BytesIO(blob), columns=["image", "id", "k"])
-    return {(r["id"], r["k"]): r["image"]["bytes"] for r in data.to_pylist()}
-
-
-def _images_in_tar(blob: bytes) -> dict[tuple[str, int], bytes]:
-    """(id, k) -> image bytes of a "webdataset" format tar: each {key}.json names its image's id, k."""
-    members: dict[str, bytes] = {}
-    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
-        for member in tar.getmembers():
-            f = tar.extractfile(member)
-            if f is not None:
-                members[member.name] = f.read()
-    out = {}
-    for name, data in members.items():
-        if name.endswith(".json"):
-            meta = json.loads(data)
-            stem = name[: -len(".json")]
-            image = next((b for n, b in members.items() if n.startswith(stem + ".") and n != name), None)
-            if image is not None:
-                out[(meta["id"], meta["k"])] = image
-    return out
-
-
 def collect(store: ObjectStore, limit: int) -> list[PreviewImage]:
     """Up to `limit` ok images of the output, in shard order."""
     picked: list[PreviewImage] = []
-    containers: dict[str, dict[tuple[str, int], bytes]] = {}  # data file / tar key -> its images
     for shard in sorted(committed_shards(store)):
         if len(picked) >= limit:
             break
         table = pq.read_table(io.BytesIO(store.get(manifest_key(shard))), columns=_COLUMNS)
-        table = table.filter(pc.equal(table.column("status"), "ok")).slice(0, limit - len(picked))
-        for row in table.to_pylist():
-            key = _key_of(store, row["uri"])
-            if key.startswith((DATA_PREFIX, WEBDATASET_PREFIX)):  # images inside one file per shard
-                if key not in containers:
-                    read = _images_in_data_file if key.startswith(DATA_PREFIX) else _images_in_tar
-                    containers[key] = read(store.get(key))
-                blob = containers[key][(row["id"], row["k"])]
-            else:
-                blob = store.get(key)
+        prompts = {(r["id"], r["k"]): r["prompt"] for r in table.select(["id", "k", "prompt"]).to_pylist()}
+        rows = ok_images(table)[: limit - len(picked)]
+        for row, blob in read_images(store, rows):
             image = Image.open(io.BytesIO(blob)).convert("RGB")
-            picked.append(PreviewImage(row["id"], row["k"], row["prompt"], image))
+            picked.append(PreviewImage(row.id, row.k, prompts[(row.id, row.k)], image))
     return picked
 
 

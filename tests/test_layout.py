@@ -17,7 +17,7 @@ from workers.output.layout import (
     safe_key_component,
     shard_of_manifest_key,
 )
-from workers.storage import check_key
+from workers.storage.base import check_key
 
 T = "a0-0123456789abcdef"  # an attempt token (layout.new_attempt_token makes random ones)
 

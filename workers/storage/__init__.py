@@ -1,19 +1,11 @@
 """Where bytes are stored: the object store interface (base), a local directory (local), S3 (s3),
 the store a URI names (open), and the prompt Parquet files as pyarrow reads them (input_files).
 
-The names most callers need are importable from here; s3.py (boto3) loads only when an s3://
-store is opened.
+The names most callers need are importable from here (the key check and fsync helper from base);
+s3.py (boto3) loads only when an s3:// store is opened.
 """
 
-from workers.storage.base import (
-    ObjectNotFound,
-    ObjectStore,
-    S3Config,
-    StoreConfigError,
-    StoreError,
-    check_key,
-    fsync_dir,
-)
+from workers.storage.base import ObjectNotFound, ObjectStore, S3Config, StoreConfigError, StoreError
 from workers.storage.local import LocalStore
 from workers.storage.open import open_store
 
@@ -24,7 +16,5 @@ __all__ = [
     "S3Config",
     "StoreConfigError",
     "StoreError",
-    "check_key",
-    "fsync_dir",
     "open_store",
 ]

@@ -1,5 +1,7 @@
 """What every output format shares: the writer's config, the image task, the stored-shard result,
-the writer protocol and the encode step.
+the writer protocol and the encode step; and, for reading an output back, the manifest row a
+reader looks for (ManifestImage), what one read of a stored object gives (StoredImages) and the
+reader protocol.
 
 Each writer takes images one at a time (`add`), encodes and stores them on a bounded UploadPool,
 and `finish` returns one ImageResult per image, in the order added. Nothing here writes the
@@ -15,11 +17,17 @@ stay exactly as they were committed.
 from __future__ import annotations
 
 import time
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
-from workers.output.codec import encode_image, extension, to_uint8_hwc
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from workers.output.codec import encode_image, extension, sha256_hex, to_uint8_hwc
 from workers.output.upload_pool import ImageResult
+from workers.storage.base import ObjectStore
 
 _MiB = 1024 * 1024
 # The formats a job may name; the registry in workers.output.formats maps each to its writer.
@@ -62,6 +70,19 @@ class ImageTask:
     seed: int = 0
     extra: str | None = None  # pass-through columns as JSON (manifest.passthrough_json)
 
+    def fields(self, width: int, height: int) -> dict[str, Any]:
+        """What the "parquet" and "webdataset" formats store next to the image (in this order);
+        width, height: the stored image's pixels."""
+        return {
+            "id": self.id,
+            "k": self.k,
+            "prompt": self.prompt,
+            "negative_prompt": self.negative_prompt,
+            "seed": self.seed,
+            "width": width,
+            "height": height,
+        }
+
 
 @dataclass(frozen=True)
 class StoredShard:
@@ -95,3 +116,96 @@ def encode_task_image(cfg: ShardWriterConfig, image: Any) -> tuple[bytes | None,
     except Exception as e:  # non-finite output, bad shape, a codec error: this row only
         return None, time.perf_counter() - start, f"encode failed: {type(e).__name__}: {e}", 0, 0
     return data, time.perf_counter() - start, None, pixels.shape[1], pixels.shape[0]
+
+
+# -- reading an output back ------------------------------------------------------------------------
+
+# The manifest columns `ok_images` reads.
+MANIFEST_IMAGE_COLUMNS = ["id", "k", "status", "uri", "format", "sha256", "bytes"]
+
+
+class ManifestImage(NamedTuple):
+    """One ok manifest row as a reader needs it: where its image is and what it must be.
+    (A tuple: verify makes one per image of the output.)"""
+
+    id: str
+    k: int
+    uri: str  # the stored object: the image ("files"), the shard's data file or tar
+    image_format: str  # the manifest's `format`: png | webp | jpeg
+    num_images: int = 1  # rows of this id in its manifest: names inside an object carry k only when > 1
+    sha256: str | None = None
+    bytes: int | None = None
+
+    @property
+    def label(self) -> str:
+        return f"id={self.id!r} k={self.k}"
+
+
+def ok_images(manifest: pa.Table, per_id: Counter | None = None) -> list[ManifestImage]:
+    """The ok rows of one shard's manifest (a table with MANIFEST_IMAGE_COLUMNS at least), in
+    manifest order. num_images counts every row of the id, failed ones included, as the writer
+    did when it named the images; per_id: that count when the caller has it."""
+    if per_id is None:
+        per_id = Counter(manifest.column("id").to_pylist())
+    ok = manifest.filter(pc.equal(manifest.column("status"), "ok"))
+    ids = ok.column("id").to_pylist()
+    columns = [ok.column(name).to_pylist() for name in ("k", "uri", "format")]
+    sizes = [ok.column(name).to_pylist() for name in ("sha256", "bytes")]
+    return list(map(ManifestImage._make, zip(ids, *columns, (per_id[i] for i in ids), *sizes)))
+
+
+class StoredImageError(ValueError):
+    """A stored object, or a member of it, cannot be read, or is not what its manifest names.
+    The message names the object (and the member or row)."""
+
+
+@dataclass
+class StoredImages:
+    """What one read of a stored object gave: the image of each row asked for that it holds,
+    and the rows it holds that were not asked for (data files and tars name their rows)."""
+
+    uri: str  # the object read
+    images: dict[tuple[str, int], bytes]  # (id, k) -> the stored image bytes
+    unnamed: tuple[tuple[str, int], ...] = ()
+    whole_object: bool = False  # the object is the image itself ("files"): messages name it alone
+
+    def image(self, row: ManifestImage) -> bytes:
+        """The row's image bytes; raises StoredImageError when the object has none for it."""
+        data = self.images.get((row.id, row.k))
+        if data is None:
+            raise StoredImageError(f"{self.uri}: has no image for manifest row {row.label}")
+        return data
+
+    def problem(self, row: ManifestImage) -> str | None:
+        """None when the row's image is there with the manifest's size and sha256; else what is wrong."""
+        data = self.images.get((row.id, row.k))
+        if data is None:
+            return f"{self.uri}: has no image for manifest row {row.label}"
+        digest = sha256_hex(data)
+        if len(data) == row.bytes and digest == row.sha256:
+            return None
+        said = f"{row.bytes} bytes, {(row.sha256 or '')[:16]}..."
+        if self.whole_object:
+            return f"{self.uri}: {len(data)} bytes with sha256 {digest[:16]}..., the manifest row {row.label} says {said}"
+        return (
+            f"{self.uri}: image of row {row.label} is {len(data)} bytes with sha256 {digest[:16]}..., "
+            f"the manifest says {said}"
+        )
+
+    def unnamed_problems(self, most: int = 3) -> list[str]:
+        """One line per row the object holds that the rows read do not name (the first `most`)."""
+        return [
+            f"{self.uri}: holds row id={id_!r} k={k}, which its manifest does not name as ok"
+            for id_, k in self.unnamed[:most]
+        ]
+
+
+class ShardReader(Protocol):
+    """Reads the objects of one output format back (each format module has one)."""
+
+    area: str  # every object of the format has a key under this prefix (layout.*_PREFIX)
+
+    def read(self, store: ObjectStore, key: str, rows: Sequence[ManifestImage]) -> StoredImages:
+        """Read the object at `key` once, for the ok manifest rows that name it. Raises
+        ObjectNotFound when it is absent and StoredImageError when it cannot be read."""
+        ...

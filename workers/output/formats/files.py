@@ -1,13 +1,23 @@
-"""Output format "files": one object per image at layout.image_key(shard, attempt, id, k, ext)."""
+"""Output format "files": one object per image at layout.image_key(shard, attempt, id, k, ext);
+its writer and its reader."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from workers.output.codec import content_type, extension, sha256_hex
-from workers.output.formats.base import ImageTask, ShardWriterConfig, StoredShard, encode_task_image
-from workers.output.layout import image_index_in_key, image_key
+from workers.output.formats.base import (
+    ImageTask,
+    ManifestImage,
+    ShardWriterConfig,
+    StoredImageError,
+    StoredImages,
+    StoredShard,
+    encode_task_image,
+)
+from workers.output.layout import IMAGES_PREFIX, image_index_in_key, image_key
 from workers.output.upload_pool import ImageResult, UploadPool
 from workers.storage.base import ObjectStore
 
@@ -50,3 +60,17 @@ class FilesShardWriter:
         # names unless this run commits, so they are orphans that the driver deletes once another
         # run commits the shard (or `ditfleet verify --clean` does).
         self._pool.close()
+
+
+class FilesShardReader:
+    """Reads an image object: the object is the image of the one row that names it."""
+
+    area = IMAGES_PREFIX
+
+    def read(self, store: ObjectStore, key: str, rows: Sequence[ManifestImage]) -> StoredImages:
+        data = store.get(key)  # ObjectNotFound when absent
+        if len(rows) != 1:
+            raise StoredImageError(
+                f"{store.uri(key)}: named by {len(rows)} manifest rows; an image object belongs to one"
+            )
+        return StoredImages(store.uri(key), {(rows[0].id, rows[0].k): data}, whole_object=True)

@@ -1,20 +1,25 @@
 """Output format "parquet": one data file per run of a shard, images embedded as the Hugging Face
-datasets Image struct (load_dataset yields PIL images without a cast)."""
+datasets Image struct (load_dataset yields PIL images without a cast); its writer and its reader."""
 
 from __future__ import annotations
 
 import json
-import tempfile
-import time
+from collections.abc import Sequence
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from workers.output.codec import extension, sha256_hex
-from workers.output.formats.base import ImageTask, ShardWriterConfig, StoredShard, encode_task_image
-from workers.output.layout import data_key, image_file_name, image_index_in_key
-from workers.output.upload_pool import ImageResult, ShardStoreError, UploadPool
+from workers.output.formats.base import (
+    ImageTask,
+    ManifestImage,
+    ShardWriterConfig,
+    StoredImageError,
+    StoredImages,
+)
+from workers.output.formats.spool import SpooledShardWriter
+from workers.output.layout import DATA_PREFIX, data_key, image_file_name, image_index_in_key
 from workers.storage.base import ObjectStore
 
 PARQUET_CONTENT_TYPE = "application/vnd.apache.parquet"
@@ -62,57 +67,31 @@ DATA_SCHEMA = pa.schema(
 _NOT_IMAGE = [f.name for f in DATA_SCHEMA if f.name != "image"]
 
 
-class ParquetShardWriter:
+class ParquetShardWriter(SpooledShardWriter):
     """One Parquet file per run of a shard at layout.data_key(shard, attempt), rows in the order added.
 
-    Row groups are streamed into a spooled temp file (memory up to `spool_max_bytes`, then
-    disk), and the finished file goes to the store in one whole-object write, so a reader never
-    sees part of it and the shard never sits in memory whole. Failed rows are not in the data
-    file (the manifest has them).
+    Row groups are streamed into the spool (spool.SpooledShardWriter) as they fill. Failed rows
+    are not in the data file (the manifest has them).
     """
 
+    content_type = PARQUET_CONTENT_TYPE
+
     def __init__(self, store: ObjectStore, shard: int, config: ShardWriterConfig, attempt: str) -> None:
-        self.store, self.shard, self.config = store, shard, config
-        self.key = data_key(shard, attempt)
-        self._ext = extension(config.image_format)
-        self._spool = tempfile.SpooledTemporaryFile(max_size=config.spool_max_bytes, dir=config.tmp_dir)
+        super().__init__(store, shard, config, data_key(shard, attempt))
         self._writer: pq.ParquetWriter | None = None
         self._rows: list[dict[str, Any]] = []
         self._row_bytes = 0
-        self._stored_rows = 0
-        # Encoding runs on the pool; appending to the one file happens in order on this thread.
-        self._pool = UploadPool(config.max_in_flight, config.threads, on_result=self._append, ordered=True)
 
-    def add(self, task: ImageTask, image: Any) -> None:
+    def _entry(self, task: ImageTask) -> tuple[str, str]:
         name = image_file_name(task.id, image_index_in_key(task.k, task.num_images), self._ext)
-        self._pool.submit(
-            f"{self.store.uri(self.key)} row {task.id!r} k={task.k}",
-            lambda: (task, name, *encode_task_image(self.config, image)),
-        )
+        return name, f"row {task.id!r} k={task.k}"
 
-    def _append(self, value: tuple[ImageTask, str, bytes | None, float, str | None, int, int]) -> ImageResult:
-        task, name, data, encode_s, error, width, height = value
-        if data is None:
-            return ImageResult(task.id, task.k, encode_s=encode_s, error=error)
-        digest = sha256_hex(data)
-        self._rows.append(
-            {
-                "image": {"bytes": data, "path": name},
-                "id": task.id,
-                "k": task.k,
-                "prompt": task.prompt,
-                "negative_prompt": task.negative_prompt,
-                "seed": task.seed,
-                "width": width,
-                "height": height,
-                "sha256": digest,
-                "extra": task.extra,
-            }
-        )
+    def _append(self, task: ImageTask, name: str, data: bytes, digest: str, width: int, height: int) -> None:
+        row = {"image": {"bytes": data, "path": name}, **task.fields(width, height)}
+        self._rows.append({**row, "sha256": digest, "extra": task.extra})
         self._row_bytes += len(data)
         if len(self._rows) >= self.config.row_group_rows or self._row_bytes >= self.config.row_group_bytes:
             self._flush()
-        return ImageResult(task.id, task.k, self.store.uri(self.key), digest, len(data), encode_s, None)
 
     def _flush(self) -> None:
         if not self._rows:
@@ -132,32 +111,39 @@ class ParquetShardWriter:
                 write_statistics=[*_NOT_IMAGE, "image.path"],
             )
         self._writer.write_table(pa.Table.from_pylist(self._rows, schema=DATA_SCHEMA))
-        self._stored_rows += len(self._rows)
         self._rows, self._row_bytes = [], 0
 
-    def finish(self) -> StoredShard:
-        try:
-            results = self._pool.drain()
-            self._flush()
-            if self._writer is None:  # every row failed: no data file
-                return StoredShard(results)
-            self._writer.close()
-            size = self._spool.tell()
-            self._spool.seek(0)
-            start = time.perf_counter()
-            try:
-                self.store.put_file(self.key, self._spool, PARQUET_CONTENT_TYPE)
-            except Exception as e:
-                raise ShardStoreError(
-                    f"{self.store.uri(self.key)} could not be stored: {type(e).__name__}: {e}"
-                ) from e
-            return StoredShard(
-                results, self.store.uri(self.key), size, time.perf_counter() - start, (self.key,)
-            )
-        finally:
-            self.abort()
+    def _close(self) -> bool:
+        self._flush()
+        if self._writer is None:  # every row failed: no data file
+            return False
+        self._writer.close()
+        return True
 
     def abort(self) -> None:
-        self._pool.close()
+        super().abort()
         self._rows = []
-        self._spool.close()
+
+
+class ParquetShardReader:
+    """Reads a data file: the image of each row from its `image` struct, found by (id, k)."""
+
+    area = DATA_PREFIX
+
+    def read(self, store: ObjectStore, key: str, rows: Sequence[ManifestImage]) -> StoredImages:
+        uri = store.uri(key)
+        blob = store.get(key)  # ObjectNotFound when absent
+        try:
+            table = pq.read_table(pa.BufferReader(blob), columns=["id", "k", "image"])
+            images = pc.struct_field(table.column("image"), "bytes")  # null where the struct is
+        except Exception as e:  # noqa: BLE001 - any damage of the file is this one finding
+            raise StoredImageError(f"{uri}: cannot be read as Parquet ({type(e).__name__}: {e})") from e
+        held = {
+            (id_, k): data
+            for id_, k, data in zip(
+                table.column("id").to_pylist(), table.column("k").to_pylist(), images.to_pylist()
+            )
+            if data is not None  # a row without image bytes: its manifest row finds no image
+        }
+        found = {(r.id, r.k): held.pop((r.id, r.k)) for r in rows if (r.id, r.k) in held}
+        return StoredImages(uri, found, tuple(held))

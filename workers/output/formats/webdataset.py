@@ -1,4 +1,4 @@
-"""Output format "webdataset": one tar per shard, two members per image.
+"""Output format "webdataset": one tar per shard, two members per image; its writer and its reader.
 
 ```
 {out}/webdataset/shard-{shard:05d}-{attempt}.tar
@@ -13,11 +13,12 @@ key. The two members of a sample are adjacent, as those readers require.
 Given the same images, the tar is the same bytes on every run of the shard: members are appended
 in the order of `add` (encoding runs on the pool's threads, appending on the caller's), and every
 header field that could vary (mtime, uid, gid, owner names, mode) is fixed. Each run still writes
-its own key (the attempt token in it), since two runs need not make the same pixels. The tar is built in a spooled temp
-file (memory up to `spool_max_bytes`, then disk) and stored with one whole-object write at
-`finish` (a multipart upload for big ones, which the store aborts on error), so a reader never
-sees part of a tar and `abort` leaves nothing behind. Failed rows have no members (the manifest
-has them). The manifest rows' `uri` is the tar's URI, as the "parquet" format's is its data file.
+its own key (the attempt token in it), since two runs need not make the same pixels. The tar is
+built in a spool and stored whole at `finish` (spool.SpooledShardWriter), so a reader never sees
+part of a tar and `abort` leaves nothing behind. Failed rows have no members (the manifest has
+them). The manifest rows' `uri` is the tar's URI, as the "parquet" format's is its data file.
+The reader finds a row's image by its member name, which the manifest row gives (id, k, the
+id's image count, the image format).
 """
 
 from __future__ import annotations
@@ -25,14 +26,23 @@ from __future__ import annotations
 import io
 import json
 import tarfile
-import tempfile
-import time
-from typing import Any
+from collections.abc import Sequence
 
-from workers.output.codec import extension, sha256_hex
-from workers.output.formats.base import ImageTask, ShardWriterConfig, StoredShard, encode_task_image
-from workers.output.layout import image_index_in_key, webdataset_key, webdataset_sample_key
-from workers.output.upload_pool import ImageResult, ShardStoreError, UploadPool
+from workers.output.formats.base import (
+    ImageTask,
+    ManifestImage,
+    ShardWriterConfig,
+    StoredImageError,
+    StoredImages,
+)
+from workers.output.formats.spool import SpooledShardWriter
+from workers.output.layout import (
+    IMAGE_EXTENSIONS,
+    WEBDATASET_PREFIX,
+    image_index_in_key,
+    webdataset_key,
+    webdataset_sample_key,
+)
 from workers.storage.base import ObjectStore
 
 TAR_CONTENT_TYPE = "application/x-tar"
@@ -48,16 +58,7 @@ def sample_metadata(task: ImageTask, width: int, height: int) -> bytes:
     generate.image_seed(row seed, k) for the others), so one sample alone says how to remake it;
     `width`/`height` are the stored image's pixels; `extra` is the row's pass-through columns as
     a JSON object (null when there are none)."""
-    doc = {
-        "id": task.id,
-        "k": task.k,
-        "prompt": task.prompt,
-        "negative_prompt": task.negative_prompt,
-        "seed": task.seed,
-        "width": width,
-        "height": height,
-        "extra": None if task.extra is None else json.loads(task.extra),
-    }
+    doc = {**task.fields(width, height), "extra": None if task.extra is None else json.loads(task.extra)}
     return json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
@@ -72,70 +73,102 @@ def _member(name: str, size: int) -> tarfile.TarInfo:
     return info
 
 
-class WebDatasetShardWriter:
+def _sample_key(id_: str, k: int, num_images: int) -> str:
+    return webdataset_sample_key(id_, image_index_in_key(k, num_images))
+
+
+class WebDatasetShardWriter(SpooledShardWriter):
     """One tar per run of a shard at layout.webdataset_key(shard, attempt), samples in the
     order added."""
 
+    content_type = TAR_CONTENT_TYPE
+
     def __init__(self, store: ObjectStore, shard: int, config: ShardWriterConfig, attempt: str) -> None:
-        self.store, self.shard, self.config = store, shard, config
-        self.key = webdataset_key(shard, attempt)
-        self._ext = extension(config.image_format)
-        self._spool = tempfile.SpooledTemporaryFile(max_size=config.spool_max_bytes, dir=config.tmp_dir)
+        super().__init__(store, shard, config, webdataset_key(shard, attempt))
         # PAX: member names longer than ustar's 100 bytes (long ids) are stored whole.
         self._tar = tarfile.open(fileobj=self._spool, mode="w", format=tarfile.PAX_FORMAT)
         self._members = 0
-        # Encoding runs on the pool; appending to the one tar happens in order on this thread.
-        self._pool = UploadPool(config.max_in_flight, config.threads, on_result=self._append, ordered=True)
 
-    def add(self, task: ImageTask, image: Any) -> None:
-        """Queue one image ((3, H, W) float in [0, 1] or (H, W, 3) uint8); blocks while the
-        pool holds `max_in_flight` images."""
-        key = webdataset_sample_key(task.id, image_index_in_key(task.k, task.num_images))
-        self._pool.submit(
-            f"{self.store.uri(self.key)} member {key}.{self._ext}",
-            lambda: (task, key, *encode_task_image(self.config, image)),
-        )
+    def _entry(self, task: ImageTask) -> tuple[str, str]:
+        key = _sample_key(task.id, task.k, task.num_images)
+        return key, f"member {key}.{self._ext}"
 
-    def _append(self, value: tuple[ImageTask, str, bytes | None, float, str | None, int, int]) -> ImageResult:
-        task, key, data, encode_s, error, width, height = value
-        if data is None:
-            return ImageResult(task.id, task.k, encode_s=encode_s, error=error)
+    def _append(self, task: ImageTask, name: str, data: bytes, digest: str, width: int, height: int) -> None:
         meta = sample_metadata(task, width, height)
         # Image first, then its metadata: a sample's members must be adjacent in the tar.
-        self._tar.addfile(_member(f"{key}.{self._ext}", len(data)), io.BytesIO(data))
-        self._tar.addfile(_member(f"{key}.json", len(meta)), io.BytesIO(meta))
+        self._tar.addfile(_member(f"{name}.{self._ext}", len(data)), io.BytesIO(data))
+        self._tar.addfile(_member(f"{name}.json", len(meta)), io.BytesIO(meta))
         self._members += 2
-        return ImageResult(
-            task.id, task.k, self.store.uri(self.key), sha256_hex(data), len(data), encode_s, None
-        )
 
-    def finish(self) -> StoredShard:
-        """Wait for every image, close the tar and store it whole. Raises ShardStoreError if an
-        image or the tar could not be stored; then nothing of the shard is visible."""
+    def _close(self) -> bool:
+        if self._members == 0:  # every row failed: no tar
+            return False
+        # Writes the end-of-archive blocks. Not on abort: the spool is discarded then.
+        self._tar.close()
+        return True
+
+
+class WebDatasetShardReader:
+    """Reads a tar: a row's image is the member "{sample key}.{ext}"; a "{key}.json" member
+    without a named image says which row the tar holds that the manifest does not name."""
+
+    area = WEBDATASET_PREFIX
+
+    def read(self, store: ObjectStore, key: str, rows: Sequence[ManifestImage]) -> StoredImages:
+        uri = store.uri(key)
+        blob = store.get(key)  # ObjectNotFound when absent
         try:
-            results = self._pool.drain()
-            if self._members == 0:  # every row failed: no tar
-                return StoredShard(results)
-            self._tar.close()  # writes the end-of-archive blocks
-            size = self._spool.tell()
-            self._spool.seek(0)
-            start = time.perf_counter()
-            try:
-                self.store.put_file(self.key, self._spool, TAR_CONTENT_TYPE)
-            except Exception as e:
-                raise ShardStoreError(
-                    f"{self.store.uri(self.key)} could not be stored: {type(e).__name__}: {e}. "
-                    "The shard is not committed; it can be retried."
-                ) from e
-            return StoredShard(
-                results, self.store.uri(self.key), size, time.perf_counter() - start, (self.key,)
-            )
-        finally:
-            self.abort()
+            with tarfile.open(fileobj=io.BytesIO(blob), mode="r:") as tar:
+                members = _index(tar, uri)
+                found: dict[tuple[str, int], bytes] = {}
+                samples: set[str] = set()
+                for r in rows:
+                    sample = _sample_key(r.id, r.k, r.num_images)
+                    name = f"{sample}.{IMAGE_EXTENSIONS.get(r.image_format, r.image_format)}"
+                    if name in members:
+                        found[(r.id, r.k)] = _member_bytes(tar, members[name], uri)
+                        samples.add(sample)
+                unnamed = tuple(
+                    _row_of_metadata(_member_bytes(tar, m, uri), uri, name)
+                    for name, m in members.items()
+                    if name.endswith(".json") and name[: -len(".json")] not in samples
+                )
+        except (tarfile.TarError, OSError) as e:
+            raise StoredImageError(f"{uri}: cannot be read as a tar ({e})") from e
+        return StoredImages(uri, found, unnamed)
 
-    def abort(self) -> None:
-        """Drop the tar being built. Nothing was stored yet (the tar goes up whole in `finish`),
-        so nothing partial is left behind."""
-        self._pool.close()
-        # Not self._tar.close(): that would write end blocks into a spool that is discarded.
-        self._spool.close()
+
+def _index(tar: tarfile.TarFile, uri: str) -> dict[str, tarfile.TarInfo]:
+    """Member name -> header, of the regular files. Listing reads every header; where it fails,
+    the error names the last member listed (the one cut short, when the data ends early)."""
+    try:
+        return {m.name: m for m in tar.getmembers() if m.isfile()}
+    except tarfile.ReadError as e:
+        if not tar.members:
+            raise
+        last = tar.members[-1].name
+        where = f"member {last} is cut short" if "end of data" in str(e) else f"after member {last}"
+        raise StoredImageError(f"{uri}: cannot be read as a tar ({e}; {where})") from e
+
+
+def _member_bytes(tar: tarfile.TarFile, member: tarfile.TarInfo, uri: str) -> bytes:
+    try:
+        f = tar.extractfile(member)
+        data = f.read() if f is not None else b""
+    except (tarfile.TarError, OSError) as e:
+        raise StoredImageError(f"{uri}: member {member.name} cannot be read ({e})") from e
+    if len(data) != member.size:
+        raise StoredImageError(
+            f"{uri}: member {member.name} is cut short ({len(data)} of {member.size} bytes)"
+        )
+    return data
+
+
+def _row_of_metadata(data: bytes, uri: str, name: str) -> tuple[str, int]:
+    try:
+        meta = json.loads(data)
+        return meta["id"], meta["k"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise StoredImageError(
+            f"{uri}: member {name} is not a sample's metadata ({type(e).__name__}: {e})"
+        ) from e
