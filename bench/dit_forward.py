@@ -1,8 +1,12 @@
 """The DiT at the published Qwen-Image widths: ours eager, ours compiled, diffusers eager.
 
+On CPU in fp32 the compiled DiT runs its linears through oneDNN (compile.cpu_linear); the same
+compiled DiT with aten's linears ("ours_compiled_aten_linear") runs alongside, so the gain of
+that choice is measured in the same run.
+
 A few blocks of the real shape (hidden 3072 = 24 heads x 128, text dim 3584, RoPE axes
 (16, 56, 56)) with random weights; diffusers' QwenImageTransformer2DModel runs on the very same
-weight tensors. The three run interleaved, round after round, so machine noise hits them alike.
+weight tensors. They run interleaved, round after round, so machine noise hits them alike.
 Per image size it reports: ms per forward (batch 1, no padding: diffusers gets no mask either),
 ms per CFG step (conditional + one-token negative) with the modulation cache off / cfg / table,
 the share of the forward spent in attention, and the padded-attention kernels side by side
@@ -29,7 +33,7 @@ import torch.nn.functional as F
 import model.transformer as transformer_module
 from compile import CompileConfig
 from compile.compiled_method import compiled_method
-from compile.policy import DIT_METHODS
+from compile.policy import DIT_METHODS, dit_linears
 from model.attention import TextPadding, joint_attention
 from model.sampling import latent_grid
 from model.transformer import QwenImageTransformer, TransformerConfig
@@ -92,11 +96,24 @@ def diffusers_twin(ours: QwenImageTransformer, device: torch.device, dtype: torc
     return ref.to(device).eval().requires_grad_(False)
 
 
-def compile_blocks(model: QwenImageTransformer, device_type: str, mode: str | None, backend: str) -> None:
-    config = CompileConfig(dit=True, dit_mode=mode, dit_backend=backend)
+def compile_blocks(
+    model: QwenImageTransformer, device_type: str, mode: str | None, backend: str, onednn: bool = True
+) -> None:
+    """What apply_compile does to a pipeline's transformer: compiled block functions, and on CPU
+    (unless `onednn` is off) fp32 linears through oneDNN."""
+    config = CompileConfig(dit=True, dit_mode=mode, dit_backend=backend, cpu_onednn_linear=onednn)
+    dit_linears(model, config, device_type)
     for block in model.transformer_blocks:
         for name, dims in DIT_METHODS.items():
             compiled_method(block, name, config.compile_kwargs("dit", device_type), dynamic_dims=dims)
+
+
+def twin(ours: QwenImageTransformer, cfg: TransformerConfig) -> QwenImageTransformer:
+    """Another transformer over the same weight tensors (no copy)."""
+    with torch.device("meta"):
+        model = QwenImageTransformer(cfg)
+    model.load_state_dict(ours.state_dict(), assign=True)
+    return model.eval().requires_grad_(False)
 
 
 def attention_ms(ours: QwenImageTransformer, run: Callable[[], object], clock: Clock) -> tuple[float, float]:
@@ -188,7 +205,7 @@ def elementwise(cfg: TransformerConfig, tokens: int, device, dtype, clock: Clock
     return out
 
 
-def bench_size(size, args, cfg, ours, compiled, ref, device, dtype, clock, peak) -> dict:
+def bench_size(size, args, cfg, ours, compiled, compiled_aten, ref, device, dtype, clock, peak) -> dict:
     """One image size: every number of the report."""
     h, w = latent_grid(size, size)
     N, L = h * w, args.text_tokens
@@ -203,6 +220,8 @@ def bench_size(size, args, cfg, ours, compiled, ref, device, dtype, clock, peak)
         runs["ours_eager"] = lambda: ours(x, txt, None, t, shapes)
         if compiled is not None:
             runs["ours_compiled"] = lambda: compiled(x, txt, None, t, shapes)
+        if compiled_aten is not None:
+            runs["ours_compiled_aten_linear"] = lambda: compiled_aten(x, txt, None, t, shapes)
         if ref is not None:
             runs["diffusers_eager"] = lambda: ref(
                 hidden_states=x, encoder_hidden_states=txt, encoder_hidden_states_mask=None,
@@ -250,7 +269,7 @@ def bench_size(size, args, cfg, ours, compiled, ref, device, dtype, clock, peak)
         "forward_tflop": round(flops / 1e12, 3),
     }
     base = ms.get("diffusers_eager")
-    for name in ("ours_eager", "ours_compiled"):
+    for name in ("ours_eager", "ours_compiled", "ours_compiled_aten_linear"):
         if base and name in ms:
             row[f"speedup_{name}_vs_diffusers"] = round(base / ms[name], 3)
     if peak and device.type == "cuda":
@@ -275,6 +294,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--no-diffusers", action="store_true")
+    ap.add_argument(
+        "--no-aten-linear",
+        action="store_true",
+        help="CPU fp32: skip the compiled DiT with aten's linears (the before of oneDNN's linears)",
+    )
     ap.add_argument("--compile-mode", default=None, help="Inductor mode (default: the worker's choice)")
     ap.add_argument("--elementwise-only", action="store_true", help="only the elementwise groups")
     ap.add_argument("--peak-tflops", type=float, default=None, help="bf16 peak (default: by GPU name)")
@@ -302,13 +326,14 @@ def main() -> None:
         ours = QwenImageTransformer(cfg)
     ours = ours.to(dtype).eval().requires_grad_(False)
     ref = None if args.no_diffusers else diffusers_twin(ours, device, dtype)
-    compiled = None
+    compiled, compiled_aten = None, None
     if not args.no_compile:
-        with torch.device("meta"):
-            compiled = QwenImageTransformer(cfg)
-        compiled.load_state_dict(ours.state_dict(), assign=True)
-        compiled = compiled.eval().requires_grad_(False)
+        compiled = twin(ours, cfg)
         compile_blocks(compiled, device.type, args.compile_mode, args.compile_backend)
+        if device.type == "cpu" and dtype == torch.float32 and not args.no_aten_linear:
+            # The same compiled DiT with aten's linears: what oneDNN's linears gain, in this run.
+            compiled_aten = twin(ours, cfg)
+            compile_blocks(compiled_aten, device.type, args.compile_mode, args.compile_backend, onednn=False)
 
     peak = args.peak_tflops
     if peak is None and device.type == "cuda":
@@ -316,7 +341,7 @@ def main() -> None:
         peak = next((v for k, v in BF16_PEAK_TFLOPS.items() if k in name), None)
 
     results = {
-        f"{size}x{size}": bench_size(size, args, cfg, ours, compiled, ref, device, dtype, clock, peak)
+        f"{size}x{size}": bench_size(size, args, cfg, ours, compiled, compiled_aten, ref, device, dtype, clock, peak)
         for size in sizes
     }
 

@@ -52,6 +52,7 @@ class CompileConfig:
     dynamic: bool = False
     fullgraph: bool = True
     shared_cache: bool = True
+    cpu_onednn_linear: bool = True
     claim_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
@@ -102,4 +103,6 @@ class CompileConfig:
             name = backend if isinstance(backend, str) else getattr(backend, "__qualname__", repr(backend))
             out[target] = f"{name}:{self.mode_for(target, device_type)}"
         out["vae_batch"] = self.vae_batch
+        if self.dit and device_type == "cpu":
+            out["dit_linear"] = "onednn" if self.cpu_onednn_linear else "aten"
         return out

@@ -24,6 +24,7 @@ from .compiled_method import CompiledMethod, compiled_method, uninstall
 # re-exported here, where it is applied.
 from .config import AUTO_DIT_IMAGES_PER_BUCKET, COMPILE_MODES, Backend, CompileConfig  # noqa: F401
 from .counting import ensure_counting
+from .cpu_linear import restore_linears, use_onednn_linears
 
 VAE_LABEL = "vae.decode"
 DIT_LABEL = "transformer_blocks.{index}.{method}"
@@ -94,6 +95,7 @@ def apply_compile(pipe: Any, config: CompileConfig) -> CompileReport:
         )
     else:
         uninstall(pipe.vae, "decode")
+    dit_linears(pipe.transformer, config, device_type)
     for block in _blocks(pipe):
         for method, dims in DIT_METHODS.items():
             label = DIT_LABEL.format(index=block.index, method=method)
@@ -104,6 +106,15 @@ def apply_compile(pipe: Any, config: CompileConfig) -> CompileReport:
             else:
                 uninstall(block, method)
     return report
+
+
+def dit_linears(transformer: Any, config: CompileConfig, device_type: str) -> None:
+    """With the DiT compiled on CPU, its fp32 linears through oneDNN (`compile.cpu_linear`);
+    otherwise aten's."""
+    if config.dit is True and device_type == "cpu" and config.cpu_onednn_linear:
+        use_onednn_linears(transformer)
+    else:
+        restore_linears(transformer)
 
 
 def resolve_dit(
@@ -120,6 +131,7 @@ def resolve_dit(
 def remove_compile(pipe: Any) -> None:
     """Undo apply_compile: the pipeline runs eager again."""
     uninstall(pipe.vae, "decode")
+    restore_linears(pipe.transformer)
     for block in _blocks(pipe):
         for method in DIT_METHODS:
             uninstall(block, method)
