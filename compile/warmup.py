@@ -118,56 +118,17 @@ def warm_up(
     for method in methods.values():
         method.fit_shapes(shapes)
 
-    timings = []
+    timings: list[BucketWarmup] = []
     start_all, compiles_all = time.perf_counter(), compile_count()
 
-    def announce(bucket: ResolutionBucket, done: int) -> None:
+    def announce(bucket: ResolutionBucket) -> None:
         if on_bucket is not None:
-            on_bucket(done + 1, len(resolved), bucket.name)
+            on_bucket(len(timings) + 1, len(resolved), bucket.name)
 
-    def run_bucket(bucket: ResolutionBucket, outcome: ClaimOutcome) -> None:
-        start, compiles, graphs, runs = time.perf_counter(), compile_count(), _inductor_compiles(), 0
-        for batch, per_batch in cases.items():
-            for case in per_batch:
-                pipe.generate(
-                    **case,
-                    height=bucket.height,
-                    width=bucket.width,
-                    steps=steps,
-                    true_cfg_scale=true_cfg_scale,
-                    seeds=list(range(seed, seed + batch)),
-                )
-                runs += 1
-        timings.append(
-            BucketWarmup(
-                bucket.name,
-                time.perf_counter() - start + outcome.waited_s,
-                compile_count() - compiles,
-                runs,
-                _inductor_compiles() - graphs,
-                outcome.how,
-                outcome.waited_s,
-            )
-        )
+    def warm(bucket: ResolutionBucket, outcome: ClaimOutcome) -> None:
+        timings.append(_warm_bucket(pipe, bucket, outcome, cases, steps, true_cfg_scale, seed))
 
-    if claims is None:
-        for bucket in resolved:
-            announce(bucket, len(timings))
-            run_bucket(bucket, ClaimOutcome("off"))
-    else:
-        held_elsewhere = []
-        for bucket in resolved:  # first the buckets no one is compiling now
-            fd = claims.try_claim(bucket.name)
-            if fd is None:
-                held_elsewhere.append(bucket)
-                continue
-            announce(bucket, len(timings))
-            with claims.hold(bucket.name, fd) as outcome:
-                run_bucket(bucket, outcome)
-        for bucket in held_elsewhere:  # then the others: from the cache once their claimant is done
-            announce(bucket, len(timings))
-            with claims.hold(bucket.name) as outcome:
-                run_bucket(bucket, outcome)
+    _each_bucket(resolved, claims, announce, warm)
     fallbacks = {label: m.fallback_reason for label, m in methods.items() if m.fallback_reason}
     return WarmupReport(
         buckets=tuple(timings),
@@ -177,6 +138,68 @@ def warm_up(
         compiles=compile_count() - compiles_all,
         shape_limit=max((m.shape_limit for m in methods.values()), default=0),
         fallbacks=fallbacks,
+    )
+
+
+def _each_bucket(
+    buckets: Sequence[ResolutionBucket],
+    claims: BucketClaims | None,
+    announce: Callable[[ResolutionBucket], None],
+    warm: Callable[[ResolutionBucket, ClaimOutcome], None],
+) -> None:
+    """announce(bucket), then warm(bucket, outcome) for every bucket: in the order given, or with
+    claims first the buckets no one else is compiling now, each under its claim, then the others
+    once their claimant is done (they then come from the local compile cache)."""
+    if claims is None:
+        for bucket in buckets:
+            announce(bucket)
+            warm(bucket, ClaimOutcome("off"))
+        return
+    held_elsewhere = []
+    for bucket in buckets:
+        fd = claims.try_claim(bucket.name)
+        if fd is None:
+            held_elsewhere.append(bucket)
+            continue
+        announce(bucket)
+        with claims.hold(bucket.name, fd) as outcome:
+            warm(bucket, outcome)
+    for bucket in held_elsewhere:
+        announce(bucket)
+        with claims.hold(bucket.name) as outcome:
+            warm(bucket, outcome)
+
+
+def _warm_bucket(
+    pipe: Any,
+    bucket: ResolutionBucket,
+    outcome: ClaimOutcome,
+    cases: dict[int, list[GuidanceInputs]],
+    steps: int,
+    true_cfg_scale: float,
+    seed: int,
+) -> BucketWarmup:
+    """Run every case of every batch size at this bucket's resolution; time and count it."""
+    start, compiles, graphs, runs = time.perf_counter(), compile_count(), _inductor_compiles(), 0
+    for batch, per_batch in cases.items():
+        for case in per_batch:
+            pipe.generate(
+                **case,
+                height=bucket.height,
+                width=bucket.width,
+                steps=steps,
+                true_cfg_scale=true_cfg_scale,
+                seeds=list(range(seed, seed + batch)),
+            )
+            runs += 1
+    return BucketWarmup(
+        bucket.name,
+        time.perf_counter() - start + outcome.waited_s,
+        compile_count() - compiles,
+        runs,
+        _inductor_compiles() - graphs,
+        outcome.how,
+        outcome.waited_s,
     )
 
 

@@ -288,7 +288,9 @@ def cmd_report(args: argparse.Namespace) -> int:
         data = write_report(store, args.html, samples=args.max)
     except ValueError as e:
         raise UsageError(str(e)) from e
-    print(f"wrote {args.html}: report of {store.uri()} ({len(data.rows)} images, {len(data.samples)} samples)")
+    print(
+        f"wrote {args.html}: report of {store.uri()} ({len(data.rows)} images, {len(data.samples)} samples)"
+    )
     return EXIT_OK
 
 
@@ -316,7 +318,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ditfleet", description="Generate image datasets on a Ray cluster.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_job_commands(sub)
+    _add_inspect(sub)
+    _add_output_commands(sub)
+    return parser
 
+
+def _add_job_commands(sub: argparse._SubParsersAction) -> None:
+    """validate, plan, run, submit: commands that take a job file."""
     p = sub.add_parser("validate", help="check the job file and every input row (no cluster, no GPU)")
     p.add_argument("job", help="job file (YAML or JSON)")
     p.set_defaults(func=cmd_validate)
@@ -351,57 +360,77 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_submit)
 
-    p = sub.add_parser("inspect", help="a model's components and memory plan (reads configs and headers only)")
-    p.add_argument("model", help="a diffusers-layout model folder, s3://bucket/prefix (configs only), or 'tiny'")
+
+def _add_s3_options(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--endpoint-url", help=f"S3-compatible endpoint for s3:// {what}")
+    p.add_argument("--region", help="S3 region")
+
+
+def _add_inspect(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "inspect", help="a model's components and memory plan (reads configs and headers only)"
+    )
+    p.add_argument(
+        "model", help="a diffusers-layout model folder, s3://bucket/prefix (configs only), or 'tiny'"
+    )
     p.add_argument("--bucket", action="append", help="image size WxH (repeatable; default: the largest)")
     p.add_argument("--batch", type=int, default=1, help="images per batch (default 1)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument(
-        "--gpu-gb", type=float, nargs="+", default=[80.0, 48.0, 24.0], help="GPU sizes in GB (default 80 48 24)"
+        "--gpu-gb",
+        type=float,
+        nargs="+",
+        default=[80.0, 48.0, 24.0],
+        help="GPU sizes in GB (default 80 48 24)",
     )
-    p.add_argument("--max-sequence-length", type=int, default=512, help="longest prompt in tokens (default 512)")
+    p.add_argument(
+        "--max-sequence-length", type=int, default=512, help="longest prompt in tokens (default 512)"
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("--endpoint-url", help="S3-compatible endpoint for s3:// models")
-    p.add_argument("--region", help="S3 region")
+    _add_s3_options(p, "models")
     p.set_defaults(func=cmd_inspect)
 
-    for name, helptext, func in (
-        ("status", "what an output holds and what is left", cmd_status),
-        ("verify", "check an output end to end: every row once, every object's sha256", cmd_verify),
-        ("preview", "contact sheet PNG of generated images with their prompts", cmd_preview),
-        ("report", "one self-contained HTML page: summary, rates, start-up costs, failures, samples", cmd_report),
-    ):
+
+def _add_output_commands(sub: argparse._SubParsersAction) -> None:
+    """status, verify, preview, report: commands that read an output."""
+
+    def command(name: str, helptext: str, func) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=helptext)
         p.add_argument("output", help="output directory or s3://bucket/prefix")
-        p.add_argument("--endpoint-url", help="S3-compatible endpoint for s3:// outputs")
-        p.add_argument("--region", help="S3 region")
+        _add_s3_options(p, "outputs")
         p.set_defaults(func=func)
-        if name == "status":
-            p.add_argument("--json", action="store_true", help="print JSON")
-        elif name == "verify":
-            p.add_argument("--json", action="store_true", help="print JSON")
-            p.add_argument(
-                "--partial",
-                action="store_true",
-                help="a running or unfinished output: uncommitted shards and no _SUCCESS are not errors",
-            )
-            p.add_argument(
-                "--clean",
-                action="store_true",
-                help="delete orphans: objects of losing or killed runs of committed shards, "
-                "which no manifest names (never anything a manifest names)",
-            )
-            p.add_argument(
-                "--no-hash", action="store_true", help="check presence only; do not read and hash objects"
-            )
-        elif name == "report":
-            p.add_argument("--html", default="report.html", help="HTML file to write (default report.html)")
-            p.add_argument("--max", type=int, default=24, help="sample images on the page (default 24)")
-        else:
-            p.add_argument("--out", required=True, help="PNG file to write")
-            p.add_argument("--max", type=int, default=24, help="images on the sheet (default 24)")
-            p.add_argument("--columns", type=int, help="images per row (default: about square)")
-    return parser
+        return p
+
+    p = command("status", "what an output holds and what is left", cmd_status)
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+    p = command("verify", "check an output end to end: every row once, every object's sha256", cmd_verify)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument(
+        "--partial",
+        action="store_true",
+        help="a running or unfinished output: uncommitted shards and no _SUCCESS are not errors",
+    )
+    p.add_argument(
+        "--clean",
+        action="store_true",
+        help="delete orphans: objects of losing or killed runs of committed shards, "
+        "which no manifest names (never anything a manifest names)",
+    )
+    p.add_argument("--no-hash", action="store_true", help="check presence only; do not read and hash objects")
+
+    p = command("preview", "contact sheet PNG of generated images with their prompts", cmd_preview)
+    p.add_argument("--out", required=True, help="PNG file to write")
+    p.add_argument("--max", type=int, default=24, help="images on the sheet (default 24)")
+    p.add_argument("--columns", type=int, help="images per row (default: about square)")
+
+    p = command(
+        "report",
+        "one self-contained HTML page: summary, rates, start-up costs, failures, samples",
+        cmd_report,
+    )
+    p.add_argument("--html", default="report.html", help="HTML file to write (default report.html)")
+    p.add_argument("--max", type=int, default=24, help="sample images on the page (default 24)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

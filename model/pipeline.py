@@ -192,21 +192,14 @@ class TextToImagePipeline:
         B = cond.embeds.shape[0]
         if len(seeds) != B:
             raise ValueError(f"need one seed per image: {B} prompts but {len(seeds)} seeds")
-        scales = torch.as_tensor(
-            true_cfg_scale if isinstance(true_cfg_scale, Sequence) else [true_cfg_scale] * B,
-            dtype=torch.float32,
-        )
         latents = initial_noise(list(seeds), height, width, self.device, self.dtype)
-        scale_arg: torch.Tensor | float = (
-            float(scales[0]) if bool((scales == scales[0]).all()) else scales.to(self.device)
-        )
         bank = self.timestep_bank if self.transformer.modulation_cache.mode == "table" else None
         latents = denoise(
             self.transformer,
             latents,
             cond,
             uncond,
-            scale_arg,
+            _guidance_scale(true_cfg_scale, B, self.device),
             latent_grid(height, width),
             steps,
             self.scheduler,
@@ -227,6 +220,15 @@ class TextToImagePipeline:
         if negative is None or not cfg_on(true_cfg_scale):
             return cond, None
         return cond, _conditioning(negative, inputs["negative_prompt_embeds_mask"], self.device, self.dtype)
+
+
+def _guidance_scale(true_cfg_scale: float | Sequence[float], batch: int, device) -> torch.Tensor | float:
+    """One float when the batch shares its scale, else a (B,) fp32 tensor on the device."""
+    scales = torch.as_tensor(
+        true_cfg_scale if isinstance(true_cfg_scale, Sequence) else [true_cfg_scale] * batch,
+        dtype=torch.float32,
+    )
+    return float(scales[0]) if bool((scales == scales[0]).all()) else scales.to(device)
 
 
 def _conditioning(embeds: torch.Tensor, mask: torch.Tensor | None, device, dtype) -> Conditioning:

@@ -20,17 +20,24 @@ import time
 
 import torch
 
-from compile import compile_count, prepare_worker_pipeline
-from model import LoraSpec, load_pipeline, resolve_model_dir
+from compile import PreparedPipeline, compile_count, prepare_worker_pipeline
+from model import LoraSpec, TextToImagePipeline, load_pipeline, resolve_model_dir
 from model.guidance import negative_text
 from model.loader import load_text_encoder
 from workers.cache_secret import read_cache_secret, say_shared_cache_off
 
 # The driver-worker contract lives in the torch-free workers.contract; re-exported here.
 from workers.contract import ShardAbandoned, ShardResult, WorkerConfig  # noqa: F401
-from workers.generate import BatchGenerator, GeneratedImage, image_requests, iter_generated, plan_batches
+from workers.generate import (
+    BatchGenerator,
+    GeneratedImage,
+    ImageRequest,
+    image_requests,
+    iter_generated,
+    plan_batches,
+)
 from workers.metrics import WorkerMetrics
-from workers.output.formats import ImageResult, ImageTask, make_shard_writer
+from workers.output.formats import ImageResult, ImageTask, StoredShard, make_shard_writer
 from workers.output.layout import manifest_key, new_attempt_token
 from workers.output.manifest import ManifestRow, ManifestWriter, passthrough_json
 from workers.rows import PromptRow, ShardSpec, read_shard_rows
@@ -108,34 +115,46 @@ class GenerationWorker:
         self.device, self.dtype = resolve_device(config.device, config.dtype)
         t_load = time.perf_counter()
         self.model = fetch_model(config.model_path, config.model_cache_dir, config.s3, config.model_fetch)
+        self.pipe = self._load_pipeline(self.model.local_path)
+        self.text = place_text_encoder(self.pipe, self.model.local_path, config)
+        load_s = time.perf_counter() - t_load
+        secret = read_cache_secret(config.compile_cache_key) if config.compile.shared_cache else None
+        if secret is not None and secret.key is None and (config.compile.vae or config.compile.dit):
+            say_shared_cache_off(secret.off_reason)
+        self.compile_report = self._compile(secret.key if secret is not None else None)
+        self.generator = BatchGenerator(self.pipe, config.max_sequence_length)
+        shared_cache = "off" if secret is None else ("on" if secret.key else f"off: {secret.off_reason}")
+        self.startup = self._startup_report(load_s, shared_cache, time.perf_counter() - t0)
+        publish_phase(READY)
+
+    def _load_pipeline(self, local_path) -> TextToImagePipeline:
+        """The pipeline from the node-local weights, adapters merged, on this actor's device."""
+        config = self.config
         # Adapters and a schedule on S3 come to the node's cache like the weights.
         local = lambda src: str(fetch_file(src, config.model_cache_dir, config.s3, config.model_fetch))  # noqa: E731
-        loras = tuple(LoraSpec(local(a.path), a.scale) for a in config.loras)
-        scheduler_config = local(config.scheduler_config) if config.scheduler_config else None
-        self.pipe = load_pipeline(
-            self.model.local_path,
+        return load_pipeline(
+            local_path,
             self.device,
             self.dtype,
             config.modulation_cache,
             cfg_batched=config.cfg_batched,
             cfg_mode=config.cfg_mode,
             model_id=config.model_path,
-            loras=loras,
-            scheduler_config=scheduler_config,
+            loras=tuple(LoraSpec(local(a.path), a.scale) for a in config.loras),
+            scheduler_config=local(config.scheduler_config) if config.scheduler_config else None,
             load_text_encoder_too=config.text_encoder == "gpu",
         )
-        self.text = place_text_encoder(self.pipe, self.model.local_path, config)
-        load_s = time.perf_counter() - t_load
+
+    def _compile(self, cache_secret: bytes | None) -> PreparedPipeline:
+        """Compile and warm up every bucket the job uses, before the actor takes work."""
+        config = self.config
         buckets = config.warmup_buckets or config.rows.buckets.names
-        secret = read_cache_secret(config.compile_cache_key) if config.compile.shared_cache else None
-        if secret is not None and secret.key is None and (config.compile.vae or config.compile.dit):
-            say_shared_cache_off(secret.off_reason)
-        self.compile_report = prepare_worker_pipeline(
+        return prepare_worker_pipeline(
             self.pipe,
             config.compile,
             [config.rows.buckets.get(b) for b in buckets],
             artifact_store=self.store,
-            cache_secret=secret.key if secret is not None else None,
+            cache_secret=cache_secret,
             # A compiled DiT takes the batch size and text length as dynamic dimensions: one
             # batch of the configured size traces the graph every batch of 1..batch_size uses.
             batch_sizes=(config.batch_size,) if config.compile.dit else (1,),
@@ -143,26 +162,26 @@ class GenerationWorker:
             expected_images=config.expected_images,
             on_bucket=lambda i, n, name: publish_phase(COMPILING, bucket=i, buckets=n, name=name),
         )
-        self.generator = BatchGenerator(self.pipe, config.max_sequence_length)
-        self.startup = {
+
+    def _startup_report(self, load_s: float, shared_cache: str, startup_s: float) -> dict:
+        """What the driver shows and sums about this actor's start-up."""
+        warmup = self.compile_report.warmup
+        return {
             "worker_id": self.worker_id,
             "pid": os.getpid(),
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "model_id": self.pipe.model_id,
             "model_revision": self.pipe.model_revision,
-            "loras": [{"path": a.path, "scale": a.scale} for a in config.loras],
+            "loras": [{"path": a.path, "scale": a.scale} for a in self.config.loras],
             "model_fetch": self.model.to_dict(),
             "load_s": round(load_s, 3),
-            "text_encoder": config.text_encoder,
+            "text_encoder": self.config.text_encoder,
             "compile": self.compile_report.to_dict(),
-            "shared_compile_cache": "off"
-            if secret is None
-            else ("on" if secret.key else f"off: {secret.off_reason}"),
-            "warmup_s": self.compile_report.warmup.seconds_per_bucket() if self.compile_report.warmup else {},
-            "startup_s": round(time.perf_counter() - t0, 3),
+            "shared_compile_cache": shared_cache,
+            "warmup_s": warmup.seconds_per_bucket() if warmup else {},
+            "startup_s": round(startup_s, 3),
         }
-        publish_phase(READY)
 
     # -- actor API -------------------------------------------------------------------------------
 
@@ -198,13 +217,41 @@ class GenerationWorker:
             self.text.prefetch(shard_prompts(requests), self.config.max_sequence_length)
         compiles_before, oom_splits_before = compile_count(), self.generator.oom_splits
         attention_before = self.pipe.transformer.attention_stats.to_dict()
+        generated, stored = self._generate_and_store(shard.index, requests, token)
+        result.recompiles = compile_count() - compiles_before
+        result.oom_splits = self.generator.oom_splits - oom_splits_before
+        result.attention = self.pipe.transformer.attention_stats.since(attention_before)
+        manifest = ManifestWriter(shard.index, expected_rows=len(requests))
+        rows_written = self._manifest_rows(
+            requests, generated, stored, shard.index, attempt, result.recompiles
+        )
+        for row in rows_written:
+            manifest.add(row)
+            _count(result, row)
+        result.generate_s = sum(generated[(r.row.id, r.k)].generate_s for r in requests)
+        result.upload_s += stored.data_upload_s
+        if not manifest.commit(self.store):
+            # Another run committed first and its manifest names its own objects: ours are
+            # orphans under our token. Deleting them touches nothing any manifest names.
+            result.status = "already_committed"
+            self._drop(stored.keys)
+        self.metrics.shard_finished(result.status, rows_written if result.status == "committed" else ())
+        result.rows = len(rows)
+        result.wall_s = time.perf_counter() - t0
+        return result
+
+    def _generate_and_store(
+        self, shard: int, requests: list[ImageRequest], token: str
+    ) -> tuple[dict[tuple[str, int], GeneratedImage], StoredShard]:
+        """Generate every image of the shard and hand each to the shard writer as it comes; the
+        writer's objects are all durably stored when this returns (aborted on any error)."""
         generated: dict[tuple[str, int], GeneratedImage] = {}
-        writer = make_shard_writer(self.store, shard.index, self.config.writer, token)
+        writer = make_shard_writer(self.store, shard, self.config.writer, token)
         try:
             batches = plan_batches(requests, self.config.batch_size, self.generator.count_tokens)
             for image in iter_generated(self.generator, batches):
                 if self._stop.is_set():
-                    raise ShardAbandoned(f"shard {shard.index}: worker asked to stop; nothing committed")
+                    raise ShardAbandoned(f"shard {shard}: worker asked to stop; nothing committed")
                 req = image.request
                 generated[(req.row.id, req.k)] = image
                 if image.pixels is not None:
@@ -219,43 +266,37 @@ class GenerationWorker:
                     )
                     writer.add(task, image.pixels.permute(1, 2, 0).numpy())  # (H, W, 3) uint8
                     image.pixels = None  # the writer holds it now; keep shard memory flat
-            stored = writer.finish()
+            return generated, writer.finish()
         except BaseException:
             writer.abort()
             raise
         finally:
             if self.text is not None:
                 self.text.release()
-        result.recompiles = compile_count() - compiles_before
-        result.oom_splits = self.generator.oom_splits - oom_splits_before
-        result.attention = self.pipe.transformer.attention_stats.since(attention_before)
+
+    def _manifest_rows(
+        self,
+        requests: list[ImageRequest],
+        generated: dict[tuple[str, int], GeneratedImage],
+        stored: StoredShard,
+        shard: int,
+        attempt: int,
+        recompiles: int,
+    ) -> list[ManifestRow]:
+        """One row per requested image, in request order, failures included."""
         stored_by_key = {(r.id, r.k): r for r in stored.results}
-        manifest = ManifestWriter(shard.index, expected_rows=len(requests))
-        rows_written: list[ManifestRow] = []
-        for req in requests:
-            gen = generated[(req.row.id, req.k)]
-            res = stored_by_key.get((req.row.id, req.k))
-            row = self._manifest_row(req.row, req.k, gen, res, shard.index, attempt, result.recompiles)
-            manifest.add(row)
-            rows_written.append(row)
-            if row.status == "ok":
-                result.images_ok += 1
-            else:
-                result.images_failed += 1
-                result.errors[row.error or "?"] = result.errors.get(row.error or "?", 0) + 1
-            result.generate_s += gen.generate_s
-            result.encode_s += row.encode_s or 0.0
-            result.upload_s += row.upload_s or 0.0
-        result.upload_s += stored.data_upload_s
-        if not manifest.commit(self.store):
-            # Another run committed first and its manifest names its own objects: ours are
-            # orphans under our token. Deleting them touches nothing any manifest names.
-            result.status = "already_committed"
-            self._drop(stored.keys)
-        self.metrics.shard_finished(result.status, rows_written if result.status == "committed" else ())
-        result.rows = len(rows)
-        result.wall_s = time.perf_counter() - t0
-        return result
+        return [
+            self._manifest_row(
+                req.row,
+                req.k,
+                generated[(req.row.id, req.k)],
+                stored_by_key.get((req.row.id, req.k)),
+                shard,
+                attempt,
+                recompiles,
+            )
+            for req in requests
+        ]
 
     def text_encoder_stats(self) -> dict:
         """Placement, prompts encoded, embedding-cache hits and misses (empty without an encoder)."""
@@ -313,6 +354,17 @@ class GenerationWorker:
             recompiles=recompiles,
             extra=row.extra or None,
         )
+
+
+def _count(result: ShardResult, row: ManifestRow) -> None:
+    """Add one manifest row to the shard result's counts and times."""
+    if row.status == "ok":
+        result.images_ok += 1
+    else:
+        result.images_failed += 1
+        result.errors[row.error or "?"] = result.errors.get(row.error or "?", 0) + 1
+    result.encode_s += row.encode_s or 0.0
+    result.upload_s += row.upload_s or 0.0
 
 
 def place_text_encoder(pipe, local_path, config: WorkerConfig) -> PlacedTextEncoder | None:

@@ -176,30 +176,11 @@ def plan_memory(
     modulation_table_steps: step counts of the schedules kept in "table" modulation-cache mode.
     device: "cuda" adds the CUDA context's reserve; "cpu" (an actor without a GPU) does not.
     """
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
-    if text_encoder not in TEXT_ENCODER_PLACEMENTS:
-        raise ValueError(f"text_encoder must be one of {TEXT_ENCODER_PLACEMENTS}, got {text_encoder!r}")
-    if cfg not in ("serial", "batched", "off"):
-        raise ValueError(f"cfg must be serial, batched or off, got {cfg!r}")
-    if batch < 1 or height % 16 or width % 16 or height < 16 or width < 16:
-        raise ValueError(
-            f"need batch >= 1 and sizes that are multiples of 16, got {batch} x {width}x{height}"
-        )
+    _check_request(dtype, text_encoder, cfg, batch, height, width)
     e = DTYPE_BYTES[dtype]
-    params = model.params()
-    weights = {k: v * e for k, v in params.items()}
+    weights = {k: v * e for k, v in model.params().items()}
     dit_w, vae_w, te_w = weights["transformer"], weights["vae"], weights.get("text_encoder", 0)
-    dit_batch = 2 * batch if cfg == "batched" else batch
-    acts = {
-        "denoise": dit_activation_bytes(model.transformer, dit_batch, height, width, text_len, e, attention),
-        "decode": vae_decode_activation_bytes(model.vae, min(vae_batch or batch, batch), height, width, e),
-    }
-    tokens = text_len + (
-        QWEN_TEMPLATE_TOKENS if model.text_encoder and "vision_config" in model.text_encoder else 0
-    )
-    if model.text_encoder is not None:
-        acts["encode"] = text_encode_activation_bytes(model.text_encoder, tokens, e)
+    acts = _activations(model, batch, height, width, e, cfg, vae_batch, text_len, attention)
     extra: dict[str, int] = {}
     if modulation_table_steps:
         D, layers = model.transformer.inner_dim, model.transformer.num_layers
@@ -208,16 +189,15 @@ def plan_memory(
     carried = sum(extra.values())
     resident = dit_w + vae_w + carried + (CUDA_RESERVE if device == "cuda" else 0)
     te_resident = te_w if text_encoder == "gpu" else 0
-    frag = lambda b: int(b * FRAGMENTATION)  # noqa: E731
     phases = {
-        "denoise": resident + te_resident + frag(acts["denoise"]),
-        "decode": resident + te_resident + frag(acts["decode"]),
+        "denoise": resident + te_resident + _fragmented(acts["denoise"]),
+        "decode": resident + te_resident + _fragmented(acts["decode"]),
     }
     capacity = None if gpu_memory_gb is None else int(gpu_memory_gb * GB)
     swapped = False
     host = te_w if text_encoder != "gpu" else 0
     if "encode" in acts and text_encoder != "cpu":
-        encode = resident + te_w + frag(acts["encode"])
+        encode = resident + te_w + _fragmented(acts["encode"])
         if text_encoder == "offload" and capacity is not None and encode > capacity:
             encode -= dit_w  # the DiT waits in host memory while the shard's prompts are encoded
             swapped = True
@@ -242,6 +222,47 @@ def plan_memory(
         host=host,
         device=device,
     )
+
+
+def _check_request(dtype: str, text_encoder: str, cfg: str, batch: int, height: int, width: int) -> None:
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+    if text_encoder not in TEXT_ENCODER_PLACEMENTS:
+        raise ValueError(f"text_encoder must be one of {TEXT_ENCODER_PLACEMENTS}, got {text_encoder!r}")
+    if cfg not in ("serial", "batched", "off"):
+        raise ValueError(f"cfg must be serial, batched or off, got {cfg!r}")
+    if batch < 1 or height % 16 or width % 16 or height < 16 or width < 16:
+        raise ValueError(
+            f"need batch >= 1 and sizes that are multiples of 16, got {batch} x {width}x{height}"
+        )
+
+
+def _fragmented(nbytes: int) -> int:
+    return int(nbytes * FRAGMENTATION)
+
+
+def _activations(
+    model: ModelMemory,
+    batch: int,
+    height: int,
+    width: int,
+    e: int,
+    cfg: str,
+    vae_batch: int | None,
+    text_len: int,
+    attention: str,
+) -> dict[str, int]:
+    """Activation bytes of each phase: denoise, decode, and encode when the model has a text encoder."""
+    dit_batch = 2 * batch if cfg == "batched" else batch
+    acts = {
+        "denoise": dit_activation_bytes(model.transformer, dit_batch, height, width, text_len, e, attention),
+        "decode": vae_decode_activation_bytes(model.vae, min(vae_batch or batch, batch), height, width, e),
+    }
+    if model.text_encoder is not None:
+        qwen = "vision_config" in model.text_encoder
+        tokens = text_len + (QWEN_TEMPLATE_TOKENS if qwen else 0)
+        acts["encode"] = text_encode_activation_bytes(model.text_encoder, tokens, e)
+    return acts
 
 
 def largest_batch(model: ModelMemory, gpu_memory_gb: float, limit: int = 1024, **kwargs: Any) -> int:
