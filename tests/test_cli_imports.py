@@ -1,4 +1,5 @@
-"""`ditfleet validate` and `ditfleet plan` load neither torch, nor Ray, nor the model's torch modules.
+"""`ditfleet validate` and `ditfleet plan` load neither torch, nor Ray, nor the model's torch modules
+(nor boto3, for a job whose paths are all local).
 
 Each command runs in a fresh interpreter (what a user's shell gets) through `jobs.cli.main`, which
 then reports the modules it loaded. The model's memory plan reads configs and safetensors headers
@@ -77,6 +78,8 @@ def test_validate_and_plan_load_no_torch_ray_or_model_code(command, job, tmp_pat
     tops = {m.split(".")[0] for m in modules}
     assert "torch" not in tops
     assert "ray" not in tops
+    # Both jobs read local files: the S3 client (boto3) is loaded only where an s3:// path is.
+    assert "boto3" not in tops and "botocore" not in tops
     model = {m for m in modules if m.split(".")[0] == "model"}
     assert model <= TORCH_FREE_MODEL, f"model modules with torch loaded: {sorted(model - TORCH_FREE_MODEL)}"
     assert not {"workers.actor", "workers.text_embeddings", "compile.policy"} & modules

@@ -15,7 +15,7 @@ from workers.cache_secret import CacheSecretSource
 from workers.output.formats import ShardWriterConfig
 from workers.rows import RowConfig
 from workers.storage import S3Config
-from workers.weights.fetch import FetchConfig
+from workers.weights.fetch_config import FetchConfig
 
 # Where the text encoder lives (workers.text_embeddings places it).
 PLACEMENTS = ("gpu", "cpu", "offload")
