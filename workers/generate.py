@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from compile import PROMPT_LENGTH_BUCKETS
 from model import TextToImagePipeline
 from model.guidance import cfg_on, negative_text
 from workers.rows import MAX_SEED, PromptRow
@@ -152,15 +151,9 @@ def _is_oom(e: BaseException) -> bool:
 class BatchGenerator:
     """Runs batches through the pipeline; a CUDA OOM halves the batch and retries it."""
 
-    def __init__(
-        self,
-        pipe: TextToImagePipeline,
-        max_sequence_length: int = 512,
-        prompt_buckets: Sequence[int] = PROMPT_LENGTH_BUCKETS,
-    ) -> None:
+    def __init__(self, pipe: TextToImagePipeline, max_sequence_length: int = 512) -> None:
         self.pipe = pipe
         self.max_sequence_length = max_sequence_length
-        self.prompt_buckets = tuple(prompt_buckets)  # kept for callers; requests are not padded
         self.oom_splits = 0
 
     def count_tokens(self, prompts: list[str]) -> list[int] | None:
