@@ -176,6 +176,7 @@ def plan_memory(
     modulation_table_steps: step counts of the schedules kept in "table" modulation-cache mode.
     device: "cuda" adds the CUDA context's reserve; "cpu" (an actor without a GPU) does not.
     """
+    # Long only by its keyword arguments and the plan's fields; the arithmetic is the middle.
     _check_request(dtype, text_encoder, cfg, batch, height, width)
     e = DTYPE_BYTES[dtype]
     weights = {k: v * e for k, v in model.params().items()}
