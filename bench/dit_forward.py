@@ -280,7 +280,26 @@ def bench_size(size, args, cfg, ours, compiled, compiled_aten, ref, device, dtyp
     return row
 
 
-def main() -> None:
+def build_models(args, cfg: TransformerConfig, device: torch.device, dtype: torch.dtype):
+    """(ours eager, ours compiled or None, ours compiled with aten's linears or None, diffusers
+    or None), every one over the same weight tensors."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        ours = QwenImageTransformer(cfg)
+    ours = ours.to(dtype).eval().requires_grad_(False)
+    ref = None if args.no_diffusers else diffusers_twin(ours, device, dtype)
+    compiled, compiled_aten = None, None
+    if not args.no_compile:
+        compiled = twin(ours, cfg)
+        compile_blocks(compiled, device.type, args.compile_mode, args.compile_backend)
+        if device.type == "cpu" and dtype == torch.float32 and not args.no_aten_linear:
+            # The same compiled DiT with aten's linears: what oneDNN's linears gain, in this run.
+            compiled_aten = twin(ours, cfg)
+            compile_blocks(compiled_aten, device.type, args.compile_mode, args.compile_backend, onednn=False)
+    return ours, compiled, compiled_aten, ref
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
     ap.add_argument(
@@ -302,7 +321,11 @@ def main() -> None:
     ap.add_argument("--compile-mode", default=None, help="Inductor mode (default: the worker's choice)")
     ap.add_argument("--elementwise-only", action="store_true", help="only the elementwise groups")
     ap.add_argument("--peak-tflops", type=float, default=None, help="bf16 peak (default: by GPU name)")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -321,19 +344,7 @@ def main() -> None:
             print(json.dumps({"bench": "dit_forward_elementwise", "size": size, "tokens": tokens,
                               "dtype": str(dtype).removeprefix("torch."), "ms": row}))  # fmt: skip
         return
-    torch.manual_seed(0)
-    with torch.device(device):
-        ours = QwenImageTransformer(cfg)
-    ours = ours.to(dtype).eval().requires_grad_(False)
-    ref = None if args.no_diffusers else diffusers_twin(ours, device, dtype)
-    compiled, compiled_aten = None, None
-    if not args.no_compile:
-        compiled = twin(ours, cfg)
-        compile_blocks(compiled, device.type, args.compile_mode, args.compile_backend)
-        if device.type == "cpu" and dtype == torch.float32 and not args.no_aten_linear:
-            # The same compiled DiT with aten's linears: what oneDNN's linears gain, in this run.
-            compiled_aten = twin(ours, cfg)
-            compile_blocks(compiled_aten, device.type, args.compile_mode, args.compile_backend, onednn=False)
+    ours, compiled, compiled_aten, ref = build_models(args, cfg, device, dtype)
 
     peak = args.peak_tflops
     if peak is None and device.type == "cuda":
