@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.tiny.adherence import measure, score
+from model.tiny.adherence import count_components, count_holes, ideal_iou, measure, score
 from model.tiny.scenes import (
     HELD_OUT_COUNT,
     TINY_BUCKETS,
@@ -65,7 +65,18 @@ def test_batches_are_deterministic_and_shapes_stay_inside_their_cell(width, heig
 def test_adherence_is_perfect_on_ground_truth(width, height):
     scenes = all_scenes()
     images, captions = sample_batch(scenes, 120, width, height, torch.Generator().manual_seed(0))
-    assert score(images, captions) == {"shape_color": 1.0, "background": 1.0, "position": 1.0, "kind": 1.0}
+    result = score(images, captions)
+    iou = result.pop("iou")
+    assert result == {
+        "shape_color": 1.0,
+        "background": 1.0,
+        "position": 1.0,
+        "kind": 1.0,
+        "size": 1.0,
+        "one_blob": 1.0,
+    }
+    # Only the anti-aliased rim differs from the ideal shape.
+    assert iou > 0.93, iou
 
 
 def test_adherence_is_near_chance_on_noise_and_catches_wrong_images():
@@ -74,19 +85,52 @@ def test_adherence_is_near_chance_on_noise_and_catches_wrong_images():
     _, captions = sample_batch(scenes, 300, 128, 128, g)
     noise = torch.rand(300, 3, 128, 128, generator=g)
     s = score(noise, captions)
-    # Chance: 1/6 for colours, 1/9 for position, 1/3 for kind.
-    assert s["shape_color"] < 0.3 and s["background"] < 0.3 and s["position"] < 0.2 and s["kind"] < 0.45
+    # Chance: 1/6 for colours, 1/9 for position, 1/3 for kind, 1/2 for size.
+    assert s["shape_color"] < 0.3 and s["background"] < 0.3 and s["position"] < 0.2 and s["kind"] < 0.45, s
+    assert s["size"] < 0.65 and s["one_blob"] < 0.05 and s["iou"] < 0.15, s
     # A correct image scored against a caption that differs in every attribute matches nothing.
     image = render(Scene("circle", "red", "blue", "top left", "large"), 128, 128)
-    wrong = "a large green triangle at the bottom right on a white background"
-    assert score(image[None], [wrong]) == {
-        "shape_color": 0.0,
-        "background": 0.0,
-        "position": 0.0,
-        "kind": 0.0,
-    }
+    wrong = "a small green triangle at the bottom right on a white background"
+    result = score(image[None], [wrong])
+    assert result.pop("one_blob") == 1.0 and result.pop("iou") < 0.5, result
+    assert result == {"shape_color": 0.0, "background": 0.0, "position": 0.0, "kind": 0.0, "size": 0.0}
     blank = torch.full((3, 128, 128), 0.5)
-    assert measure(blank).color is None and measure(blank).position is None
+    assert measure(blank).color is None and measure(blank).position is None and measure(blank).blobs == 0
+
+
+def test_size_blobs_and_iou_of_wrong_shapes():
+    square = render(Scene("square", "white", "black", "centre", "large"), 128, 128)
+    got = measure(square)
+    assert (got.size, got.blobs, got.holes) == ("large", 1, 0)
+    # The ideal of a different kind or size overlaps a large square only partly: a circle covers
+    # pi/4 of it, a small square (0.085 / 0.14)^2.
+    mask = (square - square[:, :1, :1]).norm(dim=0) > 0.25
+    assert ideal_iou(mask, got.centroid, "square", "large") > 0.95
+    assert 0.7 < ideal_iou(mask, got.centroid, "circle", "large") < 0.85
+    assert ideal_iou(mask, got.centroid, "square", "small") < 0.45
+    # Two shapes side by side are two blobs; a ring is one blob with a hole.
+    two = torch.maximum(square, render(Scene("square", "white", "black", "left", "small"), 128, 128))
+    assert measure(two).blobs == 2
+    ring = square.clone()
+    ring[:, 60:68, 60:68] = 0.06
+    assert (measure(ring).blobs, measure(ring).holes) == (1, 1)
+
+
+def test_component_and_hole_counting():
+    m = torch.zeros(10, 12, dtype=torch.bool)
+    m[1, 1] = m[2, 2] = True  # diagonal neighbours: one 8-connected component, two 4-connected ones
+    m[5:7, 5:9] = True
+    m[9, 0] = True
+    assert count_components(m) == 3 and count_components(m, connectivity=4) == 4
+    assert count_components(torch.zeros(4, 4, dtype=torch.bool)) == 0
+    ring = torch.zeros(7, 7, dtype=torch.bool)
+    ring[1:6, 1:6] = True
+    ring[3, 3] = False
+    assert count_holes(ring) == 1 and count_components(ring) == 1
+    ring[3, 3] = True
+    assert count_holes(ring) == 0
+    with pytest.raises(ValueError, match="connectivity"):
+        count_components(m, connectivity=6)
 
 
 def _encoder(tmp_path=None) -> TinyTextEncoder:

@@ -48,7 +48,8 @@ def generate_held_out(
 def evaluate(
     pipe, steps: int, true_cfg_scale: float, width: int = 128, height: int = 128
 ) -> dict[str, float]:
-    """Adherence fractions (shape_color, background, position, kind) on the held-out captions."""
+    """Adherence on the held-out captions: fractions shape_color, background, position, kind, size,
+    one_blob and the mean IoU with the ideal captioned shape (see `adherence.score`)."""
     images, captions = generate_held_out(pipe, steps, true_cfg_scale, width, height)
     return score(images, captions)
 
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
                     "bucket": f"{width}x{height}",
                     "steps": args.steps,
                     "cfg": args.cfg,
-                    **result,
+                    **{k: round(v, 4) for k, v in result.items()},
                     "seconds": round(time.time() - start, 1),
                 }
             )

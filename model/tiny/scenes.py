@@ -221,6 +221,21 @@ def render_batch(
     return bg + (fg - bg) * coverage
 
 
+def shape_mask(shape: str, size: str, width: int, height: int, cx: float, cy: float) -> torch.Tensor:
+    """(height, width) bool: pixels at least half covered by a `shape` of `size` centred at (cx, cy),
+    drawn by the same rasteriser as `render_batch` (the ideal a generated shape is compared with)."""
+    if shape not in SHAPES or size not in SIZES:
+        raise ValueError(f"shape_mask: shape {shape!r} / size {size!r}; expected one of {SHAPES} / {SIZES}.")
+    ys = torch.arange(height, dtype=torch.float32) + 0.5
+    xs = torch.arange(width, dtype=torch.float32) + 0.5
+    y, x = torch.meshgrid(ys, xs, indexing="ij")
+    r = SIZE_FRACTION[size] * min(width, height)
+    distance = _shape_distance(
+        torch.tensor([SHAPES.index(shape)]), x, y, torch.tensor([cx]), torch.tensor([cy]), torch.tensor([r])
+    )
+    return distance[0] < 0.0
+
+
 def render(scene: Scene, width: int, height: int, jitter: tuple[float, float] = (0.0, 0.0)) -> torch.Tensor:
     """One scene as a float32 image (3, height, width) in [0, 1]."""
     return render_batch([scene], width, height, torch.tensor([jitter], dtype=torch.float32))[0]
