@@ -241,8 +241,19 @@ def verify_output(
     if plan is None:
         return report
     report.planned_shards = len(plan.shards)
+    committed, shards = _read_manifests(store, plan, report)  # first: see the module docstring
+    _check_rows_once(shards, plan, report)
+    _check_objects(store, shards, set(committed), plan, report, hash_objects)
+    if success is not None:
+        _check_success(success, plan, report)
+    report.orphans.sort()
+    if clean and report.orphans:
+        report.cleaned = _delete(store, report.orphans)
+    return report
 
-    # 1. Manifests (read first: see the module docstring).
+
+def _read_manifests(store: ObjectStore, plan: _Plan, report: VerifyReport) -> tuple[list[int], list[_Shard]]:
+    """(the committed shards of the plan, what their manifests say)."""
     committed: list[int] = []
     for key in store.list(MANIFESTS_PREFIX):
         shard = shard_of_manifest_key(key)
@@ -259,8 +270,11 @@ def verify_output(
     report.missing = sorted(plan.shards - set(committed))
     with ThreadPoolExecutor(max_workers=_THREADS) as pool:
         shards = [s for s in pool.map(lambda s: _read_manifest(store, s, plan, report.problems), committed) if s]
+    return committed, shards
 
-    # 2. Every row exactly once over the output.
+
+def _check_rows_once(shards: list[_Shard], plan: _Plan, report: VerifyReport) -> None:
+    """Every row exactly once over the output, each id's images k = 0..n-1, the plan's counts."""
     if shards:
         table = pa.table(
             {"id": pa.chunked_array([s.ids for s in shards]), "k": pa.chunked_array([s.ks for s in shards])}
@@ -289,8 +303,9 @@ def verify_output(
                 f"{plan.rows} / {plan.images}"
             )
 
-    # 3. Objects named by ok rows.
-    root = store.uri()
+
+def _named_objects(root: str, shards: list[_Shard], report: VerifyReport) -> dict[str, list[ManifestImage]]:
+    """Key -> the ok rows that name it (a moved output's keys are found by their format area)."""
     named: dict[str, list[ManifestImage]] = defaultdict(list)
     for s in shards:
         for r in s.ok:
@@ -301,15 +316,28 @@ def verify_output(
                 report.problems.append(f"shard {s.shard} row {r.label}: uri {r.uri} is not under {root}")
                 continue
             named[key].append(r)
+    return named
+
+
+def _check_objects(
+    store: ObjectStore,
+    shards: list[_Shard],
+    committed: set[int],
+    plan: _Plan,
+    report: VerifyReport,
+    hash_objects: bool,
+) -> None:
+    """The format areas against the manifests: orphans, pending and stray objects, missing
+    ones, and (hash_objects) every named object read through its format's reader."""
+    named = _named_objects(store.uri(), shards, report)
     listed: set[str] = set()
-    committed_set = set(committed)
     for prefix in FORMAT_AREAS:
         for key in store.list(prefix):
             listed.add(key)
             if key in named:
                 continue
             obj = attempt_object(key)
-            if obj is not None and obj.shard in committed_set:
+            if obj is not None and obj.shard in committed:
                 report.orphans.append(key)
             elif obj is not None and obj.shard in plan.shards:
                 report.pending += 1
@@ -328,25 +356,21 @@ def verify_output(
                 report.problems.extend(found)
         report.objects_checked = sum(len(named[k]) for k in present)
 
-    # 4. _SUCCESS.
-    if success is not None:
-        if report.missing:
-            report.problems.append(
-                f"_SUCCESS is present but {len(report.missing)} planned shards are not committed "
-                f"(e.g. {report.missing[:5]}): the output is not complete; run the job again"
-            )
-        elif not plan.incremental:
-            said = (success.get("images") or {}) if isinstance(success.get("images"), dict) else {}
-            if (said.get("ok"), said.get("failed")) != (report.images_ok, report.images_failed):
-                report.problems.append(
-                    f"_SUCCESS says {said.get('ok')} images ok / {said.get('failed')} failed, the "
-                    f"manifests {report.images_ok} / {report.images_failed}"
-                )
 
-    report.orphans.sort()
-    if clean and report.orphans:
-        report.cleaned = _delete(store, report.orphans)
-    return report
+def _check_success(success: dict[str, Any], plan: _Plan, report: VerifyReport) -> None:
+    """`_SUCCESS` only when every planned shard is committed, with the manifests' counts."""
+    if report.missing:
+        report.problems.append(
+            f"_SUCCESS is present but {len(report.missing)} planned shards are not committed "
+            f"(e.g. {report.missing[:5]}): the output is not complete; run the job again"
+        )
+    elif not plan.incremental:
+        said = (success.get("images") or {}) if isinstance(success.get("images"), dict) else {}
+        if (said.get("ok"), said.get("failed")) != (report.images_ok, report.images_failed):
+            report.problems.append(
+                f"_SUCCESS says {said.get('ok')} images ok / {said.get('failed')} failed, the "
+                f"manifests {report.images_ok} / {report.images_failed}"
+            )
 
 
 def _delete(store: ObjectStore, keys: list[str]) -> int:

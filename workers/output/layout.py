@@ -60,7 +60,6 @@ _ATTEMPT_TOKEN = re.compile(f"^{_ATTEMPT}$")
 _IMAGE_OBJECT = re.compile(rf"^{IMAGES_PREFIX}(\d{{5,}})/({_ATTEMPT})/[^/]+$")
 _DATA_OBJECT = re.compile(rf"^{DATA_PREFIX}shard-(\d{{5,}})-({_ATTEMPT})\.parquet$")
 _WEBDATASET_OBJECT = re.compile(rf"^{WEBDATASET_PREFIX}shard-(\d{{5,}})-({_ATTEMPT})\.tar$")
-SHARD_DATA_PREFIXES = (IMAGES_PREFIX, DATA_PREFIX, WEBDATASET_PREFIX)
 # Kept as is: ASCII letters, digits, "-" and "." (a leading "." is escaped so that no component
 # is "." or "..", or a hidden file). Everything else, "_" (the k separator) and "~" (the escape
 # character) included, becomes "~XX" per UTF-8 byte.
