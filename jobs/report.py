@@ -218,53 +218,56 @@ table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ccc;paddin
 """
 
 
-def render_html(data: ReportData) -> str:
+def _summary_rows(data: ReportData, failed: int) -> list[list[Any]]:
     s = data.summary
     rows = data.rows
     images_ok = sum(1 for r in rows if r["status"] == "ok")
-    failed = [r for r in rows if r["status"] != "ok"]
-    errors = Counter(r["error"] or "?" for r in failed)
-    if s:
-        errors = Counter(s.get("failures_by_error") or {}) or errors
     status = s["status"] if s else "not finished (no _SUCCESS yet): what is committed so far"
     shards = sorted({r["shard"] for r in rows})
     planned = (s or {}).get("images", {}).get("planned", "?")
     wall = ((s or {}).get("timings") or {}).get("wall_s")
-    summary_rows = [
+    return [
         ["status", status],
         ["output", data.output],
         ["shards committed", f"{len(shards)}" + (f" of {s['shards']['planned']}" if s else "")],
         ["prompt rows", (f"{s['rows']['ok']} ok, {s['rows']['failed']} failed of {s['rows']['planned']}" if s
                          else len({r['id'] for r in rows}))],
-        ["images", f"{images_ok} ok, {len(failed)} failed of {planned}"],
+        ["images", f"{images_ok} ok, {failed} failed of {planned}"],
         ["job wall time", _seconds(wall)],
         ["workers", len({r["worker"] for r in rows})],
     ]  # fmt: skip
-    timelines = worker_timelines(rows)  # fmt: skip
+
+
+def _per_worker(rows: list[dict[str, Any]]) -> dict[str, tuple[int, float]]:
+    """worker -> (images, seconds of generation)."""
     per_worker: dict[str, tuple[int, float]] = {}
     for r in rows:
         n, t = per_worker.get(r["worker"], (0, 0.0))
         per_worker[r["worker"]] = (n + 1, t + float(r["generate_s"] or 0.0))
-    failures_by_error = _table(["error", "count"], [[e, c] for e, c in errors.most_common()], "errors")
-    failure_table = _table(
-        ["shard", "id", "k", "attempt", "worker", "error"],
-        [[r["shard"], r["id"], r["k"], r["attempt"], r["worker"], r["error"] or "?"] for r in failed[:MAX_FAILURE_ROWS]],
-        "failures",
-    )
+    return per_worker
+
+
+def _failed_shards_table(s: dict[str, Any] | None) -> str:
     failed_shards = (s or {}).get("failed_shards") or []
-    shard_table = (
+    return (
         _table(["shard", "attempts", "kind", "error"], [[f.get(k) for k in ("shard", "attempts", "kind", "error")]
                                                         for f in failed_shards], "failed-shards")
         if failed_shards else ""
     )  # fmt: skip
-    cells = "".join(
+
+
+def _sample_cells(samples: list[tuple[str, str, bytes, tuple[int, int]]]) -> str:
+    return "".join(
         f'<div class="cell"><img src="data:image/jpeg;base64,{base64.b64encode(jpeg).decode()}" '
         f'width="{w}" height="{h}" alt="{html.escape(label)}"><b>{html.escape(label)}</b><br>'
         f"{html.escape(prompt)}</div>"
-        for label, prompt, jpeg, (w, h) in data.samples
+        for label, prompt, jpeg, (w, h) in samples
     )
+
+
+def _startup_html(s: dict[str, Any] | None) -> str:
     startup = startup_rows(s)
-    startup_html = (
+    return (
         _table(
             ["worker", "ready", "placement + process", "load", "compile + warm-up", "warm-up per bucket",
              "compiles", "compile cache", "device"],
@@ -274,6 +277,26 @@ def render_html(data: ReportData) -> str:
         if startup
         else '<p class="note">No start-up reports: the output has no _SUCCESS yet (they are part of it).</p>'
     )  # fmt: skip
+
+
+def render_html(data: ReportData) -> str:
+    s = data.summary
+    failed = [r for r in data.rows if r["status"] != "ok"]
+    errors = Counter(r["error"] or "?" for r in failed)
+    if s:
+        errors = Counter(s.get("failures_by_error") or {}) or errors
+    summary_rows = _summary_rows(data, len(failed))
+    timelines = worker_timelines(data.rows)
+    per_worker = _per_worker(data.rows)
+    failures_by_error = _table(["error", "count"], [[e, c] for e, c in errors.most_common()], "errors")
+    failure_table = _table(
+        ["shard", "id", "k", "attempt", "worker", "error"],
+        [[r["shard"], r["id"], r["k"], r["attempt"], r["worker"], r["error"] or "?"] for r in failed[:MAX_FAILURE_ROWS]],
+        "failures",
+    )
+    shard_table = _failed_shards_table(s)
+    cells = _sample_cells(data.samples)
+    startup_html = _startup_html(s)
     more = f" (first {MAX_FAILURE_ROWS} of {len(failed)})" if len(failed) > MAX_FAILURE_ROWS else ""
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>ditfleet report: {html.escape(data.output)}</title>
