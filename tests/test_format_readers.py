@@ -5,6 +5,7 @@ a damaged object or member is named in the error or problem."""
 from __future__ import annotations
 
 import io
+import shutil
 import tarfile
 
 import numpy as np
@@ -152,6 +153,18 @@ def test_a_tar_with_broken_metadata_of_an_unnamed_sample_is_named(tmp_path):
     assert READERS["webdataset"].read(store, key, rows).unnamed == ()  # a's json is not needed
     with pytest.raises(StoredImageError, match=rf"{key}: member a\.json is not a sample's metadata"):
         READERS["webdataset"].read(store, key, rows[1:])
+
+
+@pytest.mark.parametrize("output_format", FORMAT_NAMES)
+def test_a_copied_output_reads_from_where_it_is_now(tmp_path, output_format):
+    store, rows, _ = _write_shard(tmp_path / "out", output_format)
+    shutil.copytree(tmp_path / "out", tmp_path / "copy")
+    shutil.rmtree(tmp_path / "out")  # the manifests' uris now name a root that is gone
+    copy = open_store(str(tmp_path / "copy"))
+    assert [sha256_hex(data) for _, data in read_images(copy, rows)] == [r.sha256 for r in rows]
+    elsewhere = rows[0]._replace(uri="s3://b/somewhere/else.png")
+    with pytest.raises(StoredImageError, match="else.png is not inside the output .*; was the output moved"):
+        list(read_images(copy, [elsewhere]))
 
 
 def test_keys_of_moved_outputs_and_unknown_areas():
