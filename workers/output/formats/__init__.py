@@ -2,7 +2,9 @@
 and its reader, and the registry that picks them: the writer by a job's `output.format`, the
 reader by the format's name or by the key area an object lies in (a manifest row's uri says
 which). A new format is one module with a writer (`add`/`finish`/`abort`) and a reader (`area`,
-`read`), a name in base.FORMAT_NAMES and an entry in each table here.
+`read`), a name in base.FORMAT_NAMES and an entry in each table here; its key function lives in
+workers/output/layout.py (every key is built there), and the job spec's `output.format` choices
+(jobs/spec/sections.py) list it. Nothing that reads an output (verify, preview, report) changes.
 """
 
 from __future__ import annotations
