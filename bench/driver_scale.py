@@ -26,8 +26,8 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from compile.buckets import QWEN_IMAGE_BUCKETS, BucketSet  # noqa: E402
+from driver.input.prompts import PromptSource  # noqa: E402
 from driver.plan import PlanConfig, plan_job  # noqa: E402
-from driver.prompts import PromptSource  # noqa: E402
 from workers.rows import RowConfig  # noqa: E402
 
 _WORDS = (

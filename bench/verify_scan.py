@@ -20,7 +20,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from driver.verify import VerifyReport, clean_orphans, verify_output
+from driver.output.verify import VerifyReport, clean_orphans, verify_output
 from tests.worker_fixtures import manifest_row, put_image
 from workers.output.layout import image_key, job_key, new_attempt_token
 from workers.output.manifest import ManifestWriter

@@ -27,10 +27,11 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from driver.arrays import plain
-from driver.errors import file_error
+from driver.input.arrays import plain
+from driver.input.prompts import InputFile, PromptSource
+from driver.input.row_errors import file_error
+from driver.input.validate import scan_input
 from driver.plan import PlanConfig, ShardCutter, row_group_warnings
-from driver.prompts import InputFile, PromptSource
 from driver.run_records import (
     FileEntry,
     RecordedPlan,
@@ -40,7 +41,6 @@ from driver.run_records import (
     recorded_ids,
     write_ids,
 )
-from driver.validate import scan_input
 from workers.output.layout import success_key
 from workers.rows import ShardSpec
 from workers.storage import ObjectStore

@@ -9,7 +9,7 @@ The plan's fingerprint covers everything that changes the images a row gets (mod
 sampling defaults, buckets, job seed, shard size) and the identity of every input file, so an
 output directory is never resumed with a different job. Incremental jobs (driver.increment)
 fingerprint the settings alone and record each run's shards in the output. The fingerprint is
-stored, with what it covers, in the output's `_job.json` (driver.job_file).
+stored, with what it covers, in the output's `_job.json` (driver.output.job_file).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from compile.buckets import BucketError
-from driver.arrays import plain
-from driver.errors import file_error
-from driver.prompts import DEFAULT_BATCH_ROWS, InputFile, PromptSource
-from driver.validate import DEFAULT_MAX_ERRORS, scan_input, valid_sizes
+from driver.input.arrays import plain
+from driver.input.prompts import DEFAULT_BATCH_ROWS, InputFile, PromptSource
+from driver.input.row_errors import file_error
+from driver.input.validate import DEFAULT_MAX_ERRORS, scan_input, valid_sizes
 from workers.rows import MAX_SIDE, RowConfig, ShardSpec
 from workers.storage.input_files import InputFileError, footer_sha256, largest_row_group
 

@@ -5,7 +5,7 @@ one (`ray job submit` logs, cron, CI) a status line is printed every `status_eve
 the bar, so logs stay readable and grep-able.
 
 Counts here come from the workers' shard results, for display; the final counts of the summary
-come from the manifests (see driver.status).
+come from the manifests (see driver.output.status).
 """
 
 from __future__ import annotations

@@ -5,10 +5,10 @@
 1. Plan: validate every input row and cut shards (driver.plan). Bad input raises InputError
    here, before the output is touched or any actor starts.
 2. Output: write `_job.json` create-only, or, if the output has one, check that its fingerprint
-   is this plan's (else OutputMismatch, saying what differs; driver.claim). Committed shards
+   is this plan's (else OutputMismatch, saying what differs; driver.output.claim). Committed shards
    (manifests) are skipped: running the same command again resumes.
 3. Dispatch the remaining shards over worker actors (driver.dispatch).
-4. Finish (driver.finish): count rows and images from the manifests, delete the orphans of this
+4. Finish (driver.output.finish): count rows and images from the manifests, delete the orphans of this
    run's shards, and when every shard is committed write `_SUCCESS` (the summary, JSON). Print
    the summary. The caller exits with `summary.exit_code`.
 
@@ -31,18 +31,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from driver.claim import OutputMismatch, claim_incremental_output, claim_output
 from driver.dispatch import DispatchConfig, DispatchResult, run_shards
-from driver.finish import finish_run
 from driver.increment import IncrementPlan, commit_increment, plan_increment
+from driver.input.prompts import PromptSource
+from driver.input.validate import ValidationReport, validate_input
 from driver.locations import check_locations
 from driver.metrics import DriverMetrics, FanOut
+from driver.output.claim import OutputMismatch, claim_incremental_output, claim_output
+from driver.output.finish import finish_run
+from driver.output.status import OutputCounts
+from driver.output.summary import JobSummary, build_summary, read_success, write_success
 from driver.plan import JobPlan, PlanConfig, plan_job
 from driver.progress import JobProgress
-from driver.prompts import PromptSource
-from driver.status import OutputCounts
-from driver.summary import JobSummary, build_summary, read_success, write_success
-from driver.validate import ValidationReport, validate_input
 from workers.contract import WorkerConfig
 from workers.output.layout import success_key
 from workers.output.manifest import committed_shards
@@ -96,7 +96,7 @@ def validate_job_input(config: DriverConfig) -> ValidationReport:
 
 
 def plan_input(config: DriverConfig) -> JobPlan:
-    """Validate and plan; raises driver.errors.InputError (all problems, up to the cap)."""
+    """Validate and plan; raises driver.input.row_errors.InputError (all problems, up to the cap)."""
     return plan_job(prompt_source(config), config.plan)
 
 

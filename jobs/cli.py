@@ -33,11 +33,11 @@ import sys
 from collections.abc import Sequence
 
 from driver.dispatch import DispatchError
-from driver.errors import InputError
+from driver.input.row_errors import InputError
 from driver.locations import LocationError, check_local_output_nodes
 from driver.memory_plan import JobMemoryPlan, MemoryPlanError, job_memory_plan
+from driver.output.status import output_status
 from driver.run_job import OutputMismatch, plan_input, preview_increment, run_job, validate_job_input
-from driver.status import output_status
 from jobs.spec import JobSpec, SpecError, load_spec
 from jobs.submit import SubmitError
 from workers.storage import S3Config, StoreConfigError, StoreError, open_store
@@ -259,7 +259,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from driver.verify import verify_output
+    from driver.output.verify import verify_output
 
     report = verify_output(
         open_store(args.output, _store_args(args)),

@@ -37,9 +37,9 @@ def main(spec_path: str) -> int:
     from ray.cluster_utils import Cluster
 
     from driver.dispatch import DispatchConfig
+    from driver.output.verify import verify_output
     from driver.plan import PlanConfig
     from driver.run_job import DriverConfig, run_job
-    from driver.verify import verify_output
     from tests.worker_fixtures import row_config, worker_config
     from workers.output.layout import MANIFESTS_PREFIX
     from workers.storage import S3Config, open_store

@@ -359,7 +359,7 @@ def test_idle_actors_retire_when_nothing_is_queued():
 
 def test_dispatch_types_progress_metrics_and_summary_load_no_ray():
     code = (
-        "import json, sys; import driver.dispatch, driver.progress, driver.metrics, driver.summary; "
+        "import json, sys; import driver.dispatch, driver.progress, driver.metrics, driver.output.summary; "
         "print(json.dumps(sorted(sys.modules)))"
     )
     proc = subprocess.run(

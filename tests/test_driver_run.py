@@ -11,9 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from driver.dispatch import DispatchConfig
+from driver.output.status import output_status
 from driver.plan import PlanConfig
 from driver.run_job import DriverConfig, OutputMismatch, run_job
-from driver.status import output_status
 from tests.dispatch_workers import SleepingWorker, SleepingWorkerConfig
 from workers.output.layout import job_key, success_key
 from workers.rows import RowConfig
@@ -100,7 +100,7 @@ def test_resume_runs_only_what_is_left_and_refuses_another_job(tmp_path):
 def test_bad_input_fails_before_anything_is_written(tmp_path):
     pq.write_table(pa.table({"prompt": ["ok", ""], "steps": [4, -1]}), tmp_path / "prompts.parquet")
     driver, worker = configs(tmp_path)
-    from driver.errors import InputError
+    from driver.input.row_errors import InputError
 
     with pytest.raises(InputError) as err:
         run_job(driver, worker, worker_cls=SleepingWorker, stream=io.StringIO())

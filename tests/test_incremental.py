@@ -14,12 +14,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from driver.claim import OutputMismatch
 from driver.dispatch import DispatchConfig
-from driver.errors import InputError
+from driver.input.row_errors import InputError
+from driver.output.claim import OutputMismatch
+from driver.output.status import output_status
 from driver.plan import PlanConfig
 from driver.run_job import DriverConfig, run_job
-from driver.status import output_status
 from tests.dispatch_workers import SleepingWorker, SleepingWorkerConfig
 from workers.output.layout import RUNS_PREFIX, run_key, success_key
 from workers.output.manifest import read_manifests
@@ -308,8 +308,8 @@ def _success_with_uncommitted_shards(out: str) -> list[int]:
 
 
 def test_success_never_stands_next_to_uncommitted_shards_wherever_the_driver_dies(tmp_path: Path):
-    from driver.claim import claim_incremental_output
     from driver.increment import commit_increment, plan_increment
+    from driver.output.claim import claim_incremental_output
     from driver.run_job import prompt_source
     from workers.output.manifest import committed_shards
 

@@ -10,11 +10,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from driver.claim import claim_incremental_output, claim_output
-from driver.job_file import JOB_FILE_VERSION, OutputMismatch, read_job_file, write_job_file
+from driver.input.prompts import PromptSource
+from driver.output.claim import claim_incremental_output, claim_output
+from driver.output.job_file import JOB_FILE_VERSION, OutputMismatch, read_job_file, write_job_file
+from driver.output.status import output_status
 from driver.plan import JobPlan, PlanConfig, plan_job
-from driver.prompts import PromptSource
-from driver.status import output_status
 from workers.output.layout import job_key
 from workers.rows import RowConfig
 from workers.storage import open_store

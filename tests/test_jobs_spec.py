@@ -249,7 +249,7 @@ def test_single_writer_is_explicit_and_excludes_speculative_twins():
 
 def test_adapters_and_schedule_are_part_of_the_output_fingerprint(tmp_path):
     """Another LoRA, scale or schedule makes other images: an output refuses to resume with them."""
-    from driver.job_file import describe_differences
+    from driver.output.job_file import describe_differences
     from driver.plan import settings_doc
 
     def doc(extra: str = "") -> dict:

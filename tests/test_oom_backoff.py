@@ -116,9 +116,9 @@ def test_the_shard_result_reports_oom_splits(random_model_dir, tmp_path):
 def test_the_progress_log_and_the_job_summary_show_oom_splits():
     import io
 
+    from driver.output.status import OutputCounts
+    from driver.output.summary import build_summary
     from driver.progress import JobProgress
-    from driver.status import OutputCounts
-    from driver.summary import build_summary
     from workers.contract import ShardResult
     from workers.rows import ShardSpec
 

@@ -19,10 +19,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from compile.buckets import TINY_BUCKETS, BucketSet
-from driver.errors import InputError
-from driver.job_file import describe_differences, fingerprint_differences, job_document
+from driver.input.prompts import PromptSource
+from driver.input.row_errors import InputError
+from driver.output.job_file import describe_differences, fingerprint_differences, job_document
 from driver.plan import JobPlan, PlanConfig, plan_job
-from driver.prompts import PromptSource
 from workers.rows import PromptRow, RowConfig, derive_seed, read_shard_rows, resolve_rows
 from workers.storage.input_files import InputFileError, filesystem_for
 

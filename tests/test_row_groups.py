@@ -9,8 +9,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from driver.input.prompts import PromptSource
 from driver.plan import PlanConfig, plan_job
-from driver.prompts import PromptSource
 from workers.rows import RowConfig, read_shard_rows
 from workers.storage.input_files import STREAM_BUFFER_BYTES
 

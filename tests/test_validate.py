@@ -13,10 +13,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from compile.buckets import TINY_BUCKETS, BucketSet
-from driver.errors import InputError
+from driver.input.prompts import PromptSource
+from driver.input.row_errors import InputError
+from driver.input.validate import validate_input
 from driver.plan import PlanConfig, plan_job
-from driver.prompts import PromptSource
-from driver.validate import validate_input
 from workers.rows import RowConfig
 
 CONFIG = RowConfig(buckets=BucketSet(TINY_BUCKETS))

@@ -14,9 +14,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
+from driver.output.verify import verify_output
 from driver.plan import PlanConfig
 from driver.run_job import DriverConfig, claim_output, plan_input
-from driver.verify import verify_output
 from jobs.cli import main
 from tests.worker_fixtures import finish_like_driver, row_config, worker_config, write_prompts
 from workers.actor import GenerationWorker

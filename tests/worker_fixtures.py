@@ -112,7 +112,7 @@ def manifest_row(row_id: str, shard: int, stored: tuple[str, str, int] | None, *
 
 
 def finish_like_driver(store: Any, plan: Any) -> None:
-    """The driver's end of a run, as `run_job` does it (driver.finish): count the shards, clean
+    """The driver's end of a run, as `run_job` does it (driver.output.finish): count the shards, clean
     up, write `_SUCCESS`.
 
     For tests that run shards on the real worker without a Ray cluster; every planned shard must
@@ -121,7 +121,7 @@ def finish_like_driver(store: Any, plan: Any) -> None:
     import io
     import time
 
-    from driver.finish import finish_run
+    from driver.output.finish import finish_run
     from driver.progress import JobProgress
 
     n = len(plan.shards)

@@ -16,7 +16,7 @@ than the median get a second, speculative run. The first commit wins: the worker
 manifest write guarantees at most one manifest per shard, and only the first result is counted.
 Each run writes its objects under its own attempt token, so a twin never touches what the
 winner's manifest names. When the last shard settled, every actor is killed and `run_shards`
-waits until their processes are gone (driver.fence) before it returns.
+waits until their processes are gone (driver.output.fence) before it returns.
 
 Cost per event is O(actors + in-flight runs); driver memory is O(shards) (a few ints per shard
 and one result per committed shard).
@@ -73,7 +73,7 @@ def run_shards(
     # Ray loads here, not with the package: `ditfleet validate` and `plan` import the types.
     from driver.dispatch.policy import Dispatcher
     from driver.dispatch.ray_pool import RayActorPool
-    from driver.fence import wait_actors_gone
+    from driver.output.fence import wait_actors_gone
 
     pool = RayActorPool(worker_cls, worker_args, config)
     # The loop kills every actor when it ends, on an error too; then wait until none can write.

@@ -1,6 +1,6 @@
 """What dispatch takes and gives: its config, its events, its result. No Ray here.
 
-`driver.progress`, `driver.metrics`, `driver.summary` and the job spec import these; so do
+`driver.progress`, `driver.metrics`, `driver.output.summary` and the job spec import these; so do
 `ditfleet validate` and `plan`, which must not pay for loading Ray.
 """
 
@@ -39,7 +39,7 @@ class DispatchConfig:
     max_start_failures: int = 3  # actors failing to start in a row (none ready between): stop
     tick_s: float = 0.5  # longest wait between checks of timers (retirement, tail, progress)
     # After the last shard settled, wait this long at most for every actor's process to be gone
-    # (driver.fence), so that no run can still write when the driver writes _SUCCESS.
+    # (driver.output.fence), so that no run can still write when the driver writes _SUCCESS.
     fence_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
@@ -104,7 +104,7 @@ class DispatchResult:
     wall_s: float  # from the first actor started to the last shard settled
     ready_actor_s: float  # sum over actors of the time they were ready (until the end)
     busy_actor_s: float  # sum of shard run times (executing, duplicates included)
-    # Ids of the actors whose process outlived the fence wait (driver.fence).
+    # Ids of the actors whose process outlived the fence wait (driver.output.fence).
     unfenced_actors: list[str] = field(default_factory=list)
 
 

@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from driver.dispatch.types import DispatchResult
-from driver.output_json import read_json
+from driver.output.json_objects import read_json
+from driver.output.status import OutputCounts
 from driver.progress import JobProgress, compile_fallbacks, format_duration, plural, warmup_seconds
-from driver.status import OutputCounts
 from workers.output.layout import success_key
 from workers.storage import ObjectStore
 

@@ -37,7 +37,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from driver.output_json import read_json
+from driver.output.json_objects import read_json
 from driver.run_records import RecordedPlan, RunRecordError, read_run_records
 from workers.output.formats import (
     FORMAT_AREAS,

@@ -1,6 +1,6 @@
 """The end of a run, one path for plain and incremental jobs: count, summarise, clean up, `_SUCCESS`.
 
-Dispatch returns only after it has fenced every actor it started (driver.fence: each one's
+Dispatch returns only after it has fenced every actor it started (driver.output.fence: each one's
 process is gone). The driver then counts rows and images from the manifests of the run's shards,
 warns about actors whose process outlived the fence wait, deletes the orphans of the shards this
 run committed (objects of losing or killed runs, which no manifest names, see
@@ -16,10 +16,10 @@ from collections.abc import Mapping, Sequence
 from typing import TextIO
 
 from driver.dispatch import DispatchResult
+from driver.output.status import count_shards
+from driver.output.summary import JobSummary, build_summary, write_success
+from driver.output.verify import clean_orphans
 from driver.progress import JobProgress
-from driver.status import count_shards
-from driver.summary import JobSummary, build_summary, write_success
-from driver.verify import clean_orphans
 from workers.output.manifest import committed_shards
 from workers.rows import ShardSpec
 from workers.storage import ObjectStore

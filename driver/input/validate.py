@@ -14,10 +14,10 @@ from typing import Any, NamedTuple
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from driver.arrays import outside, plain
-from driver.duplicate_ids import DuplicateIds
-from driver.errors import InputError, RowError, describe_value
-from driver.prompts import DEFAULT_BATCH_ROWS, InputFile, PromptSource, iter_batches
+from driver.input.arrays import outside, plain
+from driver.input.duplicate_ids import DuplicateIds
+from driver.input.prompts import DEFAULT_BATCH_ROWS, InputFile, PromptSource, iter_batches
+from driver.input.row_errors import InputError, RowError, describe_value
 from workers.rows import (
     CFG_RANGE,
     KNOWN_COLUMNS,

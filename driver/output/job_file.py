@@ -15,7 +15,7 @@ What it holds (one version for plain and incremental jobs):
 It is written once, create-only (`write_job_file`): of two drivers claiming the same output, one
 wins and the other reads what won. `read_job_file` reads it back, `fingerprint_differences` says in
 words how a new job differs from the one on disk. The claim policy (when to write, when to refuse)
-is driver.claim's.
+is driver.output.claim's.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from importlib import metadata
 from typing import Any
 
-from driver.output_json import read_json
+from driver.output.json_objects import read_json
 from driver.plan import JobPlan, PlanConfig, fingerprint_of, settings_doc
 from workers.output.layout import job_key
 from workers.storage import ObjectStore

@@ -1,4 +1,4 @@
-"""Claiming an output for a job: `_job.json` (driver.job_file), written create-only, says which
+"""Claiming an output for a job: `_job.json` (driver.output.job_file), written create-only, says which
 job an output belongs to; a job whose fingerprint differs is refused with what differs, so an
 output never mixes images of two settings.
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from driver.job_file import (
+from driver.output.job_file import (
     OutputMismatch,
     check_job_file,
     fingerprint_differences,

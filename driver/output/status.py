@@ -19,8 +19,8 @@ from typing import Any
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from driver.job_file import read_job_file
-from driver.output_json import read_json
+from driver.output.job_file import read_job_file
+from driver.output.json_objects import read_json
 from driver.run_records import RecordedPlan, read_run_records
 from workers.output.layout import manifest_key, success_key
 from workers.output.manifest import committed_shards
