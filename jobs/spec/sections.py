@@ -14,8 +14,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from compile.buckets import BucketError, BucketSet, ResolutionBucket
 from model.guidance import DEFAULT_NEGATIVE_PROMPT
+from workers.output.layout import FORMAT_NAMES, IMAGE_EXTENSIONS
 from workers.rows import CFG_RANGE, MAX_SEED, NUM_IMAGES_RANGE, STEPS_RANGE
 from workers.storage.input_files import check_s3_uri
+
+IMAGE_FORMATS = tuple(IMAGE_EXTENSIONS)  # png, webp, jpeg
 
 TINY_MODEL = "tiny"
 
@@ -84,13 +87,13 @@ class OutputSpec(Section):
         description="Where images, manifests, _job.json and _SUCCESS go: a local directory or "
         "s3://bucket/prefix. Running again with the same output resumes the job."
     )
-    format: Literal["files", "parquet", "webdataset"] = Field(
+    format: Literal[FORMAT_NAMES] = Field(
         "files",
         description="'files': one image object per image; 'parquet': images embedded in one Parquet "
         "file per shard (Hugging Face datasets image struct); 'webdataset': one tar per shard "
         "({key}.{ext} + {key}.json).",
     )
-    image_format: Literal["png", "webp", "jpeg"] = Field(
+    image_format: Literal[IMAGE_FORMATS] = Field(
         "png", description="Image encoding: png (lossless), webp or jpeg (smaller, lossy)."
     )
     quality: int | None = Field(

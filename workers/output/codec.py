@@ -14,8 +14,10 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-# format name -> (file extension, MIME type)
-FORMATS = {"png": ("png", "image/png"), "webp": ("webp", "image/webp"), "jpeg": ("jpg", "image/jpeg")}
+from workers.output.layout import IMAGE_EXTENSIONS
+
+CONTENT_TYPES = {"png": "image/png", "webp": "image/webp", "jpeg": "image/jpeg"}
+assert CONTENT_TYPES.keys() == IMAGE_EXTENSIONS.keys(), "an image format needs an extension and a MIME type"
 DEFAULT_QUALITY = {"webp": 90, "jpeg": 95}
 
 
@@ -24,16 +26,16 @@ class ImageEncodeError(ValueError):
 
 
 def extension(fmt: str) -> str:
-    return FORMATS[_check_format(fmt)][0]
+    return IMAGE_EXTENSIONS[_check_format(fmt)]
 
 
 def content_type(fmt: str) -> str:
-    return FORMATS[_check_format(fmt)][1]
+    return CONTENT_TYPES[_check_format(fmt)]
 
 
 def _check_format(fmt: str) -> str:
-    if fmt not in FORMATS:
-        raise ValueError(f"image format {fmt!r} is not one of {sorted(FORMATS)}")
+    if fmt not in IMAGE_EXTENSIONS:
+        raise ValueError(f"image format {fmt!r} is not one of {sorted(IMAGE_EXTENSIONS)}")
     return fmt
 
 

@@ -46,6 +46,9 @@ SUCCESS_KEY = "_SUCCESS"
 
 # File extension per image format (the codec's format names); "jpeg" is stored as ".jpg".
 IMAGE_EXTENSIONS = {"png": "png", "webp": "webp", "jpeg": "jpg"}
+# The output formats a job may name, each with its own area of keys (below); the registry in
+# workers.output.formats maps each to its writer and reader.
+FORMAT_NAMES = ("files", "parquet", "webdataset")
 
 # A component plus "_{k}.{ext}" must fit a file name (255 bytes on common filesystems) and
 # leave room in S3's 1024-byte key for the output prefix.

@@ -2,9 +2,9 @@
 and its reader, and the registry that picks them: the writer by a job's `output.format`, the
 reader by the format's name or by the key area an object lies in (a manifest row's uri says
 which). A new format is one module with a writer (`add`/`finish`/`abort`) and a reader (`area`,
-`read`), a name in base.FORMAT_NAMES and an entry in each table here; its key function lives in
-workers/output/layout.py (every key is built there), and the job spec's `output.format` choices
-(jobs/spec/sections.py) list it. Nothing that reads an output (verify, preview, report) changes.
+`read`), an entry in each table here, and in workers/output/layout.py (every key is built
+there) its name in FORMAT_NAMES, which the job spec's `output.format` choices come from, and its
+key function. Nothing that reads an output (verify, preview, report) changes.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 
 from workers.output.formats.base import (
-    FORMAT_NAMES,
     MANIFEST_IMAGE_COLUMNS,
     ImageTask,
     ManifestImage,
@@ -27,6 +26,7 @@ from workers.output.formats.base import (
 from workers.output.formats.files import FilesShardReader, FilesShardWriter
 from workers.output.formats.parquet import DATA_SCHEMA, ParquetShardReader, ParquetShardWriter
 from workers.output.formats.webdataset import WebDatasetShardReader, WebDatasetShardWriter
+from workers.output.layout import FORMAT_NAMES
 from workers.output.upload_pool import ImageResult, ShardStoreError, UploadPool
 from workers.storage.base import ObjectStore
 

@@ -26,12 +26,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from workers.output.codec import encode_image, extension, sha256_hex, to_uint8_hwc
+from workers.output.layout import FORMAT_NAMES
 from workers.output.upload_pool import ImageResult
 from workers.storage.base import ObjectStore
 
 _MiB = 1024 * 1024
-# The formats a job may name; the registry in workers.output.formats maps each to its writer.
-FORMAT_NAMES = ("files", "parquet", "webdataset")
 
 
 @dataclass(frozen=True)
