@@ -31,12 +31,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from driver.dispatch import DispatchConfig, DispatchResult, run_shards
+from driver.dispatch import DispatchConfig, DispatchEvents, DispatchResult, run_shards
 from driver.increment import IncrementPlan, commit_increment, plan_increment
 from driver.input.prompts import PromptSource
 from driver.input.validate import ValidationReport, validate_input
 from driver.locations import check_locations
-from driver.metrics import DriverMetrics, FanOut
+from driver.metrics import FanOut
 from driver.output.claim import OutputMismatch, claim_incremental_output, claim_output
 from driver.output.finish import finish_run
 from driver.output.status import OutputCounts
@@ -125,7 +125,7 @@ def run_job(
     stream: TextIO | None = None,
     interactive: bool | None = None,
     connect: Callable[[], object] | None = None,
-    events: DriverMetrics | None = None,
+    events: DispatchEvents | None = None,
 ) -> JobSummary:
     """Run (or resume) a job to the end and return its summary; see the module docstring.
 
@@ -133,8 +133,9 @@ def run_job(
     shards left, when empty). worker_cls: the actor class, by default
     workers.actor.GenerationWorker (tests pass a stand-in with the same methods). connect: called
     once planning passed and there are shards to run, to connect to Ray (so a bad input or an
-    already complete output never waits for a cluster). events: the driver's metrics, a second
-    sink for dispatch events next to the progress display (exported to Ray).
+    already complete output never waits for a cluster). events: a second sink for dispatch
+    events next to the progress display (the CLI passes the driver's metrics, exported to Ray);
+    its finish() runs once dispatch is over.
     Raises InputError (bad input), OutputMismatch (output of another job), DispatchError.
     """
     out = stream if stream is not None else sys.stderr
@@ -256,7 +257,7 @@ class _Execution:
     out: TextIO
     interactive: bool | None
     connect: Callable[[], object] | None
-    events: DriverMetrics | None
+    events: DispatchEvents | None
 
     def progress(self, shards: int, images: int, done_shards: int = 0, done_images: int = 0) -> JobProgress:
         return JobProgress(

@@ -146,3 +146,6 @@ class DispatchEvents:
     def shard_failed(self, shard: ShardSpec, failure: ShardFailure) -> None: ...
 
     def tick(self, snapshot: DispatchSnapshot) -> None: ...
+
+    def finish(self) -> None:
+        """Once, after dispatch is over (called by whoever ran it, not by the loop)."""
