@@ -1,0 +1,285 @@
+"""The memory plan (model/memory/, driver/memory_plan.py, `ditfleet inspect`): parameter counts
+against the modules themselves, activation estimates against the CPU allocator's measured peak
+on a real-width slice, and jobs that cannot fit refused naming the largest batch that does."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from jobs.cli import main
+from model.memory import (
+    GB,
+    ModelMemory,
+    checkpoint_size,
+    dit_activation_bytes,
+    largest_batch,
+    plan_memory,
+    text_encoder_params,
+    transformer_params,
+    vae_decode_activation_bytes,
+    vae_params,
+)
+from model.transformer import QwenImageTransformer, TransformerConfig
+from model.vae import QwenImageVAE, VAEConfig
+from model.weights import read_config
+from tests.support.memory_measure import peak_allocated_bytes
+from tests.support.paths import DATA, REPO
+
+PUBLISHED = DATA / "published" / "qwen-image"
+REPO = REPO
+# Measured peaks must be within this of the estimate (the estimate follows tensor lifetimes in
+# our forward passes; what is left is allocator rounding and small temporaries).
+TOLERANCE = 0.10
+
+
+def published_configs() -> tuple[dict, dict, dict]:
+    """transformer, vae, text_encoder config.json of Qwen-Image as published."""
+    return tuple(read_config(PUBLISHED / c) for c in ("transformer", "vae", "text_encoder"))  # type: ignore[return-value]
+
+
+@pytest.fixture(scope="module")
+def qwen() -> ModelMemory:
+    t, v, te = published_configs()
+    return ModelMemory.from_configs(t, v, te, name="Qwen-Image")
+
+
+def _count(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def test_parameter_counts_match_the_modules_built_on_meta(qwen):
+    with torch.device("meta"):
+        dit = QwenImageTransformer(qwen.transformer)
+        vae_dec = QwenImageVAE(qwen.vae, with_encoder=False)
+        vae_all = QwenImageVAE(qwen.vae, with_encoder=True)
+    assert transformer_params(qwen.transformer) == _count(dit) == 20_430_401_088
+    assert vae_params(qwen.vae) == _count(vae_dec)
+    assert vae_params(qwen.vae, with_encoder=True) == _count(vae_all)
+    # Another shape: odd heads, extra timestep conditioning, no out_channels, encoder attention.
+    small = TransformerConfig(
+        num_layers=2, attention_head_dim=16, num_attention_heads=3, joint_attention_dim=32,
+        axes_dims_rope=(4, 6, 6), use_additional_t_cond=True, out_channels=None,
+    )  # fmt: skip
+    small_vae = VAEConfig(
+        base_dim=32, dim_mult=(1, 2, 4), temperal_downsample=(False, True), attn_scales=(1.0,)
+    )
+    with torch.device("meta"):
+        assert transformer_params(small) == _count(QwenImageTransformer(small))
+        assert vae_params(small_vae, with_encoder=True) == _count(QwenImageVAE(small_vae, with_encoder=True))
+
+
+def test_qwen_text_encoder_count_matches_transformers_on_meta():
+    transformers = pytest.importorskip("transformers")  # a test dependency; the reference here
+    te = published_configs()[2]
+    config = transformers.Qwen2_5_VLConfig(**{k: v for k, v in te.items() if k != "architectures"})
+    with torch.device("meta"):
+        model = transformers.Qwen2_5_VLForConditionalGeneration(config)
+    assert text_encoder_params(te) == _count(model) == 8_292_166_656
+
+
+def test_tiny_counts_match_its_checkpoint_headers():
+    root = REPO / "model" / "tiny" / "weights"
+    params = ModelMemory.from_dir(root).params()
+    for component in ("transformer", "text_encoder"):
+        assert checkpoint_size(root / component).params == params[component]
+    # The VAE checkpoint is the 3D video layout with the encoder; we load 2D decoder slices.
+    assert checkpoint_size(root / "vae").params > params["vae"]
+
+
+def _real_width_slice(dtype: torch.dtype) -> QwenImageTransformer:
+    config = TransformerConfig.from_dict({**published_configs()[0], "num_layers": 1})
+    with torch.device("meta"):
+        model = QwenImageTransformer(config)
+    model = model.to_empty(device="cpu").to(dtype).eval().requires_grad_(False)
+    gen = torch.Generator().manual_seed(0)
+    for p in model.parameters():
+        p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dit_estimate_matches_measured_peak_on_a_real_width_block(dtype):
+    """1 block of the published width (3072 = 24 x 128, text 3584), the 256x256 bucket."""
+    model = _real_width_slice(dtype)
+    size, text_len = 256, 64
+    h = w = size // 16
+
+    def forward() -> None:
+        latents = torch.randn(1, h * w, 64, dtype=dtype)  # made inside: inputs count too
+        text = torch.randn(1, text_len, 3584, dtype=dtype)
+        mask = torch.ones(1, text_len, dtype=torch.long)
+        with torch.no_grad():
+            model(latents, text, mask, torch.tensor([0.5], dtype=dtype), [[(1, h, w)]])
+
+    forward()  # first call: lazy tables and kernels, outside the measurement
+    measured = peak_allocated_bytes(forward)
+    e = 2 if dtype == torch.bfloat16 else 4
+    estimate = dit_activation_bytes(model.config, 1, size, size, text_len, e)
+    assert abs(measured - estimate) <= TOLERANCE * estimate, (measured, estimate)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vae_decode_estimate_matches_measured_peak_at_full_width(dtype):
+    config = VAEConfig.from_dict(published_configs()[1])
+    with torch.device("meta"):
+        vae = QwenImageVAE(config, with_encoder=False)
+    vae = vae.to_empty(device="cpu").to(dtype).eval().requires_grad_(False)
+    for p in vae.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    z = torch.randn(1, 16, 32, 32, dtype=dtype)
+    with torch.no_grad():
+        vae.decode(z)
+        measured = peak_allocated_bytes(lambda: vae.decode(z))
+    estimate = vae_decode_activation_bytes(config, 1, 256, 256, 2 if dtype == torch.bfloat16 else 4)
+    assert abs(measured - estimate) <= TOLERANCE * estimate, (measured, estimate)
+
+
+def test_qwen_image_at_1328_fits_48_gb_only_with_the_text_encoder_off_the_gpu(qwen):
+    def plan(te, gb):
+        return plan_memory(qwen, height=1328, width=1328, batch=1, text_encoder=te, gpu_memory_gb=gb)
+
+    assert plan("gpu", 80).weights["transformer"] == 2 * 20_430_401_088
+    assert plan("gpu", 80).fits and plan("cpu", 80).fits and plan("offload", 80).fits
+    assert not plan("offload", 80).dit_swapped  # both fit next to each other on 80 GB
+    assert not plan("gpu", 48).fits
+    assert plan("cpu", 48).fits
+    offload = plan("offload", 48)
+    assert offload.fits and offload.dit_swapped and offload.host >= offload.weights["transformer"]
+    assert not any(plan(te, 24).fits for te in ("gpu", "cpu", "offload"))
+    # The VAE decode at full resolution is the activation peak, not the DiT.
+    assert plan("cpu", 48).peak_phase == "decode"
+
+
+def test_largest_batch_is_the_edge_of_fitting(qwen):
+    kw = dict(height=1328, width=1328, text_encoder="cpu")
+    best = largest_batch(qwen, 48, **kw)
+    assert best >= 1
+    assert plan_memory(qwen, batch=best, gpu_memory_gb=48, **kw).fits
+    assert not plan_memory(qwen, batch=best + 1, gpu_memory_gb=48, **kw).fits
+    assert largest_batch(qwen, 48, height=1328, width=1328, text_encoder="gpu") == 0
+    # Batched CFG doubles the DiT's batch; an uncompiled VAE decodes the whole batch at once.
+    assert largest_batch(qwen, 48, cfg="batched", **kw) < best
+    assert largest_batch(qwen, 48, vae_batch=None, **kw) < best
+
+
+def test_math_attention_materialises_the_scores(qwen):
+    fused = dit_activation_bytes(qwen.transformer, 1, 1328, 1328, 512, 2)
+    math = dit_activation_bytes(qwen.transformer, 1, 1328, 1328, 512, 2, attention="math")
+    S = (1328 // 16) ** 2 + 512
+    assert math - fused >= 2 * 24 * S * S * 2 - fused
+
+
+# -- jobs -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def qwen_configs_dir(tmp_path) -> Path:
+    """A model folder holding only the published configs (the plan never needs weights)."""
+    root = tmp_path / "qwen-image"
+    for part in ("transformer", "vae", "text_encoder", "scheduler"):
+        shutil.copytree(PUBLISHED / part, root / part)
+    return root
+
+
+def _job(tmp_path: Path, model: Path, **workers) -> Path:
+    lines = [
+        f"input: {{path: {REPO / 'jobs' / 'examples' / 'prompts.parquet'}}}",
+        f"output: {{uri: {tmp_path / 'out'}}}",
+        f"model: {{path: {model}, text_encoder: {workers.pop('text_encoder', 'gpu')}}}",
+        "buckets: {names: [1328x1328, 1024x1024]}",
+        "workers: {" + ", ".join(f"{k}: {v}" for k, v in workers.items()) + "}",
+    ]
+    path = tmp_path / "job.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_plan_refuses_a_batch_that_cannot_fit_naming_the_largest(tmp_path, qwen_configs_dir, capsys):
+    job = _job(tmp_path, qwen_configs_dir, batch_size=64, gpu_memory_gb=48, text_encoder="cpu")
+    assert main(["plan", str(job)]) == 2
+    out, err = capsys.readouterr()
+    assert "memory:" in out and "1328x1328 x64 bf16, text encoder cpu" in out
+    assert "bucket 1328x1328: workers.batch_size 64 needs" in err
+    assert "the largest batch that fits 48 GB is 7" in err
+    assert main(["validate", str(job)]) == 2
+    assert "the largest batch that fits 48 GB is 7" in capsys.readouterr().err
+    assert main(["run", str(job)]) == 2  # refused before any actor is asked for
+    assert not (tmp_path / "out").exists()
+
+
+def test_text_encoder_on_the_gpu_of_48_gb_is_refused_with_what_to_do(tmp_path, qwen_configs_dir, capsys):
+    job = _job(tmp_path, qwen_configs_dir, batch_size=1, gpu_memory_gb=48)
+    assert main(["validate", str(job)]) == 2
+    err = capsys.readouterr().err
+    assert "not even batch 1 fits 48 GB" in err and "model.text_encoder: offload" in err
+
+
+def test_a_job_that_fits_plans_with_its_memory(tmp_path, qwen_configs_dir, capsys):
+    job = _job(tmp_path, qwen_configs_dir, batch_size=2, gpu_memory_gb=48, text_encoder="offload")
+    assert main(["plan", str(job), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    mem = info["memory"]
+    assert mem["fits"] is True and mem["largest_batch"]["1328x1328"] == 7
+    first = mem["buckets"][0]
+    assert first["bucket"] == "1328x1328" and first["dit_swapped"] and first["peak_gb"] <= 48
+    assert main(["validate", str(job)]) == 0
+    assert "memory: fits 48 GB" in capsys.readouterr().out
+
+
+def test_inspect_reads_headers_and_prints_the_plan(qwen_configs_dir, capsys):
+    assert main(["inspect", "tiny", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert (
+        info["components"]["transformer"]["checkpoint"]["params"]
+        == info["components"]["transformer"]["params"]
+    )
+    assert main(["inspect", str(qwen_configs_dir), "--gpu-gb", "80", "48"]) == 0
+    out = capsys.readouterr().out
+    assert "transformer    20.430 B params" in out
+    assert "1328x1328 x1, text encoder gpu" in out and "48 GB: no (max batch 0)" in out
+    assert "text encoder cpu" in out and "48 GB: fits (max batch 7)" in out
+
+
+def test_qwen_plan_numbers_for_the_readme(qwen):
+    """The numbers README.md quotes for 1328x1328 (batch 1, bf16)."""
+    peaks = {
+        te: round(
+            plan_memory(qwen, height=1328, width=1328, batch=1, text_encoder=te, gpu_memory_gb=48).peak / GB,
+            1,
+        )
+        for te in ("gpu", "cpu", "offload")
+    }
+    assert peaks == {"gpu": 61.7, "cpu": 45.1, "offload": 45.1}
+
+
+def test_a_cpu_job_is_planned_in_host_memory_without_the_cuda_reserve(capsys):
+    assert main(["plan", str(REPO / "jobs" / "examples" / "tiny.yaml"), "--json"]) == 0  # gpus: 0
+    buckets = json.loads(capsys.readouterr().out)["memory"]["buckets"]
+    assert {b["device"] for b in buckets} == {"cpu"} and {b["dtype"] for b in buckets} == {"fp32"}
+    assert all(b["peak_gb"] < 0.5 for b in buckets)  # a 10 MB model: no 1.5 GiB CUDA context
+
+
+def test_a_model_in_a_bucket_is_planned_from_its_config_files(s3_server, s3_bucket):
+    from driver.memory_plan import MemoryPlanError, MemoryRequest, job_memory_plan
+    from workers.storage import StoreError, open_store
+
+    uri = f"s3://{s3_bucket}/models/qwen-image"
+    store = open_store(uri, s3_server.config())
+    for part in ("transformer", "vae", "text_encoder"):
+        store.put(f"{part}/config.json", (PUBLISHED / part / "config.json").read_bytes())
+    request = MemoryRequest(
+        model_path=uri, buckets=("1328x1328",), batch_size=8, text_encoder="cpu", gpu_memory_gb=48,
+        s3=s3_server.config(),
+    )  # fmt: skip
+    plan = job_memory_plan(request)
+    assert plan is not None and plan.model.params()["transformer"] == 20_430_401_088
+    with pytest.raises(MemoryPlanError, match="the largest batch that fits 48 GB is 7"):
+        plan.check("job.yaml")
+    store.delete("vae/config.json")
+    with pytest.raises(StoreError, match=rf"s3://{s3_bucket}/models/qwen-image/vae/config.json: missing"):
+        job_memory_plan(request)

@@ -1,0 +1,235 @@
+"""The layer direction of DESIGN.md, read from the source: model <- compile <- workers <- driver <- jobs.
+
+Every module of the five packages is parsed with `ast` (nothing is imported). A test fails on:
+- an upward import (model importing compile, compile importing workers, ...), wherever it is
+  written: at module level, under `if TYPE_CHECKING:` or inside a function (a lazy import is
+  still a dependency);
+- an import in model/ of anything but torch, safetensors, the standard library and model itself;
+- an import cycle between our modules. Only imports that run when a module is loaded count
+  here: module level, including `try`/`if` blocks, but not `if TYPE_CHECKING:` and not imports
+  inside functions or methods (they run after both modules are loaded, so they cannot meet a
+  partially initialised module).
+- a cycle that a function-level import closes and that is not in DEFERRED_CYCLES: such an import
+  hides a two-way dependency rather than removing it, so each one is listed on purpose.
+Each failure names the file and line.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.support.paths import REPO
+
+ROOT = REPO
+LAYERS = ("model", "compile", "workers", "driver", "jobs")  # each may import only those before it
+MODEL_MAY_IMPORT = {"torch", "safetensors", "model"}
+# (file, package) that model/ imports beyond those, each inside the function that needs it.
+MODEL_OPTIONAL_IMPORTS = {
+    # The published Qwen2.5-VL text encoder is transformers' model (the `qwen` extra); the
+    # tiny model's own text encoder needs nothing.
+    ("model/text_encoder.py", "transformers"),
+}
+
+# Two-way dependencies whose second direction is a function-level import. None is a module-level
+# cycle (that would fail outright); each would be listed here so that a new one is a decision, and
+# the test fails when a listed one is gone (then delete its line). There are none.
+DEFERRED_CYCLES: set[frozenset[str]] = set()
+
+
+@dataclass(frozen=True)
+class Import:
+    source: str  # the importing module, e.g. "driver.plan"
+    target: str  # the imported module of ours, e.g. "workers.rows" (a package: its __init__)
+    where: str  # "driver/plan.py:31"
+    at_load: bool  # runs when `source` is loaded (module level, not TYPE_CHECKING)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def our_modules() -> dict[str, Path]:
+    return {module_name(p): p for layer in LAYERS for p in sorted((ROOT / layer).rglob("*.py"))}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(tree: ast.Module) -> list[tuple[ast.Import | ast.ImportFrom, bool]]:
+    """(import statement, runs at load) for every import in the module."""
+    found: list[tuple[ast.Import | ast.ImportFrom, bool]] = []
+
+    def visit(node: ast.AST, at_load: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                found.append((child, at_load))
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                visit(child, False)
+            elif isinstance(child, ast.If) and _is_type_checking(child.test):
+                for stmt in child.body:
+                    visit(ast.Module(body=[stmt], type_ignores=[]), False)
+                for stmt in child.orelse:
+                    visit(ast.Module(body=[stmt], type_ignores=[]), at_load)
+            else:
+                visit(child, at_load)
+
+    visit(tree, True)
+    return found
+
+
+def _absolute(node: ast.ImportFrom, source: str, is_package: bool) -> str:
+    if not node.level:
+        return node.module or ""
+    base = source.split(".")
+    base = base if is_package else base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def all_imports() -> tuple[list[Import], list[tuple[str, str]]]:
+    """Our imports between our modules, and (where, top-level name) of every import at all."""
+    modules = our_modules()
+    ours: list[Import] = []
+    every: list[tuple[str, str]] = []
+    for source, path in modules.items():
+        rel = path.relative_to(ROOT).as_posix()
+        tree = ast.parse(path.read_text(), filename=rel)
+        for node, at_load in _imports(tree):
+            where = f"{rel}:{node.lineno}"
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                base = _absolute(node, source, path.name == "__init__.py")
+                # `from pkg import name`: the submodule pkg.name when there is one, else pkg itself.
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            for target in targets:
+                every.append((where, target.split(".")[0]))
+                if target.split(".")[0] in LAYERS:
+                    # `import a.b.c` of a module we do not have: the nearest package that exists.
+                    while target not in modules and "." in target:
+                        target = target.rsplit(".", 1)[0]
+                    if target != source:
+                        ours.append(Import(source, target, where, at_load))
+    return ours, every
+
+
+def _layer(module: str) -> int:
+    return LAYERS.index(module.split(".")[0])
+
+
+def cycles(edges: list[Import]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    graph: dict[str, set[str]] = {}
+    for e in edges:
+        graph.setdefault(e.source, set()).add(e.target)
+        graph.setdefault(e.target, set())
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return sorted(found)
+
+
+def test_the_parser_sees_every_layer_and_its_imports():
+    modules = our_modules()
+    assert {m.split(".")[0] for m in modules} == set(LAYERS)
+    edges, _ = all_imports()
+    # A few imports that the code is known to make, so that a parser that finds nothing fails.
+    seen = {(e.source, e.target) for e in edges}
+    assert ("driver.plan", "workers.rows") in seen
+    assert ("workers.actor", "workers.contract") in seen  # relative: `from .contract import ...`
+    assert ("jobs.cli", "driver.run_job") in seen
+
+
+def test_no_upward_import():
+    edges, _ = all_imports()
+    upward = [
+        f"{e.where}: {e.source} imports {e.target} (of our packages, {e.source.split('.')[0]} may import "
+        f"{', '.join(LAYERS[: _layer(e.source)]) or 'none'})"
+        for e in edges
+        if _layer(e.target) > _layer(e.source)
+    ]
+    assert not upward, "upward imports:\n" + "\n".join(upward)
+
+
+def test_model_imports_only_torch_safetensors_and_the_standard_library():
+    _, every = all_imports()
+    allowed = MODEL_MAY_IMPORT | set(sys.stdlib_module_names) | {"__future__"}
+    outside = {(where, name) for where, name in every if where.startswith("model/") and name not in allowed}
+    bad = sorted(
+        f"{where}: imports {name}"
+        for where, name in outside
+        if (where.split(":")[0], name) not in MODEL_OPTIONAL_IMPORTS
+    )
+    assert not bad, "model/ imports outside torch, safetensors and the standard library:\n" + "\n".join(bad)
+    stale = MODEL_OPTIONAL_IMPORTS - {(where.split(":")[0], name) for where, name in outside}
+    assert not stale, f"MODEL_OPTIONAL_IMPORTS lists imports that are gone; delete them: {sorted(stale)}"
+
+
+def _describe(components: list[list[str]], edges: list[Import]) -> str:
+    where = {(e.source, e.target): e.where for e in edges}
+    lines = []
+    for component in components:
+        inside = sorted(
+            f"{where[(a, b)]}: {a} -> {b}" for a in component for b in component if (a, b) in where
+        )
+        lines.append(" <-> ".join(component) + "\n    " + "\n    ".join(inside))
+    return "\n".join(lines)
+
+
+def test_no_import_cycle_between_our_modules():
+    edges, _ = all_imports()
+    at_load = [e for e in edges if e.at_load]
+    found = cycles(at_load)
+    assert not found, "import cycles (module level):\n" + _describe(found, at_load)
+
+
+def test_function_level_imports_close_only_the_listed_cycles():
+    edges, _ = all_imports()
+    found = cycles(edges)
+    unlisted = [c for c in found if frozenset(c) not in DEFERRED_CYCLES]
+    assert not unlisted, "cycles closed by function-level imports:\n" + _describe(unlisted, edges)
+    stale = [sorted(c) for c in DEFERRED_CYCLES if sorted(c) not in found]
+    assert not stale, f"DEFERRED_CYCLES lists cycles that are gone; delete them: {stale}"
+
+
+def test_cycle_finder_finds_a_cycle_and_ignores_a_chain():
+    def edge(a: str, b: str) -> Import:
+        return Import(a, b, f"{a}.py:1", True)
+
+    chain = [edge("a", "b"), edge("b", "c")]
+    assert cycles(chain) == []
+    assert cycles([*chain, edge("c", "a"), edge("c", "d")]) == [["a", "b", "c"]]

@@ -1,0 +1,221 @@
+"""The manifest: one schema, create-only commit, and a union every reader reads as one table."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+
+import pyarrow as pa
+import pyarrow.dataset as pads
+import pytest
+
+from tests.support.worker_fixtures import manifest_row
+from workers.output.layout import manifest_key
+from workers.output.manifest import (
+    MANIFEST_SCHEMA,
+    ManifestRow,
+    ManifestWriter,
+    committed_shards,
+    passthrough_json,
+    read_manifests,
+)
+from workers.storage import ObjectStore, open_store
+
+# The columns, types and nullability that readers of the manifest rely on (DESIGN.md "Manifest
+# row"), written out by hand so that a change to the row type shows up here as a schema change.
+EXPECTED_COLUMNS = [
+    ("id", pa.string(), False),
+    ("k", pa.int32(), False),
+    ("prompt", pa.string(), False),
+    ("negative_prompt", pa.string(), True),
+    ("seed", pa.int64(), False),
+    ("width", pa.int32(), False),
+    ("height", pa.int32(), False),
+    ("bucket", pa.string(), False),
+    ("steps", pa.int32(), False),
+    ("true_cfg_scale", pa.float64(), False),
+    ("model_id", pa.string(), False),
+    ("model_revision", pa.string(), True),
+    ("status", pa.string(), False),
+    ("error", pa.string(), True),
+    ("uri", pa.string(), True),
+    ("sha256", pa.string(), True),
+    ("bytes", pa.int64(), True),
+    ("format", pa.string(), False),
+    ("generate_s", pa.float64(), True),
+    ("encode_s", pa.float64(), True),
+    ("upload_s", pa.float64(), True),
+    ("worker", pa.string(), False),
+    ("attempt", pa.int32(), False),
+    ("shard", pa.int32(), False),
+    ("compile_fallback", pa.bool_(), False),
+    ("recompiles", pa.int32(), False),
+    ("extra", pa.string(), True),
+]
+DESIGN_COLUMNS = {name for name, _, _ in EXPECTED_COLUMNS}
+
+
+def make_row(shard: int, i: int, ok: bool = True, **overrides) -> ManifestRow:
+    stored = (f"s3://b/out/images/{shard:05d}/row-{i}.png", "ab" * 32, 1234) if ok else None
+    fields = dict(
+        prompt=f"a photo of thing {i}",
+        negative_prompt=None if i % 2 else " ",
+        seed=1_000_000_007 * i,
+        height=48,
+        bucket="64x48",
+        true_cfg_scale=4.0,
+        model_id="tiny",
+        error=None if ok else "encode failed: ImageEncodeError: non-finite values",
+        generate_s=0.5,
+        encode_s=0.01 if ok else None,
+        upload_s=0.02 if ok else None,
+        worker="node-1/actor-0",
+    )
+    return manifest_row(f"row-{i}", shard, stored, **{**fields, **overrides})
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path) -> ObjectStore:
+    if request.param == "local":
+        return open_store(str(tmp_path / "out"))
+    server = request.getfixturevalue("s3_server")
+    return open_store(f"s3://{request.getfixturevalue('s3_bucket')}/out", server.config())
+
+
+def test_schema_has_every_design_column_with_its_type() -> None:
+    assert [(f.name, f.type, f.nullable) for f in MANIFEST_SCHEMA] == EXPECTED_COLUMNS
+    assert MANIFEST_SCHEMA.metadata == {b"ditfleet.manifest_version": b"1"}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"status": "done"}, "status 'done' is not one of"),
+        ({"sha256": None}, "an ok row needs uri, sha256 and bytes"),
+        ({"status": "failed", "error": None}, "a failed row needs an error message"),
+        ({"seed": "7"}, "seed must be an int"),
+        ({"width": True}, "width must be an int"),
+        ({"prompt": None}, "prompt may not be null"),
+        ({"true_cfg_scale": "4"}, "true_cfg_scale must be a number"),
+    ],
+)
+def test_rows_are_checked(overrides: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=f"manifest row id='row-3' k=0: .*{message}"):
+        make_row(0, 3, **overrides)
+
+
+def test_passthrough_json_keeps_order_and_types() -> None:
+    text = passthrough_json(
+        {
+            "z": 1,
+            "a": [1.5, None],
+            "when": datetime.date(2024, 5, 1),
+            "nan": math.nan,
+            "blob": b"\x00\x01",
+            "ü": "ö",
+        }
+    )
+    assert text == '{"z":1,"a":[1.5,null],"when":"2024-05-01","nan":"NaN","blob":"AAE=","ü":"ö"}'
+    assert passthrough_json({}) is None
+    assert make_row(0, 1, extra={"source": "laion"}).extra == '{"source":"laion"}'
+
+
+def test_commit_is_create_only_first_writer_wins(store: ObjectStore) -> None:
+    first = ManifestWriter(shard=4, expected_rows=3)
+    for i in range(3):
+        first.add(make_row(4, i, worker="first"))
+    second = ManifestWriter(shard=4)
+    for i in range(3):
+        second.add(make_row(4, i, worker="second", attempt=1))
+    assert first.commit(store) is True
+    assert second.commit(store) is False  # the later attempt sees the commit and discards its work
+    assert first.commit(store) is True  # committing the same bytes again is idempotent
+    table = read_manifests(store)
+    assert table.column("worker").to_pylist() == ["first"] * 3
+    assert committed_shards(store) == {4}
+
+
+def test_writer_refuses_incomplete_or_inconsistent_shards() -> None:
+    writer = ManifestWriter(shard=1, expected_rows=2)
+    writer.add(make_row(1, 0))
+    with pytest.raises(ValueError, match="added twice"):
+        writer.add(make_row(1, 0))
+    with pytest.raises(ValueError, match="belongs to shard 2, not 1"):
+        writer.add(make_row(2, 5))
+    with pytest.raises(ValueError, match="1 manifest rows, expected 2"):
+        writer.commit(open_store("/nonexistent-never-written"))
+    with pytest.raises(ValueError, match="without rows"):
+        ManifestWriter(shard=3).commit(open_store("/nonexistent-never-written"))
+
+
+def _write_three_shards(store: ObjectStore) -> None:
+    # Shard 0: all ok, no pass-through (every nullable column all-null); shard 1: failures;
+    # shard 2: pass-through values of different types per row.
+    extras = [{"source": "web", "score": 0.5}, {"source": "book", "score": 7, "tags": ["a", "b"]}, {}]
+    for shard, rows in enumerate(
+        [
+            [make_row(0, i) for i in range(4)],
+            [make_row(1, i, ok=i != 2) for i in range(4)],
+            [make_row(2, i, extra=extras[i % 3]) for i in range(4)],
+        ]
+    ):
+        writer = ManifestWriter(shard, expected_rows=len(rows))
+        for row in rows:
+            writer.add(row)
+        assert writer.commit(store)
+    store.put("manifests/.unrelated", b"not a manifest")  # ignored by readers of the layout
+
+
+def test_union_reads_as_one_table_everywhere(tmp_path) -> None:
+    import duckdb
+    import pandas as pd
+
+    store = open_store(str(tmp_path / "out"))
+    _write_three_shards(store)
+    files = sorted(str(p) for p in (tmp_path / "out" / "manifests").glob("shard-*.parquet"))
+
+    table = read_manifests(store)
+    assert table.schema.equals(MANIFEST_SCHEMA, check_metadata=True) and table.num_rows == 12
+    assert table.column("shard").to_pylist() == [0] * 4 + [1] * 4 + [2] * 4
+
+    dataset = pads.dataset(files, format="parquet")
+    assert dataset.schema.equals(MANIFEST_SCHEMA, check_metadata=False)
+    assert dataset.to_table().num_rows == 12
+
+    frame = pd.read_parquet(files)
+    assert len(frame) == 12 and (frame["status"] == "failed").sum() == 1
+    assert frame["seed"].dtype == "int64"
+
+    con = duckdb.connect()
+    count, failed, web = con.execute(
+        "SELECT count(*), count(*) FILTER (status = 'failed'), "
+        "count(*) FILTER (json_extract_string(extra, '$.source') = 'web') "
+        f"FROM read_parquet({files!r})"
+    ).fetchone()
+    con.close()
+    assert (count, failed, web) == (12, 1, 2)
+
+    from datasets import load_dataset
+
+    hf = load_dataset("parquet", data_files=files, split="train", cache_dir=str(tmp_path / "hf"))
+    assert hf.num_rows == 12 and set(hf.column_names) == DESIGN_COLUMNS
+    assert hf.features["seed"].dtype == "int64"
+    assert json.loads(hf[8]["extra"]) == {"source": "web", "score": 0.5}
+
+
+def test_read_manifests_from_s3_and_refuses_a_foreign_schema(s3_server, s3_bucket) -> None:
+    store = open_store(f"s3://{s3_bucket}/out", s3_server.config())
+    assert read_manifests(store).num_rows == 0 and committed_shards(store) == set()
+    _write_three_shards(store)
+    assert committed_shards(store) == {0, 1, 2}
+    assert read_manifests(store).num_rows == 12
+    import io
+
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"id": ["x"]}), buf)
+    store.put(manifest_key(7), buf.getvalue())
+    with pytest.raises(ValueError, match=r"manifests/shard-00007.parquet does not have the manifest schema"):
+        read_manifests(store)
