@@ -72,8 +72,10 @@ def test_random_weights_score_near_chance():
     images, captions = generate_held_out(pipe, steps=4, true_cfg_scale=CFG, batch_size=64)
     result = score(images, captions)
     print("random transformer adherence:", result)
-    # Chance is 1/6 for the colours and 1/9 for the position.
+    # Chance is 1/6 for the colours, 1/9 for the position, 1/3 for the kind and 1/2 for the size.
     assert result["shape_color"] < 0.4 and result["background"] < 0.4 and result["position"] < 0.35, result
+    assert result["kind"] < 0.55 and result["size"] < 0.75, result
+    assert result["one_blob"] < 0.5 and result["iou"] < 0.4, result
 
 
 def test_training_script_runs_end_to_end_and_is_deterministic(tmp_path):
