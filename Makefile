@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 
 .PHONY: setup system-deps run test test-fast lint bench
 
-# Headless Chromium (Debian's package) renders the job report in tests/test_report.py.
+# Headless Chromium (Debian's package) renders the job report in tests/integration/test_report.py.
 system-deps:
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
 	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \

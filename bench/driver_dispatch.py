@@ -162,7 +162,7 @@ def run_local(shards: int = 4000, actors: int = 32, shard_ms: float = 20.0, in_f
     """bench_dispatch on a local single-node Ray started (and stopped) here."""
     # The classes of this file travel by value: Ray workers cannot import modules of bench/.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    # A single-node cluster on loopback (see tests/fixtures_ray.py for why the variable).
+    # A single-node cluster on loopback (see tests/support/fixtures_ray.py for why the variable).
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray.init(
         num_cpus=os.cpu_count(),

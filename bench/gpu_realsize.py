@@ -37,7 +37,7 @@ from model.memory import GB, ModelMemory, plan_memory  # noqa: E402
 from model.sampling import LATENT_CHANNELS, euler_step, true_cfg  # noqa: E402
 from model.scheduler import sigma_schedule  # noqa: E402
 from model.vae import QwenImageVAE, VAEConfig, save_vae  # noqa: E402
-from tests.real_widths import PUBLISHED, published_config, write_random_transformer  # noqa: E402
+from tests.support.real_widths import PUBLISHED, published_config, write_random_transformer  # noqa: E402
 
 MODEL = "qwen-image"
 

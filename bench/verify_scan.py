@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 
 from driver.output.verify import VerifyReport, clean_orphans, verify_output
-from tests.worker_fixtures import manifest_row, put_image
+from tests.support.worker_fixtures import manifest_row, put_image
 from workers.output.layout import image_key, job_key, new_attempt_token
 from workers.output.manifest import ManifestWriter
 from workers.storage import open_store

@@ -35,7 +35,7 @@ def prepare_model(arg: str, tmp: Path) -> tuple[Path, str]:
     if arg == "auto" and all((TINY_MODEL_DIR / c).is_dir() for c in ("transformer", "vae", "text_encoder")):
         return TINY_MODEL_DIR, "bundled tiny"
     if arg in ("auto", "random"):
-        from tests.model_fixtures import add_tiny_text_encoder, make_diffusers_model_dir
+        from tests.support.model_fixtures import add_tiny_text_encoder, make_diffusers_model_dir
 
         root = tmp / "model"
         root.mkdir()

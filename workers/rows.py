@@ -184,6 +184,19 @@ def _row_id(value: Any, file: str, row: int) -> str:
     return str(value)
 
 
+def _bucket_of(
+    w: int | None, h: int | None, config: RowConfig, mapped: dict[tuple[int, int], ResolutionBucket], where: str
+) -> ResolutionBucket:
+    """The bucket of a requested size (the default bucket without one); `mapped` memoises sizes."""
+    if (w is None) != (h is None):
+        raise RowResolutionError(f"{where}, columns 'width'/'height': only one of them given ({w}, {h})")
+    if w is None:
+        return config.buckets.default()
+    if (w, h) not in mapped:
+        mapped[w, h] = config.buckets.map(w, h)
+    return mapped[w, h]
+
+
 def resolve_rows(
     batch: pa.RecordBatch,
     config: RowConfig,
@@ -224,16 +237,7 @@ def resolve_rows(
         else:
             row_id = f"{id_prefix}{row}" if id_prefix is not None else str(position + i)
         w, h = widths[i], heights[i]
-        if (w is None) != (h is None):
-            raise RowResolutionError(
-                f"{file}: row {row}, columns 'width'/'height': only one of them given ({w}, {h})"
-            )
-        if w is None:
-            bucket = config.buckets.default()
-        else:
-            if (w, h) not in mapped:
-                mapped[w, h] = config.buckets.map(w, h)
-            bucket = mapped[w, h]
+        bucket = _bucket_of(w, h, config, mapped, f"{file}: row {row}")
         out.append(
             PromptRow(
                 id=row_id,

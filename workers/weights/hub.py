@@ -47,14 +47,6 @@ def fetch_hub_snapshot(source: str, cache_dir: Path, lock_timeout_s: float) -> H
     repo_id, revision = parse_hub_source(source)
     try:
         import huggingface_hub
-        from huggingface_hub.errors import (
-            GatedRepoError,
-            HfHubHTTPError,
-            HFValidationError,
-            LocalEntryNotFoundError,
-            RepositoryNotFoundError,
-            RevisionNotFoundError,
-        )
         from huggingface_hub.file_download import repo_folder_name
     except ImportError:
         raise ModelFetchError(
@@ -64,7 +56,6 @@ def fetch_hub_snapshot(source: str, cache_dir: Path, lock_timeout_s: float) -> H
 
     hub_cache = Path(cache_dir).absolute() / "hub"
     storage = hub_cache / repo_folder_name(repo_id=repo_id, repo_type="model")
-    offline = bool(huggingface_hub.constants.HF_HUB_OFFLINE)  # huggingface_hub reads HF_HUB_OFFLINE
     # The hub locks per file; this lock makes the other actors of the node wait for the whole
     # snapshot instead of racing through it file by file.
     lock_path = hub_cache / f"{storage.name}-{hashlib.sha256(revision.encode()).hexdigest()[:16]}.lock"
@@ -81,51 +72,10 @@ def fetch_hub_snapshot(source: str, cache_dir: Path, lock_timeout_s: float) -> H
                 )
             )
             downloaded = max(0, _blob_bytes(storage) - before)
-    except LocalEntryNotFoundError as e:
-        if offline:
-            raise ModelFetchError(
-                f"{source}: HF_HUB_OFFLINE is set and revision {revision!r} of {repo_id} is not (completely) "
-                f"in the hub cache {hub_cache}. Pre-populate it on this node (HF_HUB_CACHE={hub_cache} hf "
-                f"download {repo_id} --revision {revision}), unset HF_HUB_OFFLINE, or stage the weights "
-                "in a bucket (s3://)"
-            ) from None
-        cause = e.__cause__ or e
-        raise ModelFetchError(
-            f"{source}: the model hub cannot be reached ({type(cause).__name__}: {cause}) and revision "
-            f"{revision!r} is not in the hub cache {hub_cache}. Check the network and HF_ENDPOINT, or set "
-            "HF_HUB_OFFLINE=1 with a pre-populated cache, or stage the weights in a bucket (s3://) the "
-            "nodes can reach"
-        ) from None
-    except RevisionNotFoundError:
-        raise ModelFetchError(
-            f"{source}: {repo_id} has no revision {revision!r}; give a branch, tag or commit that exists"
-        ) from None
-    except (RepositoryNotFoundError, GatedRepoError):
-        raise ModelFetchError(
-            f"{source}: {repo_id} was not found or may not be read with these credentials; check the "
-            "name, and for a private or gated repository accept its terms and set HF_TOKEN on every node"
-        ) from None
-    except HfHubHTTPError as e:
-        raise ModelFetchError(f"{source}: the model hub answered {e}; try again later") from None
-    except HFValidationError as e:
-        raise ModelFetchError(f"model path {source!r}: {e}; write hf://org/name@revision") from None
-    except (ConnectionError, TimeoutError) as e:
-        raise ModelFetchError(
-            f"{source}: the connection to the model hub failed ({e}); start again (files already "
-            "downloaded are kept)"
-        ) from None
-    except OSError as e:
-        raise ModelFetchError(
-            f"{source}: cannot write the hub cache {hub_cache} ({e.strerror or e}); give a writable "
-            "node-local cache directory with room for the model"
-        ) from None
     except ModelFetchError:
         raise
-    except Exception as e:  # noqa: BLE001 - e.g. the HTTP client's own errors mid-download
-        raise ModelFetchError(
-            f"{source}: fetching from the model hub failed ({type(e).__name__}: {e}); start again "
-            "(files already downloaded are kept)"
-        ) from None
+    except Exception as e:  # noqa: BLE001 - every failure becomes an error that says what to do
+        raise _hub_error(e, source, repo_id, revision, hub_cache) from None
 
     files = sorted(_relative_files(path))
     check_layout(
@@ -134,6 +84,63 @@ def fetch_hub_snapshot(source: str, cache_dir: Path, lock_timeout_s: float) -> H
         f"point at a repository or revision in the diffusers layout (folders {', '.join(_FOLDERS)})",
     )
     return HubSnapshot(path, path.name, downloaded, len(files), waited)
+
+
+def _hub_error(e: Exception, source: str, repo_id: str, revision: str, hub_cache: Path) -> ModelFetchError:
+    """What a failed snapshot download means for the user, and what to do about it."""
+    import huggingface_hub
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    if isinstance(e, LocalEntryNotFoundError):
+        if huggingface_hub.constants.HF_HUB_OFFLINE:  # huggingface_hub reads HF_HUB_OFFLINE
+            return ModelFetchError(
+                f"{source}: HF_HUB_OFFLINE is set and revision {revision!r} of {repo_id} is not (completely) "
+                f"in the hub cache {hub_cache}. Pre-populate it on this node (HF_HUB_CACHE={hub_cache} hf "
+                f"download {repo_id} --revision {revision}), unset HF_HUB_OFFLINE, or stage the weights "
+                "in a bucket (s3://)"
+            )
+        cause = e.__cause__ or e
+        return ModelFetchError(
+            f"{source}: the model hub cannot be reached ({type(cause).__name__}: {cause}) and revision "
+            f"{revision!r} is not in the hub cache {hub_cache}. Check the network and HF_ENDPOINT, or set "
+            "HF_HUB_OFFLINE=1 with a pre-populated cache, or stage the weights in a bucket (s3://) the "
+            "nodes can reach"
+        )
+    if isinstance(e, RevisionNotFoundError):
+        return ModelFetchError(
+            f"{source}: {repo_id} has no revision {revision!r}; give a branch, tag or commit that exists"
+        )
+    if isinstance(e, (RepositoryNotFoundError, GatedRepoError)):
+        return ModelFetchError(
+            f"{source}: {repo_id} was not found or may not be read with these credentials; check the "
+            "name, and for a private or gated repository accept its terms and set HF_TOKEN on every node"
+        )
+    if isinstance(e, HfHubHTTPError):
+        return ModelFetchError(f"{source}: the model hub answered {e}; try again later")
+    if isinstance(e, HFValidationError):
+        return ModelFetchError(f"model path {source!r}: {e}; write hf://org/name@revision")
+    if isinstance(e, (ConnectionError, TimeoutError)):
+        return ModelFetchError(
+            f"{source}: the connection to the model hub failed ({e}); start again (files already "
+            "downloaded are kept)"
+        )
+    if isinstance(e, OSError):
+        return ModelFetchError(
+            f"{source}: cannot write the hub cache {hub_cache} ({e.strerror or e}); give a writable "
+            "node-local cache directory with room for the model"
+        )
+    # e.g. the HTTP client's own errors mid-download
+    return ModelFetchError(
+        f"{source}: fetching from the model hub failed ({type(e).__name__}: {e}); start again "
+        "(files already downloaded are kept)"
+    )
 
 
 def _blob_bytes(storage: Path) -> int:

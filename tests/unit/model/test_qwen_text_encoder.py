@@ -7,65 +7,16 @@ weights or tokenizer files are fetched.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-
-from tests.support.paths import DATA
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 pytest.importorskip("diffusers")
 
 from model.text_encoder import QWEN_IMAGE_DROP_TOKENS, QWEN_IMAGE_TEMPLATE, QwenVLTextEncoder  # noqa: E402
-
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-TINY_CONFIG = DATA / "tiny-qwen2.5-vl" / "config.json"
-PROMPTS = [
-    "a red cube",
-    "",
-    "a photograph of a small wooden boat drifting on a calm lake at sunrise, mist over the water, "
-    "pine trees along the shore, a heron standing on a rock, soft golden light, film grain, "
-    "wide angle, the text 'HELLO 123' painted on the hull, reflections, ripples",
-]
-
-
-def make_tokenizer(out: Path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=320,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([QWEN_IMAGE_TEMPLATE.format(p) for p in PROMPTS] * 4, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="<|endoftext|>",
-        eos_token="<|im_end|>",
-        padding_side="right",
-        model_max_length=131072,
-    )
-    fast.save_pretrained(out)
-    return fast
-
-
-def make_text_encoder(out: Path, seed: int = 0):
-    """A two-layer Qwen2.5-VL (hidden 32, 4 heads; mrope sections 1+1+2 = head_dim / 2) with a
-    one-block vision tower, random weights, its token ids at the top of the vocabulary."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    config = Qwen2_5_VLConfig(**json.loads(TINY_CONFIG.read_text()))
-    torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config).eval()
-    model.save_pretrained(out, safe_serialization=True)
-    return model
+from tests.support.qwen_text_encoder import PROMPTS, make_text_encoder, make_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -145,7 +145,7 @@ def test_offloaded_qwen_encoder_gives_each_prompt_its_own_encoding(tmp_path):
     batch's embeddings are each prompt's own, token counts come from its tokenizer."""
     pytest.importorskip("transformers")
     from model.text_encoder import QwenVLTextEncoder
-    from tests.test_qwen_text_encoder import make_text_encoder, make_tokenizer
+    from tests.support.qwen_text_encoder import make_text_encoder, make_tokenizer
 
     make_tokenizer(tmp_path / "tokenizer")
     make_text_encoder(tmp_path / "text_encoder")
