@@ -18,27 +18,33 @@ from model.loader import TINY_MODEL_DIR
 from model.tiny.adherence import score
 from model.tiny.evaluate import generate_held_out
 from model.tiny.scenes import held_out_captions
+from tests.support.model_fixtures import diffusers_images, diffusers_pipeline, guided_inputs
 
 STEPS = 12
 CFG = 4.0
 
 
 def test_bundled_files_are_diffusers_layout_and_small():
-    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler
 
     files = [f for f in TINY_MODEL_DIR.rglob("*") if f.is_file()]
     assert sum(f.stat().st_size for f in files) <= 20 * 1024 * 1024
     assert not [f for f in files if f.suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl")]
     index = json.loads((TINY_MODEL_DIR / "model_index.json").read_text())
     assert {"transformer", "vae", "scheduler", "text_encoder", "tokenizer"} <= set(index)
-    # diffusers itself reads our transformer, VAE and scheduler folders.
-    ref_t = QwenImageTransformer2DModel.from_pretrained(TINY_MODEL_DIR / "transformer", torch_dtype=torch.float32)
-    ref_vae = AutoencoderKLQwenImage.from_pretrained(TINY_MODEL_DIR / "vae", torch_dtype=torch.float32).eval()
+    # diffusers itself reads our transformer, VAE and scheduler folders, and its pipeline makes the
+    # same images from them as ours (same embeddings, seeds, true CFG).
     sched = FlowMatchEulerDiscreteScheduler.from_pretrained(TINY_MODEL_DIR / "scheduler")
     assert sched.config.use_dynamic_shifting and sched.config.time_shift_type == "exponential"
     pipe = load_pipeline("tiny")
-    assert ref_t.config.num_layers == pipe.transformer.config.num_layers
-    # ... and decodes a latent to the same image as our 2D VAE (the 3D layout is faithful).
+    text_dim = pipe.transformer.config.joint_attention_dim
+    inputs = guided_inputs([9, 12], [1, 1], height=128, width=128, dim=text_dim)
+    expected = diffusers_images(diffusers_pipeline(TINY_MODEL_DIR), steps=4, seeds=[3, 4], **inputs)
+    got = pipe.generate(**inputs, steps=4, seeds=[3, 4])
+    assert got.shape == expected.shape == (2, 3, 128, 128)
+    assert (got - expected).abs().max().item() <= 1e-3
+    # ... and its 3D VAE decodes a latent to the same image as our 2D one (the layout is faithful).
+    ref_vae = AutoencoderKLQwenImage.from_pretrained(TINY_MODEL_DIR / "vae", torch_dtype=torch.float32).eval()
     z = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours = pipe.vae.decode(z)
@@ -47,8 +53,8 @@ def test_bundled_files_are_diffusers_layout_and_small():
 
 
 @pytest.mark.slow
-def test_tiny_model_follows_held_out_prompts():
-    torch.set_num_threads(2)
+def test_tiny_model_follows_held_out_prompts(torch_threads):
+    torch_threads(2)
     pipe = load_pipeline("tiny", modulation_cache="cfg")
     images, captions = generate_held_out(pipe, steps=STEPS, true_cfg_scale=CFG)
     assert images.shape == (64, 3, 128, 128) and captions == held_out_captions()
@@ -62,8 +68,8 @@ def test_tiny_model_follows_held_out_prompts():
     assert torch.equal(again, images)
 
 
-def test_random_weights_score_near_chance():
-    torch.set_num_threads(2)
+def test_random_weights_score_near_chance(torch_threads):
+    torch_threads(2)
     pipe = load_pipeline("tiny")
     torch.manual_seed(0)
     with torch.no_grad():
