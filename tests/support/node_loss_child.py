@@ -19,6 +19,7 @@ import dataclasses
 import io
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -68,33 +69,40 @@ def main(spec_path: str) -> int:
             deadline = time.monotonic() + 300
             while time.monotonic() < deadline and not any(True for _ in store.list(MANIFESTS_PREFIX)):
                 time.sleep(0.05)
-            alive = {
-                (a.get("Address") or {}).get("NodeID")
-                for a in state.actors().values()
-                if a.get("State") == "ALIVE" and a.get("ActorClassName") == "GenerationWorker"
-            }
+            pids: dict[str, list[int]] = {}  # node id -> pids of its live worker actors
+            for a in state.actors().values():
+                if a.get("State") == "ALIVE" and a.get("ActorClassName") == "GenerationWorker":
+                    pids.setdefault((a.get("Address") or {}).get("NodeID"), []).append(int(a.get("Pid") or 0))
             for node in workers:
-                if node.node_id in alive:
+                if node.node_id in pids:
                     removed["node_id"] = node.node_id
                     removed["committed_before"] = sum(1 for _ in store.list(MANIFESTS_PREFIX))
+                    # A lost machine takes every process with it at once. Removing the node kills its
+                    # raylet, but an actor process would notice that only later and could finish its
+                    # queued shards first: kill the actors' processes too.
+                    for pid in pids[node.node_id]:
+                        if pid > 0:
+                            os.kill(pid, signal.SIGKILL)
                     cluster.remove_node(node, allow_graceful=False)
                     removed["at"] = time.time()
                     return
 
         killer = threading.Thread(target=remove_a_busy_node, daemon=True)
+        rows = row_config(steps=60)  # the planner and the workers read rows the same way
         config = DriverConfig(
             input_uri=spec["prompts"],
             output_uri=spec["output"],
-            # Steps enough that a shard outlasts the killer's reaction on a loaded machine: the
-            # node it removes right after the first commit is then still running a shard (with 2
-            # steps both actors had sometimes finished their last shard by then: no recovery to see).
-            plan=PlanConfig(rows=row_config(steps=8), shard_size=spec["shard_size"]),
+            # Steps enough that a shard (2 images of the tiny random model, ~10 ms a step) outlasts
+            # the killer's reaction: the node it removes after the first commit still has work. With
+            # a few steps a shard took 0.1 s, the whole job under a second, and the removed actor had
+            # often finished its shards already (nothing to recover, nothing tested).
+            plan=PlanConfig(rows=rows, shard_size=spec["shard_size"]),
             dispatch=DispatchConfig(min_actors=2, max_actors=2, num_cpus=1, placement_timeout_s=120, tick_s=0.2),
             s3=s3,
             status_every_s=3600,
         )
         worker = dataclasses.replace(
-            worker_config(spec["model"], spec["output"], s3=s3), model_cache_dir=spec["cache_dir"]
+            worker_config(spec["model"], spec["output"], s3=s3, rows=rows), model_cache_dir=spec["cache_dir"]
         )
         killer.start()
         log = io.StringIO()
