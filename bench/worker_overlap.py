@@ -25,7 +25,8 @@ import torch
 
 from compile import CompileConfig
 from compile.buckets import BucketSet
-from workers.actor import GenerationWorker, WorkerConfig
+from workers.actor import GenerationWorker
+from workers.contract import WorkerConfig
 from workers.generate import image_requests, iter_generated, plan_batches
 from workers.output.formats import ShardWriterConfig
 from workers.rows import RowConfig, ShardSpec, read_shard_rows

@@ -16,15 +16,15 @@ from __future__ import annotations
 import base64
 import html
 import io
-import json
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from driver.output.json_objects import read_json
 from jobs.preview import collect
 from workers.output.layout import success_key
 from workers.output.manifest import read_manifests
-from workers.storage import ObjectNotFound, ObjectStore
+from workers.storage import ObjectStore
 
 THUMB = 128  # longest side of a sample thumbnail, pixels
 SAMPLES = 24
@@ -44,12 +44,7 @@ class ReportData:
 
 def load_report_data(store: ObjectStore, samples: int = SAMPLES) -> ReportData:
     """Read what the page shows from the output (raises ValueError if it has no manifests)."""
-    try:
-        summary = json.loads(store.get(success_key()))
-    except ObjectNotFound:
-        summary = None
-    except ValueError as e:
-        raise ValueError(f"{store.uri(success_key())} is not valid JSON ({e}); was it written by ditfleet?") from e
+    summary = read_json(store, success_key())  # None: not finished yet
     table = read_manifests(store)
     if table.num_rows == 0:
         raise ValueError(f"{store.uri()} has no committed manifests yet: nothing to report; run the job first")

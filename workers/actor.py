@@ -25,9 +25,7 @@ from model import LoraSpec, TextToImagePipeline, load_pipeline, resolve_model_di
 from model.guidance import negative_text
 from model.loader import load_text_encoder
 from workers.cache_secret import read_cache_secret, say_shared_cache_off
-
-# The driver-worker contract lives in the torch-free workers.contract; re-exported here.
-from workers.contract import ShardAbandoned, ShardResult, WorkerConfig  # noqa: F401
+from workers.contract import ShardAbandoned, ShardResult, WorkerConfig
 from workers.generate import (
     BatchGenerator,
     GeneratedImage,

@@ -169,7 +169,8 @@ def test_an_actor_on_another_node_refuses_a_node_local_output(tmp_path, ray_clus
     """Nodes an autoscaler adds after the start: the worker itself checks where it runs."""
     import ray
 
-    from workers.actor import GenerationWorker, WorkerConfig, check_output_node
+    from workers.actor import GenerationWorker, check_output_node
+    from workers.contract import WorkerConfig
     from workers.storage import StoreConfigError
 
     here = ray.get_runtime_context().get_node_id()
@@ -189,7 +190,7 @@ def test_the_driver_pins_a_local_output_to_its_node_unless_shared(tmp_path, ray_
     import ray
 
     from driver.run_job import DriverConfig, _pin_output_node
-    from workers.actor import WorkerConfig
+    from workers.contract import WorkerConfig
 
     worker = WorkerConfig(output_uri=str(tmp_path / "out"))
     driver = DriverConfig(input_uri=str(tmp_path / "p.parquet"), output_uri=str(tmp_path / "out"))

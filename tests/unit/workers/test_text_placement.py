@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from model import load_pipeline
-from workers.actor import WorkerConfig, place_text_encoder, shard_prompts
+from workers.actor import place_text_encoder, shard_prompts
+from workers.contract import WorkerConfig
 from workers.generate import image_requests
 from workers.rows import PromptRow
 from workers.text_embeddings import EmbeddingCache, PlacedTextEncoder
