@@ -18,7 +18,7 @@ REPO = REPO
 def test_gpu_realsize_bench_smoke_on_cpu(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, str(REPO / "bench" / "gpu_realsize.py"), "--layers", "1", "--size", "256",
-           "--device", "cpu", "--repeat", "1", "--workdir", str(tmp_path)]  # fmt: skip
+           "--device", "cpu", "--repeat", "3", "--workdir", str(tmp_path)]  # fmt: skip
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
