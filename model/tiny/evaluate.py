@@ -1,20 +1,26 @@
 """Prompt adherence of a model on the 64 held-out captions, through the real pipeline.
 
-    python -m model.tiny.evaluate --model tiny --steps 20 --cfg 4
+    python -m model.tiny.evaluate --model tiny --steps 20 --cfg 4 [--sheet sheet.png]
 
-Each caption gets a fixed seed (its index), so the numbers are reproducible.
+Each caption gets a fixed seed (its index), so the numbers are reproducible. `--sheet` also writes a
+contact sheet: per bucket, the first held-out captions' images, each above the ideal scene it was
+asked for.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 import time
 
 import torch
+from PIL import Image, ImageDraw
 
 from model.tiny.adherence import score
-from model.tiny.scenes import held_out_captions
+from model.tiny.scenes import TINY_BUCKETS, held_out_captions, parse_caption, render
+
+SHEET_COLUMNS = 8
 
 
 def generate_held_out(
@@ -54,6 +60,31 @@ def evaluate(
     return score(images, captions)
 
 
+def _to_pil(image: torch.Tensor) -> Image.Image:
+    return Image.fromarray((image.clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy())
+
+
+def contact_sheet(rows: list[tuple[torch.Tensor, list[str]]]) -> Image.Image:
+    """One band per bucket: `SHEET_COLUMNS` generated images, the ideal scene under each, and the
+    caption under both. rows: (images (B, 3, H, W) in [0, 1], captions) per bucket."""
+    cell_w = max(int(images.shape[3]) for images, _ in rows) + 8
+    text_h = 40
+    bands = [2 * int(images.shape[2]) + text_h + 12 for images, _ in rows]
+    sheet = Image.new("RGB", (SHEET_COLUMNS * cell_w, sum(bands)), "white")
+    draw = ImageDraw.Draw(sheet)
+    y = 0
+    for (images, captions), band in zip(rows, bands):
+        h, w = int(images.shape[2]), int(images.shape[3])
+        for i, (image, caption) in enumerate(zip(images[:SHEET_COLUMNS], captions)):
+            x = i * cell_w + 4
+            sheet.paste(_to_pil(image), (x, y + 4))
+            sheet.paste(_to_pil(render(parse_caption(caption), w, h)), (x, y + 6 + h))
+            lines = textwrap.wrap(caption, width=cell_w // 6)[:4]
+            draw.multiline_text((x, y + 8 + 2 * h), "\n".join(lines), fill="black", spacing=1)
+        y += band
+    return sheet
+
+
 def main(argv: list[str] | None = None) -> None:
     from model import load_pipeline
 
@@ -62,12 +93,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--cfg", type=float, default=4.0, help="true_cfg_scale")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--sheet", default=None, help="also write a contact sheet (PNG) here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    pipe = load_pipeline(args.model)
-    for width, height in ((128, 128), (160, 96), (96, 160)):
+    pipe = load_pipeline(args.model, modulation_cache="cfg")
+    rows = []
+    for width, height in TINY_BUCKETS:
         start = time.time()
-        result = evaluate(pipe, args.steps, args.cfg, width, height)
+        images, captions = generate_held_out(pipe, args.steps, args.cfg, width, height)
+        result = score(images, captions)
+        rows.append((images, captions))
         print(
             json.dumps(
                 {
@@ -79,6 +114,9 @@ def main(argv: list[str] | None = None) -> None:
                 }
             )
         )
+    if args.sheet:
+        contact_sheet(rows).save(args.sheet)
+        print(f"contact sheet: {args.sheet}")
 
 
 if __name__ == "__main__":

@@ -57,8 +57,9 @@ POSITION_PHRASES: dict[str, str] = {
     "bottom right": "at the bottom right",
 }
 # Shape half-extent as a fraction of min(height, width): large shapes still fit inside one cell of
-# the 96-pixel side of the 160x96 bucket, with room for jitter.
-SIZE_FRACTION: dict[str, float] = {"small": 0.085, "large": 0.14}
+# the 96-pixel side of the 160x96 bucket, with room for jitter. Small ones are 19 pixels across
+# there: smaller, and the VAE's 8x latent rounds a small square's or triangle's corners into a circle.
+SIZE_FRACTION: dict[str, float] = {"small": 0.10, "large": 0.14}
 # Resolution buckets the tiny model is trained for, as (width, height).
 TINY_BUCKETS: tuple[tuple[int, int], ...] = ((128, 128), (160, 96), (96, 160))
 HELD_OUT_COUNT = 64
@@ -242,15 +243,21 @@ def render(scene: Scene, width: int, height: int, jitter: tuple[float, float] = 
 
 
 def sample_batch(
-    scenes: list[Scene], batch_size: int, width: int, height: int, generator: torch.Generator
+    scenes: list[Scene],
+    batch_size: int,
+    width: int,
+    height: int,
+    generator: torch.Generator,
+    jitter: float = 1.0,
 ) -> tuple[torch.Tensor, list[str]]:
     """A random batch: images (B, 3, height, width) in [0, 1] and their captions.
 
-    Scenes are drawn uniformly from `scenes` with a random jitter; everything comes from `generator`,
-    so a seeded generator gives the same batch on any machine.
+    Scenes are drawn uniformly from `scenes` with a random jitter scaled by `jitter` (1: anywhere in
+    the free room of the cell, 0: at the cell's centre); everything comes from `generator`, so a
+    seeded generator gives the same batch on any machine.
     """
     idx = torch.randint(len(scenes), (batch_size,), generator=generator)
-    jit = torch.rand(batch_size, 2, generator=generator) * 2.0 - 1.0
+    jit = (torch.rand(batch_size, 2, generator=generator) * 2.0 - 1.0) * jitter
     chosen = [scenes[i] for i in idx.tolist()]
     images = render_batch(chosen, width, height, jit)
     return images, [s.caption for s in chosen]

@@ -30,7 +30,7 @@ from model.tiny.text_encoder import TextEncoderConfig, TinyTextEncoder, WordToke
 from model.tiny.train_dit import DiTTrainConfig, build_pools, train_dit
 from model.tiny.train_vae import VAETrainConfig, reconstruction_error, train_vae
 from model.transformer import QwenImageTransformer
-from model.vae import QwenImageVAE, vae_state_dict_3d
+from model.vae import QwenImageVAE, load_vae, vae_state_dict_3d
 
 # Qwen-Image's scheduler settings, in diffusers' FlowMatchEulerDiscreteScheduler spelling.
 SCHEDULER_CONFIG = {
@@ -66,7 +66,7 @@ TEXT_HIDDEN = 64
 @dataclasses.dataclass(frozen=True)
 class TinyTrainConfig:
     seed: int = 0
-    threads: int = 2
+    threads: int = 1
     vae: VAETrainConfig = VAETrainConfig()
     dit: DiTTrainConfig = DiTTrainConfig()
 
@@ -101,8 +101,11 @@ def save_model(
     (out / "model_index.json").write_text(json.dumps(MODEL_INDEX, indent=2, sort_keys=True))
 
 
-def train(config: TinyTrainConfig, out: Path) -> float:
-    """Train everything and save to `out`; returns the wall time in seconds."""
+def train(config: TinyTrainConfig, out: Path, vae_dir: Path | None = None) -> float:
+    """Train everything and save to `out`; returns the wall time in seconds.
+
+    vae_dir: a `vae/` folder saved by an earlier run with the same seed and VAE settings, to train
+    only the DiT stage (the result is the same as training both)."""
     out.mkdir(parents=True, exist_ok=True)
     log_file = (out / "train_log.txt").open("w")
 
@@ -121,20 +124,41 @@ def train(config: TinyTrainConfig, out: Path) -> float:
     )
     start, cpu_start = time.time(), time.process_time()
 
-    vae = train_vae(config.vae, train_scenes, generator, log)
-    log(
-        f"vae reconstruction L1 (0..1 units, 128x128): {reconstruction_error(vae, train_scenes, 32, generator):.4f}"
-    )
-    log(f"stage vae done at {time.time() - start:.0f}s")
+    if vae_dir is None:
+        vae = train_vae(config.vae, train_scenes, generator, log)
+        log(
+            f"vae reconstruction L1 (0..1 units, 128x128): {reconstruction_error(vae, train_scenes, 32, generator):.4f}"
+        )
+        # The DiT learns the latents of the VAE that ships, i.e. with its weights rounded to the
+        # saved dtype; a VAE loaded back from the saved folder is then the same one.
+        with torch.no_grad():
+            for t in vae.state_dict().values():
+                if t.is_floating_point():
+                    t.copy_(t.to(SAVE_DTYPE))
+        log(f"stage vae done at {time.time() - start:.0f}s")
+    else:
+        vae = load_vae(vae_dir, with_encoder=True)
+        log(f"vae loaded from {vae_dir} (trained by the same VAE stage; its training is skipped)")
 
+    # The DiT stage starts from its own seeds, so it depends on the VAE's weights only, not on how
+    # many random numbers the VAE stage drew: reusing a trained VAE gives the same DiT.
+    torch.manual_seed(config.seed + 1)
+    generator = torch.Generator().manual_seed(config.seed + 1)
     tokenizer = WordTokenizer.from_words(caption_vocabulary())
     text_encoder = TinyTextEncoder(
         TextEncoderConfig(vocab_size=len(tokenizer), hidden_size=TEXT_HIDDEN), tokenizer
     )
     pools = build_pools(vae, text_encoder, train_scenes, config.dit, generator)
+    centred = (
+        build_pools(vae, text_encoder, train_scenes, config.dit, generator, jitter=0.0)
+        if config.dit.centre_from_step
+        else None
+    )
     log(f"latent pools: {[tuple(p.tokens.shape) for p in pools]} at {time.time() - start:.0f}s")
     scheduler = SchedulerConfig.from_dict(SCHEDULER_CONFIG)
-    transformer, text_encoder = train_dit(config.dit, pools, text_encoder, scheduler, generator, log)
+    transformer, text_encoder = train_dit(
+        config.dit, pools, text_encoder, scheduler, generator, log, centred_pools=centred
+    )
     log(f"stage dit done at {time.time() - start:.0f}s")
 
     save_model(out, transformer, vae, text_encoder)
@@ -159,20 +183,47 @@ def main(argv: list[str] | None = None) -> None:
         "--out", type=Path, default=Path(__file__).parent / "weights", help="output model folder"
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=TinyTrainConfig.threads,
+        help="torch CPU threads (a second thread does not speed up these small layers)",
+    )
     parser.add_argument("--vae-steps", type=int, default=VAETrainConfig.steps)
     parser.add_argument("--dit-steps", type=int, default=DiTTrainConfig.steps)
     parser.add_argument(
-        "--pool-per-bucket", type=int, default=DiTTrainConfig.pool_per_bucket, help="images encoded per bucket for the DiT"
+        "--pool-per-bucket",
+        type=int,
+        default=DiTTrainConfig.pool_per_bucket,
+        help="images encoded per bucket for the DiT",
+    )
+    parser.add_argument(
+        "--dit-centre-from",
+        type=int,
+        default=DiTTrainConfig.centre_from_step,
+        help="DiT step from which the shapes are at their cells' centres (0: jittered throughout)",
+    )
+    parser.add_argument(
+        "--vae",
+        type=Path,
+        default=None,
+        help="reuse this vae/ folder from an earlier run with the same --seed and --vae-steps (skips the VAE stage)",
     )
     args = parser.parse_args(argv)
     config = TinyTrainConfig(
         seed=args.seed,
         threads=args.threads,
         vae=dataclasses.replace(VAETrainConfig(), steps=args.vae_steps),
-        dit=dataclasses.replace(DiTTrainConfig(), steps=args.dit_steps, pool_per_bucket=args.pool_per_bucket),
+        dit=dataclasses.replace(
+            DiTTrainConfig(),
+            steps=args.dit_steps,
+            pool_per_bucket=args.pool_per_bucket,
+            centre_from_step=args.dit_centre_from,
+        ),
     )
-    train(config, args.out)
+    if args.vae is not None and not (args.vae / "config.json").is_file():
+        parser.error(f"--vae {args.vae}: no config.json there; pass the vae/ folder of a trained model.")
+    train(config, args.out, args.vae)
 
 
 if __name__ == "__main__":

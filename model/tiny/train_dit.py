@@ -9,6 +9,16 @@ true CFG has an unconditional branch to guide against. An EMA of the weights is 
 
 Latents come from a pool encoded once (posterior means, normalised with the VAE's statistics,
 packed 2x2), one pool per resolution bucket; batches take turns over the buckets.
+
+Two phases (`centre_from_step`). The DiT has no absolute position embedding: an image token learns
+where it is only through RoPE's relative phase to the caption's tokens, and that routing ("top left"
+-> these tokens) is what takes longest to learn. It is learned from images with the shape jittered
+inside its cell (a smooth target at high noise): position was right in 95% of held-out images
+after 2,000 steps, while with every shape at its cell's centre from the start, or with 40% of the
+sigmas drawn uniformly, the DiT still predicted an empty background at high noise after 2,000-4,000
+steps. The second phase then trains on shapes at their cells' centres, one exact outline per
+caption and bucket; the outline keeps improving with its length (kind 27% -> 39% -> 50% on the
+held-out captions at 600 / 1,200 / 3,500 steps into it).
 """
 
 from __future__ import annotations
@@ -38,15 +48,24 @@ class DiTTrainConfig:
     num_attention_heads: int = 4
     attention_head_dim: int = 32
     axes_dims_rope: tuple[int, int, int] = (8, 12, 12)
-    steps: int = 3000
+    steps: int = 5500
     batch_size: int = 48
     lr: float = 6e-4
     warmup: int = 100
     weight_decay: float = 0.01
     caption_dropout: float = 0.1
+    # Share of sigmas drawn uniformly instead of from the shifted logit-normal (see `sample_sigmas`).
+    uniform_sigma_share: float = 0.0
     ema_decay: float = 0.998
-    # Images encoded once per bucket; jitter makes each a new view of its scene.
+    # Images encoded once per bucket.
     pool_per_bucket: int = 2048
+    # Position jitter of the training images (1: anywhere in the free room of the cell, 0: at the
+    # cell's centre, one fixed image per caption and bucket).
+    jitter: float = 1.0
+    # From this step on (0: never), batches come from a second set of pools with every shape at its
+    # cell's centre: the jittered images teach where a caption puts the shape, the centred ones then
+    # one exact outline per caption and bucket.
+    centre_from_step: int = 2000
     max_text_tokens: int = 32
 
     def transformer_config(self, text_dim: int) -> TransformerConfig:
@@ -84,13 +103,16 @@ def build_pools(
     scenes: list[Scene],
     config: DiTTrainConfig,
     generator: torch.Generator,
+    jitter: float | None = None,
 ) -> list[LatentPool]:
+    """One pool per bucket, images jittered by `jitter` (None: `config.jitter`)."""
+    jitter = config.jitter if jitter is None else jitter
     pools = []
     for width, height in TINY_BUCKETS:
         chunks, captions = [], []
         for start in range(0, config.pool_per_bucket, 64):
             n = min(64, config.pool_per_bucket - start)
-            images, caps = sample_batch(scenes, n, width, height, generator)
+            images, caps = sample_batch(scenes, n, width, height, generator, jitter)
             z = vae.normalize(vae.encode(images * 2.0 - 1.0))  # (n, 16, H/8, W/8)
             chunks.append(pack_latents(z))  # (n, H/16 * W/16, 64)
             captions += caps
@@ -100,12 +122,18 @@ def build_pools(
 
 
 def sample_sigmas(
-    n: int, image_seq_len: int, scheduler: SchedulerConfig, generator: torch.Generator
+    n: int, image_seq_len: int, scheduler: SchedulerConfig, uniform_share: float, generator: torch.Generator
 ) -> torch.Tensor:
-    """(n,) in (0, 1): logit-normal, then the scheduler's exponential shift for this token count."""
+    """(n,) in (0, 1): logit-normal shifted with the scheduler's exponential shift for this token
+    count, mixed with a `uniform_share` of uniform draws. The logit-normal alone rarely visits
+    sigma < 0.3, where the sampler's last steps turn a blob into a circle, square or triangle."""
     s = torch.sigmoid(torch.randn(n, generator=generator))
     mu = shift_mu(scheduler, image_seq_len)
-    return math.exp(mu) / (math.exp(mu) + (1.0 / s - 1.0))
+    s = math.exp(mu) / (math.exp(mu) + (1.0 / s - 1.0))
+    if uniform_share <= 0.0:  # draws nothing more, so the default recipe's random stream is unchanged
+        return s
+    uniform = torch.rand(n, generator=generator).clamp(1e-3, 1.0 - 1e-3)
+    return torch.where(torch.rand(n, generator=generator) < uniform_share, uniform, s)
 
 
 def drop_captions(
@@ -179,8 +207,12 @@ def train_dit(
     scheduler: SchedulerConfig,
     generator: torch.Generator,
     log: Callable[[str], None] = print,
+    centred_pools: list[LatentPool] | None = None,
 ) -> tuple[QwenImageTransformer, TinyTextEncoder]:
-    """Returns the EMA transformer and text encoder, in eval mode."""
+    """Returns the EMA transformer and text encoder, in eval mode. `centred_pools` (same buckets as
+    `pools`) replace `pools` from `config.centre_from_step` on."""
+    if config.centre_from_step and centred_pools is None:
+        raise ValueError("train_dit: config.centre_from_step is set but no centred_pools were given.")
     transformer = QwenImageTransformer(config.transformer_config(text_encoder.hidden_size))
     adaln_zero_init(transformer)
     joint = _Joint(text_encoder, transformer).train()
@@ -198,13 +230,17 @@ def train_dit(
         for group in opt.param_groups:
             group["lr"] = lr_at(step, config.steps, config.warmup, config.lr)
         b = step % len(pools)
-        pool = pools[b]
+        centred_phase = bool(config.centre_from_step) and step >= config.centre_from_step
+        pool = (centred_pools if centred_phase else pools)[b]
+        # Uniform sigmas only where the outline is learned (the centred phase when there is one): in
+        # the jittered phase they starve the high noise levels where a caption's layout is learned.
+        uniform_share = config.uniform_sigma_share if centred_phase or not config.centre_from_step else 0.0
         idx = torch.randint(pool.tokens.shape[0], (config.batch_size,), generator=generator)
         x0 = pool.tokens[idx]  # (B, N, 64)
         ids, mask = drop_captions(pool.ids[idx], pool.mask[idx], config.caption_dropout, generator)
         length = int(mask.sum(dim=1).max())  # trim padding every row shares
         ids, mask = ids[:, :length], mask[:, :length]
-        sig = sample_sigmas(config.batch_size, x0.shape[1], scheduler, generator)
+        sig = sample_sigmas(config.batch_size, x0.shape[1], scheduler, uniform_share, generator)
         noise = torch.randn(x0.shape, generator=generator)
         x_s = (1.0 - sig[:, None, None]) * x0 + sig[:, None, None] * noise
         pred = joint(x_s, ids, mask, sig, pool.grid)

@@ -8,6 +8,7 @@ import torch
 from model.tiny.adherence import count_components, count_holes, ideal_iou, measure, score
 from model.tiny.scenes import (
     HELD_OUT_COUNT,
+    SIZE_FRACTION,
     TINY_BUCKETS,
     Scene,
     all_scenes,
@@ -103,11 +104,12 @@ def test_size_blobs_and_iou_of_wrong_shapes():
     got = measure(square)
     assert (got.size, got.blobs, got.holes) == ("large", 1, 0)
     # The ideal of a different kind or size overlaps a large square only partly: a circle covers
-    # pi/4 of it, a small square (0.085 / 0.14)^2.
+    # pi/4 of it, a small square (small / large fraction)^2.
     mask = (square - square[:, :1, :1]).norm(dim=0) > 0.25
     assert ideal_iou(mask, got.centroid, "square", "large") > 0.95
     assert 0.7 < ideal_iou(mask, got.centroid, "circle", "large") < 0.85
-    assert ideal_iou(mask, got.centroid, "square", "small") < 0.45
+    small_share = (SIZE_FRACTION["small"] / SIZE_FRACTION["large"]) ** 2
+    assert ideal_iou(mask, got.centroid, "square", "small") < small_share + 0.05
     # Two shapes side by side are two blobs; a ring is one blob with a hole.
     two = torch.maximum(square, render(Scene("square", "white", "black", "left", "small"), 128, 128))
     assert measure(two).blobs == 2

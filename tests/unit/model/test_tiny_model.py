@@ -1,8 +1,11 @@
 """The bundled tiny model: its files, its training script, and how well it follows prompts.
 
 The adherence bars are the project's promise for what a new user sees first: on the 64 held-out
-captions (never seen in training, fixed seeds) the shape colour is right in >= 80% of images, the
-background in >= 90%, the position in >= 70%. The same check on random weights must score near
+captions (never seen in training, fixed seeds), in each of the three buckets, the shape colour,
+background and position are right in >= 95% of images; the outline is held to what the bundled
+weights reach at the test's 12 steps with a margin (kind >= 40%, size >= 70%, one clean blob >= 50%,
+mean IoU with the ideal captioned shape >= 0.75), below the targets of 90% / 90% / 90% / 0.8 that
+the model does not reach yet (see the README). The same check on random weights must score near
 chance, or the check itself would prove nothing.
 """
 
@@ -17,7 +20,7 @@ from model import load_pipeline
 from model.loader import TINY_MODEL_DIR
 from model.tiny.adherence import score
 from model.tiny.evaluate import generate_held_out
-from model.tiny.scenes import held_out_captions
+from model.tiny.scenes import TINY_BUCKETS, held_out_captions
 from tests.support.model_fixtures import diffusers_images, diffusers_pipeline, guided_inputs
 
 STEPS = 12
@@ -52,19 +55,29 @@ def test_bundled_files_are_diffusers_layout_and_small():
     assert (ours - theirs).abs().max() < 1e-4
 
 
+@pytest.fixture(scope="module")
+def tiny_pipe():
+    return load_pipeline("tiny", modulation_cache="cfg")
+
+
 @pytest.mark.slow
-def test_tiny_model_follows_held_out_prompts(torch_threads):
+@pytest.mark.parametrize("width,height", TINY_BUCKETS)
+def test_tiny_model_follows_held_out_prompts(torch_threads, tiny_pipe, width, height):
     torch_threads(2)
-    pipe = load_pipeline("tiny", modulation_cache="cfg")
-    images, captions = generate_held_out(pipe, steps=STEPS, true_cfg_scale=CFG)
-    assert images.shape == (64, 3, 128, 128) and captions == held_out_captions()
+    images, captions = generate_held_out(tiny_pipe, STEPS, CFG, width, height)
+    assert images.shape == (64, 3, height, width) and captions == held_out_captions()
     result = score(images, captions)
-    print("tiny model adherence:", result)
-    assert result["shape_color"] >= 0.8, result
-    assert result["background"] >= 0.9, result
-    assert result["position"] >= 0.7, result
-    # Same seeds, same images.
-    again, _ = generate_held_out(pipe, steps=STEPS, true_cfg_scale=CFG, batch_size=64)
+    print(f"tiny model adherence at {width}x{height}:", result)
+    for attribute in ("shape_color", "background", "position"):
+        assert result[attribute] >= 0.95, (attribute, result)
+    assert result["kind"] >= 0.4 and result["size"] >= 0.7, result
+    assert result["one_blob"] >= 0.5 and result["iou"] >= 0.75, result
+
+
+def test_held_out_images_do_not_depend_on_the_batch(torch_threads, tiny_pipe):
+    torch_threads(2)
+    images, _ = generate_held_out(tiny_pipe, steps=2, true_cfg_scale=CFG, batch_size=16)
+    again, _ = generate_held_out(tiny_pipe, steps=2, true_cfg_scale=CFG, batch_size=64)
     assert torch.equal(again, images)
 
 
@@ -89,14 +102,19 @@ def test_training_script_runs_end_to_end_and_is_deterministic(tmp_path):
 
     from model.tiny.train import main
 
-    args = ["--vae-steps", "2", "--dit-steps", "3", "--pool-per-bucket", "8", "--threads", "2"]
+    # Both DiT phases run (jittered shapes for 2 steps, then centred ones).
+    args = ["--vae-steps", "2", "--dit-steps", "4", "--dit-centre-from", "2", "--pool-per-bucket", "8", "--threads", "2"]
     main(["--out", str(tmp_path / "a"), *args])
     main(["--out", str(tmp_path / "b"), *args])
-    for part in ("transformer", "vae"):
-        a = load_file(str(tmp_path / "a" / part / "diffusion_pytorch_model.safetensors"))
-        b = load_file(str(tmp_path / "b" / part / "diffusion_pytorch_model.safetensors"))
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part
+    # Reusing a's VAE skips the VAE stage and still gives the same DiT.
+    main(["--out", str(tmp_path / "c"), *args, "--vae", str(tmp_path / "a" / "vae")])
+    for run, parts in (("b", ("transformer", "vae")), ("c", ("transformer",))):
+        for part in parts:
+            a = load_file(str(tmp_path / "a" / part / "diffusion_pytorch_model.safetensors"))
+            other = load_file(str(tmp_path / run / part / "diffusion_pytorch_model.safetensors"))
+            assert a.keys() == other.keys() and all(torch.equal(a[k], other[k]) for k in a), (run, part)
     assert "total training time" in (tmp_path / "a" / "train_log.txt").read_text()
+    assert "vae loaded from" in (tmp_path / "c" / "train_log.txt").read_text()
     pipe = load_pipeline(tmp_path / "a")
     image = pipe.generate(prompt=["a small red circle in the centre on a blue background"], height=96, width=160, steps=2, seeds=[0])
     assert image.shape == (1, 3, 96, 160) and torch.isfinite(image).all()
