@@ -15,7 +15,6 @@ import textwrap
 import time
 
 import torch
-from PIL import Image, ImageDraw
 
 from model.tiny.adherence import score
 from model.tiny.scenes import TINY_BUCKETS, held_out_captions, parse_caption, render
@@ -60,13 +59,17 @@ def evaluate(
     return score(images, captions)
 
 
-def _to_pil(image: torch.Tensor) -> Image.Image:
+def _to_pil(image: torch.Tensor):
+    from PIL import Image
+
     return Image.fromarray((image.clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy())
 
 
-def contact_sheet(rows: list[tuple[torch.Tensor, list[str]]]) -> Image.Image:
-    """One band per bucket: `SHEET_COLUMNS` generated images, the ideal scene under each, and the
-    caption under both. rows: (images (B, 3, H, W) in [0, 1], captions) per bucket."""
+def contact_sheet(rows: list[tuple[torch.Tensor, list[str]]]):
+    """A PIL image, one band per bucket: `SHEET_COLUMNS` generated images, the ideal scene under each,
+    and the caption under both. rows: (images (B, 3, H, W) in [0, 1], captions) per bucket."""
+    from PIL import Image, ImageDraw  # only the sheet needs Pillow
+
     cell_w = max(int(images.shape[3]) for images, _ in rows) + 8
     text_h = 40
     bands = [2 * int(images.shape[2]) + text_h + 12 for images, _ in rows]
