@@ -50,15 +50,6 @@ def generate_held_out(
     return torch.cat(images), captions
 
 
-def evaluate(
-    pipe, steps: int, true_cfg_scale: float, width: int = 128, height: int = 128
-) -> dict[str, float]:
-    """Adherence on the held-out captions: fractions shape_color, background, position, kind, size,
-    one_blob and the mean IoU with the ideal captioned shape (see `adherence.score`)."""
-    images, captions = generate_held_out(pipe, steps, true_cfg_scale, width, height)
-    return score(images, captions)
-
-
 def _to_pil(image: torch.Tensor):
     from PIL import Image
 

@@ -15,7 +15,7 @@ where it is only through RoPE's relative phase to the caption's tokens, and that
 -> these tokens) is what takes longest to learn. It is learned from images with the shape jittered
 inside its cell (a smooth target at high noise): position was right in 95% of held-out images
 after 2,000 steps, while with every shape at its cell's centre from the start, or with 40% of the
-sigmas drawn uniformly, the DiT still predicted an empty background at high noise after 2,000-4,000
+sigmas drawn uniformly instead of from the logit-normal, the DiT still predicted an empty background at high noise after 2,000-4,000
 steps. The second phase then trains on shapes at their cells' centres, one exact outline per
 caption and bucket; the outline keeps improving with its length (kind 27% -> 39% -> 50% on the
 held-out captions at 600 / 1,200 / 3,500 steps into it).
@@ -54,8 +54,6 @@ class DiTTrainConfig:
     warmup: int = 100
     weight_decay: float = 0.01
     caption_dropout: float = 0.1
-    # Share of sigmas drawn uniformly instead of from the shifted logit-normal (see `sample_sigmas`).
-    uniform_sigma_share: float = 0.0
     ema_decay: float = 0.998
     # Images encoded once per bucket.
     pool_per_bucket: int = 2048
@@ -122,18 +120,12 @@ def build_pools(
 
 
 def sample_sigmas(
-    n: int, image_seq_len: int, scheduler: SchedulerConfig, uniform_share: float, generator: torch.Generator
+    n: int, image_seq_len: int, scheduler: SchedulerConfig, generator: torch.Generator
 ) -> torch.Tensor:
-    """(n,) in (0, 1): logit-normal shifted with the scheduler's exponential shift for this token
-    count, mixed with a `uniform_share` of uniform draws. The logit-normal alone rarely visits
-    sigma < 0.3, where the sampler's last steps turn a blob into a circle, square or triangle."""
+    """(n,) in (0, 1): logit-normal, then the scheduler's exponential shift for this token count."""
     s = torch.sigmoid(torch.randn(n, generator=generator))
     mu = shift_mu(scheduler, image_seq_len)
-    s = math.exp(mu) / (math.exp(mu) + (1.0 / s - 1.0))
-    if uniform_share <= 0.0:  # draws nothing more, so the default recipe's random stream is unchanged
-        return s
-    uniform = torch.rand(n, generator=generator).clamp(1e-3, 1.0 - 1e-3)
-    return torch.where(torch.rand(n, generator=generator) < uniform_share, uniform, s)
+    return math.exp(mu) / (math.exp(mu) + (1.0 / s - 1.0))
 
 
 def drop_captions(
@@ -232,15 +224,12 @@ def train_dit(
         b = step % len(pools)
         centred_phase = bool(config.centre_from_step) and step >= config.centre_from_step
         pool = (centred_pools if centred_phase else pools)[b]
-        # Uniform sigmas only where the outline is learned (the centred phase when there is one): in
-        # the jittered phase they starve the high noise levels where a caption's layout is learned.
-        uniform_share = config.uniform_sigma_share if centred_phase or not config.centre_from_step else 0.0
         idx = torch.randint(pool.tokens.shape[0], (config.batch_size,), generator=generator)
         x0 = pool.tokens[idx]  # (B, N, 64)
         ids, mask = drop_captions(pool.ids[idx], pool.mask[idx], config.caption_dropout, generator)
         length = int(mask.sum(dim=1).max())  # trim padding every row shares
         ids, mask = ids[:, :length], mask[:, :length]
-        sig = sample_sigmas(config.batch_size, x0.shape[1], scheduler, uniform_share, generator)
+        sig = sample_sigmas(config.batch_size, x0.shape[1], scheduler, generator)
         noise = torch.randn(x0.shape, generator=generator)
         x_s = (1.0 - sig[:, None, None]) * x0 + sig[:, None, None] * noise
         pred = joint(x_s, ids, mask, sig, pool.grid)
