@@ -5,7 +5,8 @@
 Stages: (1) the VAE as an autoencoder on procedural scenes, with its latent statistics measured
 after training; (2) the DiT and the text encoder jointly, by flow matching on VAE latents of the
 training captions (the 64 held-out captions are never seen). Everything is seeded: the same
-command on the same software gives the same weights. It runs on 2 CPU threads.
+command on the same software gives the same weights. It runs as two data-parallel processes
+(one per core of a 2-core machine; `--processes`).
 
 Output (safetensors, fp16 on disk like the released Qwen-Image, loaded in any dtype):
 transformer/, vae/ (diffusers' AutoencoderKLQwenImage 3D layout), scheduler/, text_encoder/,
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import re
 import time
@@ -25,9 +27,10 @@ import torch
 from safetensors.torch import save_file
 
 from model.scheduler import SchedulerConfig
+from model.tiny.data_parallel import Shard, run_data_parallel
 from model.tiny.scenes import all_scenes, split_scenes
 from model.tiny.text_encoder import TextEncoderConfig, TinyTextEncoder, WordTokenizer
-from model.tiny.train_dit import DiTTrainConfig, build_pools, train_dit
+from model.tiny.train_dit import DiTTrainConfig, build_centred_pools, build_pools, train_dit
 from model.tiny.train_vae import VAETrainConfig, reconstruction_error, train_vae
 from model.transformer import QwenImageTransformer
 from model.vae import QwenImageVAE, load_vae, vae_state_dict_3d
@@ -66,6 +69,8 @@ TEXT_HIDDEN = 64
 @dataclasses.dataclass(frozen=True)
 class TinyTrainConfig:
     seed: int = 0
+    # Data-parallel processes (one per core) and torch threads in each.
+    processes: int = 2
     threads: int = 1
     vae: VAETrainConfig = VAETrainConfig()
     dit: DiTTrainConfig = DiTTrainConfig()
@@ -102,30 +107,41 @@ def save_model(
 
 
 def train(config: TinyTrainConfig, out: Path, vae_dir: Path | None = None) -> float:
-    """Train everything and save to `out`; returns the wall time in seconds.
+    """Train everything and save to `out`, over `config.processes` data-parallel processes; returns
+    the wall time in seconds.
 
     vae_dir: a `vae/` folder saved by an earlier run with the same seed and VAE settings, to train
     only the DiT stage (the result is the same as training both)."""
+    start = time.time()
+    run_data_parallel(config.processes, functools.partial(_train_in_process, config, out, vae_dir))
+    return time.time() - start
+
+
+def _train_in_process(config: TinyTrainConfig, out: Path, vae_dir: Path | None, shard: Shard) -> None:
+    """One training process: every process trains, process 0 also logs and saves."""
     out.mkdir(parents=True, exist_ok=True)
-    log_file = (out / "train_log.txt").open("w")
+    log_file = (out / "train_log.txt").open("w") if shard.is_main else None
 
     def log(line: str) -> None:
-        print(line, flush=True)
-        log_file.write(line + "\n")
-        log_file.flush()
+        if log_file is not None:
+            print(line, flush=True)
+            log_file.write(line + "\n")
+            log_file.flush()
 
     torch.set_num_threads(config.threads)
+    # Same weights in every process: the initialisation draws from the global seed.
     torch.manual_seed(config.seed)
-    generator = torch.Generator().manual_seed(config.seed)
+    generator = shard.generator(config.seed)
     train_scenes, held_out = split_scenes()
     log(f"config {json.dumps(dataclasses.asdict(config))}")
     log(
-        f"scenes: {len(train_scenes)} train captions, {len(held_out)} held out; torch {torch.__version__}, {config.threads} threads"
+        f"scenes: {len(train_scenes)} train captions, {len(held_out)} held out; torch {torch.__version__}, "
+        f"{config.processes} processes of {config.threads} threads"
     )
     start, cpu_start = time.time(), time.process_time()
 
     if vae_dir is None:
-        vae = train_vae(config.vae, train_scenes, generator, log)
+        vae = train_vae(config.vae, train_scenes, generator, log, shard)
         log(
             f"vae reconstruction L1 (0..1 units, 128x128): {reconstruction_error(vae, train_scenes, 32, generator):.4f}"
         )
@@ -143,23 +159,25 @@ def train(config: TinyTrainConfig, out: Path, vae_dir: Path | None = None) -> fl
     # The DiT stage starts from its own seeds, so it depends on the VAE's weights only, not on how
     # many random numbers the VAE stage drew: reusing a trained VAE gives the same DiT.
     torch.manual_seed(config.seed + 1)
-    generator = torch.Generator().manual_seed(config.seed + 1)
+    generator = shard.generator(config.seed + 1)
     tokenizer = WordTokenizer.from_words(caption_vocabulary())
     text_encoder = TinyTextEncoder(
         TextEncoderConfig(vocab_size=len(tokenizer), hidden_size=TEXT_HIDDEN), tokenizer
     )
-    pools = build_pools(vae, text_encoder, train_scenes, config.dit, generator)
+    pools = build_pools(vae, text_encoder, train_scenes, config.dit, generator, shard)
     centred = (
-        build_pools(vae, text_encoder, train_scenes, config.dit, generator, jitter=0.0)
+        build_centred_pools(vae, text_encoder, train_scenes, config.dit, shard)
         if config.dit.centre_from_step
         else None
     )
-    log(f"latent pools: {[tuple(p.tokens.shape) for p in pools]} at {time.time() - start:.0f}s")
+    log(f"latent pools per process: {[tuple(p.tokens.shape) for p in pools]} at {time.time() - start:.0f}s")
     scheduler = SchedulerConfig.from_dict(SCHEDULER_CONFIG)
     transformer, text_encoder = train_dit(
-        config.dit, pools, text_encoder, scheduler, generator, log, centred_pools=centred
+        config.dit, pools, text_encoder, scheduler, generator, log, centred_pools=centred, shard=shard
     )
     log(f"stage dit done at {time.time() - start:.0f}s")
+    if not shard.is_main:
+        return
 
     save_model(out, transformer, vae, text_encoder)
     total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
@@ -169,10 +187,10 @@ def train(config: TinyTrainConfig, out: Path, vae_dir: Path | None = None) -> fl
     # whatever else shares the cores).
     log(
         f"saved to {out} ({total / 1e6:.1f} MB); total training time {elapsed:.0f}s ({elapsed / 60:.1f} min) wall, "
-        f"{cpu:.0f} CPU-seconds ({cpu / config.threads / 60:.1f} min on {config.threads} idle cores)"
+        f"{cpu:.0f} CPU-seconds in process 0 ({cpu / config.threads / 60:.1f} min on {config.threads} idle cores "
+        f"for each of the {config.processes} processes)"
     )
     log_file.close()
-    return elapsed
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -182,27 +200,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "weights", help="output model folder"
     )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=TinyTrainConfig.threads,
-        help="torch CPU threads (a second thread does not speed up these small layers)",
-    )
-    parser.add_argument("--vae-steps", type=int, default=VAETrainConfig.steps)
-    parser.add_argument("--dit-steps", type=int, default=DiTTrainConfig.steps)
-    parser.add_argument(
-        "--pool-per-bucket",
-        type=int,
-        default=DiTTrainConfig.pool_per_bucket,
-        help="images encoded per bucket for the DiT",
-    )
-    parser.add_argument(
-        "--dit-centre-from",
-        type=int,
-        default=DiTTrainConfig.centre_from_step,
-        help="DiT step from which the shapes are at their cells' centres (0: jittered throughout)",
-    )
+    # (flag, type, default, help) of every number the recipe lets a run change.
+    options = (
+        ("--seed", int, TinyTrainConfig.seed, "seed of every random draw"),
+        ("--processes", int, TinyTrainConfig.processes,
+         "data-parallel training processes, one per core (the batches split evenly over them)"),
+        ("--threads", int, TinyTrainConfig.threads,
+         "torch CPU threads in each process (a second thread does not speed up these small layers; a second process does)"),
+        ("--vae-steps", int, VAETrainConfig.steps, "VAE training steps"),
+        ("--dit-steps", int, DiTTrainConfig.steps, "DiT training steps"),
+        ("--pool-per-bucket", int, DiTTrainConfig.pool_per_bucket, "images encoded per bucket for the DiT"),
+        ("--dit-centre-from", int, DiTTrainConfig.centre_from_step,
+         "DiT step from which the shapes are at their cells' centres (0: jittered throughout)"),
+        ("--dit-shape-weight", float, DiTTrainConfig.shape_weight,
+         "DiT loss weight of the tokens holding the shape, relative to background tokens"),
+    )  # fmt: skip
+    for flag, kind, default, help_text in options:
+        parser.add_argument(flag, type=kind, default=default, help=help_text)
     parser.add_argument(
         "--vae",
         type=Path,
@@ -212,6 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     config = TinyTrainConfig(
         seed=args.seed,
+        processes=args.processes,
         threads=args.threads,
         vae=dataclasses.replace(VAETrainConfig(), steps=args.vae_steps),
         dit=dataclasses.replace(
@@ -219,6 +234,7 @@ def main(argv: list[str] | None = None) -> None:
             steps=args.dit_steps,
             pool_per_bucket=args.pool_per_bucket,
             centre_from_step=args.dit_centre_from,
+            shape_weight=args.dit_shape_weight,
         ),
     )
     if args.vae is not None and not (args.vae / "config.json").is_file():

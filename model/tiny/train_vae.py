@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from model.tiny.data_parallel import SINGLE_PROCESS, Shard
 from model.tiny.scenes import TINY_BUCKETS, Scene, render_batch, sample_batch, shape_geometry
 from model.vae import QwenImageVAE, VAEConfig
 
@@ -107,9 +108,12 @@ def train_vae(
     scenes: list[Scene],
     generator: torch.Generator,
     log: Callable[[str], None] = print,
+    shard: Shard = SINGLE_PROCESS,
 ) -> QwenImageVAE:
     """Train from scratch (initialised from the global torch seed); returns the VAE in eval mode with its
-    latent statistics in `vae.config`."""
+    latent statistics in `vae.config`. Over several processes (`shard`), each takes its part of
+    the batch from its own `generator` and the statistics are process 0's."""
+    batch_size = shard.part(config.batch_size, "VAE batch size")
     vae = QwenImageVAE(config.vae_config())
     vae.train()
     opt = torch.optim.AdamW(vae.parameters(), lr=config.lr, weight_decay=0.0, betas=(0.9, 0.99))
@@ -117,7 +121,7 @@ def train_vae(
     for step in range(config.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, config.steps, config.warmup, config.lr)
-        x = crop_batch(scenes, config.batch_size, config.crop, generator)
+        x = crop_batch(scenes, batch_size, config.crop, generator)
         recon, mean, logvar = reconstruct(vae, x, sample=True, generator=generator)
         if config.edge_weight > 0.0:
             weight = 1.0 + config.edge_weight * outline_band(x)  # (B, 1, H, W)
@@ -129,6 +133,7 @@ def train_vae(
         loss = rec + config.kl_weight * kl
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        shard.average_gradients(list(vae.parameters()))
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
         opt.step()
         stats = torch.tensor([rec.item(), kl.item()])
@@ -138,7 +143,7 @@ def train_vae(
                 f"vae step {step:5d}  rec {running[0]:.4f}  kl {running[1]:.3f}  lr {opt.param_groups[0]['lr']:.2e}  {time.time() - start:6.0f}s"
             )
     vae.eval()
-    mean, std = latent_statistics(vae, scenes, config.stats_images, generator)
+    mean, std = (shard.broadcast(t) for t in latent_statistics(vae, scenes, config.stats_images, generator))
     vae.config = dataclasses.replace(
         vae.config, latents_mean=tuple(mean.tolist()), latents_std=tuple(std.tolist())
     )

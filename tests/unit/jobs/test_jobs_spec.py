@@ -108,7 +108,7 @@ def test_example_job_converts_to_consistent_lower_configs(monkeypatch):
     assert driver.output_uri == worker.output_uri == str(EXAMPLE.parents[2] / "out" / "tiny")
     # What jobs/examples/tiny.yaml asks for, as planner and worker must both resolve rows.
     tiny = BucketSet.from_names(["128x128", "160x96", "96x160"], strict=True)
-    expected = RowConfig(job_seed=0, buckets=tiny, steps=20, true_cfg_scale=4.0, negative_prompt=" ")
+    expected = RowConfig(job_seed=0, buckets=tiny, steps=20, true_cfg_scale=2.0, negative_prompt=" ")
     assert driver.plan.rows == expected and worker.rows == expected
     assert driver.dispatch.num_gpus == 0 and driver.dispatch.max_actors == 2
     resolved = json.loads(driver.resolved_spec)

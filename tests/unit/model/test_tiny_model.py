@@ -3,10 +3,10 @@
 The adherence bars are the project's promise for what a new user sees first: on the 64 held-out
 captions (never seen in training, fixed seeds), in each of the three buckets, the shape colour,
 background and position are right in >= 95% of images; the outline is held to what the bundled
-weights reach at the test's 12 steps with a margin (kind >= 40%, size >= 70%, one clean blob >= 50%,
-mean IoU with the ideal captioned shape >= 0.75), below the targets of 90% / 90% / 90% / 0.8 that
-the model does not reach yet (see the README). The same check on random weights must score near
-chance, or the check itself would prove nothing.
+weights reach at the test's 12 steps and CFG 2 with a margin (kind >= 60%, size >= 85%, one clean
+blob >= 70%, mean IoU with the ideal captioned shape >= 0.8). The targets are 90% / 90% / 90% / 0.8;
+kind and, outside 128x128, one blob do not reach them yet (see the README). The same check on
+random weights must score near chance, or the check itself would prove nothing.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from model.tiny.scenes import TINY_BUCKETS, held_out_captions
 from tests.support.model_fixtures import diffusers_images, diffusers_pipeline, guided_inputs
 
 STEPS = 12
-CFG = 4.0
+CFG = 2.0  # the README job's setting, where the bundled model is at its best
 
 
 def test_bundled_files_are_diffusers_layout_and_small():
@@ -70,8 +70,8 @@ def test_tiny_model_follows_held_out_prompts(torch_threads, tiny_pipe, width, he
     print(f"tiny model adherence at {width}x{height}:", result)
     for attribute in ("shape_color", "background", "position"):
         assert result[attribute] >= 0.95, (attribute, result)
-    assert result["kind"] >= 0.4 and result["size"] >= 0.7, result
-    assert result["one_blob"] >= 0.5 and result["iou"] >= 0.75, result
+    assert result["kind"] >= 0.6 and result["size"] >= 0.85, result
+    assert result["one_blob"] >= 0.7 and result["iou"] >= 0.8, result
 
 
 def test_held_out_images_do_not_depend_on_the_batch(torch_threads, tiny_pipe):
@@ -102,8 +102,9 @@ def test_training_script_runs_end_to_end_and_is_deterministic(tmp_path):
 
     from model.tiny.train import main
 
-    # Both DiT phases run (jittered shapes for 2 steps, then centred ones).
-    args = ["--vae-steps", "2", "--dit-steps", "4", "--dit-centre-from", "2", "--pool-per-bucket", "8", "--threads", "2"]
+    # Both DiT phases run (jittered shapes for 2 steps, then centred ones), in two data-parallel
+    # processes as the default recipe does: their all-reduced gradients must be deterministic too.
+    args = ["--vae-steps", "2", "--dit-steps", "4", "--dit-centre-from", "2", "--pool-per-bucket", "8", "--processes", "2"]
     main(["--out", str(tmp_path / "a"), *args])
     main(["--out", str(tmp_path / "b"), *args])
     # Reusing a's VAE skips the VAE stage and still gives the same DiT.

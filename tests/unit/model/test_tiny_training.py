@@ -1,0 +1,83 @@
+"""Pieces of the tiny model's training recipe: the shape-weighted DiT loss, the centred pools, and
+the data-parallel helpers (the whole script runs in test_tiny_model.py)."""
+
+import functools
+
+import pytest
+import torch
+
+from model.sampling import pack_latents
+from model.tiny.data_parallel import Shard, run_data_parallel
+from model.tiny.scenes import Scene, render_batch, split_scenes
+from model.tiny.train_dit import DiTTrainConfig, build_centred_pools, shape_token_weights
+from model.vae import QwenImageVAE, VAEConfig
+
+
+def test_shape_token_weights_mark_the_tokens_under_the_shape():
+    scene = Scene("square", "red", "blue", "top left", "small")
+    image = render_batch([scene], 128, 128)  # shape centred at (21.3, 21.3), half-extent 12.8 px
+    weights = shape_token_weights(image, shape_weight=8.0)
+    assert weights.shape == (1, 64)
+    assert weights.mean().item() == pytest.approx(1.0)
+    grid = weights.view(8, 8)
+    # The square spans pixels 8.5..34.1 in x and y: token rows/cols 0..2 hold it, the rest is background.
+    touched = grid > 1.0
+    assert touched[:3, :3].all() and not touched[3:, :].any() and not touched[:, 3:].any()
+    assert grid[0, 0].item() == pytest.approx(8.0 * grid[7, 7].item())
+    # Token order is pack_latents' order: a latent laid out like the weights packs to the same index.
+    marker = torch.zeros(1, 16, 16, 16)
+    marker[:, :, 0:2, 2:4] = 1.0  # token row 0, col 1
+    assert int(pack_latents(marker)[0].sum(dim=1).argmax()) == 1
+
+
+def test_shape_token_weights_of_one_are_uniform():
+    images = render_batch([Scene("circle", "red", "blue", "centre", "large")], 160, 96)
+    assert torch.equal(shape_token_weights(images, 1.0), torch.ones(1, 60))
+
+
+def test_centred_pools_hold_each_scene_once_and_split_over_processes():
+    vae = QwenImageVAE(VAEConfig(base_dim=8, num_res_blocks=1, latents_mean=(0.0,) * 16, latents_std=(1.0,) * 16)).eval()
+    from model.tiny.text_encoder import TextEncoderConfig, TinyTextEncoder, WordTokenizer
+    from model.tiny.train import caption_vocabulary
+
+    tokenizer = WordTokenizer.from_words(caption_vocabulary())
+    encoder = TinyTextEncoder(TextEncoderConfig(vocab_size=len(tokenizer), hidden_size=16), tokenizer)
+    scenes = split_scenes()[0][:10]
+    config = DiTTrainConfig(pool_per_bucket=8)
+    halves = [build_centred_pools(vae, encoder, scenes, config, Shard(rank, 2)) for rank in (0, 1)]
+    whole = build_centred_pools(vae, encoder, scenes, config)
+    for bucket in range(3):
+        ids = [tuple(row) for h in halves for row in h[bucket].ids.tolist()]
+        assert len(ids) == 8 and len(set(ids)) == 8  # 8 distinct scenes, none in both halves
+        assert sorted(ids) == sorted(tuple(row) for row in whole[bucket].ids.tolist())
+        assert halves[0][bucket].tokens.shape[0] == 4 and whole[bucket].weights.shape == whole[bucket].tokens.shape[:2]
+
+
+def test_shard_part_names_what_does_not_split():
+    assert Shard(0, 2).part(48, "DiT batch size") == 24
+    with pytest.raises(ValueError, match="DiT batch size 47 does not split over 2 training processes"):
+        Shard(1, 2).part(47, "DiT batch size")
+
+
+def _average_in_process(out_dir, shard: Shard) -> None:
+    param = torch.nn.Parameter(torch.zeros(3))
+    param.grad = torch.full((3,), float(shard.rank + 1))
+    shard.average_gradients([param])
+    value = shard.broadcast(torch.tensor([float(shard.rank) + 7.0]))
+    torch.save((param.grad, value), f"{out_dir}/rank{shard.rank}.pt")
+
+
+def test_two_processes_average_gradients_and_share_process_0s_values(tmp_path):
+    run_data_parallel(2, functools.partial(_average_in_process, str(tmp_path)))
+    for rank in (0, 1):
+        grad, value = torch.load(tmp_path / f"rank{rank}.pt")
+        assert torch.equal(grad, torch.full((3,), 1.5)) and value.item() == 7.0
+
+
+def test_run_data_parallel_raises_what_a_process_raised():
+    with pytest.raises(Exception, match="DiT batch size 7 does not split"):
+        run_data_parallel(2, functools.partial(_split_seven))
+
+
+def _split_seven(shard: Shard) -> None:
+    shard.part(7, "DiT batch size")
