@@ -142,9 +142,9 @@ def _train_in_process(config: TinyTrainConfig, out: Path, vae_dir: Path | None, 
 
     if vae_dir is None:
         vae = train_vae(config.vae, train_scenes, generator, log, shard)
-        log(
-            f"vae reconstruction L1 (0..1 units, 128x128): {reconstruction_error(vae, train_scenes, 32, generator):.4f}"
-        )
+        if shard.is_main:  # only process 0 logs it
+            error = reconstruction_error(vae, train_scenes, 32, generator)
+            log(f"vae reconstruction L1 (0..1 units, 128x128): {error:.4f}")
         # The DiT learns the latents of the VAE that ships, i.e. with its weights rounded to the
         # saved dtype; a VAE loaded back from the saved folder is then the same one.
         with torch.no_grad():

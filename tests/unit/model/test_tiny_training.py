@@ -9,6 +9,8 @@ import torch
 from model.sampling import pack_latents
 from model.tiny.data_parallel import Shard, run_data_parallel
 from model.tiny.scenes import Scene, render_batch, split_scenes
+from model.tiny.text_encoder import TextEncoderConfig, TinyTextEncoder, WordTokenizer
+from model.tiny.train import caption_vocabulary
 from model.tiny.train_dit import DiTTrainConfig, build_centred_pools, shape_token_weights
 from model.vae import QwenImageVAE, VAEConfig
 
@@ -37,9 +39,6 @@ def test_shape_token_weights_of_one_are_uniform():
 
 def test_centred_pools_hold_each_scene_once_and_split_over_processes():
     vae = QwenImageVAE(VAEConfig(base_dim=8, num_res_blocks=1, latents_mean=(0.0,) * 16, latents_std=(1.0,) * 16)).eval()
-    from model.tiny.text_encoder import TextEncoderConfig, TinyTextEncoder, WordTokenizer
-    from model.tiny.train import caption_vocabulary
-
     tokenizer = WordTokenizer.from_words(caption_vocabulary())
     encoder = TinyTextEncoder(TextEncoderConfig(vocab_size=len(tokenizer), hidden_size=16), tokenizer)
     scenes = split_scenes()[0][:10]
@@ -76,7 +75,7 @@ def test_two_processes_average_gradients_and_share_process_0s_values(tmp_path):
 
 def test_run_data_parallel_raises_what_a_process_raised():
     with pytest.raises(Exception, match="DiT batch size 7 does not split"):
-        run_data_parallel(2, functools.partial(_split_seven))
+        run_data_parallel(2, _split_seven)
 
 
 def _split_seven(shard: Shard) -> None:
