@@ -214,6 +214,10 @@ def main(argv: list[str] | None = None) -> None:
          "DiT step from which the shapes are at their cells' centres (0: jittered throughout)"),
         ("--dit-shape-weight", float, DiTTrainConfig.shape_weight,
          "DiT loss weight of the tokens holding the shape, relative to background tokens"),
+        ("--dit-heads", int, DiTTrainConfig.num_attention_heads,
+         "DiT attention heads (width = heads x attention_head_dim)"),
+        ("--dit-layers", int, DiTTrainConfig.num_layers, "DiT blocks"),
+        ("--dit-batch", int, DiTTrainConfig.batch_size, "DiT batch size (split over the processes)"),
     )  # fmt: skip
     for flag, kind, default, help_text in options:
         parser.add_argument(flag, type=kind, default=default, help=help_text)
@@ -235,6 +239,9 @@ def main(argv: list[str] | None = None) -> None:
             pool_per_bucket=args.pool_per_bucket,
             centre_from_step=args.dit_centre_from,
             shape_weight=args.dit_shape_weight,
+            num_attention_heads=args.dit_heads,
+            num_layers=args.dit_layers,
+            batch_size=args.dit_batch,
         ),
     )
     if args.vae is not None and not (args.vae / "config.json").is_file():

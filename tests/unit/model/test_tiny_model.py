@@ -104,7 +104,11 @@ def test_training_script_runs_end_to_end_and_is_deterministic(tmp_path):
 
     # Both DiT phases run (jittered shapes for 2 steps, then centred ones), in two data-parallel
     # processes as the default recipe does: their all-reduced gradients must be deterministic too.
-    args = ["--vae-steps", "2", "--dit-steps", "4", "--dit-centre-from", "2", "--pool-per-bucket", "8", "--processes", "2"]
+    # A smaller DiT than the recipe's keeps it quick and checks that the size flags reach the model.
+    args = (
+        "--vae-steps 2 --dit-steps 4 --dit-centre-from 2 --pool-per-bucket 8 --processes 2"
+        " --dit-heads 2 --dit-layers 2 --dit-batch 8"
+    ).split()
     main(["--out", str(tmp_path / "a"), *args])
     main(["--out", str(tmp_path / "b"), *args])
     # Reusing a's VAE skips the VAE stage and still gives the same DiT.
@@ -114,6 +118,8 @@ def test_training_script_runs_end_to_end_and_is_deterministic(tmp_path):
             a = load_file(str(tmp_path / "a" / part / "diffusion_pytorch_model.safetensors"))
             other = load_file(str(tmp_path / run / part / "diffusion_pytorch_model.safetensors"))
             assert a.keys() == other.keys() and all(torch.equal(a[k], other[k]) for k in a), (run, part)
+    config = json.loads((tmp_path / "a" / "transformer" / "config.json").read_text())
+    assert (config["num_attention_heads"], config["num_layers"]) == (2, 2), config
     assert "total training time" in (tmp_path / "a" / "train_log.txt").read_text()
     assert "vae loaded from" in (tmp_path / "c" / "train_log.txt").read_text()
     pipe = load_pipeline(tmp_path / "a")
