@@ -163,8 +163,11 @@ class TextToImagePipeline:
         seeds: Sequence[int],
         max_sequence_length: int = 512,
         on_step: Callable[[int], None] | None = None,
+        decode: bool = True,
     ) -> torch.Tensor:
-        """Images (B, 3, H, W) in [0, 1], fp32; B = len(seeds).
+        """Images (B, 3, H, W) in [0, 1], fp32; B = len(seeds). With `decode=False`, the packed
+        latents (B, N, 64) in the pipeline dtype instead, before the VAE (what the tiny model's
+        decoder adaptation trains on).
 
         Text (prompt, negative_prompt) is encoded by `encode_guidance`; embeddings are taken as
         given. True CFG follows model.guidance: on when every `true_cfg_scale > 1` and there is a
@@ -208,7 +211,7 @@ class TextToImagePipeline:
             timestep_bank=bank,
             on_step=on_step,
         )
-        return self.decode(latents, height, width)
+        return self.decode(latents, height, width) if decode else latents
 
     def _conditionings(
         self, inputs: GuidanceInputs, true_cfg_scale: float | Sequence[float]

@@ -61,6 +61,11 @@ class Shard:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
+    def barrier(self) -> None:
+        """Wait until every process gets here (e.g. until process 0 has saved what all will read)."""
+        if self.world > 1:
+            dist.barrier()
+
     @torch.no_grad()
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         """Process 0's value of `tensor` on every process (in place; returned for chaining)."""

@@ -4,13 +4,15 @@
 
 Stages: (1) the VAE as an autoencoder on procedural scenes, with its latent statistics measured
 after training; (2) the DiT and the text encoder jointly, by flow matching on VAE latents of the
-training captions (the 64 held-out captions are never seen). Everything is seeded: the same
+training captions (the 64 held-out captions are never seen); (3) the VAE decoder adapted to the
+latents the trained DiT samples (model/tiny/train_decoder.py). Everything is seeded: the same
 command on the same software gives the same weights. It runs as two data-parallel processes
 (one per core of a 2-core machine; `--processes`).
 
 Output (safetensors, fp16 on disk like the released Qwen-Image, loaded in any dtype):
 transformer/, vae/ (diffusers' AutoencoderKLQwenImage 3D layout), scheduler/, text_encoder/,
-tokenizer/, model_index.json, and train_log.txt with the losses and times.
+tokenizer/, model_index.json, and train_log.txt with the losses and times. vae/decoder_adaptation.json
+records stage 3's settings (and that the decoder is no longer the VAE stage's).
 """
 
 from __future__ import annotations
@@ -20,16 +22,20 @@ import dataclasses
 import functools
 import json
 import re
+import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from model.loader import load_pipeline
 from model.scheduler import SchedulerConfig
 from model.tiny.data_parallel import Shard, run_data_parallel
 from model.tiny.scenes import all_scenes, split_scenes
 from model.tiny.text_encoder import TextEncoderConfig, TinyTextEncoder, WordTokenizer
+from model.tiny.train_decoder import DecoderTrainConfig, adapt_decoder
 from model.tiny.train_dit import DiTTrainConfig, build_centred_pools, build_pools, train_dit
 from model.tiny.train_vae import VAETrainConfig, reconstruction_error, train_vae
 from model.transformer import QwenImageTransformer
@@ -64,6 +70,8 @@ MODEL_INDEX = {
 }
 SAVE_DTYPE = torch.float16
 TEXT_HIDDEN = 64
+# Written into vae/ by stage 3: the decoder there is adapted to a DiT, not the VAE stage's own.
+DECODER_ADAPTATION_FILE = "decoder_adaptation.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +82,7 @@ class TinyTrainConfig:
     threads: int = 1
     vae: VAETrainConfig = VAETrainConfig()
     dit: DiTTrainConfig = DiTTrainConfig()
+    decoder: DecoderTrainConfig = DecoderTrainConfig()
 
 
 def caption_vocabulary() -> list[str]:
@@ -106,21 +115,34 @@ def save_model(
     (out / "model_index.json").write_text(json.dumps(MODEL_INDEX, indent=2, sort_keys=True))
 
 
-def train(config: TinyTrainConfig, out: Path, vae_dir: Path | None = None) -> float:
+def decoder_is_adapted(vae_dir: Path) -> bool:
+    return (vae_dir / DECODER_ADAPTATION_FILE).is_file()
+
+
+def train(
+    config: TinyTrainConfig, out: Path, vae_dir: Path | None = None, stage2_dir: Path | None = None
+) -> float:
     """Train everything and save to `out`, over `config.processes` data-parallel processes; returns
     the wall time in seconds.
 
-    vae_dir: a `vae/` folder saved by an earlier run with the same seed and VAE settings, to train
-    only the DiT stage (the result is the same as training both)."""
+    vae_dir: a `vae/` folder saved by an earlier run with the same seed and VAE settings (and no
+    decoder adaptation), to skip the VAE stage (the result is the same as training it).
+    stage2_dir: a model folder saved by an earlier run with the same settings and
+    `decoder.steps == 0`, to run only stage 3 on it (the result is the same as the whole recipe)."""
     start = time.time()
-    run_data_parallel(config.processes, functools.partial(_train_in_process, config, out, vae_dir))
+    if stage2_dir is not None and stage2_dir.resolve() != out.resolve():
+        # Stage 3 rewrites vae/ only; everything else (and the log, which it extends) comes along.
+        shutil.copytree(stage2_dir, out, dirs_exist_ok=True)
+    run_data_parallel(config.processes, functools.partial(_train_in_process, config, out, vae_dir, stage2_dir))
     return time.time() - start
 
 
-def _train_in_process(config: TinyTrainConfig, out: Path, vae_dir: Path | None, shard: Shard) -> None:
+def _train_in_process(
+    config: TinyTrainConfig, out: Path, vae_dir: Path | None, stage2_dir: Path | None, shard: Shard
+) -> None:
     """One training process: every process trains, process 0 also logs and saves."""
     out.mkdir(parents=True, exist_ok=True)
-    log_file = (out / "train_log.txt").open("w") if shard.is_main else None
+    log_file = (out / "train_log.txt").open("a" if stage2_dir else "w") if shard.is_main else None
 
     def log(line: str) -> None:
         if log_file is not None:
@@ -131,7 +153,6 @@ def _train_in_process(config: TinyTrainConfig, out: Path, vae_dir: Path | None, 
     torch.set_num_threads(config.threads)
     # Same weights in every process: the initialisation draws from the global seed.
     torch.manual_seed(config.seed)
-    generator = shard.generator(config.seed)
     train_scenes, held_out = split_scenes()
     log(f"config {json.dumps(dataclasses.asdict(config))}")
     log(
@@ -140,6 +161,47 @@ def _train_in_process(config: TinyTrainConfig, out: Path, vae_dir: Path | None, 
     )
     start, cpu_start = time.time(), time.process_time()
 
+    if stage2_dir is None:
+        _train_vae_and_dit(config, out, vae_dir, shard, log)
+        shard.barrier()  # stage 3 reads what process 0 saved
+    else:
+        log(f"stages 1-2 taken from {stage2_dir} (trained by the same recipe; their training is skipped)")
+    if config.decoder.steps > 0:
+        torch.manual_seed(config.seed + 2)
+        generator = shard.generator(config.seed + 2)
+        # Stage 3 starts from the saved (fp16-rounded) stage-2 model in either case, so reusing a
+        # saved one gives the same decoder as running straight through.
+        pipe = load_pipeline(out, modulation_cache="cfg")
+        pipe.vae = load_vae(out / "vae", with_encoder=True)
+        vae = adapt_decoder(config.decoder, pipe, train_scenes, generator, config.vae.edge_weight, log, shard)
+        if shard.is_main:
+            _save_fp16(vae_state_dict_3d(vae), vae.config.to_dict(), out / "vae")
+            (out / "vae" / DECODER_ADAPTATION_FILE).write_text(
+                json.dumps(dataclasses.asdict(config.decoder), indent=2, sort_keys=True)
+            )
+        log(f"stage decoder done at {time.time() - start:.0f}s")
+    if not shard.is_main:
+        return
+    total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    elapsed = time.time() - start
+    cpu = time.process_time() - cpu_start
+    # CPU seconds over threads ~ the wall time on an otherwise idle machine (the wall time includes
+    # whatever else shares the cores).
+    log(
+        f"saved to {out} ({total / 1e6:.1f} MB); total training time {elapsed:.0f}s ({elapsed / 60:.1f} min) wall, "
+        f"{cpu:.0f} CPU-seconds in process 0 ({cpu / config.threads / 60:.1f} min on {config.threads} idle cores "
+        f"for each of the {config.processes} processes)"
+    )
+    log_file.close()
+
+
+def _train_vae_and_dit(
+    config: TinyTrainConfig, out: Path, vae_dir: Path | None, shard: Shard, log: Callable[[str], None]
+) -> None:
+    """Stages 1 and 2; process 0 saves the model to `out`."""
+    start = time.time()
+    generator = shard.generator(config.seed)
+    train_scenes, _ = split_scenes()
     if vae_dir is None:
         vae = train_vae(config.vae, train_scenes, generator, log, shard)
         if shard.is_main:  # only process 0 logs it
@@ -176,21 +238,9 @@ def _train_in_process(config: TinyTrainConfig, out: Path, vae_dir: Path | None, 
         config.dit, pools, text_encoder, scheduler, generator, log, centred_pools=centred, shard=shard
     )
     log(f"stage dit done at {time.time() - start:.0f}s")
-    if not shard.is_main:
-        return
-
-    save_model(out, transformer, vae, text_encoder)
-    total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    elapsed = time.time() - start
-    cpu = time.process_time() - cpu_start
-    # CPU seconds over threads ~ the wall time on an otherwise idle machine (the wall time includes
-    # whatever else shares the cores).
-    log(
-        f"saved to {out} ({total / 1e6:.1f} MB); total training time {elapsed:.0f}s ({elapsed / 60:.1f} min) wall, "
-        f"{cpu:.0f} CPU-seconds in process 0 ({cpu / config.threads / 60:.1f} min on {config.threads} idle cores "
-        f"for each of the {config.processes} processes)"
-    )
-    log_file.close()
+    if shard.is_main:
+        save_model(out, transformer, vae, text_encoder)
+        (out / "vae" / DECODER_ADAPTATION_FILE).unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -218,6 +268,10 @@ def main(argv: list[str] | None = None) -> None:
          "DiT attention heads (width = heads x attention_head_dim)"),
         ("--dit-layers", int, DiTTrainConfig.num_layers, "DiT blocks"),
         ("--dit-batch", int, DiTTrainConfig.batch_size, "DiT batch size (split over the processes)"),
+        ("--decoder-steps", int, DecoderTrainConfig.steps,
+         "decoder adaptation steps (0: no stage 3, the decoder stays the VAE stage's)"),
+        ("--decoder-pairs", int, DecoderTrainConfig.pairs_per_bucket,
+         "DiT samples per bucket the decoder adapts to"),
     )  # fmt: skip
     for flag, kind, default, help_text in options:
         parser.add_argument(flag, type=kind, default=default, help=help_text)
@@ -226,6 +280,12 @@ def main(argv: list[str] | None = None) -> None:
         type=Path,
         default=None,
         help="reuse this vae/ folder from an earlier run with the same --seed and --vae-steps (skips the VAE stage)",
+    )
+    parser.add_argument(
+        "--stage2",
+        type=Path,
+        default=None,
+        help="run only stage 3 on this model folder, saved by an earlier run with the same settings and --decoder-steps 0",
     )
     args = parser.parse_args(argv)
     config = TinyTrainConfig(
@@ -243,10 +303,30 @@ def main(argv: list[str] | None = None) -> None:
             num_layers=args.dit_layers,
             batch_size=args.dit_batch,
         ),
+        decoder=dataclasses.replace(
+            DecoderTrainConfig(), steps=args.decoder_steps, pairs_per_bucket=args.decoder_pairs
+        ),
     )
     if args.vae is not None and not (args.vae / "config.json").is_file():
         parser.error(f"--vae {args.vae}: no config.json there; pass the vae/ folder of a trained model.")
-    train(config, args.out, args.vae)
+    if args.vae is not None and decoder_is_adapted(args.vae) and args.decoder_steps:
+        parser.error(
+            f"--vae {args.vae}: its decoder was already adapted to a DiT ({DECODER_ADAPTATION_FILE}); pass a "
+            "vae/ saved with --decoder-steps 0, or add --decoder-steps 0 to train only the DiT."
+        )
+    if args.stage2 is not None:
+        if args.vae is not None:
+            parser.error("--stage2 takes the VAE from that folder too; drop --vae.")
+        if not (args.stage2 / "transformer" / "config.json").is_file():
+            parser.error(f"--stage2 {args.stage2}: no transformer/config.json there; pass a model folder.")
+        if decoder_is_adapted(args.stage2 / "vae"):
+            parser.error(
+                f"--stage2 {args.stage2}: its decoder is already adapted ({DECODER_ADAPTATION_FILE} in vae/); "
+                "pass a model saved with --decoder-steps 0."
+            )
+        if args.decoder_steps == 0:
+            parser.error("--stage2 with --decoder-steps 0 would train nothing; give stage 3 some steps.")
+    train(config, args.out, args.vae, args.stage2)
 
 
 if __name__ == "__main__":

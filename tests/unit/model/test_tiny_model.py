@@ -2,11 +2,12 @@
 
 The adherence bars are the project's promise for what a new user sees first: on the 64 held-out
 captions (never seen in training, fixed seeds), in each of the three buckets, the shape colour,
-background and position are right in >= 95% of images; the outline is held to what the bundled
-weights reach at the test's 12 steps and CFG 2 with a margin (kind >= 60%, size >= 85%, one clean
-blob >= 70%, mean IoU with the ideal captioned shape >= 0.8). The targets are 90% / 90% / 90% / 0.8;
-kind and, outside 128x128, one blob do not reach them yet (see the README). The same check on
-random weights must score near chance, or the check itself would prove nothing.
+background and position are right in >= 95% of images, the size in >= 90%, the shape is one clean
+blob in >= 85% (the target is 90%; the bundled weights reach 91-98% at the test's 12 steps and
+CFG 2), its mean IoU with the ideal captioned shape is >= 0.85 (target 0.8). The kind is held to
+what the bundled weights reach with a margin (>= 65%; they draw 72-77%): its target of 90% is not
+reached yet (see the README). The same check on random weights must score near chance, or the
+check itself would prove nothing.
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ def test_tiny_model_follows_held_out_prompts(torch_threads, tiny_pipe, width, he
     print(f"tiny model adherence at {width}x{height}:", result)
     for attribute in ("shape_color", "background", "position"):
         assert result[attribute] >= 0.95, (attribute, result)
-    assert result["kind"] >= 0.6 and result["size"] >= 0.85, result
-    assert result["one_blob"] >= 0.7 and result["iou"] >= 0.8, result
+    assert result["kind"] >= 0.65 and result["size"] >= 0.9, result
+    assert result["one_blob"] >= 0.85 and result["iou"] >= 0.85, result
 
 
 def test_held_out_images_do_not_depend_on_the_batch(torch_threads, tiny_pipe):
@@ -100,28 +101,58 @@ def test_random_weights_score_near_chance(torch_threads):
 def test_training_script_runs_end_to_end_and_is_deterministic(tmp_path):
     from safetensors.torch import load_file
 
-    from model.tiny.train import main
+    from model.tiny.train import DECODER_ADAPTATION_FILE, main
 
-    # Both DiT phases run (jittered shapes for 2 steps, then centred ones), in two data-parallel
-    # processes as the default recipe does: their all-reduced gradients must be deterministic too.
-    # A smaller DiT than the recipe's keeps it quick and checks that the size flags reach the model.
+    def weights(run: str, part: str) -> dict[str, torch.Tensor]:
+        return load_file(str(tmp_path / run / part / "diffusion_pytorch_model.safetensors"))
+
+    def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+        return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    # Both DiT phases run (jittered shapes for 2 steps, then centred ones) and the decoder
+    # adaptation, in two data-parallel processes as the default recipe does: their all-reduced
+    # gradients must be deterministic too. A smaller DiT than the recipe's keeps it quick and
+    # checks that the size flags reach the model.
     args = (
         "--vae-steps 2 --dit-steps 4 --dit-centre-from 2 --pool-per-bucket 8 --processes 2"
-        " --dit-heads 2 --dit-layers 2 --dit-batch 8"
+        " --dit-heads 2 --dit-layers 2 --dit-batch 8 --decoder-steps 2 --decoder-pairs 4"
     ).split()
     main(["--out", str(tmp_path / "a"), *args])
-    main(["--out", str(tmp_path / "b"), *args])
-    # Reusing a's VAE skips the VAE stage and still gives the same DiT.
-    main(["--out", str(tmp_path / "c"), *args, "--vae", str(tmp_path / "a" / "vae")])
-    for run, parts in (("b", ("transformer", "vae")), ("c", ("transformer",))):
-        for part in parts:
-            a = load_file(str(tmp_path / "a" / part / "diffusion_pytorch_model.safetensors"))
-            other = load_file(str(tmp_path / run / part / "diffusion_pytorch_model.safetensors"))
-            assert a.keys() == other.keys() and all(torch.equal(a[k], other[k]) for k in a), (run, part)
+    # Stages 1-2 alone, then stage 3 on their saved model: the same weights as straight through.
+    main(["--out", str(tmp_path / "b"), *args, "--decoder-steps", "0"])
+    main(["--out", str(tmp_path / "c"), *args, "--stage2", str(tmp_path / "b")])
+    # Reusing b's VAE skips the VAE stage and still gives the same DiT.
+    main(["--out", str(tmp_path / "d"), *args, "--decoder-steps", "0", "--vae", str(tmp_path / "b" / "vae")])
+    for run in ("b", "c", "d"):
+        assert same(weights("a", "transformer"), weights(run, "transformer")), run
+    assert same(weights("a", "vae"), weights("c", "vae"))
+    # Stage 3 changed the decoder and nothing the DiT learned from: the encoder is stage 1's.
+    adapted, plain = weights("a", "vae"), weights("b", "vae")
+    decoder_keys = [k for k in plain if k.startswith(("decoder.", "post_quant_conv."))]
+    assert decoder_keys and not all(torch.equal(adapted[k], plain[k]) for k in decoder_keys)
+    assert all(torch.equal(adapted[k], plain[k]) for k in plain if k not in decoder_keys)
+    assert (tmp_path / "a" / "vae" / DECODER_ADAPTATION_FILE).is_file()
+    assert not (tmp_path / "b" / "vae" / DECODER_ADAPTATION_FILE).exists()
     config = json.loads((tmp_path / "a" / "transformer" / "config.json").read_text())
     assert (config["num_attention_heads"], config["num_layers"]) == (2, 2), config
     assert "total training time" in (tmp_path / "a" / "train_log.txt").read_text()
-    assert "vae loaded from" in (tmp_path / "c" / "train_log.txt").read_text()
+    assert "stages 1-2 taken from" in (tmp_path / "c" / "train_log.txt").read_text()
+    assert "vae loaded from" in (tmp_path / "d" / "train_log.txt").read_text()
     pipe = load_pipeline(tmp_path / "a")
     image = pipe.generate(prompt=["a small red circle in the centre on a blue background"], height=96, width=160, steps=2, seeds=[0])
     assert image.shape == (1, 3, 96, 160) and torch.isfinite(image).all()
+
+
+def test_training_refuses_to_adapt_an_adapted_decoder_again(tmp_path, capsys):
+    from model.tiny.train import DECODER_ADAPTATION_FILE, main
+
+    model = tmp_path / "model"
+    (model / "transformer").mkdir(parents=True)
+    (model / "transformer" / "config.json").write_text("{}")
+    (model / "vae").mkdir()
+    (model / "vae" / "config.json").write_text("{}")
+    (model / "vae" / DECODER_ADAPTATION_FILE).write_text("{}")
+    for extra in (["--stage2", str(model)], ["--vae", str(model / "vae")]):
+        with pytest.raises(SystemExit):
+            main(["--out", str(tmp_path / "out"), *extra])
+        assert "already adapted" in capsys.readouterr().err, extra
