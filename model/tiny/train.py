@@ -240,7 +240,12 @@ def _train_vae_and_dit(
     log(f"stage dit done at {time.time() - start:.0f}s")
     if shard.is_main:
         save_model(out, transformer, vae, text_encoder)
-        (out / "vae" / DECODER_ADAPTATION_FILE).unlink(missing_ok=True)
+        # A reused VAE keeps its record: an adapted decoder must not pass for the VAE stage's.
+        marker = out / "vae" / DECODER_ADAPTATION_FILE
+        if vae_dir is not None and decoder_is_adapted(vae_dir):
+            shutil.copyfile(vae_dir / DECODER_ADAPTATION_FILE, marker)
+        else:
+            marker.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -121,8 +121,9 @@ def test_training_script_runs_end_to_end_and_is_deterministic(tmp_path):
     # Stages 1-2 alone, then stage 3 on their saved model: the same weights as straight through.
     main(["--out", str(tmp_path / "b"), *args, "--decoder-steps", "0"])
     main(["--out", str(tmp_path / "c"), *args, "--stage2", str(tmp_path / "b")])
-    # Reusing b's VAE skips the VAE stage and still gives the same DiT.
-    main(["--out", str(tmp_path / "d"), *args, "--decoder-steps", "0", "--vae", str(tmp_path / "b" / "vae")])
+    # Reusing a's VAE skips the VAE stage and still gives the same DiT (the DiT learns from the
+    # encoder alone); its adapted decoder comes along with its record.
+    main(["--out", str(tmp_path / "d"), *args, "--decoder-steps", "0", "--vae", str(tmp_path / "a" / "vae")])
     for run in ("b", "c", "d"):
         assert same(weights("a", "transformer"), weights(run, "transformer")), run
     assert same(weights("a", "vae"), weights("c", "vae"))
@@ -133,6 +134,7 @@ def test_training_script_runs_end_to_end_and_is_deterministic(tmp_path):
     assert all(torch.equal(adapted[k], plain[k]) for k in plain if k not in decoder_keys)
     assert (tmp_path / "a" / "vae" / DECODER_ADAPTATION_FILE).is_file()
     assert not (tmp_path / "b" / "vae" / DECODER_ADAPTATION_FILE).exists()
+    assert (tmp_path / "d" / "vae" / DECODER_ADAPTATION_FILE).is_file()
     config = json.loads((tmp_path / "a" / "transformer" / "config.json").read_text())
     assert (config["num_attention_heads"], config["num_layers"]) == (2, 2), config
     assert "total training time" in (tmp_path / "a" / "train_log.txt").read_text()
