@@ -31,11 +31,8 @@ from model.pipeline import TextToImagePipeline
 from model.sampling import latent_grid, unpack_latents
 from model.tiny.data_parallel import SINGLE_PROCESS, Shard
 from model.tiny.scenes import TINY_BUCKETS, Scene, render_batch, shape_geometry
-from model.tiny.train_vae import outline_band
+from model.tiny.train_vae import reconstruction_loss
 from model.vae import QwenImageVAE
-
-# Pixels per latent position (the VAE's downsampling).
-VAE_SCALE = 8
 
 
 @dataclass(frozen=True)
@@ -111,16 +108,16 @@ def crop_around_shapes(
     """(latent crops (B, 16, c, c), image crops (B, 3, 8c, 8c)) around the shapes of `index`;
     `use_encoded` (B,) bool picks the encoder's latent instead of the DiT's."""
     c, h, w = config.crop, pairs.sampled.shape[2], pairs.sampled.shape[3]
+    scale = pairs.images.shape[2] // h  # pixels per latent position (the VAE's downsampling)
     offsets = torch.randint(-config.crop_offset, config.crop_offset + 1, (len(index), 2), generator=generator)
     latents, images = [], []
     for i, encoded, (dx, dy) in zip(index.tolist(), use_encoded.tolist(), offsets.tolist()):
         cx, cy = pairs.centres[i].tolist()
-        x0 = min(max(int(cx // VAE_SCALE) - c // 2 + dx, 0), w - c)
-        y0 = min(max(int(cy // VAE_SCALE) - c // 2 + dy, 0), h - c)
+        x0 = min(max(int(cx // scale) - c // 2 + dx, 0), w - c)
+        y0 = min(max(int(cy // scale) - c // 2 + dy, 0), h - c)
         source = pairs.encoded if encoded else pairs.sampled
         latents.append(source[i, :, y0 : y0 + c, x0 : x0 + c])
-        s = VAE_SCALE
-        images.append(pairs.images[i, :, y0 * s : (y0 + c) * s, x0 * s : (x0 + c) * s])
+        images.append(pairs.images[i, :, y0 * scale : (y0 + c) * scale, x0 * scale : (x0 + c) * scale])
     return torch.stack(latents), torch.stack(images)
 
 
@@ -150,10 +147,7 @@ def adapt_decoder(
         bucket = pairs[step % len(pairs)]
         index = torch.randint(bucket.sampled.shape[0], (batch_size,), generator=generator)
         z, x = crop_around_shapes(bucket, index, use_encoded, config, generator)
-        recon = vae.decoder(vae.post_quant_conv(z))
-        weight = 1.0 + edge_weight * outline_band(x)
-        error = (recon - x).abs() + (recon - x).pow(2)
-        loss = (error * weight).sum() / (weight.sum() * x.shape[1])
+        loss = reconstruction_loss(vae.decoder(vae.post_quant_conv(z)), x, edge_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         shard.average_gradients(params)

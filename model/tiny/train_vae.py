@@ -86,6 +86,14 @@ def outline_band(x: torch.Tensor) -> torch.Tensor:
     return ((local_max - local_min).abs().amax(dim=1, keepdim=True) > 0.05).float()
 
 
+def reconstruction_loss(recon: torch.Tensor, x: torch.Tensor, edge_weight: float) -> torch.Tensor:
+    """Mean of L1 + MSE per pixel, the outline band weighted `1 + edge_weight` (0: the plain mean).
+    recon, x: (B, 3, H, W) in [-1, 1]."""
+    weight = 1.0 + edge_weight * outline_band(x)  # (B, 1, H, W)
+    error = (recon - x).abs() + (recon - x).pow(2)  # (B, 3, H, W)
+    return (error * weight).sum() / (weight.sum() * x.shape[1])
+
+
 def reconstruct(
     vae: QwenImageVAE, x: torch.Tensor, sample: bool, generator: torch.Generator | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -123,10 +131,7 @@ def train_vae(
             group["lr"] = lr_at(step, config.steps, config.warmup, config.lr)
         x = crop_batch(scenes, batch_size, config.crop, generator)
         recon, mean, logvar = reconstruct(vae, x, sample=True, generator=generator)
-        # Weighted mean of L1 + MSE per pixel; edge_weight 0 makes it the plain mean.
-        weight = 1.0 + config.edge_weight * outline_band(x)  # (B, 1, H, W)
-        error = (recon - x).abs() + (recon - x).pow(2)  # (B, 3, H, W)
-        rec = (error * weight).sum() / (weight.sum() * x.shape[1])
+        rec = reconstruction_loss(recon, x, config.edge_weight)
         kl = 0.5 * (mean.pow(2) + logvar.exp() - 1.0 - logvar).mean()
         loss = rec + config.kl_weight * kl
         opt.zero_grad(set_to_none=True)
