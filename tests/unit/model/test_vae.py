@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from model.vae import QwenImageVAE, VAEConfig, load_vae, save_vae, vae_state_dict_3d
@@ -206,3 +207,24 @@ def test_normalize_inverts_denormalize(ours) -> None:
     std = torch.tensor(ours.config.latents_std).view(1, 16, 1, 1)
     assert torch.allclose(ours.denormalize(z), z * std + mean)
     assert torch.allclose(ours.normalize(ours.denormalize(z)), z, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_equals_f_normalize(dtype) -> None:
+    """The norm is written as sum + rsqrt for speed; it must stay diffusers' F.normalize(x, dim=1)
+    * sqrt(C) * gamma, including an all-zero pixel (zero out, no NaN) and half-precision input."""
+    from model.vae_blocks import RMSNorm
+
+    norm = RMSNorm(32, video_gamma=False)
+    with torch.no_grad():
+        norm.gamma.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(2, 32, 8, 8, generator=torch.Generator().manual_seed(2)) * 40
+    x[0, :, 3, 4] = 0.0
+    x = x.to(dtype)
+    expected = F.normalize(x.float(), dim=1).to(dtype) * (32**0.5) * norm.gamma
+    got = norm(x)
+    assert got.dtype == expected.dtype
+    assert torch.isfinite(got).all()
+    assert torch.equal(got[0, :, 3, 4], torch.zeros_like(got[0, :, 3, 4]))
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)

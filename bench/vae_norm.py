@@ -1,0 +1,95 @@
+"""The VAE's channel RMS norm written as sum + rsqrt against `F.normalize`, side by side in one run.
+
+Times forward + backward of the norm alone at the tiny VAE's activation shapes, and one whole
+training step of the tiny VAE (16 crops of 64x64, the recipe's VAE stage on one process) with each
+norm, interleaved round after round so machine noise hits both alike. Also reports the largest
+difference between the two outputs.
+
+    python bench/vae_norm.py [--threads 1] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from model.tiny.train_vae import VAETrainConfig, reconstruct, reconstruction_loss
+from model.vae import QwenImageVAE
+from model.vae_blocks import RMSNorm
+
+SHAPES = ((8, 16, 64, 64), (8, 32, 32, 32), (8, 64, 16, 16))
+
+
+def normalize_forward(self: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """The norm as it was: F.normalize's vector-norm kernel."""
+    low = x.dtype in (torch.float16, torch.bfloat16)
+    return F.normalize(x.float() if low else x, dim=1).to(x.dtype) * self.scale * self.gamma
+
+
+def _timed(fn, repeats: int) -> float:
+    fn()  # warm-up
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) / repeats * 1000.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    variants = {"F.normalize": normalize_forward, "sum+rsqrt": RMSNorm.forward}
+
+    results: dict[str, dict[str, list[float]]] = {name: {} for name in variants}
+    for shape in SHAPES:
+        norm = RMSNorm(shape[1], video_gamma=False)
+        x = torch.randn(shape, requires_grad=True)
+        outs = {name: fn(norm, x) for name, fn in variants.items()}
+        diff = float((outs["F.normalize"] - outs["sum+rsqrt"]).detach().abs().max())
+        print(json.dumps({"shape": shape, "max_abs_difference": diff}))
+        for _ in range(args.rounds):
+            for name, fn in variants.items():
+                ms = _timed(lambda fn=fn: fn(norm, x).sum().backward(), 20)
+                results[name].setdefault(str(shape), []).append(ms)
+
+    config = VAETrainConfig()
+    vae = QwenImageVAE(config.vae_config()).train()
+    opt = torch.optim.AdamW(vae.parameters(), lr=1e-4)
+    x = torch.rand(config.batch_size, 3, config.crop, config.crop) * 2 - 1
+    original = RMSNorm.forward
+
+    def step() -> None:
+        recon, mean, logvar = reconstruct(vae, x, sample=False)
+        loss = reconstruction_loss(recon, x, config.edge_weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    try:
+        for _ in range(args.rounds):
+            for name, fn in variants.items():
+                RMSNorm.forward = fn
+                results[name].setdefault("vae_train_step", []).append(_timed(step, 3))
+    finally:
+        RMSNorm.forward = original
+
+    for key in results["F.normalize"]:
+        before = statistics.median(results["F.normalize"][key])
+        after = statistics.median(results["sum+rsqrt"][key])
+        print(
+            json.dumps(
+                {"what": key, "F.normalize_ms": round(before, 2), "sum+rsqrt_ms": round(after, 2), "speed-up": round(before / after, 2)}
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
