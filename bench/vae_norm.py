@@ -57,7 +57,7 @@ def main() -> None:
         print(json.dumps({"shape": shape, "max_abs_difference": diff}))
         for _ in range(args.rounds):
             for name, fn in variants.items():
-                ms = _timed(lambda fn=fn: fn(norm, x).sum().backward(), 20)
+                ms = _timed(lambda fn=fn, norm=norm, x=x: fn(norm, x).sum().backward(), 20)
                 results[name].setdefault(str(shape), []).append(ms)
 
     config = VAETrainConfig()
