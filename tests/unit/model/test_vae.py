@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from model.vae import QwenImageVAE, VAEConfig, load_vae, save_vae, vae_state_dict_3d
+from model.vae_blocks import RMSNorm
 from model.weights import WeightsError
 
 diffusers = pytest.importorskip("diffusers")
@@ -213,8 +214,6 @@ def test_normalize_inverts_denormalize(ours) -> None:
 def test_rms_norm_equals_f_normalize(dtype) -> None:
     """The norm is written as sum + rsqrt for speed; it must stay diffusers' F.normalize(x, dim=1)
     * sqrt(C) * gamma, including an all-zero pixel (zero out, no NaN) and half-precision input."""
-    from model.vae_blocks import RMSNorm
-
     norm = RMSNorm(32, video_gamma=False)
     with torch.no_grad():
         norm.gamma.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(1))
