@@ -19,11 +19,11 @@ import random
 
 import pyarrow.parquet as pq
 
-from compile.buckets import BucketSet, ResolutionBucket
-from model.guidance import DEFAULT_NEGATIVE_PROMPT, negative_text
-from model.tiny.text_encoder import WordTokenizer
-from workers.generate import image_requests, plan_batches
-from workers.rows import PromptRow
+from ditfleet.compile.buckets import BucketSet, ResolutionBucket
+from ditfleet.model.guidance import DEFAULT_NEGATIVE_PROMPT, negative_text
+from ditfleet.model.tiny.text_encoder import WordTokenizer
+from ditfleet.workers.generate import image_requests, plan_batches
+from ditfleet.workers.rows import PromptRow
 
 TOKENIZER_DIR = "model/tiny/weights/tokenizer"
 

@@ -45,7 +45,7 @@ def run_variant(job: Path, claims: bool, timeout_s: float) -> dict:
         env = {k: v for k, v in os.environ.items() if k != "DITFLEET_COMPILE_CACHE_KEY"}
         env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-        cmd = [sys.executable, "-m", "jobs.cli", "run", str(job_copy)]
+        cmd = [sys.executable, "-m", "ditfleet.jobs.cli", "run", str(job_copy)]
         start = time.perf_counter()
         done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
         wall = time.perf_counter() - start

@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from compile import CompileConfig, apply_compile, warm_up
-from model import load_pipeline
+from ditfleet.compile import CompileConfig, apply_compile, warm_up
+from ditfleet.model import load_pipeline
 
 
 def cpu_seconds() -> float:

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ray  # noqa: E402
 
-from driver.dispatch import DispatchConfig, DispatchEvents, run_shards  # noqa: E402
+from ditfleet.driver.dispatch import DispatchConfig, DispatchEvents, run_shards  # noqa: E402
 
 
 class StartLine:

@@ -25,10 +25,10 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from compile.buckets import QWEN_IMAGE_BUCKETS, BucketSet  # noqa: E402
-from driver.input.prompts import PromptSource  # noqa: E402
-from driver.plan import PlanConfig, plan_job  # noqa: E402
-from workers.rows import RowConfig  # noqa: E402
+from ditfleet.compile.buckets import QWEN_IMAGE_BUCKETS, BucketSet  # noqa: E402
+from ditfleet.driver.input.prompts import PromptSource  # noqa: E402
+from ditfleet.driver.plan import PlanConfig, plan_job  # noqa: E402
+from ditfleet.workers.rows import RowConfig  # noqa: E402
 
 _WORDS = (
     "a photo of red blue small large cat dog city river mountain at night in the morning painted by".split()

@@ -31,12 +31,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from compile import CompileConfig, apply_compile  # noqa: E402
-from model import load_pipeline  # noqa: E402
-from model.memory import GB, ModelMemory, plan_memory  # noqa: E402
-from model.sampling import LATENT_CHANNELS, euler_step, true_cfg  # noqa: E402
-from model.scheduler import sigma_schedule  # noqa: E402
-from model.vae import QwenImageVAE, VAEConfig, save_vae  # noqa: E402
+from ditfleet.compile import CompileConfig, apply_compile  # noqa: E402
+from ditfleet.model import load_pipeline  # noqa: E402
+from ditfleet.model.memory import GB, ModelMemory, plan_memory  # noqa: E402
+from ditfleet.model.sampling import LATENT_CHANNELS, euler_step, true_cfg  # noqa: E402
+from ditfleet.model.scheduler import sigma_schedule  # noqa: E402
+from ditfleet.model.vae import QwenImageVAE, VAEConfig, save_vae  # noqa: E402
 from tests.support.real_widths import PUBLISHED, published_config, write_random_transformer  # noqa: E402
 
 MODEL = "qwen-image"

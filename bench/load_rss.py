@@ -44,9 +44,9 @@ def measure(model_dir: Path, method: str, dtype_name: str, device: str) -> dict:
 
     import torch
 
-    from model.checkpoint import Checkpoint, load_streaming
-    from model.loader import prepare_transformer
-    from model.weights import assign_state_dict, read_state_dict
+    from ditfleet.model.checkpoint import Checkpoint, load_streaming
+    from ditfleet.model.loader import prepare_transformer
+    from ditfleet.model.weights import assign_state_dict, read_state_dict
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
     tdir = model_dir / "transformer"
@@ -139,7 +139,7 @@ def main() -> None:
             model_dir = write_real_widths_checkpoint(
                 Path(tmp) / "qwen-image", num_layers=args.layers, shard_bytes=args.shard_mb * MB
             )
-        from model.checkpoint import Checkpoint
+        from ditfleet.model.checkpoint import Checkpoint
 
         ckpt = Checkpoint(model_dir / "transformer")
         largest, total = ckpt.largest_file_bytes, sum(f.stat().st_size for f in ckpt.files)

@@ -24,8 +24,8 @@ from safetensors.torch import save_file
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from model.lora import LoraSpec, merge_updates, plan_updates, read_lora  # noqa: E402
-from model.transformer import QwenImageTransformer, TransformerConfig  # noqa: E402
+from ditfleet.model.lora import LoraSpec, merge_updates, plan_updates, read_lora  # noqa: E402
+from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig  # noqa: E402
 
 PUBLISHED = ROOT / "tests" / "data" / "published" / "qwen-image" / "transformer" / "config.json"
 FULL_DEPTH = 60

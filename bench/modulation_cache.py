@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from model.sampling import Conditioning, TimestepBank, latent_grid, true_cfg
-from model.transformer import QwenImageTransformer, TransformerConfig
+from ditfleet.model.sampling import Conditioning, TimestepBank, latent_grid, true_cfg
+from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig
 
 
 def forward_flops(cfg: TransformerConfig, img_tokens: int, txt_tokens: int) -> dict[str, float]:

@@ -25,8 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.vs_ray_data_io import prompt_text  # noqa: E402
-from compile import PROMPT_LENGTH_BUCKETS, encode_padded  # noqa: E402
-from model import load_pipeline  # noqa: E402
+from ditfleet.compile import PROMPT_LENGTH_BUCKETS, encode_padded  # noqa: E402
+from ditfleet.model import load_pipeline  # noqa: E402
 
 SMALL_FIRST_BUCKETS = (16, 32, *PROMPT_LENGTH_BUCKETS)
 

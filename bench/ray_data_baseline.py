@@ -60,7 +60,7 @@ class QwenImageGenerator:
         te_config = json.loads((root / "text_encoder" / "config.json").read_text())
         self.text_encoder = None
         if te_config.get("_class_name") == "TinyTextEncoder":
-            from model.tiny.text_encoder import TinyTextEncoder
+            from ditfleet.model.tiny.text_encoder import TinyTextEncoder
 
             # The one deviation: diffusers' pipeline takes the tiny model's own text encoder
             # through prompt_embeds; everything from the DiT on is diffusers' code.

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from model import load_pipeline
+from ditfleet.model import load_pipeline
 
 
 def main() -> None:

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from compile import (  # noqa: E402
+from ditfleet.compile import (  # noqa: E402
     BucketSet,
     CompileConfig,
     apply_compile,
@@ -40,8 +40,8 @@ from compile import (  # noqa: E402
     remove_compile,
     warm_up,
 )
-from compile.prewarm import spawn_prewarm  # noqa: E402
-from model import load_pipeline  # noqa: E402
+from ditfleet.compile.prewarm import spawn_prewarm  # noqa: E402
+from ditfleet.model import load_pipeline  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PROMPT = "a lighthouse on a rocky coast at dawn"

@@ -19,9 +19,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from model.tiny.train_vae import VAETrainConfig, reconstruct, reconstruction_loss
-from model.vae import QwenImageVAE
-from model.vae_blocks import RMSNorm
+from ditfleet.model.tiny.train_vae import VAETrainConfig, reconstruct, reconstruction_loss
+from ditfleet.model.vae import QwenImageVAE
+from ditfleet.model.vae_blocks import RMSNorm
 
 SHAPES = ((8, 16, 64, 64), (8, 32, 32, 32), (8, 64, 16, 16))
 

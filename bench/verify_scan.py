@@ -20,11 +20,11 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from driver.output.verify import VerifyReport, clean_orphans, verify_output
+from ditfleet.driver.output.verify import VerifyReport, clean_orphans, verify_output
+from ditfleet.workers.output.layout import image_key, job_key, new_attempt_token
+from ditfleet.workers.output.manifest import ManifestWriter
+from ditfleet.workers.storage import open_store
 from tests.support.worker_fixtures import manifest_row, put_image
-from workers.output.layout import image_key, job_key, new_attempt_token
-from workers.output.manifest import ManifestWriter
-from workers.storage import open_store
 
 
 def build(root: str, shards: int, images: int, size: int) -> None:

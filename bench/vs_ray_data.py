@@ -153,7 +153,7 @@ def ditfleet_job(args: argparse.Namespace, ctx: dict[str, Any], prefix: str) -> 
 def driver_command(args: argparse.Namespace, ctx: dict[str, Any], path: str, prefix: str) -> list[str]:
     if path == "ditfleet":
         job = ditfleet_job(args, ctx, prefix)
-        return [sys.executable, "-m", "jobs.cli", "run", str(job), "--address", ctx["gcs"]]
+        return [sys.executable, "-m", "ditfleet.jobs.cli", "run", str(job), "--address", ctx["gcs"]]
     log_dir = ctx["tmp"] / f"{prefix}-udf"
     log_dir.mkdir()
     return [

@@ -30,7 +30,7 @@ _PLACES = ("at the centre", "at the top left", "at the bottom right", "on the le
 
 def prepare_model(arg: str, tmp: Path) -> tuple[Path, str]:
     """(diffusers-layout folder with a tiny text encoder, a name for the report)."""
-    from model.loader import TINY_MODEL_DIR
+    from ditfleet.model.loader import TINY_MODEL_DIR
 
     if arg == "auto" and all((TINY_MODEL_DIR / c).is_dir() for c in ("transformer", "vae", "text_encoder")):
         return TINY_MODEL_DIR, "bundled tiny"
@@ -90,8 +90,8 @@ def start_s3(tmp: Path) -> tuple[subprocess.Popen, str, Any]:
         if server.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"the moto S3 server did not start; see {tmp / 'moto.log'}")
         time.sleep(0.1)
-    from workers.storage import S3Config
-    from workers.storage.s3 import make_s3_client
+    from ditfleet.workers.storage import S3Config
+    from ditfleet.workers.storage.s3 import make_s3_client
 
     endpoint = f"http://127.0.0.1:{port}"
     client = make_s3_client(S3Config(endpoint_url=endpoint, region="us-east-1", addressing_style="path"))

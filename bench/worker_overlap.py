@@ -23,15 +23,15 @@ from pathlib import Path
 
 import torch
 
-from compile import CompileConfig
-from compile.buckets import BucketSet
-from workers.actor import GenerationWorker
-from workers.contract import WorkerConfig
-from workers.generate import image_requests, iter_generated, plan_batches
-from workers.output.formats import ShardWriterConfig
-from workers.rows import RowConfig, ShardSpec, read_shard_rows
-from workers.storage import S3Config
-from workers.storage.input_files import filesystem_for
+from ditfleet.compile import CompileConfig
+from ditfleet.compile.buckets import BucketSet
+from ditfleet.workers.actor import GenerationWorker
+from ditfleet.workers.contract import WorkerConfig
+from ditfleet.workers.generate import image_requests, iter_generated, plan_batches
+from ditfleet.workers.output.formats import ShardWriterConfig
+from ditfleet.workers.rows import RowConfig, ShardSpec, read_shard_rows
+from ditfleet.workers.storage import S3Config
+from ditfleet.workers.storage.input_files import filesystem_for
 
 
 def free_port() -> int:
@@ -85,7 +85,7 @@ def main() -> None:
     )
     wait_for_port(host, port)
     s3 = S3Config(endpoint_url=f"http://{host}:{port}", region="us-east-1", addressing_style="path")
-    from workers.storage.s3 import make_s3_client
+    from ditfleet.workers.storage.s3 import make_s3_client
 
     make_s3_client(s3).create_bucket(Bucket="bench")
     tmp = Path(tempfile.mkdtemp())

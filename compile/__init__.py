@@ -7,7 +7,7 @@ planning (`ditfleet validate`, `ditfleet plan`) use them; the modules that compi
 
 from __future__ import annotations
 
-from model.lazy_exports import lazy_exports
+from ditfleet.model.lazy_exports import lazy_exports
 
 # name -> the submodule that defines it
 _WHERE = {

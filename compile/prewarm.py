@@ -44,7 +44,7 @@ def prewarm(
 ) -> dict[str, Any]:
     """One actor's start-up (`prepare_worker_pipeline`) with a directory as the shared store;
     without `cache_secret` nothing is shared."""
-    from model import load_pipeline
+    from ditfleet.model import load_pipeline
 
     start = time.perf_counter()
     pipe = load_pipeline(model, device=device, dtype=_DTYPES[dtype])
@@ -100,7 +100,7 @@ def spawn_prewarm(
     """
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache_dir), **(extra_env or {})}
     cmd = [
-        sys.executable, "-m", "compile.prewarm", "--model", str(model), "--buckets", ",".join(buckets),
+        sys.executable, "-m", "ditfleet.compile.prewarm", "--model", str(model), "--buckets", ",".join(buckets),
         "--store", str(store_dir), "--device", device,
     ]  # fmt: skip
     root = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from model.pipeline import GuidanceInputs
+from ditfleet.model.pipeline import GuidanceInputs
 
 from .buckets import PROMPT_LENGTH_BUCKETS, prompt_length_bucket
 from .prompt_padding import pad_prompt_embeds

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from model.guidance import cfg_on
-from model.pipeline import GuidanceInputs
+from ditfleet.model.guidance import cfg_on
+from ditfleet.model.pipeline import GuidanceInputs
 
 from .buckets import ResolutionBucket
 from .claims import BucketClaims, ClaimOutcome

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from workers.startup_phase import COMPILING, LOADING, READY, read_phase
+from ditfleet.workers.startup_phase import COMPILING, LOADING, READY, read_phase
 
 # Phases the driver tells apart, in start-up order.
 UNPLACEABLE = "unplaceable"  # Ray: pending, and no alive node has the resources it asks for

@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from driver.input.arrays import plain
-from driver.input.prompts import InputFile, PromptSource
-from driver.input.row_errors import file_error
-from driver.input.validate import scan_input
-from driver.plan import PlanConfig, ShardCutter, row_group_warnings
-from driver.run_records import (
+from ditfleet.driver.input.arrays import plain
+from ditfleet.driver.input.prompts import InputFile, PromptSource
+from ditfleet.driver.input.row_errors import file_error
+from ditfleet.driver.input.validate import scan_input
+from ditfleet.driver.plan import PlanConfig, ShardCutter, row_group_warnings
+from ditfleet.driver.run_records import (
     FileEntry,
     RecordedPlan,
     RunRecord,
@@ -41,10 +41,10 @@ from driver.run_records import (
     recorded_ids,
     write_ids,
 )
-from workers.output.layout import success_key
-from workers.rows import ShardSpec
-from workers.storage import ObjectStore
-from workers.storage.input_files import InputFileError, footer_sha256
+from ditfleet.workers.output.layout import success_key
+from ditfleet.workers.rows import ShardSpec
+from ditfleet.workers.storage import ObjectStore
+from ditfleet.workers.storage.input_files import InputFileError, footer_sha256
 
 ID_SEPARATOR = "#"  # between a file's name and the row, in the id of a row without an id column
 _IDENTITY_THREADS = 16

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-from workers.storage.input_files import check_s3_uri, is_s3
+from ditfleet.workers.storage.input_files import check_s3_uri, is_s3
 
 _GLOB_CHARS = frozenset("*?[")
 _RAY_PKG_PARENT = "working_dir_files"

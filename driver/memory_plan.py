@@ -12,13 +12,13 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
-from compile.buckets import PROMPT_LENGTH_BUCKETS, ResolutionBucket, prompt_length_bucket
+from ditfleet.compile.buckets import PROMPT_LENGTH_BUCKETS, ResolutionBucket, prompt_length_bucket
 
 # model.folder and model.memory read configs and safetensors headers without torch: planning a
 # job (`ditfleet plan`) does not load it.
-from model.folder import resolve_model_dir
-from model.memory import GB, MemoryPlan, ModelMemory, largest_batch, plan_memory
-from workers.storage import ObjectNotFound, S3Config, StoreError, open_store
+from ditfleet.model.folder import resolve_model_dir
+from ditfleet.model.memory import GB, MemoryPlan, ModelMemory, largest_batch, plan_memory
+from ditfleet.workers.storage import ObjectNotFound, S3Config, StoreError, open_store
 
 
 class MemoryPlanError(ValueError):

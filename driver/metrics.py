@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from driver.dispatch.types import DispatchEvents, DispatchSnapshot, ShardFailure
+from ditfleet.driver.dispatch.types import DispatchEvents, DispatchSnapshot, ShardFailure
 
 SHARDS = "ditfleet_shards"
 ACTORS = "ditfleet_actors"

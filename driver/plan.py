@@ -23,13 +23,13 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from compile.buckets import BucketError
-from driver.input.arrays import plain
-from driver.input.prompts import DEFAULT_BATCH_ROWS, InputFile, PromptSource
-from driver.input.row_errors import file_error
-from driver.input.validate import DEFAULT_MAX_ERRORS, scan_input, valid_sizes
-from workers.rows import MAX_SIDE, RowConfig, ShardSpec
-from workers.storage.input_files import InputFileError, footer_sha256, largest_row_group
+from ditfleet.compile.buckets import BucketError
+from ditfleet.driver.input.arrays import plain
+from ditfleet.driver.input.prompts import DEFAULT_BATCH_ROWS, InputFile, PromptSource
+from ditfleet.driver.input.row_errors import file_error
+from ditfleet.driver.input.validate import DEFAULT_MAX_ERRORS, scan_input, valid_sizes
+from ditfleet.workers.rows import MAX_SIDE, RowConfig, ShardSpec
+from ditfleet.workers.storage.input_files import InputFileError, footer_sha256, largest_row_group
 
 FINGERPRINT_VERSION = 1
 

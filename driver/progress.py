@@ -16,10 +16,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from driver.actor_phases import UNPLACEABLE, WAITING, ActorPhase
-from driver.dispatch.types import DispatchEvents, DispatchSnapshot, ShardFailure
-from workers.contract import ShardResult
-from workers.rows import ShardSpec
+from ditfleet.driver.actor_phases import UNPLACEABLE, WAITING, ActorPhase
+from ditfleet.driver.dispatch.types import DispatchEvents, DispatchSnapshot, ShardFailure
+from ditfleet.workers.contract import ShardResult
+from ditfleet.workers.rows import ShardSpec
 
 _BAR_WIDTH = 24
 _REDRAW_S = 0.25  # bar redraws at most this often

@@ -31,24 +31,24 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from driver.dispatch import DispatchConfig, DispatchEvents, DispatchResult, run_shards
-from driver.increment import IncrementPlan, commit_increment, plan_increment
-from driver.input.prompts import PromptSource
-from driver.input.validate import ValidationReport, validate_input
-from driver.locations import check_locations
-from driver.metrics import FanOut
-from driver.output.claim import OutputMismatch, claim_incremental_output, claim_output
-from driver.output.finish import finish_run
-from driver.output.status import OutputCounts
-from driver.output.summary import JobSummary, build_summary, read_success, write_success
-from driver.plan import JobPlan, PlanConfig, plan_job
-from driver.progress import JobProgress
-from workers.contract import WorkerConfig
-from workers.output.layout import success_key
-from workers.output.manifest import committed_shards
-from workers.rows import ShardSpec
-from workers.storage import ObjectStore, S3Config, open_store
-from workers.storage.input_files import filesystem_for, is_s3
+from ditfleet.driver.dispatch import DispatchConfig, DispatchEvents, DispatchResult, run_shards
+from ditfleet.driver.increment import IncrementPlan, commit_increment, plan_increment
+from ditfleet.driver.input.prompts import PromptSource
+from ditfleet.driver.input.validate import ValidationReport, validate_input
+from ditfleet.driver.locations import check_locations
+from ditfleet.driver.metrics import FanOut
+from ditfleet.driver.output.claim import OutputMismatch, claim_incremental_output, claim_output
+from ditfleet.driver.output.finish import finish_run
+from ditfleet.driver.output.status import OutputCounts
+from ditfleet.driver.output.summary import JobSummary, build_summary, read_success, write_success
+from ditfleet.driver.plan import JobPlan, PlanConfig, plan_job
+from ditfleet.driver.progress import JobProgress
+from ditfleet.workers.contract import WorkerConfig
+from ditfleet.workers.output.layout import success_key
+from ditfleet.workers.output.manifest import committed_shards
+from ditfleet.workers.rows import ShardSpec
+from ditfleet.workers.storage import ObjectStore, S3Config, open_store
+from ditfleet.workers.storage.input_files import filesystem_for, is_s3
 
 _PLAN_TRIES = 5  # an incremental run plans again when another driver took its run number
 
@@ -280,7 +280,7 @@ class _Execution:
         worker_config = _fill_in_for(self.worker_config, todo, buckets_order, self.config.dispatch.max_actors)
         worker_cls = self.worker_cls
         if worker_cls is None:
-            from workers.actor import GenerationWorker
+            from ditfleet.workers.actor import GenerationWorker
 
             worker_cls = GenerationWorker
         if self.connect is not None:

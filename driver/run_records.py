@@ -31,9 +31,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from workers.output.layout import RUNS_PREFIX, run_ids_key, run_key, run_of_key
-from workers.rows import ShardSpec
-from workers.storage import ObjectNotFound, ObjectStore
+from ditfleet.workers.output.layout import RUNS_PREFIX, run_ids_key, run_key, run_of_key
+from ditfleet.workers.rows import ShardSpec
+from ditfleet.workers.storage import ObjectNotFound, ObjectStore
 
 RUN_RECORD_VERSION = 1
 IDS_SCHEMA = pa.schema(

@@ -27,21 +27,20 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import shlex
 import sys
 from collections.abc import Sequence
 
-from driver.dispatch import DispatchError
-from driver.input.row_errors import InputError
-from driver.locations import LocationError, check_local_output_nodes
-from driver.memory_plan import JobMemoryPlan, MemoryPlanError, job_memory_plan
-from driver.output.status import output_status
-from driver.run_job import OutputMismatch, plan_input, preview_increment, run_job, validate_job_input
-from jobs.spec import JobSpec, SpecError, load_spec
-from jobs.submit import SubmitError
-from workers.storage import S3Config, StoreConfigError, StoreError, open_store
-from workers.storage.input_files import is_s3
+from ditfleet.driver.dispatch import DispatchError
+from ditfleet.driver.input.row_errors import InputError
+from ditfleet.driver.locations import LocationError
+from ditfleet.driver.memory_plan import JobMemoryPlan, MemoryPlanError
+from ditfleet.driver.output.status import output_status
+from ditfleet.driver.run_job import OutputMismatch, plan_input, preview_increment, validate_job_input
+from ditfleet.jobs.run import check_memory, memory_plan_of, run
+from ditfleet.jobs.spec import JobSpec, SpecError, load_spec
+from ditfleet.jobs.submit import SubmitError
+from ditfleet.workers.storage import S3Config, StoreConfigError, StoreError, open_store
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -54,58 +53,8 @@ def _print_err(message: str) -> None:
     print(f"ditfleet: {message}", file=sys.stderr)
 
 
-def connect_ray(address: str | None) -> bool:
-    """Connect to the cluster at `address` (or RAY_ADDRESS), or start a local one on loopback.
-    Returns False when this process was connected already (then the caller must not shut down)."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    if address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=address, logging_level="WARNING")  # None: Ray reads RAY_ADDRESS
-        return True
-    # On Linux Ray swaps 127.0.0.1 for the host's address and listens everywhere; this keeps a
-    # local, single-node cluster on loopback.
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING")
-    return True
-
-
-def alive_ray_nodes() -> int:
-    """Nodes of the connected Ray cluster that are alive now."""
-    import ray
-
-    return sum(1 for node in ray.nodes() if node.get("Alive"))
-
-
 def _store_args(args: argparse.Namespace) -> S3Config:
     return S3Config(endpoint_url=args.endpoint_url, region=args.region)
-
-
-def _memory_plan(spec: JobSpec) -> JobMemoryPlan | None:
-    """The job's memory plan; None when the model cannot be read at plan time (hf://).
-
-    Without workers.gpu_memory_gb the plan is information only: a model whose configs cannot be
-    read here (a bucket this machine has no access to) is reported, not an error."""
-    if spec.workers.gpu_memory_gb is not None:
-        return job_memory_plan(spec.memory_request())
-    try:
-        return job_memory_plan(spec.memory_request())
-    except (StoreError, OSError, ValueError) as e:
-        _print_err(f"memory plan skipped: {spec.model.path}: {e}")
-        return None
-
-
-def _check_memory(spec: JobSpec, job: str) -> JobMemoryPlan | None:
-    """Refuse a job whose batch cannot fit workers.gpu_memory_gb (nothing to check without it)."""
-    if spec.workers.gpu_memory_gb is None:
-        return None
-    memory = _memory_plan(spec)
-    if memory is None:
-        _print_err(f"{job}: {spec.model.path}: configs are not read at plan time; memory not checked")
-        return None
-    memory.check(job)
-    return memory
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -113,7 +62,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     report = validate_job_input(spec.to_driver_config())
     if not report.ok:
         raise InputError(report.errors, report.total)
-    memory = _check_memory(spec, args.job)
+    memory = check_memory(spec, args.job)
     print(f"{args.job}: ok: {report.rows} rows in {len(report.files)} file(s) under {spec.input_uri()}")
     if memory is not None:
         print(f"memory: fits {spec.workers.gpu_memory_gb:g} GB; worst: {memory.worst().describe()}")
@@ -132,7 +81,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     spec = load_spec(args.job)
     if spec.input.incremental:
         code = _plan_incremental(spec, args.json)
-        _check_memory(spec, args.job)
+        check_memory(spec, args.job)
         return code
     plan = plan_input(spec.to_driver_config())
     info = {
@@ -147,7 +96,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         "actors": {"min": spec.workers.min, "max": spec.workers.max or spec.workers.min},
         "fingerprint": plan.fingerprint(),
     }
-    memory = _memory_plan(spec)
+    memory = memory_plan_of(spec)
     info["memory"] = memory.to_dict() if memory is not None else None
     if args.json:
         print(json.dumps(info, indent=2))
@@ -200,35 +149,14 @@ def _plan_incremental(spec: JobSpec, as_json: bool) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    spec: JobSpec = load_spec(args.job)
-    _check_memory(spec, args.job)  # before any actor is asked for
-    driver, worker = spec.to_driver_config(), spec.to_worker_config()
-    started = False
-
-    def connect() -> None:
-        nonlocal started
-        started = connect_ray(args.address) or started
-
-    from driver.metrics import DriverMetrics
-
-    try:
-        on_cluster = bool(args.address or os.environ.get("RAY_ADDRESS"))
-        if on_cluster and not is_s3(driver.output_uri) and not spec.output.shared_filesystem:
-            connect()  # before anything is written: a local output needs a one-node cluster
-            check_local_output_nodes(driver.output_uri, False, alive_ray_nodes())
-        summary = run_job(driver, worker, connect=connect, events=DriverMetrics(job=spec.name or ""))
-        if summary.shards.get("committed"):
-            print(report_hint(driver.output_uri))
-    finally:
-        if started:
-            import ray
-
-            ray.shutdown()
+    summary = run(args.job, address=args.address)
+    if summary.shards.get("committed"):
+        print(report_hint(summary.output))
     return summary.exit_code
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from jobs.submit import submit_slot
+    from ditfleet.jobs.submit import submit_slot
 
     spec = load_spec(args.job)  # a bad job file fails here, not on the cluster
     if not spec.name:
@@ -259,7 +187,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from driver.output.verify import verify_output
+    from ditfleet.driver.output.verify import verify_output
 
     report = verify_output(
         open_store(args.output, _store_args(args)),
@@ -272,7 +200,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_preview(args: argparse.Namespace) -> int:
-    from jobs.preview import write_preview
+    from ditfleet.jobs.preview import write_preview
 
     store = open_store(args.output, _store_args(args))
     shown = write_preview(store, args.out, limit=args.max, columns=args.columns)
@@ -281,7 +209,7 @@ def cmd_preview(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from jobs.report import write_report
+    from ditfleet.jobs.report import write_report
 
     store = open_store(args.output, _store_args(args))
     try:
@@ -300,7 +228,7 @@ def report_hint(output: str) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from jobs.inspect_model import format_inspection, inspect_model
+    from ditfleet.jobs.inspect_model import format_inspection, inspect_model
 
     info = inspect_model(
         args.model,

@@ -10,10 +10,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from compile.buckets import PROMPT_LENGTH_BUCKETS, QWEN_IMAGE_BUCKETS, TINY_BUCKETS, prompt_length_bucket
-from driver.memory_plan import read_model_memory
-from model.loader import resolve_model_dir
-from model.memory import (
+from ditfleet.compile.buckets import (
+    PROMPT_LENGTH_BUCKETS,
+    QWEN_IMAGE_BUCKETS,
+    TINY_BUCKETS,
+    prompt_length_bucket,
+)
+from ditfleet.driver.memory_plan import read_model_memory
+from ditfleet.model.loader import resolve_model_dir
+from ditfleet.model.memory import (
     GB,
     TEXT_ENCODER_PLACEMENTS,
     CheckpointSize,
@@ -23,8 +28,8 @@ from model.memory import (
     largest_batch,
     plan_memory,
 )
-from model.weights import WeightsError
-from workers.storage import S3Config
+from ditfleet.model.weights import WeightsError
+from ditfleet.workers.storage import S3Config
 
 DEFAULT_GPUS_GB = (80.0, 48.0, 24.0)
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import pyarrow.parquet as pq
 from PIL import Image, ImageDraw, ImageFont
 
-from workers.output.formats import MANIFEST_IMAGE_COLUMNS, ok_images, read_images
-from workers.output.layout import manifest_key
-from workers.output.manifest import committed_shards
-from workers.storage import ObjectStore
+from ditfleet.workers.output.formats import MANIFEST_IMAGE_COLUMNS, ok_images, read_images
+from ditfleet.workers.output.layout import manifest_key
+from ditfleet.workers.output.manifest import committed_shards
+from ditfleet.workers.storage import ObjectStore
 
 _COLUMNS = [*MANIFEST_IMAGE_COLUMNS, "prompt"]
 THUMB = 160  # longest side of a thumbnail, pixels

@@ -20,11 +20,11 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from driver.output.json_objects import read_json
-from jobs.preview import collect
-from workers.output.layout import success_key
-from workers.output.manifest import read_manifests
-from workers.storage import ObjectStore
+from ditfleet.driver.output.json_objects import read_json
+from ditfleet.jobs.preview import collect
+from ditfleet.workers.output.layout import success_key
+from ditfleet.workers.output.manifest import read_manifests
+from ditfleet.workers.storage import ObjectStore
 
 THUMB = 128  # longest side of a sample thumbnail, pixels
 SAMPLES = 24

@@ -15,10 +15,10 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from model.checkpoint import Checkpoint
-from model.vae_blocks import CausalConv2d, Decoder, Encoder, Resample, RMSNorm
-from model.vae_config import DIFFUSERS_CLASS, VAEConfig  # noqa: F401 - re-exported
-from model.weights import WeightsError, assign_state_dict, read_config, read_state_dict
+from ditfleet.model.checkpoint import Checkpoint
+from ditfleet.model.vae_blocks import CausalConv2d, Decoder, Encoder, Resample, RMSNorm
+from ditfleet.model.vae_config import DIFFUSERS_CLASS, VAEConfig  # noqa: F401 - re-exported
+from ditfleet.model.weights import WeightsError, assign_state_dict, read_config, read_state_dict
 
 ENCODER_PREFIXES = ("encoder.", "quant_conv.")
 

@@ -20,13 +20,13 @@ import time
 
 import torch
 
-from compile import PreparedPipeline, compile_count, prepare_worker_pipeline
-from model import LoraSpec, TextToImagePipeline, load_pipeline, resolve_model_dir
-from model.guidance import negative_text
-from model.loader import load_text_encoder
-from workers.cache_secret import read_cache_secret, say_shared_cache_off
-from workers.contract import ShardAbandoned, ShardResult, WorkerConfig
-from workers.generate import (
+from ditfleet.compile import PreparedPipeline, compile_count, prepare_worker_pipeline
+from ditfleet.model import LoraSpec, TextToImagePipeline, load_pipeline, resolve_model_dir
+from ditfleet.model.guidance import negative_text
+from ditfleet.model.loader import load_text_encoder
+from ditfleet.workers.cache_secret import read_cache_secret, say_shared_cache_off
+from ditfleet.workers.contract import ShardAbandoned, ShardResult, WorkerConfig
+from ditfleet.workers.generate import (
     BatchGenerator,
     GeneratedImage,
     ImageRequest,
@@ -34,18 +34,18 @@ from workers.generate import (
     iter_generated,
     plan_batches,
 )
-from workers.metrics import WorkerMetrics
-from workers.output.formats import ImageResult, ImageTask, StoredShard, make_shard_writer
-from workers.output.layout import manifest_key, new_attempt_token
-from workers.output.manifest import ManifestRow, ManifestWriter, passthrough_json
-from workers.rows import PromptRow, ShardSpec, read_shard_rows
-from workers.spot import StopOnSigterm
-from workers.startup_phase import COMPILING, LOADING, READY, publish_phase
-from workers.storage import StoreConfigError, open_store
-from workers.storage.input_files import filesystem_for
-from workers.text_embeddings import PlacedTextEncoder
-from workers.weights.fetch import fetch_model
-from workers.weights.files import fetch_file
+from ditfleet.workers.metrics import WorkerMetrics
+from ditfleet.workers.output.formats import ImageResult, ImageTask, StoredShard, make_shard_writer
+from ditfleet.workers.output.layout import manifest_key, new_attempt_token
+from ditfleet.workers.output.manifest import ManifestRow, ManifestWriter, passthrough_json
+from ditfleet.workers.rows import PromptRow, ShardSpec, read_shard_rows
+from ditfleet.workers.spot import StopOnSigterm
+from ditfleet.workers.startup_phase import COMPILING, LOADING, READY, publish_phase
+from ditfleet.workers.storage import StoreConfigError, open_store
+from ditfleet.workers.storage.input_files import filesystem_for
+from ditfleet.workers.text_embeddings import PlacedTextEncoder
+from ditfleet.workers.weights.fetch import fetch_model
+from ditfleet.workers.weights.files import fetch_file
 
 
 def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:

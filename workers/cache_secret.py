@@ -17,7 +17,7 @@ import os
 import threading
 from dataclasses import dataclass
 
-from compile.config import MIN_SECRET_BYTES
+from ditfleet.compile.config import MIN_SECRET_BYTES
 
 log = logging.getLogger(__name__)
 

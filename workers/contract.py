@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from compile.config import CompileConfig
-from model.lora_spec import LoraSpec  # noqa: F401 - re-exported for the job spec
-from workers.cache_secret import CacheSecretSource
-from workers.output.formats import ShardWriterConfig
-from workers.rows import RowConfig
-from workers.storage import S3Config
-from workers.weights.fetch_config import FetchConfig
+from ditfleet.compile.config import CompileConfig
+from ditfleet.model.lora_spec import LoraSpec  # noqa: F401 - re-exported for the job spec
+from ditfleet.workers.cache_secret import CacheSecretSource
+from ditfleet.workers.output.formats import ShardWriterConfig
+from ditfleet.workers.rows import RowConfig
+from ditfleet.workers.storage import S3Config
+from ditfleet.workers.weights.fetch_config import FetchConfig
 
 # Where the text encoder lives (workers.text_embeddings places it).
 PLACEMENTS = ("gpu", "cpu", "offload")

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from model import TextToImagePipeline
-from model.guidance import cfg_on, negative_text
-from workers.rows import MAX_SEED, PromptRow
+from ditfleet.model import TextToImagePipeline
+from ditfleet.model.guidance import cfg_on, negative_text
+from ditfleet.workers.rows import MAX_SEED, PromptRow
 
 
 def image_seed(row_seed: int, k: int) -> int:

@@ -30,9 +30,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from compile.buckets import QWEN_IMAGE_BUCKETS, BucketSet, ResolutionBucket
-from model.guidance import DEFAULT_NEGATIVE_PROMPT
-from workers.storage.input_files import InputFileError, open_parquet
+from ditfleet.compile.buckets import QWEN_IMAGE_BUCKETS, BucketSet, ResolutionBucket
+from ditfleet.model.guidance import DEFAULT_NEGATIVE_PROMPT
+from ditfleet.workers.storage.input_files import InputFileError, open_parquet
 
 # Columns with a meaning; every other column is passed through to the manifest.
 KNOWN_COLUMNS = (

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from workers.contract import PLACEMENTS
+from ditfleet.workers.contract import PLACEMENTS
 
 log = logging.getLogger(__name__)
 

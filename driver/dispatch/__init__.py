@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from driver.dispatch.types import (
+from ditfleet.driver.dispatch.types import (
     DispatchConfig,
     DispatchError,
     DispatchEvents,
@@ -42,7 +42,7 @@ from driver.dispatch.types import (
 )
 
 if TYPE_CHECKING:
-    from workers.rows import ShardSpec
+    from ditfleet.workers.rows import ShardSpec
 
 __all__ = [
     "DispatchConfig",
@@ -71,9 +71,9 @@ def run_shards(
     DispatchError when the job cannot go on (actors keep failing to start, or none can be placed).
     """
     # Ray loads here, not with the package: `ditfleet validate` and `plan` import the types.
-    from driver.dispatch.policy import Dispatcher
-    from driver.dispatch.ray_pool import RayActorPool
-    from driver.output.fence import wait_actors_gone
+    from ditfleet.driver.dispatch.policy import Dispatcher
+    from ditfleet.driver.dispatch.ray_pool import RayActorPool
+    from ditfleet.driver.output.fence import wait_actors_gone
 
     pool = RayActorPool(worker_cls, worker_args, config)
     # The loop kills every actor when it ends, on an error too; then wait until none can write.

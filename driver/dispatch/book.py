@@ -10,12 +10,12 @@ from collections import deque
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
 
-from driver.dispatch.slots import Run
-from driver.dispatch.types import ShardFailure
+from ditfleet.driver.dispatch.slots import Run
+from ditfleet.driver.dispatch.types import ShardFailure
 
 if TYPE_CHECKING:
-    from workers.contract import ShardResult
-    from workers.rows import ShardSpec
+    from ditfleet.workers.contract import ShardResult
+    from ditfleet.workers.rows import ShardSpec
 
 PENDING, COMMITTED, FAILED = 0, 1, 2
 

@@ -14,14 +14,23 @@ from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING
 
-from driver.dispatch.book import ShardBook
-from driver.dispatch.slots import ACTOR_DIED, CANCELLED, LEAVING, ActorPool, Run, RunError, Slot, SlotState
-from driver.dispatch.types import DispatchError, DispatchResult, DispatchSnapshot, DispatchStats
+from ditfleet.driver.dispatch.book import ShardBook
+from ditfleet.driver.dispatch.slots import (
+    ACTOR_DIED,
+    CANCELLED,
+    LEAVING,
+    ActorPool,
+    Run,
+    RunError,
+    Slot,
+    SlotState,
+)
+from ditfleet.driver.dispatch.types import DispatchError, DispatchResult, DispatchSnapshot, DispatchStats
 
 if TYPE_CHECKING:
-    from driver.dispatch.types import DispatchConfig, DispatchEvents
-    from workers.contract import ShardResult
-    from workers.rows import ShardSpec
+    from ditfleet.driver.dispatch.types import DispatchConfig, DispatchEvents
+    from ditfleet.workers.contract import ShardResult
+    from ditfleet.workers.rows import ShardSpec
 
 _RECENT_DURATIONS = 256  # shard times kept for the median that the tail decisions use
 

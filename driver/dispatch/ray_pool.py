@@ -15,12 +15,21 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError, TaskCancelledError
 
-from driver.actor_phases import ActorPhase, PhaseTracker, actor_id
-from driver.dispatch.slots import ACTOR_DIED, CANCELLED, LEAVING, RAISED, ActorPool, RunError, Slot, SlotState
-from driver.dispatch.types import DispatchConfig, DispatchError
-from workers.contract import ShardAbandoned, ShardResult
-from workers.rows import ShardSpec
-from workers.startup_phase import forget_phase
+from ditfleet.driver.actor_phases import ActorPhase, PhaseTracker, actor_id
+from ditfleet.driver.dispatch.slots import (
+    ACTOR_DIED,
+    CANCELLED,
+    LEAVING,
+    RAISED,
+    ActorPool,
+    RunError,
+    Slot,
+    SlotState,
+)
+from ditfleet.driver.dispatch.types import DispatchConfig, DispatchError
+from ditfleet.workers.contract import ShardAbandoned, ShardResult
+from ditfleet.workers.rows import ShardSpec
+from ditfleet.workers.startup_phase import forget_phase
 
 
 def _remote_cause(error: BaseException) -> BaseException:

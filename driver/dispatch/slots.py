@@ -21,9 +21,9 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from driver.actor_phases import ActorPhase
-    from workers.contract import ShardResult
-    from workers.rows import ShardSpec
+    from ditfleet.driver.actor_phases import ActorPhase
+    from ditfleet.workers.contract import ShardResult
+    from ditfleet.workers.rows import ShardSpec
 
 
 class SlotState(Enum):

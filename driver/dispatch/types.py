@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from driver.actor_phases import ActorPhase
+from ditfleet.driver.actor_phases import ActorPhase
 
 if TYPE_CHECKING:
-    from workers.contract import ShardResult
-    from workers.rows import ShardSpec
+    from ditfleet.workers.contract import ShardResult
+    from ditfleet.workers.rows import ShardSpec
 
 
 class DispatchError(RuntimeError):

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from driver.input.prompts import PromptSource, iter_batches
-from driver.input.row_errors import RowError, describe_value
+from ditfleet.driver.input.prompts import PromptSource, iter_batches
+from ditfleet.driver.input.row_errors import RowError, describe_value
 
 _HINT = "Ids must be unique across all input files; fix or drop the duplicate rows"
 

@@ -15,8 +15,15 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from driver.input.row_errors import file_error
-from workers.storage.input_files import InputFileError, filesystem_for, fs_path, is_s3, open_parquet, to_uri
+from ditfleet.driver.input.row_errors import file_error
+from ditfleet.workers.storage.input_files import (
+    InputFileError,
+    filesystem_for,
+    fs_path,
+    is_s3,
+    open_parquet,
+    to_uri,
+)
 
 PARQUET_SUFFIX = ".parquet"
 _GLOB_CHARS = frozenset("*?[")

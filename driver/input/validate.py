@@ -14,11 +14,11 @@ from typing import Any, NamedTuple
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from driver.input.arrays import outside, plain
-from driver.input.duplicate_ids import DuplicateIds
-from driver.input.prompts import DEFAULT_BATCH_ROWS, InputFile, PromptSource, iter_batches
-from driver.input.row_errors import InputError, RowError, describe_value
-from workers.rows import (
+from ditfleet.driver.input.arrays import outside, plain
+from ditfleet.driver.input.duplicate_ids import DuplicateIds
+from ditfleet.driver.input.prompts import DEFAULT_BATCH_ROWS, InputFile, PromptSource, iter_batches
+from ditfleet.driver.input.row_errors import InputError, RowError, describe_value
+from ditfleet.workers.rows import (
     CFG_RANGE,
     KNOWN_COLUMNS,
     MAX_SEED,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from driver.output.job_file import (
+from ditfleet.driver.output.job_file import (
     OutputMismatch,
     check_job_file,
     fingerprint_differences,
@@ -20,9 +20,9 @@ from driver.output.job_file import (
     read_job_file,
     write_job_file,
 )
-from driver.plan import JobPlan, PlanConfig, fingerprint_of, settings_doc
-from workers.output.manifest import committed_shards
-from workers.storage import ObjectStore
+from ditfleet.driver.plan import JobPlan, PlanConfig, fingerprint_of, settings_doc
+from ditfleet.workers.output.manifest import committed_shards
+from ditfleet.workers.storage import ObjectStore
 
 
 def claim_output(store: ObjectStore, plan: JobPlan, resolved_spec: dict[str, Any]) -> bool:

@@ -15,14 +15,14 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TextIO
 
-from driver.dispatch import DispatchResult
-from driver.output.status import count_shards
-from driver.output.summary import JobSummary, build_summary, write_success
-from driver.output.verify import clean_orphans
-from driver.progress import JobProgress
-from workers.output.manifest import committed_shards
-from workers.rows import ShardSpec
-from workers.storage import ObjectStore
+from ditfleet.driver.dispatch import DispatchResult
+from ditfleet.driver.output.status import count_shards
+from ditfleet.driver.output.summary import JobSummary, build_summary, write_success
+from ditfleet.driver.output.verify import clean_orphans
+from ditfleet.driver.progress import JobProgress
+from ditfleet.workers.output.manifest import committed_shards
+from ditfleet.workers.rows import ShardSpec
+from ditfleet.workers.storage import ObjectStore
 
 _TIMINGS = ("plan_s", "dispatch_s", "count_s", "wall_s")
 

@@ -27,10 +27,10 @@ from collections.abc import Mapping
 from importlib import metadata
 from typing import Any
 
-from driver.output.json_objects import read_json
-from driver.plan import JobPlan, PlanConfig, fingerprint_of, settings_doc
-from workers.output.layout import job_key
-from workers.storage import ObjectStore
+from ditfleet.driver.output.json_objects import read_json
+from ditfleet.driver.plan import JobPlan, PlanConfig, fingerprint_of, settings_doc
+from ditfleet.workers.output.layout import job_key
+from ditfleet.workers.storage import ObjectStore
 
 JOB_FILE_VERSION = 1
 _RESTORE = "Restore it from a backup, or write to a new output"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from workers.storage import ObjectNotFound, ObjectStore
+from ditfleet.workers.storage import ObjectNotFound, ObjectStore
 
 
 def read_json(store: ObjectStore, key: str) -> dict[str, Any] | None:

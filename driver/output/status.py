@@ -19,12 +19,12 @@ from typing import Any
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from driver.output.job_file import read_job_file
-from driver.output.json_objects import read_json
-from driver.run_records import RecordedPlan, read_run_records
-from workers.output.layout import manifest_key, success_key
-from workers.output.manifest import committed_shards
-from workers.storage import ObjectStore
+from ditfleet.driver.output.job_file import read_job_file
+from ditfleet.driver.output.json_objects import read_json
+from ditfleet.driver.run_records import RecordedPlan, read_run_records
+from ditfleet.workers.output.layout import manifest_key, success_key
+from ditfleet.workers.output.manifest import committed_shards
+from ditfleet.workers.storage import ObjectStore
 
 _COLUMNS = ["id", "status", "error"]
 _READ_THREADS = 16  # manifests are small; reading them is round trips, not bandwidth

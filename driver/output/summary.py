@@ -12,12 +12,12 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from driver.dispatch.types import DispatchResult
-from driver.output.json_objects import read_json
-from driver.output.status import OutputCounts
-from driver.progress import JobProgress, compile_fallbacks, format_duration, plural, warmup_seconds
-from workers.output.layout import success_key
-from workers.storage import ObjectStore
+from ditfleet.driver.dispatch.types import DispatchResult
+from ditfleet.driver.output.json_objects import read_json
+from ditfleet.driver.output.status import OutputCounts
+from ditfleet.driver.progress import JobProgress, compile_fallbacks, format_duration, plural, warmup_seconds
+from ditfleet.workers.output.layout import success_key
+from ditfleet.workers.storage import ObjectStore
 
 SUMMARY_VERSION = 1
 

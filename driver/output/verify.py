@@ -37,9 +37,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from driver.output.json_objects import read_json
-from driver.run_records import RecordedPlan, RunRecordError, read_run_records
-from workers.output.formats import (
+from ditfleet.driver.output.json_objects import read_json
+from ditfleet.driver.run_records import RecordedPlan, RunRecordError, read_run_records
+from ditfleet.workers.output.formats import (
     FORMAT_AREAS,
     ManifestImage,
     StoredImageError,
@@ -47,7 +47,7 @@ from workers.output.formats import (
     ok_images,
     reader_for_key,
 )
-from workers.output.layout import (
+from ditfleet.workers.output.layout import (
     MANIFESTS_PREFIX,
     attempt_object,
     attempt_prefixes,
@@ -56,8 +56,8 @@ from workers.output.layout import (
     shard_of_manifest_key,
     success_key,
 )
-from workers.output.manifest import MANIFEST_SCHEMA
-from workers.storage import ObjectNotFound, ObjectStore
+from ditfleet.workers.output.manifest import MANIFEST_SCHEMA
+from ditfleet.workers.storage import ObjectNotFound, ObjectStore
 
 _THREADS = 16
 MAX_LISTED = 20  # problems (and orphans) printed one per line; the rest are counted

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from model.tiny.scenes import split_scenes  # noqa: E402
+from ditfleet.model.tiny.scenes import split_scenes  # noqa: E402
 
 ROWS = 48
 SIZES = [(None, None), (160, 96), (96, 160)]  # None: the job's default bucket (128x128)

@@ -16,17 +16,17 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from compile.buckets import QWEN_IMAGE_BUCKETS, TINY_BUCKETS, BucketSet
-from compile.config import CompileConfig
-from driver.dispatch import DispatchConfig
-from driver.memory_plan import MemoryRequest
-from driver.plan import PlanConfig
-from driver.run_job import DriverConfig
-from workers.cache_secret import CacheSecretSource
-from workers.contract import LoraSpec, WorkerConfig
-from workers.output.formats import ShardWriterConfig
-from workers.rows import RowConfig
-from workers.storage import S3Config
+from ditfleet.compile.buckets import QWEN_IMAGE_BUCKETS, TINY_BUCKETS, BucketSet
+from ditfleet.compile.config import CompileConfig
+from ditfleet.driver.dispatch import DispatchConfig
+from ditfleet.driver.memory_plan import MemoryRequest
+from ditfleet.driver.plan import PlanConfig
+from ditfleet.driver.run_job import DriverConfig
+from ditfleet.workers.cache_secret import CacheSecretSource
+from ditfleet.workers.contract import LoraSpec, WorkerConfig
+from ditfleet.workers.output.formats import ShardWriterConfig
+from ditfleet.workers.rows import RowConfig
+from ditfleet.workers.storage import S3Config
 
 from .sections import (
     TINY_MODEL,

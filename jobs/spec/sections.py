@@ -12,11 +12,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from compile.buckets import BucketError, BucketSet, ResolutionBucket
-from model.guidance import DEFAULT_NEGATIVE_PROMPT
-from workers.output.layout import FORMAT_NAMES, IMAGE_EXTENSIONS
-from workers.rows import CFG_RANGE, MAX_SEED, NUM_IMAGES_RANGE, STEPS_RANGE
-from workers.storage.input_files import check_s3_uri
+from ditfleet.compile.buckets import BucketError, BucketSet, ResolutionBucket
+from ditfleet.model.guidance import DEFAULT_NEGATIVE_PROMPT
+from ditfleet.workers.output.layout import FORMAT_NAMES, IMAGE_EXTENSIONS
+from ditfleet.workers.rows import CFG_RANGE, MAX_SEED, NUM_IMAGES_RANGE, STEPS_RANGE
+from ditfleet.workers.storage.input_files import check_s3_uri
 
 IMAGE_FORMATS = tuple(IMAGE_EXTENSIONS)  # png, webp, jpeg
 

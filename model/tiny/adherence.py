@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from model.tiny.scenes import COLORS, PALETTE, POSITIONS, SIZE_FRACTION, parse_caption, shape_mask
+from ditfleet.model.tiny.scenes import COLORS, PALETTE, POSITIONS, SIZE_FRACTION, parse_caption, shape_mask
 
 # Euclidean RGB distance from the background above which a pixel counts as shape. Palette colours are
 # at least ~0.7 apart, so 0.25 leaves room for VAE blur and colour drift on both sides.

@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from model.tiny.adherence import score
-from model.tiny.scenes import TINY_BUCKETS, held_out_captions, parse_caption, render
+from ditfleet.model.tiny.adherence import score
+from ditfleet.model.tiny.scenes import TINY_BUCKETS, held_out_captions, parse_caption, render
 
 SHEET_COLUMNS = 8
 
@@ -80,7 +80,7 @@ def contact_sheet(rows: list[tuple[torch.Tensor, list[str]]]):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from model import load_pipeline
+    from ditfleet.model import load_pipeline
 
     parser = argparse.ArgumentParser(description="Adherence of a model on the held-out scene captions.")
     parser.add_argument("--model", default="tiny", help="'tiny' or a diffusers-layout folder")

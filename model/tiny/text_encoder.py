@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from model.weights import WeightsError, assign_state_dict, read_config, read_state_dict
+from ditfleet.model.weights import WeightsError, assign_state_dict, read_config, read_state_dict
 
 PAD, UNK, BOS = "<pad>", "<unk>", "<bos>"
 _WORD_RE = re.compile(r"[a-z0-9]+")

@@ -30,16 +30,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from model.loader import load_pipeline
-from model.scheduler import SchedulerConfig
-from model.tiny.data_parallel import Shard, run_data_parallel
-from model.tiny.scenes import all_scenes, split_scenes
-from model.tiny.text_encoder import TextEncoderConfig, TinyTextEncoder, WordTokenizer
-from model.tiny.train_decoder import DecoderTrainConfig, adapt_decoder
-from model.tiny.train_dit import DiTTrainConfig, build_centred_pools, build_pools, train_dit
-from model.tiny.train_vae import VAETrainConfig, reconstruction_error, train_vae
-from model.transformer import QwenImageTransformer
-from model.vae import QwenImageVAE, load_vae, vae_state_dict_3d
+from ditfleet.model.loader import load_pipeline
+from ditfleet.model.scheduler import SchedulerConfig
+from ditfleet.model.tiny.data_parallel import Shard, run_data_parallel
+from ditfleet.model.tiny.scenes import all_scenes, split_scenes
+from ditfleet.model.tiny.text_encoder import TextEncoderConfig, TinyTextEncoder, WordTokenizer
+from ditfleet.model.tiny.train_decoder import DecoderTrainConfig, adapt_decoder
+from ditfleet.model.tiny.train_dit import DiTTrainConfig, build_centred_pools, build_pools, train_dit
+from ditfleet.model.tiny.train_vae import VAETrainConfig, reconstruction_error, train_vae
+from ditfleet.model.transformer import QwenImageTransformer
+from ditfleet.model.vae import QwenImageVAE, load_vae, vae_state_dict_3d
 
 # Qwen-Image's scheduler settings, in diffusers' FlowMatchEulerDiscreteScheduler spelling.
 SCHEDULER_CONFIG = {
@@ -63,8 +63,8 @@ MODEL_INDEX = {
     "_class_name": "QwenImagePipeline",
     "_diffusers_version": "0.35.0",
     "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-    "text_encoder": ["model.tiny.text_encoder", "TinyTextEncoder"],
-    "tokenizer": ["model.tiny.text_encoder", "WordTokenizer"],
+    "text_encoder": ["ditfleet.model.tiny.text_encoder", "TinyTextEncoder"],
+    "tokenizer": ["ditfleet.model.tiny.text_encoder", "WordTokenizer"],
     "transformer": ["diffusers", "QwenImageTransformer2DModel"],
     "vae": ["diffusers", "AutoencoderKLQwenImage"],
 }

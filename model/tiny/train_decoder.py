@@ -27,12 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
-from model.pipeline import TextToImagePipeline
-from model.sampling import latent_grid, unpack_latents
-from model.tiny.data_parallel import SINGLE_PROCESS, Shard
-from model.tiny.scenes import TINY_BUCKETS, Scene, render_batch, shape_geometry
-from model.tiny.train_vae import reconstruction_loss
-from model.vae import QwenImageVAE
+from ditfleet.model.pipeline import TextToImagePipeline
+from ditfleet.model.sampling import latent_grid, unpack_latents
+from ditfleet.model.tiny.data_parallel import SINGLE_PROCESS, Shard
+from ditfleet.model.tiny.scenes import TINY_BUCKETS, Scene, render_batch, shape_geometry
+from ditfleet.model.tiny.train_vae import reconstruction_loss
+from ditfleet.model.vae import QwenImageVAE
 
 
 @dataclass(frozen=True)

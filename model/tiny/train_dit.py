@@ -40,14 +40,14 @@ from dataclasses import dataclass
 
 import torch
 
-from model.sampling import pack_latents
-from model.scheduler import SchedulerConfig, shift_mu
-from model.tiny.data_parallel import SINGLE_PROCESS, Shard
-from model.tiny.scenes import TINY_BUCKETS, Scene, render_batch, sample_batch
-from model.tiny.text_encoder import TinyTextEncoder
-from model.tiny.train_vae import lr_at
-from model.transformer import QwenImageTransformer, TransformerConfig
-from model.vae import QwenImageVAE
+from ditfleet.model.sampling import pack_latents
+from ditfleet.model.scheduler import SchedulerConfig, shift_mu
+from ditfleet.model.tiny.data_parallel import SINGLE_PROCESS, Shard
+from ditfleet.model.tiny.scenes import TINY_BUCKETS, Scene, render_batch, sample_batch
+from ditfleet.model.tiny.text_encoder import TinyTextEncoder
+from ditfleet.model.tiny.train_vae import lr_at
+from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig
+from ditfleet.model.vae import QwenImageVAE
 
 NEGATIVE_PROMPT = " "
 

@@ -30,14 +30,14 @@ from typing import Any, BinaryIO
 import pyarrow.parquet as pq
 import pytest
 
-from driver.output.verify import verify_output
-from driver.plan import PlanConfig
-from driver.run_job import DriverConfig, claim_output, plan_input
-from jobs.cli import main
+from ditfleet.driver.output.verify import verify_output
+from ditfleet.driver.plan import PlanConfig
+from ditfleet.driver.run_job import DriverConfig, claim_output, plan_input
+from ditfleet.jobs.cli import main
+from ditfleet.workers.actor import GenerationWorker
+from ditfleet.workers.output.layout import MANIFESTS_PREFIX, attempt_object, manifest_key, success_key
+from ditfleet.workers.storage import ObjectStore, open_store
 from tests.support.worker_fixtures import finish_like_driver, row_config, worker_config, write_prompts
-from workers.actor import GenerationWorker
-from workers.output.layout import MANIFESTS_PREFIX, attempt_object, manifest_key, success_key
-from workers.storage import ObjectStore, open_store
 
 INTERLEAVINGS = (
     "a_commits_first",

@@ -16,12 +16,12 @@ from collections import Counter
 import pyarrow.parquet as pq
 import pytest
 
-from driver.dispatch import DispatchConfig, DispatchEvents, run_shards
+from ditfleet.driver.dispatch import DispatchConfig, DispatchEvents, run_shards
+from ditfleet.workers.output.layout import manifest_key
+from ditfleet.workers.output.manifest import committed_shards
+from ditfleet.workers.rows import ShardSpec
+from ditfleet.workers.storage import open_store
 from tests.support.dispatch_workers import SleepingWorker, SleepingWorkerConfig
-from workers.output.layout import manifest_key
-from workers.output.manifest import committed_shards
-from workers.rows import ShardSpec
-from workers.storage import open_store
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -148,7 +148,7 @@ def test_tail_moves_queued_shards_and_duplicates_a_straggler(tmp_path):
 
 
 def test_actors_that_fail_to_start_stop_the_job_with_the_cause(tmp_path):
-    from driver.dispatch import DispatchError
+    from ditfleet.driver.dispatch import DispatchError
 
     config = DispatchConfig(min_actors=1, max_actors=2, num_cpus=0.5, max_start_failures=2, tick_s=0.1)
     with pytest.raises(DispatchError) as err:

@@ -10,14 +10,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from driver.dispatch import DispatchConfig
-from driver.output.status import output_status
-from driver.plan import PlanConfig
-from driver.run_job import DriverConfig, OutputMismatch, run_job
+from ditfleet.driver.dispatch import DispatchConfig
+from ditfleet.driver.output.status import output_status
+from ditfleet.driver.plan import PlanConfig
+from ditfleet.driver.run_job import DriverConfig, OutputMismatch, run_job
+from ditfleet.workers.output.layout import job_key, success_key
+from ditfleet.workers.rows import RowConfig
+from ditfleet.workers.storage import open_store
 from tests.support.dispatch_workers import SleepingWorker, SleepingWorkerConfig
-from workers.output.layout import job_key, success_key
-from workers.rows import RowConfig
-from workers.storage import open_store
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -100,7 +100,7 @@ def test_resume_runs_only_what_is_left_and_refuses_another_job(tmp_path):
 def test_bad_input_fails_before_anything_is_written(tmp_path):
     pq.write_table(pa.table({"prompt": ["ok", ""], "steps": [4, -1]}), tmp_path / "prompts.parquet")
     driver, worker = configs(tmp_path)
-    from driver.input.row_errors import InputError
+    from ditfleet.driver.input.row_errors import InputError
 
     with pytest.raises(InputError) as err:
         run_job(driver, worker, worker_cls=SleepingWorker, stream=io.StringIO())
@@ -109,9 +109,9 @@ def test_bad_input_fails_before_anything_is_written(tmp_path):
 
 
 def test_progress_bar_on_a_terminal_and_status_lines_without_one(tmp_path):
-    from driver.dispatch import DispatchSnapshot
-    from driver.progress import JobProgress
-    from workers.contract import ShardResult
+    from ditfleet.driver.dispatch import DispatchSnapshot
+    from ditfleet.driver.progress import JobProgress
+    from ditfleet.workers.contract import ShardResult
 
     class Shard:
         index = 4

@@ -21,14 +21,14 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.cli import main
+from ditfleet.jobs.cli import main
+from ditfleet.workers.output.layout import MANIFESTS_PREFIX, success_key
+from ditfleet.workers.output.manifest import read_manifests
+from ditfleet.workers.storage import S3Config, open_store
 from tests.support.fixtures_ray import LOOPBACK_ENV
 from tests.support.fixtures_s3 import FAKE_CREDENTIALS, REGION
 from tests.support.paths import REPO
 from tests.support.worker_fixtures import write_prompts
-from workers.output.layout import MANIFESTS_PREFIX, success_key
-from workers.output.manifest import read_manifests
-from workers.storage import S3Config, open_store
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 REPO = REPO
@@ -174,7 +174,7 @@ def test_driver_sigkilled_then_rerun_gives_identical_images(random_model_dir, ra
         tmp_path / "job.yaml", random_model_dir, prompts, str(out), sampling=sampling, shards=shards
     )
     env = {**os.environ, **LOOPBACK_ENV, **FAKE_CREDENTIALS}
-    cmd = [sys.executable, "-m", "jobs.cli", "run", str(job), "--address", ray_cluster.address]
+    cmd = [sys.executable, "-m", "ditfleet.jobs.cli", "run", str(job), "--address", ray_cluster.address]
     log = open(tmp_path / "driver.log", "wb")
     driver = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     store = open_store(str(out))

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from driver.output.fence import process_gone, wait_actors_gone
+from ditfleet.driver.output.fence import process_gone, wait_actors_gone
 
 
 def test_process_gone_sees_live_exited_and_zombie_processes():

@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from workers.weights.files import fetch_file
-from workers.weights.node_cache import ModelFetchError
+from ditfleet.workers.weights.files import fetch_file
+from ditfleet.workers.weights.node_cache import ModelFetchError
 
 
 def test_s3_file_is_fetched_once_and_follows_the_object(tmp_path, s3_server, s3_bucket, s3_config):

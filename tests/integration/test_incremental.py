@@ -14,17 +14,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from driver.dispatch import DispatchConfig
-from driver.input.row_errors import InputError
-from driver.output.claim import OutputMismatch
-from driver.output.status import output_status
-from driver.plan import PlanConfig
-from driver.run_job import DriverConfig, run_job
+from ditfleet.driver.dispatch import DispatchConfig
+from ditfleet.driver.input.row_errors import InputError
+from ditfleet.driver.output.claim import OutputMismatch
+from ditfleet.driver.output.status import output_status
+from ditfleet.driver.plan import PlanConfig
+from ditfleet.driver.run_job import DriverConfig, run_job
+from ditfleet.workers.output.layout import RUNS_PREFIX, run_key, success_key
+from ditfleet.workers.output.manifest import read_manifests
+from ditfleet.workers.rows import RowConfig
+from ditfleet.workers.storage import open_store
 from tests.support.dispatch_workers import SleepingWorker, SleepingWorkerConfig
-from workers.output.layout import RUNS_PREFIX, run_key, success_key
-from workers.output.manifest import read_manifests
-from workers.rows import RowConfig
-from workers.storage import open_store
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 ROWS = RowConfig(job_seed=3)
@@ -228,9 +228,9 @@ def test_changed_settings_or_mode_are_refused_naming_what_differs(tmp_path: Path
 
 @pytest.mark.slow
 def test_real_worker_through_the_cli_adds_a_days_file(random_model_dir, tmp_path: Path, capsys):
-    from jobs.cli import main
+    from ditfleet.jobs.cli import main
+    from ditfleet.workers.rows import derive_seed
     from tests.support.worker_fixtures import write_prompts
-    from workers.rows import derive_seed
 
     src, out = tmp_path / "in", tmp_path / "out"
     write_prompts(src / "day-1.parquet", 10)
@@ -297,8 +297,8 @@ class _KilledAfter:
 
 def _success_with_uncommitted_shards(out: str) -> list[int]:
     """Planned shards without a manifest, if _SUCCESS is there (else [])."""
-    from driver.run_records import RecordedPlan, read_run_records
-    from workers.output.manifest import committed_shards
+    from ditfleet.driver.run_records import RecordedPlan, read_run_records
+    from ditfleet.workers.output.manifest import committed_shards
 
     store = open_store(out)
     if not store.exists(success_key()):
@@ -308,10 +308,10 @@ def _success_with_uncommitted_shards(out: str) -> list[int]:
 
 
 def test_success_never_stands_next_to_uncommitted_shards_wherever_the_driver_dies(tmp_path: Path):
-    from driver.increment import commit_increment, plan_increment
-    from driver.output.claim import claim_incremental_output
-    from driver.run_job import prompt_source
-    from workers.output.manifest import committed_shards
+    from ditfleet.driver.increment import commit_increment, plan_increment
+    from ditfleet.driver.output.claim import claim_incremental_output
+    from ditfleet.driver.run_job import prompt_source
+    from ditfleet.workers.output.manifest import committed_shards
 
     src = tmp_path / "in"
     write_file(src / "day1.parquet", 12, ids=[f"d1-{i}" for i in range(12)])

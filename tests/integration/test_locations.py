@@ -6,17 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from driver.locations import (
+from ditfleet.driver.locations import (
     LocationError,
     check_local_output_nodes,
     check_locations,
     ray_working_dir_package,
 )
-from jobs.cli import main
-from jobs.spec import parse_spec
+from ditfleet.jobs.cli import main
+from ditfleet.jobs.spec import parse_spec
+from ditfleet.workers.storage import open_store
 from tests.support.paths import REPO
 from tests.support.worker_fixtures import write_prompts
-from workers.storage import open_store
 
 
 def _job(tmp_path: Path, input_path: str, output: str, extra: str = "") -> Path:
@@ -74,7 +74,7 @@ def test_hash_and_question_mark_in_s3_uris_are_refused_everywhere(uri, tmp_path)
         check_locations(str(tmp_path / "p.parquet"), uri)
     with pytest.raises(ValueError, match="would cut the key"):
         open_store(uri)
-    from jobs.spec import SpecError
+    from ditfleet.jobs.spec import SpecError
 
     with pytest.raises(SpecError, match="output.uri: .*would cut the key"):
         parse_spec(f"input: {{path: p.parquet}}\noutput: {{uri: '{uri}'}}\n", "job.yaml")
@@ -145,7 +145,7 @@ def test_ditfleet_run_refuses_a_local_output_on_a_two_node_cluster(tmp_path):
         cluster.add_node(num_cpus=1, node_ip_address=LOOPBACK)
         cluster.wait_for_nodes()
         done = subprocess.run(
-            [sys.executable, "-m", "jobs.cli", "run", str(job), "--address", cluster.address],
+            [sys.executable, "-m", "ditfleet.jobs.cli", "run", str(job), "--address", cluster.address],
             cwd=REPO,
             env={**os.environ, **LOOPBACK_ENV},
             capture_output=True,
@@ -169,9 +169,9 @@ def test_an_actor_on_another_node_refuses_a_node_local_output(tmp_path, ray_clus
     """Nodes an autoscaler adds after the start: the worker itself checks where it runs."""
     import ray
 
-    from workers.actor import GenerationWorker, check_output_node
-    from workers.contract import WorkerConfig
-    from workers.storage import StoreConfigError
+    from ditfleet.workers.actor import GenerationWorker, check_output_node
+    from ditfleet.workers.contract import WorkerConfig
+    from ditfleet.workers.storage import StoreConfigError
 
     here = ray.get_runtime_context().get_node_id()
     check_output_node(str(tmp_path / "out"), here, here)
@@ -189,8 +189,8 @@ def test_the_driver_pins_a_local_output_to_its_node_unless_shared(tmp_path, ray_
 
     import ray
 
-    from driver.run_job import DriverConfig, _pin_output_node
-    from workers.contract import WorkerConfig
+    from ditfleet.driver.run_job import DriverConfig, _pin_output_node
+    from ditfleet.workers.contract import WorkerConfig
 
     worker = WorkerConfig(output_uri=str(tmp_path / "out"))
     driver = DriverConfig(input_uri=str(tmp_path / "p.parquet"), output_uri=str(tmp_path / "out"))

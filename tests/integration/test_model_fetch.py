@@ -28,11 +28,11 @@ import pytest
 import torch
 from filelock import FileLock
 
+from ditfleet.workers.storage.s3 import S3Store
+from ditfleet.workers.weights.fetch import FetchConfig, ModelFetchError, fetch_model
+from ditfleet.workers.weights.node_cache import MARKER, REQUIRED_FILES, file_digests, mismatches
 from tests.support.fault_proxy import FaultPlan, Rule
 from tests.support.paths import REPO
-from workers.storage.s3 import S3Store
-from workers.weights.fetch import FetchConfig, ModelFetchError, fetch_model
-from workers.weights.node_cache import MARKER, REQUIRED_FILES, file_digests, mismatches
 
 REPO = REPO
 PREFIX = "models/tiny-v1"
@@ -118,7 +118,7 @@ def source(bucket: str) -> str:
 
 
 def generate(model_dir: Path) -> torch.Tensor:
-    from model import load_pipeline
+    from ditfleet.model import load_pipeline
 
     pipe = load_pipeline(model_dir, "cpu", torch.float32)
     return pipe.generate(
@@ -406,8 +406,8 @@ def test_the_verifier_rejects_a_damaged_copy(random_model_dir, tmp_path):
 
 
 def test_a_local_directory_passes_through(random_model_dir, tmp_path, s3_config):
-    from model import model_revision
-    from model.loader import REQUIRED_COMPONENTS
+    from ditfleet.model import model_revision
+    from ditfleet.model.loader import REQUIRED_COMPONENTS
 
     assert set(REQUIRED_FILES) == set(REQUIRED_COMPONENTS)
     for src in (str(random_model_dir), f"file://{random_model_dir}"):

@@ -20,13 +20,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from driver.dispatch import DispatchConfig
-from driver.plan import PlanConfig
-from driver.run_job import DriverConfig, run_job
-from jobs.cli import main
-from jobs.report import THUMB, load_report_data, render_html
+from ditfleet.driver.dispatch import DispatchConfig
+from ditfleet.driver.plan import PlanConfig
+from ditfleet.driver.run_job import DriverConfig, run_job
+from ditfleet.jobs.cli import main
+from ditfleet.jobs.report import THUMB, load_report_data, render_html
+from ditfleet.workers.storage import open_store
 from tests.support.worker_fixtures import row_config, worker_config, write_prompts
-from workers.storage import open_store
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 

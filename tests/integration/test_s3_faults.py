@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from botocore.exceptions import ClientError
 
+from ditfleet.workers.storage import StoreError, open_store
 from tests.support.fault_proxy import FaultPlan, Rule
-from workers.storage import StoreError, open_store
 
 _MiB = 1024 * 1024
 
@@ -249,7 +249,7 @@ def _job_file(tmp_path, bucket: str, endpoint: str) -> str:
 def test_a_store_failing_mid_job_exits_1_and_says_it_is_resumable(
     s3_server, s3_bucket, fault_proxy, tmp_path, capsys
 ) -> None:
-    from jobs.cli import main
+    from ditfleet.jobs.cli import main
 
     # The output checks out, then every write of the job's claim fails with 500s past the retries.
     fault_proxy.set_plan(FaultPlan(rules=[Rule(lambda m, p: m == "PUT" and "_job.json" in p, "error500")]))
@@ -263,7 +263,7 @@ def test_a_store_failing_mid_job_exits_1_and_says_it_is_resumable(
 def test_a_store_that_cannot_be_used_exits_2_before_any_work(
     s3_server, fault_proxy, tmp_path, capsys
 ) -> None:
-    from jobs.cli import main
+    from ditfleet.jobs.cli import main
 
     assert main(["run", _job_file(tmp_path, "no-such-bucket", fault_proxy.endpoint_url)]) == 2
     assert "does not exist: create it" in capsys.readouterr().err
@@ -272,7 +272,7 @@ def test_a_store_that_cannot_be_used_exits_2_before_any_work(
 def test_ditfleet_run_refuses_a_store_without_conditional_writes(
     s3_server, s3_bucket, fault_proxy, tmp_path, capsys
 ) -> None:
-    from jobs.cli import main
+    from ditfleet.jobs.cli import main
 
     fault_proxy.set_plan(FaultPlan(reject_if_none_match=True))
     assert main(["run", _job_file(tmp_path, s3_bucket, fault_proxy.endpoint_url)]) == 2

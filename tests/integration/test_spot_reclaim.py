@@ -16,13 +16,13 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from driver.dispatch import DispatchConfig
-from driver.plan import PlanConfig
-from driver.run_job import DriverConfig, run_job
+from ditfleet.driver.dispatch import DispatchConfig
+from ditfleet.driver.plan import PlanConfig
+from ditfleet.driver.run_job import DriverConfig, run_job
+from ditfleet.workers.output.layout import IMAGES_PREFIX, MANIFESTS_PREFIX, manifest_key
+from ditfleet.workers.output.manifest import read_manifests
+from ditfleet.workers.storage import open_store
 from tests.support.worker_fixtures import row_config, worker_config, write_prompts
-from workers.output.layout import IMAGES_PREFIX, MANIFESTS_PREFIX, manifest_key
-from workers.output.manifest import read_manifests
-from workers.storage import open_store
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 

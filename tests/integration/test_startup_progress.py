@@ -13,11 +13,11 @@ import time
 
 import pytest
 
-from driver.dispatch import DispatchConfig, DispatchError, run_shards
-from driver.progress import JobProgress
+from ditfleet.driver.dispatch import DispatchConfig, DispatchError, run_shards
+from ditfleet.driver.progress import JobProgress
+from ditfleet.workers.rows import ShardSpec
+from ditfleet.workers.startup_phase import COMPILING, LOADING, READY, publish_phase
 from tests.support.dispatch_workers import SleepingWorker, SleepingWorkerConfig
-from workers.rows import ShardSpec
-from workers.startup_phase import COMPILING, LOADING, READY, publish_phase
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 

@@ -9,13 +9,13 @@ import threading
 import pyarrow.parquet as pq
 import pytest
 
+from ditfleet.workers.actor import GenerationWorker
+from ditfleet.workers.output.formats import ShardStoreError
+from ditfleet.workers.output.layout import data_key, manifest_key
+from ditfleet.workers.output.manifest import read_manifests
+from ditfleet.workers.storage import StoreError, open_store
 from tests.support.fault_proxy import FaultPlan, Rule
 from tests.support.worker_fixtures import shard_of, worker_config, write_prompts
-from workers.actor import GenerationWorker
-from workers.output.formats import ShardStoreError
-from workers.output.layout import data_key, manifest_key
-from workers.output.manifest import read_manifests
-from workers.storage import StoreError, open_store
 
 N = 12
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from compile import ResolutionBucket
+from ditfleet.compile import ResolutionBucket
 
 # The smallest sizes the tiny model supports with 2x2 packing: latent grids 4x4 and 6x4. Each
 # costs one Inductor graph of the VAE decode (tens of seconds on 2 CPU cores).
@@ -42,7 +42,7 @@ def velocity(
 
 def perturbed_vae(model_dir: Path, seed: int = 1):
     """The model's VAE loaded again as a new object, with every weight nudged (other outputs)."""
-    from model.vae import load_vae
+    from ditfleet.model.vae import load_vae
 
     vae = load_vae(Path(model_dir) / "vae")
     g = torch.Generator().manual_seed(seed)

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 
 import pyarrow.fs as pafs
 
-from workers.contract import ShardAbandoned, ShardResult, WorkerConfig
-from workers.output.layout import image_key, manifest_key, new_attempt_token
-from workers.output.manifest import ManifestRow, ManifestWriter
-from workers.rows import read_shard_rows
-from workers.storage import open_store
+from ditfleet.workers.contract import ShardAbandoned, ShardResult, WorkerConfig
+from ditfleet.workers.output.layout import image_key, manifest_key, new_attempt_token
+from ditfleet.workers.output.manifest import ManifestRow, ManifestWriter
+from ditfleet.workers.rows import read_shard_rows
+from ditfleet.workers.storage import open_store
 
 
 @dataclass(frozen=True)

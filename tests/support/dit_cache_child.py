@@ -43,14 +43,14 @@ def _count_cpp_builds() -> Counter:
 def main(args: dict) -> dict:
     from torch._dynamo.utils import counters
 
-    from compile import (
+    from ditfleet.compile import (
         CompileConfig,
         DirectoryArtifactStore,
         ResolutionBucket,
         count_compiles,
         prepare_worker_pipeline,
     )
-    from model import load_pipeline
+    from ditfleet.model import load_pipeline
     from tests.support.compile_helpers import generate, random_embeds
 
     cpp = _count_cpp_builds()

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
+from ditfleet.workers.storage import S3Config
 from tests.support.fault_proxy import FaultProxy
-from workers.storage import S3Config
 
 REGION = "us-east-1"
 FAKE_CREDENTIALS = {
@@ -56,7 +56,7 @@ class MotoS3:
 
     def client(self, endpoint_url: str | None = None, **overrides: Any) -> Any:
         """A new boto3 client from the default credential chain (as the stores make them)."""
-        from workers.storage.s3 import make_s3_client
+        from ditfleet.workers.storage.s3 import make_s3_client
 
         return make_s3_client(self.config(endpoint_url, **overrides))
 

@@ -17,8 +17,8 @@ import signal
 import sys
 import threading
 
-from workers.storage import S3Config
-from workers.weights.fetch import FetchConfig, ModelFetchError, fetch_model
+from ditfleet.workers.storage import S3Config
+from ditfleet.workers.weights.fetch import FetchConfig, ModelFetchError, fetch_model
 
 
 def main(args: dict) -> None:

@@ -50,7 +50,7 @@ def make_diffusers_model_dir(root: Path, seed: int = 0, transformer_overrides: d
 
 def add_tiny_text_encoder(root: Path, seed: int = 0) -> Path:
     """Give a model folder a small random word-level text encoder (hidden size = joint_attention_dim)."""
-    from model.tiny.text_encoder import TextEncoderConfig, TinyTextEncoder, WordTokenizer
+    from ditfleet.model.tiny.text_encoder import TextEncoderConfig, TinyTextEncoder, WordTokenizer
 
     words = "a the small large red green blue yellow white black circle square triangle at top bottom left right centre on background".split()
     tokenizer = WordTokenizer.from_words(words)

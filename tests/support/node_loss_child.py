@@ -37,13 +37,13 @@ def main(spec_path: str) -> int:
     import ray
     from ray.cluster_utils import Cluster
 
-    from driver.dispatch import DispatchConfig
-    from driver.output.verify import verify_output
-    from driver.plan import PlanConfig
-    from driver.run_job import DriverConfig, run_job
+    from ditfleet.driver.dispatch import DispatchConfig
+    from ditfleet.driver.output.verify import verify_output
+    from ditfleet.driver.plan import PlanConfig
+    from ditfleet.driver.run_job import DriverConfig, run_job
+    from ditfleet.workers.output.layout import MANIFESTS_PREFIX
+    from ditfleet.workers.storage import S3Config, open_store
     from tests.support.worker_fixtures import row_config, worker_config
-    from workers.output.layout import MANIFESTS_PREFIX
-    from workers.storage import S3Config, open_store
 
     s3 = S3Config(endpoint_url=spec["endpoint_url"], region=spec["region"], addressing_style="path")
     node_args = {"node_ip_address": LOOPBACK, "object_store_memory": 80 * _MiB}

@@ -82,7 +82,7 @@ def write_sharded(
 
 def transformer_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """Every tensor name and shape of the transformer a config describes (built on meta)."""
-    from model.transformer import QwenImageTransformer, TransformerConfig
+    from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig
 
     with torch.device("meta"):
         model = QwenImageTransformer(TransformerConfig.from_dict(config))

@@ -10,13 +10,13 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from compile import CompileConfig
-from compile.buckets import BucketSet
-from workers.contract import WorkerConfig
-from workers.output.formats import ShardWriterConfig
-from workers.output.manifest import ManifestRow
-from workers.rows import RowConfig, ShardSpec
-from workers.storage import ObjectStore, S3Config
+from ditfleet.compile import CompileConfig
+from ditfleet.compile.buckets import BucketSet
+from ditfleet.workers.contract import WorkerConfig
+from ditfleet.workers.output.formats import ShardWriterConfig
+from ditfleet.workers.output.manifest import ManifestRow
+from ditfleet.workers.rows import RowConfig, ShardSpec
+from ditfleet.workers.storage import ObjectStore, S3Config
 
 COLOURS = ("red", "green", "blue", "yellow")
 SHAPES = ("circle", "square", "triangle")
@@ -121,8 +121,8 @@ def finish_like_driver(store: Any, plan: Any) -> None:
     import io
     import time
 
-    from driver.output.finish import finish_run
-    from driver.progress import JobProgress
+    from ditfleet.driver.output.finish import finish_run
+    from ditfleet.driver.progress import JobProgress
 
     n = len(plan.shards)
     summary = finish_run(

@@ -25,6 +25,7 @@ from tests.support.paths import REPO
 
 ROOT = REPO
 LAYERS = ("model", "compile", "workers", "driver", "jobs")  # each may import only those before it
+PACKAGE = "ditfleet"  # the layers install as ditfleet.<layer> (setup.py)
 MODEL_MAY_IMPORT = {"torch", "safetensors", "model"}
 # (file, package) that model/ imports beyond those, each inside the function that needs it.
 MODEL_OPTIONAL_IMPORTS = {
@@ -43,15 +44,22 @@ DEFERRED_CYCLES: set[frozenset[str]] = set()
 
 @dataclass(frozen=True)
 class Import:
-    source: str  # the importing module, e.g. "driver.plan"
-    target: str  # the imported module of ours, e.g. "workers.rows" (a package: its __init__)
+    source: str  # the importing module, e.g. "ditfleet.driver.plan"
+    target: str  # the imported module of ours, e.g. "ditfleet.workers.rows" (a package: its __init__)
     where: str  # "driver/plan.py:31"
     at_load: bool  # runs when `source` is loaded (module level, not TYPE_CHECKING)
 
 
 def module_name(path: Path) -> str:
+    """The import name of one of our files: model/loader.py is ditfleet.model.loader."""
     parts = path.relative_to(ROOT).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    return ".".join((PACKAGE, *(parts[:-1] if parts[-1] == "__init__" else parts)))
+
+
+def top_name(module: str) -> str:
+    """What an import is of: our layer ("model" for ditfleet.model.x), else its top-level package."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == PACKAGE and len(parts) > 1 else parts[0]
 
 
 def our_modules() -> dict[str, Path]:
@@ -112,8 +120,8 @@ def all_imports() -> tuple[list[Import], list[tuple[str, str]]]:
                 # `from pkg import name`: the submodule pkg.name when there is one, else pkg itself.
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
             for target in targets:
-                every.append((where, target.split(".")[0]))
-                if target.split(".")[0] in LAYERS:
+                every.append((where, top_name(target)))
+                if target.split(".")[0] == PACKAGE and top_name(target) in LAYERS:
                     # `import a.b.c` of a module we do not have: the nearest package that exists.
                     while target not in modules and "." in target:
                         target = target.rsplit(".", 1)[0]
@@ -123,7 +131,7 @@ def all_imports() -> tuple[list[Import], list[tuple[str, str]]]:
 
 
 def _layer(module: str) -> int:
-    return LAYERS.index(module.split(".")[0])
+    return LAYERS.index(top_name(module))
 
 
 def cycles(edges: list[Import]) -> list[list[str]]:
@@ -167,19 +175,19 @@ def cycles(edges: list[Import]) -> list[list[str]]:
 
 def test_the_parser_sees_every_layer_and_its_imports():
     modules = our_modules()
-    assert {m.split(".")[0] for m in modules} == set(LAYERS)
+    assert {top_name(m) for m in modules} == set(LAYERS)
     edges, _ = all_imports()
     # A few imports that the code is known to make, so that a parser that finds nothing fails.
     seen = {(e.source, e.target) for e in edges}
-    assert ("driver.plan", "workers.rows") in seen
-    assert ("workers.actor", "workers.contract") in seen  # relative: `from .contract import ...`
-    assert ("jobs.cli", "driver.run_job") in seen
+    assert ("ditfleet.driver.plan", "ditfleet.workers.rows") in seen
+    assert ("ditfleet.workers.actor", "ditfleet.workers.contract") in seen  # relative: `from .contract import ...`
+    assert ("ditfleet.jobs.cli", "ditfleet.driver.run_job") in seen
 
 
 def test_no_upward_import():
     edges, _ = all_imports()
     upward = [
-        f"{e.where}: {e.source} imports {e.target} (of our packages, {e.source.split('.')[0]} may import "
+        f"{e.where}: {e.source} imports {e.target} (of our packages, {top_name(e.source)} may import "
         f"{', '.join(LAYERS[: _layer(e.source)]) or 'none'})"
         for e in edges
         if _layer(e.target) > _layer(e.source)
@@ -235,3 +243,20 @@ def test_cycle_finder_finds_a_cycle_and_ignores_a_chain():
     chain = [edge("a", "b"), edge("b", "c")]
     assert cycles(chain) == []
     assert cycles([*chain, edge("c", "a"), edge("c", "d")]) == [["a", "b", "c"]]
+
+
+def test_our_packages_are_imported_only_by_their_installed_names():
+    """`import model` would find a user's own model/ first on a Ray worker's path (a job's
+    working_dir); only `ditfleet.model` is ours for certain."""
+    bare = []
+    for folder in (*LAYERS, PACKAGE, "tests", "bench"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            for node, _ in _imports(ast.parse(path.read_text(), filename=rel)):
+                names = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else ([node.module or ""] if not node.level else [])
+                )
+                bare += [f"{rel}:{node.lineno}: {n}" for n in names if n.split(".")[0] in LAYERS]
+    assert not bare, "imports of our layers by their bare names (use ditfleet.<layer>):\n" + "\n".join(bare)

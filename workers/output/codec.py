@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from workers.output.layout import IMAGE_EXTENSIONS
+from ditfleet.workers.output.layout import IMAGE_EXTENSIONS
 
 CONTENT_TYPES = {"png": "image/png", "webp": "image/webp", "jpeg": "image/jpeg"}
 assert CONTENT_TYPES.keys() == IMAGE_EXTENSIONS.keys(), "an image format needs an extension and a MIME type"

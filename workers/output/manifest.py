@@ -22,8 +22,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from workers.output.layout import MANIFESTS_PREFIX, manifest_key, shard_of_manifest_key
-from workers.storage import ObjectStore
+from ditfleet.workers.output.layout import MANIFESTS_PREFIX, manifest_key, shard_of_manifest_key
+from ditfleet.workers.storage import ObjectStore
 
 MANIFEST_VERSION = "1"
 STATUSES = ("ok", "failed")

@@ -5,9 +5,9 @@ The names most callers need are importable from here (the key check and fsync he
 s3.py (boto3) loads only when an s3:// store is opened.
 """
 
-from workers.storage.base import ObjectNotFound, ObjectStore, S3Config, StoreConfigError, StoreError
-from workers.storage.local import LocalStore
-from workers.storage.open import open_store
+from ditfleet.workers.storage.base import ObjectNotFound, ObjectStore, S3Config, StoreConfigError, StoreError
+from ditfleet.workers.storage.local import LocalStore
+from ditfleet.workers.storage.open import open_store
 
 __all__ = [
     "LocalStore",

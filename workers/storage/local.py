@@ -11,8 +11,8 @@ import uuid
 from collections.abc import Iterator
 from typing import BinaryIO
 
-from workers.output.layout import write_check_key
-from workers.storage.base import (
+from ditfleet.workers.output.layout import write_check_key
+from ditfleet.workers.storage.base import (
     _COPY_CHUNK,
     _TMP_MARK,
     STALE_TEMP_AGE_S,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from urllib.parse import urlparse
 
-from workers.storage.base import ObjectStore, S3Config
-from workers.storage.input_files import check_s3_uri
-from workers.storage.local import LocalStore
+from ditfleet.workers.storage.base import ObjectStore, S3Config
+from ditfleet.workers.storage.input_files import check_s3_uri
+from ditfleet.workers.storage.local import LocalStore
 
 
 def open_store(uri: str, config: S3Config | None = None) -> ObjectStore:
@@ -25,7 +25,7 @@ def open_store(uri: str, config: S3Config | None = None) -> ObjectStore:
             raise ValueError("an empty path is not an output location")
         return LocalStore(path)
     if parsed.scheme == "s3":
-        from workers.storage.s3 import S3Store
+        from ditfleet.workers.storage.s3 import S3Store
 
         if not parsed.netloc:
             raise ValueError(f"{uri!r}: an s3 URI needs a bucket: s3://bucket/prefix")

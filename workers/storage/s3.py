@@ -34,8 +34,8 @@ from botocore.exceptions import (
     PartialCredentialsError,
 )
 
-from workers.output.layout import write_check_key
-from workers.storage.base import (
+from ditfleet.workers.output.layout import write_check_key
+from ditfleet.workers.storage.base import (
     ObjectNotFound,
     ObjectStore,
     S3Config,

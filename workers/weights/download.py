@@ -32,8 +32,8 @@ from botocore.exceptions import (
 from s3transfer.exceptions import RetriesExceededError, S3DownloadFailedError
 from s3transfer.subscribers import BaseSubscriber
 
-from workers.weights.fetch_config import FetchConfig
-from workers.weights.node_cache import (
+from ditfleet.workers.weights.fetch_config import FetchConfig
+from ditfleet.workers.weights.node_cache import (
     MARKER,
     CacheEntry,
     ModelFetchError,

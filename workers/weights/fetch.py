@@ -26,10 +26,16 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from workers.storage import S3Config
-from workers.storage.s3 import make_s3_client
-from workers.weights.download import FetchConfig, download_files, list_s3_model
-from workers.weights.node_cache import CacheEntry, ModelFetchError, RemoteFile, check_layout, content_revision
+from ditfleet.workers.storage import S3Config
+from ditfleet.workers.storage.s3 import make_s3_client
+from ditfleet.workers.weights.download import FetchConfig, download_files, list_s3_model
+from ditfleet.workers.weights.node_cache import (
+    CacheEntry,
+    ModelFetchError,
+    RemoteFile,
+    check_layout,
+    content_revision,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +78,7 @@ def fetch_model(
     if scheme == "s3":
         return _fetch_s3(source, Path(cache_dir), s3, config, progress, t0)
     if scheme == "hf":
-        from workers.weights.hub import fetch_hub_snapshot
+        from ditfleet.workers.weights.hub import fetch_hub_snapshot
 
         snap = fetch_hub_snapshot(source, Path(cache_dir), config.lock_timeout_s)
         return FetchedModel(
@@ -95,7 +101,7 @@ def fetch_model(
 
 def _local(source: str, t0: float) -> FetchedModel:
     # Imported here: it brings torch, which a fetch of remote files does not need.
-    from model import WeightsError, model_revision, resolve_model_dir
+    from ditfleet.model import WeightsError, model_revision, resolve_model_dir
 
     parsed = urlparse(source)
     if parsed.scheme == "file" and parsed.netloc not in ("", "localhost"):

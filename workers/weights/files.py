@@ -15,10 +15,10 @@ from urllib.parse import urlparse
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from workers.storage import S3Config
-from workers.storage.s3 import make_s3_client
-from workers.weights.download import FetchConfig, download_files, s3_fetch_error
-from workers.weights.node_cache import CacheEntry, ModelFetchError, RemoteFile, content_revision
+from ditfleet.workers.storage import S3Config
+from ditfleet.workers.storage.s3 import make_s3_client
+from ditfleet.workers.weights.download import FetchConfig, download_files, s3_fetch_error
+from ditfleet.workers.weights.node_cache import CacheEntry, ModelFetchError, RemoteFile, content_revision
 
 
 def fetch_file(source: str, cache_dir: str | Path, s3: S3Config, config: FetchConfig | None = None) -> Path:

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from workers.weights.node_cache import REQUIRED_FILES, ModelFetchError, check_layout, node_lock
+from ditfleet.workers.weights.node_cache import REQUIRED_FILES, ModelFetchError, check_layout, node_lock
 
 # The folders a diffusers-layout model may hold that the loader reads; anything else in the repo
 # (other formats, samples, a second copy of the weights) is never downloaded.

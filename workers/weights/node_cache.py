@@ -34,7 +34,7 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
-from workers.storage.base import fsync_dir
+from ditfleet.workers.storage.base import fsync_dir
 
 log = logging.getLogger(__name__)
 

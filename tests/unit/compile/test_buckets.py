@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from compile.buckets import (
+from ditfleet.compile.buckets import (
     PROMPT_LENGTH_BUCKETS,
     QWEN_IMAGE_BUCKETS,
     TINY_BUCKETS,
@@ -12,7 +12,7 @@ from compile.buckets import (
     ResolutionBucket,
     prompt_length_bucket,
 )
-from compile.prompt_padding import pad_prompt_embeds, pad_to_bucket
+from ditfleet.compile.prompt_padding import pad_prompt_embeds, pad_to_bucket
 
 QWEN = BucketSet(QWEN_IMAGE_BUCKETS)
 TINY = BucketSet(TINY_BUCKETS)

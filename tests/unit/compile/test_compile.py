@@ -16,7 +16,7 @@ import weakref
 import pytest
 import torch
 
-from compile import (
+from ditfleet.compile import (
     PROMPT_LENGTH_BUCKETS,
     CacheKey,
     CompileCacheWarning,
@@ -33,10 +33,10 @@ from compile import (
     remove_compile,
     warm_up,
 )
-from compile.cache import UnauthenticatedCacheBlob, open_sealed, pack, seal, unpack
-from compile.claims import CLAIMS_DIR
-from compile.prewarm import spawn_prewarm
-from model import load_pipeline
+from ditfleet.compile.cache import UnauthenticatedCacheBlob, open_sealed, pack, seal, unpack
+from ditfleet.compile.claims import CLAIMS_DIR
+from ditfleet.compile.prewarm import spawn_prewarm
+from ditfleet.model import load_pipeline
 from tests.support.compile_helpers import SMALL_BUCKETS, generate, perturbed_vae, random_embeds, velocity
 
 # (cond tokens, negative tokens): inside, at the edge of, and across prompt-length buckets.
@@ -339,7 +339,7 @@ def test_a_forged_blob_writes_nothing_and_the_actor_compiles_normally(
 ):
     """Someone with write access to the output plants a blob under the actor's key, with a
     header whose SHA-256 they recomputed: a pickle that runs code, and a kernel library."""
-    from compile import prepare_worker_pipeline
+    from ditfleet.compile import prepare_worker_pipeline
 
     inductor = tmp_path / "inductor"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductor))
@@ -375,7 +375,7 @@ def test_a_forged_blob_writes_nothing_and_the_actor_compiles_normally(
 
 
 def test_without_a_key_nothing_is_read_from_or_written_to_the_store(random_model_dir, tmp_path):
-    from compile import prepare_worker_pipeline
+    from ditfleet.compile import prepare_worker_pipeline
 
     pipe = load_pipeline(random_model_dir)
     config = CompileConfig(vae=True, vae_backend="eager")

@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from compile import BucketClaims, CompileClaimWarning
-from compile.prewarm import spawn_prewarm
+from ditfleet.compile import BucketClaims, CompileClaimWarning
+from ditfleet.compile.prewarm import spawn_prewarm
 from tests.support.compile_helpers import SMALL_BUCKETS
 
 QUIET_ENV = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
@@ -22,7 +22,7 @@ def _hold_in_child(claims: BucketClaims, bucket: str) -> subprocess.Popen:
     code = textwrap.dedent(
         f"""
         import sys, time
-        from compile.claims import BucketClaims
+        from ditfleet.compile.claims import BucketClaims
         fd = BucketClaims({str(claims.dir.parent)!r}, {claims.key!r}, 1).try_claim({bucket!r})
         print("held" if fd is not None else "busy", flush=True)
         time.sleep(600)

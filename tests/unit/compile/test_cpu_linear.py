@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compile import CompileConfig, apply_compile, remove_compile
-from compile.cpu_linear import OneDNNLinear, onednn_available, restore_linears, use_onednn_linears
-from model import load_pipeline
+from ditfleet.compile import CompileConfig, apply_compile, remove_compile
+from ditfleet.compile.cpu_linear import OneDNNLinear, onednn_available, restore_linears, use_onednn_linears
+from ditfleet.model import load_pipeline
 
 pytestmark = pytest.mark.skipif(
     not onednn_available("cpu", torch.float32), reason="this torch has no oneDNN"

@@ -16,9 +16,9 @@ import sys
 import pytest
 import torch
 
-from compile import CompileConfig, apply_compile, count_compiles, warm_up
-from compile.policy import AUTO_DIT_IMAGES_PER_BUCKET, resolve_dit
-from model import load_pipeline
+from ditfleet.compile import CompileConfig, apply_compile, count_compiles, warm_up
+from ditfleet.compile.policy import AUTO_DIT_IMAGES_PER_BUCKET, resolve_dit
+from ditfleet.model import load_pipeline
 from tests.support.compile_helpers import SMALL_BUCKETS, generate, random_embeds
 from tests.support.paths import REPO
 

@@ -19,12 +19,12 @@ from itertools import count
 
 import pytest
 
-from driver.dispatch import DispatchConfig, DispatchError, DispatchEvents
-from driver.dispatch.policy import Dispatcher
-from driver.dispatch.slots import ACTOR_DIED, CANCELLED, LEAVING, RAISED, ActorPool, RunError, Slot
+from ditfleet.driver.dispatch import DispatchConfig, DispatchError, DispatchEvents
+from ditfleet.driver.dispatch.policy import Dispatcher
+from ditfleet.driver.dispatch.slots import ACTOR_DIED, CANCELLED, LEAVING, RAISED, ActorPool, RunError, Slot
+from ditfleet.workers.contract import ShardResult
+from ditfleet.workers.rows import ShardSpec
 from tests.support.paths import REPO
-from workers.contract import ShardResult
-from workers.rows import ShardSpec
 
 ROOT = REPO
 

@@ -10,14 +10,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from driver.input.prompts import PromptSource
-from driver.output.claim import claim_incremental_output, claim_output
-from driver.output.job_file import JOB_FILE_VERSION, OutputMismatch, read_job_file, write_job_file
-from driver.output.status import output_status
-from driver.plan import JobPlan, PlanConfig, plan_job
-from workers.output.layout import job_key
-from workers.rows import RowConfig
-from workers.storage import open_store
+from ditfleet.driver.input.prompts import PromptSource
+from ditfleet.driver.output.claim import claim_incremental_output, claim_output
+from ditfleet.driver.output.job_file import JOB_FILE_VERSION, OutputMismatch, read_job_file, write_job_file
+from ditfleet.driver.output.status import output_status
+from ditfleet.driver.plan import JobPlan, PlanConfig, plan_job
+from ditfleet.workers.output.layout import job_key
+from ditfleet.workers.rows import RowConfig
+from ditfleet.workers.storage import open_store
 
 
 def plan_of(tmp_path: Path, seed: int = 1, shard_size: int = 2) -> JobPlan:

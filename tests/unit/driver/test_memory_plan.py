@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from jobs.cli import main
-from model.memory import (
+from ditfleet.jobs.cli import main
+from ditfleet.model.memory import (
     GB,
     ModelMemory,
     checkpoint_size,
@@ -24,9 +24,9 @@ from model.memory import (
     vae_decode_activation_bytes,
     vae_params,
 )
-from model.transformer import QwenImageTransformer, TransformerConfig
-from model.vae import QwenImageVAE, VAEConfig
-from model.weights import read_config
+from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig
+from ditfleet.model.vae import QwenImageVAE, VAEConfig
+from ditfleet.model.weights import read_config
 from tests.support.memory_measure import peak_allocated_bytes
 from tests.support.paths import DATA, REPO
 
@@ -286,8 +286,8 @@ def test_a_cpu_job_is_planned_in_host_memory_without_the_cuda_reserve(capsys):
 
 
 def test_a_model_in_a_bucket_is_planned_from_its_config_files(s3_server, s3_bucket):
-    from driver.memory_plan import MemoryPlanError, MemoryRequest, job_memory_plan
-    from workers.storage import StoreError, open_store
+    from ditfleet.driver.memory_plan import MemoryPlanError, MemoryRequest, job_memory_plan
+    from ditfleet.workers.storage import StoreError, open_store
 
     uri = f"s3://{s3_bucket}/models/qwen-image"
     store = open_store(uri, s3_server.config())

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from jobs.cli import main
+from ditfleet.jobs.cli import main
 from tests.support.worker_fixtures import write_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]

@@ -18,14 +18,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from compile.buckets import TINY_BUCKETS, BucketSet
-from driver.input.prompts import PromptSource
-from driver.input.row_errors import InputError
-from driver.output.job_file import describe_differences, fingerprint_differences, job_document
-from driver.plan import JobPlan, PlanConfig, plan_job
+from ditfleet.compile.buckets import TINY_BUCKETS, BucketSet
+from ditfleet.driver.input.prompts import PromptSource
+from ditfleet.driver.input.row_errors import InputError
+from ditfleet.driver.output.job_file import describe_differences, fingerprint_differences, job_document
+from ditfleet.driver.plan import JobPlan, PlanConfig, plan_job
+from ditfleet.workers.rows import PromptRow, RowConfig, derive_seed, read_shard_rows, resolve_rows
+from ditfleet.workers.storage.input_files import InputFileError, filesystem_for
 from tests.support.paths import REPO
-from workers.rows import PromptRow, RowConfig, derive_seed, read_shard_rows, resolve_rows
-from workers.storage.input_files import InputFileError, filesystem_for
 
 REPO = REPO
 ROWS = RowConfig(job_seed=1234, buckets=BucketSet(TINY_BUCKETS), steps=4, true_cfg_scale=3.0)

@@ -12,12 +12,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from compile.buckets import TINY_BUCKETS, BucketSet
-from driver.input.prompts import PromptSource
-from driver.input.row_errors import InputError
-from driver.input.validate import validate_input
-from driver.plan import PlanConfig, plan_job
-from workers.rows import RowConfig
+from ditfleet.compile.buckets import TINY_BUCKETS, BucketSet
+from ditfleet.driver.input.prompts import PromptSource
+from ditfleet.driver.input.row_errors import InputError
+from ditfleet.driver.input.validate import validate_input
+from ditfleet.driver.plan import PlanConfig, plan_job
+from ditfleet.workers.rows import RowConfig
 
 CONFIG = RowConfig(buckets=BucketSet(TINY_BUCKETS))
 STRICT = RowConfig(buckets=BucketSet(TINY_BUCKETS, strict=True))

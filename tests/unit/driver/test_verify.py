@@ -14,13 +14,12 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from driver.output.verify import verify_output
-from driver.plan import PlanConfig
-from driver.run_job import DriverConfig, claim_output, plan_input
-from jobs.cli import main
-from tests.support.worker_fixtures import finish_like_driver, row_config, worker_config, write_prompts
-from workers.actor import GenerationWorker
-from workers.output.layout import (
+from ditfleet.driver.output.verify import verify_output
+from ditfleet.driver.plan import PlanConfig
+from ditfleet.driver.run_job import DriverConfig, claim_output, plan_input
+from ditfleet.jobs.cli import main
+from ditfleet.workers.actor import GenerationWorker
+from ditfleet.workers.output.layout import (
     data_key,
     image_key,
     manifest_key,
@@ -28,8 +27,9 @@ from workers.output.layout import (
     success_key,
     webdataset_key,
 )
-from workers.output.manifest import MANIFEST_SCHEMA
-from workers.storage import open_store
+from ditfleet.workers.output.manifest import MANIFEST_SCHEMA
+from ditfleet.workers.storage import open_store
+from tests.support.worker_fixtures import finish_like_driver, row_config, worker_config, write_prompts
 
 ROWS, SHARD_SIZE = 6, 2
 

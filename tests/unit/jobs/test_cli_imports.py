@@ -25,22 +25,22 @@ TINY_JOB = ROOT / "jobs" / "examples" / "tiny.yaml"
 # The model modules that planning reads (configs, safetensors headers, memory arithmetic).
 TORCH_FREE_MODEL = {
     "model",
-    "model.folder",
-    "model.guidance",  # the CFG rule and the default negative prompt (the spec's default)
-    "model.lazy_exports",  # the packages' load-on-first-use attributes
-    "model.lora_spec",
-    "model.memory",
-    "model.memory.activations",
-    "model.memory.disk",
-    "model.memory.params",
-    "model.memory.plan",
-    "model.transformer_config",
-    "model.vae_config",
+    "ditfleet.model.folder",
+    "ditfleet.model.guidance",  # the CFG rule and the default negative prompt (the spec's default)
+    "ditfleet.model.lazy_exports",  # the packages' load-on-first-use attributes
+    "ditfleet.model.lora_spec",
+    "ditfleet.model.memory",
+    "ditfleet.model.memory.activations",
+    "ditfleet.model.memory.disk",
+    "ditfleet.model.memory.params",
+    "ditfleet.model.memory.plan",
+    "ditfleet.model.transformer_config",
+    "ditfleet.model.vae_config",
 }
 
 REPORT = """
 import json, sys
-from jobs.cli import main
+from ditfleet.jobs.cli import main
 code = main(sys.argv[1:])
 print("MODULES " + json.dumps({"code": code, "modules": sorted(sys.modules)}))
 """
@@ -84,4 +84,4 @@ def test_validate_and_plan_load_no_torch_ray_or_model_code(command, job, tmp_pat
     assert "boto3" not in tops and "botocore" not in tops
     model = {m for m in modules if m.split(".")[0] == "model"}
     assert model <= TORCH_FREE_MODEL, f"model modules with torch loaded: {sorted(model - TORCH_FREE_MODEL)}"
-    assert not {"workers.actor", "workers.text_embeddings", "compile.policy"} & modules
+    assert not {"ditfleet.workers.actor", "ditfleet.workers.text_embeddings", "ditfleet.compile.policy"} & modules

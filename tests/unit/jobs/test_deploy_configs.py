@@ -25,8 +25,8 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
-from jobs.cli import build_parser
-from jobs.spec import load_spec
+from ditfleet.jobs.cli import build_parser
+from ditfleet.jobs.spec import load_spec
 from tests.support.paths import REPO
 
 ROOT = REPO

@@ -13,13 +13,13 @@ import pytest
 from PIL import Image
 from pydantic import BaseModel
 
-from jobs.cli import main
-from jobs.spec import JobSpec, SpecError, load_spec, parse_spec
+from ditfleet.jobs.cli import main
+from ditfleet.jobs.spec import JobSpec, SpecError, load_spec, parse_spec
+from ditfleet.workers.output.layout import image_key, job_key, new_attempt_token
+from ditfleet.workers.output.manifest import ManifestWriter
+from ditfleet.workers.storage import open_store
 from tests.support.paths import REPO
 from tests.support.worker_fixtures import manifest_row, put_image
-from workers.output.layout import image_key, job_key, new_attempt_token
-from workers.output.manifest import ManifestWriter
-from workers.storage import open_store
 
 EXAMPLE = REPO / "jobs" / "examples" / "tiny.yaml"
 
@@ -99,8 +99,8 @@ def test_every_field_says_why_it_exists():
 
 
 def test_example_job_converts_to_consistent_lower_configs(monkeypatch):
-    from compile.buckets import BucketSet
-    from workers.rows import RowConfig
+    from ditfleet.compile.buckets import BucketSet
+    from ditfleet.workers.rows import RowConfig
 
     monkeypatch.chdir(EXAMPLE.parents[2])
     spec = load_spec(EXAMPLE)
@@ -204,7 +204,7 @@ def test_cli_status_and_preview_read_the_output(tmp_path, capsys):
 def test_preview_reads_every_output_format(tmp_path, output_format, capsys):
     import numpy as np
 
-    from workers.output.formats import ImageTask, ShardWriterConfig, make_shard_writer
+    from ditfleet.workers.output.formats import ImageTask, ShardWriterConfig, make_shard_writer
 
     out = tmp_path / "out"
     store = open_store(str(out))
@@ -250,8 +250,8 @@ def test_single_writer_is_explicit_and_excludes_speculative_twins():
 
 def test_adapters_and_schedule_are_part_of_the_output_fingerprint(tmp_path):
     """Another LoRA, scale or schedule makes other images: an output refuses to resume with them."""
-    from driver.output.job_file import describe_differences
-    from driver.plan import settings_doc
+    from ditfleet.driver.output.job_file import describe_differences
+    from ditfleet.driver.plan import settings_doc
 
     def doc(extra: str = "") -> dict:
         spec = load_spec(write_job(tmp_path, minimal(tmp_path, extra)))

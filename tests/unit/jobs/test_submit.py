@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from jobs.cli import main
-from jobs.submit import MAX_ID_CHARS, entrypoint, exit_code, submission_id
+from ditfleet.jobs.cli import main
+from ditfleet.jobs.submit import MAX_ID_CHARS, entrypoint, exit_code, submission_id
+from ditfleet.workers.output.layout import success_key
+from ditfleet.workers.output.manifest import read_manifests
+from ditfleet.workers.storage import open_store
 from tests.support.paths import REPO
 from tests.support.worker_fixtures import write_prompts
-from workers.output.layout import success_key
-from workers.output.manifest import read_manifests
-from workers.storage import open_store
 
 REPO = REPO
 
@@ -68,7 +68,7 @@ def _submit(head, args: list[str]) -> subprocess.Popen:
     """`ditfleet submit` as a scheduler runs it: its own process, here with the test cluster's
     environment (token authentication on, as the head has it)."""
     env = {**head.env, "RAY_AUTH_MODE": "token"}
-    cmd = [sys.executable, "-m", "jobs.cli", "submit", *args]
+    cmd = [sys.executable, "-m", "ditfleet.jobs.cli", "submit", *args]
     return subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

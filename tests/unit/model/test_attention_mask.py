@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model import load_pipeline
-from model.attention import AttentionStats, TextPadding, joint_attention
-from model.transformer import QwenImageTransformer, TransformerConfig
+from ditfleet.model import load_pipeline
+from ditfleet.model.attention import AttentionStats, TextPadding, joint_attention
+from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig
 from tests.support.model_fixtures import TINY_TRANSFORMER
 
 
@@ -112,8 +112,8 @@ def test_images_without_mask_match_masked_reference(random_model_dir):
 
 
 def _requests(lengths: list[int], bucket=(32, 32), cfg: float = 4.0):
-    from workers.generate import ImageRequest
-    from workers.rows import PromptRow
+    from ditfleet.workers.generate import ImageRequest
+    from ditfleet.workers.rows import PromptRow
 
     rows = [
         PromptRow(
@@ -142,7 +142,7 @@ def _word_count(prompts: list[str]) -> list[int]:
 
 
 def test_batches_are_sorted_by_length_and_cut_at_the_padding_budget():
-    from workers.generate import padded_share, plan_batches
+    from ditfleet.workers.generate import padded_share, plan_batches
 
     lengths = [40, 12, 13, 12, 41, 90, 12, 40, 13]
     reqs = _requests(lengths, bucket=(64, 64))  # 16 image tokens: padding weighs a lot
@@ -162,8 +162,8 @@ def test_worker_reports_mask_counts_and_padded_share(random_model_dir, tmp_path)
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from ditfleet.workers.actor import GenerationWorker
     from tests.support.worker_fixtures import row_config, shard_of, worker_config
-    from workers.actor import GenerationWorker
 
     words = ["a red circle", "a red circle", "a small blue square", "a small blue square at the top",
              "a red circle", "a large green triangle on a white background", "a small blue square"]  # fmt: skip

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from model import load_pipeline
-from model.pipeline import cfg_batched_for
+from ditfleet.model import load_pipeline
+from ditfleet.model.pipeline import cfg_batched_for
 from tests.support.compile_helpers import random_embeds
 
 KW = dict(height=32, width=48, steps=2, true_cfg_scale=4.0, seeds=[1, 2])
@@ -75,7 +75,7 @@ def test_auto_batches_small_passes_on_cuda_only():
 
 
 def test_spec_cfg_mode_reaches_the_worker(tmp_path):
-    from jobs.spec import JobSpec
+    from ditfleet.jobs.spec import JobSpec
 
     base = {"input": {"path": str(tmp_path / "p.parquet")}, "output": {"uri": str(tmp_path / "o")}}
     spec = JobSpec.model_validate({**base, "sampling": {"cfg_mode": "batched"}})

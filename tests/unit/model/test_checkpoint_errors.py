@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from model import load_pipeline
-from model.weights import WeightsError
+from ditfleet.model import load_pipeline
+from ditfleet.model.weights import WeightsError
 from tests.support.real_widths import published_config, write_sharded
 
 INDEX = "diffusion_pytorch_model.safetensors.index.json"

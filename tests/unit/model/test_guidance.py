@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.guidance import DEFAULT_NEGATIVE_PROMPT, cfg_on, negative_text, negative_texts
+from ditfleet.model.guidance import DEFAULT_NEGATIVE_PROMPT, cfg_on, negative_text, negative_texts
 
 
 @pytest.mark.parametrize(
@@ -38,7 +38,7 @@ def test_negative_texts_default_and_per_prompt():
 
 @pytest.fixture(scope="module")
 def tiny_pipe():
-    from model import load_pipeline
+    from ditfleet.model import load_pipeline
 
     return load_pipeline("tiny", "cpu", torch.float32, load_text_encoder_too=True)
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from model import load_pipeline
-from model.lora import LoraError, LoraSpec
+from ditfleet.model import load_pipeline
+from ditfleet.model.lora import LoraError, LoraSpec
 from tests.support.model_fixtures import diffusers_images, diffusers_pipeline, padded_embeds
 from tests.support.paths import DATA, REPO
 
@@ -321,10 +321,10 @@ def test_worker_merges_adapters_and_manifests_name_the_revision(
     of base + adapters + schedule."""
     import dataclasses
 
+    from ditfleet.workers.actor import GenerationWorker
+    from ditfleet.workers.output.manifest import read_manifests
+    from ditfleet.workers.storage import open_store
     from tests.support.worker_fixtures import row_config, shard_of, worker_config, write_prompts
-    from workers.actor import GenerationWorker
-    from workers.output.manifest import read_manifests
-    from workers.storage import open_store
 
     prompts = write_prompts(tmp_path / "prompts.parquet", 3)
     adapter = write_kohya_lora(tmp_path / "adapter.safetensors", 9, flat=True)
@@ -371,8 +371,8 @@ def test_lightning_style_keys_match_the_published_full_depth_model(tmp_path):
     """Every linear layer of the 60 blocks of the published Qwen-Image transformer (built on the
     meta device), named the way the Lightning LoRA files name them (bare module names,
     lora_down/lora_up, an alpha each) and in the kohya spelling: all matched, none left over."""
-    from model.lora import plan_updates, read_lora
-    from model.transformer import QwenImageTransformer, TransformerConfig
+    from ditfleet.model.lora import plan_updates, read_lora
+    from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig
 
     published = DATA / "published" / "qwen-image" / "transformer" / "config.json"
     config = TransformerConfig.from_dict(json.loads(published.read_text()), where=str(published))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model import TransformerConfig, WeightsError, load_pipeline
-from model.loader import load_transformer
+from ditfleet.model import TransformerConfig, WeightsError, load_pipeline
+from ditfleet.model.loader import load_transformer
 from tests.support.model_fixtures import (
     TINY_TRANSFORMER,
     diffusers_images,
@@ -63,7 +63,7 @@ def test_transformer_matches_diffusers(tmp_path, grid, text_lens, overrides):
 def test_module_tree_mirrors_diffusers_keys(tmp_path):
     ref = _reference_transformer()
     ours = TransformerConfig.from_dict(dict(ref.config))
-    from model.transformer import QwenImageTransformer
+    from ditfleet.model.transformer import QwenImageTransformer
 
     assert set(QwenImageTransformer(ours).state_dict()) == set(ref.state_dict())
     block = QwenImageTransformer(ours).transformer_blocks[0]
@@ -83,8 +83,8 @@ def test_scheduler_matches_diffusers(random_model_dir):
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
-    from model.loader import load_scheduler
-    from model.scheduler import sigma_schedule
+    from ditfleet.model.loader import load_scheduler
+    from ditfleet.model.scheduler import sigma_schedule
 
     ref = FlowMatchEulerDiscreteScheduler.from_pretrained(random_model_dir / "scheduler")
     ours = load_scheduler(random_model_dir / "scheduler")
@@ -122,7 +122,7 @@ def test_missing_and_pickle_weights_are_refused(tmp_path, random_model_dir):
 
 
 def test_one_step_schedule_is_finite():
-    from model.scheduler import SchedulerConfig, sigma_schedule
+    from ditfleet.model.scheduler import SchedulerConfig, sigma_schedule
 
     sigmas = sigma_schedule(SchedulerConfig(), 1, 1024)
     assert torch.isfinite(sigmas).all() and sigmas.tolist() == [1.0, 0.0]
@@ -130,7 +130,7 @@ def test_one_step_schedule_is_finite():
 
 def test_batched_cfg_matches_serial(random_model_dir):
     """cond+uncond in one batch of 2B computes what two serial passes compute."""
-    from compile import encode_padded
+    from ditfleet.compile import encode_padded
 
     serial = load_pipeline(random_model_dir)
     batched = load_pipeline(random_model_dir, cfg_batched=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model import load_pipeline
-from model.loader import load_transformer
+from ditfleet.model import load_pipeline
+from ditfleet.model.loader import load_transformer
 from tests.support.model_fixtures import TINY_TRANSFORMER
 
 

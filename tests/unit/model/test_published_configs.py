@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from model import folder
-from model.loader import check_model_index, load_scheduler
-from model.scheduler import SchedulerConfig, sigma_schedule
-from model.transformer import QwenImageTransformer, TransformerConfig
-from model.vae import VAEConfig, load_vae
-from model.weights import WeightsError
+from ditfleet.model import folder
+from ditfleet.model.loader import check_model_index, load_scheduler
+from ditfleet.model.scheduler import SchedulerConfig, sigma_schedule
+from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig
+from ditfleet.model.vae import VAEConfig, load_vae
+from ditfleet.model.weights import WeightsError
 from tests.support.paths import DATA
 
 PUBLISHED = DATA / "published"
@@ -46,7 +46,7 @@ def test_pooled_projection_dim_is_ignored_once_at_debug(caplog):
     raw = _json("qwen-image", "transformer/config.json")
     assert raw["pooled_projection_dim"] == 768  # the key the published file really carries
     folder._ignored_seen.discard(("transformer", "pooled_projection_dim"))
-    with caplog.at_level(logging.DEBUG, logger="model.folder"):
+    with caplog.at_level(logging.DEBUG, logger="ditfleet.model.folder"):
         TransformerConfig.from_dict(raw)
         TransformerConfig.from_dict(raw)
     hits = [r for r in caplog.records if "pooled_projection_dim" in r.getMessage()]

@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 pytest.importorskip("diffusers")
 
-from model.text_encoder import QWEN_IMAGE_DROP_TOKENS, QWEN_IMAGE_TEMPLATE, QwenVLTextEncoder  # noqa: E402
+from ditfleet.model.text_encoder import QWEN_IMAGE_DROP_TOKENS, QWEN_IMAGE_TEMPLATE, QwenVLTextEncoder  # noqa: E402
 from tests.support.qwen_text_encoder import PROMPTS, make_text_encoder, make_tokenizer  # noqa: E402
 
 
@@ -89,7 +89,7 @@ def test_matches_diffusers_encode_prompt(qwen_dirs):
 def test_load_pipeline_picks_qwen_text_encoder(qwen_dirs, tmp_path):
     import shutil
 
-    from model.loader import load_pipeline
+    from ditfleet.model.loader import load_pipeline
     from tests.support.model_fixtures import make_diffusers_model_dir
 
     src, _, _ = qwen_dirs

@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from model import load_pipeline
-from model.loader import load_transformer
-from model.sampling import model_timestep
-from model.scheduler import SchedulerConfig, sigma_schedule
+from ditfleet.model import load_pipeline
+from ditfleet.model.loader import load_transformer
+from ditfleet.model.sampling import model_timestep
+from ditfleet.model.scheduler import SchedulerConfig, sigma_schedule
 from tests.support.model_fixtures import (
     diffusers_images,
     diffusers_pipeline,

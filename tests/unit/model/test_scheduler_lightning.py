@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from model.loader import load_scheduler
-from model.scheduler import SchedulerConfig, sigma_schedule
+from ditfleet.model.loader import load_scheduler
+from ditfleet.model.scheduler import SchedulerConfig, sigma_schedule
 from tests.support.paths import DATA
 
 LIGHTNING = DATA / "published" / "qwen-image-lightning" / "scheduler"
@@ -88,7 +88,7 @@ def test_a_merged_checkpoint_brings_its_schedule_and_an_override_wins(tmp_path, 
     model.scheduler_config (a file or a folder) replaces whatever the checkpoint has."""
     import shutil
 
-    from model import load_pipeline
+    from ditfleet.model import load_pipeline
 
     merged = tmp_path / "lightning-merged"
     shutil.copytree(random_model_dir, merged)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.tiny.adherence import count_components, count_holes, ideal_iou, measure, score
-from model.tiny.scenes import (
+from ditfleet.model.tiny.adherence import count_components, count_holes, ideal_iou, measure, score
+from ditfleet.model.tiny.scenes import (
     HELD_OUT_COUNT,
     SIZE_FRACTION,
     TINY_BUCKETS,
@@ -18,7 +18,7 @@ from model.tiny.scenes import (
     sample_batch,
     split_scenes,
 )
-from model.tiny.text_encoder import TextEncoderConfig, TinyTextEncoder, WordTokenizer
+from ditfleet.model.tiny.text_encoder import TextEncoderConfig, TinyTextEncoder, WordTokenizer
 
 
 def test_captions_round_trip_and_split_is_fixed_and_disjoint():
@@ -169,7 +169,7 @@ def test_text_encoder_contract_unknown_words_empty_prompt_and_save_load(tmp_path
 
 
 def test_text_encoder_refuses_mismatched_files(tmp_path):
-    from model.weights import WeightsError
+    from ditfleet.model.weights import WeightsError
 
     enc = _encoder()
     enc.save(tmp_path)

@@ -16,11 +16,11 @@ import json
 import pytest
 import torch
 
-from model import load_pipeline
-from model.loader import TINY_MODEL_DIR
-from model.tiny.adherence import score
-from model.tiny.evaluate import generate_held_out
-from model.tiny.scenes import TINY_BUCKETS, held_out_captions
+from ditfleet.model import load_pipeline
+from ditfleet.model.loader import TINY_MODEL_DIR
+from ditfleet.model.tiny.adherence import score
+from ditfleet.model.tiny.evaluate import generate_held_out
+from ditfleet.model.tiny.scenes import TINY_BUCKETS, held_out_captions
 from tests.support.model_fixtures import diffusers_images, diffusers_pipeline, guided_inputs
 
 STEPS = 12
@@ -100,7 +100,7 @@ def test_random_weights_score_near_chance(torch_threads):
 def test_training_script_runs_end_to_end_and_is_deterministic(tmp_path):
     from safetensors.torch import load_file
 
-    from model.tiny.train import DECODER_ADAPTATION_FILE, main
+    from ditfleet.model.tiny.train import DECODER_ADAPTATION_FILE, main
 
     def weights(run: str, part: str) -> dict[str, torch.Tensor]:
         return load_file(str(tmp_path / run / part / "diffusion_pytorch_model.safetensors"))
@@ -145,7 +145,7 @@ def test_training_script_runs_end_to_end_and_is_deterministic(tmp_path):
 
 
 def test_training_refuses_to_adapt_an_adapted_decoder_again(tmp_path, capsys):
-    from model.tiny.train import DECODER_ADAPTATION_FILE, main
+    from ditfleet.model.tiny.train import DECODER_ADAPTATION_FILE, main
 
     model = tmp_path / "model"
     (model / "transformer").mkdir(parents=True)

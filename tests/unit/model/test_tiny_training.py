@@ -6,13 +6,13 @@ import functools
 import pytest
 import torch
 
-from model.sampling import pack_latents
-from model.tiny.data_parallel import Shard, run_data_parallel
-from model.tiny.scenes import Scene, render_batch, split_scenes
-from model.tiny.text_encoder import TextEncoderConfig, TinyTextEncoder, WordTokenizer
-from model.tiny.train import caption_vocabulary
-from model.tiny.train_dit import DiTTrainConfig, build_centred_pools, shape_token_weights
-from model.vae import QwenImageVAE, VAEConfig
+from ditfleet.model.sampling import pack_latents
+from ditfleet.model.tiny.data_parallel import Shard, run_data_parallel
+from ditfleet.model.tiny.scenes import Scene, render_batch, split_scenes
+from ditfleet.model.tiny.text_encoder import TextEncoderConfig, TinyTextEncoder, WordTokenizer
+from ditfleet.model.tiny.train import caption_vocabulary
+from ditfleet.model.tiny.train_dit import DiTTrainConfig, build_centred_pools, shape_token_weights
+from ditfleet.model.vae import QwenImageVAE, VAEConfig
 
 
 def test_shape_token_weights_mark_the_tokens_under_the_shape():

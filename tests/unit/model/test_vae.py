@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from model.vae import QwenImageVAE, VAEConfig, load_vae, save_vae, vae_state_dict_3d
-from model.vae_blocks import RMSNorm
-from model.weights import WeightsError
+from ditfleet.model.vae import QwenImageVAE, VAEConfig, load_vae, save_vae, vae_state_dict_3d
+from ditfleet.model.vae_blocks import RMSNorm
+from ditfleet.model.weights import WeightsError
 
 diffusers = pytest.importorskip("diffusers")
 AutoencoderKLQwenImage = diffusers.AutoencoderKLQwenImage

@@ -6,9 +6,9 @@ import logging
 
 import pytest
 
-from jobs.spec import SpecError, parse_spec
-from workers import cache_secret
-from workers.cache_secret import CacheSecretSource, read_cache_secret, say_shared_cache_off
+from ditfleet.jobs.spec import SpecError, parse_spec
+from ditfleet.workers import cache_secret
+from ditfleet.workers.cache_secret import CacheSecretSource, read_cache_secret, say_shared_cache_off
 
 KEY = "4f1c0e8d2b7a69350c1d2e3f4a5b6c7d"
 
@@ -43,7 +43,7 @@ def test_without_a_usable_key_the_shared_cache_is_off_and_says_why(source, env, 
 
 def test_the_worker_log_says_it_once(monkeypatch, caplog):
     monkeypatch.setattr(cache_secret, "_said_off", False)
-    with caplog.at_level(logging.WARNING, logger="workers.cache_secret"):
+    with caplog.at_level(logging.WARNING, logger="ditfleet.workers.cache_secret"):
         for _ in range(3):
             say_shared_cache_off("no compile cache key: the shared compile cache is off")
     assert [r.getMessage() for r in caplog.records].count(

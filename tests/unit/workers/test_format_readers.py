@@ -14,8 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from workers.output.codec import sha256_hex
-from workers.output.formats import (
+from ditfleet.workers.output.codec import sha256_hex
+from ditfleet.workers.output.formats import (
     FORMAT_NAMES,
     READERS,
     ImageTask,
@@ -27,8 +27,8 @@ from workers.output.formats import (
     read_images,
     reader_for_key,
 )
-from workers.output.formats.parquet import IMAGE_STRUCT
-from workers.storage import ObjectNotFound, open_store
+from ditfleet.workers.output.formats.parquet import IMAGE_STRUCT
+from ditfleet.workers.storage import ObjectNotFound, open_store
 
 T = "a0-0123456789abcdef"  # the run's attempt token
 # (id, images of the row): a dotted id (escaped in tar member names) and a row of two images.

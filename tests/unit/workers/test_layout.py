@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from workers.output import layout
-from workers.output.layout import (
+from ditfleet.workers.output import layout
+from ditfleet.workers.output.layout import (
     MAX_COMPONENT_BYTES,
     data_key,
     image_file_name,
@@ -17,7 +17,7 @@ from workers.output.layout import (
     safe_key_component,
     shard_of_manifest_key,
 )
-from workers.storage.base import check_key
+from ditfleet.workers.storage.base import check_key
 
 T = "a0-0123456789abcdef"  # an attempt token (layout.new_attempt_token makes random ones)
 

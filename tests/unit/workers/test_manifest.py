@@ -10,9 +10,8 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 import pytest
 
-from tests.support.worker_fixtures import manifest_row
-from workers.output.layout import manifest_key
-from workers.output.manifest import (
+from ditfleet.workers.output.layout import manifest_key
+from ditfleet.workers.output.manifest import (
     MANIFEST_SCHEMA,
     ManifestRow,
     ManifestWriter,
@@ -20,7 +19,8 @@ from workers.output.manifest import (
     passthrough_json,
     read_manifests,
 )
-from workers.storage import ObjectStore, open_store
+from ditfleet.workers.storage import ObjectStore, open_store
+from tests.support.worker_fixtures import manifest_row
 
 # The columns, types and nullability that readers of the manifest rely on (DESIGN.md "Manifest
 # row"), written out by hand so that a change to the row type shows up here as a schema change.

@@ -8,9 +8,9 @@ import weakref
 import pytest
 import torch
 
-from model import load_pipeline
-from workers.generate import BatchGenerator, image_requests, plan_batches
-from workers.rows import PromptRow
+from ditfleet.model import load_pipeline
+from ditfleet.workers.generate import BatchGenerator, image_requests, plan_batches
+from ditfleet.workers.rows import PromptRow
 
 
 def _rows(n: int) -> list[PromptRow]:
@@ -89,8 +89,8 @@ def test_a_single_image_oom_or_another_error_is_raised(pipe):
 
 def test_the_shard_result_reports_oom_splits(random_model_dir, tmp_path):
     """A split changes pixels at rounding level, so the shard result says how many there were."""
+    from ditfleet.workers.actor import GenerationWorker
     from tests.support.worker_fixtures import shard_of, worker_config, write_prompts
-    from workers.actor import GenerationWorker
 
     prompts = write_prompts(tmp_path / "prompts.parquet", 4, sizes=False)
     worker = GenerationWorker(worker_config(random_model_dir, str(tmp_path / "out"), batch_size=4))
@@ -116,11 +116,11 @@ def test_the_shard_result_reports_oom_splits(random_model_dir, tmp_path):
 def test_the_progress_log_and_the_job_summary_show_oom_splits():
     import io
 
-    from driver.output.status import OutputCounts
-    from driver.output.summary import build_summary
-    from driver.progress import JobProgress
-    from workers.contract import ShardResult
-    from workers.rows import ShardSpec
+    from ditfleet.driver.output.status import OutputCounts
+    from ditfleet.driver.output.summary import build_summary
+    from ditfleet.driver.progress import JobProgress
+    from ditfleet.workers.contract import ShardResult
+    from ditfleet.workers.rows import ShardSpec
 
     stream = io.StringIO()
     progress = JobProgress(total_shards=2, total_images=8, stream=stream, interactive=False)

@@ -9,10 +9,10 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from driver.input.prompts import PromptSource
-from driver.plan import PlanConfig, plan_job
-from workers.rows import RowConfig, read_shard_rows
-from workers.storage.input_files import STREAM_BUFFER_BYTES
+from ditfleet.driver.input.prompts import PromptSource
+from ditfleet.driver.plan import PlanConfig, plan_job
+from ditfleet.workers.rows import RowConfig, read_shard_rows
+from ditfleet.workers.storage.input_files import STREAM_BUFFER_BYTES
 
 
 class _CountingHandler(pafs.FileSystemHandler):

@@ -11,9 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from tests.support.fault_proxy import FaultPlan, Rule
-from workers.output.codec import ImageEncodeError, encode_image, sha256_hex
-from workers.output.formats import (
+from ditfleet.workers.output.codec import ImageEncodeError, encode_image, sha256_hex
+from ditfleet.workers.output.formats import (
     ImageResult,
     ImageTask,
     ShardStoreError,
@@ -21,8 +20,9 @@ from workers.output.formats import (
     UploadPool,
     make_shard_writer,
 )
-from workers.output.layout import data_key
-from workers.storage import open_store
+from ditfleet.workers.output.layout import data_key
+from ditfleet.workers.storage import open_store
+from tests.support.fault_proxy import FaultPlan, Rule
 
 T = "a0-0123456789abcdef"  # an attempt token (layout.new_attempt_token makes random ones)
 

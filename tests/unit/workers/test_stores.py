@@ -8,9 +8,9 @@ import threading
 
 import pytest
 
+from ditfleet.workers.storage import LocalStore, ObjectNotFound, ObjectStore, S3Config, StoreError, open_store
+from ditfleet.workers.storage.s3 import S3Store
 from tests.support.paths import REPO
-from workers.storage import LocalStore, ObjectNotFound, ObjectStore, S3Config, StoreError, open_store
-from workers.storage.s3 import S3Store
 
 
 @pytest.fixture(params=["local", "s3"])

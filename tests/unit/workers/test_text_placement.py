@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model import load_pipeline
-from workers.actor import place_text_encoder, shard_prompts
-from workers.contract import WorkerConfig
-from workers.generate import image_requests
-from workers.rows import PromptRow
-from workers.text_embeddings import EmbeddingCache, PlacedTextEncoder
+from ditfleet.model import load_pipeline
+from ditfleet.workers.actor import place_text_encoder, shard_prompts
+from ditfleet.workers.contract import WorkerConfig
+from ditfleet.workers.generate import image_requests
+from ditfleet.workers.rows import PromptRow
+from ditfleet.workers.text_embeddings import EmbeddingCache, PlacedTextEncoder
 
 PROMPTS = [
     "a small red circle at the top left on a blue background",
@@ -120,10 +120,10 @@ def test_worker_with_offloaded_encoder_writes_the_same_images_encoding_each_text
     with the encoder on the device, and each distinct text encoded once."""
     import dataclasses
 
+    from ditfleet.workers.actor import GenerationWorker
+    from ditfleet.workers.output.manifest import read_manifests
+    from ditfleet.workers.storage import open_store
     from tests.support.worker_fixtures import shard_of, worker_config, write_prompts
-    from workers.actor import GenerationWorker
-    from workers.output.manifest import read_manifests
-    from workers.storage import open_store
 
     prompts = write_prompts(tmp_path / "prompts.parquet", 8, sizes=False, extra=False)  # 4 colours x 3 shapes
     digests = {}
@@ -145,7 +145,7 @@ def test_offloaded_qwen_encoder_gives_each_prompt_its_own_encoding(tmp_path):
     """A small random Qwen2.5-VL through the real QwenVLTextEncoder: offload moves it (`.to`), a
     batch's embeddings are each prompt's own, token counts come from its tokenizer."""
     pytest.importorskip("transformers")
-    from model.text_encoder import QwenVLTextEncoder
+    from ditfleet.model.text_encoder import QwenVLTextEncoder
     from tests.support.qwen_text_encoder import make_text_encoder, make_tokenizer
 
     make_tokenizer(tmp_path / "tokenizer")

@@ -13,14 +13,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from ditfleet.workers.actor import GenerationWorker
+from ditfleet.workers.generate import image_seed
+from ditfleet.workers.output.formats import ImageTask, ShardStoreError, ShardWriterConfig, make_shard_writer
+from ditfleet.workers.output.layout import attempt_object, manifest_key, webdataset_key, webdataset_sample_key
+from ditfleet.workers.output.manifest import read_manifests
+from ditfleet.workers.rows import ShardSpec
+from ditfleet.workers.storage import ObjectStore, open_store
 from tests.support.worker_fixtures import shard_of, worker_config, write_prompts
-from workers.actor import GenerationWorker
-from workers.generate import image_seed
-from workers.output.formats import ImageTask, ShardStoreError, ShardWriterConfig, make_shard_writer
-from workers.output.layout import attempt_object, manifest_key, webdataset_key, webdataset_sample_key
-from workers.output.manifest import read_manifests
-from workers.rows import ShardSpec
-from workers.storage import ObjectStore, open_store
 
 N = 12
 T = "a0-0123456789abcdef"  # an attempt token, for writers used directly

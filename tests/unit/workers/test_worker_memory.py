@@ -15,7 +15,7 @@ CHILD = textwrap.dedent(
     """
     import json, resource, sys
     from tests.support.worker_fixtures import row_config, shard_of, worker_config
-    from workers.actor import GenerationWorker
+    from ditfleet.workers.actor import GenerationWorker
 
     model, prompts, out, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     cfg = worker_config(model, out, rows=row_config(steps=1, cfg=1.0, buckets=("16x16",)), batch_size=16)

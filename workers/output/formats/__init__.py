@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 
-from workers.output.formats.base import (
+from ditfleet.workers.output.formats.base import (
     MANIFEST_IMAGE_COLUMNS,
     ImageTask,
     ManifestImage,
@@ -23,12 +23,12 @@ from workers.output.formats.base import (
     StoredShard,
     ok_images,
 )
-from workers.output.formats.files import FilesShardReader, FilesShardWriter
-from workers.output.formats.parquet import DATA_SCHEMA, ParquetShardReader, ParquetShardWriter
-from workers.output.formats.webdataset import WebDatasetShardReader, WebDatasetShardWriter
-from workers.output.layout import FORMAT_NAMES
-from workers.output.upload_pool import ImageResult, ShardStoreError, UploadPool
-from workers.storage.base import ObjectStore
+from ditfleet.workers.output.formats.files import FilesShardReader, FilesShardWriter
+from ditfleet.workers.output.formats.parquet import DATA_SCHEMA, ParquetShardReader, ParquetShardWriter
+from ditfleet.workers.output.formats.webdataset import WebDatasetShardReader, WebDatasetShardWriter
+from ditfleet.workers.output.layout import FORMAT_NAMES
+from ditfleet.workers.output.upload_pool import ImageResult, ShardStoreError, UploadPool
+from ditfleet.workers.storage.base import ObjectStore
 
 __all__ = [
     "DATA_SCHEMA",

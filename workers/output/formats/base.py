@@ -25,10 +25,10 @@ from typing import Any, NamedTuple, Protocol
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from workers.output.codec import encode_image, extension, sha256_hex, to_uint8_hwc
-from workers.output.layout import FORMAT_NAMES
-from workers.output.upload_pool import ImageResult
-from workers.storage.base import ObjectStore
+from ditfleet.workers.output.codec import encode_image, extension, sha256_hex, to_uint8_hwc
+from ditfleet.workers.output.layout import FORMAT_NAMES
+from ditfleet.workers.output.upload_pool import ImageResult
+from ditfleet.workers.storage.base import ObjectStore
 
 _MiB = 1024 * 1024
 

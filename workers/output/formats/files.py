@@ -7,8 +7,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from workers.output.codec import content_type, extension, sha256_hex
-from workers.output.formats.base import (
+from ditfleet.workers.output.codec import content_type, extension, sha256_hex
+from ditfleet.workers.output.formats.base import (
     ImageTask,
     ManifestImage,
     ShardWriterConfig,
@@ -17,9 +17,9 @@ from workers.output.formats.base import (
     StoredShard,
     encode_task_image,
 )
-from workers.output.layout import IMAGES_PREFIX, image_index_in_key, image_key
-from workers.output.upload_pool import ImageResult, UploadPool
-from workers.storage.base import ObjectStore
+from ditfleet.workers.output.layout import IMAGES_PREFIX, image_index_in_key, image_key
+from ditfleet.workers.output.upload_pool import ImageResult, UploadPool
+from ditfleet.workers.storage.base import ObjectStore
 
 
 class FilesShardWriter:

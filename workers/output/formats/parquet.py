@@ -11,16 +11,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from workers.output.formats.base import (
+from ditfleet.workers.output.formats.base import (
     ImageTask,
     ManifestImage,
     ShardWriterConfig,
     StoredImageError,
     StoredImages,
 )
-from workers.output.formats.spool import SpooledShardWriter
-from workers.output.layout import DATA_PREFIX, data_key, image_file_name, image_index_in_key
-from workers.storage.base import ObjectStore
+from ditfleet.workers.output.formats.spool import SpooledShardWriter
+from ditfleet.workers.output.layout import DATA_PREFIX, data_key, image_file_name, image_index_in_key
+from ditfleet.workers.storage.base import ObjectStore
 
 PARQUET_CONTENT_TYPE = "application/vnd.apache.parquet"
 

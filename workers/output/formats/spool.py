@@ -14,10 +14,10 @@ import tempfile
 import time
 from typing import Any
 
-from workers.output.codec import extension, sha256_hex
-from workers.output.formats.base import ImageTask, ShardWriterConfig, StoredShard, encode_task_image
-from workers.output.upload_pool import ImageResult, ShardStoreError, UploadPool
-from workers.storage.base import ObjectStore
+from ditfleet.workers.output.codec import extension, sha256_hex
+from ditfleet.workers.output.formats.base import ImageTask, ShardWriterConfig, StoredShard, encode_task_image
+from ditfleet.workers.output.upload_pool import ImageResult, ShardStoreError, UploadPool
+from ditfleet.workers.storage.base import ObjectStore
 
 
 class SpooledShardWriter:

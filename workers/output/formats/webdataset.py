@@ -28,22 +28,22 @@ import json
 import tarfile
 from collections.abc import Sequence
 
-from workers.output.formats.base import (
+from ditfleet.workers.output.formats.base import (
     ImageTask,
     ManifestImage,
     ShardWriterConfig,
     StoredImageError,
     StoredImages,
 )
-from workers.output.formats.spool import SpooledShardWriter
-from workers.output.layout import (
+from ditfleet.workers.output.formats.spool import SpooledShardWriter
+from ditfleet.workers.output.layout import (
     IMAGE_EXTENSIONS,
     WEBDATASET_PREFIX,
     image_index_in_key,
     webdataset_key,
     webdataset_sample_key,
 )
-from workers.storage.base import ObjectStore
+from ditfleet.workers.storage.base import ObjectStore
 
 TAR_CONTENT_TYPE = "application/x-tar"
 # Fixed header fields: the tar's bytes depend on the images and their metadata only.

@@ -1,0 +1,103 @@
+"""Run a job from Python: what `ditfleet run` does, for users who drive ditfleet from code.
+
+    import ditfleet
+    summary = ditfleet.run("job.yaml")            # local Ray on 127.0.0.1, or RAY_ADDRESS
+    summary = ditfleet.run(spec, address="auto")   # a JobSpec built in code
+
+The job's memory plan is checked before any actor is asked for; a local Ray started here is shut
+down when the job ends (a cluster this process was already connected to is left as it was).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from ditfleet.driver.locations import check_local_output_nodes
+from ditfleet.driver.memory_plan import JobMemoryPlan, job_memory_plan
+from ditfleet.driver.output.summary import JobSummary
+from ditfleet.driver.run_job import run_job
+from ditfleet.jobs.spec import JobSpec, load_spec
+from ditfleet.workers.storage import StoreError
+from ditfleet.workers.storage.input_files import is_s3
+
+
+def _say(message: str) -> None:
+    print(f"ditfleet: {message}", file=sys.stderr)
+
+
+def connect_ray(address: str | None) -> bool:
+    """Connect to the cluster at `address` (or RAY_ADDRESS), or start a local one on loopback.
+    Returns False when this process was connected already (then the caller must not shut down)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if address or os.environ.get("RAY_ADDRESS"):
+        ray.init(address=address, logging_level="WARNING")  # None: Ray reads RAY_ADDRESS
+        return True
+    # On Linux Ray swaps 127.0.0.1 for the host's address and listens everywhere; this keeps a
+    # local, single-node cluster on loopback.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING")
+    return True
+
+
+def alive_ray_nodes() -> int:
+    """Nodes of the connected Ray cluster that are alive now."""
+    import ray
+
+    return sum(1 for node in ray.nodes() if node.get("Alive"))
+
+
+def memory_plan_of(spec: JobSpec) -> JobMemoryPlan | None:
+    """The job's memory plan; None when the model cannot be read at plan time (hf://).
+
+    Without workers.gpu_memory_gb the plan is information only: a model whose configs cannot be
+    read here (a bucket this machine has no access to) is reported, not an error."""
+    if spec.workers.gpu_memory_gb is not None:
+        return job_memory_plan(spec.memory_request())
+    try:
+        return job_memory_plan(spec.memory_request())
+    except (StoreError, OSError, ValueError) as e:
+        _say(f"memory plan skipped: {spec.model.path}: {e}")
+        return None
+
+
+def check_memory(spec: JobSpec, job: str) -> JobMemoryPlan | None:
+    """Refuse a job whose batch cannot fit workers.gpu_memory_gb (nothing to check without it)."""
+    if spec.workers.gpu_memory_gb is None:
+        return None
+    memory = memory_plan_of(spec)
+    if memory is None:
+        _say(f"{job}: {spec.model.path}: configs are not read at plan time; memory not checked")
+        return None
+    memory.check(job)
+    return memory
+
+
+def run(job: str | os.PathLike[str] | JobSpec, address: str | None = None) -> JobSummary:
+    """Run or resume `job` (a job file or a JobSpec) and return its summary (`exit_code` says how
+    it ended). `address`: a Ray cluster (else RAY_ADDRESS, else a local one on loopback)."""
+    spec = job if isinstance(job, JobSpec) else load_spec(job)
+    check_memory(spec, str(job) if not isinstance(job, JobSpec) else (spec.name or "the job"))
+    driver, worker = spec.to_driver_config(), spec.to_worker_config()
+    started = False
+
+    def connect() -> None:
+        nonlocal started
+        started = connect_ray(address) or started
+
+    from ditfleet.driver.metrics import DriverMetrics
+
+    try:
+        on_cluster = bool(address or os.environ.get("RAY_ADDRESS"))
+        if on_cluster and not is_s3(driver.output_uri) and not spec.output.shared_filesystem:
+            connect()  # before anything is written: a local output needs a one-node cluster
+            check_local_output_nodes(driver.output_uri, False, alive_ray_nodes())
+        return run_job(driver, worker, connect=connect, events=DriverMetrics(job=spec.name or ""))
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
