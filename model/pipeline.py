@@ -9,6 +9,7 @@ import torch
 from .guidance import cfg_on, negative_texts
 from .sampling import Conditioning, TimestepBank, denoise, initial_noise, latent_grid, unpack_latents
 from .scheduler import SchedulerConfig
+from .step_hooks import StepHook
 from .text_encoder import TextEncoder
 from .transformer import QwenImageTransformer
 
@@ -164,6 +165,7 @@ class TextToImagePipeline:
         max_sequence_length: int = 512,
         on_step: Callable[[int], None] | None = None,
         decode: bool = True,
+        step_hook: StepHook | None = None,
     ) -> torch.Tensor:
         """Images (B, 3, H, W) in [0, 1], fp32; B = len(seeds). With `decode=False`, the packed
         latents (B, N, 64) in the pipeline dtype instead, before the VAE (what the tiny model's
@@ -172,7 +174,8 @@ class TextToImagePipeline:
         Text (prompt, negative_prompt) is encoded by `encode_guidance`; embeddings are taken as
         given. True CFG follows model.guidance: on when every `true_cfg_scale > 1` and there is a
         negative (for text, the default " " when none is given; for embeddings, negative
-        embeddings). A list of scales lets one batch carry per-row scales.
+        embeddings). A list of scales lets one batch carry per-row scales. `step_hook` is called
+        around every denoising step (model.step_hooks); None runs every step as it is.
         """
         if (prompt is None) == (prompt_embeds is None):
             raise ValueError("pass exactly one of prompt or prompt_embeds")
@@ -210,6 +213,7 @@ class TextToImagePipeline:
             and self.batch_cfg(B, latents.shape[1], cond.embeds.shape[1], uncond.embeds.shape[1]),
             timestep_bank=bank,
             on_step=on_step,
+            step_hook=step_hook,
         )
         return self.decode(latents, height, width) if decode else latents
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .scheduler import SchedulerConfig, euler_step, sigma_schedule
+from .step_hooks import NO_STEP_HOOK, Step, StepHook
 
 LATENT_CHANNELS = 16
 
@@ -114,13 +115,16 @@ def denoise(
     cfg_batched: bool = False,
     timestep_bank: TimestepBank | None = None,
     on_step: Callable[[int], None] | None = None,
+    step_hook: StepHook | None = None,
 ) -> torch.Tensor:
     """Run the flow-match Euler loop; returns latents (B, N, 64) in the input dtype.
 
     cfg_batched: the conditional and unconditional passes of a step run as one forward of 2B
     (text padded to the longer branch); else as two forwards of B. Either way the step's
     modulation is computed once: one forward, or a cache hit in the second.
+    step_hook: called around every step (model.step_hooks); None: the no-op hook.
     """
+    hook = step_hook if step_hook is not None else NO_STEP_HOOK
     h, w = grid
     image_seq_len = h * w
     sigmas = sigma_schedule(scheduler, steps, image_seq_len).to(latents.device)
@@ -131,24 +135,28 @@ def denoise(
         bank_steps = timestep_bank.get(
             sigmas, (steps, image_seq_len, scheduler), latents.device, latents.dtype
         )
+    hook.start(steps, latents.shape[0])
     for i in range(steps):
         # The same tensor object goes to both CFG passes of this step: that is the cache key.
         if bank_steps is not None:
             timestep = bank_steps[i]
         else:
             timestep = model_timestep(ts[i : i + 1], latents.dtype)
+        step = Step(i, steps, sigmas[i], sigmas[i + 1], timestep)
+        forward = hook.forward(step, transformer)
         if uncond is None:
-            velocity = transformer(latents, cond.embeds, cond.mask, timestep, img_shapes)
+            velocity = forward(latents, cond.embeds, cond.mask, timestep, img_shapes)
         elif cfg_batched:
             embeds, mask = _cat_branches(cond, uncond)
-            both = transformer(torch.cat([latents, latents]), embeds, mask, timestep, img_shapes * 2)
+            both = forward(torch.cat([latents, latents]), embeds, mask, timestep, img_shapes * 2)
             c, u = both.chunk(2)
             velocity = true_cfg(c, u, true_cfg_scale)
         else:
-            c = transformer(latents, cond.embeds, cond.mask, timestep, img_shapes)
-            u = transformer(latents, uncond.embeds, uncond.mask, timestep, img_shapes)
+            c = forward(latents, cond.embeds, cond.mask, timestep, img_shapes)
+            u = forward(latents, uncond.embeds, uncond.mask, timestep, img_shapes)
             velocity = true_cfg(c, u, true_cfg_scale)
         latents = euler_step(latents, velocity, sigmas[i], sigmas[i + 1])
+        hook.end(step, latents)
         if on_step is not None:
             on_step(i)
     return latents
