@@ -214,7 +214,7 @@ def test_submitting_the_example_job_from_the_checkout_is_refused_with_what_to_do
 
     repo = REPO
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-    # What the README says a submission needs on a cluster with token authentication.
+    # What docs/cluster.md says a submission needs on a cluster with token authentication.
     env = {**ray_head.env, "RAY_AUTH_MODE": "token"}
     args = ["--working-dir", str(repo), "--", "ditfleet", "run", "jobs/examples/tiny.yaml"]
     for _ in range(30):  # the head's job agent answers "No available agent" while it starts
