@@ -8,16 +8,27 @@ What is checked (every problem is one line naming the shard, row or key):
   many rows and images as the plan gave the shard (where the plan records that);
 - every input row exactly once over the whole output: no (id, k) in two manifests, each id's
   images k = 0..n-1, and, when complete, as many rows and images as were planned;
+- every ok row's uri: a key this layout gives an object of the row's own shard (anything else,
+  `/etc/images/../passwd` say, is a PROBLEM line and is never opened);
 - every ok row's object: present, `bytes` long, hashing to its `sha256` (for the "parquet" and
-  "webdataset" formats, the row's image inside the shard's data file or tar; the data file or tar
-  holds no row its manifest does not name). Objects are read through their format's reader
-  (workers.output.formats), each once;
+  "webdataset" formats, the row's image inside the shard's data file or tar). A data file or
+  tar is read whole, as its readers read it: a row or member its manifest does not name, one
+  held twice, a member of no sample, bytes after a tar's end are problems. Objects are read
+  through their format's reader (workers.output.formats), each once;
 - the format areas (images/, data/, webdataset/): a key no committed manifest names is an
-  orphan when it is an attempt object of a committed shard (a losing, late or killed run wrote
-  it; harmless, `--clean` deletes it), pending when its shard is not committed yet (a run in
-  progress or one that failed), and a stray (an error) otherwise;
+  orphan when it is provably a losing run's: an attempt object of a shard whose manifest was
+  read, under an attempt token that none of the manifest's rows names (a losing, late or killed
+  run wrote it; `--clean` deletes it). It is pending when its shard is not committed yet (a run
+  in progress or one that failed), and a PROBLEM otherwise: a stray, an extra object under the
+  committed run's token, or any object of a shard whose manifest cannot be read (nothing of
+  that shard is deleted then). Once `_SUCCESS` is there, an orphan is a PROBLEM too: readers of
+  the data areas see it; `--clean` deletes it;
 - `_SUCCESS`: present only when every planned shard is committed, and (plain jobs) with the
   counts the manifests give.
+
+What verify cannot see: manifests are not signed, so a manifest rewritten together with the
+objects it names (consistent hashes) passes; it checks that the output is what its manifests
+say, not who wrote them.
 
 Manifests are read before the data areas are listed: an object a manifest names was stored
 before that manifest was written, so a running job cannot make a committed object look missing.
@@ -56,8 +67,9 @@ from ditfleet.workers.output.layout import (
     shard_of_manifest_key,
     success_key,
 )
-from ditfleet.workers.output.manifest import MANIFEST_SCHEMA
+from ditfleet.workers.output.manifest import MANIFEST_SCHEMA, committed_shards
 from ditfleet.workers.storage import ObjectNotFound, ObjectStore
+from ditfleet.workers.storage.base import check_key
 
 _THREADS = 16
 MAX_LISTED = 20  # problems (and orphans) printed one per line; the rest are counted
@@ -94,7 +106,11 @@ class VerifyReport:
             "output": self.output,
             "ok": self.exit_code == 0,
             "complete": self.complete,
-            "shards": {"planned": self.planned_shards, "committed": self.committed, "missing": len(self.missing)},
+            "shards": {
+                "planned": self.planned_shards,
+                "committed": self.committed,
+                "missing": len(self.missing),
+            },
             "rows": self.rows,
             "images": {"ok": self.images_ok, "failed": self.images_failed},
             "objects_checked": self.objects_checked,
@@ -117,7 +133,9 @@ class VerifyReport:
             f"  _SUCCESS: {'present' if self.success else 'absent'}",
         ]
         if self.moved_from:
-            lines.append(f"  note: the manifests name objects under {self.moved_from} (a moved or copied output)")
+            lines.append(
+                f"  note: the manifests name objects under {self.moved_from} (a moved or copied output)"
+            )
         if self.missing and not self.problems:
             lines.append(
                 f"  not complete: {len(self.missing)} shards not committed yet; run the job again "
@@ -125,7 +143,9 @@ class VerifyReport:
             )
         if self.orphans:
             what = f"{self.cleaned} deleted" if self.cleaned else "harmless; --clean deletes them"
-            lines.append(f"  orphans: {len(self.orphans)} objects of losing/late runs no manifest names ({what})")
+            lines.append(
+                f"  orphans: {len(self.orphans)} objects of losing/late runs no manifest names ({what})"
+            )
             lines.extend(f"    {k}" for k in self.orphans[:MAX_LISTED] if not self.cleaned)
         if self.pending:
             lines.append(f"  pending: {self.pending} objects of runs of uncommitted shards (kept)")
@@ -177,6 +197,11 @@ class _Shard:
     ks: pa.Array
     ok: list[ManifestImage]
     failed: int
+    # The attempt tokens the ok rows' objects carry (the committed run's, one in practice), and
+    # whether every ok row's uri is an attempt object of this shard: only then can an object of
+    # the shard be proved to be another run's.
+    tokens: set[str] = field(default_factory=set)
+    accounted: bool = True
 
 
 def _read_manifest(store: ObjectStore, shard: int, plan: _Plan, problems: list[str]) -> _Shard | None:
@@ -216,7 +241,37 @@ def _check_object(store: ObjectStore, key: str, rows: list[ManifestImage]) -> li
         return [f"{store.uri(key)}: missing (named by {len(rows)} ok manifest rows)"]
     except StoredImageError as e:
         return [str(e)]
+    except Exception as e:  # noqa: BLE001 - whatever one object does, it is one finding
+        return [f"{store.uri(key)}: cannot be read ({type(e).__name__}: {e})"]
     return [p for p in map(stored.problem, rows) if p] + stored.unnamed_problems()
+
+
+def manifest_object_key(root: str, shard: int, uri: object) -> tuple[str | None, str | None]:
+    """(the key of a manifest row's uri, None) when it is an attempt object of `shard` in this
+    layout, else (None, why not). Nothing else is ever opened or deleted on a manifest's word."""
+    if not isinstance(uri, str) or not uri:
+        return None, f"uri {uri!r} is not a location"
+    key, _ = object_key(root, uri)
+    if key is None:
+        return None, f"uri {uri} is not under {root}"
+    try:
+        check_key(key)
+    except ValueError:
+        return None, f"uri {uri} is not a plain key under the output ({key!r})"
+    obj = attempt_object(key)
+    if obj is None or obj.shard != shard:
+        return None, f"uri {uri} is not an object of shard {shard} in the output layout"
+    return key, None
+
+
+def losing_run_keys(shard: int, tokens: set[str], listed: Iterable[str]) -> list[str]:
+    """The keys of `listed` that are attempt objects of `shard` under a token the committed
+    manifest does not name (`tokens`: those its ok rows name): provably another run's."""
+    return [
+        key
+        for key in listed
+        if (obj := attempt_object(key)) is not None and obj.shard == shard and obj.attempt not in tokens
+    ]
 
 
 def verify_output(
@@ -249,6 +304,12 @@ def verify_output(
     report.orphans.sort()
     if clean and report.orphans:
         report.cleaned = _delete(store, report.orphans)
+    elif success is not None and report.orphans:
+        report.problems.append(
+            f"{len(report.orphans)} objects of losing runs lie in the data areas after _SUCCESS "
+            f"(e.g. {store.uri(report.orphans[0])}): readers of the data folders see them; "
+            "`ditfleet verify --clean` deletes them"
+        )
     return report
 
 
@@ -269,7 +330,9 @@ def _read_manifests(store: ObjectStore, plan: _Plan, report: VerifyReport) -> tu
     report.committed = len(committed)
     report.missing = sorted(plan.shards - set(committed))
     with ThreadPoolExecutor(max_workers=_THREADS) as pool:
-        shards = [s for s in pool.map(lambda s: _read_manifest(store, s, plan, report.problems), committed) if s]
+        shards = [
+            s for s in pool.map(lambda s: _read_manifest(store, s, plan, report.problems), committed) if s
+        ]
     return committed, shards
 
 
@@ -305,16 +368,19 @@ def _check_rows_once(shards: list[_Shard], plan: _Plan, report: VerifyReport) ->
 
 
 def _named_objects(root: str, shards: list[_Shard], report: VerifyReport) -> dict[str, list[ManifestImage]]:
-    """Key -> the ok rows that name it (a moved output's keys are found by their format area)."""
+    """Key -> the ok rows that name it (a moved output's keys are found by their format area).
+    Sets each shard's tokens, and `accounted` False where a row's uri is no object of its shard."""
     named: dict[str, list[ManifestImage]] = defaultdict(list)
     for s in shards:
         for r in s.ok:
-            key, moved = object_key(root, r.uri)
-            if moved and key is not None and report.moved_from is None:
-                report.moved_from = r.uri[: -len(key) - 1]
+            key, why = manifest_object_key(root, s.shard, r.uri)
             if key is None:
-                report.problems.append(f"shard {s.shard} row {r.label}: uri {r.uri} is not under {root}")
+                s.accounted = False
+                report.problems.append(f"shard {s.shard} row {r.label}: {why}")
                 continue
+            if report.moved_from is None and object_key(root, r.uri)[1]:
+                report.moved_from = r.uri[: -len(key) - 1]
+            s.tokens.add(attempt_object(key).attempt)  # type: ignore[union-attr] - checked above
             named[key].append(r)
     return named
 
@@ -330,6 +396,8 @@ def _check_objects(
     """The format areas against the manifests: orphans, pending and stray objects, missing
     ones, and (hash_objects) every named object read through its format's reader."""
     named = _named_objects(store.uri(), shards, report)
+    by_shard = {s.shard: s for s in shards}
+    kept: Counter = Counter()  # shard -> objects kept because its manifest cannot be accounted for
     listed: set[str] = set()
     for prefix in FORMAT_AREAS:
         for key in store.list(prefix):
@@ -337,7 +405,15 @@ def _check_objects(
             if key in named:
                 continue
             obj = attempt_object(key)
-            if obj is not None and obj.shard in committed:
+            read = by_shard.get(obj.shard) if obj is not None else None
+            if obj is not None and obj.shard in committed and (read is None or not read.accounted):
+                kept[obj.shard] += 1
+            elif read is not None and obj is not None and obj.attempt in read.tokens:
+                report.problems.append(
+                    f"{store.uri(key)}: no manifest names it, but it lies under the committed run's "
+                    f"token {obj.attempt} of shard {obj.shard} (a file added after the commit; kept)"
+                )
+            elif read is not None:
                 report.orphans.append(key)
             elif obj is not None and obj.shard in plan.shards:
                 report.pending += 1
@@ -346,6 +422,12 @@ def _check_objects(
                     f"{store.uri(key)}: stray object (no manifest names it, and it is not an attempt "
                     "object of a planned shard)"
                 )
+    for shard, n in sorted(kept.items()):
+        report.problems.append(
+            f"shard {shard}: {n} objects no readable manifest row names are kept untouched: the "
+            f"shard's manifest {store.uri(manifest_key(shard))} cannot be fully read, so which of "
+            "them it commits is unknown (restore the manifest, then verify again)"
+        )
     for key, rows in named.items():
         if key not in listed:
             report.problems.append(f"{store.uri(key)}: missing (named by {len(rows)} ok manifest rows)")
@@ -380,23 +462,50 @@ def _delete(store: ObjectStore, keys: list[str]) -> int:
 
 
 def shard_orphans(store: ObjectStore, shard: int) -> list[str]:
-    """Attempt objects of a committed shard that its manifest does not name; [] when the shard
-    has no manifest (its runs' objects are still in play then)."""
+    """Attempt objects of a committed shard that are provably another run's than the committed
+    one: under a token no ok row of its manifest names. [] when the shard has no manifest (its
+    runs' objects are still in play then), when the manifest cannot be read, or when one of its
+    ok rows names no object of the shard: what cannot be accounted for is never deleted."""
     try:
-        table = pq.read_table(io.BytesIO(store.get(manifest_key(shard))), columns=["uri"])
-    except ObjectNotFound:
+        table = pq.read_table(io.BytesIO(store.get(manifest_key(shard))), columns=["status", "uri"])
+    except Exception:  # noqa: BLE001 - absent or unreadable: nothing of the shard is proved an orphan
         return []
     root = store.uri()
-    named = {object_key(root, u)[0] for u in table.column("uri").to_pylist() if u}
-    prefixes = attempt_prefixes(shard)
+    tokens: set[str] = set()
+    areas: set[str] = set()
+    for status, uri in zip(table.column("status").to_pylist(), table.column("uri").to_pylist()):
+        if status != "ok":
+            continue
+        key, _ = manifest_object_key(root, shard, uri)
+        if key is None:
+            return []
+        tokens.add(attempt_object(key).attempt)  # type: ignore[union-attr] - checked by manifest_object_key
+        areas.add(key.split("/", 1)[0] + "/")
     # One output has one format: list only its area when the manifest names an object there.
-    used = [p for p in prefixes if any(k and k.startswith(p) for k in named)]
-    return [
-        key
-        for prefix in used or prefixes
-        for key in store.list(prefix)
-        if key not in named and (obj := attempt_object(key)) is not None and obj.shard == shard
-    ]
+    prefixes = [p for p in attempt_prefixes(shard) if not areas or p.split("/", 1)[0] + "/" in areas]
+    return losing_run_keys(shard, tokens, (key for prefix in prefixes for key in store.list(prefix)))
+
+
+def missing_named_objects(store: ObjectStore) -> dict[int, list[str]]:
+    """Shard -> keys its committed manifest names (ok rows) that a listing of the data areas
+    does not show: a check by listing only, no object is read. A manifest that cannot be read
+    counts as missing its manifest key."""
+    named: dict[int, set[str]] = {}
+    root = store.uri()
+    for shard in sorted(committed_shards(store)):
+        try:
+            table = pq.read_table(io.BytesIO(store.get(manifest_key(shard))), columns=["status", "uri"])
+        except Exception:  # noqa: BLE001 - an unreadable commit is as bad as a lost object
+            named[shard] = {manifest_key(shard)}
+            continue
+        keys = set()
+        for status, uri in zip(table.column("status").to_pylist(), table.column("uri").to_pylist()):
+            if status == "ok":
+                keys.add(manifest_object_key(root, shard, uri)[0] or f"{manifest_key(shard)}: {uri}")
+        named[shard] = keys
+    listed = {key for prefix in FORMAT_AREAS for key in store.list(prefix)}
+    lost = {shard: sorted(keys - listed) for shard, keys in named.items()}
+    return {shard: keys for shard, keys in lost.items() if keys}
 
 
 def clean_orphans(store: ObjectStore, shards: Iterable[int]) -> int:
@@ -411,4 +520,12 @@ def clean_orphans(store: ObjectStore, shards: Iterable[int]) -> int:
     return _delete(store, orphans) if orphans else 0
 
 
-__all__ = ["VerifyReport", "clean_orphans", "shard_orphans", "verify_output"]
+__all__ = [
+    "VerifyReport",
+    "clean_orphans",
+    "losing_run_keys",
+    "manifest_object_key",
+    "missing_named_objects",
+    "shard_orphans",
+    "verify_output",
+]

@@ -173,6 +173,10 @@ class StoredImages:
     images: dict[tuple[str, int], bytes]  # (id, k) -> the stored image bytes
     unnamed: tuple[tuple[str, int], ...] = ()
     whole_object: bool = False  # the object is the image itself ("files"): messages name it alone
+    # What a reader of the object would see besides the named images (a row or member twice, a
+    # member of no sample, bytes after a tar's end): each one line naming the object. A reader
+    # of the format (pyarrow.dataset, webdataset) returns these, so they are findings.
+    findings: tuple[str, ...] = ()
 
     def image(self, row: ManifestImage) -> bytes:
         """The row's image bytes; raises StoredImageError when the object has none for it."""
@@ -198,11 +202,18 @@ class StoredImages:
         )
 
     def unnamed_problems(self, most: int = 3) -> list[str]:
-        """One line per row the object holds that the rows read do not name (the first `most`)."""
-        return [
+        """One line per row the object holds that the rows read do not name (the first `most`),
+        then its other findings (the first `most`, and how many more)."""
+        lines = [
             f"{self.uri}: holds row id={id_!r} k={k}, which its manifest does not name as ok"
             for id_, k in self.unnamed[:most]
         ]
+        if len(self.unnamed) > most:
+            lines.append(f"{self.uri}: holds {len(self.unnamed) - most} more rows its manifest does not name")
+        lines.extend(self.findings[:most])
+        if len(self.findings) > most:
+            lines.append(f"{self.uri}: and {len(self.findings) - most} more findings like these")
+        return lines
 
 
 class ShardReader(Protocol):

@@ -4,6 +4,7 @@ datasets Image struct (load_dataset yields PIL images without a cast); its write
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -126,7 +127,11 @@ class ParquetShardWriter(SpooledShardWriter):
 
 
 class ParquetShardReader:
-    """Reads a data file: the image of each row from its `image` struct, found by (id, k)."""
+    """Reads a data file whole: the image of each row from its `image` struct, found by (id, k).
+
+    Every row is looked at, since `pyarrow.dataset` or `datasets` over data/ returns every row:
+    a row the manifest does not name (also one without image bytes), an (id, k) held twice, or a
+    schema other than DATA_SCHEMA is a finding."""
 
     area = DATA_PREFIX
 
@@ -134,16 +139,24 @@ class ParquetShardReader:
         uri = store.uri(key)
         blob = store.get(key)  # ObjectNotFound when absent
         try:
-            table = pq.read_table(pa.BufferReader(blob), columns=["id", "k", "image"])
-            images = pc.struct_field(table.column("image"), "bytes")  # null where the struct is
+            table = pq.read_table(pa.BufferReader(blob))
+            images = pc.struct_field(table.column("image"), "bytes").to_pylist()  # null where the struct is
+            ids, ks = table.column("id").to_pylist(), table.column("k").to_pylist()
         except Exception as e:  # noqa: BLE001 - any damage of the file is this one finding
             raise StoredImageError(f"{uri}: cannot be read as Parquet ({type(e).__name__}: {e})") from e
-        held = {
-            (id_, k): data
-            for id_, k, data in zip(
-                table.column("id").to_pylist(), table.column("k").to_pylist(), images.to_pylist()
-            )
-            if data is not None  # a row without image bytes: its manifest row finds no image
+        findings: list[str] = []
+        if not table.schema.equals(DATA_SCHEMA, check_metadata=False):
+            findings.append(f"{uri}: not the data file schema (columns {table.schema.names})")
+        counts = Counter(zip(ids, ks))
+        findings.extend(
+            f"{uri}: row id={id_!r} k={k} is in the file {n} times (readers see each)"
+            for (id_, k), n in counts.items()
+            if n > 1
+        )
+        held = {(id_, k): data for id_, k, data in zip(ids, ks, images)}
+        found = {
+            (r.id, r.k): data
+            for r in rows
+            if (data := held.pop((r.id, r.k), None)) is not None  # no image bytes: no image found
         }
-        found = {(r.id, r.k): held.pop((r.id, r.k)) for r in rows if (r.id, r.k) in held}
-        return StoredImages(uri, found, tuple(held))
+        return StoredImages(uri, found, tuple(held), findings=tuple(findings))

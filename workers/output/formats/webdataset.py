@@ -26,6 +26,7 @@ from __future__ import annotations
 import io
 import json
 import tarfile
+from collections import Counter
 from collections.abc import Sequence
 
 from ditfleet.workers.output.formats.base import (
@@ -109,40 +110,81 @@ class WebDatasetShardWriter(SpooledShardWriter):
 
 
 class WebDatasetShardReader:
-    """Reads a tar: a row's image is the member "{sample key}.{ext}"; a "{key}.json" member
-    without a named image says which row the tar holds that the manifest does not name."""
+    """Reads a tar whole: a row's image is the member "{sample key}.{ext}"; every other member is
+    accounted for. A "{key}.json" member of no named sample says which row the tar holds that the
+    manifest does not name; a member twice, a member of no sample, a named sample without its
+    metadata (or metadata of another row), a non-file member or bytes after the end of the
+    archive are findings: WebDataset readers iterate every member."""
 
     area = WEBDATASET_PREFIX
 
     def read(self, store: ObjectStore, key: str, rows: Sequence[ManifestImage]) -> StoredImages:
         uri = store.uri(key)
         blob = store.get(key)  # ObjectNotFound when absent
+        named = {_sample_key(r.id, r.k, r.num_images): r for r in rows}
+        found: dict[tuple[str, int], bytes] = {}
+        findings: list[str] = []
+        unnamed: list[tuple[str, int]] = []
         try:
             with tarfile.open(fileobj=io.BytesIO(blob), mode="r:") as tar:
                 members = _index(tar, uri)
-                found: dict[tuple[str, int], bytes] = {}
-                samples: set[str] = set()
-                for r in rows:
-                    sample = _sample_key(r.id, r.k, r.num_images)
-                    name = f"{sample}.{IMAGE_EXTENSIONS.get(r.image_format, r.image_format)}"
-                    if name in members:
-                        found[(r.id, r.k)] = _member_bytes(tar, members[name], uri)
-                        samples.add(sample)
-                unnamed = tuple(
-                    _row_of_metadata(_member_bytes(tar, m, uri), uri, name)
-                    for name, m in members.items()
-                    if name.endswith(".json") and name[: -len(".json")] not in samples
+                end = tar.offset  # where the end-of-archive blocks start
+                for name, n in Counter(m.name for m in members).items():
+                    if n > 1:
+                        findings.append(f"{uri}: member {name} appears {n} times (readers see each)")
+                findings.extend(
+                    f"{uri}: member {m.name} is not a regular file" for m in members if not m.isfile()
                 )
+                files = {m.name: m for m in members if m.isfile()}
+                by_sample: dict[str, list[str]] = {}
+                for name in files:
+                    by_sample.setdefault(name.partition(".")[0], []).append(name)
+                for sample, names in by_sample.items():
+                    row = named.get(sample)
+                    meta_name = f"{sample}.json"
+                    if row is None:
+                        if meta_name in files:
+                            unnamed.append(
+                                _row_of_metadata(_member_bytes(tar, files[meta_name], uri), uri, meta_name)
+                            )
+                        else:
+                            findings.extend(f"{uri}: member {n} belongs to no manifest row" for n in names)
+                        continue
+                    image_name = f"{sample}.{IMAGE_EXTENSIONS.get(row.image_format, row.image_format)}"
+                    findings.extend(
+                        f"{uri}: member {n} is not one of sample {sample}'s members"
+                        for n in names
+                        if n not in (image_name, meta_name)
+                    )
+                    if image_name in files:
+                        found[(row.id, row.k)] = _member_bytes(tar, files[image_name], uri)
+                    if meta_name not in files:
+                        findings.append(f"{uri}: sample {sample} has no {meta_name} member")
+                        continue
+                    try:
+                        said = _row_of_metadata(_member_bytes(tar, files[meta_name], uri), uri, meta_name)
+                    except StoredImageError as e:  # the image is still readable: a finding only
+                        findings.append(str(e))
+                        continue
+                    if said != (row.id, row.k):
+                        findings.append(
+                            f"{uri}: member {meta_name} is the metadata of another row than {row.label}"
+                        )
         except (tarfile.TarError, OSError) as e:
             raise StoredImageError(f"{uri}: cannot be read as a tar ({e})") from e
-        return StoredImages(uri, found, unnamed)
+        # Bytes past the end-of-archive blocks are invisible to this reader but not to one that
+        # skips zero blocks (tar --ignore-zeros, tarfile's ignore_zeros).
+        trailing = blob[end:].rstrip(b"\0")
+        if trailing:
+            findings.append(f"{uri}: {len(trailing)} bytes of data after the end of the archive")
+        return StoredImages(uri, found, tuple(unnamed), findings=tuple(findings))
 
 
-def _index(tar: tarfile.TarFile, uri: str) -> dict[str, tarfile.TarInfo]:
-    """Member name -> header, of the regular files. Listing reads every header; where it fails,
-    the error names the last member listed (the one cut short, when the data ends early)."""
+def _index(tar: tarfile.TarFile, uri: str) -> list[tarfile.TarInfo]:
+    """Every member header, in order. Listing reads every header; where it fails, the error
+    names the last member listed (the one cut short, when the data ends early)."""
     try:
-        return {m.name: m for m in tar.getmembers() if m.isfile()}
+        return tar.getmembers()
     except tarfile.ReadError as e:
         if not tar.members:
             raise
