@@ -10,6 +10,7 @@ head_dim, C = 64 packed latent channels.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,9 @@ from .attention import AttentionStats, TextPadding, joint_attention
 from .modulation_cache import ModulationCache, ModulationKey, make_key
 from .rope import RotaryTables, Rotation, apply_rotary
 from .transformer_config import DIFFUSERS_CLASS, IGNORED_KEYS, TransformerConfig  # noqa: F401 - re-exported
+
+if TYPE_CHECKING:
+    from .step_cache import StepCacheRows
 
 
 class RMSNorm(nn.Module):
@@ -320,8 +324,12 @@ class QwenImageTransformer(nn.Module):
         timestep: torch.Tensor,  # (B,) or (1,), scheduler t / 1000, in [0, 1]
         img_shapes: list,  # [(frames, h, w)] or [[(frames, h, w)]] per sample, in packed tokens
         additional_t_cond: torch.Tensor | None = None,
+        step_cache: StepCacheRows | None = None,
     ) -> torch.Tensor:
-        """Velocity prediction (B, N, patch^2 * out_channels)."""
+        """Velocity prediction (B, N, patch^2 * out_channels).
+
+        step_cache: the rows' state when a step cache (model.step_cache) serves this call; it runs
+        the blocks, reusing work per row. None: every block computes, as always."""
         img = self.img_in(hidden_states)
         dtype, device = img.dtype, img.device
         mod_key = make_key(self, timestep, additional_t_cond, dtype, device)
@@ -330,6 +338,9 @@ class QwenImageTransformer(nn.Module):
         (B, N), L = img.shape[:2], txt.shape[1]
         padding = TextPadding.build(encoder_hidden_states_mask, B, L, N, self.padded_attention)
         rope = self.rope.tables(_first_shape(img_shapes), L, device)
+        if step_cache is not None:
+            img = step_cache.run_blocks(self, img, txt, temb, padding, rope, mod_key, encoder_hidden_states_mask)
+            return self.proj_out(self.norm_out(img, temb))
         for block in self.transformer_blocks:
             img, txt = block(
                 img, txt, temb, padding, rope, mod_key, self.modulation_cache, self.attention_stats

@@ -1,0 +1,297 @@
+"""The step cache: DBCache-style reuse of DiT block work between denoising steps, per image.
+
+`StepCache` is a sampler step hook (model.step_hooks). Each transformer pass it serves runs the
+first Fn blocks for every row of the batch, then decides per row (one image in one CFG branch):
+
+- compute: the row runs the remaining blocks; the Fn residual H(Fn) - H(0) and the remaining
+  blocks' residual H(L) - H(Fn) are kept for that row;
+- reuse: the row's relative L1 change of its Fn residual since its last computed step,
+  mean|R_t - R_last| / mean|R_last|, is below the threshold: its output is H(Fn) plus the kept
+  residual of the remaining blocks, and the remaining blocks never run for it.
+
+Only the rows that compute go through the remaining blocks (index_select, then scattered back),
+so an image's result and decisions do not depend on its batch-mates, and the compiled block
+regions (batch a dynamic dimension) see one more batch size, not a new graph. Settings and
+presets: model.step_cache_config (cache-dit's DBCache; the last computed residual is the
+reference, as there: reused steps do not move it).
+
+Each CFG branch of each image has its own state: serial CFG calls the transformer twice a step
+(conditional first), batched CFG once with the conditional rows first; the hook tells them apart
+by the call order and the batch size that `start` was given.
+
+Forced compute (no decision, no overhead): the warm-up steps, the exact last steps, a row with
+nothing cached yet, a row at its limit of consecutive reused steps. A schedule shorter than
+`min_steps` runs the transformer untouched (`inactive_reason` says why).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .attention import TextPadding
+from .step_cache_config import StepCacheConfig
+from .step_hooks import Forward, Step
+
+# Relative change of a row whose kept Fn residual is all zeros: infinite (compute).
+_EPS = 1e-12
+
+
+@dataclass
+class BranchState:
+    """What one CFG branch keeps for the images of a batch; tensors (B, N, D), rows by image."""
+
+    batch: int
+    fn_residual: torch.Tensor | None = None  # at each row's last computed step
+    rest_residual: torch.Tensor | None = None
+    has_cache: list[bool] = field(default_factory=list)
+    consecutive: list[int] = field(default_factory=list)  # reused steps in a row, per image
+    blocks_computed: list[int] = field(default_factory=list)
+    blocks_reused: list[int] = field(default_factory=list)
+    reused_steps: list[list[int]] = field(default_factory=list)  # per image, the steps it reused
+    changes: list[list[tuple[int, float]]] = field(default_factory=list)  # per image: (step, change)
+
+    def __post_init__(self) -> None:
+        B = self.batch
+        self.has_cache = [False] * B
+        self.consecutive = [0] * B
+        self.blocks_computed = [0] * B
+        self.blocks_reused = [0] * B
+        self.reused_steps = [[] for _ in range(B)]
+        self.changes = [[] for _ in range(B)]
+
+    def keep(self, name: str, rows: list[int], values: torch.Tensor) -> None:
+        """Store `values` (len(rows), N, D) as rows `rows` of tensor `name`."""
+        held = getattr(self, name)
+        if held is None or held.shape[1:] != values.shape[1:] or held.dtype != values.dtype:
+            held = values.new_zeros((self.batch, *values.shape[1:]))
+            setattr(self, name, held)
+        if len(rows) == self.batch:
+            held.copy_(values)
+        else:
+            held.index_copy_(0, torch.tensor(rows, device=values.device), values)
+
+    def take(self, name: str, rows: list[int]) -> torch.Tensor:
+        held = getattr(self, name)
+        if len(rows) == self.batch:
+            return held
+        return held.index_select(0, torch.tensor(rows, device=held.device))
+
+
+class StepCache:
+    """A `StepHook` that reuses DiT block work per image and CFG branch (see the module docstring).
+
+    One per `generate` call (its state is that call's images); `start` resets it.
+    """
+
+    def __init__(self, config: StepCacheConfig, num_layers: int) -> None:
+        self.config = config
+        self.num_layers = num_layers
+        self.fn = config.compute_blocks_for(num_layers)
+        self.batch = 0
+        self.steps = 0
+        self.inactive: str | None = None
+        self.branches: list[BranchState] = []
+        self._step: Step | None = None
+        self._calls = 0
+
+    # -- the hook ---------------------------------------------------------------------------
+
+    def start(self, steps: int, batch: int) -> None:
+        self.steps, self.batch = steps, batch
+        self.inactive = self.config.inactive_reason(steps, self.num_layers)
+        self.branches = []
+
+    def forward(self, step: Step, transformer: Forward) -> Forward:
+        if self.inactive is not None:
+            return transformer
+        self._step, self._calls = step, 0
+
+        def cached(latents, embeds, mask, timestep, img_shapes, *args, **kwargs):
+            rows = self._rows_for_call(latents.shape[0])
+            self._calls += 1
+            return transformer(latents, embeds, mask, timestep, img_shapes, *args, step_cache=rows, **kwargs)
+
+        return cached
+
+    def end(self, step: Step, latents: torch.Tensor) -> None:
+        return None
+
+    # -- what a call covers -----------------------------------------------------------------
+
+    def _rows_for_call(self, rows: int) -> StepCacheRows:
+        """The (branch, image) of each row of this step's next transformer call."""
+        assert self._step is not None
+        B = self.batch
+        if rows == 2 * B and self._calls == 0:  # batched CFG: conditional rows, then unconditional
+            segments = [(self._branch(0), B), (self._branch(1), B)]
+        elif rows == B:  # no CFG, or serial CFG: call k of the step is branch k
+            segments = [(self._branch(self._calls), B)]
+        else:
+            raise ValueError(
+                f"step cache: a transformer call of {rows} rows in a batch of {B} images "
+                f"(call {self._calls} of step {self._step.index}); expected {B} or {2 * B}"
+            )
+        return StepCacheRows(self, self._step.index, segments)
+
+    def _branch(self, index: int) -> BranchState:
+        while len(self.branches) <= index:
+            self.branches.append(BranchState(self.batch))
+        return self.branches[index]
+
+    # -- what it did ------------------------------------------------------------------------
+
+    def per_image(self) -> list[dict[str, int]]:
+        """Per image of the last run, both CFG branches together: DiT block evaluations computed
+        and reused, and the steps at least one branch reused."""
+        out = []
+        for i in range(self.batch):
+            if not self.branches:
+                out.append({"blocks_computed": 0, "blocks_reused": 0})
+                continue
+            out.append(
+                {
+                    "blocks_computed": sum(b.blocks_computed[i] for b in self.branches),
+                    "blocks_reused": sum(b.blocks_reused[i] for b in self.branches),
+                }
+            )
+        return out
+
+    def reused_steps(self, branch: int, image: int) -> list[int]:
+        """The steps at which image `image` of branch `branch` (0 conditional) reused the rest."""
+        return list(self.branches[branch].reused_steps[image]) if branch < len(self.branches) else []
+
+    def describe(self) -> str:
+        """The settings as recorded, or why this run was exact."""
+        if self.inactive is not None:
+            return f"off ({self.inactive})"
+        return self.config.describe()
+
+
+class StepCacheRows:
+    """One transformer call's rows and the branch state each belongs to; runs the blocks."""
+
+    def __init__(self, cache: StepCache, step: int, segments: list[tuple[BranchState, int]]) -> None:
+        self.cache = cache
+        self.step = step
+        self.segments = segments  # (branch, rows of it), in batch order
+        # (branch, image) per batch row
+        self.rows = [(branch, i) for branch, count in segments for i in range(count)]
+
+    def _forced(self) -> list[bool]:
+        """Rows that compute whatever their residual says."""
+        c, steps = self.cache.config, self.cache.steps
+        if self.step < c.warmup_steps or self.step >= steps - c.exact_last_steps:
+            return [True] * len(self.rows)
+        limit = c.max_consecutive_skips
+        return [
+            not branch.has_cache[i] or (limit >= 0 and branch.consecutive[i] >= limit)
+            for branch, i in self.rows
+        ]
+
+    def _gather(self, name: str, positions: list[int]) -> torch.Tensor:
+        """Tensor `name` of each branch for batch rows `positions` (in order), concatenated."""
+        parts, start = [], 0
+        for branch, count in self.segments:
+            mine = [p - start for p in positions if start <= p < start + count]
+            if mine:
+                parts.append(branch.take(name, mine))
+            start += count
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _scatter(self, name: str, positions: list[int], values: torch.Tensor) -> None:
+        start, offset = 0, 0
+        for branch, count in self.segments:
+            mine = [p - start for p in positions if start <= p < start + count]
+            if mine:
+                branch.keep(name, mine, values[offset : offset + len(mine)])
+                offset += len(mine)
+            start += count
+
+    def decide(self, fn_residual: torch.Tensor) -> list[bool]:
+        """Per batch row, whether it reuses the rest this call; fn_residual (B, N, D). One host
+        sync when any row is a candidate, none otherwise."""
+        forced = self._forced()
+        reuse = [False] * len(self.rows)
+        candidates = [j for j, f in enumerate(forced) if not f]
+        if candidates:
+            current = fn_residual if len(candidates) == len(self.rows) else _rows(fn_residual, candidates)
+            kept = self._gather("fn_residual", candidates)
+            change = torch.linalg.vector_norm(current - kept, ord=1, dim=(1, 2), dtype=torch.float32)
+            scale = torch.linalg.vector_norm(kept, ord=1, dim=(1, 2), dtype=torch.float32)
+            relative = (change / scale.clamp_min(_EPS)).tolist()
+            threshold = self.cache.config.threshold
+            for j, r in zip(candidates, relative):
+                branch, i = self.rows[j]
+                branch.changes[i].append((self.step, r))
+                reuse[j] = r < threshold
+        return reuse
+
+    def run_blocks(
+        self,
+        model: torch.nn.Module,
+        img: torch.Tensor,  # (B, N, D) after img_in
+        txt: torch.Tensor,  # (B, L, D) after txt_in
+        temb: torch.Tensor,  # (B or 1, D)
+        padding: TextPadding,
+        rope: tuple,
+        mod_key,
+        text_mask: torch.Tensor | None,  # (B, L) or None: what `padding` was built from
+    ) -> torch.Tensor:
+        """The image stream after every block, (B, N, D): the first Fn computed, the rest computed
+        or reused per row."""
+        blocks = model.transformer_blocks
+        fn, total = self.cache.fn, len(blocks)
+        cache, stats = model.modulation_cache, model.attention_stats
+        start = img
+        for block in blocks[:fn]:
+            img, txt = block(img, txt, temb, padding, rope, mod_key, cache, stats)
+        fn_residual = img - start  # (B, N, D)
+        reuse = self.decide(fn_residual)
+        B = img.shape[0]
+        compute = [j for j in range(B) if not reuse[j]]
+        skip = [j for j in range(B) if reuse[j]]
+        for j in range(B):
+            branch, i = self.rows[j]
+            branch.blocks_computed[i] += fn if reuse[j] else total
+            if reuse[j]:
+                branch.blocks_reused[i] += total - fn
+                branch.consecutive[i] += 1
+                branch.reused_steps[i].append(self.step)
+            else:
+                branch.consecutive[i] = 0
+                branch.has_cache[i] = True
+
+        out = None
+        if compute:
+            self._scatter("fn_residual", compute, fn_residual if not skip else _rows(fn_residual, compute))
+            sub_img, sub_txt, sub_padding = img, txt, padding
+            if skip:
+                sub_img, sub_txt = _rows(img, compute), _rows(txt, compute)
+                sub_mask = None if text_mask is None else _rows(text_mask, compute)
+                N, L = img.shape[1], txt.shape[1]
+                sub_padding = TextPadding.build(sub_mask, len(compute), L, N, model.padded_attention)
+            after_fn = sub_img
+            for block in blocks[fn:]:
+                img_mod, txt_mod = block.modulation(temb, mod_key, cache)
+                if skip and img_mod.shape[0] == B and B > 1:  # one modulation row per image
+                    img_mod, txt_mod = _rows(img_mod, compute), _rows(txt_mod, compute)
+                sub_img, sub_txt = block.body(sub_img, sub_txt, img_mod, txt_mod, sub_padding, rope, stats)
+            self._scatter("rest_residual", compute, sub_img - after_fn)
+            if not skip:
+                return sub_img
+            out = torch.empty_like(img)
+            out.index_copy_(0, torch.tensor(compute, device=img.device), sub_img)
+        reused = _rows(img, skip) + self._gather("rest_residual", skip)
+        if out is None:
+            return reused
+        out.index_copy_(0, torch.tensor(skip, device=img.device), reused)
+        return out
+
+
+def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x[rows] along dim 0 (a view when the rows are the whole batch)."""
+    if len(rows) == x.shape[0]:
+        return x
+    return x.index_select(0, torch.tensor(rows, device=x.device))

@@ -1,0 +1,194 @@
+"""Step-cache settings: the presets, their published sources, and the checks on user input.
+
+Torch-free on purpose: the job spec, `ditfleet validate` and the fingerprint read it without
+loading torch. The algorithm itself is `model.step_cache`.
+
+The method is DBCache ("dual block cache", vipshop/cache-dit, docs/DBCache.md): each DiT pass
+computes the first `compute_blocks` blocks (Fn) and measures how much the residual they add,
+H(t, Fn) - H(t, 0), changed since the last step that computed everything, as a relative L1
+distance, mean|R_t - R_last| / mean|R_last|. Below `threshold`, the remaining blocks are not run:
+their residual at that last computed step is added instead. Decided per image and per CFG
+branch (an image never depends on its batch-mates).
+
+Presets come from cache-dit's published Qwen-Image settings, not from the bundled tiny model
+(which forgives far more than a real model; see docs/performance.md):
+- "safe": its Qwen-Image example as published (assets/qwen-image.C1_Q0_DBCACHE_F8B0_W8M0MC0_
+  T1O4_R0.12_S23.png: Fn_compute_blocks=8, Bn=0, max_warmup_steps=8, no cap on cached steps,
+  residual_diff_threshold=0.12), without its TaylorSeer calibrator.
+- "fast": one computed block (its generate CLI's Qwen-Image default, `--Fn 1`, and the
+  F1B0 Qwen-Image example), 4 warm-up steps (its bench/cache/bench.py sweeps, `--max-warmup-steps
+  4`) and twice the example's threshold, 0.24. Its quality cost is larger; it is measured by
+  `ditfleet calibrate`, never assumed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("dbcache",)
+PRESET_NAMES = ("off", "safe", "fast")
+# The spec key users write; errors name it (and the field under it).
+SPEC_KEY = "sampling.step_cache"
+
+
+class StepCacheError(ValueError):
+    """A step-cache setting that cannot be used; the message names the key."""
+
+
+@dataclass(frozen=True)
+class StepCacheConfig:
+    """One step cache's settings. Build with `parse_step_cache` (presets, checks naming the key)."""
+
+    method: str = "dbcache"
+    # Relative L1 change of the first blocks' residual below which an image reuses the rest.
+    threshold: float = 0.08
+    # Fn: blocks every pass computes. Capped at a quarter of the model's blocks (at least one), so
+    # a model with few blocks keeps blocks to skip; Qwen-Image's 60 take the published values.
+    compute_blocks: int = 8
+    # Steps computed in full before any reuse (the first step always is: nothing is cached yet).
+    warmup_steps: int = 8
+    # Longest run of reused steps before an image must compute again; -1: no limit.
+    max_consecutive_skips: int = 3
+    # Steps at the end of the schedule always computed in full.
+    exact_last_steps: int = 1
+    # Shorter schedules run exact: distilled 4-8 step schedules (Lightning) change too much per
+    # step for a residual cache, and the warm-up alone would take most of them.
+    min_steps: int = 20
+
+    def __post_init__(self) -> None:
+        _check(dataclasses.asdict(self), SPEC_KEY)
+
+    def compute_blocks_for(self, num_layers: int) -> int:
+        """Fn for a model with `num_layers` blocks (see `compute_blocks`)."""
+        return max(1, min(self.compute_blocks, num_layers // 4))
+
+    def inactive_reason(self, steps: int, num_layers: int | None = None) -> str | None:
+        """Why a schedule of `steps` steps (on a model of `num_layers` blocks) runs exact; None
+        when the cache can reuse work there."""
+        if steps < self.min_steps:
+            return f"{steps} steps < min_steps {self.min_steps}"
+        if steps - self.warmup_steps - self.exact_last_steps < 2:
+            return (
+                f"{steps} steps leave fewer than 2 to reuse after warmup_steps {self.warmup_steps} "
+                f"and exact_last_steps {self.exact_last_steps}"
+            )
+        if num_layers is not None and num_layers < 2:
+            return f"a model of {num_layers} block has nothing to skip"
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        """Canonical JSON (sorted keys): the manifest's record and the fingerprint's value."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(StepCacheConfig))
+
+
+def parse_step_cache(value: Any, key: str = SPEC_KEY) -> StepCacheConfig | None:
+    """A preset name, a mapping ({preset?, method?, threshold?, ...} over the preset, default
+    "safe"), a StepCacheConfig, or None/"off" -> the config, or None for off.
+
+    Raises StepCacheError naming `key` (and the field) for an unknown preset, method or field, or
+    a value out of range.
+    """
+    if value is None or isinstance(value, StepCacheConfig):
+        return value
+    if isinstance(value, str):
+        if value not in PRESETS:
+            raise StepCacheError(
+                f"{key}: unknown preset {value!r}; use one of {list(PRESET_NAMES)} or a mapping"
+            )
+        return PRESETS[value]
+    if not isinstance(value, dict):
+        raise StepCacheError(
+            f"{key}: expected a preset name {list(PRESET_NAMES)} or a mapping of {list(_FIELDS)}, "
+            f"got {type(value).__name__}"
+        )
+    fields = dict(value)
+    preset = fields.pop("preset", "safe")
+    if preset not in PRESETS:
+        raise StepCacheError(f"{key}.preset: unknown preset {preset!r}; use one of {list(PRESET_NAMES)}")
+    unknown = sorted(set(fields) - set(_FIELDS))
+    if unknown:
+        raise StepCacheError(f"{key}: unknown key(s) {unknown}; allowed: {['preset', *_FIELDS]}")
+    base = PRESETS[preset]
+    if base is None:
+        if fields:
+            raise StepCacheError(f"{key}: preset 'off' takes no other keys, got {sorted(fields)}")
+        return None
+    merged = {**base.to_dict(), **fields}
+    _check_types(merged, key)
+    _check(merged, key)
+    return StepCacheConfig(**merged)
+
+
+def _check_types(fields: dict[str, Any], key: str) -> None:
+    for name, v in fields.items():
+        want = {"method": str, "threshold": (int, float)}.get(name, int)
+        if isinstance(v, bool) or not isinstance(v, want):
+            raise StepCacheError(f"{key}.{name}: expected {_type_name(want)}, got {v!r}")
+    fields["threshold"] = float(fields["threshold"])
+
+
+def _type_name(want: Any) -> str:
+    return "a number" if want == (int, float) else want.__name__
+
+
+def _check(c: dict[str, Any], key: str) -> None:
+    """Ranges; every message names the key the user wrote."""
+    if c["method"] not in METHODS:
+        raise StepCacheError(f"{key}.method: unknown method {c['method']!r}; use one of {list(METHODS)}")
+    if not 0.0 < c["threshold"] < 1.0:
+        # cache-dit reads <= 0 as "never cache" and >= 1 as "always cache": neither is a cache.
+        raise StepCacheError(f"{key}.threshold: must be in (0, 1), got {c['threshold']!r}")
+    bounds = {
+        "compute_blocks": 1,
+        "warmup_steps": 0,
+        "max_consecutive_skips": -1,
+        "exact_last_steps": 0,
+        "min_steps": 2,
+    }
+    for name, low in bounds.items():
+        v = c[name]
+        if v < low:
+            raise StepCacheError(f"{key}.{name}: must be >= {low}, got {v!r}")
+    if c["max_consecutive_skips"] == 0:
+        raise StepCacheError(
+            f"{key}.max_consecutive_skips: 0 would never reuse a step; use -1 (no limit) or >= 1"
+        )
+    least = c["warmup_steps"] + c["exact_last_steps"] + 2
+    if c["min_steps"] < least:
+        raise StepCacheError(
+            f"{key}.min_steps: {c['min_steps']} leaves no step to reuse after warmup_steps "
+            f"{c['warmup_steps']} and exact_last_steps {c['exact_last_steps']}; use at least {least}"
+        )
+
+
+PRESETS: dict[str, StepCacheConfig | None] = {
+    "off": None,
+    "safe": StepCacheConfig(
+        threshold=0.12, compute_blocks=8, warmup_steps=8, max_consecutive_skips=-1, exact_last_steps=1
+    ),
+    "fast": StepCacheConfig(
+        threshold=0.24, compute_blocks=1, warmup_steps=4, max_consecutive_skips=-1, exact_last_steps=1
+    ),
+}
+
+
+def check_schedule(config: StepCacheConfig | None, steps: int, key: str = SPEC_KEY) -> None:
+    """The job's default schedule must be long enough to use its step cache: an error naming the
+    key before any work (a per-row shorter schedule runs exact and its manifest row says so)."""
+    if config is None:
+        return
+    reason = config.inactive_reason(steps)
+    if reason is not None:
+        raise StepCacheError(
+            f"{key}: the schedule is too short for a step cache ({reason}); set {key}: off, "
+            f"or lower {key}.min_steps / warmup_steps"
+        )
