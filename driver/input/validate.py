@@ -8,14 +8,15 @@ A column of the wrong type is one schema-level problem for its file, not one per
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from ditfleet.driver.input.arrays import outside, plain
-from ditfleet.driver.input.duplicate_ids import DuplicateIds
+from ditfleet.driver.input.duplicate_ids import DIGEST_BITS, DuplicateIds
 from ditfleet.driver.input.prompts import DEFAULT_BATCH_ROWS, InputFile, PromptSource, iter_batches
 from ditfleet.driver.input.row_errors import InputError, RowError, describe_value
 from ditfleet.workers.rows import (
@@ -117,6 +118,12 @@ class RowValidator:
         if len(self.errors) < self.max_errors:
             self.errors.append(error)
 
+    def merge(self, other: RowValidator) -> None:
+        """Take another validator's problems (one file's, scanned on another thread)."""
+        self.total += other.total
+        room = self.max_errors - len(self.errors)
+        self.errors.extend(other.errors[: max(0, room)])
+
     def sorted_errors(self) -> tuple[RowError, ...]:
         return tuple(
             sorted(self.errors, key=lambda e: (self._order.get(e.file, -1), -1 if e.row is None else e.row))
@@ -194,21 +201,26 @@ class RowValidator:
         at, names, limit = _At(file, first_row), batch.schema.names, self.config.max_prompt_chars
         prompt = plain(batch.column("prompt"))
         self._flag(at, "prompt", pc.is_null(prompt), prompt, "prompt is null", _GIVE_PROMPT)
-        empty = pc.equal(pc.utf8_length(pc.utf8_trim_whitespace(prompt)), 0)
+        # Without copying the prompts (trimming would): no bytes, or nothing but whitespace.
+        empty = pc.or_(pc.equal(pc.binary_length(prompt), 0), pc.utf8_is_space(prompt))
         self._flag(at, "prompt", empty, prompt, "prompt is empty", _GIVE_PROMPT)
-        long = pc.greater(pc.utf8_length(prompt), limit)
-        self._flag(at, "prompt", long, prompt, f"prompt is longer than {limit} characters", _SHORTEN)
+        # A string has at least as many bytes as characters: count characters only when some
+        # prompt has more bytes than the limit allows characters.
+        if (pc.max(pc.binary_length(prompt)).as_py() or 0) > limit:
+            long = pc.greater(pc.utf8_length(prompt), limit)
+            self._flag(at, "prompt", long, prompt, f"prompt is longer than {limit} characters", _SHORTEN)
         if "negative_prompt" in names and _kind(batch.schema.field("negative_prompt").type) == "string":
             neg = plain(batch.column("negative_prompt"))
-            long = pc.greater(pc.utf8_length(neg), limit)
-            self._flag(
-                at,
-                "negative_prompt",
-                long,
-                neg,
-                f"negative prompt is longer than {limit} characters",
-                _SHORTEN,
-            )
+            if (pc.max(pc.binary_length(neg)).as_py() or 0) > limit:
+                long = pc.greater(pc.utf8_length(neg), limit)
+                self._flag(
+                    at,
+                    "negative_prompt",
+                    long,
+                    neg,
+                    f"negative prompt is longer than {limit} characters",
+                    _SHORTEN,
+                )
         if "id" in names:
             ids = batch.column("id")
             self._flag(at, "id", pc.is_null(ids), ids, "id is null", "Give every row an id, or drop the id column to use row positions")  # fmt: skip
@@ -257,20 +269,51 @@ class RowValidator:
 BatchCallback = Callable[[InputFile, int, int, pa.RecordBatch], None]
 
 
-def _read_schemas(
+class FileScan(Protocol):
+    """What sees the batches of one file when files are scanned in parallel (see scan_input)."""
+
+    def on_batch(
+        self, file: InputFile, first_row: int, first_position: int, batch: pa.RecordBatch
+    ) -> None: ...
+
+
+# Footers are one or two small reads each: on S3 they are latency, so many go at once.
+_FOOTER_THREADS = 16
+
+
+class _Footer(NamedTuple):
+    schema: pa.Schema
+    rows: int
+
+
+def _read_footers(
     source: PromptSource, files: Sequence[InputFile], validator: RowValidator
-) -> list[pa.Schema | None]:
-    """Each file's schema, from its footer; None (and the problem reported) when it cannot be read."""
-    schemas: list[pa.Schema | None] = []
-    for file in files:
+) -> list[_Footer | None]:
+    """Each file's schema and row count, from its footer (in parallel); None, and the problem
+    reported, when it cannot be read."""
+
+    def one(file: InputFile) -> _Footer | InputError:
         try:
             with source.open(file) as pf:
-                schemas.append(pf.schema_arrow)
+                return _Footer(pf.schema_arrow, pf.metadata.num_rows)
         except InputError as e:
-            schemas.append(None)
-            for err in e.errors:
+            return e
+
+    if len(files) > 1:
+        with ThreadPoolExecutor(max_workers=min(_FOOTER_THREADS, len(files))) as pool:
+            read = list(pool.map(one, files))
+    else:
+        read = [one(f) for f in files]
+    footers: list[_Footer | None] = []
+    for file, got in zip(files, read):
+        validator._order.setdefault(file.uri, len(validator._order))
+        if isinstance(got, InputError):
+            footers.append(None)
+            for err in got.errors:
                 validator.add(err)
-    return schemas
+        else:
+            footers.append(got)
+    return footers
 
 
 def scan_input(
@@ -279,44 +322,87 @@ def scan_input(
     max_errors: int = DEFAULT_MAX_ERRORS,
     batch_rows: int = DEFAULT_BATCH_ROWS,
     on_batch: BatchCallback | None = None,
+    *,
+    per_file: Callable[[InputFile, int, int], FileScan] | None = None,
+    workers: int = 1,
+    fail_fast: bool = False,
+    digest_bits: int = DIGEST_BITS,
 ) -> ValidationReport:
     """Read and validate every row of the input once, in input order.
 
-    on_batch(file, first_row, first_position, batch) sees every batch of each file whose schema
-    is valid (only the KNOWN_COLUMNS it has), so the planner shares this one pass. Raises
-    InputError only when the input path cannot be resolved; all else is in the report.
+    First every file's footer is read: a file that cannot be read or whose schema is wrong is
+    reported then, and with fail_fast (planning) nothing more is read, so a bad file among
+    thousands is named before any row is. Then the rows:
+    - on_batch(file, first_row, first_position, batch) sees every batch of each file whose
+      schema is valid (only the KNOWN_COLUMNS it has), files in input order, so the planner
+      shares this one pass;
+    - or per_file(file, first_position, rows) makes one FileScan per file (rows: its footer's count), and `workers` threads scan
+      files side by side (Parquet decoding and Arrow compute release the GIL); each FileScan
+      sees its own file's batches in row order. The caller keeps what they hold.
+    Raises InputError only when the input path cannot be resolved; all else is in the report.
     """
+    if on_batch is not None and per_file is not None:
+        raise ValueError("scan_input takes on_batch or per_file, not both")
     files = source.files()
     validator = RowValidator(config, max_errors)
-    schemas = _read_schemas(source, files, validator)
-    # Without any id column, ids are positions, which cannot collide: skip the hashing.
-    duplicates = DuplicateIds() if any(s is not None and "id" in s.names for s in schemas) else None
-
-    position, empty = 0, []
-    for file, schema in zip(files, schemas):
-        if schema is None or not validator.check_schema(file.uri, schema):
+    footers = _read_footers(source, files, validator)
+    valid: list[tuple[InputFile, _Footer, int]] = []
+    position = 0
+    for file, footer in zip(files, footers):
+        if footer is None or not validator.check_schema(file.uri, footer.schema):
             continue
-        has_ids = "id" in schema.names
-        with source.open(file) as pf:
-            rows = pf.metadata.num_rows
-            if rows == 0:
-                empty.append(file.uri)
-            if duplicates is not None:
-                duplicates.add_file(position, rows, file.uri, has_ids)
-            for first_row, batch in iter_batches(
-                pf, [c for c in KNOWN_COLUMNS if c in schema.names], batch_rows
-            ):
-                validator.check_batch(batch, file.uri, first_row)
-                if duplicates is not None and has_ids:
-                    duplicates.add_ids(plain(batch.column("id")), position + first_row)
-                elif duplicates is not None:
-                    duplicates.add_positions(position + first_row, batch.num_rows)
-                if on_batch is not None:
-                    on_batch(file, first_row, position + first_row, batch)
-        position += rows
+        valid.append((file, footer, position))
+        position += footer.rows
+    empty = [file.uri for file, footer, _ in valid if footer.rows == 0]
+    if fail_fast and validator.total:
+        return ValidationReport(validator.sorted_errors(), validator.total, 0, files, tuple(empty))
+    # Without any id column, ids are positions, which cannot collide: skip the digests.
+    duplicates = (
+        DuplicateIds(position, digest_bits) if any("id" in f.schema.names for _, f, _ in valid) else None
+    )
 
-    for error in duplicates.errors(source) if duplicates is not None else []:
-        validator.add(error)
+    def scan(
+        file: InputFile, footer: _Footer, start: int, sink: RowValidator, see: BatchCallback | None
+    ) -> None:
+        has_ids = "id" in footer.schema.names
+        if duplicates is not None:
+            duplicates.add_file(start, footer.rows, file.uri, has_ids)
+        with source.open(file) as pf:
+            for first_row, batch in iter_batches(
+                pf, [c for c in KNOWN_COLUMNS if c in footer.schema.names], batch_rows
+            ):
+                sink.check_batch(batch, file.uri, first_row)
+                if duplicates is not None and has_ids:
+                    duplicates.add_ids(plain(batch.column("id")), start + first_row)
+                elif duplicates is not None:
+                    duplicates.add_positions(start + first_row, batch.num_rows)
+                if see is not None:
+                    see(file, first_row, start + first_row, batch)
+
+    # Made here, in input order, whatever thread then feeds them.
+    sinks = [
+        per_file(file, start, footer.rows) if per_file is not None else None for file, footer, start in valid
+    ]
+    if per_file is None or workers <= 1 or len(valid) <= 1:
+        for (file, footer, start), sink in zip(valid, sinks):
+            scan(file, footer, start, validator, on_batch if sink is None else sink.on_batch)
+    else:
+
+        def one(i: int) -> RowValidator:
+            file, footer, start = valid[i]
+            own = RowValidator(config, max_errors)
+            scan(file, footer, start, own, sinks[i].on_batch)
+            return own
+
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            for own in pool.map(one, range(len(valid))):  # input order: the first errors are the first rows'
+                validator.merge(own)
+
+    if duplicates is not None:
+        count, errors = duplicates.count_and_errors(source, max(0, max_errors - len(validator.errors)))
+        for error in errors:
+            validator.add(error)
+        validator.total += count - len(errors)
     if position == 0 and validator.total == 0:
         where = empty[0] if len(empty) == 1 else source.uri
         problem = (
