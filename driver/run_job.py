@@ -39,9 +39,12 @@ from ditfleet.driver.locations import check_locations
 from ditfleet.driver.metrics import FanOut
 from ditfleet.driver.output.claim import OutputMismatch, claim_incremental_output, claim_output
 from ditfleet.driver.output.finish import finish_run
+from ditfleet.driver.output.lease import OutputLease, acquire_lease
 from ditfleet.driver.output.status import OutputCounts
-from ditfleet.driver.output.summary import JobSummary, build_summary, read_success, write_success
+from ditfleet.driver.output.summary import FAILED, JobSummary, build_summary, read_success, write_success
+from ditfleet.driver.output.verify import missing_named_objects
 from ditfleet.driver.plan import JobPlan, PlanConfig, plan_job
+from ditfleet.driver.plan_file import load_plan, save_plan
 from ditfleet.driver.progress import JobProgress
 from ditfleet.workers.contract import WorkerConfig
 from ditfleet.workers.output.layout import success_key
@@ -49,6 +52,7 @@ from ditfleet.workers.output.manifest import committed_shards
 from ditfleet.workers.rows import ShardSpec
 from ditfleet.workers.storage import ObjectStore, S3Config, open_store
 from ditfleet.workers.storage.input_files import filesystem_for, is_s3
+from ditfleet.workers.weights.digest import ModelIdentity, model_identity
 
 _PLAN_TRIES = 5  # an incremental run plans again when another driver took its run number
 
@@ -145,6 +149,14 @@ def run_job(
             f"{config.output_uri!r}: build both configs from the same spec"
         )
     run = _Execution(config, worker_config, worker_cls, out, interactive, connect, events)
+    try:
+        return _run(run)
+    finally:
+        run.release()
+
+
+def _run(run: _Execution) -> JobSummary:
+    config, out = run.config, run.out
     started = time.monotonic()
     work = _incremental_work(run, started) if config.incremental else _plain_work(run, started)
     if isinstance(work, JobSummary):
@@ -168,6 +180,7 @@ def run_job(
         timings={"plan_s": work.plan_s, "dispatch_s": time.monotonic() - t1},
         started=started,
         out=out,
+        before_write=run.check_lease,
     )
 
 
@@ -175,18 +188,27 @@ def _plain_work(run: _Execution, started: float) -> _Work | JobSummary:
     """Plan, claim the output, and leave out the committed shards; the summary in `_SUCCESS`
     when the output is complete already."""
     config, out = run.config, run.out
-    plan = plan_input(config)
+    store = open_store(config.output_uri, config.s3)
+    # A rerun of the same input and settings reads the plan it stored (driver.plan_file)
+    # instead of scanning every row again.
+    stored = load_plan(store, prompt_source(config), config.plan)
+    plan = stored if stored is not None else plan_input(config)
     plan_s = time.monotonic() - started
     for warning in plan.warnings:
         print(f"warning: {warning}", file=out)
-    store = open_store(config.output_uri, config.s3)
     store.check_writable()
-    claim_output(store, plan, json.loads(config.resolved_spec))
-    _remove_stale_temp_files(store, out)
+    run.hold(store)
+    claim_output(store, plan, json.loads(config.resolved_spec), run.model())
+    if stored is None:
+        save_plan(store, plan)
     done = committed_shards(store) & {s.index for s in plan.shards}
     if len(done) == len(plan.shards) and (previous := read_success(store)) is not None:
-        print(f"{store.uri()}: already complete ({len(done)} shards committed); nothing to do", file=out)
-        return previous
+        return _complete_already(store, previous, len(done), out)
+    if store.exists(success_key()):
+        # Not complete: `_SUCCESS` goes before this run writes anything, so that no reader takes
+        # the output for finished while it changes.
+        store.delete(success_key())
+    _remove_stale_temp_files(store, out)
     if done:
         print(f"resuming {store.uri()}: {len(done)} of {len(plan.shards)} shards already committed", file=out)
     return _Work(
@@ -205,7 +227,7 @@ def _incremental_work(run: _Execution, started: float) -> _Work | JobSummary:
     nothing new to run."""
     config, out = run.config, run.out
     store = open_store(config.output_uri, config.s3)
-    plan, fingerprint = _plan_increment(config, store)
+    plan, fingerprint = _plan_increment(config, store, run.model())
     plan_s = time.monotonic() - started
     for line in plan.describe():
         print(line, file=out)
@@ -215,6 +237,7 @@ def _incremental_work(run: _Execution, started: float) -> _Work | JobSummary:
         "rows": sum(s.num_rows for s in todo),
         "images": sum(s.num_images for s in todo),
     }
+    run.hold(store)
     if not todo:
         shards = len(plan.recorded.live())
         print(
@@ -243,7 +266,13 @@ def _incremental_work(run: _Execution, started: float) -> _Work | JobSummary:
     order = config.plan.rows.buckets.names
     return _Work(store, fingerprint, todo, frozenset(), planned, order, plan_s)
     return _Work(
-        store, fingerprint, todo, frozenset(), planned, config.plan.rows.buckets.names, time.monotonic() - started
+        store,
+        fingerprint,
+        todo,
+        frozenset(),
+        planned,
+        config.plan.rows.buckets.names,
+        time.monotonic() - started,
     )
 
 
@@ -258,6 +287,41 @@ class _Execution:
     interactive: bool | None
     connect: Callable[[], object] | None
     events: DispatchEvents | None
+
+    lease: OutputLease | None = None
+    _model: tuple[ModelIdentity | None] | None = None
+
+    def model(self) -> ModelIdentity | None:
+        """The identity of the model's bytes (once per run), also handed to every actor, which
+        refuses to start on other weights; None when this machine cannot read the model."""
+        if self._model is None:
+            wc = self.worker_config
+            try:
+                identity = model_identity(wc.model_path, wc.model_cache_dir, wc.s3)
+            except Exception as e:  # noqa: BLE001 - the actors' own fetch reports what is wrong
+                print(
+                    f"warning: model {wc.model_path} cannot be read here ({type(e).__name__}: {e}); "
+                    "the output does not record its weights' digest and actors are not checked against it",
+                    file=self.out,
+                )
+                identity = None
+            self._model = (identity,)
+            if identity is not None:
+                self.worker_config = dataclasses.replace(wc, model_identity=identity.to_dict())
+        return self._model[0]
+
+    def hold(self, store: ObjectStore) -> None:
+        """Own the output for this run (one driver at a time; raises OutputBusy)."""
+        if self.lease is None:
+            self.lease = acquire_lease(store)
+
+    def check_lease(self) -> None:
+        if self.lease is not None:
+            self.lease.check()
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
 
     def progress(self, shards: int, images: int, done_shards: int = 0, done_images: int = 0) -> JobProgress:
         return JobProgress(
@@ -332,7 +396,9 @@ def preview_increment(config: DriverConfig) -> IncrementPlan:
     return plan_increment(prompt_source(config), config.plan, store, committed_shards(store), fingerprint)
 
 
-def _plan_increment(config: DriverConfig, store: ObjectStore) -> tuple[IncrementPlan, str]:
+def _plan_increment(
+    config: DriverConfig, store: ObjectStore, model: ModelIdentity | None = None
+) -> tuple[IncrementPlan, str]:
     """Plan the next run and write its record; plans again if another driver took the number.
 
     Nothing is written before the new files passed validation, and nothing at all when there
@@ -342,12 +408,14 @@ def _plan_increment(config: DriverConfig, store: ObjectStore) -> tuple[Increment
     spec = json.loads(config.resolved_spec)
     for _ in range(_PLAN_TRIES):
         # Refuses changed settings before reading any input; writes nothing.
-        fingerprint = claim_incremental_output(store, config.plan, config.input_uri, spec, write=False)
+        fingerprint = claim_incremental_output(
+            store, config.plan, config.input_uri, spec, write=False, model=model
+        )
         plan = plan_increment(source, config.plan, store, committed_shards(store), fingerprint)
         if plan.record is None:
             return plan, fingerprint
         store.check_writable()
-        claim_incremental_output(store, config.plan, config.input_uri, spec)
+        claim_incremental_output(store, config.plan, config.input_uri, spec, model=model)
         written = commit_increment(store, plan)
         if written is not None:
             return written, fingerprint
@@ -355,6 +423,31 @@ def _plan_increment(config: DriverConfig, store: ObjectStore) -> tuple[Increment
         f"output {store.uri()}: another driver planned a run at the same time, {_PLAN_TRIES} times in "
         "a row. Is a second `ditfleet run` of this job writing to it? Let one run at a time"
     )
+
+
+def _complete_already(store: ObjectStore, previous: JobSummary, done: int, out: TextIO) -> JobSummary:
+    """A rerun of a complete output: check, by listing alone, that every object its manifests
+    name is still there; the summary in `_SUCCESS` when it is, a failed one naming the shards
+    whose objects are gone when not."""
+    lost = missing_named_objects(store)
+    if not lost:
+        print(
+            f"{store.uri()}: already complete ({done} shards committed, every object they name "
+            "is there); nothing to do",
+            file=out,
+        )
+        return previous
+    shards = sorted(lost)
+    count = sum(len(keys) for keys in lost.values())
+    print(
+        f"{store.uri()}: _SUCCESS is there, but {count} objects its manifests name are missing, in "
+        f"shards {shards[:20]}{' ...' if len(shards) > 20 else ''} (e.g. {lost[shards[0]][0]}). "
+        "A committed manifest is never rewritten, so these shards cannot be re-run in place: restore "
+        "the objects (from a backup or a versioned bucket), or run the job to a new output. "
+        "`ditfleet verify` lists every problem",
+        file=out,
+    )
+    return dataclasses.replace(previous, status=FAILED)
 
 
 def _remove_stale_temp_files(store: ObjectStore, out: TextIO) -> None:

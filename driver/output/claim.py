@@ -3,7 +3,10 @@ job an output belongs to; a job whose fingerprint differs is refused with what d
 output never mixes images of two settings.
 
 A plain job's fingerprint covers its settings and its input files (driver.plan); an incremental
-job's covers its settings alone, since its input grows from run to run (driver.increment).
+job's covers its settings alone, since its input grows from run to run (driver.increment). Both
+cover the model's bytes when the driver can identify them (workers.weights.digest): the
+fingerprint holds their digest as `model_weights` and `_job.json` each file's identity under
+`model`, so a resume with other weights at the same path is refused naming the file that changed.
 """
 
 from __future__ import annotations
@@ -23,37 +26,68 @@ from ditfleet.driver.output.job_file import (
 from ditfleet.driver.plan import JobPlan, PlanConfig, fingerprint_of, settings_doc
 from ditfleet.workers.output.manifest import committed_shards
 from ditfleet.workers.storage import ObjectStore
+from ditfleet.workers.weights.digest import ModelIdentity, changed_files
 
 
-def claim_output(store: ObjectStore, plan: JobPlan, resolved_spec: dict[str, Any]) -> bool:
+def claim_output(
+    store: ObjectStore, plan: JobPlan, resolved_spec: dict[str, Any], model: ModelIdentity | None = None
+) -> bool:
     """Make `store` this plan's output: write `_job.json` create-only, or check the one there.
 
     Returns True when the output already belonged to this plan (a resume). Raises OutputMismatch
-    naming what differs when it belongs to another job.
+    naming what differs when it belongs to another job. model: the identity of the model's bytes.
     """
+    doc = _with_model(plan.fingerprint_doc(), model)
     return _claim(
         store,
-        plan.fingerprint(),
-        plan.fingerprint_doc(),
-        lambda: job_document(plan, resolved_spec),
+        fingerprint_of(doc),
+        doc,
+        lambda: _job_with_model(job_document(plan, resolved_spec), doc, model),
         "run with the settings and input it was made with",
+        model=model,
     )
 
 
+def _with_model(fingerprint_doc: Mapping[str, Any], model: ModelIdentity | None) -> dict[str, Any]:
+    doc = dict(fingerprint_doc)
+    if model is not None:
+        doc["model_weights"] = model.digest
+    return doc
+
+
+def _job_with_model(
+    job: dict[str, Any], fingerprint_doc: dict[str, Any], model: ModelIdentity | None
+) -> dict[str, Any]:
+    if model is None:
+        return job
+    return {
+        **job,
+        "fingerprint": fingerprint_of(fingerprint_doc),
+        "fingerprint_doc": fingerprint_doc,
+        "model": model.to_dict(),
+    }
+
+
 def claim_incremental_output(
-    store: ObjectStore, config: PlanConfig, source: str, resolved_spec: dict[str, Any], write: bool = True
+    store: ObjectStore,
+    config: PlanConfig,
+    source: str,
+    resolved_spec: dict[str, Any],
+    write: bool = True,
+    model: ModelIdentity | None = None,
 ) -> str:
     """`claim_output` for an incremental job: `_job.json` holds the settings fingerprint only
     (the input grows). Returns the fingerprint; raises OutputMismatch naming what differs.
     write=False only checks (`ditfleet plan`): an output without `_job.json` stays as it is."""
-    doc = settings_doc(config, incremental=True)
+    doc = _with_model(settings_doc(config, incremental=True), model)
     _claim(
         store,
         fingerprint_of(doc),
         doc,
-        lambda: incremental_job_document(config, source, resolved_spec),
+        lambda: _job_with_model(incremental_job_document(config, source, resolved_spec), doc, model),
         "run with the settings it was made with",
         write,
+        model,
     )
     return fingerprint_of(doc)
 
@@ -65,6 +99,7 @@ def _claim(
     job_doc: Callable[[], dict[str, Any]],
     or_else: str,
     write: bool = True,
+    model: ModelIdentity | None = None,
 ) -> bool:
     where = store.uri()
     existing = read_job_file(store)
@@ -82,14 +117,34 @@ def _claim(
         assert existing is not None
     check_job_file(store, existing)
     _check_same_kind(where, existing["fingerprint_doc"], fingerprint_doc)
+    if "model_weights" not in existing["fingerprint_doc"] and "model_weights" in fingerprint_doc:
+        # Made before outputs recorded their model's bytes: compared without them.
+        fingerprint_doc = {k: v for k, v in fingerprint_doc.items() if k != "model_weights"}
+        fingerprint = fingerprint_of(fingerprint_doc)
     differences = fingerprint_differences(existing, fingerprint, fingerprint_doc)
     if not differences:
         return True
+    differences = _name_changed_files(existing, model, differences)
     listed = "\n".join(f"  - {d}" for d in differences)
     raise OutputMismatch(
         f"output {where} belongs to another job (its _job.json fingerprint differs):\n{listed}\n"
         f"Write to a new output, or {or_else}"
     )
+
+
+def _name_changed_files(
+    existing: Mapping[str, Any], model: ModelIdentity | None, differences: list[str]
+) -> list[str]:
+    """The model_weights line replaced by the files that changed, where both sides list them."""
+    recorded = existing.get("model")
+    if model is None or not isinstance(recorded, Mapping):
+        return differences
+    old = ModelIdentity.from_dict(recorded)
+    if old.kind != model.kind:
+        return differences
+    changed = changed_files(old.files, model.files)
+    rest = [d for d in differences if not d.startswith("model_weights:")]
+    return [f"{c} since the output was made (same path, other weights)" for c in changed] + rest
 
 
 def _check_same_kind(where: str, old: Mapping[str, Any], new: Mapping[str, Any]) -> None:

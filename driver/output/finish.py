@@ -12,7 +12,7 @@ manifests name.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TextIO
 
 from ditfleet.driver.dispatch import DispatchResult
@@ -39,6 +39,7 @@ def finish_run(
     timings: Mapping[str, float],
     started: float,
     out: TextIO,
+    before_write: Callable[[], None] | None = None,
 ) -> JobSummary:
     """Count `shards` (all that the summary is over: a plain job's plan, or the shards of one
     incremental run), finish the output and print the summary; returns it.
@@ -46,7 +47,8 @@ def finish_run(
     committed_before: those of `shards` committed before this run (left alone by the clean-up);
     planned: {'shards', 'rows', 'images'} of `shards`; result: None when nothing was dispatched;
     timings: plan_s and dispatch_s (count_s and wall_s are added, from `started`, a
-    time.monotonic() value).
+    time.monotonic() value); before_write: called before the clean-up and before `_SUCCESS`, and
+    raises when this driver may not write them (driver.output.lease: another owns the output).
     """
     t0 = time.monotonic()
     committed = committed_shards(store) & {s.index for s in shards}
@@ -62,13 +64,18 @@ def finish_run(
         progress=progress,
         timings={**dict.fromkeys(_TIMINGS, 0.0), **timings, "count_s": now - t0, "wall_s": now - started},
     )
-    _finish_output(store, summary, result, committed - committed_before, out)
+    _finish_output(store, summary, result, committed - committed_before, out, before_write or (lambda: None))
     print(summary.format_text(), file=out)
     return summary
 
 
 def _finish_output(
-    store: ObjectStore, summary: JobSummary, result: DispatchResult | None, ran: set[int], out: TextIO
+    store: ObjectStore,
+    summary: JobSummary,
+    result: DispatchResult | None,
+    ran: set[int],
+    out: TextIO,
+    before_write: Callable[[], None],
 ) -> None:
     """Warn about actors the fence could not confirm gone, delete the orphans of the shards `ran`
     (committed ones only have any), then write `_SUCCESS` if every planned shard is committed."""
@@ -80,8 +87,10 @@ def _finish_output(
             "that no manifest names: `ditfleet verify --clean` removes it",
             file=out,
         )
+    before_write()
     cleaned = clean_orphans(store, sorted(ran))
     if cleaned:
         print(f"removed {cleaned} objects of losing or killed runs (no manifest names them)", file=out)
     if summary.shards["left"] == 0:
+        before_write()
         write_success(store, summary)

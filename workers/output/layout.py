@@ -10,6 +10,7 @@
 {out}/manifests/shard-{shard:05d}.parquet           manifest_key(shard)
 {out}/_runs/{run:05d}.json                          run_key(run)  (incremental jobs: one per run)
 {out}/_runs/{run:05d}-{token}.ids.parquet           run_ids_key(run, token)
+{out}/_lease/{generation:08d}.json                  lease_key(generation)  (the driver that owns the output)
 ```
 
 Keys are relative to the output root and always use "/" as separator; stores join them to
@@ -41,6 +42,7 @@ WEBDATASET_PREFIX = "webdataset/"
 MANIFESTS_PREFIX = "manifests/"
 TMP_PREFIX = "_tmp/"
 RUNS_PREFIX = "_runs/"
+LEASE_PREFIX = "_lease/"
 JOB_KEY = "_job.json"
 SUCCESS_KEY = "_SUCCESS"
 
@@ -57,6 +59,7 @@ _HASH_HEX = 32  # 128 bits of sha256: collisions among shortened ids are not a p
 
 _SHARD_FILE = re.compile(r"^shard-(\d{5,})\.parquet$")
 _RUN_FILE = re.compile(r"^(\d{5,})\.json$")
+_LEASE_FILE = re.compile(r"^(\d{8,})\.json$")
 _TOKEN = re.compile(r"^[0-9a-f]{1,64}$")
 _ATTEMPT = r"a\d{1,6}-[0-9a-f]{16}"
 _ATTEMPT_TOKEN = re.compile(f"^{_ATTEMPT}$")
@@ -132,7 +135,9 @@ def new_attempt_token(attempt: int) -> str:
 
 def _attempt(token: str) -> str:
     if not isinstance(token, str) or not _ATTEMPT_TOKEN.match(token):
-        raise ValueError(f"an attempt token looks like 'a0-0123456789abcdef' (new_attempt_token), got {token!r}")
+        raise ValueError(
+            f"an attempt token looks like 'a0-0123456789abcdef' (new_attempt_token), got {token!r}"
+        )
     return token
 
 
@@ -248,6 +253,22 @@ def _run(run: int) -> str:
     if isinstance(run, bool) or not isinstance(run, int) or run < 1:
         raise ValueError(f"a run number must be an int >= 1, got {run!r}")
     return f"{run:05d}"
+
+
+def lease_key(generation: int) -> str:
+    """Key of generation `generation` of the output's driver lease (driver.output.lease); each
+    generation is written create-only, so of two drivers taking the next one, one wins."""
+    if isinstance(generation, bool) or not isinstance(generation, int) or generation < 0:
+        raise ValueError(f"a lease generation must be an int >= 0, got {generation!r}")
+    return f"{LEASE_PREFIX}{generation:08d}.json"
+
+
+def lease_of_key(key: str) -> int | None:
+    """The generation of a key made by lease_key, or None for any other key."""
+    if not key.startswith(LEASE_PREFIX):
+        return None
+    match = _LEASE_FILE.match(key[len(LEASE_PREFIX) :])
+    return int(match.group(1)) if match else None
 
 
 def job_key() -> str:

@@ -28,6 +28,7 @@ from urllib.parse import urlparse
 
 from ditfleet.workers.storage import S3Config
 from ditfleet.workers.storage.s3 import make_s3_client
+from ditfleet.workers.weights.digest import ModelIdentity, etag_identity
 from ditfleet.workers.weights.download import FetchConfig, download_files, list_s3_model
 from ditfleet.workers.weights.node_cache import (
     CacheEntry,
@@ -54,10 +55,15 @@ class FetchedModel:
     seconds: float  # wall time of fetch_model, waiting for another actor's download included
     files: int  # files in the model
     lock_wait_s: float = 0.0  # time spent waiting for another process fetching the same model
+    # s3: the ETags the copy was verified against (workers.weights.digest); None: the caller
+    # digests the local files when it needs the identity.
+    identity: ModelIdentity | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """For the worker's start-up report."""
-        return {**dataclasses.asdict(self), "local_path": str(self.local_path)}
+        doc = {**dataclasses.asdict(self), "local_path": str(self.local_path)}
+        doc["identity"] = self.identity.digest if self.identity is not None else None
+        return doc
 
 
 def fetch_model(
@@ -175,7 +181,17 @@ def _fetch_s3(
             fetched_bytes / 1e6 / max(seconds, 1e-6),
             entry.root,
         )
-    return FetchedModel(entry.root, uri, revision, bool(todo), fetched_bytes, seconds, len(files), waited)
+    return FetchedModel(
+        entry.root,
+        uri,
+        revision,
+        bool(todo),
+        fetched_bytes,
+        seconds,
+        len(files),
+        waited,
+        etag_identity(files),
+    )
 
 
 def _check_disk(entry: CacheEntry, todo: list[RemoteFile], config: FetchConfig) -> None:

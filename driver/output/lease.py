@@ -1,0 +1,219 @@
+"""One driver at a time owns an output: a lease object, written create-only, with an expiry.
+
+    {out}/_lease/{generation:08d}.json   {"owner", "host", "pid", "acquired_at", "expires_at", "released"}
+
+The driver holding the highest generation owns the output while its lease has not expired (or
+been released). To take the output, a driver writes the next generation create-only: of two
+drivers that try at once, one wins and the other is refused (`OutputBusy`). A lease that
+expired (its driver crashed, or lost the store for longer than the lease) is taken over the
+same way, so a crashed driver blocks the next run for at most `ttl_s`. The holder renews its own
+generation every `ttl_s / 4` from a background thread; before each write that only the owner
+may make (deleting orphans, `_SUCCESS`) it calls `check`, which refuses once a higher generation
+exists or its own lease ran out. Expiry is wall-clock time: drivers sharing an output need
+clocks within a fraction of `ttl_s` of each other (NTP gives milliseconds).
+
+Why the actors need no lease: every object they write carries their run's attempt token and
+the manifest is create-only, so two drivers can never make a committed object change. What the
+lease protects is the driver's own writes: the orphan clean-up, `_SUCCESS`, and a resume's
+removal of `_SUCCESS`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from ditfleet.driver.output.job_file import OutputMismatch
+from ditfleet.driver.output.json_objects import read_json
+from ditfleet.workers.output.layout import LEASE_PREFIX, lease_key, lease_of_key
+from ditfleet.workers.storage import ObjectStore
+
+log = logging.getLogger(__name__)
+
+LEASE_TTL_S = 120.0
+_TRIES = 5  # takes of the next generation lost to other drivers before giving up
+
+
+class OutputBusy(OutputMismatch):
+    """Another driver owns the output now (its lease is current)."""
+
+
+def _generations(store: ObjectStore) -> list[int]:
+    return sorted(g for g in map(lease_of_key, store.list(LEASE_PREFIX)) if g is not None)
+
+
+class OutputLease:
+    """A held lease; `release` (or leaving the `with` block) gives the output back."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        generation: int,
+        doc: dict[str, Any],
+        ttl_s: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store, self.generation, self.ttl_s, self._clock = store, generation, ttl_s, clock
+        self._doc = doc
+        self._lost: str | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def key(self) -> str:
+        return lease_key(self.generation)
+
+    @property
+    def expires_at(self) -> float:
+        return float(self._doc["expires_at"])
+
+    def start_renewing(self) -> None:
+        self._thread = threading.Thread(target=self._renew_loop, name="ditfleet-output-lease", daemon=True)
+        self._thread.start()
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.ttl_s / 4):
+            try:
+                self.renew()
+            except Exception as e:  # noqa: BLE001 - a failed renewal is retried; check() says if it lapsed
+                log.warning("could not renew the lease on %s: %s", self.store.uri(self.key), e)
+            if self._lost is not None:
+                return
+
+    def _taken_over(self) -> int | None:
+        higher = [g for g in _generations(self.store) if g > self.generation]
+        return higher[0] if higher else None
+
+    def renew(self) -> None:
+        """Extend the lease by ttl_s, unless another driver took the output."""
+        with self._lock:
+            if self._lost is not None:
+                return
+            other = self._taken_over()
+            if other is not None:
+                self._lost = f"another driver took the output (lease generation {other})"
+                return
+            doc = {**self._doc, "expires_at": self._clock() + self.ttl_s}
+            self.store.put(self.key, _encode(doc), "application/json")
+            self._doc = doc
+
+    def check(self) -> None:
+        """Raise OutputBusy unless this driver still owns the output."""
+        with self._lock:
+            if self._lost is None:
+                other = self._taken_over()
+                if other is not None:
+                    self._lost = f"another driver took the output (lease generation {other})"
+                elif self._clock() >= self.expires_at:
+                    self._lost = "this driver's lease ran out before it could be renewed"
+            if self._lost is not None:
+                raise OutputBusy(
+                    f"output {self.store.uri()}: {self._lost}; this run stops writing to it. Run one "
+                    "`ditfleet run` of an output at a time"
+                )
+
+    def release(self) -> None:
+        """Stop renewing and mark the lease released, so the next run need not wait."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        with self._lock:
+            if self._lost is not None:
+                return
+            try:
+                if self._taken_over() is None:
+                    doc = {**self._doc, "released": True, "expires_at": self._clock()}
+                    self.store.put(self.key, _encode(doc), "application/json")
+            except Exception as e:  # noqa: BLE001 - the lease then expires on its own
+                log.warning("could not release the lease on %s: %s", self.store.uri(self.key), e)
+            self._lost = "the lease was released"
+
+    def __enter__(self) -> OutputLease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _encode(doc: dict[str, Any]) -> bytes:
+    return (json.dumps(doc, indent=2) + "\n").encode()
+
+
+def _describe(doc: dict[str, Any] | None, now: float) -> str:
+    if doc is None:
+        return "a lease that cannot be read"
+    left = max(0.0, float(doc.get("expires_at", 0)) - now)
+    return (
+        f"driver {doc.get('owner')} on {doc.get('host')} (pid {doc.get('pid')}), since "
+        f"{doc.get('acquired_at')}; its lease expires in {left:.0f} s unless it renews it"
+    )
+
+
+def _current(store: ObjectStore, generation: int, now: float) -> dict[str, Any] | None:
+    """The lease document of `generation` when it is still held, else None."""
+    try:
+        doc = read_json(store, lease_key(generation))
+    except ValueError:
+        return None  # not a lease this code wrote: it cannot hold the output
+    if doc is None or doc.get("released"):
+        return None
+    try:
+        return doc if float(doc.get("expires_at", 0)) > now else None
+    except (TypeError, ValueError):
+        return None
+
+
+def acquire_lease(
+    store: ObjectStore,
+    ttl_s: float = LEASE_TTL_S,
+    *,
+    renew: bool = True,
+    clock: Callable[[], float] = time.time,
+) -> OutputLease:
+    """Take the output for this driver, or raise OutputBusy naming the driver that has it.
+    renew: keep the lease alive from a background thread until `release`."""
+    for _ in range(_TRIES):
+        generations = _generations(store)
+        now = clock()
+        if generations:
+            top = generations[-1]
+            held = _current(store, top, now)
+            if held is not None:
+                raise OutputBusy(
+                    f"output {store.uri()} is being written by another `ditfleet run`: "
+                    f"{_describe(held, now)}. One driver at a time owns an output: wait for that run "
+                    f"to end, or, if it crashed, for its lease ({store.uri(lease_key(top))}) to expire"
+                )
+            generation = top + 1
+        else:
+            generation = 0
+        doc = {
+            "owner": uuid.uuid4().hex,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "acquired_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+            "expires_at": now + ttl_s,
+            "released": False,
+        }
+        if store.put_if_absent(lease_key(generation), _encode(doc), "application/json"):
+            lease = OutputLease(store, generation, doc, ttl_s, clock)
+            for old in generations:  # earlier generations say nothing any more
+                store.delete(lease_key(old))
+            if renew:
+                lease.start_renewing()
+            return lease
+    raise OutputBusy(
+        f"output {store.uri()}: {_TRIES} other drivers took its lease first; is another `ditfleet run` "
+        "of this output starting? Run one at a time"
+    )
+
+
+__all__ = ["LEASE_TTL_S", "OutputBusy", "OutputLease", "acquire_lease"]
