@@ -34,13 +34,38 @@ def connect_ray(address: str | None) -> bool:
     if ray.is_initialized():
         return False
     if address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=address, logging_level="WARNING")  # None: Ray reads RAY_ADDRESS
+        try:
+            ray.init(address=address, logging_level="WARNING")  # None: Ray reads RAY_ADDRESS
+        except Exception as e:
+            _refused_for_the_token(address or os.environ.get("RAY_ADDRESS", ""), e)
+            raise
         return True
     # On Linux Ray swaps 127.0.0.1 for the host's address and listens everywhere; this keeps a
     # local, single-node cluster on loopback.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING")
     return True
+
+
+class ClusterAuthError(ValueError):
+    """The cluster wants Ray's authentication token and this process has none (or a wrong one):
+    a setting to fix, not a failure to retry."""
+
+
+# What Ray says when token authentication refuses a client (ray._private.authentication).
+_TOKEN_REFUSALS = ("authentication token", "unauthenticated", "unauthorized")
+
+
+def _refused_for_the_token(address: str, error: BaseException) -> None:
+    text = str(error)
+    if not any(words in text.lower() for words in _TOKEN_REFUSALS):
+        return
+    raise ClusterAuthError(
+        f"the Ray cluster at {address} refused this driver: it needs Ray's authentication token "
+        f"({text.strip().splitlines()[0] if text.strip() else type(error).__name__}). Set "
+        "RAY_AUTH_MODE=token and the cluster's token in RAY_AUTH_TOKEN (or a file named by "
+        "RAY_AUTH_TOKEN_PATH, default ~/.ray/auth_token), then run the same command again"
+    ) from error
 
 
 def alive_ray_nodes() -> int:

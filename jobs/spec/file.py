@@ -35,10 +35,45 @@ def load_spec(path: str | os.PathLike) -> JobSpec:
     return parse_spec(text, name)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping: plain YAML keeps the last one
+    and silently drops the first (a whole section, say)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: the base class reports it
+                break
+            if first is not None:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"{key!r} appears twice in one mapping (first on line {first.start_mark.line + 1}); "
+                    "merge the two, YAML would silently drop the first",
+                    key_node.start_mark,
+                )
+            seen[key] = key_node
+        return super().construct_mapping(node, deep=deep)
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]], name: str) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise SpecError(f"{name}: {', '.join(map(repr, twice))} appears twice in one object; merge the two")
+    return dict(pairs)
+
+
 def parse_spec(text: str, name: str = "<job>") -> JobSpec:
     """Validate job text; `name` is the file name used in error messages."""
     try:
-        data = json.loads(text) if name.endswith(".json") else yaml.safe_load(text)
+        if name.endswith(".json"):
+            data = json.loads(text, object_pairs_hook=lambda pairs: _unique_pairs(pairs, name))
+        else:
+            data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
     except json.JSONDecodeError as e:
         raise SpecError(f"{name}:{e.lineno}: not valid JSON: {e.msg}") from e
     except yaml.YAMLError as e:

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ditfleet.compile.buckets import BucketError, BucketSet, ResolutionBucket
 from ditfleet.model.guidance import DEFAULT_NEGATIVE_PROMPT
+from ditfleet.workers.cache_secret import WELL_KNOWN_ENV
 from ditfleet.workers.output.layout import FORMAT_NAMES, IMAGE_EXTENSIONS
 from ditfleet.workers.rows import CFG_RANGE, MAX_SEED, NUM_IMAGES_RANGE, STEPS_RANGE
 from ditfleet.workers.storage.input_files import check_s3_uri
@@ -266,6 +267,16 @@ class CompileSpec(Section):
                 "e.g. /etc/ditfleet/compile-cache-key)"
             )
         return path
+
+    @field_validator("cache_key_env")
+    @classmethod
+    def _secret_key_env(cls, name: str | None) -> str | None:
+        if name is not None and name in WELL_KNOWN_ENV:
+            raise ValueError(
+                f"cache_key_env: ${name} is a well-known variable, its value is no secret; name a variable "
+                "that holds only the key, or better, mount the key as a file (cache_key_file, mode 0600)"
+            )
+        return name
 
 
 class WorkersSpec(Section):

@@ -18,6 +18,7 @@ def test_the_key_comes_from_the_named_variable_or_file(tmp_path, monkeypatch):
     assert read_cache_secret(CacheSecretSource(env="MY_FLEET_KEY")).key == KEY.encode()
     secret_file = tmp_path / "compile-cache-key"
     secret_file.write_bytes(b"another key of at least sixteen bytes\n")
+    secret_file.chmod(0o600)
     got = read_cache_secret(CacheSecretSource(env="MY_FLEET_KEY", file=str(secret_file)))
     assert got.key == b"another key of at least sixteen bytes", "the file wins; its newline is dropped"
 
@@ -62,3 +63,22 @@ def test_the_spec_names_where_the_key_is_never_the_key(tmp_path):
     assert default.env == "DITFLEET_COMPILE_CACHE_KEY" and default.file is None
     with pytest.raises(SpecError, match=r"job.yaml:3: compile.cache_key_file: .*absolute path"):
         parse_spec(base + "compile: {cache_key_file: key.txt}\n", "job.yaml")
+
+
+def test_a_key_file_others_can_read_is_refused(tmp_path):
+    secret_file = tmp_path / "compile-cache-key"
+    secret_file.write_bytes(KEY.encode())
+    secret_file.chmod(0o644)
+    got = read_cache_secret(CacheSecretSource(env=None, file=str(secret_file)))
+    assert got.key is None and "readable by group or others (mode 0644)" in got.off_reason
+    secret_file.chmod(0o400)
+    assert read_cache_secret(CacheSecretSource(env=None, file=str(secret_file))).key == KEY.encode()
+
+
+@pytest.mark.parametrize("name", ["PATH", "HOME", "USER"])
+def test_a_well_known_variable_is_no_key(name):
+    got = read_cache_secret(CacheSecretSource(env=name))
+    assert got.key is None and "well-known variable" in got.off_reason
+    base = "input: {path: p.parquet}\noutput: {uri: out}\n"
+    with pytest.raises(SpecError, match="well-known variable"):
+        parse_spec(base + f"compile: {{cache_key_env: {name}}}\n", "job.yaml")
