@@ -230,7 +230,19 @@ def _summary_rows(data: ReportData, failed: int) -> list[list[Any]]:
         ["images", f"{images_ok} ok, {failed} failed of {planned}"],
         ["job wall time", _seconds(wall)],
         ["workers", len({r["worker"] for r in rows})],
+        *_step_cache_rows(s),
     ]  # fmt: skip
+
+
+def _step_cache_rows(s: dict[str, Any] | None) -> list[list[Any]]:
+    """The share of DiT work the step cache reused (from _SUCCESS), when the job used one."""
+    sc = (s or {}).get("step_cache") or {}
+    if not sc.get("blocks_computed"):
+        return []
+    return [[
+        "step cache",
+        f"{sc['reused_share']:.1%} of DiT block evaluations reused ({sc['work_speedup']:.2f}x less DiT work)",
+    ]]
 
 
 def _per_worker(rows: list[dict[str, Any]]) -> dict[str, tuple[int, float]]:

@@ -355,6 +355,9 @@ class GenerationWorker:
             compile_fallback=bool(self.compile_report.fallbacks),
             recompiles=recompiles,
             extra=row.extra or None,
+            step_cache=gen.step_cache,
+            dit_blocks_computed=gen.blocks_computed,
+            dit_blocks_reused=gen.blocks_reused,
         )
 
 

@@ -27,6 +27,8 @@ from ditfleet.workers.output.manifest import committed_shards
 from ditfleet.workers.storage import ObjectStore
 
 _COLUMNS = ["id", "status", "error"]
+# The step cache's counts; absent from manifests written before it existed.
+_STEP_CACHE_COLUMNS = ["dit_blocks_computed", "dit_blocks_reused"]
 _READ_THREADS = 16  # manifests are small; reading them is round trips, not bandwidth
 MAX_ERROR_KINDS = 20  # distinct error messages kept in counts; the rest are summed as "other"
 
@@ -41,6 +43,9 @@ class OutputCounts:
     images_ok: int = 0
     images_failed: int = 0
     errors: Counter = field(default_factory=Counter)  # error message -> images
+    # DiT block evaluations of the images a step cache served (sampling.step_cache), summed.
+    dit_blocks_computed: int = 0
+    dit_blocks_reused: int = 0
 
     def add(self, other: OutputCounts) -> None:
         self.shards += other.shards
@@ -49,6 +54,8 @@ class OutputCounts:
         self.images_ok += other.images_ok
         self.images_failed += other.images_failed
         self.errors.update(other.errors)
+        self.dit_blocks_computed += other.dit_blocks_computed
+        self.dit_blocks_reused += other.dit_blocks_reused
 
     def errors_capped(self, limit: int = MAX_ERROR_KINDS) -> dict[str, int]:
         top = self.errors.most_common(limit)
@@ -58,7 +65,10 @@ class OutputCounts:
 
 def shard_counts(store: ObjectStore, shard: int) -> OutputCounts:
     """Counts of one committed shard, from its manifest (3 columns read)."""
-    table = pq.read_table(io.BytesIO(store.get(manifest_key(shard))), columns=_COLUMNS)
+    parquet = pq.ParquetFile(io.BytesIO(store.get(manifest_key(shard))))
+    present = [c for c in _STEP_CACHE_COLUMNS if c in parquet.schema_arrow.names]
+    table = parquet.read(columns=_COLUMNS + present)
+    blocks = {c: (pc.sum(table.column(c)).as_py() or 0) if c in present else 0 for c in _STEP_CACHE_COLUMNS}
     ok = pc.equal(table.column("status"), "ok")
     images_ok = pc.sum(ok).as_py() or 0
     # A row is failed when any of its images failed: group the failed images by id.
@@ -72,6 +82,8 @@ def shard_counts(store: ObjectStore, shard: int) -> OutputCounts:
         images_ok=images_ok,
         images_failed=table.num_rows - images_ok,
         errors=errors,
+        dit_blocks_computed=blocks["dit_blocks_computed"],
+        dit_blocks_reused=blocks["dit_blocks_reused"],
     )
 
 

@@ -46,6 +46,9 @@ class JobSummary:
     oom_splits: int = 0
     attention: dict[str, Any] = field(default_factory=dict)  # DiT attention counts and shares
     compile_fallbacks: dict[str, dict[str, str]] = field(default_factory=dict)  # worker -> target -> why
+    # The step cache's share of the DiT work (empty when no image used one): block evaluations
+    # computed and reused over the committed images, reused_share = reused / (computed + reused).
+    step_cache: dict[str, Any] = field(default_factory=dict)
     version: int = SUMMARY_VERSION
 
     @property
@@ -91,6 +94,13 @@ class JobSummary:
             lines.append(
                 f"  DiT attention: {a['calls']} calls, {a['masked_call_share']:.1%} with a dense mask, "
                 f"{a['padded_call_share']:.1%} padded; padding {a['padded_token_share']:.2%} of tokens"
+            )
+        sc = self.step_cache
+        if sc.get("blocks_computed"):
+            lines.append(
+                f"  step cache: {sc['reused_share']:.1%} of DiT block evaluations reused "
+                f"({sc['blocks_computed'] + sc['blocks_reused']} -> {sc['blocks_computed']} computed, "
+                f"{sc['work_speedup']:.2f}x less DiT work)"
             )
         if self.recompiles:
             lines.append(f"  WARNING: {self.recompiles} compilations on the request path (expected 0)")
@@ -235,4 +245,17 @@ def build_summary(
         oom_splits=sum(w.oom_splits for w in progress.workers.values()),
         attention=attention_summary([w.attention for w in progress.workers.values()]),
         compile_fallbacks={w: fb for w, r in reports.items() if (fb := compile_fallbacks(r))},
+        step_cache=step_cache_summary(counts.dit_blocks_computed, counts.dit_blocks_reused),
     )
+
+
+def step_cache_summary(computed: int, reused: int) -> dict[str, Any]:
+    """The job's share of reused DiT work; {} when no image used a step cache."""
+    if computed <= 0:
+        return {}
+    return {
+        "blocks_computed": computed,
+        "blocks_reused": reused,
+        "reused_share": round(reused / (computed + reused), 4),
+        "work_speedup": round((computed + reused) / computed, 3),
+    }

@@ -67,7 +67,7 @@ from ditfleet.workers.output.layout import (
     shard_of_manifest_key,
     success_key,
 )
-from ditfleet.workers.output.manifest import MANIFEST_SCHEMA, committed_shards
+from ditfleet.workers.output.manifest import MANIFEST_SCHEMA, committed_shards, with_later_columns
 from ditfleet.workers.storage import ObjectNotFound, ObjectStore
 from ditfleet.workers.storage.base import check_key
 
@@ -207,7 +207,7 @@ class _Shard:
 def _read_manifest(store: ObjectStore, shard: int, plan: _Plan, problems: list[str]) -> _Shard | None:
     where = store.uri(manifest_key(shard))
     try:
-        table = pq.read_table(io.BytesIO(store.get(manifest_key(shard))))
+        table = with_later_columns(pq.read_table(io.BytesIO(store.get(manifest_key(shard)))))
     except Exception as e:  # noqa: BLE001 - a damaged manifest is a finding, not a crash
         problems.append(f"{where}: cannot be read as Parquet ({type(e).__name__}: {e})")
         return None

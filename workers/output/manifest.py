@@ -77,6 +77,20 @@ class ManifestRow:
     extra: str | None = _col(
         pa.string(), "pass-through input columns, a JSON object; null = none", True, None
     )
+    # The step cache (sampling.step_cache); null when it is off, and in manifests written before
+    # it existed (read_manifests fills these columns with nulls for them).
+    step_cache: str | None = _col(
+        pa.string(),
+        "step-cache settings as JSON, or 'off (why)' when the schedule ran exact; null = off",
+        True,
+        None,
+    )
+    dit_blocks_computed: int | None = _col(
+        pa.int64(), "DiT block evaluations computed for this image (CFG branches summed)", True, None
+    )
+    dit_blocks_reused: int | None = _col(
+        pa.int64(), "DiT block evaluations the step cache reused instead", True, None
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.extra, Mapping):
@@ -215,12 +229,25 @@ def committed_shards(store: ObjectStore) -> set[int]:
     return shards
 
 
+def with_later_columns(table: pa.Table) -> pa.Table:
+    """A manifest written before nullable columns were added at the end of the schema, with those
+    columns as nulls: older outputs stay readable (resume, verify, report) as one table."""
+    names = table.schema.names
+    if names != MANIFEST_SCHEMA.names[: len(names)]:
+        return table
+    for f in list(MANIFEST_SCHEMA)[len(names) :]:
+        if not f.nullable:
+            return table
+        table = table.append_column(f, pa.nulls(table.num_rows, type=f.type))
+    return table
+
+
 def read_manifests(store: ObjectStore) -> pa.Table:
     """All committed manifests as one table (MANIFEST_SCHEMA), ordered by shard."""
     tables = []
     for shard in sorted(committed_shards(store)):
         key = manifest_key(shard)
-        table = pq.read_table(io.BytesIO(store.get(key)))
+        table = with_later_columns(pq.read_table(io.BytesIO(store.get(key))))
         if not table.schema.equals(MANIFEST_SCHEMA, check_metadata=False):
             raise ValueError(
                 f"{store.uri(key)} does not have the manifest schema (version {MANIFEST_VERSION}); "

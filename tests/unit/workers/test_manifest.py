@@ -52,6 +52,9 @@ EXPECTED_COLUMNS = [
     ("compile_fallback", pa.bool_(), False),
     ("recompiles", pa.int32(), False),
     ("extra", pa.string(), True),
+    ("step_cache", pa.string(), True),
+    ("dit_blocks_computed", pa.int64(), True),
+    ("dit_blocks_reused", pa.int64(), True),
 ]
 DESIGN_COLUMNS = {name for name, _, _ in EXPECTED_COLUMNS}
 
@@ -219,3 +222,16 @@ def test_read_manifests_from_s3_and_refuses_a_foreign_schema(s3_server, s3_bucke
     store.put(manifest_key(7), buf.getvalue())
     with pytest.raises(ValueError, match=r"manifests/shard-00007.parquet does not have the manifest schema"):
         read_manifests(store)
+
+
+
+def test_a_manifest_written_before_the_step_cache_columns_still_reads(tmp_path) -> None:
+    """Older outputs lack the (nullable, trailing) step-cache columns: read as nulls, not refused."""
+    from ditfleet.workers.output.manifest import with_later_columns
+
+    old = MANIFEST_SCHEMA.empty_table().drop_columns(["step_cache", "dit_blocks_computed", "dit_blocks_reused"])
+    upgraded = with_later_columns(old)
+    assert upgraded.schema.equals(MANIFEST_SCHEMA, check_metadata=False)
+    # Anything else that differs is still refused by the readers.
+    other = MANIFEST_SCHEMA.empty_table().drop_columns(["shard"])
+    assert not with_later_columns(other).schema.equals(MANIFEST_SCHEMA, check_metadata=False)
