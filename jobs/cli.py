@@ -227,6 +227,25 @@ def report_hint(output: str) -> str:
     return f"report: ditfleet report {shlex.quote(output)} --html report.html  (one HTML page; open it in a browser)"
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from ditfleet.jobs.calibrate import calibrate, format_calibration
+
+    spec = load_spec(args.job)
+    try:
+        result = calibrate(
+            spec,
+            n=args.n,
+            presets=args.preset or ("safe", "fast"),
+            steps=args.steps,
+            buckets=args.bucket,
+            log=(lambda *_: None) if args.json else print,
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    print(json.dumps(result, indent=2) if args.json else format_calibration(result))
+    return EXIT_OK
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ditfleet.jobs.inspect_model import format_inspection, inspect_model
 
@@ -287,6 +306,18 @@ def _add_job_commands(sub: argparse._SubParsersAction) -> None:
         help="if the slot's job already ended FAILED or STOPPED, run it again (it resumes its output)",
     )
     p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser(
+        "calibrate",
+        help="the step-cache presets' speed-up and quality cost on this model: exact vs each preset, same prompts and seeds",
+    )
+    p.add_argument("job", help="job file (YAML or JSON): its model, steps, CFG, batch size and buckets")
+    p.add_argument("--n", type=int, default=64, help="prompts per bucket (default 64)")
+    p.add_argument("--preset", action="append", help="preset to measure (repeatable; default safe and fast)")
+    p.add_argument("--steps", type=int, help="denoising steps (default: the job's)")
+    p.add_argument("--bucket", action="append", help="bucket WxH (repeatable; default: the job's buckets)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_calibrate)
 
 
 def _add_s3_options(p: argparse.ArgumentParser, what: str) -> None:

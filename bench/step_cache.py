@@ -1,0 +1,155 @@
+"""The step cache side by side in one run: exact, then each preset, on the same prompts and seeds.
+
+1. The bundled tiny model at 20 and 50 steps (held-out captions, 128x128, CFG 2): wall time, DiT
+   block evaluations computed, and PSNR against the exact images, per preset. The runs of one
+   schedule are interleaved round by round so machine noise hits them alike.
+2. The real-width slice (Qwen-Image's published widths, hidden 3072 = 24 x 128, text 3584, one
+   or two blocks, random weights, CPU): the decision's own cost (the Fn residual, its relative
+   L1 change, the stores) against one block's forward, and as a share of a 60-block step.
+
+One JSON line per result.
+
+    python bench/step_cache.py                    # both parts
+    python bench/step_cache.py --images 8 --rounds 1 --real-blocks 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from ditfleet.model import load_pipeline
+from ditfleet.model.step_cache import StepCache, StepCacheRows
+from ditfleet.model.step_cache_config import PRESETS
+from ditfleet.model.tiny.scenes import held_out_captions
+from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig
+from ditfleet.testing.real_widths import published_config
+
+PRESET_NAMES = ("safe", "fast")
+
+
+def tiny(steps: int, images: int, rounds: int) -> list[dict]:
+    pipe = load_pipeline("tiny")
+    layers = pipe.transformer.config.num_layers
+    caps = held_out_captions()[:: max(1, 64 // images)][:images]
+    kw = dict(
+        prompt=caps, height=128, width=128, steps=steps, true_cfg_scale=2.0, seeds=list(range(len(caps)))
+    )
+    pipe.generate(**{**kw, "steps": 1})  # untimed start-up
+    times: dict[str, list[float]] = {name: [] for name in ("exact", *PRESET_NAMES)}
+    ref = None
+    counts: dict[str, tuple[int, int]] = {}
+    psnrs: dict[str, float] = {}
+    for _ in range(rounds):
+        for name in times:
+            hook = None if name == "exact" else StepCache(PRESETS[name], layers)
+            t0 = time.perf_counter()
+            out = pipe.generate(**kw, step_hook=hook)
+            times[name].append(time.perf_counter() - t0)
+            if name == "exact":
+                ref = out
+                counts[name] = (len(caps) * steps * 2 * layers, 0)
+            else:
+                per = hook.per_image()
+                counts[name] = (sum(p["blocks_computed"] for p in per), sum(p["blocks_reused"] for p in per))
+                mse = ((out - ref) ** 2).flatten(1).mean(dim=1)
+                psnrs[name] = float((10 * torch.log10(1 / mse)).mean())
+    exact_s = min(times["exact"])
+    results = []
+    for name, ts in times.items():
+        computed, reused = counts[name]
+        results.append(
+            {
+                "bench": "step_cache",
+                "model": "tiny",
+                "steps": steps,
+                "images": len(caps),
+                "preset": name,
+                "wall_s": round(min(ts), 3),
+                "wall_speedup": round(exact_s / min(ts), 3),
+                "blocks_computed": computed,
+                "blocks_reused": reused,
+                "work_speedup": round((computed + reused) / computed, 3),
+                "psnr_mean_db": round(psnrs[name], 2) if name in psnrs else None,
+            }
+        )
+    return results
+
+
+def real_width(blocks: int, tokens: int, text: int, repeats: int) -> list[dict]:
+    """The decision's cost at the published widths, against one block forward there."""
+    cfg = published_config("qwen-image", "transformer/config.json")
+    config = TransformerConfig.from_dict({**cfg, "num_layers": blocks})
+    torch.manual_seed(0)
+    dit = QwenImageTransformer(config).eval()
+    side = int(tokens**0.5)
+    latents = torch.randn(1, side * side, config.in_channels)
+    embeds = torch.randn(1, text, config.joint_attention_dim)
+    timestep = torch.tensor([0.5])
+    shapes = [[(1, side, side)]]
+    with torch.no_grad():
+        dit(latents, embeds, None, timestep, shapes)  # warm
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            dit(latents, embeds, None, timestep, shapes)
+        forward_s = (time.perf_counter() - t0) / repeats
+        # The decision and its bookkeeping for one row (one image, one branch) past warm-up.
+        cache = StepCache(PRESETS["safe"], 60)
+        cache.start(50, 1)
+        D = config.num_attention_heads * config.attention_head_dim
+        start = torch.randn(1, side * side, D)
+        after = start + 0.1 * torch.randn_like(start)
+        rows = StepCacheRows(cache, 20, [(cache._branch(0), 1)])
+        rows.decide(after - start)  # nothing cached: forced
+        cache.branches[0].keep("fn_residual", [0], after - start)
+        cache.branches[0].keep("rest_residual", [0], after - start)
+        cache.branches[0].has_cache[0] = True
+        t0 = time.perf_counter()
+        for _ in range(repeats * 10):
+            fn_residual = after - start
+            reuse = rows.decide(fn_residual)
+            rows._scatter("fn_residual", [0], fn_residual)
+            _ = after + rows._gather("rest_residual", [0])
+        decision_s = (time.perf_counter() - t0) / (repeats * 10)
+    per_block = forward_s / blocks
+    return [
+        {
+            "bench": "step_cache",
+            "model": "real-width slice",
+            "blocks": blocks,
+            "image_tokens": side * side,
+            "text_tokens": text,
+            "forward_s": round(forward_s, 4),
+            "per_block_s": round(per_block, 4),
+            "decision_s": round(decision_s, 6),
+            "decision_vs_block": round(decision_s / per_block, 4),
+            "decision_share_of_60_block_step": round(decision_s / (60 * per_block), 5),
+            "reused": bool(reuse[0]),
+        }
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--images", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, nargs="+", default=[20, 50])
+    ap.add_argument("--real-blocks", type=int, default=1)
+    ap.add_argument("--real-tokens", type=int, default=1024)
+    ap.add_argument("--real-text", type=int, default=64)
+    ap.add_argument("--skip-real", action="store_true")
+    args = ap.parse_args()
+    results = []
+    for steps in args.steps:
+        results += tiny(steps, args.images, args.rounds)
+    if not args.skip_real:
+        results += real_width(args.real_blocks, args.real_tokens, args.real_text, repeats=3)
+    for r in results:
+        print(json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,264 @@
+"""`ditfleet calibrate job.yaml --n 64`: what each step-cache preset costs on this model and machine.
+
+The same prompts and seeds are generated exact and with each preset (model.step_cache), on the
+job's model, device, dtype, steps, CFG scale, batch size and buckets. Per preset it reports: the
+DiT work (block evaluations, exact / with the cache), the wall-time speed-up of the same images,
+PSNR and SSIM of every image against its exact twin (mean and worst), and on the bundled tiny
+model the adherence scores of model.tiny.adherence next to the exact images' own.
+
+Prompts: the job's input rows (the first n), or on the tiny model its held-out captions (which
+adherence can judge). Seeds: the job seed plus the prompt's index, the same in every run.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ditfleet.model.step_cache import StepCache
+from ditfleet.model.step_cache_config import PRESETS, StepCacheConfig, parse_step_cache
+
+TINY = "tiny"
+
+
+@dataclass
+class PresetResult:
+    """One preset over every image of the calibration."""
+
+    name: str
+    settings: str
+    images: int = 0
+    wall_s: float = 0.0
+    blocks_computed: int = 0
+    blocks_reused: int = 0
+    psnr: list[float] = field(default_factory=list)
+    ssim: list[float] = field(default_factory=list)
+    adherence: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def work_speedup(self) -> float:
+        total = self.blocks_computed + self.blocks_reused
+        return total / self.blocks_computed if self.blocks_computed else 1.0
+
+    def to_dict(self, exact_wall_s: float) -> dict[str, Any]:
+        finite = [p for p in self.psnr if math.isfinite(p)]
+        return {
+            "preset": self.name,
+            "settings": self.settings,
+            "images": self.images,
+            "blocks_computed": self.blocks_computed,
+            "blocks_reused": self.blocks_reused,
+            "work_speedup": round(self.work_speedup, 3),
+            "wall_s": round(self.wall_s, 3),
+            "wall_speedup": round(exact_wall_s / self.wall_s, 3) if self.wall_s else None,
+            "psnr_mean_db": round(sum(finite) / len(finite), 2) if finite else math.inf,
+            "psnr_min_db": round(min(self.psnr), 2) if self.psnr else None,
+            "ssim_mean": round(sum(self.ssim) / len(self.ssim), 5) if self.ssim else None,
+            "ssim_min": round(min(self.ssim), 5) if self.ssim else None,
+            "adherence": {k: round(v, 4) for k, v in self.adherence.items()},
+        }
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per image PSNR in dB of images (B, 3, H, W) in [0, 1]; inf for identical images."""
+    mse = ((a.float() - b.float()) ** 2).flatten(1).mean(dim=1)
+    return 10.0 * torch.log10(1.0 / mse)
+
+
+def ssim(a: torch.Tensor, b: torch.Tensor, window: int = 11, sigma: float = 1.5) -> torch.Tensor:
+    """Per image SSIM (Wang et al. 2004: Gaussian 11x11 window, sigma 1.5, K1 0.01, K2 0.03,
+    valid region), averaged over the RGB channels; images (B, 3, H, W) in [0, 1]."""
+    a, b = a.float(), b.float()
+    C = a.shape[1]
+    coords = torch.arange(window, dtype=torch.float32) - (window - 1) / 2
+    g = torch.exp(-(coords**2) / (2 * sigma**2))
+    g = g / g.sum()
+    kernel = (g[:, None] * g[None, :]).expand(C, 1, window, window).contiguous()
+
+    def blur(x: torch.Tensor) -> torch.Tensor:
+        return F.conv2d(x, kernel, groups=C)
+
+    mu_a, mu_b = blur(a), blur(b)
+    var_a = blur(a * a) - mu_a**2
+    var_b = blur(b * b) - mu_b**2
+    cov = blur(a * b) - mu_a * mu_b
+    c1, c2 = 0.01**2, 0.03**2
+    s = ((2 * mu_a * mu_b + c1) * (2 * cov + c2)) / ((mu_a**2 + mu_b**2 + c1) * (var_a + var_b + c2))
+    return s.flatten(1).mean(dim=1)
+
+
+def calibrate(
+    spec: Any,
+    n: int = 64,
+    presets: Sequence[str] = ("safe", "fast"),
+    steps: int | None = None,
+    buckets: Sequence[str] | None = None,
+    prompts: Sequence[str] | None = None,
+    log=print,
+) -> dict[str, Any]:
+    """Run the calibration for a JobSpec; returns {"exact": {...}, "presets": [...], ...}."""
+    from ditfleet.model import load_pipeline
+
+    steps = int(steps or spec.sampling.steps)
+    cfg = float(spec.sampling.true_cfg_scale)
+    negative = spec.sampling.negative_prompt
+    is_tiny = spec.model.path == TINY
+    captions = list(prompts) if prompts is not None else _prompts(spec, n, is_tiny)[:n]
+    seeds = [int(spec.sampling.seed) + i for i in range(len(captions))]
+    names = list(buckets or spec.bucket_names())
+    configs: dict[str, StepCacheConfig] = {}
+    for name in presets:
+        config = parse_step_cache(name)
+        if config is None:
+            raise ValueError(
+                f"calibrate: preset {name!r} is off; name presets that cache ({list(PRESETS)[1:]})"
+            )
+        configs[name] = config
+    own = parse_step_cache(spec.sampling.step_cache)
+    if own is not None and all(own != c for c in configs.values()):
+        configs["job"] = own
+    for name, config in configs.items():
+        reason = config.inactive_reason(steps)
+        if reason is not None:
+            raise ValueError(
+                f"calibrate: {steps} steps are too short for preset {name!r} ({reason}); pass --steps"
+            )
+
+    settings = spec.pipeline_settings()
+    pipe = load_pipeline(
+        spec.model_path(),
+        device=_device(spec),
+        dtype=_dtype(spec),
+        settings=type(settings)(**{**vars(settings), "step_cache": "off"}),
+        loras=spec.model_loras(),
+        scheduler_config=spec.model_scheduler_config(),
+    )
+    layers = pipe.transformer.config.num_layers
+    batch = int(spec.workers.batch_size)
+    log(
+        f"calibrating {spec.model.path}: {len(captions)} prompts x {len(names)} buckets, {steps} steps, "
+        f"CFG {cfg}, batch {batch}, presets {list(configs)}"
+    )
+
+    # One untimed pass first, so the first timed batch pays no one-off start-up cost.
+    w0, h0 = (int(v) for v in names[0].split("x"))
+    pipe.generate(prompt=captions[:1], height=h0, width=w0, steps=1, true_cfg_scale=cfg, seeds=seeds[:1])
+    exact = PresetResult("exact", "off")
+    results = {name: PresetResult(name, config.describe()) for name, config in configs.items()}
+    adherence_images: dict[str, list[torch.Tensor]] = {k: [] for k in ["exact", *configs]}
+    for bucket in names:
+        width, height = (int(v) for v in bucket.split("x"))
+        for start in range(0, len(captions), batch):
+            chunk, chunk_seeds = captions[start : start + batch], seeds[start : start + batch]
+            kw = dict(
+                prompt=chunk,
+                negative_prompt=negative,
+                height=height,
+                width=width,
+                steps=steps,
+                true_cfg_scale=cfg,
+                seeds=chunk_seeds,
+                max_sequence_length=settings.max_sequence_length,
+            )
+            t0 = time.perf_counter()
+            ref = pipe.generate(**kw)
+            exact.wall_s += time.perf_counter() - t0
+            exact.images += len(chunk)
+            exact.blocks_computed += len(chunk) * steps * layers * (2 if cfg > 1 else 1)
+            adherence_images["exact"].append(ref)
+            for name, config in configs.items():
+                hook = StepCache(config, layers)
+                t0 = time.perf_counter()
+                out = pipe.generate(**kw, step_hook=hook)
+                r = results[name]
+                r.wall_s += time.perf_counter() - t0
+                r.images += len(chunk)
+                for counts in hook.per_image():
+                    r.blocks_computed += counts["blocks_computed"]
+                    r.blocks_reused += counts["blocks_reused"]
+                r.psnr += psnr(out, ref).tolist()
+                r.ssim += ssim(out, ref).tolist()
+                adherence_images[name].append(out)
+        log(f"  {bucket}: done")
+
+    if is_tiny:
+        from ditfleet.model.tiny.adherence import score
+
+        every_caption = captions * len(names)
+        exact.adherence = score(torch.cat(adherence_images["exact"]), every_caption)
+        for name in configs:
+            results[name].adherence = score(torch.cat(adherence_images[name]), every_caption)
+    return {
+        "model": spec.model.path,
+        "steps": steps,
+        "true_cfg_scale": cfg,
+        "buckets": names,
+        "prompts": len(captions),
+        "exact": {
+            "wall_s": round(exact.wall_s, 3),
+            "blocks": exact.blocks_computed,
+            "adherence": exact.adherence,
+        },
+        "presets": [r.to_dict(exact.wall_s) for r in results.values()],
+    }
+
+
+def format_calibration(result: dict[str, Any]) -> str:
+    lines = [
+        f"step-cache calibration: {result['model']}, {result['prompts']} prompts x {len(result['buckets'])} "
+        f"buckets ({', '.join(result['buckets'])}), {result['steps']} steps, CFG {result['true_cfg_scale']}",
+        f"  exact: {result['exact']['blocks']} DiT block evaluations, {result['exact']['wall_s']:.1f} s",
+    ]
+    exact_adh = result["exact"]["adherence"]
+    for p in result["presets"]:
+        lines.append(
+            f"  {p['preset']}: {p['work_speedup']:.2f}x less DiT work ({p['blocks_computed']} of "
+            f"{p['blocks_computed'] + p['blocks_reused']} block evaluations computed), wall {p['wall_speedup']:.2f}x; "
+            f"PSNR mean {p['psnr_mean_db']:.1f} dB (worst {p['psnr_min_db']:.1f}), "
+            f"SSIM mean {p['ssim_mean']:.4f} (worst {p['ssim_min']:.4f})"
+        )
+        if p["adherence"]:
+            diffs = ", ".join(
+                f"{k} {100 * v:.1f}% ({100 * (v - exact_adh[k]):+.1f})"
+                if k != "iou"
+                else f"iou {v:.3f} ({v - exact_adh[k]:+.3f})"
+                for k, v in p["adherence"].items()
+            )
+            lines.append(f"    adherence vs exact: {diffs}")
+        lines.append(f"    settings: {p['settings']}")
+    lines.append(
+        "  Quality is measured against the exact images of the same prompts and seeds; choose a preset "
+        "whose cost you accept, on your own model, before a large job."
+    )
+    return "\n".join(lines)
+
+
+def _prompts(spec: Any, n: int, is_tiny: bool) -> list[str]:
+    if is_tiny:
+        from ditfleet.model.tiny.scenes import held_out_captions
+
+        return held_out_captions()
+    import pyarrow.dataset as ds
+
+    table = ds.dataset(spec.input_uri(), format="parquet").head(n, columns=["prompt"])
+    return [str(p) for p in table.column("prompt").to_pylist()]
+
+
+def _device(spec: Any) -> str:
+    device = spec.model.device
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def _dtype(spec: Any) -> torch.dtype:
+    dtype = spec.model.dtype
+    if dtype == "auto":
+        dtype = "bf16" if _device(spec) == "cuda" else "fp32"
+    return {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[dtype]
