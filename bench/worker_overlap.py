@@ -26,7 +26,7 @@ import torch
 from ditfleet.compile import CompileConfig
 from ditfleet.compile.buckets import BucketSet
 from ditfleet.workers.actor import GenerationWorker
-from ditfleet.workers.contract import WorkerConfig
+from ditfleet.workers.contract import ModelPlacement, WorkerConfig
 from ditfleet.workers.generate import image_requests, iter_generated, plan_batches
 from ditfleet.workers.output.formats import ShardWriterConfig
 from ditfleet.workers.rows import RowConfig, ShardSpec, read_shard_rows
@@ -97,7 +97,7 @@ def main() -> None:
         output_uri="s3://bench/out",
         rows=rows_cfg,
         model_path=args.model,
-        device=args.device,
+        placement=ModelPlacement(device=args.device),
         batch_size=args.batch_size,
         compile=CompileConfig(vae=False, dit=False),
         writer=ShardWriterConfig(threads=4, max_in_flight=2 * args.batch_size),

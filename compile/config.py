@@ -8,11 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
+
+from ditfleet.model.settings import setting
 
 # The shortest key that authenticates the shared compile cache (compile.cache); the worker's
 # key reader checks it without importing torch.
 MIN_SECRET_BYTES = 16
+
+# The environment variable that holds that key on every actor's node, unless the job names another.
+COMPILE_CACHE_KEY_ENV = "DITFLEET_COMPILE_CACHE_KEY"
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -42,18 +47,35 @@ class CompileConfig:
     not part of the cache key.
     """
 
-    vae: bool = True
+    vae: bool = setting(True, description="Compile the VAE decode, warmed once per bucket at actor start-up.")
     vae_mode: str = "default"
     vae_backend: Backend = "inductor"
     vae_batch: int | None = 1
-    dit: bool | str = False  # True, False, or "auto" (see resolve_dit)
+    dit: bool | Literal["auto"] = setting(
+        False,
+        description="Compile the DiT blocks too: one graph pair per resolution bucket (batch size and "
+        "prompt length are dynamic), longer start-up, faster steps on GPUs. 'auto': on for CUDA "
+        "actors expected to make enough images per bucket to repay the warm-up.",
+    )  # "auto": see resolve_dit
     dit_mode: str | None = None
     dit_backend: Backend = "inductor"
     dynamic: bool = False
     fullgraph: bool = True
-    shared_cache: bool = True
+    shared_cache: bool = setting(
+        True,
+        description="Share compiled artifacts through the output store, so new actors start faster. "
+        "Only blobs authenticated with the fleet's secret key are loaded (they hold executable code); "
+        "without a key on the actor's node the shared cache is off.",
+    )
     cpu_onednn_linear: bool = True
-    claim_timeout_s: float = 600.0
+    claim_timeout_s: float = setting(
+        600.0,
+        ge=0,
+        description="Actors on one machine claim each bucket before compiling it, so a bucket compiles "
+        "once per machine and the others load it from the local compile cache; a waiter compiles the "
+        "bucket itself after this many seconds (a dead claimant frees it at once). 0: every actor "
+        "compiles every bucket.",
+    )
 
     def __post_init__(self) -> None:
         for name in ("vae_mode", "dit_mode"):

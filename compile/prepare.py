@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from ditfleet.model.settings import MAX_SEQUENCE_LENGTH
+
 from .buckets import PROMPT_LENGTH_BUCKETS, ResolutionBucket
 from .cache import (
     ArtifactStore,
@@ -70,7 +72,7 @@ def prepare_worker_pipeline(
     batch_sizes: Sequence[int] = (1,),
     prompts: Sequence[str] = WARMUP_PROMPTS,
     length_buckets: Sequence[int] = PROMPT_LENGTH_BUCKETS,
-    max_sequence_length: int = 512,
+    max_sequence_length: int = MAX_SEQUENCE_LENGTH,
     steps: int = 2,
     expected_images: int | None = None,
     on_bucket: Callable[[int, int, str], None] | None = None,

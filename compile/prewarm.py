@@ -24,10 +24,11 @@ import torch
 
 from .buckets import BucketSet
 from .cache import DirectoryArtifactStore
+from .config import COMPILE_CACHE_KEY_ENV
 from .policy import CompileConfig
 from .prepare import prepare_worker_pipeline
 
-DEFAULT_KEY_ENV = "DITFLEET_COMPILE_CACHE_KEY"
+DEFAULT_KEY_ENV = COMPILE_CACHE_KEY_ENV
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -40,7 +41,7 @@ def prewarm(
     dit: bool = False,
     steps: int = 2,
     cache_secret: bytes | None = None,
-    claim_timeout_s: float = 600.0,
+    claim_timeout_s: float = CompileConfig.claim_timeout_s,
 ) -> dict[str, Any]:
     """One actor's start-up (`prepare_worker_pipeline`) with a directory as the shared store;
     without `cache_secret` nothing is shared."""
@@ -124,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--claim-timeout",
         type=float,
-        default=600.0,
+        default=CompileConfig.claim_timeout_s,
         help="seconds to wait for another process compiling a bucket on this machine (0: no claims)",
     )
     parser.add_argument(

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ditfleet.model.pipeline import GuidanceInputs
+from ditfleet.model.settings import MAX_SEQUENCE_LENGTH
 
 from .buckets import PROMPT_LENGTH_BUCKETS, prompt_length_bucket
 from .prompt_padding import pad_prompt_embeds
@@ -62,7 +63,7 @@ def encode_padded(
     negative_prompts: Sequence[str | None] | str | None = None,
     true_cfg_scale: float | Sequence[float] = 4.0,
     length_buckets: Sequence[int] = PROMPT_LENGTH_BUCKETS,
-    max_sequence_length: int = 512,
+    max_sequence_length: int = MAX_SEQUENCE_LENGTH,
 ) -> GuidanceInputs:
     """`pipe.encode_guidance` (model.guidance's CFG rule and negatives), padded to buckets.
 

@@ -26,6 +26,7 @@ import torch
 
 from ditfleet.model.guidance import cfg_on
 from ditfleet.model.pipeline import GuidanceInputs
+from ditfleet.model.settings import MAX_SEQUENCE_LENGTH
 
 from .buckets import ResolutionBucket
 from .claims import BucketClaims, ClaimOutcome
@@ -85,7 +86,7 @@ def warm_up(
     batch_sizes: Sequence[int] = (1,),
     steps: int = 2,
     true_cfg_scale: float = 4.0,
-    max_sequence_length: int = 512,
+    max_sequence_length: int = MAX_SEQUENCE_LENGTH,
     seed: int = 0,
     on_bucket: Callable[[int, int, str], None] | None = None,
     claims: BucketClaims | None = None,

@@ -18,6 +18,7 @@ from ditfleet.compile.buckets import PROMPT_LENGTH_BUCKETS, ResolutionBucket, pr
 # job (`ditfleet plan`) does not load it.
 from ditfleet.model.folder import resolve_model_dir
 from ditfleet.model.memory import GB, MemoryPlan, ModelMemory, largest_batch, plan_memory
+from ditfleet.model.settings import MAX_SEQUENCE_LENGTH
 from ditfleet.workers.storage import ObjectNotFound, S3Config, StoreError, open_store
 
 
@@ -37,7 +38,7 @@ class MemoryRequest:
     gpu_memory_gb: float | None = None  # None: print the plan, check nothing
     cfg: str = "serial"  # serial | off
     vae_batch: int | None = 1  # images per VAE decode call; None: the whole batch
-    max_sequence_length: int = 512
+    max_sequence_length: int = MAX_SEQUENCE_LENGTH
     table_steps: tuple[int, ...] = ()  # schedules kept per bucket in "table" modulation mode
     s3: S3Config | None = None
     device: str = "cuda"  # cuda | cpu (an actor without a GPU: the plan is of host memory)

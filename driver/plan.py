@@ -28,6 +28,7 @@ from ditfleet.driver.input.arrays import plain
 from ditfleet.driver.input.prompts import DEFAULT_BATCH_ROWS, InputFile, PromptSource
 from ditfleet.driver.input.row_errors import file_error
 from ditfleet.driver.input.validate import DEFAULT_MAX_ERRORS, scan_input, valid_sizes
+from ditfleet.model.settings import setting
 from ditfleet.workers.rows import MAX_SIDE, RowConfig, ShardSpec
 from ditfleet.workers.storage.input_files import InputFileError, footer_sha256, largest_row_group
 
@@ -45,7 +46,9 @@ class PlanConfig:
     """
 
     rows: RowConfig = field(default_factory=RowConfig)
-    shard_size: int = 256
+    shard_size: int = setting(
+        256, ge=1, description="Input rows per shard: the unit of work, retry and commit."
+    )
     image_settings: Mapping[str, Any] = field(default_factory=dict)
     max_errors: int = DEFAULT_MAX_ERRORS
     read_batch_rows: int = DEFAULT_BATCH_ROWS

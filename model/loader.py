@@ -7,6 +7,7 @@ weights are staged to a local directory by the worker before this is called.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import struct
@@ -26,6 +27,7 @@ from .folder import (  # noqa: F401 - re-exported: the folder checks are torch-f
 from .lora import LoraFile, LoraSpec, adapters_revision, merge_updates, plan_updates, read_loras
 from .pipeline import TextToImagePipeline
 from .scheduler import SchedulerConfig
+from .settings import DEFAULT_PIPELINE, PipelineSettings
 from .text_encoder import QwenVLTextEncoder, TextEncoder
 from .transformer import QwenImageTransformer, TransformerConfig
 from .vae import load_vae
@@ -52,7 +54,7 @@ def model_revision(root: Path) -> str:
 
 
 def prepare_transformer(
-    component_dir: Path, modulation_cache: str = "cfg"
+    component_dir: Path, modulation_cache: str = DEFAULT_PIPELINE.modulation_cache
 ) -> tuple[QwenImageTransformer, Checkpoint]:
     """Config parsed, checkpoint headers checked, model built on the meta device: no weight read yet."""
     config = TransformerConfig.from_dict(read_config(component_dir), where=str(component_dir / "config.json"))
@@ -64,7 +66,11 @@ def prepare_transformer(
 
 
 def load_transformer(
-    component_dir: Path, device, dtype, modulation_cache: str = "cfg", loras: Sequence[LoraFile] = ()
+    component_dir: Path,
+    device,
+    dtype,
+    modulation_cache: str = DEFAULT_PIPELINE.modulation_cache,
+    loras: Sequence[LoraFile] = (),
 ) -> QwenImageTransformer:
     """`loras` are merged into the weights after loading (see model/lora.py)."""
     model, checkpoint = prepare_transformer(component_dir, modulation_cache)
@@ -118,20 +124,26 @@ def load_pipeline(
     path: str | Path,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
-    modulation_cache: str = "cfg",
-    cfg_batched: bool = False,
+    settings: PipelineSettings = DEFAULT_PIPELINE,
+    *,
     load_text_encoder_too: bool = True,
-    cfg_mode: str | None = None,
     model_id: str | None = None,
     loras: Sequence[LoraSpec] = (),
     scheduler_config: str | Path | None = None,
+    **overrides,
 ) -> TextToImagePipeline:
-    """model_id names the model in manifests (default: the path as given); a worker passes the
+    """settings: how the pipeline computes (model.settings.PipelineSettings); `overrides` replace
+    some of its knobs by name, e.g. `load_pipeline("tiny", cfg_mode="batched")`.
+
+    model_id names the model in manifests (default: the path as given); a worker passes the
     remote source here when `path` is a node-local copy.
 
     `loras` are merged into the transformer, in order. `scheduler_config` (a scheduler_config.json
     or a folder holding one) replaces the checkpoint's scheduler, e.g. a distilled LoRA's few-step
     schedule over the base model. Both change the model revision the manifests record."""
+    if not isinstance(settings, PipelineSettings):
+        raise TypeError(f"load_pipeline: settings must be a PipelineSettings, got {settings!r}")
+    settings = dataclasses.replace(settings, **overrides) if overrides else settings
     root = resolve_model_dir(path)
     # Everything that can be wrong with the files (a bad adapter or schedule, configs, shard
     # headers and keys of the transformer) fails here, before any weight is read or any device
@@ -143,7 +155,7 @@ def load_pipeline(
         override = json.dumps(scheduler.to_dict(), sort_keys=True)
         revision = hashlib.sha256(f"{revision}:scheduler:{override}".encode()).hexdigest()[:16]
     revision = adapters_revision(revision, adapters)
-    transformer, checkpoint = prepare_transformer(root / "transformer", modulation_cache)
+    transformer, checkpoint = prepare_transformer(root / "transformer", settings.modulation_cache)
     updates = plan_updates(adapters, transformer)
     if load_text_encoder_too and (root / "text_encoder").is_dir():
         text_encoder_kind(root / "text_encoder")  # the right model, its shards complete,
@@ -161,6 +173,5 @@ def load_pipeline(
         text_encoder,
         model_id=model_id or str(path),
         model_revision=revision,
-        cfg_batched=cfg_batched,
-        cfg_mode=cfg_mode,
+        settings=settings,
     )

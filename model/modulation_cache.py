@@ -25,12 +25,15 @@ CUDA graph capture: outputs there must come from the real computation.
 
 from __future__ import annotations
 
+import typing
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 
-MODES = ("off", "cfg", "table")
+from .settings import ModulationCache as ModulationCacheMode
+
+MODES = typing.get_args(ModulationCacheMode)
 
 
 def _tensor_id(t: torch.Tensor | None) -> tuple:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable, Sequence
 
 import torch
@@ -9,6 +10,7 @@ import torch
 from .guidance import cfg_on, negative_texts
 from .sampling import Conditioning, TimestepBank, denoise, initial_noise, latent_grid, unpack_latents
 from .scheduler import SchedulerConfig
+from .settings import DEFAULT_PIPELINE, MAX_SEQUENCE_LENGTH, CfgMode, PipelineSettings
 from .step_hooks import StepHook
 from .text_encoder import TextEncoder
 from .transformer import QwenImageTransformer
@@ -16,7 +18,7 @@ from .transformer import QwenImageTransformer
 # The keyword arguments of `generate` that carry text: prompt_embeds, prompt_embeds_mask,
 # negative_prompt_embeds, negative_prompt_embeds_mask (the last two None without CFG).
 GuidanceInputs = dict[str, torch.Tensor | None]
-CFG_MODES = ("serial", "batched", "auto")
+CFG_MODES = typing.get_args(CfgMode)
 # "auto" batches the two CFG passes only while one pass is too small to fill a GPU (tokens per
 # pass below this) and concatenating them pads little; larger passes gain nothing from doubling
 # the batch and would pay twice the activation memory. CPUs always run serial.
@@ -50,18 +52,15 @@ class TextToImagePipeline:
         text_encoder: TextEncoder | None = None,
         model_id: str = "",
         model_revision: str = "",
-        cfg_batched: bool = False,
-        cfg_mode: str | None = None,
+        settings: PipelineSettings = DEFAULT_PIPELINE,
     ) -> None:
         self.transformer = transformer
         self.vae = vae
         self.scheduler = scheduler
         self.text_encoder = text_encoder
         self.model_id, self.model_revision = model_id, model_revision
-        mode = cfg_mode if cfg_mode is not None else ("batched" if cfg_batched else "serial")
-        if mode not in CFG_MODES:
-            raise ValueError(f"cfg_mode must be one of {CFG_MODES}, got {mode!r}")
-        self.cfg_mode = mode
+        self.settings = settings  # checked when built (PipelineSettings.__post_init__)
+        self.cfg_mode = settings.cfg_mode
         self.timestep_bank = TimestepBank()
 
     @property
@@ -87,7 +86,7 @@ class TextToImagePipeline:
 
     @torch.no_grad()
     def encode_prompt(
-        self, prompts: Sequence[str], max_length: int = 512
+        self, prompts: Sequence[str], max_length: int = MAX_SEQUENCE_LENGTH
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(embeds (B, L, D) in the pipeline dtype, mask (B, L) long)."""
         if self.text_encoder is None:
@@ -97,7 +96,7 @@ class TextToImagePipeline:
         embeds, mask = self.text_encoder.encode(list(prompts), max_length)
         return embeds.to(self.device, self.dtype), mask.to(self.device)
 
-    def count_tokens(self, prompts: Sequence[str], max_length: int = 512) -> list[int] | None:
+    def count_tokens(self, prompts: Sequence[str], max_length: int = MAX_SEQUENCE_LENGTH) -> list[int] | None:
         """Each prompt's embedding length, from the tokenizer alone; None if the encoder can't say."""
         count = getattr(self.text_encoder, "count_tokens", None)
         return None if count is None else list(count(list(prompts), max_length))
@@ -120,7 +119,7 @@ class TextToImagePipeline:
         prompts: Sequence[str],
         negative_prompts: Sequence[str | None] | str | None = None,
         true_cfg_scale: float | Sequence[float] = 4.0,
-        max_sequence_length: int = 512,
+        max_sequence_length: int = MAX_SEQUENCE_LENGTH,
     ) -> GuidanceInputs:
         """Encode prompts, and their negatives when CFG is on (model.guidance), for `generate`.
 
@@ -162,7 +161,7 @@ class TextToImagePipeline:
         steps: int,
         true_cfg_scale: float | Sequence[float] = 4.0,
         seeds: Sequence[int],
-        max_sequence_length: int = 512,
+        max_sequence_length: int = MAX_SEQUENCE_LENGTH,
         on_step: Callable[[int], None] | None = None,
         decode: bool = True,
         step_hook: StepHook | None = None,

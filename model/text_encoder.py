@@ -24,6 +24,8 @@ from typing import Protocol
 
 import torch
 
+from .settings import MAX_SEQUENCE_LENGTH
+
 # Qwen-Image's system prompt; its first 34 tokens are dropped from the hidden states.
 QWEN_IMAGE_TEMPLATE = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
@@ -37,7 +39,9 @@ QWEN_TOKENIZER_MAX = 1024
 class TextEncoder(Protocol):
     hidden_size: int
 
-    def encode(self, prompts: list[str], max_length: int = 512) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def encode(
+        self, prompts: list[str], max_length: int = MAX_SEQUENCE_LENGTH
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     # Optional: `count_tokens(prompts, max_length) -> list[int]`, the L of each prompt's
     # embedding without running the model; the worker batches prompts of like length with it.
@@ -69,7 +73,7 @@ class QwenVLTextEncoder:
         )
         return cls(model.to(device).eval(), tok, device, dtype)
 
-    def count_tokens(self, prompts: list[str], max_length: int = 512) -> list[int]:
+    def count_tokens(self, prompts: list[str], max_length: int = MAX_SEQUENCE_LENGTH) -> list[int]:
         """Each prompt's embedding length as `encode` makes it (tokenizer only, no model)."""
         texts = [QWEN_IMAGE_TEMPLATE.format(p) for p in prompts]
         ids = self.tokenizer(texts, max_length=QWEN_TOKENIZER_MAX + QWEN_IMAGE_DROP_TOKENS, truncation=True)
@@ -114,7 +118,9 @@ class QwenVLTextEncoder:
         return self
 
     @torch.no_grad()
-    def encode(self, prompts: list[str], max_length: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode(
+        self, prompts: list[str], max_length: int = MAX_SEQUENCE_LENGTH
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         texts = [QWEN_IMAGE_TEMPLATE.format(p) for p in prompts]
         tokens = self.tokenizer(
             texts,

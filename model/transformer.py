@@ -19,6 +19,7 @@ from torch import nn
 from .attention import AttentionStats, TextPadding, joint_attention
 from .modulation_cache import ModulationCache, ModulationKey, make_key
 from .rope import RotaryTables, Rotation, apply_rotary
+from .settings import DEFAULT_PIPELINE
 from .transformer_config import DIFFUSERS_CLASS, IGNORED_KEYS, TransformerConfig  # noqa: F401 - re-exported
 
 if TYPE_CHECKING:
@@ -290,7 +291,10 @@ class OutputNorm(nn.Module):
 
 class QwenImageTransformer(nn.Module):
     def __init__(
-        self, config: TransformerConfig, modulation_cache: str = "cfg", padded_attention: str = "split"
+        self,
+        config: TransformerConfig,
+        modulation_cache: str = DEFAULT_PIPELINE.modulation_cache,
+        padded_attention: str = "split",
     ) -> None:
         super().__init__()
         self.config = config

@@ -44,7 +44,6 @@ from ditfleet.workers.startup_phase import COMPILING, LOADING, READY, publish_ph
 from ditfleet.workers.storage import StoreConfigError, open_store
 from ditfleet.workers.storage.input_files import filesystem_for
 from ditfleet.workers.text_embeddings import PlacedTextEncoder
-from ditfleet.workers.weights.digest import check_identity, local_identity
 from ditfleet.workers.weights.fetch import fetch_model
 from ditfleet.workers.weights.files import fetch_file
 
@@ -111,12 +110,9 @@ class GenerationWorker:
         check_output_node(config.output_uri, config.local_output_node, current_node_id())
         self.store = open_store(config.output_uri, config.s3)
         self.store.check_writable()
-        self.device, self.dtype = resolve_device(config.device, config.dtype)
+        self.device, self.dtype = resolve_device(config.placement.device, config.placement.dtype)
         t_load = time.perf_counter()
         self.model = fetch_model(config.model_path, config.model_cache_dir, config.s3, config.model_fetch)
-        if config.model_identity is not None:  # before loading: other weights never make an image here
-            found = self.model.identity or local_identity(self.model.local_path, config.model_cache_dir)
-            check_identity(config.model_identity, found, config.model_path)
         self.pipe = self._load_pipeline(self.model.local_path)
         self.text = place_text_encoder(self.pipe, self.model.local_path, config)
         load_s = time.perf_counter() - t_load
@@ -124,7 +120,7 @@ class GenerationWorker:
         if secret is not None and secret.key is None and (config.compile.vae or config.compile.dit):
             say_shared_cache_off(secret.off_reason)
         self.compile_report = self._compile(secret.key if secret is not None else None)
-        self.generator = BatchGenerator(self.pipe, config.max_sequence_length)
+        self.generator = BatchGenerator(self.pipe)  # its prompt length: the pipeline's settings
         shared_cache = "off" if secret is None else ("on" if secret.key else f"off: {secret.off_reason}")
         self.startup = self._startup_report(load_s, shared_cache, time.perf_counter() - t0)
         publish_phase(READY)
@@ -138,13 +134,11 @@ class GenerationWorker:
             local_path,
             self.device,
             self.dtype,
-            config.modulation_cache,
-            cfg_batched=config.cfg_batched,
-            cfg_mode=config.cfg_mode,
+            config.pipeline,
             model_id=config.model_path,
             loras=tuple(LoraSpec(local(a.path), a.scale) for a in config.loras),
             scheduler_config=local(config.scheduler_config) if config.scheduler_config else None,
-            load_text_encoder_too=config.text_encoder == "gpu",
+            load_text_encoder_too=config.placement.text_encoder == "gpu",
         )
 
     def _compile(self, cache_secret: bytes | None) -> PreparedPipeline:
@@ -160,7 +154,7 @@ class GenerationWorker:
             # A compiled DiT takes the batch size and text length as dynamic dimensions: one
             # batch of the configured size traces the graph every batch of 1..batch_size uses.
             batch_sizes=(config.batch_size,) if config.compile.dit else (1,),
-            max_sequence_length=config.max_sequence_length,
+            max_sequence_length=config.pipeline.max_sequence_length,
             expected_images=config.expected_images,
             on_bucket=lambda i, n, name: publish_phase(COMPILING, bucket=i, buckets=n, name=name),
         )
@@ -178,7 +172,7 @@ class GenerationWorker:
             "loras": [{"path": a.path, "scale": a.scale} for a in self.config.loras],
             "model_fetch": self.model.to_dict(),
             "load_s": round(load_s, 3),
-            "text_encoder": self.config.text_encoder,
+            "text_encoder": self.config.placement.text_encoder,
             "compile": self.compile_report.to_dict(),
             "shared_compile_cache": shared_cache,
             "warmup_s": warmup.seconds_per_bucket() if warmup else {},
@@ -216,7 +210,7 @@ class GenerationWorker:
         rows = read_shard_rows(shard, fs, self.config.rows)
         requests = image_requests(rows)
         if self.text is not None:  # offload: the encoder visits the GPU once per shard, here
-            self.text.prefetch(shard_prompts(requests), self.config.max_sequence_length)
+            self.text.prefetch(shard_prompts(requests), self.config.pipeline.max_sequence_length)
         compiles_before, oom_splits_before = compile_count(), self.generator.oom_splits
         attention_before = self.pipe.transformer.attention_stats.to_dict()
         generated, stored = self._generate_and_store(shard.index, requests, token)
@@ -355,9 +349,6 @@ class GenerationWorker:
             compile_fallback=bool(self.compile_report.fallbacks),
             recompiles=recompiles,
             extra=row.extra or None,
-            step_cache=gen.step_cache,
-            dit_blocks_computed=gen.blocks_computed,
-            dit_blocks_reused=gen.blocks_reused,
         )
 
 
@@ -378,15 +369,16 @@ def place_text_encoder(pipe, local_path, config: WorkerConfig) -> PlacedTextEnco
     `gpu`: it was loaded next to the DiT. `cpu` and `offload`: it is loaded on the CPU here, so
     its weights never sit on the GPU next to the DiT's at start-up. None for a model without one.
     """
-    if config.text_encoder != "gpu":
+    placement = config.placement
+    if placement.text_encoder != "gpu":
         pipe.text_encoder = load_text_encoder(resolve_model_dir(local_path), "cpu", pipe.dtype)
     if pipe.text_encoder is None:
         return None
     placed = PlacedTextEncoder(
         pipe.text_encoder,
-        config.text_encoder,
+        placement.text_encoder,
         pipe.device,
-        config.embedding_cache_bytes,
+        placement.embedding_cache_bytes,
         transformer=pipe.transformer,
     )
     pipe.text_encoder = placed

@@ -7,10 +7,13 @@ and `ShardAbandoned` back; none of them needs the model, so the driver, `ditflee
 
 from __future__ import annotations
 
+import typing
 from dataclasses import asdict, dataclass, field
+from typing import Literal
 
 from ditfleet.compile.config import CompileConfig
 from ditfleet.model.lora_spec import LoraSpec  # noqa: F401 - re-exported for the job spec
+from ditfleet.model.settings import PipelineSettings, check_settings, setting
 from ditfleet.workers.cache_secret import CacheSecretSource
 from ditfleet.workers.output.formats import ShardWriterConfig
 from ditfleet.workers.rows import RowConfig
@@ -18,7 +21,42 @@ from ditfleet.workers.storage import S3Config
 from ditfleet.workers.weights.fetch_config import FetchConfig
 
 # Where the text encoder lives (workers.text_embeddings places it).
-PLACEMENTS = ("gpu", "cpu", "offload")
+Placement = Literal["gpu", "cpu", "offload"]
+PLACEMENTS: tuple[str, ...] = typing.get_args(Placement)
+
+# The node-local folder where remote weights are fetched once per node, unless the job names another.
+MODEL_CACHE_DIR = "/tmp/ditfleet/models"
+
+
+@dataclass(frozen=True)
+class ModelPlacement:
+    """Where an actor puts the model: its device and dtype, and the text encoder's place."""
+
+    device: Literal["auto", "cpu", "cuda"] = setting(
+        "auto", description="auto: cuda when the actor has a GPU."
+    )
+    dtype: Literal["auto", "bf16", "fp32"] = setting("auto", description="auto: bf16 on cuda, fp32 on cpu.")
+    text_encoder: Placement = setting(
+        "gpu",
+        description="Where the text encoder lives: 'gpu' (always next to the DiT), 'cpu' (encodes on the "
+        "CPU; its weights never take GPU memory), 'offload' (comes onto the GPU to encode a shard's prompts "
+        "up front, then leaves; the DiT waits in host memory meanwhile when both do not fit). "
+        "`ditfleet plan` shows what each needs.",
+    )
+    embedding_cache_mb: int = setting(
+        256,
+        ge=0,
+        le=1 << 20,
+        description="Prompt embeddings kept per actor (least recently used dropped first), so the job's "
+        "negative prompt and repeated prompts are encoded once; 0: keep none.",
+    )
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+    @property
+    def embedding_cache_bytes(self) -> int:
+        return self.embedding_cache_mb * 2**20
 
 
 @dataclass(frozen=True)
@@ -30,19 +68,19 @@ class WorkerConfig:
     model_path: str = (
         "tiny"  # a local diffusers-layout folder, "tiny", s3://bucket/prefix or hf://org/name@rev
     )
-    model_cache_dir: str = "/tmp/ditfleet/models"  # node-local: remote weights are fetched here once per node
+    model_cache_dir: str = setting(
+        MODEL_CACHE_DIR,
+        description="Node-local directory where remote weights are fetched once per node and shared by "
+        "every actor on it. Needs room for the model (about 58 GB for Qwen-Image with its text encoder).",
+    )
     model_fetch: FetchConfig = field(default_factory=FetchConfig)
-    device: str = "auto"  # auto: cuda when there is a GPU, else cpu
-    dtype: str = "auto"  # auto: bf16 on cuda, fp32 on cpu; or bf16 | fp32
-    modulation_cache: str = "cfg"  # off | cfg | table
+    placement: ModelPlacement = field(default_factory=ModelPlacement)
+    pipeline: PipelineSettings = field(default_factory=PipelineSettings)  # handed to load_pipeline
     loras: tuple[LoraSpec, ...] = ()  # adapters merged into the DiT at load, in order (local or s3://)
     scheduler_config: str | None = None  # replaces the checkpoint's scheduler (a distilled LoRA's)
-    cfg_batched: bool = False  # cond+uncond in one batch (more memory, fewer launches)
-    cfg_mode: str | None = None  # serial | batched | auto; None: from cfg_batched
-    batch_size: int = 4
-    max_sequence_length: int = 512
-    text_encoder: str = "gpu"  # gpu | cpu | offload: where the text encoder lives (text_embeddings.py)
-    embedding_cache_bytes: int = 256 * 2**20  # prompt embeddings kept per actor (host memory)
+    batch_size: int = setting(
+        4, ge=1, le=1024, description="Images generated together (same bucket and steps)."
+    )
     warmup_buckets: tuple[str, ...] = ()  # the buckets this job uses; empty = every job bucket
     expected_images: int | None = None  # images one actor is expected to make (compile.dit "auto")
     compile: CompileConfig = field(default_factory=CompileConfig)
@@ -50,10 +88,6 @@ class WorkerConfig:
     # node whose disk it is. An actor on any other node refuses to start (it would write to its
     # own disk). None: an s3:// output, or a filesystem every node shares.
     local_output_node: str | None = None
-    # The identity of the model's bytes the plan recorded (workers.weights.digest.ModelIdentity
-    # as a dict), set by the driver: an actor whose copy differs refuses to start, so it can never
-    # commit images of other weights. None: not recorded (hf:// models, or an old driver).
-    model_identity: dict | None = None
     # Where each actor finds the key that authenticates the shared compile cache (not the key).
     compile_cache_key: CacheSecretSource = field(default_factory=CacheSecretSource)
     writer: ShardWriterConfig = field(default_factory=ShardWriterConfig)
@@ -62,10 +96,7 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
-        if self.dtype not in ("auto", "bf16", "fp32"):
-            raise ValueError(f"dtype must be auto, bf16 or fp32, got {self.dtype!r}")
-        if self.text_encoder not in PLACEMENTS:
-            raise ValueError(f"text_encoder must be one of {PLACEMENTS}, got {self.text_encoder!r}")
+        check_settings(self)
 
 
 @dataclass

@@ -32,6 +32,7 @@ import pyarrow.fs as pafs
 
 from ditfleet.compile.buckets import QWEN_IMAGE_BUCKETS, BucketSet, ResolutionBucket
 from ditfleet.model.guidance import DEFAULT_NEGATIVE_PROMPT
+from ditfleet.model.settings import setting
 from ditfleet.workers.storage.input_files import InputFileError, open_parquet
 
 # Columns with a meaning; every other column is passed through to the manifest.
@@ -78,13 +79,32 @@ def derive_seed(job_seed: int, row_id: str) -> int:
 class RowConfig:
     """What row resolution needs from the job: the seed, the buckets and the sampling defaults."""
 
-    job_seed: int = 0
+    job_seed: int = setting(
+        0,
+        ge=0,
+        le=MAX_SEED,
+        description="Job seed: a row without `seed` gets one derived from this and its id.",
+    )
     buckets: BucketSet = field(default_factory=lambda: BucketSet(QWEN_IMAGE_BUCKETS))
-    steps: int = 50
-    true_cfg_scale: float = 4.0
-    negative_prompt: str | None = DEFAULT_NEGATIVE_PROMPT  # None: no negative, CFG off
-    num_images: int = 1
-    max_prompt_chars: int = 4000
+    steps: int = setting(
+        50, ge=STEPS_RANGE[0], le=STEPS_RANGE[1], description="Denoising steps (a row's `steps` wins)."
+    )
+    true_cfg_scale: float = setting(
+        4.0,
+        ge=CFG_RANGE[0],
+        le=CFG_RANGE[1],
+        description="True CFG scale; > 1 with a negative prompt turns CFG on.",
+    )
+    negative_prompt: str | None = setting(
+        DEFAULT_NEGATIVE_PROMPT, description="Default negative prompt; null: none (CFG off)."
+    )
+    num_images: int = setting(
+        1,
+        ge=NUM_IMAGES_RANGE[0],
+        le=NUM_IMAGES_RANGE[1],
+        description="Images per row (a row's `num_images` wins).",
+    )
+    max_prompt_chars: int = setting(4000, ge=1, le=10**7, description="Longer prompts are input errors.")
 
     def __post_init__(self) -> None:
         def check(name: str, value: object, lo: float, hi: float) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ditfleet.model.settings import MAX_SEQUENCE_LENGTH
 from ditfleet.workers.contract import PLACEMENTS
 
 log = logging.getLogger(__name__)
@@ -125,7 +126,9 @@ class PlacedTextEncoder:
 
     # -- the TextEncoder contract --------------------------------------------------------------
 
-    def encode(self, prompts: Sequence[str], max_length: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode(
+        self, prompts: Sequence[str], max_length: int = MAX_SEQUENCE_LENGTH
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(embeds (B, L, D), mask (B, L) long) on the CPU; L = the longest prompt in tokens."""
         if isinstance(prompts, str):
             prompts = [prompts]
@@ -143,7 +146,7 @@ class PlacedTextEncoder:
             mask[i, : r.shape[0]] = 1
         return embeds, mask
 
-    def count_tokens(self, prompts: Sequence[str], max_length: int = 512) -> list[int]:
+    def count_tokens(self, prompts: Sequence[str], max_length: int = MAX_SEQUENCE_LENGTH) -> list[int]:
         """Each prompt's embedding length: the encoder's tokenizer when it has a counter, else the
         cached (or prefetched) embeddings, encoding what is missing."""
         count = getattr(self.encoder, "count_tokens", None)
@@ -154,7 +157,7 @@ class PlacedTextEncoder:
 
     # -- offload ---------------------------------------------------------------------------------
 
-    def prefetch(self, prompts: Sequence[str], max_length: int = 512) -> int:
+    def prefetch(self, prompts: Sequence[str], max_length: int = MAX_SEQUENCE_LENGTH) -> int:
         """Encode the prompts a shard will ask for, up front, and keep them until `release`.
 
         With `offload` the encoder comes onto the device for this and leaves afterwards; other

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ditfleet.driver.actor_phases import ActorPhase
+from ditfleet.model.settings import setting
 
 if TYPE_CHECKING:
     from ditfleet.workers.contract import ShardResult
@@ -24,18 +25,29 @@ class DispatchError(RuntimeError):
 class DispatchConfig:
     """How many actors, with what resources, and how shards are retried and duplicated."""
 
-    min_actors: int = 1  # started at once, and kept while shards wait
+    min_actors: int = setting(1, ge=1, description="Actors started at once and kept while shards wait.")
     max_actors: int = 1  # grown to while shards wait; actors Ray cannot place yet just pend
     num_gpus: float = 0.0  # per actor
-    num_cpus: float = 1.0  # per actor
+    num_cpus: float = setting(1.0, ge=0, description="CPUs per actor (encode/upload threads run on them).")
     resources: tuple[tuple[str, float], ...] = ()  # custom Ray resources per actor
-    shards_in_flight_per_actor: int = 2  # 1 running + queued ones, so the GPU never waits
-    max_attempts: int = 3  # failed runs of one shard before it is reported failed
-    speculative_tail: bool = True  # move/duplicate tail shards onto idle actors
+    # 1 running + queued ones
+    shards_in_flight_per_actor: int = setting(
+        2, ge=1, le=8, description="Shards queued per actor, so its GPU never waits."
+    )
+    max_attempts: int = setting(
+        3, ge=1, le=100, description="Failed runs of a shard before it is reported failed."
+    )
+    speculative_tail: bool = setting(
+        True, description="Near the end, rerun slow shards on idle actors; the first commit wins."
+    )
     speculative_after: float = 1.5  # a running shard is duplicated after this x the median shard time
-    idle_retire_s: float = 10.0  # an actor idle this long with an empty queue is stopped
+    idle_retire_s: float = setting(
+        10.0, ge=0, description="Stop an actor idle this long once nothing is queued."
+    )
     shard_timeout_s: float | None = None  # a run longer than this kills its actor (None: no limit)
-    placement_timeout_s: float | None = 1800.0  # no actor ready for this long while shards wait: stop
+    placement_timeout_s: float | None = setting(
+        1800.0, gt=0, description="Give up when no actor can be placed for this long; null: wait forever."
+    )
     max_start_failures: int = 3  # actors failing to start in a row (none ready between): stop
     tick_s: float = 0.5  # longest wait between checks of timers (retirement, tail, progress)
     # After the last shard settled, wait this long at most for every actor's process to be gone

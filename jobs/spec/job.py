@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import Field, model_validator
@@ -22,12 +23,14 @@ from ditfleet.driver.dispatch import DispatchConfig
 from ditfleet.driver.memory_plan import MemoryRequest
 from ditfleet.driver.plan import PlanConfig
 from ditfleet.driver.run_job import DriverConfig
+from ditfleet.model.settings import PipelineSettings, field_default, settings_fields
 from ditfleet.workers.cache_secret import CacheSecretSource
-from ditfleet.workers.contract import LoraSpec, WorkerConfig
+from ditfleet.workers.contract import LoraSpec, ModelPlacement, WorkerConfig
 from ditfleet.workers.output.formats import ShardWriterConfig
 from ditfleet.workers.rows import RowConfig
 from ditfleet.workers.storage import S3Config
 
+from .derive import settings_from
 from .sections import (
     TINY_MODEL,
     BucketsSpec,
@@ -115,15 +118,18 @@ class JobSpec(Section):
         return doc
 
     def row_config(self) -> RowConfig:
-        s = self.sampling
-        return RowConfig(
-            job_seed=s.seed,
-            buckets=BucketSet.from_names(self.bucket_names(), strict=self.buckets.strict),
-            steps=s.steps,
-            true_cfg_scale=s.true_cfg_scale,
-            negative_prompt=s.negative_prompt,
-            num_images=s.num_images,
-            max_prompt_chars=s.max_prompt_chars,
+        buckets = BucketSet.from_names(self.bucket_names(), strict=self.buckets.strict)
+        return settings_from(RowConfig, self.sampling, buckets=buckets)
+
+    def pipeline_settings(self) -> PipelineSettings:
+        """The pipeline's knobs, from whichever sections show them (model, sampling)."""
+        return settings_from(PipelineSettings, *self._sections())
+
+    def _sections(self) -> tuple[Section, ...]:
+        return tuple(
+            getattr(self, name)
+            for name in type(self).model_fields
+            if isinstance(getattr(self, name), Section)
         )
 
     def image_settings(self) -> dict[str, Any]:
@@ -146,6 +152,7 @@ class JobSpec(Section):
             "image_format": self.output.image_format,
             "quality": self.output.quality,
         }
+        settings.update(_pixel_knobs(self.pipeline_settings(), exclude=settings))
         if self.model.loras:
             settings["loras"] = [{"path": a.path, "scale": a.scale} for a in self.model_loras()]
         if self.model.scheduler_config:
@@ -186,19 +193,11 @@ class JobSpec(Section):
         return DriverConfig(
             input_uri=self.input_uri(),
             output_uri=self.output_uri(),
-            plan=PlanConfig(
-                rows=self.row_config(), shard_size=self.shards.size, image_settings=self.image_settings()
+            plan=settings_from(
+                PlanConfig, *self._sections(), rows=self.row_config(), image_settings=self.image_settings()
             ),
-            dispatch=DispatchConfig(
-                min_actors=w.min,
-                max_actors=w.max or w.min,
-                num_gpus=self.gpus_per_actor(),
-                num_cpus=w.cpus,
-                shards_in_flight_per_actor=w.shards_in_flight,
-                max_attempts=self.shards.max_attempts,
-                speculative_tail=w.speculative_tail,
-                idle_retire_s=w.idle_retire_s,
-                placement_timeout_s=w.placement_timeout_s,
+            dispatch=settings_from(
+                DispatchConfig, *self._sections(), max_actors=w.max or w.min, num_gpus=self.gpus_per_actor()
             ),
             s3=self.s3_config(),
             resolved_spec=json.dumps(self.resolved(), sort_keys=True),
@@ -207,30 +206,20 @@ class JobSpec(Section):
         )
 
     def to_worker_config(self) -> WorkerConfig:
-        return WorkerConfig(
+        sections = self._sections()
+        return settings_from(
+            WorkerConfig,
+            *sections,
             output_uri=self.output_uri(),
             rows=self.row_config(),
             model_path=self.model_path(),
             model_cache_dir=self.model_cache_dir(),
-            device=self.model.device,
-            dtype=self.model.dtype,
-            modulation_cache=self.model.modulation_cache,
+            placement=settings_from(ModelPlacement, *sections),
+            pipeline=self.pipeline_settings(),
             loras=self.model_loras(),
             scheduler_config=self.model_scheduler_config(),
-            cfg_mode=self.sampling.cfg_mode,
-            batch_size=self.workers.batch_size,
-            max_sequence_length=self.model.max_sequence_length,
-            text_encoder=self.model.text_encoder,
-            embedding_cache_bytes=self.model.embedding_cache_mb * 2**20,
-            compile=CompileConfig(
-                vae=self.compile.vae,
-                dit=self.compile.dit,
-                shared_cache=self.compile.shared_cache,
-                claim_timeout_s=self.compile.claim_timeout_s,
-            ),
-            compile_cache_key=CacheSecretSource(
-                env=self.compile.cache_key_env, file=self.compile.cache_key_file
-            ),
+            compile=settings_from(CompileConfig, *sections),
+            compile_cache_key=settings_from(CacheSecretSource, *sections),
             writer=ShardWriterConfig(
                 output_format=self.output.format,
                 image_format=self.output.image_format,
@@ -238,6 +227,18 @@ class JobSpec(Section):
             ),
             s3=self.s3_config(),
         )
+
+
+def _pixel_knobs(settings: Any, exclude: Mapping[str, Any]) -> dict[str, Any]:
+    """The knobs marked `pixels` (they change an image's bytes) that differ from their default,
+    for the fingerprint. Only when set: an output planned before a knob existed keeps its
+    fingerprint. Knobs the fingerprint already names (`exclude`) are not repeated."""
+    out: dict[str, Any] = {}
+    for name, f in settings_fields(type(settings)).items():
+        value = getattr(settings, name)
+        if f.metadata.get("pixels") and name not in exclude and value != field_default(f):
+            out[name] = value
+    return out
 
 
 def _absolute(path: str) -> str:

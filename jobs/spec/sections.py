@@ -13,11 +13,17 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ditfleet.compile.buckets import BucketError, BucketSet, ResolutionBucket
-from ditfleet.model.guidance import DEFAULT_NEGATIVE_PROMPT
-from ditfleet.workers.cache_secret import WELL_KNOWN_ENV
+from ditfleet.compile.config import CompileConfig
+from ditfleet.driver.dispatch import DispatchConfig
+from ditfleet.driver.plan import PlanConfig
+from ditfleet.model.settings import PipelineSettings
+from ditfleet.workers.cache_secret import CacheSecretSource
+from ditfleet.workers.contract import ModelPlacement, WorkerConfig
 from ditfleet.workers.output.layout import FORMAT_NAMES, IMAGE_EXTENSIONS
-from ditfleet.workers.rows import CFG_RANGE, MAX_SEED, NUM_IMAGES_RANGE, STEPS_RANGE
+from ditfleet.workers.rows import RowConfig
 from ditfleet.workers.storage.input_files import check_s3_uri
+
+from .derive import knob, knobs, section
 
 IMAGE_FORMATS = tuple(IMAGE_EXTENSIONS)  # png, webp, jpeg
 
@@ -117,89 +123,73 @@ class OutputSpec(Section):
         return self
 
 
-class ModelSpec(Section):
-    path: str = Field(
-        TINY_MODEL,
-        description="'tiny' (the bundled small model), a local directory in the diffusers layout, "
-        "s3://bucket/prefix (that layout in a bucket) or hf://org/name@revision (needs the 'hub' extra).",
-    )
-    cache_dir: str = Field(
-        "/tmp/ditfleet/models",
-        description="Node-local directory where remote weights are fetched once per node and shared by "
-        "every actor on it. Needs room for the model (about 58 GB for Qwen-Image with its text encoder).",
-    )
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when the actor has a GPU.")
-    dtype: Literal["auto", "bf16", "fp32"] = Field("auto", description="auto: bf16 on cuda, fp32 on cpu.")
-    modulation_cache: Literal["off", "cfg", "table"] = Field(
-        "cfg",
-        description="Reuse block modulations: 'cfg' computes them once per step for both CFG passes, "
-        "'table' once per bucket schedule per actor (more memory). Outputs are identical.",
-    )
-    max_sequence_length: int = Field(512, ge=1, le=1024, description="Longest prompt, in text tokens.")
-    loras: list[LoraAdapterSpec] = Field(
-        default_factory=list,
-        description="LoRA adapters merged into the DiT weights at load, in this order (a LoRA form of "
-        "a distilled model like Qwen-Image-Lightning too). The manifests' model_revision names the "
-        "base, the adapters and their scales. A key that matches no layer is an error.",
-    )
-    scheduler_config: str | None = Field(
-        None,
-        description="A scheduler_config.json (or a folder holding one) replacing the checkpoint's "
-        "scheduler/: the few-step schedule a distilled LoRA was trained with. null: the checkpoint's own "
-        "(a merged distilled checkpoint ships its schedule there). s3://bucket/key or a local path every node sees.",
-    )
-    text_encoder: Literal["gpu", "cpu", "offload"] = Field(
-        "gpu",
-        description="Where the text encoder lives: 'gpu' (always next to the DiT), 'cpu' (encodes on the "
-        "CPU; its weights never take GPU memory), 'offload' (comes onto the GPU to encode a shard's prompts "
-        "up front, then leaves; the DiT waits in host memory meanwhile when both do not fit). "
-        "`ditfleet plan` shows what each needs.",
-    )
-    embedding_cache_mb: int = Field(
-        256,
-        ge=0,
-        le=1 << 20,
-        description="Prompt embeddings kept per actor (least recently used dropped first), so the job's "
-        "negative prompt and repeated prompts are encoded once; 0: keep none.",
-    )
-
-    _path_ok = field_validator("path")(_plain_s3_uri)
-    _scheduler_ok = field_validator("scheduler_config")(lambda v: None if v is None else _node_file(v))
+def _model_spec_validators() -> dict:
+    return {
+        "_path_ok": field_validator("path")(_plain_s3_uri),
+        "_scheduler_ok": field_validator("scheduler_config")(lambda v: None if v is None else _node_file(v)),
+    }
 
 
-class SamplingSpec(Section):
-    steps: int = Field(
-        50, ge=STEPS_RANGE[0], le=STEPS_RANGE[1], description="Denoising steps (a row's `steps` wins)."
-    )
-    true_cfg_scale: float = Field(
-        4.0,
-        ge=CFG_RANGE[0],
-        le=CFG_RANGE[1],
-        description="True CFG scale; > 1 with a negative prompt turns CFG on.",
-    )
-    negative_prompt: str | None = Field(
-        DEFAULT_NEGATIVE_PROMPT, description="Default negative prompt; null: none (CFG off)."
-    )
-    seed: int = Field(
-        0,
-        ge=0,
-        le=MAX_SEED,
-        description="Job seed: a row without `seed` gets one derived from this and its id.",
-    )
-    num_images: int = Field(
-        1,
-        ge=NUM_IMAGES_RANGE[0],
-        le=NUM_IMAGES_RANGE[1],
-        description="Images per row (a row's `num_images` wins).",
-    )
-    max_prompt_chars: int = Field(4000, ge=1, le=10**7, description="Longer prompts are input errors.")
-    cfg_mode: Literal["serial", "batched", "auto"] = Field(
-        "auto",
-        description="How the two true-CFG passes of a step run: 'serial' (two forwards of the batch; "
-        "the modulation cache computes the step's modulation once), 'batched' (one forward of twice "
-        "the batch, text padded to the longer branch), 'auto' (batched on a GPU while a pass is too "
-        "small to fill it and batching pads little, else serial).",
-    )
+# The model, its numerics and its placement: the pipeline's knobs (model.settings) and where an
+# actor puts it (workers.contract), next to the spec's own path and adapter fields.
+ModelSpec = section(
+    "ModelSpec",
+    None,
+    {
+        "path": (
+            str,
+            Field(
+                TINY_MODEL,
+                description="'tiny' (the bundled small model), a local directory in the diffusers layout, "
+                "s3://bucket/prefix (that layout in a bucket) or hf://org/name@revision (needs the 'hub' extra).",
+            ),
+        ),
+        "cache_dir": knob(WorkerConfig, "model_cache_dir"),
+        "device": knob(ModelPlacement, "device"),
+        "dtype": knob(ModelPlacement, "dtype"),
+        # cfg_mode is a pipeline knob too, but the job file shows it under sampling
+        **knobs(PipelineSettings, exclude=("cfg_mode",)),
+        "loras": (
+            list[LoraAdapterSpec],
+            Field(
+                default_factory=list,
+                description="LoRA adapters merged into the DiT weights at load, in this order (a LoRA form of "
+                "a distilled model like Qwen-Image-Lightning too). The manifests' model_revision names the "
+                "base, the adapters and their scales. A key that matches no layer is an error.",
+            ),
+        ),
+        "scheduler_config": (
+            str | None,
+            Field(
+                None,
+                description="A scheduler_config.json (or a folder holding one) replacing the checkpoint's "
+                "scheduler/: the few-step schedule a distilled LoRA was trained with. null: the checkpoint's own "
+                "(a merged distilled checkpoint ships its schedule there). s3://bucket/key or a local path every node sees.",
+            ),
+        ),
+        "text_encoder": knob(ModelPlacement, "text_encoder"),
+        "embedding_cache_mb": knob(ModelPlacement, "embedding_cache_mb"),
+    },
+    base=Section,
+    validators=_model_spec_validators(),
+)
+
+
+# Defaults for rows that give none (workers.rows.RowConfig), and how CFG runs.
+SamplingSpec = section(
+    "SamplingSpec",
+    None,
+    {
+        "steps": knob(RowConfig, "steps"),
+        "true_cfg_scale": knob(RowConfig, "true_cfg_scale"),
+        "negative_prompt": knob(RowConfig, "negative_prompt"),
+        "seed": knob(RowConfig, "job_seed"),
+        "num_images": knob(RowConfig, "num_images"),
+        "max_prompt_chars": knob(RowConfig, "max_prompt_chars"),
+        "cfg_mode": knob(PipelineSettings, "cfg_mode"),
+    },
+    base=Section,
+)
 
 
 class BucketsSpec(Section):
@@ -224,106 +214,86 @@ class BucketsSpec(Section):
             raise ValueError(str(e)) from e
 
 
-class CompileSpec(Section):
-    vae: bool = Field(True, description="Compile the VAE decode, warmed once per bucket at actor start-up.")
-    dit: bool | Literal["auto"] = Field(
-        False,
-        description="Compile the DiT blocks too: one graph pair per resolution bucket (batch size and "
-        "prompt length are dynamic), longer start-up, faster steps on GPUs. 'auto': on for CUDA "
-        "actors expected to make enough images per bucket to repay the warm-up.",
-    )
-    shared_cache: bool = Field(
-        True,
-        description="Share compiled artifacts through the output store, so new actors start faster. "
-        "Only blobs authenticated with the fleet's secret key are loaded (they hold executable code); "
-        "without a key on the actor's node the shared cache is off.",
-    )
-    claim_timeout_s: float = Field(
-        600.0,
-        ge=0,
-        description="Actors on one machine claim each bucket before compiling it, so a bucket compiles "
-        "once per machine and the others load it from the local compile cache; a waiter compiles the "
-        "bucket itself after this many seconds (a dead claimant frees it at once). 0: every actor "
-        "compiles every bucket.",
-    )
-    cache_key_env: str | None = Field(
-        "DITFLEET_COMPILE_CACHE_KEY",
-        description="Environment variable, on every actor's node, holding the secret key (at least 16 "
-        "bytes, e.g. `openssl rand -hex 32`) that authenticates shared compile artifacts. Never put "
-        "the key itself in the job file or the bucket.",
-    )
-    cache_key_file: str | None = Field(
-        None,
-        description="Absolute path, on every actor's node, of a file holding that key (a mounted "
-        "secret); wins over cache_key_env.",
-    )
-
-    @field_validator("cache_key_file")
-    @classmethod
-    def _absolute_key_file(cls, path: str | None) -> str | None:
-        if path is not None and not os.path.isabs(path):
-            raise ValueError(
-                "cache_key_file must be an absolute path on the actors' nodes (a mounted secret, "
-                "e.g. /etc/ditfleet/compile-cache-key)"
-            )
-        return path
-
-    @field_validator("cache_key_env")
-    @classmethod
-    def _secret_key_env(cls, name: str | None) -> str | None:
-        if name is not None and name in WELL_KNOWN_ENV:
-            raise ValueError(
-                f"cache_key_env: ${name} is a well-known variable, its value is no secret; name a variable "
-                "that holds only the key, or better, mount the key as a file (cache_key_file, mode 0600)"
-            )
-        return name
+def _absolute_key_file(cls, path: str | None) -> str | None:
+    if path is not None and not os.path.isabs(path):
+        raise ValueError(
+            "cache_key_file must be an absolute path on the actors' nodes (a mounted secret, "
+            "e.g. /etc/ditfleet/compile-cache-key)"
+        )
+    return path
 
 
-class WorkersSpec(Section):
-    min: int = Field(1, ge=1, description="Actors started at once and kept while shards wait.")
-    max: int | None = Field(
-        None,
-        ge=1,
-        description="Actors grown to while shards wait (pending ones ask the autoscaler); null: min.",
-    )
-    gpus: float | None = Field(
-        None, ge=0, description="GPUs per actor; null: 0 for the tiny model, 1 otherwise."
-    )
-    cpus: float = Field(1.0, ge=0, description="CPUs per actor (encode/upload threads run on them).")
-    batch_size: int = Field(
-        4, ge=1, le=1024, description="Images generated together (same bucket and steps)."
-    )
-    gpu_memory_gb: float | None = Field(
-        None,
-        gt=0,
-        description="Memory of each actor's GPU in GB as the card is sold (80, 48, 24, ...): plan and "
-        "validate refuse a batch size that cannot fit it and name the largest that does; null: no check.",
-    )
-    shards_in_flight: int = Field(
-        2, ge=1, le=8, description="Shards queued per actor, so its GPU never waits."
-    )
-    speculative_tail: bool = Field(
-        True, description="Near the end, rerun slow shards on idle actors; the first commit wins."
-    )
-    idle_retire_s: float = Field(
-        10.0, ge=0, description="Stop an actor idle this long once nothing is queued."
-    )
-    placement_timeout_s: float | None = Field(
-        1800.0, gt=0, description="Give up when no actor can be placed for this long; null: wait forever."
-    )
-
-    @model_validator(mode="after")
-    def _max_at_least_min(self) -> WorkersSpec:
-        if self.max is not None and self.max < self.min:
-            raise ValueError(f"max ({self.max}) must be >= min ({self.min})")
-        return self
+# torch.compile at actor start-up (compile.config.CompileConfig), and where each actor finds the
+# key of the shared compile cache (workers.cache_secret.CacheSecretSource).
+CompileSpec = section(
+    "CompileSpec",
+    None,
+    {
+        "vae": knob(CompileConfig, "vae"),
+        "dit": knob(CompileConfig, "dit"),
+        "shared_cache": knob(CompileConfig, "shared_cache"),
+        "claim_timeout_s": knob(CompileConfig, "claim_timeout_s"),
+        "cache_key_env": knob(CacheSecretSource, "env"),
+        "cache_key_file": knob(CacheSecretSource, "file"),
+    },
+    base=Section,
+    validators={"_absolute_key_file": field_validator("cache_key_file")(classmethod(_absolute_key_file))},
+)
 
 
-class ShardsSpec(Section):
-    size: int = Field(256, ge=1, description="Input rows per shard: the unit of work, retry and commit.")
-    max_attempts: int = Field(
-        3, ge=1, le=100, description="Failed runs of a shard before it is reported failed."
-    )
+def _max_at_least_min(self):
+    if self.max is not None and self.max < self.min:
+        raise ValueError(f"max ({self.max}) must be >= min ({self.min})")
+    return self
+
+
+# The actor fleet: dispatch's knobs (driver.dispatch.DispatchConfig) and the batch size
+# (workers.contract.WorkerConfig); `max` and `gpus` resolve against other sections in JobSpec.
+WorkersSpec = section(
+    "WorkersSpec",
+    None,
+    {
+        "min": knob(DispatchConfig, "min_actors"),
+        "max": (
+            int | None,
+            Field(
+                None,
+                ge=1,
+                description="Actors grown to while shards wait (pending ones ask the autoscaler); null: min.",
+            ),
+        ),
+        "gpus": (
+            float | None,
+            Field(None, ge=0, description="GPUs per actor; null: 0 for the tiny model, 1 otherwise."),
+        ),
+        "cpus": knob(DispatchConfig, "num_cpus"),
+        "batch_size": knob(WorkerConfig, "batch_size"),
+        "gpu_memory_gb": (
+            float | None,
+            Field(
+                None,
+                gt=0,
+                description="Memory of each actor's GPU in GB as the card is sold (80, 48, 24, ...): plan and "
+                "validate refuse a batch size that cannot fit it and name the largest that does; null: no check.",
+            ),
+        ),
+        "shards_in_flight": knob(DispatchConfig, "shards_in_flight_per_actor"),
+        "speculative_tail": knob(DispatchConfig, "speculative_tail"),
+        "idle_retire_s": knob(DispatchConfig, "idle_retire_s"),
+        "placement_timeout_s": knob(DispatchConfig, "placement_timeout_s"),
+    },
+    base=Section,
+    validators={"_max_at_least_min": model_validator(mode="after")(_max_at_least_min)},
+)
+
+
+# Units of work (driver.plan.PlanConfig) and how often one is retried (DispatchConfig).
+ShardsSpec = section(
+    "ShardsSpec",
+    None,
+    {"size": knob(PlanConfig, "shard_size"), "max_attempts": knob(DispatchConfig, "max_attempts")},
+    base=Section,
+)
 
 
 class S3Spec(Section):

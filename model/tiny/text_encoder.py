@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
+from ditfleet.model.settings import MAX_SEQUENCE_LENGTH
 from ditfleet.model.weights import WeightsError, assign_state_dict, read_config, read_state_dict
 
 PAD, UNK, BOS = "<pad>", "<unk>", "<bos>"
@@ -148,7 +149,7 @@ class TinyTextEncoder(nn.Module):
             mask[i, : len(s)] = 1
         return ids, mask
 
-    def count_tokens(self, prompts: list[str], max_length: int = 512) -> list[int]:
+    def count_tokens(self, prompts: list[str], max_length: int = MAX_SEQUENCE_LENGTH) -> list[int]:
         """Each prompt's embedding length as `encode` makes it (tokenizer only, no model)."""
         max_length = min(max_length, self.config.max_positions)
         return [len(self.tokenizer.tokenize(p, max_length)) for p in prompts]
@@ -161,7 +162,9 @@ class TinyTextEncoder(nn.Module):
             x = block(x, mask)
         return self.norm(x) * mask[..., None].to(x.dtype)
 
-    def encode(self, prompts: list[str], max_length: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode(
+        self, prompts: list[str], max_length: int = MAX_SEQUENCE_LENGTH
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """prompts -> (embeds (B, L, D) in the module's dtype and device, mask (B, L) long)."""
         if isinstance(prompts, str):
             prompts = [prompts]

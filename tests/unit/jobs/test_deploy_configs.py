@@ -388,7 +388,11 @@ def test_example_job_validates_with_jobspec():
     driver, worker = spec.to_driver_config(), spec.to_worker_config()
     assert driver.dispatch.max_actors == 16 and driver.dispatch.num_gpus == 1
     assert driver.output_uri == worker.output_uri == spec.output.uri
-    assert worker.dtype == "bf16" and worker.compile.vae is True and worker.model_path == spec.model.path
+    assert (
+        worker.placement.dtype == "bf16"
+        and worker.compile.vae is True
+        and worker.model_path == spec.model.path
+    )
 
 
 LIGHTNING_JOB = DEPLOY / "qwen-image-lightning.yaml"

@@ -79,7 +79,7 @@ def test_spec_cfg_mode_reaches_the_worker(tmp_path):
 
     base = {"input": {"path": str(tmp_path / "p.parquet")}, "output": {"uri": str(tmp_path / "o")}}
     spec = JobSpec.model_validate({**base, "sampling": {"cfg_mode": "batched"}})
-    assert spec.to_worker_config().cfg_mode == "batched"
+    assert spec.to_worker_config().pipeline.cfg_mode == "batched"
     assert spec.image_settings()["cfg_mode"] == "batched"
     assert JobSpec.model_validate(base).sampling.cfg_mode == "auto"
     with pytest.raises(ValueError, match="cfg_mode"):

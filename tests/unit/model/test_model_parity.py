@@ -133,7 +133,7 @@ def test_batched_cfg_matches_serial(random_model_dir):
     from ditfleet.compile import encode_padded
 
     serial = load_pipeline(random_model_dir)
-    batched = load_pipeline(random_model_dir, cfg_batched=True)
+    batched = load_pipeline(random_model_dir, cfg_mode="batched")
     prompts = ["a small red circle", "a large blue square at the top left on a white background"]
     kw = dict(height=32, width=48, steps=3, true_cfg_scale=4.0, seeds=[1, 2])
     a = serial.generate(**encode_padded(serial, prompts, " ", 4.0), **kw)

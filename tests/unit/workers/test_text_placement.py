@@ -8,7 +8,7 @@ import torch
 
 from ditfleet.model import load_pipeline
 from ditfleet.workers.actor import place_text_encoder, shard_prompts
-from ditfleet.workers.contract import WorkerConfig
+from ditfleet.workers.contract import ModelPlacement, WorkerConfig
 from ditfleet.workers.generate import image_requests
 from ditfleet.workers.rows import PromptRow
 from ditfleet.workers.text_embeddings import EmbeddingCache, PlacedTextEncoder
@@ -27,7 +27,9 @@ def _generate(pipe) -> torch.Tensor:
 
 def _placed(placement: str, **kwargs) -> tuple:
     pipe = load_pipeline("tiny", load_text_encoder_too=placement == "gpu")
-    placed = place_text_encoder(pipe, "tiny", WorkerConfig(output_uri="unused", text_encoder=placement))
+    placed = place_text_encoder(
+        pipe, "tiny", WorkerConfig(output_uri="unused", placement=ModelPlacement(text_encoder=placement))
+    )
     if kwargs:
         placed = PlacedTextEncoder(placed.encoder, placement, "cpu", 2**20, pipe.transformer, **kwargs)
         pipe.text_encoder = placed
@@ -112,7 +114,7 @@ def test_shard_prompts_cover_prompts_and_negatives_where_cfg_is_on():
 
 def test_a_bad_placement_is_refused():
     with pytest.raises(ValueError, match="gpu, cpu or offload|one of"):
-        WorkerConfig(output_uri="unused", text_encoder="disk")
+        ModelPlacement(text_encoder="disk")
 
 
 def test_worker_with_offloaded_encoder_writes_the_same_images_encoding_each_text_once(tmp_path):
@@ -129,7 +131,9 @@ def test_worker_with_offloaded_encoder_writes_the_same_images_encoding_each_text
     digests = {}
     for placement in ("gpu", "offload"):
         out = str(tmp_path / placement)
-        config = dataclasses.replace(worker_config("tiny", out, batch_size=4), text_encoder=placement)
+        config = dataclasses.replace(
+            worker_config("tiny", out, batch_size=4), placement=ModelPlacement(text_encoder=placement)
+        )
         worker = GenerationWorker(config)
         assert worker.run_shard(shard_of(prompts, 0, 0, 8)).status == "committed"
         stats = worker.text_encoder_stats()

@@ -1,0 +1,138 @@
+"""Settings defined once: a knob's default, type, bounds and description live on its dataclass field.
+
+Each layer owns a frozen dataclass of the knobs it uses (`PipelineSettings` here; `CompileConfig`,
+`ModelPlacement`, `DispatchConfig`, ... above) and writes every knob with `setting(...)`. The job
+spec's pydantic sections are derived from these fields (jobs/spec/derive.py), so the file format,
+its validation and its documentation cannot drift from what the code below uses, and a new knob
+is one field here plus the code that reads it.
+
+Torch-free on purpose: the planning side (the job spec, `ditfleet validate`) imports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal
+
+# The longest prompt, in text tokens, that a job embeds by default, and the most it may ask for
+# (the largest prompt-length bucket a compiled region is warmed for, compile.buckets).
+MAX_SEQUENCE_LENGTH = 512
+MAX_SEQUENCE_LENGTH_LIMIT = 1024
+
+# The metadata keys `setting` understands; bounds as pydantic names them, so the spec copies them.
+BOUNDS = ("ge", "gt", "le", "lt")
+
+
+def setting(
+    default: Any = dataclasses.MISSING,
+    *,
+    description: str,
+    default_factory: Any = dataclasses.MISSING,
+    pixels: bool = False,
+    **bounds: float,
+) -> Any:
+    """A dataclass field that is a user-facing knob.
+
+    description: what the knob does, as the job file's documentation says it.
+    bounds: ge / gt / le / lt, checked by the spec (and by `check_settings`).
+    pixels: the knob changes the stored bytes of an image, so it enters the plan's fingerprint
+      (only when set to something other than its default, so that outputs planned before the knob
+      existed keep theirs).
+    """
+    unknown = set(bounds) - set(BOUNDS)
+    if unknown:
+        raise TypeError(f"setting(): unknown bounds {sorted(unknown)}; use {BOUNDS}")
+    metadata = {"description": description, "pixels": pixels, **bounds}
+    return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
+
+
+def is_setting(f: dataclasses.Field) -> bool:
+    return "description" in f.metadata
+
+
+def settings_fields(cls: type) -> dict[str, dataclasses.Field]:
+    """The knobs of a settings dataclass (fields written with `setting`), by name, in order."""
+    return {f.name: f for f in dataclasses.fields(cls) if is_setting(f)}
+
+
+def field_default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def check_settings(obj: Any) -> None:
+    """Check every knob of a settings dataclass against its Literal type and bounds (the same
+    ones the job spec checks), so that code building the dataclass directly gets the same limits."""
+    hints = typing.get_type_hints(type(obj))
+    name = type(obj).__name__
+    for f in settings_fields(type(obj)).values():
+        value = getattr(obj, f.name)
+        allowed = literal_values(hints[f.name])
+        if allowed is not None and value not in allowed:
+            raise ValueError(f"{name}.{f.name} must be one of {allowed}, got {value!r}")
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        for bound, ok in (
+            ("ge", lambda v, b: v >= b),
+            ("gt", lambda v, b: v > b),
+            ("le", lambda v, b: v <= b),
+            ("lt", lambda v, b: v < b),
+        ):
+            if bound in f.metadata and not ok(value, f.metadata[bound]):
+                raise ValueError(f"{name}.{f.name} must be {bound} {f.metadata[bound]}, got {value!r}")
+
+
+def literal_values(tp: Any) -> tuple | None:
+    """The values a Literal type (or a union holding Literals) allows; None if it is not one."""
+    if typing.get_origin(tp) is Literal:
+        return typing.get_args(tp)
+    args = typing.get_args(tp)
+    if args and any(typing.get_origin(a) is Literal for a in args):
+        values: list = []
+        for a in args:
+            if typing.get_origin(a) is Literal:
+                values += typing.get_args(a)
+            elif a is type(None):
+                values.append(None)
+            elif a is bool:
+                values += [True, False]
+            else:
+                return None  # a Literal next to a free type: not a closed set
+        return tuple(values)
+    return None
+
+
+ModulationCache = Literal["off", "cfg", "table"]
+CfgMode = Literal["serial", "batched", "auto"]
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """How the pipeline computes, beyond which weights, device and dtype (`load_pipeline`)."""
+
+    modulation_cache: ModulationCache = setting(
+        "cfg",
+        description="Reuse block modulations: 'cfg' computes them once per step for both CFG passes, "
+        "'table' once per bucket schedule per actor (more memory). Outputs are identical.",
+    )
+    max_sequence_length: int = setting(
+        MAX_SEQUENCE_LENGTH, ge=1, le=MAX_SEQUENCE_LENGTH_LIMIT, description="Longest prompt, in text tokens."
+    )
+    cfg_mode: CfgMode = setting(
+        "auto",
+        description="How the two true-CFG passes of a step run: 'serial' (two forwards of the batch; "
+        "the modulation cache computes the step's modulation once), 'batched' (one forward of twice "
+        "the batch, text padded to the longer branch), 'auto' (batched on a GPU while a pass is too "
+        "small to fill it and batching pads little, else serial).",
+    )
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+
+DEFAULT_PIPELINE = PipelineSettings()
