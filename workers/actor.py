@@ -44,6 +44,7 @@ from ditfleet.workers.startup_phase import COMPILING, LOADING, READY, publish_ph
 from ditfleet.workers.storage import StoreConfigError, open_store
 from ditfleet.workers.storage.input_files import filesystem_for
 from ditfleet.workers.text_embeddings import PlacedTextEncoder
+from ditfleet.workers.weights.digest import check_identity, local_identity
 from ditfleet.workers.weights.fetch import fetch_model
 from ditfleet.workers.weights.files import fetch_file
 
@@ -113,6 +114,9 @@ class GenerationWorker:
         self.device, self.dtype = resolve_device(config.placement.device, config.placement.dtype)
         t_load = time.perf_counter()
         self.model = fetch_model(config.model_path, config.model_cache_dir, config.s3, config.model_fetch)
+        if config.model_identity is not None:  # before loading: other weights never make an image here
+            found = self.model.identity or local_identity(self.model.local_path, config.model_cache_dir)
+            check_identity(config.model_identity, found, config.model_path)
         self.pipe = self._load_pipeline(self.model.local_path)
         self.text = place_text_encoder(self.pipe, self.model.local_path, config)
         load_s = time.perf_counter() - t_load
@@ -349,6 +353,9 @@ class GenerationWorker:
             compile_fallback=bool(self.compile_report.fallbacks),
             recompiles=recompiles,
             extra=row.extra or None,
+            step_cache=gen.step_cache,
+            dit_blocks_computed=gen.blocks_computed,
+            dit_blocks_reused=gen.blocks_reused,
         )
 
 

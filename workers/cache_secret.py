@@ -6,6 +6,15 @@ secret file, named in the job spec (`compile.cache_key_env`, `compile.cache_key_
 credentials, the key itself is never in the job spec, the plan, `_job.json` or a Ray task
 argument: each actor reads it from its own environment when it starts.
 
+The recommended way is a file mounted from a secret on every node, mode 0600 (or 0400): a
+Kubernetes Secret volume with `defaultMode: 0400`, or the cluster launcher's `file_mounts` plus a
+`chmod 600` in its setup commands. The key then never passes through job submission: a variable
+given with `ray job submit --runtime-env-json '{"env_vars": ...}'` is stored in plain text by the
+Jobs API (`ray job list`) and in every node's runtime_env_agent.log. So a key file readable by
+group or others is refused, an environment variable that this actor got from a Ray runtime
+environment is used with a warning, and well-known variables (PATH, HOME, ...) are refused:
+their values are no secret.
+
 Without a usable key the shared compile cache is off (each actor compiles for itself), and the
 worker says so once in its log.
 """
@@ -14,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -25,6 +35,15 @@ log = logging.getLogger(__name__)
 DEFAULT_KEY_ENV = COMPILE_CACHE_KEY_ENV
 _said_off = False
 _said_lock = threading.Lock()
+# Variables every process has, or whose values anyone on the node can guess or read: a key
+# named by one of them is no secret.
+WELL_KNOWN_ENV = frozenset(
+    {
+        "PATH", "HOME", "USER", "LOGNAME", "SHELL", "PWD", "OLDPWD", "HOSTNAME", "LANG", "LC_ALL",
+        "TERM", "TMPDIR", "TZ", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "CONDA_PREFIX",
+        "CUDA_VISIBLE_DEVICES", "RAY_ADDRESS", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ACCESS_KEY_ID",
+    }
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -65,15 +84,36 @@ def read_cache_secret(source: CacheSecretSource) -> CacheSecret:
     if source.file:
         try:
             with open(source.file, "rb") as f:
+                mode = os.fstat(f.fileno()).st_mode
                 key = f.read()
         except OSError as e:
             return CacheSecret(
                 None,
                 f"compile cache key file {source.file} cannot be read ({e.strerror or e}); {hint} in that file",
             )
+        if mode & 0o077:
+            return CacheSecret(
+                None,
+                f"compile cache key file {source.file} is readable by group or others (mode "
+                f"{mode & 0o777:04o}); a key others can read is no key: `chmod 600` it (a Kubernetes "
+                f"Secret volume: defaultMode: 0400); {hint} in that file",
+            )
         key = key[:-1] if key.endswith(b"\n") else key
         where = f"compile cache key file {source.file}"
     elif source.env:
+        if source.env in WELL_KNOWN_ENV:
+            return CacheSecret(
+                None,
+                f"compile.cache_key_env names ${source.env}, a well-known variable whose value is no "
+                f"secret; {hint} in a file (compile.cache_key_file)",
+            )
+        if source.env in runtime_env_vars():
+            log.warning(
+                "the compile cache key $%s comes from a Ray runtime environment (ray job submit "
+                "--runtime-env-json): Ray keeps it in plain text in the Jobs API and in each node's "
+                "runtime_env_agent.log. Mount it as a file instead (compile.cache_key_file, mode 0600)",
+                source.env,
+            )
         text = os.environ.get(source.env, "")
         if not text:
             return CacheSecret(
@@ -91,6 +131,19 @@ def read_cache_secret(source: CacheSecretSource) -> CacheSecret:
             None, f"{where} holds {len(key)} bytes, fewer than the {MIN_SECRET_BYTES} a key needs; {hint}"
         )
     return CacheSecret(key)
+
+
+def runtime_env_vars() -> frozenset[str]:
+    """The names of the variables this process got from its Ray runtime environment (the job's
+    or the actor's `env_vars`); empty outside Ray."""
+    ray = sys.modules.get("ray")  # not imported: not under Ray (and not worth importing to learn it)
+    try:
+        if ray is None or not ray.is_initialized():
+            return frozenset()
+        env = ray.get_runtime_context().runtime_env or {}
+        return frozenset((env.get("env_vars") or {}).keys())
+    except Exception:  # noqa: BLE001 - only a warning depends on it
+        return frozenset()
 
 
 def say_shared_cache_off(reason: str) -> None:

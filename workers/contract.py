@@ -88,6 +88,10 @@ class WorkerConfig:
     # node whose disk it is. An actor on any other node refuses to start (it would write to its
     # own disk). None: an s3:// output, or a filesystem every node shares.
     local_output_node: str | None = None
+    # The identity of the model's bytes the plan recorded (workers.weights.digest.ModelIdentity
+    # as a dict), set by the driver: an actor whose copy differs refuses to start, so it can never
+    # commit images of other weights. None: not recorded (hf:// models, or an old driver).
+    model_identity: dict | None = None
     # Where each actor finds the key that authenticates the shared compile cache (not the key).
     compile_cache_key: CacheSecretSource = field(default_factory=CacheSecretSource)
     writer: ShardWriterConfig = field(default_factory=ShardWriterConfig)

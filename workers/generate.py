@@ -18,6 +18,8 @@ import torch
 
 from ditfleet.model import TextToImagePipeline
 from ditfleet.model.guidance import cfg_on, negative_text
+from ditfleet.model.step_cache import StepCache
+from ditfleet.model.step_cache_config import parse_step_cache
 from ditfleet.workers.rows import MAX_SEED, PromptRow
 
 
@@ -50,6 +52,11 @@ class GeneratedImage:
     pixels: torch.Tensor | None  # (3, H, W) uint8 on the CPU, or None when generation failed
     error: str | None
     generate_s: float  # this image's share of its batch's wall time
+    # The step cache's record (model.step_cache), None when it is off: the settings it ran with
+    # (or why it ran exact) and the image's DiT block evaluations, both CFG branches.
+    step_cache: str | None = None
+    blocks_computed: int | None = None
+    blocks_reused: int | None = None
 
 
 def image_requests(rows: Sequence[PromptRow]) -> list[ImageRequest]:
@@ -199,6 +206,7 @@ class BatchGenerator:
             scales,
             self.max_sequence_length,
         )
+        step_cache = self._step_cache()
         images = self.pipe.generate(
             **inputs,
             height=first.height,
@@ -207,16 +215,30 @@ class BatchGenerator:
             true_cfg_scale=scales,
             seeds=[r.seed for r in batch],
             max_sequence_length=self.max_sequence_length,
+            step_hook=step_cache,
         )
         finite = torch.isfinite(images).flatten(1).all(dim=1).tolist()
         pixels = (images * 255).round().clamp(0, 255).to(torch.uint8).cpu()  # (B, 3, H, W)
         share = (time.perf_counter() - t0) / len(batch)
-        return [
+        out = [
             GeneratedImage(
                 req, pixels[i] if ok else None, None if ok else "non-finite output (NaN or Inf)", share
             )
             for i, (req, ok) in enumerate(zip(batch, finite))
         ]
+        if step_cache is not None:
+            described = step_cache.describe()
+            for gen, counts in zip(out, step_cache.per_image()):
+                gen.step_cache = described
+                gen.blocks_computed, gen.blocks_reused = counts["blocks_computed"], counts["blocks_reused"]
+        return out
+
+    def _step_cache(self) -> StepCache | None:
+        """A fresh step cache for one batch (its state is that batch's images); None when off."""
+        config = parse_step_cache(getattr(self.pipe.settings, "step_cache", "off"))
+        if config is None:
+            return None
+        return StepCache(config, self.pipe.transformer.config.num_layers)
 
 
 def iter_generated(generator: BatchGenerator, batches: list[list[ImageRequest]]) -> Iterator[GeneratedImage]:

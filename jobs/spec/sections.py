@@ -17,7 +17,7 @@ from ditfleet.compile.config import CompileConfig
 from ditfleet.driver.dispatch import DispatchConfig
 from ditfleet.driver.plan import PlanConfig
 from ditfleet.model.settings import PipelineSettings
-from ditfleet.workers.cache_secret import CacheSecretSource
+from ditfleet.workers.cache_secret import WELL_KNOWN_ENV, CacheSecretSource
 from ditfleet.workers.contract import ModelPlacement, WorkerConfig
 from ditfleet.workers.output.layout import FORMAT_NAMES, IMAGE_EXTENSIONS
 from ditfleet.workers.rows import RowConfig
@@ -223,6 +223,15 @@ def _absolute_key_file(cls, path: str | None) -> str | None:
     return path
 
 
+def _secret_key_env(cls, name: str | None) -> str | None:
+    if name is not None and name in WELL_KNOWN_ENV:
+        raise ValueError(
+            f"cache_key_env: ${name} is a well-known variable, its value is no secret; name a variable "
+            "that holds only the key, or better, mount the key as a file (cache_key_file, mode 0600)"
+        )
+    return name
+
+
 # torch.compile at actor start-up (compile.config.CompileConfig), and where each actor finds the
 # key of the shared compile cache (workers.cache_secret.CacheSecretSource).
 CompileSpec = section(
@@ -237,7 +246,10 @@ CompileSpec = section(
         "cache_key_file": knob(CacheSecretSource, "file"),
     },
     base=Section,
-    validators={"_absolute_key_file": field_validator("cache_key_file")(classmethod(_absolute_key_file))},
+    validators={
+        "_absolute_key_file": field_validator("cache_key_file")(classmethod(_absolute_key_file)),
+        "_secret_key_env": field_validator("cache_key_env")(classmethod(_secret_key_env)),
+    },
 )
 
 
