@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from ditfleet.driver.input.row_errors import file_error
+from ditfleet.driver.input.row_errors import RowError, file_error
 from ditfleet.workers.storage.input_files import (
     InputFileError,
     filesystem_for,
@@ -156,13 +156,81 @@ class PromptSource:
             raise file_error(uri, e.problem, e.hint) from e
 
 
+_REWRITE_HINT = (
+    "Its footer does not describe its data (a damaged or hand-edited file): write the file again "
+    "from its source (e.g. pyarrow.parquet.write_table), or leave it out of the input"
+)
+
+
+def footer_row_count_error(uri: str, metadata: pq.FileMetaData) -> RowError | None:
+    """The problem when the footer's row count is not the sum of its row groups' counts.
+
+    Readers go by the row groups, the plan by the file's count: a file claiming 2,000,000,000
+    rows over 8 real ones would be planned as two billion rows. Found from the footer alone.
+    """
+    groups = sum(metadata.row_group(g).num_rows for g in range(metadata.num_row_groups))
+    if groups == metadata.num_rows:
+        return None
+    problem = f"the footer says {metadata.num_rows} rows but its row groups hold {groups}"
+    return RowError(uri, None, None, None, problem, _REWRITE_HINT)
+
+
+class RowCountMismatch(ValueError):
+    """Reading a file gave other row counts than its footer claims.
+
+    groups: (row group, rows its footer claims, rows its pages hold) for each group that differs;
+    empty when only the file's total differs from what was read.
+    """
+
+    def __init__(self, claimed: int, read: int, groups: Sequence[tuple[int, int, int]]) -> None:
+        self.claimed, self.read, self.groups = claimed, read, tuple(groups)
+        super().__init__(f"the footer says {claimed} rows, reading gave {read}")
+
+    def errors(self, uri: str) -> list[RowError]:
+        if not self.groups:
+            problem = f"the footer says {self.claimed} rows but reading the file gave {self.read}"
+            return [RowError(uri, None, None, None, problem, _REWRITE_HINT)]
+        return [
+            RowError(
+                uri,
+                None,
+                None,
+                None,
+                f"row group {g}: its footer says {claimed} rows but its pages hold {held}",
+                _REWRITE_HINT,
+            )
+            for g, claimed, held in self.groups
+        ]
+
+
 def iter_batches(
     parquet: pq.ParquetFile, columns: Sequence[str] | None = None, batch_rows: int = DEFAULT_BATCH_ROWS
 ) -> Iterator[tuple[int, pa.RecordBatch]]:
-    """(first_row, batch) over a file, `batch_rows` rows at a time, only `columns` decoded."""
+    """(first_row, batch) over a file, `batch_rows` rows at a time, only `columns` decoded.
+
+    Raises RowCountMismatch after the last batch when the rows read are not the footer's count.
+    A row group's pages decide how many rows it yields (a footer claiming more gives only the
+    rows that are there; claiming fewer gives only as many), so the total read equals the
+    footer's exactly when no group claims more than it holds: one pass suffices, and only a
+    forged file is read again, group by group, to name the groups that lie.
+    """
     row = 0
-    for batch in parquet.iter_batches(
-        batch_size=batch_rows, columns=list(columns) if columns is not None else None
-    ):
+    names = list(columns) if columns is not None else None
+    for batch in parquet.iter_batches(batch_size=batch_rows, columns=names):
         yield row, batch
         row += batch.num_rows
+    meta = parquet.metadata
+    claimed = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+    if row != meta.num_rows or row != sum(claimed):
+        lying = []
+        if row != sum(claimed):
+            for g, want in enumerate(claimed):
+                held = sum(
+                    b.num_rows
+                    for b in parquet.iter_batches(
+                        batch_size=batch_rows, row_groups=[g], columns=names[:1] if names else names
+                    )
+                )
+                if held != want:
+                    lying.append((g, want, held))
+        raise RowCountMismatch(meta.num_rows, row, lying)

@@ -17,7 +17,14 @@ import pyarrow.compute as pc
 
 from ditfleet.driver.input.arrays import outside, plain
 from ditfleet.driver.input.duplicate_ids import DIGEST_BITS, DuplicateIds
-from ditfleet.driver.input.prompts import DEFAULT_BATCH_ROWS, InputFile, PromptSource, iter_batches
+from ditfleet.driver.input.prompts import (
+    DEFAULT_BATCH_ROWS,
+    InputFile,
+    PromptSource,
+    RowCountMismatch,
+    footer_row_count_error,
+    iter_batches,
+)
 from ditfleet.driver.input.row_errors import InputError, RowError, describe_value
 from ditfleet.workers.rows import (
     CFG_RANGE,
@@ -290,11 +297,14 @@ def _read_footers(
     source: PromptSource, files: Sequence[InputFile], validator: RowValidator
 ) -> list[_Footer | None]:
     """Each file's schema and row count, from its footer (in parallel); None, and the problem
-    reported, when it cannot be read."""
+    reported, when it cannot be read or its row count is not its row groups' sum."""
 
     def one(file: InputFile) -> _Footer | InputError:
         try:
             with source.open(file) as pf:
+                lie = footer_row_count_error(file.uri, pf.metadata)
+                if lie is not None:
+                    return InputError([lie])
                 return _Footer(pf.schema_arrow, pf.metadata.num_rows)
         except InputError as e:
             return e
@@ -357,11 +367,38 @@ def scan_input(
     if fail_fast and validator.total:
         return ValidationReport(validator.sorted_errors(), validator.total, 0, files, tuple(empty))
     # Without any id column, ids are positions, which cannot collide: skip the digests.
-    duplicates = (
-        DuplicateIds(position, digest_bits) if any("id" in f.schema.names for _, f, _ in valid) else None
-    )
+    try:
+        duplicates = (
+            DuplicateIds(position, digest_bits) if any("id" in f.schema.names for _, f, _ in valid) else None
+        )
+    except MemoryError:
+        # The digests are sized by the footers' counts before any row is read; a footer that
+        # claims far more rows than its pages hold must end in a message, not a traceback.
+        file, footer, _ = max(valid, key=lambda v: v[1].rows)
+        problem = (
+            f"the footers claim {position} rows in all, more than this machine can check for "
+            f"duplicate ids (8 bytes a row); the largest claim is {footer.rows} rows in this file"
+        )
+        hint = "Check the files' row counts; a damaged or hand-edited footer must be written again from its source"
+        validator.add(RowError(file.uri, None, None, None, problem, hint))
+        return ValidationReport(validator.sorted_errors(), validator.total, 0, files, tuple(empty))
+
+    # Files whose rows read are not their footer's count: their positions, and so every later
+    # file's, are not what the footers said, so the duplicate check (by position) is skipped;
+    # the input is refused for the miscount anyway.
+    miscounted: list[str] = []
 
     def scan(
+        file: InputFile, footer: _Footer, start: int, sink: RowValidator, see: BatchCallback | None
+    ) -> None:
+        try:
+            _scan(file, footer, start, sink, see)
+        except RowCountMismatch as e:
+            miscounted.append(file.uri)
+            for error in e.errors(file.uri):
+                sink.add(error)
+
+    def _scan(
         file: InputFile, footer: _Footer, start: int, sink: RowValidator, see: BatchCallback | None
     ) -> None:
         has_ids = "id" in footer.schema.names
@@ -398,7 +435,7 @@ def scan_input(
             for own in pool.map(one, range(len(valid))):  # input order: the first errors are the first rows'
                 validator.merge(own)
 
-    if duplicates is not None:
+    if duplicates is not None and not miscounted:
         count, errors = duplicates.count_and_errors(source, max(0, max_errors - len(validator.errors)))
         for error in errors:
             validator.add(error)

@@ -359,6 +359,44 @@ def test_a_resume_with_other_weights_at_the_same_path_is_refused_naming_the_file
         weights.write_bytes(original)
 
 
+# -- the input: a footer that claims rows its pages do not hold ------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_footer_claiming_two_billion_rows_over_8_is_refused_naming_the_file(
+    request, backend, tmp_path, capsys
+):
+    from ditfleet.driver.input.row_errors import InputError
+    from tests.support.forged_parquet import write_forged_prompts
+
+    forged = write_forged_prompts(tmp_path / "prompts.parquet", 8, file_rows=2_000_000_000)
+    if backend == "local":
+        job = tmp_path / "job.yaml"
+        job.write_text(f"input: {{path: {forged}}}\noutput: {{uri: {tmp_path}/out}}\n")
+        for command in ("validate", "run"):
+            assert main([command, str(job)]) == 2
+            err = capsys.readouterr().err
+            assert f"{forged}: the footer says 2000000000 rows but its row groups hold 8" in err
+            assert "write the file again" in err
+        assert not (tmp_path / "out").exists()  # refused before the output is claimed
+        return
+    server = request.getfixturevalue("s3_server")
+    bucket = f"hostile-in-{uuid.uuid4().hex[:12]}"
+    server.admin.create_bucket(Bucket=bucket)
+    # The file's count agrees with its row groups', so only reading row group 0 finds the lie.
+    forged = write_forged_prompts(
+        tmp_path / "grouped.parquet",
+        8,
+        row_group_size=4,
+        file_rows=2_000_000_004,
+        group_rows={0: 2_000_000_000},
+    )
+    server.admin.put_object(Bucket=bucket, Key="in/prompts.parquet", Body=forged.read_bytes())
+    s3 = server.config(max_attempts=3)
+    with pytest.raises(InputError, match="row group 0: its footer says 2000000000 rows but its pages hold 4"):
+        plan_input(driver_config(f"s3://{bucket}/in/prompts.parquet", f"s3://{bucket}/out", s3))
+
+
 # -- smaller ones: a job file with a section twice, a cluster that wants a token -----------------
 
 
