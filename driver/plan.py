@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ import pyarrow.compute as pc
 
 from ditfleet.compile.buckets import BucketError
 from ditfleet.driver.input.arrays import plain
+from ditfleet.driver.input.duplicate_ids import DIGEST_BITS
 from ditfleet.driver.input.prompts import DEFAULT_BATCH_ROWS, InputFile, PromptSource
 from ditfleet.driver.input.row_errors import file_error
 from ditfleet.driver.input.validate import DEFAULT_MAX_ERRORS, scan_input, valid_sizes
@@ -165,6 +167,7 @@ class ShardCutter:
         self._start = self._position = self._images = 0
         self._rows_in_shard = 0
         self._bucket_ids: set[int] = set()
+        self._names: dict[frozenset[int], tuple[str, ...]] = {}
 
     def on_batch(self, file: InputFile, first_row: int, first_position: int, batch: pa.RecordBatch) -> None:
         if self._file is not file:
@@ -203,7 +206,10 @@ class ShardCutter:
     def _emit(self) -> None:
         assert self._file is not None
         stop = self._start + self._rows_in_shard
-        names = tuple(b.name for i, b in enumerate(self.buckets) if i in self._bucket_ids)
+        key = frozenset(self._bucket_ids)
+        names = self._names.get(key)
+        if names is None:  # one tuple per bucket combination, shared by its shards
+            names = self._names[key] = tuple(b.name for i, b in enumerate(self.buckets) if i in key)
         self.shards.append(
             ShardSpec(
                 index=self.first_index + len(self.shards),
@@ -254,34 +260,82 @@ class ShardCutter:
         return pc.fill_null(per_row, 0)
 
 
-def plan_job(source: PromptSource, config: PlanConfig) -> JobPlan:
-    """Validate every row and plan the shards. Raises InputError (all problems, up to the cap)."""
-    cutter = ShardCutter(config)
-    report = scan_input(source, config.rows, config.max_errors, config.read_batch_rows, cutter.on_batch)
-    cutter.finish_file()
+# Files scanned side by side while planning: Parquet decoding and Arrow compute release the GIL,
+# so two threads use a small head's two cores.
+PLAN_WORKERS = 2
+_IDENTITY_THREADS = 16
+
+
+def plan_job(
+    source: PromptSource, config: PlanConfig, workers: int = PLAN_WORKERS, digest_bits: int = DIGEST_BITS
+) -> JobPlan:
+    """Validate every row and plan the shards. Raises InputError (all problems, up to the cap).
+
+    A file that cannot be read, or whose schema is wrong, is reported from the footers alone,
+    before any row is read. Files are scanned by `workers` threads, each cut by its own
+    ShardCutter: a file's shards are numbered from the shards of the files before it, which
+    its footer's row count gives in advance (shards never span files, and a plan has no gaps).
+    """
+    cutters: list[ShardCutter] = []
+    next_index = 0
+
+    def cutter_for(file: InputFile, first_position: int, rows: int) -> ShardCutter:
+        nonlocal next_index
+        cutter = ShardCutter(config, first_index=next_index)
+        next_index += -(-rows // config.shard_size)
+        cutters.append(cutter)
+        return cutter
+
+    report = scan_input(
+        source,
+        config.rows,
+        config.max_errors,
+        config.read_batch_rows,
+        per_file=cutter_for,
+        workers=workers,
+        fail_fast=True,
+        digest_bits=digest_bits,
+    )
+    for cutter in cutters:
+        cutter.finish_file()
     report.raise_if_errors()
+    shards = tuple(s for c in cutters for s in c.shards)
+    used = set().union(*(c.used for c in cutters)) if cutters else set()
     rows_per_file: dict[str, int] = {}
-    for s in cutter.shards:
+    for s in shards:
         rows_per_file[s.file] = rows_per_file.get(s.file, 0) + s.num_rows
-    try:
-        inputs = tuple(
-            InputIdentity(f.uri, f.size, rows_per_file.get(f.uri, 0), footer_sha256(source.filesystem, f.uri))
-            for f in report.files
-        )
-    except InputFileError as e:  # replaced between the pass and now
-        raise file_error(e.uri, e.problem, e.hint) from e
+    inputs = input_identities(source, report.files, rows_per_file)
     buckets = config.rows.buckets
     return JobPlan(
         config=config,
         source=source.uri,
         inputs=inputs,
-        shards=tuple(cutter.shards),
+        shards=shards,
         total_rows=report.rows,
-        total_images=sum(s.num_images for s in cutter.shards),
-        buckets_used=tuple(b.name for i, b in enumerate(buckets) if i in cutter.used),
+        total_images=sum(s.num_images for s in shards),
+        buckets_used=tuple(b.name for i, b in enumerate(buckets) if i in used),
         empty_files=report.empty_files,
         warnings=tuple(row_group_warnings(source, report.files, config.shard_size)),
     )
+
+
+def input_identities(
+    source: PromptSource, files: Sequence[InputFile], rows_per_file: Mapping[str, int]
+) -> tuple[InputIdentity, ...]:
+    """Each file's identity (its footer's sha256 read again, in parallel: a file replaced since
+    the pass changes it)."""
+
+    def one(f: InputFile) -> InputIdentity:
+        try:
+            sha = footer_sha256(source.filesystem, f.uri)
+        except InputFileError as e:  # replaced between the pass and now
+            raise file_error(e.uri, e.problem, e.hint) from e
+        return InputIdentity(f.uri, f.size, rows_per_file.get(f.uri, 0), sha)
+
+    if len(files) <= 1:
+        return tuple(one(f) for f in files)
+    with ThreadPoolExecutor(max_workers=min(_IDENTITY_THREADS, len(files))) as pool:
+        return tuple(pool.map(one, files))
 
 
 # A row group this many times a shard makes each actor read and decode up to that many times the
