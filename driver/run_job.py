@@ -352,7 +352,11 @@ class _Execution:
         worker_config = _pin_output_node(self.config, worker_config)
         try:
             events = FanOut(progress, self.events) if self.events is not None else progress
-            return run_shards(todo, worker_cls, (worker_config,), self.config.dispatch, events)
+            # No per-shard result is kept to the end (400,000 of them): progress and metrics
+            # take each as it comes, and the summary counts the manifests.
+            return run_shards(
+                todo, worker_cls, (worker_config,), self.config.dispatch, events, keep_results=False
+            )
         finally:
             progress.close()
             if self.events is not None:

@@ -18,8 +18,9 @@ Each run writes its objects under its own attempt token, so a twin never touches
 winner's manifest names. When the last shard settled, every actor is killed and `run_shards`
 waits until their processes are gone (driver.output.fence) before it returns.
 
-Cost per event is O(actors + in-flight runs); driver memory is O(shards) (a few ints per shard
-and one result per committed shard).
+Cost per event is O(in-flight runs) (the actors with room are tracked, not scanned; retirement
+scans the actors only when one can be due); driver memory is O(shards), about 15 bytes a shard in
+the book (bench/driver_fleet.py: 1,000 actors, 400,000 shards).
 
 Modules: `types` (config, events, result; what progress, metrics and the job spec import),
 `slots` (actors and runs as the policy sees them, and the pool interface), `book` (shard state),
@@ -62,6 +63,7 @@ def run_shards(
     worker_args: tuple,
     config: DispatchConfig,
     events: DispatchEvents | None = None,
+    keep_results: bool = True,
 ) -> DispatchResult:
     """Run every shard on actors of `worker_cls(*worker_args)` and return when all settled.
 
@@ -69,6 +71,7 @@ def run_shards(
     `run_shard(shard, attempt) -> workers.contract.ShardResult` (see workers.actor.GenerationWorker);
     it runs as a Ray actor with `config`'s resources. Ray must be initialised. Raises
     DispatchError when the job cannot go on (actors keep failing to start, or none can be placed).
+    keep_results=False keeps no per-shard result (a job's 400,000 shards): `events` sees each.
     """
     # Ray loads here, not with the package: `ditfleet validate` and `plan` import the types.
     from ditfleet.driver.dispatch.policy import Dispatcher
@@ -77,6 +80,6 @@ def run_shards(
 
     pool = RayActorPool(worker_cls, worker_args, config)
     # The loop kills every actor when it ends, on an error too; then wait until none can write.
-    result = Dispatcher(shards, pool, config, events or DispatchEvents()).run()
+    result = Dispatcher(shards, pool, config, events or DispatchEvents(), keep_results=keep_results).run()
     result.unfenced_actors = wait_actors_gone(pool.handles, config.fence_timeout_s)
     return result

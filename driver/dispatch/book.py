@@ -1,11 +1,14 @@
 """Every shard's state and every run in flight: the facts the dispatch policy decides from.
 
-Per-shard counters are parallel arrays, so driver memory stays a few bytes per shard (plus one
-result per committed shard).
+Per-shard counters are parallel typed arrays, so the book holds a few bytes per shard: the queue
+(a cursor, plus the shards put back), the counters (7 bytes) and the status (1); the shards themselves are the
+plan's. A committed shard's result is kept only when asked (keep_results), so a 400,000-shard
+dispatch holds none.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
@@ -20,15 +23,51 @@ if TYPE_CHECKING:
 PENDING, COMMITTED, FAILED = 0, 1, 2
 
 
+class ShardQueue:
+    """The shard positions waiting for an actor: 0..n-1 in order, behind any put back in front.
+
+    The untouched positions are a cursor, not n int objects (36 bytes each in a deque); only
+    the shards put back (retries, moves) are held.
+    """
+
+    def __init__(self, n: int) -> None:
+        self._front: deque[int] = deque()
+        self._next, self._n = 0, n
+
+    def __len__(self) -> int:
+        return len(self._front) + self._n - self._next
+
+    def __bool__(self) -> bool:
+        return bool(self._front) or self._next < self._n
+
+    def popleft(self) -> int:
+        if self._front:
+            return self._front.popleft()
+        if self._next >= self._n:
+            raise IndexError("pop from an empty shard queue")
+        self._next += 1
+        return self._next - 1
+
+    def appendleft(self, pos: int) -> None:
+        self._front.appendleft(pos)
+
+    def __iter__(self):
+        yield from self._front
+        yield from range(self._next, self._n)
+
+
 class ShardBook:
-    def __init__(self, shards: Sequence[ShardSpec]) -> None:
-        self.shards = list(shards)
+    def __init__(self, shards: Sequence[ShardSpec], keep_results: bool = True) -> None:
+        self.shards = shards if isinstance(shards, (list, tuple)) else list(shards)
         n = len(self.shards)
-        self.submissions = [0] * n  # runs submitted so far (= the next attempt number)
-        self.failures = [0] * n
-        self.copies = [0] * n  # runs in flight
+        # Small counters in typed arrays: 4 + 2 + 1 bytes a shard instead of 8 a list slot.
+        self.submissions = array("i", bytes(4 * n))  # runs submitted so far (= the next attempt number)
+        self.failures = array("H", bytes(2 * n))  # failed runs (max_attempts is at most 100)
+        self.copies = array("B", bytes(n))  # runs in flight (1, or 2 with a speculative twin)
         self.status = bytearray(n)  # PENDING | COMMITTED | FAILED
-        self.queue: deque[int] = deque(range(n))  # shard positions waiting for an actor
+        self.keep_results = keep_results
+        self.committed = 0
+        self.queue = ShardQueue(n)  # shard positions waiting for an actor
         self.pending = n  # shards not settled
         self.runs: dict[Hashable, Run] = {}  # in-flight ref -> Run
         self.copies_of: dict[int, list[Hashable]] = {}  # shard pos -> its in-flight refs
@@ -76,7 +115,9 @@ class ShardBook:
             return False
         self.status[pos] = COMMITTED
         self.pending -= 1
-        self.results.append(result)
+        self.committed += 1
+        if self.keep_results:
+            self.results.append(result)
         return True
 
     def fail(self, pos: int, kind: str, error: str) -> ShardFailure:

@@ -45,8 +45,9 @@ class Dispatcher:
         config: DispatchConfig,
         events: DispatchEvents,
         clock: Callable[[], float] = time.monotonic,
+        keep_results: bool = True,
     ):
-        self.book = ShardBook(shards)
+        self.book = ShardBook(shards, keep_results)
         self.pool = pool
         self.config = config
         self.events = events
@@ -62,6 +63,9 @@ class Dispatcher:
         now = clock()
         self.no_ready_since: float | None = now
         self.queue_empty_since: float | None = None if self.book.queue else now
+        self._room: dict[int, None] = {}  # ready slot ids that may take another run
+        self._retire_at = -math.inf  # no actor can retire before this (while nothing is queued)
+        self.startup_actor_s = 0.0  # sum over actors of their time from creation to ready (or gone)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -88,6 +92,8 @@ class Dispatcher:
             wall_s=end - t0,
             ready_actor_s=self.ready_actor_s,
             busy_actor_s=self.busy_actor_s,
+            committed=self.book.committed,
+            startup_actor_s=self.startup_actor_s,
         )
 
     def snapshot(self) -> DispatchSnapshot:
@@ -166,6 +172,8 @@ class Dispatcher:
         now = self.clock()
         report = dict(report)
         self.pool.mark_ready(slot, report, now)
+        self._room[slot.id] = None
+        self._retire_at = min(self._retire_at, now + self.config.idle_retire_s)
         startup_s = now - slot.created_at
         report["ready_s"] = startup_s  # as the driver saw it: placement, process start, load, warm-up
         self.startup_reports.append(report)
@@ -181,16 +189,28 @@ class Dispatcher:
         self.start_failures_in_row += 1
         self._stop(slot, self.clock())
         self.events.actor_lost(slot.name, error.kind, error.text, True)
-        if self.start_failures_in_row >= self.config.max_start_failures:
+        if self.start_failures_in_row >= self._start_failure_limit(error):
             raise DispatchError(
                 f"{self.start_failures_in_row} worker actors in a row failed to start; the last "
                 f"error: {error.detail or error.text}. Fix the cause (model path, memory, drivers) "
                 "and run the same command again: committed shards are kept"
             ) from error.cause
 
+    def _start_failure_limit(self, error: RunError) -> int:
+        """Start-ups that may fail in a row before the job stops. An actor whose process or
+        node died while starting (a spot node reclaimed) says little about the job: a fleet of
+        1,000 starting together loses several that way with nothing wrong, so those are allowed
+        up to 5% of the fleet in a row; an actor whose start-up raised is the job's own error."""
+        limit = self.config.max_start_failures
+        if error.reason == ACTOR_DIED:
+            limit = max(limit, math.ceil(0.05 * self.config.max_actors))
+        return limit
+
     def _stop(self, slot: Slot, now: float) -> None:
         if slot.ready_at is not None:
             self.ready_actor_s += now - slot.ready_at
+        self.startup_actor_s += (slot.ready_at if slot.ready_at is not None else now) - slot.created_at
+        self._room.pop(slot.id, None)
         if slot.startup_ref is not None:
             self.starting.pop(slot.startup_ref, None)
         self.pool.stop(slot)
@@ -221,16 +241,23 @@ class Dispatcher:
             return
         if self.queue_empty_since is None:
             self.queue_empty_since = now
+            self._retire_at = -math.inf
+        if now < self._retire_at:
+            return  # no actor idle (or pending) long enough yet: skip the scan of every actor
+        self._retire_at = math.inf
         for slot in list(self.pool.slots.values()):
             idle_for = (
                 now - (slot.idle_since or now) if slot.state is SlotState.READY and not slot.runs else -1.0
             )
             pending_for = now - self.queue_empty_since if slot.state is SlotState.STARTING else -1.0
-            if max(idle_for, pending_for) >= self.config.idle_retire_s:
+            waited = max(idle_for, pending_for)
+            if waited >= self.config.idle_retire_s:
                 # Pending actors too: an actor that waits for a node keeps asking the autoscaler.
                 self._stop(slot, now)
                 self.stats.actors_retired += 1
                 self.events.actor_retired(slot.name)
+            elif waited >= 0:  # the earliest time the next scan can retire anyone
+                self._retire_at = min(self._retire_at, now + self.config.idle_retire_s - waited)
 
     def _enforce_timeouts(self) -> None:
         limit = self.config.shard_timeout_s
@@ -253,13 +280,27 @@ class Dispatcher:
         held back waits for whichever actor frees first instead of behind one busy actor.
         """
         queue = self.book.queue
-        if not queue:
+        if not queue or not self._room:
             return
-        ready = [s for s in self.pool.slots.values() if s.state is SlotState.READY]
-        for depth in range(1, self.config.shards_in_flight_per_actor + 1):
-            if depth > 1 and len(queue) < len(ready):
+        per = self.config.shards_in_flight_per_actor
+        ready = self.pool.ready
+        # Only the ready actors with room (kept up to date as runs come and go), in the order
+        # they became ready: a full scan of 1,000 actors per event was the loop's main cost.
+        open_slots = [ready[i] for i in self._room if i in ready]
+        self._room = {}
+        try:
+            self._fill(open_slots, per, len(ready))
+        finally:
+            for slot in open_slots:
+                if slot.id in ready and len(slot.runs) < per:
+                    self._room[slot.id] = None
+
+    def _fill(self, open_slots: list[Slot], per: int, ready_count: int) -> None:
+        queue = self.book.queue
+        for depth in range(1, per + 1):
+            if depth > 1 and len(queue) < ready_count:
                 return
-            for slot in ready:
+            for slot in open_slots:
                 if not queue:
                     return
                 if len(slot.runs) < depth:
@@ -298,6 +339,9 @@ class Dispatcher:
                     nxt.started_at = now
             if not slot.runs:
                 slot.idle_since = now
+                self._retire_at = min(self._retire_at, now + self.config.idle_retire_s)
+            if slot.state is SlotState.READY:
+                self._room[slot.id] = None
         return run
 
     def _handle_run(self, ref: Hashable) -> None:

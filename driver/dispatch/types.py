@@ -109,13 +109,19 @@ class DispatchStats:
 
 @dataclass
 class DispatchResult:
-    results: list[ShardResult]  # the first result of each committed shard
+    # The first result of each committed shard, when the dispatch was asked to keep them
+    # (tests, benches); a job's dispatch keeps none: progress and metrics took each as it came.
+    results: list[ShardResult]
     failed: list[ShardFailure]
     stats: DispatchStats
     startup_reports: list[dict]
     wall_s: float  # from the first actor started to the last shard settled
     ready_actor_s: float  # sum over actors of the time they were ready (until the end)
     busy_actor_s: float  # sum of shard run times (executing, duplicates included)
+    committed: int = 0  # shards committed by this dispatch (counted whether results are kept or not)
+    # Sum over actors of the time from creation to ready (or to their end, never ready): with
+    # ready_actor_s, an actor's whole lifetime; x GPUs per actor, what the fleet cost.
+    startup_actor_s: float = 0.0
     # Ids of the actors whose process outlived the fence wait (driver.output.fence).
     unfenced_actors: list[str] = field(default_factory=list)
 
