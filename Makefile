@@ -26,4 +26,4 @@ test-fast:
 	$(PY) -m pytest -q -m "not slow"
 
 lint:
-	$(VENV)/bin/ruff check ditfleet model compile workers driver jobs tests bench
+	$(VENV)/bin/ruff check ditfleet model compile workers driver jobs recipes tests bench

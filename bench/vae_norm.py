@@ -14,14 +14,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from ditfleet.model.tiny.train_vae import VAETrainConfig, reconstruct, reconstruction_loss
-from ditfleet.model.vae import QwenImageVAE
-from ditfleet.model.vae_blocks import RMSNorm
+# The recipe is a folder of the repository (not installed): importable from its root.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ditfleet.model.vae import QwenImageVAE  # noqa: E402
+from ditfleet.model.vae_blocks import RMSNorm  # noqa: E402
+from recipes.tiny.train_vae import VAETrainConfig, reconstruct, reconstruction_loss  # noqa: E402
 
 SHAPES = ((8, 16, 64, 64), (8, 32, 32, 32), (8, 64, 16, 16))
 

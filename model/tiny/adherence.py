@@ -14,6 +14,9 @@ For an image (3, H, W) in [0, 1]:
   by the scenes' own rasteriser) moved so that its centroid sits on the mask's centroid. It measures
   the outline alone: position has its own check.
 
+`generate_held_out` makes the images a model is judged on: the 64 held-out captions, one fixed
+seed each, through the model's pipeline.
+
 On the procedural ground truth every attribute is recovered exactly (IoU about 0.95 or more: only
 the anti-aliased rim differs); on noise it scores about chance.
 """
@@ -25,7 +28,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ditfleet.model.tiny.scenes import COLORS, PALETTE, POSITIONS, SIZE_FRACTION, parse_caption, shape_mask
+from ditfleet.model.tiny.scenes import (
+    COLORS,
+    PALETTE,
+    POSITIONS,
+    SIZE_FRACTION,
+    held_out_captions,
+    parse_caption,
+    shape_mask,
+)
 
 # Euclidean RGB distance from the background above which a pixel counts as shape. Palette colours are
 # at least ~0.7 apart, so 0.25 leaves room for VAE blur and colour drift on both sides.
@@ -199,3 +210,31 @@ def score(images: torch.Tensor, captions: list[str]) -> dict[str, float]:
         iou += ideal_iou(mask, got.centroid, want.shape, want.size)
     n = max(1, len(captions))
     return {**{k: v / n for k, v in hits.items()}, "iou": iou / n}
+
+
+def generate_held_out(
+    pipe,
+    steps: int,
+    true_cfg_scale: float,
+    width: int = 128,
+    height: int = 128,
+    batch_size: int = 16,
+    seed: int = 0,
+) -> tuple[torch.Tensor, list[str]]:
+    """Images (64, 3, height, width) in [0, 1] for the held-out captions, seeds seed + index."""
+    captions = held_out_captions()
+    images = []
+    for start in range(0, len(captions), batch_size):
+        chunk = captions[start : start + batch_size]
+        seeds = list(range(seed + start, seed + start + len(chunk)))
+        images.append(
+            pipe.generate(
+                prompt=chunk,
+                height=height,
+                width=width,
+                steps=steps,
+                true_cfg_scale=true_cfg_scale,
+                seeds=seeds,
+            )
+        )
+    return torch.cat(images), captions

@@ -32,8 +32,6 @@ MODEL_OPTIONAL_IMPORTS = {
     # The published Qwen2.5-VL text encoder is transformers' model (the `qwen` extra); the
     # tiny model's own text encoder needs nothing.
     ("model/text_encoder.py", "transformers"),
-    # The tiny model's evaluation command draws its contact sheet with Pillow (imported there only).
-    ("model/tiny/evaluate.py", "PIL"),
 }
 
 # Two-way dependencies whose second direction is a function-level import. None is a module-level

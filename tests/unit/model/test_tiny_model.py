@@ -1,4 +1,5 @@
-"""The bundled tiny model: its files, its training script, and how well it follows prompts.
+"""The bundled tiny model: its files and how well it follows prompts (its training recipe is
+tested in tests/unit/recipes/test_tiny_training.py).
 
 The adherence bars are the project's promise for what a new user sees first: on the 64 held-out
 captions (never seen in training, fixed seeds), in each of the three buckets, at the test's 12
@@ -18,8 +19,7 @@ import torch
 
 from ditfleet.model import load_pipeline
 from ditfleet.model.loader import TINY_MODEL_DIR
-from ditfleet.model.tiny.adherence import score
-from ditfleet.model.tiny.evaluate import generate_held_out
+from ditfleet.model.tiny.adherence import generate_held_out, score
 from ditfleet.model.tiny.scenes import TINY_BUCKETS, held_out_captions
 from tests.support.model_fixtures import diffusers_images, diffusers_pipeline, guided_inputs
 
@@ -95,65 +95,3 @@ def test_random_weights_score_near_chance(torch_threads):
     assert result["shape_color"] < 0.4 and result["background"] < 0.4 and result["position"] < 0.35, result
     assert result["kind"] < 0.55 and result["size"] < 0.75, result
     assert result["one_blob"] < 0.5 and result["iou"] < 0.4, result
-
-
-def test_training_script_runs_end_to_end_and_is_deterministic(tmp_path):
-    from safetensors.torch import load_file
-
-    from ditfleet.model.tiny.train import DECODER_ADAPTATION_FILE, main
-
-    def weights(run: str, part: str) -> dict[str, torch.Tensor]:
-        return load_file(str(tmp_path / run / part / "diffusion_pytorch_model.safetensors"))
-
-    def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-        return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-    # Both DiT phases run (jittered shapes for 2 steps, then centred ones) and the decoder
-    # adaptation, in two data-parallel processes as the default recipe does: their all-reduced
-    # gradients must be deterministic too. A smaller DiT than the recipe's keeps it quick and
-    # checks that the size flags reach the model.
-    args = (
-        "--vae-steps 2 --dit-steps 4 --dit-centre-from 2 --pool-per-bucket 8 --processes 2"
-        " --dit-heads 2 --dit-layers 2 --dit-batch 8 --decoder-steps 2 --decoder-pairs 4"
-    ).split()
-    main(["--out", str(tmp_path / "a"), *args])
-    # Stages 1-2 alone, then stage 3 on their saved model: the same weights as straight through.
-    main(["--out", str(tmp_path / "b"), *args, "--decoder-steps", "0"])
-    main(["--out", str(tmp_path / "c"), *args, "--stage2", str(tmp_path / "b")])
-    # Reusing a's VAE skips the VAE stage and still gives the same DiT (the DiT learns from the
-    # encoder alone); its adapted decoder comes along with its record.
-    main(["--out", str(tmp_path / "d"), *args, "--decoder-steps", "0", "--vae", str(tmp_path / "a" / "vae")])
-    for run in ("b", "c", "d"):
-        assert same(weights("a", "transformer"), weights(run, "transformer")), run
-    assert same(weights("a", "vae"), weights("c", "vae"))
-    # Stage 3 changed the decoder and nothing the DiT learned from: the encoder is stage 1's.
-    adapted, plain = weights("a", "vae"), weights("b", "vae")
-    decoder_keys = [k for k in plain if k.startswith(("decoder.", "post_quant_conv."))]
-    assert decoder_keys and not all(torch.equal(adapted[k], plain[k]) for k in decoder_keys)
-    assert all(torch.equal(adapted[k], plain[k]) for k in plain if k not in decoder_keys)
-    assert (tmp_path / "a" / "vae" / DECODER_ADAPTATION_FILE).is_file()
-    assert not (tmp_path / "b" / "vae" / DECODER_ADAPTATION_FILE).exists()
-    assert (tmp_path / "d" / "vae" / DECODER_ADAPTATION_FILE).is_file()
-    config = json.loads((tmp_path / "a" / "transformer" / "config.json").read_text())
-    assert (config["num_attention_heads"], config["num_layers"]) == (2, 2), config
-    assert "total training time" in (tmp_path / "a" / "train_log.txt").read_text()
-    assert "stages 1-2 taken from" in (tmp_path / "c" / "train_log.txt").read_text()
-    assert "vae loaded from" in (tmp_path / "d" / "train_log.txt").read_text()
-    pipe = load_pipeline(tmp_path / "a")
-    image = pipe.generate(prompt=["a small red circle in the centre on a blue background"], height=96, width=160, steps=2, seeds=[0])
-    assert image.shape == (1, 3, 96, 160) and torch.isfinite(image).all()
-
-
-def test_training_refuses_to_adapt_an_adapted_decoder_again(tmp_path, capsys):
-    from ditfleet.model.tiny.train import DECODER_ADAPTATION_FILE, main
-
-    model = tmp_path / "model"
-    (model / "transformer").mkdir(parents=True)
-    (model / "transformer" / "config.json").write_text("{}")
-    (model / "vae").mkdir()
-    (model / "vae" / "config.json").write_text("{}")
-    (model / "vae" / DECODER_ADAPTATION_FILE).write_text("{}")
-    for extra in (["--stage2", str(model)], ["--vae", str(model / "vae")]):
-        with pytest.raises(SystemExit):
-            main(["--out", str(tmp_path / "out"), *extra])
-        assert "already adapted" in capsys.readouterr().err, extra

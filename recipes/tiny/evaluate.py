@@ -1,6 +1,6 @@
 """Prompt adherence of a model on the 64 held-out captions, through the real pipeline.
 
-    python -m model.tiny.evaluate --model tiny --steps 20 --cfg 2 [--sheet sheet.png]
+    python -m recipes.tiny.evaluate --model tiny --steps 20 --cfg 2 [--sheet sheet.png]
 
 Each caption gets a fixed seed (its index), so the numbers are reproducible. `--sheet` also writes a
 contact sheet: per bucket, the first held-out captions' images, each above the ideal scene it was
@@ -16,38 +16,10 @@ import time
 
 import torch
 
-from ditfleet.model.tiny.adherence import score
-from ditfleet.model.tiny.scenes import TINY_BUCKETS, held_out_captions, parse_caption, render
+from ditfleet.model.tiny.adherence import generate_held_out, score
+from ditfleet.model.tiny.scenes import TINY_BUCKETS, parse_caption, render
 
 SHEET_COLUMNS = 8
-
-
-def generate_held_out(
-    pipe,
-    steps: int,
-    true_cfg_scale: float,
-    width: int = 128,
-    height: int = 128,
-    batch_size: int = 16,
-    seed: int = 0,
-) -> tuple[torch.Tensor, list[str]]:
-    """Images (64, 3, height, width) in [0, 1] for the held-out captions, seeds seed + index."""
-    captions = held_out_captions()
-    images = []
-    for start in range(0, len(captions), batch_size):
-        chunk = captions[start : start + batch_size]
-        seeds = list(range(seed + start, seed + start + len(chunk)))
-        images.append(
-            pipe.generate(
-                prompt=chunk,
-                height=height,
-                width=width,
-                steps=steps,
-                true_cfg_scale=true_cfg_scale,
-                seeds=seeds,
-            )
-        )
-    return torch.cat(images), captions
 
 
 def _to_pil(image: torch.Tensor):
@@ -86,7 +58,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="tiny", help="'tiny' or a diffusers-layout folder")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument(
-        "--cfg", type=float, default=2.0, help="true_cfg_scale (2: where the tiny model does best; the README job uses it)"
+        "--cfg",
+        type=float,
+        default=2.0,
+        help="true_cfg_scale (2: where the tiny model does best; the README job uses it)",
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--sheet", default=None, help="also write a contact sheet (PNG) here")

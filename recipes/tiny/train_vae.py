@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ditfleet.model.tiny.data_parallel import SINGLE_PROCESS, Shard
 from ditfleet.model.tiny.scenes import TINY_BUCKETS, Scene, render_batch, sample_batch, shape_geometry
 from ditfleet.model.vae import QwenImageVAE, VAEConfig
+from recipes.tiny.data_parallel import SINGLE_PROCESS, Shard
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,11 @@
 """Train the bundled tiny text-to-image model from scratch and save it in the diffusers layout.
 
-    python -m model.tiny.train --out model/tiny/weights
+    python -m recipes.tiny.train --out model/tiny/weights
 
 Stages: (1) the VAE as an autoencoder on procedural scenes, with its latent statistics measured
 after training; (2) the DiT and the text encoder jointly, by flow matching on VAE latents of the
 training captions (the 64 held-out captions are never seen); (3) the VAE decoder adapted to the
-latents the trained DiT samples (model/tiny/train_decoder.py). Everything is seeded: the same
+latents the trained DiT samples (recipes/tiny/train_decoder.py). Everything is seeded: the same
 command on the same software gives the same weights. It runs as two data-parallel processes
 (one per core of a 2-core machine; `--processes`).
 
@@ -32,14 +32,14 @@ from safetensors.torch import save_file
 
 from ditfleet.model.loader import load_pipeline
 from ditfleet.model.scheduler import SchedulerConfig
-from ditfleet.model.tiny.data_parallel import Shard, run_data_parallel
 from ditfleet.model.tiny.scenes import all_scenes, split_scenes
 from ditfleet.model.tiny.text_encoder import TextEncoderConfig, TinyTextEncoder, WordTokenizer
-from ditfleet.model.tiny.train_decoder import DecoderTrainConfig, adapt_decoder
-from ditfleet.model.tiny.train_dit import DiTTrainConfig, build_centred_pools, build_pools, train_dit
-from ditfleet.model.tiny.train_vae import VAETrainConfig, reconstruction_error, train_vae
 from ditfleet.model.transformer import QwenImageTransformer
 from ditfleet.model.vae import QwenImageVAE, load_vae, vae_state_dict_3d
+from recipes.tiny.data_parallel import Shard, run_data_parallel
+from recipes.tiny.train_decoder import DecoderTrainConfig, adapt_decoder
+from recipes.tiny.train_dit import DiTTrainConfig, build_centred_pools, build_pools, train_dit
+from recipes.tiny.train_vae import VAETrainConfig, reconstruction_error, train_vae
 
 # Qwen-Image's scheduler settings, in diffusers' FlowMatchEulerDiscreteScheduler spelling.
 SCHEDULER_CONFIG = {
@@ -133,7 +133,9 @@ def train(
     if stage2_dir is not None and stage2_dir.resolve() != out.resolve():
         # Stage 3 rewrites vae/ only; everything else (and the log, which it extends) comes along.
         shutil.copytree(stage2_dir, out, dirs_exist_ok=True)
-    run_data_parallel(config.processes, functools.partial(_train_in_process, config, out, vae_dir, stage2_dir))
+    run_data_parallel(
+        config.processes, functools.partial(_train_in_process, config, out, vae_dir, stage2_dir)
+    )
     return time.time() - start
 
 

@@ -29,10 +29,10 @@ import torch
 
 from ditfleet.model.pipeline import TextToImagePipeline
 from ditfleet.model.sampling import latent_grid, unpack_latents
-from ditfleet.model.tiny.data_parallel import SINGLE_PROCESS, Shard
 from ditfleet.model.tiny.scenes import TINY_BUCKETS, Scene, render_batch, shape_geometry
-from ditfleet.model.tiny.train_vae import reconstruction_loss
 from ditfleet.model.vae import QwenImageVAE
+from recipes.tiny.data_parallel import SINGLE_PROCESS, Shard
+from recipes.tiny.train_vae import reconstruction_loss
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,10 @@ def sample_pairs(
 
 
 def crop_around_shapes(
-    pairs: DecoderPairs, index: torch.Tensor, use_encoded: torch.Tensor, config: DecoderTrainConfig,
+    pairs: DecoderPairs,
+    index: torch.Tensor,
+    use_encoded: torch.Tensor,
+    config: DecoderTrainConfig,
     generator: torch.Generator,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(latent crops (B, 16, c, c), image crops (B, 3, 8c, 8c)) around the shapes of `index`;
@@ -135,7 +138,9 @@ def adapt_decoder(
     vae: QwenImageVAE = pipe.vae
     start = time.time()
     pairs = sample_pairs(pipe, scenes, config, generator, shard)
-    log(f"decoder pairs per process: {[tuple(p.sampled.shape) for p in pairs]} sampled in {time.time() - start:.0f}s")
+    log(
+        f"decoder pairs per process: {[tuple(p.sampled.shape) for p in pairs]} sampled in {time.time() - start:.0f}s"
+    )
     params = list(vae.decoder.parameters()) + list(vae.post_quant_conv.parameters())
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0, betas=(0.9, 0.99))
     batch_size = shard.part(config.batch_size, "decoder batch size")

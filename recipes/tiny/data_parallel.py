@@ -2,7 +2,7 @@
 
 The tiny model's layers are too small for a second thread to speed them up (a DiT step took the same
 time on one thread and on two), but two processes with one thread each, each on half the batch,
-do twice the work per second: one process per core is how `python -m model.tiny.train` uses a
+do twice the work per second: one process per core is how `python -m recipes.tiny.train` uses a
 2-core machine. Every process starts from the same seed, so the weights start identical; the
 gradients are averaged in one all-reduce per step, so they stay identical and any process could
 save them (process 0 does). Each process draws its own batches from its own generator.
