@@ -10,7 +10,8 @@ from setuptools import find_packages, setup
 LAYERS = ("model", "compile", "workers", "driver", "jobs")
 
 package_dir = {"ditfleet": "ditfleet"}
-packages = ["ditfleet"]
+# ditfleet.testing: the builders tests/ and bench/ share (random checkpoints, model folders, outputs).
+packages = ["ditfleet", "ditfleet.testing"]
 for layer in LAYERS:
     package_dir[f"ditfleet.{layer}"] = layer
     packages.append(f"ditfleet.{layer}")

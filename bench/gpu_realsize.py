@@ -3,7 +3,7 @@
     python bench/gpu_realsize.py                          # full depth (60 blocks), bf16, cuda
     python bench/gpu_realsize.py --layers 1 --size 256    # the CPU smoke test (seconds)
 
-Writes the published layout (tests/data/published/qwen-image configs, random bf16 weights in
+Writes the published layout (ditfleet/testing/published/qwen-image configs, random bf16 weights in
 5 GB shards plus the .index.json, the VAE in diffusers' 3D layout; no text encoder: prompts are
 random embeddings) into --workdir, or uses --checkpoint, then loads it with `load_pipeline` and
 measures, per image size:
@@ -37,7 +37,7 @@ from ditfleet.model.memory import GB, ModelMemory, plan_memory  # noqa: E402
 from ditfleet.model.sampling import LATENT_CHANNELS, euler_step, true_cfg  # noqa: E402
 from ditfleet.model.scheduler import sigma_schedule  # noqa: E402
 from ditfleet.model.vae import QwenImageVAE, VAEConfig, save_vae  # noqa: E402
-from tests.support.real_widths import PUBLISHED, published_config, write_random_transformer  # noqa: E402
+from ditfleet.testing.real_widths import PUBLISHED, published_config, write_random_transformer  # noqa: E402
 
 MODEL = "qwen-image"
 

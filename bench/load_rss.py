@@ -134,7 +134,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="load-rss-") as tmp:
         model_dir = args.model
         if model_dir is None:
-            from tests.support.real_widths import write_real_widths_checkpoint
+            from ditfleet.testing.real_widths import write_real_widths_checkpoint
 
             model_dir = write_real_widths_checkpoint(
                 Path(tmp) / "qwen-image", num_layers=args.layers, shard_bytes=args.shard_mb * MB

@@ -68,7 +68,7 @@ def _ms(device: torch.device, fn, *args, **kwargs) -> float:
 
 def random_model(root: Path) -> Path:
     """A tiny random-weight model in the diffusers layout (needs the test extra: diffusers)."""
-    from tests.support.model_fixtures import add_tiny_text_encoder, make_diffusers_model_dir
+    from ditfleet.testing.models import add_tiny_text_encoder, make_diffusers_model_dir
 
     return add_tiny_text_encoder(make_diffusers_model_dir(root))
 

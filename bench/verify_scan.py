@@ -21,10 +21,10 @@ import time
 from collections.abc import Callable
 
 from ditfleet.driver.output.verify import VerifyReport, clean_orphans, verify_output
+from ditfleet.testing.outputs import manifest_row, put_image
 from ditfleet.workers.output.layout import image_key, job_key, new_attempt_token
 from ditfleet.workers.output.manifest import ManifestWriter
 from ditfleet.workers.storage import open_store
-from tests.support.worker_fixtures import manifest_row, put_image
 
 
 def build(root: str, shards: int, images: int, size: int) -> None:

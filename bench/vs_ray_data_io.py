@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 BENCH_BUCKET = "bench"
-# A random model gets the bundled tiny model's proportions (model/tiny/train_dit.py), so that
+# A random model gets the bundled tiny model's proportions (recipes/tiny/train_dit.py), so that
 # the numbers carry over to it; the VAE and text encoder are the test fixtures' (same as bundled).
 RANDOM_TRANSFORMER = dict(
     num_layers=4, num_attention_heads=4, attention_head_dim=32, axes_dims_rope=(8, 12, 12)
@@ -35,7 +35,7 @@ def prepare_model(arg: str, tmp: Path) -> tuple[Path, str]:
     if arg == "auto" and all((TINY_MODEL_DIR / c).is_dir() for c in ("transformer", "vae", "text_encoder")):
         return TINY_MODEL_DIR, "bundled tiny"
     if arg in ("auto", "random"):
-        from tests.support.model_fixtures import add_tiny_text_encoder, make_diffusers_model_dir
+        from ditfleet.testing.models import add_tiny_text_encoder, make_diffusers_model_dir
 
         root = tmp / "model"
         root.mkdir()

@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def random_model_dir(tmp_path_factory):
     """A tiny random-weight Qwen-Image model in the diffusers layout, written by diffusers."""
-    from tests.support.model_fixtures import add_tiny_text_encoder, make_diffusers_model_dir
+    from ditfleet.testing.models import add_tiny_text_encoder, make_diffusers_model_dir
 
     return add_tiny_text_encoder(make_diffusers_model_dir(tmp_path_factory.mktemp("random-model")))
 
@@ -25,8 +25,8 @@ def random_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def real_widths_dir(tmp_path_factory):
     """Qwen-Image's published layout cut to one block (hidden 3072, text 3584, the full VAE), random
-    bf16 weights in four hub-style shards + index (tests/support/real_widths.py); about 1 GB on disk."""
-    from tests.support.real_widths import write_real_widths_checkpoint
+    bf16 weights in four hub-style shards + index (ditfleet/testing/real_widths.py); about 1 GB on disk."""
+    from ditfleet.testing.real_widths import write_real_widths_checkpoint
 
     return write_real_widths_checkpoint(tmp_path_factory.mktemp("real-widths") / "qwen-image", num_layers=1)
 

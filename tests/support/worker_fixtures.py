@@ -1,9 +1,9 @@
-"""Helpers for worker-level tests: prompt Parquet files, shard specs, worker configs, and manifest
-rows for outputs written by hand. Torch-free, so tests of the driver and CLI (and bench/) can use it."""
+"""Helpers for worker-level tests: prompt Parquet files, shard specs and worker configs. Torch-free,
+so tests of the driver and CLI can use it. Outputs written by hand with their manifest rows are
+`ditfleet.testing.outputs` (bench/ uses them too)."""
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +14,8 @@ from ditfleet.compile import CompileConfig
 from ditfleet.compile.buckets import BucketSet
 from ditfleet.workers.contract import WorkerConfig
 from ditfleet.workers.output.formats import ShardWriterConfig
-from ditfleet.workers.output.manifest import ManifestRow
 from ditfleet.workers.rows import RowConfig, ShardSpec
-from ditfleet.workers.storage import ObjectStore, S3Config
+from ditfleet.workers.storage import S3Config
 
 COLOURS = ("red", "green", "blue", "yellow")
 SHAPES = ("circle", "square", "triangle")
@@ -90,25 +89,6 @@ def worker_config(
         writer=ShardWriterConfig(output_format=output_format, threads=4, max_in_flight=8, **writer),  # type: ignore[arg-type]
         s3=s3 or S3Config(),
     )
-
-
-def put_image(store: ObjectStore, key: str, data: bytes) -> tuple[str, str, int]:
-    """Store `data` at `key`; return what a manifest row says of it: (uri, sha256, bytes)."""
-    store.put(key, data)
-    return store.uri(key), hashlib.sha256(data).hexdigest(), len(data)
-
-
-def manifest_row(row_id: str, shard: int, stored: tuple[str, str, int] | None, **fields: Any) -> ManifestRow:
-    """A manifest row for an output written by hand: "ok" naming the `stored` (uri, sha256, bytes),
-    or "failed" when `stored` is None (then `error=` is required). `fields` replace the defaults
-    (a 64x64 png, image 0, seed 1, 2 steps, no guidance, attempt 0) and any of the above."""
-    uri, sha256, size = stored or (None, None, None)
-    defaults: dict[str, Any] = dict(
-        k=0, prompt=f"prompt {row_id}", seed=1, width=64, height=64, bucket="64x64", steps=2,
-        true_cfg_scale=1.0, model_id="test", format="png", worker="test", attempt=0,
-    )  # fmt: skip
-    stored_fields = dict(status="ok" if stored else "failed", uri=uri, sha256=sha256, bytes=size)
-    return ManifestRow(**{**defaults, "id": row_id, "shard": shard, **stored_fields, **fields})
 
 
 def finish_like_driver(store: Any, plan: Any) -> None:

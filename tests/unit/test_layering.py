@@ -1,4 +1,4 @@
-"""The layer direction of DESIGN.md, read from the source: model <- compile <- workers <- driver <- jobs.
+"""The layer direction of ARCHITECTURE.md, read from the source: model <- compile <- workers <- driver <- jobs.
 
 Every module of the five packages is parsed with `ast` (nothing is imported). A test fails on:
 - an upward import (model importing compile, compile importing workers, ...), wherever it is
@@ -11,6 +11,9 @@ Every module of the five packages is parsed with `ast` (nothing is imported). A 
   partially initialised module).
 - a cycle that a function-level import closes and that is not in DEFERRED_CYCLES: such an import
   hides a two-way dependency rather than removing it, so each one is listed on purpose.
+- an import across the repository's other folders that their rooms do not allow: recipes/ import
+  only ditfleet.model (and themselves); bench/ never imports tests/; nothing installed (the layers,
+  ditfleet/) imports recipes/, bench/ or tests/, which are not installed.
 Each failure names the file and line.
 """
 
@@ -33,6 +36,17 @@ MODEL_OPTIONAL_IMPORTS = {
     # tiny model's own text encoder needs nothing.
     ("model/text_encoder.py", "transformers"),
 }
+
+# The repository's folders besides the layers (the layers are what `LAYERS` checks):
+# folder -> the first parts of the modules of ours (ditfleet.<layer>, recipes, bench, tests) it may
+# import. ditfleet/ is the installed face and ditfleet.testing the builders both bench/ and tests/ use.
+REPO_FOLDERS = {
+    PACKAGE: {PACKAGE},
+    "recipes": {f"{PACKAGE}.model", "recipes"},
+    "bench": {PACKAGE, "recipes", "bench"},
+    "tests": {PACKAGE, "recipes", "tests"},
+}
+NOT_INSTALLED = ("recipes", "bench", "tests")
 
 # Two-way dependencies whose second direction is a function-level import. None is a module-level
 # cycle (that would fail outright); each would be listed here so that a new one is a decision, and
@@ -178,7 +192,10 @@ def test_the_parser_sees_every_layer_and_its_imports():
     # A few imports that the code is known to make, so that a parser that finds nothing fails.
     seen = {(e.source, e.target) for e in edges}
     assert ("ditfleet.driver.plan", "ditfleet.workers.rows") in seen
-    assert ("ditfleet.workers.actor", "ditfleet.workers.contract") in seen  # relative: `from .contract import ...`
+    assert (
+        "ditfleet.workers.actor",
+        "ditfleet.workers.contract",
+    ) in seen  # relative: `from .contract import ...`
     assert ("ditfleet.jobs.cli", "ditfleet.driver.run_job") in seen
 
 
@@ -247,7 +264,7 @@ def test_our_packages_are_imported_only_by_their_installed_names():
     """`import model` would find a user's own model/ first on a Ray worker's path (a job's
     working_dir); only `ditfleet.model` is ours for certain."""
     bare = []
-    for folder in (*LAYERS, PACKAGE, "tests", "bench"):
+    for folder in (*LAYERS, *REPO_FOLDERS):
         for path in sorted((ROOT / folder).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
             for node, _ in _imports(ast.parse(path.read_text(), filename=rel)):
@@ -258,3 +275,52 @@ def test_our_packages_are_imported_only_by_their_installed_names():
                 )
                 bare += [f"{rel}:{node.lineno}: {n}" for n in names if n.split(".")[0] in LAYERS]
     assert not bare, "imports of our layers by their bare names (use ditfleet.<layer>):\n" + "\n".join(bare)
+
+
+def _imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module) of every import in one file, wherever it is written."""
+    rel = path.relative_to(ROOT)
+    source = ".".join(rel.with_suffix("").parts)
+    found = []
+    for node, _ in _imports(ast.parse(path.read_text(), filename=rel.as_posix())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        else:
+            found.append((node.lineno, _absolute(node, source, path.name == "__init__.py")))
+    return found
+
+
+def _ours(module: str) -> bool:
+    return module.split(".")[0] in (PACKAGE, *NOT_INSTALLED)
+
+
+def _allowed(module: str, prefixes: set[str]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def test_recipes_bench_and_tests_import_only_what_their_rooms_allow():
+    bad = []
+    for folder, may in REPO_FOLDERS.items():
+        paths = sorted((ROOT / folder).rglob("*.py"))
+        assert paths, f"{folder}/ has no Python files: the check would prove nothing"
+        for path in paths:
+            rel = path.relative_to(ROOT).as_posix()
+            bad += [
+                f"{rel}:{line}: imports {module} ({folder}/ may import {', '.join(sorted(may))})"
+                for line, module in _imported_modules(path)
+                if _ours(module) and not _allowed(module, may)
+            ]
+    assert not bad, "imports across the repository's rooms:\n" + "\n".join(bad)
+
+
+def test_installed_code_imports_nothing_that_is_not_installed():
+    bad = []
+    for folder in (*LAYERS, PACKAGE):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            bad += [
+                f"{rel}:{line}: imports {module}"
+                for line, module in _imported_modules(path)
+                if module.split(".")[0] in NOT_INSTALLED
+            ]
+    assert not bad, f"installed code importing {', '.join(NOT_INSTALLED)} (not installed):\n" + "\n".join(bad)

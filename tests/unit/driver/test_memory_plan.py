@@ -27,10 +27,11 @@ from ditfleet.model.memory import (
 from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig
 from ditfleet.model.vae import QwenImageVAE, VAEConfig
 from ditfleet.model.weights import read_config
+from ditfleet.testing import PUBLISHED as ALL_PUBLISHED
 from tests.support.memory_measure import peak_allocated_bytes
-from tests.support.paths import DATA, REPO
+from tests.support.paths import REPO
 
-PUBLISHED = DATA / "published" / "qwen-image"
+PUBLISHED = ALL_PUBLISHED / "qwen-image"
 REPO = REPO
 # Measured peaks must be within this of the estimate (the estimate follows tensor lifetimes in
 # our forward passes; what is left is allocator rounding and small temporaries).
@@ -283,24 +284,3 @@ def test_a_cpu_job_is_planned_in_host_memory_without_the_cuda_reserve(capsys):
     buckets = json.loads(capsys.readouterr().out)["memory"]["buckets"]
     assert {b["device"] for b in buckets} == {"cpu"} and {b["dtype"] for b in buckets} == {"fp32"}
     assert all(b["peak_gb"] < 0.5 for b in buckets)  # a 10 MB model: no 1.5 GiB CUDA context
-
-
-def test_a_model_in_a_bucket_is_planned_from_its_config_files(s3_server, s3_bucket):
-    from ditfleet.driver.memory_plan import MemoryPlanError, MemoryRequest, job_memory_plan
-    from ditfleet.workers.storage import StoreError, open_store
-
-    uri = f"s3://{s3_bucket}/models/qwen-image"
-    store = open_store(uri, s3_server.config())
-    for part in ("transformer", "vae", "text_encoder"):
-        store.put(f"{part}/config.json", (PUBLISHED / part / "config.json").read_bytes())
-    request = MemoryRequest(
-        model_path=uri, buckets=("1328x1328",), batch_size=8, text_encoder="cpu", gpu_memory_gb=48,
-        s3=s3_server.config(),
-    )  # fmt: skip
-    plan = job_memory_plan(request)
-    assert plan is not None and plan.model.params()["transformer"] == 20_430_401_088
-    with pytest.raises(MemoryPlanError, match="the largest batch that fits 48 GB is 7"):
-        plan.check("job.yaml")
-    store.delete("vae/config.json")
-    with pytest.raises(StoreError, match=rf"s3://{s3_bucket}/models/qwen-image/vae/config.json: missing"):
-        job_memory_plan(request)

@@ -27,6 +27,7 @@ from packaging.requirements import Requirement
 
 from ditfleet.jobs.cli import build_parser
 from ditfleet.jobs.spec import load_spec
+from ditfleet.testing import PUBLISHED
 from tests.support.paths import REPO
 
 ROOT = REPO
@@ -396,7 +397,7 @@ def test_example_job_validates_with_jobspec():
 
 
 LIGHTNING_JOB = DEPLOY / "qwen-image-lightning.yaml"
-LIGHTNING_SCHEDULER = ROOT / "tests" / "data" / "published" / "qwen-image-lightning" / "scheduler"
+LIGHTNING_SCHEDULER = PUBLISHED / "qwen-image-lightning" / "scheduler"
 
 
 def test_lightning_job_validates_with_jobspec():
@@ -503,14 +504,3 @@ def test_gpu_workers_get_the_compile_cache_key_from_a_secret():
             env = _env(group["template"]["spec"]["containers"][0])
             ref = env.get(env_name, {}).get("valueFrom", {}).get("secretKeyRef", {})
             assert ref.get("name") == "ditfleet-compile-cache-key", f"{where} {group['groupName']}"
-
-
-def test_the_bucket_lifecycle_rule_aborts_unfinished_multipart_uploads(s3_server, s3_bucket):
-    doc = json.loads(LIFECYCLE.read_text())
-    (rule,) = doc["Rules"]
-    assert rule["Status"] == "Enabled" and rule["Filter"] == {"Prefix": ""}
-    assert 1 <= rule["AbortIncompleteMultipartUpload"]["DaysAfterInitiation"] <= 7
-    # A real S3 API takes it as written (the same call as `aws s3api put-bucket-lifecycle-configuration`).
-    s3_server.admin.put_bucket_lifecycle_configuration(Bucket=s3_bucket, LifecycleConfiguration=doc)
-    stored = s3_server.admin.get_bucket_lifecycle_configuration(Bucket=s3_bucket)["Rules"]
-    assert stored[0]["AbortIncompleteMultipartUpload"] == rule["AbortIncompleteMultipartUpload"]

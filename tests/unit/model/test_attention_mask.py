@@ -9,7 +9,7 @@ import torch
 from ditfleet.model import load_pipeline
 from ditfleet.model.attention import AttentionStats, TextPadding, joint_attention
 from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig
-from tests.support.model_fixtures import TINY_TRANSFORMER
+from ditfleet.testing.models import TINY_TRANSFORMER
 
 
 def _mask(lengths: list[int], L: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from ditfleet.model import load_pipeline
 from ditfleet.model.weights import WeightsError
-from tests.support.real_widths import published_config, write_sharded
+from ditfleet.testing.real_widths import published_config, write_sharded
 
 INDEX = "diffusion_pytorch_model.safetensors.index.json"
 

@@ -7,8 +7,8 @@ import torch
 
 from ditfleet.model import TransformerConfig, WeightsError, load_pipeline
 from ditfleet.model.loader import load_transformer
+from ditfleet.testing.models import TINY_TRANSFORMER
 from tests.support.model_fixtures import (
-    TINY_TRANSFORMER,
     diffusers_images,
     diffusers_pipeline,
     guided_inputs,

@@ -7,7 +7,7 @@ import torch
 
 from ditfleet.model import load_pipeline
 from ditfleet.model.loader import load_transformer
-from tests.support.model_fixtures import TINY_TRANSFORMER
+from ditfleet.testing.models import TINY_TRANSFORMER
 
 
 class ModCallCounter:

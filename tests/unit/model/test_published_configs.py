@@ -1,4 +1,4 @@
-"""The config files of the published Qwen-Image checkpoints load as shipped (tests/data/published).
+"""The config files of the published Qwen-Image checkpoints load as shipped (ditfleet/testing/published).
 
 Keys that do not change the computation are ignored (once, at debug level), keys that would are
 refused, and the full-depth transformer built from the published config has the published size.
@@ -20,9 +20,8 @@ from ditfleet.model.scheduler import SchedulerConfig, sigma_schedule
 from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig
 from ditfleet.model.vae import VAEConfig, load_vae
 from ditfleet.model.weights import WeightsError
-from tests.support.paths import DATA
+from ditfleet.testing import PUBLISHED
 
-PUBLISHED = DATA / "published"
 MODELS = ["qwen-image", "qwen-image-2512"]
 # Parameters of the published 60-layer transformer: its nine bf16 shards hold 40,860,802,176 bytes
 # of weights (1933 tensors), i.e. 20,430,401,088 parameters.

@@ -90,7 +90,7 @@ def test_load_pipeline_picks_qwen_text_encoder(qwen_dirs, tmp_path):
     import shutil
 
     from ditfleet.model.loader import load_pipeline
-    from tests.support.model_fixtures import make_diffusers_model_dir
+    from ditfleet.testing.models import make_diffusers_model_dir
 
     src, _, _ = qwen_dirs
     root = make_diffusers_model_dir(tmp_path / "model", transformer_overrides={"joint_attention_dim": 32})

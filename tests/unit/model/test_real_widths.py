@@ -1,6 +1,6 @@
 """Qwen-Image at its published widths (one block deep) on the CPU, against diffusers on the same files.
 
-The checkpoint (tests/support/real_widths.py) is what the hub ships, cut to one block: the published
+The checkpoint (ditfleet/testing/real_widths.py) is what the hub ships, cut to one block: the published
 configs, bf16 weights in four shards plus the index. Both implementations load the same files.
 """
 
@@ -18,6 +18,7 @@ from ditfleet.model import load_pipeline
 from ditfleet.model.loader import load_transformer
 from ditfleet.model.sampling import model_timestep
 from ditfleet.model.scheduler import SchedulerConfig, sigma_schedule
+from ditfleet.testing import PUBLISHED
 from tests.support.model_fixtures import (
     diffusers_images,
     diffusers_pipeline,
@@ -25,7 +26,6 @@ from tests.support.model_fixtures import (
     guided_inputs,
     padded_embeds,
 )
-from tests.support.real_widths import PUBLISHED
 
 TEXT_DIM = 3584
 

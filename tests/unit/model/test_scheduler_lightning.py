@@ -13,9 +13,9 @@ import torch
 
 from ditfleet.model.loader import load_scheduler
 from ditfleet.model.scheduler import SchedulerConfig, sigma_schedule
-from tests.support.paths import DATA
+from ditfleet.testing import PUBLISHED
 
-LIGHTNING = DATA / "published" / "qwen-image-lightning" / "scheduler"
+LIGHTNING = PUBLISHED / "qwen-image-lightning" / "scheduler"
 QWEN_IMAGE = SchedulerConfig()  # Qwen-Image's own settings are the defaults
 
 

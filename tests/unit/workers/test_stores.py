@@ -1,4 +1,6 @@
-"""Object stores, local directory and S3 (a real moto HTTP server): the same contract for both."""
+"""Object stores: the contract every store keeps, here on a local directory (tests/integration/
+test_stores_s3.py runs the same contract tests on S3, a real moto HTTP server), and the local
+store's own guarantees."""
 
 from __future__ import annotations
 
@@ -13,14 +15,9 @@ from ditfleet.workers.storage.s3 import S3Store
 from tests.support.paths import REPO
 
 
-@pytest.fixture(params=["local", "s3"])
-def store(request: pytest.FixtureRequest, tmp_path) -> ObjectStore:
-    if request.param == "local":
-        return open_store(str(tmp_path / "out"))
-    server = request.getfixturevalue("s3_server")
-    bucket = request.getfixturevalue("s3_bucket")
-    # Small LIST pages so that listing 120 keys takes three requests.
-    return open_store(f"s3://{bucket}/runs/one", server.config(list_page_size=50))
+@pytest.fixture
+def store(tmp_path) -> ObjectStore:
+    return open_store(str(tmp_path / "out"))
 
 
 def test_put_get_exists_list_delete(store: ObjectStore) -> None:

@@ -1,6 +1,6 @@
 """Checkpoints at Qwen-Image's published widths with random weights, stored the way the hub does.
 
-The published configs (tests/data/published) with `num_layers` cut down: hidden 3072 (24 heads of
+The published configs (ditfleet/testing/published) with `num_layers` cut down: hidden 3072 (24 heads of
 128), text dim 3584, the full VAE. Weights are random, in bf16, the transformer in several
 `diffusion_pytorch_model-0000i-of-0000n.safetensors` shards plus the `.index.json` that maps every
 tensor to its shard, like the hub's 9 x 5 GB. Weights are drawn tensor by tensor (PyTorch's
@@ -19,9 +19,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from tests.support.paths import DATA
+from ditfleet.testing import PUBLISHED
 
-PUBLISHED = DATA / "published"
 SHARD_STEM = "diffusion_pytorch_model"
 
 

@@ -1,0 +1,63 @@
+"""Tiny random-weight Qwen-Image models saved by diffusers' own `save_pretrained`.
+
+These are the reference: our loader must read what diffusers writes, and our outputs must match
+what diffusers computes on the same weights (tests/support/model_fixtures.py holds the reference
+pipeline). Needs diffusers (the `test` extra).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ditfleet.testing import PUBLISHED
+
+TINY_TRANSFORMER = dict(
+    patch_size=2,
+    in_channels=64,
+    out_channels=16,
+    num_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=3,
+    joint_attention_dim=16,
+    axes_dims_rope=(8, 4, 4),
+)
+TINY_VAE = dict(
+    base_dim=16, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, temperal_downsample=[False, True, True]
+)
+# The scheduler as Qwen-Image publishes it (published/SOURCES.md says where from).
+PUBLISHED_SCHEDULER = PUBLISHED / "qwen-image" / "scheduler"
+
+
+def make_diffusers_model_dir(root: Path, seed: int = 0, transformer_overrides: dict | None = None) -> Path:
+    """Write transformer/, vae/, scheduler/ with random weights in the diffusers layout."""
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+
+    torch.manual_seed(seed)
+    transformer = QwenImageTransformer2DModel(**{**TINY_TRANSFORMER, **(transformer_overrides or {})})
+    g = torch.Generator().manual_seed(seed + 1)
+    latents_mean = (torch.randn(16, generator=g) * 0.5).tolist()
+    latents_std = (torch.rand(16, generator=g) + 0.5).tolist()
+    vae = AutoencoderKLQwenImage(**TINY_VAE, latents_mean=latents_mean, latents_std=latents_std)
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(PUBLISHED_SCHEDULER)
+    transformer.save_pretrained(root / "transformer")
+    vae.save_pretrained(root / "vae")
+    scheduler.save_pretrained(root / "scheduler")
+    (root / "model_index.json").write_text(json.dumps({"_class_name": "QwenImagePipeline"}))
+    return root
+
+
+def add_tiny_text_encoder(root: Path, seed: int = 0) -> Path:
+    """Give a model folder a small random word-level text encoder (hidden size = joint_attention_dim)."""
+    from ditfleet.model.tiny.text_encoder import TextEncoderConfig, TinyTextEncoder, WordTokenizer
+
+    words = "a the small large red green blue yellow white black circle square triangle at top bottom left right centre on background".split()
+    tokenizer = WordTokenizer.from_words(words)
+    torch.manual_seed(seed)
+    config = TextEncoderConfig(
+        vocab_size=len(tokenizer), hidden_size=TINY_TRANSFORMER["joint_attention_dim"], num_heads=2
+    )
+    TinyTextEncoder(config, tokenizer).save(root)
+    return root
