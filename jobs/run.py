@@ -10,8 +10,10 @@ down when the job ends (a cluster this process was already connected to is left 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 
 from ditfleet.driver.locations import check_local_output_nodes
 from ditfleet.driver.memory_plan import JobMemoryPlan, job_memory_plan
@@ -27,7 +29,8 @@ def _say(message: str) -> None:
 
 
 def connect_ray(address: str | None) -> bool:
-    """Connect to the cluster at `address` (or RAY_ADDRESS), or start a local one on loopback.
+    """Connect to the cluster at `address` (or RAY_ADDRESS), or start a local one on loopback
+    (every server it starts listens on 127.0.0.1 only).
     Returns False when this process was connected already (then the caller must not shut down)."""
     import ray
 
@@ -40,11 +43,43 @@ def connect_ray(address: str | None) -> bool:
             _refused_for_the_token(address or os.environ.get("RAY_ADDRESS", ""), e)
             raise
         return True
-    # On Linux Ray swaps 127.0.0.1 for the host's address and listens everywhere; this keeps a
-    # local, single-node cluster on loopback.
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING")
+    with _loopback_only():
+        ray.init(
+            address="local", include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING"
+        )
     return True
+
+
+_CLUSTER_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+@contextlib.contextmanager
+def _loopback_only() -> Iterator[None]:
+    """Keep the local cluster that ray.init starts on 127.0.0.1.
+
+    On Linux Ray replaces a node address of 127.0.0.1 by the host's routable address, and its
+    servers (GCS, raylet, dashboard, dashboard and runtime-env agents, workers) then listen on
+    every interface, also with _node_ip_address="127.0.0.1". Ray's own switch for a single node
+    on loopback is RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, which each process reads once, when it
+    imports ray: the processes ray.init starts read it from the environment they inherit, but
+    this one imported ray already, so its copy of the switch
+    (ray._private.ray_constants.ENABLE_RAY_CLUSTER, which resolves the node address) is set
+    too. Both are put back afterwards: the node's address is fixed once ray.init returns.
+    tests/integration/test_local_ray_loopback.py reads the sockets every process listens on.
+    """
+    from ray._private import ray_constants
+
+    saved_env, saved_flag = os.environ.get(_CLUSTER_SWITCH), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[_CLUSTER_SWITCH] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+        if saved_env is None:
+            os.environ.pop(_CLUSTER_SWITCH, None)
+        else:
+            os.environ[_CLUSTER_SWITCH] = saved_env
 
 
 class ClusterAuthError(ValueError):
