@@ -504,3 +504,143 @@ def test_gpu_workers_get_the_compile_cache_key_from_a_secret():
             env = _env(group["template"]["spec"]["containers"][0])
             ref = env.get(env_name, {}).get("valueFrom", {}).get("secretKeyRef", {})
             assert ref.get("name") == "ditfleet-compile-cache-key", f"{where} {group['groupName']}"
+
+
+# -- the launcher: Ray's token, the key files, the head's own least-privilege role ----------------
+
+HEAD_POLICY = DEPLOY / "iam" / "ditfleet-head-policy.json"
+WORKER_POLICY = DEPLOY / "iam" / "ditfleet-worker-policy.json"
+CLUSTER_DOC = ROOT / "docs" / "cluster.md"
+TOKEN_PATH = "/home/ray/.ray/auth_token"  # Ray's default token path for the image's user
+KEY_PATH = "/home/ray/.ditfleet/compile-cache-key"
+
+
+def _launcher() -> dict[str, Any]:
+    return yaml.safe_load(LAUNCHER.read_text(encoding="utf-8"))
+
+
+def _secret_mount(config: dict[str, Any], remote: str) -> None:
+    """`remote` comes from a file outside the checkout (never synced with the repository or kept
+    in it) and is made 0600 on every node before Ray starts."""
+    local = config["file_mounts"].get(remote)
+    assert local and local.startswith("~/") and not local.startswith("~/ditfleet"), (
+        f"{LAUNCHER}: file_mounts should copy {remote} from a file in your home, got {local!r}"
+    )
+    assert f"chmod 600 {remote}" in config["setup_commands"], (
+        f"{LAUNCHER}: setup_commands: chmod 600 {remote}"
+    )
+
+
+def test_the_launchers_ray_needs_its_token_which_never_passes_through_a_submission():
+    config = _launcher()
+    _secret_mount(config, TOKEN_PATH)
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        starts = [c for c in config[key] if "ray start" in c]
+        assert starts and all("export RAY_AUTH_MODE=token;" in c for c in starts), f"{LAUNCHER} {key}"
+    text = LAUNCHER.read_text(encoding="utf-8")
+    assert "RAY_AUTH_TOKEN=" not in text.replace("RAY_AUTH_TOKEN_PATH=", "")  # no token value anywhere
+    # The header says how to make the token and how a submission from this machine uses it.
+    assert "openssl rand -hex 32 > ~/.ray/ditfleet-auth-token" in text
+    assert "RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=~/.ray/ditfleet-auth-token ray job submit" in text
+
+
+def test_the_launchers_compile_cache_key_is_a_0600_file_and_the_docs_pass_it_so():
+    config = _launcher()
+    _secret_mount(config, KEY_PATH)
+    # The head runs no actor: it keeps no copy of the key.
+    assert f"rm -f {KEY_PATH}" in config.get("head_setup_commands", [])
+    doc = CLUSTER_DOC.read_text(encoding="utf-8")
+    aws = doc[doc.index("### 2a. AWS with the Ray cluster launcher") : doc.index("### 2b.")]
+    assert "--runtime-env-json" not in aws and "DITFLEET_COMPILE_CACHE_KEY" not in aws
+    assert f"cache_key_file: {KEY_PATH}" in aws
+    assert "RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=~/.ray/ditfleet-auth-token ray job submit" in aws
+
+
+def _statements(path: Path) -> list[dict[str, Any]]:
+    policy = json.loads(path.read_text(encoding="utf-8"))
+    assert policy["Version"] == "2012-10-17"
+    statements = policy["Statement"]
+    for s in statements:
+        assert s["Effect"] == "Allow" and s.get("Sid"), f"{path}: {s}"
+        actions = s["Action"] if isinstance(s["Action"], list) else [s["Action"]]
+        assert not any(a == "*" or a.endswith(":*") for a in actions), (
+            f"{path}: a wildcard action in {s['Sid']}"
+        )
+        s["Action"] = actions
+        s["Resource"] = s["Resource"] if isinstance(s["Resource"], list) else [s["Resource"]]
+    return statements
+
+
+def _s3_arn(uri: str, objects: bool) -> str:
+    bucket, _, key = uri.removeprefix("s3://").partition("/")
+    return f"arn:aws:s3:::{bucket}/{key.rstrip('/')}/*" if objects else f"arn:aws:s3:::{bucket}"
+
+
+def _s3_grants(statements: list[dict[str, Any]]) -> dict[str, set[str]]:
+    """object ARN -> the S3 object actions granted on it."""
+    grants: dict[str, set[str]] = {}
+    for s in statements:
+        for arn in s["Resource"]:
+            if arn.startswith("arn:aws:s3:::") and "/" in arn:
+                grants.setdefault(arn, set()).update(a for a in s["Action"] if a.startswith("s3:"))
+    return grants
+
+
+@pytest.mark.parametrize("path", [HEAD_POLICY, WORKER_POLICY], ids=["head", "worker"])
+def test_the_instance_roles_read_input_and_model_and_write_only_the_output(path):
+    spec = _job_spec()
+    grants = _s3_grants(_statements(path))
+    read = {"s3:GetObject"}
+    write = {"s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"}
+    assert grants == {
+        _s3_arn(spec.input.path, True): read,
+        _s3_arn(spec.model.path, True): read,
+        _s3_arn(spec.output.uri, True): write,
+    }, f"{path}: S3 access should be read on input and model, read/write on the output, nothing else"
+    listing = [s for s in _statements(path) if "s3:ListBucket" in s["Action"]]
+    buckets = sorted({_s3_arn(u, False) for u in (spec.input.path, spec.model.path, spec.output.uri)})
+    assert len(listing) == 1 and listing[0]["Resource"] == buckets
+    prefixes = set(listing[0]["Condition"]["StringLike"]["s3:prefix"])
+    want = {
+        u.removeprefix("s3://").partition("/")[2].rstrip("/")
+        for u in (spec.input.path, spec.model.path, spec.output.uri)
+    }
+    assert prefixes == {p for w in want for p in (w, f"{w}/*")}, (
+        f"{path}: listing only under the job's prefixes"
+    )
+
+
+def test_the_head_has_its_own_role_with_only_what_the_autoscaler_calls():
+    from ray.autoscaler._private.aws.config import _configure_iam_role
+
+    config = _launcher()
+    head = config["available_node_types"][config["head_node_type"]]["node_config"]
+    assert head.get("IamInstanceProfile") == {"Name": "ditfleet-head"}, f"{LAUNCHER}: the head's profile"
+    # With a profile of its own the launcher neither creates nor attaches its default role
+    # (ray-autoscaler-v1: AmazonEC2FullAccess + AmazonS3FullAccess); this returns before any AWS call.
+    prepared = {**copy.deepcopy(config), "head_node": {}}
+    assert "IamInstanceProfile" not in _configure_iam_role(prepared)["head_node"]
+    statements = _statements(HEAD_POLICY)
+    actions = {a for s in statements for a in s["Action"] if not a.startswith("s3:")}
+    autoscaler = {
+        "ec2:RunInstances", "ec2:CreateTags", "ec2:DescribeInstances", "ec2:DescribeInstanceTypes",
+        "ec2:DescribeImages", "ec2:TerminateInstances", "iam:PassRole", "ssm:GetParameters",
+    }  # fmt: skip
+    assert actions == autoscaler, f"{HEAD_POLICY}: {sorted(actions ^ autoscaler)}"
+    by_action = {a: s for s in statements for a in s["Action"]}
+    # It may hand the workers their role, and nothing else, to EC2 only.
+    worker_profile = config["available_node_types"]["ray.worker.gpu"]["node_config"]["IamInstanceProfile"][
+        "Name"
+    ]
+    assert by_action["iam:PassRole"]["Resource"] == [f"arn:aws:iam::ACCOUNT_ID:role/{worker_profile}"]
+    assert by_action["iam:PassRole"]["Condition"] == {
+        "StringEquals": {"iam:PassedToService": "ec2.amazonaws.com"}
+    }
+    # It terminates and retags only this cluster's nodes (Ray tags them ray-cluster-name).
+    for action in ("ec2:TerminateInstances",):
+        assert by_action[action]["Condition"] == {
+            "StringEquals": {"ec2:ResourceTag/ray-cluster-name": config["cluster_name"]}
+        }
+    worker_actions = {a for s in _statements(WORKER_POLICY) for a in s["Action"]}
+    assert all(a.startswith("s3:") for a in worker_actions), "the GPU workers need S3 only"
+    assert "deploy/iam/ditfleet-head-policy.json" in LAUNCHER.read_text(encoding="utf-8")
