@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ditfleet.driver.output.json_objects import read_json
+from ditfleet.driver.output.summary import fleet_line
 from ditfleet.jobs.preview import collect
 from ditfleet.workers.output.layout import success_key
 from ditfleet.workers.output.manifest import read_manifests
@@ -230,8 +231,17 @@ def _summary_rows(data: ReportData, failed: int) -> list[list[Any]]:
         ["images", f"{images_ok} ok, {failed} failed of {planned}"],
         ["job wall time", _seconds(wall)],
         ["workers", len({r["worker"] for r in rows})],
+        *_fleet_rows(s),
         *_step_cache_rows(s),
     ]  # fmt: skip
+
+
+def _fleet_rows(s: dict[str, Any] | None) -> list[list[Any]]:
+    """What the last run's fleet cost (from _SUCCESS): GPU hours by phase, images per GPU hour."""
+    fleet = (s or {}).get("fleet") or {}
+    if not fleet.get("actor_hours"):
+        return []
+    return [["fleet cost", fleet_line(fleet)]]
 
 
 def _step_cache_rows(s: dict[str, Any] | None) -> list[list[Any]]:

@@ -94,6 +94,7 @@ class Dispatcher:
             busy_actor_s=self.busy_actor_s,
             committed=self.book.committed,
             startup_actor_s=self.startup_actor_s,
+            gpus_per_actor=self.config.num_gpus,
         )
 
     def snapshot(self) -> DispatchSnapshot:

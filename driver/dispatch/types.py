@@ -122,6 +122,35 @@ class DispatchResult:
     # Sum over actors of the time from creation to ready (or to their end, never ready): with
     # ready_actor_s, an actor's whole lifetime; x GPUs per actor, what the fleet cost.
     startup_actor_s: float = 0.0
+    gpus_per_actor: float = 0.0
+
+    def fleet(self, images: int) -> dict[str, float]:
+        """What the fleet cost: actor hours (lifetime = start-up + ready) split into start-up,
+        generating (shard runs, speculative twins included) and idle, the same x GPUs per actor,
+        and `images` (made by this dispatch) per GPU hour (per actor hour without GPUs)."""
+        hour = 3600.0
+        lifetime = self.startup_actor_s + self.ready_actor_s
+        generating = min(self.busy_actor_s, self.ready_actor_s)
+        parts = {
+            "startup": self.startup_actor_s,
+            "generating": generating,
+            "idle": max(0.0, self.ready_actor_s - generating),
+        }
+        out: dict[str, float] = {
+            "actors": self.stats.actors_started,
+            "gpus_per_actor": self.gpus_per_actor,
+            "actor_hours": round(lifetime / hour, 4),
+        }
+        if self.gpus_per_actor:
+            gpu_hours = lifetime * self.gpus_per_actor / hour
+            out["gpu_hours"] = round(gpu_hours, 4)
+            out.update({f"{k}_gpu_hours": round(v * self.gpus_per_actor / hour, 4) for k, v in parts.items()})
+            out["images_per_gpu_hour"] = round(images / gpu_hours, 2) if gpu_hours else 0.0
+        else:
+            out.update({f"{k}_actor_hours": round(v / hour, 4) for k, v in parts.items()})
+        out["images_per_actor_hour"] = round(images * hour / lifetime, 2) if lifetime else 0.0
+        return out
+
     # Ids of the actors whose process outlived the fence wait (driver.output.fence).
     unfenced_actors: list[str] = field(default_factory=list)
 

@@ -49,6 +49,9 @@ class JobSummary:
     # The step cache's share of the DiT work (empty when no image used one): block evaluations
     # computed and reused over the committed images, reused_share = reused / (computed + reused).
     step_cache: dict[str, Any] = field(default_factory=dict)
+    # What this run's fleet cost (DispatchResult.fleet): GPU hours split into start-up,
+    # generating and idle, and images per GPU hour; empty when nothing was dispatched.
+    fleet: dict[str, Any] = field(default_factory=dict)
     version: int = SUMMARY_VERSION
 
     @property
@@ -85,6 +88,8 @@ class JobSummary:
                 f"(max {st['ready_s_max']:.1f} s; model load {st['load_s_mean']:.1f} s, "
                 f"warm-up {st['warmup_s_mean']:.1f} s)"
             )
+        if self.fleet:
+            lines.append(f"  fleet:  {fleet_line(self.fleet)}")
         for worker, w in sorted(self.workers.items()):
             lines.append(
                 f"  worker {worker}: {w['shards']} shards, {w['images_ok']} images, {w['images_per_s']:.2f} img/s"
@@ -246,6 +251,22 @@ def build_summary(
         attention=attention_summary([w.attention for w in progress.workers.values()]),
         compile_fallbacks={w: fb for w, r in reports.items() if (fb := compile_fallbacks(r))},
         step_cache=step_cache_summary(counts.dit_blocks_computed, counts.dit_blocks_reused),
+        fleet=dispatch.fleet(sum(w.images_ok for w in progress.workers.values())) if dispatch else {},
+    )
+
+
+def fleet_line(fleet: dict[str, Any]) -> str:
+    """'12.5 GPU hours (start-up 1.2, generating 10.9, idle 0.4), 118.3 images per GPU hour'."""
+    unit = "gpu" if "gpu_hours" in fleet else "actor"
+    label = "GPU" if unit == "gpu" else "actor"
+    total = fleet.get(f"{unit}_hours", 0.0)
+    parts = ", ".join(
+        f"{k} {fleet.get(f'{k}_{unit}_hours', 0.0):.1f}" for k in ("startup", "generating", "idle")
+    )
+    rate = fleet.get(f"images_per_{unit}_hour", 0.0)
+    return (
+        f"{total:.1f} {label} hours over {fleet.get('actors', 0)} actors ({parts.replace('startup', 'start-up')}), "
+        f"{rate:.1f} images per {label} hour"
     )
 
 

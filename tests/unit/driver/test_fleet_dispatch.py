@@ -86,3 +86,25 @@ def test_the_book_holds_a_few_bytes_per_shard():
     assert len(book.queue) == 50_000 and book.queue.popleft() == 0
     book.queue.appendleft(7)
     assert book.queue.popleft() == 7 and book.queue.popleft() == 1 and len(book.queue) == 49_998
+
+
+def test_the_fleet_cost_is_stated_in_gpu_hours_in_the_summary_and_the_report():
+    from ditfleet.driver.output.summary import fleet_line
+    from ditfleet.jobs.report import _fleet_rows
+
+    pool = FleetSim(shard_s=60, startup_s=600, seed=3, charge_driver=False)
+    config = DispatchConfig(min_actors=10, max_actors=10, num_gpus=8, idle_retire_s=60)
+    result = Dispatcher(_shards(600), pool, config, DispatchEvents(), pool.clock, keep_results=False).run()
+    fleet = result.fleet(images=1200)
+    cost = pool.cost()
+    assert fleet["gpus_per_actor"] == 8 and fleet["actors"] == 10
+    assert abs(fleet["gpu_hours"] - cost.lifetime_s * 8 / 3600) < 0.05 * fleet["gpu_hours"]
+    split = fleet["startup_gpu_hours"] + fleet["generating_gpu_hours"] + fleet["idle_gpu_hours"]
+    assert abs(split - fleet["gpu_hours"]) < 1e-3
+    assert abs(fleet["startup_gpu_hours"] - 10 * 600 * 8 / 3600) < 1.5  # 10 actors x 600 s (+-10%)
+    assert fleet["images_per_gpu_hour"] == round(1200 / fleet["gpu_hours"], 2)
+    line = fleet_line(fleet)
+    assert line.startswith(f"{fleet['gpu_hours']:.1f} GPU hours over 10 actors (start-up ")
+    assert "images per GPU hour" in line
+    assert _fleet_rows({"fleet": fleet}) == [["fleet cost", line]]
+    assert _fleet_rows({}) == []
