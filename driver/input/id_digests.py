@@ -123,3 +123,8 @@ def position_digests(first_position: int, n: int, bits: int = 64) -> np.ndarray:
     """Digests of the ids of rows without an id column: their positions, in decimal."""
     as_text = pa.array(np.arange(first_position, first_position + n, dtype=np.int64)).cast(pa.string())
     return digests(as_text, bits)
+
+
+def mix(h: np.ndarray) -> np.ndarray:
+    """The 64-bit finaliser, for callers that combine digests (e.g. of a row's columns)."""
+    return _fmix(h)
