@@ -15,6 +15,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -173,6 +174,14 @@ def _read_tensors(path: Path, entries: list[tuple[str, TensorEntry]]) -> Iterato
             yield name, flat.view(dtype).reshape(e.shape)
 
 
+class TensorTransform(Protocol):
+    """What load_streaming may apply to the module and to each tensor (see load_streaming)."""
+
+    def prepare(self, module: torch.nn.Module) -> None: ...
+
+    def __call__(self, key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]: ...
+
+
 def load_streaming(
     module: torch.nn.Module,
     checkpoint: Checkpoint,
@@ -180,20 +189,32 @@ def load_streaming(
     dtype: torch.dtype,
     device: str | torch.device,
     keep_fp32: tuple[str, ...] = (),
+    transform: TensorTransform | None = None,
 ) -> torch.nn.Module:
     """Fill a meta-device `module` from `checkpoint`, one shard at a time, strictly.
 
     Tensors are read one at a time and cast/moved at once; each shard's are assigned together.
     Host memory beyond the model itself stays at about one tensor (on an accelerator the model
     itself is not in host memory at all).
+
+    transform: reshapes the module after its keys are checked (`prepare`) and turns each cast
+    tensor into the entries to assign (model.fp8.Fp8Quantizer: a weight into FP8 and its scales),
+    so that a converted model never exists in the load dtype as a whole.
     """
     checkpoint.check_matches(module, where)
+    if transform is not None:
+        transform.prepare(module)
     for _, tensors in checkpoint.iter_shards():
         cast = {}
         for k, v in tensors:
             target = torch.float32 if any(m in k for m in keep_fp32) else dtype
-            cast[k] = v.to(device=device, dtype=target) if v.is_floating_point() else v.to(device=device)
+            t = v.to(device=device, dtype=target) if v.is_floating_point() else v.to(device=device)
             del v  # the read buffer goes as soon as its cast copy exists
+            if transform is None:
+                cast[k] = t
+            else:
+                cast.update(transform(k, t))
+            del t
         module.load_state_dict(cast, strict=False, assign=True)
         del cast
     left = [k for k, v in module.state_dict().items() if v.is_meta]

@@ -300,7 +300,18 @@ def merge_updates(model: torch.nn.Module, updates: Sequence[LayerUpdate]) -> Non
     """Add each update into its layer's weight (and bias), in place, in the weight's dtype."""
     for u in updates:
         layer = model.get_submodule(u.module)
-        w = layer.weight
+        if not isinstance(layer, torch.nn.Linear):  # e.g. an FP8 layer: merge before quantizing
+            raise LoraError(f"{u.module} is a {type(layer).__name__}, not a Linear: cannot merge a LoRA into it")
+        merge_into(layer.weight, layer.bias, u)
+
+
+@torch.no_grad()
+def merge_into(weight: torch.Tensor | None, bias: torch.Tensor | None, u: LayerUpdate) -> None:
+    """Add one update into a layer's weight and/or bias tensors (either may be None), in place.
+
+    The FP8 loader (model.fp8) calls this on each weight as it streams in, before quantizing."""
+    if weight is not None:
+        w = weight
         down = u.down.to(device=w.device, dtype=w.dtype)
         up = u.up.to(device=w.device, dtype=w.dtype)
         if w.device.type == "cpu" and w.dtype in (torch.float16, torch.bfloat16):
@@ -310,8 +321,8 @@ def merge_updates(model: torch.nn.Module, updates: Sequence[LayerUpdate]) -> Non
         else:
             delta = (up @ down).mul_(u.scaling)  # in place: one (out, in) temporary, not two
         w += delta
-        if u.bias is not None:
-            layer.bias += u.bias.to(device=w.device, dtype=layer.bias.dtype) * u.scaling
+    if bias is not None and u.bias is not None:
+        bias += u.bias.to(device=bias.device, dtype=bias.dtype) * u.scaling
 
 
 def adapters_revision(base_revision: str, files: Sequence[LoraFile]) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..quantization import KEEP_IN_LOAD_DTYPE, check_quantization, keeps_load_dtype
 from ..transformer_config import TransformerConfig
 from ..vae_config import VAEConfig
 
@@ -34,6 +35,46 @@ def transformer_params(cfg: TransformerConfig) -> int:
         + _linear(D, 2 * D) + _linear(D, out)  # norm_out.linear, proj_out
     )  # fmt: skip
     return cfg.num_layers * block + rest
+
+
+def transformer_linears(cfg: TransformerConfig) -> list[tuple[str, int, int]]:
+    """(module name, in_features, out_features) of every nn.Linear of `QwenImageTransformer(cfg)`,
+    by diffusers' names (all with a bias)."""
+    D = cfg.inner_dim
+    out = cfg.patch_size**2 * (cfg.out_channels or cfg.in_channels)
+    rows = [
+        ("time_text_embed.timestep_embedder.linear_1", 256, D),
+        ("time_text_embed.timestep_embedder.linear_2", D, D),
+        ("img_in", cfg.in_channels, D),
+        ("txt_in", cfg.joint_attention_dim, D),
+        ("norm_out.linear", D, 2 * D),
+        ("proj_out", D, out),
+    ]
+    per_block = [("img_mod.1", D, 6 * D), ("txt_mod.1", D, 6 * D)]
+    per_block += [
+        (f"attn.{n}", D, D) for n in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
+    ]
+    per_block += [("attn.to_out.0", D, D), ("attn.to_add_out", D, D)]
+    for mlp in ("img_mlp", "txt_mlp"):
+        per_block += [(f"{mlp}.net.0.proj", D, 4 * D), (f"{mlp}.net.2", 4 * D, D)]
+    for i in range(cfg.num_layers):
+        rows += [(f"transformer_blocks.{i}.{n}", a, b) for n, a, b in per_block]
+    return rows
+
+
+def transformer_weight_bytes(
+    cfg: TransformerConfig, e: int, quantization: str = "none", keep: tuple[str, ...] = KEEP_IN_LOAD_DTYPE
+) -> int:
+    """Bytes of the DiT's weights as loaded: every parameter in `e`-byte elements, or under an
+    FP8 quantization (model.fp8) each quantized Linear's weight in 1 byte plus one fp32 scale per
+    output channel (its bias and every kept layer, norm and embedding still `e` bytes)."""
+    total = transformer_params(cfg) * e
+    if check_quantization(quantization) == "none":
+        return total
+    for name, i, o in transformer_linears(cfg):
+        if not keeps_load_dtype(name, keep):
+            total -= i * o * e - (i * o + 4 * o)
+    return total
 
 
 def _conv(i: int, o: int, k: int) -> int:

@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from ..folder import read_config
+from ..quantization import check_quantization
 from ..transformer_config import TransformerConfig
 from ..vae_config import VAEConfig
 from .activations import dit_activation_bytes, text_encode_activation_bytes, vae_decode_activation_bytes
-from .params import text_encoder_params, transformer_params, vae_params
+from .params import text_encoder_params, transformer_params, transformer_weight_bytes, vae_params
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 GB = 10**9  # GPU memory is quoted in decimal GB (an "80 GB" card holds at least 80e9 bytes)
@@ -101,6 +102,7 @@ class MemoryPlan:
     dit_swapped: bool = False
     host: int = 0  # bytes kept in host memory (a CPU text encoder, a swapped DiT)
     device: str = "cuda"
+    quantization: str = "none"  # the DiT's weights (model.quantization)
 
     @property
     def peak(self) -> int:
@@ -136,6 +138,7 @@ class MemoryPlan:
             "dit_swapped": self.dit_swapped,
             "host_gb": gb(self.host),
             "device": self.device,
+            "quantization": self.quantization,
         }
 
     def describe(self) -> str:
@@ -146,8 +149,9 @@ class MemoryPlan:
             verdict = f" of {gb(self.capacity)} GB: " + ("fits" if self.fits else "DOES NOT FIT")
         swap = ", DiT waits in host memory while encoding" if self.dit_swapped else ""
         where = f"text encoder {self.text_encoder}" if self.device == "cuda" else "on the CPU"
+        dit = f", DiT {self.quantization}" if self.quantization != "none" else ""
         return (
-            f"{self.width}x{self.height} x{self.batch} {self.dtype}, {where}: "
+            f"{self.width}x{self.height} x{self.batch} {self.dtype}{dit}, {where}: "
             f"peak {gb(self.peak)} GB ({self.peak_phase}){verdict}{swap}"
         )
 
@@ -167,6 +171,7 @@ def plan_memory(
     gpu_memory_gb: float | None = None,
     attention: str = "fused",
     device: str = "cuda",
+    quantization: str = "none",
 ) -> MemoryPlan:
     """The memory plan of generating `batch` images of height x width.
 
@@ -175,13 +180,19 @@ def plan_memory(
     text_len: the padded prompt length the DiT sees (the prompt-length bucket).
     modulation_table_steps: step counts of the schedules kept in "table" modulation-cache mode.
     device: "cuda" adds the CUDA context's reserve; "cpu" (an actor without a GPU) does not.
+    quantization: the DiT's weights (model.quantization): FP8 stores its Linear weights in one
+      byte each (40.9 -> 20.5 GB at Qwen-Image size) and adds the GEMMs' own transients.
     """
     # Long only by its keyword arguments and the plan's fields; the arithmetic is the middle.
     _check_request(dtype, text_encoder, cfg, batch, height, width)
     e = DTYPE_BYTES[dtype]
     weights = {k: v * e for k, v in model.params().items()}
+    weights["transformer"] = transformer_weight_bytes(model.transformer, e, check_quantization(quantization))
     dit_w, vae_w, te_w = weights["transformer"], weights["vae"], weights.get("text_encoder", 0)
     acts = _activations(model, batch, height, width, e, cfg, vae_batch, text_len, attention)
+    acts["denoise"] += _fp8_transient(
+        model, quantization, 2 * batch if cfg == "batched" else batch, height, width, text_len, e
+    )
     extra: dict[str, int] = {}
     if modulation_table_steps:
         D, layers = model.transformer.inner_dim, model.transformer.num_layers
@@ -222,7 +233,24 @@ def plan_memory(
         dit_swapped=swapped,
         host=host,
         device=device,
+        quantization=quantization,
     )
+
+
+def _fp8_transient(
+    model: ModelMemory, quantization: str, batch: int, height: int, width: int, text_len: int, e: int
+) -> int:
+    """What the FP8 GEMMs (model.fp8) hold beyond the bf16 forward's tensors at its peak (the MLP
+    down-projection): `fp8` the scaled copy's FP8 codes of its 4D-wide input, one byte per element
+    (the scaled copy itself takes the freed up-projection's place); `fp8-weight-only` the largest
+    weight dequantized, and its cast, for the duration of one GEMM."""
+    D = model.transformer.inner_dim
+    if quantization == "fp8":
+        tokens = max((height // 16) * (width // 16), text_len)
+        return batch * tokens * 4 * D
+    if quantization == "fp8-weight-only":
+        return 2 * 4 * D * D * e
+    return 0
 
 
 def _check_request(dtype: str, text_encoder: str, cfg: str, batch: int, height: int, width: int) -> None:

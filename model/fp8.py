@@ -1,0 +1,256 @@
+"""FP8 DiT weights: `Fp8Linear` and the quantizer that fills it while the checkpoint streams in.
+
+The rules (modes, which layers stay in the load dtype, which devices can run `fp8`) live in the
+torch-free model.quantization; this is the arithmetic.
+
+Weights: float8 e4m3 (max 448), one fp32 scale per output channel, w ~= w8 * scale[:, None].
+`fp8` also quantizes each activation row (token) with its own scale and runs the GEMM through
+`torch._scaled_mm` (FP8 matrix units on Ada/Hopper; a reference kernel on the CPU); the two
+per-row scales are exact to apply after the integer-like product, so W8A8 costs two roundings.
+`fp8-weight-only` dequantizes the weight to the activation dtype for each call and uses F.linear.
+
+Loading never holds the bf16 model: `Fp8Quantizer` is handed each tensor as it arrives from the
+checkpoint (model.checkpoint.load_streaming), merges that layer's LoRA updates into it, and turns
+it into (w8, scale) at once; only one bf16 tensor is alive at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .folder import WeightsError
+from .quantization import (
+    FP8_GEMM_MULTIPLE,
+    KEEP_IN_LOAD_DTYPE,
+    check_fp8_device,
+    check_quantization,
+    keeps_load_dtype,
+)
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+# Rows quantized at a time: bounds the fp32 copy to ~50 MB however wide the layer.
+_ROWS_PER_CHUNK = 1024
+_TINY = 1e-12  # an all-zero row keeps a finite scale
+
+
+def check_device(mode: str, device: torch.device | str) -> None:
+    """QuantizationError when `mode` cannot run on `device` (fp8 on a GPU without FP8 units);
+    reads the device's properties only, before any weight or activation is placed there."""
+    device = torch.device(device)
+    capability, name = None, ""
+    if device.type == "cuda" and check_quantization(mode) == "fp8":
+        capability = torch.cuda.get_device_capability(device)
+        name = torch.cuda.get_device_name(device)
+    check_fp8_device(mode, device.type, capability, name)
+
+
+def check_checkpoint_dtypes(tensors: dict, where: str) -> None:
+    """Refuse a checkpoint that already holds FP8 tensors, by name, before any weight is read.
+
+    tensors: name -> model.checkpoint.TensorEntry. Cast to bf16 without their scales, FP8 weights
+    would load as silently wrong numbers; ditfleet quantizes the bf16 checkpoint at load instead."""
+    fp8 = sorted(k for k, e in tensors.items() if e.dtype.startswith("F8"))
+    if not fp8:
+        return
+    scales = {k for k in tensors if k.endswith(("weight_scale", "scale_weight", "weight_scale_inv"))}
+    unscaled = [k for k in fp8 if not any(s.startswith(k.rpartition(".")[0] + ".") for s in scales)]
+    if unscaled:
+        raise WeightsError(
+            f"{where}: {len(fp8)} tensors are stored in FP8 and {len(unscaled)} of them have no scale "
+            f"tensor next to them (e.g. {unscaled[:3]}): the scales are missing, so these weights cannot "
+            "be loaded. Use the bf16 checkpoint with model.quantization: fp8 (or fp8-weight-only)."
+        )
+    raise WeightsError(
+        f"{where}: a pre-quantized FP8 checkpoint ({len(fp8)} FP8 tensors, e.g. {fp8[:3]}) is not "
+        "supported: load the bf16 checkpoint with model.quantization: fp8 (or fp8-weight-only), which "
+        "quantizes it while it streams in."
+    )
+
+
+@torch.no_grad()
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, in) weight -> (w8 float8_e4m3fn (out, in), scale fp32 (out,)), per output channel.
+
+    Computed in fp32 rows at a time on the weight's device; w8 * scale[:, None] ~= weight."""
+    out = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
+    scale = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+    for lo in range(0, weight.shape[0], _ROWS_PER_CHUNK):
+        rows = weight[lo : lo + _ROWS_PER_CHUNK].float()
+        s = rows.abs().amax(dim=1).clamp_min(_TINY) / FP8_MAX
+        out[lo : lo + _ROWS_PER_CHUNK] = (rows / s[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        scale[lo : lo + _ROWS_PER_CHUNK] = s
+    return out, scale
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) activations -> (x8 (M, K), scale fp32 (M, 1)), one scale per row (token).
+
+    The scaling runs in the activation dtype: an fp32 copy of a (tokens x 4D) activation would
+    cost more than the GEMM saves in memory, and bf16 carries more bits than e4m3 keeps."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(_TINY)
+    scale = amax / FP8_MAX
+    x8 = (x * (1.0 / scale).to(x.dtype)).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return x8, scale
+
+
+class Fp8Linear(nn.Module):
+    """A Linear whose weight is float8 e4m3 with per-output-channel fp32 scales.
+
+    State-dict keys are the Linear's (`weight`, `bias`) plus `weight_scale`, so hooks, LoRA
+    matching by module name and the diffusers names all still hold. Called as a module, like the
+    nn.Linear it replaces. `mode`: "fp8" (W8A8 through torch._scaled_mm) or "fp8-weight-only".
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        mode: str = "fp8",
+        device: torch.device | str | None = None,
+        bias_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if check_quantization(mode) == "none":
+            raise ValueError("Fp8Linear: mode must be 'fp8' or 'fp8-weight-only'")
+        self.in_features, self.out_features = in_features, out_features
+        self.mode = mode
+        # torch._scaled_mm needs both dims in multiples of 16; other layers run weight-only.
+        self.scaled_mm = (
+            mode == "fp8" and in_features % FP8_GEMM_MULTIPLE == 0 and out_features % FP8_GEMM_MULTIPLE == 0
+        )
+        w = torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device)
+        self.weight = nn.Parameter(w, requires_grad=False)
+        self.register_buffer("weight_scale", torch.empty(out_features, dtype=torch.float32, device=device))
+        if bias:
+            b = torch.empty(out_features, dtype=bias_dtype, device=device)
+            self.bias = nn.Parameter(b, requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, mode: str) -> Fp8Linear:
+        """Quantize a loaded nn.Linear (the load path quantizes while streaming instead)."""
+        w = linear.weight
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, mode, "meta")
+        w8, scale = quantize_weight(w.detach())
+        layer.weight = nn.Parameter(w8, requires_grad=False)
+        layer.weight_scale = scale
+        if linear.bias is not None:
+            layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        return layer
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight as `dtype` (out, in): w8 * scale, rounded once."""
+        return self.weight.to(dtype) * self.weight_scale.to(dtype)[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.scaled_mm:
+            return F.linear(x, self.dequantized(x.dtype), self.bias)
+        lead = x.shape[:-1]
+        x8, x_scale = quantize_rows(x.reshape(-1, self.in_features))
+        rows = x8.shape[0]
+        if torch.compiler.is_compiling():
+            # _scaled_mm's shape check treats M == 1 apart (a (1, 1) scale reads as one scale
+            # for the tensor), so a graph traced at batch x text length > 1 would guard on it
+            # and recompile for a one-token prompt at batch 1. One spare row makes M >= 2
+            # provably; rows are quantized and multiplied independently, so it changes nothing.
+            x8, x_scale = torch.cat([x8, x8[:1]]), torch.cat([x_scale, x_scale[:1]])
+        # weight (out, in) row-major: its transpose is the column-major (in, out) operand
+        # _scaled_mm requires; the scales are (M, 1) and (1, out): row-wise on both sides.
+        y = torch._scaled_mm(
+            x8, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale[None, :], out_dtype=x.dtype
+        )[:rows]
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, mode={self.mode}"
+        )
+
+
+def quantized_linear_names(model: nn.Module, keep: Sequence[str] = KEEP_IN_LOAD_DTYPE) -> list[str]:
+    """The nn.Linear modules of `model` that a quantization replaces (all but `keep`)."""
+    return [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and not keeps_load_dtype(name, tuple(keep))
+    ]
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
+class Fp8Quantizer:
+    """Quantizes a DiT while load_streaming fills it, tensor by tensor.
+
+    prepare(model): replaces the chosen nn.Linear modules of the meta-device model by meta
+      Fp8Linear (same names); call after the checkpoint's keys were checked against the model.
+    __call__(key, tensor): the state-dict entries to assign for one checkpoint tensor already in
+      the load dtype on the load device: a quantized layer's weight becomes `weight` (fp8) and
+      `weight_scale`, after the layer's LoRA updates are merged into it (merge, then quantize);
+      every other tensor passes through.
+    updates: LoRA layer updates (model.lora.LayerUpdate); those of quantized layers are merged
+      here, `unmerged` holds the rest for model.lora.merge_updates afterwards.
+    """
+
+    def __init__(self, mode: str, updates: Iterable = (), keep: Sequence[str] = KEEP_IN_LOAD_DTYPE) -> None:
+        if check_quantization(mode) == "none":
+            raise ValueError("Fp8Quantizer: mode 'none' quantizes nothing; load without a quantizer")
+        self.mode, self.keep = mode, tuple(keep)
+        self._updates = list(updates)
+        self.names: set[str] = set()
+        self.unmerged: list = self._updates
+
+    def prepare(self, model: nn.Module) -> None:
+        names = quantized_linear_names(model, self.keep)
+        for name in names:
+            lin = model.get_submodule(name)
+            _set_module(
+                model,
+                name,
+                Fp8Linear(lin.in_features, lin.out_features, lin.bias is not None, self.mode, "meta"),
+            )
+        self.names = set(names)
+        self.unmerged = [u for u in self._updates if u.module not in self.names]
+
+    def __call__(self, key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        module, _, param = key.rpartition(".")
+        if module not in self.names:
+            return [(key, tensor)]
+        from .lora import merge_into  # the same arithmetic as merging into a loaded model
+
+        mine = [u for u in self._updates if u.module == module]
+        if param == "bias":
+            for u in mine:
+                merge_into(None, tensor, u)
+            return [(key, tensor)]
+        for u in mine:
+            merge_into(tensor, None, u)
+        w8, scale = quantize_weight(tensor)
+        return [(key, w8), (f"{module}.weight_scale", scale)]
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, mode: str, keep: Sequence[str] = KEEP_IN_LOAD_DTYPE) -> nn.Module:
+    """Quantize an already loaded model in place (for tests and benches; loading quantizes while
+    streaming instead, without a full-precision copy)."""
+    for name in quantized_linear_names(model, keep):
+        _set_module(model, name, Fp8Linear.from_linear(model.get_submodule(name), mode))
+    return model
+
+
+def fp8_weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer (what the memory plan's DiT weights count)."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)

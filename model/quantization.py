@@ -1,0 +1,96 @@
+"""Which DiT weights are stored in FP8, and how their GEMMs run: names and rules only, no torch.
+
+    none             every weight in the load dtype (the exact path)
+    fp8              Linear weights in float8 e4m3 with one fp32 scale per output channel;
+                     activations quantized per token at run time; the GEMM on the FP8 matrix
+                     units (torch._scaled_mm). Needs a GPU with FP8 units (compute capability
+                     8.9+: Ada L4/L40S, Hopper H100/H200) or the CPU.
+    fp8-weight-only  the same storage; each GEMM dequantizes its weight to the activation dtype
+                     and runs in bf16 (A100 and older GPUs, the CPU).
+
+Both halve the DiT's weight memory (40.9 -> 20.5 GB at Qwen-Image size) and change pixels, so a
+job names the mode, the plan fingerprint carries it, and each manifest row records it.
+
+Torch-free so that the job spec and `ditfleet plan` (model.memory) use the same rules as the
+loader (model.fp8).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import typing
+
+from .settings import Quantization  # the knob (PipelineSettings.quantization) names the modes
+
+QUANTIZATIONS: tuple[str, ...] = typing.get_args(Quantization)
+
+# The Linear layers that stay in the load dtype, as full-match patterns on diffusers' module
+# names. Measured (bench/fp8.py, docs/real-model.md): these hold ~0.2% of the DiT's parameters,
+# so keeping them costs 80 MB; the embedders see raw latents / text features, and the final
+# layer writes the velocity directly, with no residual stream to dilute its error. The
+# modulation projections (img_mod.1 / txt_mod.1, a third of all weights) and every attention and
+# MLP projection, img_mlp.net.2 included, are quantized: the measurement puts each of them at a
+# small share of the per-forward error, and keeping the modulations alone would cost 6.8 GB.
+KEEP_IN_LOAD_DTYPE: tuple[str, ...] = (
+    r"img_in",
+    r"txt_in",
+    r"time_text_embed\..*",
+    r"norm_out\.linear",
+    r"proj_out",
+)
+
+# torch._scaled_mm wants both GEMM dims in multiples of 16; a layer that is not runs weight-only.
+FP8_GEMM_MULTIPLE = 16
+# Compute capability from which NVIDIA GPUs have FP8 matrix units (Ada 8.9, Hopper 9.0, ...).
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+class QuantizationError(ValueError):
+    """A quantization the model or the device cannot do; the message says what to use instead."""
+
+
+def check_quantization(name: str, where: str = "model.quantization") -> str:
+    if name not in QUANTIZATIONS:
+        raise QuantizationError(
+            f"{where}: unknown quantization {name!r}; use one of {', '.join(QUANTIZATIONS)}"
+        )
+    return name
+
+
+def is_quantized(name: str) -> bool:
+    return check_quantization(name) != "none"
+
+
+def quantized_revision(revision: str, name: str) -> str:
+    """The model revision a manifest records: FP8 weights are another model's numbers, so the
+    quantization is part of it (unchanged for "none", so existing outputs keep theirs)."""
+    if check_quantization(name) == "none":
+        return revision
+    return hashlib.sha256(f"{revision}:quantization:{name}".encode()).hexdigest()[:16]
+
+
+def keeps_load_dtype(module_name: str, keep: tuple[str, ...] = KEEP_IN_LOAD_DTYPE) -> bool:
+    """Whether the Linear named `module_name` stays unquantized under the `keep` patterns."""
+    return any(re.fullmatch(p, module_name) for p in keep)
+
+
+def check_fp8_device(
+    name: str, device_kind: str, capability: tuple[int, int] | None, device_name: str = ""
+) -> None:
+    """Refuse `fp8` on a device without FP8 matrix units, before any weight is read.
+
+    device_kind: "cuda", "cpu", ...; capability: the CUDA compute capability (None elsewhere)."""
+    check_quantization(name)
+    if name != "fp8" or device_kind == "cpu":
+        return  # torch._scaled_mm has a CPU kernel; weight-only runs anywhere
+    if device_kind == "cuda" and capability is not None and tuple(capability) >= FP8_MIN_CAPABILITY:
+        return
+    what = f"{device_name or device_kind}" + (
+        f" (compute capability {capability[0]}.{capability[1]})" if capability else ""
+    )
+    raise QuantizationError(
+        f"model.quantization: fp8 needs FP8 matrix units (NVIDIA compute capability "
+        f"{FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]}+: L4, L40S, H100, H200), but this actor has {what}. "
+        "Use quantization: fp8-weight-only: the same FP8 weights and memory, computed in bf16."
+    )
