@@ -38,7 +38,7 @@ def _rss() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def measure(model_dir: Path, method: str, dtype_name: str, device: str) -> dict:
+def measure(model_dir: Path, method: str, dtype_name: str, device: str, quantization: str = "none") -> dict:
     """Runs in the child process: load the transformer once and report memory."""
     import gc
 
@@ -64,7 +64,12 @@ def measure(model_dir: Path, method: str, dtype_name: str, device: str) -> dict:
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     t0 = time.perf_counter()
-    if method == "streaming":
+    if method == "streaming" and quantization != "none":
+        # quantized as it streams in (model.fp8): the bf16 DiT never exists as a whole
+        from ditfleet.model.fp8 import Fp8Quantizer
+
+        load_streaming(model, checkpoint, str(tdir), dtype, device, transform=Fp8Quantizer(quantization))
+    elif method == "streaming":
         load_streaming(model, checkpoint, str(tdir), dtype, device)
     else:  # the previous loader: every shard read into one dict, then cast and assigned
         assign_state_dict(model, read_state_dict(tdir), str(tdir), dtype, device)
@@ -86,6 +91,7 @@ def measure(model_dir: Path, method: str, dtype_name: str, device: str) -> dict:
     largest = Checkpoint(tdir).largest_file_bytes
     return {
         "method": method,
+        "quantization": quantization,
         "load_s": round(load_s, 2),
         "baseline_mb": round(baseline / MB, 1),
         "peak_above_baseline_mb": round((top - baseline) / MB, 1),
@@ -95,7 +101,7 @@ def measure(model_dir: Path, method: str, dtype_name: str, device: str) -> dict:
     }
 
 
-def _child(model_dir: Path, method: str, dtype: str, device: str) -> dict:
+def _child(model_dir: Path, method: str, dtype: str, device: str, quantization: str = "none") -> dict:
     out = subprocess.run(
         [
             sys.executable,
@@ -108,6 +114,8 @@ def _child(model_dir: Path, method: str, dtype: str, device: str) -> dict:
             dtype,
             "--device",
             device,
+            "--quantization",
+            quantization,
         ],
         check=True,
         capture_output=True,
@@ -125,10 +133,15 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--methods", default="streaming,whole")
+    ap.add_argument(
+        "--quantization",
+        default="none",
+        help="none | fp8 | fp8-weight-only (streaming only: quantized as it loads)",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(measure(args.model, args.child, args.dtype, args.device)))
+        print(json.dumps(measure(args.model, args.child, args.dtype, args.device, args.quantization)))
         return
 
     with tempfile.TemporaryDirectory(prefix="load-rss-") as tmp:
@@ -143,7 +156,10 @@ def main() -> None:
 
         ckpt = Checkpoint(model_dir / "transformer")
         largest, total = ckpt.largest_file_bytes, sum(f.stat().st_size for f in ckpt.files)
-        runs = {m: _child(model_dir, m, args.dtype, args.device) for m in args.methods.split(",")}
+        runs = {
+            m: _child(model_dir, m, args.dtype, args.device, args.quantization)
+            for m in args.methods.split(",")
+        }
     print(
         f"transformer: {len(ckpt.files)} shards, largest {largest / MB:.0f} MB, total {total / MB:.0f} MB; "
         f"load as {args.dtype} on {args.device}"
@@ -159,6 +175,7 @@ def main() -> None:
                 "bench": "load_rss",
                 "dtype": args.dtype,
                 "device": args.device,
+                "quantization": args.quantization,
                 "shards": len(ckpt.files),
                 "largest_shard_mb": round(largest / MB, 1),
                 "total_mb": round(total / MB, 1),

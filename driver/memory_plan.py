@@ -42,6 +42,7 @@ class MemoryRequest:
     table_steps: tuple[int, ...] = ()  # schedules kept per bucket in "table" modulation mode
     s3: S3Config | None = None
     device: str = "cuda"  # cuda | cpu (an actor without a GPU: the plan is of host memory)
+    quantization: str = "none"  # the DiT's weights: none | fp8 | fp8-weight-only
 
     @property
     def text_len(self) -> int:
@@ -163,6 +164,7 @@ def job_memory_plan(request: MemoryRequest, model: ModelMemory | None = None) ->
         text_len=request.text_len,
         modulation_table_steps=request.table_steps,
         device=request.device,
+        quantization=request.quantization,
     )
     plans, largest = [], {}
     for name in request.buckets:

@@ -24,8 +24,10 @@ from .folder import (  # noqa: F401 - re-exported: the folder checks are torch-f
     check_model_index,
     resolve_model_dir,
 )
+from .fp8 import Fp8Quantizer, check_checkpoint_dtypes, check_device
 from .lora import LoraFile, LoraSpec, adapters_revision, merge_updates, plan_updates, read_loras
 from .pipeline import TextToImagePipeline
+from .quantization import check_quantization, quantized_revision
 from .scheduler import SchedulerConfig
 from .settings import DEFAULT_PIPELINE, PipelineSettings
 from .text_encoder import QwenVLTextEncoder, TextEncoder
@@ -59,6 +61,7 @@ def prepare_transformer(
     """Config parsed, checkpoint headers checked, model built on the meta device: no weight read yet."""
     config = TransformerConfig.from_dict(read_config(component_dir), where=str(component_dir / "config.json"))
     checkpoint = Checkpoint(component_dir)
+    check_checkpoint_dtypes(checkpoint.tensors, str(component_dir))  # FP8 tensors without scales
     with torch.device("meta"):
         model = QwenImageTransformer(config, modulation_cache=modulation_cache)
     checkpoint.check_matches(model, str(component_dir))
@@ -71,13 +74,36 @@ def load_transformer(
     dtype,
     modulation_cache: str = DEFAULT_PIPELINE.modulation_cache,
     loras: Sequence[LoraFile] = (),
+    quantization: str = DEFAULT_PIPELINE.quantization,
 ) -> QwenImageTransformer:
-    """`loras` are merged into the weights after loading (see model/lora.py)."""
+    """`loras` are merged into the weights as they load (see model/lora.py), before any
+    quantization (model.fp8)."""
+    check_device(check_quantization(quantization), device)
     model, checkpoint = prepare_transformer(component_dir, modulation_cache)
     updates = plan_updates(loras, model)  # every adapter key checked before any weight is read
-    load_streaming(model, checkpoint, str(component_dir), dtype, device)
-    merge_updates(model, updates)
+    fill_transformer(model, checkpoint, str(component_dir), dtype, device, updates, quantization)
     return model.eval().requires_grad_(False)
+
+
+def fill_transformer(
+    model: QwenImageTransformer,
+    checkpoint: Checkpoint,
+    where: str,
+    dtype: torch.dtype,
+    device,
+    updates: Sequence,
+    quantization: str = DEFAULT_PIPELINE.quantization,
+) -> QwenImageTransformer:
+    """Stream the weights in and merge the LoRA updates; with a quantization, each Linear weight
+    is merged and then quantized as it arrives, so the full-precision DiT is never held."""
+    if check_quantization(quantization) == "none":
+        load_streaming(model, checkpoint, where, dtype, device)
+        merge_updates(model, updates)
+        return model
+    quantizer = Fp8Quantizer(quantization, updates)
+    load_streaming(model, checkpoint, where, dtype, device, transform=quantizer)
+    merge_updates(model, quantizer.unmerged)  # the layers kept in the load dtype
+    return model
 
 
 def load_scheduler(component_dir: Path) -> SchedulerConfig:
@@ -154,15 +180,17 @@ def load_pipeline(
     if scheduler_config:
         override = json.dumps(scheduler.to_dict(), sort_keys=True)
         revision = hashlib.sha256(f"{revision}:scheduler:{override}".encode()).hexdigest()[:16]
-    revision = adapters_revision(revision, adapters)
+    revision = quantized_revision(adapters_revision(revision, adapters), settings.quantization)
+    check_device(settings.quantization, device)  # fp8 on a GPU without FP8 units: before any GPU work
     transformer, checkpoint = prepare_transformer(root / "transformer", settings.modulation_cache)
     updates = plan_updates(adapters, transformer)
     if load_text_encoder_too and (root / "text_encoder").is_dir():
         text_encoder_kind(root / "text_encoder")  # the right model, its shards complete,
         Checkpoint(root / "text_encoder")  # before the DiT takes device memory
     vae = load_vae(root / "vae", device="cpu", dtype=dtype)
-    load_streaming(transformer, checkpoint, str(root / "transformer"), dtype, device)
-    merge_updates(transformer, updates)
+    fill_transformer(
+        transformer, checkpoint, str(root / "transformer"), dtype, device, updates, settings.quantization
+    )
     transformer = transformer.eval().requires_grad_(False)
     vae = vae.to(device)
     text_encoder = load_text_encoder(root, device, dtype) if load_text_encoder_too else None

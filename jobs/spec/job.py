@@ -177,6 +177,7 @@ class JobSpec(Section):
             table_steps=(self.sampling.steps,) if table else (),
             s3=self.s3_config(),
             device="cpu" if on_cpu else "cuda",
+            quantization=self.pipeline_settings().quantization,
         )
 
     def s3_config(self) -> S3Config:
