@@ -26,6 +26,11 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 # two on a GPU with autotuned matmuls); a compiled step is expected to save 10-20% of a 20-50
 # step image that takes tens of seconds at 1328x1328, so a few dozen images repay it.
 AUTO_DIT_IMAGES_PER_BUCKET = 50
+# What a compiled DiT adds to an actor's start-up per resolution bucket it warms, on one
+# H100/H200 with an empty compile cache (2 graphs, autotuned matmuls); an actor that loads the
+# shared compile cache pays a few seconds instead. An estimate until the node self-test
+# (python -m ditfleet.workers.selftest, its compile lines) measures it.
+DIT_WARMUP_S_PER_BUCKET = (60, 120)
 
 Backend = str | Callable[..., Any]
 
@@ -52,7 +57,7 @@ class CompileConfig:
     vae_backend: Backend = "inductor"
     vae_batch: int | None = 1
     dit: bool | Literal["auto"] = setting(
-        False,
+        "auto",
         description="Compile the DiT blocks too: one graph pair per resolution bucket (batch size and "
         "prompt length are dynamic), longer start-up, faster steps on GPUs. 'auto': on for CUDA "
         "actors expected to make enough images per bucket to repay the warm-up.",

@@ -38,7 +38,7 @@ def prewarm(
     store_dir: str | None,
     device: str = "cpu",
     dtype: str = "float32",
-    dit: bool = False,
+    dit: bool | str = CompileConfig.dit,  # "auto": off on the CPU (compile.policy.resolve_dit)
     steps: int = 2,
     cache_secret: bytes | None = None,
     claim_timeout_s: float = CompileConfig.claim_timeout_s,

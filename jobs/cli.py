@@ -96,16 +96,44 @@ def cmd_plan(args: argparse.Namespace) -> int:
         "actors": {"min": spec.workers.min, "max": spec.workers.max or spec.workers.min},
         "fingerprint": plan.fingerprint(),
     }
+    info["compile_dit"] = _dit_compile_plan(spec, plan.total_images, len(plan.bucket_usage))
     memory = memory_plan_of(spec)
     info["memory"] = memory.to_dict() if memory is not None else None
     if args.json:
         print(json.dumps(info, indent=2))
     else:
         _print_plan_text(info, plan.bucket_usage, plan.warnings)
+        print(f"compile: {info['compile_dit']['line']}")
         _print_memory(memory, spec)
     if memory is not None and spec.workers.gpu_memory_gb is not None:
         memory.check(args.job)
     return EXIT_OK
+
+
+def _dit_compile_plan(spec: JobSpec, images: int, buckets: int) -> dict:
+    """compile.dit as an actor will resolve it (compile.policy.resolve_dit, without torch) and the
+    warm-up it adds per actor."""
+    from ditfleet.compile.config import AUTO_DIT_IMAGES_PER_BUCKET, DIT_WARMUP_S_PER_BUCKET
+
+    setting = spec.compile.dit
+    on_cpu = spec.model.device == "cpu" or spec.gpus_per_actor() == 0
+    actors = spec.workers.max or spec.workers.min
+    per_actor = images // max(1, actors)
+    if setting == "auto":
+        on = not on_cpu and per_actor >= AUTO_DIT_IMAGES_PER_BUCKET * max(1, buckets)
+        why = "CPU actors" if on_cpu else f"about {per_actor} images per actor for {buckets} bucket(s)"
+        head = f"dit auto -> {'on' if on else 'off'} ({why}; on from {AUTO_DIT_IMAGES_PER_BUCKET} per bucket on CUDA)"
+    else:
+        on = bool(setting)
+        head = f"dit {'on' if on else 'off'}"
+    low, high = (b * max(1, buckets) for b in DIT_WARMUP_S_PER_BUCKET)
+    warmup = (low, high) if on and not on_cpu else (0, 0)
+    line = head + (
+        f": adds about {low}-{high} s of warm-up per actor (none with the shared compile cache)"
+        if warmup[1]
+        else ""
+    )
+    return {"setting": setting, "on": on, "warmup_s": list(warmup), "line": line}
 
 
 def _print_plan_text(info: dict, bucket_usage: dict[str, int], warnings: Sequence[str] = ()) -> None:

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .attention_backend import attention_backend
 from .guidance import cfg_on, negative_texts
 from .sampling import Conditioning, TimestepBank, denoise, initial_noise, latent_grid, unpack_latents
 from .scheduler import SchedulerConfig
@@ -199,6 +200,27 @@ class TextToImagePipeline:
             raise ValueError(f"need one seed per image: {B} prompts but {len(seeds)} seeds")
         latents = initial_noise(list(seeds), height, width, self.device, self.dtype)
         bank = self.timestep_bank if self.transformer.modulation_cache.mode == "table" else None
+        with attention_backend(self.settings.attention_backend, self.device.type):
+            return self._denoise_decode(
+                latents, cond, uncond, true_cfg_scale, height, width, steps, bank, on_step, decode, step_hook
+            )
+
+    def _denoise_decode(
+        self,
+        latents: torch.Tensor,
+        cond: Conditioning,
+        uncond: Conditioning | None,
+        true_cfg_scale: float | Sequence[float],
+        height: int,
+        width: int,
+        steps: int,
+        bank: TimestepBank | None,
+        on_step: Callable[[int], None] | None,
+        decode: bool,
+        step_hook: StepHook | None,
+    ) -> torch.Tensor:
+        """The denoising loop and the decode, under the attention-backend preference."""
+        B = latents.shape[0]
         latents = denoise(
             self.transformer,
             latents,

@@ -118,6 +118,11 @@ class ResidualBlock(nn.Module):
 class AttentionBlock(nn.Module):
     """Single-head self-attention over the H*W positions of each image."""
 
+    # q/k/v handed to SDPA dense (True) or as views of the conv output (False); None: dense on
+    # CUDA only. On the CPU the views keep the images byte for byte what they were (the dense
+    # layout moves SDPA to another CPU kernel, which rounds differently).
+    dense_qkv: bool | None = None
+
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.norm = RMSNorm(dim, video_gamma=False)
@@ -127,8 +132,17 @@ class AttentionBlock(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         b, c, h, w = x.shape
         qkv = self.to_qkv(self.norm(x))  # (B, 3C, H, W), channels [q | k | v]
-        qkv = qkv.reshape(b, 1, 3 * c, h * w).transpose(-1, -2)  # (B, 1, HW, 3C)
-        q, k, v = qkv.chunk(3, dim=-1)  # each (B, 1, HW, C)
+        dense = x.is_cuda if self.dense_qkv is None else self.dense_qkv
+        if dense:
+            # q, k, v as dense (B, 1, HW, C) tensors, channels last: the layout SDPA's fused
+            # kernels take. The views below have stride H*W along C, which leaves only the math
+            # path on CUDA (an (HW, HW) score matrix: gigabytes at 1328x1328). One copy of the three.
+            qkv = qkv.reshape(b, 3, c, h * w).transpose(-1, -2).contiguous()  # (B, 3, HW, C)
+            q, k, v = qkv.unsqueeze(2).unbind(1)  # each (B, 1, HW, C)
+        else:
+            qkv = qkv.reshape(b, 1, 3 * c, h * w).transpose(-1, -2)  # (B, 1, HW, 3C)
+            q, k, v = qkv.chunk(3, dim=-1)  # each (B, 1, HW, C)
+        del qkv
         out = F.scaled_dot_product_attention(q, k, v)  # (B, 1, HW, C)
         out = out.squeeze(1).transpose(1, 2).reshape(b, c, h, w)
         return x + self.proj(out)

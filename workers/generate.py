@@ -12,12 +12,14 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from ditfleet.model import TextToImagePipeline
 from ditfleet.model.guidance import cfg_on, negative_text
+from ditfleet.model.pipeline import GuidanceInputs
 from ditfleet.model.step_cache import StepCache
 from ditfleet.model.step_cache_config import parse_step_cache
 from ditfleet.workers.rows import MAX_SEED, PromptRow
@@ -170,15 +172,29 @@ class BatchGenerator:
         """Embedding lengths from the text encoder's tokenizer (None: batch in input order)."""
         return self.pipe.count_tokens(prompts, self.max_sequence_length)
 
-    def run(self, batch: list[ImageRequest]) -> list[GeneratedImage]:
-        """Images of `batch` in its order; an OOM splits the failing part in halves, depth first."""
+    def encode(self, batch: list[ImageRequest]) -> GuidanceInputs:
+        """The batch's prompt (and negative) embeddings, on the device, as `generate` takes them."""
+        rows = [r.row for r in batch]
+        scales = [r.true_cfg_scale for r in rows] if batch[0].uses_cfg else 1.0
+        # Each branch padded only to its longest prompt; a shared negative is encoded once.
+        return self.pipe.encode_guidance(
+            [r.prompt for r in rows],
+            [r.negative_prompt for r in rows] if batch[0].uses_cfg else None,
+            scales,
+            self.max_sequence_length,
+        )
+
+    def run(self, batch: list[ImageRequest], inputs: GuidanceInputs | None = None) -> list[GeneratedImage]:
+        """Images of `batch` in its order; an OOM splits the failing part in halves, depth first.
+        inputs: the batch's embeddings when already encoded (`encode`, e.g. while the previous
+        batch ran); a split part encodes its own."""
         out: list[GeneratedImage] = []
         queue = [batch]
         while queue:
             part = queue.pop(0)
             failed = False
             try:
-                out += self._run_once(part)
+                out += self._run_once(part, inputs if part is batch else None)
             except Exception as e:  # noqa: BLE001 - an OOM is recoverable, anything else is re-raised
                 if not _is_oom(e) or len(part) == 1:
                     raise
@@ -194,18 +210,15 @@ class BatchGenerator:
                 queue[:0] = [part[:half], part[half:]]
         return out
 
-    def _run_once(self, batch: list[ImageRequest]) -> list[GeneratedImage]:
+    def _run_once(
+        self, batch: list[ImageRequest], inputs: GuidanceInputs | None = None
+    ) -> list[GeneratedImage]:
         t0 = time.perf_counter()
         first = batch[0].row
         rows = [r.row for r in batch]
         scales = [r.true_cfg_scale for r in rows] if batch[0].uses_cfg else 1.0
-        # Each branch padded only to its longest prompt; a shared negative is encoded once.
-        inputs = self.pipe.encode_guidance(
-            [r.prompt for r in rows],
-            [r.negative_prompt for r in rows] if batch[0].uses_cfg else None,
-            scales,
-            self.max_sequence_length,
-        )
+        if inputs is None:
+            inputs = self.encode(batch)
         step_cache = self._step_cache()
         images = self.pipe.generate(
             **inputs,
@@ -217,8 +230,10 @@ class BatchGenerator:
             max_sequence_length=self.max_sequence_length,
             step_hook=step_cache,
         )
-        finite = torch.isfinite(images).flatten(1).all(dim=1).tolist()
-        pixels = (images * 255).round().clamp(0, 255).to(torch.uint8).cpu()  # (B, 3, H, W)
+        ok = torch.isfinite(images).flatten(1).all(dim=1)
+        pixels = (images * 255).round().clamp(0, 255).to(torch.uint8)  # (B, 3, H, W)
+        pixels, ok = to_host(pixels, ok)  # the batch's one blocking wait for the device
+        finite = ok.tolist()
         share = (time.perf_counter() - t0) / len(batch)
         out = [
             GeneratedImage(
@@ -241,12 +256,36 @@ class BatchGenerator:
         return StepCache(config, self.pipe.transformer.config.num_layers)
 
 
-def iter_generated(generator: BatchGenerator, batches: list[list[ImageRequest]]) -> Iterator[GeneratedImage]:
-    """Generated images, batch by batch.
+def to_host(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Device tensors in host memory with one wait: each copied into pinned memory without
+    blocking, then one event waited on. A pageable `.cpu()` per tensor would block once each
+    (and stage through a bounce buffer); host tensors come back as they are."""
+    if all(t.device.type == "cpu" for t in tensors):
+        return tensors
+    out = tuple(
+        torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors
+    )
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    return out
 
-    A batch that raises (other than an OOM that back-off absorbed) raises here: that is a
-    shard-level failure, so the shard is retried elsewhere rather than committed with rows
-    failed by what may be a passing fault of this actor.
+
+def iter_generated(generator: BatchGenerator, batches: list[list[ImageRequest]]) -> Iterator[GeneratedImage]:
+    """Generated images, batch by batch; each batch's prompts are encoded on a helper thread while
+    the batch before it runs (the text encoder's host work and copies overlap the denoising).
+
+    Encoding is per prompt (workers.text_embeddings), so the embeddings, and the images, are the
+    same whichever thread encodes them. A batch that raises (other than an OOM that back-off
+    absorbed) raises here: that is a shard-level failure, so the shard is retried elsewhere
+    rather than committed with rows failed by what may be a passing fault of this actor.
     """
-    for batch in batches:
-        yield from generator.run(batch)
+    if not batches:
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode-next") as pool:
+        pending = pool.submit(generator.encode, batches[0])
+        for i, batch in enumerate(batches):
+            inputs = pending.result()
+            if i + 1 < len(batches):
+                pending = pool.submit(generator.encode, batches[i + 1])
+            yield from generator.run(batch, inputs)

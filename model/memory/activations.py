@@ -76,7 +76,10 @@ def vae_decode_activation_bytes(cfg: VAEConfig, batch: int, height: int, width: 
     dims = [cfg.base_dim * u for u in (cfg.dim_mult[-1], *cfg.dim_mult[::-1])]
     px = (height // s) * (width // s)  # latent pixels
     c = dims[0]
-    attention = _norm_peak(c, e) + 3 * c * e + 2 * c * e  # norm, qkv, output and its re-laid copy
+    # norm, qkv, output and its re-laid copy; and the moment the conv's qkv and its dense copy
+    # (the layout the fused kernel takes, vae_blocks.AttentionBlock) are both alive. The fused
+    # kernel itself adds only a per-row log-sum-exp: no (HW, HW) scores.
+    attention = max(_norm_peak(c, e) + 3 * c * e + 2 * c * e, 6 * c * e + 2 * c * e)
     peak = px * (2 * c * e + max(_resblock_peak(c, c, e), attention))  # conv_in output held by the caller
     for i, (d_in, d_out) in enumerate(zip(dims[:-1], dims[1:])):
         d_in = d_in // 2 if i > 0 else d_in

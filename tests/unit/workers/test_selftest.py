@@ -1,0 +1,120 @@
+"""The node self-test's CPU smoke run: the same entry point a GPU node runs, at toy widths.
+
+It runs in a child process whose importer refuses ray, pydantic and boto3 (a stock CUDA PyTorch
+image has none of them), so an import of any of them anywhere on the self-test's path fails the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+BLOCKED = ("ray", "pydantic", "boto3", "botocore")
+
+RUNNER = textwrap.dedent(
+    """
+    import sys
+
+    class Refuse:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in {blocked!r}:
+                raise ImportError(f"the self-test must not import {{name}}")
+            return None
+
+    sys.meta_path.insert(0, Refuse())
+    from ditfleet.workers.selftest.main import main
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+def run_selftest(
+    out: Path, *args: str, blocked: tuple[str, ...] = BLOCKED, timeout: float = 240
+) -> tuple[int, list[dict]]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", RUNNER.format(blocked=blocked), "--tiny", "--out", str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    assert lines, f"no JSON lines; stderr:\n{proc.stderr[-3000:]}"
+    return proc.returncode, lines
+
+
+def by_stage(lines: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for line in lines:
+        out.setdefault(line["stage"], []).append(line)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_tiny_run_prints_every_line_without_ray_pydantic_or_boto3(tmp_path):
+    # The diffusers comparisons have their own test below; here the rest of the run.
+    code, lines = run_selftest(tmp_path, blocked=BLOCKED + ("diffusers",))
+    stages = by_stage(lines)
+    summary = stages["summary"][-1]
+    assert code == 0, summary
+    assert summary["status"] == "pass" and not summary["error"], summary
+    # every line went to the log folder too, in the order printed
+    kept = [json.loads(x) for x in (tmp_path / "selftest.jsonl").read_text().splitlines()]
+    assert kept == lines
+    assert (tmp_path / "selftest.log").stat().st_size > 0
+    # the hub layout was written as shards + index and loaded
+    load = [x for x in stages["correctness"] if x.get("check") == "hub_layout_load"][0]
+    assert load["status"] == "pass" and load["files"] >= 3
+    # without diffusers the side-by-side checks say why they did not run
+    assert any(x["status"] == "skipped" and "diffusers" in x["reason"] for x in stages["correctness"])
+    # every SDPA call of a step is reported with its backend, DiT and VAE; the VAE's q/k/v dense
+    sdpa = stages["sdpa_backends"][-1]
+    sites = {c["site"] for c in sdpa["by_call"]}
+    assert sites == {"dit", "vae"}
+    # the DiT's q/k/v are dense; the VAE's are dense on CUDA only (CPU images stay byte-identical)
+    assert all(c["last_dim_contiguous"] for c in sdpa["by_call"] if c["site"] == "dit")
+    assert all(c["backend"] in ("flash", "efficient", "cudnn", "math") for c in sdpa["by_call"])
+    recompiles = [x for x in stages["compile"] if x.get("check") == "recompiles"][0]
+    assert recompiles["status"] == "pass" and recompiles["recompiles"] == 0
+    for name in ("dit_eager", "dit_compiled", "cfg_step", "vae_decode", "images_per_hour", "batch_generator"):
+        assert name in stages, name
+        assert stages[name][-1]["status"] == "measured", stages[name]
+    assert set(stages["cfg_step"][-1]["ms_per_cfg_step"]) == {"off", "cfg", "table"}
+    assert stages["batch_generator"][-1]["stored"] == 2
+    # the slots of other work's lines are there and say what they wait for
+    assert stages["fp8_forward"][-1]["status"] in ("skipped", "measured")
+
+
+def test_a_stage_out_of_time_says_so_and_the_rest_are_skipped_with_a_line(tmp_path):
+    code, lines = run_selftest(
+        tmp_path,
+        "--only",
+        "env,matmul_ceiling,dit_eager,cfg_step",
+        "--budget-s",
+        "0.5",
+        "--limit-scale",
+        "0.01",
+        timeout=120,
+    )
+    stages = by_stage(lines)
+    assert {"env", "dit_eager", "cfg_step", "summary"} <= set(stages)
+    assert any(x["status"] in ("deadline", "skipped") for x in stages["dit_eager"] + stages["cfg_step"])
+    assert lines[-1]["stage"] == "summary"
+
+
+@pytest.mark.slow
+def test_tiny_run_matches_diffusers(tmp_path):
+    pytest.importorskip("diffusers")
+    code, lines = run_selftest(tmp_path, "--only", "env,correctness")
+    checks = {x.get("check"): x for x in by_stage(lines)["correctness"]}
+    for name in ("dit_vs_diffusers", "vae_vs_diffusers", "timestep_trajectory"):
+        assert checks[name]["status"] == "pass", checks[name]
+    assert checks["dit_vs_diffusers"]["rel_err"] < 0.01
+    assert code == 0

@@ -1,0 +1,101 @@
+"""The self-test's command line: options, logging into the output folder, then the stages."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+# The whole run's budget on a GPU node: the issue's 7 minutes, compiles included.
+BUDGET_S = 420.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m ditfleet.workers.selftest",
+        description="Correctness and speed of the GPU path, one JSON line per measurement.",
+    )
+    p.add_argument("--out", required=True, help="folder for selftest.jsonl, selftest.log and scratch files")
+    p.add_argument(
+        "--tiny", action="store_true", help="toy widths on the CPU: the smoke run of the test suite"
+    )
+    p.add_argument("--device", default="auto", help="auto (cuda when present), cuda, cuda:N or cpu")
+    p.add_argument(
+        "--budget-s", type=float, default=None, help=f"whole-run budget (default {BUDGET_S:.0f}; tiny: 120)"
+    )
+    p.add_argument("--only", default="", help="comma-separated stage names to run (default: all)")
+    p.add_argument("--skip", default="", help="comma-separated stage names to leave out")
+    p.add_argument("--list", action="store_true", help="list the stages with their estimates and exit")
+    p.add_argument(
+        "--sizes", type=int, nargs="+", default=[1328, 1024], help="square sizes, main bucket first"
+    )
+    p.add_argument("--layers", type=int, default=60, help="DiT depth of the speed lines (published: 60)")
+    p.add_argument("--slice-blocks", type=int, default=2, help="blocks of the slice loaded from disk (1-2)")
+    p.add_argument("--text-len", type=int, default=128, help="prompt tokens of the speed lines")
+    p.add_argument("--repeat", type=int, default=3, help="timed calls per measurement (median)")
+    p.add_argument("--compile-mode", default=None, help="Inductor mode of the DiT (default: the worker's)")
+    p.add_argument("--compile-backend", default=None, help="default: inductor (tiny: eager, Dynamo only)")
+    p.add_argument("--worker-steps", type=int, default=6, help="steps per image in the batch-generator line")
+    p.add_argument("--worker-images", type=int, default=2)
+    p.add_argument("--worker-batch", type=int, default=2)
+    p.add_argument("--limit-scale", type=float, default=1.0, help="tiny: scale the stage deadlines")
+    return p
+
+
+def _logging(out: Path) -> None:
+    handler = logging.FileHandler(out / "selftest.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    logging.captureWarnings(True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from ditfleet.workers.selftest import stages  # noqa: F401 - registers the stages
+    from ditfleet.workers.selftest.runner import STAGES, Context, run_stages
+
+    if args.list:
+        for s in STAGES:
+            print(f"{s.name:28s} ~{s.estimate_s:4.0f} s (limit {s.limit_s:4.0f} s)  {s.doc}")
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "selftest.jsonl").write_text("")
+    _logging(out)
+    # Inductor's caches next to the logs unless the node sets them: a second run starts warm.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(out / "inductor-cache"))
+    import torch
+
+    if args.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    else:
+        device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: no CUDA device is visible", file=sys.stderr)
+        return 2
+    if args.tiny:
+        args.repeat = 1
+        args.layers = min(args.layers, 4)
+        args.text_len = min(args.text_len, 16)
+        args.worker_steps = min(args.worker_steps, 2)
+    dtype = torch.bfloat16
+    ctx = Context(
+        args=args,
+        out=out,
+        device=device,
+        dtype=dtype,
+        tiny=args.tiny,
+        started=time.perf_counter(),
+        budget_s=args.budget_s or (120.0 if args.tiny else BUDGET_S),
+    )
+    torch.manual_seed(0)
+    only = {s for s in args.only.split(",") if s}
+    skip = {s for s in args.skip.split(",") if s}
+    summary = run_stages(ctx, only or None, skip)
+    return 0 if summary["status"] == "pass" else 1
