@@ -110,6 +110,7 @@ def literal_values(tp: Any) -> tuple | None:
 ModulationCache = Literal["off", "cfg", "table"]
 CfgMode = Literal["serial", "batched", "auto"]
 Quantization = Literal["none", "fp8", "fp8-weight-only"]  # model.quantization names these
+AttentionBackend = Literal["auto", "cudnn", "flash", "efficient", "math"]  # model.attention_backend
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,14 @@ class PipelineSettings:
         "'fp8': FP8 weights and activations, the GEMMs on FP8 matrix units (GPUs of compute capability "
         "8.9+: L4, L40S, H100, H200; or the CPU); 'fp8-weight-only': FP8 weights computed in bf16 (any GPU, "
         "e.g. A100); 'none': the exact weights. Changes pixels: see docs/real-model.md for the measured cost.",
+    )
+
+    attention_backend: AttentionBackend = setting(
+        "auto",
+        pixels=True,
+        description="The SDPA kernel the DiT and VAE prefer on CUDA (model.attention_backend): 'auto' "
+        "(SDPA's own order), 'cudnn', 'flash', 'efficient', or 'math' (the reference, slow). The others "
+        "stay behind the preferred one for shapes it does not take. No effect on the CPU.",
     )
 
     def __post_init__(self) -> None:

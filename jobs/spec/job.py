@@ -144,7 +144,7 @@ class JobSpec(Section):
             "device": self.model.device,
             "dtype": self.model.dtype,
             "compile_vae": self.compile.vae,
-            "compile_dit": self.compile.dit,
+            "compile_dit": self.compile_dit_planned(),
             "cfg_mode": self.sampling.cfg_mode,
             "max_sequence_length": self.model.max_sequence_length,
             "batch_size": self.workers.batch_size,
@@ -158,6 +158,15 @@ class JobSpec(Section):
         if self.model.scheduler_config:
             settings["scheduler_config"] = self.model_scheduler_config()
         return settings
+
+    def compile_dit_planned(self) -> bool | str:
+        """compile.dit as the fingerprint records it: "auto" is off on CPU actors (compile.policy
+        resolve_dit), so a CPU job keeps the fingerprint it had when the default was false; on a
+        GPU "auto" stays "auto" (each actor decides it from the same expected image count)."""
+        dit = self.compile.dit
+        if dit == "auto" and (self.model.device == "cpu" or self.gpus_per_actor() == 0):
+            return False
+        return dit
 
     def memory_request(self) -> MemoryRequest:
         """What one actor asks of its GPU, for the memory plan (every bucket of the job)."""
