@@ -33,8 +33,9 @@ import torch.nn.functional as F
 import ditfleet.model.transformer as transformer_module
 from ditfleet.compile import CompileConfig
 from ditfleet.compile.compiled_method import compiled_method
-from ditfleet.compile.policy import DIT_METHODS, dit_linears
+from ditfleet.compile.policy import dit_linears
 from ditfleet.model.attention import TextPadding, joint_attention
+from ditfleet.model.family import QWEN_IMAGE
 from ditfleet.model.sampling import latent_grid
 from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig
 
@@ -103,9 +104,13 @@ def compile_blocks(
     (unless `onednn` is off) fp32 linears through oneDNN."""
     config = CompileConfig(dit=True, dit_mode=mode, dit_backend=backend, cpu_onednn_linear=onednn)
     dit_linears(model, config, device_type)
-    for block in model.transformer_blocks:
-        for name, dims in DIT_METHODS.items():
-            compiled_method(block, name, config.compile_kwargs("dit", device_type), dynamic_dims=dims)
+    for region in QWEN_IMAGE.compile_regions:
+        if region.part == "dit":
+            for _prefix, block in region.owners(model):
+                for name, dims in region.methods.items():
+                    compiled_method(
+                        block, name, config.compile_kwargs("dit", device_type), dynamic_dims=dict(dims)
+                    )
 
 
 def twin(ours: QwenImageTransformer, cfg: TransformerConfig) -> QwenImageTransformer:
@@ -352,7 +357,9 @@ def main() -> None:
         peak = next((v for k, v in BF16_PEAK_TFLOPS.items() if k in name), None)
 
     results = {
-        f"{size}x{size}": bench_size(size, args, cfg, ours, compiled, compiled_aten, ref, device, dtype, clock, peak)
+        f"{size}x{size}": bench_size(
+            size, args, cfg, ours, compiled, compiled_aten, ref, device, dtype, clock, peak
+        )
         for size in sizes
     }
 

@@ -25,9 +25,10 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ditfleet.compile.buckets import QWEN_IMAGE_BUCKETS, BucketSet  # noqa: E402
+from ditfleet.compile.buckets import default_buckets  # noqa: E402
 from ditfleet.driver.input.prompts import PromptSource  # noqa: E402
 from ditfleet.driver.plan import PlanConfig, plan_job  # noqa: E402
+from ditfleet.model.family import QWEN_IMAGE  # noqa: E402
 from ditfleet.workers.rows import RowConfig  # noqa: E402
 
 _WORDS = (
@@ -89,7 +90,7 @@ def main() -> None:
             t0 = time.perf_counter()
             write_prompts(Path(source_uri), args.rows)
             generate_s = time.perf_counter() - t0
-        config = PlanConfig(rows=RowConfig(buckets=BucketSet(QWEN_IMAGE_BUCKETS)), shard_size=args.shard_size)
+        config = PlanConfig(rows=RowConfig(buckets=default_buckets(QWEN_IMAGE)), shard_size=args.shard_size)
         rss_before = _peak_rss_mb()
         t0 = time.perf_counter()
         plan = plan_job(PromptSource(source_uri), config)

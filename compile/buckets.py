@@ -12,7 +12,8 @@ the nearest aspect ratio, or is refused in strict mode.
 Prompt length (kept for comparisons and the shared cache key): embeddings (B, L, D) can be
 zero-padded to the smallest bucket length >= L with the padding masked off, which changes no output
 (`compile.prompt_padding`). This module is plain arithmetic, without torch: the job spec and the
-driver's planning read it.
+driver's planning read it. The default buckets are the model family's (`model.family`):
+`default_buckets(model_path)`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from ditfleet.model.family import model_family
 
 # 8x VAE downsampling, then 2x2 patch packing of the latent grid.
 SIZE_MULTIPLE = 16
@@ -75,28 +79,6 @@ class ResolutionBucket:
     def __str__(self) -> str:
         return self.name
 
-
-# Qwen-Image's recommended sizes per aspect ratio. Its 4:3 and 3:4 sizes are 1472x1140 and
-# 1140x1472; 1140 is not a multiple of 16, so they are replaced by the nearest multiple, 1136
-# (which is also what the reference pipeline generates when asked for 1140: it rounds down to 16).
-# The first bucket is the default for rows that give no size.
-QWEN_IMAGE_BUCKETS: tuple[ResolutionBucket, ...] = (
-    ResolutionBucket(1328, 1328),  # 1:1
-    ResolutionBucket(1664, 928),  # 16:9
-    ResolutionBucket(928, 1664),  # 9:16
-    ResolutionBucket(1472, 1136),  # 4:3 (recommended 1472x1140)
-    ResolutionBucket(1136, 1472),  # 3:4 (recommended 1140x1472)
-    ResolutionBucket(1584, 1056),  # 3:2
-    ResolutionBucket(1056, 1584),  # 2:3
-)
-
-# For the bundled tiny model: square, landscape 5:3 and portrait 3:5. Latent grids 16x16, 12x20
-# and 20x12 are even, as packing needs; small enough for CPU tests.
-TINY_BUCKETS: tuple[ResolutionBucket, ...] = (
-    ResolutionBucket(128, 128),
-    ResolutionBucket(160, 96),
-    ResolutionBucket(96, 160),
-)
 
 # Aspect distances closer than this count as a tie (then the pixel count decides).
 _ASPECT_TIE = 1e-9
@@ -186,6 +168,13 @@ class BucketSet:
         pixels = width * height
         # min() keeps the first of equal keys, so list order is the last tie-break.
         return min(near, key=lambda b: abs(math.log(b.pixels / pixels)))
+
+
+def default_buckets(model: Any, strict: bool = False) -> BucketSet:
+    """The buckets a job gets when it lists none: its model family's sizes (`model.family`), the
+    first the default size. `model`: a model path as the job names it, or a family."""
+    sizes = model_family(model).default_buckets
+    return BucketSet(tuple(ResolutionBucket(w, h) for w, h in sizes), strict=strict)
 
 
 # ---------------------------------------------------------------------------------------------

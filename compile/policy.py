@@ -1,14 +1,13 @@
 """What gets compiled, how, and where it is installed: `apply_compile(pipe, config)`.
 
-Compile is applied from outside the model. The pipeline calls `pipe.vae.decode`, so `decode` is
-what is compiled (compiling the VAE module would compile `forward`, which decode never calls):
-the compiled callable is installed as the VAE object's own `decode` attribute. Optionally, each
-DiT block's two tensor functions around its attention kernel (`attention_inputs`: norm, modulate,
-q/k/v, RMS norm, RoPE; `attention_outputs`: projections, gated residuals, MLPs) are compiled the
-same way. The block's `forward` (the modulation cache lookup) and the attention kernel (unmasked,
-or split by text length, decided per batch) stay eager. The batch size and the text length are
-dynamic dimensions, so one graph per function serves every prompt length and batch size of a
-resolution bucket; all blocks share one code object, so it is one graph per bucket, not per block.
+Compile is applied from outside the model. What is compiled is the model family's to say
+(`model.family`: its compile regions, each a few methods of some objects of one pipeline
+component with their dynamic dimensions); this module installs each compiled callable as the
+object's own attribute, so the pipeline calls it in place of the method. For Qwen-Image that is
+the VAE's `decode` (what the pipeline calls) and, optionally, two tensor functions of every DiT
+block around its attention kernel, with the batch size and the text length dynamic: one graph per
+function serves every prompt length and batch size of a resolution bucket, and all blocks share
+one code object, so it is one graph per bucket, not per block.
 """
 
 from __future__ import annotations
@@ -18,6 +17,8 @@ from typing import Any
 
 import torch
 
+from ditfleet.model.family import CompileRegion, model_family
+
 from .compiled_method import CompiledMethod, compiled_method, uninstall
 
 # The config lives in the torch-free compile.config (the job spec builds it without torch);
@@ -25,18 +26,6 @@ from .compiled_method import CompiledMethod, compiled_method, uninstall
 from .config import AUTO_DIT_IMAGES_PER_BUCKET, COMPILE_MODES, Backend, CompileConfig  # noqa: F401
 from .counting import ensure_counting
 from .cpu_linear import restore_linears, use_onednn_linears
-
-VAE_LABEL = "vae.decode"
-DIT_LABEL = "transformer_blocks.{index}.{method}"
-# The compiled DiT block functions and their dynamic dims by argument position: batch (dim 0)
-# everywhere, text length on the text tensors and the text RoPE table. The image token count
-# stays static (one graph per resolution bucket, specialised to it).
-DIT_METHODS: dict[str, dict[int, Any]] = {
-    # attention_inputs(img, txt, img_mod, txt_mod, rope=(image Rotation, text Rotation))
-    "attention_inputs": {0: (0,), 1: (0, 1), 4: {1: {"cos": (0,), "sin": (0,), "polar": (0,)}}},
-    # attention_outputs(img, txt, img_attn, txt_attn, img_mod, txt_mod)
-    "attention_outputs": {0: (0,), 1: (0, 1), 2: (0,), 3: (0, 1)},
-}
 
 
 @dataclass
@@ -85,27 +74,33 @@ def apply_compile(pipe: Any, config: CompileConfig) -> CompileReport:
     if config.dit == "auto":
         raise ValueError("compile.dit is 'auto': resolve it first with resolve_dit(config, ...)")
     report = CompileReport(config, device_type)
-    if config.vae:
-        report.methods[VAE_LABEL] = compiled_method(
-            pipe.vae,
-            "decode",
-            config.compile_kwargs("vae", device_type),
-            label=VAE_LABEL,
-            split_batch=config.vae_batch,
-        )
-    else:
-        uninstall(pipe.vae, "decode")
-    dit_linears(pipe.transformer, config, device_type)
-    for block in _blocks(pipe):
-        for method, dims in DIT_METHODS.items():
-            label = DIT_LABEL.format(index=block.index, method=method)
-            if config.dit:
+    for region in model_family(pipe).compile_regions:
+        if region.part == "dit":
+            dit_linears(getattr(pipe, region.component), config, device_type)
+        on = config.vae if region.part == "vae" else config.dit
+        for label, owner, method, dims in region.targets(pipe):
+            if on:
                 report.methods[label] = compiled_method(
-                    block, method, config.compile_kwargs("dit", device_type), label=label, dynamic_dims=dims
+                    owner,
+                    method,
+                    config.compile_kwargs(region.part, device_type),
+                    label=label,
+                    **_region_options(region, dims, config),
                 )
             else:
-                uninstall(block, method)
+                uninstall(owner, method)
     return report
+
+
+def _region_options(region: CompileRegion, dims: Any, config: CompileConfig) -> dict[str, Any]:
+    """compiled_method's keywords for one region: the VAE decode may split its batch
+    (compile.vae_batch); a region with dynamic dimensions passes them."""
+    options: dict[str, Any] = {}
+    if region.part == "vae":
+        options["split_batch"] = config.vae_batch
+    if dims:
+        options["dynamic_dims"] = dict(dims)
+    return options
 
 
 def dit_linears(transformer: Any, config: CompileConfig, device_type: str) -> None:
@@ -130,26 +125,19 @@ def resolve_dit(
 
 def remove_compile(pipe: Any) -> None:
     """Undo apply_compile: the pipeline runs eager again."""
-    uninstall(pipe.vae, "decode")
-    restore_linears(pipe.transformer)
-    for block in _blocks(pipe):
-        for method in DIT_METHODS:
-            uninstall(block, method)
+    for region in model_family(pipe).compile_regions:
+        if region.part == "dit":
+            restore_linears(getattr(pipe, region.component))
+        for _label, owner, method, _dims in region.targets(pipe):
+            uninstall(owner, method)
 
 
 def compiled_methods(pipe: Any) -> dict[str, CompiledMethod]:
     """The CompiledMethods installed on a pipeline now, by label."""
     found: dict[str, CompiledMethod] = {}
-    decode = vars(pipe.vae).get("decode")
-    if isinstance(decode, CompiledMethod):
-        found[VAE_LABEL] = decode
-    for block in _blocks(pipe):
-        for method in DIT_METHODS:
-            fn = vars(block).get(method)
+    for region in model_family(pipe).compile_regions:
+        for label, owner, method, _dims in region.targets(pipe):
+            fn = vars(owner).get(method)
             if isinstance(fn, CompiledMethod):
-                found[DIT_LABEL.format(index=block.index, method=method)] = fn
+                found[label] = fn
     return found
-
-
-def _blocks(pipe: Any) -> list[Any]:
-    return list(pipe.transformer.transformer_blocks)

@@ -6,9 +6,9 @@ Compiled graphs are specialised to input shapes, and the shapes do not depend on
 steps, so 2 steps are enough.
 
 The VAE decode sees only the resolution. A compiled DiT takes the batch size and the text length
-as dynamic dimensions (`compile.policy.DIT_METHODS`), so it too compiles once per resolution: no
-prompt-length bucket, batch size or padding adds a graph. Before running, it raises the recompile
-limit of every compiled target to the number of shapes it is about to trace.
+as dynamic dimensions (the model family's compile regions, `model.family`), so it too compiles
+once per resolution: no prompt-length bucket, batch size or padding adds a graph. Before running,
+it raises the recompile limit of every compiled target to the number of shapes it is about to trace.
 
 With `claims` (compile.claims), actors on one machine warm the buckets they can claim first and
 then the ones others were compiling, which by then come from the local Inductor cache: each
@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ditfleet.model.family import model_family
 from ditfleet.model.guidance import cfg_on
 from ditfleet.model.pipeline import GuidanceInputs
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH
@@ -241,9 +242,9 @@ def _cases(
 
 
 def _random_embeds(pipe: Any, batch: int, length: int, seed: int) -> torch.Tensor:
-    """(batch, length, joint_attention_dim) in the pipeline's dtype and device."""
+    """(batch, length, the text embedding width) in the pipeline's dtype and device."""
     g = torch.Generator().manual_seed(seed)
-    dim = pipe.transformer.config.joint_attention_dim
+    dim = model_family(pipe).text_conditioning(pipe).width
     return torch.randn(batch, length, dim, generator=g).to(pipe.device, pipe.dtype)
 
 

@@ -1,8 +1,9 @@
 """The memory plan of a job: does each of its buckets fit the GPU memory the job names?
 
 Reads only the model's config files (a local folder, the bundled tiny model, or s3://), never
-weights, and sizes every bucket at the job's batch size with `model.memory`. A batch size that
-cannot fit is refused before any actor starts, naming the largest one that does.
+weights, and sizes every bucket at the job's batch size with the model family's memory formula
+(`model.family`). A batch size that cannot fit is refused before any actor starts, naming the
+largest one that does.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from ditfleet.compile.buckets import PROMPT_LENGTH_BUCKETS, ResolutionBucket, pr
 
 # model.folder and model.memory read configs and safetensors headers without torch: planning a
 # job (`ditfleet plan`) does not load it.
+from ditfleet.model.family import model_family
 from ditfleet.model.folder import resolve_model_dir
-from ditfleet.model.memory import GB, MemoryPlan, ModelMemory, largest_batch, plan_memory
+from ditfleet.model.memory import GB, MemoryPlan, ModelMemory
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH
 from ditfleet.workers.storage import ObjectNotFound, S3Config, StoreError, open_store
 
@@ -125,6 +127,7 @@ def read_model_memory(model_path: str, s3: S3Config | None = None) -> ModelMemor
     scheme = urlparse(model_path).scheme
     if scheme == "hf":
         return None
+    memory = model_family(model_path).memory
     if scheme == "s3":
         store = open_store(model_path, s3)
 
@@ -140,7 +143,7 @@ def read_model_memory(model_path: str, s3: S3Config | None = None) -> ModelMemor
             except json.JSONDecodeError as e:
                 raise ValueError(f"{store.uri(key)}: not valid JSON ({e})") from e
 
-        return ModelMemory.from_configs(
+        return memory.from_configs(
             get("transformer/config.json"),  # type: ignore[arg-type]
             get("vae/config.json"),  # type: ignore[arg-type]
             get("text_encoder/config.json", required=False),
@@ -148,7 +151,7 @@ def read_model_memory(model_path: str, s3: S3Config | None = None) -> ModelMemor
             where=model_path,
         )
     path = model_path.removeprefix("file://")
-    return ModelMemory.from_dir(resolve_model_dir(path), name=model_path)
+    return memory.from_dir(resolve_model_dir(path), name=model_path)
 
 
 def job_memory_plan(request: MemoryRequest, model: ModelMemory | None = None) -> JobMemoryPlan | None:
@@ -156,6 +159,7 @@ def job_memory_plan(request: MemoryRequest, model: ModelMemory | None = None) ->
     model = model or read_model_memory(request.model_path, request.s3)
     if model is None:
         return None
+    memory = model_family(request.model_path).memory
     kwargs: dict[str, Any] = dict(
         dtype=request.dtype,
         text_encoder=request.text_encoder,
@@ -170,13 +174,13 @@ def job_memory_plan(request: MemoryRequest, model: ModelMemory | None = None) ->
     for name in request.buckets:
         b = ResolutionBucket.parse(name)
         plans.append(
-            plan_memory(
+            memory.plan(
                 model, height=b.height, width=b.width, batch=request.batch_size,
                 gpu_memory_gb=request.gpu_memory_gb, **kwargs,
             )
         )  # fmt: skip
         if request.gpu_memory_gb is not None:
-            largest[b.name] = largest_batch(
+            largest[b.name] = memory.largest_batch(
                 model, request.gpu_memory_gb, height=b.height, width=b.width, **kwargs
             )
     return JobMemoryPlan(model, request, tuple(plans), largest)

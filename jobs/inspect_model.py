@@ -10,24 +10,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ditfleet.compile.buckets import (
-    PROMPT_LENGTH_BUCKETS,
-    QWEN_IMAGE_BUCKETS,
-    TINY_BUCKETS,
-    prompt_length_bucket,
-)
+from ditfleet.compile.buckets import PROMPT_LENGTH_BUCKETS, default_buckets, prompt_length_bucket
 from ditfleet.driver.memory_plan import read_model_memory
+from ditfleet.model.family import MemoryFormula, model_family
 from ditfleet.model.loader import resolve_model_dir
-from ditfleet.model.memory import (
-    GB,
-    TEXT_ENCODER_PLACEMENTS,
-    CheckpointSize,
-    ModelMemory,
-    checkpoint_size,
-    dit_activation_bytes,
-    largest_batch,
-    plan_memory,
-)
+from ditfleet.model.memory import GB, TEXT_ENCODER_PLACEMENTS, CheckpointSize, ModelMemory, checkpoint_size
 from ditfleet.model.weights import WeightsError
 from ditfleet.workers.storage import S3Config
 
@@ -35,9 +22,9 @@ DEFAULT_GPUS_GB = (80.0, 48.0, 24.0)
 
 
 def default_bucket(model_path: str) -> str:
-    """The model's largest default bucket: 1328x1328 for Qwen-Image, 128x128 for the tiny model."""
-    buckets = TINY_BUCKETS if model_path == "tiny" else QWEN_IMAGE_BUCKETS
-    return max(buckets, key=lambda b: b.pixels).name
+    """The largest of the model family's default buckets (1328x1328 for Qwen-Image, 128x128 for
+    the tiny model)."""
+    return max(default_buckets(model_path), key=lambda b: b.pixels).name
 
 
 def inspect_model(
@@ -54,6 +41,7 @@ def inspect_model(
     model = read_model_memory(model_path, s3)
     if model is None:
         raise ValueError(f"{model_path}: hf:// models are not read here; inspect a local copy of the folder")
+    memory = model_family(model_path).memory
     root = None if "://" in model_path else resolve_model_dir(model_path)
     text_len = prompt_length_bucket(max_sequence_length, PROMPT_LENGTH_BUCKETS)
     params = model.params()
@@ -74,16 +62,16 @@ def inspect_model(
             kw: dict[str, Any] = dict(
                 height=h, width=w, dtype=dtype, text_encoder=placement, text_len=text_len
             )
-            base = plan_memory(model, batch=batch, **kw)
+            base = memory.plan(model, batch=batch, **kw)
             row = {"bucket": bucket, "text_encoder": placement, "batch": batch, "peak_gb": round(base.peak / GB, 2),
                    "peak_phase": base.peak_phase, "phases_gb": base.to_dict()["phases_gb"], "gpus": {}}  # fmt: skip
             for gb in gpus_gb:
-                p = plan_memory(model, batch=batch, gpu_memory_gb=gb, **kw)
+                p = memory.plan(model, batch=batch, gpu_memory_gb=gb, **kw)
                 row["gpus"][f"{gb:g}"] = {
                     "fits": p.fits,
                     "peak_gb": round(p.peak / GB, 2),
                     "dit_swapped": p.dit_swapped,
-                    "largest_batch": largest_batch(model, gb, **kw),
+                    "largest_batch": memory.largest_batch(model, gb, **kw),
                 }
             plans.append(row)
     return {
@@ -92,7 +80,7 @@ def inspect_model(
         "text_len": text_len,
         "components": components,
         "plans": plans,
-        "math_attention_extra_gb": _math_attention_extra(model, plans, dtype, text_len),
+        "math_attention_extra_gb": _math_attention_extra(memory, model, plans, dtype, text_len),
     }
 
 
@@ -109,15 +97,13 @@ def _checkpoint(root: Path | None, component: str) -> CheckpointSize | None:
 
 
 def _math_attention_extra(
-    model: ModelMemory, plans: list[dict], dtype: str, text_len: int
+    memory: MemoryFormula, model: ModelMemory, plans: list[dict], dtype: str, text_len: int
 ) -> dict[str, float]:
     e = 2 if dtype == "bf16" else 4
     out = {}
     for bucket in dict.fromkeys(p["bucket"] for p in plans):
         w, h = (int(v) for v in bucket.split("x"))
-        fused = dit_activation_bytes(model.transformer, 1, h, w, text_len, e, "fused")
-        math = dit_activation_bytes(model.transformer, 1, h, w, text_len, e, "math")
-        out[bucket] = round((math - fused) / GB, 2)
+        out[bucket] = round(memory.math_attention_extra(model, h, w, text_len, e) / GB, 2)
     return out
 
 

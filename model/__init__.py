@@ -12,12 +12,14 @@ from .lazy_exports import lazy_exports
 # name -> the submodule that defines it
 _WHERE = {
     "LoraError": "lora",
+    "ModelFamily": "family",
     "LoraSpec": "lora_spec",
     "QwenImageTransformer": "transformer",
     "TextToImagePipeline": "pipeline",
     "TransformerConfig": "transformer",
     "WeightsError": "weights",
     "load_pipeline": "loader",
+    "model_family": "family",
     "model_revision": "loader",
     "resolve_model_dir": "loader",
 }

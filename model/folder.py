@@ -78,6 +78,8 @@ def safetensors_files(component_dir: Path) -> list[Path]:
     raise WeightsError(f"{component_dir}: no *.safetensors weights found.")
 
 
+# The model path that names the bundled tiny model, and where its weights are.
+TINY_MODEL = "tiny"
 TINY_MODEL_DIR = Path(__file__).parent / "tiny" / "weights"
 REQUIRED_COMPONENTS = ("transformer", "vae", "scheduler")
 # model_index.json pipeline classes whose transformer/vae/scheduler this loader computes exactly.
@@ -86,7 +88,7 @@ SUPPORTED_PIPELINES = ("QwenImagePipeline",)
 
 def resolve_model_dir(path: str | Path) -> Path:
     """ "tiny" -> the bundled model; else a local directory in the diffusers layout."""
-    root = TINY_MODEL_DIR if str(path) == "tiny" else Path(path)
+    root = TINY_MODEL_DIR if str(path) == TINY_MODEL else Path(path)
     if not root.is_dir():
         raise WeightsError(f"model path {root}: not a directory. Give a diffusers-layout folder or 'tiny'.")
     missing = [c for c in REQUIRED_COMPONENTS if not (root / c).is_dir()]

@@ -22,6 +22,7 @@ import torch
 
 from ditfleet.compile import PreparedPipeline, compile_count, prepare_worker_pipeline
 from ditfleet.model import LoraSpec, TextToImagePipeline, load_pipeline, resolve_model_dir
+from ditfleet.model.family import model_family
 from ditfleet.model.guidance import negative_text
 from ditfleet.model.loader import load_text_encoder
 from ditfleet.workers.cache_secret import read_cache_secret, say_shared_cache_off
@@ -216,11 +217,12 @@ class GenerationWorker:
         if self.text is not None:  # offload: the encoder visits the GPU once per shard, here
             self.text.prefetch(shard_prompts(requests), self.config.pipeline.max_sequence_length)
         compiles_before, oom_splits_before = compile_count(), self.generator.oom_splits
-        attention_before = self.pipe.transformer.attention_stats.to_dict()
+        attention = model_family(self.pipe).attention_counters(self.pipe)
+        attention_before = attention.to_dict()
         generated, stored = self._generate_and_store(shard.index, requests, token)
         result.recompiles = compile_count() - compiles_before
         result.oom_splits = self.generator.oom_splits - oom_splits_before
-        result.attention = self.pipe.transformer.attention_stats.since(attention_before)
+        result.attention = attention.since(attention_before)
         manifest = ManifestWriter(shard.index, expected_rows=len(requests))
         rows_written = self._manifest_rows(
             requests, generated, stored, shard.index, attempt, result.recompiles

@@ -30,7 +30,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from ditfleet.compile.buckets import QWEN_IMAGE_BUCKETS, BucketSet, ResolutionBucket
+from ditfleet.compile.buckets import BucketSet, ResolutionBucket, default_buckets
+from ditfleet.model.family import DEFAULT_FAMILY
 from ditfleet.model.guidance import DEFAULT_NEGATIVE_PROMPT
 from ditfleet.model.settings import setting
 from ditfleet.workers.storage.input_files import InputFileError, open_parquet
@@ -85,7 +86,7 @@ class RowConfig:
         le=MAX_SEED,
         description="Job seed: a row without `seed` gets one derived from this and its id.",
     )
-    buckets: BucketSet = field(default_factory=lambda: BucketSet(QWEN_IMAGE_BUCKETS))
+    buckets: BucketSet = field(default_factory=lambda: default_buckets(DEFAULT_FAMILY))
     steps: int = setting(
         50, ge=STEPS_RANGE[0], le=STEPS_RANGE[1], description="Denoising steps (a row's `steps` wins)."
     )

@@ -17,12 +17,13 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from ditfleet.compile.buckets import QWEN_IMAGE_BUCKETS, TINY_BUCKETS, BucketSet
+from ditfleet.compile.buckets import BucketSet, default_buckets
 from ditfleet.compile.config import CompileConfig
 from ditfleet.driver.dispatch import DispatchConfig
 from ditfleet.driver.memory_plan import MemoryRequest
 from ditfleet.driver.plan import PlanConfig
 from ditfleet.driver.run_job import DriverConfig
+from ditfleet.model.family import model_family
 from ditfleet.model.settings import PipelineSettings, field_default, settings_fields
 from ditfleet.workers.cache_secret import CacheSecretSource
 from ditfleet.workers.contract import LoraSpec, ModelPlacement, WorkerConfig
@@ -76,13 +77,12 @@ class JobSpec(Section):
     def bucket_names(self) -> list[str]:
         if self.buckets.names is not None:
             return list(self.buckets.names)
-        default = TINY_BUCKETS if self.model.path == TINY_MODEL else QWEN_IMAGE_BUCKETS
-        return [b.name for b in default]
+        return list(default_buckets(self.model.path).names)
 
     def gpus_per_actor(self) -> float:
         if self.workers.gpus is not None:
             return self.workers.gpus
-        return 0.0 if self.model.path == TINY_MODEL else 1.0
+        return 0.0 if model_family(self.model.path).runs_on_cpu else 1.0
 
     def input_uri(self) -> str:
         return _absolute(self.input.path)

@@ -19,6 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+# The resolution buckets the tiny model is trained for, as (width, height): its family's defaults.
+from ..family import TINY_BUCKETS  # noqa: F401 - re-exported for the recipe and the tests
+
 # Palette: far apart in RGB so that plain nearest-colour analysis tells them apart even after a
 # lossy VAE round trip. Values in [0, 1].
 PALETTE: dict[str, tuple[float, float, float]] = {
@@ -60,8 +63,6 @@ POSITION_PHRASES: dict[str, str] = {
 # the 96-pixel side of the 160x96 bucket, with room for jitter. Small ones are 19 pixels across
 # there: smaller, and the VAE's 8x latent rounds a small square's or triangle's corners into a circle.
 SIZE_FRACTION: dict[str, float] = {"small": 0.10, "large": 0.14}
-# Resolution buckets the tiny model is trained for, as (width, height).
-TINY_BUCKETS: tuple[tuple[int, int], ...] = ((128, 128), (160, 96), (96, 160))
 HELD_OUT_COUNT = 64
 
 

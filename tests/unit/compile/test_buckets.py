@@ -5,17 +5,16 @@ import torch
 
 from ditfleet.compile.buckets import (
     PROMPT_LENGTH_BUCKETS,
-    QWEN_IMAGE_BUCKETS,
-    TINY_BUCKETS,
     BucketError,
     BucketSet,
     ResolutionBucket,
+    default_buckets,
     prompt_length_bucket,
 )
 from ditfleet.compile.prompt_padding import pad_prompt_embeds, pad_to_bucket
 
-QWEN = BucketSet(QWEN_IMAGE_BUCKETS)
-TINY = BucketSet(TINY_BUCKETS)
+QWEN = default_buckets("/models/qwen-image")  # any path but "tiny" is Qwen-Image
+TINY = default_buckets("tiny")
 
 
 @pytest.mark.parametrize(
@@ -68,15 +67,15 @@ def test_default_is_first_and_names():
 
 
 def test_all_defined_buckets_are_multiples_of_16_with_even_latent_grids():
-    for b in QWEN_IMAGE_BUCKETS + TINY_BUCKETS:
+    for b in (*QWEN, *TINY):
         assert b.width % 16 == 0 and b.height % 16 == 0
         assert (b.width // 8) % 2 == 0 and (b.height // 8) % 2 == 0
     # Qwen-Image's 4:3 recommendation 1472x1140 is kept as close as a multiple of 16 allows.
-    assert ResolutionBucket(1472, 1136) in QWEN_IMAGE_BUCKETS
+    assert ResolutionBucket(1472, 1136) in QWEN.buckets
 
 
 def test_strict_mode_error_names_size_and_lists_buckets():
-    strict = BucketSet(TINY_BUCKETS, strict=True)
+    strict = default_buckets("tiny", strict=True)
     assert strict.map(160, 96).name == "160x96"
     with pytest.raises(BucketError) as e:
         strict.map(1000, 700)

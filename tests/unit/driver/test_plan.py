@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ditfleet.compile.buckets import TINY_BUCKETS, BucketSet
+from ditfleet.compile.buckets import default_buckets
 from ditfleet.driver.input.prompts import PromptSource
 from ditfleet.driver.output.job_file import describe_differences, fingerprint_differences, job_document
 from ditfleet.driver.plan import JobPlan, PlanConfig, plan_job
@@ -27,7 +27,7 @@ from ditfleet.workers.storage.input_files import InputFileError, filesystem_for
 from tests.support.paths import REPO
 
 REPO = REPO
-ROWS = RowConfig(job_seed=1234, buckets=BucketSet(TINY_BUCKETS), steps=4, true_cfg_scale=3.0)
+ROWS = RowConfig(job_seed=1234, buckets=default_buckets("tiny"), steps=4, true_cfg_scale=3.0)
 LOCAL = filesystem_for("/")
 
 

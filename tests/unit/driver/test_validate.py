@@ -12,15 +12,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ditfleet.compile.buckets import TINY_BUCKETS, BucketSet
+from ditfleet.compile.buckets import default_buckets
 from ditfleet.driver.input.prompts import PromptSource
 from ditfleet.driver.input.row_errors import InputError
 from ditfleet.driver.input.validate import validate_input
 from ditfleet.driver.plan import PlanConfig, plan_job
 from ditfleet.workers.rows import RowConfig
 
-CONFIG = RowConfig(buckets=BucketSet(TINY_BUCKETS))
-STRICT = RowConfig(buckets=BucketSet(TINY_BUCKETS, strict=True))
+CONFIG = RowConfig(buckets=default_buckets("tiny"))
+STRICT = RowConfig(buckets=default_buckets("tiny", strict=True))
 
 
 def write(path: Path, columns: dict, schema: pa.Schema | None = None) -> Path:

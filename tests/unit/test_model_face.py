@@ -1,0 +1,209 @@
+"""The model's face (model/family.py): no module above model/ names what is Qwen-Image's own.
+
+compile/, workers/, driver/, jobs/ and ditfleet/ are parsed with `ast` (nothing is imported) and
+a test fails, naming the file and line, on any identifier, attribute, keyword, imported name or
+string constant (docstrings aside: prose may describe the model) that is Qwen-Image-specific:
+
+- a submodule, parameter, attribute or method of the DiT, read off the model itself: the module
+  tree of a `QwenImageTransformer` built on the meta device (`transformer_blocks`, `img_mod`,
+  `attn.to_q`, ...), the attributes its transformer, blocks and attention set, the methods those
+  classes define (`attention_inputs`, ...) and the transformer config's keys;
+- the classes model/transformer.py defines;
+- the family constants of model/family.py (`QWEN_IMAGE_BUCKETS`, `TINY_BUCKETS`, `QWEN_IMAGE`,
+  ...), which only model/ names; above it a family is reached through `model_family(...)`.
+
+A string constant counts when it holds such a name as a word ("transformer_blocks.{index}" or a
+getattr name), so a name cannot come back disguised as text.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import torch
+
+import ditfleet.model.family as family_module
+import ditfleet.model.transformer as transformer_module
+from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig
+from tests.support.paths import REPO
+
+ABOVE_MODEL = ("compile", "workers", "driver", "jobs", "ditfleet")
+# Paths allowed to name the DiT's internals, each with why. Each is a debt to move behind the
+# face, except test scaffolding; a listed path that no longer names any fails the test (then
+# delete its line), so the list only shrinks.
+EXEMPT = {
+    "ditfleet/testing/": "test scaffolding that writes published-width Qwen-Image checkpoints on purpose",
+    "workers/selftest/": "the node self-test builds synthetic Qwen-Image models at published widths "
+    "itself; it should ask the family for them",
+}
+
+# Names the DiT uses that are ordinary words or settings elsewhere too; each is allowed above
+# model/ because it means something there that is not the DiT's own.
+GENERIC = {
+    "act": "an activation, anywhere",
+    "body": "an HTTP body, a report's body",
+    "config": "every layer's config object",
+    "dtype": "a tensor's or a setting's dtype",
+    "eps": "an epsilon",
+    "forward": "nn.Module's own method",
+    "head_dim": "an attention head size, any model",
+    "heads": "attention heads, any model",
+    "in_channels": "a conv/linear's input channels",
+    "index": "a shard's, a bucket's, a list's index",
+    "linear": "nn.Linear, walked generically by compile.cpu_linear",
+    "modulation": "the project's modulation cache, by name",
+    "modulation_cache": "the job setting model.modulation_cache",
+    "net": "a network",
+    "num_layers": "a layer count, any model",
+    "out_channels": "a conv/linear's output channels",
+    "patch_size": "a patch size, any model",
+    "proj": "a projection",
+    "rope": "rotary embeddings, any model",
+}
+
+
+def _dit_names() -> set[str]:
+    config = TransformerConfig(
+        num_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        axes_dims_rope=(4, 6, 6),
+    )
+    with torch.device("meta"):
+        transformer = QwenImageTransformer(config)
+    block = transformer.transformer_blocks[0]
+    names: set[str] = set()
+    for path, _ in [*transformer.named_modules(), *transformer.named_parameters()]:
+        names |= {p for p in path.split(".") if p and not p.isdigit()}
+    for obj in (transformer, block, block.attn):
+        names |= {k for k in vars(obj) if not k.startswith("_")}
+        names |= {k for k in vars(type(obj)) if not k.startswith("_")}
+    names |= {f.name for f in fields(TransformerConfig)}
+    # What torch itself defines on every module is no knowledge of this model.
+    names -= set(dir(torch.nn.Linear(1, 1)))
+    return names - set(GENERIC)
+
+
+def _defined_classes(module) -> set[str]:
+    tree = ast.parse(Path(module.__file__).read_text())
+    return {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+
+
+def _family_constants() -> set[str]:
+    """Module-level constants of model/family.py that are one family's (not the face's types)."""
+    tree = ast.parse(Path(family_module.__file__).read_text())
+    names = set()
+    for node in tree.body:
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AnnAssign)
+            else []
+        )
+        names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    # A bare TINY is left out: "tiny" is a model path the spec names (and a common local name).
+    qwen = {n for n in names if n.startswith(("QWEN_", "_")) or n.endswith("_BUCKETS")}
+    return qwen | {"QwenImageFamily"}
+
+
+FORBIDDEN = frozenset(_dit_names() | _defined_classes(transformer_module) | _family_constants())
+WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _docstrings(tree: ast.Module) -> set[int]:
+    ids = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                ids.add(id(body[0].value))
+    return ids
+
+
+def named(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, name) of every Qwen-specific name the module writes."""
+    skip = _docstrings(tree)
+    found = []
+    for node in ast.walk(tree):
+        words: list[str] = []
+        if isinstance(node, ast.Name):
+            words = [node.id]
+        elif isinstance(node, ast.Attribute):
+            words = [node.attr]
+        elif isinstance(node, ast.alias):
+            words = [*node.name.split("."), *([node.asname] if node.asname else [])]
+        elif isinstance(node, (ast.keyword, ast.arg)) and node.arg:
+            words = [node.arg]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            words = [node.name]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip:
+            words = WORD.findall(node.value)
+        found += [(getattr(node, "lineno", 0), w) for w in words if w in FORBIDDEN]
+    return found
+
+
+def modules_above_model() -> list[Path]:
+    return [
+        p
+        for layer in ABOVE_MODEL
+        for p in sorted((REPO / layer).rglob("*.py"))
+        if not p.relative_to(REPO).as_posix().startswith(tuple(EXEMPT))
+    ]
+
+
+@pytest.mark.parametrize("prefix", sorted(EXEMPT))
+def test_every_exemption_is_still_needed(prefix):
+    paths = sorted((REPO / prefix).rglob("*.py"))
+    if not paths:
+        pytest.skip(f"{prefix} is not here")
+    assert any(named(ast.parse(p.read_text())) for p in paths), (
+        f"{prefix} names nothing Qwen-specific: drop it from EXEMPT"
+    )
+
+
+def test_the_forbidden_list_is_read_off_the_model():
+    # A sample of what the list must hold, so that a change in how it is derived cannot empty it.
+    assert {"transformer_blocks", "img_mod", "txt_mod", "img_mlp", "to_q", "attention_inputs"} <= FORBIDDEN
+    assert {"attention_outputs", "attention_stats", "joint_attention_dim"} <= FORBIDDEN
+    assert {"QWEN_IMAGE_BUCKETS", "TINY_BUCKETS", "QwenImageTransformer"} <= FORBIDDEN
+    assert not FORBIDDEN & set(GENERIC)
+
+
+def test_the_check_catches_each_way_of_naming():
+    source = (
+        "from ditfleet.model.family import QWEN_IMAGE_BUCKETS\n"
+        "x = pipe.transformer.transformer_blocks\n"
+        "getattr(block, 'attention_inputs')\n"
+        "LABEL = 'transformer_blocks.{index}'\n"
+        "def f(img_mod): ...\n"
+    )
+    assert sorted(named(ast.parse(source))) == [
+        (1, "QWEN_IMAGE_BUCKETS"),
+        (2, "transformer_blocks"),
+        (3, "attention_inputs"),
+        (4, "transformer_blocks"),
+        (5, "img_mod"),
+    ]
+    assert named(ast.parse('"""The attn.to_q of every transformer_blocks entry."""\n')) == []
+
+
+@pytest.mark.parametrize("layer", ABOVE_MODEL)
+def test_no_module_above_model_names_qwen_image_specifics(layer):
+    problems = []
+    for path in modules_above_model():
+        rel = path.relative_to(REPO).as_posix()
+        if not rel.startswith(f"{layer}/"):
+            continue
+        for line, name in named(ast.parse(path.read_text(), filename=rel)):
+            problems.append(f"{rel}:{line}: {name}")
+    assert not problems, (
+        "Qwen-Image specifics above model/; ask the model's face (model/family.py: "
+        "model_family(...).compile_regions, .default_buckets, .memory, .attention_counters, ...) instead:\n"
+        + "\n".join(problems)
+    )
