@@ -47,8 +47,8 @@ from ditfleet.driver.plan import JobPlan, PlanConfig, plan_job
 from ditfleet.driver.plan_file import load_plan, save_plan
 from ditfleet.driver.progress import JobProgress
 from ditfleet.workers.contract import WorkerConfig
-from ditfleet.workers.output.layout import success_key
-from ditfleet.workers.output.manifest import committed_shards
+from ditfleet.workers.output.layout import manifest_of_key, success_key
+from ditfleet.workers.output.manifest import committed_shards, current_manifest_keys
 from ditfleet.workers.rows import ShardSpec
 from ditfleet.workers.storage import ObjectStore, S3Config, open_store
 from ditfleet.workers.storage.input_files import filesystem_for, is_s3
@@ -77,10 +77,18 @@ class DriverConfig:
     # A local output on a filesystem every node mounts at the same path (else only actors on the
     # driver's node may write it).
     shared_filesystem: bool = False
+    # Committed shards to run again under new attempts, each committing its next manifest
+    # generation (workers.output.layout.manifest_key); the other shards are left as they are.
+    redo_shards: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.input_uri or not self.output_uri:
             raise ValueError("DriverConfig needs an input_uri and an output_uri")
+        if self.redo_shards and self.incremental:
+            raise ValueError(
+                "redo_shards is for a plain job's output; an incremental job's shards are redone by "
+                "running its job to a new output"
+            )
         try:
             json.loads(self.resolved_spec)
         except ValueError as e:
@@ -199,22 +207,34 @@ def _plain_work(run: _Execution, started: float) -> _Work | JobSummary:
     store.check_writable()
     run.hold(store)
     claim_output(store, plan, json.loads(config.resolved_spec), run.model())
+    done = committed_shards(store) & {s.index for s in plan.shards}
+    redo = redo_generations(store, plan.shards, done, config.redo_shards)  # refused: nothing written
     if stored is None:
         save_plan(store, plan)
-    done = committed_shards(store) & {s.index for s in plan.shards}
-    if len(done) == len(plan.shards) and (previous := read_success(store)) is not None:
+    if len(done) == len(plan.shards) and not redo and (previous := read_success(store)) is not None:
         return _complete_already(store, previous, len(done), out)
     if store.exists(success_key()):
         # Not complete: `_SUCCESS` goes before this run writes anything, so that no reader takes
         # the output for finished while it changes.
         store.delete(success_key())
     _remove_stale_temp_files(store, out)
+    shards: Sequence[ShardSpec] = plan.shards
+    if redo:
+        shards = tuple(
+            dataclasses.replace(s, generation=redo[s.index]) if s.index in redo else s for s in shards
+        )
+        done -= set(redo)
+        print(
+            f"redoing shards {sorted(redo)} of {store.uri()} under new attempts; their committed "
+            "manifests stay as written, each redo commits the next generation, which supersedes them",
+            file=out,
+        )
     if done:
         print(f"resuming {store.uri()}: {len(done)} of {len(plan.shards)} shards already committed", file=out)
     return _Work(
         store,
         plan.fingerprint(),
-        plan.shards,
+        shards,
         frozenset(done),
         {"shards": len(plan.shards), "rows": plan.total_rows, "images": plan.total_images},
         plan.buckets_used,
@@ -429,6 +449,37 @@ def _plan_increment(
     )
 
 
+class RedoError(ValueError):
+    """Shards asked to be redone that cannot be: not in the plan, or not committed yet."""
+
+
+def redo_generations(
+    store: ObjectStore, shards: Sequence[ShardSpec], committed: set[int], redo: Sequence[int]
+) -> dict[int, int]:
+    """Shard -> the manifest generation its redo commits: one above its current manifest's.
+
+    Only committed shards of the plan can be redone (an uncommitted one runs on a plain rerun).
+    The generation is read from the listing now; two runs of one redo (a retry, a speculative
+    twin) commit the same generation create-only, so the first wins as for any commit.
+    """
+    if not redo:
+        return {}
+    planned = {s.index for s in shards}
+    unknown = sorted(set(redo) - planned)
+    if unknown:
+        raise RedoError(
+            f"--redo-shards: shards {unknown} are not in the job's plan (it has shards 0..{len(shards) - 1})"
+        )
+    pending = sorted(set(redo) - committed)
+    if pending:
+        raise RedoError(
+            f"--redo-shards: shards {pending} are not committed yet; run the job without --redo-shards "
+            "to run them"
+        )
+    current = current_manifest_keys(store)
+    return {shard: manifest_of_key(current[shard])[1] + 1 for shard in sorted(set(redo))}  # type: ignore[index]
+
+
 def _complete_already(store: ObjectStore, previous: JobSummary, done: int, out: TextIO) -> JobSummary:
     """A rerun of a complete output: check, by listing alone, that every object its manifests
     name is still there; the summary in `_SUCCESS` when it is, a failed one naming the shards
@@ -446,9 +497,10 @@ def _complete_already(store: ObjectStore, previous: JobSummary, done: int, out: 
     print(
         f"{store.uri()}: _SUCCESS is there, but {count} objects its manifests name are missing, in "
         f"shards {shards[:20]}{' ...' if len(shards) > 20 else ''} (e.g. {lost[shards[0]][0]}). "
-        "A committed manifest is never rewritten, so these shards cannot be re-run in place: restore "
-        "the objects (from a backup or a versioned bucket), or run the job to a new output. "
-        "`ditfleet verify` lists every problem",
+        "A committed manifest is never rewritten: restore the objects (from a backup or a versioned "
+        f"bucket), or redo these shards under new attempts with `ditfleet run JOB --redo-shards "
+        f"{','.join(map(str, shards))}` (each commits a new manifest generation that supersedes its "
+        "old one; the other shards are left as they are). `ditfleet verify` lists every problem",
         file=out,
     )
     return dataclasses.replace(previous, status=FAILED)

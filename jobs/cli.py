@@ -176,8 +176,20 @@ def _plan_incremental(spec: JobSpec, as_json: bool) -> int:
     return EXIT_OK
 
 
+def _shard_list(text: str) -> tuple[int, ...]:
+    try:
+        shards = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give shard numbers separated by commas, e.g. 3,7"
+        ) from None
+    if not shards or min(shards) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give shard numbers >= 0 separated by commas, e.g. 3,7")
+    return shards
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    summary = run(args.job, address=args.address)
+    summary = run(args.job, address=args.address, redo_shards=args.redo_shards or ())
     if summary.shards.get("committed"):
         print(report_hint(summary.output))
     return summary.exit_code
@@ -313,6 +325,13 @@ def _add_job_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="run or resume the job")
     p.add_argument("job")
     p.add_argument("--address", help="Ray cluster to use (default: RAY_ADDRESS, else a local Ray)")
+    p.add_argument(
+        "--redo-shards",
+        type=_shard_list,
+        metavar="3,7",
+        help="run these committed shards again under new attempts; each commits a new manifest "
+        "generation that supersedes its old one, the other shards are left as they are",
+    )
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("submit", help="submit the job to a Ray cluster, once per schedule slot")

@@ -15,8 +15,7 @@ import pyarrow.parquet as pq
 from PIL import Image, ImageDraw, ImageFont
 
 from ditfleet.workers.output.formats import MANIFEST_IMAGE_COLUMNS, ok_images, read_images
-from ditfleet.workers.output.layout import manifest_key
-from ditfleet.workers.output.manifest import committed_shards
+from ditfleet.workers.output.manifest import current_manifest_keys
 from ditfleet.workers.storage import ObjectStore
 
 _COLUMNS = [*MANIFEST_IMAGE_COLUMNS, "prompt"]
@@ -37,10 +36,11 @@ class PreviewImage:
 def collect(store: ObjectStore, limit: int) -> list[PreviewImage]:
     """Up to `limit` ok images of the output, in shard order."""
     picked: list[PreviewImage] = []
-    for shard in sorted(committed_shards(store)):
+    current = current_manifest_keys(store)  # a redone shard's latest generation
+    for shard in sorted(current):
         if len(picked) >= limit:
             break
-        table = pq.read_table(io.BytesIO(store.get(manifest_key(shard))), columns=_COLUMNS)
+        table = pq.read_table(io.BytesIO(store.get(current[shard])), columns=_COLUMNS)
         prompts = {(r["id"], r["k"]): r["prompt"] for r in table.select(["id", "k", "prompt"]).to_pylist()}
         rows = ok_images(table)[: limit - len(picked)]
         for row, blob in read_images(store, rows):

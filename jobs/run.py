@@ -11,9 +11,10 @@ down when the job ends (a cluster this process was already connected to is left 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from ditfleet.driver.locations import check_local_output_nodes
 from ditfleet.driver.memory_plan import JobMemoryPlan, job_memory_plan
@@ -136,12 +137,17 @@ def check_memory(spec: JobSpec, job: str) -> JobMemoryPlan | None:
     return memory
 
 
-def run(job: str | os.PathLike[str] | JobSpec, address: str | None = None) -> JobSummary:
+def run(
+    job: str | os.PathLike[str] | JobSpec, address: str | None = None, redo_shards: Sequence[int] = ()
+) -> JobSummary:
     """Run or resume `job` (a job file or a JobSpec) and return its summary (`exit_code` says how
-    it ended). `address`: a Ray cluster (else RAY_ADDRESS, else a local one on loopback)."""
+    it ended). `address`: a Ray cluster (else RAY_ADDRESS, else a local one on loopback).
+    redo_shards: committed shards to run again under new attempts (docs/reliability.md, Redo)."""
     spec = job if isinstance(job, JobSpec) else load_spec(job)
     check_memory(spec, str(job) if not isinstance(job, JobSpec) else (spec.name or "the job"))
     driver, worker = spec.to_driver_config(), spec.to_worker_config()
+    if redo_shards:
+        driver = dataclasses.replace(driver, redo_shards=tuple(redo_shards))
     started = False
 
     def connect() -> None:

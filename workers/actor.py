@@ -206,7 +206,7 @@ class GenerationWorker:
         result = ShardResult(shard.index, attempt, "committed", worker_id=self.worker_id, attempt_token=token)
         if self._stop.is_set():  # queued behind the shard a stop request interrupted
             raise ShardAbandoned(f"shard {shard.index}: worker asked to stop before it started")
-        if self.store.exists(manifest_key(shard.index)):
+        if self.store.exists(manifest_key(shard.index, shard.generation)):
             result.status = "already_committed"
             return result
         fs = filesystem_for(
@@ -223,7 +223,7 @@ class GenerationWorker:
         result.recompiles = compile_count() - compiles_before
         result.oom_splits = self.generator.oom_splits - oom_splits_before
         result.attention = attention.since(attention_before)
-        manifest = ManifestWriter(shard.index, expected_rows=len(requests))
+        manifest = ManifestWriter(shard.index, expected_rows=len(requests), generation=shard.generation)
         rows_written = self._manifest_rows(
             requests, generated, stored, shard.index, attempt, result.recompiles
         )

@@ -157,6 +157,10 @@ class ShardSpec:
     # Rows without an id column take the id f"{id_prefix}{row}" instead of their position when
     # this is set (incremental jobs: positions shift when a file is added before others).
     id_prefix: str | None = None
+    # The manifest generation this run of the shard commits: 0 for its first commit, g >= 1 for
+    # a redo of a committed shard (workers.output.layout.manifest_key), which supersedes the
+    # lower generations without changing them.
+    generation: int = 0
 
     @property
     def num_rows(self) -> int:

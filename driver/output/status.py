@@ -23,7 +23,7 @@ from ditfleet.driver.output.job_file import read_job_file
 from ditfleet.driver.output.json_objects import read_json
 from ditfleet.driver.run_records import RecordedPlan, read_run_records
 from ditfleet.workers.output.layout import manifest_key, success_key
-from ditfleet.workers.output.manifest import committed_shards
+from ditfleet.workers.output.manifest import committed_shards, current_manifest_key, current_manifest_keys
 from ditfleet.workers.storage import ObjectStore
 
 _COLUMNS = ["id", "status", "error"]
@@ -63,9 +63,11 @@ class OutputCounts:
         return dict(top) | ({"other": rest} if rest else {})
 
 
-def shard_counts(store: ObjectStore, shard: int) -> OutputCounts:
-    """Counts of one committed shard, from its manifest (3 columns read)."""
-    parquet = pq.ParquetFile(io.BytesIO(store.get(manifest_key(shard))))
+def shard_counts(store: ObjectStore, shard: int, key: str | None = None) -> OutputCounts:
+    """Counts of one committed shard, from its current manifest `key` (listed when not given;
+    3 columns read)."""
+    key = key or current_manifest_key(store, shard) or manifest_key(shard)
+    parquet = pq.ParquetFile(io.BytesIO(store.get(key)))
     present = [c for c in _STEP_CACHE_COLUMNS if c in parquet.schema_arrow.names]
     table = parquet.read(columns=_COLUMNS + present)
     blocks = {c: (pc.sum(table.column(c)).as_py() or 0) if c in present else 0 for c in _STEP_CACHE_COLUMNS}
@@ -92,8 +94,9 @@ def count_shards(store: ObjectStore, shards: Iterable[int], threads: int = _READ
     shards = list(shards)
     if not shards:
         return total
+    current = current_manifest_keys(store)  # one listing for all: a redo's generation counts
     with ThreadPoolExecutor(max_workers=min(threads, len(shards))) as pool:
-        for counts in pool.map(lambda s: shard_counts(store, s), shards):
+        for counts in pool.map(lambda s: shard_counts(store, s, current.get(s)), shards):
             total.add(counts)
     return total
 

@@ -48,6 +48,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from ditfleet.driver.output.compact import check_compacted
 from ditfleet.driver.output.json_objects import read_json
 from ditfleet.driver.run_records import RecordedPlan, RunRecordError, read_run_records
 from ditfleet.workers.output.formats import (
@@ -64,10 +65,15 @@ from ditfleet.workers.output.layout import (
     attempt_prefixes,
     job_key,
     manifest_key,
-    shard_of_manifest_key,
+    manifest_of_key,
     success_key,
 )
-from ditfleet.workers.output.manifest import MANIFEST_SCHEMA, committed_shards, with_later_columns
+from ditfleet.workers.output.manifest import (
+    MANIFEST_SCHEMA,
+    current_manifest_key,
+    current_manifest_keys,
+    with_later_columns,
+)
 from ditfleet.workers.storage import ObjectNotFound, ObjectStore
 from ditfleet.workers.storage.base import check_key
 
@@ -204,10 +210,12 @@ class _Shard:
     accounted: bool = True
 
 
-def _read_manifest(store: ObjectStore, shard: int, plan: _Plan, problems: list[str]) -> _Shard | None:
-    where = store.uri(manifest_key(shard))
+def _read_manifest(
+    store: ObjectStore, shard: int, key: str, plan: _Plan, problems: list[str]
+) -> _Shard | None:
+    where = store.uri(key)
     try:
-        table = with_later_columns(pq.read_table(io.BytesIO(store.get(manifest_key(shard)))))
+        table = with_later_columns(pq.read_table(io.BytesIO(store.get(key))))
     except Exception as e:  # noqa: BLE001 - a damaged manifest is a finding, not a crash
         problems.append(f"{where}: cannot be read as Parquet ({type(e).__name__}: {e})")
         return None
@@ -301,6 +309,8 @@ def verify_output(
     _check_objects(store, shards, set(committed), plan, report, hash_objects)
     if success is not None:
         _check_success(success, plan, report)
+    # A compacted set (`ditfleet compact`) must be exactly the union of the manifests.
+    report.problems.extend(check_compacted(store))
     report.orphans.sort()
     if clean and report.orphans:
         report.cleaned = _delete(store, report.orphans)
@@ -313,25 +323,43 @@ def verify_output(
     return report
 
 
+def _current_of(keys: list[str]) -> dict[int, str]:
+    best: dict[int, tuple[int, str]] = {}
+    for key in keys:
+        shard, generation = manifest_of_key(key)  # type: ignore[misc] - keys are manifest keys
+        if shard not in best or generation > best[shard][0]:
+            best[shard] = (generation, key)
+    return {shard: key for shard, (_, key) in best.items()}
+
+
 def _read_manifests(store: ObjectStore, plan: _Plan, report: VerifyReport) -> tuple[list[int], list[_Shard]]:
-    """(the committed shards of the plan, what their manifests say)."""
-    committed: list[int] = []
+    """(the committed shards of the plan, what their current manifests say).
+
+    A shard's current manifest is its highest generation (a redo's); the lower ones it
+    supersedes are history, read by no reader, and their objects, under tokens the current one
+    does not name, are orphans like a losing run's."""
+    keys: list[str] = []
     for key in store.list(MANIFESTS_PREFIX):
-        shard = shard_of_manifest_key(key)
-        if shard is None:
+        found = manifest_of_key(key)
+        if found is None:
             report.problems.append(f"{store.uri(key)}: stray file in manifests/ (not a shard manifest)")
-        elif shard not in plan.shards:
+        elif found[0] not in plan.shards:
             report.problems.append(
-                f"{store.uri(key)}: manifest of shard {shard}, which the plan does not have (or superseded)"
+                f"{store.uri(key)}: manifest of shard {found[0]}, which the plan does not have (or superseded)"
             )
         else:
-            committed.append(shard)
-    committed.sort()
+            keys.append(key)
+    current = _current_of(keys)
+    committed = sorted(current)
     report.committed = len(committed)
     report.missing = sorted(plan.shards - set(committed))
     with ThreadPoolExecutor(max_workers=_THREADS) as pool:
         shards = [
-            s for s in pool.map(lambda s: _read_manifest(store, s, plan, report.problems), committed) if s
+            s
+            for s in pool.map(
+                lambda s: _read_manifest(store, s, current[s], plan, report.problems), committed
+            )
+            if s
         ]
     return committed, shards
 
@@ -425,7 +453,7 @@ def _check_objects(
     for shard, n in sorted(kept.items()):
         report.problems.append(
             f"shard {shard}: {n} objects no readable manifest row names are kept untouched: the "
-            f"shard's manifest {store.uri(manifest_key(shard))} cannot be fully read, so which of "
+            f"shard's manifest {store.uri(current_manifest_key(store, shard) or manifest_key(shard))} cannot be fully read, so which of "
             "them it commits is unknown (restore the manifest, then verify again)"
         )
     for key, rows in named.items():
@@ -461,13 +489,17 @@ def _delete(store: ObjectStore, keys: list[str]) -> int:
     return len(keys)
 
 
-def shard_orphans(store: ObjectStore, shard: int) -> list[str]:
+def shard_orphans(store: ObjectStore, shard: int, key: str | None = None) -> list[str]:
     """Attempt objects of a committed shard that are provably another run's than the committed
-    one: under a token no ok row of its manifest names. [] when the shard has no manifest (its
+    one: under a token no ok row of its current manifest (`key`, listed when not given) names;
+    after a redo, the superseded generations' objects too. [] when the shard has no manifest (its
     runs' objects are still in play then), when the manifest cannot be read, or when one of its
     ok rows names no object of the shard: what cannot be accounted for is never deleted."""
     try:
-        table = pq.read_table(io.BytesIO(store.get(manifest_key(shard))), columns=["status", "uri"])
+        key = key or current_manifest_key(store, shard)
+        if key is None:
+            return []
+        table = pq.read_table(io.BytesIO(store.get(key)), columns=["status", "uri"])
     except Exception:  # noqa: BLE001 - absent or unreadable: nothing of the shard is proved an orphan
         return []
     root = store.uri()
@@ -492,16 +524,18 @@ def missing_named_objects(store: ObjectStore) -> dict[int, list[str]]:
     counts as missing its manifest key."""
     named: dict[int, set[str]] = {}
     root = store.uri()
-    for shard in sorted(committed_shards(store)):
+    current = current_manifest_keys(store)
+    for shard in sorted(current):
+        key = current[shard]
         try:
-            table = pq.read_table(io.BytesIO(store.get(manifest_key(shard))), columns=["status", "uri"])
+            table = pq.read_table(io.BytesIO(store.get(key)), columns=["status", "uri"])
         except Exception:  # noqa: BLE001 - an unreadable commit is as bad as a lost object
-            named[shard] = {manifest_key(shard)}
+            named[shard] = {key}
             continue
         keys = set()
         for status, uri in zip(table.column("status").to_pylist(), table.column("uri").to_pylist()):
             if status == "ok":
-                keys.add(manifest_object_key(root, shard, uri)[0] or f"{manifest_key(shard)}: {uri}")
+                keys.add(manifest_object_key(root, shard, uri)[0] or f"{key}: {uri}")
         named[shard] = keys
     listed = {key for prefix in FORMAT_AREAS for key in store.list(prefix)}
     lost = {shard: sorted(keys - listed) for shard, keys in named.items()}
@@ -515,8 +549,14 @@ def clean_orphans(store: ObjectStore, shards: Iterable[int]) -> int:
     shards = list(shards)
     if not shards:
         return 0
+    current = current_manifest_keys(store)  # one listing: each shard's current generation
+    shards = [s for s in shards if s in current]
+    if not shards:
+        return 0
     with ThreadPoolExecutor(max_workers=min(_THREADS, len(shards))) as pool:
-        orphans = [k for keys in pool.map(lambda s: shard_orphans(store, s), shards) for k in keys]
+        orphans = [
+            k for keys in pool.map(lambda s: shard_orphans(store, s, current[s]), shards) for k in keys
+        ]
     return _delete(store, orphans) if orphans else 0
 
 

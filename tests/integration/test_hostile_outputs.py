@@ -359,6 +359,84 @@ def test_a_resume_with_other_weights_at_the_same_path_is_refused_naming_the_file
         weights.write_bytes(original)
 
 
+# -- a redo: named shards under new attempts, committed manifests never changed ----------------------
+
+
+def _redo(case: Case, prompts: Path, model: Path, monkeypatch, shards: tuple[int, ...]):
+    """run_job with redo_shards, its shards run in-process on the real worker (no Ray)."""
+    import dataclasses
+
+    import ditfleet.driver.run_job as run_job_module
+    from ditfleet.workers.actor import GenerationWorker
+
+    ran = []
+
+    def in_process(todo, worker_cls, args, config, events, keep_results=False):
+        worker = GenerationWorker(args[0])
+        for shard in todo:
+            ran.append((shard.index, shard.generation, worker.run_shard(shard, 0).status))
+        return None
+
+    monkeypatch.setattr(run_job_module, "run_shards", in_process)
+    log = io.StringIO()
+    config = dataclasses.replace(driver_config(prompts, case.uri, case.s3), redo_shards=shards)
+    summary = run_job(config, worker_config(model, case.uri, s3=case.s3), stream=log, interactive=False)
+    return summary, log.getvalue(), ran
+
+
+@pytest.mark.parametrize("fmt", ["files", "parquet"])
+def test_a_redo_commits_a_new_generation_and_touches_no_other_shard(
+    copy, prompts, tiny_model, monkeypatch, fmt
+):
+    from ditfleet.driver.output.verify import missing_named_objects
+    from ditfleet.workers.output.manifest import current_manifest_keys, read_manifests
+
+    case = copy(fmt)
+    lost = (
+        image_key(2, case.tokens[2], "p00002", None, "png") if fmt == "files" else data_key(2, case.tokens[2])
+    )
+    case.store.delete(lost)
+    summary, log = _run(case, prompts, tiny_model)
+    assert summary.exit_code == 1 and "--redo-shards 2" in log
+    before = case.snapshot()
+    summary, log, ran = _redo(case, prompts, tiny_model, monkeypatch, (2,))
+    assert summary.exit_code == 0, log
+    assert ran == [(2, 1, "committed")] and "redoing shards [2]" in log
+    after = case.snapshot()
+    # Shards 0 and 1, and every committed manifest, byte for byte as they were.
+    kept = {k: v for k, v in before.items() if k != "_SUCCESS" and "00002" not in k or k == manifest_key(2)}
+    assert all(after.get(k) == v for k, v in kept.items()), sorted(
+        k for k, v in kept.items() if after.get(k) != v
+    )
+    assert manifest_key(2, 1) in after and current_manifest_keys(case.store)[2] == manifest_key(2, 1)
+    # The superseded generation's objects (under its token) are gone; readers see one row each.
+    assert not [k for k in after if case.tokens[2] in k]
+    table = read_manifests(case.store)
+    assert sorted(table.column("id").to_pylist()) == ["p00000", "p00001", "p00002"]
+    assert case.store.exists(success_key()) and missing_named_objects(case.store) == {}
+    assert verify_output(case.store).exit_code == 0
+    # Again: the next generation; the one before stays as written.
+    summary, _, ran = _redo(case, prompts, tiny_model, monkeypatch, (2,))
+    assert summary.exit_code == 0 and ran == [(2, 2, "committed")]
+    assert case.store.get(manifest_key(2, 1)) == after[manifest_key(2, 1)]
+    assert verify_output(case.store).exit_code == 0
+
+
+def test_a_redo_of_an_uncommitted_or_unknown_shard_is_refused_and_writes_nothing(
+    copy, prompts, tiny_model, monkeypatch
+):
+    from ditfleet.driver.run_job import RedoError
+
+    case = copy("files")
+    case.store.delete(manifest_key(1))
+    before = case.snapshot()
+    with pytest.raises(RedoError, match=r"shards \[1\] are not committed yet"):
+        _redo(case, prompts, tiny_model, monkeypatch, (1,))
+    with pytest.raises(RedoError, match=r"shards \[9\] are not in the job's plan"):
+        _redo(case, prompts, tiny_model, monkeypatch, (9,))
+    assert case.snapshot() == before
+
+
 # -- the input: a footer that claims rows its pages do not hold ------------------------------------
 
 

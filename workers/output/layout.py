@@ -8,6 +8,7 @@
 {out}/webdataset/shard-{shard:05d}-{attempt}.tar    webdataset_key(shard, attempt)
     members {key}.{ext} and {key}.json              webdataset_sample_key(id, k)
 {out}/manifests/shard-{shard:05d}.parquet           manifest_key(shard)
+{out}/manifests/shard-{shard:05d}.redo-{g}.parquet  manifest_key(shard, g)  (a redo: supersedes the lower generations)
 {out}/_runs/{run:05d}.json                          run_key(run)  (incremental jobs: one per run)
 {out}/_runs/{run:05d}-{token}.ids.parquet           run_ids_key(run, token)
 {out}/_lease/{generation:08d}.json                  lease_key(generation)  (the driver that owns the output)
@@ -57,7 +58,8 @@ FORMAT_NAMES = ("files", "parquet", "webdataset")
 MAX_COMPONENT_BYTES = 200
 _HASH_HEX = 32  # 128 bits of sha256: collisions among shortened ids are not a practical concern
 
-_SHARD_FILE = re.compile(r"^shard-(\d{5,})\.parquet$")
+# A redo of a committed shard commits generation g >= 1 next to the first one (never over it).
+_SHARD_FILE = re.compile(r"^shard-(\d{5,})(?:\.redo-([1-9]\d*))?\.parquet$")
 _RUN_FILE = re.compile(r"^(\d{5,})\.json$")
 _LEASE_FILE = re.compile(r"^(\d{8,})\.json$")
 _TOKEN = re.compile(r"^[0-9a-f]{1,64}$")
@@ -214,17 +216,37 @@ def webdataset_sample_key(id_: str | int, k: int | None) -> str:
     return safe_key_component(id_).replace(".", "~2E") + _k_suffix(k)
 
 
-def manifest_key(shard: int) -> str:
-    """Key of a shard's manifest; its existence is the shard's commit."""
-    return f"{MANIFESTS_PREFIX}shard-{_shard(shard)}.parquet"
+def manifest_key(shard: int, generation: int = 0) -> str:
+    """Key of a shard's manifest of `generation`; its existence is that generation's commit.
+
+    Generation 0 is the shard's first commit; a redo (`ditfleet run --redo-shards`) commits
+    generation g >= 1 as shard-{shard}.redo-{g}.parquet, create-only like the first, so no
+    committed manifest is ever changed. The highest generation present is the shard's current
+    manifest (manifest.current_manifest_keys): readers read it alone.
+    """
+    if generation < 0:
+        raise ValueError(f"manifest generation must be >= 0, got {generation}")
+    suffix = f".redo-{generation}" if generation else ""
+    return f"{MANIFESTS_PREFIX}shard-{_shard(shard)}{suffix}.parquet"
 
 
-def shard_of_manifest_key(key: str) -> int | None:
-    """The shard index of a key under MANIFESTS_PREFIX, or None for any other key."""
+def manifest_prefix(shard: int) -> str:
+    """The prefix every generation's manifest of `shard` starts with (no other shard's does)."""
+    return f"{MANIFESTS_PREFIX}shard-{_shard(shard)}."
+
+
+def manifest_of_key(key: str) -> tuple[int, int] | None:
+    """(shard, generation) of a manifest key, or None for any other key."""
     if not key.startswith(MANIFESTS_PREFIX):
         return None
     match = _SHARD_FILE.match(key[len(MANIFESTS_PREFIX) :])
-    return int(match.group(1)) if match else None
+    return (int(match.group(1)), int(match.group(2) or 0)) if match else None
+
+
+def shard_of_manifest_key(key: str) -> int | None:
+    """The shard index of a key under MANIFESTS_PREFIX (any generation), or None for any other key."""
+    found = manifest_of_key(key)
+    return found[0] if found else None
 
 
 def run_key(run: int) -> str:

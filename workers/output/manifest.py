@@ -22,7 +22,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ditfleet.workers.output.layout import MANIFESTS_PREFIX, manifest_key, shard_of_manifest_key
+from ditfleet.workers.output.layout import MANIFESTS_PREFIX, manifest_key, manifest_of_key, manifest_prefix
 from ditfleet.workers.storage import ObjectStore
 
 MANIFEST_VERSION = "1"
@@ -187,10 +187,10 @@ def manifest_bytes(rows: list[ManifestRow]) -> bytes:
 class ManifestWriter:
     """Collects the rows of one shard and commits them as the shard's manifest."""
 
-    def __init__(self, shard: int, expected_rows: int | None = None) -> None:
+    def __init__(self, shard: int, expected_rows: int | None = None, generation: int = 0) -> None:
         self.shard = shard
         self.expected_rows = expected_rows
-        self.key = manifest_key(shard)
+        self.key = manifest_key(shard, generation)
         self._rows: list[ManifestRow] = []
         self._seen: set[tuple[str, int]] = set()
 
@@ -219,14 +219,29 @@ class ManifestWriter:
         return store.put_if_absent(self.key, manifest_bytes(self._rows), "application/vnd.apache.parquet")
 
 
+def _current(keys) -> dict[int, str]:
+    best: dict[int, tuple[int, str]] = {}
+    for key in keys:
+        found = manifest_of_key(key)
+        if found is not None and (found[0] not in best or found[1] > best[found[0]][0]):
+            best[found[0]] = (found[1], key)
+    return {shard: key for shard, (_, key) in best.items()}
+
+
+def current_manifest_keys(store: ObjectStore) -> dict[int, str]:
+    """Shard -> the key of its current manifest: its highest generation (a redo's, else the
+    first commit's). Superseded generations stay as written and are read by no reader."""
+    return _current(store.list(MANIFESTS_PREFIX))
+
+
+def current_manifest_key(store: ObjectStore, shard: int) -> str | None:
+    """The current manifest of one shard (a listing of its own manifests), None if uncommitted."""
+    return _current(store.list(manifest_prefix(shard))).get(shard)
+
+
 def committed_shards(store: ObjectStore) -> set[int]:
-    """Shards whose manifest exists (the resume set)."""
-    shards = set()
-    for key in store.list(MANIFESTS_PREFIX):
-        shard = shard_of_manifest_key(key)
-        if shard is not None:
-            shards.add(shard)
-    return shards
+    """Shards with a manifest of any generation (the resume set)."""
+    return set(current_manifest_keys(store))
 
 
 def with_later_columns(table: pa.Table) -> pa.Table:
@@ -243,10 +258,11 @@ def with_later_columns(table: pa.Table) -> pa.Table:
 
 
 def read_manifests(store: ObjectStore) -> pa.Table:
-    """All committed manifests as one table (MANIFEST_SCHEMA), ordered by shard."""
+    """Every shard's current manifest as one table (MANIFEST_SCHEMA), ordered by shard."""
     tables = []
-    for shard in sorted(committed_shards(store)):
-        key = manifest_key(shard)
+    current = current_manifest_keys(store)
+    for shard in sorted(current):
+        key = current[shard]
         table = with_later_columns(pq.read_table(io.BytesIO(store.get(key))))
         if not table.schema.equals(MANIFEST_SCHEMA, check_metadata=False):
             raise ValueError(
