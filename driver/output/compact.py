@@ -42,7 +42,7 @@ ROWS_PER_FILE = 2_000_000
 ROW_GROUP_ROWS = 131_072
 _READ_THREADS = 16
 _WINDOW = 256  # manifests read ahead at a time
-_SAMPLE_SHARDS = 256
+_SAMPLE_SHARDS = 64
 _SPILL_ROWS = 65_536
 _SORT = [("id", "ascending"), ("k", "ascending")]
 
@@ -138,12 +138,26 @@ def _read(store: ObjectStore, key: str) -> pa.Table:
 
 
 def iter_manifests(
-    store: ObjectStore, keys: Sequence[str], threads: int = _READ_THREADS
+    store: ObjectStore, keys: Sequence[str], threads: int = _READ_THREADS, batch_rows: int = 0
 ) -> Iterator[pa.Table]:
-    """The manifests at `keys`, read `threads` at a time, in order, a window ahead at most."""
+    """The manifests at `keys`, read `threads` at a time, in order, a window ahead at most;
+    with batch_rows, several manifests at a time as one table of at least that many rows (the
+    per-table work, digests and range splits, then runs once per batch, not once per manifest)."""
+    held: list[pa.Table] = []
+    rows = 0
     with ThreadPoolExecutor(max_workers=threads) as pool:
         for at in range(0, len(keys), _WINDOW):
-            yield from pool.map(lambda k: _read(store, k), keys[at : at + _WINDOW])
+            for table in pool.map(lambda k: _read(store, k), keys[at : at + _WINDOW]):
+                if not batch_rows:
+                    yield table
+                    continue
+                held.append(table)
+                rows += table.num_rows
+                if rows >= batch_rows:
+                    yield pa.concat_tables(held).combine_chunks()
+                    held, rows = [], 0
+    if held:
+        yield pa.concat_tables(held).combine_chunks()
 
 
 def _split_points(store: ObjectStore, keys: Sequence[str], rows_per_file: int, threads: int) -> list[str]:
@@ -196,27 +210,14 @@ def compact_output(
     with tempfile.TemporaryDirectory(prefix="ditfleet-compact-", dir=temp_dir) as tmp:
         spills = [os.path.join(tmp, f"range-{i:05d}.parquet") for i in range(len(cuts) + 1)]
         writers = [pq.ParquetWriter(p, schema, compression="lz4") for p in spills]
-        pending: list[list[pa.Table]] = [[] for _ in spills]
-        pending_rows = [0] * len(spills)
-
-        def flush(i: int) -> None:
-            if pending[i]:
-                writers[i].write_table(pa.concat_tables(pending[i]))
-                pending[i], pending_rows[i] = [], 0
-
         try:
-            for table in iter_manifests(store, keys, threads):
+            for table in iter_manifests(store, keys, threads, batch_rows=_SPILL_ROWS):
                 report.union.add(table)
                 ranges = _range_of(table.column("id").combine_chunks(), cuts) if cuts else None
                 for i in range(len(spills)):
                     part = table if ranges is None else table.filter(pa.array(ranges == i))
                     if part.num_rows:
-                        pending[i].append(part)
-                        pending_rows[i] += part.num_rows
-                        if pending_rows[i] >= _SPILL_ROWS:
-                            flush(i)
-            for i in range(len(spills)):
-                flush(i)
+                        writers[i].write_table(part)
         finally:
             for w in writers:
                 w.close()
@@ -302,7 +303,7 @@ def check_compacted(store: ObjectStore, threads: int = _READ_THREADS) -> list[st
     current = current_manifest_keys(store)
     union = UnionDigest()
     try:
-        for table in iter_manifests(store, [current[s] for s in sorted(current)], threads):
+        for table in iter_manifests(store, [current[s] for s in sorted(current)], threads, _SPILL_ROWS):
             union.add(table)
     except CompactionError as e:
         return [*problems, f"cannot compare the compacted set with the manifests: {e}"]
