@@ -50,6 +50,7 @@ import pyarrow.parquet as pq
 
 from ditfleet.driver.output.compact import check_compacted
 from ditfleet.driver.output.json_objects import read_json
+from ditfleet.driver.output.lease import OutputBusy, acquire_lease
 from ditfleet.driver.run_records import RecordedPlan, RunRecordError, read_run_records
 from ditfleet.workers.output.formats import (
     FORMAT_AREAS,
@@ -286,7 +287,28 @@ def verify_output(
     store: ObjectStore, *, partial: bool = False, clean: bool = False, hash_objects: bool = True
 ) -> VerifyReport:
     """Check the output at `store`; with `clean`, delete the orphans found (attempt objects of
-    committed shards that their manifest does not name: nothing can ever name them)."""
+    committed shards that their current manifest does not name).
+
+    With `clean` it first takes the output's lease, as a driver does, and deletes nothing while
+    a run owns the output: a redo (`run --redo-shards`) uploads objects of committed shards
+    under new tokens before its new manifest generation names them, so only with no run going
+    is an object the current manifest does not name provably never to be named.
+    """
+    if not clean:
+        return _verify(store, partial, False, hash_objects)
+    try:
+        lease = acquire_lease(store, renew=True)
+    except OutputBusy as e:
+        report = _verify(store, partial, False, hash_objects)
+        report.problems.append(f"--clean deleted nothing: {e}")
+        return report
+    try:
+        return _verify(store, partial, True, hash_objects)
+    finally:
+        lease.release()
+
+
+def _verify(store: ObjectStore, partial: bool, clean: bool, hash_objects: bool) -> VerifyReport:
     report = VerifyReport(output=store.uri(), partial=partial)
     try:
         job = read_json(store, job_key())
@@ -544,8 +566,8 @@ def missing_named_objects(store: ObjectStore) -> dict[int, list[str]]:
 
 def clean_orphans(store: ObjectStore, shards: Iterable[int]) -> int:
     """Delete the orphans of the given shards (only committed ones have any); returns how many.
-    Safe while stragglers run: a committed manifest never changes, so an object it does not name
-    now it never will."""
+    For the driver that owns the output (its lease), after the fence: stragglers can then only
+    add objects no manifest will name, and no redo of these shards is under way."""
     shards = list(shards)
     if not shards:
         return 0

@@ -422,6 +422,22 @@ def test_a_redo_commits_a_new_generation_and_touches_no_other_shard(
     assert verify_output(case.store).exit_code == 0
 
 
+def test_clean_deletes_nothing_while_a_driver_owns_the_output(copy, capsys):
+    # A redo uploads objects of a committed shard before its new generation names them.
+    case = copy("files")
+    pending = image_key(1, new_attempt_token(2), "p00001", None, "png")
+    case.store.put(pending, b"a redo's upload, not committed yet")
+    before = case.snapshot()
+    held = acquire_lease(case.store)
+    try:
+        assert verify_cli(case, "--clean") == 1
+        assert "--clean deleted nothing: output" in capsys.readouterr().out
+        assert case.snapshot() == before
+    finally:
+        held.release()
+    assert verify_cli(case, "--clean") == 0 and not case.store.exists(pending)  # no run: provable
+
+
 def test_a_redo_of_an_uncommitted_or_unknown_shard_is_refused_and_writes_nothing(
     copy, prompts, tiny_model, monkeypatch
 ):
