@@ -44,7 +44,7 @@ def connect_ray(address: str | None) -> bool:
             _refused_for_the_token(address or os.environ.get("RAY_ADDRESS", ""), e)
             raise
         return True
-    with _loopback_only():
+    with loopback_only():
         ray.init(
             address="local", include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING"
         )
@@ -55,7 +55,7 @@ _CLUSTER_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 @contextlib.contextmanager
-def _loopback_only() -> Iterator[None]:
+def loopback_only() -> Iterator[None]:
     """Keep the local cluster that ray.init starts on 127.0.0.1.
 
     On Linux Ray replaces a node address of 127.0.0.1 by the host's routable address, and its

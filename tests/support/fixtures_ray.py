@@ -6,7 +6,9 @@ runs a separate head in its own temp dir and stops exactly the process it starte
 
 On Linux, Ray replaces a node address of 127.0.0.1 by the host's routable address and its
 servers then listen on every interface. `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` keeps the node on
-loopback (single-node only, which is all a test needs), so nothing listens beyond 127.0.0.1.
+loopback (single-node only, which is all a test needs), so nothing listens beyond 127.0.0.1. Ray
+reads it once, at import: the in-process cluster starts under `ditfleet.jobs.run.loopback_only`,
+which also sets this process's already imported copy; a `ray start` child gets it in its env.
 """
 
 from __future__ import annotations
@@ -45,10 +47,26 @@ def ray_cluster() -> Iterator[RayCluster]:
     """A local Ray cluster for the whole test session (4 logical CPUs, no GPU, no dashboard)."""
     import ray
 
+    from ditfleet.jobs.run import loopback_only
+
     saved = {k: os.environ.get(k) for k in LOOPBACK_ENV}
     os.environ.update(LOOPBACK_ENV)
     if ray.is_initialized():  # a test that called ray.init itself must not leak into the others
         ray.shutdown()
+    with loopback_only():
+        _init_session_cluster(ray)
+    try:
+        yield RayCluster(address=ray.get_runtime_context().gcs_address, num_cpus=SESSION_CPUS)
+    finally:
+        ray.shutdown()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _init_session_cluster(ray) -> None:
     ray.init(
         # "local": always a fresh cluster of our own, never one a `ray start` left on this machine.
         address="local",
@@ -62,15 +80,6 @@ def ray_cluster() -> Iterator[RayCluster]:
         # Actors reach the moto server with its fake credentials, whichever fixture came first.
         runtime_env={"env_vars": dict(FAKE_CREDENTIALS)},
     )
-    try:
-        yield RayCluster(address=ray.get_runtime_context().gcs_address, num_cpus=SESSION_CPUS)
-    finally:
-        ray.shutdown()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 @dataclass(frozen=True)
