@@ -62,7 +62,7 @@ def plan_table(plan: JobPlan) -> pa.Table:
         "row_start": [s.row_start for s in shards],
         "row_stop": [s.row_stop for s in shards],
         "position_start": [s.position_start for s in shards],
-        "buckets": [masks.setdefault(s.buckets_used, sum(bit[b] for b in s.buckets_used)) for s in shards],
+        "buckets": [masks.get(s.buckets_used) or _mask(masks, bit, s.buckets_used) for s in shards],
         "num_images": [s.num_images for s in shards],
         "id_prefix": [s.id_prefix for s in shards],
     }
@@ -78,6 +78,16 @@ def plan_table(plan: JobPlan) -> pa.Table:
         "warnings": list(plan.warnings),
     }
     return pa.table(columns, schema=_SCHEMA.with_metadata({_META: json.dumps(meta).encode()}))
+
+
+def _mask(masks: dict, bit: dict[str, int], used: tuple[str, ...]) -> int:
+    masks[used] = sum(bit[b] for b in used)
+    return masks[used]
+
+
+def _names(decoded: dict, names: tuple[str, ...], mask: int) -> tuple[str, ...]:
+    decoded[mask] = tuple(n for i, n in enumerate(names) if mask >> i & 1)
+    return decoded[mask]
 
 
 def save_plan(store: ObjectStore, plan: JobPlan) -> None:
@@ -102,7 +112,7 @@ def plan_from_table(table: pa.Table, config: PlanConfig) -> JobPlan:
             row_start=start,
             row_stop=stop,
             position_start=position,
-            buckets_used=decoded.setdefault(mask, tuple(n for i, n in enumerate(names) if mask >> i & 1)),
+            buckets_used=decoded.get(mask) or _names(decoded, names, mask),
             num_images=images,
             id_prefix=prefix,
         )
