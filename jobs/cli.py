@@ -239,6 +239,18 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_OK if report.exit_code == 0 else EXIT_FAILED
 
 
+def cmd_compact(args: argparse.Namespace) -> int:
+    from ditfleet.driver.output.compact import CompactionError, compact_output
+
+    store = open_store(args.output, _store_args(args))
+    try:
+        report = compact_output(store, rows_per_file=args.rows_per_file, row_group_rows=args.row_group_rows)
+    except CompactionError as e:
+        raise UsageError(str(e)) from e
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_text())
+    return EXIT_OK
+
+
 def cmd_preview(args: argparse.Namespace) -> int:
     from ditfleet.jobs.preview import write_preview
 
@@ -437,6 +449,15 @@ def _add_output_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--html", default="report.html", help="HTML file to write (default report.html)")
     p.add_argument("--max", type=int, default=24, help="sample images on the page (default 24)")
+
+    p = command(
+        "compact",
+        "after _SUCCESS: the union of the manifests as a few large Parquet files sorted by id, under compacted/",
+        cmd_compact,
+    )
+    p.add_argument("--rows-per-file", type=int, default=2_000_000, help="rows per file (default 2,000,000)")
+    p.add_argument("--row-group-rows", type=int, default=131_072, help="rows per row group (default 131,072)")
+    p.add_argument("--json", action="store_true", help="print JSON")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

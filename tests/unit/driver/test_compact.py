@@ -110,3 +110,12 @@ def test_an_unfinished_output_is_refused_and_no_compacted_set_is_fine(tmp_path: 
     assert check_compacted(store) == []
     with pytest.raises(CompactionError, match="no _SUCCESS yet"):
         compact_output(store)
+
+
+def test_ditfleet_compact_command(tmp_path: Path, capsys):
+    from ditfleet.jobs.cli import main
+
+    _output(tmp_path / "out", shards=5, rows=4)
+    assert main(["compact", str(tmp_path / "out")]) == 0
+    assert "20 manifest rows of 5 shards into 1 file(s)" in capsys.readouterr().out
+    assert (tmp_path / "out" / "compacted" / "part-00000.parquet").exists()
