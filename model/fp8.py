@@ -33,8 +33,9 @@ from .quantization import (
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
-# Rows quantized at a time: bounds the fp32 copy to ~50 MB however wide the layer.
-_ROWS_PER_CHUNK = 1024
+# Rows quantized at a time: bounds the fp32 copy to ~12 MB however wide the layer, so that
+# loading holds little beyond the one checkpoint tensor in flight (host RSS, bench/load_rss.py).
+_ROWS_PER_CHUNK = 256
 _TINY = 1e-12  # an all-zero row keeps a finite scale
 
 
@@ -80,9 +81,9 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
     scale = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
     for lo in range(0, weight.shape[0], _ROWS_PER_CHUNK):
-        rows = weight[lo : lo + _ROWS_PER_CHUNK].float()
+        rows = weight[lo : lo + _ROWS_PER_CHUNK].to(torch.float32, copy=True)  # divided in place below
         s = rows.abs().amax(dim=1).clamp_min(_TINY) / FP8_MAX
-        out[lo : lo + _ROWS_PER_CHUNK] = (rows / s[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        out[lo : lo + _ROWS_PER_CHUNK] = rows.div_(s[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         scale[lo : lo + _ROWS_PER_CHUNK] = s
     return out, scale
 
