@@ -234,6 +234,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         partial=args.partial,
         clean=args.clean,
         hash_objects=not args.no_hash,
+        workers=args.workers,
     )
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_text())
     return EXIT_OK if report.exit_code == 0 else EXIT_FAILED
@@ -309,6 +310,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         gpus_gb=args.gpu_gb,
         max_sequence_length=args.max_sequence_length,
         s3=_store_args(args),
+        quantization=args.quantization,
     )
     print(json.dumps(info, indent=2) if args.json else format_inspection(info))
     return EXIT_OK
@@ -395,6 +397,12 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int, default=1, help="images per batch (default 1)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument(
+        "--quantization",
+        choices=("none", "fp8", "fp8-weight-only"),
+        default="none",
+        help="the DiT's weights, as model.quantization (default none; fp8 halves them)",
+    )
+    p.add_argument(
         "--gpu-gb",
         type=float,
         nargs="+",
@@ -436,6 +444,9 @@ def _add_output_commands(sub: argparse._SubParsersAction) -> None:
         "which no manifest names (never anything a manifest names)",
     )
     p.add_argument("--no-hash", action="store_true", help="check presence only; do not read and hash objects")
+    p.add_argument(
+        "--workers", type=int, default=16, help="threads reading manifests and objects (default 16)"
+    )
 
     p = command("preview", "contact sheet PNG of generated images with their prompts", cmd_preview)
     p.add_argument("--out", required=True, help="PNG file to write")

@@ -284,10 +284,18 @@ def losing_run_keys(shard: int, tokens: set[str], listed: Iterable[str]) -> list
 
 
 def verify_output(
-    store: ObjectStore, *, partial: bool = False, clean: bool = False, hash_objects: bool = True
+    store: ObjectStore,
+    *,
+    partial: bool = False,
+    clean: bool = False,
+    hash_objects: bool = True,
+    workers: int = _THREADS,
 ) -> VerifyReport:
     """Check the output at `store`; with `clean`, delete the orphans found (attempt objects of
     committed shards that their current manifest does not name).
+
+    workers: threads reading manifests and objects (and deleting); the checks and the report are
+    the same for any number, only the time changes (hashing releases the GIL).
 
     With `clean` it first takes the output's lease, as a driver does, and deletes nothing while
     a run owns the output: a redo (`run --redo-shards`) uploads objects of committed shards
@@ -295,20 +303,24 @@ def verify_output(
     is an object the current manifest does not name provably never to be named.
     """
     if not clean:
-        return _verify(store, partial, False, hash_objects)
+        return _verify(store, partial, False, hash_objects, workers)
     try:
         lease = acquire_lease(store, renew=True)
     except OutputBusy as e:
-        report = _verify(store, partial, False, hash_objects)
+        report = _verify(store, partial, False, hash_objects, workers)
         report.problems.append(f"--clean deleted nothing: {e}")
         return report
     try:
-        return _verify(store, partial, True, hash_objects)
+        return _verify(store, partial, True, hash_objects, workers)
     finally:
         lease.release()
 
 
-def _verify(store: ObjectStore, partial: bool, clean: bool, hash_objects: bool) -> VerifyReport:
+def _verify(
+    store: ObjectStore, partial: bool, clean: bool, hash_objects: bool, workers: int = _THREADS
+) -> VerifyReport:
+    if workers < 1:
+        raise ValueError(f"verify needs at least one worker thread, got {workers}")
     report = VerifyReport(output=store.uri(), partial=partial)
     try:
         job = read_json(store, job_key())
@@ -326,16 +338,16 @@ def _verify(store: ObjectStore, partial: bool, clean: bool, hash_objects: bool) 
     if plan is None:
         return report
     report.planned_shards = len(plan.shards)
-    committed, shards = _read_manifests(store, plan, report)  # first: see the module docstring
+    committed, shards = _read_manifests(store, plan, report, workers)  # first: see the module docstring
     _check_rows_once(shards, plan, report)
-    _check_objects(store, shards, set(committed), plan, report, hash_objects)
+    _check_objects(store, shards, set(committed), plan, report, hash_objects, workers)
     if success is not None:
         _check_success(success, plan, report)
     # A compacted set (`ditfleet compact`) must be exactly the union of the manifests.
     report.problems.extend(check_compacted(store))
     report.orphans.sort()
     if clean and report.orphans:
-        report.cleaned = _delete(store, report.orphans)
+        report.cleaned = _delete(store, report.orphans, workers)
     elif success is not None and report.orphans:
         report.problems.append(
             f"{len(report.orphans)} objects of losing runs lie in the data areas after _SUCCESS "
@@ -354,7 +366,9 @@ def _current_of(keys: list[str]) -> dict[int, str]:
     return {shard: key for shard, (_, key) in best.items()}
 
 
-def _read_manifests(store: ObjectStore, plan: _Plan, report: VerifyReport) -> tuple[list[int], list[_Shard]]:
+def _read_manifests(
+    store: ObjectStore, plan: _Plan, report: VerifyReport, workers: int = _THREADS
+) -> tuple[list[int], list[_Shard]]:
     """(the committed shards of the plan, what their current manifests say).
 
     A shard's current manifest is its highest generation (a redo's); the lower ones it
@@ -375,7 +389,7 @@ def _read_manifests(store: ObjectStore, plan: _Plan, report: VerifyReport) -> tu
     committed = sorted(current)
     report.committed = len(committed)
     report.missing = sorted(plan.shards - set(committed))
-    with ThreadPoolExecutor(max_workers=_THREADS) as pool:
+    with ThreadPoolExecutor(max_workers=workers) as pool:
         shards = [
             s
             for s in pool.map(
@@ -442,6 +456,7 @@ def _check_objects(
     plan: _Plan,
     report: VerifyReport,
     hash_objects: bool,
+    workers: int = _THREADS,
 ) -> None:
     """The format areas against the manifests: orphans, pending and stray objects, missing
     ones, and (hash_objects) every named object read through its format's reader."""
@@ -483,7 +498,7 @@ def _check_objects(
             report.problems.append(f"{store.uri(key)}: missing (named by {len(rows)} ok manifest rows)")
     if hash_objects:
         present = [k for k in named if k in listed]
-        with ThreadPoolExecutor(max_workers=_THREADS) as pool:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
             for found in pool.map(lambda k: _check_object(store, k, named[k]), present):
                 report.problems.extend(found)
         report.objects_checked = sum(len(named[k]) for k in present)
@@ -505,8 +520,8 @@ def _check_success(success: dict[str, Any], plan: _Plan, report: VerifyReport) -
             )
 
 
-def _delete(store: ObjectStore, keys: list[str]) -> int:
-    with ThreadPoolExecutor(max_workers=_THREADS) as pool:
+def _delete(store: ObjectStore, keys: list[str], workers: int = _THREADS) -> int:
+    with ThreadPoolExecutor(max_workers=workers) as pool:
         list(pool.map(store.delete, keys))
     return len(keys)
 
