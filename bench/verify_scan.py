@@ -6,6 +6,7 @@ manifest per shard, `_job.json`, and one orphan run per shard), then times:
 - clean_orphans over every shard (what the driver does before `_SUCCESS`).
 
     python -m bench.verify_scan --shards 40 --images 250 --bytes 4096 --repeat 5
+    python -m bench.verify_scan --shards 4000 --images 250 --bytes 512 --workers 1 2 4   # 1M objects
 
 Each verify is timed `--repeat` times and the best time is kept (a shared machine's noise only
 ever adds time). Prints one JSON line.
@@ -61,16 +62,31 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=250)
     parser.add_argument("--bytes", type=int, default=4096)
     parser.add_argument("--repeat", type=int, default=1, help="time each verify this often, keep the best")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        nargs="+",
+        help="verify threads: each count timed side by side on the same output (hashing), then the rest as usual",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="verify-scan-") as root:
         build(root, args.shards, args.images, args.bytes)
         store = open_store(root)
+        by_workers = {}
+        for n in args.workers or []:
+            seconds, report = _best(args.repeat, lambda n=n: verify_output(store, partial=True, workers=n))
+            by_workers[n] = {
+                "verify_hash_s": round(seconds, 3),
+                "objects_per_s": round(report.objects_checked / seconds, 1),
+            }
         hash_s, hashed = _best(args.repeat, lambda: verify_output(store, partial=True))
         no_hash_s, listed = _best(args.repeat, lambda: verify_output(store, partial=True, hash_objects=False))
         t2 = time.perf_counter()
         removed = clean_orphans(store, range(args.shards))
         t3 = time.perf_counter()
-        assert not hashed.problems and hashed.objects_checked == args.shards * args.images, hashed.problems[:3]
+        assert not hashed.problems and hashed.objects_checked == args.shards * args.images, hashed.problems[
+            :3
+        ]
         assert removed == len(hashed.orphans) == len(listed.orphans)
         print(
             json.dumps(
@@ -83,6 +99,11 @@ def main() -> None:
                     "verify_hash_objects_per_s": round(hashed.objects_checked / hash_s, 1),
                     "verify_no_hash_s": round(no_hash_s, 3),
                     "clean_orphans_s": round(t3 - t2, 3),
+                    **(
+                        {"by_workers": by_workers, "load_avg_1m": round(os.getloadavg()[0], 2)}
+                        if by_workers
+                        else {}
+                    ),
                 }
             )
         )
