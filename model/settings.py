@@ -141,6 +141,15 @@ class PipelineSettings:
         "e.g. A100); 'none': the exact weights. Changes pixels: see docs/real-model.md for the measured cost.",
     )
 
+    step_cache: str | dict[str, Any] = setting(
+        "off",
+        pixels=True,
+        description="Approximate step caching (model.step_cache, DBCache-style): 'off' (exact), 'safe', "
+        "'fast', or a mapping {preset, method, threshold, compute_blocks, warmup_steps, "
+        "max_consecutive_skips, exact_last_steps, min_steps} over a preset. It changes pixels: run "
+        "`ditfleet calibrate` on your model first (docs/performance.md).",
+    )
+
     attention_backend: AttentionBackend = setting(
         "auto",
         pixels=True,

@@ -8,7 +8,7 @@ Fields are checked here, one section at a time; what spans sections is checked b
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -17,6 +17,7 @@ from ditfleet.compile.config import CompileConfig
 from ditfleet.driver.dispatch import DispatchConfig
 from ditfleet.driver.plan import PlanConfig
 from ditfleet.model.settings import PipelineSettings
+from ditfleet.model.step_cache_config import check_schedule, parse_step_cache
 from ditfleet.workers.cache_secret import WELL_KNOWN_ENV, CacheSecretSource
 from ditfleet.workers.contract import ModelPlacement, WorkerConfig
 from ditfleet.workers.output.layout import FORMAT_NAMES, IMAGE_EXTENSIONS
@@ -148,7 +149,7 @@ ModelSpec = section(
         "device": knob(ModelPlacement, "device"),
         "dtype": knob(ModelPlacement, "dtype"),
         # cfg_mode is a pipeline knob too, but the job file shows it under sampling
-        **knobs(PipelineSettings, exclude=("cfg_mode",)),
+        **knobs(PipelineSettings, exclude=("cfg_mode", "step_cache")),
         "loras": (
             list[LoraAdapterSpec],
             Field(
@@ -175,6 +176,26 @@ ModelSpec = section(
 )
 
 
+def _resolved_step_cache(value: Any) -> str | dict[str, Any]:
+    """A preset name or mapping -> 'off' or the full settings it stands for, so that the
+    fingerprint names what the images were made with, not a preset's name. YAML reads a bare
+    `off` as false: that is off too."""
+    config = parse_step_cache(None if value is False else value)
+    return "off" if config is None else config.to_dict()
+
+
+def _step_cache_fits_schedule(spec: Any) -> Any:
+    check_schedule(parse_step_cache(spec.step_cache), spec.steps)
+    return spec
+
+
+def _sampling_spec_validators() -> dict:
+    return {
+        "_step_cache_ok": field_validator("step_cache", mode="before")(_resolved_step_cache),
+        "_step_cache_schedule": model_validator(mode="after")(_step_cache_fits_schedule),
+    }
+
+
 # Defaults for rows that give none (workers.rows.RowConfig), and how CFG runs.
 SamplingSpec = section(
     "SamplingSpec",
@@ -187,8 +208,10 @@ SamplingSpec = section(
         "num_images": knob(RowConfig, "num_images"),
         "max_prompt_chars": knob(RowConfig, "max_prompt_chars"),
         "cfg_mode": knob(PipelineSettings, "cfg_mode"),
+        "step_cache": knob(PipelineSettings, "step_cache"),
     },
     base=Section,
+    validators=_sampling_spec_validators(),
 )
 
 

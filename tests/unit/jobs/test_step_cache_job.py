@@ -1,0 +1,79 @@
+"""The step cache as part of a job: the spec's key and its errors, the fingerprint, the summary's
+share of reused work, and `ditfleet calibrate` on the tiny model (small n)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ditfleet.driver.output.summary import step_cache_summary
+from ditfleet.jobs.cli import main
+from ditfleet.jobs.spec import SpecError
+from ditfleet.jobs.spec.file import parse_spec
+from tests.support.paths import REPO
+
+BASE = (REPO / "jobs" / "examples" / "tiny.yaml").read_text()
+
+
+def _spec(step_cache: str | None, steps: int = 50):
+    text = BASE.replace("  steps: 20\n", f"  steps: {steps}\n")
+    if step_cache is not None:
+        text = text.replace(f"  steps: {steps}\n", f"  steps: {steps}\n  step_cache: {step_cache}\n")
+    return parse_spec(text)
+
+
+def test_off_keeps_the_fingerprint_and_a_preset_enters_it_resolved():
+    assert "step_cache" not in _spec(None).image_settings()
+    assert _spec("off").image_settings() == _spec(None).image_settings()
+    safe = _spec("safe").image_settings()["step_cache"]
+    assert safe["threshold"] == 0.12 and safe["compute_blocks"] == 8  # the settings, not the name
+    assert _spec("{preset: safe, threshold: 0.1}").image_settings()["step_cache"]["threshold"] == 0.1
+    assert _spec("fast").image_settings() != _spec("safe").image_settings()
+    assert _spec("safe").to_worker_config().pipeline.step_cache == safe
+
+
+@pytest.mark.parametrize(
+    ("value", "steps", "message"),
+    [
+        ("turbo", 50, "sampling.step_cache: unknown preset 'turbo'"),
+        ("{method: teacache}", 50, "sampling.step_cache.method: unknown method 'teacache'"),
+        ("{threshold: 1.2}", 50, "sampling.step_cache.threshold: must be in (0, 1)"),
+        ("{max_skips: 3}", 50, "unknown key(s) ['max_skips']"),
+        (
+            "safe",
+            8,
+            "sampling.step_cache: the schedule is too short for a step cache (8 steps < min_steps 20)",
+        ),
+    ],
+)
+def test_bad_step_cache_settings_name_the_key(value, steps, message):
+    with pytest.raises(SpecError) as err:
+        _spec(value, steps)
+    assert message in str(err.value)
+
+
+def test_the_summary_states_the_share_of_reused_work():
+    assert step_cache_summary(0, 0) == {}
+    s = step_cache_summary(100, 70)
+    assert s == {"blocks_computed": 100, "blocks_reused": 70, "reused_share": 0.4118, "work_speedup": 1.7}
+
+
+def test_calibrate_on_the_tiny_model(tmp_path, capsys):
+    job = tmp_path / "job.yaml"
+    job.write_text(BASE.replace("  steps: 20\n", "  steps: 20\n").replace("batch_size: 8", "batch_size: 2"))
+    code = main(["calibrate", str(job), "--n", "2", "--bucket", "128x128", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prompts"] == 2 and out["steps"] == 20 and out["buckets"] == ["128x128"]
+    assert [p["preset"] for p in out["presets"]] == ["safe", "fast"]
+    exact_adherence = out["exact"]["adherence"]
+    assert set(exact_adherence) >= {"shape_color", "kind", "iou"}
+    for p in out["presets"]:
+        assert p["blocks_computed"] + p["blocks_reused"] == out["exact"]["blocks"]
+        assert p["work_speedup"] > 1.0 and p["wall_speedup"] > 0
+        assert p["psnr_mean_db"] > 30 and 0.9 < p["ssim_mean"] <= 1.0
+        assert set(p["adherence"]) == set(exact_adherence)
+    # Too short a schedule for the presets: an error before any work.
+    assert main(["calibrate", str(job), "--n", "2", "--steps", "8"]) != 0
+    assert "too short" in capsys.readouterr().err
