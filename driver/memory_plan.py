@@ -19,9 +19,13 @@ from ditfleet.compile.buckets import PROMPT_LENGTH_BUCKETS, ResolutionBucket, pr
 # job (`ditfleet plan`) does not load it.
 from ditfleet.model.family import model_family
 from ditfleet.model.folder import resolve_model_dir
-from ditfleet.model.memory import GB, MemoryPlan, ModelMemory
+from ditfleet.model.memory import GB, TEXT_ENCODER_PLACEMENTS, MemoryPlan, ModelMemory
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH
 from ditfleet.workers.storage import ObjectNotFound, S3Config, StoreError, open_store
+
+# The GPU sizes the plan shows the largest batch for: 80 GB (A100/H100), 48 GB (L40S, A6000),
+# 24 GB (L4, A10G); an actor itself sizes its batch from its own GPU (workers.batch_fit).
+GPU_SIZES_GB = (80.0, 48.0, 24.0)
 
 
 class MemoryPlanError(ValueError):
@@ -67,24 +71,62 @@ class JobMemoryPlan:
     def worst(self) -> MemoryPlan:
         return max(self.plans, key=lambda p: p.peak)
 
+    def placements(self) -> tuple[str, ...]:
+        """The text-encoder placements that mean something for this model (one without a text
+        encoder has only the DiT and the VAE on the GPU)."""
+        return TEXT_ENCODER_PLACEMENTS if self.model.text_encoder is not None else ("gpu",)
+
+    def largest_by_gpu(
+        self, sizes_gb: tuple[float, ...] = GPU_SIZES_GB
+    ) -> dict[str, dict[str, dict[str, int]]]:
+        """bucket -> GPU size -> text-encoder placement -> the largest batch that fits (0: none),
+        whatever the job's own gpu_memory_gb: a fleet of mixed GPUs takes each GPU's own batch
+        (workers.batch_fit), and this says what each size gets. Empty for a CPU job."""
+        if self.request.device != "cuda":
+            return {}
+        memory = model_family(self.request.model_path).memory
+        out: dict[str, dict[str, dict[str, int]]] = {}
+        for p in self.plans:
+            row = out.setdefault(f"{p.width}x{p.height}", {})
+            for gb in sizes_gb:
+                row[f"{gb:g}"] = {
+                    te: memory.largest_batch(
+                        self.model, gb, height=p.height, width=p.width,
+                        **plan_kwargs(self.request, text_encoder=te),
+                    )
+                    for te in self.placements()
+                }  # fmt: skip
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "model": self.model.name,
             "params": self.model.params(),
+            "quantization": self.request.quantization,
             "gpu_memory_gb": self.request.gpu_memory_gb,
             "fits": self.fits,
             "largest_batch": self.largest,
+            "largest_batch_by_gpu": self.largest_by_gpu(),
             "buckets": [p.to_dict() for p in self.plans],
         }
 
     def lines(self) -> list[str]:
         first = self.plans[0]
         parts = ", ".join(f"{k.replace('_', ' ')} {v / GB:.1f} GB" for k, v in first.weights.items())
-        out = [f"{self.model.name} in {first.dtype}: {parts}"]
+        dit = f", DiT {first.quantization}" if first.quantization != "none" else ""
+        out = [f"{self.model.name} in {first.dtype}{dit}: {parts}"]
         for p in self.plans:
             bucket = f"{p.width}x{p.height}"
             tail = f" (largest batch that fits: {self.largest[bucket]})" if bucket in self.largest else ""
             out.append(p.describe() + tail)
+        by_gpu = self.largest_by_gpu()
+        if by_gpu:
+            out.append(f"largest batch per GPU size (text encoder {' / '.join(self.placements())}):")
+            for bucket, sizes in by_gpu.items():
+                cells = ", ".join(
+                    f"{gb} GB {'/'.join(str(n) for n in te.values())}" for gb, te in sizes.items()
+                )
+                out.append(f"  {bucket}: {cells}")
         if first.host:
             out.append(f"host memory per actor: {first.host / GB:.1f} GB (text encoder off the GPU)")
         return out
@@ -111,6 +153,11 @@ class JobMemoryPlan:
                     if r.text_encoder == "gpu" and "text_encoder" in p.weights
                     else "use a GPU with more memory"
                 )
+                if r.quantization == "none" and self._fits_under_fp8(p):
+                    hint += (
+                        "; model.quantization: fp8 (fp8-weight-only on a GPU without FP8 units) halves the "
+                        "DiT's weights and fits (docs/real-model.md)"
+                    )
                 problems.append(
                     f"bucket {bucket}: not even batch 1 fits {r.gpu_memory_gb:g} GB ({need}, weights "
                     f"{sum(p.weights.values()) / GB:.1f} GB); {hint}"
@@ -120,6 +167,15 @@ class JobMemoryPlan:
                 f"{where}: the job does not fit workers.gpu_memory_gb {r.gpu_memory_gb:g}:\n"
                 + "\n".join(f"  {line}" for line in problems)
             )
+
+    def _fits_under_fp8(self, plan: MemoryPlan) -> bool:
+        memory = model_family(self.request.model_path).memory
+        kwargs = plan_kwargs(self.request, quantization="fp8")
+        fp8 = memory.plan(
+            self.model, height=plan.height, width=plan.width, batch=1,
+            gpu_memory_gb=self.request.gpu_memory_gb, **kwargs,
+        )  # fmt: skip
+        return bool(fp8.fits)
 
 
 def read_model_memory(model_path: str, s3: S3Config | None = None) -> ModelMemory | None:
@@ -154,12 +210,8 @@ def read_model_memory(model_path: str, s3: S3Config | None = None) -> ModelMemor
     return memory.from_dir(resolve_model_dir(path), name=model_path)
 
 
-def job_memory_plan(request: MemoryRequest, model: ModelMemory | None = None) -> JobMemoryPlan | None:
-    """Plan every bucket of the job; None when the model cannot be read at plan time (hf://)."""
-    model = model or read_model_memory(request.model_path, request.s3)
-    if model is None:
-        return None
-    memory = model_family(request.model_path).memory
+def plan_kwargs(request: MemoryRequest, **overrides: Any) -> dict[str, Any]:
+    """The memory formula's keyword arguments for `request` (all but the size, batch and GPU)."""
     kwargs: dict[str, Any] = dict(
         dtype=request.dtype,
         text_encoder=request.text_encoder,
@@ -170,6 +222,16 @@ def job_memory_plan(request: MemoryRequest, model: ModelMemory | None = None) ->
         device=request.device,
         quantization=request.quantization,
     )
+    return {**kwargs, **overrides}
+
+
+def job_memory_plan(request: MemoryRequest, model: ModelMemory | None = None) -> JobMemoryPlan | None:
+    """Plan every bucket of the job; None when the model cannot be read at plan time (hf://)."""
+    model = model or read_model_memory(request.model_path, request.s3)
+    if model is None:
+        return None
+    memory = model_family(request.model_path).memory
+    kwargs = plan_kwargs(request)
     plans, largest = [], {}
     for name in request.buckets:
         b = ResolutionBucket.parse(name)

@@ -15,6 +15,8 @@ from ditfleet.driver.memory_plan import read_model_memory
 from ditfleet.model.family import MemoryFormula, model_family
 from ditfleet.model.loader import resolve_model_dir
 from ditfleet.model.memory import GB, TEXT_ENCODER_PLACEMENTS, CheckpointSize, ModelMemory, checkpoint_size
+from ditfleet.model.memory.params import transformer_weight_bytes
+from ditfleet.model.quantization import check_quantization
 from ditfleet.model.weights import WeightsError
 from ditfleet.workers.storage import S3Config
 
@@ -35,9 +37,13 @@ def inspect_model(
     gpus_gb: Sequence[float] = DEFAULT_GPUS_GB,
     max_sequence_length: int = 512,
     s3: S3Config | None = None,
+    quantization: str = "none",
 ) -> dict[str, Any]:
     """Components (parameters, checkpoint headers, bytes in `dtype`) and, per bucket, the peak
-    and the largest batch for every text-encoder placement on every GPU size."""
+    and the largest batch for every text-encoder placement on every GPU size.
+
+    quantization: the DiT's weights (model.quantization); under fp8 the transformer's entry
+    also says its bytes as loaded, and every plan counts them."""
     model = read_model_memory(model_path, s3)
     if model is None:
         raise ValueError(f"{model_path}: hf:// models are not read here; inspect a local copy of the folder")
@@ -55,13 +61,18 @@ def inspect_model(
                 "gb": round(ck.bytes / GB, 3), "dtypes": list(ck.dtypes),
             }  # fmt: skip
         components[name] = entry
+    if quantization != "none":
+        e = 2 if dtype == "bf16" else 4
+        loaded = transformer_weight_bytes(model.transformer, e, check_quantization(quantization))
+        components["transformer"][f"{quantization}_gb"] = round(loaded / GB, 3)
     plans = []
     for bucket in buckets or (default_bucket(model_path),):
         w, h = (int(v) for v in bucket.lower().split("x"))
         for placement in TEXT_ENCODER_PLACEMENTS if "text_encoder" in params else ("gpu",):
             kw: dict[str, Any] = dict(
-                height=h, width=w, dtype=dtype, text_encoder=placement, text_len=text_len
-            )
+                height=h, width=w, dtype=dtype, text_encoder=placement, text_len=text_len,
+                quantization=quantization,
+            )  # fmt: skip
             base = memory.plan(model, batch=batch, **kw)
             row = {"bucket": bucket, "text_encoder": placement, "batch": batch, "peak_gb": round(base.peak / GB, 2),
                    "peak_phase": base.peak_phase, "phases_gb": base.to_dict()["phases_gb"], "gpus": {}}  # fmt: skip
@@ -77,6 +88,7 @@ def inspect_model(
     return {
         "model": model_path,
         "dtype": dtype,
+        "quantization": quantization,
         "text_len": text_len,
         "components": components,
         "plans": plans,
@@ -112,6 +124,9 @@ def format_inspection(info: dict[str, Any]) -> str:
     dtype = info["dtype"]
     for name, c in info["components"].items():
         line = f"  {name:<13} {c['params'] / 1e9:7.3f} B params, {c[f'{dtype}_gb']:7.2f} GB in {dtype}"
+        quantization = info.get("quantization", "none")
+        if f"{quantization}_gb" in c:
+            line += f", {c[f'{quantization}_gb']:.2f} GB as {quantization}"
         ck = c.get("checkpoint")
         if ck:
             line += (
@@ -119,8 +134,9 @@ def format_inspection(info: dict[str, Any]) -> str:
                 f"{ck['gb']:.2f} GB {'/'.join(ck['dtypes'])}"
             )
         lines.append(line)
+    dit = f", DiT {info['quantization']}" if info.get("quantization", "none") != "none" else ""
     lines.append(
-        f"memory plan ({dtype}, prompts up to {info['text_len']} tokens, serial CFG, one image per VAE decode; "
+        f"memory plan ({dtype}{dit}, prompts up to {info['text_len']} tokens, serial CFG, one image per VAE decode; "
         "peak GB, then per GPU: fits and the largest batch):"
     )
     for row in info["plans"]:

@@ -212,7 +212,8 @@ def _job(tmp_path: Path, model: Path, **workers) -> Path:
     lines = [
         f"input: {{path: {REPO / 'jobs' / 'examples' / 'prompts.parquet'}}}",
         f"output: {{uri: {tmp_path / 'out'}}}",
-        f"model: {{path: {model}, text_encoder: {workers.pop('text_encoder', 'gpu')}}}",
+        f"model: {{path: {model}, text_encoder: {workers.pop('text_encoder', 'gpu')}, "
+        f"quantization: {workers.pop('quantization', 'none')}}}",
         "buckets: {names: [1328x1328, 1024x1024]}",
         "workers: {" + ", ".join(f"{k}: {v}" for k, v in workers.items()) + "}",
     ]
@@ -265,6 +266,43 @@ def test_inspect_reads_headers_and_prints_the_plan(qwen_configs_dir, capsys):
     assert "transformer    20.430 B params" in out
     assert "1328x1328 x1, text encoder gpu" in out and "48 GB: no (max batch 0)" in out
     assert "text encoder cpu" in out and "48 GB: fits (max batch 7)" in out
+
+
+def test_fp8_halves_the_dit_in_plan_and_inspect_and_a_batch_too_large_is_refused(
+    tmp_path, qwen_configs_dir, capsys
+):
+    job = _job(tmp_path, qwen_configs_dir, batch_size=10, gpu_memory_gb=48, quantization="fp8")
+    assert main(["plan", str(job), "--json"]) == 0
+    mem = json.loads(capsys.readouterr().out)["memory"]
+    first = mem["buckets"][0]
+    assert mem["quantization"] == "fp8" and round(first["weights_gb"]["transformer"], 1) == 20.5
+    assert mem["fits"] is True and mem["largest_batch"]["1328x1328"] == 10
+    # Every GPU size with every text-encoder placement, whatever the job's own GPU.
+    by_gpu = mem["largest_batch_by_gpu"]["1328x1328"]
+    assert by_gpu["80"] == {"gpu": 47, "cpu": 66, "offload": 66}
+    assert by_gpu["48"] == {"gpu": 10, "cpu": 29, "offload": 29}
+    assert by_gpu["24"] == {"gpu": 0, "cpu": 0, "offload": 0}  # 1328x1328's VAE decode does not fit
+    assert main(["plan", str(job)]) == 0
+    out = capsys.readouterr().out
+    assert "in bf16, DiT fp8: transformer 20.5 GB" in out
+    assert "largest batch per GPU size (text encoder gpu / cpu / offload):" in out
+    assert "1328x1328: 80 GB 47/66/66, 48 GB 10/29/29, 24 GB 0/0/0" in out
+    # One more image than fits is refused before any actor, naming the largest that does.
+    job = _job(tmp_path, qwen_configs_dir, batch_size=11, gpu_memory_gb=48, quantization="fp8")
+    assert main(["plan", str(job)]) == 2
+    assert "the largest batch that fits 48 GB is 10" in capsys.readouterr().err
+    # bf16 with the text encoder on a 48 GB GPU: not even batch 1; the refusal says FP8 would fit.
+    job = _job(tmp_path, qwen_configs_dir, batch_size=1, gpu_memory_gb=48)
+    assert main(["validate", str(job)]) == 2
+    assert "model.quantization: fp8" in capsys.readouterr().err
+    assert main(["inspect", str(qwen_configs_dir), "--quantization", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "40.86 GB in bf16, 20.50 GB as fp8" in out and "DiT fp8" in out
+    assert "text encoder gpu" in out and "48 GB: fits (max batch 10)" in out
+    assert "text encoder cpu" in out and "80 GB: fits (max batch 66)" in out
+    assert main(["inspect", str(qwen_configs_dir), "--quantization", "fp8-weight-only", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert round(info["components"]["transformer"]["fp8-weight-only_gb"], 1) == 20.5
 
 
 def test_qwen_plan_numbers_for_the_readme(qwen):
