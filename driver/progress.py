@@ -51,6 +51,8 @@ class WorkerStats:
     upload_s: float = 0.0
     recompiles: int = 0
     oom_splits: int = 0  # batches halved after a CUDA out-of-memory error
+    # Images per batch it ran with (its GPU's fit, at most workers.batch_size; 0: an older actor).
+    batch_size: int = 0
     attention: dict[str, int] = field(default_factory=dict)  # DiT attention counts, summed
 
     @property
@@ -68,6 +70,7 @@ class WorkerStats:
         self.upload_s += result.upload_s
         self.recompiles += result.recompiles
         self.oom_splits += result.oom_splits
+        self.batch_size = max(self.batch_size, result.batch_size)
         for name, value in result.attention.items():
             self.attention[name] = self.attention.get(name, 0) + value
 
@@ -83,6 +86,7 @@ class WorkerStats:
             "upload_s": round(self.upload_s, 3),
             "recompiles": self.recompiles,
             "oom_splits": self.oom_splits,
+            "batch_size": self.batch_size,
             "attention": dict(self.attention),
         }
 

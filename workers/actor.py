@@ -25,6 +25,7 @@ from ditfleet.model import LoraSpec, TextToImagePipeline, load_pipeline, resolve
 from ditfleet.model.family import model_family
 from ditfleet.model.guidance import negative_text
 from ditfleet.model.loader import load_text_encoder
+from ditfleet.workers.batch_fit import fit_batch_size
 from ditfleet.workers.cache_secret import read_cache_secret, say_shared_cache_off
 from ditfleet.workers.contract import ShardAbandoned, ShardResult, WorkerConfig
 from ditfleet.workers.generate import (
@@ -118,6 +119,9 @@ class GenerationWorker:
         if config.model_identity is not None:  # before loading: other weights never make an image here
             found = self.model.identity or local_identity(self.model.local_path, config.model_cache_dir)
             check_identity(config.model_identity, found, config.model_path)
+        # Before loading: a GPU that fits no batch of the job's buckets fails here, not at batch 1.
+        self.batch_fit = fit_batch_size(config, self.model.local_path, self.device, self.dtype)
+        self.batch_size = self.batch_fit.batch_size
         self.pipe = self._load_pipeline(self.model.local_path)
         self.text = place_text_encoder(self.pipe, self.model.local_path, config)
         load_s = time.perf_counter() - t_load
@@ -158,7 +162,7 @@ class GenerationWorker:
             cache_secret=cache_secret,
             # A compiled DiT takes the batch size and text length as dynamic dimensions: one
             # batch of the configured size traces the graph every batch of 1..batch_size uses.
-            batch_sizes=(config.batch_size,) if config.compile.dit else (1,),
+            batch_sizes=(self.batch_size,) if config.compile.dit else (1,),
             max_sequence_length=config.pipeline.max_sequence_length,
             expected_images=config.expected_images,
             on_bucket=lambda i, n, name: publish_phase(COMPILING, bucket=i, buckets=n, name=name),
@@ -178,6 +182,8 @@ class GenerationWorker:
             "model_fetch": self.model.to_dict(),
             "load_s": round(load_s, 3),
             "text_encoder": self.config.placement.text_encoder,
+            "batch_size": self.batch_size,
+            "batch_fit": self.batch_fit.to_dict(),
             "compile": self.compile_report.to_dict(),
             "shared_compile_cache": shared_cache,
             "warmup_s": warmup.seconds_per_bucket() if warmup else {},
@@ -203,7 +209,14 @@ class GenerationWorker:
     def _run_shard(self, shard: ShardSpec, attempt: int) -> ShardResult:
         t0 = time.perf_counter()
         token = new_attempt_token(attempt)
-        result = ShardResult(shard.index, attempt, "committed", worker_id=self.worker_id, attempt_token=token)
+        result = ShardResult(
+            shard.index,
+            attempt,
+            "committed",
+            worker_id=self.worker_id,
+            attempt_token=token,
+            batch_size=self.batch_size,
+        )
         if self._stop.is_set():  # queued behind the shard a stop request interrupted
             raise ShardAbandoned(f"shard {shard.index}: worker asked to stop before it started")
         if self.store.exists(manifest_key(shard.index, shard.generation)):
@@ -250,7 +263,7 @@ class GenerationWorker:
         generated: dict[tuple[str, int], GeneratedImage] = {}
         writer = make_shard_writer(self.store, shard, self.config.writer, token)
         try:
-            batches = plan_batches(requests, self.config.batch_size, self.generator.count_tokens)
+            batches = plan_batches(requests, self.batch_size, self.generator.count_tokens)
             for image in iter_generated(self.generator, batches):
                 if self._stop.is_set():
                     raise ShardAbandoned(f"shard {shard}: worker asked to stop; nothing committed")
@@ -358,6 +371,7 @@ class GenerationWorker:
             step_cache=gen.step_cache,
             dit_blocks_computed=gen.blocks_computed,
             dit_blocks_reused=gen.blocks_reused,
+            batch_size=self.batch_size,
         )
 
 

@@ -125,6 +125,9 @@ class ShardResult:
     # dense mask), split_calls (padded, run unmasked per text length), image/text/padded tokens.
     attention: dict[str, int] = field(default_factory=dict)
     attempt_token: str = ""  # the key component of this run's objects (layout.new_attempt_token)
+    # Images per batch this actor ran with: workers.batch_size, or less where its GPU fits less
+    # (workers.batch_fit); 0 from an older actor.
+    batch_size: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)

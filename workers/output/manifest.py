@@ -91,6 +91,12 @@ class ManifestRow:
     dit_blocks_reused: int | None = _col(
         pa.int64(), "DiT block evaluations the step cache reused instead", True, None
     )
+    # The batch size the image's actor ran with (workers.batch_fit: its GPU's largest, at most
+    # workers.batch_size): batched kernels round differently, so a mixed fleet's images of one
+    # seed agree with a single-size fleet's only to rounding level. Null in older manifests.
+    batch_size: int | None = _col(
+        pa.int32(), "images per batch of the actor that made this image (its GPU's fit)", True, None
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.extra, Mapping):

@@ -1,0 +1,113 @@
+"""The batch an actor runs: the largest its own GPU fits, never above the job's workers.batch_size.
+
+A fleet may mix GPU sizes (80 GB and 48 GB nodes in one job). `workers.batch_size` is what the
+job asks for; each actor sizes its own batch at start-up from the same memory formula the plan
+uses (`model.family`'s, `model.memory`) and its device's total memory, so a 48 GB actor takes a
+smaller batch instead of failing with out-of-memory errors. On the CPU the batch is the job's.
+
+The plan's arguments mirror `jobs.spec.job.JobSpec.memory_request` (the driver's side of the
+same question); tests/unit/workers/test_batch_fit.py checks the two give the same batch.
+
+Batched kernels round differently from unbatched ones, so images of one prompt and seed made
+at batch 10 and at batch 47 agree only to rounding level (docs/real-model.md); each manifest
+row records the batch size its actor ran with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ditfleet.compile.buckets import PROMPT_LENGTH_BUCKETS, prompt_length_bucket
+from ditfleet.model.family import model_family
+from ditfleet.model.memory import GB
+from ditfleet.workers.contract import WorkerConfig
+
+
+class BatchFitError(RuntimeError):
+    """Not even one image of a job's bucket fits this actor's GPU; the message says what would."""
+
+
+@dataclass(frozen=True)
+class BatchFit:
+    """What an actor decided: `batch_size` it runs, the job's, and why (JSON-able via to_dict)."""
+
+    batch_size: int
+    job_batch_size: int
+    gpu_memory_gb: float | None = None  # None: on the CPU, or the plan could not be made
+    limited_by: str | None = None  # the bucket whose largest batch set batch_size, if below the job's
+    largest: dict[str, int] | None = None  # bucket -> the largest batch this GPU fits
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def device_memory(device: torch.device) -> tuple[str, int]:
+    """The GPU's name and total memory in bytes (the one place an actor reads them: tests fake it)."""
+    props = torch.cuda.get_device_properties(device)
+    return props.name, int(props.total_memory)
+
+
+def plan_kwargs(config: WorkerConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """The memory formula's arguments for this actor, as the job's plan builds them."""
+    return dict(
+        dtype="fp32" if dtype == torch.float32 else "bf16",
+        text_encoder=config.placement.text_encoder,
+        cfg="serial",  # rows may turn CFG on; serial passes hold one output more
+        vae_batch=1 if config.compile.vae else None,
+        text_len=prompt_length_bucket(config.pipeline.max_sequence_length, PROMPT_LENGTH_BUCKETS),
+        modulation_table_steps=(config.rows.steps,) if config.pipeline.modulation_cache == "table" else (),
+        device="cuda",
+        quantization=config.pipeline.quantization,
+    )
+
+
+def fit_batch_size(
+    config: WorkerConfig, model_dir: str | Path, device: torch.device, dtype: torch.dtype
+) -> BatchFit:
+    """The batch this actor runs: the smallest over the job's buckets of the largest batch that
+    fits this GPU, capped at config.batch_size. Reads the model's configs only (no weights).
+
+    Raises BatchFitError when not even batch 1 of some bucket fits: the actor would only fail
+    each batch with out-of-memory errors (and the driver then names this GPU)."""
+    job = config.batch_size
+    if device.type != "cuda":
+        return BatchFit(job, job, note="cpu: the job's batch size")
+    gpu_name, total = device_memory(device)
+    capacity_gb = total / GB
+    family = model_family(config.model_path)
+    try:
+        model = family.memory.from_dir(model_dir, name=config.model_path)
+    except (OSError, ValueError, KeyError) as e:
+        # A model the formula cannot size: run the job's batch, as before the plan knew GPUs.
+        return BatchFit(job, job, round(capacity_gb, 1), note=f"no memory plan ({e}); the job's batch size")
+    kwargs = plan_kwargs(config, dtype)
+    largest: dict[str, int] = {}
+    for name in config.warmup_buckets or config.rows.buckets.names:
+        b = config.rows.buckets.get(name)
+        largest[b.name] = family.memory.largest_batch(
+            model, capacity_gb, limit=job, height=b.height, width=b.width, **kwargs
+        )
+    if not largest:
+        return BatchFit(job, job, round(capacity_gb, 1), note="no buckets")
+    bucket = min(largest, key=lambda k: largest[k])
+    best = largest[bucket]
+    if best == 0:
+        raise BatchFitError(
+            f"this GPU ({gpu_name}, {capacity_gb:.1f} GB) cannot fit one "
+            f"image of bucket {bucket} ({kwargs['quantization']} DiT, text encoder "
+            f"{kwargs['text_encoder']}) by the memory plan; `ditfleet plan` shows what each GPU "
+            "size fits. Use larger GPUs, model.text_encoder: offload or cpu, or model.quantization: fp8"
+        )
+    return BatchFit(
+        min(best, job),
+        job,
+        round(capacity_gb, 1),
+        limited_by=bucket if best < job else None,
+        largest=largest,
+        note="" if best >= job else f"{capacity_gb:.1f} GB fits {best} at bucket {bucket}",
+    )
