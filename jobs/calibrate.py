@@ -151,7 +151,8 @@ def calibrate(
     pipe.generate(prompt=captions[:1], height=h0, width=w0, steps=1, true_cfg_scale=cfg, seeds=seeds[:1])
     exact = PresetResult("exact", "off")
     results = {name: PresetResult(name, config.describe()) for name, config in configs.items()}
-    adherence_images: dict[str, list[torch.Tensor]] = {k: [] for k in ["exact", *configs]}
+    # Per preset, per bucket: images of one size, scored together (a batch shares one size).
+    adherence_images: dict[str, dict[str, list[torch.Tensor]]] = {k: {} for k in ["exact", *configs]}
     for bucket in names:
         width, height = (int(v) for v in bucket.split("x"))
         for start in range(0, len(captions), batch):
@@ -171,7 +172,7 @@ def calibrate(
             exact.wall_s += time.perf_counter() - t0
             exact.images += len(chunk)
             exact.blocks_computed += len(chunk) * steps * layers * (2 if cfg > 1 else 1)
-            adherence_images["exact"].append(ref)
+            adherence_images["exact"].setdefault(bucket, []).append(ref)
             for name, config in configs.items():
                 hook = StepCache(config, layers)
                 t0 = time.perf_counter()
@@ -184,16 +185,20 @@ def calibrate(
                     r.blocks_reused += counts["blocks_reused"]
                 r.psnr += psnr(out, ref).tolist()
                 r.ssim += ssim(out, ref).tolist()
-                adherence_images[name].append(out)
+                adherence_images[name].setdefault(bucket, []).append(out)
         log(f"  {bucket}: done")
 
     if is_tiny:
         from ditfleet.model.tiny.adherence import score
 
-        every_caption = captions * len(names)
-        exact.adherence = score(torch.cat(adherence_images["exact"]), every_caption)
+        def judged(per_bucket: dict[str, list[torch.Tensor]]) -> dict[str, float]:
+            # Every bucket has the same captions: the mean over buckets is the mean over images.
+            scores = [score(torch.cat(images), captions) for images in per_bucket.values()]
+            return {k: sum(s[k] for s in scores) / len(scores) for k in scores[0]}
+
+        exact.adherence = judged(adherence_images["exact"])
         for name in configs:
-            results[name].adherence = score(torch.cat(adherence_images[name]), every_caption)
+            results[name].adherence = judged(adherence_images[name])
     return {
         "model": spec.model.path,
         "steps": steps,
