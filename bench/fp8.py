@@ -251,9 +251,10 @@ def gpu_forward(
     """ms per DiT forward at size x size (batch 1) and peak device memory, bf16 vs FP8, random
     weights built on the device (no checkpoint). Prints and returns one JSON row per variant.
 
-    The GPU self-test (bench/gpu_session.sh) calls this; fp8 runs only where the device has FP8
-    matrix units (model.quantization.check_fp8_device), fp8-weight-only everywhere."""
-    from ditfleet.model.fp8 import check_device
+    The node self-test measures the same on its loaded DiT (model.fp8.selftest_forward); both
+    time with model.fp8.forward_cost. fp8 runs only where the device has FP8 matrix units
+    (model.fp8.runs_on), fp8-weight-only everywhere."""
+    from ditfleet.model.fp8 import check_device, forward_cost
     from ditfleet.model.quantization import QuantizationError
     from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig
     from ditfleet.testing.real_widths import published_config
@@ -288,16 +289,8 @@ def gpu_forward(
                 quantize_model(dit, variant)  # layer by layer: the bf16 copy of one layer at a time
             torch.cuda.synchronize()
             row["weights_gb"] = round(torch.cuda.memory_allocated() / 1e9, 2)
-            torch.cuda.reset_peak_memory_stats()  # the forward's peak, not the bf16 build's
-            with torch.inference_mode():
-                dit(**inputs)
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    dit(**inputs)
-                torch.cuda.synchronize()
-            row["ms_per_forward"] = round(1000 * (time.perf_counter() - t0) / iters, 1)
-            row["peak_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+            # The forward's peak (reset after the warm-up call), not the bf16 build's.
+            row.update(forward_cost(lambda dit=dit: dit(**inputs), device, iters=iters))
             row["device"] = torch.cuda.get_device_name()
             del dit
         except (QuantizationError, RuntimeError) as e:

@@ -1030,6 +1030,7 @@ def fp8_forward(ctx: Context) -> None:
     x, txt, shapes = dit_inputs(cfg, size, text_len, 1, ctx.device, ctx.dtype)
     t = torch.full((1,), 0.5, device=ctx.device, dtype=ctx.dtype)
     with torch.no_grad():
+        bf16_peak = _forward_peak_gb(ctx, lambda: model(x, txt, None, t, shapes))
         exact = model(x, txt, None, t, shapes)
         for mode in ("fp8", "fp8-weight-only"):
             ctx.check(mode)
@@ -1039,7 +1040,9 @@ def fp8_forward(ctx: Context) -> None:
                 continue
             ms = timed_ms(ctx, lambda fp8=fp8: fp8(x, txt, None, t, shapes), repeat=ctx.args.repeat)
             eager = ctx.state.get("eager_ms", {}).get(size)
+            peak = _forward_peak_gb(ctx, lambda fp8=fp8: fp8(x, txt, None, t, shapes))
             got = fp8(x, txt, None, t, shapes)
+            weights = sum(p.numel() * p.element_size() for p in (*fp8.parameters(), *fp8.buffers()))
             ctx.emit(
                 {
                     "status": "measured",
@@ -1048,9 +1051,25 @@ def fp8_forward(ctx: Context) -> None:
                     "ms_per_forward": ms,
                     "speedup_vs_bf16_eager": round(eager / ms, 3) if eager else None,
                     "rel_err_vs_bf16": round(rel_err(got, exact), 4),
+                    "weights_gb": round(weights / 1e9, 2),
+                    # Above the weights resident before the call (the bf16 DiT stays loaded too).
+                    "forward_peak_gb": peak,
+                    "bf16_forward_peak_gb": bf16_peak,
                 }
             )
             del fp8
+
+
+def _forward_peak_gb(ctx: Context, fn: Callable[[], object]) -> float | None:
+    """GB one call of `fn` allocates at its peak above what was allocated before; None off CUDA."""
+    if not ctx.cuda:
+        return None
+    sync(ctx.device)
+    torch.cuda.reset_peak_memory_stats(ctx.device)
+    base = torch.cuda.memory_allocated(ctx.device)
+    fn()
+    sync(ctx.device)
+    return round((torch.cuda.max_memory_allocated(ctx.device) - base) / 1e9, 2)
 
 
 @stage("step_cache", estimate_s=40, limit_s=90)

@@ -90,6 +90,12 @@ def test_tiny_run_prints_every_line_without_ray_pydantic_or_boto3(tmp_path):
     assert stages["batch_generator"][-1]["stored"] == 2
     # the slots of other work's lines are there and say what they wait for
     assert stages["fp8_forward"][-1]["status"] in ("skipped", "measured")
+    # model.fp8.selftest_forward fills the FP8 slot: both modes run on the CPU (peak memory is
+    # a CUDA measurement, None here)
+    fp8 = {x["mode"]: x for x in stages["fp8_forward"] if x["status"] == "measured"}
+    assert set(fp8) == {"fp8", "fp8-weight-only"}, stages["fp8_forward"]
+    assert all(x["ms_per_forward"] > 0 and x["rel_err_vs_bf16"] < 0.2 for x in fp8.values())
+    assert all("forward_peak_gb" in x and x["weights_gb"] >= 0 for x in fp8.values())
 
 
 def test_a_stage_out_of_time_says_so_and_the_rest_are_skipped_with_a_line(tmp_path):
