@@ -61,11 +61,12 @@ def test_the_summary_states_the_share_of_reused_work():
 
 def test_calibrate_on_the_tiny_model(tmp_path, capsys):
     job = tmp_path / "job.yaml"
-    job.write_text(BASE.replace("  steps: 20\n", "  steps: 20\n").replace("batch_size: 8", "batch_size: 2"))
-    code = main(["calibrate", str(job), "--n", "2", "--bucket", "128x128", "--json"])
+    job.write_text(BASE.replace("batch_size: 8", "batch_size: 2"))
+    # Two buckets of different sizes: adherence is scored per bucket.
+    code = main(["calibrate", str(job), "--n", "1", "--bucket", "128x128", "--bucket", "160x96", "--json"])
     assert code == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["prompts"] == 2 and out["steps"] == 20 and out["buckets"] == ["128x128"]
+    assert out["prompts"] == 1 and out["steps"] == 20 and out["buckets"] == ["128x128", "160x96"]
     assert [p["preset"] for p in out["presets"]] == ["safe", "fast"]
     exact_adherence = out["exact"]["adherence"]
     assert set(exact_adherence) >= {"shape_color", "kind", "iou"}
