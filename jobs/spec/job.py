@@ -190,13 +190,7 @@ class JobSpec(Section):
         )
 
     def s3_config(self) -> S3Config:
-        return S3Config(
-            endpoint_url=self.s3.endpoint_url,
-            region=self.s3.region,
-            max_attempts=self.s3.max_attempts,
-            addressing_style=self.s3.addressing_style,
-            single_writer=self.s3.single_writer,
-        )
+        return settings_from(S3Config, self.s3)
 
     def to_driver_config(self) -> DriverConfig:
         w = self.workers
@@ -230,11 +224,7 @@ class JobSpec(Section):
             scheduler_config=self.model_scheduler_config(),
             compile=settings_from(CompileConfig, *sections),
             compile_cache_key=settings_from(CacheSecretSource, *sections),
-            writer=ShardWriterConfig(
-                output_format=self.output.format,
-                image_format=self.output.image_format,
-                quality=self.output.quality,
-            ),
+            writer=settings_from(ShardWriterConfig, self.output),
             s3=self.s3_config(),
         )
 

@@ -8,7 +8,7 @@ Fields are checked here, one section at a time; what spans sections is checked b
 from __future__ import annotations
 
 import os
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -16,19 +16,17 @@ from ditfleet.compile.buckets import BucketError, BucketSet, ResolutionBucket
 from ditfleet.compile.config import CompileConfig
 from ditfleet.driver.dispatch import DispatchConfig
 from ditfleet.driver.plan import PlanConfig
+from ditfleet.model.folder import TINY_MODEL
 from ditfleet.model.settings import PipelineSettings
 from ditfleet.model.step_cache_config import check_schedule, parse_step_cache
 from ditfleet.workers.cache_secret import WELL_KNOWN_ENV, CacheSecretSource
 from ditfleet.workers.contract import ModelPlacement, WorkerConfig
-from ditfleet.workers.output.layout import FORMAT_NAMES, IMAGE_EXTENSIONS
+from ditfleet.workers.output.formats import ShardWriterConfig
 from ditfleet.workers.rows import RowConfig
+from ditfleet.workers.storage import S3Config
 from ditfleet.workers.storage.input_files import check_s3_uri
 
 from .derive import knob, knobs, section
-
-IMAGE_FORMATS = tuple(IMAGE_EXTENSIONS)  # png, webp, jpeg
-
-TINY_MODEL = "tiny"
 
 
 class Section(BaseModel):
@@ -90,38 +88,44 @@ class InputSpec(Section):
     _path_ok = field_validator("path")(_plain_s3_uri)
 
 
-class OutputSpec(Section):
-    uri: str = Field(
-        description="Where images, manifests, _job.json and _SUCCESS go: a local directory or "
-        "s3://bucket/prefix. Running again with the same output resumes the job."
-    )
-    format: Literal[FORMAT_NAMES] = Field(
-        "files",
-        description="'files': one image object per image; 'parquet': images embedded in one Parquet "
-        "file per shard (Hugging Face datasets image struct); 'webdataset': one tar per shard "
-        "({key}.{ext} + {key}.json).",
-    )
-    image_format: Literal[IMAGE_FORMATS] = Field(
-        "png", description="Image encoding: png (lossless), webp or jpeg (smaller, lossy)."
-    )
-    quality: int | None = Field(
-        None, ge=1, le=100, description="webp/jpeg quality 1..100; null: the codec's default. Not for png."
-    )
+def _quality_needs_lossy(spec: Any) -> Any:
+    if spec.quality is not None and spec.image_format == "png":
+        raise ValueError("quality applies to webp and jpeg only; drop it or choose another image_format")
+    return spec
 
-    shared_filesystem: bool = Field(
-        False,
-        description="A local output path is on a filesystem every node mounts at the same place (NFS, "
-        "EFS, Lustre). Without it a local output is refused on a cluster of more than one node: each "
-        "node would write to its own disk.",
-    )
 
-    _uri_ok = field_validator("uri")(_plain_s3_uri)
-
-    @model_validator(mode="after")
-    def _quality_needs_lossy(self) -> OutputSpec:
-        if self.quality is not None and self.image_format == "png":
-            raise ValueError("quality applies to webp and jpeg only; drop it or choose another image_format")
-        return self
+# Where results go: the spec's own location fields next to the shard writer's knobs
+# (workers.output.formats.ShardWriterConfig; its output_format is `format` in the job file).
+OutputSpec = section(
+    "OutputSpec",
+    None,
+    {
+        "uri": (
+            str,
+            Field(
+                description="Where images, manifests, _job.json and _SUCCESS go: a local directory or "
+                "s3://bucket/prefix. Running again with the same output resumes the job."
+            ),
+        ),
+        "format": knob(ShardWriterConfig, "output_format"),
+        "image_format": knob(ShardWriterConfig, "image_format"),
+        "quality": knob(ShardWriterConfig, "quality"),
+        "shared_filesystem": (
+            bool,
+            Field(
+                False,
+                description="A local output path is on a filesystem every node mounts at the same place "
+                "(NFS, EFS, Lustre). Without it a local output is refused on a cluster of more than one "
+                "node: each node would write to its own disk.",
+            ),
+        ),
+    },
+    base=Section,
+    validators={
+        "_uri_ok": field_validator("uri")(_plain_s3_uri),
+        "_quality_needs_lossy": model_validator(mode="after")(_quality_needs_lossy),
+    },
+)
 
 
 def _model_spec_validators() -> dict:
@@ -331,22 +335,5 @@ ShardsSpec = section(
 )
 
 
-class S3Spec(Section):
-    endpoint_url: str | None = Field(
-        None,
-        description="S3-compatible endpoint (MinIO, R2, ...); null: AWS. Credentials come from the AWS chain.",
-    )
-    region: str | None = Field(None, description="Region of the bucket(s); null: the AWS default.")
-    max_attempts: int = Field(
-        10, ge=1, le=100, description="Attempts per S3 request (botocore standard retries)."
-    )
-    addressing_style: Literal["auto", "path", "virtual"] = Field(
-        "auto", description="'path' for most S3-compatible servers (bucket in the path, not the host name)."
-    )
-    single_writer: bool = Field(
-        False,
-        description="Allow an output store without conditional writes (it answers 501 to "
-        "If-None-Match), which is refused otherwise: commits then check and write in two steps, "
-        "safe only while one driver at a time writes the output and no shard runs twice at once "
-        "(needs workers.speculative_tail: false).",
-    )
+# Client settings for s3:// input and output: the store's own knobs (workers.storage.S3Config).
+S3Spec = section("S3Spec", None, knobs(S3Config), base=Section)

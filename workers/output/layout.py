@@ -49,6 +49,7 @@ SUCCESS_KEY = "_SUCCESS"
 
 # File extension per image format (the codec's format names); "jpeg" is stored as ".jpg".
 IMAGE_EXTENSIONS = {"png": "png", "webp": "webp", "jpeg": "jpg"}
+IMAGE_FORMATS = tuple(IMAGE_EXTENSIONS)  # the encodings a job may name: png, webp, jpeg
 # The output formats a job may name, each with its own area of keys (below); the registry in
 # workers.output.formats maps each to its writer and reader.
 FORMAT_NAMES = ("files", "parquet", "webdataset")

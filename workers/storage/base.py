@@ -12,7 +12,9 @@ import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import BinaryIO, Literal
+
+from ditfleet.model.settings import setting
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +44,15 @@ class S3Config:
     """Client settings for S3 and S3-compatible stores. Credentials are not here on purpose:
     boto3 finds them through its normal chain (env, profile, instance role)."""
 
-    endpoint_url: str | None = None  # None = AWS; e.g. "http://127.0.0.1:9000" for MinIO
-    region: str | None = None
-    max_attempts: int = 10  # total attempts per request, first included (botocore "standard" mode)
+    endpoint_url: str | None = setting(
+        None,
+        description="S3-compatible endpoint (MinIO, R2, ...); null: AWS. Credentials come from the AWS chain.",
+    )
+    region: str | None = setting(None, description="Region of the bucket(s); null: the AWS default.")
+    # Total attempts per request, the first included (botocore "standard" mode).
+    max_attempts: int = setting(
+        10, ge=1, le=100, description="Attempts per S3 request (botocore standard retries)."
+    )
     # "when_required": do not add the CRC checksums newer botocore sends by default, which many
     # S3-compatible servers reject. Content-MD5 is sent on every upload instead.
     request_checksum_calculation: str = "when_required"
@@ -55,11 +63,19 @@ class S3Config:
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 60.0
     max_pool_connections: int = 32  # >= the upload threads that share one client
-    addressing_style: str = "auto"  # "path" for most S3-compatible servers, "virtual", "auto"
+    addressing_style: Literal["auto", "path", "virtual"] = setting(
+        "auto", description="'path' for most S3-compatible servers (bucket in the path, not the host name)."
+    )
     list_page_size: int = 1000  # keys per LIST request (S3's maximum; some servers allow fewer)
     # A store without conditional writes (501 to If-None-Match) is refused unless the user vouches
     # that one writer at a time uses the output: create-only writes then fall back to HEAD + PUT.
-    single_writer: bool = False
+    single_writer: bool = setting(
+        False,
+        description="Allow an output store without conditional writes (it answers 501 to "
+        "If-None-Match), which is refused otherwise: commits then check and write in two steps, "
+        "safe only while one driver at a time writes the output and no shard runs twice at once "
+        "(needs workers.speculative_tail: false).",
+    )
 
     def __post_init__(self) -> None:
         checks = [

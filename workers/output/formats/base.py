@@ -20,13 +20,14 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ditfleet.model.settings import setting
 from ditfleet.workers.output.codec import encode_image, extension, sha256_hex, to_uint8_hwc
-from ditfleet.workers.output.layout import FORMAT_NAMES
+from ditfleet.workers.output.layout import FORMAT_NAMES, IMAGE_FORMATS
 from ditfleet.workers.output.upload_pool import ImageResult
 from ditfleet.workers.storage.base import ObjectStore
 
@@ -35,11 +36,21 @@ _MiB = 1024 * 1024
 
 @dataclass(frozen=True)
 class ShardWriterConfig:
-    """How a worker stores images. Sizes in bytes."""
+    """How a worker stores images. Sizes in bytes. The three knobs a job file sets (output.format,
+    image_format, quality) are always part of the plan's fingerprint (JobSpec.image_settings)."""
 
-    output_format: str = "files"  # one of FORMAT_NAMES
-    image_format: str = "png"  # png | webp | jpeg
-    quality: int | None = None  # webp/jpeg quality 1..100 (None = the codec's default)
+    output_format: Literal[FORMAT_NAMES] = setting(
+        "files",
+        description="'files': one image object per image; 'parquet': images embedded in one Parquet "
+        "file per shard (Hugging Face datasets image struct); 'webdataset': one tar per shard "
+        "({key}.{ext} + {key}.json).",
+    )
+    image_format: Literal[IMAGE_FORMATS] = setting(
+        "png", description="Image encoding: png (lossless), webp or jpeg (smaller, lossy)."
+    )
+    quality: int | None = setting(
+        None, ge=1, le=100, description="webp/jpeg quality 1..100; null: the codec's default. Not for png."
+    )
     png_compress_level: int = 6
     max_in_flight: int = 32  # images held by the pool at once: the memory bound
     threads: int = 8  # encode+upload threads
