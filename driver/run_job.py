@@ -491,7 +491,8 @@ def _complete_already(store: ObjectStore, previous: JobSummary, done: int, out: 
             "is there); nothing to do",
             file=out,
         )
-        return previous
+        # _SUCCESS names where the output was written; a copied or moved output is here now.
+        return dataclasses.replace(previous, output=store.uri())
     shards = sorted(lost)
     count = sum(len(keys) for keys in lost.values())
     print(

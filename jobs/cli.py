@@ -40,6 +40,7 @@ from ditfleet.driver.run_job import OutputMismatch, plan_input, preview_incremen
 from ditfleet.jobs.run import check_memory, memory_plan_of, run
 from ditfleet.jobs.spec import JobSpec, SpecError, load_spec
 from ditfleet.jobs.submit import SubmitError
+from ditfleet.model.settings import MAX_SEQUENCE_LENGTH
 from ditfleet.workers.storage import S3Config, StoreConfigError, StoreError, open_store
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
@@ -410,7 +411,10 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
         help="GPU sizes in GB (default 80 48 24)",
     )
     p.add_argument(
-        "--max-sequence-length", type=int, default=512, help="longest prompt in tokens (default 512)"
+        "--max-sequence-length",
+        type=int,
+        default=MAX_SEQUENCE_LENGTH,
+        help=f"longest prompt in tokens (default {MAX_SEQUENCE_LENGTH})",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     _add_s3_options(p, "models")

@@ -17,6 +17,7 @@ from ditfleet.model.loader import resolve_model_dir
 from ditfleet.model.memory import GB, TEXT_ENCODER_PLACEMENTS, CheckpointSize, ModelMemory, checkpoint_size
 from ditfleet.model.memory.params import transformer_weight_bytes
 from ditfleet.model.quantization import check_quantization
+from ditfleet.model.settings import MAX_SEQUENCE_LENGTH
 from ditfleet.model.weights import WeightsError
 from ditfleet.workers.storage import S3Config
 
@@ -35,7 +36,7 @@ def inspect_model(
     batch: int = 1,
     dtype: str = "bf16",
     gpus_gb: Sequence[float] = DEFAULT_GPUS_GB,
-    max_sequence_length: int = 512,
+    max_sequence_length: int = MAX_SEQUENCE_LENGTH,
     s3: S3Config | None = None,
     quantization: str = "none",
 ) -> dict[str, Any]:

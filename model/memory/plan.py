@@ -10,6 +10,7 @@ from typing import Any
 
 from ..folder import read_config
 from ..quantization import check_quantization
+from ..settings import MAX_SEQUENCE_LENGTH
 from ..transformer_config import TransformerConfig
 from ..vae_config import VAEConfig
 from .activations import dit_activation_bytes, text_encode_activation_bytes, vae_decode_activation_bytes
@@ -166,7 +167,7 @@ def plan_memory(
     text_encoder: str = "gpu",
     cfg: str = "serial",
     vae_batch: int | None = 1,
-    text_len: int = 512,
+    text_len: int = MAX_SEQUENCE_LENGTH,
     modulation_table_steps: tuple[int, ...] = (),
     gpu_memory_gb: float | None = None,
     attention: str = "fused",
