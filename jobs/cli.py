@@ -6,7 +6,7 @@
     ditfleet submit job.yaml --address http://HEAD:8265 --slot SLOT [--wait] [--working-dir DIR]
                                            submit `ditfleet run job.yaml` to a cluster once per slot
     ditfleet status OUTPUT [--json]        committed shards, rows ok/failed, what is left
-    ditfleet verify OUTPUT [--partial] [--clean] [--json]
+    ditfleet verify OUTPUT [--partial] [--clean] [--json] [--ray [--address A]]
                                            check an output end to end from its manifests
     ditfleet preview OUTPUT --out s.png    contact sheet of generated images with their prompts
     ditfleet inspect MODEL [--bucket WxH]  a model's components and memory plan (configs and headers only)
@@ -230,13 +230,31 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from ditfleet.driver.output.verify import verify_output
 
-    report = verify_output(
-        open_store(args.output, _store_args(args)),
-        partial=args.partial,
-        clean=args.clean,
-        hash_objects=not args.no_hash,
-        workers=args.workers,
-    )
+    if args.address and not args.ray:
+        raise UsageError("verify --address is the cluster of --ray: give --ray too")
+    store = open_store(args.output, _store_args(args))
+    checks, owned = None, False
+    if args.ray:
+        from ditfleet.driver.output.verify_ray import RayChecks
+        from ditfleet.jobs.run import connect_ray
+
+        owned = connect_ray(args.address)
+        # The store's own URI: a relative path would be resolved in each task's working directory.
+        checks = RayChecks(store.uri(), _store_args(args))
+    try:
+        report = verify_output(
+            store,
+            partial=args.partial,
+            clean=args.clean,
+            hash_objects=not args.no_hash,
+            workers=args.workers,
+            shard_checks=checks,
+        )
+    finally:
+        if owned:
+            import ray
+
+            ray.shutdown()
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_text())
     return EXIT_OK if report.exit_code == 0 else EXIT_FAILED
 
@@ -450,6 +468,16 @@ def _add_output_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-hash", action="store_true", help="check presence only; do not read and hash objects")
     p.add_argument(
         "--workers", type=int, default=16, help="threads reading manifests and objects (default 16)"
+    )
+    p.add_argument(
+        "--ray",
+        action="store_true",
+        help="read manifests and hash objects in Ray tasks over the cluster (large outputs); "
+        "the whole-output checks and --clean's deletions run here, the report is the same",
+    )
+    p.add_argument(
+        "--address",
+        help="with --ray: the cluster to connect to (default RAY_ADDRESS, else a local Ray on 127.0.0.1)",
     )
 
     p = command("preview", "contact sheet PNG of generated images with their prompts", cmd_preview)

@@ -42,7 +42,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -255,6 +255,55 @@ def _check_object(store: ObjectStore, key: str, rows: list[ManifestImage]) -> li
     return [p for p in map(stored.problem, rows) if p] + stored.unnamed_problems()
 
 
+def read_manifest_group(
+    store: ObjectStore, items: list[tuple[int, str]], plan: _Plan, workers: int
+) -> list[tuple[_Shard | None, list[str]]]:
+    """(what the manifest says, its problems) for each (shard, manifest key), in order: the
+    per-shard half of reading the manifests, on `workers` threads."""
+
+    def one(item: tuple[int, str]) -> tuple[_Shard | None, list[str]]:
+        problems: list[str] = []
+        return _read_manifest(store, item[0], item[1], plan, problems), problems
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(one, items))
+
+
+def check_object_group(
+    store: ObjectStore, items: list[tuple[str, list[ManifestImage]]], workers: int
+) -> list[list[str]]:
+    """The problems of each (key, the ok rows naming it), in order, on `workers` threads."""
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(lambda item: _check_object(store, *item), items))
+
+
+class ShardChecks(Protocol):
+    """Where the per-shard checks run: every result is a pure function of one shard's manifest or
+    one object, so only the whole-output checks (listing, rows across manifests, orphans,
+    _SUCCESS, compaction) need the driver, and the report does not depend on where these ran."""
+
+    def read_manifests(
+        self, store: ObjectStore, items: list[tuple[int, str]], plan: _Plan
+    ) -> list[tuple[_Shard | None, list[str]]]: ...
+
+    def check_objects(
+        self, store: ObjectStore, items: list[tuple[str, list[ManifestImage]]]
+    ) -> list[list[str]]: ...
+
+
+@dataclass
+class ThreadChecks:
+    """The per-shard checks on threads of this process (the default)."""
+
+    workers: int = _THREADS
+
+    def read_manifests(self, store, items, plan):
+        return read_manifest_group(store, items, plan, self.workers)
+
+    def check_objects(self, store, items):
+        return check_object_group(store, items, self.workers)
+
+
 def manifest_object_key(root: str, shard: int, uri: object) -> tuple[str | None, str | None]:
     """(the key of a manifest row's uri, None) when it is an attempt object of `shard` in this
     layout, else (None, why not). Nothing else is ever opened or deleted on a manifest's word."""
@@ -290,37 +339,42 @@ def verify_output(
     clean: bool = False,
     hash_objects: bool = True,
     workers: int = _THREADS,
+    shard_checks: ShardChecks | None = None,
 ) -> VerifyReport:
     """Check the output at `store`; with `clean`, delete the orphans found (attempt objects of
     committed shards that their current manifest does not name).
 
     workers: threads reading manifests and objects (and deleting); the checks and the report are
     the same for any number, only the time changes (hashing releases the GIL).
+    shard_checks: where the per-shard checks run instead of this process's threads (Ray tasks:
+    driver.output.verify_ray); the whole-output checks and deletions stay here, so the report
+    is the same.
 
     With `clean` it first takes the output's lease, as a driver does, and deletes nothing while
     a run owns the output: a redo (`run --redo-shards`) uploads objects of committed shards
     under new tokens before its new manifest generation names them, so only with no run going
     is an object the current manifest does not name provably never to be named.
     """
+    if workers < 1:
+        raise ValueError(f"verify needs at least one worker thread, got {workers}")
+    checks = shard_checks or ThreadChecks(workers)
     if not clean:
-        return _verify(store, partial, False, hash_objects, workers)
+        return _verify(store, partial, False, hash_objects, workers, checks)
     try:
         lease = acquire_lease(store, renew=True)
     except OutputBusy as e:
-        report = _verify(store, partial, False, hash_objects, workers)
+        report = _verify(store, partial, False, hash_objects, workers, checks)
         report.problems.append(f"--clean deleted nothing: {e}")
         return report
     try:
-        return _verify(store, partial, True, hash_objects, workers)
+        return _verify(store, partial, True, hash_objects, workers, checks)
     finally:
         lease.release()
 
 
 def _verify(
-    store: ObjectStore, partial: bool, clean: bool, hash_objects: bool, workers: int = _THREADS
+    store: ObjectStore, partial: bool, clean: bool, hash_objects: bool, workers: int, checks: ShardChecks
 ) -> VerifyReport:
-    if workers < 1:
-        raise ValueError(f"verify needs at least one worker thread, got {workers}")
     report = VerifyReport(output=store.uri(), partial=partial)
     try:
         job = read_json(store, job_key())
@@ -338,9 +392,9 @@ def _verify(
     if plan is None:
         return report
     report.planned_shards = len(plan.shards)
-    committed, shards = _read_manifests(store, plan, report, workers)  # first: see the module docstring
+    committed, shards = _read_manifests(store, plan, report, checks)  # first: see the module docstring
     _check_rows_once(shards, plan, report)
-    _check_objects(store, shards, set(committed), plan, report, hash_objects, workers)
+    _check_objects(store, shards, set(committed), plan, report, hash_objects, checks)
     if success is not None:
         _check_success(success, plan, report)
     # A compacted set (`ditfleet compact`) must be exactly the union of the manifests.
@@ -367,7 +421,7 @@ def _current_of(keys: list[str]) -> dict[int, str]:
 
 
 def _read_manifests(
-    store: ObjectStore, plan: _Plan, report: VerifyReport, workers: int = _THREADS
+    store: ObjectStore, plan: _Plan, report: VerifyReport, checks: ShardChecks
 ) -> tuple[list[int], list[_Shard]]:
     """(the committed shards of the plan, what their current manifests say).
 
@@ -389,14 +443,13 @@ def _read_manifests(
     committed = sorted(current)
     report.committed = len(committed)
     report.missing = sorted(plan.shards - set(committed))
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        shards = [
-            s
-            for s in pool.map(
-                lambda s: _read_manifest(store, s, current[s], plan, report.problems), committed
-            )
-            if s
-        ]
+    shards = []
+    # Each shard's problems are merged in shard order: the report is the same wherever and in
+    # whatever order the shards were read.
+    for shard, problems in checks.read_manifests(store, [(s, current[s]) for s in committed], plan):
+        report.problems.extend(problems)
+        if shard:
+            shards.append(shard)
     return committed, shards
 
 
@@ -456,7 +509,7 @@ def _check_objects(
     plan: _Plan,
     report: VerifyReport,
     hash_objects: bool,
-    workers: int = _THREADS,
+    checks: ShardChecks,
 ) -> None:
     """The format areas against the manifests: orphans, pending and stray objects, missing
     ones, and (hash_objects) every named object read through its format's reader."""
@@ -498,9 +551,8 @@ def _check_objects(
             report.problems.append(f"{store.uri(key)}: missing (named by {len(rows)} ok manifest rows)")
     if hash_objects:
         present = [k for k in named if k in listed]
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            for found in pool.map(lambda k: _check_object(store, k, named[k]), present):
-                report.problems.extend(found)
+        for found in checks.check_objects(store, [(k, named[k]) for k in present]):
+            report.problems.extend(found)
         report.objects_checked = sum(len(named[k]) for k in present)
 
 
@@ -598,11 +650,15 @@ def clean_orphans(store: ObjectStore, shards: Iterable[int]) -> int:
 
 
 __all__ = [
+    "ShardChecks",
+    "ThreadChecks",
     "VerifyReport",
+    "check_object_group",
     "clean_orphans",
     "losing_run_keys",
     "manifest_object_key",
     "missing_named_objects",
+    "read_manifest_group",
     "shard_orphans",
     "verify_output",
 ]
