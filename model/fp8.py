@@ -294,7 +294,7 @@ def quantized_copy(model: nn.Module, mode: str, keep: Sequence[str] = KEEP_IN_LO
 
 
 def selftest_forward(transformer: nn.Module, mode: str) -> nn.Module | None:
-    """The node self-test's FP8 line (workers/selftest/stages.py, stage fp8_forward): the loaded
+    """The node self-test's FP8 line (workers/selftest/speed.py, stage fp8_forward): the loaded
     `transformer` as an FP8 DiT of `mode` on its own device, called like it, or None when that
     device cannot run `mode` (fp8 on a GPU without FP8 units)."""
     device = next(transformer.parameters()).device

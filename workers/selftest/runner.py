@@ -7,7 +7,7 @@ a call that blocks past the whole budget (a compile that hangs) is reported by a
 which writes the summary and ends the process. No path ends the run without a line.
 
 Other work adds its lines by registering a stage (`stage(...)`, optionally `after=` an existing
-one); the FP8 and step-cache lines have their slots in `stages.py`.
+one); the FP8 and step-cache lines have their slots in `speed.py`.
 """
 
 from __future__ import annotations

@@ -19,14 +19,27 @@ BLOCKED = ("ray", "pydantic", "boto3", "botocore")
 
 RUNNER = textwrap.dedent(
     """
+    import importlib.util
     import sys
+
+    BLOCKED = {blocked!r}
 
     class Refuse:
         def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in {blocked!r}:
-                raise ImportError(f"the self-test must not import {{name}}")
+            if name.split(".")[0] in BLOCKED:
+                raise ModuleNotFoundError(f"the self-test must not import {{name}}", name=name)
             return None
 
+    # As on a node image without them: a library probing for one (accelerate asks
+    # importlib.util.find_spec("boto3")) hears "not installed", and an import of one fails.
+    _find_spec = importlib.util.find_spec
+
+    def find_spec(name, package=None):
+        if name.split(".")[0] in BLOCKED:
+            return None
+        return _find_spec(name, package)
+
+    importlib.util.find_spec = find_spec
     sys.meta_path.insert(0, Refuse())
     from ditfleet.workers.selftest.main import main
     sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,516 @@
+"""The self-test's first stages: the node, correctness against diffusers, the attention kernels and
+compile (fallbacks and recompiles), each a pass/fail line before any speed number."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import platform
+import shutil
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ditfleet.compile.config import CompileConfig
+from ditfleet.compile.counting import compile_count
+from ditfleet.compile.policy import apply_compile
+from ditfleet.model.attention_backend import sdpa_choice
+from ditfleet.model.memory import GB
+from ditfleet.model.pipeline import TextToImagePipeline
+from ditfleet.model.sampling import latent_grid, model_timestep
+from ditfleet.model.scheduler import sigma_schedule
+from ditfleet.model.transformer import QwenImageTransformer
+from ditfleet.model.vae import QwenImageVAE, save_vae
+from ditfleet.workers.selftest.parts import (
+    PUBLISHED_MODEL,
+    diffusers_version,
+    dit_inputs,
+    free,
+    rel_err,
+    sizes,
+    sync,
+    timed_ms,
+    transformer_config,
+    vae_config,
+)
+from ditfleet.workers.selftest.runner import Context, StageSkipped, stage
+
+# -- 1. the node -----------------------------------------------------------------------------------
+
+
+@stage("env", estimate_s=2, limit_s=30)
+def env(ctx: Context) -> None:
+    """The node: torch, CUDA, GPU, diffusers, the SDPA backends this build enables."""
+    line: dict[str, Any] = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": str(ctx.device),
+        "dtype": str(ctx.dtype).removeprefix("torch."),
+        "diffusers": diffusers_version(),
+        "tiny": ctx.tiny,
+    }
+    major, minor = (int(v) for v in torch.__version__.split(".")[:2])
+    line["torch_ok"] = (major, minor) >= (2, 11) or ctx.tiny
+    if ctx.cuda:
+        props = torch.cuda.get_device_properties(ctx.device)
+        line.update(
+            gpu=props.name,
+            capability=f"{props.major}.{props.minor}",
+            gpu_memory_gb=round(props.total_memory / GB, 1),
+            cuda=torch.version.cuda,
+            cudnn=torch.backends.cudnn.version(),
+            sdpa_enabled={
+                "flash": torch.backends.cuda.flash_sdp_enabled(),
+                "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
+                "cudnn": torch.backends.cuda.cudnn_sdp_enabled(),
+                "math": torch.backends.cuda.math_sdp_enabled(),
+            },
+        )
+    ctx.emit({"status": "pass" if line["torch_ok"] else "fail", **line})
+
+
+@stage("matmul_ceiling", estimate_s=8, limit_s=30)
+def matmul_ceiling(ctx: Context) -> None:
+    """The bf16 dense matmul ceiling of this GPU, measured now: what "% of peak" lines divide by."""
+    n = 512 if ctx.tiny else 8192
+    shapes = [(n, n, n)] if ctx.tiny else [(n, n, n), (8192, 3072, 12288), (8192, 12288, 3072)]
+    best, per_shape = 0.0, {}
+    for m, k, nn in shapes:
+        a = torch.randn(m, k, device=ctx.device, dtype=ctx.dtype)
+        b = torch.randn(k, nn, device=ctx.device, dtype=ctx.dtype)
+        ms = timed_ms(ctx, lambda a=a, b=b: torch.mm(a, b), repeat=3 if ctx.tiny else 20, warm=3)
+        tflops = 2 * m * k * nn / (ms / 1000) / 1e12
+        per_shape[f"{m}x{k}x{nn}"] = round(tflops, 1)
+        best = max(best, tflops)
+        del a, b
+    ctx.state["ceiling_tflops"] = best
+    ctx.emit({"status": "measured", "tflops": round(best, 1), "per_shape_tflops": per_shape})
+
+
+# -- 2. correctness ----------------------------------------------------------------------------------
+
+
+def write_slice(ctx: Context, root: Path) -> Path:
+    """The hub layout at the slice's depth: transformer shards + index, the VAE in diffusers' 3D
+    layout, the published scheduler; random weights, no text encoder."""
+    from ditfleet.testing import PUBLISHED
+    from ditfleet.testing.real_widths import write_random_transformer
+
+    root.mkdir(parents=True, exist_ok=True)
+    shutil.copy(PUBLISHED / PUBLISHED_MODEL / "model_index.json", root / "model_index.json")
+    (root / "scheduler").mkdir(exist_ok=True)
+    shutil.copy(PUBLISHED / PUBLISHED_MODEL / "scheduler" / "scheduler_config.json", root / "scheduler")
+    cfg = transformer_config(ctx, ctx.args.slice_blocks)
+    shard_bytes = 2**20 if ctx.tiny else 512 * 2**20
+    write_random_transformer(root / "transformer", cfg.to_dict(), shard_bytes)
+    torch.manual_seed(0)
+    save_vae(QwenImageVAE(vae_config(ctx), with_encoder=True).to(torch.bfloat16), root / "vae")
+    return root
+
+
+def _diffusers_transformer(ours: QwenImageTransformer, dtype: torch.dtype):
+    """diffusers' transformer on `ours`' weights (cast to `dtype`; shared when the dtype is the
+    same). `from_config` drops keys an older release does not know, so its constructor never
+    sees arguments it lacks."""
+    from diffusers import QwenImageTransformer2DModel
+
+    config = {k: v for k, v in ours.config.to_dict().items() if not k.startswith("_")}
+    with torch.device("meta"):
+        ref = QwenImageTransformer2DModel.from_config(config)
+    state = {k: v.to(dtype) for k, v in ours.state_dict().items()}
+    ref.load_state_dict(state, assign=True, strict=True)
+    # Its RoPE tables are computed at construction (on meta here): build them again for real.
+    pos = ref.pos_embed
+    params = inspect.signature(type(pos)).parameters
+    kwargs = {"theta": 10000, "axes_dim": list(ours.config.axes_dims_rope), "scale_rope": True}
+    ref.pos_embed = type(pos)(**{k: v for k, v in kwargs.items() if k in params})
+    return ref.to(ours.img_in.weight.device).eval().requires_grad_(False)
+
+
+def _diffusers_forward(ref, x, txt, t, shapes):
+    params = inspect.signature(ref.forward).parameters
+    kwargs = dict(
+        hidden_states=x, encoder_hidden_states=txt, timestep=t, img_shapes=shapes, return_dict=False
+    )
+    if "encoder_hidden_states_mask" in params:
+        kwargs["encoder_hidden_states_mask"] = None
+    if "txt_seq_lens" in params:  # older releases need it, newer ones deprecate it
+        kwargs["txt_seq_lens"] = [txt.shape[1]] * x.shape[0]
+    return ref(**kwargs)[0]
+
+
+def _passes(ours_vs_ref: float, ours_vs_fp32: float, ref_vs_fp32: float, limit: float = 0.01) -> bool:
+    """Within `limit` of diffusers in the same dtype, or no further from the fp32 reference than
+    diffusers' own bf16 run is (bf16 rounding is then the whole difference)."""
+    return ours_vs_ref <= limit or ours_vs_fp32 <= 1.25 * ref_vs_fp32 + 1e-3
+
+
+@stage("correctness", estimate_s=40, limit_s=90, check=True)
+def correctness(ctx: Context) -> None:
+    """The real-width slice loaded from hub-style shards, then ours vs diffusers in the run's dtype:
+    DiT output, VAE decode, the timestep trajectory."""
+    from ditfleet.model.loader import load_pipeline
+
+    t0 = time.perf_counter()
+    root = write_slice(ctx, ctx.out / "work" / "slice")
+    write_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    pipe = load_pipeline(
+        root, device=ctx.device, dtype=ctx.dtype, load_text_encoder_too=False, model_id="selftest-slice"
+    )
+    sync(ctx.device)
+    load_s = time.perf_counter() - t0
+    ctx.state["slice_pipe"] = pipe
+    files = sorted(p.name for p in (root / "transformer").iterdir())
+    ctx.emit(
+        {
+            "status": "pass",
+            "check": "hub_layout_load",
+            "blocks": pipe.transformer.config.num_layers,
+            "files": len(files),
+            "write_s": round(write_s, 1),
+            "load_s": round(load_s, 2),
+        }
+    )
+    version = diffusers_version()
+    if version is None:
+        raise StageSkipped(
+            "diffusers is not importable: the side-by-side checks need it (docs/performance.md: bring its wheel)"
+        )
+    ctx.check("diffusers")
+    size, text_len = (64, 8) if ctx.tiny else (512, 64)
+    ours = pipe.transformer
+    x, txt, shapes = dit_inputs(ours.config, size, text_len, 1, ctx.device, ctx.dtype)
+    t = torch.full((1,), 0.7, device=ctx.device, dtype=ctx.dtype)
+    with torch.no_grad():
+        got = ours(x, txt, None, t, shapes)
+        ref = _diffusers_transformer(ours, ctx.dtype)
+        want = _diffusers_forward(ref, x, txt, t, shapes)
+        del ref
+        ref32 = _diffusers_transformer(ours, torch.float32)
+        exact = _diffusers_forward(ref32, x.float(), txt.float(), t.float(), shapes)
+        del ref32
+    errs = (rel_err(got, want), rel_err(got, exact), rel_err(want, exact))
+    ctx.emit(
+        {
+            "status": "pass" if _passes(*errs) else "fail",
+            "check": "dit_vs_diffusers",
+            "diffusers": version,
+            "size": size,
+            "text_len": text_len,
+            "rel_err": round(errs[0], 5),
+            "rel_err_vs_fp32": round(errs[1], 5),
+            "diffusers_rel_err_vs_fp32": round(errs[2], 5),
+            "limit": 0.01,
+        }
+    )
+    free(ctx)
+    ctx.check("vae")
+    _vae_vs_diffusers(ctx, pipe, root, version)
+    _trajectory_vs_diffusers(ctx, pipe, root)
+
+
+def _vae_vs_diffusers(ctx: Context, pipe: TextToImagePipeline, root: Path, version: str) -> None:
+    from diffusers import AutoencoderKLQwenImage
+
+    size = 64 if ctx.tiny else 512
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(1, 16, size // 8, size // 8, generator=g).to(ctx.device, ctx.dtype)
+    results = {}
+    with torch.no_grad():
+        got = pipe.vae.decode(z)
+        for dtype in (ctx.dtype, torch.float32):
+            ref = (
+                AutoencoderKLQwenImage.from_pretrained(root / "vae", torch_dtype=dtype).to(ctx.device).eval()
+            )
+            results[dtype] = ref.decode(z.to(dtype)[:, :, None]).sample[:, :, 0]
+            del ref
+    errs = (
+        rel_err(got, results[ctx.dtype]),
+        rel_err(got, results[torch.float32]),
+        rel_err(results[ctx.dtype], results[torch.float32]),
+    )
+    ctx.emit(
+        {
+            "status": "pass" if _passes(*errs) else "fail",
+            "check": "vae_vs_diffusers",
+            "diffusers": version,
+            "size": size,
+            "rel_err": round(errs[0], 5),
+            "rel_err_vs_fp32": round(errs[1], 5),
+            "diffusers_rel_err_vs_fp32": round(errs[2], 5),
+            "limit": 0.01,
+        }
+    )
+
+
+def _trajectory_vs_diffusers(ctx: Context, pipe: TextToImagePipeline, root: Path) -> None:
+    """The timesteps the DiT sees, in the run's dtype, step by step against QwenImagePipeline's."""
+    import numpy as np
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    try:
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+    except ImportError as e:
+        raise StageSkipped(f"this diffusers has no Qwen-Image pipeline: {e}") from e
+    ref = FlowMatchEulerDiscreteScheduler.from_pretrained(root / "scheduler")
+    c = ref.config
+    mismatched = {}
+    for steps, size in ((50, 1328), (50, 1024), (20, 1328)):
+        seq = latent_grid(size, size)[0] * latent_grid(size, size)[1]
+        mu = calculate_shift(
+            seq,
+            c.get("base_image_seq_len", 256),
+            c.get("max_image_seq_len", 4096),
+            c.get("base_shift", 0.5),
+            c.get("max_shift", 1.15),
+        )
+        ref.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
+        # diffusers hands the DiT t.expand(B).to(latents.dtype) / 1000 (QwenImagePipeline)
+        want = [t.to(ctx.dtype) / 1000 for t in ref.timesteps.reshape(-1, 1)]
+        sigmas = sigma_schedule(pipe.scheduler, steps, seq)
+        got = [model_timestep(t, ctx.dtype) for t in (sigmas[:-1] * 1000.0).reshape(-1, 1)]
+        bad = [i for i, (a, b) in enumerate(zip(got, want)) if not torch.equal(a.cpu(), b.cpu())]
+        if bad or len(got) != len(want):
+            mismatched[f"{steps}@{size}"] = bad[:5]
+    ctx.emit(
+        {
+            "status": "fail" if mismatched else "pass",
+            "check": "timestep_trajectory",
+            "dtype": str(ctx.dtype).removeprefix("torch."),
+            "mismatched_steps": mismatched,
+        }
+    )
+
+
+# -- 3. the attention kernels -----------------------------------------------------------------------
+
+
+class SdpaRecorder:
+    """Wraps F.scaled_dot_product_attention: per call, the caller (DiT or VAE), the shapes and
+    strides it got, and the backend SDPA's own dispatcher picks for them (`torch._fused_sdp_choice`,
+    under the preference in force). With `fused_only` on CUDA the math path is disabled, so a call
+    no fused kernel takes raises: it is recorded as such, then run on the math path."""
+
+    def __init__(self, fused_only: bool) -> None:
+        self.fused_only = fused_only
+        self.calls: list[dict[str, Any]] = []
+
+    @contextmanager
+    def active(self):
+        original = F.scaled_dot_product_attention
+
+        def recorded(q, k, v, attn_mask=None, *args, **kwargs):
+            caller = inspect.stack(context=0)[1].filename
+            site = (
+                "vae"
+                if "vae" in Path(caller).name
+                else "dit"
+                if "attention" in Path(caller).name
+                else Path(caller).name
+            )
+            call = {
+                "site": site,
+                "q": list(q.shape),
+                "kv_len": k.shape[-2],
+                "strides": [list(t.stride()) for t in (q, k, v)],
+                "last_dim_contiguous": all(t.stride(-1) == 1 for t in (q, k, v)),
+                "mask": attn_mask is not None,
+                "backend": sdpa_choice(q, k, v, attn_mask),
+            }
+            try:
+                out = original(q, k, v, attn_mask, *args, **kwargs)
+            except RuntimeError as e:
+                call["backend"] = "none"
+                call["error"] = str(e).splitlines()[0][:200]
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                with sdpa_kernel([SDPBackend.MATH]):
+                    out = original(q, k, v, attn_mask, *args, **kwargs)
+            self.calls.append(call)
+            return out
+
+        F.scaled_dot_product_attention = recorded
+        try:
+            if self.fused_only:
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                fused = [
+                    SDPBackend.FLASH_ATTENTION,
+                    SDPBackend.EFFICIENT_ATTENTION,
+                    SDPBackend.CUDNN_ATTENTION,
+                ]
+                with sdpa_kernel(fused):
+                    yield self
+            else:
+                yield self
+        finally:
+            F.scaled_dot_product_attention = original
+
+
+def summarize_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    groups: dict[str, dict[str, Any]] = {}
+    for c in calls:
+        key = json.dumps([c["site"], c["q"], c["kv_len"], c["mask"], c["backend"], c["last_dim_contiguous"]])
+        if key not in groups:
+            groups[key] = {k: c[k] for k in ("site", "q", "kv_len", "mask", "backend", "last_dim_contiguous")}
+            groups[key]["calls"] = 0
+            if "error" in c:
+                groups[key]["error"] = c["error"]
+        groups[key]["calls"] += 1
+    return list(groups.values())
+
+
+@stage("sdpa_backends", estimate_s=10, limit_s=60, check=True)
+def sdpa_backends(ctx: Context) -> None:
+    """Every SDPA call of one CFG step (a padded batch of 2) and one VAE decode: the backend of
+    each; zero calls may take the math path."""
+    pipe = ctx.state.get("slice_pipe")
+    if pipe is None:
+        raise StageSkipped("needs the slice of the correctness stage")
+    size = 64 if ctx.tiny else 512
+    cfg = pipe.transformer.config
+    g = torch.Generator().manual_seed(5)
+    long, short = (8, 5) if ctx.tiny else (64, 40)
+    embeds = torch.randn(2, long, cfg.joint_attention_dim, generator=g)
+    mask = torch.ones(2, long, dtype=torch.long)
+    mask[1, short:] = 0
+    neg = torch.randn(1, 3, cfg.joint_attention_dim, generator=g).expand(2, -1, -1)
+    recorder = SdpaRecorder(fused_only=ctx.cuda)
+    with recorder.active(), torch.no_grad():
+        pipe.generate(
+            prompt_embeds=embeds,
+            prompt_embeds_mask=mask,
+            negative_prompt_embeds=neg,
+            negative_prompt_embeds_mask=None,
+            height=size,
+            width=size,
+            steps=1,
+            true_cfg_scale=4.0,
+            seeds=[0, 1],
+        )
+        sync(ctx.device)
+    groups = summarize_calls(recorder.calls)
+    math_calls = sum(g["calls"] for g in groups if g["backend"] in ("math", "none"))
+    sites = {g["site"] for g in groups}
+    ok = math_calls == 0 and {"dit", "vae"} <= sites
+    # On the CPU the math path is a fact of the platform (no fused kernel for every shape): reported, not failed.
+    status = "pass" if ok else ("fail" if ctx.cuda else "measured")
+    ctx.emit({"status": status, "calls": len(recorder.calls), "math_calls": math_calls, "by_call": groups})
+
+
+# -- 4. compile --------------------------------------------------------------------------------------
+
+
+def compile_config(ctx: Context, dit: bool, vae: bool) -> CompileConfig:
+    backend = ctx.args.compile_backend or ("eager" if ctx.tiny else "inductor")
+    return CompileConfig(
+        vae=vae,
+        dit=dit,
+        shared_cache=False,
+        dit_mode=ctx.args.compile_mode,
+        dit_backend=backend,
+        vae_backend=backend,
+        cpu_onednn_linear=False,
+    )
+
+
+def length_sweep(tiny: bool) -> list[int]:
+    """Prompt lengths 1..512 at every power-of-two edge (where a size guard would split)."""
+    if tiny:
+        return [1, 2, 3, 8, 16]
+    top = 512
+    lengths = {1, 2, 3, top}
+    p = 4
+    while p <= top:
+        lengths |= {p - 1, p, min(p + 1, top)}
+        p *= 2
+    return sorted(lengths)
+
+
+@stage("compile", estimate_s=120, limit_s=200, check=True)
+def compile_stage(ctx: Context) -> None:
+    """The slice's DiT blocks and VAE decode compiled as the worker compiles them, at the main
+    bucket: no fallback to eager, and zero recompiles over batch 1..4 and prompt lengths 1..512."""
+    pipe = ctx.state.get("slice_pipe")
+    if pipe is None:
+        raise StageSkipped("needs the slice of the correctness stage")
+    size = sizes(ctx)[0]
+    # Tracing the whole VAE decode costs half a minute of CPU even with the eager backend: the
+    # smoke run leaves it to the compile tests and compiles the DiT regions only.
+    config = compile_config(ctx, dit=True, vae=not ctx.tiny)
+    report = apply_compile(pipe, config)
+    dit = pipe.transformer
+    cfg = dit.config
+    g = torch.Generator().manual_seed(7)
+    h, w = latent_grid(size, size)
+    shapes = lambda b: [[(1, h, w)]] * b  # noqa: E731
+    x4 = torch.randn(4, h * w, 64, generator=g).to(ctx.device, ctx.dtype)
+    t = torch.full((1,), 0.5, device=ctx.device, dtype=ctx.dtype)
+
+    def text(b: int, length: int) -> torch.Tensor:
+        return torch.randn(b, length, cfg.joint_attention_dim, generator=g).to(ctx.device, ctx.dtype)
+
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        # The worker's warm-up: one batch of the configured size (4) and a mid-length prompt.
+        dit(x4, text(4, 64 if not ctx.tiny else 8), None, t, shapes(4))
+        z = torch.randn(1, 16, size // 8, size // 8, generator=g).to(ctx.device, ctx.dtype)
+        pipe.vae.decode(z)
+        sync(ctx.device)
+    warm_s = time.perf_counter() - t0
+    ctx.emit(
+        {
+            "status": "fail" if report.fallbacks else "measured",
+            "check": "compile_warmup",
+            "size": size,
+            "settings": report.config.describe(ctx.device.type),
+            "warmup_s": round(warm_s, 1),
+            "compiles": compile_count(),
+            "fallbacks": report.fallbacks,
+        }
+    )
+    before = compile_count()
+    recompiled: list[list[int]] = []
+    lengths = length_sweep(ctx.tiny)
+    with torch.no_grad():
+        for b in (1, 2, 3, 4):
+            for length in lengths:
+                ctx.check(f"recompile sweep at batch {b}, length {length}")
+                n = compile_count()
+                embeds = text(b, length)
+                mask = None
+                if b > 1 and length > 1:  # a padded batch: the split attention path
+                    mask = torch.ones(b, length, dtype=torch.long, device=ctx.device)
+                    mask[-1, length // 2 :] = 0
+                dit(x4[:b], embeds, mask, t, shapes(b))
+                if compile_count() != n:
+                    recompiled.append([b, length])
+            n = compile_count()
+            pipe.vae.decode(z.expand(b, -1, -1, -1).contiguous())
+            if compile_count() != n:
+                recompiled.append([b, "vae"])
+        sync(ctx.device)
+    status = report.status
+    ok = not report.fallbacks and not recompiled and all(s == "compiled" for s in status.values())
+    ctx.emit(
+        {
+            "status": "pass" if ok else "fail",
+            "check": "recompiles",
+            "batches": [1, 2, 3, 4],
+            "prompt_lengths": f"{len(lengths)} lengths {lengths[0]}..{lengths[-1]} (every power-of-two edge)",
+            "recompiles": compile_count() - before,
+            "recompiled_at": recompiled[:20],
+            "fallbacks": report.fallbacks,
+            "not_compiled": sorted({k.split(".")[-1] for k, s in status.items() if s != "compiled"}),
+            "limit_hits": report.limit_hits,
+        }
+    )
+    # The compiled VAE stays for the decode lines; the slice's DiT goes (the full model is next).
+    ctx.state["vae"] = pipe.vae
+    ctx.state["scheduler"] = pipe.scheduler
+    free(ctx, "slice_pipe")

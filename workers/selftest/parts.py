@@ -1,0 +1,151 @@
+"""What the self-test's stages share: the model's configs at the run's widths, weights made on the
+device, timing and FLOP counts."""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from ditfleet.model.sampling import LATENT_CHANNELS, latent_grid
+from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig
+from ditfleet.model.vae import QwenImageVAE
+from ditfleet.model.vae_config import VAEConfig
+from ditfleet.workers.selftest.runner import Context
+
+log = logging.getLogger("ditfleet.selftest")
+
+PUBLISHED_MODEL = "qwen-image"
+TINY_TRANSFORMER = dict(
+    num_layers=4,
+    num_attention_heads=2,
+    attention_head_dim=32,
+    joint_attention_dim=32,
+    axes_dims_rope=(8, 12, 12),
+)
+TINY_VAE = dict(base_dim=16, z_dim=16, dim_mult=(1, 2, 4, 4), num_res_blocks=1)
+
+
+# -- configs, weights, timing ----------------------------------------------------------------------
+
+
+def transformer_config(ctx: Context, layers: int) -> TransformerConfig:
+    if ctx.tiny:
+        return TransformerConfig(**{**TINY_TRANSFORMER, "num_layers": layers})
+    from ditfleet.testing.real_widths import published_config
+
+    return TransformerConfig.from_dict(
+        {**published_config(PUBLISHED_MODEL, "transformer/config.json"), "num_layers": layers}
+    )
+
+
+def vae_config(ctx: Context) -> VAEConfig:
+    if ctx.tiny:
+        return VAEConfig(**TINY_VAE)
+    from ditfleet.testing.real_widths import published_config
+
+    return VAEConfig.from_dict(published_config(PUBLISHED_MODEL, "vae/config.json"))
+
+
+def sizes(ctx: Context) -> list[int]:
+    """Square image sides of the speed lines, the bucket the worker uses most first."""
+    return [64, 96] if ctx.tiny else list(ctx.args.sizes)
+
+
+def init_on_device(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Fill an allocated (uninitialised) module in place on its device: nn.Linear's default range
+    for matrices and biases, norm scales around 1. Seeded, so every run draws the same model."""
+    g = None
+    for name, p in list(module.named_parameters()) + list(module.named_buffers()):
+        if not p.is_floating_point():
+            continue
+        if g is None or g.device != p.device:
+            g = torch.Generator(device=p.device).manual_seed(seed)
+        with torch.no_grad():
+            if name.endswith("weight") and p.dim() == 1 or "gamma" in name:
+                p.normal_(1.0, 0.1, generator=g)
+            else:
+                fan_in = math.prod(p.shape[1:]) if p.dim() > 1 else p.shape[0]
+                p.uniform_(-(fan_in**-0.5), fan_in**-0.5, generator=g)
+    return module
+
+
+def make_transformer(
+    cfg: TransformerConfig, device: torch.device, dtype: torch.dtype, seed: int = 0
+) -> QwenImageTransformer:
+    """The DiT straight on the device in `dtype`: built on meta, allocated there, filled there."""
+    with torch.device("meta"):
+        model = QwenImageTransformer(cfg)
+    model = model.to(dtype).to_empty(device=device)
+    return init_on_device(model, seed).eval().requires_grad_(False)
+
+
+def make_vae(
+    cfg: VAEConfig, device: torch.device, dtype: torch.dtype, with_encoder: bool, seed: int = 0
+) -> QwenImageVAE:
+    with torch.device("meta"):
+        vae = QwenImageVAE(cfg, with_encoder=with_encoder)
+    vae = vae.to(dtype).to_empty(device=device)
+    return init_on_device(vae, seed).eval().requires_grad_(False)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_ms(ctx: Context, fn: Callable[[], object], repeat: int, warm: int = 1) -> float:
+    """Median wall ms of `repeat` calls after `warm` calls, the device synchronised."""
+    for _ in range(warm):
+        fn()
+    sync(ctx.device)
+    times = []
+    for _ in range(max(1, repeat)):
+        ctx.check("timing")
+        t0 = time.perf_counter()
+        fn()
+        sync(ctx.device)
+        times.append((time.perf_counter() - t0) * 1000)
+    return round(statistics.median(times), 2)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def forward_flops(cfg: TransformerConfig, batch: int, img_tokens: int, txt_tokens: int) -> float:
+    """FLOPs (2 per multiply-add) of one DiT forward: block linears, attention, modulation, embeds."""
+    D, T = cfg.inner_dim, img_tokens + txt_tokens
+    linear = 2 * T * (4 * D * D + 2 * 4 * D * D)  # q, k, v, out + the 4x MLP, both streams together
+    attention = 2 * 2 * T * T * D
+    modulation = 2 * 2 * D * 6 * D
+    embed = 2 * (img_tokens * cfg.in_channels * D + txt_tokens * cfg.joint_attention_dim * D)
+    return float(batch * (cfg.num_layers * (linear + attention + modulation) + embed))
+
+
+def dit_inputs(cfg: TransformerConfig, size: int, text_len: int, batch: int, device, dtype, seed: int = 0):
+    h, w = latent_grid(size, size)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, h * w, 4 * LATENT_CHANNELS, generator=g).to(device, dtype)
+    txt = torch.randn(batch, text_len, cfg.joint_attention_dim, generator=g).to(device, dtype)
+    return x, txt, [[(1, h, w)]] * batch
+
+
+def diffusers_version() -> str | None:
+    try:
+        import diffusers
+    except Exception:  # noqa: BLE001 - absent or broken: the lines that need it say so
+        return None
+    return diffusers.__version__
+
+
+def free(ctx: Context, *names: str) -> None:
+    for name in names:
+        ctx.state.pop(name, None)
+    if ctx.cuda:
+        torch.cuda.empty_cache()

@@ -1,0 +1,490 @@
+"""The self-test's speed stages: full-depth DiT forwards eager and compiled, CFG steps, the VAE
+decode, images per hour, the worker's batch generator, the FP8 and step-cache slots, and the
+compiled forward at the other sizes (last: each compiles its own graphs)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import time
+import warnings
+from collections.abc import Callable
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from ditfleet.compile.counting import compile_count
+from ditfleet.compile.policy import apply_compile
+from ditfleet.model.memory import GB, ModelMemory, plan_memory
+from ditfleet.model.pipeline import TextToImagePipeline
+from ditfleet.model.sampling import euler_step, true_cfg
+from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig
+from ditfleet.workers.selftest.checks import (
+    compile_config,
+)
+from ditfleet.workers.selftest.parts import (
+    dit_inputs,
+    forward_flops,
+    make_transformer,
+    make_vae,
+    rel_err,
+    sizes,
+    sync,
+    timed_ms,
+    transformer_config,
+    vae_config,
+)
+from ditfleet.workers.selftest.runner import Context, StageSkipped, stage
+
+# -- 5. speed at full depth ---------------------------------------------------------------------------
+
+
+def full_model(ctx: Context) -> QwenImageTransformer:
+    model = ctx.state.get("dit60")
+    if model is None:
+        cfg = transformer_config(ctx, ctx.args.layers)
+        t0 = time.perf_counter()
+        model = make_transformer(cfg, ctx.device, ctx.dtype)
+        sync(ctx.device)
+        ctx.state["dit60"] = model
+        ctx.state["dit60_make_s"] = round(time.perf_counter() - t0, 1)
+    return model
+
+
+def _pct(ctx: Context, flops: float, ms: float) -> float | None:
+    ceiling = ctx.state.get("ceiling_tflops")
+    if not ceiling or ms <= 0:
+        return None
+    return round(100 * flops / (ms / 1000) / (ceiling * 1e12), 1)
+
+
+@stage("dit_eager", estimate_s=25, limit_s=60)
+def dit_eager(ctx: Context) -> None:
+    """ms per DiT forward at full depth, eager, at each size; % of the measured matmul ceiling;
+    peak memory next to the memory plan's."""
+    model = full_model(ctx)
+    cfg = model.config
+    text_len = ctx.args.text_len
+    weights = torch.cuda.memory_allocated(ctx.device) if ctx.cuda else 0
+    for size in sizes(ctx):
+        ctx.check(f"eager {size}")
+        x, txt, shapes = dit_inputs(cfg, size, text_len, 1, ctx.device, ctx.dtype)
+        t = torch.full((1,), 0.5, device=ctx.device, dtype=ctx.dtype)
+        if ctx.cuda:
+            torch.cuda.reset_peak_memory_stats(ctx.device)
+            base = torch.cuda.memory_allocated(ctx.device)
+        with torch.no_grad():
+            ms = timed_ms(
+                ctx,
+                lambda x=x, txt=txt, t=t, shapes=shapes: model(x, txt, None, t, shapes),
+                repeat=ctx.args.repeat,
+            )
+        N = x.shape[1]
+        flops = forward_flops(cfg, 1, N, text_len)
+        line: dict[str, Any] = {
+            "status": "measured",
+            "size": f"{size}x{size}",
+            "blocks": cfg.num_layers,
+            "text_len": text_len,
+            "ms_per_forward": ms,
+            "tflop_per_forward": round(flops / 1e12, 2),
+            "pct_of_matmul_ceiling": _pct(ctx, flops, ms),
+            "make_weights_s": ctx.state.get("dit60_make_s"),
+        }
+        line.update(_memory_vs_plan(ctx, cfg, size, text_len, base if ctx.cuda else 0, weights))
+        ctx.state.setdefault("eager_ms", {})[size] = ms
+        ctx.emit(line)
+
+
+def _memory_vs_plan(
+    ctx: Context, cfg: TransformerConfig, size: int, text_len: int, base: int, weights: int
+) -> dict[str, Any]:
+    model = ModelMemory(cfg, vae_config(ctx), None, "selftest")
+    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[ctx.dtype]
+    plan = plan_memory(
+        model,
+        height=size,
+        width=size,
+        batch=1,
+        dtype=dtype,
+        text_encoder="cpu",
+        text_len=text_len,
+        device=ctx.device.type,
+    )
+    out: dict[str, Any] = {
+        "plan_denoise_gb": round(plan.phases["denoise"] / GB, 2),
+        "plan_dit_activations_gb": round(plan.activations["denoise"] / GB, 3),
+    }
+    if ctx.cuda:
+        peak = torch.cuda.max_memory_allocated(ctx.device)
+        out.update(
+            peak_allocated_gb=round(peak / GB, 2),
+            peak_reserved_gb=round(torch.cuda.max_memory_reserved(ctx.device) / GB, 2),
+            dit_weights_gb=round(weights / GB, 2),
+            measured_dit_activations_gb=round((peak - base) / GB, 3),
+        )
+    return out
+
+
+@stage("dit_compiled", estimate_s=60, limit_s=150)
+def dit_compiled(ctx: Context) -> None:
+    """ms per DiT forward at full depth, compiled as the worker compiles it (the main bucket;
+    the slice's compile filled the caches), and the compile fallbacks (must be none)."""
+    model = full_model(ctx)
+    pipe = TextToImagePipeline(
+        model,
+        ctx.state.get("vae") or make_vae(vae_config(ctx), ctx.device, ctx.dtype, False),
+        ctx.state.get("scheduler"),
+    )
+    report = apply_compile(pipe, compile_config(ctx, dit=True, vae=False))
+    ctx.state["compiled_report"] = report
+    for size in sizes(ctx):
+        before = compile_count()
+        ctx.emit(_compiled_forward_line(ctx, model, size, report, compiles_before=before))
+
+
+@stage("cfg_step", estimate_s=15, limit_s=45)
+def cfg_step(ctx: Context) -> None:
+    """ms per CFG step (conditional + a 4-token negative, the Euler step) per modulation-cache mode."""
+    model = full_model(ctx)
+    size, text_len = sizes(ctx)[0], ctx.args.text_len
+    cfg = model.config
+    x, txt, shapes = dit_inputs(cfg, size, text_len, 1, ctx.device, ctx.dtype)
+    neg = torch.randn(1, 4, cfg.joint_attention_dim).to(ctx.device, ctx.dtype)
+    step_t = torch.full((1,), 0.25, device=ctx.device, dtype=ctx.dtype)
+    sig = torch.tensor([0.25, 0.2], device=ctx.device)
+
+    def step() -> torch.Tensor:
+        c = model(x, txt, None, step_t, shapes)
+        u = model(x, neg, None, step_t, shapes)
+        return euler_step(x, true_cfg(c, u, 4.0), sig[0], sig[1])
+
+    out: dict[str, float] = {}
+    with torch.no_grad():
+        for mode in ("off", "cfg", "table"):
+            ctx.check(f"mode {mode}")
+            model.modulation_cache.set_mode(mode)
+            if mode == "table":
+                model(x, txt, None, step_t, shapes)  # fill the table for this step
+            out[mode] = timed_ms(ctx, step, repeat=ctx.args.repeat)
+        model.modulation_cache.set_mode("cfg")
+    ctx.state["cfg_step_ms"] = out
+    compiled = "compiled_report" in ctx.state and not ctx.state["compiled_report"].fallbacks
+    ctx.emit(
+        {
+            "status": "measured",
+            "size": f"{size}x{size}",
+            "dit": "compiled" if compiled else "eager",
+            "ms_per_cfg_step": out,
+            "speedup_cfg_vs_off": round(out["off"] / out["cfg"], 3),
+            "speedup_table_vs_off": round(out["off"] / out["table"], 3),
+        }
+    )
+
+
+@stage("vae_decode", estimate_s=30, limit_s=90)
+def vae_decode(ctx: Context) -> None:
+    """ms per VAE decode, eager vs compiled (the compile stage's), at the main bucket; its peak
+    memory next to the plan's."""
+    vae = ctx.state.get("vae")
+    if vae is None:
+        raise StageSkipped("needs the compiled VAE of the compile stage")
+    size = sizes(ctx)[0]
+    z = torch.randn(1, 16, size // 8, size // 8).to(ctx.device, ctx.dtype)
+    eager_decode = type(vae).decode.__get__(vae)
+    line: dict[str, Any] = {"status": "measured", "size": f"{size}x{size}"}
+    with torch.no_grad():
+        if ctx.cuda:
+            torch.cuda.reset_peak_memory_stats(ctx.device)
+            base = torch.cuda.memory_allocated(ctx.device)
+        line["eager_ms"] = timed_ms(ctx, lambda: eager_decode(z), repeat=ctx.args.repeat)
+        if ctx.cuda:
+            line["measured_activations_gb"] = round(
+                (torch.cuda.max_memory_allocated(ctx.device) - base) / GB, 3
+            )
+        ctx.check("compiled decode")
+        line["compiled_ms"] = timed_ms(ctx, lambda: vae.decode(z), repeat=ctx.args.repeat)
+    from ditfleet.model.memory import vae_decode_activation_bytes
+
+    e = torch.finfo(ctx.dtype).bits // 8
+    line["plan_activations_gb"] = round(
+        vae_decode_activation_bytes(vae_config(ctx), 1, size, size, e) / GB, 3
+    )
+    line["speedup"] = round(line["eager_ms"] / line["compiled_ms"], 3)
+    ctx.state["decode_ms"] = min(line["eager_ms"], line["compiled_ms"])
+    ctx.emit(line)
+
+
+@stage("images_per_hour", estimate_s=1, limit_s=10)
+def images_per_hour(ctx: Context) -> None:
+    """Images per hour at 50 steps, batch 1: 50 CFG steps (modulation cache 'cfg') + one decode."""
+    step = ctx.state.get("cfg_step_ms", {}).get("cfg")
+    decode = ctx.state.get("decode_ms")
+    if step is None or decode is None:
+        raise StageSkipped("needs the cfg_step and vae_decode lines")
+    per_image = 50 * step + decode
+    ctx.emit(
+        {
+            "status": "measured",
+            "size": f"{sizes(ctx)[0]}x{sizes(ctx)[0]}",
+            "steps": 50,
+            "ms_per_image": round(per_image, 1),
+            "images_per_hour": round(3_600_000 / per_image, 1),
+        }
+    )
+
+
+# -- 6. the worker's path -----------------------------------------------------------------------------
+
+
+class RandomTextEncoder:
+    """Stands in for Qwen2.5-VL (not on the node): each prompt's embeddings drawn from its own
+    hash, one token per word, on the CPU, as the placed encoder returns them."""
+
+    def __init__(self, hidden_size: int) -> None:
+        self.hidden_size = hidden_size
+
+    def count_tokens(self, prompts: list[str], max_length: int) -> list[int]:
+        return [min(max(1, len(p.split())), max_length) for p in prompts]
+
+    def encode(self, prompts: list[str], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        lengths = self.count_tokens(list(prompts), max_length)
+        embeds = torch.zeros(len(prompts), max(lengths), self.hidden_size)
+        mask = torch.zeros(len(prompts), max(lengths), dtype=torch.long)
+        for i, (p, n) in enumerate(zip(prompts, lengths)):
+            seed = int.from_bytes(hashlib.sha256(p.encode()).digest()[:8], "little")
+            embeds[i, :n] = torch.randn(n, self.hidden_size, generator=torch.Generator().manual_seed(seed))
+            mask[i, :n] = 1
+        return embeds, mask
+
+
+@contextmanager
+def count_host_syncs(ctx: Context):
+    """Blocking device syncs while the block runs: CUDA's sync debug mode warns once per sync."""
+    found = {"syncs": None}
+    if not ctx.cuda:
+        yield found
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield found
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    found["syncs"] = sum(1 for w in caught if "synchroniz" in str(w.message).lower())
+
+
+@stage("batch_generator", estimate_s=45, limit_s=90)
+def batch_generator(ctx: Context) -> None:
+    """The worker's BatchGenerator (the code a job runs, minus Ray) on one small shard at the main
+    bucket, images stored by the files writer on local disk; compared with the bare CFG step."""
+    from ditfleet.model.settings import PipelineSettings
+    from ditfleet.workers.generate import BatchGenerator, image_requests, iter_generated, plan_batches
+    from ditfleet.workers.output.formats import ImageTask, ShardWriterConfig, make_shard_writer
+    from ditfleet.workers.output.layout import new_attempt_token
+    from ditfleet.workers.rows import PromptRow
+    from ditfleet.workers.storage.local import LocalStore
+
+    model = full_model(ctx)
+    vae = ctx.state.get("vae") or make_vae(vae_config(ctx), ctx.device, ctx.dtype, False)
+    scheduler = ctx.state.get("scheduler")
+    if scheduler is None:
+        raise StageSkipped("needs the scheduler of the correctness stage")
+    encoder = RandomTextEncoder(model.config.joint_attention_dim)
+    pipe = TextToImagePipeline(
+        model, vae, scheduler, encoder, model_id="selftest", settings=PipelineSettings()
+    )
+    size, steps, images = sizes(ctx)[0], ctx.args.worker_steps, ctx.args.worker_images
+    rows = [
+        PromptRow(
+            id=f"p{i}",
+            prompt=" ".join(["word"] * (20 + 3 * i)),
+            negative_prompt=None,
+            seed=i,
+            width=size,
+            height=size,
+            requested_width=None,
+            requested_height=None,
+            bucket=f"{size}x{size}",
+            steps=steps,
+            true_cfg_scale=4.0,
+            num_images=1,
+            file="selftest",
+            row=i,
+        )  # fmt: skip
+        for i in range(images)
+    ]
+    generator = BatchGenerator(pipe)
+    requests = image_requests(rows)
+    batches = plan_batches(requests, ctx.args.worker_batch, generator.count_tokens)
+    store = LocalStore(str(ctx.out / "work" / "shard"))
+    writer = make_shard_writer(store, 0, ShardWriterConfig(), new_attempt_token(0))
+    t0 = time.perf_counter()
+    with count_host_syncs(ctx) as syncs:
+        generate_s = 0.0
+        for image in iter_generated(generator, batches):
+            ctx.check("batch generator")
+            generate_s += image.generate_s
+            req = image.request
+            writer.add(
+                ImageTask(req.row.id, req.k, 1, req.row.prompt, None, req.seed),
+                image.pixels.permute(1, 2, 0).numpy(),
+            )
+    stored = writer.finish()
+    wall = time.perf_counter() - t0
+    step = ctx.state.get("cfg_step_ms", {}).get("cfg")
+    decode = ctx.state.get("decode_ms")
+    per_image_ms = 1000 * generate_s / images
+    line: dict[str, Any] = {
+        "status": "measured",
+        "size": f"{size}x{size}",
+        "images": images,
+        "batches": len(batches),
+        "steps": steps,
+        "shard_wall_s": round(wall, 2),
+        "ms_per_image": round(per_image_ms, 1),
+        "stored": len(stored.results),
+        "host_syncs": syncs["syncs"],
+    }
+    if step and decode:
+        bare = batches and (steps * step * len(batches[0]) + decode * len(batches[0])) / len(batches[0])
+        line["bare_ms_per_image"] = round(bare, 1)
+        line["overhead_vs_bare"] = round(per_image_ms / bare, 3)
+        # 50 steps through the worker: its per-step cost scaled, the decode once.
+        per_step = max(per_image_ms - decode, 1e-3) / steps
+        line["images_per_hour_50_steps"] = round(3_600_000 / (50 * per_step + decode), 1)
+    ctx.emit(line)
+
+
+# -- 7. slots for lines other work adds ---------------------------------------------------------------
+
+
+def _slot_function(module: str, name: str) -> Callable[..., Any] | None:
+    try:
+        return getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        return None
+
+
+@stage("fp8_forward", estimate_s=40, limit_s=90)
+def fp8_forward(ctx: Context) -> None:
+    """The slot of the FP8 line: `ditfleet.model.fp8.selftest_forward(transformer, mode)` (or in
+    `model.quantization`) returns an FP8 DiT over the full-depth model's weights (mode 'fp8' or
+    'fp8-weight-only'), or None when this GPU cannot run the mode; this stage times it like the
+    eager line and reports its error against the bf16 output."""
+    fn = _slot_function("ditfleet.model.fp8", "selftest_forward") or _slot_function(
+        "ditfleet.model.quantization", "selftest_forward"
+    )
+    if fn is None:
+        raise StageSkipped("slot: no model.fp8.selftest_forward yet")
+    model = full_model(ctx)
+    cfg, size, text_len = model.config, sizes(ctx)[0], ctx.args.text_len
+    x, txt, shapes = dit_inputs(cfg, size, text_len, 1, ctx.device, ctx.dtype)
+    t = torch.full((1,), 0.5, device=ctx.device, dtype=ctx.dtype)
+    with torch.no_grad():
+        bf16_peak = _forward_peak_gb(ctx, lambda: model(x, txt, None, t, shapes))
+        exact = model(x, txt, None, t, shapes)
+        for mode in ("fp8", "fp8-weight-only"):
+            ctx.check(mode)
+            fp8 = fn(model, mode)
+            if fp8 is None:
+                ctx.emit({"status": "skipped", "mode": mode, "reason": "not supported here"})
+                continue
+            ms = timed_ms(ctx, lambda fp8=fp8: fp8(x, txt, None, t, shapes), repeat=ctx.args.repeat)
+            eager = ctx.state.get("eager_ms", {}).get(size)
+            peak = _forward_peak_gb(ctx, lambda fp8=fp8: fp8(x, txt, None, t, shapes))
+            got = fp8(x, txt, None, t, shapes)
+            weights = sum(p.numel() * p.element_size() for p in (*fp8.parameters(), *fp8.buffers()))
+            ctx.emit(
+                {
+                    "status": "measured",
+                    "mode": mode,
+                    "size": f"{size}x{size}",
+                    "ms_per_forward": ms,
+                    "speedup_vs_bf16_eager": round(eager / ms, 3) if eager else None,
+                    "rel_err_vs_bf16": round(rel_err(got, exact), 4),
+                    "weights_gb": round(weights / 1e9, 2),
+                    # Above the weights resident before the call (the bf16 DiT stays loaded too).
+                    "forward_peak_gb": peak,
+                    "bf16_forward_peak_gb": bf16_peak,
+                }
+            )
+            del fp8
+
+
+def _forward_peak_gb(ctx: Context, fn: Callable[[], object]) -> float | None:
+    """GB one call of `fn` allocates at its peak above what was allocated before; None off CUDA."""
+    if not ctx.cuda:
+        return None
+    sync(ctx.device)
+    torch.cuda.reset_peak_memory_stats(ctx.device)
+    base = torch.cuda.memory_allocated(ctx.device)
+    fn()
+    sync(ctx.device)
+    return round((torch.cuda.max_memory_allocated(ctx.device) - base) / 1e9, 2)
+
+
+@stage("step_cache", estimate_s=40, limit_s=90)
+def step_cache(ctx: Context) -> None:
+    """The slot of the step-cache line: `ditfleet.model.step_cache.selftest_line(pipe, size, steps)`
+    returns a dict (DiT work and wall-time speed-up of a preset against exact) to print."""
+    fn = _slot_function("ditfleet.model.step_cache", "selftest_line")
+    if fn is None:
+        raise StageSkipped("slot: no model.step_cache.selftest_line yet")
+    model = full_model(ctx)
+    pipe = TextToImagePipeline(model, ctx.state["vae"], ctx.state["scheduler"])
+    ctx.emit({"status": "measured", **fn(pipe, sizes(ctx)[0], 20)})
+
+
+# -- 8. the other sizes, last: each compiles its own graphs ---------------------------------------------
+
+
+@stage("dit_compiled_other_sizes", estimate_s=90, limit_s=150)
+def dit_compiled_other_sizes(ctx: Context) -> None:
+    """The compiled full-depth forward at the other sizes (a fresh compile each)."""
+    if "compiled_report" not in ctx.state:
+        raise StageSkipped("needs the dit_compiled stage")
+    model = full_model(ctx)
+    for size in sizes(ctx)[1:]:
+        ctx.emit(_compiled_forward_line(ctx, model, size, ctx.state["compiled_report"]))
+
+
+def _compiled_forward_line(
+    ctx: Context, model, size: int, report, compiles_before: int | None = None
+) -> dict:
+    """One compiled full-depth forward at `size`: its first call (the compile, or a cache load) and
+    the steady ms per forward, against the eager figure and the matmul ceiling."""
+    ctx.check(f"compiled {size}")
+    cfg, text_len = model.config, ctx.args.text_len
+    x, txt, shapes = dit_inputs(cfg, size, text_len, 1, ctx.device, ctx.dtype)
+    t = torch.full((1,), 0.5, device=ctx.device, dtype=ctx.dtype)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        model(x, txt, None, t, shapes)
+        sync(ctx.device)
+        first_s = time.perf_counter() - t0
+        ms = timed_ms(
+            ctx,
+            lambda x=x, txt=txt, t=t, shapes=shapes: model(x, txt, None, t, shapes),
+            repeat=ctx.args.repeat,
+            warm=0,
+        )
+    flops = forward_flops(cfg, 1, x.shape[1], text_len)
+    eager = ctx.state.get("eager_ms", {}).get(size)
+    ctx.state.setdefault("compiled_ms", {})[size] = ms
+    line = {
+        "status": "fail" if report.fallbacks else "measured",
+        "size": f"{size}x{size}",
+        "blocks": cfg.num_layers,
+        "settings": report.config.describe(ctx.device.type),
+        "ms_per_forward": ms,
+        "pct_of_matmul_ceiling": _pct(ctx, flops, ms),
+        "speedup_vs_eager": round(eager / ms, 3) if eager else None,
+        "first_call_s": round(first_s, 1),
+        "fallbacks": report.fallbacks,
+    }
+    if compiles_before is not None:
+        line["compiles"] = compile_count() - compiles_before
+    return line
