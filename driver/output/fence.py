@@ -55,6 +55,7 @@ def _actor_id(handle: Any) -> str:
 
 def _local_addresses() -> set[str]:
     import ray
+
     addresses = {"127.0.0.1"}
     try:
         addresses.add(ray.util.get_node_ip_address())
@@ -126,9 +127,9 @@ def _gone_on_other_nodes(
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     refs = {
-        remote_check.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
-        ).remote([pid for _, pid in entries]): entries
+        remote_check.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
+            [pid for _, pid in entries]
+        ): entries
         for node, entries in on_node.items()
     }
     confirmed: set[str] = set()

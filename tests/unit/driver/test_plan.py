@@ -216,7 +216,9 @@ def test_fingerprint_is_stable_and_says_what_changed(tmp_path: Path):
         image_settings=settings,
     )
     assert seed.fingerprint() != first.fingerprint()
-    assert describe_differences(first.fingerprint_doc(), seed.fingerprint_doc()) == ["job_seed: 1234 in the existing output, 9 now"]
+    assert describe_differences(first.fingerprint_doc(), seed.fingerprint_doc()) == [
+        "job_seed: 1234 in the existing output, 9 now"
+    ]
 
     revision = plan_of(tmp_path / "in", image_settings={**settings, "revision": "def"})
     assert describe_differences(first.fingerprint_doc(), revision.fingerprint_doc()) == [
@@ -241,7 +243,9 @@ def test_job_document_and_resume_check(tmp_path: Path):
     assert doc["plan"]["rows"] == 3 and doc["plan"]["images"] == 6 and doc["plan"]["shards"] == 2
     assert fingerprint_differences(doc, plan.fingerprint(), plan.fingerprint_doc()) == []
     other = plan_of(tmp_path / "p.parquet", shard_size=3, image_settings={"model": "tiny"})
-    assert fingerprint_differences(doc, other.fingerprint(), other.fingerprint_doc()) == ["shard_size: 2 in the existing output, 3 now"]
+    assert fingerprint_differences(doc, other.fingerprint(), other.fingerprint_doc()) == [
+        "shard_size: 2 in the existing output, 3 now"
+    ]
     assert set(job_document(plan, {})["versions"]) == {"python", "ditfleet", "torch", "pyarrow"}
 
 

@@ -33,7 +33,9 @@ class FilesShardWriter:
         self._keys: list[str] = []  # appended by the pool's threads (list.append is atomic)
 
     def add(self, task: ImageTask, image: Any) -> None:
-        key = image_key(self.shard, self.attempt, task.id, image_index_in_key(task.k, task.num_images), self._ext)
+        key = image_key(
+            self.shard, self.attempt, task.id, image_index_in_key(task.k, task.num_images), self._ext
+        )
         self._pool.submit(self.store.uri(key), lambda: self._store_one(key, task, image))
 
     def _store_one(self, key: str, task: ImageTask, image: Any) -> ImageResult:
