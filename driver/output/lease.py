@@ -6,7 +6,8 @@ The driver holding the highest generation owns the output while its lease has no
 been released). To take the output, a driver writes the next generation create-only: of two
 drivers that try at once, one wins and the other is refused (`OutputBusy`). A lease that
 expired (its driver crashed, or lost the store for longer than the lease) is taken over the
-same way, so a crashed driver blocks the next run for at most `ttl_s`. The holder renews its own
+same way, so a crashed driver blocks the next run for at most `ttl_s`, and not at all from the
+machine it ran on (its process is seen to be gone). The holder renews its own
 generation every `ttl_s / 4` from a background thread; before each write that only the owner
 may make (deleting orphans, `_SUCCESS`) it calls `check`, which refuses once a higher generation
 exists or its own lease ran out. Expiry is wall-clock time: drivers sharing an output need
@@ -157,8 +158,36 @@ def _describe(doc: dict[str, Any] | None, now: float) -> str:
     )
 
 
+def _process_space() -> str | None:
+    """Which set of process ids this process sees: the machine's boot and its pid namespace. Two
+    drivers that print the same value see the same processes, so one can ask whether the other
+    is alive; a hostname alone does not say that (containers may share one)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return None  # not Linux: only expiry frees a lease
+
+
+def _holder_is_gone(doc: dict[str, Any]) -> bool:
+    """The lease's driver ran in this process space and its process has exited (it crashed, or
+    was killed): its lease need not be waited out. A reused pid only makes us wait, as before."""
+    space, pid = doc.get("process_space"), doc.get("pid")
+    if space is None or space != _process_space() or not isinstance(pid, int) or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # alive, another user's
+    return False
+
+
 def _current(store: ObjectStore, generation: int, now: float) -> dict[str, Any] | None:
-    """The lease document of `generation` when it is still held, else None."""
+    """The lease document of `generation` when it is still held, else None: not released, not
+    expired, and its driver not known to be gone."""
     try:
         doc = read_json(store, lease_key(generation))
     except ValueError:
@@ -166,9 +195,11 @@ def _current(store: ObjectStore, generation: int, now: float) -> dict[str, Any] 
     if doc is None or doc.get("released"):
         return None
     try:
-        return doc if float(doc.get("expires_at", 0)) > now else None
+        if float(doc.get("expires_at", 0)) <= now:
+            return None
     except (TypeError, ValueError):
         return None
+    return None if _holder_is_gone(doc) else doc
 
 
 def acquire_lease(
@@ -199,6 +230,7 @@ def acquire_lease(
             "owner": uuid.uuid4().hex,
             "host": socket.gethostname(),
             "pid": os.getpid(),
+            "process_space": _process_space(),
             "acquired_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
             "expires_at": now + ttl_s,
             "released": False,

@@ -7,7 +7,8 @@ so the same pixels give different bytes (as an OOM-split batch, an eager fallbac
 model give different pixels). The interleavings are forced by a store wrapper that holds a run's
 uploads or its commit until the test lets it go (the store underneath is the real one). One
 interleaving per shard of one planned output; at the end `ditfleet verify` must find every
-committed row's object intact, every row once, and only harmless orphans.
+committed row's object intact, every row once, and as orphans only the uploads that landed after
+`_SUCCESS` (a problem until `verify --clean` deletes them: readers of the data folders see them).
 
 | interleaving                 | A                                   | B                 |
 | ---------------------------- | ----------------------------------- | ----------------- |
@@ -261,13 +262,16 @@ def test_two_runs_with_different_bytes_interleaved_every_way(
         assert _committed_objects(store, i) == (manifest, objects), f"shard {i} changed after its commit"
 
     report = verify_output(store)
-    assert report.exit_code == 0 and not report.problems, report.format_text()
     assert report.complete and report.rows == plan.total_rows and report.images_ok == plan.total_images
     assert report.objects_checked == plan.total_images
     # What is left over: only the late uploads of the run killed after _SUCCESS (the driver's
-    # finish deleted the other losers' objects, and losing runs delete their own).
+    # finish deleted the other losers' objects, and losing runs delete their own). After _SUCCESS
+    # they are a problem, not harmless: readers of the data folders would see them; every
+    # committed object is intact, and --clean can prove they are a losing run's.
     assert set(report.orphans) == set(late), report.format_text()
-    assert main(["verify", uri, *cli]) == 0
+    assert report.exit_code == 1 and len(report.problems) == 1, report.format_text()
+    assert "after _SUCCESS" in report.problems[0] and "--clean" in report.problems[0], report.problems
+    assert main(["verify", uri, *cli]) == 1
     assert main(["verify", uri, "--clean", *cli]) == 0
     report = verify_output(store)
     assert report.exit_code == 0 and report.orphans == [] and report.images_ok == plan.total_images
