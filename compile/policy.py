@@ -71,8 +71,9 @@ def apply_compile(pipe: Any, config: CompileConfig) -> CompileReport:
     """
     ensure_counting()
     device_type = torch.device(pipe.device).type
-    if config.dit == "auto":
-        raise ValueError("compile.dit is 'auto': resolve it first with resolve_dit(config, ...)")
+    # "auto" (the default) decided here for a caller that did not: the image count unknown, so
+    # on for CUDA and off elsewhere; a worker resolves it itself from the images it expects.
+    config = resolve_dit(config, device_type, expected_images=None, buckets=1)
     report = CompileReport(config, device_type)
     for region in model_family(pipe).compile_regions:
         if region.part == "dit":
