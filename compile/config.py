@@ -101,6 +101,15 @@ class CompileConfig:
         if self.vae_batch is not None and self.vae_batch < 1:
             raise ValueError(f"CompileConfig.vae_batch must be >= 1 or None, got {self.vae_batch}")
 
+    def dit_on(self, device_type: str, expected_images: int | None = None, buckets: int = 1) -> bool:
+        """Whether the DiT compiles: compile.dit, with "auto" decided as on for CUDA when the
+        images each actor is expected to make (None: unknown, taken as many) reach
+        AUTO_DIT_IMAGES_PER_BUCKET per bucket, and off elsewhere."""
+        if self.dit != "auto":
+            return bool(self.dit)
+        enough = expected_images is None or expected_images >= AUTO_DIT_IMAGES_PER_BUCKET * max(1, buckets)
+        return device_type == "cuda" and enough
+
     def mode_for(self, target: str, device_type: str) -> str:
         """The resolved mode of "vae" or "dit" on a device type ("cuda", "cpu", ...)."""
         if target == "vae":
@@ -122,7 +131,9 @@ class CompileConfig:
     def describe(self, device_type: str) -> dict[str, Any]:
         """JSON-ready settings (what the compile cache key and the worker's stats record)."""
         out: dict[str, Any] = {"dynamic": self.dynamic, "fullgraph": self.fullgraph}
-        for target, on in (("vae", self.vae), ("dit", self.dit)):
+        # "auto" as apply_compile decides it with the image count unknown.
+        dit = self.dit_on(device_type)
+        for target, on in (("vae", self.vae), ("dit", dit)):
             if not on:
                 out[target] = "off"
                 continue
@@ -130,6 +141,6 @@ class CompileConfig:
             name = backend if isinstance(backend, str) else getattr(backend, "__qualname__", repr(backend))
             out[target] = f"{name}:{self.mode_for(target, device_type)}"
         out["vae_batch"] = self.vae_batch
-        if self.dit and device_type == "cpu":
+        if dit and device_type == "cpu":
             out["dit_linear"] = "onednn" if self.cpu_onednn_linear else "aten"
         return out

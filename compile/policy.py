@@ -120,8 +120,7 @@ def resolve_dit(
     expected to make (None: unknown, taken as many) reach AUTO_DIT_IMAGES_PER_BUCKET per bucket."""
     if config.dit != "auto":
         return config
-    enough = expected_images is None or expected_images >= AUTO_DIT_IMAGES_PER_BUCKET * max(1, buckets)
-    return replace(config, dit=device_type == "cuda" and enough)
+    return replace(config, dit=config.dit_on(device_type, expected_images, buckets))
 
 
 def remove_compile(pipe: Any) -> None:

@@ -121,6 +121,11 @@ def _claim(
         # Made before outputs recorded their model's bytes: compared without them.
         fingerprint_doc = {k: v for k, v in fingerprint_doc.items() if k != "model_weights"}
         fingerprint = fingerprint_of(fingerprint_doc)
+    elif "model_weights" in existing["fingerprint_doc"] and "model_weights" not in fingerprint_doc:
+        # This caller does not know the model's bytes (`ditfleet plan` reads no weights; a driver
+        # that cannot read the model warned so): the rest is compared, the weights are not.
+        unweighed = {k: v for k, v in existing["fingerprint_doc"].items() if k != "model_weights"}
+        existing = {**existing, "fingerprint": fingerprint_of(unweighed), "fingerprint_doc": unweighed}
     differences = fingerprint_differences(existing, fingerprint, fingerprint_doc)
     if not differences:
         return True

@@ -20,7 +20,7 @@ from ditfleet.driver.output.claim import OutputMismatch
 from ditfleet.driver.output.status import output_status
 from ditfleet.driver.plan import PlanConfig
 from ditfleet.driver.run_job import DriverConfig, run_job
-from ditfleet.workers.output.layout import RUNS_PREFIX, run_key, success_key
+from ditfleet.workers.output.layout import LEASE_PREFIX, RUNS_PREFIX, run_key, success_key
 from ditfleet.workers.output.manifest import read_manifests
 from ditfleet.workers.rows import RowConfig
 from ditfleet.workers.storage import open_store
@@ -83,10 +83,12 @@ def union_ids(out: str) -> list[str]:
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    """Every output object's size and mtime, but the driver's lease: each run takes the next
+    lease generation (driver/output/lease.py), which is coordination, not output."""
     return {
-        str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+        key: (p.stat().st_size, p.stat().st_mtime_ns)
         for p in root.rglob("*")
-        if p.is_file()
+        if p.is_file() and not (key := str(p.relative_to(root))).startswith(LEASE_PREFIX)
     }
 
 

@@ -18,6 +18,7 @@ from ditfleet.driver.plan import JobPlan, PlanConfig, plan_job
 from ditfleet.workers.output.layout import job_key
 from ditfleet.workers.rows import RowConfig
 from ditfleet.workers.storage import open_store
+from ditfleet.workers.weights.digest import ModelIdentity
 
 
 def plan_of(tmp_path: Path, seed: int = 1, shard_size: int = 2) -> JobPlan:
@@ -62,6 +63,24 @@ def test_a_mismatch_names_the_output_and_every_difference(tmp_path: Path):
     assert "  - shard_size: 2 in the existing output, 3 now\n" in message
     assert message.endswith("Write to a new output, or run with the settings and input it was made with")
     assert store.get(job_key()) == before
+
+
+def test_the_models_bytes_are_checked_by_whoever_knows_them(tmp_path: Path):
+    """An output records its model's digest; a driver with other weights is refused naming the
+    file, and a caller that reads no weights (`ditfleet plan`) compares everything else."""
+    weights = ModelIdentity("sha256", {"transformer/model.safetensors": "ab" * 32})
+    other = ModelIdentity("sha256", {"transformer/model.safetensors": "cd" * 32})
+    plain, incremental = open_store(str(tmp_path / "plain")), open_store(str(tmp_path / "incr"))
+    plan = plan_of(tmp_path)
+    assert claim_output(plain, plan, {}, model=weights) is False
+    claim_incremental_output(incremental, plan.config, "in/", {}, model=weights)
+    assert claim_output(plain, plan, {}, model=weights) is True
+    assert claim_output(plain, plan, {}) is True
+    claim_incremental_output(incremental, plan.config, "in/", {}, write=False)
+    with pytest.raises(OutputMismatch, match=r"transformer/model\.safetensors changed"):
+        claim_output(plain, plan, {}, model=other)
+    with pytest.raises(OutputMismatch, match="job_seed: 1 in the existing output, 5 now"):
+        claim_incremental_output(incremental, plan_of(tmp_path, seed=5).config, "in/", {}, write=False)
 
 
 @pytest.mark.parametrize(
