@@ -60,6 +60,8 @@ def run_selftest(
     )
     lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
     assert lines, f"no JSON lines; stderr:\n{proc.stderr[-3000:]}"
+    if proc.returncode < 0:  # killed by a signal after its lines: what it said last tells why
+        raise AssertionError(f"self-test died of signal {-proc.returncode}; stderr:\n{proc.stderr[-3000:]}")
     return proc.returncode, lines
 
 
