@@ -107,7 +107,9 @@ def _describe(err: dict[str, Any], name: str, lines: dict[tuple[str, ...], int])
         return f"{where}: {key}: required, missing"
     message = str(err["msg"]).removeprefix("Value error, ")
     given = err.get("input")
-    shown = "" if isinstance(given, dict) else f" (got {given!r})"
+    shown = "" if isinstance(given, dict) or "got " in message else f" (got {given!r})"
+    if message.startswith((f"{key}:", f"{key}.")):  # a checker that names its own key, deeper
+        return f"{where}: {message}{shown}"
     return f"{where}: {key}: {message}{shown}"
 
 

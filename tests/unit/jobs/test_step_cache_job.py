@@ -51,6 +51,7 @@ def test_bad_step_cache_settings_name_the_key(value, steps, message):
     with pytest.raises(SpecError) as err:
         _spec(value, steps)
     assert message in str(err.value)
+    assert "sampling.step_cache: sampling.step_cache" not in str(err.value), "the key is named once"
 
 
 def test_the_summary_states_the_share_of_reused_work():
