@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-
-from ditfleet.workers.selftest.main import main
+from ditfleet.workers.selftest.main import run_and_exit
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_and_exit()

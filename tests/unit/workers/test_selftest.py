@@ -41,8 +41,8 @@ RUNNER = textwrap.dedent(
 
     importlib.util.find_spec = find_spec
     sys.meta_path.insert(0, Refuse())
-    from ditfleet.workers.selftest.main import main
-    sys.exit(main(sys.argv[1:]))
+    from ditfleet.workers.selftest.main import run_and_exit
+    run_and_exit(sys.argv[1:])
     """
 )
 
