@@ -43,7 +43,7 @@ from tests.support.compile_helpers import SMALL_BUCKETS, generate, perturbed_vae
 PROMPT_CASES = ((1, 1), (5, 3), (30, 64), (64, 9), (65, 2), (100, 128), (128, 128))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def warmed(random_model_dir):
     pipe = load_pipeline(random_model_dir)
     report = apply_compile(pipe, CompileConfig(vae=True, dit=True, dit_backend="eager"))
