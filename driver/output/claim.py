@@ -117,15 +117,14 @@ def _claim(
         assert existing is not None
     check_job_file(store, existing)
     _check_same_kind(where, existing["fingerprint_doc"], fingerprint_doc)
-    if "model_weights" not in existing["fingerprint_doc"] and "model_weights" in fingerprint_doc:
-        # Made before outputs recorded their model's bytes: compared without them.
-        fingerprint_doc = {k: v for k, v in fingerprint_doc.items() if k != "model_weights"}
+    if ("model_weights" in existing["fingerprint_doc"]) != ("model_weights" in fingerprint_doc):
+        # One side does not know the model's bytes (an output made before they were recorded;
+        # `ditfleet plan`, which reads no weights; a driver that cannot read the model warned
+        # so): both are compared without them.
+        existing_doc = _unweighed(existing["fingerprint_doc"])
+        existing = {**existing, "fingerprint": fingerprint_of(existing_doc), "fingerprint_doc": existing_doc}
+        fingerprint_doc = _unweighed(fingerprint_doc)
         fingerprint = fingerprint_of(fingerprint_doc)
-    elif "model_weights" in existing["fingerprint_doc"] and "model_weights" not in fingerprint_doc:
-        # This caller does not know the model's bytes (`ditfleet plan` reads no weights; a driver
-        # that cannot read the model warned so): the rest is compared, the weights are not.
-        unweighed = {k: v for k, v in existing["fingerprint_doc"].items() if k != "model_weights"}
-        existing = {**existing, "fingerprint": fingerprint_of(unweighed), "fingerprint_doc": unweighed}
     differences = fingerprint_differences(existing, fingerprint, fingerprint_doc)
     if not differences:
         return True
@@ -135,6 +134,10 @@ def _claim(
         f"output {where} belongs to another job (its _job.json fingerprint differs):\n{listed}\n"
         f"Write to a new output, or {or_else}"
     )
+
+
+def _unweighed(fingerprint_doc: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in fingerprint_doc.items() if k != "model_weights"}
 
 
 def _name_changed_files(
