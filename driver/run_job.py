@@ -40,9 +40,9 @@ from ditfleet.driver.metrics import FanOut
 from ditfleet.driver.output.claim import OutputMismatch, claim_incremental_output, claim_output
 from ditfleet.driver.output.finish import finish_run
 from ditfleet.driver.output.lease import OutputLease, acquire_lease
+from ditfleet.driver.output.orphans import missing_named_objects
 from ditfleet.driver.output.status import OutputCounts
 from ditfleet.driver.output.summary import FAILED, JobSummary, build_summary, read_success, write_success
-from ditfleet.driver.output.verify import missing_named_objects
 from ditfleet.driver.plan import JobPlan, PlanConfig, plan_job
 from ditfleet.driver.plan_file import load_plan, save_plan
 from ditfleet.driver.progress import JobProgress

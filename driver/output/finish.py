@@ -16,9 +16,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TextIO
 
 from ditfleet.driver.dispatch import DispatchResult
+from ditfleet.driver.output.orphans import clean_orphans
 from ditfleet.driver.output.status import count_shards
 from ditfleet.driver.output.summary import JobSummary, build_summary, write_success
-from ditfleet.driver.output.verify import clean_orphans
 from ditfleet.driver.progress import JobProgress
 from ditfleet.workers.output.manifest import committed_shards
 from ditfleet.workers.rows import ShardSpec

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import io
 from collections import Counter, defaultdict
-from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -51,6 +50,11 @@ import pyarrow.parquet as pq
 from ditfleet.driver.output.compact import check_compacted
 from ditfleet.driver.output.json_objects import read_json
 from ditfleet.driver.output.lease import OutputBusy, acquire_lease
+from ditfleet.driver.output.orphans import (
+    IO_THREADS,
+    delete_keys,
+    manifest_object_key,
+)
 from ditfleet.driver.run_records import RecordedPlan, RunRecordError, read_run_records
 from ditfleet.workers.output.formats import (
     FORMAT_AREAS,
@@ -63,7 +67,6 @@ from ditfleet.workers.output.formats import (
 from ditfleet.workers.output.layout import (
     MANIFESTS_PREFIX,
     attempt_object,
-    attempt_prefixes,
     job_key,
     manifest_key,
     manifest_of_key,
@@ -72,13 +75,10 @@ from ditfleet.workers.output.layout import (
 from ditfleet.workers.output.manifest import (
     MANIFEST_SCHEMA,
     current_manifest_key,
-    current_manifest_keys,
     with_later_columns,
 )
 from ditfleet.workers.storage import ObjectNotFound, ObjectStore
-from ditfleet.workers.storage.base import check_key
 
-_THREADS = 16
 MAX_LISTED = 20  # problems (and orphans) printed one per line; the rest are counted
 
 
@@ -295,7 +295,7 @@ class ShardChecks(Protocol):
 class ThreadChecks:
     """The per-shard checks on threads of this process (the default)."""
 
-    workers: int = _THREADS
+    workers: int = IO_THREADS
 
     def read_manifests(self, store, items, plan):
         return read_manifest_group(store, items, plan, self.workers)
@@ -304,41 +304,13 @@ class ThreadChecks:
         return check_object_group(store, items, self.workers)
 
 
-def manifest_object_key(root: str, shard: int, uri: object) -> tuple[str | None, str | None]:
-    """(the key of a manifest row's uri, None) when it is an attempt object of `shard` in this
-    layout, else (None, why not). Nothing else is ever opened or deleted on a manifest's word."""
-    if not isinstance(uri, str) or not uri:
-        return None, f"uri {uri!r} is not a location"
-    key, _ = object_key(root, uri)
-    if key is None:
-        return None, f"uri {uri} is not under {root}"
-    try:
-        check_key(key)
-    except ValueError:
-        return None, f"uri {uri} is not a plain key under the output ({key!r})"
-    obj = attempt_object(key)
-    if obj is None or obj.shard != shard:
-        return None, f"uri {uri} is not an object of shard {shard} in the output layout"
-    return key, None
-
-
-def losing_run_keys(shard: int, tokens: set[str], listed: Iterable[str]) -> list[str]:
-    """The keys of `listed` that are attempt objects of `shard` under a token the committed
-    manifest does not name (`tokens`: those its ok rows name): provably another run's."""
-    return [
-        key
-        for key in listed
-        if (obj := attempt_object(key)) is not None and obj.shard == shard and obj.attempt not in tokens
-    ]
-
-
 def verify_output(
     store: ObjectStore,
     *,
     partial: bool = False,
     clean: bool = False,
     hash_objects: bool = True,
-    workers: int = _THREADS,
+    workers: int = IO_THREADS,
     shard_checks: ShardChecks | None = None,
 ) -> VerifyReport:
     """Check the output at `store`; with `clean`, delete the orphans found (attempt objects of
@@ -401,7 +373,7 @@ def _verify(
     report.problems.extend(check_compacted(store))
     report.orphans.sort()
     if clean and report.orphans:
-        report.cleaned = _delete(store, report.orphans, workers)
+        report.cleaned = delete_keys(store, report.orphans, workers)
     elif success is not None and report.orphans:
         report.problems.append(
             f"{len(report.orphans)} objects of losing runs lie in the data areas after _SUCCESS "
@@ -572,93 +544,11 @@ def _check_success(success: dict[str, Any], plan: _Plan, report: VerifyReport) -
             )
 
 
-def _delete(store: ObjectStore, keys: list[str], workers: int = _THREADS) -> int:
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        list(pool.map(store.delete, keys))
-    return len(keys)
-
-
-def shard_orphans(store: ObjectStore, shard: int, key: str | None = None) -> list[str]:
-    """Attempt objects of a committed shard that are provably another run's than the committed
-    one: under a token no ok row of its current manifest (`key`, listed when not given) names;
-    after a redo, the superseded generations' objects too. [] when the shard has no manifest (its
-    runs' objects are still in play then), when the manifest cannot be read, or when one of its
-    ok rows names no object of the shard: what cannot be accounted for is never deleted."""
-    try:
-        key = key or current_manifest_key(store, shard)
-        if key is None:
-            return []
-        table = pq.read_table(io.BytesIO(store.get(key)), columns=["status", "uri"])
-    except Exception:  # noqa: BLE001 - absent or unreadable: nothing of the shard is proved an orphan
-        return []
-    root = store.uri()
-    tokens: set[str] = set()
-    areas: set[str] = set()
-    for status, uri in zip(table.column("status").to_pylist(), table.column("uri").to_pylist()):
-        if status != "ok":
-            continue
-        key, _ = manifest_object_key(root, shard, uri)
-        if key is None:
-            return []
-        tokens.add(attempt_object(key).attempt)  # type: ignore[union-attr] - checked by manifest_object_key
-        areas.add(key.split("/", 1)[0] + "/")
-    # One output has one format: list only its area when the manifest names an object there.
-    prefixes = [p for p in attempt_prefixes(shard) if not areas or p.split("/", 1)[0] + "/" in areas]
-    return losing_run_keys(shard, tokens, (key for prefix in prefixes for key in store.list(prefix)))
-
-
-def missing_named_objects(store: ObjectStore) -> dict[int, list[str]]:
-    """Shard -> keys its committed manifest names (ok rows) that a listing of the data areas
-    does not show: a check by listing only, no object is read. A manifest that cannot be read
-    counts as missing its manifest key."""
-    named: dict[int, set[str]] = {}
-    root = store.uri()
-    current = current_manifest_keys(store)
-    for shard in sorted(current):
-        key = current[shard]
-        try:
-            table = pq.read_table(io.BytesIO(store.get(key)), columns=["status", "uri"])
-        except Exception:  # noqa: BLE001 - an unreadable commit is as bad as a lost object
-            named[shard] = {key}
-            continue
-        keys = set()
-        for status, uri in zip(table.column("status").to_pylist(), table.column("uri").to_pylist()):
-            if status == "ok":
-                keys.add(manifest_object_key(root, shard, uri)[0] or f"{key}: {uri}")
-        named[shard] = keys
-    listed = {key for prefix in FORMAT_AREAS for key in store.list(prefix)}
-    lost = {shard: sorted(keys - listed) for shard, keys in named.items()}
-    return {shard: keys for shard, keys in lost.items() if keys}
-
-
-def clean_orphans(store: ObjectStore, shards: Iterable[int]) -> int:
-    """Delete the orphans of the given shards (only committed ones have any); returns how many.
-    For the driver that owns the output (its lease), after the fence: stragglers can then only
-    add objects no manifest will name, and no redo of these shards is under way."""
-    shards = list(shards)
-    if not shards:
-        return 0
-    current = current_manifest_keys(store)  # one listing: each shard's current generation
-    shards = [s for s in shards if s in current]
-    if not shards:
-        return 0
-    with ThreadPoolExecutor(max_workers=min(_THREADS, len(shards))) as pool:
-        orphans = [
-            k for keys in pool.map(lambda s: shard_orphans(store, s, current[s]), shards) for k in keys
-        ]
-    return _delete(store, orphans) if orphans else 0
-
-
 __all__ = [
     "ShardChecks",
     "ThreadChecks",
     "VerifyReport",
     "check_object_group",
-    "clean_orphans",
-    "losing_run_keys",
-    "manifest_object_key",
-    "missing_named_objects",
     "read_manifest_group",
-    "shard_orphans",
     "verify_output",
 ]

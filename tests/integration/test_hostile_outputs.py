@@ -388,7 +388,7 @@ def _redo(case: Case, prompts: Path, model: Path, monkeypatch, shards: tuple[int
 def test_a_redo_commits_a_new_generation_and_touches_no_other_shard(
     copy, prompts, tiny_model, monkeypatch, fmt
 ):
-    from ditfleet.driver.output.verify import missing_named_objects
+    from ditfleet.driver.output.orphans import missing_named_objects
     from ditfleet.workers.output.manifest import current_manifest_keys, read_manifests
 
     case = copy(fmt)
