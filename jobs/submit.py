@@ -24,10 +24,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+from ditfleet.jobs.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
+
 MAX_ID_CHARS = 100
 _UNSAFE = re.compile(r"[^a-z0-9_-]+")
 _POLL_S = 2.0
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 
 class SubmitError(RuntimeError):

@@ -1,0 +1,121 @@
+"""`ditfleet plan job.yaml [--json]`: what a run would do (rows, shards, buckets, images, the
+DiT compile decision, the memory plan), or for an incremental job what its next run would add.
+Writes nothing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+
+from ditfleet.driver.memory_plan import JobMemoryPlan
+from ditfleet.driver.run_job import plan_input, preview_increment
+from ditfleet.jobs.exit_codes import EXIT_OK
+from ditfleet.jobs.run import check_memory, memory_plan_of
+from ditfleet.jobs.spec import JobSpec, load_spec
+
+
+def _print_memory(memory: JobMemoryPlan | None, spec: JobSpec) -> None:
+    if memory is None:
+        print(f"memory:  {spec.model.path}: configs not read here; `ditfleet inspect` a local copy")
+        return
+    for i, line in enumerate(memory.lines()):
+        print(("memory:  " if i == 0 else "         ") + line)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    spec = load_spec(args.job)
+    if spec.input.incremental:
+        code = _plan_incremental(spec, args.json)
+        check_memory(spec, args.job)
+        return code
+    plan = plan_input(spec.to_driver_config())
+    info = {
+        "input": plan.source,
+        "files": len(plan.inputs),
+        "rows": plan.total_rows,
+        "images": plan.total_images,
+        "shards": len(plan.shards),
+        "shard_size": plan.config.shard_size,
+        "buckets": plan.bucket_usage,
+        "output": spec.output_uri(),
+        "actors": {"min": spec.workers.min, "max": spec.workers.max or spec.workers.min},
+        "fingerprint": plan.fingerprint(),
+    }
+    info["compile_dit"] = _dit_compile_plan(spec, plan.total_images, len(plan.bucket_usage))
+    memory = memory_plan_of(spec)
+    info["memory"] = memory.to_dict() if memory is not None else None
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        _print_plan_text(info, plan.bucket_usage, plan.warnings)
+        print(f"compile: {info['compile_dit']['line']}")
+        _print_memory(memory, spec)
+    if memory is not None and spec.workers.gpu_memory_gb is not None:
+        memory.check(args.job)
+    return EXIT_OK
+
+
+def _dit_compile_plan(spec: JobSpec, images: int, buckets: int) -> dict:
+    """compile.dit as an actor will resolve it (CompileConfig.dit_on, without torch) and the
+    warm-up it adds per actor."""
+    from ditfleet.compile.config import AUTO_DIT_IMAGES_PER_BUCKET, DIT_WARMUP_S_PER_BUCKET
+
+    setting = spec.compile.dit
+    on_cpu = spec.model.device == "cpu" or spec.gpus_per_actor() == 0
+    actors = spec.workers.max or spec.workers.min
+    per_actor = images // max(1, actors)
+    on = spec.to_worker_config().compile.dit_on("cpu" if on_cpu else "cuda", per_actor, buckets)
+    if setting == "auto":
+        why = "CPU actors" if on_cpu else f"about {per_actor} images per actor for {buckets} bucket(s)"
+        head = f"dit auto -> {'on' if on else 'off'} ({why}; on from {AUTO_DIT_IMAGES_PER_BUCKET} per bucket on CUDA)"
+    else:
+        head = f"dit {'on' if on else 'off'}"
+    low, high = (b * max(1, buckets) for b in DIT_WARMUP_S_PER_BUCKET)
+    warmup = (low, high) if on and not on_cpu else (0, 0)
+    line = head + (
+        f": adds about {low}-{high} s of warm-up per actor (none with the shared compile cache)"
+        if warmup[1]
+        else ""
+    )
+    return {"setting": setting, "on": on, "warmup_s": list(warmup), "line": line}
+
+
+def _print_plan_text(info: dict, bucket_usage: dict[str, int], warnings: Sequence[str] = ()) -> None:
+    print(f"input:   {info['input']} ({info['files']} file(s))")
+    print(f"rows:    {info['rows']}, images: {info['images']}")
+    print(f"shards:  {info['shards']} of up to {info['shard_size']} rows")
+    print("buckets: " + ", ".join(f"{b} ({n} shards)" for b, n in bucket_usage.items()))
+    print(f"output:  {info['output']}")
+    print(f"actors:  {info['actors']['min']}..{info['actors']['max']}")
+    for warning in warnings:
+        print(f"warning: {warning}")
+
+
+def _plan_incremental(spec: JobSpec, as_json: bool) -> int:
+    """`ditfleet plan` of an incremental job: what its next run would add (writes nothing)."""
+    plan = preview_increment(spec.to_driver_config())
+    todo = plan.todo
+    info = {
+        "input": spec.input_uri(),
+        "incremental": True,
+        "files": plan.files,
+        "next_run": plan.record.run if plan.record is not None else None,
+        "new_files": len(plan.record.files) if plan.record is not None else 0,
+        "new_shards": len(plan.new_shards),
+        "carried_shards": len(plan.carried),
+        "rows": sum(s.num_rows for s in todo),
+        "images": sum(s.num_images for s in todo),
+        "skipped_rows": plan.record.skipped_rows if plan.record is not None else 0,
+        "output": spec.output_uri(),
+        "fingerprint": plan.fingerprint,
+    }
+    if as_json:
+        print(json.dumps(info, indent=2))
+        return EXIT_OK
+    print(f"input:   {info['input']} ({info['files']} file(s), incremental)")
+    for line in plan.describe() or ["nothing new: a run now would do nothing"]:
+        print(line)
+    print(f"to run:  {len(todo)} shards, {info['rows']} rows, {info['images']} images")
+    print(f"output:  {info['output']}")
+    return EXIT_OK
