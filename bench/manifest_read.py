@@ -6,7 +6,10 @@
 Writes an output of `--shards` manifests (the real schema) with `_SUCCESS`, compacts it
 (driver/output/compact.py, timed), then reads the union both ways with `pyarrow.dataset`,
 DuckDB (`read_parquet`, one aggregate query) and Hugging Face `datasets` (`load_dataset("parquet")`,
-into a temporary cache). One JSON line: seconds for each reader on each form, and the ratios.
+into a temporary cache). A JSON line per reader as soon as it is timed (seconds on each form and
+their ratio), then one line with everything.
+
+    python bench/manifest_read.py --shards 40000 --rows 25 --readers datasets   # one reader
 """
 
 from __future__ import annotations
@@ -91,12 +94,19 @@ def read_datasets(files: list[str], cache: str) -> int:
     return len(datasets.load_dataset("parquet", data_files=files, split="train", cache_dir=cache))
 
 
+READERS = ("pyarrow_dataset", "duckdb", "datasets")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shards", type=int, default=40_000)
     parser.add_argument("--rows", type=int, default=25, help="manifest rows per shard")
     parser.add_argument("--no-datasets", action="store_true", help="leave Hugging Face datasets out")
+    parser.add_argument(
+        "--readers", nargs="+", choices=READERS, default=list(READERS), help="readers to time (default all)"
+    )
     args = parser.parse_args()
+    readers = [r for r in args.readers if not (args.no_datasets and r == "datasets")]
     with tempfile.TemporaryDirectory(prefix="ditfleet-manifests-") as tmp:
         root = Path(tmp) / "out"
         generate_s, _ = _timed(lambda: write_output(root, args.shards, args.rows))
@@ -110,34 +120,32 @@ def main() -> None:
             "generate_s": round(generate_s, 1),
             "compact_s": round(compact_s, 2),
         }
-        for name, manifests_fn, compacted_fn in [
-            ("pyarrow_dataset", lambda: read_pyarrow(manifests), lambda: read_pyarrow(compacted)),
-            (
-                "duckdb",
+        files = lambda folder: sorted(str(p) for p in Path(folder).glob("*.parquet"))  # noqa: E731
+        forms = {
+            "pyarrow_dataset": (lambda: read_pyarrow(manifests), lambda: read_pyarrow(compacted)),
+            "duckdb": (
                 lambda: read_duckdb(manifests + "/*.parquet"),
                 lambda: read_duckdb(compacted + "/*.parquet"),
             ),
-        ] + (
-            []
-            if args.no_datasets
-            else [
-                (
-                    "datasets",
-                    lambda: read_datasets(
-                        sorted(str(p) for p in Path(manifests).glob("*.parquet")), tmp + "/hf1"
-                    ),
-                    lambda: read_datasets(
-                        sorted(str(p) for p in Path(compacted).glob("*.parquet")), tmp + "/hf2"
-                    ),
-                )
-            ]
-        ):
+            "datasets": (
+                lambda: read_datasets(files(manifests), tmp + "/hf1"),
+                lambda: read_datasets(files(compacted), tmp + "/hf2"),
+            ),
+        }
+        print(json.dumps({**line, "stage": "written"}), flush=True)
+        for name in readers:
+            manifests_fn, compacted_fn = forms[name]
             t_many, n_many = _timed(manifests_fn)
             t_few, n_few = _timed(compacted_fn)
             assert n_many == n_few == line["rows"], (name, n_many, n_few)
             line[f"{name}_manifests_s"] = round(t_many, 3)
             line[f"{name}_compacted_s"] = round(t_few, 3)
             line[f"{name}_speedup"] = round(t_many / t_few, 1) if t_few > 0 else None
+            timed = {k: line[f"{name}_{k}"] for k in ("manifests_s", "compacted_s", "speedup")}
+            print(
+                json.dumps({"bench": "manifest_read", "reader": name, "shards": args.shards, **timed}),
+                flush=True,
+            )
         line["load_avg_1m"] = round(os.getloadavg()[0], 2)
     print(json.dumps(line), flush=True)
 
