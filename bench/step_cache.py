@@ -4,8 +4,9 @@
    block evaluations computed, and PSNR against the exact images, per preset. The runs of one
    schedule are interleaved round by round so machine noise hits them alike.
 2. The real-width slice (Qwen-Image's published widths, hidden 3072 = 24 x 128, text 3584, one
-   or two blocks, random weights, CPU): the decision's own cost (the Fn residual, its relative
-   L1 change, the stores) against one block's forward, and as a share of a 60-block step.
+   or two blocks, random weights, CPU): per preset, the decision's own cost (the signal, its
+   relative L1 change, the stores, the reused residual) against one block's forward, and as a
+   share of a 60-block step.
 
 One JSON line per result.
 
@@ -96,29 +97,22 @@ def real_width(blocks: int, tokens: int, text: int, repeats: int) -> list[dict]:
         for _ in range(repeats):
             dit(latents, embeds, None, timestep, shapes)
         forward_s = (time.perf_counter() - t0) / repeats
-        # The decision and its bookkeeping for one row (one image, one branch) past warm-up.
-        cache = StepCache(PRESETS["safe"], 60)
-        cache.start(50, 1)
+        # The decision and its bookkeeping for one row (one image, one branch) past warm-up,
+        # per preset: making the signal, its relative change, the stores and the reused row's
+        # residual (TaylorSeer's forecast included).
         D = config.num_attention_heads * config.attention_head_dim
         start = torch.randn(1, side * side, D)
         after = start + 0.1 * torch.randn_like(start)
-        rows = StepCacheRows(cache, 20, [(cache._branch(0), 1)])
-        rows.decide(after - start)  # nothing cached: forced
-        cache.branches[0].keep("fn_residual", [0], after - start)
-        cache.branches[0].keep("rest_residual", [0], after - start)
-        cache.branches[0].has_cache[0] = True
-        t0 = time.perf_counter()
-        for _ in range(repeats * 10):
-            fn_residual = after - start
-            reuse = rows.decide(fn_residual)
-            rows._scatter("fn_residual", [0], fn_residual)
-            _ = after + rows._gather("rest_residual", [0])
-        decision_s = (time.perf_counter() - t0) / (repeats * 10)
+        temb = torch.randn(1, D)
+        decisions = {
+            name: _decision_s(PRESETS[name], dit, start, after, temb, repeats * 10) for name in PRESET_NAMES
+        }
     per_block = forward_s / blocks
     return [
         {
             "bench": "step_cache",
             "model": "real-width slice",
+            "preset": name,
             "blocks": blocks,
             "image_tokens": side * side,
             "text_tokens": text,
@@ -127,9 +121,34 @@ def real_width(blocks: int, tokens: int, text: int, repeats: int) -> list[dict]:
             "decision_s": round(decision_s, 6),
             "decision_vs_block": round(decision_s / per_block, 4),
             "decision_share_of_60_block_step": round(decision_s / (60 * per_block), 5),
-            "reused": bool(reuse[0]),
         }
+        for name, decision_s in decisions.items()
     ]
+
+
+def _decision_s(config, dit, start, after, temb, repeats: int) -> float:
+    """Seconds per decision of one row at step 20 of 50, its state primed by one computed step."""
+    cache = StepCache(config, 60)
+    cache.start(50, 1)
+    block = dit.transformer_blocks[0]
+
+    def signal() -> torch.Tensor:
+        if config.method == "teacache":
+            img_mod, _ = block.modulation(temb, None, None)
+            return block.modulated_input(after, img_mod)
+        return after - start
+
+    StepCacheRows(cache, 18, [(cache._branch(0), 1)])._remember([0], after - start)
+    rows = StepCacheRows(cache, 19, [(cache._branch(0), 1)])
+    rows._scatter("signal", [0], signal())
+    rows._remember([0], after - start)  # two computed steps: TaylorSeer has a derivative
+    rows = StepCacheRows(cache, 20, [(cache._branch(0), 1)])
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        rows.decide(signal())
+        rows._scatter("signal", [0], signal())
+        _ = after + rows._forecast([0])
+    return (time.perf_counter() - t0) / repeats
 
 
 def main() -> None:

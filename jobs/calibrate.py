@@ -93,6 +93,21 @@ def ssim(a: torch.Tensor, b: torch.Tensor, window: int = 11, sigma: float = 1.5)
     return s.flatten(1).mean(dim=1)
 
 
+def _candidate(text: str) -> StepCacheConfig | None:
+    """A preset name, or settings written as in the job file ('{method: teacache, threshold: 0.4}',
+    over preset safe unless it names one): what `--preset` takes, so a threshold can be tried
+    before it goes into a job."""
+    if not text.lstrip().startswith("{"):
+        return parse_step_cache(text, key="calibrate --preset")
+    import yaml
+
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError(f"calibrate --preset {text!r}: not a mapping in YAML/JSON: {e}") from e
+    return parse_step_cache(value, key=f"calibrate --preset {text}")
+
+
 def calibrate(
     spec: Any,
     n: int = 64,
@@ -114,7 +129,7 @@ def calibrate(
     names = list(buckets or spec.bucket_names())
     configs: dict[str, StepCacheConfig] = {}
     for name in presets:
-        config = parse_step_cache(name)
+        config = _candidate(name)
         if config is None:
             raise ValueError(
                 f"calibrate: preset {name!r} is off; name presets that cache ({list(PRESETS)[1:]})"

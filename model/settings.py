@@ -144,8 +144,9 @@ class PipelineSettings:
     step_cache: str | dict[str, Any] = setting(
         "off",
         pixels=True,
-        description="Approximate step caching (model.step_cache, DBCache-style): 'off' (exact), 'safe', "
-        "'fast', or a mapping {preset, method, threshold, compute_blocks, warmup_steps, "
+        description="Approximate step caching (model.step_cache: DBCache or TeaCache, optionally with a "
+        "TaylorSeer forecast): 'off' (exact), 'safe', 'fast', or a mapping {preset, method, threshold, "
+        "compute_blocks (dbcache), coefficients (teacache), taylorseer_order, warmup_steps, "
         "max_consecutive_skips, exact_last_steps, min_steps} over a preset. It changes pixels: run "
         "`ditfleet calibrate` on your model first (docs/performance.md).",
     )

@@ -1,19 +1,24 @@
-"""The step cache: DBCache-style reuse of DiT block work between denoising steps, per image.
+"""The step cache: reuse of DiT block work between denoising steps, per image and CFG branch.
 
-`StepCache` is a sampler step hook (model.step_hooks). Each transformer pass it serves runs the
-first Fn blocks for every row of the batch, then decides per row (one image in one CFG branch):
+`StepCache` is a sampler step hook (model.step_hooks). Each transformer pass it serves makes a
+signal for every row of the batch (one image in one CFG branch), then decides per row:
 
-- compute: the row runs the remaining blocks; the Fn residual H(Fn) - H(0) and the remaining
-  blocks' residual H(L) - H(Fn) are kept for that row;
-- reuse: the row's relative L1 change of its Fn residual since its last computed step,
-  mean|R_t - R_last| / mean|R_last|, is below the threshold: its output is H(Fn) plus the kept
-  residual of the remaining blocks, and the remaining blocks never run for it.
+- compute: the row runs the remaining blocks; the residual they add is kept for that row;
+- reuse: the row's signal changed little: its output is its input to the remaining blocks plus
+  the kept residual (or, with TaylorSeer, the residual extrapolated to this step), and the
+  remaining blocks never run for it.
+
+The signal depends on the method (settings and sources: model.step_cache_config):
+- dbcache: the first Fn blocks run for every row; the signal is their residual H(Fn) - H(0),
+  compared with its value at the row's last computed step (reused steps do not move that
+  reference, as in cache-dit), mean|R_t - R_last| / mean|R_last| < threshold;
+- teacache: no block runs first; the signal is the first block's modulated input, compared with
+  its value at the previous step, rescaled by the model's polynomial and summed since the row
+  last computed; below the threshold it reuses the residual of every block.
 
 Only the rows that compute go through the remaining blocks (index_select, then scattered back),
 so an image's result and decisions do not depend on its batch-mates, and the compiled block
-regions (batch a dynamic dimension) see one more batch size, not a new graph. Settings and
-presets: model.step_cache_config (cache-dit's DBCache; the last computed residual is the
-reference, as there: reused steps do not move it).
+regions (batch a dynamic dimension) see one more batch size, not a new graph.
 
 Each CFG branch of each image has its own state: serial CFG calls the transformer twice a step
 (conditional first), batched CFG once with the conditional rows first; the hook tells them apart
@@ -34,28 +39,39 @@ from .attention import TextPadding
 from .step_cache_config import StepCacheConfig
 from .step_hooks import Forward, Step
 
-# Relative change of a row whose kept Fn residual is all zeros: infinite (compute).
+# Relative change of a row whose kept signal is all zeros: infinite (compute).
 _EPS = 1e-12
 
 
 @dataclass
 class BranchState:
-    """What one CFG branch keeps for the images of a batch; tensors (B, N, D), rows by image."""
+    """What one CFG branch keeps for the images of a batch.
+
+    Tensors (B, N, D), rows by image: "signal" (dbcache: at the row's last computed step;
+    teacache: at the previous step), "d0" the kept residual and, with TaylorSeer, "d1".. its
+    finite-difference derivatives over steps."""
 
     batch: int
-    fn_residual: torch.Tensor | None = None  # at each row's last computed step
-    rest_residual: torch.Tensor | None = None
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     has_cache: list[bool] = field(default_factory=list)
     consecutive: list[int] = field(default_factory=list)  # reused steps in a row, per image
+    accumulated: list[float] = field(default_factory=list)  # teacache: rescaled change since computing
+    computed_at: list[int] = field(default_factory=list)  # step of the last computed residual
+    computes: list[int] = field(default_factory=list)  # computed residuals so far
     blocks_computed: list[int] = field(default_factory=list)
     blocks_reused: list[int] = field(default_factory=list)
     reused_steps: list[list[int]] = field(default_factory=list)  # per image, the steps it reused
-    changes: list[list[tuple[int, float]]] = field(default_factory=list)  # per image: (step, change)
+    changes: list[list[tuple[int, float]]] = field(
+        default_factory=list
+    )  # per image: (step, what was compared)
 
     def __post_init__(self) -> None:
         B = self.batch
         self.has_cache = [False] * B
         self.consecutive = [0] * B
+        self.accumulated = [0.0] * B
+        self.computed_at = [-1] * B
+        self.computes = [0] * B
         self.blocks_computed = [0] * B
         self.blocks_reused = [0] * B
         self.reused_steps = [[] for _ in range(B)]
@@ -63,17 +79,20 @@ class BranchState:
 
     def keep(self, name: str, rows: list[int], values: torch.Tensor) -> None:
         """Store `values` (len(rows), N, D) as rows `rows` of tensor `name`."""
-        held = getattr(self, name)
+        held = self.tensors.get(name)
         if held is None or held.shape[1:] != values.shape[1:] or held.dtype != values.dtype:
-            held = values.new_zeros((self.batch, *values.shape[1:]))
-            setattr(self, name, held)
+            held = self.tensors[name] = values.new_zeros((self.batch, *values.shape[1:]))
         if len(rows) == self.batch:
             held.copy_(values)
         else:
             held.index_copy_(0, torch.tensor(rows, device=values.device), values)
 
-    def take(self, name: str, rows: list[int]) -> torch.Tensor:
-        held = getattr(self, name)
+    def take(self, name: str, rows: list[int], like: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows `rows` of tensor `name`; zeros shaped as `like`'s rows when nothing was kept yet."""
+        held = self.tensors.get(name)
+        if held is None:
+            assert like is not None, f"step cache: nothing kept as {name!r}"
+            return like.new_zeros((len(rows), *like.shape[1:]))
         if len(rows) == self.batch:
             return held
         return held.index_select(0, torch.tensor(rows, device=held.device))
@@ -144,12 +163,9 @@ class StepCache:
 
     def per_image(self) -> list[dict[str, int]]:
         """Per image of the last run, both CFG branches together: DiT block evaluations computed
-        and reused, and the steps at least one branch reused."""
+        and reused."""
         out = []
         for i in range(self.batch):
-            if not self.branches:
-                out.append({"blocks_computed": 0, "blocks_reused": 0})
-                continue
             out.append(
                 {
                     "blocks_computed": sum(b.blocks_computed[i] for b in self.branches),
@@ -180,7 +196,7 @@ class StepCacheRows:
         self.rows = [(branch, i) for branch, count in segments for i in range(count)]
 
     def _forced(self) -> list[bool]:
-        """Rows that compute whatever their residual says."""
+        """Rows that compute whatever their signal says."""
         c, steps = self.cache.config, self.cache.steps
         if self.step < c.warmup_steps or self.step >= steps - c.exact_last_steps:
             return [True] * len(self.rows)
@@ -190,13 +206,13 @@ class StepCacheRows:
             for branch, i in self.rows
         ]
 
-    def _gather(self, name: str, positions: list[int]) -> torch.Tensor:
+    def _gather(self, name: str, positions: list[int], like: torch.Tensor | None = None) -> torch.Tensor:
         """Tensor `name` of each branch for batch rows `positions` (in order), concatenated."""
         parts, start = [], 0
         for branch, count in self.segments:
             mine = [p - start for p in positions if start <= p < start + count]
             if mine:
-                parts.append(branch.take(name, mine))
+                parts.append(branch.take(name, mine, like))
             start += count
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -209,24 +225,73 @@ class StepCacheRows:
                 offset += len(mine)
             start += count
 
-    def decide(self, fn_residual: torch.Tensor) -> list[bool]:
-        """Per batch row, whether it reuses the rest this call; fn_residual (B, N, D). One host
-        sync when any row is a candidate, none otherwise."""
+    def decide(self, signal: torch.Tensor) -> list[bool]:
+        """Per batch row, whether it reuses the rest this call; signal (B, N, D). One host sync
+        when any row is a candidate, none otherwise."""
+        c = self.cache.config
         forced = self._forced()
         reuse = [False] * len(self.rows)
         candidates = [j for j, f in enumerate(forced) if not f]
         if candidates:
-            current = fn_residual if len(candidates) == len(self.rows) else _rows(fn_residual, candidates)
-            kept = self._gather("fn_residual", candidates)
+            current = signal if len(candidates) == len(self.rows) else _rows(signal, candidates)
+            kept = self._gather("signal", candidates)
             change = torch.linalg.vector_norm(current - kept, ord=1, dim=(1, 2), dtype=torch.float32)
             scale = torch.linalg.vector_norm(kept, ord=1, dim=(1, 2), dtype=torch.float32)
             relative = (change / scale.clamp_min(_EPS)).tolist()
-            threshold = self.cache.config.threshold
             for j, r in zip(candidates, relative):
                 branch, i = self.rows[j]
+                if c.method == "teacache":
+                    r = branch.accumulated[i] + _polynomial(c.coefficients, r)
+                    branch.accumulated[i] = r
                 branch.changes[i].append((self.step, r))
-                reuse[j] = r < threshold
+                reuse[j] = r < c.threshold
+        if c.method == "teacache":
+            for j, (branch, i) in enumerate(self.rows):
+                if not reuse[j]:
+                    branch.accumulated[i] = 0.0  # computing restarts the sum
+            self._scatter("signal", list(range(len(self.rows))), signal)  # every step moves it
         return reuse
+
+    def _remember(self, positions: list[int], residual: torch.Tensor) -> None:
+        """Keep the computed rows' residual (len(positions), N, D) and, with TaylorSeer, its
+        finite-difference derivatives over steps: d(k+1) = (dk now - dk before) / steps between,
+        each only where the row has computed k+1 times before (else 0)."""
+        order = self.cache.config.taylorseer_order
+        derivatives = [residual]
+        if order:
+            rows = [self.rows[p] for p in positions]
+            between = torch.tensor(
+                [float(max(1, self.step - b.computed_at[i])) for b, i in rows], dtype=residual.dtype
+            ).to(residual.device)[:, None, None]
+            for k in range(order):
+                before = self._gather(f"d{k}", positions, like=residual)
+                have = torch.tensor([float(b.computes[i] > k) for b, i in rows], dtype=residual.dtype)
+                have = have.to(residual.device)[:, None, None]
+                derivatives.append((derivatives[k] - before) / between * have)
+        for k, d in enumerate(derivatives):
+            self._scatter(f"d{k}", positions, d)
+        for p in positions:
+            branch, i = self.rows[p]
+            branch.computed_at[i] = self.step
+            branch.computes[i] += 1
+            branch.has_cache[i] = True
+
+    def _forecast(self, positions: list[int]) -> torch.Tensor:
+        """The reused rows' residual at this step: the kept one, or with TaylorSeer its Taylor
+        series sum_k dk (t - t_last)^k / k! over the steps since the row last computed."""
+        residual = self._gather("d0", positions)
+        order = self.cache.config.taylorseer_order
+        if not order:
+            return residual
+        since = torch.tensor(
+            [float(self.step - b.computed_at[i]) for b, i in (self.rows[p] for p in positions)],
+            dtype=residual.dtype,
+        ).to(residual.device)[:, None, None]
+        term = torch.ones_like(since)
+        for k in range(1, order + 1):
+            term = term * since / k
+            residual = residual + self._gather(f"d{k}", positions) * term
+        return residual
 
     def run_blocks(
         self,
@@ -239,16 +304,20 @@ class StepCacheRows:
         mod_key,
         text_mask: torch.Tensor | None,  # (B, L) or None: what `padding` was built from
     ) -> torch.Tensor:
-        """The image stream after every block, (B, N, D): the first Fn computed, the rest computed
-        or reused per row."""
+        """The image stream after every block, (B, N, D): the first Fn computed (dbcache), the
+        rest computed or reused per row."""
         blocks = model.transformer_blocks
         fn, total = self.cache.fn, len(blocks)
         cache, stats = model.modulation_cache, model.attention_stats
-        start = img
-        for block in blocks[:fn]:
-            img, txt = block(img, txt, temb, padding, rope, mod_key, cache, stats)
-        fn_residual = img - start  # (B, N, D)
-        reuse = self.decide(fn_residual)
+        if self.cache.config.method == "teacache":
+            img_mod, _ = blocks[0].modulation(temb, mod_key, cache)
+            signal = blocks[0].modulated_input(img, img_mod)
+        else:
+            start = img
+            for block in blocks[:fn]:
+                img, txt = block(img, txt, temb, padding, rope, mod_key, cache, stats)
+            signal = img - start  # the first blocks' residual
+        reuse = self.decide(signal)
         B = img.shape[0]
         compute = [j for j in range(B) if not reuse[j]]
         skip = [j for j in range(B) if reuse[j]]
@@ -261,33 +330,41 @@ class StepCacheRows:
                 branch.reused_steps[i].append(self.step)
             else:
                 branch.consecutive[i] = 0
-                branch.has_cache[i] = True
 
         out = None
         if compute:
-            self._scatter("fn_residual", compute, fn_residual if not skip else _rows(fn_residual, compute))
+            if self.cache.config.method == "dbcache":  # its reference moves only when computing
+                self._scatter("signal", compute, _rows(signal, compute) if skip else signal)
             sub_img, sub_txt, sub_padding = img, txt, padding
             if skip:
                 sub_img, sub_txt = _rows(img, compute), _rows(txt, compute)
                 sub_mask = None if text_mask is None else _rows(text_mask, compute)
                 N, L = img.shape[1], txt.shape[1]
                 sub_padding = TextPadding.build(sub_mask, len(compute), L, N, model.padded_attention)
-            after_fn = sub_img
+            before_rest = sub_img
             for block in blocks[fn:]:
                 img_mod, txt_mod = block.modulation(temb, mod_key, cache)
                 if skip and img_mod.shape[0] == B and B > 1:  # one modulation row per image
                     img_mod, txt_mod = _rows(img_mod, compute), _rows(txt_mod, compute)
                 sub_img, sub_txt = block.body(sub_img, sub_txt, img_mod, txt_mod, sub_padding, rope, stats)
-            self._scatter("rest_residual", compute, sub_img - after_fn)
+            self._remember(compute, sub_img - before_rest)
             if not skip:
                 return sub_img
             out = torch.empty_like(img)
             out.index_copy_(0, torch.tensor(compute, device=img.device), sub_img)
-        reused = _rows(img, skip) + self._gather("rest_residual", skip)
+        reused = _rows(img, skip) + self._forecast(skip)
         if out is None:
             return reused
         out.index_copy_(0, torch.tensor(skip, device=img.device), reused)
         return out
+
+
+def _polynomial(coefficients: tuple[float, ...], x: float) -> float:
+    """numpy.poly1d(coefficients)(x): highest degree first (Horner)."""
+    value = 0.0
+    for c in coefficients:
+        value = value * x + c
+    return value
 
 
 def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -3,22 +3,42 @@
 Torch-free on purpose: the job spec, `ditfleet validate` and the fingerprint read it without
 loading torch. The algorithm itself is `model.step_cache`.
 
-The method is DBCache ("dual block cache", vipshop/cache-dit, docs/DBCache.md): each DiT pass
-computes the first `compute_blocks` blocks (Fn) and measures how much the residual they add,
-H(t, Fn) - H(t, 0), changed since the last step that computed everything, as a relative L1
-distance, mean|R_t - R_last| / mean|R_last|. Below `threshold`, the remaining blocks are not run:
-their residual at that last computed step is added instead. Decided per image and per CFG
-branch (an image never depends on its batch-mates).
+Two methods, both decided per image and per CFG branch (an image never depends on its
+batch-mates), both reusing a residual kept at the row's last computed step:
 
-Presets come from cache-dit's published Qwen-Image settings, not from the bundled tiny model
-(which forgives far more than a real model; see docs/performance.md):
-- "safe": its Qwen-Image example as published (assets/qwen-image.C1_Q0_DBCACHE_F8B0_W8M0MC0_
+- "dbcache" ("dual block cache", vipshop/cache-dit, docs/DBCache.md): each DiT pass computes the
+  first `compute_blocks` blocks (Fn) and measures how much the residual they add, H(t, Fn) -
+  H(t, 0), changed since the last step that computed everything, as a relative L1 distance,
+  mean|R_t - R_last| / mean|R_last|. Below `threshold`, the remaining blocks are not run: their
+  residual at that last computed step is added instead.
+- "teacache" (Liu et al., "Timestep Embedding Tells: It's Time to Cache for Video Diffusion
+  Model", CVPR 2025): no block runs before the decision. The signal is the first block's
+  modulated input (LayerNorm of the image stream, shifted and scaled by the timestep's
+  modulation); its relative L1 change since the previous step, rescaled by a polynomial fitted
+  to the model (`coefficients`), is summed over steps. While the sum stays below `threshold`
+  the row reuses the residual of all blocks; when it computes, the sum restarts at 0.
+
+`taylorseer_order` (either method; TaylorSeer, Liu et al., "From Reusing to Forecasting:
+Accelerating Diffusion Models with TaylorSeers", ICCV 2025): a reused row gets its residual
+extrapolated from its last computed steps by a Taylor series of finite differences (order 1:
+linear in the step index) instead of the last residual repeated.
+
+Presets come from published Qwen-Image settings, not from the bundled tiny model (which forgives
+far more than a real model; see docs/performance.md):
+- "safe": cache-dit's Qwen-Image example as published (assets/qwen-image.C1_Q0_DBCACHE_F8B0_W8M0MC0_
   T1O4_R0.12_S23.png: Fn_compute_blocks=8, Bn=0, max_warmup_steps=8, no cap on cached steps,
   residual_diff_threshold=0.12), without its TaylorSeer calibrator.
-- "fast": one computed block (its generate CLI's Qwen-Image default, `--Fn 1`, and the
-  F1B0 Qwen-Image example), 4 warm-up steps (its bench/cache/bench.py sweeps, `--max-warmup-steps
-  4`) and twice the example's threshold, 0.24. Its quality cost is larger; it is measured by
-  `ditfleet calibrate`, never assumed.
+- "fast": TeaCache at vLLM-Omni's Qwen-Image coefficients and the threshold its guide gives for
+  "~2.0x speedup with noticeable quality loss" (docs/user_guide/diffusion/teacache.md:
+  rel_l1_thresh 0.6), with a first-order TaylorSeer forecast of the reused residual (cache-dit
+  pairs its caches with TaylorSeer: `enable_taylorseer=True`), the first 4 steps computed
+  (cache-dit's bench/cache sweeps, `--max-warmup-steps 4`) and at most 3 reused steps in a row
+  (cache-dit's examples cap continuous cached steps at 2 to 4). Its quality cost is larger; it
+  is measured by `ditfleet calibrate`, never assumed.
+
+Chosen by measurement on the tiny model (50 steps, docs/performance.md): at the same work,
+TeaCache with TaylorSeer kept 7 dB more PSNR than without it, and more than DBCache with one
+computed block; DBCache with Fn 8 is the published setting for the quality end.
 """
 
 from __future__ import annotations
@@ -28,7 +48,15 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("dbcache",)
+METHODS = ("dbcache", "teacache")
+# TeaCache's rescaling polynomial for Qwen-Image's DiT (highest degree first, as numpy.poly1d):
+# vLLM-Omni's vllm_omni/diffusion/cache/teacache/config.py, "QwenImageTransformer2DModel", taken
+# from ComfyUI-TeaCache's Qwen-Image tuning. It maps the modulated input's relative L1 change to
+# an estimate of the output's; a model of another family needs its own fit.
+QWEN_IMAGE_TEACACHE_COEFFICIENTS = (-450.0, 280.0, -45.0, 3.2, -0.02)
+# Fields only one method reads: naming one for the other method is an error, not a silent no-op.
+METHOD_FIELDS = {"compute_blocks": "dbcache", "coefficients": "teacache"}
+MAX_TAYLORSEER_ORDER = 2  # higher orders extrapolate the noise of a few finite differences
 PRESET_NAMES = ("off", "safe", "fast")
 # The spec key users write; errors name it (and the field under it).
 SPEC_KEY = "sampling.step_cache"
@@ -43,11 +71,17 @@ class StepCacheConfig:
     """One step cache's settings. Build with `parse_step_cache` (presets, checks naming the key)."""
 
     method: str = "dbcache"
-    # Relative L1 change of the first blocks' residual below which an image reuses the rest.
+    # dbcache: relative L1 change of the first blocks' residual below which an image reuses the
+    # rest; teacache: bound on the summed rescaled change of the modulated input.
     threshold: float = 0.08
-    # Fn: blocks every pass computes. Capped at a quarter of the model's blocks (at least one), so
-    # a model with few blocks keeps blocks to skip; Qwen-Image's 60 take the published values.
+    # dbcache's Fn: blocks every pass computes. Capped at a quarter of the model's blocks (at
+    # least one), so a model with few blocks keeps blocks to skip; Qwen-Image's 60 take the
+    # published values. teacache computes none before deciding.
     compute_blocks: int = 8
+    # teacache's rescaling polynomial, highest degree first.
+    coefficients: tuple[float, ...] = QWEN_IMAGE_TEACACHE_COEFFICIENTS
+    # TaylorSeer: 0 reuses the kept residual as it is; 1-2 extrapolate it over the steps since.
+    taylorseer_order: int = 0
     # Steps computed in full before any reuse (the first step always is: nothing is cached yet).
     warmup_steps: int = 8
     # Longest run of reused steps before an image must compute again; -1: no limit.
@@ -62,7 +96,9 @@ class StepCacheConfig:
         _check(dataclasses.asdict(self), SPEC_KEY)
 
     def compute_blocks_for(self, num_layers: int) -> int:
-        """Fn for a model with `num_layers` blocks (see `compute_blocks`)."""
+        """Blocks every pass computes before deciding, on a model of `num_layers` blocks."""
+        if self.method == "teacache":
+            return 0
         return max(1, min(self.compute_blocks, num_layers // 4))
 
     def inactive_reason(self, steps: int, num_layers: int | None = None) -> str | None:
@@ -80,7 +116,14 @@ class StepCacheConfig:
         return None
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The settings that act: the field of the other method is left out (a fingerprint must
+        not change with a number the images never saw)."""
+        out = dataclasses.asdict(self)
+        out["coefficients"] = list(self.coefficients)
+        for name, method in METHOD_FIELDS.items():
+            if method != self.method:
+                del out[name]
+        return out
 
     def describe(self) -> str:
         """Canonical JSON (sorted keys): the manifest's record and the fingerprint's value."""
@@ -122,7 +165,14 @@ def parse_step_cache(value: Any, key: str = SPEC_KEY) -> StepCacheConfig | None:
         if fields:
             raise StepCacheError(f"{key}: preset 'off' takes no other keys, got {sorted(fields)}")
         return None
-    merged = {**base.to_dict(), **fields}
+    method = fields.get("method", base.method)
+    for name in sorted(set(fields) & set(METHOD_FIELDS)):
+        if METHOD_FIELDS[name] != method:
+            raise StepCacheError(
+                f"{key}.{name}: only method {METHOD_FIELDS[name]!r} reads it; this step cache's "
+                f"method is {method!r}"
+            )
+    merged = {**dataclasses.asdict(base), **fields}
     _check_types(merged, key)
     _check(merged, key)
     return StepCacheConfig(**merged)
@@ -130,6 +180,13 @@ def parse_step_cache(value: Any, key: str = SPEC_KEY) -> StepCacheConfig | None:
 
 def _check_types(fields: dict[str, Any], key: str) -> None:
     for name, v in fields.items():
+        if name == "coefficients":
+            if not isinstance(v, (list, tuple)) or not all(
+                isinstance(c, (int, float)) and not isinstance(c, bool) for c in v
+            ):
+                raise StepCacheError(f"{key}.{name}: expected a list of numbers, got {v!r}")
+            fields[name] = tuple(float(c) for c in v)
+            continue
         want = {"method": str, "threshold": (int, float)}.get(name, int)
         if isinstance(v, bool) or not isinstance(v, want):
             raise StepCacheError(f"{key}.{name}: expected {_type_name(want)}, got {v!r}")
@@ -147,6 +204,16 @@ def _check(c: dict[str, Any], key: str) -> None:
     if not 0.0 < c["threshold"] < 1.0:
         # cache-dit reads <= 0 as "never cache" and >= 1 as "always cache": neither is a cache.
         raise StepCacheError(f"{key}.threshold: must be in (0, 1), got {c['threshold']!r}")
+    if len(c["coefficients"]) != 5:
+        # TeaCache's rescaling is a 4th-degree polynomial; every published fit has 5 numbers.
+        raise StepCacheError(
+            f"{key}.coefficients: expected 5 numbers (a 4th-degree polynomial, highest degree "
+            f"first), got {len(c['coefficients'])}"
+        )
+    if not 0 <= c["taylorseer_order"] <= MAX_TAYLORSEER_ORDER:
+        raise StepCacheError(
+            f"{key}.taylorseer_order: must be 0 (off) to {MAX_TAYLORSEER_ORDER}, got {c['taylorseer_order']!r}"
+        )
     bounds = {
         "compute_blocks": 1,
         "warmup_steps": 0,
@@ -176,7 +243,12 @@ PRESETS: dict[str, StepCacheConfig | None] = {
         threshold=0.12, compute_blocks=8, warmup_steps=8, max_consecutive_skips=-1, exact_last_steps=1
     ),
     "fast": StepCacheConfig(
-        threshold=0.24, compute_blocks=1, warmup_steps=4, max_consecutive_skips=-1, exact_last_steps=1
+        method="teacache",
+        threshold=0.6,
+        warmup_steps=4,
+        max_consecutive_skips=3,
+        exact_last_steps=1,
+        taylorseer_order=1,
     ),
 }
 

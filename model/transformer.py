@@ -150,7 +150,9 @@ def split_streams(out: torch.Tensor, image_len: int) -> tuple[torch.Tensor, torc
     # Two fresh dense tensors, always copied: a compiled consumer then sees the same strides and
     # offset whatever the batch size, text length or the attention kernel's output layout.
     contiguous = torch.contiguous_format
-    return out[:, :image_len].clone(memory_format=contiguous), out[:, image_len:].clone(memory_format=contiguous)
+    return out[:, :image_len].clone(memory_format=contiguous), out[:, image_len:].clone(
+        memory_format=contiguous
+    )
 
 
 def _rms_rotary(x: torch.Tensor, norm: RMSNorm, rotation: Rotation) -> torch.Tensor:
@@ -239,6 +241,12 @@ class TransformerBlock(nn.Module):
         attn = joint_attention(q, k, v, padding, stats)  # (B, H, N + L, hd)
         img_attn, txt_attn = split_streams(attn, img.shape[1])
         return self.attention_outputs(img, txt, img_attn, txt_attn, img_mod, txt_mod)
+
+    def modulated_input(self, img: torch.Tensor, img_mod: torch.Tensor) -> torch.Tensor:
+        """The image stream as the attention sees it, LayerNorm then the first shift and scale,
+        (B, N, D): TeaCache's signal of how much a step changes (model.step_cache)."""
+        i_sh1, i_sc1 = img_mod.chunk(6, dim=-1)[:2]
+        return _norm_modulate(img, i_sh1, i_sc1, self.eps)
 
     def attention_inputs(
         self,
@@ -343,7 +351,9 @@ class QwenImageTransformer(nn.Module):
         padding = TextPadding.build(encoder_hidden_states_mask, B, L, N, self.padded_attention)
         rope = self.rope.tables(_first_shape(img_shapes), L, device)
         if step_cache is not None:
-            img = step_cache.run_blocks(self, img, txt, temb, padding, rope, mod_key, encoder_hidden_states_mask)
+            img = step_cache.run_blocks(
+                self, img, txt, temb, padding, rope, mod_key, encoder_hidden_states_mask
+            )
             return self.proj_out(self.norm_out(img, temb))
         for block in self.transformer_blocks:
             img, txt = block(

@@ -428,11 +428,11 @@ def _forward_peak_gb(ctx: Context, fn: Callable[[], object]) -> float | None:
 
 @stage("step_cache", estimate_s=40, limit_s=90)
 def step_cache(ctx: Context) -> None:
-    """The slot of the step-cache line: `ditfleet.model.step_cache.selftest_line(pipe, size, steps)`
-    returns a dict (DiT work and wall-time speed-up of a preset against exact) to print."""
-    fn = _slot_function("ditfleet.model.step_cache", "selftest_line")
+    """`ditfleet.model.step_cache_selftest.selftest_line(pipe, size, steps)`: DiT work and
+    wall-time speed-up of each preset against exact, one image at the first size."""
+    fn = _slot_function("ditfleet.model.step_cache_selftest", "selftest_line")
     if fn is None:
-        raise StageSkipped("slot: no model.step_cache.selftest_line yet")
+        raise StageSkipped("slot: no model.step_cache_selftest.selftest_line")
     model = full_model(ctx)
     pipe = TextToImagePipeline(model, ctx.state["vae"], ctx.state["scheduler"])
     ctx.emit({"status": "measured", **fn(pipe, sizes(ctx)[0], 20)})

@@ -29,7 +29,9 @@ def test_off_keeps_the_fingerprint_and_a_preset_enters_it_resolved():
     safe = _spec("safe").image_settings()["step_cache"]
     assert safe["threshold"] == 0.12 and safe["compute_blocks"] == 8  # the settings, not the name
     assert _spec("{preset: safe, threshold: 0.1}").image_settings()["step_cache"]["threshold"] == 0.1
-    assert _spec("fast").image_settings() != _spec("safe").image_settings()
+    fast = _spec("fast").image_settings()["step_cache"]
+    assert fast["method"] == "teacache" and "compute_blocks" not in fast  # what acts, nothing else
+    assert _spec("{preset: fast, taylorseer_order: 0}").image_settings()["step_cache"] != fast
     assert _spec("safe").to_worker_config().pipeline.step_cache == safe
 
 
@@ -37,7 +39,9 @@ def test_off_keeps_the_fingerprint_and_a_preset_enters_it_resolved():
     ("value", "steps", "message"),
     [
         ("turbo", 50, "sampling.step_cache: unknown preset 'turbo'"),
-        ("{method: teacache}", 50, "sampling.step_cache.method: unknown method 'teacache'"),
+        ("{method: fbcache}", 50, "sampling.step_cache.method: unknown method 'fbcache'"),
+        ("{preset: fast, compute_blocks: 4}", 50, "sampling.step_cache.compute_blocks: only method 'dbcache'"),
+        ("{taylorseer_order: -1}", 50, "sampling.step_cache.taylorseer_order: must be 0 (off) to 2"),
         ("{threshold: 1.2}", 50, "sampling.step_cache.threshold: must be in (0, 1)"),
         ("{max_skips: 3}", 50, "unknown key(s) ['max_skips']"),
         (

@@ -103,6 +103,11 @@ def test_tiny_run_prints_every_line_without_ray_pydantic_or_boto3(tmp_path):
         assert stages[name][-1]["status"] == "measured", stages[name]
     assert set(stages["cfg_step"][-1]["ms_per_cfg_step"]) == {"off", "cfg", "table"}
     assert stages["batch_generator"][-1]["stored"] == 2
+    # the step cache's line: each preset against exact on the same image (random weights: the
+    # work counts and the wall time are the figures, not the distance)
+    cached = stages["step_cache"][-1]
+    assert cached["status"] == "measured" and set(cached["presets"]) == {"safe", "fast"}, cached
+    assert all(p["active"] and p["work_speedup"] >= 1 for p in cached["presets"].values())
     # the slots of other work's lines are there and say what they wait for
     assert stages["fp8_forward"][-1]["status"] in ("skipped", "measured")
     # model.fp8.selftest_forward fills the FP8 slot: both modes run on the CPU (peak memory is
