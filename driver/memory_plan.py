@@ -49,6 +49,7 @@ class MemoryRequest:
     s3: S3Config | None = None
     device: str = "cuda"  # cuda | cpu (an actor without a GPU: the plan is of host memory)
     quantization: str = "none"  # the DiT's weights: none | fp8 | fp8-weight-only
+    step_cache_tensors: int = 0  # image-stream tensors a step cache keeps per CFG branch
 
     @property
     def text_len(self) -> int:
@@ -221,6 +222,7 @@ def plan_kwargs(request: MemoryRequest, **overrides: Any) -> dict[str, Any]:
         modulation_table_steps=request.table_steps,
         device=request.device,
         quantization=request.quantization,
+        step_cache_tensors=request.step_cache_tensors,
     )
     return {**kwargs, **overrides}
 

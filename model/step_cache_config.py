@@ -101,6 +101,12 @@ class StepCacheConfig:
             return 0
         return max(1, min(self.compute_blocks, num_layers // 4))
 
+    def kept_tensors(self) -> int:
+        """Image-stream tensors (N x D per image) kept per CFG branch for the whole schedule: the
+        signal, the residual and one derivative per TaylorSeer order (model.step_cache). The
+        memory plan counts them."""
+        return 2 + self.taylorseer_order
+
     def inactive_reason(self, steps: int, num_layers: int | None = None) -> str | None:
         """Why a schedule of `steps` steps (on a model of `num_layers` blocks) runs exact; None
         when the cache can reuse work there."""

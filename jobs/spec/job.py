@@ -25,6 +25,7 @@ from ditfleet.driver.plan import PlanConfig
 from ditfleet.driver.run_job import DriverConfig
 from ditfleet.model.family import model_family
 from ditfleet.model.settings import PipelineSettings, field_default, settings_fields
+from ditfleet.model.step_cache_config import parse_step_cache
 from ditfleet.workers.cache_secret import CacheSecretSource
 from ditfleet.workers.contract import LoraSpec, ModelPlacement, WorkerConfig
 from ditfleet.workers.output.formats import ShardWriterConfig
@@ -172,6 +173,7 @@ class JobSpec(Section):
         """What one actor asks of its GPU, for the memory plan (every bucket of the job)."""
         table = self.model.modulation_cache == "table"
         on_cpu = self.model.device == "cpu" or self.gpus_per_actor() == 0
+        step_cache = parse_step_cache(self.sampling.step_cache)
         return MemoryRequest(
             model_path=self.model_path(),
             buckets=tuple(self.bucket_names()),
@@ -187,6 +189,7 @@ class JobSpec(Section):
             s3=self.s3_config(),
             device="cpu" if on_cpu else "cuda",
             quantization=self.pipeline_settings().quantization,
+            step_cache_tensors=step_cache.kept_tensors() if step_cache is not None else 0,
         )
 
     def s3_config(self) -> S3Config:

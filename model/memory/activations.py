@@ -13,6 +13,14 @@ from ..transformer_config import TransformerConfig
 from ..vae_config import VAEConfig
 from .params import qwen_text_config
 
+# Pixels per image token side: the VAE's 8x downsampling times the DiT's 2x2 patches.
+PIXELS_PER_TOKEN_SIDE = 16
+
+
+def image_tokens(height: int, width: int) -> int:
+    """The DiT's image-stream sequence length N for an image of height x width pixels."""
+    return (height // PIXELS_PER_TOKEN_SIDE) * (width // PIXELS_PER_TOKEN_SIDE)
+
 
 def dit_activation_bytes(
     cfg: TransformerConfig,
@@ -33,7 +41,7 @@ def dit_activation_bytes(
     memory-efficient kernel; "math" materialises the scores and their softmax, 2 x heads x S^2
     elements (a masked attention where no fused kernel takes the mask).
     """
-    N, L = (height // 16) * (width // 16), text_len
+    N, L = image_tokens(height, width), text_len
     S, D = N + L, cfg.inner_dim
     block = (4 * S + 12 * max(N, L) + 3 * min(N, L)) * D * e
     if attention == "math":

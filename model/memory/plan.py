@@ -13,7 +13,12 @@ from ..quantization import check_quantization
 from ..settings import MAX_SEQUENCE_LENGTH
 from ..transformer_config import TransformerConfig
 from ..vae_config import VAEConfig
-from .activations import dit_activation_bytes, text_encode_activation_bytes, vae_decode_activation_bytes
+from .activations import (
+    dit_activation_bytes,
+    image_tokens,
+    text_encode_activation_bytes,
+    vae_decode_activation_bytes,
+)
 from .params import text_encoder_params, transformer_params, transformer_weight_bytes, vae_params
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -173,6 +178,7 @@ def plan_memory(
     attention: str = "fused",
     device: str = "cuda",
     quantization: str = "none",
+    step_cache_tensors: int = 0,
 ) -> MemoryPlan:
     """The memory plan of generating `batch` images of height x width.
 
@@ -183,6 +189,8 @@ def plan_memory(
     device: "cuda" adds the CUDA context's reserve; "cpu" (an actor without a GPU) does not.
     quantization: the DiT's weights (model.quantization): FP8 stores its Linear weights in one
       byte each (40.9 -> 20.5 GB at Qwen-Image size) and adds the GEMMs' own transients.
+    step_cache_tensors: image-stream tensors (N x D per image) a step cache keeps per CFG branch
+      through the whole schedule (model.step_cache_config.StepCacheConfig.kept_tensors); 0: none.
     """
     # Long only by its keyword arguments and the plan's fields; the arithmetic is the middle.
     _check_request(dtype, text_encoder, cfg, batch, height, width)
@@ -198,6 +206,10 @@ def plan_memory(
     if modulation_table_steps:
         D, layers = model.transformer.inner_dim, model.transformer.num_layers
         extra["modulation_table"] = sum(modulation_table_steps) * layers * 2 * 6 * D * e
+    if step_cache_tensors:
+        branches = 1 if cfg == "off" else 2
+        N, D = image_tokens(height, width), model.transformer.inner_dim
+        extra["step_cache"] = step_cache_tensors * branches * batch * N * D * e
     # Latents, velocities and embeddings of the batch while the VAE runs: small, but resident.
     carried = sum(extra.values())
     resident = dit_w + vae_w + carried + (CUDA_RESERVE if device == "cuda" else 0)
@@ -247,7 +259,7 @@ def _fp8_transient(
     weight dequantized, and its cast, for the duration of one GEMM."""
     D = model.transformer.inner_dim
     if quantization == "fp8":
-        tokens = max((height // 16) * (width // 16), text_len)
+        tokens = max(image_tokens(height, width), text_len)
         return batch * tokens * 4 * D
     if quantization == "fp8-weight-only":
         return 2 * 4 * D * D * e

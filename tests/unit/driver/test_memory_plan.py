@@ -256,6 +256,25 @@ def test_a_job_that_fits_plans_with_its_memory(tmp_path, qwen_configs_dir, capsy
     assert "memory: fits 48 GB" in capsys.readouterr().out
 
 
+def test_a_step_cache_keeps_its_tensors_in_the_plan(tmp_path, qwen_configs_dir, capsys):
+    """The step cache keeps N x D per image per CFG branch for each of its tensors (signal,
+    residual, TaylorSeer derivatives) for the whole schedule: the plan counts them."""
+    job = _job(tmp_path, qwen_configs_dir, batch_size=2, gpu_memory_gb=48, text_encoder="offload")
+    base = job.read_text()
+    exact_largest = None
+    for step_cache, tensors in (("off", 0), ("safe", 2), ("fast", 3)):
+        job.write_text(base + f"sampling: {{steps: 50, step_cache: {step_cache}}}\n")
+        assert main(["plan", str(job), "--json"]) == 0
+        mem = json.loads(capsys.readouterr().out)["memory"]
+        first = mem["buckets"][0]
+        kept = tensors * 2 * 2 * (1328 // 16) ** 2 * 3072 * 2  # tensors x branches x batch x N x D x bf16
+        assert first["extra_gb"].get("step_cache", 0) == round(kept / 1e9, 2)
+        if exact_largest is None:
+            exact_largest = mem["largest_batch"]["1328x1328"]
+        else:
+            assert mem["largest_batch"]["1328x1328"] <= exact_largest
+
+
 def test_inspect_reads_headers_and_prints_the_plan(qwen_configs_dir, capsys):
     assert main(["inspect", "tiny", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
