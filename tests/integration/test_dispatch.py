@@ -194,7 +194,10 @@ def test_a_worker_that_abandons_its_shard_is_let_go_and_the_shard_rerun_without_
     # driver a RayTaskError that must be recognised as that type. max_attempts=1: were it counted
     # as a failed run, shard 1 would be reported failed.
     worker = SleepingWorkerConfig(out, shard_s=0.03, abandon={1: 1})
-    config = DispatchConfig(min_actors=2, max_actors=2, num_cpus=0.5, max_attempts=1, tick_s=0.1)
+    # No tail moves: a speculative twin of the rerun would take the next attempt number.
+    config = DispatchConfig(
+        min_actors=2, max_actors=2, num_cpus=0.5, max_attempts=1, speculative_tail=False, tick_s=0.1
+    )
     events = Recorder()
     result = run_shards(make_shards(6), SleepingWorker, (worker,), config, events)
     assert_each_once(out, 6, result)
