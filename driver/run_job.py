@@ -40,15 +40,15 @@ from ditfleet.driver.metrics import FanOut
 from ditfleet.driver.output.claim import OutputMismatch, claim_incremental_output, claim_output
 from ditfleet.driver.output.finish import finish_run
 from ditfleet.driver.output.lease import OutputLease, acquire_lease
-from ditfleet.driver.output.orphans import missing_named_objects
 from ditfleet.driver.output.status import OutputCounts
-from ditfleet.driver.output.summary import FAILED, JobSummary, build_summary, read_success, write_success
+from ditfleet.driver.output.summary import JobSummary, build_summary, read_success, write_success
 from ditfleet.driver.plan import JobPlan, PlanConfig, plan_job
 from ditfleet.driver.plan_file import load_plan, save_plan
 from ditfleet.driver.progress import JobProgress
+from ditfleet.driver.rerun import complete_already, redo_generations
 from ditfleet.workers.contract import WorkerConfig
-from ditfleet.workers.output.layout import manifest_of_key, success_key
-from ditfleet.workers.output.manifest import committed_shards, current_manifest_keys
+from ditfleet.workers.output.layout import success_key
+from ditfleet.workers.output.manifest import committed_shards
 from ditfleet.workers.rows import ShardSpec
 from ditfleet.workers.storage import ObjectStore, S3Config, open_store
 from ditfleet.workers.storage.input_files import filesystem_for, is_s3
@@ -212,7 +212,7 @@ def _plain_work(run: _Execution, started: float) -> _Work | JobSummary:
     if stored is None:
         save_plan(store, plan)
     if len(done) == len(plan.shards) and not redo and (previous := read_success(store)) is not None:
-        return _complete_already(store, previous, len(done), out)
+        return complete_already(store, previous, len(done), out)
     if store.exists(success_key()):
         # Not complete: `_SUCCESS` goes before this run writes anything, so that no reader takes
         # the output for finished while it changes.
@@ -447,64 +447,6 @@ def _plan_increment(
         f"output {store.uri()}: another driver planned a run at the same time, {_PLAN_TRIES} times in "
         "a row. Is a second `ditfleet run` of this job writing to it? Let one run at a time"
     )
-
-
-class RedoError(ValueError):
-    """Shards asked to be redone that cannot be: not in the plan, or not committed yet."""
-
-
-def redo_generations(
-    store: ObjectStore, shards: Sequence[ShardSpec], committed: set[int], redo: Sequence[int]
-) -> dict[int, int]:
-    """Shard -> the manifest generation its redo commits: one above its current manifest's.
-
-    Only committed shards of the plan can be redone (an uncommitted one runs on a plain rerun).
-    The generation is read from the listing now; two runs of one redo (a retry, a speculative
-    twin) commit the same generation create-only, so the first wins as for any commit.
-    """
-    if not redo:
-        return {}
-    planned = {s.index for s in shards}
-    unknown = sorted(set(redo) - planned)
-    if unknown:
-        raise RedoError(
-            f"--redo-shards: shards {unknown} are not in the job's plan (it has shards 0..{len(shards) - 1})"
-        )
-    pending = sorted(set(redo) - committed)
-    if pending:
-        raise RedoError(
-            f"--redo-shards: shards {pending} are not committed yet; run the job without --redo-shards "
-            "to run them"
-        )
-    current = current_manifest_keys(store)
-    return {shard: manifest_of_key(current[shard])[1] + 1 for shard in sorted(set(redo))}  # type: ignore[index]
-
-
-def _complete_already(store: ObjectStore, previous: JobSummary, done: int, out: TextIO) -> JobSummary:
-    """A rerun of a complete output: check, by listing alone, that every object its manifests
-    name is still there; the summary in `_SUCCESS` when it is, a failed one naming the shards
-    whose objects are gone when not."""
-    lost = missing_named_objects(store)
-    if not lost:
-        print(
-            f"{store.uri()}: already complete ({done} shards committed, every object they name "
-            "is there); nothing to do",
-            file=out,
-        )
-        # _SUCCESS names where the output was written; a copied or moved output is here now.
-        return dataclasses.replace(previous, output=store.uri())
-    shards = sorted(lost)
-    count = sum(len(keys) for keys in lost.values())
-    print(
-        f"{store.uri()}: _SUCCESS is there, but {count} objects its manifests name are missing, in "
-        f"shards {shards[:20]}{' ...' if len(shards) > 20 else ''} (e.g. {lost[shards[0]][0]}). "
-        "A committed manifest is never rewritten: restore the objects (from a backup or a versioned "
-        f"bucket), or redo these shards under new attempts with `ditfleet run JOB --redo-shards "
-        f"{','.join(map(str, shards))}` (each commits a new manifest generation that supersedes its "
-        "old one; the other shards are left as they are). `ditfleet verify` lists every problem",
-        file=out,
-    )
-    return dataclasses.replace(previous, status=FAILED)
 
 
 def _remove_stale_temp_files(store: ObjectStore, out: TextIO) -> None:

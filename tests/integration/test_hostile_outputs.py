@@ -441,7 +441,7 @@ def test_clean_deletes_nothing_while_a_driver_owns_the_output(copy, capsys):
 def test_a_redo_of_an_uncommitted_or_unknown_shard_is_refused_and_writes_nothing(
     copy, prompts, tiny_model, monkeypatch
 ):
-    from ditfleet.driver.run_job import RedoError
+    from ditfleet.driver.rerun import RedoError
 
     case = copy("files")
     case.store.delete(manifest_key(1))
