@@ -8,6 +8,7 @@ manifest per shard, `_job.json`, and one orphan run per shard), then times:
 
     python -m bench.verify_scan --shards 40 --images 250 --bytes 4096 --repeat 5
     python -m bench.verify_scan --shards 4000 --images 250 --bytes 512 --workers 1 2 4   # 1M objects
+    python -m bench.verify_scan --shards 400 --images 250 --bytes 512 --workers 1 2 --ray 2   # + Ray tasks
 
 Each verify is timed `--repeat` times and the best time is kept (a shared machine's noise only
 ever adds time). Prints one JSON line per measurement as soon as it has it (the build of a
@@ -63,6 +64,32 @@ def _best(repeat: int, run: Callable[[], VerifyReport]) -> tuple[float, VerifyRe
     return min(times), report
 
 
+def _ray_pass(root: str, args: argparse.Namespace) -> dict:
+    """verify_output with its per-shard checks as Ray tasks on a local Ray (127.0.0.1)."""
+    import ray
+
+    from ditfleet.driver.output.verify_ray import RayChecks
+
+    ray.init(
+        address="local",
+        num_cpus=args.ray,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+    )
+    try:
+        store = open_store(root)
+        verify_output(store, partial=True, shard_checks=RayChecks(root, groups=args.ray))  # workers start
+        objects = args.shards * args.images
+        seconds, report = _best(
+            args.repeat, lambda: verify_output(store, partial=True, shard_checks=RayChecks(root))
+        )
+        assert not report.problems and report.objects_checked == objects, report.problems[:3]
+        return {"verify_hash_s": round(seconds, 3), "objects_per_s": round(objects / seconds, 1)}
+    finally:
+        ray.shutdown()
+
+
 def _emit(**line: object) -> None:
     print(
         json.dumps({"bench": "verify_scan", **line, "load_avg_1m": round(os.getloadavg()[0], 2)}), flush=True
@@ -81,6 +108,13 @@ def main() -> None:
         nargs="+",
         help="verify threads: each count timed side by side on the same output (hashing)",
     )
+    parser.add_argument(
+        "--ray",
+        type=int,
+        metavar="CPUS",
+        help="also time `verify --ray` (driver.output.verify_ray) on a local Ray of this many CPUs: "
+        "processes instead of threads, so no GIL between the checks",
+    )
     args = parser.parse_args()
     objects = args.shards * args.images
     with tempfile.TemporaryDirectory(prefix="verify-scan-") as root:
@@ -94,6 +128,8 @@ def main() -> None:
             assert not report.problems and report.objects_checked == objects, report.problems[:3]
             by_workers[n] = {"verify_hash_s": round(seconds, 3), "objects_per_s": round(objects / seconds, 1)}
             _emit(stage="verify_hash", workers=n, objects=objects, **by_workers[n])
+        if args.ray:
+            _emit(stage="verify_hash_ray", cpus=args.ray, objects=objects, **_ray_pass(root, args))
         hash_s, hashed = _best(args.repeat, lambda: verify_output(store, partial=True))
         assert not hashed.problems and hashed.objects_checked == objects, hashed.problems[:3]
         _emit(stage="verify_hash", workers="default", objects=objects, verify_hash_s=round(hash_s, 3))

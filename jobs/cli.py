@@ -365,7 +365,9 @@ def _add_output_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-hash", action="store_true", help="check presence only; do not read and hash objects")
     p.add_argument(
-        "--workers", type=int, default=16, help="threads reading manifests and objects (default 16)"
+        "--workers",
+        type=int,
+        help="threads reading manifests and objects (default: one per CPU core for a local output, 16 for S3)",
     )
     p.add_argument(
         "--ray",

@@ -11,6 +11,7 @@ for lost objects (driver.run_job).
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,9 +22,20 @@ from ditfleet.workers.output.layout import attempt_object, attempt_prefixes
 from ditfleet.workers.output.manifest import current_manifest_key, current_manifest_keys
 from ditfleet.workers.storage import ObjectStore
 from ditfleet.workers.storage.base import check_key
+from ditfleet.workers.storage.local import LocalStore
 
-# Threads reading and deleting objects: object-store calls wait on the network, not the CPU.
+# Threads reading and deleting objects in a remote store: its calls wait on the network.
 IO_THREADS = 16
+
+
+def io_threads(store: ObjectStore) -> int:
+    """Threads for reading a store's objects when the user names none: IO_THREADS for a remote
+    store; for a local folder, one per CPU core, since reads there run at CPU speed and more
+    threads only contend (1M local objects of 512 B on 2 cores, bench/verify_scan.py: 1 thread
+    3,195 objects/s, 2 threads 3,628, 16 threads 3,015)."""
+    if isinstance(store, LocalStore):
+        return max(1, min(IO_THREADS, os.cpu_count() or 1))
+    return IO_THREADS
 
 
 def manifest_object_key(root: str, shard: int, uri: object) -> tuple[str | None, str | None]:

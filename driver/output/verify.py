@@ -53,6 +53,7 @@ from ditfleet.driver.output.lease import OutputBusy, acquire_lease
 from ditfleet.driver.output.orphans import (
     IO_THREADS,
     delete_keys,
+    io_threads,
     manifest_object_key,
 )
 from ditfleet.driver.run_records import RecordedPlan, RunRecordError, read_run_records
@@ -295,7 +296,7 @@ class ShardChecks(Protocol):
 class ThreadChecks:
     """The per-shard checks on threads of this process (the default)."""
 
-    workers: int = IO_THREADS
+    workers: int = IO_THREADS  # verify_output passes io_threads(store) unless told
 
     def read_manifests(self, store, items, plan):
         return read_manifest_group(store, items, plan, self.workers)
@@ -310,14 +311,15 @@ def verify_output(
     partial: bool = False,
     clean: bool = False,
     hash_objects: bool = True,
-    workers: int = IO_THREADS,
+    workers: int | None = None,
     shard_checks: ShardChecks | None = None,
 ) -> VerifyReport:
     """Check the output at `store`; with `clean`, delete the orphans found (attempt objects of
     committed shards that their current manifest does not name).
 
-    workers: threads reading manifests and objects (and deleting); the checks and the report are
-    the same for any number, only the time changes (hashing releases the GIL).
+    workers: threads reading manifests and objects (and deleting); None: `io_threads(store)`
+    (one per core for a local folder, more for a remote store). The checks and the report are
+    the same for any number, only the time changes.
     shard_checks: where the per-shard checks run instead of this process's threads (Ray tasks:
     driver.output.verify_ray); the whole-output checks and deletions stay here, so the report
     is the same.
@@ -327,6 +329,7 @@ def verify_output(
     under new tokens before its new manifest generation names them, so only with no run going
     is an object the current manifest does not name provably never to be named.
     """
+    workers = io_threads(store) if workers is None else workers
     if workers < 1:
         raise ValueError(f"verify needs at least one worker thread, got {workers}")
     checks = shard_checks or ThreadChecks(workers)
