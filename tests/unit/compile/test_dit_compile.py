@@ -95,18 +95,29 @@ def test_dit_auto_turns_on_for_cuda_jobs_that_repay_the_warm_up():
 
 
 @pytest.mark.slow
-def test_inductor_dit_one_bucket_any_length_and_batch(random_model_dir):
-    pipe = load_pipeline(random_model_dir, load_text_encoder_too=False)
+@pytest.mark.parametrize(
+    ("quantization", "atol"),
+    [
+        ("none", 1e-4),
+        # Inductor itself (not only Dynamo's guards) takes the FP8 GEMMs: torch._scaled_mm and the
+        # per-token quantization, or the dequantize-then-GEMM of weight-only. It fuses the
+        # activation scaling, which may round an fp8 code differently from eager.
+        pytest.param("fp8", 2e-2, marks=pytest.mark.slow),
+        pytest.param("fp8-weight-only", 2e-2, marks=pytest.mark.slow),
+    ],
+)
+def test_inductor_dit_one_bucket_any_length_and_batch(random_model_dir, quantization, atol):
+    pipe = load_pipeline(random_model_dir, load_text_encoder_too=False, quantization=quantization)
     apply_compile(pipe, CompileConfig(vae=False, dit=True))
     warm = warm_up(pipe, SMALL_BUCKETS[:1], batch_sizes=(2,))
     assert warm.compiles == 2
-    eager = load_pipeline(random_model_dir, load_text_encoder_too=False)
+    eager = load_pipeline(random_model_dir, load_text_encoder_too=False, quantization=quantization)
     with torch._dynamo.config.patch(error_on_recompile=True), count_compiles() as tally:
         for batch, length in ((1, 1), (3, 300)):
             inputs = _inputs(pipe, batch, length, seed=batch, padded=True)
             image = generate(pipe, SMALL_BUCKETS[0], inputs, seeds=range(batch), steps=1)
             expected = generate(eager, SMALL_BUCKETS[0], inputs, seeds=range(batch), steps=1)
-            torch.testing.assert_close(image, expected, atol=1e-4, rtol=0)
+            torch.testing.assert_close(image, expected, atol=atol, rtol=0)
     assert tally.count == 0
 
 
