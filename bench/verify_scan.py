@@ -26,7 +26,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from ditfleet.driver.output.orphans import clean_orphans
-from ditfleet.driver.output.verify import VerifyReport, verify_output
+from ditfleet.driver.output.verify import verify_output
+from ditfleet.driver.output.verify_report import VerifyReport
 from ditfleet.testing.outputs import manifest_row, put_image
 from ditfleet.workers.output.layout import image_key, job_key, new_attempt_token
 from ditfleet.workers.output.manifest import ManifestWriter

@@ -65,7 +65,7 @@ def _dit_compile_plan(spec: JobSpec, images: int, buckets: int) -> dict:
     on_cpu = spec.model.device == "cpu" or spec.gpus_per_actor() == 0
     actors = spec.workers.max or spec.workers.min
     per_actor = images // max(1, actors)
-    on = spec.to_worker_config().compile.dit_on("cpu" if on_cpu else "cuda", per_actor, buckets)
+    on = spec.compile_config().dit_on("cpu" if on_cpu else "cuda", per_actor, buckets)
     if setting == "auto":
         why = "CPU actors" if on_cpu else f"about {per_actor} images per actor for {buckets} bucket(s)"
         head = f"dit auto -> {'on' if on else 'off'} ({why}; on from {AUTO_DIT_IMAGES_PER_BUCKET} per bucket on CUDA)"

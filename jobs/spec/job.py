@@ -212,6 +212,10 @@ class JobSpec(Section):
             shared_filesystem=self.output.shared_filesystem,
         )
 
+    def compile_config(self) -> CompileConfig:
+        """The compile section as the actor's CompileConfig (no torch)."""
+        return settings_from(CompileConfig, *self._sections())
+
     def to_worker_config(self) -> WorkerConfig:
         sections = self._sections()
         return settings_from(
@@ -225,7 +229,7 @@ class JobSpec(Section):
             pipeline=self.pipeline_settings(),
             loras=self.model_loras(),
             scheduler_config=self.model_scheduler_config(),
-            compile=settings_from(CompileConfig, *sections),
+            compile=self.compile_config(),
             compile_cache_key=settings_from(CacheSecretSource, *sections),
             writer=settings_from(ShardWriterConfig, self.output),
             s3=self.s3_config(),
