@@ -116,7 +116,7 @@ def main() -> None:
             "bench": "manifest_read",
             "shards": args.shards,
             "rows": args.shards * args.rows,
-            "compacted_files": len(report.files),
+            "compacted_mib": round(report.bytes / 2**20, 1),
             "generate_s": round(generate_s, 1),
             "compact_s": round(compact_s, 2),
         }

@@ -35,6 +35,7 @@ from ditfleet.driver.dispatch import DispatchError
 from ditfleet.driver.input.row_errors import InputError
 from ditfleet.driver.locations import LocationError
 from ditfleet.driver.memory_plan import MemoryPlanError
+from ditfleet.driver.output.compact import ROW_GROUP_ROWS
 from ditfleet.driver.output.status import output_status
 from ditfleet.driver.run_job import OutputMismatch, validate_job_input
 from ditfleet.jobs.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
@@ -154,10 +155,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_compact(args: argparse.Namespace) -> int:
     from ditfleet.driver.output.compact import CompactionError, compact_output
+    from ditfleet.driver.output.lease import acquire_lease
 
     store = open_store(args.output, _store_args(args))
     try:
-        report = compact_output(store, rows_per_file=args.rows_per_file, row_group_rows=args.row_group_rows)
+        # A writer like a driver: one at a time, and it stops if another takes the output.
+        with acquire_lease(store) as lease:
+            report = compact_output(store, row_group_rows=args.row_group_rows, before_write=lease.check)
     except CompactionError as e:
         raise UsageError(str(e)) from e
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_text())
@@ -395,11 +399,12 @@ def _add_output_commands(sub: argparse._SubParsersAction) -> None:
 
     p = command(
         "compact",
-        "after _SUCCESS: the union of the manifests as a few large Parquet files sorted by id, under compacted/",
+        "after _SUCCESS: the union of the manifests as one Parquet file sorted by id, compacted/manifests.parquet",
         cmd_compact,
     )
-    p.add_argument("--rows-per-file", type=int, default=2_000_000, help="rows per file (default 2,000,000)")
-    p.add_argument("--row-group-rows", type=int, default=131_072, help="rows per row group (default 131,072)")
+    p.add_argument(
+        "--row-group-rows", type=int, default=ROW_GROUP_ROWS, help=f"rows per row group (default {ROW_GROUP_ROWS:,})"
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
 
 

@@ -1,29 +1,38 @@
-"""`ditfleet compact OUT`: the union of a finished output's manifests as a few large Parquet files.
+"""`ditfleet compact OUT`: the union of a finished output's current manifests as one Parquet file.
 
 400,000 shard manifests are 400,000 footers for `pyarrow.dataset`, DuckDB or `datasets` to open.
-After `_SUCCESS`, compaction writes the same rows, sorted by (id, k), as `compacted/part-NNNNN.parquet`
-files of about `rows_per_file` rows each, in row groups of `row_group_rows`, which readers take in
-one pass (`compacted/*.parquet`). The shard manifests stay the commit record: compaction reads
-them, never changes them, and can be run again (it replaces the compacted set).
+Compaction writes the same rows, sorted by (id, k), as `compacted/manifests.parquet`, in row
+groups of `row_group_rows`, which readers take in one pass (`compacted/manifests.parquet`, or
+`compacted/*.parquet`). The shard manifests stay the commit record: compaction reads them and
+never changes them.
+
+The set is one object on purpose: a single whole-object write (a local rename, an S3 PUT or
+completed multipart upload) replaces it atomically, so a compaction killed at any point leaves
+the old set or the new one, never a mix of both. `compacted/_index.json`, written after it, says
+what it was made from: the rows, an order-free digest of them, and `made_from`, the (shard,
+generation) of every current manifest. A redo changes a shard's current generation, so the set
+is then *stale*, which `compacted_state` tells from the listing alone (status, verify, the
+driver's finish, which rebuilds it). A compaction killed between its file and its index leaves
+an index of an older set: at worst the set reads as stale and is rebuilt, never as current when
+it is not, since a compaction always reads the newest manifests.
 
 How, in bounded memory: split points of the id order come from a sample of the manifests; every
 manifest is read once (in parallel) and its rows are spilled, by id range, into local temporary
-files; then each range is sorted on its own and uploaded. `compacted/_index.json` is written last:
-it lists the files, their rows and id ranges, and a digest of the union (sums of per-row 64-bit
-digests over every column, so it does not depend on row order). `check_compacted` (run by
-`ditfleet verify` when there is a compacted set) reads the files and the manifests again and says
-whether the compacted set is exactly the union.
+files; each range is then sorted on its own and appended, in order, to the one output file.
+Compaction is a writer like a driver: it runs under the output's lease.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -31,15 +40,18 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ditfleet.driver.input.id_digests import digests, mix
-from ditfleet.workers.output.layout import success_key
+from ditfleet.driver.output.json_objects import read_json
+from ditfleet.workers.output.layout import manifest_of_key, success_key
 from ditfleet.workers.output.manifest import MANIFEST_SCHEMA, current_manifest_keys, with_later_columns
 from ditfleet.workers.storage import ObjectStore
 
 COMPACTED_PREFIX = "compacted/"
+COMPACTED_KEY = COMPACTED_PREFIX + "manifests.parquet"
 INDEX_KEY = COMPACTED_PREFIX + "_index.json"
-COMPACT_VERSION = 1
-ROWS_PER_FILE = 2_000_000
+COMPACT_VERSION = 2
 ROW_GROUP_ROWS = 131_072
+# Rows sorted in memory at once (one id range); bounds compaction's memory, not the file's size.
+RANGE_ROWS = 2_000_000
 _READ_THREADS = 16
 _WINDOW = 256  # manifests read ahead at a time
 _SAMPLE_SHARDS = 64
@@ -49,10 +61,6 @@ _SORT = [("id", "ascending"), ("k", "ascending")]
 
 class CompactionError(RuntimeError):
     """The output cannot be compacted (not finished, or a manifest is unreadable)."""
-
-
-def part_key(i: int) -> str:
-    return f"{COMPACTED_PREFIX}part-{i:05d}.parquet"
 
 
 @dataclass
@@ -92,39 +100,87 @@ def row_digests(table: pa.Table) -> np.ndarray:
     return h
 
 
-@dataclass
-class CompactedFile:
-    key: str
-    rows: int
-    min_id: str
-    max_id: str
-    bytes: int
+def made_from(current: Mapping[int, str]) -> dict[str, Any]:
+    """What a compacted set is made of, from the current manifest keys (shard -> key): how many
+    shards, a digest of every (shard, generation), and the shards at a redo generation (few)."""
+    generations = {s: manifest_of_key(k)[1] for s, k in current.items()}  # type: ignore[index]
+    text = "".join(f"{s}:{g}\n" for s, g in sorted(generations.items()))
+    return {
+        "shards": len(generations),
+        "generations_sha256": hashlib.sha256(text.encode()).hexdigest(),
+        "redone": {str(s): g for s, g in sorted(generations.items()) if g},
+    }
 
 
 @dataclass
 class CompactionReport:
     output: str
     shards: int
-    rows: int
-    files: list[CompactedFile] = field(default_factory=list)
+    rows: int = 0
+    bytes: int = 0
     union: UnionDigest = field(default_factory=UnionDigest)
+    made_from: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
         return {
             "version": COMPACT_VERSION,
             "output": self.output,
+            "file": COMPACTED_KEY,
             "shards": self.shards,
             "rows": self.rows,
+            "bytes": self.bytes,
             "union": self.union.to_dict(),
-            "files": [f.__dict__ for f in self.files],
+            "made_from": self.made_from,
         }
 
     def format_text(self) -> str:
-        size = sum(f.bytes for f in self.files)
         return (
             f"compacted {self.output}: {self.rows} manifest rows of {self.shards} shards into "
-            f"{len(self.files)} file(s) under {COMPACTED_PREFIX} ({size / 2**20:.1f} MiB), sorted by id"
+            f"{COMPACTED_KEY} ({self.bytes / 2**20:.1f} MiB), sorted by id"
         )
+
+
+@dataclass(frozen=True)
+class CompactedState:
+    """Whether an output has a compacted set and whether it is the union of today's manifests.
+    `why` says what is wrong, in one line, when it is not current."""
+
+    present: bool
+    current: bool
+    why: str = ""
+
+    def describe(self) -> str:
+        if not self.present:
+            return "none"
+        return "current" if self.current else f"STALE: {self.why}; run `ditfleet compact` again"
+
+
+def compacted_state(store: ObjectStore, current: Mapping[int, str] | None = None) -> CompactedState:
+    """The compacted set's state from listings and its index (no manifest or data is read)."""
+    keys = set(store.list(COMPACTED_PREFIX))
+    if not keys:
+        return CompactedState(False, False)
+    if COMPACTED_KEY not in keys:
+        return CompactedState(True, False, f"{COMPACTED_PREFIX} has no {COMPACTED_KEY.split('/')[-1]}")
+    try:
+        index = read_json(store, INDEX_KEY)
+    except ValueError:
+        index = None
+    if not isinstance(index, dict) or index.get("version") != COMPACT_VERSION:
+        return CompactedState(True, False, f"{store.uri(INDEX_KEY)} is missing or unreadable")
+    then = index.get("made_from") or {}
+    now = made_from(current if current is not None else current_manifest_keys(store))
+    if then.get("generations_sha256") == now["generations_sha256"]:
+        return CompactedState(True, True)
+    redone = sorted(
+        int(s) for s in set(now["redone"]) | set(then.get("redone", {}))
+        if now["redone"].get(s) != then.get("redone", {}).get(s)
+    )
+    if redone:
+        why = f"made before shards {redone[:20]}{' ...' if len(redone) > 20 else ''} were redone"
+    else:
+        why = f"made from {then.get('shards')} shard manifests, the output has {now['shards']} now"
+    return CompactedState(True, False, why)
 
 
 def _read(store: ObjectStore, key: str) -> pa.Table:
@@ -160,8 +216,8 @@ def iter_manifests(
         yield pa.concat_tables(held).combine_chunks()
 
 
-def _split_points(store: ObjectStore, keys: Sequence[str], rows_per_file: int, threads: int) -> list[str]:
-    """Ids that cut the id order into ranges of about rows_per_file rows, from a sample of
+def _split_points(store: ObjectStore, keys: Sequence[str], range_rows: int, threads: int) -> list[str]:
+    """Ids that cut the id order into ranges of about range_rows rows, from a sample of
     evenly spaced manifests."""
     step = max(1, len(keys) // _SAMPLE_SHARDS)
     sample = list(keys[::step])
@@ -174,7 +230,7 @@ def _split_points(store: ObjectStore, keys: Sequence[str], rows_per_file: int, t
     if not len(ids):
         return []
     estimate = len(ids) / len(sample) * len(keys)
-    parts = max(1, round(estimate / rows_per_file))
+    parts = max(1, round(estimate / range_rows))
     if parts == 1:
         return []
     ordered = pc.sort_indices(ids)
@@ -192,20 +248,29 @@ def _range_of(ids: pa.Array, cuts: Sequence[str]) -> np.ndarray:
 
 def compact_output(
     store: ObjectStore,
-    rows_per_file: int = ROWS_PER_FILE,
     row_group_rows: int = ROW_GROUP_ROWS,
+    *,
+    before_write: Callable[[], None] = lambda: None,
+    finished: bool = False,
+    range_rows: int = RANGE_ROWS,
     threads: int = _READ_THREADS,
     temp_dir: str | None = None,
 ) -> CompactionReport:
-    """Compact a finished output's manifests (see the module docstring). Raises CompactionError."""
-    if not store.exists(success_key()):
+    """Compact an output's current manifests (see the module docstring). Raises CompactionError.
+
+    before_write: called before the set and its index are written; raises when this process
+    may not write the output any more (the lease of the driver or of `ditfleet compact`).
+    finished: the caller, a driver at its finish, knows every shard is committed (its
+    `_SUCCESS` comes after); otherwise the output's `_SUCCESS` must be there.
+    """
+    if not finished and not store.exists(success_key()):
         raise CompactionError(
             f"{store.uri()}: no _SUCCESS yet. Compact a finished output: the manifests are still changing"
         )
     current = current_manifest_keys(store)
     keys = [current[s] for s in sorted(current)]
-    cuts = _split_points(store, keys, rows_per_file, threads)
-    report = CompactionReport(store.uri(), len(keys), 0)
+    cuts = _split_points(store, keys, range_rows, threads)
+    report = CompactionReport(store.uri(), len(keys), made_from=made_from(current))
     schema = MANIFEST_SCHEMA.remove_metadata()
     with tempfile.TemporaryDirectory(prefix="ditfleet-compact-", dir=temp_dir) as tmp:
         spills = [os.path.join(tmp, f"range-{i:05d}.parquet") for i in range(len(cuts) + 1)]
@@ -222,94 +287,93 @@ def compact_output(
             for w in writers:
                 w.close()
         report.rows = report.union.rows
-        # Earlier compacted files that this run does not overwrite would be read with the new set.
-        stale = [k for k in store.list(COMPACTED_PREFIX) if k != INDEX_KEY]
-        if store.exists(INDEX_KEY):
-            store.delete(INDEX_KEY)  # the set is incomplete until the new index is written
-        written = 0
-        for spill in spills:
-            table = pq.read_table(spill).sort_by(_SORT)
-            os.remove(spill)
-            if not table.num_rows:
-                continue
-            key = part_key(written)
-            local = os.path.join(tmp, "part.parquet")
-            pq.write_table(
-                table.replace_schema_metadata(MANIFEST_SCHEMA.metadata),
-                local,
-                row_group_size=row_group_rows,
-                compression="zstd",
-            )
-            with open(local, "rb") as f:
-                store.put_file(key, f, "application/vnd.apache.parquet")
-            ids = table.column("id")
-            report.files.append(
-                CompactedFile(key, table.num_rows, ids[0].as_py(), ids[-1].as_py(), os.path.getsize(local))
-            )
-            os.remove(local)
-            written += 1
-    for key in stale:
-        if key not in {f.key for f in report.files}:
-            store.delete(key)
-    store.put(INDEX_KEY, json.dumps(report.to_dict(), indent=2).encode(), "application/json")
+        local = os.path.join(tmp, "manifests.parquet")
+        with pq.ParquetWriter(local, MANIFEST_SCHEMA, compression="zstd") as out:
+            for spill in spills:
+                table = pq.read_table(spill).sort_by(_SORT)
+                os.remove(spill)
+                if table.num_rows:
+                    out.write_table(table.replace_schema_metadata(MANIFEST_SCHEMA.metadata), row_group_rows)
+        report.bytes = os.path.getsize(local)
+        before_write()
+        # Files of the earlier layout (compacted/part-NNNNN.parquet) would be read with the new
+        # set: the old set goes first, so a kill in between leaves too little, never a mix.
+        for key in store.list(COMPACTED_PREFIX):
+            if key not in (COMPACTED_KEY, INDEX_KEY):
+                store.delete(key)
+        with open(local, "rb") as f:
+            store.put_file(COMPACTED_KEY, f, "application/vnd.apache.parquet")
+    store.put(INDEX_KEY, (json.dumps(report.to_dict(), indent=2) + "\n").encode(), "application/json")
     return report
 
 
+def refresh_compacted(
+    store: ObjectStore, current: Mapping[int, str], before_write: Callable[[], None]
+) -> CompactionReport | None:
+    """At a driver's finish (every shard committed): rebuild an existing compacted set that is not
+    the union of `current` (a redo changed a generation). None when there is none or it is current.
+    A run that never compacted is not made to: only a set the user asked for is kept current."""
+    state = compacted_state(store, current)
+    if not state.present or state.current:
+        return None
+    return compact_output(store, before_write=before_write, finished=True)
+
+
 def check_compacted(store: ObjectStore, threads: int = _READ_THREADS) -> list[str]:
-    """Problems of the compacted set (none when there is no `compacted/`): every file its index
-    lists present with the manifest schema and its rows, ids in order within and across files,
-    nothing else under compacted/, and the rows exactly the union of the shard manifests."""
-    keys = list(store.list(COMPACTED_PREFIX))
-    if not keys:
+    """Problems of the compacted set (none when there is no `compacted/`): it is there with its
+    index, made from today's manifest generations, has the manifest schema and the index's rows,
+    ids in order, nothing else under compacted/, and its rows are exactly the union of the
+    current shard manifests."""
+    current = current_manifest_keys(store)
+    state = compacted_state(store, current)
+    if not state.present:
         return []
-    where = store.uri(INDEX_KEY)
-    if INDEX_KEY not in keys:
-        return [f"{where}: missing: {COMPACTED_PREFIX} holds files but no index (compaction did not finish; run `ditfleet compact` again)"]  # fmt: skip
-    try:
-        index = json.loads(store.get(INDEX_KEY))
-        listed = [CompactedFile(**f) for f in index["files"]]
-    except (ValueError, KeyError, TypeError) as e:
-        return [f"{where}: unreadable index ({e})"]
+    if not state.current:
+        return [f"{store.uri().rstrip('/')}/{COMPACTED_PREFIX}: {state.describe()}"]
+    index = read_json(store, INDEX_KEY) or {}
     problems = [
-        f"{store.uri(k)}: stray object in {COMPACTED_PREFIX} (not in its index)"
-        for k in keys
-        if k != INDEX_KEY and k not in {f.key for f in listed}
+        f"{store.uri(k)}: stray object in {COMPACTED_PREFIX} (compaction writes only {COMPACTED_KEY})"
+        for k in store.list(COMPACTED_PREFIX)
+        if k not in (COMPACTED_KEY, INDEX_KEY)
     ]
     compacted = UnionDigest()
     last_id: str | None = None
-    for f in listed:
-        if f.key not in keys:
-            problems.append(f"{store.uri(f.key)}: missing (listed in {where})")
-            continue
+    in_order = True
+    with tempfile.TemporaryFile(prefix="ditfleet-compacted-") as f:
         try:
-            table = with_later_columns(pq.read_table(io.BytesIO(store.get(f.key))))
+            store.get_file(COMPACTED_KEY, f)
+            f.seek(0)
+            parquet = pq.ParquetFile(f)
+            if not with_later_columns(parquet.schema_arrow.empty_table()).schema.equals(
+                MANIFEST_SCHEMA, check_metadata=False
+            ):
+                return [*problems, f"{store.uri(COMPACTED_KEY)}: not the manifest schema"]
+            # Row group by row group: the set can be far larger than memory.
+            for group in range(parquet.num_row_groups):
+                table = with_later_columns(parquet.read_row_group(group))
+                ids = table.column("id").combine_chunks()
+                if len(ids):
+                    in_order &= last_id is None or ids[0].as_py() >= last_id
+                    in_order &= len(ids) < 2 or pc.all(
+                        pc.less_equal(ids.slice(0, len(ids) - 1), ids.slice(1))
+                    ).as_py()
+                    last_id = ids[-1].as_py()
+                compacted.add(table)
         except (OSError, pa.ArrowException) as e:
-            problems.append(f"{store.uri(f.key)}: unreadable ({e})")
-            continue
-        if not table.schema.equals(MANIFEST_SCHEMA, check_metadata=False):
-            problems.append(f"{store.uri(f.key)}: not the manifest schema")
-            continue
-        if table.num_rows != f.rows:
-            problems.append(f"{store.uri(f.key)}: {table.num_rows} rows, its index says {f.rows}")
-        ids = table.column("id").combine_chunks()
-        if len(ids) and (
-            (last_id is not None and ids[0].as_py() < last_id)
-            or not pc.all(pc.less_equal(ids.slice(0, len(ids) - 1), ids.slice(1))).as_py()
-        ):
-            problems.append(f"{store.uri(f.key)}: ids not in order")
-        if len(ids):
-            last_id = ids[-1].as_py()
-        compacted.add(table)
-    current = current_manifest_keys(store)
+            return [*problems, f"{store.uri(COMPACTED_KEY)}: unreadable ({e})"]
+    if compacted.rows != index.get("rows"):
+        problems.append(f"{store.uri(COMPACTED_KEY)}: {compacted.rows} rows, its index says {index.get('rows')}")
+    if not in_order:
+        problems.append(f"{store.uri(COMPACTED_KEY)}: ids not in order")
     union = UnionDigest()
     try:
-        for table in iter_manifests(store, [current[s] for s in sorted(current)], threads, _SPILL_ROWS):
-            union.add(table)
+        for part in iter_manifests(store, [current[s] for s in sorted(current)], threads, _SPILL_ROWS):
+            union.add(part)
     except CompactionError as e:
         return [*problems, f"cannot compare the compacted set with the manifests: {e}"]
     if compacted.to_dict() != union.to_dict():
         problems.append(
-            f"{store.uri().rstrip('/')}/{COMPACTED_PREFIX}: not the union of the shard manifests ({compacted.rows} rows "
+            f"{store.uri(COMPACTED_KEY)}: not the union of the shard manifests ({compacted.rows} rows "
             f"vs {union.rows} in {len(current)} manifests, or other values); run `ditfleet compact` again"
         )
     return problems

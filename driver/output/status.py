@@ -19,11 +19,12 @@ from typing import Any
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from ditfleet.driver.output.compact import CompactedState, compacted_state
 from ditfleet.driver.output.job_file import read_job_file
 from ditfleet.driver.output.json_objects import read_json
 from ditfleet.driver.run_records import RecordedPlan, read_run_records
 from ditfleet.workers.output.layout import manifest_key, success_key
-from ditfleet.workers.output.manifest import committed_shards, current_manifest_key, current_manifest_keys
+from ditfleet.workers.output.manifest import current_manifest_key, current_manifest_keys
 from ditfleet.workers.storage import ObjectStore
 
 _COLUMNS = ["id", "status", "error"]
@@ -113,6 +114,7 @@ class OutputStatus:
     counts: OutputCounts
     # Incremental jobs: {shards, rows, images} over every run's live shards, and the runs.
     recorded: dict[str, int] | None = None
+    compacted: CompactedState = CompactedState(False, False)
 
     @property
     def plan(self) -> dict[str, Any]:
@@ -134,6 +136,7 @@ class OutputStatus:
             "images": {"planned": plan.get("images"), "ok": c.images_ok, "failed": c.images_failed},
             "failures_by_error": c.errors_capped(),
             "shards_left": _ranges(self.missing),
+            "compacted": self.compacted.describe(),
             **({"runs": self.recorded["runs"]} if self.recorded is not None else {}),
         }
 
@@ -152,6 +155,8 @@ class OutputStatus:
             lines.append(f"  shards left: {d['shards_left']}")
         for message, n in d["failures_by_error"].items():
             lines.append(f"  failed x{n}: {message}")
+        if self.compacted.present:
+            lines.append(f"  compacted set: {d['compacted']}")
         if self.job is None:
             lines.append("  (no _job.json: not a ditfleet output, or no run got past planning)")
         return "\n".join(lines)
@@ -177,7 +182,8 @@ def _ranges(shards: list[int], limit: int = 20) -> str:
 def output_status(store: ObjectStore) -> OutputStatus:
     """Read what `store` (an output root) holds."""
     job = read_job_file(store)
-    committed = sorted(committed_shards(store))
+    current = current_manifest_keys(store)
+    committed = sorted(current)
     have = set(committed)
     recorded = None
     if ((job or {}).get("plan") or {}).get("incremental"):
@@ -201,4 +207,5 @@ def output_status(store: ObjectStore) -> OutputStatus:
         missing=missing,
         counts=count_shards(store, committed),
         recorded=recorded,
+        compacted=compacted_state(store, current),
     )

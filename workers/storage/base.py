@@ -152,6 +152,11 @@ class ObjectStore(abc.ABC):
     def get(self, key: str) -> bytes:
         """The object's bytes; raises ObjectNotFound."""
 
+    def get_file(self, key: str, f: BinaryIO) -> None:
+        """Write the object's bytes into the binary file `f`, streaming where the store can (an
+        object too large to hold in memory, such as a compacted set); raises ObjectNotFound."""
+        f.write(self.get(key))
+
     @abc.abstractmethod
     def exists(self, key: str) -> bool: ...
 

@@ -121,6 +121,14 @@ class LocalStore(ObjectStore):
         except FileNotFoundError:
             raise ObjectNotFound(f"no object {key!r} at {path}") from None
 
+    def get_file(self, key: str, f: BinaryIO) -> None:
+        path = self._path(key)
+        try:
+            with open(path, "rb") as src:
+                shutil.copyfileobj(src, f, _COPY_CHUNK)
+        except FileNotFoundError:
+            raise ObjectNotFound(f"no object {key!r} at {path}") from None
+
     def exists(self, key: str) -> bool:
         return os.path.isfile(self._path(key))
 

@@ -36,6 +36,7 @@ from botocore.exceptions import (
 
 from ditfleet.workers.output.layout import write_check_key
 from ditfleet.workers.storage.base import (
+    _COPY_CHUNK,
     ObjectNotFound,
     ObjectStore,
     S3Config,
@@ -327,6 +328,18 @@ class S3Store(ObjectStore):
             raise
         with reply["Body"] as body:
             return body.read()
+
+    @_names_the_object("GET")
+    def get_file(self, key: str, f: BinaryIO) -> None:
+        try:
+            reply = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
+        except ClientError as e:
+            if _error_code(e) in ("NoSuchKey", "404") or _status(e) == 404:
+                raise ObjectNotFound(f"no object {self.uri(key)}") from None
+            raise
+        with reply["Body"] as body:
+            for chunk in iter(lambda: body.read(_COPY_CHUNK), b""):
+                f.write(chunk)
 
     @_names_the_object("HEAD")
     def exists(self, key: str) -> bool:

@@ -1,37 +1,45 @@
-"""Compaction: after _SUCCESS the union of the shard manifests becomes a few large Parquet files
-sorted by id, equal to the union (checked by check_compacted), while the shard manifests stay
-as they were. Synthetic manifests with the real schema, in a local store."""
+"""Compaction: after _SUCCESS the union of the current shard manifests becomes one Parquet file
+sorted by id, equal to the union (check_compacted), while the shard manifests stay as they were;
+a redo makes it stale, visibly, and a driver's finish rebuilds it; a compaction stopped at any
+write leaves the old set or the new one, never a mix; it runs under the output's lease.
+Synthetic manifests with the real schema, in a local store."""
 
 from __future__ import annotations
 
 import io
 from pathlib import Path
 
+import duckdb
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
 from ditfleet.driver.output.compact import (
+    COMPACTED_KEY,
     COMPACTED_PREFIX,
     INDEX_KEY,
     CompactionError,
     check_compacted,
     compact_output,
+    compacted_state,
+    refresh_compacted,
 )
+from ditfleet.driver.output.lease import OutputBusy, acquire_lease
+from ditfleet.driver.output.status import output_status
 from ditfleet.workers.output.layout import manifest_key, success_key
-from ditfleet.workers.output.manifest import MANIFEST_SCHEMA, read_manifests
+from ditfleet.workers.output.manifest import MANIFEST_SCHEMA, current_manifest_keys, read_manifests
 from ditfleet.workers.storage import open_store
 
 
-def _value(field: pa.Field, shard: int, i: int):
+def _value(field: pa.Field, shard: int, i: int, tag: str):
     t = field.type
     if field.name == "id":
         return f"row-{(shard * 7919 + i * 104729) % 100003:06d}-{shard}"
     if field.name == "shard":
         return shard
     if pa.types.is_string(t) or pa.types.is_large_string(t):
-        return f"{field.name}-{shard}-{i}"
+        return f"{field.name}-{shard}-{i}{tag}"
     if pa.types.is_integer(t):
         return shard * 100 + i
     if pa.types.is_floating(t):
@@ -41,8 +49,10 @@ def _value(field: pa.Field, shard: int, i: int):
     return None
 
 
-def _manifest(shard: int, rows: int) -> bytes:
-    columns = {f.name: pa.array([_value(f, shard, i) for i in range(rows)], f.type) for f in MANIFEST_SCHEMA}
+def _manifest(shard: int, rows: int, tag: str = "") -> bytes:
+    columns = {
+        f.name: pa.array([_value(f, shard, i, tag) for i in range(rows)], f.type) for f in MANIFEST_SCHEMA
+    }
     sink = io.BytesIO()
     pq.write_table(pa.table(columns, schema=MANIFEST_SCHEMA), sink)
     return sink.getvalue()
@@ -57,65 +67,157 @@ def _output(root: Path, shards: int = 60, rows: int = 9, done: bool = True):
     return store
 
 
-def test_compaction_is_the_union_sorted_by_id_in_a_few_files(tmp_path: Path):
+def _sorted(table: pa.Table) -> pa.Table:
+    """Rows in (id, k) order, compared by value (readers differ in what they call nullable)."""
+    table = table.sort_by([("id", "ascending"), ("k", "ascending")])
+    return table.cast(pa.schema([f.with_nullable(True) for f in table.schema])).combine_chunks()
+
+
+def _readers_see(root: Path) -> list[pa.Table]:
+    """The compacted set as the docs' readers read it: pyarrow.dataset over compacted/ and DuckDB
+    over compacted/*.parquet."""
+    arrow = ds.dataset(str(root / COMPACTED_PREFIX), format="parquet").to_table()
+    duck = duckdb.sql(f"select * from read_parquet('{root / COMPACTED_PREFIX}/*.parquet')").fetch_arrow_table()
+    return [arrow, duck]
+
+
+def test_compaction_is_the_union_sorted_by_id_in_one_file(tmp_path: Path):
     store = _output(tmp_path / "out")
     manifests_before = {k: store.get(k) for k in store.list("manifests/")}
-    report = compact_output(store, rows_per_file=200, row_group_rows=64)
+    report = compact_output(store, row_group_rows=64)
     assert report.rows == 540 and report.shards == 60
-    assert 2 <= len(report.files) <= 5
+    assert sorted(store.list(COMPACTED_PREFIX)) == [INDEX_KEY, COMPACTED_KEY]
     union = read_manifests(store)
-    compacted = ds.dataset(str(tmp_path / "out" / COMPACTED_PREFIX), format="parquet").to_table()
-    assert compacted.num_rows == union.num_rows
+    for compacted in _readers_see(tmp_path / "out"):
+        assert compacted.num_rows == union.num_rows
+    compacted = pq.read_table(tmp_path / "out" / COMPACTED_KEY)
     ids = compacted.column("id").to_pylist()
     assert ids == sorted(ids)
-    key = ["id", "k"]
-    assert compacted.sort_by([(c, "ascending") for c in key]).equals(
-        union.sort_by([(c, "ascending") for c in key]).replace_schema_metadata(compacted.schema.metadata)
-    )
-    first = pq.ParquetFile(tmp_path / "out" / report.files[0].key)
-    assert first.metadata.row_group(0).num_rows == 64
+    assert _sorted(compacted).equals(_sorted(union))
+    assert pq.ParquetFile(tmp_path / "out" / COMPACTED_KEY).metadata.row_group(0).num_rows == 64
     # The commit record is untouched, and the set checks out.
     assert {k: store.get(k) for k in store.list("manifests/")} == manifests_before
+    assert compacted_state(store).current
     assert check_compacted(store) == []
 
 
 def test_check_finds_a_compacted_set_that_is_not_the_union(tmp_path: Path):
     store = _output(tmp_path / "out")
-    report = compact_output(store, rows_per_file=200)
-    # A row dropped from one compacted file.
-    path = tmp_path / "out" / report.files[1].key
+    compact_output(store)
+    path = tmp_path / "out" / COMPACTED_KEY
     table = pq.read_table(path)
-    pq.write_table(table.slice(1), path)
+    pq.write_table(table.slice(1), path)  # a row dropped
     problems = "\n".join(check_compacted(store))
     assert "rows, its index says" in problems and "not the union of the shard manifests" in problems
     # Compacting again repairs it; a value changed in place (same row count) is caught too.
-    compact_output(store, rows_per_file=200)
+    compact_output(store)
     assert check_compacted(store) == []
-    table = pq.read_table(path)
     prompts = table.column("prompt").to_pylist()
     prompts[3] = "changed"
-    pq.write_table(
-        table.set_column(table.schema.get_field_index("prompt"), "prompt", pa.array(prompts)), path
-    )
+    at = table.schema.get_field_index("prompt")
+    pq.write_table(table.set_column(at, table.schema.field(at), pa.array(prompts)), path)
     assert any("not the union" in p for p in check_compacted(store))
     # A stray file and a missing index are named.
+    compact_output(store)
     store.put(COMPACTED_PREFIX + "extra.parquet", b"x")
     assert any("stray object" in p for p in check_compacted(store))
     store.delete(INDEX_KEY)
-    assert any("no index" in p for p in check_compacted(store))
+    assert not compacted_state(store).current
+    assert any("_index.json is missing or unreadable" in p for p in check_compacted(store))
+
+
+def test_a_redo_makes_the_set_stale_visibly_and_the_finish_rebuilds_it(tmp_path: Path):
+    store = _output(tmp_path / "out", shards=6, rows=4)
+    compact_output(store)
+    before = pq.read_table(tmp_path / "out" / COMPACTED_KEY)
+    # Shard 2 redone: its next manifest generation, with other rows, supersedes the first.
+    store.put(manifest_key(2, 1), _manifest(2, 4, tag="-redo"))
+    state = compacted_state(store)
+    assert state.present and not state.current and "shards [2] were redone" in state.why
+    assert "STALE" in output_status(store).format_text()
+    assert any("STALE" in p for p in check_compacted(store))
+    # The driver's finish (every shard committed) rebuilds it; a current set is left alone.
+    assert refresh_compacted(store, current_manifest_keys(store), lambda: None) is not None
+    after = pq.read_table(tmp_path / "out" / COMPACTED_KEY)
+    assert not _sorted(after).equals(_sorted(before))
+    assert _sorted(after).equals(_sorted(read_manifests(store)))
+    assert check_compacted(store) == []
+    assert refresh_compacted(store, current_manifest_keys(store), lambda: None) is None
+    # An output that was never compacted is not made to be.
+    fresh = _output(tmp_path / "fresh", shards=2, rows=2)
+    assert refresh_compacted(fresh, current_manifest_keys(fresh), lambda: None) is None
+    assert not list(fresh.list(COMPACTED_PREFIX))
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("where", ["lease_check", "put_file", "index"])
+def test_a_compaction_stopped_at_any_write_leaves_the_old_set_or_the_new_never_a_mix(tmp_path: Path, where):
+    store = _output(tmp_path / "out", shards=20, rows=5)
+    compact_output(store, row_group_rows=64)
+    old = _sorted(pq.read_table(tmp_path / "out" / COMPACTED_KEY))
+    # A redo of shard 3, then a second compaction with other settings that stops at `where`.
+    store.put(manifest_key(3, 1), _manifest(3, 5, tag="-redo"))
+    new = _sorted(read_manifests(store))
+
+    def stop() -> None:
+        raise _Stop
+
+    put_file, put = store.put_file, store.put
+    if where == "put_file":
+        store.put_file = lambda *a, **k: stop()  # type: ignore[method-assign]
+    if where == "index":
+        store.put = lambda key, *a, **k: stop() if key == INDEX_KEY else put(key, *a, **k)  # type: ignore[method-assign]
+    with pytest.raises(_Stop):
+        compact_output(store, row_group_rows=16, before_write=stop if where == "lease_check" else lambda: None)
+    store.put_file, store.put = put_file, put  # type: ignore[method-assign]
+    for seen in _readers_see(tmp_path / "out"):
+        assert _sorted(seen).equals(old if where != "index" else new)
+    # Never believed current when it is not: the old set reads as stale; the new one without its
+    # index reads as stale too (the index still describes the old), and compacting again mends it.
+    assert not compacted_state(store).current
+    compact_output(store)
+    assert check_compacted(store) == []
+
+
+def test_the_earlier_layouts_files_are_replaced(tmp_path: Path):
+    store = _output(tmp_path / "out", shards=4, rows=3)
+    store.put(COMPACTED_PREFIX + "part-00000.parquet", _manifest(0, 3))
+    store.put(COMPACTED_PREFIX + "part-00001.parquet", _manifest(1, 3))
+    assert not compacted_state(store).current
+    compact_output(store)
+    assert sorted(store.list(COMPACTED_PREFIX)) == [INDEX_KEY, COMPACTED_KEY]
+    assert check_compacted(store) == []
 
 
 def test_an_unfinished_output_is_refused_and_no_compacted_set_is_fine(tmp_path: Path):
     store = _output(tmp_path / "out", shards=3, done=False)
     assert check_compacted(store) == []
+    assert not compacted_state(store).present
     with pytest.raises(CompactionError, match="no _SUCCESS yet"):
         compact_output(store)
 
 
-def test_ditfleet_compact_command(tmp_path: Path, capsys):
+def test_ditfleet_compact_command_runs_under_the_lease(tmp_path: Path, capsys):
     from ditfleet.jobs.cli import main
 
-    _output(tmp_path / "out", shards=5, rows=4)
+    store = _output(tmp_path / "out", shards=5, rows=4)
+    held = acquire_lease(store, renew=False)
+    assert main(["compact", str(tmp_path / "out")]) == 2
+    assert "being written by another" in capsys.readouterr().err
+    assert not list(store.list(COMPACTED_PREFIX))
+    held.release()
     assert main(["compact", str(tmp_path / "out")]) == 0
-    assert "20 manifest rows of 5 shards into 1 file(s)" in capsys.readouterr().out
-    assert (tmp_path / "out" / "compacted" / "part-00000.parquet").exists()
+    assert "20 manifest rows of 5 shards into compacted/manifests.parquet" in capsys.readouterr().out
+    assert (tmp_path / "out" / COMPACTED_KEY).exists()
+
+
+def test_a_compaction_that_lost_its_lease_writes_nothing(tmp_path: Path):
+    store = _output(tmp_path / "out", shards=3, rows=2)
+    lease = acquire_lease(store, renew=False)
+    acquire_lease(store, ttl_s=60, renew=False, clock=lambda: lease.expires_at + 1)  # taken over
+    with pytest.raises(OutputBusy):
+        compact_output(store, before_write=lease.check)
+    assert not list(store.list(COMPACTED_PREFIX))
