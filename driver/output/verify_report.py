@@ -29,6 +29,9 @@ class VerifyReport:
     stale_success: str | None = None  # why a `_SUCCESS` there is not believed (driver.output.summary)
     superseded: int = 0  # generations whose supersession --clean did or finished
     sealed: int = 0  # abandoned redo generations --clean sealed
+    # Objects superseded generations name that their history under _superseded/ lacks: lost
+    # before the redo that replaced them (usually why it ran); history, not the current output.
+    history_missing: list[str] = field(default_factory=list)
 
     @property
     def complete(self) -> bool:
@@ -60,6 +63,7 @@ class VerifyReport:
             "stale_success": self.stale_success,
             "superseded_now": self.superseded,
             "sealed_now": self.sealed,
+            "history_missing": len(self.history_missing),
         }
 
     def format_text(self) -> str:
@@ -78,6 +82,11 @@ class VerifyReport:
             lines.append(
                 f"  --clean: {self.superseded} superseded generation(s) moved under _superseded/, "
                 f"{self.sealed} abandoned redo generation(s) sealed"
+            )
+        if self.history_missing:
+            lines.append(
+                f"  history: {len(self.history_missing)} objects of superseded generations are not "
+                f"under _superseded/ (lost before the redo that replaced them; e.g. {self.history_missing[0]})"
             )
         if self.moved_from:
             lines.append(
