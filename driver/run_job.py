@@ -271,7 +271,6 @@ def _incremental_work(run: _Execution, started: float) -> _Work | JobSummary:
         "rows": sum(s.num_rows for s in todo),
         "images": sum(s.num_images for s in todo),
     }
-    run.hold(store)
     if not todo:
         shards = len(plan.recorded.live())
         print(
@@ -288,10 +287,13 @@ def _incremental_work(run: _Execution, started: float) -> _Work | JobSummary:
             progress=run.progress(0, 0),
             timings={"plan_s": 0.0, "dispatch_s": 0.0, "count_s": 0.0, "wall_s": time.monotonic() - started},
         )
-        if shards and read_success(store, run.lease.generation if run.lease else None, out) is None:
-            # Every shard is committed but no run got to write _SUCCESS (it stopped just before).
+        if shards and read_success(store, out=out) is None:
+            # Every shard is committed but no run got to write _SUCCESS (it stopped just before,
+            # or a later driver took the output since): this run writes it, under the lease.
+            run.hold(store)
             close_output(store, lease=run.lease, settled=run.settled, own=(), redo={}, success=summary, out=out)
-        return summary
+        return summary  # nothing new and a valid _SUCCESS: nothing is written, no lease taken
+    run.hold(store)
     if store.exists(success_key()):
         # The output is incomplete until these shards commit. commit_increment removed it before
         # writing a new record; this catches shards carried over from a run that left it behind.
