@@ -119,6 +119,7 @@ class OutputLease:
         """Write, durably, the shards this run dispatches and the redo generations it commits,
         before any is dispatched: a driver that takes the output after this one seals those
         generations and cleans those shards. Raises OutputBusy when the output was taken."""
+        self.check()  # a released or lost lease's document is not written again
         with self._lock:
             doc = {
                 **self._doc,
