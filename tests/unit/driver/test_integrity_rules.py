@@ -337,3 +337,53 @@ def test_success_of_a_lower_lease_generation_than_the_highest_document_is_stale(
     # Written by an earlier version (no "lease"): believed.
     store.put("_SUCCESS", b'{"status": "succeeded"}')
     assert success_file(store).doc == {"status": "succeeded"}
+
+
+# -- verify ----------------------------------------------------------------------------------------
+
+
+def _crashed_redo(root) -> tuple[LocalStore, list[str], list[str], str]:
+    """Two shards committed, then a redo of shard 0 that committed generation 1 and died before
+    superseding (its lease document never settled), and a redo of shard 1 that never committed,
+    with a straggler's upload; a `_SUCCESS` of the first run."""
+    store = LocalStore(str(root))
+    old = commit(store, 0, 0, new_attempt_token(0))
+    commit(store, 1, 0, new_attempt_token(0))
+    store.put(
+        "_job.json", json.dumps({"fingerprint": "t", "plan": {"shards": 2, "rows": 4, "images": 4}}).encode()
+    )
+    first = acquire_lease(store, ttl_s=60, renew=False)
+    put_success(store, {"status": "succeeded", "images": {"ok": 4, "failed": 0}}, first.generation)
+    first.mark_settled()
+    first.release()
+    dead = acquire_lease(store, ttl_s=60, renew=False)
+    dead.record_work([0, 1], {0: 1, 1: 1})
+    new = commit(store, 0, 1, new_attempt_token(0, 1))
+    late = straggler(store, 1, 1)
+    # The driver died: its document stays unreleased and unsettled; its lease runs out.
+    store.put(
+        f"_lease/{dead.generation:08d}.json",
+        json.dumps({**json.loads(store.get(f"_lease/{dead.generation:08d}.json")), "expires_at": 0}).encode(),
+    )
+    return store, old, new, late
+
+
+def test_verify_says_a_stale_success_and_clean_seals_supersedes_and_deletes_by_the_rule(tmp_path):
+    from ditfleet.driver.output.verify import verify_output
+
+    store, old, new, late = _crashed_redo(tmp_path / "out")
+    report = verify_output(store)
+    assert report.stale_success and "generation 1 has taken the output" in report.stale_success
+    assert not report.success and report.exit_code == 1
+    assert store.exists(late) and report.pending == 1  # generation 1 of shard 1 has no key: in play
+
+    cleaned = verify_output(store, clean=True)
+    assert cleaned.superseded == 1 and cleaned.sealed == 1
+    assert manifest_kind(store.get(manifest_key(1, 1))) == ManifestKind(SEALED)
+    assert manifest_kind(store.get(manifest_key(0))) == ManifestKind(SUPERSEDED, 1)
+    assert not store.exists(late)  # sealed: provably lost, deleted in the same pass
+    assert all(store.exists(superseded_key(k)) and not store.exists(k) for k in old)
+    assert all(store.exists(k) for k in new)
+    _readers_see_each_row_once_with_its_object(store)
+    # The stale _SUCCESS stays stale (the run that owns the output writes a new one).
+    assert success_file(store).doc is None
