@@ -286,9 +286,13 @@ def verify_output(
         superseded = supersede_pending(store)
         report = _verify(store, partial, True, hash_objects, workers, checks, lease.generation)
         report.sealed, report.superseded = len(settled.sealed), len(superseded.generations)
-        lease.check()
-        if before is not None and isinstance((before.doc or {}).get("lease"), int):
-            put_success(store, before.doc, lease.generation)  # without "lease" it is never stale
+        try:
+            lease.check()
+            if before is not None and isinstance((before.doc or {}).get("lease"), int):
+                put_success(store, before.doc, lease.generation)  # without "lease" it is never stale
+        except OutputBusy as e:  # taken over meanwhile: what was deleted was lost all the same
+            report.problems.append(f"--clean stopped before stamping _SUCCESS again: {e}")
+            return report
         lease.mark_settled()
         delete_settled(store, settled.documents, lease.generation)
         return report
