@@ -77,3 +77,12 @@ def success_file(store: ObjectStore, holder: int | None = None) -> SuccessFile:
         f"_SUCCESS was written by lease generation {wrote}, but generation {higher[-1]} has taken the "
         "output since: stale; the run that owns the output writes a new one",
     )
+
+
+def restamp_success(store: ObjectStore, before: SuccessFile | None, holder: int) -> None:
+    """For a tool that took the lease and leaves a complete output complete (`verify --clean`,
+    `ditfleet compact`): stamp the `_SUCCESS` that was valid before it took the lease
+    (`before = success_file(store, holder)`, read right after taking it) with its generation, so
+    that taking the lease does not leave it stale. One without "lease" is never stale: kept."""
+    if before is not None and _lease_of(before.doc) is not None:
+        put_success(store, before.doc, holder)  # type: ignore[arg-type] - checked: a doc

@@ -65,7 +65,7 @@ from ditfleet.driver.output.orphans import (
 )
 from ditfleet.driver.output.pause_points import pause_point
 from ditfleet.driver.output.settle import delete_settled, settle_older
-from ditfleet.driver.output.success import put_success, success_file
+from ditfleet.driver.output.success import restamp_success, success_file
 from ditfleet.driver.output.supersede import supersede_pending
 from ditfleet.driver.output.verify_report import MAX_LISTED, VerifyReport
 from ditfleet.driver.run_records import RecordedPlan, RunRecordError, read_run_records
@@ -288,8 +288,7 @@ def verify_output(
         report.sealed, report.superseded = len(settled.sealed), len(superseded.generations)
         try:
             lease.check()
-            if before is not None and isinstance((before.doc or {}).get("lease"), int):
-                put_success(store, before.doc, lease.generation)  # without "lease" it is never stale
+            restamp_success(store, before, lease.generation)
         except OutputBusy as e:  # taken over meanwhile: what was deleted was lost all the same
             report.problems.append(f"--clean stopped before stamping _SUCCESS again: {e}")
             return report
