@@ -387,3 +387,20 @@ def test_verify_says_a_stale_success_and_clean_seals_supersedes_and_deletes_by_t
     _readers_see_each_row_once_with_its_object(store)
     # The stale _SUCCESS stays stale (the run that owns the output writes a new one).
     assert success_file(store).doc is None
+
+
+def test_verify_clean_of_a_complete_output_leaves_its_success_believed(tmp_path):
+    from ditfleet.driver.output.verify import verify_output
+
+    store = LocalStore(str(tmp_path / "out"))
+    commit(store, 0, 0, new_attempt_token(0))
+    loser = straggler(store, 0, 0)
+    store.put("_job.json", json.dumps({"fingerprint": "t", "plan": {"shards": 1, "rows": 2, "images": 2}}).encode())
+    run = acquire_lease(store, ttl_s=60, renew=False)
+    put_success(store, {"status": "succeeded", "images": {"ok": 2, "failed": 0}}, run.generation)
+    run.mark_settled()
+    run.release()
+    report = verify_output(store, clean=True)
+    assert report.cleaned == 1 and not store.exists(loser) and report.exit_code == 0, report.problems
+    assert success_file(store).doc["lease"] == 1  # the lease verify took: not stale
+    assert verify_output(store).exit_code == 0
