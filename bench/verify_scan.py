@@ -4,7 +4,7 @@ Builds a synthetic "files"-format output in a temporary directory (random bytes 
 manifest per shard, `_job.json`, and one orphan run per shard), then times:
 - verify_output with hashing (reads every object), at each `--workers` count side by side;
 - verify_output without hashing (`--no-hash`: listing only);
-- clean_orphans over every shard (what the driver does before `_SUCCESS`).
+- delete_lost over every shard (the one deletion rule: what the driver does before `_SUCCESS`).
 
     python -m bench.verify_scan --shards 40 --images 250 --bytes 4096 --repeat 5
     python -m bench.verify_scan --shards 4000 --images 250 --bytes 512 --workers 1 2 4   # 1M objects
@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from ditfleet.driver.output.orphans import clean_orphans
+from ditfleet.driver.output.orphans import delete_lost
 from ditfleet.driver.output.verify import verify_output
 from ditfleet.driver.output.verify_report import VerifyReport
 from ditfleet.testing.outputs import manifest_row, put_image
@@ -137,7 +137,7 @@ def main() -> None:
         no_hash_s, listed = _best(args.repeat, lambda: verify_output(store, partial=True, hash_objects=False))
         _emit(stage="verify_no_hash", objects=objects, verify_no_hash_s=round(no_hash_s, 3))
         t2 = time.perf_counter()
-        removed = clean_orphans(store, range(args.shards))
+        removed = delete_lost(store, range(args.shards))
         clean_s = time.perf_counter() - t2
         assert removed == len(hashed.orphans) == len(listed.orphans)
         _emit(stage="clean_orphans", orphans=removed, clean_orphans_s=round(clean_s, 3))

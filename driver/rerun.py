@@ -11,8 +11,8 @@ from typing import TextIO
 
 from ditfleet.driver.output.orphans import missing_named_objects
 from ditfleet.driver.output.summary import FAILED, JobSummary
-from ditfleet.workers.output.layout import manifest_of_key
-from ditfleet.workers.output.manifest import current_manifest_keys
+from ditfleet.workers.output.layout import MANIFESTS_PREFIX
+from ditfleet.workers.output.manifest import manifest_generations
 from ditfleet.workers.rows import ShardSpec
 from ditfleet.workers.storage import ObjectStore
 
@@ -24,7 +24,8 @@ class RedoError(ValueError):
 def redo_generations(
     store: ObjectStore, shards: Sequence[ShardSpec], committed: set[int], redo: Sequence[int]
 ) -> dict[int, int]:
-    """Shard -> the manifest generation its redo commits: one above its current manifest's.
+    """Shard -> the manifest generation its redo commits: one above the highest generation
+    present (seals and tombstones included: a sealed generation can never commit).
 
     Only committed shards of the plan can be redone (an uncommitted one runs on a plain rerun).
     The generation is read from the listing now; two runs of one redo (a retry, a speculative
@@ -44,8 +45,8 @@ def redo_generations(
             f"--redo-shards: shards {pending} are not committed yet; run the job without --redo-shards "
             "to run them"
         )
-    current = current_manifest_keys(store)
-    return {shard: manifest_of_key(current[shard])[1] + 1 for shard in sorted(set(redo))}  # type: ignore[index]
+    listed = manifest_generations(store.list(MANIFESTS_PREFIX))
+    return {shard: max(listed[shard]) + 1 for shard in sorted(set(redo))}
 
 
 def complete_already(store: ObjectStore, previous: JobSummary, done: int, out: TextIO) -> JobSummary:

@@ -38,10 +38,12 @@ from ditfleet.driver.input.validate import ValidationReport, validate_input
 from ditfleet.driver.locations import check_locations
 from ditfleet.driver.metrics import FanOut
 from ditfleet.driver.output.claim import OutputMismatch, claim_incremental_output, claim_output
-from ditfleet.driver.output.finish import finish_run
-from ditfleet.driver.output.lease import OutputLease, acquire_lease
+from ditfleet.driver.output.finish import close_output, finish_run
+from ditfleet.driver.output.lease import LEASE_TTL_S, OutputLease, acquire_lease
+from ditfleet.driver.output.pause_points import pause_point
+from ditfleet.driver.output.settle import Settled, settle_older
 from ditfleet.driver.output.status import OutputCounts
-from ditfleet.driver.output.summary import JobSummary, build_summary, read_success, write_success
+from ditfleet.driver.output.summary import FAILED, JobSummary, build_summary, read_success
 from ditfleet.driver.plan import JobPlan, PlanConfig, plan_job
 from ditfleet.driver.plan_file import load_plan, save_plan
 from ditfleet.driver.progress import JobProgress
@@ -80,10 +82,16 @@ class DriverConfig:
     # Committed shards to run again under new attempts, each committing its next manifest
     # generation (workers.output.layout.manifest_key); the other shards are left as they are.
     redo_shards: tuple[int, ...] = ()
+    # How long the driver's hold on the output lasts unless renewed (driver.output.lease); the
+    # CLI takes it from DITFLEET_LEASE_TTL_S, a testing knob. Only whether two live drivers may
+    # both work for a while depends on it, never what is deleted or committed.
+    lease_ttl_s: float = LEASE_TTL_S
 
     def __post_init__(self) -> None:
         if not self.input_uri or not self.output_uri:
             raise ValueError("DriverConfig needs an input_uri and an output_uri")
+        if not self.lease_ttl_s > 0:
+            raise ValueError(f"DriverConfig.lease_ttl_s must be > 0 seconds, got {self.lease_ttl_s!r}")
         if self.redo_shards and self.incremental:
             raise ValueError(
                 "redo_shards is for a plain job's output; an incremental job's shards are redone by "
@@ -176,6 +184,7 @@ def _run(run: _Execution) -> JobSummary:
         sum(s.num_images for s in work.shards if s.index in work.committed_before),
     )
     t1 = time.monotonic()
+    run.record(work.todo)
     result = run.dispatch(work.todo, work.buckets_order, progress)
     return finish_run(
         work.store,
@@ -188,7 +197,8 @@ def _run(run: _Execution) -> JobSummary:
         timings={"plan_s": work.plan_s, "dispatch_s": time.monotonic() - t1},
         started=started,
         out=out,
-        before_write=run.check_lease,
+        lease=run.lease,
+        settled=run.settled,
     )
 
 
@@ -211,8 +221,12 @@ def _plain_work(run: _Execution, started: float) -> _Work | JobSummary:
     redo = redo_generations(store, plan.shards, done, config.redo_shards)  # refused: nothing written
     if stored is None:
         save_plan(store, plan)
-    if len(done) == len(plan.shards) and not redo and (previous := read_success(store)) is not None:
-        return complete_already(store, previous, len(done), out)
+    holder = run.lease.generation if run.lease is not None else None
+    if len(done) == len(plan.shards) and not redo and (previous := read_success(store, holder, out)) is not None:
+        summary = complete_already(store, previous, len(done), out)
+        if summary.status != FAILED:  # still complete: `_SUCCESS` is this driver's now
+            close_output(store, lease=run.lease, settled=run.settled, own=(), redo={}, success=previous, out=out)
+        return summary
     if store.exists(success_key()):
         # Not complete: `_SUCCESS` goes before this run writes anything, so that no reader takes
         # the output for finished while it changes.
@@ -247,7 +261,7 @@ def _incremental_work(run: _Execution, started: float) -> _Work | JobSummary:
     nothing new to run."""
     config, out = run.config, run.out
     store = open_store(config.output_uri, config.s3)
-    plan, fingerprint = _plan_increment(config, store, run.model())
+    plan, fingerprint = _plan_increment(config, store, run.model(), lambda: run.hold(store))
     plan_s = time.monotonic() - started
     for line in plan.describe():
         print(line, file=out)
@@ -257,7 +271,6 @@ def _incremental_work(run: _Execution, started: float) -> _Work | JobSummary:
         "rows": sum(s.num_rows for s in todo),
         "images": sum(s.num_images for s in todo),
     }
-    run.hold(store)
     if not todo:
         shards = len(plan.recorded.live())
         print(
@@ -274,10 +287,13 @@ def _incremental_work(run: _Execution, started: float) -> _Work | JobSummary:
             progress=run.progress(0, 0),
             timings={"plan_s": 0.0, "dispatch_s": 0.0, "count_s": 0.0, "wall_s": time.monotonic() - started},
         )
-        if shards and not store.exists(success_key()):
-            # Every shard is committed but no run got to write _SUCCESS (it stopped just before).
-            write_success(store, summary)
-        return summary
+        if shards and read_success(store, out=out) is None:
+            # Every shard is committed but no run got to write _SUCCESS (it stopped just before,
+            # or a later driver took the output since): this run writes it, under the lease.
+            run.hold(store)
+            close_output(store, lease=run.lease, settled=run.settled, own=(), redo={}, success=summary, out=out)
+        return summary  # nothing new and a valid _SUCCESS: nothing is written, no lease taken
+    run.hold(store)
     if store.exists(success_key()):
         # The output is incomplete until these shards commit. commit_increment removed it before
         # writing a new record; this catches shards carried over from a run that left it behind.
@@ -285,15 +301,6 @@ def _incremental_work(run: _Execution, started: float) -> _Work | JobSummary:
     _remove_stale_temp_files(store, out)
     order = config.plan.rows.buckets.names
     return _Work(store, fingerprint, todo, frozenset(), planned, order, plan_s)
-    return _Work(
-        store,
-        fingerprint,
-        todo,
-        frozenset(),
-        planned,
-        config.plan.rows.buckets.names,
-        time.monotonic() - started,
-    )
 
 
 @dataclass
@@ -309,6 +316,7 @@ class _Execution:
     events: DispatchEvents | None
 
     lease: OutputLease | None = None
+    settled: Settled = field(default_factory=Settled)
     _model: tuple[ModelIdentity | None] | None = None
 
     def model(self) -> ModelIdentity | None:
@@ -331,13 +339,17 @@ class _Execution:
         return self._model[0]
 
     def hold(self, store: ObjectStore) -> None:
-        """Own the output for this run (one driver at a time; raises OutputBusy)."""
+        """Own the output for this run (one driver at a time; raises OutputBusy), then settle
+        what earlier drivers left open (driver.output.settle), before anything is planned."""
         if self.lease is None:
-            self.lease = acquire_lease(store)
+            self.lease = acquire_lease(store, self.config.lease_ttl_s)
+            self.settled = settle_older(store, self.lease.generation)
 
-    def check_lease(self) -> None:
-        if self.lease is not None:
-            self.lease.check()
+    def record(self, todo: Sequence[ShardSpec]) -> None:
+        """Write into the lease document the shards this run dispatches and its redo
+        generations, before it dispatches any (raises OutputBusy when the output was taken)."""
+        if self.lease is not None and todo:
+            self.lease.record_work((s.index for s in todo), {s.index: s.generation for s in todo if s.generation})
 
     def release(self) -> None:
         if self.lease is not None:
@@ -371,7 +383,7 @@ class _Execution:
             self.connect()
         worker_config = _pin_output_node(self.config, worker_config)
         try:
-            events = FanOut(progress, self.events) if self.events is not None else progress
+            events = FanOut(progress, _PauseOnFirstStart(), self.events)
             # No per-shard result is kept to the end (400,000 of them): progress and metrics
             # take each as it comes, and the summary counts the manifests.
             return run_shards(
@@ -381,6 +393,19 @@ class _Execution:
             progress.close()
             if self.events is not None:
                 self.events.finish()
+
+
+class _PauseOnFirstStart(DispatchEvents):
+    """The test seam `after_dispatch_start` (driver.output.pause_points): once the first shard
+    is handed to an actor, the lease document saying what this run does being written."""
+
+    def __init__(self) -> None:
+        self._started = False
+
+    def shard_started(self, shard: ShardSpec, attempt: int, worker_id: str, speculative: bool) -> None:
+        if not self._started:
+            self._started = True
+            pause_point("after_dispatch_start")
 
 
 def _fill_in_for(
@@ -421,12 +446,16 @@ def preview_increment(config: DriverConfig) -> IncrementPlan:
 
 
 def _plan_increment(
-    config: DriverConfig, store: ObjectStore, model: ModelIdentity | None = None
+    config: DriverConfig,
+    store: ObjectStore,
+    model: ModelIdentity | None = None,
+    hold: Callable[[], None] = lambda: None,
 ) -> tuple[IncrementPlan, str]:
     """Plan the next run and write its record; plans again if another driver took the number.
 
     Nothing is written before the new files passed validation, and nothing at all when there
-    is nothing new. Returns the plan and the job's settings fingerprint.
+    is nothing new; `hold` (taking the lease) is called before the first write.
+    Returns the plan and the job's settings fingerprint.
     """
     source = prompt_source(config)
     spec = json.loads(config.resolved_spec)
@@ -439,6 +468,7 @@ def _plan_increment(
         if plan.record is None:
             return plan, fingerprint
         store.check_writable()
+        hold()
         claim_incremental_output(store, config.plan, config.input_uri, spec, model=model)
         written = commit_increment(store, plan)
         if written is not None:

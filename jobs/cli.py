@@ -123,6 +123,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from ditfleet.driver.output.verify import verify_output
+    from ditfleet.jobs.knobs import lease_ttl_s
 
     if args.address and not args.ray:
         raise UsageError("verify --address is the cluster of --ray: give --ray too")
@@ -143,6 +144,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             hash_objects=not args.no_hash,
             workers=args.workers,
             shard_checks=checks,
+            lease_ttl_s=lease_ttl_s(),
         )
     finally:
         if owned:

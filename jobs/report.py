@@ -20,10 +20,9 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from ditfleet.driver.output.json_objects import read_json
+from ditfleet.driver.output.success import success_file
 from ditfleet.driver.output.summary import fleet_line
 from ditfleet.jobs.preview import collect
-from ditfleet.workers.output.layout import success_key
 from ditfleet.workers.output.manifest import read_manifests
 from ditfleet.workers.storage import ObjectStore
 
@@ -45,7 +44,7 @@ class ReportData:
 
 def load_report_data(store: ObjectStore, samples: int = SAMPLES) -> ReportData:
     """Read what the page shows from the output (raises ValueError if it has no manifests)."""
-    summary = read_json(store, success_key())  # None: not finished yet
+    summary = success_file(store).doc  # None: not finished yet (or a stale _SUCCESS)
     table = read_manifests(store)
     if table.num_rows == 0:
         raise ValueError(f"{store.uri()} has no committed manifests yet: nothing to report; run the job first")

@@ -208,7 +208,9 @@ class GenerationWorker:
 
     def _run_shard(self, shard: ShardSpec, attempt: int) -> ShardResult:
         t0 = time.perf_counter()
-        token = new_attempt_token(attempt)
+        # The token carries the generation this run commits: its objects' keys say which
+        # manifest key decides their fate (driver.output.orphans).
+        token = new_attempt_token(attempt, shard.generation)
         result = ShardResult(
             shard.index,
             attempt,

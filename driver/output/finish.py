@@ -1,24 +1,38 @@
-"""The end of a run, one path for plain and incremental jobs: count, summarise, clean up, `_SUCCESS`.
+"""The end of a run, one path for plain and incremental jobs: count, summarise, close the
+output, `_SUCCESS`.
 
-Dispatch returns only after it has fenced every actor it started (driver.output.fence: each one's
-process is gone). The driver then counts rows and images from the manifests of the run's shards,
-warns about actors whose process outlived the fence wait, deletes the orphans of the shards this
-run committed (objects of losing or killed runs, which no manifest names, see
-workers.output.layout) and, when every shard is committed, writes `_SUCCESS` (the summary, JSON):
-at that point nothing of the job writes any more, and the data areas hold exactly what the
-manifests name.
+Dispatch returns only after it has fenced every actor it started (driver.output.fence). The
+driver then counts rows and images from the manifests of the run's shards and closes the output
+(`close_output`), in this order:
+1. seal its own redo generations that did not commit (a straggler of them can never commit);
+2. supersede every shard whose lower generation still has rows or objects in the
+   reader-visible folders (driver.output.supersede: its own redos, and any a crashed run left);
+3. delete what the one rule proves lost (driver.output.orphans) in its own shards and in the
+   shards of every older lease document it settled (driver.output.settle), so a crashed run's
+   leftovers are cleaned too;
+4. when every shard is committed, write `_SUCCESS` stamped with its lease generation
+   (driver.output.summary), right after checking the lease;
+5. mark its lease document settled and delete the older ones it settled.
+None of these steps needs the lease to be safe: a driver paused anywhere in them for any time
+can only seal what is absent, supersede what is superseded, delete what is lost, and write a
+`_SUCCESS` that is stale once another driver took the output. The lease checks only stop a
+driver that lost the output from doing duplicate work.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import TextIO
 
 from ditfleet.driver.dispatch import DispatchResult
-from ditfleet.driver.output.orphans import clean_orphans
+from ditfleet.driver.output.lease import OutputLease
+from ditfleet.driver.output.orphans import delete_lost
+from ditfleet.driver.output.pause_points import pause_point
+from ditfleet.driver.output.settle import Settled, delete_settled, seal_generations
 from ditfleet.driver.output.status import count_shards
 from ditfleet.driver.output.summary import JobSummary, build_summary, write_success
+from ditfleet.driver.output.supersede import supersede_pending
 from ditfleet.driver.progress import JobProgress
 from ditfleet.workers.output.manifest import committed_shards
 from ditfleet.workers.rows import ShardSpec
@@ -39,16 +53,17 @@ def finish_run(
     timings: Mapping[str, float],
     started: float,
     out: TextIO,
-    before_write: Callable[[], None] | None = None,
+    lease: OutputLease | None = None,
+    settled: Settled | None = None,
 ) -> JobSummary:
     """Count `shards` (all that the summary is over: a plain job's plan, or the shards of one
-    incremental run), finish the output and print the summary; returns it.
+    incremental run), close the output and print the summary; returns it.
 
-    committed_before: those of `shards` committed before this run (left alone by the clean-up);
-    planned: {'shards', 'rows', 'images'} of `shards`; result: None when nothing was dispatched;
-    timings: plan_s and dispatch_s (count_s and wall_s are added, from `started`, a
-    time.monotonic() value); before_write: called before the clean-up and before `_SUCCESS`, and
-    raises when this driver may not write them (driver.output.lease: another owns the output).
+    committed_before: those of `shards` committed before this run and not dispatched; planned: {'shards', 'rows', 'images'} of
+    `shards`; result: None when nothing was dispatched; timings: plan_s and dispatch_s
+    (count_s and wall_s are added, from `started`, a time.monotonic() value); lease: the
+    driver's (None: tests that run shards without a driver); settled: what settling the older
+    lease documents found when the lease was taken.
     """
     t0 = time.monotonic()
     committed = committed_shards(store) & {s.index for s in shards}
@@ -64,21 +79,6 @@ def finish_run(
         progress=progress,
         timings={**dict.fromkeys(_TIMINGS, 0.0), **timings, "count_s": now - t0, "wall_s": now - started},
     )
-    _finish_output(store, summary, result, committed - committed_before, out, before_write or (lambda: None))
-    print(summary.format_text(), file=out)
-    return summary
-
-
-def _finish_output(
-    store: ObjectStore,
-    summary: JobSummary,
-    result: DispatchResult | None,
-    ran: set[int],
-    out: TextIO,
-    before_write: Callable[[], None],
-) -> None:
-    """Warn about actors the fence could not confirm gone, delete the orphans of the shards `ran`
-    (committed ones only have any), then write `_SUCCESS` if every planned shard is committed."""
     unfenced = result.unfenced_actors if result is not None else []
     if unfenced:
         print(
@@ -87,10 +87,60 @@ def _finish_output(
             "that no manifest names: `ditfleet verify --clean` removes it",
             file=out,
         )
-    before_write()
-    cleaned = clean_orphans(store, sorted(ran))
+    ran = {s.index for s in shards if s.index not in committed_before}
+    redo = {s.index: s.generation for s in shards if s.generation}
+    close_output(
+        store,
+        lease=lease,
+        settled=settled or Settled(),
+        own=ran,
+        redo=redo,
+        success=summary if summary.shards["left"] == 0 else None,
+        out=out,
+    )
+    print(summary.format_text(), file=out)
+    return summary
+
+
+def close_output(
+    store: ObjectStore,
+    *,
+    lease: OutputLease | None,
+    settled: Settled,
+    own: Collection[int],
+    redo: Mapping[int, int],
+    success: JobSummary | None,
+    out: TextIO,
+) -> None:
+    """Steps 1-5 of the module docstring. own: the shards this run dispatched; redo: their
+    redo generations; success: the summary to write as `_SUCCESS` (None: not complete)."""
+    if redo:
+        pause_point("after_redo_commit")
+        sealed = seal_generations(store, sorted(redo.items()))
+        if sealed:
+            print(f"sealed {len(sealed)} redo generation(s) that did not commit: {sealed[:10]}", file=out)
+    superseded = supersede_pending(store)
+    if superseded.generations:
+        print(
+            f"moved {len(superseded.generations)} superseded manifest generation(s) and their "
+            f"{superseded.moved} objects under {store.uri('_superseded')}",
+            file=out,
+        )
+    _check(lease)
+    pause_point("after_lease_check")
+    shards = None if settled.shards is None else set(own) | settled.shards
+    cleaned = delete_lost(store, shards, before_delete=lambda: pause_point("in_cleanup"))
     if cleaned:
         print(f"removed {cleaned} objects of losing or killed runs (no manifest names them)", file=out)
-    if summary.shards["left"] == 0:
-        before_write()
-        write_success(store, summary)
+    pause_point("before_success")
+    if success is not None:
+        _check(lease)
+        write_success(store, success, lease.generation if lease is not None else None)
+    if lease is not None:
+        lease.mark_settled()
+        delete_settled(store, settled.documents, lease.generation)
+
+
+def _check(lease: OutputLease | None) -> None:
+    if lease is not None:
+        lease.check()

@@ -1,6 +1,7 @@
 """One driver at a time owns an output: a lease object, written create-only, with an expiry.
 
-    {out}/_lease/{generation:08d}.json   {"owner", "host", "pid", "acquired_at", "expires_at", "released"}
+    {out}/_lease/{generation:08d}.json   {"owner", "host", "pid", "acquired_at", "expires_at", "released",
+                                          "shards": [[lo, hi], ...], "redo": {"<shard>": g}, "settled"}
 
 The driver holding the highest generation owns the output while its lease has not expired (or
 been released). To take the output, a driver writes the next generation create-only: of two
@@ -13,10 +14,18 @@ may make (deleting orphans, `_SUCCESS`) it calls `check`, which refuses once a h
 exists or its own lease ran out. Expiry is wall-clock time: drivers sharing an output need
 clocks within a fraction of `ttl_s` of each other (NTP gives milliseconds).
 
-Why the actors need no lease: every object they write carries their run's attempt token and
-the manifest is create-only, so two drivers can never make a committed object change. What the
-lease protects is the driver's own writes: the orphan clean-up, `_SUCCESS`, and a resume's
-removal of `_SUCCESS`.
+The lease keeps two live drivers from doing the same work at once; it is not what makes any
+deletion or commit safe (docs/reliability.md): a driver paused past its lease that resumes acts
+on a stale view, and every rule it then follows holds anyway. Deletion follows the one rule of
+driver.output.orphans, which needs no lock; a `_SUCCESS` carries the lease generation that wrote
+it and is stale, for every reader of ours, once a higher generation exists (driver.output.summary).
+
+The document also says what its run does, for whoever comes after a crash: the shards it
+dispatches ("shards", as ranges) and the redo generations it dispatches ("redo"), written
+(`record_work`) before any is dispatched, and "settled" once its finish cleaned up. Older
+documents are kept until a later driver has settled them (driver.output.settle): it seals their
+redo generations that never committed and cleans their shards; then it deletes them. The
+highest document is never deleted.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ditfleet.driver.output.job_file import OutputMismatch
@@ -103,6 +112,30 @@ class OutputLease:
                 self._lost = f"another driver took the output (lease generation {other})"
                 return
             doc = {**self._doc, "expires_at": self._clock() + self.ttl_s}
+            self.store.put(self.key, _encode(doc), "application/json")
+            self._doc = doc
+
+    def record_work(self, shards: Iterable[int], redo: Mapping[int, int]) -> None:
+        """Write, durably, the shards this run dispatches and the redo generations it commits,
+        before any is dispatched: a driver that takes the output after this one seals those
+        generations and cleans those shards. Raises OutputBusy when the output was taken."""
+        self.check()  # a released or lost lease's document is not written again
+        with self._lock:
+            doc = {
+                **self._doc,
+                "shards": shard_ranges(shards),
+                "redo": {str(s): int(g) for s, g in sorted(redo.items())},
+            }
+            self.store.put(self.key, _encode(doc), "application/json")
+            self._doc = doc
+        self.check()  # after the write: a driver taking over later reads what it says
+
+    def mark_settled(self) -> None:
+        """This run's finish cleaned up its shards: a later driver need not settle this document."""
+        with self._lock:
+            if self._lost is not None or self._doc.get("settled"):
+                return
+            doc = {**self._doc, "settled": True}
             self.store.put(self.key, _encode(doc), "application/json")
             self._doc = doc
 
@@ -234,11 +267,13 @@ def acquire_lease(
             "acquired_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
             "expires_at": now + ttl_s,
             "released": False,
+            "shards": [],
+            "redo": {},
+            "settled": False,
         }
         if store.put_if_absent(lease_key(generation), _encode(doc), "application/json"):
+            # Older generations stay until settled (driver.output.settle deletes them).
             lease = OutputLease(store, generation, doc, ttl_s, clock)
-            for old in generations:  # earlier generations say nothing any more
-                store.delete(lease_key(old))
             if renew:
                 lease.start_renewing()
             return lease
@@ -248,4 +283,51 @@ def acquire_lease(
     )
 
 
-__all__ = ["LEASE_TTL_S", "OutputBusy", "OutputLease", "acquire_lease"]
+def lease_generations(store: ObjectStore) -> list[int]:
+    """The lease generations present, lowest first."""
+    return _generations(store)
+
+
+def read_lease_document(store: ObjectStore, generation: int) -> dict[str, Any] | None:
+    """A lease document, or None when it is gone or is not JSON this code wrote."""
+    try:
+        doc = read_json(store, lease_key(generation))
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def shard_ranges(shards: Iterable[int]) -> list[list[int]]:
+    """[0, 1, 2, 5] -> [[0, 2], [5, 5]]: a run's shards in a lease document, compact at 400,000."""
+    out: list[list[int]] = []
+    for s in sorted(set(shards)):
+        if out and s == out[-1][1] + 1:
+            out[-1][1] = s
+        else:
+            out.append([s, s])
+    return out
+
+
+def shards_of_ranges(ranges: Any) -> set[int] | None:
+    """The shards of `shard_ranges`' form; None when it is not that form (a document of an
+    earlier version, which did not record them: its run may have touched any shard)."""
+    if not isinstance(ranges, list):
+        return None
+    out: set[int] = set()
+    for pair in ranges:
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(v, int) for v in pair)):
+            return None
+        out.update(range(pair[0], pair[1] + 1))
+    return out
+
+
+__all__ = [
+    "LEASE_TTL_S",
+    "OutputBusy",
+    "OutputLease",
+    "acquire_lease",
+    "lease_generations",
+    "read_lease_document",
+    "shard_ranges",
+    "shards_of_ranges",
+]

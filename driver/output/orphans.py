@@ -1,25 +1,48 @@
-"""Which objects of an output its committed manifests account for: the keys a manifest row
-may name, the orphans of losing runs (provably another run's, so safe to delete), and the named
-objects a listing does not show.
+"""Which objects of an output its committed records account for, and the one rule by which
+anything in the data areas is deleted.
 
-What cannot be accounted for is never deleted: a shard without a readable manifest, or one whose
-ok rows name anything but its own attempt objects, has no orphans. Used by `ditfleet verify`
-(driver.output.verify), by the driver's finish (driver.output.finish) and by a resume's check
-for lost objects (driver.run_job).
+The rule (lock-free): an attempt object of shard S, generation g (its key says which,
+workers.output.layout), token T, is *provably lost* iff the manifest key of (S, g) exists and was
+read, and no ok row of any manifest of S that was read names T. That key holds a manifest, a
+tombstone (a superseded generation, whose rows are read from its copy under `_superseded/`) or
+a seal (an abandoned generation: no rows). A manifest key, once written, is never freed and its
+rows never change (a superseded manifest's rows are kept whole), and a run of generation g can
+commit only at (S, g): so a verdict "lost" stays true forever, and a process paused for any
+length of time between reading and deleting cannot delete anything that was not already lost.
+An object of a generation whose key does not exist is in play and is never deleted. Reading
+every generation of S keeps outputs of earlier versions safe (their redo objects carry plain,
+generation-0 tokens). What cannot be accounted for is never deleted: a shard with a manifest
+that cannot be read, or one whose ok rows name anything but its own attempt objects, loses
+nothing.
+
+Used by the driver's finish (driver.output.finish), `ditfleet verify --clean`
+(driver.output.verify) and a resume's check for lost objects (driver.rerun).
 """
 
 from __future__ import annotations
 
 import io
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import pyarrow.parquet as pq
 
 from ditfleet.workers.output.formats import FORMAT_AREAS, object_key
-from ditfleet.workers.output.layout import attempt_object, attempt_prefixes
-from ditfleet.workers.output.manifest import current_manifest_key, current_manifest_keys
+from ditfleet.workers.output.layout import (
+    MANIFESTS_PREFIX,
+    attempt_object,
+    attempt_prefixes,
+    superseded_key,
+)
+from ditfleet.workers.output.manifest import (
+    SEALED,
+    SUPERSEDED,
+    current_manifest_keys,
+    manifest_generations,
+    manifest_kind,
+)
 from ditfleet.workers.storage import ObjectStore
 from ditfleet.workers.storage.base import check_key
 from ditfleet.workers.storage.local import LocalStore
@@ -56,14 +79,98 @@ def manifest_object_key(root: str, shard: int, uri: object) -> tuple[str | None,
     return key, None
 
 
-def losing_run_keys(shard: int, tokens: set[str], listed: Iterable[str]) -> list[str]:
-    """The keys of `listed` that are attempt objects of `shard` under a token the committed
-    manifest does not name (`tokens`: those its ok rows name): provably another run's."""
-    return [
-        key
-        for key in listed
-        if (obj := attempt_object(key)) is not None and obj.shard == shard and obj.attempt not in tokens
+@dataclass(frozen=True)
+class ShardRecord:
+    """What the committed records of one shard prove, as read: which generations' manifest keys
+    exist (and what each holds), the tokens any of their ok rows name, and whether every
+    manifest was read and names only the shard's own attempt objects."""
+
+    shard: int
+    kinds: Mapping[int, str]  # generation -> MANIFEST, SUPERSEDED or SEALED
+    named: frozenset[str]
+    accounted: bool
+    areas: frozenset[str]  # the data areas ok rows name objects in ("images/", ...)
+    named_by: Mapping[int, tuple[str, ...]]  # generation -> the object keys its ok rows name
+
+    def is_lost(self, key: str) -> bool:
+        """The one rule (module docstring) for the object at `key`."""
+        obj = attempt_object(key)
+        return (
+            self.accounted
+            and obj is not None
+            and obj.shard == self.shard
+            and obj.generation in self.kinds
+            and obj.attempt not in self.named
+        )
+
+
+def _ok_keys(root: str, shard: int, data: bytes) -> tuple[list[str], bool]:
+    table = pq.read_table(io.BytesIO(data), columns=["status", "uri"])
+    keys: list[str] = []
+    for status, uri in zip(table.column("status").to_pylist(), table.column("uri").to_pylist()):
+        if status != "ok":
+            continue
+        key, _ = manifest_object_key(root, shard, uri)
+        if key is None:
+            return keys, False
+        keys.append(key)
+    return keys, True
+
+
+def read_shard_record(store: ObjectStore, shard: int, keys: Mapping[int, str]) -> ShardRecord:
+    """Read every generation's manifest key of `shard` (`keys`: generation -> key, as listed);
+    a tombstone's rows are read from its copy under `_superseded/`."""
+    root = store.uri()
+    kinds: dict[int, str] = {}
+    named_by: dict[int, tuple[str, ...]] = {}
+    accounted = True
+    for generation, key in sorted(keys.items()):
+        try:
+            data = store.get(key)
+            kind = manifest_kind(data).kind
+            if kind == SUPERSEDED:
+                data = store.get(superseded_key(key))
+            named, readable = ([], True) if kind == SEALED else _ok_keys(root, shard, data)
+        except Exception:  # noqa: BLE001 - absent meanwhile or unreadable: nothing of the shard is proved lost
+            accounted = False
+            continue
+        kinds[generation] = kind
+        named_by[generation] = tuple(named)
+        accounted = accounted and readable
+    every = [k for keys_ in named_by.values() for k in keys_]
+    return ShardRecord(
+        shard,
+        kinds,
+        frozenset(attempt_object(k).attempt for k in every),  # type: ignore[union-attr] - checked
+        accounted,
+        frozenset(k.split("/", 1)[0] + "/" for k in every),
+        named_by,
+    )
+
+
+def shard_lost_objects(store: ObjectStore, record: ShardRecord) -> list[str]:
+    """The attempt objects of the shard's data areas that `record` proves lost."""
+    if not record.accounted or not record.kinds:
+        return []
+    # One output has one format: list only its area when a manifest names an object there.
+    prefixes = [
+        p for p in attempt_prefixes(record.shard) if not record.areas or p.split("/", 1)[0] + "/" in record.areas
     ]
+    return [key for prefix in prefixes for key in store.list(prefix) if record.is_lost(key)]
+
+
+def shard_records(
+    store: ObjectStore, shards: Iterable[int] | None = None, workers: int = IO_THREADS
+) -> dict[int, ShardRecord]:
+    """The records of `shards` (None: every shard with a manifest key) from one listing of
+    manifests/."""
+    listed = manifest_generations(store.list(MANIFESTS_PREFIX))
+    wanted = sorted(listed if shards is None else set(shards) & set(listed))
+    if not wanted:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(workers, len(wanted))) as pool:
+        records = pool.map(lambda s: read_shard_record(store, s, listed[s]), wanted)
+        return {r.shard: r for r in records}
 
 
 def delete_keys(store: ObjectStore, keys: list[str], workers: int = IO_THREADS) -> int:
@@ -73,33 +180,23 @@ def delete_keys(store: ObjectStore, keys: list[str], workers: int = IO_THREADS) 
     return len(keys)
 
 
-def shard_orphans(store: ObjectStore, shard: int, key: str | None = None) -> list[str]:
-    """Attempt objects of a committed shard that are provably another run's than the committed
-    one: under a token no ok row of its current manifest (`key`, listed when not given) names;
-    after a redo, the superseded generations' objects too. [] when the shard has no manifest (its
-    runs' objects are still in play then), when the manifest cannot be read, or when one of its
-    ok rows names no object of the shard: what cannot be accounted for is never deleted."""
-    try:
-        key = key or current_manifest_key(store, shard)
-        if key is None:
-            return []
-        table = pq.read_table(io.BytesIO(store.get(key)), columns=["status", "uri"])
-    except Exception:  # noqa: BLE001 - absent or unreadable: nothing of the shard is proved an orphan
-        return []
-    root = store.uri()
-    tokens: set[str] = set()
-    areas: set[str] = set()
-    for status, uri in zip(table.column("status").to_pylist(), table.column("uri").to_pylist()):
-        if status != "ok":
-            continue
-        key, _ = manifest_object_key(root, shard, uri)
-        if key is None:
-            return []
-        tokens.add(attempt_object(key).attempt)  # type: ignore[union-attr] - checked by manifest_object_key
-        areas.add(key.split("/", 1)[0] + "/")
-    # One output has one format: list only its area when the manifest names an object there.
-    prefixes = [p for p in attempt_prefixes(shard) if not areas or p.split("/", 1)[0] + "/" in areas]
-    return losing_run_keys(shard, tokens, (key for prefix in prefixes for key in store.list(prefix)))
+def delete_lost(
+    store: ObjectStore,
+    shards: Iterable[int] | None = None,
+    before_delete: Callable[[], None] | None = None,
+    workers: int = IO_THREADS,
+) -> int:
+    """Delete the objects of `shards` (None: all) that the one rule proves lost; returns how
+    many. `before_delete` runs between the verdicts and the deletions (a pause point: a
+    verdict stays true however long that takes). Needs no lease."""
+    records = shard_records(store, shards, workers)
+    if not records:
+        return 0
+    with ThreadPoolExecutor(max_workers=min(workers, len(records))) as pool:
+        lost = [k for keys in pool.map(lambda r: shard_lost_objects(store, r), records.values()) for k in keys]
+    if before_delete is not None:
+        before_delete()
+    return delete_keys(store, lost, workers) if lost else 0
 
 
 def missing_named_objects(store: ObjectStore) -> dict[int, list[str]]:
@@ -124,21 +221,3 @@ def missing_named_objects(store: ObjectStore) -> dict[int, list[str]]:
     listed = {key for prefix in FORMAT_AREAS for key in store.list(prefix)}
     lost = {shard: sorted(keys - listed) for shard, keys in named.items()}
     return {shard: keys for shard, keys in lost.items() if keys}
-
-
-def clean_orphans(store: ObjectStore, shards: Iterable[int]) -> int:
-    """Delete the orphans of the given shards (only committed ones have any); returns how many.
-    For the driver that owns the output (its lease), after the fence: stragglers can then only
-    add objects no manifest will name, and no redo of these shards is under way."""
-    shards = list(shards)
-    if not shards:
-        return 0
-    current = current_manifest_keys(store)  # one listing: each shard's current generation
-    shards = [s for s in shards if s in current]
-    if not shards:
-        return 0
-    with ThreadPoolExecutor(max_workers=min(IO_THREADS, len(shards))) as pool:
-        orphans = [
-            k for keys in pool.map(lambda s: shard_orphans(store, s, current[s]), shards) for k in keys
-        ]
-    return delete_keys(store, orphans) if orphans else 0

@@ -21,9 +21,9 @@ import pyarrow.parquet as pq
 
 from ditfleet.driver.output.compact import CompactedState, compacted_state
 from ditfleet.driver.output.job_file import read_job_file
-from ditfleet.driver.output.json_objects import read_json
+from ditfleet.driver.output.success import success_file
 from ditfleet.driver.run_records import RecordedPlan, read_run_records
-from ditfleet.workers.output.layout import manifest_key, success_key
+from ditfleet.workers.output.layout import manifest_key
 from ditfleet.workers.output.manifest import current_manifest_key, current_manifest_keys
 from ditfleet.workers.storage import ObjectStore
 
@@ -114,6 +114,7 @@ class OutputStatus:
     counts: OutputCounts
     # Incremental jobs: {shards, rows, images} over every run's live shards, and the runs.
     recorded: dict[str, int] | None = None
+    stale_success: str | None = None  # why a `_SUCCESS` there is not believed (driver.output.summary)
     compacted: CompactedState = CompactedState(False, False)
 
     @property
@@ -136,6 +137,7 @@ class OutputStatus:
             "images": {"planned": plan.get("images"), "ok": c.images_ok, "failed": c.images_failed},
             "failures_by_error": c.errors_capped(),
             "shards_left": _ranges(self.missing),
+            "stale_success": self.stale_success,
             "compacted": self.compacted.describe(),
             **({"runs": self.recorded["runs"]} if self.recorded is not None else {}),
         }
@@ -151,6 +153,8 @@ class OutputStatus:
             f"  rows:   {r['ok']} ok, {r['failed']} failed (of {_or_unknown(r['planned'])} planned)",
             f"  images: {i['ok']} ok, {i['failed']} failed (of {_or_unknown(i['planned'])} planned)",
         ]
+        if self.stale_success:
+            lines.append(f"  note: {self.stale_success}")
         if d["shards_left"]:
             lines.append(f"  shards left: {d['shards_left']}")
         for message, n in d["failures_by_error"].items():
@@ -199,10 +203,12 @@ def output_status(store: ObjectStore) -> OutputStatus:
     else:
         planned = ((job or {}).get("plan") or {}).get("shards")
         missing = [s for s in range(planned) if s not in have] if isinstance(planned, int) else []
+    success = success_file(store)
     return OutputStatus(
         uri=store.uri(),
         job=job,
-        success=read_json(store, success_key()),
+        success=success.doc,
+        stale_success=success.stale,
         committed=committed,
         missing=missing,
         counts=count_shards(store, committed),

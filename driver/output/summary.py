@@ -2,6 +2,8 @@
 
 Counts of rows and images are over the whole output (earlier runs included), read from the
 manifests; timings, start-up costs and per-worker throughput are this run's.
+
+`_SUCCESS` holds it, stamped with the lease generation that wrote it (driver.output.success).
 """
 
 from __future__ import annotations
@@ -10,13 +12,12 @@ import dataclasses
 import json
 import statistics
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 from ditfleet.driver.dispatch.types import DispatchResult
-from ditfleet.driver.output.json_objects import read_json
 from ditfleet.driver.output.status import OutputCounts
+from ditfleet.driver.output.success import put_success, success_file
 from ditfleet.driver.progress import JobProgress, compile_fallbacks, format_duration, plural, warmup_seconds
-from ditfleet.workers.output.layout import success_key
 from ditfleet.workers.storage import ObjectStore
 
 SUMMARY_VERSION = 1
@@ -53,6 +54,7 @@ class JobSummary:
     # generating and idle, and images per GPU hour; empty when nothing was dispatched.
     fleet: dict[str, Any] = field(default_factory=dict)
     version: int = SUMMARY_VERSION
+    lease: int | None = None  # the lease generation of the driver that wrote `_SUCCESS`
 
     @property
     def exit_code(self) -> int:
@@ -129,20 +131,24 @@ class JobSummary:
         return "\n".join(lines)
 
 
-def write_success(store: ObjectStore, summary: JobSummary) -> None:
-    """Write `_SUCCESS`: the summary, as JSON. Only once every planned shard is committed."""
-    store.put(success_key(), summary.to_json().encode(), "application/json")
+def write_success(store: ObjectStore, summary: JobSummary, lease: int | None = None) -> None:
+    """Write `_SUCCESS`, the summary stamped with the writer's lease generation
+    (driver.output.success); only once every planned shard is committed, right after the
+    caller checked its lease."""
+    put_success(store, dataclasses.replace(summary, lease=lease).to_dict(), lease)
 
 
-def read_success(store: ObjectStore) -> JobSummary | None:
-    """The summary in `_SUCCESS`; None when there is none, or it was written by another version
-    (then the caller counts again)."""
-    doc = read_json(store, success_key())
-    if doc is None:
+def read_success(store: ObjectStore, holder: int | None = None, out: TextIO | None = None) -> JobSummary | None:
+    """The summary in `_SUCCESS`; None when there is none, it is stale (said on `out`), or it
+    was written by another version (then the caller counts again)."""
+    found = success_file(store, holder)
+    if found.stale and out is not None:
+        print(found.stale, file=out)
+    if found.doc is None:
         return None
     names = {f.name for f in dataclasses.fields(JobSummary)}
     try:
-        return JobSummary(**{k: v for k, v in doc.items() if k in names})
+        return JobSummary(**{k: v for k, v in found.doc.items() if k in names})
     except TypeError:
         return None
 

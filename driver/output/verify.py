@@ -15,16 +15,21 @@ What is checked (every problem is one line naming the shard, row or key):
   tar is read whole, as its readers read it: a row or member its manifest does not name, one
   held twice, a member of no sample, bytes after a tar's end are problems. Objects are read
   through their format's reader (workers.output.formats), each once;
-- the format areas (images/, data/, webdataset/): a key no committed manifest names is an
-  orphan when it is provably a losing run's: an attempt object of a shard whose manifest was
-  read, under an attempt token that none of the manifest's rows names (a losing, late or killed
-  run wrote it; `--clean` deletes it). It is pending when its shard is not committed yet (a run
-  in progress or one that failed), and a PROBLEM otherwise: a stray, an extra object under the
-  committed run's token, or any object of a shard whose manifest cannot be read (nothing of
-  that shard is deleted then). Once `_SUCCESS` is there, an orphan is a PROBLEM too: readers of
-  the data areas see it; `--clean` deletes it;
+- the format areas (images/, data/, webdataset/): a key no current manifest names is an orphan
+  when the one rule of driver.output.orphans proves it lost (its generation's manifest key
+  exists and no manifest of its shard names its token; `--clean` deletes it). It is pending when
+  its generation has no manifest key yet (a run or redo in progress, or one that failed), and a
+  PROBLEM otherwise: a stray, an extra object under the committed run's token, or any object of
+  a shard whose manifests cannot be read (nothing of that shard is deleted then). Once
+  `_SUCCESS` is there, an orphan is a PROBLEM too: readers of the data areas see it; `--clean`
+  deletes it;
+- superseded generations (driver.output.supersede): once `_SUCCESS` is there, a lower
+  generation whose manifest still holds rows, or whose objects still lie in the data areas, is
+  a PROBLEM (readers would count it twice; `--clean` finishes the supersession); objects a
+  superseded manifest names that its history under `_superseded/` lacks are listed as history
+  (lost before the redo that replaced them), never as current rows;
 - `_SUCCESS`: present only when every planned shard is committed, and (plain jobs) with the
-  counts the manifests give.
+  counts the manifests give; a stale one (driver.output.summary) counts as absent.
 
 What verify cannot see: manifests are not signed, so a manifest rewritten together with the
 objects it names (consistent hashes) passes; it checks that the output is what its manifests
@@ -49,13 +54,19 @@ import pyarrow.parquet as pq
 
 from ditfleet.driver.output.compact import check_compacted
 from ditfleet.driver.output.json_objects import read_json
-from ditfleet.driver.output.lease import OutputBusy, acquire_lease
+from ditfleet.driver.output.lease import LEASE_TTL_S, OutputBusy, acquire_lease
 from ditfleet.driver.output.orphans import (
     IO_THREADS,
+    ShardRecord,
     delete_keys,
     io_threads,
     manifest_object_key,
+    read_shard_record,
 )
+from ditfleet.driver.output.pause_points import pause_point
+from ditfleet.driver.output.settle import delete_settled, settle_older
+from ditfleet.driver.output.success import restamp_success, success_file
+from ditfleet.driver.output.supersede import supersede_pending
 from ditfleet.driver.output.verify_report import MAX_LISTED, VerifyReport
 from ditfleet.driver.run_records import RecordedPlan, RunRecordError, read_run_records
 from ditfleet.workers.output.formats import (
@@ -68,15 +79,20 @@ from ditfleet.workers.output.formats import (
 )
 from ditfleet.workers.output.layout import (
     MANIFESTS_PREFIX,
+    SUPERSEDED_PREFIX,
     attempt_object,
     job_key,
     manifest_key,
     manifest_of_key,
-    success_key,
+    superseded_key,
 )
 from ditfleet.workers.output.manifest import (
+    MANIFEST,
     MANIFEST_SCHEMA,
+    SUPERSEDED,
     current_manifest_key,
+    current_of,
+    manifest_generations,
     with_later_columns,
 )
 from ditfleet.workers.storage import ObjectNotFound, ObjectStore
@@ -231,6 +247,7 @@ def verify_output(
     hash_objects: bool = True,
     workers: int | None = None,
     shard_checks: ShardChecks | None = None,
+    lease_ttl_s: float = LEASE_TTL_S,
 ) -> VerifyReport:
     """Check the output at `store`; with `clean`, delete the orphans found (attempt objects of
     committed shards that their current manifest does not name).
@@ -242,10 +259,11 @@ def verify_output(
     driver.output.verify_ray); the whole-output checks and deletions stay here, so the report
     is the same.
 
-    With `clean` it first takes the output's lease, as a driver does, and deletes nothing while
-    a run owns the output: a redo (`run --redo-shards`) uploads objects of committed shards
-    under new tokens before its new manifest generation names them, so only with no run going
-    is an object the current manifest does not name provably never to be named.
+    With `clean` it first takes the output's lease, as a driver does (so it does not clean
+    while a run works on the output; nothing it deletes depends on that), settles the older
+    lease documents (seals abandoned redo generations), finishes every supersession, and
+    deletes only what the one rule of driver.output.orphans proves lost. A `_SUCCESS` that was
+    valid before it took the lease is stamped with its generation again at the end.
     """
     workers = io_threads(store) if workers is None else workers
     if workers < 1:
@@ -254,27 +272,50 @@ def verify_output(
     if not clean:
         return _verify(store, partial, False, hash_objects, workers, checks)
     try:
-        lease = acquire_lease(store, renew=True)
+        lease = acquire_lease(store, lease_ttl_s, renew=True)
     except OutputBusy as e:
         report = _verify(store, partial, False, hash_objects, workers, checks)
         report.problems.append(f"--clean deleted nothing: {e}")
         return report
     try:
-        return _verify(store, partial, True, hash_objects, workers, checks)
+        try:
+            before = success_file(store, lease.generation)  # as it was before this took the lease
+        except ValueError:
+            before = None
+        settled = settle_older(store, lease.generation)
+        superseded = supersede_pending(store)
+        report = _verify(store, partial, True, hash_objects, workers, checks, lease.generation)
+        report.sealed, report.superseded = len(settled.sealed), len(superseded.generations)
+        try:
+            lease.check()
+            restamp_success(store, before, lease.generation)
+        except OutputBusy as e:  # taken over meanwhile: what was deleted was lost all the same
+            report.problems.append(f"--clean stopped before stamping _SUCCESS again: {e}")
+            return report
+        lease.mark_settled()
+        delete_settled(store, settled.documents, lease.generation)
+        return report
     finally:
         lease.release()
 
 
 def _verify(
-    store: ObjectStore, partial: bool, clean: bool, hash_objects: bool, workers: int, checks: ShardChecks
+    store: ObjectStore,
+    partial: bool,
+    clean: bool,
+    hash_objects: bool,
+    workers: int,
+    checks: ShardChecks,
+    holder: int | None = None,
 ) -> VerifyReport:
     report = VerifyReport(output=store.uri(), partial=partial)
     try:
         job = read_json(store, job_key())
-        success = read_json(store, success_key())
+        found = success_file(store, holder)
     except ValueError as e:
         report.problems.append(str(e))
         return report
+    success, report.stale_success = found.doc, found.stale
     if job is None:
         report.problems.append(
             f"{store.uri(job_key())} is missing: not a ditfleet output, or no run got past planning"
@@ -285,15 +326,16 @@ def _verify(
     if plan is None:
         return report
     report.planned_shards = len(plan.shards)
-    committed, shards = _read_manifests(store, plan, report, checks)  # first: see the module docstring
+    committed, shards, generations = _read_manifests(store, plan, report, checks)  # first: see the module docstring
     _check_rows_once(shards, plan, report)
-    _check_objects(store, shards, set(committed), plan, report, hash_objects, checks)
+    _check_objects(store, shards, generations, set(committed), plan, report, hash_objects, checks)
     if success is not None:
         _check_success(success, plan, report)
     # A compacted set (`ditfleet compact`) must be exactly the union of the manifests.
     report.problems.extend(check_compacted(store))
     report.orphans.sort()
     if clean and report.orphans:
+        pause_point("verify_before_delete")
         report.cleaned = delete_keys(store, report.orphans, workers)
     elif success is not None and report.orphans:
         report.problems.append(
@@ -304,23 +346,14 @@ def _verify(
     return report
 
 
-def _current_of(keys: list[str]) -> dict[int, str]:
-    best: dict[int, tuple[int, str]] = {}
-    for key in keys:
-        shard, generation = manifest_of_key(key)  # type: ignore[misc] - keys are manifest keys
-        if shard not in best or generation > best[shard][0]:
-            best[shard] = (generation, key)
-    return {shard: key for shard, (_, key) in best.items()}
-
-
 def _read_manifests(
     store: ObjectStore, plan: _Plan, report: VerifyReport, checks: ShardChecks
-) -> tuple[list[int], list[_Shard]]:
-    """(the committed shards of the plan, what their current manifests say).
+) -> tuple[list[int], list[_Shard], dict[int, dict[int, str]]]:
+    """(the committed shards of the plan, what their current manifests say, every shard's
+    generations' manifest keys).
 
-    A shard's current manifest is its highest generation (a redo's); the lower ones it
-    supersedes are history, read by no reader, and their objects, under tokens the current one
-    does not name, are orphans like a losing run's."""
+    A shard's current manifest is its highest generation that is not a seal (a redo's); the
+    lower ones it supersedes are tombstones, their rows kept under `_superseded/`."""
     keys: list[str] = []
     for key in store.list(MANIFESTS_PREFIX):
         found = manifest_of_key(key)
@@ -332,7 +365,8 @@ def _read_manifests(
             )
         else:
             keys.append(key)
-    current = _current_of(keys)
+    generations = manifest_generations(keys)
+    current = {s: k for s, g in generations.items() if (k := current_of(store, g)) is not None}
     committed = sorted(current)
     report.committed = len(committed)
     report.missing = sorted(plan.shards - set(committed))
@@ -343,7 +377,7 @@ def _read_manifests(
         report.problems.extend(problems)
         if shard:
             shards.append(shard)
-    return committed, shards
+    return committed, shards, generations
 
 
 def _check_rows_once(shards: list[_Shard], plan: _Plan, report: VerifyReport) -> None:
@@ -395,20 +429,70 @@ def _named_objects(root: str, shards: list[_Shard], report: VerifyReport) -> dic
     return named
 
 
+def _records(
+    store: ObjectStore, shards: list[_Shard], generations: dict[int, dict[int, str]]
+) -> dict[int, ShardRecord]:
+    """The one rule's record of each committed shard: a shard with one generation is what its
+    current manifest (read already) says; one with more has every generation read."""
+    records: dict[int, ShardRecord] = {}
+    for s in shards:
+        keys = generations.get(s.shard, {})
+        if list(keys) == [0]:
+            records[s.shard] = ShardRecord(
+                s.shard, {0: MANIFEST}, frozenset(s.tokens), s.accounted, frozenset(), {0: ()}
+            )
+        else:
+            records[s.shard] = read_shard_record(store, s.shard, keys)
+    return records
+
+
+def _check_superseded(
+    store: ObjectStore, records: dict[int, ShardRecord], listed: set[str], report: VerifyReport, done: bool
+) -> None:
+    """Lower generations still in the reader-visible folders (a problem once `_SUCCESS` is
+    there), and the history under `_superseded/` against the manifests kept there."""
+    history: set[str] | None = None
+    for record in records.values():
+        if len(record.kinds) < 2:
+            continue
+        live = [g for g, kind in record.kinds.items() if kind in (MANIFEST, SUPERSEDED)]
+        current = max((g for g, k in record.kinds.items() if k == MANIFEST), default=None)
+        for g in sorted(live):
+            if current is None or g >= current:
+                continue
+            left = [k for k in record.named_by.get(g, ()) if k in listed]
+            if done and (record.kinds[g] == MANIFEST or left):
+                report.problems.append(
+                    f"shard {record.shard}: generation {g} is superseded by generation {current} but "
+                    + ("its manifest still holds rows in manifests/" if record.kinds[g] == MANIFEST
+                       else f"{len(left)} of its objects still lie in the data areas (e.g. {store.uri(left[0])})")
+                    + ": readers see it next to the current one; `ditfleet verify --clean` finishes its supersession"
+                )
+            if record.kinds[g] != SUPERSEDED:
+                continue
+            if history is None:
+                history = set(store.list(SUPERSEDED_PREFIX))
+            gone = [k for k in record.named_by.get(g, ()) if superseded_key(k) not in history and k not in listed]
+            report.history_missing.extend(store.uri(superseded_key(k)) for k in gone)
+
+
 def _check_objects(
     store: ObjectStore,
     shards: list[_Shard],
+    generations: dict[int, dict[int, str]],
     committed: set[int],
     plan: _Plan,
     report: VerifyReport,
     hash_objects: bool,
     checks: ShardChecks,
 ) -> None:
-    """The format areas against the manifests: orphans, pending and stray objects, missing
-    ones, and (hash_objects) every named object read through its format's reader."""
+    """The format areas against the manifests: orphans (by the one rule), pending and stray
+    objects, missing ones, and (hash_objects) every named object read through its format's
+    reader."""
     named = _named_objects(store.uri(), shards, report)
     by_shard = {s.shard: s for s in shards}
-    kept: Counter = Counter()  # shard -> objects kept because its manifest cannot be accounted for
+    records = _records(store, shards, generations)
+    kept: Counter = Counter()  # shard -> objects kept because its manifests cannot be accounted for
     listed: set[str] = set()
     for prefix in FORMAT_AREAS:
         for key in store.list(prefix):
@@ -417,15 +501,20 @@ def _check_objects(
                 continue
             obj = attempt_object(key)
             read = by_shard.get(obj.shard) if obj is not None else None
-            if obj is not None and obj.shard in committed and (read is None or not read.accounted):
+            record = records.get(obj.shard) if obj is not None else None
+            if obj is not None and obj.shard in committed and (
+                read is None or not read.accounted or record is None or not record.accounted
+            ):
                 kept[obj.shard] += 1
             elif read is not None and obj is not None and obj.attempt in read.tokens:
                 report.problems.append(
                     f"{store.uri(key)}: no manifest names it, but it lies under the committed run's "
                     f"token {obj.attempt} of shard {obj.shard} (a file added after the commit; kept)"
                 )
-            elif read is not None:
+            elif record is not None and record.is_lost(key):
                 report.orphans.append(key)
+            elif record is not None and obj is not None and obj.attempt in record.named:
+                continue  # named by a superseded generation, not moved yet: _check_superseded says so
             elif obj is not None and obj.shard in plan.shards:
                 report.pending += 1
             else:
@@ -439,6 +528,7 @@ def _check_objects(
             f"shard's manifest {store.uri(current_manifest_key(store, shard) or manifest_key(shard))} cannot be fully read, so which of "
             "them it commits is unknown (restore the manifest, then verify again)"
         )
+    _check_superseded(store, records, listed, report, report.success)
     for key, rows in named.items():
         if key not in listed:
             report.problems.append(f"{store.uri(key)}: missing (named by {len(rows)} ok manifest rows)")

@@ -26,6 +26,12 @@ class VerifyReport:
     cleaned: int = 0  # orphans deleted (--clean)
     partial: bool = False  # a running or unfinished output is fine
     moved_from: str | None = None  # the manifests name objects under another root (a copy)
+    stale_success: str | None = None  # why a `_SUCCESS` there is not believed (driver.output.summary)
+    superseded: int = 0  # generations whose supersession --clean did or finished
+    sealed: int = 0  # abandoned redo generations --clean sealed
+    # Objects superseded generations name that their history under _superseded/ lacks: lost
+    # before the redo that replaced them (usually why it ran); history, not the current output.
+    history_missing: list[str] = field(default_factory=list)
 
     @property
     def complete(self) -> bool:
@@ -54,6 +60,10 @@ class VerifyReport:
             "orphans_cleaned": self.cleaned,
             "pending_attempt_objects": self.pending,
             "moved_from": self.moved_from,
+            "stale_success": self.stale_success,
+            "superseded_now": self.superseded,
+            "sealed_now": self.sealed,
+            "history_missing": len(self.history_missing),
         }
 
     def format_text(self) -> str:
@@ -66,6 +76,18 @@ class VerifyReport:
             f"{self.images_failed} failed; {self.objects_checked} objects hashed",
             f"  _SUCCESS: {'present' if self.success else 'absent'}",
         ]
+        if self.stale_success:
+            lines.append(f"  note: {self.stale_success}")
+        if self.superseded or self.sealed:
+            lines.append(
+                f"  --clean: {self.superseded} superseded generation(s) moved under _superseded/, "
+                f"{self.sealed} abandoned redo generation(s) sealed"
+            )
+        if self.history_missing:
+            lines.append(
+                f"  history: {len(self.history_missing)} objects of superseded generations are not "
+                f"under _superseded/ (lost before the redo that replaced them; e.g. {self.history_missing[0]})"
+            )
         if self.moved_from:
             lines.append(
                 f"  note: the manifests name objects under {self.moved_from} (a moved or copied output)"

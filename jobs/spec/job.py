@@ -23,6 +23,7 @@ from ditfleet.driver.dispatch import DispatchConfig
 from ditfleet.driver.memory_plan import MemoryRequest
 from ditfleet.driver.plan import PlanConfig
 from ditfleet.driver.run_job import DriverConfig
+from ditfleet.jobs.knobs import lease_ttl_s
 from ditfleet.model.family import model_family
 from ditfleet.model.settings import PipelineSettings, field_default, settings_fields
 from ditfleet.model.step_cache_config import parse_step_cache
@@ -210,6 +211,7 @@ class JobSpec(Section):
             resolved_spec=json.dumps(self.resolved(), sort_keys=True),
             incremental=self.input.incremental,
             shared_filesystem=self.output.shared_filesystem,
+            lease_ttl_s=lease_ttl_s(),
         )
 
     def compile_config(self) -> CompileConfig:

@@ -389,7 +389,14 @@ def test_a_redo_commits_a_new_generation_and_touches_no_other_shard(
     copy, prompts, tiny_model, monkeypatch, fmt
 ):
     from ditfleet.driver.output.orphans import missing_named_objects
-    from ditfleet.workers.output.manifest import current_manifest_keys, read_manifests
+    from ditfleet.workers.output.layout import superseded_key
+    from ditfleet.workers.output.manifest import (
+        SUPERSEDED,
+        ManifestKind,
+        current_manifest_keys,
+        read_manifest_kind,
+        read_manifests,
+    )
 
     case = copy(fmt)
     lost = (
@@ -403,23 +410,27 @@ def test_a_redo_commits_a_new_generation_and_touches_no_other_shard(
     assert summary.exit_code == 0, log
     assert ran == [(2, 1, "committed")] and "redoing shards [2]" in log
     after = case.snapshot()
-    # Shards 0 and 1, and every committed manifest, byte for byte as they were.
-    kept = {k: v for k, v in before.items() if k != "_SUCCESS" and "00002" not in k or k == manifest_key(2)}
+    # Shards 0 and 1 byte for byte as they were; the superseded generation's manifest kept whole
+    # under _superseded/, its key a zero-row tombstone (driver.output.supersede).
+    kept = {k: v for k, v in before.items() if k != "_SUCCESS" and "00002" not in k}
     assert all(after.get(k) == v for k, v in kept.items()), sorted(
         k for k, v in kept.items() if after.get(k) != v
     )
+    assert after[superseded_key(manifest_key(2))] == before[manifest_key(2)]
+    assert read_manifest_kind(case.store, manifest_key(2)) == ManifestKind(SUPERSEDED, 1)
     assert manifest_key(2, 1) in after and current_manifest_keys(case.store)[2] == manifest_key(2, 1)
-    # The superseded generation's objects (under its token) are gone; readers see one row each.
-    assert not [k for k in after if case.tokens[2] in k]
+    # The superseded generation's objects (under its token) left the data areas for _superseded/;
+    # readers see one row each.
+    assert not [k for k in after if case.tokens[2] in k and not k.startswith("_superseded/")]
     table = read_manifests(case.store)
     assert sorted(table.column("id").to_pylist()) == ["p00000", "p00001", "p00002"]
     assert case.store.exists(success_key()) and missing_named_objects(case.store) == {}
-    assert verify_output(case.store).exit_code == 0
+    assert verify_output(case.store).exit_code == 0, verify_output(case.store).problems
     # Again: the next generation; the one before stays as written.
     summary, _, ran = _redo(case, prompts, tiny_model, monkeypatch, (2,))
     assert summary.exit_code == 0 and ran == [(2, 2, "committed")]
-    assert case.store.get(manifest_key(2, 1)) == after[manifest_key(2, 1)]
-    assert verify_output(case.store).exit_code == 0
+    assert case.store.get(superseded_key(manifest_key(2, 1))) == after[manifest_key(2, 1)]
+    assert verify_output(case.store).exit_code == 0, verify_output(case.store).problems
 
 
 def test_clean_deletes_nothing_while_a_driver_owns_the_output(copy, capsys):

@@ -93,8 +93,8 @@ class SleepingWorker:
             time.sleep(self.config.hang[shard.index])
         else:
             time.sleep(self.shard_s)
-        writer = ManifestWriter(shard.index, expected_rows=shard.num_images)
-        token = new_attempt_token(attempt)
+        writer = ManifestWriter(shard.index, expected_rows=shard.num_images, generation=shard.generation)
+        token = new_attempt_token(attempt, shard.generation)
         for row_id, k, seed in self._images(shard):
             data = f"image {row_id} {k}".encode() if k is not None else f"image {row_id}".encode()
             key = image_key(shard.index, token, row_id, k, "png")

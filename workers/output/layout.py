@@ -12,22 +12,32 @@
 {out}/_runs/{run:05d}.json                          run_key(run)  (incremental jobs: one per run)
 {out}/_runs/{run:05d}-{token}.ids.parquet           run_ids_key(run, token)
 {out}/_lease/{generation:08d}.json                  lease_key(generation)  (the driver that owns the output)
+{out}/_superseded/{key}                             superseded_key(key)  (a superseded generation's manifest and objects)
 ```
 
 Keys are relative to the output root and always use "/" as separator; stores join them to
 their root. Ids from the input go through `safe_key_component`, so no input can address an
 object outside the output root.
 
-Attempt-scoped objects. `{attempt}` is an attempt token, "a{n}-{16 hex}" (`new_attempt_token`):
-the attempt number and 64 random bits drawn by the worker each time it starts a shard. Every
+Attempt-scoped objects. `{attempt}` is an attempt token, "a{n}-{16 hex}" for a shard's first
+generation and "r{g}-a{n}-{16 hex}" for a redo's generation g (`new_attempt_token`): the
+generation the run commits, the attempt number and 64 random bits drawn by the worker each time
+it starts a shard. So every object's key says which manifest key decides its fate
+(`attempt_object(key).generation`, `manifest_key(shard, generation)`). Every
 object a run of a shard writes (images, data file, tar) has its run's token in its key, so two
 runs of a shard never write the same key, whatever they generate: a speculative twin, a
 straggler after a kill, or a retry after an OOM split (whose pixels differ at rounding level)
 writes next to the others, never over them. Only the manifest key is shared, and it is written
 create-only: the first run to commit names its own objects, and no later write can change them.
 The objects of every other run of a committed shard are orphans no manifest names
-(`attempt_object`, `attempt_prefixes` find them; the driver deletes them before `_SUCCESS` and
-`ditfleet verify --clean` after).
+(`attempt_object`, `attempt_prefixes` find them; driver.output.orphans holds the one rule that
+deletes them).
+
+A superseded generation (a redo committed a higher one) is moved, manifest and objects, under
+`_superseded/` with the same relative keys (`superseded_key`), and its manifest key is
+overwritten by a zero-row tombstone (workers.output.manifest): the reader-visible folders hold
+the current generation only; pyarrow, `datasets` and the documented globs skip `_`-prefixed
+paths.
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ MANIFESTS_PREFIX = "manifests/"
 TMP_PREFIX = "_tmp/"
 RUNS_PREFIX = "_runs/"
 LEASE_PREFIX = "_lease/"
+SUPERSEDED_PREFIX = "_superseded/"
 JOB_KEY = "_job.json"
 SUCCESS_KEY = "_SUCCESS"
 
@@ -64,8 +75,10 @@ _SHARD_FILE = re.compile(r"^shard-(\d{5,})(?:\.redo-([1-9]\d*))?\.parquet$")
 _RUN_FILE = re.compile(r"^(\d{5,})\.json$")
 _LEASE_FILE = re.compile(r"^(\d{8,})\.json$")
 _TOKEN = re.compile(r"^[0-9a-f]{1,64}$")
-_ATTEMPT = r"a\d{1,6}-[0-9a-f]{16}"
+# "r{g}-" is present for a redo's generation g >= 1 only: a plain token is generation 0.
+_ATTEMPT = r"(?:r[1-9]\d{0,8}-)?a\d{1,6}-[0-9a-f]{16}"
 _ATTEMPT_TOKEN = re.compile(f"^{_ATTEMPT}$")
+_TOKEN_GENERATION = re.compile(r"^r([1-9]\d{0,8})-")
 _IMAGE_OBJECT = re.compile(rf"^{IMAGES_PREFIX}(\d{{5,}})/({_ATTEMPT})/[^/]+$")
 _DATA_OBJECT = re.compile(rf"^{DATA_PREFIX}shard-(\d{{5,}})-({_ATTEMPT})\.parquet$")
 _WEBDATASET_OBJECT = re.compile(rf"^{WEBDATASET_PREFIX}shard-(\d{{5,}})-({_ATTEMPT})\.tar$")
@@ -126,20 +139,32 @@ def _k_suffix(k: int | None) -> str:
     return f"_{k}"
 
 
-def new_attempt_token(attempt: int) -> str:
-    """A fresh token for one run of a shard: "a{attempt}-{16 hex}" (64 random bits).
+def new_attempt_token(attempt: int, generation: int = 0) -> str:
+    """A fresh token for one run of a shard that commits manifest generation `generation`:
+    "a{attempt}-{16 hex}" for generation 0 (the form outputs of earlier versions hold too),
+    "r{generation}-a{attempt}-{16 hex}" for a redo's generation >= 1; 64 random bits.
 
     Drawn anew for every run, also for two runs with the same attempt number (a queued run moved
     to an idle actor keeps its number, and the original may start anyway)."""
     if isinstance(attempt, bool) or not isinstance(attempt, int) or not 0 <= attempt < 10**6:
         raise ValueError(f"an attempt number must be an int in 0..999999, got {attempt!r}")
-    return f"a{attempt}-{secrets.token_hex(8)}"
+    if isinstance(generation, bool) or not isinstance(generation, int) or not 0 <= generation < 10**9:
+        raise ValueError(f"a manifest generation must be an int in 0..999999999, got {generation!r}")
+    redo = f"r{generation}-" if generation else ""
+    return f"{redo}a{attempt}-{secrets.token_hex(8)}"
+
+
+def token_generation(token: str) -> int:
+    """The manifest generation a run with this attempt token commits (0 for a plain token)."""
+    match = _TOKEN_GENERATION.match(_attempt(token))
+    return int(match.group(1)) if match else 0
 
 
 def _attempt(token: str) -> str:
     if not isinstance(token, str) or not _ATTEMPT_TOKEN.match(token):
         raise ValueError(
-            f"an attempt token looks like 'a0-0123456789abcdef' (new_attempt_token), got {token!r}"
+            "an attempt token looks like 'a0-0123456789abcdef' or 'r1-a0-0123456789abcdef' "
+            f"(new_attempt_token), got {token!r}"
         )
     return token
 
@@ -182,19 +207,22 @@ def webdataset_key(shard: int, attempt: str) -> str:
 
 @dataclass(frozen=True)
 class AttemptObject:
-    """What a key of the shard data areas says: which shard, which run (token)."""
+    """What a key of the shard data areas says: which shard, which run (token), and which
+    manifest generation that run commits (so `manifest_key(shard, generation)` decides its fate)."""
 
     shard: int
     attempt: str
+    generation: int = 0
 
 
 def attempt_object(key: str) -> AttemptObject | None:
-    """The shard and attempt token of an image, data file or tar key made by this layout;
-    None for any other key (outputs of earlier versions had keys without a token)."""
+    """The shard, attempt token and generation of an image, data file or tar key made by this
+    layout; None for any other key (outputs of earlier versions had keys without a token)."""
     for pattern in (_IMAGE_OBJECT, _DATA_OBJECT, _WEBDATASET_OBJECT):
         match = pattern.match(key)
         if match:
-            return AttemptObject(int(match.group(1)), match.group(2))
+            token = match.group(2)
+            return AttemptObject(int(match.group(1)), token, token_generation(token))
     return None
 
 
@@ -248,6 +276,14 @@ def shard_of_manifest_key(key: str) -> int | None:
     """The shard index of a key under MANIFESTS_PREFIX (any generation), or None for any other key."""
     found = manifest_of_key(key)
     return found[0] if found else None
+
+
+def superseded_key(key: str) -> str:
+    """Where a superseded generation's manifest or object `key` is kept: the same relative key
+    under `_superseded/`, which the readers the docs show skip."""
+    if key.startswith(SUPERSEDED_PREFIX):
+        raise ValueError(f"{key!r} is under {SUPERSEDED_PREFIX} already")
+    return f"{SUPERSEDED_PREFIX}{key}"
 
 
 def run_key(run: int) -> str:

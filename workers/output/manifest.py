@@ -1,6 +1,14 @@
 """The shard manifest: one row per requested image (failures included), one schema, defined once.
 
 A shard's manifest is written last, create-only; its existence is the shard's commit.
+
+A manifest key, once written, is never freed. Two zero-row files with exactly MANIFEST_SCHEMA
+may occupy one instead of rows (a reader of the union reads nothing from them):
+- a tombstone (`ditfleet.tombstone = superseded`, `ditfleet.superseded_by = g`): the
+  generation was superseded by a redo's generation g; its rows are kept whole under
+  `_superseded/` (driver.output.supersede);
+- a seal (`ditfleet.tombstone = sealed`), only at a redo key: the generation was abandoned
+  before it committed; no straggler of it can ever commit.
 `MANIFEST_SCHEMA` is derived from `ManifestRow`, so the row type and the Parquet schema cannot
 drift apart. Every shard writes exactly this schema, so the union of all manifests reads as one
 table with pyarrow.dataset, pandas, DuckDB and Hugging Face datasets.
@@ -22,11 +30,23 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ditfleet.workers.output.layout import MANIFESTS_PREFIX, manifest_key, manifest_of_key, manifest_prefix
+from ditfleet.workers.output.layout import (
+    MANIFESTS_PREFIX,
+    manifest_key,
+    manifest_of_key,
+    manifest_prefix,
+)
 from ditfleet.workers.storage import ObjectStore
 
 MANIFEST_VERSION = "1"
 STATUSES = ("ok", "failed")
+
+# What occupies a manifest key (manifest_kind): rows, or one of the two zero-row markers.
+MANIFEST = "manifest"
+SUPERSEDED = "superseded"
+SEALED = "sealed"
+_TOMBSTONE_KEY = b"ditfleet.tombstone"
+_SUPERSEDED_BY_KEY = b"ditfleet.superseded_by"
 
 
 def _col(
@@ -225,28 +245,100 @@ class ManifestWriter:
         return store.put_if_absent(self.key, manifest_bytes(self._rows), "application/vnd.apache.parquet")
 
 
-def _current(keys) -> dict[int, str]:
-    best: dict[int, tuple[int, str]] = {}
+def _marker_bytes(metadata: dict[bytes, bytes]) -> bytes:
+    buf = io.BytesIO()
+    schema = MANIFEST_SCHEMA.with_metadata({**MANIFEST_SCHEMA.metadata, **metadata})
+    pq.write_table(schema.empty_table(), buf, compression="zstd")
+    return buf.getvalue()
+
+
+def tombstone_bytes(superseded_by: int) -> bytes:
+    """The tombstone written over a superseded generation's manifest key: zero rows, exactly
+    MANIFEST_SCHEMA, saying which generation superseded it. Deterministic bytes, so two
+    supersessions of one generation write the same object."""
+    if isinstance(superseded_by, bool) or not isinstance(superseded_by, int) or superseded_by < 1:
+        raise ValueError(f"a superseding generation is an int >= 1, got {superseded_by!r}")
+    return _marker_bytes({_TOMBSTONE_KEY: SUPERSEDED.encode(), _SUPERSEDED_BY_KEY: str(superseded_by).encode()})
+
+
+def seal_bytes() -> bytes:
+    """The seal written create-only at an abandoned redo generation's manifest key."""
+    return _marker_bytes({_TOMBSTONE_KEY: SEALED.encode()})
+
+
+@dataclass(frozen=True)
+class ManifestKind:
+    """What occupies a manifest key: MANIFEST (rows), SUPERSEDED (a tombstone, with the
+    generation that superseded it) or SEALED."""
+
+    kind: str
+    superseded_by: int | None = None
+
+
+def manifest_kind(data: bytes) -> ManifestKind:
+    """Read a manifest key's footer (its schema metadata) alone; raises on what is not Parquet."""
+    metadata = pq.read_schema(io.BytesIO(data)).metadata or {}
+    marker = metadata.get(_TOMBSTONE_KEY)
+    if marker == SEALED.encode():
+        return ManifestKind(SEALED)
+    if marker == SUPERSEDED.encode():
+        by = metadata.get(_SUPERSEDED_BY_KEY, b"")
+        return ManifestKind(SUPERSEDED, int(by) if by.isdigit() else None)
+    return ManifestKind(MANIFEST)
+
+
+def read_manifest_kind(store: ObjectStore, key: str) -> ManifestKind:
+    return manifest_kind(store.get(key))
+
+
+def manifest_generations(keys) -> dict[int, dict[int, str]]:
+    """Shard -> {generation: key} of the manifest keys among `keys` (a listing of manifests/)."""
+    found: dict[int, dict[int, str]] = {}
     for key in keys:
-        found = manifest_of_key(key)
-        if found is not None and (found[0] not in best or found[1] > best[found[0]][0]):
-            best[found[0]] = (found[1], key)
-    return {shard: key for shard, (_, key) in best.items()}
+        parsed = manifest_of_key(key)
+        if parsed is not None:
+            found.setdefault(parsed[0], {})[parsed[1]] = key
+    return found
+
+
+def current_of(store: ObjectStore, generations: dict[int, str]) -> str | None:
+    """The highest generation that is not a seal. A seal can only be at a redo key, so only a
+    shard's redo keys are opened, highest first, and only until one is not a seal."""
+    for generation in sorted(generations, reverse=True):
+        key = generations[generation]
+        if generation == 0:
+            return key
+        try:
+            if read_manifest_kind(store, key).kind != SEALED:
+                return key
+        except Exception:  # noqa: BLE001 - unreadable: not a seal we wrote; readers report it
+            return key
+    return None
+
+
+def _current(store: ObjectStore, keys) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for shard, generations in manifest_generations(keys).items():
+        key = current_of(store, generations)
+        if key is not None:
+            out[shard] = key
+    return out
 
 
 def current_manifest_keys(store: ObjectStore) -> dict[int, str]:
-    """Shard -> the key of its current manifest: its highest generation (a redo's, else the
-    first commit's). Superseded generations stay as written and are read by no reader."""
-    return _current(store.list(MANIFESTS_PREFIX))
+    """Shard -> the key of its current manifest: its highest generation that is not a seal (a
+    redo's, else the first commit's). Superseded generations are tombstones with their rows under
+    `_superseded/`; an abandoned redo's key holds a seal."""
+    return _current(store, store.list(MANIFESTS_PREFIX))
 
 
 def current_manifest_key(store: ObjectStore, shard: int) -> str | None:
     """The current manifest of one shard (a listing of its own manifests), None if uncommitted."""
-    return _current(store.list(manifest_prefix(shard))).get(shard)
+    return _current(store, store.list(manifest_prefix(shard))).get(shard)
 
 
 def committed_shards(store: ObjectStore) -> set[int]:
-    """Shards with a manifest of any generation (the resume set)."""
+    """Shards with a manifest that is not a seal, of any generation (the resume set)."""
     return set(current_manifest_keys(store))
 
 

@@ -168,6 +168,30 @@ class ObjectStore(abc.ABC):
     def delete(self, key: str) -> None:
         """Remove the object; deleting a missing key is not an error."""
 
+    def copy(self, src: str, dst: str) -> bool:
+        """Copy object `src` to `dst` unless `dst` exists. True: this call made the copy; False:
+        `dst` was there already (a copy made before counts as done). Raises ObjectNotFound when
+        neither is there. Meant for immutable sources (attempt objects, committed manifests): two
+        copies of one source racing write the same bytes, so either result is the same object.
+        Stores override this with a server-side copy; this fallback reads and writes."""
+        if self.exists(dst):
+            return False
+        try:
+            data = self.get(src)
+        except ObjectNotFound:
+            if self.exists(dst):  # another mover finished meanwhile
+                return False
+            raise
+        self.put_if_absent(dst, data)
+        return True
+
+    def move(self, src: str, dst: str) -> bool:
+        """`copy`, then delete `src`. A source already gone whose destination exists is done
+        (False); raises ObjectNotFound when neither is there."""
+        made = self.copy(src, dst)
+        self.delete(src)
+        return made
+
     @abc.abstractmethod
     def uri(self, key: str = "") -> str:
         """Where the key lives, in a form other tools open ("s3://b/p/k" or an absolute path)."""

@@ -150,6 +150,28 @@ class LocalStore(ObjectStore):
     def delete(self, key: str) -> None:
         _unlink_quietly(self._path(key))
 
+    def copy(self, src: str, dst: str) -> bool:
+        """A hard link (no bytes copied; the source's later deletion leaves the copy), else, on
+        a filesystem without links, a copy through a temp file; create-only either way."""
+        source, target = self._path(src), self._path(dst)
+        if os.path.isfile(target):
+            return False
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        try:
+            os.link(source, target)
+        except FileExistsError:
+            return False
+        except FileNotFoundError:
+            if os.path.isfile(target):
+                return False
+            raise ObjectNotFound(f"no object {src!r} at {source} to copy to {dst!r}") from None
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+                raise
+            return ObjectStore.copy(self, src, dst)
+        fsync_dir(os.path.dirname(target))
+        return True
+
     def uri(self, key: str = "") -> str:
         return self._path(key) if key else self.root
 

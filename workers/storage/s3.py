@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO, TypeVar
 
 import boto3
+from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.exceptions import (
     BotoCoreError,
@@ -368,6 +369,33 @@ class S3Store(ObjectStore):
                 f"S3 LIST of s3://{self.bucket}/{self.prefix}{prefix} at {self._endpoint()} failed "
                 f"(up to {self.config.max_attempts} attempts): {e}"
             ) from e
+
+    @_names_the_object("COPY")
+    def copy(self, src: str, dst: str) -> bool:
+        """A server-side copy (boto3's managed copy: one CopyObject, or parts above 5 GB).
+        HEAD first, create-only in effect: the sources are immutable, so two copies racing
+        write the same bytes."""
+        if self.exists(dst):
+            return False
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=self._key(src))
+        except ClientError as e:
+            if _status(e) != 404:
+                raise
+            if self.exists(dst):
+                return False
+            raise ObjectNotFound(f"no object {self.uri(src)} to copy to {self.uri(dst)}") from None
+        self.client.copy(
+            {"Bucket": self.bucket, "Key": self._key(src)},
+            self.bucket,
+            self._key(dst),
+            Config=TransferConfig(
+                multipart_threshold=self.config.multipart_threshold,
+                multipart_chunksize=self.config.multipart_chunksize,
+                max_concurrency=self.config.multipart_concurrency,
+            ),
+        )
+        return True
 
     @_names_the_object("DELETE")
     def delete(self, key: str) -> None:

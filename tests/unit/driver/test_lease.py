@@ -49,3 +49,63 @@ def test_a_lease_whose_driver_is_alive_is_refused(tmp_path):
     finally:
         alive.kill()
         alive.wait()
+
+
+def test_older_generations_stay_until_settled_and_the_document_says_what_its_run_does(tmp_path):
+    store = open_store(str(tmp_path / "out"))
+    t0 = time.time()
+    first = acquire_lease(store, ttl_s=60, renew=False, clock=lambda: t0)
+    first.record_work([0, 1, 2, 9], {1: 2})
+    # Its driver stops renewing (paused past its lease): another takes the output after 60 s.
+    second = acquire_lease(store, ttl_s=60, renew=False, clock=lambda: t0 + 61)
+    assert store.exists(lease_key(0)) and store.exists(lease_key(1))  # not deleted on acquire
+    doc = json.loads(store.get(lease_key(0)))
+    assert doc["shards"] == [[0, 2], [9, 9]] and doc["redo"] == {"1": 2} and doc["settled"] is False
+    with pytest.raises(OutputBusy, match="another driver took the output"):
+        first.record_work([3], {})  # a paused holder that lost the output learns it here
+    second.mark_settled()
+    second.release()
+    assert json.loads(store.get(lease_key(1)))["settled"] is True
+
+
+def test_the_lease_length_knob_is_read_in_one_place(monkeypatch):
+    from ditfleet.driver.run_job import DriverConfig
+    from ditfleet.jobs.knobs import LEASE_TTL_ENV, lease_ttl_s
+
+    monkeypatch.delenv(LEASE_TTL_ENV, raising=False)
+    assert lease_ttl_s() == 120.0 == DriverConfig("in", "out").lease_ttl_s
+    monkeypatch.setenv(LEASE_TTL_ENV, "2.5")
+    assert lease_ttl_s() == 2.5
+    for bad in ("0", "-1", "soon"):
+        monkeypatch.setenv(LEASE_TTL_ENV, bad)
+        with pytest.raises(ValueError, match=LEASE_TTL_ENV):
+            lease_ttl_s()
+    with pytest.raises(ValueError, match="lease_ttl_s"):
+        DriverConfig("in", "out", lease_ttl_s=0)
+
+
+def test_a_pause_point_stops_the_process_only_when_named(tmp_path):
+    import os
+    import signal
+
+    from ditfleet.driver.output.pause_points import pause_point
+
+    pause_point("in_cleanup")  # unset: nothing happens
+    with pytest.raises(ValueError, match="unknown pause point"):
+        pause_point("nowhere")
+    env = {**os.environ, "DITFLEET_PAUSE_AT": "before_success, in_cleanup", "DITFLEET_PAUSE_DIR": str(tmp_path)}
+    code = "from ditfleet.driver.output.pause_points import pause_point; pause_point('in_cleanup'); print('resumed')"
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        marker = tmp_path / f"in_cleanup.{proc.pid}"
+        deadline = time.monotonic() + 60
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists()
+        time.sleep(0.2)
+        assert proc.poll() is None  # stopped, not exited
+        os.kill(proc.pid, signal.SIGCONT)
+        assert proc.communicate(timeout=60)[0].strip() == "resumed" and proc.returncode == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -1,5 +1,6 @@
 """A redo's manifest generations: the keys, and which one every reader takes as a shard's
-current manifest (the highest generation present; the lower ones stay as written)."""
+current manifest (the highest generation present that is not a seal; tests/unit/driver/
+test_integrity_rules.py has the seals and tombstones)."""
 
 from __future__ import annotations
 

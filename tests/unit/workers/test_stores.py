@@ -83,6 +83,34 @@ def test_put_if_absent_race_has_one_winner(store: ObjectStore) -> None:
     assert store.get(key) == f"writer-{winners[0]}".encode()
 
 
+def test_copy_and_move_are_create_only_and_resumable(store: ObjectStore) -> None:
+    store.put("images/00001/a0-x/p.png", b"pixels")
+    assert store.copy("images/00001/a0-x/p.png", "_superseded/images/00001/a0-x/p.png") is True
+    assert store.get("_superseded/images/00001/a0-x/p.png") == b"pixels"
+    assert store.get("images/00001/a0-x/p.png") == b"pixels"  # a copy leaves the source
+    # A copy made before counts as done, and is not overwritten.
+    store.put("other", b"other bytes")
+    assert store.copy("other", "_superseded/images/00001/a0-x/p.png") is False
+    assert store.get("_superseded/images/00001/a0-x/p.png") == b"pixels"
+    # Move: copy then delete the source; again after a crash between the two, then once more
+    # with the source gone (done); neither there at all is an error.
+    assert store.move("images/00001/a0-x/p.png", "_superseded/images/00001/a0-x/p.png") is False
+    assert not store.exists("images/00001/a0-x/p.png")
+    assert store.move("images/00001/a0-x/p.png", "_superseded/images/00001/a0-x/p.png") is False
+    store.put("data/shard-00002-a0-y.parquet", b"rows")
+    assert store.move("data/shard-00002-a0-y.parquet", "_superseded/data/shard-00002-a0-y.parquet") is True
+    assert store.get("_superseded/data/shard-00002-a0-y.parquet") == b"rows"
+    assert sorted(store.list("data/")) == []
+    with pytest.raises(ObjectNotFound):
+        store.copy("nothing/here", "_superseded/nothing/here")
+    # Deleting the source leaves the copy (a hard link on a local folder shares no later write).
+    store.put("k", b"one")
+    store.copy("k", "_superseded/k")
+    store.put("k", b"two")
+    store.delete("k")
+    assert store.get("_superseded/k") == b"one"
+
+
 def test_uri(store: ObjectStore, tmp_path) -> None:
     if isinstance(store, S3Store):
         assert store.uri("images/x.png") == f"s3://{store.bucket}/runs/one/images/x.png"

@@ -1,0 +1,88 @@
+"""`_SUCCESS` is valid only under the lease generation that wrote it.
+
+It holds the job summary (driver.output.summary) and "lease": the generation of the driver that
+wrote it, create-only, right after checking its lease; one of a lower generation is replaced.
+A `_SUCCESS` whose generation is lower than the highest lease document present is stale:
+`success_file` (and every tool reading `_SUCCESS` through it: resume, status, verify, report)
+treats it as absent and says so in one line. So a driver paused past its lease that resumes and
+writes `_SUCCESS` writes at worst a stale one, which nothing of ours believes. The highest lease
+document is never deleted (driver.output.settle), so staleness, once true, stays true. A
+`_SUCCESS` without "lease" was written by an earlier version (which kept only the highest lease
+document) and counts as written by that document's driver.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from ditfleet.driver.output.json_objects import read_json
+from ditfleet.driver.output.lease import OutputBusy, lease_generations
+from ditfleet.workers.output.layout import success_key
+from ditfleet.workers.storage import ObjectStore
+
+
+class SuccessStale(OutputBusy):
+    """A higher lease generation than this driver's wrote `_SUCCESS`: this driver lost the output."""
+
+
+def _lease_of(doc: dict[str, Any] | None) -> int | None:
+    value = (doc or {}).get("lease")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def put_success(store: ObjectStore, doc: dict[str, Any], lease: int | None) -> None:
+    """Write `doc` as `_SUCCESS`, stamped "lease": `lease`, create-only; one of a lower (or no)
+    generation there is replaced. Raises SuccessStale when one of a higher generation is there."""
+    data = (json.dumps({**doc, "lease": lease}, indent=2, default=str) + "\n").encode()
+    if store.put_if_absent(success_key(), data, "application/json"):
+        return
+    try:
+        there = _lease_of(read_json(store, success_key()))
+    except ValueError:
+        there = None  # not JSON: nothing to keep
+    if there is not None and lease is not None and there > lease:
+        raise SuccessStale(
+            f"{store.uri(success_key())} was written by lease generation {there}, this driver holds "
+            f"{lease}: another driver took the output"
+        )
+    store.put(success_key(), data, "application/json")
+
+
+@dataclass(frozen=True)
+class SuccessFile:
+    """What `_SUCCESS` says to a reader: its document (None when absent or stale) and, when
+    stale, the one line saying why it is not believed."""
+
+    doc: dict[str, Any] | None
+    stale: str | None = None
+
+
+def success_file(store: ObjectStore, holder: int | None = None) -> SuccessFile:
+    """`_SUCCESS` as every tool reads it: absent, valid, or stale. holder: the caller's own lease
+    generation, not counted, so a driver that just took the lease sees the output as it was
+    before. Raises ValueError when `_SUCCESS` is not JSON."""
+    doc = read_json(store, success_key())
+    if doc is None:
+        return SuccessFile(None)
+    wrote = _lease_of(doc)
+    if wrote is None:
+        return SuccessFile(doc)
+    higher = [g for g in lease_generations(store) if g > wrote and g != holder]
+    if not higher:
+        return SuccessFile(doc)
+    return SuccessFile(
+        None,
+        f"_SUCCESS was written by lease generation {wrote}, but generation {higher[-1]} has taken the "
+        "output since: stale; the run that owns the output writes a new one",
+    )
+
+
+def restamp_success(store: ObjectStore, before: SuccessFile | None, holder: int) -> None:
+    """For a tool that took the lease and leaves a complete output complete (`verify --clean`,
+    `ditfleet compact`): stamp the `_SUCCESS` that was valid before it took the lease
+    (`before = success_file(store, holder)`, read right after taking it) with its generation, so
+    that taking the lease does not leave it stale. One without "lease" is never stale: kept."""
+    if before is not None and _lease_of(before.doc) is not None:
+        put_success(store, before.doc, holder)  # type: ignore[arg-type] - checked: a doc
