@@ -89,6 +89,19 @@ def finished(case: Case) -> None:
     assert done.rc == 0, done
 
 
+def killed_twin(case: Case, shard: int, **spec) -> str:
+    """A twin run of `shard` (attempt 1, started before the shard was committed) that stored its
+    data file and was killed before its commit; returns that file's key (provably lost once the
+    shard is committed by another run)."""
+    twin = case.procs.start("twin", mode="worker", shard=shard, attempt=1, pause_shards=[shard],
+                            checked_before_commit=True, pause_at=[STOP_BEFORE_COMMIT], **spec)  # fmt: skip
+    twin.wait_paused(STOP_BEFORE_COMMIT)
+    twin.kill()
+    left = [k for k in case.store.list("data/") if k.startswith(f"data/shard-{shard:05d}-a1-")]
+    assert len(left) == 1, left
+    return left[0]
+
+
 def assert_redo_kept(case: Case, redo: Finished) -> None:
     """The redo of shard 1 exited 0, its manifest (generation 1) is committed, and every object
     it names is there."""
@@ -146,6 +159,7 @@ def test_1_driver_paused_after_its_lease_check_deletes_nothing_of_a_redo(case):
 
 def test_2_verify_clean_paused_before_deleting_deletes_nothing_of_a_redo(case):
     finished(case)
+    lost = killed_twin(case, 1)  # what verify --clean has to delete: a killed twin's data file
     v = case.procs.start("verify-clean", mode="cli", argv=["verify", case.uri, "--clean", *case.cli],
                          pause_at=["verify_before_delete"], ttl_s=TTL_S)  # fmt: skip
     v.wait_paused("verify_before_delete")  # it read the manifests of generation 0
@@ -155,6 +169,7 @@ def test_2_verify_clean_paused_before_deleting_deletes_nothing_of_a_redo(case):
     v.cont()
     v.finish()
     assert_redo_kept(case, b)
+    assert not case.store.exists(lost)
     assert_intact(case)
     assert_superseded(case.store, 1, 0, by=1)
 
@@ -175,20 +190,14 @@ def test_3_redo_killed_after_its_commit_then_a_rerun_leaves_each_row_once(case):
 
 
 def test_3_driver_killed_before_its_cleanup_of_a_killed_twin_then_a_rerun_cleans_it(case):
-    # A twin of shard 1 (attempt 1) stores its data file and is killed before it commits.
-    twin = case.procs.start("twin", mode="worker", shard=1, attempt=1, pause_shards=[1],
-                            pause_at=[STOP_BEFORE_COMMIT])  # fmt: skip
-    twin.wait_paused(STOP_BEFORE_COMMIT)
-    twin.kill()
-    left = [k for k in case.store.list("data/") if k.startswith("data/shard-00001-a1-")]
-    assert len(left) == 1, left
+    lost = killed_twin(case, 1)  # stored its data file, killed before it committed
     # The driver commits every shard (shard 1 by attempt 0) and is killed before its clean-up.
     a = case.procs.start("A", pause_at=["after_lease_check"], ttl_s=TTL_S)
     a.wait_paused("after_lease_check")
     a.kill()
     b = case.procs.run("B-rerun", ttl_s=TTL_S)
     assert b.rc == 0, b
-    assert not case.store.exists(left[0]), f"the killed twin's {left[0]} is still in data/ under _SUCCESS"
+    assert not case.store.exists(lost), f"the killed twin's {lost} is still in data/ under _SUCCESS"
     assert_intact(case)
 
 
@@ -232,7 +241,9 @@ def test_9_incremental_run_refused_the_lease_changes_nothing(case, tmp_path):
     inc = {"input": str(days), "incremental": True}
     first = case.procs.run("run-1", **inc)
     assert first.rc == 0 and case.store.exists(success_key()), first
-    # verify --clean holds the output's lease (a live holder: the default lease length).
+    lost = killed_twin(case, 0, **inc)
+    # verify --clean, about to delete the twin's file, holds the output's lease (a live holder:
+    # the default lease length).
     holder = case.procs.start("verify-clean", mode="cli", argv=["verify", case.uri, "--clean", *case.cli],
                               pause_at=["verify_before_delete"])  # fmt: skip
     holder.wait_paused("verify_before_delete")
@@ -247,7 +258,7 @@ def test_9_incremental_run_refused_the_lease_changes_nothing(case, tmp_path):
         "changed": sorted(k for k in set(after) & set(before) if after[k] != before[k]),
     }
     holder.cont()
-    assert holder.finish().rc == 0
+    assert holder.finish().rc == 0 and not case.store.exists(lost)
     second = case.procs.run("run-2", **inc)
     assert second.rc == 0, second
     assert_readers_see_each_row_once(case.store, ["a0", "a1", "a2", "a3", "b0", "b1", "b2"], FORMAT)

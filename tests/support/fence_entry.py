@@ -13,7 +13,7 @@ SPEC is JSON; its "mode" says what the process is:
 
 Common keys: "input", "output", "endpoint_url" (an S3 output), "shard_size", "format" (files,
 parquet, webdataset), "incremental", "redo" (shards), "pause_shards" (the stand-in worker stops
-before committing these), "ttl_s" (the driver's lease, DriverConfig.lease_ttl_s; the CLI reads
+before committing these), "checked_before_commit" (it runs a committed shard too), "ttl_s" (the driver's lease, DriverConfig.lease_ttl_s; the CLI reads
 DITFLEET_LEASE_TTL_S, which the test sets). Pauses: DITFLEET_PAUSE_AT / DITFLEET_PAUSE_DIR
 (tests/support/pause_seam.py).
 """
@@ -69,18 +69,22 @@ def worker_config(spec: dict[str, Any]):
         writer=ShardWriterConfig(output_format=spec.get("format", "parquet"), threads=2, max_in_flight=4),
         s3=_s3(spec),
         pause_shards=tuple(spec.get("pause_shards", ())),
+        checked_before_commit=bool(spec.get("checked_before_commit")),
     )
 
 
 def in_process(todo, worker_cls, args, config, events, keep_results=False):
-    """The driver's dispatch, in this process: each shard once, attempt 0. The two pause points
-    of the dispatch are here too (see tests/support/pause_points_before_seam.py); a test stops
-    or kills the process at the first one it reaches."""
-    pause_point("after_dispatch_start")
+    """The driver's dispatch, in this process: each shard once, attempt 0, reported to the
+    driver's dispatch events as an actor's would be (the driver's `after_dispatch_start` point is
+    one of them). Before the seam, its two dispatch points are placed here (see
+    tests/support/pause_points_before_seam.py)."""
     worker = worker_cls(*args)
     for shard in todo:
-        worker.run_shard(shard, 0)
-    if any(s.generation for s in todo):
+        events.shard_started(shard, 0, worker.worker_id, False)
+        if not HAS_SEAM:
+            pause_point("after_dispatch_start")
+        events.shard_committed(shard, worker.run_shard(shard, 0))
+    if not HAS_SEAM and any(s.generation for s in todo):
         pause_point("after_redo_commit")
     return None
 

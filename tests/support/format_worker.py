@@ -37,6 +37,9 @@ HOLD_BEFORE_COMMIT = "worker_hold_before_commit"
 @dataclass(frozen=True)
 class FormatWorkerConfig(WorkerConfig):
     pause_shards: tuple[int, ...] = ()  # shards that stop (or wait) before their commit
+    # A run that checked for the shard's manifest before another run committed it (a twin that
+    # started earlier): it stores its objects whatever is committed now.
+    checked_before_commit: bool = False
 
 
 def attempt_token(attempt: int, generation: int) -> str:
@@ -61,7 +64,7 @@ class FormatWorker:
 
     def run_shard(self, shard, attempt: int = 0) -> ShardResult:
         generation = shard.generation
-        if self.store.exists(manifest_key(shard.index, generation)):
+        if not self.config.checked_before_commit and self.store.exists(manifest_key(shard.index, generation)):
             return self._result(shard, attempt, "already_committed")
         token = attempt_token(attempt, generation)
         rows = read_shard_rows(shard, pafs.LocalFileSystem(), self.config.rows)
