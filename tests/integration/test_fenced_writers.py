@@ -154,6 +154,24 @@ def test_1_driver_paused_after_its_lease_check_deletes_nothing_of_a_redo(case):
     assert a_done.rc != 0, a_done
 
 
+def test_1_driver_paused_before_success_past_its_lease_cannot_finish_the_output(case):
+    a = case.procs.start("A", pause_at=["before_success"], ttl_s=TTL_S)
+    a.wait_paused("before_success")  # A's clean-up is done; its _SUCCESS is next
+    wait_lease_lapsed(case.store)
+    b = case.procs.start("B-redo", redo=[1], pause_shards=[1], pause_at=[HOLD_BEFORE_COMMIT], ttl_s=TTL_S)
+    b.wait_held(HOLD_BEFORE_COMMIT)  # B owns the output; shard 1's redo is not committed
+    a.cont()
+    a_done = a.finish()
+    # Whatever A wrote, no tool takes the output for finished while B's redo is under way.
+    status = case.procs.run("status", mode="cli", argv=["status", case.uri, "--json", *case.cli])
+    assert json.loads(status.out)["complete"] is False, f"A's _SUCCESS is believed: {status}\n{a_done}"
+    assert status.rc != 0
+    b.release(HOLD_BEFORE_COMMIT)
+    assert_redo_kept(case, b.finish())
+    assert_intact(case)
+    assert_superseded(case.store, 1, 0, by=1)
+
+
 # -- 2. verify --clean paused past its lease deletes nothing of a redo ----------------------------
 
 
@@ -223,6 +241,23 @@ def test_4_straggler_of_a_dead_redo_cannot_commit_after_the_rerun_and_clean(case
     assert_intact(case)
     assert_sealed(case.store, 1, 1)
     assert json.loads(s_done.out.strip().splitlines()[-1])["status"] == "already_committed", s_done
+
+
+def test_4_straggler_of_a_dead_redo_that_commits_first_is_superseding(case):
+    finished(case)
+    a = case.procs.start("A-redo", redo=[1], pause_at=["after_dispatch_start"], ttl_s=TTL_S)
+    a.wait_paused("after_dispatch_start")
+    straggler = case.procs.start("straggler", mode="worker", shard=1, generation=1, pause_shards=[1],
+                                 pause_at=[STOP_BEFORE_COMMIT])  # fmt: skip
+    straggler.wait_paused(STOP_BEFORE_COMMIT)
+    a.kill()
+    straggler.cont()  # it commits generation 1 before any other driver settles A's redo
+    s_done = straggler.finish()
+    assert json.loads(s_done.out.strip().splitlines()[-1])["status"] == "committed", s_done
+    b = case.procs.run("B-rerun", ttl_s=TTL_S)
+    assert b.rc == 0, b
+    assert_intact(case)
+    assert_superseded(case.store, 1, 0, by=1)  # the straggler's commit is real: it supersedes
 
 
 # -- 9. an incremental run refused the lease has changed nothing ---------------------------------
