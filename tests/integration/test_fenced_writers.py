@@ -66,7 +66,13 @@ def case(request, tmp_path):
         uri = f"s3://{request.getfixturevalue('s3_bucket')}/out"
         s3, endpoint = server.config(), server.endpoint_url
         cli = ["--endpoint-url", endpoint, "--region", s3.region]
-    base = {"input": str(prompts), "output": uri, "endpoint_url": endpoint, "format": FORMAT, "shard_size": SHARD_SIZE}
+    base = {
+        "input": str(prompts),
+        "output": uri,
+        "endpoint_url": endpoint,
+        "format": FORMAT,
+        "shard_size": SHARD_SIZE,
+    }
     procs = Processes(tmp_path / "procs", base)
     try:
         yield Case(uri, open_store(uri, s3), procs, prompts, cli)
@@ -93,8 +99,16 @@ def killed_twin(case: Case, shard: int, **spec) -> str:
     """A twin run of `shard` (attempt 1, started before the shard was committed) that stored its
     data file and was killed before its commit; returns that file's key (provably lost once the
     shard is committed by another run)."""
-    twin = case.procs.start("twin", mode="worker", shard=shard, attempt=1, pause_shards=[shard],
-                            checked_before_commit=True, pause_at=[STOP_BEFORE_COMMIT], **spec)  # fmt: skip
+    twin = case.procs.start(
+        "twin",
+        mode="worker",
+        shard=shard,
+        attempt=1,
+        pause_shards=[shard],
+        checked_before_commit=True,
+        pause_at=[STOP_BEFORE_COMMIT],
+        **spec,
+    )
     twin.wait_paused(STOP_BEFORE_COMMIT)
     twin.kill()
     left = [k for k in case.store.list("data/") if k.startswith(f"data/shard-{shard:05d}-a1-")]
@@ -124,14 +138,16 @@ def assert_intact(case: Case) -> None:
 
 
 def test_1_driver_paused_in_cleanup_past_its_lease_deletes_nothing_of_a_redo(case):
+    lost = killed_twin(case, 1)  # A's clean-up has this to delete once A committed shard 1
     a = case.procs.start("A", pause_at=["in_cleanup"], ttl_s=TTL_S)
-    a.wait_paused("in_cleanup")  # A committed every shard and read the manifests for its clean-up
+    a.wait_paused("in_cleanup")  # A committed every shard, read the manifests, found the twin's file lost
     wait_lease_lapsed(case.store)
     b = case.procs.run("B-redo", redo=[1], ttl_s=TTL_S)
     assert b.rc == 0 and case.store.exists(success_key()), b
     a.cont()
     a_done = a.finish()
     assert_redo_kept(case, b)
+    assert not case.store.exists(lost)
     assert_intact(case)
     assert_superseded(case.store, 1, 0, by=1)
     assert a_done.rc != 0, f"A, which lost the output while paused, must not finish it: {a_done}"
@@ -178,8 +194,13 @@ def test_1_driver_paused_before_success_past_its_lease_cannot_finish_the_output(
 def test_2_verify_clean_paused_before_deleting_deletes_nothing_of_a_redo(case):
     finished(case)
     lost = killed_twin(case, 1)  # what verify --clean has to delete: a killed twin's data file
-    v = case.procs.start("verify-clean", mode="cli", argv=["verify", case.uri, "--clean", *case.cli],
-                         pause_at=["verify_before_delete"], ttl_s=TTL_S)  # fmt: skip
+    v = case.procs.start(
+        "verify-clean",
+        mode="cli",
+        argv=["verify", case.uri, "--clean", *case.cli],
+        pause_at=["verify_before_delete"],
+        ttl_s=TTL_S,
+    )
     v.wait_paused("verify_before_delete")  # it read the manifests of generation 0
     wait_lease_lapsed(case.store)
     b = case.procs.run("B-redo", redo=[1], ttl_s=TTL_S)
@@ -227,13 +248,16 @@ def test_4_straggler_of_a_dead_redo_cannot_commit_after_the_rerun_and_clean(case
     a = case.procs.start("A-redo", redo=[1], pause_at=["after_dispatch_start"], ttl_s=TTL_S)
     a.wait_paused("after_dispatch_start")  # its lease document names the redo of shard 1, generation 1
     # A's actor for shard 1: it stores generation 1's objects and stops before committing.
-    straggler = case.procs.start("straggler", mode="worker", shard=1, generation=1, pause_shards=[1],
-                                 pause_at=[STOP_BEFORE_COMMIT])  # fmt: skip
+    straggler = case.procs.start(
+        "straggler", mode="worker", shard=1, generation=1, pause_shards=[1], pause_at=[STOP_BEFORE_COMMIT]
+    )
     straggler.wait_paused(STOP_BEFORE_COMMIT)
     a.kill()  # the redo's driver dies; its straggler lives on
     b = case.procs.run("B-rerun", ttl_s=TTL_S)
     assert b.rc == 0, b
-    clean = case.procs.run("verify-clean", mode="cli", argv=["verify", case.uri, "--clean", *case.cli], ttl_s=TTL_S)
+    clean = case.procs.run(
+        "verify-clean", mode="cli", argv=["verify", case.uri, "--clean", *case.cli], ttl_s=TTL_S
+    )
     assert clean.rc == 0, clean
     straggler.cont()  # it tries to commit generation 1 now
     s_done = straggler.finish()
@@ -247,8 +271,9 @@ def test_4_straggler_of_a_dead_redo_that_commits_first_is_superseding(case):
     finished(case)
     a = case.procs.start("A-redo", redo=[1], pause_at=["after_dispatch_start"], ttl_s=TTL_S)
     a.wait_paused("after_dispatch_start")
-    straggler = case.procs.start("straggler", mode="worker", shard=1, generation=1, pause_shards=[1],
-                                 pause_at=[STOP_BEFORE_COMMIT])  # fmt: skip
+    straggler = case.procs.start(
+        "straggler", mode="worker", shard=1, generation=1, pause_shards=[1], pause_at=[STOP_BEFORE_COMMIT]
+    )
     straggler.wait_paused(STOP_BEFORE_COMMIT)
     a.kill()
     straggler.cont()  # it commits generation 1 before any other driver settles A's redo
@@ -279,8 +304,12 @@ def test_9_incremental_run_refused_the_lease_changes_nothing(case, tmp_path):
     lost = killed_twin(case, 0, **inc)
     # verify --clean, about to delete the twin's file, holds the output's lease (a live holder:
     # the default lease length).
-    holder = case.procs.start("verify-clean", mode="cli", argv=["verify", case.uri, "--clean", *case.cli],
-                              pause_at=["verify_before_delete"])  # fmt: skip
+    holder = case.procs.start(
+        "verify-clean",
+        mode="cli",
+        argv=["verify", case.uri, "--clean", *case.cli],
+        pause_at=["verify_before_delete"],
+    )
     holder.wait_paused("verify_before_delete")
     before = snapshot(case.store)
     _write_day(days, "2024-06-02.parquet", ["b0", "b1", "b2"])

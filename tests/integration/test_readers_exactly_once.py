@@ -46,9 +46,15 @@ def outputs(tmp_path_factory):
         if (output_format, history) in made:
             return made[output_format, history]
         out = base / f"{output_format}-{history}"
-        procs = Processes(base / f"procs-{output_format}-{history}", {
-            "input": str(prompts), "output": str(out), "format": output_format, "shard_size": SHARD_SIZE,
-        })  # fmt: skip
+        procs = Processes(
+            base / f"procs-{output_format}-{history}",
+            {
+                "input": str(prompts),
+                "output": str(out),
+                "format": output_format,
+                "shard_size": SHARD_SIZE,
+            },
+        )
         started.append(procs)
         done = procs.run("run")
         assert done.rc == 0, done
@@ -135,7 +141,9 @@ def test_webdataset_over_tars(outputs, history):
             for key, exts in members.items():
                 assert "json" in exts and len(exts) == 2, (path, key, exts)  # {key}.png + {key}.json
                 samples[key] += 1
-    assert not [k for k, n in samples.items() if n > 1], f"samples seen more than once: {sorted(samples.elements())}"
+    assert not [k for k, n in samples.items() if n > 1], (
+        f"samples seen more than once: {sorted(samples.elements())}"
+    )
     assert sorted(samples) == IDS
 
 
@@ -145,8 +153,11 @@ def test_readers_agree_on_the_images(outputs):
     import pyarrow.parquet as pq
 
     out = outputs("parquet", "redo")
-    manifest = {r["id"]: r for r in ds.dataset(f"{out}/manifests", format="parquet").to_table().to_pylist()
-                if r["status"] == "ok"}  # fmt: skip
+    manifest = {
+        r["id"]: r
+        for r in ds.dataset(f"{out}/manifests", format="parquet").to_table().to_pylist()
+        if r["status"] == "ok"
+    }
     for path in glob.glob(f"{out}/data/*.parquet"):
         for row in pq.read_table(path).to_pylist():
             assert manifest[row["id"]]["uri"] == path, (row["id"], path)

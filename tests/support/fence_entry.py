@@ -95,7 +95,11 @@ def run(spec: dict[str, Any]) -> int:
 
     run_job_module.run_shards = in_process
     summary = run_job_module.run_job(
-        driver_config(spec), worker_config(spec), worker_cls=FormatWorker, stream=sys.stderr, interactive=False
+        driver_config(spec),
+        worker_config(spec),
+        worker_cls=FormatWorker,
+        stream=sys.stderr,
+        interactive=False,
     )
     print(json.dumps({"status": summary.status, "exit_code": summary.exit_code}))
     return summary.exit_code

@@ -57,7 +57,13 @@ class FormatWorker:
         self.worker_id = f"format-worker-{os.getpid()}"
 
     def startup_report(self) -> dict:
-        return {"worker_id": self.worker_id, "load_s": 0.0, "warmup_s": {}, "device": "cpu", "pid": os.getpid()}
+        return {
+            "worker_id": self.worker_id,
+            "load_s": 0.0,
+            "warmup_s": {},
+            "device": "cpu",
+            "pid": os.getpid(),
+        }
 
     def ping(self) -> str:
         return self.worker_id
@@ -84,12 +90,26 @@ class FormatWorker:
             res = by_id[r.id]
             manifest.add(
                 ManifestRow(
-                    id=r.id, k=0, prompt=r.prompt, seed=r.seed, width=r.width, height=r.height,
-                    bucket=r.bucket, steps=r.steps, true_cfg_scale=float(r.true_cfg_scale),
-                    model_id="format-worker", status="ok" if res.ok else "failed", error=res.error,
-                    uri=res.uri, sha256=res.sha256, bytes=res.bytes, format=self.config.writer.image_format,
-                    worker=self.worker_id, attempt=attempt, shard=shard.index,
-                )  # fmt: skip
+                    id=r.id,
+                    k=0,
+                    prompt=r.prompt,
+                    seed=r.seed,
+                    width=r.width,
+                    height=r.height,
+                    bucket=r.bucket,
+                    steps=r.steps,
+                    true_cfg_scale=float(r.true_cfg_scale),
+                    model_id="format-worker",
+                    status="ok" if res.ok else "failed",
+                    error=res.error,
+                    uri=res.uri,
+                    sha256=res.sha256,
+                    bytes=res.bytes,
+                    format=self.config.writer.image_format,
+                    worker=self.worker_id,
+                    attempt=attempt,
+                    shard=shard.index,
+                )
             )
         if shard.index in self.config.pause_shards:
             hold_point(HOLD_BEFORE_COMMIT)
@@ -103,6 +123,11 @@ class FormatWorker:
     def _result(self, shard, attempt: int, status: str, token: str = "") -> ShardResult:
         n = shard.num_images if status == "committed" else 0
         return ShardResult(
-            shard=shard.index, attempt=attempt, status=status, rows=shard.num_rows if n else 0,
-            images_ok=n, worker_id=self.worker_id, attempt_token=token,
-        )  # fmt: skip
+            shard=shard.index,
+            attempt=attempt,
+            status=status,
+            rows=shard.num_rows if n else 0,
+            images_ok=n,
+            worker_id=self.worker_id,
+            attempt_token=token,
+        )

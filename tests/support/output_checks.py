@@ -142,7 +142,9 @@ def assert_superseded(store: ObjectStore, shard: int, generation: int, by: int) 
         if row["status"] != "ok":
             continue
         obj = object_key(root, row["uri"])[0]
-        assert not store.exists(obj), f"{obj} of superseded generation {generation} is still in a reader's folder"
+        assert not store.exists(obj), (
+            f"{obj} of superseded generation {generation} is still in a reader's folder"
+        )
         kept = store.get(SUPERSEDED_PREFIX + obj)
         if row["sha256"] and not obj.startswith(("data/", "webdataset/")):
             assert hashlib.sha256(kept).hexdigest() == row["sha256"], obj

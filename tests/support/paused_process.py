@@ -102,7 +102,9 @@ class Process:
         except subprocess.TimeoutExpired:
             self.popen.kill()
             self.popen.wait(WAIT_S)
-            raise AssertionError(f"{self.name} did not exit within {timeout:.0f} s: {self.output()}") from None
+            raise AssertionError(
+                f"{self.name} did not exit within {timeout:.0f} s: {self.output()}"
+            ) from None
         return self.output()
 
 
