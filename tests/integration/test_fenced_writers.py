@@ -44,7 +44,7 @@ from tests.support.worker_fixtures import write_prompts
 
 ROWS, SHARD_SIZE, FORMAT = 6, 2, "parquet"
 IDS = [f"p{i:05d}" for i in range(ROWS)]
-TTL_S = 4.0  # the lease of the drivers a test pauses past it (DriverConfig.lease_ttl_s)
+TTL_S = 6.0  # the lease of the drivers a test pauses past it (DriverConfig.lease_ttl_s)
 
 
 @dataclass
