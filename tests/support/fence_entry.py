@@ -25,8 +25,6 @@ import json
 import sys
 from typing import Any
 
-from tests.support.pause_seam import HAS_SEAM, pause_point
-
 ROWS_SEED = 7
 
 
@@ -44,7 +42,7 @@ def driver_config(spec: dict[str, Any]):
     from tests.support.worker_fixtures import row_config
 
     extra: dict[str, Any] = {}
-    if spec.get("ttl_s") is not None and "lease_ttl_s" in {f.name for f in dataclasses.fields(DriverConfig)}:
+    if spec.get("ttl_s") is not None:
         extra["lease_ttl_s"] = float(spec["ttl_s"])
     return DriverConfig(
         input_uri=spec["input"],
@@ -75,17 +73,12 @@ def worker_config(spec: dict[str, Any]):
 
 def in_process(todo, worker_cls, args, config, events, keep_results=False):
     """The driver's dispatch, in this process: each shard once, attempt 0, reported to the
-    driver's dispatch events as an actor's would be (the driver's `after_dispatch_start` point is
-    one of them). Before the seam, its two dispatch points are placed here (see
-    tests/support/pause_points_before_seam.py)."""
+    driver's dispatch events as an actor's would be (the driver's `after_dispatch_start` pause
+    point is one of them)."""
     worker = worker_cls(*args)
     for shard in todo:
         events.shard_started(shard, 0, worker.worker_id, False)
-        if not HAS_SEAM:
-            pause_point("after_dispatch_start")
         events.shard_committed(shard, worker.run_shard(shard, 0))
-    if not HAS_SEAM and any(s.generation for s in todo):
-        pause_point("after_redo_commit")
     return None
 
 
@@ -119,10 +112,6 @@ def worker(spec: dict[str, Any]) -> int:
 def main(argv: list[str]) -> int:
     with open(argv[0]) as f:
         spec = json.load(f)
-    if not HAS_SEAM:
-        from tests.support.pause_points_before_seam import install
-
-        install()
     mode = spec.get("mode", "run")
     if mode == "cli":
         from ditfleet.jobs.cli import main as cli

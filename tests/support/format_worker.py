@@ -14,7 +14,6 @@ driver running it in-process keeps renewing its lease).
 from __future__ import annotations
 
 import hashlib
-import inspect
 import os
 from dataclasses import dataclass
 
@@ -42,14 +41,6 @@ class FormatWorkerConfig(WorkerConfig):
     checked_before_commit: bool = False
 
 
-def attempt_token(attempt: int, generation: int) -> str:
-    """The token a run of a shard spec of `generation` draws (INTEGRITY.md 1: the generation is
-    in the key); a checkout from before generation tokens has only the plain form."""
-    if "generation" in inspect.signature(new_attempt_token).parameters:
-        return new_attempt_token(attempt, generation=generation)
-    return new_attempt_token(attempt)
-
-
 class FormatWorker:
     def __init__(self, config: FormatWorkerConfig) -> None:
         self.config = config
@@ -72,7 +63,7 @@ class FormatWorker:
         generation = shard.generation
         if not self.config.checked_before_commit and self.store.exists(manifest_key(shard.index, generation)):
             return self._result(shard, attempt, "already_committed")
-        token = attempt_token(attempt, generation)
+        token = new_attempt_token(attempt, generation)
         rows = read_shard_rows(shard, pafs.LocalFileSystem(), self.config.rows)
         writer = make_shard_writer(self.store, shard.index, self.config.writer, token)
         shade = int(hashlib.sha256(token.encode()).hexdigest()[:2], 16)  # each run its own bytes

@@ -2,19 +2,16 @@
 
 A process started with `DITFLEET_PAUSE_AT=point[,point...]` and `DITFLEET_PAUSE_DIR=dir` that
 reaches a named point writes `dir/<point>.<pid>` and stops itself with SIGSTOP; the test sees the
-file, acts, then sends SIGCONT or SIGKILL (tests/support/paused_process.py).
-
-`pause_point` is the project's own (`ditfleet.driver.output.pause_points`) where it exists. Where
-it does not (a checkout from before the seam), this module holds the same protocol, so that the
-test-side processes (the stand-in workers, the in-process dispatch) pause the same way, and
-tests/support/pause_points_before_seam.py places the driver's points by wrapping the functions
-that ran at those moments then.
+file, acts, then sends SIGCONT or SIGKILL (tests/support/paused_process.py). The driver's points
+are the project's (`ditfleet.driver.output.pause_points`); the points of the test's own
+processes (a stand-in worker before its commit) are here, with the same protocol.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 PAUSE_AT = "DITFLEET_PAUSE_AT"
 PAUSE_DIR = "DITFLEET_PAUSE_DIR"
@@ -33,27 +30,15 @@ def _announce(name: str) -> str | None:
 
 def stop_point(name: str) -> None:
     """Write `$DITFLEET_PAUSE_DIR/<name>.<pid>` and SIGSTOP this process, when
-    `$DITFLEET_PAUSE_AT` lists `name`; nothing otherwise. The test processes' own points (a
-    stand-in worker before its commit) use it; the driver's points are the project's."""
+    `$DITFLEET_PAUSE_AT` lists `name`; nothing otherwise."""
     if _announce(name) is not None:
         os.kill(os.getpid(), signal.SIGSTOP)
-
-
-try:
-    from ditfleet.driver.output.pause_points import pause_point
-
-    HAS_SEAM = True
-except ImportError:
-    HAS_SEAM = False
-    pause_point = stop_point
 
 
 def hold_point(name: str) -> None:
     """Like a pause, but only the calling thread waits, until the test writes
     `<dir>/<name>.<pid>.go`: the rest of the process (the driver's lease renewals) runs on.
     For a stand-in worker inside a driver that must keep its lease while its shard waits."""
-    import time
-
     path = _announce(name)
     while path is not None and not os.path.exists(path + ".go"):
         time.sleep(0.02)
