@@ -34,6 +34,7 @@ from ditfleet.compile.buckets import BucketSet, ResolutionBucket, default_bucket
 from ditfleet.model.family import DEFAULT_FAMILY
 from ditfleet.model.guidance import DEFAULT_NEGATIVE_PROMPT
 from ditfleet.model.settings import setting
+from ditfleet.workers.content_digest import add_digests, hex_digest, range_digest
 from ditfleet.workers.storage.input_files import InputFileError, open_parquet
 
 # Columns with a meaning; every other column is passed through to the manifest.
@@ -161,6 +162,10 @@ class ShardSpec:
     # a redo of a committed shard (workers.output.layout.manifest_key), which supersedes the
     # lower generations without changing them.
     generation: int = 0
+    # The digest of the rows' content when planned (workers.content_digest, over content_columns):
+    # the actor computes it again over the rows it reads and refuses to generate when it differs.
+    # None: not recorded (a plan made before digests), not checked.
+    content_digest: int | None = None
 
     @property
     def num_rows(self) -> int:
@@ -197,6 +202,29 @@ def passthrough_columns(names: list[str]) -> list[str]:
     """The columns that pass through to the manifest: all but the known ones and pandas' index
     columns ("__index_level_0__", written when a DataFrame with a non-default index is saved)."""
     return [n for n in names if n not in KNOWN_COLUMNS and not _PANDAS_INDEX.fullmatch(n)]
+
+
+def content_columns(names: list[str]) -> list[str]:
+    """The columns a job reads, so the ones its content digest covers: the known columns the
+    file has and the pass-through ones."""
+    return [n for n in names if n in KNOWN_COLUMNS] + passthrough_columns(names)
+
+
+class InputContentChanged(InputFileError):
+    """The rows an actor read for a shard are not the rows that shard was planned with."""
+
+
+def check_content(shard: ShardSpec, found: int) -> None:
+    """Refuse (InputContentChanged) rows whose digest is not the planned one."""
+    if shard.content_digest is None or found == shard.content_digest:
+        return
+    raise InputContentChanged(
+        shard.file,
+        f"rows {shard.row_start}..{shard.row_stop - 1} (shard {shard.index}) are not the rows the output "
+        f"was planned with: their content digest is {hex_digest(found)}, the plan's "
+        f"{hex_digest(shard.content_digest)}; the input changed since the output was planned",
+        "Point the job at a new output for the edited input, or restore the file the output was planned from",
+    )
 
 
 def _row_id(value: Any, file: str, row: int) -> str:
@@ -292,8 +320,8 @@ def read_shard_rows(
     of those only up to the shard's last row (streamed: nothing after it is fetched or decoded;
     rows before its first are decoded, as Parquet pages are, but never turned into rows).
 
-    Raises InputFileError if the file no longer holds the planned rows or images (it changed
-    after planning).
+    Raises InputFileError if the file no longer holds the planned rows or images, and
+    InputContentChanged if their content digest is not the planned one (it changed after planning).
     """
     with open_parquet(filesystem, shard.file, stream=True) as pf:
         meta = pf.metadata
@@ -311,24 +339,25 @@ def read_shard_rows(
                 groups.append(g)
                 first_group_row = start if first_group_row is None else first_group_row
             start += size
-        rows: list[PromptRow] = []
+        parts: list[tuple[int, pa.RecordBatch]] = []
         at = first_group_row or 0
         batch_rows = max(1, min(batch_rows, shard.num_rows))  # no batch reaches far past the shard
         for batch in pf.iter_batches(batch_size=batch_rows, row_groups=groups):
             lo, hi = max(shard.row_start - at, 0), min(shard.row_stop - at, batch.num_rows)
             if hi > lo:
-                first = at + lo
-                rows += resolve_rows(
-                    batch.slice(lo, hi - lo),
-                    config,
-                    shard.file,
-                    first,
-                    shard.position_start + first - shard.row_start,
-                    shard.id_prefix,
-                )
+                parts.append((at + lo, batch.slice(lo, hi - lo)))
             at += batch.num_rows
             if at >= shard.row_stop:
                 break
+    # The content first: an edited row is refused as such, before anything reads its values.
+    if sum(p.num_rows for _, p in parts) == shard.num_rows and parts:
+        columns = content_columns(parts[0][1].schema.names)
+        check_content(shard, add_digests(*(range_digest(p, first, columns) for first, p in parts)))
+    rows: list[PromptRow] = []
+    for first, part in parts:
+        rows += resolve_rows(
+            part, config, shard.file, first, shard.position_start + first - shard.row_start, shard.id_prefix
+        )
     images = sum(r.num_images for r in rows)
     if len(rows) != shard.num_rows or images != shard.num_images:
         raise InputFileError(

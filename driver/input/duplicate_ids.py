@@ -1,7 +1,7 @@
 """Finding ids used by more than one row, over all input files, in 8 bytes per row.
 
 Each row's id (its `id` value as a string, integers in decimal, or its input position for a file
-without an id column) is reduced to a 64-bit digest (driver.input.id_digests) written into one
+without an id column) is reduced to a 64-bit digest (workers.value_digests) written into one
 preallocated numpy array at the row's global position; no Python object per row is made. After
 the pass the array is sorted in place and equal neighbours give the digests seen more than once.
 Only when there are any are the files read again (the id column alone), and the rows whose
@@ -21,9 +21,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ditfleet.driver.input.id_digests import digests, position_digests
 from ditfleet.driver.input.prompts import PromptSource, iter_batches
 from ditfleet.driver.input.row_errors import RowError, describe_value
+from ditfleet.workers.value_digests import digests, position_digests
 
 _HINT = "Ids must be unique across all input files; fix or drop the duplicate rows"
 DIGEST_BITS = 64

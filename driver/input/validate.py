@@ -28,12 +28,12 @@ from ditfleet.driver.input.prompts import (
 from ditfleet.driver.input.row_errors import InputError, RowError, describe_value
 from ditfleet.workers.rows import (
     CFG_RANGE,
-    KNOWN_COLUMNS,
     MAX_SEED,
     MAX_SIDE,
     NUM_IMAGES_RANGE,
     STEPS_RANGE,
     RowConfig,
+    content_columns,
 )
 
 DEFAULT_MAX_ERRORS = 50
@@ -58,6 +58,7 @@ _GIVE_PROMPT = "Give every row a prompt, or drop the row"
 _SHORTEN = "Shorten it, or raise the job's max_prompt_chars"
 # A '..' path segment, a leading slash or backslash, or an ASCII control character.
 _PATH_LIKE_ID = r"(^|[/\\])\.\.($|[/\\])|^[/\\]|[\x00-\x1f\x7f]"
+_NO_NUL = "Remove the NUL characters (\\x00) from the text; they are never part of a caption"
 _BOTH_SIZES = "Give both width and height, or neither (the row then uses the job's default bucket)"
 
 
@@ -82,6 +83,14 @@ def valid_sizes(w: pa.Array, h: pa.Array) -> tuple[pa.Array, pa.Array, pa.Array]
     valid = pc.fill_null(pc.invert(pc.or_(outside(w, 1, MAX_SIDE), outside(h, 1, MAX_SIDE))), False)
     as64 = [pc.if_else(valid, v, pa.scalar(None, v.type)).cast(pa.int64()) for v in (w, h)]
     return valid, as64[0], as64[1]
+
+
+def _is_utf8(value: bytes) -> bool:
+    try:
+        value.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 class _At(NamedTuple):
@@ -203,14 +212,50 @@ class RowValidator:
             text = problem(v) if callable(problem) else problem
             self.errors.append(RowError(at.file, at.first_row + i, column, show(v), text, hint))
 
+    def _check_utf8(self, at: _At, batch: pa.RecordBatch) -> bool:
+        """Every string column of the batch is valid UTF-8 (Arrow's full validation; Parquet
+        readers do not check it, and a worker turning such a row into text would fail every
+        attempt). False when some is not: the batch's other checks would read the bad bytes."""
+        ok = True
+        for name in batch.schema.names:
+            column = batch.column(name)
+            if isinstance(column, pa.DictionaryArray):
+                column = column.dictionary_decode()
+            if _kind(column.type) != "string":
+                continue
+            try:
+                column.validate(full=True)
+                continue
+            except pa.ArrowInvalid:
+                ok = False
+            raw = column.view(pa.large_binary() if pa.types.is_large_string(column.type) else pa.binary())
+            bad = [v is not None and not _is_utf8(v) for v in raw.to_pylist()]
+            self._flag(
+                at,
+                name,
+                pa.array(bad, pa.bool_()),
+                raw,
+                "value is not valid UTF-8",
+                "Write the column as text (str, UTF-8), or as binary if it holds bytes; a prompt or id "
+                "must be text",
+                show=lambda v: describe_value(bytes(v[:60])),
+            )
+        return ok
+
     def check_batch(self, batch: pa.RecordBatch, file: str, first_row: int) -> None:
         """Check the rows of `batch`, rows first_row.. of `file` (its schema already checked)."""
         at, names, limit = _At(file, first_row), batch.schema.names, self.config.max_prompt_chars
+        if not self._check_utf8(at, batch):
+            return
         prompt = plain(batch.column("prompt"))
         self._flag(at, "prompt", pc.is_null(prompt), prompt, "prompt is null", _GIVE_PROMPT)
         # Without copying the prompts (trimming would): no bytes, or nothing but whitespace.
         empty = pc.or_(pc.equal(pc.binary_length(prompt), 0), pc.utf8_is_space(prompt))
         self._flag(at, "prompt", empty, prompt, "prompt is empty", _GIVE_PROMPT)
+        # A NUL ends the text early in C-side tokenizers and logs: what is generated would not be
+        # what the manifest says.
+        nul = pc.match_substring(prompt, "\x00")
+        self._flag(at, "prompt", nul, prompt, "prompt holds a NUL character (\\x00)", _NO_NUL)
         # A string has at least as many bytes as characters: count characters only when some
         # prompt has more bytes than the limit allows characters.
         if (pc.max(pc.binary_length(prompt)).as_py() or 0) > limit:
@@ -228,6 +273,10 @@ class RowValidator:
                     f"negative prompt is longer than {limit} characters",
                     _SHORTEN,
                 )
+            nul = pc.match_substring(neg, "\x00")
+            self._flag(
+                at, "negative_prompt", nul, neg, "negative prompt holds a NUL character (\\x00)", _NO_NUL
+            )
         if "id" in names:
             ids = batch.column("id")
             self._flag(at, "id", pc.is_null(ids), ids, "id is null", "Give every row an id, or drop the id column to use row positions")  # fmt: skip
@@ -344,7 +393,7 @@ def scan_input(
     reported then, and with fail_fast (planning) nothing more is read, so a bad file among
     thousands is named before any row is. Then the rows:
     - on_batch(file, first_row, first_position, batch) sees every batch of each file whose
-      schema is valid (only the KNOWN_COLUMNS it has), files in input order, so the planner
+      schema is valid (the columns a job reads: workers.rows.content_columns), files in input order, so the planner
       shares this one pass;
     - or per_file(file, first_position, rows) makes one FileScan per file (rows: its footer's count), and `workers` threads scan
       files side by side (Parquet decoding and Arrow compute release the GIL); each FileScan
@@ -405,9 +454,7 @@ def scan_input(
         if duplicates is not None:
             duplicates.add_file(start, footer.rows, file.uri, has_ids)
         with source.open(file) as pf:
-            for first_row, batch in iter_batches(
-                pf, [c for c in KNOWN_COLUMNS if c in footer.schema.names], batch_rows
-            ):
+            for first_row, batch in iter_batches(pf, content_columns(footer.schema.names), batch_rows):
                 sink.check_batch(batch, file.uri, first_row)
                 if duplicates is not None and has_ids:
                     duplicates.add_ids(plain(batch.column("id")), start + first_row)

@@ -30,10 +30,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ditfleet.driver.input.id_digests import digests, mix
 from ditfleet.workers.output.layout import success_key
 from ditfleet.workers.output.manifest import MANIFEST_SCHEMA, current_manifest_keys, with_later_columns
 from ditfleet.workers.storage import ObjectStore
+from ditfleet.workers.value_digests import digests, mix
 
 COMPACTED_PREFIX = "compacted/"
 INDEX_KEY = COMPACTED_PREFIX + "_index.json"

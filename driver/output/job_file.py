@@ -172,6 +172,11 @@ def describe_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list
         changes = [f"{k} {a.get(k)} -> {b.get(k)}" for k in ("size", "rows") if a.get(k) != b.get(k)]
         if a.get("footer_sha256") != b.get("footer_sha256"):
             changes.append("content differs")
+        elif a.get("content_digest") != b.get("content_digest"):
+            changes.append(
+                f"rows edited in place: content digest {a.get('content_digest')} -> {b.get('content_digest')}, "
+                "same size, rows and footer"
+            )
         if changes:
             out.append(f"input file {uri} changed ({', '.join(changes)})")
     same_files = old_in.keys() == new_in.keys()
