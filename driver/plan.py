@@ -23,7 +23,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -33,8 +32,8 @@ from ditfleet.driver.input.duplicate_ids import DIGEST_BITS
 from ditfleet.driver.input.prompts import DEFAULT_BATCH_ROWS, InputFile, PromptSource
 from ditfleet.driver.input.row_errors import file_error
 from ditfleet.driver.input.validate import DEFAULT_MAX_ERRORS, scan_input, valid_sizes
-from ditfleet.model.settings import setting
-from ditfleet.workers.content_digest import add_digests, hex_digest, placed_row_digests
+from ditfleet.model.settings import field_default, setting, settings_fields
+from ditfleet.workers.content_digest import RangeDigest, combine, hex_digest, prepare
 from ditfleet.workers.rows import MAX_SIDE, RowConfig, ShardSpec, content_columns
 from ditfleet.workers.storage.input_files import InputFileError, footer_sha256, largest_row_group
 
@@ -75,7 +74,7 @@ class PlanConfig:
 @dataclass(frozen=True)
 class InputIdentity:
     """What identifies an input file: size, rows and footer from its footer alone, and the digest
-    of its rows' content (workers.content_digest: the sum of its shards' digests, hex), which
+    of its rows' content (workers.content_digest.combine of its shards' digests, hex), which
     only a scan of the rows gives; None where unknown (only in identities read from footers)."""
 
     uri: str
@@ -149,6 +148,9 @@ def settings_doc(config: PlanConfig, incremental: bool = False) -> dict[str, Any
         "num_images": rows.num_images,
         "buckets": list(rows.buckets.names),
     }
+    for name in ("prompt_column", "id_column"):  # other columns read are other rows
+        if getattr(rows, name) != field_default(settings_fields(RowConfig)[name]):
+            doc[name] = getattr(rows, name)
     if incremental:
         doc["incremental"] = True
     else:
@@ -181,7 +183,7 @@ class ShardCutter:
         self._file: InputFile | None = None
         self._start = self._position = self._images = 0
         self._rows_in_shard = 0
-        self._digest = 0
+        self._digest = RangeDigest()
         self._bucket_ids: set[int] = set()
         self._names: dict[frozenset[int], tuple[str, ...]] = {}
 
@@ -195,9 +197,7 @@ class ShardCutter:
             self._start, self._position = first_row, first_position
         images = self._images_of(batch)
         bucket_ids = self._bucket_ids_of(batch)
-        with np.errstate(over="ignore"):  # sums mod 2**64: a slice's digest is a difference
-            placed = placed_row_digests(batch, first_row, content_columns(batch.schema.names))
-            sums = np.concatenate([np.zeros(1, np.uint64), np.cumsum(placed, dtype=np.uint64)])
+        content = prepare(batch, content_columns(batch.schema.names))
         single = pc.unique(bucket_ids).to_pylist() if bucket_ids is not None else [0]
         size, n, at = self.config.shard_size, batch.num_rows, 0
         while at < n:
@@ -212,8 +212,7 @@ class ShardCutter:
                 self._bucket_ids.add(single[0])
             else:
                 self._bucket_ids.update(pc.unique(bucket_ids.slice(at, take)).to_pylist())
-            with np.errstate(over="ignore"):
-                self._digest = add_digests(self._digest, int(sums[at + take] - sums[at]))
+            self._digest.add(content, at, at + take)
             self._rows_in_shard += take
             at += take
             if (first_row + at) % size == 0:
@@ -241,13 +240,13 @@ class ShardCutter:
                 buckets_used=names,
                 num_images=self._images,
                 id_prefix=self.id_prefixes.get(self._file.uri),
-                content_digest=self._digest,
+                content_digest=self._digest.value(),
             )
         )
         self.used |= self._bucket_ids
         self._position += self._rows_in_shard
         self._start, self._images, self._rows_in_shard, self._bucket_ids = stop, 0, 0, set()
-        self._digest = 0
+        self._digest = RangeDigest()
 
     def _images_of(self, batch: pa.RecordBatch) -> pa.Array | None:
         if "num_images" not in batch.schema.names or pa.types.is_null(batch.column("num_images").type):
@@ -325,10 +324,11 @@ def plan_job(
     shards = tuple(s for c in cutters for s in c.shards)
     used = set().union(*(c.used for c in cutters)) if cutters else set()
     rows_per_file: dict[str, int] = {}
-    digest_per_file: dict[str, int] = {}
+    shard_digests: dict[str, list[int]] = {}
     for s in shards:
         rows_per_file[s.file] = rows_per_file.get(s.file, 0) + s.num_rows
-        digest_per_file[s.file] = add_digests(digest_per_file.get(s.file, 0), s.content_digest or 0)
+        shard_digests.setdefault(s.file, []).append(s.content_digest or 0)
+    digest_per_file = {uri: combine(d) for uri, d in shard_digests.items()}
     inputs = input_identities(source, report.files, rows_per_file, digest_per_file)
     buckets = config.rows.buckets
     return JobPlan(
@@ -359,7 +359,11 @@ def input_identities(
         except InputFileError as e:  # replaced between the pass and now
             raise file_error(e.uri, e.problem, e.hint) from e
         return InputIdentity(
-            f.uri, f.size, rows_per_file.get(f.uri, 0), sha, hex_digest(digest_per_file.get(f.uri, 0))
+            f.uri,
+            f.size,
+            rows_per_file.get(f.uri, 0),
+            sha,
+            hex_digest(digest_per_file.get(f.uri, combine(()))),
         )
 
     if len(files) <= 1:

@@ -1,185 +1,213 @@
 """The content digest of an input row range: what a resume compares so that a file edited in
 place (same size, rows and footer) is never taken for the file an output was planned from.
 
-The planner computes it for every shard while it validates the rows (driver.plan), the actor again
-over the rows it reads for that shard (workers.rows.read_shard_rows), and both call `range_digest`
-here, so they cannot disagree. It is computed over values, not Arrow buffers or Parquet pages:
-the same rows written by another pyarrow version, with other compression or row groups, or with
-the columns in another order have the same digest.
+The planner computes it for every shard while it validates the rows (driver.plan.ShardCutter),
+the actor again over the rows it reads for that shard (workers.rows.read_shard_rows); both feed
+a `RangeDigest` here, so they cannot disagree. It is a digest of values, not of Arrow buffers or
+Parquet pages: the same rows written by another pyarrow version, with other compression, row
+groups or batch sizes, or with the columns in another order, have the same digest.
 
-- A column's value digest: strings and binaries by their bytes (workers.value_digests), integers,
-  booleans and temporal values as their 64-bit integer, floats by their float64 bits (every NaN
-  as one), decimals as text, lists and structs from their children; a null is one constant.
-- A row's digest mixes its columns' value digests, each with the digest of the column's name, in
-  name order; every column the job reads counts (the known ones and the pass-through ones, not
-  pandas' index columns).
-- A row range's digest is the sum (mod 2**64) of each row's digest mixed with its row number in
-  the file, so it is the same however the range is cut into batches, and moving a row changes it.
-
-64 bits of a non-cryptographic mix: it catches edits, not an adversary who crafts a collision
-(who could as well rewrite the output). Torch-free: the driver imports it.
+Each column the job reads (workers.rows.content_columns) is streamed, row by row in order, into
+sha256 hashers of its own (one per stream below), so cutting a range into batches anywhere gives
+the same digest:
+- strings and binaries: each value's length (-1 for a null) and, apart, its bytes;
+- integers, booleans and temporal values as 64-bit integers, floats as float64 bits (every NaN
+  as one); a null as 0 in the values and a 0 in a validity stream;
+- decimals as text; lists (their lengths, then their elements), structs (field by field) and
+  other types (maps, unions: their Python values' repr) row by row, each row framed by its length.
+The range's digest is sha256 over the columns' names, kinds and stream digests, in name order,
+cut to 64 bits. sha256 streams at about 1.6 GB/s a core (SHA extensions), and hashlib releases
+the GIL on large updates, so the planner's threads hash side by side. Torch-free: the driver
+imports it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import hashlib
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
 
-from ditfleet.workers.value_digests import digests, mix
-
-_STEP = np.uint64(0x100000001B3)
-_NULL = np.uint64(0x2545F4914F6CDD1D)
-_ROW_SALT = np.uint64(0x632BE59BD9B4E019)
-_INDEX_SALT = np.uint64(0x8CB92BA72F3D8DD7)
 _NAN_BITS = np.float64("nan").view(np.uint64)
 
 
-def _zeros(n: int) -> np.ndarray:
-    return np.zeros(n, np.int64)
-
-
-def _bytes_digests(values: pa.Array) -> np.ndarray:
-    """Strings and binaries by their bytes (a binary column is read as the bytes it holds)."""
-    t = values.type
-    if pa.types.is_fixed_size_binary(t) or pa.types.is_binary_view(t):
-        values = values.cast(pa.large_binary())
-        t = values.type
-    if pa.types.is_binary(t):
-        values = values.view(pa.string())
-    elif pa.types.is_large_binary(t):
-        values = values.view(pa.large_string())
-    return digests(values, positions=_zeros(len(values)))
-
-
-def _integer_bits(values: pa.Array) -> np.ndarray:
-    filled = values.fill_null(0) if values.null_count else values
-    if pa.types.is_unsigned_integer(values.type):
-        return np.asarray(filled.cast(pa.uint64()).to_numpy(zero_copy_only=False), np.uint64)
-    return np.asarray(filled.cast(pa.int64()).to_numpy(zero_copy_only=False), np.int64).view(np.uint64)
-
-
-def _float_bits(values: pa.Array) -> np.ndarray:
-    floats = np.asarray(values.cast(pa.float64()).fill_null(0.0).to_numpy(zero_copy_only=False), np.float64)
-    bits = floats.view(np.uint64).copy()
-    bits[np.isnan(floats)] = _NAN_BITS
-    return bits
-
-
-def _list_digests(values: pa.Array) -> np.ndarray:
-    """Each list's elements mixed with their index in it, summed: order and length both count."""
-    offsets = np.asarray(values.offsets.to_numpy(zero_copy_only=False), np.int64)
-    offsets = offsets - offsets[0]
-    child = value_digests(values.flatten())
-    lengths = offsets[1:] - offsets[:-1]
-    index = np.arange(len(child), dtype=np.int64) - np.repeat(offsets[:-1], lengths)
-    with np.errstate(over="ignore"):
-        mixed = mix(child ^ mix(index.astype(np.uint64) ^ _INDEX_SALT))
-        sums = np.concatenate([np.zeros(1, np.uint64), np.cumsum(mixed, dtype=np.uint64)])
-        return mix((sums[offsets[1:]] - sums[offsets[:-1]]) ^ (lengths.astype(np.uint64) * _STEP))
-
-
-def _struct_digests(values: pa.StructArray) -> np.ndarray:
-    h = np.full(len(values), np.uint64(values.type.num_fields), np.uint64)
-    for field, child in zip(values.type, values.flatten()):
-        h = _combine(h, _name_digest(field.name), value_digests(child))
-    return h
-
-
-def _python_digests(values: pa.Array) -> np.ndarray:
-    """Types without a vectorised form here (maps, unions, ...): their Python values as text."""
-    text = pa.array([None if v is None else repr(v) for v in values.to_pylist()], pa.string())
-    return digests(text, positions=_zeros(len(text)))
-
-
-def value_digests(values: pa.Array | pa.ChunkedArray) -> np.ndarray:
-    """One uint64 per value of `values`, equal for equal values whatever their Arrow layout."""
+def _plain(values: pa.Array | pa.ChunkedArray) -> pa.Array:
     if isinstance(values, pa.ChunkedArray):
         values = values.combine_chunks()
     if isinstance(values, pa.DictionaryArray):
         values = values.dictionary_decode()
-    t, n = values.type, len(values)
-    if pa.types.is_null(t):
-        return np.full(n, _NULL, np.uint64)
-    if pa.types.is_string_view(t):
-        values, t = values.cast(pa.large_string()), pa.large_string()
-    if (
+    return values
+
+
+def _is_bytes(t: pa.DataType) -> bool:
+    return (
         pa.types.is_string(t)
         or pa.types.is_large_string(t)
+        or pa.types.is_string_view(t)
         or pa.types.is_binary(t)
         or pa.types.is_large_binary(t)
-        or pa.types.is_fixed_size_binary(t)
         or pa.types.is_binary_view(t)
-    ):
-        h = _bytes_digests(values)
-    elif pa.types.is_integer(t):
-        h = mix(_integer_bits(values))
-    elif pa.types.is_boolean(t):
-        h = mix(np.asarray(values.fill_null(False).to_numpy(zero_copy_only=False), np.uint64) + _STEP)
-    elif pa.types.is_floating(t):
-        h = mix(_float_bits(values) ^ _ROW_SALT)
-    elif pa.types.is_temporal(t):
-        h = mix(_integer_bits(values.cast(pa.int64())) ^ _name_digest(str(t)))
-    elif pa.types.is_decimal(t):
-        text = values.cast(pa.string())
-        h = digests(text, positions=_zeros(n))
-    elif pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        or pa.types.is_fixed_size_binary(t)
+        or pa.types.is_decimal(t)
+    )
+
+
+def _fixed_kind(t: pa.DataType) -> str | None:
+    if pa.types.is_unsigned_integer(t):
+        return "u"
+    if pa.types.is_integer(t):
+        return "i"
+    if pa.types.is_boolean(t):
+        return "b"
+    if pa.types.is_floating(t):
+        return "f"
+    if pa.types.is_temporal(t):
+        return f"t:{t}"  # the unit counts: 5 seconds are not 5 milliseconds
+    return None
+
+
+def _validity(values: pa.Array) -> np.ndarray:
+    if not values.null_count:
+        return np.ones(len(values), np.uint8)
+    return np.asarray(values.is_valid().to_numpy(zero_copy_only=False), np.uint8)
+
+
+class _Column:
+    """One batch's column in the canonical form its streams are fed from, sliceable by row."""
+
+    def __init__(self, values: pa.Array | pa.ChunkedArray) -> None:
+        values = _plain(values)
+        t = values.type
+        self.values = values
+        self.kind: str
+        if pa.types.is_null(t):
+            self.kind = "null"
+        elif _is_bytes(t):
+            self.kind = "s"
+            if pa.types.is_decimal(t):
+                values = values.cast(pa.string())
+            elif pa.types.is_fixed_size_binary(t) or pa.types.is_binary_view(t):
+                values = values.cast(pa.large_binary())
+            elif pa.types.is_string_view(t):
+                values = values.cast(pa.large_string())
+            wide = pa.types.is_large_string(values.type) or pa.types.is_large_binary(values.type)
+            buffers = values.buffers()
+            n = len(values)
+            offsets = np.frombuffer(
+                buffers[1],
+                np.int64 if wide else np.int32,
+                count=n + 1,
+                offset=values.offset * (8 if wide else 4),
+            ).astype(np.int64)
+            self.offsets = offsets
+            lengths = offsets[1:] - offsets[:-1]
+            if values.null_count:
+                lengths = np.where(_validity(values).astype(bool), lengths, -1)
+            self.lengths = lengths
+            self.data = memoryview(buffers[2]) if buffers[2] is not None else memoryview(b"")
+        elif (kind := _fixed_kind(t)) is not None:
+            self.kind = kind
+            self.valid = _validity(values)
+            filled = values.fill_null(False if kind == "b" else 0) if values.null_count else values
+            if kind == "f":
+                floats = np.asarray(filled.cast(pa.float64()).to_numpy(zero_copy_only=False), np.float64)
+                bits = floats.view(np.uint64).copy()
+                bits[np.isnan(floats)] = _NAN_BITS
+                self.fixed = bits
+            elif kind == "u":
+                self.fixed = np.asarray(filled.cast(pa.uint64()).to_numpy(zero_copy_only=False), np.uint64)
+            elif kind == "b":
+                self.fixed = np.asarray(filled.to_numpy(zero_copy_only=False), np.uint8)
+            else:
+                self.fixed = np.asarray(filled.cast(pa.int64()).to_numpy(zero_copy_only=False), np.int64)
+        else:
+            self.kind = f"nested:{t}"
+
+    def parts(self, lo: int, hi: int) -> Iterator[bytes | memoryview]:
+        """The bytes of rows lo..hi-1 for each of this kind's streams, in stream order."""
+        if self.kind == "null":
+            yield (hi - lo).to_bytes(8, "little")
+        elif self.kind == "s":
+            yield memoryview(self.lengths[lo:hi])
+            yield self.data[int(self.offsets[lo]) : int(self.offsets[hi])]
+        elif self.kind.startswith("nested:"):
+            # Row by row, each framed by its length (nested columns are rare: Python is fine).
+            frames = (_nested_bytes(self.values.slice(i, 1)) for i in range(lo, hi))
+            yield b"".join(len(f).to_bytes(8, "little") + f for f in frames)
+        else:
+            yield memoryview(self.valid[lo:hi])
+            yield memoryview(self.fixed[lo:hi])
+
+
+def _nested_bytes(values: pa.Array) -> bytes:
+    """A nested value (a one-row slice) as bytes that depend on its value only."""
+    t = values.type
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
         if pa.types.is_fixed_size_list(t):
             values = values.cast(pa.list_(t.value_type))
-        h = _list_digests(values)
-    elif pa.types.is_struct(t):
-        h = _struct_digests(values)
-    else:
-        h = _python_digests(values)
-    if values.null_count:
-        nulls = np.asarray(values.is_null().to_numpy(zero_copy_only=False), bool)
-        h = h.copy()
-        h[nulls] = _NULL
-    return h
+        offsets = np.asarray(values.offsets.to_numpy(zero_copy_only=False), np.int64)
+        lengths = np.where(_validity(values).astype(bool), offsets[1:] - offsets[:-1], -1)
+        child = _Column(values.flatten())
+        return lengths.tobytes() + b"".join(bytes(p) for p in child.parts(0, len(child.values)))
+    if pa.types.is_struct(t):
+        out = [_validity(values).tobytes()]
+        for field, child in zip(t, values.flatten()):
+            column = _Column(child)
+            out += [field.name.encode(), b"".join(bytes(p) for p in column.parts(0, len(child)))]
+        return b"".join(out)
+    return repr(values.to_pylist()).encode()
 
 
-_names: dict[str, np.uint64] = {}
+class RangeDigest:
+    """The digest of one row range, fed batch by batch in row order (`add`), read by `value`."""
+
+    def __init__(self) -> None:
+        self._streams: dict[str, tuple[str, list]] = {}
+
+    def add(self, columns: dict[str, _Column], lo: int, hi: int) -> None:
+        """Rows lo..hi-1 of a batch prepared by `prepare`."""
+        for name, column in columns.items():
+            entry = self._streams.get(name)
+            if entry is None or entry[0] != column.kind:
+                # A column whose kind changes between batches cannot happen within one file;
+                # the kind is part of the key so a mixed feed can never equal a clean one.
+                entry = self._streams[name] = (column.kind, [])
+            hashers = entry[1]
+            for i, part in enumerate(column.parts(lo, hi)):
+                if i == len(hashers):
+                    hashers.append(hashlib.sha256())
+                hashers[i].update(part)
+
+    def value(self) -> int:
+        h = hashlib.sha256()
+        for name in sorted(self._streams):
+            kind, hashers = self._streams[name]
+            h.update(f"{len(name)}:{name}:{kind}:{len(hashers)}".encode())
+            for s in hashers:
+                h.update(s.digest())
+        return int.from_bytes(h.digest()[:8], "little")
 
 
-def _name_digest(name: str) -> np.uint64:
-    if name not in _names:
-        _names[name] = np.uint64(digests(pa.array([name], pa.string()))[0])
-    return _names[name]
+def prepare(batch: pa.RecordBatch | pa.Table, columns: Iterable[str]) -> dict[str, _Column]:
+    """`columns` of `batch` in the form RangeDigest.add reads (once per batch, whatever number
+    of ranges it is cut into)."""
+    return {name: _Column(batch.column(name)) for name in columns}
 
 
-def _combine(h: np.ndarray, name: np.uint64, column: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        return mix((h * _STEP) ^ name ^ column)
+def range_digest(batch: pa.RecordBatch | pa.Table, columns: Iterable[str]) -> int:
+    """The digest of the rows `batch` holds, over `columns`."""
+    digest = RangeDigest()
+    digest.add(prepare(batch, columns), 0, batch.num_rows)
+    return digest.value()
 
 
-def row_digests(batch: pa.RecordBatch | pa.Table, columns: Iterable[str]) -> np.ndarray:
-    """One uint64 per row over `columns` of `batch` (in name order, each with its name)."""
-    h = np.full(batch.num_rows, _ROW_SALT, np.uint64)
-    for name in sorted(columns):
-        h = _combine(h, _name_digest(name), value_digests(batch.column(name)))
-    return h
-
-
-def placed_row_digests(
-    batch: pa.RecordBatch | pa.Table, first_row: int, columns: Iterable[str]
-) -> np.ndarray:
-    """Each row's digest mixed with its row number in the file (rows first_row.. of it): a row
-    range's digest is the sum of these."""
-    rows = np.arange(first_row, first_row + batch.num_rows, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        return mix(row_digests(batch, columns) ^ mix(rows ^ _INDEX_SALT))
-
-
-def range_digest(batch: pa.RecordBatch | pa.Table, first_row: int, columns: Iterable[str]) -> int:
-    """The digest of rows first_row.. of a file that `batch` holds: add the digests of adjacent
-    ranges (mod 2**64, `add_digests`) to get the digest of their union."""
-    return int(np.sum(placed_row_digests(batch, first_row, columns), dtype=np.uint64))
-
-
-def add_digests(*parts: int) -> int:
-    """The digest of a union of disjoint row ranges, from theirs."""
-    return sum(parts) & ((1 << 64) - 1)
+def combine(digests: Iterable[int]) -> int:
+    """One digest for a sequence of range digests (a file's shards, in row order)."""
+    h = hashlib.sha256()
+    for d in digests:
+        h.update(d.to_bytes(8, "little"))
+    return int.from_bytes(h.digest()[:8], "little")
 
 
 def hex_digest(value: int) -> str:

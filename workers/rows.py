@@ -4,7 +4,9 @@ The driver plans shards as row ranges of the input files and never holds the row
 re-reads its shard's rows and resolves them here. Both sides call the same `resolve_rows`, so an
 id, seed or bucket cannot differ between what was planned and what is generated.
 
-Row resolution (columns of the prompt Parquet; "null" means absent for that row):
+Row resolution (columns of the prompt Parquet; "null" means absent for that row; the prompt and
+id columns are `prompt` and `id` unless RowConfig.prompt_column / id_column name others, which
+are then read as `prompt` and `id`):
 - id: the `id` column (string, or integer in decimal), else the row's global input position
   ("0", "1", ... counted over the files in input order); in an incremental job, whose input
   grows, the file's name and the row instead ("2024-06-01.parquet#17", see ShardSpec.id_prefix),
@@ -34,7 +36,7 @@ from ditfleet.compile.buckets import BucketSet, ResolutionBucket, default_bucket
 from ditfleet.model.family import DEFAULT_FAMILY
 from ditfleet.model.guidance import DEFAULT_NEGATIVE_PROMPT
 from ditfleet.model.settings import setting
-from ditfleet.workers.content_digest import add_digests, hex_digest, range_digest
+from ditfleet.workers.content_digest import RangeDigest, hex_digest, prepare
 from ditfleet.workers.storage.input_files import InputFileError, open_parquet
 
 # Columns with a meaning; every other column is passed through to the manifest.
@@ -107,6 +109,16 @@ class RowConfig:
         description="Images per row (a row's `num_images` wins).",
     )
     max_prompt_chars: int = setting(4000, ge=1, le=10**7, description="Longer prompts are input errors.")
+    prompt_column: str = setting(
+        "prompt",
+        description="The input column that holds the prompts (e.g. 'caption'); the manifests call it 'prompt'.",
+    )
+    id_column: str = setting(
+        "id",
+        description="The input column that holds the row ids (e.g. 'key'); the manifests call it 'id'. "
+        "A file without it uses row positions as ids, unless this names another column than 'id', "
+        "which must then be there.",
+    )
 
     def __post_init__(self) -> None:
         def check(name: str, value: object, lo: float, hi: float) -> None:
@@ -121,6 +133,42 @@ class RowConfig:
         check("max_prompt_chars", self.max_prompt_chars, 1, 10**7)
         if not isinstance(self.buckets, BucketSet):
             raise ValueError(f"buckets must be a BucketSet, got {type(self.buckets).__name__}")
+        for name in ("prompt_column", "id_column"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"{name} must name a column, got {getattr(self, name)!r}")
+        if self.prompt_column == self.id_column:
+            raise ValueError(f"prompt_column and id_column are both {self.prompt_column!r}: name two columns")
+
+    @property
+    def renamed(self) -> dict[str, str]:
+        """Input column -> the name the job knows it by, for the columns named otherwise."""
+        return {
+            file: known
+            for file, known in ((self.prompt_column, "prompt"), (self.id_column, "id"))
+            if file != known
+        }
+
+    def input_name(self, column: str) -> str:
+        """The input's name of the column the job calls `column` (for messages and reads)."""
+        return {"prompt": self.prompt_column, "id": self.id_column}.get(column, column)
+
+    def job_names(self, names: list[str]) -> list[str]:
+        """An input file's column names as the job knows them: the prompt and id columns renamed,
+        and the file's own 'prompt' or 'id' (then not the job's) left out."""
+        renamed = self.renamed
+        shadowed = set(renamed.values())
+        return [renamed.get(n, n) for n in names if n in renamed or n not in shadowed]
+
+    def as_job_columns(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        """A batch read from an input file with its columns named as the job knows them."""
+        renamed = self.renamed
+        if not renamed:
+            return batch
+        names = batch.schema.names
+        keep = [i for i, n in enumerate(names) if n in renamed or n not in set(renamed.values())]
+        return pa.RecordBatch.from_arrays(
+            [batch.column(i) for i in keep], names=[renamed.get(names[i], names[i]) for i in keep]
+        )
 
 
 @dataclass(frozen=True)
@@ -342,7 +390,8 @@ def read_shard_rows(
         parts: list[tuple[int, pa.RecordBatch]] = []
         at = first_group_row or 0
         batch_rows = max(1, min(batch_rows, shard.num_rows))  # no batch reaches far past the shard
-        for batch in pf.iter_batches(batch_size=batch_rows, row_groups=groups):
+        for read in pf.iter_batches(batch_size=batch_rows, row_groups=groups):
+            batch = config.as_job_columns(read)
             lo, hi = max(shard.row_start - at, 0), min(shard.row_stop - at, batch.num_rows)
             if hi > lo:
                 parts.append((at + lo, batch.slice(lo, hi - lo)))
@@ -352,7 +401,10 @@ def read_shard_rows(
     # The content first: an edited row is refused as such, before anything reads its values.
     if sum(p.num_rows for _, p in parts) == shard.num_rows and parts:
         columns = content_columns(parts[0][1].schema.names)
-        check_content(shard, add_digests(*(range_digest(p, first, columns) for first, p in parts)))
+        digest = RangeDigest()
+        for _, part in parts:
+            digest.add(prepare(part, columns), 0, part.num_rows)
+        check_content(shard, digest.value())
     rows: list[PromptRow] = []
     for first, part in parts:
         rows += resolve_rows(

@@ -77,6 +77,13 @@ def _kind(t: pa.DataType) -> str:
     return str(t)
 
 
+def job_schema(config: RowConfig, schema: pa.Schema) -> pa.Schema:
+    """An input file's schema with its columns named as the job knows them
+    (RowConfig.prompt_column / id_column read as 'prompt' / 'id')."""
+    names = config.job_names(schema.names)
+    return pa.schema([schema.field(config.input_name(n)).with_name(n) for n in names])
+
+
 def valid_sizes(w: pa.Array, h: pa.Array) -> tuple[pa.Array, pa.Array, pa.Array]:
     """(valid, width, height): valid is true where both sides are in [1, MAX_SIDE]; the sizes
     come back as int64 with every other row null."""
@@ -148,31 +155,48 @@ class RowValidator:
     def check_schema(self, file: str, schema: pa.Schema) -> bool:
         """Column presence and types; False when the file's rows cannot be checked."""
         self._order.setdefault(file, len(self._order))
-        names = schema.names
-        if "prompt" not in names:
-            shown = ", ".join(names[:20]) + (", ..." if len(names) > 20 else "")
-            problem = f"no 'prompt' column (columns: {shown or 'none'})"
-            self.add(
-                RowError(
-                    file, None, "prompt", None, problem, "Name the column that holds the prompts 'prompt'"
-                )
+        names, config = schema.names, self.config
+        shown = ", ".join(names[:20]) + (", ..." if len(names) > 20 else "")
+        for known in ("prompt", "id"):
+            own = config.input_name(known)
+            if own != known and own in names and known in names:
+                problem = f"there is a '{own}' column (input.{known}_column) and also a '{known}' column"
+                hint = f"Rename or drop the '{known}' column: the manifests' '{known}' holds the values of '{own}'"
+                self.add(RowError(file, None, known, None, problem, hint))
+                return False
+        if config.id_column != "id" and config.id_column not in names:
+            problem = (
+                f"no '{config.id_column}' column, which input.id_column names (columns: {shown or 'none'})"
             )
+            hint = "Set input.id_column to the column that holds the ids, or leave it out to use row positions as ids"
+            self.add(RowError(file, None, config.id_column, None, problem, hint))
             return False
+        if config.prompt_column not in names:
+            problem = f"no '{config.prompt_column}' column (columns: {shown or 'none'})"
+            hint = (
+                "Name the column that holds the prompts in input.prompt_column (e.g. prompt_column: caption), "
+                "or call it 'prompt'"
+            )
+            self.add(RowError(file, None, config.prompt_column, None, problem, hint))
+            return False
+        schema = job_schema(config, schema)
+        names = schema.names
         ok = True
         for column, (kinds, expected) in _EXPECTED.items():
             if column not in names or _kind(schema.field(column).type) in kinds:
                 continue
             ok, kind = False, _kind(schema.field(column).type)
-            hint = f"Store '{column}' as {expected} values"
+            own = config.input_name(column)
+            hint = f"Store '{own}' as {expected} values"
             if kind == "float" and expected.startswith("integer"):
                 hint += (
                     "; pandas writes an integer column with missing values as float: use the nullable "
-                    f"dtype, df['{column}'] = df['{column}'].astype('Int64')"
+                    f"dtype, df['{own}'] = df['{own}'].astype('Int64')"
                 )
             elif kind == "string":
                 hint += ", not as text"
             problem = f"column has type {schema.field(column).type}, expected {expected}"
-            self.add(RowError(file, None, column, None, problem, hint))
+            self.add(RowError(file, None, own, None, problem, hint))
         for have, missing in (("width", "height"), ("height", "width")):
             if have in names and missing not in names:
                 ok = False
@@ -208,6 +232,7 @@ class RowValidator:
         if room <= 0:
             return
         idx = pc.indices_nonzero(mask).slice(0, room)
+        column = self.config.input_name(column)
         for i, v in zip(idx.to_pylist(), values.take(idx).to_pylist()):
             text = problem(v) if callable(problem) else problem
             self.errors.append(RowError(at.file, at.first_row + i, column, show(v), text, hint))
@@ -410,6 +435,7 @@ def scan_input(
     for file, footer in zip(files, footers):
         if footer is None or not validator.check_schema(file.uri, footer.schema):
             continue
+        footer = footer._replace(schema=job_schema(config, footer.schema))  # what the scan sees
         valid.append((file, footer, position))
         position += footer.rows
     empty = [file.uri for file, footer, _ in valid if footer.rows == 0]
@@ -418,7 +444,9 @@ def scan_input(
     # Without any id column, ids are positions, which cannot collide: skip the digests.
     try:
         duplicates = (
-            DuplicateIds(position, digest_bits) if any("id" in f.schema.names for _, f, _ in valid) else None
+            DuplicateIds(position, digest_bits, config.id_column)
+            if any("id" in f.schema.names for _, f, _ in valid)
+            else None
         )
     except MemoryError:
         # The digests are sized by the footers' counts before any row is read; a footer that
@@ -454,7 +482,9 @@ def scan_input(
         if duplicates is not None:
             duplicates.add_file(start, footer.rows, file.uri, has_ids)
         with source.open(file) as pf:
-            for first_row, batch in iter_batches(pf, content_columns(footer.schema.names), batch_rows):
+            read = [config.input_name(c) for c in content_columns(footer.schema.names)]
+            for first_row, in_file in iter_batches(pf, read, batch_rows):
+                batch = config.as_job_columns(in_file)
                 sink.check_batch(batch, file.uri, first_row)
                 if duplicates is not None and has_ids:
                     duplicates.add_ids(plain(batch.column("id")), start + first_row)
