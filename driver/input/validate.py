@@ -164,13 +164,6 @@ class RowValidator:
                 hint = f"Rename or drop the '{known}' column: the manifests' '{known}' holds the values of '{own}'"
                 self.add(RowError(file, None, known, None, problem, hint))
                 return False
-        if config.id_column != "id" and config.id_column not in names:
-            problem = (
-                f"no '{config.id_column}' column, which input.id_column names (columns: {shown or 'none'})"
-            )
-            hint = "Set input.id_column to the column that holds the ids, or leave it out to use row positions as ids"
-            self.add(RowError(file, None, config.id_column, None, problem, hint))
-            return False
         if config.prompt_column not in names:
             problem = f"no '{config.prompt_column}' column (columns: {shown or 'none'})"
             hint = (
@@ -178,6 +171,13 @@ class RowValidator:
                 "or call it 'prompt'"
             )
             self.add(RowError(file, None, config.prompt_column, None, problem, hint))
+            return False
+        if config.id_column != "id" and config.id_column not in names:
+            problem = (
+                f"no '{config.id_column}' column, which input.id_column names (columns: {shown or 'none'})"
+            )
+            hint = "Set input.id_column to the column that holds the ids, or leave it out to use row positions as ids"
+            self.add(RowError(file, None, config.id_column, None, problem, hint))
             return False
         schema = job_schema(config, schema)
         names = schema.names
