@@ -7,16 +7,18 @@ a `RangeDigest` here, so they cannot disagree. It is a digest of values, not of 
 Parquet pages: the same rows written by another pyarrow version, with other compression, row
 groups or batch sizes, or with the columns in another order, have the same digest.
 
-Each column the job reads (workers.rows.content_columns) is streamed, row by row in order, into
-sha256 hashers of its own (one per stream below), so cutting a range into batches anywhere gives
-the same digest:
-- strings and binaries: each value's length (-1 for a null) and, apart, its bytes;
+Each column the job reads (workers.rows.content_columns) is streamed row by row, in order, into
+sha256 hashers, so cutting a range into batches anywhere gives the same digest. Per row, every
+fixed-width value of the row goes into one stream (the columns in name order), and each string
+or nested column's bytes into one of its own:
+- strings and binaries: each value's length (-1 for a null) in the fixed-width stream, its bytes
+  in the column's own;
 - integers, booleans and temporal values as 64-bit integers, floats as float64 bits (every NaN
-  as one); a null as 0 in the values and a 0 in a validity stream;
+  as one), each after a validity flag (a null's value is 0);
 - decimals as text; lists (their lengths, then their elements), structs (field by field) and
   other types (maps, unions: their Python values' repr) row by row, each row framed by its length.
-The range's digest is sha256 over the columns' names, kinds and stream digests, in name order,
-cut to 64 bits. sha256 streams at about 1.6 GB/s a core (SHA extensions), and hashlib releases
+The range's digest is sha256 over the columns' names and kinds and the streams' digests, cut to
+64 bits. sha256 streams at about 1.6 GB/s a core (SHA extensions), and hashlib releases
 the GIL on large updates, so the planner's threads hash side by side. Torch-free: the driver
 imports it.
 """
@@ -24,7 +26,7 @@ imports it.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import numpy as np
 import pyarrow as pa
@@ -74,12 +76,16 @@ def _validity(values: pa.Array) -> np.ndarray:
 
 
 class _Column:
-    """One batch's column in the canonical form its streams are fed from, sliceable by row."""
+    """One batch's column in canonical form: fixed-width per-row values (`fixed`, uint64 each)
+    and, for strings and nested values, a byte stream (`offsets` into `data`, or row frames)."""
 
     def __init__(self, values: pa.Array | pa.ChunkedArray) -> None:
         values = _plain(values)
         t = values.type
         self.values = values
+        self.fixed: list[np.ndarray] = []
+        self.offsets: np.ndarray | None = None
+        self.data = memoryview(b"")
         self.kind: str
         if pa.types.is_null(t):
             self.kind = "null"
@@ -94,50 +100,52 @@ class _Column:
             wide = pa.types.is_large_string(values.type) or pa.types.is_large_binary(values.type)
             buffers = values.buffers()
             n = len(values)
+            width = 8 if wide else 4
             offsets = np.frombuffer(
-                buffers[1],
-                np.int64 if wide else np.int32,
-                count=n + 1,
-                offset=values.offset * (8 if wide else 4),
+                buffers[1], np.int64 if wide else np.int32, count=n + 1, offset=values.offset * width
             ).astype(np.int64)
-            self.offsets = offsets
             lengths = offsets[1:] - offsets[:-1]
             if values.null_count:
                 lengths = np.where(_validity(values).astype(bool), lengths, -1)
-            self.lengths = lengths
-            self.data = memoryview(buffers[2]) if buffers[2] is not None else memoryview(b"")
+            self.fixed = [lengths.view(np.uint64)]
+            self.offsets = offsets
+            if buffers[2] is not None:
+                self.data = memoryview(buffers[2])
         elif (kind := _fixed_kind(t)) is not None:
             self.kind = kind
-            self.valid = _validity(values)
             filled = values.fill_null(False if kind == "b" else 0) if values.null_count else values
             if kind == "f":
                 floats = np.asarray(filled.cast(pa.float64()).to_numpy(zero_copy_only=False), np.float64)
                 bits = floats.view(np.uint64).copy()
                 bits[np.isnan(floats)] = _NAN_BITS
-                self.fixed = bits
             elif kind == "u":
-                self.fixed = np.asarray(filled.cast(pa.uint64()).to_numpy(zero_copy_only=False), np.uint64)
+                bits = np.asarray(filled.cast(pa.uint64()).to_numpy(zero_copy_only=False), np.uint64)
             elif kind == "b":
-                self.fixed = np.asarray(filled.to_numpy(zero_copy_only=False), np.uint8)
+                bits = np.asarray(filled.to_numpy(zero_copy_only=False), np.uint64)
             else:
-                self.fixed = np.asarray(filled.cast(pa.int64()).to_numpy(zero_copy_only=False), np.int64)
+                bits = np.asarray(filled.cast(pa.int64()).to_numpy(zero_copy_only=False), np.int64).view(
+                    np.uint64
+                )
+            self.fixed = [_validity(values).astype(np.uint64), bits]
         else:
             self.kind = f"nested:{t}"
 
-    def parts(self, lo: int, hi: int) -> Iterator[bytes | memoryview]:
-        """The bytes of rows lo..hi-1 for each of this kind's streams, in stream order."""
-        if self.kind == "null":
-            yield (hi - lo).to_bytes(8, "little")
-        elif self.kind == "s":
-            yield memoryview(self.lengths[lo:hi])
-            yield self.data[int(self.offsets[lo]) : int(self.offsets[hi])]
-        elif self.kind.startswith("nested:"):
+    def stream(self, lo: int, hi: int) -> bytes | memoryview | None:
+        """The byte stream of rows lo..hi-1 (None for a column of fixed-width values only)."""
+        if self.offsets is not None:
+            return self.data[int(self.offsets[lo]) : int(self.offsets[hi])]
+        if self.kind.startswith("nested:"):
             # Row by row, each framed by its length (nested columns are rare: Python is fine).
             frames = (_nested_bytes(self.values.slice(i, 1)) for i in range(lo, hi))
-            yield b"".join(len(f).to_bytes(8, "little") + f for f in frames)
-        else:
-            yield memoryview(self.valid[lo:hi])
-            yield memoryview(self.fixed[lo:hi])
+            return b"".join(len(f).to_bytes(8, "little") + f for f in frames)
+        return None
+
+
+def _column_bytes(column: _Column) -> bytes:
+    """All of a column's rows as bytes (for nested values)."""
+    n = len(column.values)
+    fixed = np.column_stack(column.fixed).tobytes() if column.fixed else b""
+    return fixed + bytes(column.stream(0, n) or b"")
 
 
 def _nested_bytes(values: pa.Array) -> bytes:
@@ -148,51 +156,64 @@ def _nested_bytes(values: pa.Array) -> bytes:
             values = values.cast(pa.list_(t.value_type))
         offsets = np.asarray(values.offsets.to_numpy(zero_copy_only=False), np.int64)
         lengths = np.where(_validity(values).astype(bool), offsets[1:] - offsets[:-1], -1)
-        child = _Column(values.flatten())
-        return lengths.tobytes() + b"".join(bytes(p) for p in child.parts(0, len(child.values)))
+        return lengths.tobytes() + _column_bytes(_Column(values.flatten()))
     if pa.types.is_struct(t):
         out = [_validity(values).tobytes()]
         for field, child in zip(t, values.flatten()):
-            column = _Column(child)
-            out += [field.name.encode(), b"".join(bytes(p) for p in column.parts(0, len(child)))]
+            out += [field.name.encode(), _column_bytes(_Column(child))]
         return b"".join(out)
     return repr(values.to_pylist()).encode()
+
+
+class Prepared:
+    """A batch's columns in the form RangeDigest.add reads: every fixed-width value in one
+    row-major uint64 matrix (so a row range of them is one contiguous slice, one hash update),
+    and the byte streams of strings and nested values apart."""
+
+    def __init__(self, batch: pa.RecordBatch | pa.Table, columns: Iterable[str]) -> None:
+        self.columns = {name: _Column(batch.column(name)) for name in sorted(columns)}
+        self.layout = ";".join(f"{len(n)}:{n}:{c.kind}" for n, c in self.columns.items())
+        fixed = [f for c in self.columns.values() for f in c.fixed]
+        self.matrix = (
+            np.ascontiguousarray(np.column_stack(fixed))
+            if fixed
+            else np.zeros((batch.num_rows, 0), np.uint64)
+        )
+        self.streams = [
+            c for c in self.columns.values() if c.offsets is not None or c.kind.startswith("nested:")
+        ]
 
 
 class RangeDigest:
     """The digest of one row range, fed batch by batch in row order (`add`), read by `value`."""
 
     def __init__(self) -> None:
-        self._streams: dict[str, tuple[str, list]] = {}
+        self._layout: str | None = None
+        self._hashers: list = []
 
-    def add(self, columns: dict[str, _Column], lo: int, hi: int) -> None:
-        """Rows lo..hi-1 of a batch prepared by `prepare`."""
-        for name, column in columns.items():
-            entry = self._streams.get(name)
-            if entry is None or entry[0] != column.kind:
-                # A column whose kind changes between batches cannot happen within one file;
-                # the kind is part of the key so a mixed feed can never equal a clean one.
-                entry = self._streams[name] = (column.kind, [])
-            hashers = entry[1]
-            for i, part in enumerate(column.parts(lo, hi)):
-                if i == len(hashers):
-                    hashers.append(hashlib.sha256())
-                hashers[i].update(part)
+    def add(self, prepared: Prepared, lo: int, hi: int) -> None:
+        """Rows lo..hi-1 of a prepared batch."""
+        if self._layout is None:
+            self._layout = prepared.layout
+            self._hashers = [hashlib.sha256() for _ in range(1 + len(prepared.streams))]
+        elif self._layout != prepared.layout:
+            # Batches of one file share its schema; a mixed feed must never equal a clean one.
+            self._layout += "|" + prepared.layout
+        self._hashers[0].update(memoryview(prepared.matrix[lo:hi]).cast("B"))
+        for hasher, column in zip(self._hashers[1:], prepared.streams):
+            hasher.update(column.stream(lo, hi))
 
     def value(self) -> int:
-        h = hashlib.sha256()
-        for name in sorted(self._streams):
-            kind, hashers = self._streams[name]
-            h.update(f"{len(name)}:{name}:{kind}:{len(hashers)}".encode())
-            for s in hashers:
-                h.update(s.digest())
+        h = hashlib.sha256((self._layout or "").encode())
+        for s in self._hashers:
+            h.update(s.digest())
         return int.from_bytes(h.digest()[:8], "little")
 
 
-def prepare(batch: pa.RecordBatch | pa.Table, columns: Iterable[str]) -> dict[str, _Column]:
+def prepare(batch: pa.RecordBatch | pa.Table, columns: Iterable[str]) -> Prepared:
     """`columns` of `batch` in the form RangeDigest.add reads (once per batch, whatever number
     of ranges it is cut into)."""
-    return {name: _Column(batch.column(name)) for name in columns}
+    return Prepared(batch, columns)
 
 
 def range_digest(batch: pa.RecordBatch | pa.Table, columns: Iterable[str]) -> int:
