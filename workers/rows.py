@@ -36,7 +36,7 @@ from ditfleet.compile.buckets import BucketSet, ResolutionBucket, default_bucket
 from ditfleet.model.family import DEFAULT_FAMILY
 from ditfleet.model.guidance import DEFAULT_NEGATIVE_PROMPT
 from ditfleet.model.settings import setting
-from ditfleet.workers.content_digest import RangeDigest, hex_digest, prepare
+from ditfleet.workers.content_digest import RangeDigest, prepare
 from ditfleet.workers.storage.input_files import InputFileError, open_parquet
 
 # Columns with a meaning; every other column is passed through to the manifest.
@@ -268,10 +268,9 @@ def check_content(shard: ShardSpec, found: int) -> None:
         return
     raise InputContentChanged(
         shard.file,
-        f"rows {shard.row_start}..{shard.row_stop - 1} (shard {shard.index}) are not the rows the output "
-        f"was planned with: their content digest is {hex_digest(found)}, the plan's "
-        f"{hex_digest(shard.content_digest)}; the input changed since the output was planned",
-        "Point the job at a new output for the edited input, or restore the file the output was planned from",
+        f"rows {shard.row_start}..{shard.row_stop - 1} (shard {shard.index}) changed since the output was "
+        "planned (their content digest differs)",
+        "Point the job at a new output, or restore the file",
     )
 
 

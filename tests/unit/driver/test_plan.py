@@ -205,7 +205,7 @@ def test_shard_read_only_touches_its_rows_and_detects_a_changed_file(tmp_path: P
     ):
         read_shard_rows(shard, LOCAL, ROWS)
     write(path, {"prompt": [f"p{i}" for i in range(50)], "num_images": [2] * 50})
-    with pytest.raises(InputContentChanged, match=r"rows 20\.\.29 \(shard 2\) are not the rows"):
+    with pytest.raises(InputContentChanged, match=r"rows 20\.\.29 \(shard 2\) changed since the output was planned"):
         read_shard_rows(shard, LOCAL, ROWS)
     # Without a recorded digest (a plan made before them) the counts still catch it.
     with pytest.raises(InputFileError, match="now ask for 20 images in 10 rows"):
@@ -240,7 +240,7 @@ def test_a_same_length_prompt_edit_under_the_same_footer_is_refused_by_the_worke
         read_shard_rows(plan.shards[2], LOCAL, ROWS)
     message = str(e.value)
     assert str(path) in message and "rows 20..29 (shard 2)" in message
-    assert "the input changed since the output was planned" in message and "new output" in message
+    assert "changed since the output was planned" in message and "new output, or restore the file" in message
     # Planned again, the edited file has another identity: the driver's re-scan sees it too.
     again = plan_of(path, shard_size=10)
     assert again.inputs[0].footer_sha256 == plan.inputs[0].footer_sha256
