@@ -9,9 +9,10 @@ The plan's fingerprint covers everything that changes the images a row gets (mod
 sampling defaults, buckets, job seed, shard size) and the identity of every input file (its size,
 rows, footer and the digest of its rows' content, workers.content_digest), so an output directory
 is never resumed with a different job. Each shard carries its own rows' digest to the actor, which
-computes it again over what it reads and refuses rows edited since (workers.rows.read_shard_rows). Incremental jobs (driver.increment)
-fingerprint the settings alone and record each run's shards in the output. The fingerprint is
-stored, with what it covers, in the output's `_job.json` (driver.output.job_file).
+computes it again over what it reads and refuses rows edited since (workers.rows.read_shard_rows).
+Incremental jobs (driver.increment) fingerprint the settings alone and record each run's shards
+in the output. The fingerprint is stored, with what it covers, in the output's `_job.json`
+(driver.output.job_file).
 """
 
 from __future__ import annotations

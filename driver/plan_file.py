@@ -2,9 +2,9 @@
 (a resume after a driver restart, say) reads it instead of scanning 100M rows again.
 
 `_plan.parquet` holds one row per shard (index, file number, row range, position, buckets as a
-bit mask over the job's bucket set, images, id prefix, content digest) and, in its schema metadata, the plan's
-fingerprint and the input identities it was made from: about 20 bytes a shard on disk, a
-fraction of a second to read for 400,000 shards.
+bit mask over the job's bucket set, images, id prefix, content digest) and, in its schema
+metadata, the plan's fingerprint and the input identities it was made from: about 18 bytes a
+shard on disk, a fraction of a second to read for 400,000 shards.
 
 A stored plan is used only when the plan that a scan would make now has the same fingerprint:
 the settings of this run and the identity of every input file as listed now (size, rows and
