@@ -205,7 +205,9 @@ def test_shard_read_only_touches_its_rows_and_detects_a_changed_file(tmp_path: P
     ):
         read_shard_rows(shard, LOCAL, ROWS)
     write(path, {"prompt": [f"p{i}" for i in range(50)], "num_images": [2] * 50})
-    with pytest.raises(InputContentChanged, match=r"rows 20\.\.29 \(shard 2\) changed since the output was planned"):
+    with pytest.raises(
+        InputContentChanged, match=r"rows 20\.\.29 \(shard 2\) changed since the output was planned"
+    ):
         read_shard_rows(shard, LOCAL, ROWS)
     # Without a recorded digest (a plan made before them) the counts still catch it.
     with pytest.raises(InputFileError, match="now ask for 20 images in 10 rows"):
