@@ -6,10 +6,13 @@ duplicate-id check while planning). The worker re-reads its shard's rows and res
 the same `workers.rows.resolve_rows` the planner's counts come from.
 
 The plan's fingerprint covers everything that changes the images a row gets (model identity,
-sampling defaults, buckets, job seed, shard size) and the identity of every input file, so an
-output directory is never resumed with a different job. Incremental jobs (driver.increment)
-fingerprint the settings alone and record each run's shards in the output. The fingerprint is
-stored, with what it covers, in the output's `_job.json` (driver.output.job_file).
+sampling defaults, buckets, job seed, shard size) and the identity of every input file (its size,
+rows, footer and the digest of its rows' content, workers.content_digest), so an output directory
+is never resumed with a different job. Each shard carries its own rows' digest to the actor, which
+computes it again over what it reads and refuses rows edited since (workers.rows.read_shard_rows).
+Incremental jobs (driver.increment) fingerprint the settings alone and record each run's shards
+in the output. The fingerprint is stored, with what it covers, in the output's `_job.json`
+(driver.output.job_file).
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ from ditfleet.driver.input.duplicate_ids import DIGEST_BITS
 from ditfleet.driver.input.prompts import DEFAULT_BATCH_ROWS, InputFile, PromptSource
 from ditfleet.driver.input.row_errors import file_error
 from ditfleet.driver.input.validate import DEFAULT_MAX_ERRORS, scan_input, valid_sizes
-from ditfleet.model.settings import setting
-from ditfleet.workers.rows import MAX_SIDE, RowConfig, ShardSpec
+from ditfleet.model.settings import field_default, setting, settings_fields
+from ditfleet.workers.content_digest import RangeDigest, combine, hex_digest, prepare
+from ditfleet.workers.rows import MAX_SIDE, RowConfig, ShardSpec, content_columns
 from ditfleet.workers.storage.input_files import InputFileError, footer_sha256, largest_row_group
 
 FINGERPRINT_VERSION = 1
@@ -70,12 +74,26 @@ class PlanConfig:
 
 @dataclass(frozen=True)
 class InputIdentity:
-    """What identifies an input file's content without reading it all."""
+    """What identifies an input file: size, rows and footer from its footer alone, and the digest
+    of its rows' content (workers.content_digest.combine of its shards' digests, hex), which
+    only a scan of the rows gives; None where unknown (only in identities read from footers)."""
 
     uri: str
     size: int
     rows: int
     footer_sha256: str
+    content_digest: str | None = None
+
+    def to_doc(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "uri": self.uri,
+            "size": self.size,
+            "rows": self.rows,
+            "footer_sha256": self.footer_sha256,
+        }
+        if self.content_digest is not None:
+            doc["content_digest"] = self.content_digest
+        return doc
 
 
 @dataclass(frozen=True)
@@ -96,10 +114,7 @@ class JobPlan:
         """The settings and input identities the fingerprint is computed over (stored in _job.json)."""
         return {
             **settings_doc(self.config),
-            "inputs": [
-                {"uri": i.uri, "size": i.size, "rows": i.rows, "footer_sha256": i.footer_sha256}
-                for i in self.inputs
-            ],
+            "inputs": [i.to_doc() for i in self.inputs],
         }
 
     def fingerprint(self) -> str:
@@ -134,6 +149,9 @@ def settings_doc(config: PlanConfig, incremental: bool = False) -> dict[str, Any
         "num_images": rows.num_images,
         "buckets": list(rows.buckets.names),
     }
+    for name in ("prompt_column", "id_column"):  # other columns read are other rows
+        if getattr(rows, name) != field_default(settings_fields(RowConfig)[name]):
+            doc[name] = getattr(rows, name)
     if incremental:
         doc["incremental"] = True
     else:
@@ -166,6 +184,7 @@ class ShardCutter:
         self._file: InputFile | None = None
         self._start = self._position = self._images = 0
         self._rows_in_shard = 0
+        self._digest = RangeDigest()
         self._bucket_ids: set[int] = set()
         self._names: dict[frozenset[int], tuple[str, ...]] = {}
 
@@ -179,6 +198,7 @@ class ShardCutter:
             self._start, self._position = first_row, first_position
         images = self._images_of(batch)
         bucket_ids = self._bucket_ids_of(batch)
+        content = prepare(batch, content_columns(batch.schema.names))
         single = pc.unique(bucket_ids).to_pylist() if bucket_ids is not None else [0]
         size, n, at = self.config.shard_size, batch.num_rows, 0
         while at < n:
@@ -193,6 +213,7 @@ class ShardCutter:
                 self._bucket_ids.add(single[0])
             else:
                 self._bucket_ids.update(pc.unique(bucket_ids.slice(at, take)).to_pylist())
+            self._digest.add(content, at, at + take)
             self._rows_in_shard += take
             at += take
             if (first_row + at) % size == 0:
@@ -220,11 +241,13 @@ class ShardCutter:
                 buckets_used=names,
                 num_images=self._images,
                 id_prefix=self.id_prefixes.get(self._file.uri),
+                content_digest=self._digest.value(),
             )
         )
         self.used |= self._bucket_ids
         self._position += self._rows_in_shard
         self._start, self._images, self._rows_in_shard, self._bucket_ids = stop, 0, 0, set()
+        self._digest = RangeDigest()
 
     def _images_of(self, batch: pa.RecordBatch) -> pa.Array | None:
         if "num_images" not in batch.schema.names or pa.types.is_null(batch.column("num_images").type):
@@ -302,9 +325,12 @@ def plan_job(
     shards = tuple(s for c in cutters for s in c.shards)
     used = set().union(*(c.used for c in cutters)) if cutters else set()
     rows_per_file: dict[str, int] = {}
+    shard_digests: dict[str, list[int]] = {}
     for s in shards:
         rows_per_file[s.file] = rows_per_file.get(s.file, 0) + s.num_rows
-    inputs = input_identities(source, report.files, rows_per_file)
+        shard_digests.setdefault(s.file, []).append(s.content_digest or 0)
+    digest_per_file = {uri: combine(d) for uri, d in shard_digests.items()}
+    inputs = input_identities(source, report.files, rows_per_file, digest_per_file)
     buckets = config.rows.buckets
     return JobPlan(
         config=config,
@@ -320,17 +346,26 @@ def plan_job(
 
 
 def input_identities(
-    source: PromptSource, files: Sequence[InputFile], rows_per_file: Mapping[str, int]
+    source: PromptSource,
+    files: Sequence[InputFile],
+    rows_per_file: Mapping[str, int],
+    digest_per_file: Mapping[str, int],
 ) -> tuple[InputIdentity, ...]:
     """Each file's identity (its footer's sha256 read again, in parallel: a file replaced since
-    the pass changes it)."""
+    the pass changes it) with the content digest the pass computed."""
 
     def one(f: InputFile) -> InputIdentity:
         try:
             sha = footer_sha256(source.filesystem, f.uri)
         except InputFileError as e:  # replaced between the pass and now
             raise file_error(e.uri, e.problem, e.hint) from e
-        return InputIdentity(f.uri, f.size, rows_per_file.get(f.uri, 0), sha)
+        return InputIdentity(
+            f.uri,
+            f.size,
+            rows_per_file.get(f.uri, 0),
+            sha,
+            hex_digest(digest_per_file.get(f.uri, combine(()))),
+        )
 
     if len(files) <= 1:
         return tuple(one(f) for f in files)

@@ -2,19 +2,21 @@
 (a resume after a driver restart, say) reads it instead of scanning 100M rows again.
 
 `_plan.parquet` holds one row per shard (index, file number, row range, position, buckets as a
-bit mask over the job's bucket set, images, id prefix) and, in its schema metadata, the plan's
-fingerprint and the input identities it was made from: about 20 bytes a shard on disk, a
-fraction of a second to read for 400,000 shards.
+bit mask over the job's bucket set, images, id prefix, content digest) and, in its schema
+metadata, the plan's fingerprint and the input identities it was made from: about 18 bytes a
+shard on disk, a fraction of a second to read for 400,000 shards.
 
 A stored plan is used only when the plan that a scan would make now has the same fingerprint:
 the settings of this run and the identity of every input file as listed now (size, rows and
-footer sha256, read from the footers alone). Anything else (another shard size, a file added,
-replaced or gone) plans from scratch, and the new plan replaces the file. The plan was
-validated when it was made; an input whose footers are unchanged is the input it validated.
+footer sha256, read from the footers alone; the content digests are the stored ones). Anything
+else (another shard size, a file added, replaced or gone) plans from scratch, and the new plan
+replaces the file. The plan was validated when it was made; a file edited in place under an
+unchanged footer is caught by the actors, which digest each shard's rows again before generating.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from collections.abc import Sequence
@@ -31,7 +33,7 @@ from ditfleet.workers.storage import ObjectStore
 from ditfleet.workers.storage.input_files import InputFileError, footer_sha256
 
 PLAN_KEY = "_plan.parquet"
-PLAN_FILE_VERSION = 1
+PLAN_FILE_VERSION = 2
 _META = b"ditfleet.plan"
 _FOOTER_THREADS = 16
 _ROW_GROUP = 1 << 17
@@ -46,6 +48,7 @@ _SCHEMA = pa.schema(
         ("buckets", pa.int64()),  # bit i: bucket i of the job's bucket set
         ("num_images", pa.int64()),
         ("id_prefix", pa.string()),
+        ("content_digest", pa.uint64()),  # workers.content_digest over the shard's rows
     ]
 )
 
@@ -65,12 +68,13 @@ def plan_table(plan: JobPlan) -> pa.Table:
         "buckets": [masks.get(s.buckets_used) or _mask(masks, bit, s.buckets_used) for s in shards],
         "num_images": [s.num_images for s in shards],
         "id_prefix": [s.id_prefix for s in shards],
+        "content_digest": [s.content_digest for s in shards],
     }
     meta = {
         "version": PLAN_FILE_VERSION,
         "fingerprint": plan.fingerprint(),
         "source": plan.source,
-        "inputs": [[i.uri, i.size, i.rows, i.footer_sha256] for i in plan.inputs],
+        "inputs": [[i.uri, i.size, i.rows, i.footer_sha256, i.content_digest] for i in plan.inputs],
         "total_rows": plan.total_rows,
         "total_images": plan.total_images,
         "buckets_used": list(plan.buckets_used),
@@ -100,7 +104,7 @@ def save_plan(store: ObjectStore, plan: JobPlan) -> None:
 
 def plan_from_table(table: pa.Table, config: PlanConfig) -> JobPlan:
     meta = json.loads(table.schema.metadata[_META])
-    inputs = tuple(InputIdentity(u, size, rows, sha) for u, size, rows, sha in meta["inputs"])
+    inputs = tuple(InputIdentity(*entry) for entry in meta["inputs"])
     uris = [i.uri for i in inputs]
     names = config.rows.buckets.names
     decoded: dict[int, tuple[str, ...]] = {}
@@ -115,8 +119,9 @@ def plan_from_table(table: pa.Table, config: PlanConfig) -> JobPlan:
             buckets_used=decoded.get(mask) or _names(decoded, names, mask),
             num_images=images,
             id_prefix=prefix,
+            content_digest=digest,
         )
-        for index, file, start, stop, position, mask, images, prefix in zip(
+        for index, file, start, stop, position, mask, images, prefix, digest in zip(
             *(cols[name] for name in _SCHEMA.names)
         )
     )
@@ -164,12 +169,14 @@ def load_plan(store: ObjectStore, source: PromptSource, config: PlanConfig) -> J
     inputs = current_identities(source)
     if inputs is None:
         return None
-    doc = {
-        **settings_doc(config),
-        "inputs": [
-            {"uri": i.uri, "size": i.size, "rows": i.rows, "footer_sha256": i.footer_sha256} for i in inputs
-        ],
-    }
+    # Footers alone cannot give the content digests: each listed file whose size, rows and footer
+    # are the stored ones takes the stored digest (the actors check each shard's rows against it).
+    stored = {tuple(entry[:4]): entry[4] for entry in meta["inputs"]}
+    inputs = tuple(
+        dataclasses.replace(i, content_digest=stored.get((i.uri, i.size, i.rows, i.footer_sha256)))
+        for i in inputs
+    )
+    doc = {**settings_doc(config), "inputs": [i.to_doc() for i in inputs]}
     if fingerprint_of(doc) != meta.get("fingerprint"):
         return None
     plan = plan_from_table(table, config)

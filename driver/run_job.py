@@ -325,7 +325,9 @@ class _Execution:
         if self._model is None:
             wc = self.worker_config
             try:
-                identity = model_identity(wc.model_path, wc.model_cache_dir, wc.s3)
+                identity = model_identity(
+                    wc.model_path, wc.model_cache_dir, wc.s3, wc.loras, wc.scheduler_config
+                )
             except Exception as e:  # noqa: BLE001 - the actors' own fetch reports what is wrong
                 print(
                     f"warning: model {wc.model_path} cannot be read here ({type(e).__name__}: {e}); "

@@ -266,8 +266,9 @@ def _prompts(spec: Any, n: int, is_tiny: bool) -> list[str]:
         return held_out_captions()
     import pyarrow.dataset as ds
 
-    table = ds.dataset(spec.input_uri(), format="parquet").head(n, columns=["prompt"])
-    return [str(p) for p in table.column("prompt").to_pylist()]
+    column = spec.input.prompt_column
+    table = ds.dataset(spec.input_uri(), format="parquet").head(n, columns=[column])
+    return [str(p) for p in table.column(column).to_pylist()]
 
 
 def _device(spec: Any) -> str:

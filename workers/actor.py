@@ -46,7 +46,12 @@ from ditfleet.workers.startup_phase import COMPILING, LOADING, READY, publish_ph
 from ditfleet.workers.storage import StoreConfigError, open_store
 from ditfleet.workers.storage.input_files import filesystem_for
 from ditfleet.workers.text_embeddings import PlacedTextEncoder
-from ditfleet.workers.weights.digest import check_identity, local_identity
+from ditfleet.workers.weights.digest import (
+    check_identity,
+    job_file_identities,
+    local_identity,
+    with_job_files,
+)
 from ditfleet.workers.weights.fetch import fetch_model
 from ditfleet.workers.weights.files import fetch_file
 
@@ -118,7 +123,8 @@ class GenerationWorker:
         self.model = fetch_model(config.model_path, config.model_cache_dir, config.s3, config.model_fetch)
         if config.model_identity is not None:  # before loading: other weights never make an image here
             found = self.model.identity or local_identity(self.model.local_path, config.model_cache_dir)
-            check_identity(config.model_identity, found, config.model_path)
+            job_files = job_file_identities(config.loras, config.scheduler_config, config.s3)
+            check_identity(config.model_identity, with_job_files(found, job_files), config.model_path)
         # Before loading: a GPU that fits no batch of the job's buckets fails here, not at batch 1.
         self.batch_fit = fit_batch_size(config, self.model.local_path, self.device, self.dtype)
         self.batch_size = self.batch_fit.batch_size

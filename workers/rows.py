@@ -4,7 +4,9 @@ The driver plans shards as row ranges of the input files and never holds the row
 re-reads its shard's rows and resolves them here. Both sides call the same `resolve_rows`, so an
 id, seed or bucket cannot differ between what was planned and what is generated.
 
-Row resolution (columns of the prompt Parquet; "null" means absent for that row):
+Row resolution (columns of the prompt Parquet; "null" means absent for that row; the prompt and
+id columns are `prompt` and `id` unless RowConfig.prompt_column / id_column name others, which
+are then read as `prompt` and `id`):
 - id: the `id` column (string, or integer in decimal), else the row's global input position
   ("0", "1", ... counted over the files in input order); in an incremental job, whose input
   grows, the file's name and the row instead ("2024-06-01.parquet#17", see ShardSpec.id_prefix),
@@ -34,6 +36,7 @@ from ditfleet.compile.buckets import BucketSet, ResolutionBucket, default_bucket
 from ditfleet.model.family import DEFAULT_FAMILY
 from ditfleet.model.guidance import DEFAULT_NEGATIVE_PROMPT
 from ditfleet.model.settings import setting
+from ditfleet.workers.content_digest import RangeDigest, prepare
 from ditfleet.workers.storage.input_files import InputFileError, open_parquet
 
 # Columns with a meaning; every other column is passed through to the manifest.
@@ -106,6 +109,16 @@ class RowConfig:
         description="Images per row (a row's `num_images` wins).",
     )
     max_prompt_chars: int = setting(4000, ge=1, le=10**7, description="Longer prompts are input errors.")
+    prompt_column: str = setting(
+        "prompt",
+        description="The input column that holds the prompts (e.g. 'caption'); the manifests call it 'prompt'.",
+    )
+    id_column: str = setting(
+        "id",
+        description="The input column that holds the row ids (e.g. 'key'); the manifests call it 'id'. "
+        "A file without it uses row positions as ids, unless this names another column than 'id', "
+        "which must then be there.",
+    )
 
     def __post_init__(self) -> None:
         def check(name: str, value: object, lo: float, hi: float) -> None:
@@ -120,6 +133,42 @@ class RowConfig:
         check("max_prompt_chars", self.max_prompt_chars, 1, 10**7)
         if not isinstance(self.buckets, BucketSet):
             raise ValueError(f"buckets must be a BucketSet, got {type(self.buckets).__name__}")
+        for name in ("prompt_column", "id_column"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"{name} must name a column, got {getattr(self, name)!r}")
+        if self.prompt_column == self.id_column:
+            raise ValueError(f"prompt_column and id_column are both {self.prompt_column!r}: name two columns")
+
+    @property
+    def renamed(self) -> dict[str, str]:
+        """Input column -> the name the job knows it by, for the columns named otherwise."""
+        return {
+            file: known
+            for file, known in ((self.prompt_column, "prompt"), (self.id_column, "id"))
+            if file != known
+        }
+
+    def input_name(self, column: str) -> str:
+        """The input's name of the column the job calls `column` (for messages and reads)."""
+        return {"prompt": self.prompt_column, "id": self.id_column}.get(column, column)
+
+    def job_names(self, names: list[str]) -> list[str]:
+        """An input file's column names as the job knows them: the prompt and id columns renamed,
+        and the file's own 'prompt' or 'id' (then not the job's) left out."""
+        renamed = self.renamed
+        shadowed = set(renamed.values())
+        return [renamed.get(n, n) for n in names if n in renamed or n not in shadowed]
+
+    def as_job_columns(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        """A batch read from an input file with its columns named as the job knows them."""
+        renamed = self.renamed
+        if not renamed:
+            return batch
+        names = batch.schema.names
+        keep = [i for i, n in enumerate(names) if n in renamed or n not in set(renamed.values())]
+        return pa.RecordBatch.from_arrays(
+            [batch.column(i) for i in keep], names=[renamed.get(names[i], names[i]) for i in keep]
+        )
 
 
 @dataclass(frozen=True)
@@ -161,6 +210,10 @@ class ShardSpec:
     # a redo of a committed shard (workers.output.layout.manifest_key), which supersedes the
     # lower generations without changing them.
     generation: int = 0
+    # The digest of the rows' content when planned (workers.content_digest, over content_columns):
+    # the actor computes it again over the rows it reads and refuses to generate when it differs.
+    # None: not recorded (a plan made before digests), not checked.
+    content_digest: int | None = None
 
     @property
     def num_rows(self) -> int:
@@ -197,6 +250,28 @@ def passthrough_columns(names: list[str]) -> list[str]:
     """The columns that pass through to the manifest: all but the known ones and pandas' index
     columns ("__index_level_0__", written when a DataFrame with a non-default index is saved)."""
     return [n for n in names if n not in KNOWN_COLUMNS and not _PANDAS_INDEX.fullmatch(n)]
+
+
+def content_columns(names: list[str]) -> list[str]:
+    """The columns a job reads, so the ones its content digest covers: the known columns the
+    file has and the pass-through ones."""
+    return [n for n in names if n in KNOWN_COLUMNS] + passthrough_columns(names)
+
+
+class InputContentChanged(InputFileError):
+    """The rows an actor read for a shard are not the rows that shard was planned with."""
+
+
+def check_content(shard: ShardSpec, found: int) -> None:
+    """Refuse (InputContentChanged) rows whose digest is not the planned one."""
+    if shard.content_digest is None or found == shard.content_digest:
+        return
+    raise InputContentChanged(
+        shard.file,
+        f"rows {shard.row_start}..{shard.row_stop - 1} (shard {shard.index}) changed since the output was "
+        "planned (their content digest differs)",
+        "Point the job at a new output, or restore the file",
+    )
 
 
 def _row_id(value: Any, file: str, row: int) -> str:
@@ -292,8 +367,8 @@ def read_shard_rows(
     of those only up to the shard's last row (streamed: nothing after it is fetched or decoded;
     rows before its first are decoded, as Parquet pages are, but never turned into rows).
 
-    Raises InputFileError if the file no longer holds the planned rows or images (it changed
-    after planning).
+    Raises InputFileError if the file no longer holds the planned rows or images, and
+    InputContentChanged if their content digest is not the planned one (it changed after planning).
     """
     with open_parquet(filesystem, shard.file, stream=True) as pf:
         meta = pf.metadata
@@ -311,24 +386,29 @@ def read_shard_rows(
                 groups.append(g)
                 first_group_row = start if first_group_row is None else first_group_row
             start += size
-        rows: list[PromptRow] = []
+        parts: list[tuple[int, pa.RecordBatch]] = []
         at = first_group_row or 0
         batch_rows = max(1, min(batch_rows, shard.num_rows))  # no batch reaches far past the shard
-        for batch in pf.iter_batches(batch_size=batch_rows, row_groups=groups):
+        for read in pf.iter_batches(batch_size=batch_rows, row_groups=groups):
+            batch = config.as_job_columns(read)
             lo, hi = max(shard.row_start - at, 0), min(shard.row_stop - at, batch.num_rows)
             if hi > lo:
-                first = at + lo
-                rows += resolve_rows(
-                    batch.slice(lo, hi - lo),
-                    config,
-                    shard.file,
-                    first,
-                    shard.position_start + first - shard.row_start,
-                    shard.id_prefix,
-                )
+                parts.append((at + lo, batch.slice(lo, hi - lo)))
             at += batch.num_rows
             if at >= shard.row_stop:
                 break
+    # The content first: an edited row is refused as such, before anything reads its values.
+    if sum(p.num_rows for _, p in parts) == shard.num_rows and parts:
+        columns = content_columns(parts[0][1].schema.names)
+        digest = RangeDigest()
+        for _, part in parts:
+            digest.add(prepare(part, columns), 0, part.num_rows)
+        check_content(shard, digest.value())
+    rows: list[PromptRow] = []
+    for first, part in parts:
+        rows += resolve_rows(
+            part, config, shard.file, first, shard.position_start + first - shard.row_start, shard.id_prefix
+        )
     images = sum(r.num_images for r in rows)
     if len(rows) != shard.num_rows or images != shard.num_images:
         raise InputFileError(

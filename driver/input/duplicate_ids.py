@@ -1,7 +1,7 @@
 """Finding ids used by more than one row, over all input files, in 8 bytes per row.
 
 Each row's id (its `id` value as a string, integers in decimal, or its input position for a file
-without an id column) is reduced to a 64-bit digest (driver.input.id_digests) written into one
+without an id column) is reduced to a 64-bit digest (workers.value_digests) written into one
 preallocated numpy array at the row's global position; no Python object per row is made. After
 the pass the array is sorted in place and equal neighbours give the digests seen more than once.
 Only when there are any are the files read again (the id column alone), and the rows whose
@@ -21,9 +21,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ditfleet.driver.input.id_digests import digests, position_digests
 from ditfleet.driver.input.prompts import PromptSource, iter_batches
 from ditfleet.driver.input.row_errors import RowError, describe_value
+from ditfleet.workers.value_digests import digests, position_digests
 
 _HINT = "Ids must be unique across all input files; fix or drop the duplicate rows"
 DIGEST_BITS = 64
@@ -46,7 +46,8 @@ class DuplicateIds:
     is allocated once. bits: digest width; below 64 only to force collisions in tests.
     """
 
-    def __init__(self, total_rows: int, bits: int = DIGEST_BITS) -> None:
+    def __init__(self, total_rows: int, bits: int = DIGEST_BITS, id_column: str = "id") -> None:
+        self.id_column = id_column  # the input's name of the id column (RowConfig.id_column)
         if not 1 <= bits <= 64:
             raise ValueError(f"digest bits must be in [1, 64], got {bits}")
         self.bits = bits
@@ -99,8 +100,8 @@ class DuplicateIds:
                         ids.append(where.cast(pa.string()))
                 continue
             with source.open(span.uri) as pf:
-                for first_row, batch in iter_batches(pf, ["id"]):
-                    column = batch.column("id")
+                for first_row, batch in iter_batches(pf, [self.id_column]):
+                    column = batch.column(self.id_column)
                     start = span.start + first_row
                     where = np.arange(start, start + batch.num_rows, dtype=np.int64)
                     hit = _hits(digests(column, self.bits, where), repeated)
@@ -155,7 +156,7 @@ class DuplicateIds:
                 message = f"id {row_id!r} is already used by {where}"
             else:
                 message = f"this file has no id column, so the row's id is its input position, {row_id!r}, already used by {where}"
-            out.append(RowError(dup[0].uri, dup[1], "id", describe_value(row_id), message, _HINT))
+            out.append(RowError(dup[0].uri, dup[1], self.id_column, describe_value(row_id), message, _HINT))
         return len(dups), out
 
     def errors(self, source: PromptSource, max_errors: int | None = None) -> list[RowError]:

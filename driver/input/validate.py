@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -28,12 +29,12 @@ from ditfleet.driver.input.prompts import (
 from ditfleet.driver.input.row_errors import InputError, RowError, describe_value
 from ditfleet.workers.rows import (
     CFG_RANGE,
-    KNOWN_COLUMNS,
     MAX_SEED,
     MAX_SIDE,
     NUM_IMAGES_RANGE,
     STEPS_RANGE,
     RowConfig,
+    content_columns,
 )
 
 DEFAULT_MAX_ERRORS = 50
@@ -58,6 +59,7 @@ _GIVE_PROMPT = "Give every row a prompt, or drop the row"
 _SHORTEN = "Shorten it, or raise the job's max_prompt_chars"
 # A '..' path segment, a leading slash or backslash, or an ASCII control character.
 _PATH_LIKE_ID = r"(^|[/\\])\.\.($|[/\\])|^[/\\]|[\x00-\x1f\x7f]"
+_NO_NUL = "Remove the NUL characters (\\x00) from the text; they are never part of a caption"
 _BOTH_SIZES = "Give both width and height, or neither (the row then uses the job's default bucket)"
 
 
@@ -76,12 +78,47 @@ def _kind(t: pa.DataType) -> str:
     return str(t)
 
 
+def job_schema(config: RowConfig, schema: pa.Schema) -> pa.Schema:
+    """An input file's schema with its columns named as the job knows them
+    (RowConfig.prompt_column / id_column read as 'prompt' / 'id')."""
+    names = config.job_names(schema.names)
+    return pa.schema([schema.field(config.input_name(n)).with_name(n) for n in names])
+
+
 def valid_sizes(w: pa.Array, h: pa.Array) -> tuple[pa.Array, pa.Array, pa.Array]:
     """(valid, width, height): valid is true where both sides are in [1, MAX_SIDE]; the sizes
     come back as int64 with every other row null."""
     valid = pc.fill_null(pc.invert(pc.or_(outside(w, 1, MAX_SIDE), outside(h, 1, MAX_SIDE))), False)
     as64 = [pc.if_else(valid, v, pa.scalar(None, v.type)).cast(pa.int64()) for v in (w, h)]
     return valid, as64[0], as64[1]
+
+
+def _has_zero_byte(strings: pa.Array) -> bool:
+    """Whether any value holds a 0 byte, which in UTF-8 is only ever NUL: one pass over the
+    bytes (a substring search per row costs 25x more, for a character that is almost never there)."""
+    if pa.types.is_null(strings.type) or len(strings) == 0:
+        return False
+    wide = pa.types.is_large_string(strings.type)
+    _, offsets, data = strings.buffers()
+    if data is None:
+        return False
+    width = 8 if wide else 4
+    ends = np.frombuffer(offsets, np.int64 if wide else np.int32, count=2, offset=strings.offset * width)
+    last = int(
+        np.frombuffer(
+            offsets, np.int64 if wide else np.int32, count=1, offset=(strings.offset + len(strings)) * width
+        )[0]
+    )
+    used = np.frombuffer(data, np.uint8, count=last - int(ends[0]), offset=int(ends[0]))
+    return bool(used.size) and not used.all()
+
+
+def _is_utf8(value: bytes) -> bool:
+    try:
+        value.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 class _At(NamedTuple):
@@ -139,31 +176,48 @@ class RowValidator:
     def check_schema(self, file: str, schema: pa.Schema) -> bool:
         """Column presence and types; False when the file's rows cannot be checked."""
         self._order.setdefault(file, len(self._order))
-        names = schema.names
-        if "prompt" not in names:
-            shown = ", ".join(names[:20]) + (", ..." if len(names) > 20 else "")
-            problem = f"no 'prompt' column (columns: {shown or 'none'})"
-            self.add(
-                RowError(
-                    file, None, "prompt", None, problem, "Name the column that holds the prompts 'prompt'"
-                )
+        names, config = schema.names, self.config
+        shown = ", ".join(names[:20]) + (", ..." if len(names) > 20 else "")
+        for known in ("prompt", "id"):
+            own = config.input_name(known)
+            if own != known and own in names and known in names:
+                problem = f"there is a '{own}' column (input.{known}_column) and also a '{known}' column"
+                hint = f"Rename or drop the '{known}' column: the manifests' '{known}' holds the values of '{own}'"
+                self.add(RowError(file, None, known, None, problem, hint))
+                return False
+        if config.prompt_column not in names:
+            problem = f"no '{config.prompt_column}' column (columns: {shown or 'none'})"
+            hint = (
+                "Name the column that holds the prompts in input.prompt_column (e.g. prompt_column: caption), "
+                "or call it 'prompt'"
             )
+            self.add(RowError(file, None, config.prompt_column, None, problem, hint))
             return False
+        if config.id_column != "id" and config.id_column not in names:
+            problem = (
+                f"no '{config.id_column}' column, which input.id_column names (columns: {shown or 'none'})"
+            )
+            hint = "Set input.id_column to the column that holds the ids, or leave it out to use row positions as ids"
+            self.add(RowError(file, None, config.id_column, None, problem, hint))
+            return False
+        schema = job_schema(config, schema)
+        names = schema.names
         ok = True
         for column, (kinds, expected) in _EXPECTED.items():
             if column not in names or _kind(schema.field(column).type) in kinds:
                 continue
             ok, kind = False, _kind(schema.field(column).type)
-            hint = f"Store '{column}' as {expected} values"
+            own = config.input_name(column)
+            hint = f"Store '{own}' as {expected} values"
             if kind == "float" and expected.startswith("integer"):
                 hint += (
                     "; pandas writes an integer column with missing values as float: use the nullable "
-                    f"dtype, df['{column}'] = df['{column}'].astype('Int64')"
+                    f"dtype, df['{own}'] = df['{own}'].astype('Int64')"
                 )
             elif kind == "string":
                 hint += ", not as text"
             problem = f"column has type {schema.field(column).type}, expected {expected}"
-            self.add(RowError(file, None, column, None, problem, hint))
+            self.add(RowError(file, None, own, None, problem, hint))
         for have, missing in (("width", "height"), ("height", "width")):
             if have in names and missing not in names:
                 ok = False
@@ -199,18 +253,56 @@ class RowValidator:
         if room <= 0:
             return
         idx = pc.indices_nonzero(mask).slice(0, room)
+        column = self.config.input_name(column)
         for i, v in zip(idx.to_pylist(), values.take(idx).to_pylist()):
             text = problem(v) if callable(problem) else problem
             self.errors.append(RowError(at.file, at.first_row + i, column, show(v), text, hint))
 
+    def _check_utf8(self, at: _At, batch: pa.RecordBatch) -> bool:
+        """Every string column of the batch is valid UTF-8 (Arrow's full validation; Parquet
+        readers do not check it, and a worker turning such a row into text would fail every
+        attempt). False when some is not: the batch's other checks would read the bad bytes."""
+        ok = True
+        for name in batch.schema.names:
+            column = batch.column(name)
+            if isinstance(column, pa.DictionaryArray):
+                column = column.dictionary_decode()
+            if _kind(column.type) != "string":
+                continue
+            try:
+                column.validate(full=True)
+                continue
+            except pa.ArrowInvalid:
+                ok = False
+            raw = column.view(pa.large_binary() if pa.types.is_large_string(column.type) else pa.binary())
+            bad = [v is not None and not _is_utf8(v) for v in raw.to_pylist()]
+            self._flag(
+                at,
+                name,
+                pa.array(bad, pa.bool_()),
+                raw,
+                "value is not valid UTF-8",
+                "Write the column as text (str, UTF-8), or as binary if it holds bytes; a prompt or id "
+                "must be text",
+                show=lambda v: describe_value(bytes(v[:60])),
+            )
+        return ok
+
     def check_batch(self, batch: pa.RecordBatch, file: str, first_row: int) -> None:
         """Check the rows of `batch`, rows first_row.. of `file` (its schema already checked)."""
         at, names, limit = _At(file, first_row), batch.schema.names, self.config.max_prompt_chars
+        if not self._check_utf8(at, batch):
+            return
         prompt = plain(batch.column("prompt"))
         self._flag(at, "prompt", pc.is_null(prompt), prompt, "prompt is null", _GIVE_PROMPT)
         # Without copying the prompts (trimming would): no bytes, or nothing but whitespace.
         empty = pc.or_(pc.equal(pc.binary_length(prompt), 0), pc.utf8_is_space(prompt))
         self._flag(at, "prompt", empty, prompt, "prompt is empty", _GIVE_PROMPT)
+        # A NUL ends the text early in C-side tokenizers and logs: what is generated would not be
+        # what the manifest says.
+        if _has_zero_byte(prompt):
+            nul = pc.match_substring(prompt, "\x00")
+            self._flag(at, "prompt", nul, prompt, "prompt holds a NUL character (\\x00)", _NO_NUL)
         # A string has at least as many bytes as characters: count characters only when some
         # prompt has more bytes than the limit allows characters.
         if (pc.max(pc.binary_length(prompt)).as_py() or 0) > limit:
@@ -227,6 +319,11 @@ class RowValidator:
                     neg,
                     f"negative prompt is longer than {limit} characters",
                     _SHORTEN,
+                )
+            if _has_zero_byte(neg):
+                nul = pc.match_substring(neg, "\x00")
+                self._flag(
+                    at, "negative_prompt", nul, neg, "negative prompt holds a NUL character (\\x00)", _NO_NUL
                 )
         if "id" in names:
             ids = batch.column("id")
@@ -344,7 +441,7 @@ def scan_input(
     reported then, and with fail_fast (planning) nothing more is read, so a bad file among
     thousands is named before any row is. Then the rows:
     - on_batch(file, first_row, first_position, batch) sees every batch of each file whose
-      schema is valid (only the KNOWN_COLUMNS it has), files in input order, so the planner
+      schema is valid (the columns a job reads: workers.rows.content_columns), files in input order, so the planner
       shares this one pass;
     - or per_file(file, first_position, rows) makes one FileScan per file (rows: its footer's count), and `workers` threads scan
       files side by side (Parquet decoding and Arrow compute release the GIL); each FileScan
@@ -361,6 +458,7 @@ def scan_input(
     for file, footer in zip(files, footers):
         if footer is None or not validator.check_schema(file.uri, footer.schema):
             continue
+        footer = footer._replace(schema=job_schema(config, footer.schema))  # what the scan sees
         valid.append((file, footer, position))
         position += footer.rows
     empty = [file.uri for file, footer, _ in valid if footer.rows == 0]
@@ -369,7 +467,9 @@ def scan_input(
     # Without any id column, ids are positions, which cannot collide: skip the digests.
     try:
         duplicates = (
-            DuplicateIds(position, digest_bits) if any("id" in f.schema.names for _, f, _ in valid) else None
+            DuplicateIds(position, digest_bits, config.id_column)
+            if any("id" in f.schema.names for _, f, _ in valid)
+            else None
         )
     except MemoryError:
         # The digests are sized by the footers' counts before any row is read; a footer that
@@ -405,9 +505,9 @@ def scan_input(
         if duplicates is not None:
             duplicates.add_file(start, footer.rows, file.uri, has_ids)
         with source.open(file) as pf:
-            for first_row, batch in iter_batches(
-                pf, [c for c in KNOWN_COLUMNS if c in footer.schema.names], batch_rows
-            ):
+            read = [config.input_name(c) for c in content_columns(footer.schema.names)]
+            for first_row, in_file in iter_batches(pf, read, batch_rows):
+                batch = config.as_job_columns(in_file)
                 sink.check_batch(batch, file.uri, first_row)
                 if duplicates is not None and has_ids:
                     duplicates.add_ids(plain(batch.column("id")), start + first_row)

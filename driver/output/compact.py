@@ -39,11 +39,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ditfleet.driver.input.id_digests import digests, mix
 from ditfleet.driver.output.json_objects import read_json
 from ditfleet.workers.output.layout import manifest_of_key, success_key
 from ditfleet.workers.output.manifest import MANIFEST_SCHEMA, current_manifest_keys, with_later_columns
 from ditfleet.workers.storage import ObjectStore
+from ditfleet.workers.value_digests import digests, mix
 
 COMPACTED_PREFIX = "compacted/"
 COMPACTED_KEY = COMPACTED_PREFIX + "manifests.parquet"

@@ -167,11 +167,18 @@ def describe_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list
         out.append(f"input file {uri} was added")
     for uri in old_in.keys() - new_in.keys():
         out.append(f"input file {uri} was removed")
+    # A file's content digest is over its shards' digests: comparable under one shard size only.
+    same_cut = old.get("shard_size") == new.get("shard_size")
     for uri in sorted(old_in.keys() & new_in.keys()):
         a, b = old_in[uri], new_in[uri]
         changes = [f"{k} {a.get(k)} -> {b.get(k)}" for k in ("size", "rows") if a.get(k) != b.get(k)]
         if a.get("footer_sha256") != b.get("footer_sha256"):
             changes.append("content differs")
+        elif a.get("content_digest") != b.get("content_digest") and same_cut:
+            changes.append(
+                f"rows edited in place: content digest {a.get('content_digest')} -> {b.get('content_digest')}, "
+                "same size, rows and footer"
+            )
         if changes:
             out.append(f"input file {uri} changed ({', '.join(changes)})")
     same_files = old_in.keys() == new_in.keys()

@@ -121,7 +121,7 @@ class JobSpec(Section):
 
     def row_config(self) -> RowConfig:
         buckets = BucketSet.from_names(self.bucket_names(), strict=self.buckets.strict)
-        return settings_from(RowConfig, self.sampling, buckets=buckets)
+        return settings_from(RowConfig, self.input, self.sampling, buckets=buckets)
 
     def pipeline_settings(self) -> PipelineSettings:
         """The pipeline's knobs, from whichever sections show them (model, sampling)."""

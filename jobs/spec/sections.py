@@ -71,21 +71,36 @@ class LoraAdapterSpec(Section):
     _path_ok = field_validator("path")(_node_file)
 
 
-class InputSpec(Section):
-    path: str = Field(
-        description="The prompt Parquet: a file, a directory of *.parquet files, or a glob "
-        "('prompts/**/*.parquet'); local or s3://bucket/key. Relative paths start at the current directory."
-    )
-    incremental: bool = Field(
-        False,
-        description="The input grows (a new file lands every night): each run generates only the rows "
-        "the output does not have yet, keyed by id (rows without an id column by file name and row), "
-        "and adds shards next to the earlier ones. Off: the output belongs to exactly the files it was "
-        "started with, and a grown input is refused. Ids of rows without an id column differ between "
-        "the two modes, so the mode of an output cannot change.",
-    )
-
-    _path_ok = field_validator("path")(_plain_s3_uri)
+# The prompts: the spec's own location fields next to the columns rows are read from
+# (workers.rows.RowConfig).
+InputSpec = section(
+    "InputSpec",
+    None,
+    {
+        "path": (
+            str,
+            Field(
+                description="The prompt Parquet: a file, a directory of *.parquet files, or a glob "
+                "('prompts/**/*.parquet'); local or s3://bucket/key. Relative paths start at the current directory."
+            ),
+        ),
+        "prompt_column": knob(RowConfig, "prompt_column"),
+        "id_column": knob(RowConfig, "id_column"),
+        "incremental": (
+            bool,
+            Field(
+                False,
+                description="The input grows (a new file lands every night): each run generates only the rows "
+                "the output does not have yet, keyed by id (rows without an id column by file name and row), "
+                "and adds shards next to the earlier ones. Off: the output belongs to exactly the files it was "
+                "started with, and a grown input is refused. Ids of rows without an id column differ between "
+                "the two modes, so the mode of an output cannot change.",
+            ),
+        ),
+    },
+    base=Section,
+    validators={"_path_ok": field_validator("path")(_plain_s3_uri)},
+)
 
 
 def _quality_needs_lossy(spec: Any) -> Any:

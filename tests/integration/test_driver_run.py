@@ -3,6 +3,7 @@ _SUCCESS and the summary, and the progress output."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 
@@ -13,8 +14,10 @@ import pytest
 from ditfleet.driver.dispatch import DispatchConfig
 from ditfleet.driver.output.status import output_status
 from ditfleet.driver.plan import PlanConfig
+from ditfleet.driver.plan_file import PLAN_KEY
 from ditfleet.driver.run_job import DriverConfig, OutputMismatch, run_job
-from ditfleet.workers.output.layout import job_key, success_key
+from ditfleet.workers.output.layout import job_key, manifest_key, success_key
+from ditfleet.workers.output.manifest import read_manifests
 from ditfleet.workers.rows import RowConfig
 from ditfleet.workers.storage import open_store
 from tests.support.dispatch_workers import SleepingWorker, SleepingWorkerConfig
@@ -95,6 +98,59 @@ def test_resume_runs_only_what_is_left_and_refuses_another_job(tmp_path):
         run_job(other, other_worker, worker_cls=SleepingWorker, stream=io.StringIO())
     assert "job_seed: 0 in the existing output, 7 now" in str(err.value)
     assert store.get(job_key()) == before
+
+
+def test_a_resume_refuses_rows_edited_in_place_under_the_same_footer(tmp_path):
+    """A same-length prompt edit of an uncompressed file keeps its size, rows and footer, so the
+    stored plan is taken; the actor digests the shard's rows, finds them changed and commits
+    nothing; planned again (no _plan.parquet), the driver names the file before any work."""
+    path = tmp_path / "prompts.parquet"
+    prompts = [f"a small red circle number {i:02d}" for i in range(20)]  # 4 shards of 5 rows
+    pq.write_table(
+        pa.table({"prompt": prompts}), path, compression="none", use_dictionary=False, write_statistics=False
+    )
+    driver, worker = configs(tmp_path, fail={2: -1}, read_rows=True)
+    first = run_job(driver, worker, worker_cls=SleepingWorker, stream=io.StringIO(), interactive=False)
+    assert first.exit_code == 1 and [f["shard"] for f in first.failed_shards] == [2]
+    data = path.read_bytes()
+    footer = data[-(8 + int.from_bytes(data[-8:-4], "little")) :]
+    assert data.count(b"number 12") == 1
+    path.write_bytes(data.replace(b"number 12", b"number 99"))  # row 12: shard 2's
+    assert path.stat().st_size == len(data) and path.read_bytes().endswith(footer)
+
+    store = open_store(driver.output_uri)
+    _, healthy = configs(tmp_path, read_rows=True)
+    log = io.StringIO()
+    second = run_job(driver, healthy, worker_cls=SleepingWorker, stream=log, interactive=False)
+    assert second.exit_code == 1 and [f["shard"] for f in second.failed_shards] == [2]
+    text = log.getvalue()
+    assert f"{path}: rows 10..14 (shard 2) changed since the output was planned" in text
+    assert "Point the job at a new output, or restore the file" in text
+    assert not store.exists(manifest_key(2)), "no image of the edited rows is committed"
+
+    store.delete(PLAN_KEY)  # planned again: the scan's digests are compared with _job.json's
+    with pytest.raises(OutputMismatch) as refused:
+        run_job(driver, healthy, worker_cls=SleepingWorker, stream=io.StringIO(), interactive=False)
+    assert f"input file {path} changed (rows edited in place" in str(refused.value)
+
+
+def test_a_job_over_caption_and_key_columns(tmp_path):
+    """input.prompt_column / input.id_column: the manifests' id and prompt hold those columns,
+    every other column passes through."""
+    keys = [f"img-{i:03d}" for i in range(12)]
+    captions = [f"a small blue square number {i}" for i in range(12)]
+    pq.write_table(
+        pa.table({"key": keys, "caption": captions, "url": [f"https://x/{k}.jpg" for k in keys]}),
+        tmp_path / "prompts.parquet",
+    )
+    rows = RowConfig(prompt_column="caption", id_column="key")
+    driver, _ = configs(tmp_path)
+    driver = dataclasses.replace(driver, plan=PlanConfig(rows=rows, shard_size=5))
+    _, worker = configs(tmp_path, rows=rows, read_rows=True)
+    summary = run_job(driver, worker, worker_cls=SleepingWorker, stream=io.StringIO(), interactive=False)
+    assert summary.exit_code == 0 and summary.rows["ok"] == 12
+    table = read_manifests(open_store(driver.output_uri)).sort_by("id")
+    assert table.column("id").to_pylist() == keys and table.column("prompt").to_pylist() == captions
 
 
 def test_bad_input_fails_before_anything_is_written(tmp_path):

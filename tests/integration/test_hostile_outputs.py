@@ -359,6 +359,53 @@ def test_a_resume_with_other_weights_at_the_same_path_is_refused_naming_the_file
         weights.write_bytes(original)
 
 
+@pytest.mark.parametrize("replaced", ["lora", "scheduler"])
+def test_a_resume_with_a_lora_or_scheduler_config_replaced_at_the_same_path_is_refused(
+    tmp_path, prompts, tiny_model, replaced
+):
+    """The model's identity covers the LoRA files and the scheduler config the job names: other
+    bytes at the same path are refused by the driver's claim and by the actor, naming the file."""
+    import dataclasses
+
+    from ditfleet.model.lora import LoraSpec
+    from ditfleet.workers.actor import GenerationWorker
+    from ditfleet.workers.storage import S3Config
+    from ditfleet.workers.weights.digest import model_identity
+    from tests.unit.model.test_lora import write_kohya_lora
+
+    adapter = write_kohya_lora(tmp_path / "adapter.safetensors", 9, flat=True)
+    schedule = tmp_path / "scheduler_config.json"
+    shutil.copy(tiny_model / "scheduler" / "scheduler_config.json", schedule)
+    loras = (LoraSpec(str(adapter), 0.9),)
+    identity = model_identity(str(tiny_model), None, S3Config(), loras, str(schedule))
+    assert f"LoRA 0 {adapter}" in identity.files and f"scheduler config {schedule}" in identity.files
+    out = str(tmp_path / "out")
+    store, plan = open_store(out), plan_input(driver_config(prompts, out))
+    assert claim_output(store, plan, {}, identity) is False
+    assert claim_output(store, plan, {}, identity) is True  # the same files: a resume
+
+    if replaced == "lora":
+        write_kohya_lora(adapter, 10, flat=True)  # same path, other values
+        named = f"LoRA 0 {adapter} changed"
+    else:
+        doc = json.loads(schedule.read_text())
+        doc["shift"] = float(doc.get("shift", 1.0)) + 0.5
+        schedule.write_text(json.dumps(doc))
+        named = f"scheduler config {schedule} changed"
+    now = model_identity(str(tiny_model), None, S3Config(), loras, str(schedule))
+    with pytest.raises(OutputMismatch) as refused:
+        claim_output(store, plan, {}, now)
+    assert named in str(refused.value) and "same path, other weights" in str(refused.value)
+    config = dataclasses.replace(
+        worker_config(tiny_model, out),
+        loras=loras,
+        scheduler_config=str(schedule),
+        model_identity=identity.to_dict(),
+    )
+    with pytest.raises(WeightsChanged, match=named.replace(".", r"\.")):
+        GenerationWorker(config)  # refused before the weights are loaded: no image of them
+
+
 # -- a redo: named shards under new attempts, committed manifests never changed ----------------------
 
 

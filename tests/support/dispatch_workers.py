@@ -95,7 +95,7 @@ class SleepingWorker:
             time.sleep(self.shard_s)
         writer = ManifestWriter(shard.index, expected_rows=shard.num_images, generation=shard.generation)
         token = new_attempt_token(attempt, shard.generation)
-        for row_id, k, seed in self._images(shard):
+        for row_id, k, seed, prompt in self._images(shard):
             data = f"image {row_id} {k}".encode() if k is not None else f"image {row_id}".encode()
             key = image_key(shard.index, token, row_id, k, "png")
             self.store.put(key, data)
@@ -103,7 +103,7 @@ class SleepingWorker:
                 ManifestRow(
                     id=row_id,
                     k=k or 0,
-                    prompt=f"prompt {row_id}",
+                    prompt=prompt,
                     seed=seed,
                     width=64,
                     height=64,
@@ -124,15 +124,16 @@ class SleepingWorker:
         won = writer.commit(self.store)
         return self._result(shard, attempt, "committed" if won else "already_committed", t0, token)
 
-    def _images(self, shard) -> list[tuple[str, int | None, int]]:
-        """(row id, k or None for a row of one image, seed) of each image of the shard."""
+    def _images(self, shard) -> list[tuple[str, int | None, int, str]]:
+        """(row id, k or None for a row of one image, seed, prompt) of each image of the shard."""
         if not self.config.read_rows:
             return [
-                (str(shard.position_start + i), None, shard.position_start + i) for i in range(shard.num_rows)
+                (str(p), None, p, f"prompt {p}")
+                for p in range(shard.position_start, shard.position_start + shard.num_rows)
             ]
         rows = read_shard_rows(shard, pafs.LocalFileSystem(), self.config.rows)
         return [
-            (r.id, k if r.num_images > 1 else None, i)
+            (r.id, k if r.num_images > 1 else None, i, r.prompt)
             for i, r in enumerate(rows)
             for k in range(r.num_images)
         ]

@@ -13,6 +13,10 @@ images do not. So the plan records, and every actor checks, a digest of the file
 - `hf://org/name@revision`: no digest here; a pinned commit identifies the bytes, and the path
   (in the plan) names it.
 
+The LoRA files and the scheduler config a job names next to the model change the images as its
+weights do: their identities (sha256 of a local file, ETag and size of an S3 object) join the
+model's files under 'LoRA <i> <path>' and 'scheduler config <path>' (job_file_identities).
+
 `ModelIdentity.digest` is one hex string over the per-file ones, so two identities are equal
 exactly when every file is; `changed_files` says which file differs, for the refusal message.
 """
@@ -57,6 +61,12 @@ class ModelIdentity:
         return cls(str(doc.get("kind")), {str(k): str(v) for k, v in (doc.get("files") or {}).items()})
 
 
+# Keys of the files a job names next to the model (job_file_identities), which say what they are.
+_LORA = "LoRA {index} {path}"
+_SCHEDULER = "scheduler config {path}"
+_JOB_FILE_PREFIXES = ("LoRA ", "scheduler config ")
+
+
 def changed_files(old: Mapping[str, str], new: Mapping[str, str]) -> list[str]:
     """'transformer/diffusion_pytorch_model.safetensors changed (sha256 1234abcd... -> 5678ef01...)',
     '... was added', '... was removed', in path order."""
@@ -65,12 +75,13 @@ def changed_files(old: Mapping[str, str], new: Mapping[str, str]) -> list[str]:
         a, b = old.get(path), new.get(path)
         if a == b:
             continue
+        name = path if path.startswith(_JOB_FILE_PREFIXES) else f"model file {path}"
         if a is None:
-            out.append(f"model file {path} was added")
+            out.append(f"{name} was added")
         elif b is None:
-            out.append(f"model file {path} was removed")
+            out.append(f"{name} was removed")
         else:
-            out.append(f"model file {path} changed ({a[:16]}... -> {b[:16]}...)")
+            out.append(f"{name} changed ({a[:16]}... -> {b[:16]}...)")
     return out
 
 
@@ -165,10 +176,52 @@ def etag_identity(files: Any) -> ModelIdentity:
     return ModelIdentity("etag", {f.path: f"{f.etag}:{f.size}" for f in files})
 
 
-def model_identity(source: str, cache_dir: str | Path | None, s3: Any) -> ModelIdentity | None:
+def _job_file_identity(source: str, s3: Any) -> str:
+    """One file a job names: 'sha256:<hex>' of a local file, 'etag:<etag>:<size>' of an S3
+    object (one HEAD; a node's fetched copy is verified against that ETag)."""
+    from urllib.parse import urlparse
+
+    parsed = urlparse(source)
+    if parsed.scheme == "s3":
+        from ditfleet.workers.storage.s3 import make_s3_client
+
+        head = make_s3_client(s3).head_object(Bucket=parsed.netloc, Key=parsed.path.lstrip("/"))
+        return f"etag:{str(head['ETag']).strip(chr(34))}:{head['ContentLength']}"
+    path = Path(parsed.path if parsed.scheme == "file" else source)
+    if path.is_dir():  # a scheduler folder: its scheduler_config.json is what is read
+        path = path / "scheduler_config.json"
+    return f"sha256:{_sha256_file(path)}"
+
+
+def job_file_identities(loras: Any, scheduler_config: str | None, s3: Any) -> dict[str, str]:
+    """The identities of the LoRA files (LoraSpec: path, scale) and the scheduler config a job
+    names next to its model, keyed 'LoRA <i> <path>' and 'scheduler config <path>': they change
+    the images as the weights do, so the model's identity covers them (with_job_files)."""
+    out = {_LORA.format(index=i, path=a.path): _job_file_identity(a.path, s3) for i, a in enumerate(loras)}
+    if scheduler_config:
+        out[_SCHEDULER.format(path=scheduler_config)] = _job_file_identity(scheduler_config, s3)
+    return out
+
+
+def with_job_files(identity: ModelIdentity, job_files: Mapping[str, str]) -> ModelIdentity:
+    """The model's identity with the files the job names next to it (job_file_identities)."""
+    if not job_files:
+        return identity
+    return ModelIdentity(identity.kind, {**identity.files, **job_files})
+
+
+def model_identity(
+    source: str, cache_dir: str | Path | None, s3: Any, loras: Any = (), scheduler_config: str | None = None
+) -> ModelIdentity | None:
     """The identity of the model a job names, as the driver sees it: a local directory's file
-    digests, an s3:// model's ETags (one listing, nothing downloaded); None for hf:// (its pinned
-    revision, in the path, identifies the bytes)."""
+    digests, an s3:// model's ETags (one listing, nothing downloaded), and the LoRA files and
+    scheduler config it names (job_file_identities); None for hf:// (its pinned revision, in the
+    path, identifies the bytes; its adapters are then not covered)."""
+    base = _base_identity(source, cache_dir, s3)
+    return None if base is None else with_job_files(base, job_file_identities(loras, scheduler_config, s3))
+
+
+def _base_identity(source: str, cache_dir: str | Path | None, s3: Any) -> ModelIdentity | None:
     from urllib.parse import urlparse
 
     parsed = urlparse(source)
@@ -195,6 +248,8 @@ __all__ = [
     "changed_files",
     "check_identity",
     "etag_identity",
+    "job_file_identities",
     "local_identity",
     "model_identity",
+    "with_job_files",
 ]

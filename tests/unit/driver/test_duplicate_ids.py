@@ -15,11 +15,11 @@ import pytest
 import ditfleet.driver.input.validate as validate_module
 from ditfleet.compile.buckets import default_buckets
 from ditfleet.driver.input.duplicate_ids import DuplicateIds
-from ditfleet.driver.input.id_digests import digests, position_digests
 from ditfleet.driver.input.prompts import PromptSource
 from ditfleet.driver.input.row_errors import InputError
 from ditfleet.driver.plan import PlanConfig, plan_job
 from ditfleet.workers.rows import RowConfig
+from ditfleet.workers.value_digests import digests, position_digests
 
 CONFIG = PlanConfig(rows=RowConfig(buckets=default_buckets("tiny")), shard_size=7)
 

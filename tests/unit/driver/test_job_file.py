@@ -18,7 +18,7 @@ from ditfleet.driver.plan import JobPlan, PlanConfig, plan_job
 from ditfleet.workers.output.layout import job_key
 from ditfleet.workers.rows import RowConfig
 from ditfleet.workers.storage import open_store
-from ditfleet.workers.weights.digest import ModelIdentity
+from ditfleet.workers.weights.digest import ModelIdentity, with_job_files
 
 
 def plan_of(tmp_path: Path, seed: int = 1, shard_size: int = 2) -> JobPlan:
@@ -26,7 +26,9 @@ def plan_of(tmp_path: Path, seed: int = 1, shard_size: int = 2) -> JobPlan:
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(pa.table({"prompt": ["a", "b", "c"]}), path)
-    config = PlanConfig(rows=RowConfig(job_seed=seed), shard_size=shard_size, image_settings={"model": "tiny"})
+    config = PlanConfig(
+        rows=RowConfig(job_seed=seed), shard_size=shard_size, image_settings={"model": "tiny"}
+    )
     return plan_job(PromptSource(str(path)), config)
 
 
@@ -81,6 +83,17 @@ def test_the_models_bytes_are_checked_by_whoever_knows_them(tmp_path: Path):
         claim_output(plain, plan, {}, model=other)
     with pytest.raises(OutputMismatch, match="job_seed: 1 in the existing output, 5 now"):
         claim_incremental_output(incremental, plan_of(tmp_path, seed=5).config, "in/", {}, write=False)
+    # The LoRA files and the scheduler config a job names are part of the model's identity.
+    adapted = open_store(str(tmp_path / "adapted"))
+    lora = {
+        "LoRA 0 /loras/a.safetensors": "sha256:" + "ef" * 32,
+        "scheduler config /s.json": "sha256:" + "01" * 32,
+    }
+    claim_output(adapted, plan, {}, model=with_job_files(weights, lora))
+    for key in lora:
+        replaced = with_job_files(weights, {**lora, key: "sha256:" + "99" * 32})
+        with pytest.raises(OutputMismatch, match=f"{key} changed .* since the output was made"):
+            claim_output(adapted, plan, {}, model=replaced)
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@ the worker's re-read of a shard, fingerprints, and the cost of planning a large 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import decimal
 import hashlib
@@ -22,7 +23,14 @@ from ditfleet.compile.buckets import default_buckets
 from ditfleet.driver.input.prompts import PromptSource
 from ditfleet.driver.output.job_file import describe_differences, fingerprint_differences, job_document
 from ditfleet.driver.plan import JobPlan, PlanConfig, plan_job
-from ditfleet.workers.rows import PromptRow, RowConfig, derive_seed, read_shard_rows, resolve_rows
+from ditfleet.workers.rows import (
+    InputContentChanged,
+    PromptRow,
+    RowConfig,
+    derive_seed,
+    read_shard_rows,
+    resolve_rows,
+)
 from ditfleet.workers.storage.input_files import InputFileError, filesystem_for
 from tests.support.paths import REPO
 
@@ -197,8 +205,82 @@ def test_shard_read_only_touches_its_rows_and_detects_a_changed_file(tmp_path: P
     ):
         read_shard_rows(shard, LOCAL, ROWS)
     write(path, {"prompt": [f"p{i}" for i in range(50)], "num_images": [2] * 50})
-    with pytest.raises(InputFileError, match="now ask for 20 images in 10 rows"):
+    with pytest.raises(
+        InputContentChanged, match=r"rows 20\.\.29 \(shard 2\) changed since the output was planned"
+    ):
         read_shard_rows(shard, LOCAL, ROWS)
+    # Without a recorded digest (a plan made before them) the counts still catch it.
+    with pytest.raises(InputFileError, match="now ask for 20 images in 10 rows"):
+        read_shard_rows(dataclasses.replace(shard, content_digest=None), LOCAL, ROWS)
+
+
+def _edit_in_place(path: Path, old: bytes, new: bytes) -> None:
+    """Overwrite bytes of an uncompressed Parquet file: same size, same footer."""
+    assert len(old) == len(new)
+    data = path.read_bytes()
+    assert data.count(old) == 1
+    footer = data[-(8 + int.from_bytes(data[-8:-4], "little")) :]
+    path.write_bytes(data.replace(old, new))
+    assert path.read_bytes()[-len(footer) :] == footer
+
+
+def test_a_same_length_prompt_edit_under_the_same_footer_is_refused_by_the_worker(tmp_path: Path):
+    path = tmp_path / "p.parquet"
+    prompts = [f"a photo of item {i:03d}" for i in range(40)]
+    pq.write_table(
+        pa.table({"prompt": prompts, "source": ["web"] * 40}),
+        path,
+        compression="none",
+        use_dictionary=False,
+        write_statistics=False,
+    )
+    plan = plan_of(path, shard_size=10)
+    assert all(s.content_digest is not None for s in plan.shards)
+    _edit_in_place(path, b"a photo of item 023", b"a photo of item 999")
+    assert [r.prompt for r in read_shard_rows(plan.shards[0], LOCAL, ROWS)] == prompts[:10]  # untouched
+    with pytest.raises(InputContentChanged) as e:
+        read_shard_rows(plan.shards[2], LOCAL, ROWS)
+    message = str(e.value)
+    assert str(path) in message and "rows 20..29 (shard 2)" in message
+    assert "changed since the output was planned" in message and "new output, or restore the file" in message
+    # Planned again, the edited file has another identity: the driver's re-scan sees it too.
+    again = plan_of(path, shard_size=10)
+    assert again.inputs[0].footer_sha256 == plan.inputs[0].footer_sha256
+    assert again.inputs[0].content_digest != plan.inputs[0].content_digest
+    assert [s.content_digest for s in again.shards] != [s.content_digest for s in plan.shards]
+    assert again.fingerprint() != plan.fingerprint()
+    (difference,) = describe_differences(plan.fingerprint_doc(), again.fingerprint_doc())
+    assert str(path) in difference and "rows edited in place" in difference
+
+
+def test_the_content_digest_is_of_values_not_of_how_they_are_stored(tmp_path: Path):
+    table = pa.table(
+        {
+            "prompt": [f"p{i}" for i in range(30)],
+            "id": [f"k{i}" for i in range(30)],
+            "seed": pa.array(range(30), pa.int32()),
+            "meta": [{"a": i, "tags": ["x"] * (i % 3)} for i in range(30)],
+        }
+    )
+    a = write(tmp_path / "a.parquet", {n: table.column(n) for n in table.column_names}, row_group_size=7)
+    b = tmp_path / "b.parquet"  # other row groups, compression, column order and integer width
+    pq.write_table(
+        table.select(["meta", "seed", "id", "prompt"]).set_column(
+            1, "seed", table.column("seed").cast(pa.int64())
+        ),
+        b,
+        row_group_size=11,
+        compression="zstd",
+    )
+    da = [s.content_digest for s in plan_of(a, shard_size=8).shards]
+    assert da == [s.content_digest for s in plan_of(b, shard_size=8).shards]
+    # A pass-through value counts: it goes into the manifest.
+    edited = table.set_column(
+        3, "meta", pa.array([{"a": i + (i == 17), "tags": ["x"] * (i % 3)} for i in range(30)])
+    )
+    pq.write_table(edited, a, row_group_size=7)
+    changed = [s.content_digest for s in plan_of(a, shard_size=8).shards]
+    assert [x != y for x, y in zip(da, changed)] == [False, False, True, False]
 
 
 def test_fingerprint_is_stable_and_says_what_changed(tmp_path: Path):

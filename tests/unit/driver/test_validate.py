@@ -17,10 +17,12 @@ from ditfleet.driver.input.prompts import PromptSource
 from ditfleet.driver.input.row_errors import InputError
 from ditfleet.driver.input.validate import validate_input
 from ditfleet.driver.plan import PlanConfig, plan_job
-from ditfleet.workers.rows import RowConfig
+from ditfleet.workers.rows import RowConfig, read_shard_rows
+from ditfleet.workers.storage.input_files import filesystem_for
 
 CONFIG = RowConfig(buckets=default_buckets("tiny"))
 STRICT = RowConfig(buckets=default_buckets("tiny", strict=True))
+CAPTION_KEY = RowConfig(buckets=default_buckets("tiny"), prompt_column="caption", id_column="key")
 
 
 def write(path: Path, columns: dict, schema: pa.Schema | None = None) -> Path:
@@ -75,12 +77,39 @@ def _empty_dir(tmp: Path) -> str:
     return str(tmp / "in")
 
 
+def _invalid_utf8(column: str) -> Callable[[Path], str]:
+    """A file whose `column` holds bytes that are not UTF-8 under a string type (a binary column
+    relabelled as string, as a careless writer leaves them), written uncompressed."""
+
+    def build(tmp: Path) -> str:
+        raw = pa.array([b"fine", b"caf\xe9 au lait", b"ok"], pa.binary()).view(pa.string())
+        columns = {"prompt": ok_prompts(3), "id": ["a", "b", "c"], "source": ["x", "y", "z"]}
+        columns[column] = raw
+        path = tmp / "p.parquet"
+        pq.write_table(pa.table(columns), path, compression="none")
+        assert pq.read_table(path).schema.field(column).type == pa.string()
+        return str(path)
+
+    return build
+
+
 def _single(columns: dict, schema: pa.Schema | None = None) -> Callable[[Path], str]:
     return lambda tmp: str(write(tmp / "p.parquet", columns, schema))
 
 
 CASES = [
-    Case("missing prompt column", _single({"text": ["a cat"]}), "p.parquet", None, "prompt", "no 'prompt' column (columns: text)", "Name the column"),
+    Case("missing prompt column", _single({"text": ["a cat"]}), "p.parquet", None, "prompt", "no 'prompt' column (columns: text)", "input.prompt_column (e.g. prompt_column: caption)"),
+    Case("missing caption column", _single({"prompt": ["a cat"]}), "p.parquet", None, "caption", "no 'caption' column (columns: prompt)", "input.prompt_column", CAPTION_KEY),
+    Case("missing key column", _single({"caption": ["a cat"], "id": ["x"]}), "p.parquet", None, "key", "no 'key' column, which input.id_column names (columns: caption, id)", "leave it out to use row positions", CAPTION_KEY),
+    Case("caption column and a prompt column", _single({"caption": ["a cat"], "prompt": ["a dog"]}), "p.parquet", None, "prompt", "there is a 'caption' column (input.prompt_column) and also a 'prompt' column", "Rename or drop the 'prompt' column", CAPTION_KEY),
+    Case("empty caption", _single({"caption": ["a", ""], "key": ["x", "y"]}), "p.parquet", 1, "caption", "prompt is empty", "Give every row a prompt", CAPTION_KEY),
+    Case("duplicate keys", _single({"caption": ["a", "b"], "key": ["x", "x"]}), "p.parquet", 1, "key", "id 'x' is already used by", "unique", CAPTION_KEY),
+    Case("caption of a wrong type", _single({"caption": [1, 2], "key": ["x", "y"]}), "p.parquet", None, "caption", "type int64, expected string", "Store 'caption' as string", CAPTION_KEY),
+    Case("invalid UTF-8 in a prompt", _invalid_utf8("prompt"), "p.parquet", 1, "prompt", "value is not valid UTF-8 (value: b'caf\\xe9 au lait')", "Write the column as text"),
+    Case("invalid UTF-8 in an id", _invalid_utf8("id"), "p.parquet", 1, "id", "value is not valid UTF-8", "Write the column as text"),
+    Case("invalid UTF-8 in a pass-through column", _invalid_utf8("source"), "p.parquet", 1, "source", "value is not valid UTF-8", "Write the column as text"),
+    Case("NUL in a prompt", _single({"prompt": ["a cat", "a\x00dog"]}), "p.parquet", 1, "prompt", "prompt holds a NUL character", "Remove the NUL characters"),
+    Case("NUL in a negative prompt", _single({"prompt": ["a", "b"], "negative_prompt": ["x\x00", None]}), "p.parquet", 0, "negative_prompt", "negative prompt holds a NUL character", "Remove the NUL"),
     Case("prompt is not a string", _single({"prompt": [1, 2]}), "p.parquet", None, "prompt", "type int64, expected string", "Store 'prompt' as string"),
     Case("null prompt", _single({"prompt": ["a", None, "b"]}), "p.parquet", 1, "prompt", "prompt is null", "Give every row a prompt"),
     Case("empty prompt", _single({"prompt": ["a", "b", "  \t "]}), "p.parquet", 2, "prompt", "prompt is empty", "Give every row a prompt"),
@@ -192,6 +221,26 @@ def test_valid_input_passes_with_optional_columns_and_nulls(tmp_path: Path):
     write(tmp_path / "p.parquet", columns)
     report = validate_input(PromptSource(str(tmp_path / "p.parquet")), STRICT)
     assert report.ok and report.rows == 3, [str(e) for e in report.errors]
+
+
+def test_prompt_and_id_columns_named_otherwise_are_read_as_prompt_and_id(tmp_path: Path):
+    path = write(
+        tmp_path / "p.parquet", {"key": ["k1", "k2", "k3"], "caption": ok_prompts(3), "url": ["u"] * 3}
+    )
+    assert validate_input(PromptSource(str(path)), CAPTION_KEY).ok
+    plan = plan_job(PromptSource(str(path)), PlanConfig(rows=CAPTION_KEY, shard_size=2))
+    rows = [r for s in plan.shards for r in read_shard_rows(s, filesystem_for("/"), CAPTION_KEY)]
+    assert [(r.id, r.prompt, r.extra) for r in rows] == [
+        (f"k{i + 1}", p, {"url": "u"}) for i, p in enumerate(ok_prompts(3))
+    ]
+    # Without an id column of its name, the default reads positions, as a file without 'id' does.
+    no_key = RowConfig(buckets=default_buckets("tiny"), prompt_column="caption")
+    plan = plan_job(PromptSource(str(path)), PlanConfig(rows=no_key))
+    (shard,) = plan.shards
+    assert [(r.id, r.extra) for r in read_shard_rows(shard, filesystem_for("/"), no_key)] == [
+        (str(i), {"key": f"k{i + 1}", "url": "u"}) for i in range(3)
+    ]
+    assert plan.fingerprint_doc()["prompt_column"] == "caption" and "id_column" not in plan.fingerprint_doc()
 
 
 def test_dictionary_encoded_and_large_string_prompts_are_accepted(tmp_path: Path):

@@ -132,6 +132,45 @@ def test_cli_bad_spec_or_input_exits_2_and_writes_nothing(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_cli_refuses_invalid_utf8_and_nul_before_any_claim(tmp_path, capsys):
+    raw = pa.array([b"a red circle", b"caf\xe9 au lait", b"fine"], pa.binary()).view(pa.string())
+    table = pa.table({"prompt": ["a red circle", "a blue\x00 square", "ok"], "id": raw})
+    pq.write_table(table, tmp_path / "p.parquet", compression="none")
+    job = write_job(
+        tmp_path, f"input: {{path: {tmp_path / 'p.parquet'}}}\noutput: {{uri: {tmp_path / 'out'}}}\n"
+    )
+    for command in ("validate", "plan", "run"):
+        assert main([command, str(job)]) == 2
+        err = capsys.readouterr().err
+        assert f"{tmp_path / 'p.parquet'}: row 1, column 'id': value is not valid UTF-8" in err, err
+    table = table.set_column(1, "id", pa.array(["a", "b", "c"]))
+    pq.write_table(table, tmp_path / "p.parquet")
+    assert main(["validate", str(job)]) == 2
+    assert "row 1, column 'prompt': prompt holds a NUL character" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_reads_the_prompt_and_id_columns_the_input_section_names(tmp_path, capsys):
+    pq.write_table(
+        pa.table({"key": ["k1", "k2", "k3"], "caption": ["a red circle"] * 3, "url": ["u"] * 3}),
+        tmp_path / "p.parquet",
+    )
+    out = tmp_path / "out"
+    plain = write_job(tmp_path, f"input: {{path: {tmp_path / 'p.parquet'}}}\noutput: {{uri: {out}}}\n")
+    assert main(["validate", str(plain)]) == 2
+    err = capsys.readouterr().err
+    assert "no 'prompt' column (columns: key, caption, url)" in err and "input.prompt_column" in err
+    named = write_job(
+        tmp_path,
+        f"input: {{path: {tmp_path / 'p.parquet'}, prompt_column: caption, id_column: key}}\noutput: {{uri: {out}}}\n",
+        "named.yaml",
+    )
+    assert main(["validate", str(named)]) == 0
+    spec = load_spec(named)
+    assert (spec.row_config().prompt_column, spec.row_config().id_column) == ("caption", "key")
+    assert spec.input.prompt_column == "caption" and load_spec(plain).row_config().prompt_column == "prompt"
+
+
 def test_cli_plan_prints_shards_and_buckets(tmp_path, capsys):
     pq.write_table(
         pa.table({"prompt": ["a circle"] * 10, "width": pa.array([160] * 4 + [None] * 6, pa.int32()),

@@ -1,4 +1,4 @@
-"""Fixed-width digests of ids, computed column-wise in numpy (no Python object per row).
+"""Fixed-width digests of strings (ids, prompts), computed column-wise in numpy (no Python object per row).
 
 A digest is a 64-bit mix of a string's UTF-8 bytes and its length, read eight bytes at a time
 straight from the Arrow buffers. It only has to spread ids evenly: two rows with equal digests
