@@ -29,7 +29,7 @@ import io
 import json
 import os
 import tempfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +40,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ditfleet.driver.output.json_objects import read_json
-from ditfleet.workers.output.layout import manifest_of_key, success_key
+from ditfleet.driver.output.lease import OutputLease
+from ditfleet.driver.output.success import success_file
+from ditfleet.workers.output.layout import manifest_of_key
 from ditfleet.workers.output.manifest import MANIFEST_SCHEMA, current_manifest_keys, with_later_columns
 from ditfleet.workers.storage import ObjectStore
 from ditfleet.workers.value_digests import digests, mix
@@ -250,7 +252,7 @@ def compact_output(
     store: ObjectStore,
     row_group_rows: int = ROW_GROUP_ROWS,
     *,
-    before_write: Callable[[], None] = lambda: None,
+    lease: OutputLease | None = None,
     finished: bool = False,
     range_rows: int = RANGE_ROWS,
     threads: int = _READ_THREADS,
@@ -258,15 +260,17 @@ def compact_output(
 ) -> CompactionReport:
     """Compact an output's current manifests (see the module docstring). Raises CompactionError.
 
-    before_write: called before the set and its index are written; raises when this process
-    may not write the output any more (the lease of the driver or of `ditfleet compact`).
-    finished: the caller, a driver at its finish, knows every shard is committed (its
-    `_SUCCESS` comes after); otherwise the output's `_SUCCESS` must be there.
+    lease: the lease of the driver or of `ditfleet compact` this runs under; checked before the
+    set and its index are written (OutputBusy when another took the output). finished: the
+    caller, a driver at its finish, knows every shard is committed (its `_SUCCESS` comes after);
+    otherwise the output must have a valid `_SUCCESS` (driver.output.success).
     """
-    if not finished and not store.exists(success_key()):
+    holder = lease.generation if lease is not None else None
+    if not finished and success_file(store, holder).doc is None:
         raise CompactionError(
-            f"{store.uri()}: no _SUCCESS yet. Compact a finished output: the manifests are still changing"
+            f"{store.uri()}: no valid _SUCCESS. Compact a finished output: the manifests are still changing"
         )
+    before_write = lease.check if lease is not None else (lambda: None)
     current = current_manifest_keys(store)
     keys = [current[s] for s in sorted(current)]
     cuts = _split_points(store, keys, range_rows, threads)
@@ -308,7 +312,7 @@ def compact_output(
 
 
 def refresh_compacted(
-    store: ObjectStore, current: Mapping[int, str], before_write: Callable[[], None]
+    store: ObjectStore, current: Mapping[int, str], lease: OutputLease | None
 ) -> CompactionReport | None:
     """At a driver's finish (every shard committed): rebuild an existing compacted set that is not
     the union of `current` (a redo changed a generation). None when there is none or it is current.
@@ -316,7 +320,7 @@ def refresh_compacted(
     state = compacted_state(store, current)
     if not state.present or state.current:
         return None
-    return compact_output(store, before_write=before_write, finished=True)
+    return compact_output(store, lease=lease, finished=True)
 
 
 def check_compacted(store: ObjectStore, threads: int = _READ_THREADS) -> list[str]:

@@ -26,6 +26,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import TextIO
 
 from ditfleet.driver.dispatch import DispatchResult
+from ditfleet.driver.output.compact import COMPACTED_KEY, refresh_compacted
 from ditfleet.driver.output.lease import OutputLease
 from ditfleet.driver.output.orphans import delete_lost
 from ditfleet.driver.output.pause_points import pause_point
@@ -34,7 +35,7 @@ from ditfleet.driver.output.status import count_shards
 from ditfleet.driver.output.summary import JobSummary, build_summary, write_success
 from ditfleet.driver.output.supersede import supersede_pending
 from ditfleet.driver.progress import JobProgress
-from ditfleet.workers.output.manifest import committed_shards
+from ditfleet.workers.output.manifest import committed_shards, current_manifest_keys
 from ditfleet.workers.rows import ShardSpec
 from ditfleet.workers.storage import ObjectStore
 
@@ -135,6 +136,9 @@ def close_output(
     pause_point("before_success")
     if success is not None:
         _check(lease)
+        # A compacted set the user made is kept the union of the current manifests (a redo).
+        if refresh_compacted(store, current_manifest_keys(store), lease) is not None:
+            print(f"rebuilt the compacted set {store.uri(COMPACTED_KEY)} (a redo changed its manifests)", file=out)
         write_success(store, success, lease.generation if lease is not None else None)
     if lease is not None:
         lease.mark_settled()

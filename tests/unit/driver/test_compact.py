@@ -137,15 +137,15 @@ def test_a_redo_makes_the_set_stale_visibly_and_the_finish_rebuilds_it(tmp_path:
     assert "STALE" in output_status(store).format_text()
     assert any("STALE" in p for p in check_compacted(store))
     # The driver's finish (every shard committed) rebuilds it; a current set is left alone.
-    assert refresh_compacted(store, current_manifest_keys(store), lambda: None) is not None
+    assert refresh_compacted(store, current_manifest_keys(store), None) is not None
     after = pq.read_table(tmp_path / "out" / COMPACTED_KEY)
     assert not _sorted(after).equals(_sorted(before))
     assert _sorted(after).equals(_sorted(read_manifests(store)))
     assert check_compacted(store) == []
-    assert refresh_compacted(store, current_manifest_keys(store), lambda: None) is None
+    assert refresh_compacted(store, current_manifest_keys(store), None) is None
     # An output that was never compacted is not made to be.
     fresh = _output(tmp_path / "fresh", shards=2, rows=2)
-    assert refresh_compacted(fresh, current_manifest_keys(fresh), lambda: None) is None
+    assert refresh_compacted(fresh, current_manifest_keys(fresh), None) is None
     assert not list(fresh.list(COMPACTED_PREFIX))
 
 
@@ -170,8 +170,11 @@ def test_a_compaction_stopped_at_any_write_leaves_the_old_set_or_the_new_never_a
         store.put_file = lambda *a, **k: stop()  # type: ignore[method-assign]
     if where == "index":
         store.put = lambda key, *a, **k: stop() if key == INDEX_KEY else put(key, *a, **k)  # type: ignore[method-assign]
-    with pytest.raises(_Stop):
-        compact_output(store, row_group_rows=16, before_write=stop if where == "lease_check" else lambda: None)
+    lease = acquire_lease(store, renew=False)
+    if where == "lease_check":  # another process took the output meanwhile
+        acquire_lease(store, ttl_s=60, renew=False, clock=lambda: lease.expires_at + 1)
+    with pytest.raises(OutputBusy if where == "lease_check" else _Stop):
+        compact_output(store, row_group_rows=16, lease=lease, finished=True)
     store.put_file, store.put = put_file, put  # type: ignore[method-assign]
     for seen in _readers_see(tmp_path / "out"):
         assert _sorted(seen).equals(old if where != "index" else new)
@@ -196,7 +199,7 @@ def test_an_unfinished_output_is_refused_and_no_compacted_set_is_fine(tmp_path: 
     store = _output(tmp_path / "out", shards=3, done=False)
     assert check_compacted(store) == []
     assert not compacted_state(store).present
-    with pytest.raises(CompactionError, match="no _SUCCESS yet"):
+    with pytest.raises(CompactionError, match="no valid _SUCCESS"):
         compact_output(store)
 
 
@@ -214,10 +217,25 @@ def test_ditfleet_compact_command_runs_under_the_lease(tmp_path: Path, capsys):
     assert (tmp_path / "out" / COMPACTED_KEY).exists()
 
 
+def test_compacting_a_finished_output_leaves_it_finished(tmp_path: Path, capsys):
+    """The compaction's lease is newer than the _SUCCESS a driver stamped: it stamps it anew,
+    so the output is not taken for unfinished afterwards."""
+    from ditfleet.driver.output.success import put_success, success_file
+    from ditfleet.jobs.cli import main
+
+    store = _output(tmp_path / "out", shards=3, rows=2, done=False)
+    driver = acquire_lease(store, renew=False)
+    put_success(store, {"status": "ok"}, driver.generation)
+    driver.release()
+    assert main(["compact", str(tmp_path / "out")]) == 0
+    assert success_file(store).doc is not None and success_file(store).stale is None
+    assert "complete" in output_status(store).format_text().splitlines()[0]
+
+
 def test_a_compaction_that_lost_its_lease_writes_nothing(tmp_path: Path):
     store = _output(tmp_path / "out", shards=3, rows=2)
     lease = acquire_lease(store, renew=False)
     acquire_lease(store, ttl_s=60, renew=False, clock=lambda: lease.expires_at + 1)  # taken over
     with pytest.raises(OutputBusy):
-        compact_output(store, before_write=lease.check)
+        compact_output(store, lease=lease, finished=True)
     assert not list(store.list(COMPACTED_PREFIX))
