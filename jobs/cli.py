@@ -158,17 +158,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_compact(args: argparse.Namespace) -> int:
     from ditfleet.driver.output.compact import CompactionError, compact_output
     from ditfleet.driver.output.lease import acquire_lease
-    from ditfleet.driver.output.success import restamp_success, success_file
     from ditfleet.jobs.knobs import lease_ttl_s
 
     store = open_store(args.output, _store_args(args))
     try:
-        # A writer like a driver: one at a time, and it stops if another takes the output. The
-        # output stays finished: its _SUCCESS is stamped with this lease, which would else make it stale.
-        with acquire_lease(store, lease_ttl_s()) as lease:
-            before = success_file(store, lease.generation)
+        # A writer like a driver: one at a time, and it stops if another takes the output; it
+        # leaves a complete output complete, so its lease does not make _SUCCESS stale.
+        with acquire_lease(store, lease_ttl_s(), keeps_complete=True) as lease:
             report = compact_output(store, row_group_rows=args.row_group_rows, lease=lease)
-            restamp_success(store, before, lease.generation)
     except CompactionError as e:
         raise UsageError(str(e)) from e
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_text())

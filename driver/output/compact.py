@@ -41,6 +41,7 @@ import pyarrow.parquet as pq
 
 from ditfleet.driver.output.json_objects import read_json
 from ditfleet.driver.output.lease import OutputLease
+from ditfleet.driver.output.pause_points import pause_point
 from ditfleet.driver.output.success import success_file
 from ditfleet.workers.output.layout import manifest_of_key
 from ditfleet.workers.output.manifest import MANIFEST_SCHEMA, current_manifest_keys, with_later_columns
@@ -299,6 +300,7 @@ def compact_output(
                 if table.num_rows:
                     out.write_table(table.replace_schema_metadata(MANIFEST_SCHEMA.metadata), row_group_rows)
         report.bytes = os.path.getsize(local)
+        pause_point("compact_before_write")
         before_write()
         # Files of the earlier layout (compacted/part-NNNNN.parquet) would be read with the new
         # set: the old set goes first, so a kill in between leaves too little, never a mix.
@@ -307,6 +309,7 @@ def compact_output(
                 store.delete(key)
         with open(local, "rb") as f:
             store.put_file(COMPACTED_KEY, f, "application/vnd.apache.parquet")
+    pause_point("compact_before_index")
     store.put(INDEX_KEY, (json.dumps(report.to_dict(), indent=2) + "\n").encode(), "application/json")
     return report
 

@@ -241,9 +241,12 @@ def acquire_lease(
     *,
     renew: bool = True,
     clock: Callable[[], float] = time.time,
+    keeps_complete: bool = False,
 ) -> OutputLease:
     """Take the output for this driver, or raise OutputBusy naming the driver that has it.
-    renew: keep the lease alive from a background thread until `release`."""
+    renew: keep the lease alive from a background thread until `release`. keeps_complete: the
+    holder is a tool that leaves a complete output complete (`ditfleet compact`, `verify
+    --clean`): its lease does not make the output's `_SUCCESS` stale (driver.output.success)."""
     for _ in range(_TRIES):
         generations = _generations(store)
         now = clock()
@@ -270,6 +273,7 @@ def acquire_lease(
             "shards": [],
             "redo": {},
             "settled": False,
+            "keeps_complete": keeps_complete,
         }
         if store.put_if_absent(lease_key(generation), _encode(doc), "application/json"):
             # Older generations stay until settled (driver.output.settle deletes them).

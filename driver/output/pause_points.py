@@ -17,6 +17,8 @@ The points (where the code calls them):
 - verify_before_delete  `verify --clean`: manifests read, before deleting
 - after_dispatch_start  driver: the lease document with its shards and redo generations is
                         written and the first shard was handed to an actor
+- compact_before_write  compaction: the new set is built locally, before anything is written
+- compact_before_index  compaction: the new set is written, before its index
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ POINTS = (
     "after_redo_commit",
     "verify_before_delete",
     "after_dispatch_start",
+    "compact_before_write",
+    "compact_before_index",
 )
 
 

@@ -2,11 +2,13 @@
 
 It holds the job summary (driver.output.summary) and "lease": the generation of the driver that
 wrote it, create-only, right after checking its lease; one of a lower generation is replaced.
-A `_SUCCESS` whose generation is lower than the highest lease document present is stale:
-`success_file` (and every tool reading `_SUCCESS` through it: resume, status, verify, report)
-treats it as absent and says so in one line. So a driver paused past its lease that resumes and
-writes `_SUCCESS` writes at worst a stale one, which nothing of ours believes. The highest lease
-document is never deleted (driver.output.settle), so staleness, once true, stays true. A
+A `_SUCCESS` is stale when a lease document of a higher generation is present whose holder may
+change the output (a driver; not a tool that leaves a complete output complete, `ditfleet compact`
+or `verify --clean`, whose lease says "keeps_complete"): `success_file` (and every tool reading
+`_SUCCESS` through it: resume, status, verify, report) treats it as absent and says so in one
+line. So a driver paused past its lease that resumes and writes `_SUCCESS` writes at worst a
+stale one, which nothing of ours believes. Only a driver deletes lease documents, those below its
+own, which is then the highest (driver.output.settle), so staleness, once true, stays true. A
 `_SUCCESS` without "lease" was written by an earlier version (which kept only the highest lease
 document) and counts as written by that document's driver.
 """
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ditfleet.driver.output.json_objects import read_json
-from ditfleet.driver.output.lease import OutputBusy, lease_generations
+from ditfleet.driver.output.lease import OutputBusy, lease_generations, read_lease_document
 from ditfleet.workers.output.layout import success_key
 from ditfleet.workers.storage import ObjectStore
 
@@ -30,6 +32,13 @@ class SuccessStale(OutputBusy):
 def _lease_of(doc: dict[str, Any] | None) -> int | None:
     value = (doc or {}).get("lease")
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _keeps_complete(store: ObjectStore, generation: int) -> bool:
+    """The lease of `generation` was taken by a tool that leaves a complete output complete. A
+    document that cannot be read counts as a driver's: then `_SUCCESS` is not believed."""
+    doc = read_lease_document(store, generation)
+    return bool(doc and doc.get("keeps_complete") is True)
 
 
 def put_success(store: ObjectStore, doc: dict[str, Any], lease: int | None) -> None:
@@ -69,7 +78,9 @@ def success_file(store: ObjectStore, holder: int | None = None) -> SuccessFile:
     wrote = _lease_of(doc)
     if wrote is None:
         return SuccessFile(doc)
-    higher = [g for g in lease_generations(store) if g > wrote and g != holder]
+    higher = [
+        g for g in lease_generations(store) if g > wrote and g != holder and not _keeps_complete(store, g)
+    ]
     if not higher:
         return SuccessFile(doc)
     return SuccessFile(
@@ -77,12 +88,3 @@ def success_file(store: ObjectStore, holder: int | None = None) -> SuccessFile:
         f"_SUCCESS was written by lease generation {wrote}, but generation {higher[-1]} has taken the "
         "output since: stale; the run that owns the output writes a new one",
     )
-
-
-def restamp_success(store: ObjectStore, before: SuccessFile | None, holder: int) -> None:
-    """For a tool that took the lease and leaves a complete output complete (`verify --clean`,
-    `ditfleet compact`): stamp the `_SUCCESS` that was valid before it took the lease
-    (`before = success_file(store, holder)`, read right after taking it) with its generation, so
-    that taking the lease does not leave it stale. One without "lease" is never stale: kept."""
-    if before is not None and _lease_of(before.doc) is not None:
-        put_success(store, before.doc, holder)  # type: ignore[arg-type] - checked: a doc

@@ -64,8 +64,8 @@ from ditfleet.driver.output.orphans import (
     read_shard_record,
 )
 from ditfleet.driver.output.pause_points import pause_point
-from ditfleet.driver.output.settle import delete_settled, settle_older
-from ditfleet.driver.output.success import restamp_success, success_file
+from ditfleet.driver.output.settle import settle_older
+from ditfleet.driver.output.success import success_file
 from ditfleet.driver.output.supersede import supersede_pending
 from ditfleet.driver.output.verify_report import MAX_LISTED, VerifyReport
 from ditfleet.driver.run_records import RecordedPlan, RunRecordError, read_run_records
@@ -262,8 +262,8 @@ def verify_output(
     With `clean` it first takes the output's lease, as a driver does (so it does not clean
     while a run works on the output; nothing it deletes depends on that), settles the older
     lease documents (seals abandoned redo generations), finishes every supersession, and
-    deletes only what the one rule of driver.output.orphans proves lost. A `_SUCCESS` that was
-    valid before it took the lease is stamped with its generation again at the end.
+    deletes only what the one rule of driver.output.orphans proves lost. Its lease keeps a
+    complete output complete (it does not make `_SUCCESS` stale).
     """
     workers = io_threads(store) if workers is None else workers
     if workers < 1:
@@ -272,28 +272,20 @@ def verify_output(
     if not clean:
         return _verify(store, partial, False, hash_objects, workers, checks)
     try:
-        lease = acquire_lease(store, lease_ttl_s, renew=True)
+        lease = acquire_lease(store, lease_ttl_s, renew=True, keeps_complete=True)
     except OutputBusy as e:
         report = _verify(store, partial, False, hash_objects, workers, checks)
         report.problems.append(f"--clean deleted nothing: {e}")
         return report
     try:
-        try:
-            before = success_file(store, lease.generation)  # as it was before this took the lease
-        except ValueError:
-            before = None
         settled = settle_older(store, lease.generation)
         superseded = supersede_pending(store)
         report = _verify(store, partial, True, hash_objects, workers, checks, lease.generation)
         report.sealed, report.superseded = len(settled.sealed), len(superseded.generations)
-        try:
-            lease.check()
-            restamp_success(store, before, lease.generation)
-        except OutputBusy as e:  # taken over meanwhile: what was deleted was lost all the same
-            report.problems.append(f"--clean stopped before stamping _SUCCESS again: {e}")
-            return report
+        # The older lease documents stay (a driver deletes those it settled): a `_SUCCESS` that
+        # one of them made stale must stay stale, and this lease, which keeps a complete output
+        # complete, does not count for that (driver.output.success).
         lease.mark_settled()
-        delete_settled(store, settled.documents, lease.generation)
         return report
     finally:
         lease.release()

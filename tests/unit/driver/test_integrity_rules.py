@@ -402,5 +402,9 @@ def test_verify_clean_of_a_complete_output_leaves_its_success_believed(tmp_path)
     run.release()
     report = verify_output(store, clean=True)
     assert report.cleaned == 1 and not store.exists(loser) and report.exit_code == 0, report.problems
-    assert success_file(store).doc["lease"] == 1  # the lease verify took: not stale
+    # verify's lease (generation 1) keeps a complete output complete: the driver's _SUCCESS stands.
+    assert success_file(store).doc["lease"] == 0 and success_file(store).stale is None
     assert verify_output(store).exit_code == 0
+    # A driver's newer lease does make it stale.
+    acquire_lease(store, ttl_s=60, renew=False).release()
+    assert success_file(store).doc is None and "stale" in success_file(store).stale
