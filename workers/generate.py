@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -265,10 +265,20 @@ def to_host(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     out = tuple(
         torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors
     )
-    done = torch.cuda.Event()
-    done.record()
-    done.synchronize()
+    # Each copy was queued on the current stream of its source tensor's device, which need not
+    # be the current device (an actor on cuda:1 of a process whose current device is cuda:0).
+    for device in copy_devices(t.device for t in tensors):
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(device))
+        done.synchronize()
     return out
+
+
+def copy_devices(devices: Iterable[torch.device]) -> list[torch.device]:
+    """The devices whose streams `to_host`'s copies are queued on, given its tensors' devices:
+    each non-CPU one once, in index order."""
+    found = {d for d in devices if d.type != "cpu"}
+    return sorted(found, key=lambda d: (d.type, -1 if d.index is None else d.index))
 
 
 def iter_generated(generator: BatchGenerator, batches: list[list[ImageRequest]]) -> Iterator[GeneratedImage]:
