@@ -191,6 +191,8 @@ class Fp8Linear(nn.Module):
         self.scaled_mm = (
             mode == "fp8" and in_features % FP8_GEMM_MULTIPLE == 0 and out_features % FP8_GEMM_MULTIPLE == 0
         )
+        # _scaled_mm's use_fast_accum (Hopper: faster, fewer accumulation bits); off by default.
+        self.fast_accum = False
         w = torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device)
         self.weight = nn.Parameter(w, requires_grad=False)
         self.register_buffer("weight_scale", torch.empty(out_features, dtype=torch.float32, device=device))
@@ -256,12 +258,20 @@ class Fp8Linear(nn.Module):
         # weight (out, in) row-major: its transpose is the column-major (in, out) operand
         # _scaled_mm requires; the scales are (M, 1) and (1, out): row-wise on both sides.
         return _KERNEL(
-            x8, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale[None, :], out_dtype=dtype
+            x8,
+            self.weight.t(),
+            scale_a=x_scale,
+            scale_b=self.weight_scale[None, :],
+            out_dtype=dtype,
+            **self._accum(),
         )
+
+    def _accum(self) -> dict[str, bool]:
+        return {"use_fast_accum": True} if self.fast_accum else {}
 
     def _tensorwise(self, x8: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         one = torch.ones((), dtype=torch.float32, device=x8.device)
-        y = _KERNEL(x8, self.weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        y = _KERNEL(x8, self.weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32, **self._accum())
         return (y * x_scale * self.weight_scale[None, :]).to(dtype)
 
     def _refused_rowwise(
@@ -289,6 +299,14 @@ class Fp8Linear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, mode={self.mode}"
         )
+
+
+def set_fast_accum(model: nn.Module, on: bool) -> int:
+    """Turn _scaled_mm's fast accumulation on or off in every Fp8Linear of `model`; how many."""
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    for m in layers:
+        m.fast_accum = bool(on)
+    return len(layers)
 
 
 def quantized_linear_names(model: nn.Module, keep: Sequence[str] = KEEP_IN_LOAD_DTYPE) -> list[str]:

@@ -347,6 +347,57 @@ def sdpa_backends(ctx: Context) -> None:
     ctx.emit({"status": status, "calls": len(recorder.calls), "math_calls": math_calls, "by_call": groups})
 
 
+@stage("sdpa_speed", estimate_s=5, limit_s=30)
+def sdpa_speed(ctx: Context) -> None:
+    """ms per SDPA call of the DiT's joint attention at the main bucket (batch 1, text 128), once
+    per fused backend alone (cuDNN, flash, efficient), and the fastest."""
+    if not ctx.cuda:
+        raise StageSkipped("not on CPU: the fused SDPA kernels are CUDA's")
+    from torch.nn.attention import sdpa_kernel
+
+    from ditfleet.model.attention_backend import _backend
+
+    cfg = transformer_config(ctx, 1)
+    h, w = latent_grid(sizes(ctx)[0], sizes(ctx)[0])
+    tokens = h * w + ctx.args.text_len
+    g = torch.Generator(device=ctx.device).manual_seed(11)
+    q, k, v = (
+        torch.randn(
+            1,
+            cfg.num_attention_heads,
+            tokens,
+            cfg.attention_head_dim,
+            generator=g,
+            device=ctx.device,
+            dtype=ctx.dtype,
+        )
+        for _ in range(3)
+    )
+    ms: dict[str, float | None] = {}
+    errors: dict[str, str] = {}
+    for name in ("cudnn", "flash", "efficient"):
+        ctx.check(name)
+        try:
+            with sdpa_kernel([_backend(name)]):
+                ms[name] = timed_ms(
+                    ctx, lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), 10, warm=2
+                )
+        except RuntimeError as e:
+            ms[name] = None
+            errors[name] = str(e).splitlines()[0][:200]
+    timed = {k: v for k, v in ms.items() if v is not None}
+    ctx.emit(
+        {
+            "status": "measured",
+            "size": f"{sizes(ctx)[0]}x{sizes(ctx)[0]}",
+            "q": list(q.shape),
+            "ms_per_call": ms,
+            "errors": errors,
+            "fastest": min(timed, key=timed.get) if timed else None,
+        }
+    )
+
+
 # -- 4. compile --------------------------------------------------------------------------------------
 
 

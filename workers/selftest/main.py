@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--child-stage", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-offset-s", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--child-facts", default="", help=argparse.SUPPRESS)
     p.add_argument(
         "--tiny", action="store_true", help="toy widths on the CPU: the smoke run of the test suite"
     )
@@ -49,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--only", default="", help="comma-separated stage names to run (default: all)")
     p.add_argument("--skip", default="", help="comma-separated stage names to leave out")
+    p.add_argument(
+        "--extra", default="", help="comma-separated optional stages to run too (beyond the budget's plan)"
+    )
     p.add_argument("--list", action="store_true", help="list the stages with their estimates and exit")
     p.add_argument(
         "--sizes", type=int, nargs="+", default=[1328, 1024], help="square sizes, main bucket first"
@@ -78,11 +82,11 @@ def _logging(out: Path) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from ditfleet.workers.selftest import stages  # noqa: F401 - registers the stages
-    from ditfleet.workers.selftest.runner import STAGES, Context, run_child, run_stages
+    from ditfleet.workers.selftest.runner import STAGES, Context, load_facts, run_child, run_stages
 
     if args.list:
         for s in STAGES:
-            where = " child" if s.isolated else ""
+            where = (" child" if s.isolated else "") + (", optional" if s.optional else "")
             print(f"{s.name:28s} ~{s.estimate_s:4.0f} s (limit {s.limit_s:4.0f} s{where})  {s.doc}")
         return 0
     child = args.child_stage is not None
@@ -129,11 +133,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     torch.manual_seed(0)
     if child:
+        ctx.state.update(load_facts(args.child_facts))
         return run_child(ctx, args.child_stage)
     only = {s for s in args.only.split(",") if s}
     skip = {s for s in args.skip.split(",") if s}
     try:
-        summary = run_stages(ctx, only or None, skip)
+        summary = run_stages(ctx, only or None, skip, {s for s in args.extra.split(",") if s})
     finally:
         ctx.remove_scratch()
     return 0 if summary["status"] == "pass" else 1

@@ -57,6 +57,7 @@ class Stage:
     # what the stage leaves for later ones.
     adopt: Callable[[Context, list[dict[str, Any]]], None] | None = None
     frees: tuple[str, ...] = ()  # ctx.state keys dropped before its child starts (device memory)
+    optional: bool = False  # beyond the budget's plan: runs only when named (--extra or --only)
 
 
 STAGES: list[Stage] = []
@@ -75,6 +76,7 @@ def stage(
     isolated: bool = False,
     adopt: Callable[[Context, list[dict[str, Any]]], None] | None = None,
     frees: tuple[str, ...] = (),
+    optional: bool = False,
 ) -> Callable[[Callable[[Context], None]], Callable[[Context], None]]:
     """Register a stage; `after`: insert it right after the named stage (else at the end)."""
 
@@ -82,7 +84,7 @@ def stage(
         if any(s.name == name for s in STAGES):
             raise ValueError(f"self-test stage {name!r} is registered twice")
         doc = (fn.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
-        entry = Stage(name, fn, estimate_s, limit_s, doc, check, isolated, adopt, tuple(frees))
+        entry = Stage(name, fn, estimate_s, limit_s, doc, check, isolated, adopt, tuple(frees), optional)
         index = len(STAGES)
         if after is not None:
             names = [s.name for s in STAGES]
@@ -215,13 +217,18 @@ class Watchdog:
         os._exit(3)
 
 
-def run_stages(ctx: Context, only: set[str] | None, skip: set[str]) -> dict[str, Any]:
-    """Every registered stage in order, under the budget; the summary line last."""
+def run_stages(
+    ctx: Context, only: set[str] | None, skip: set[str], extra: set[str] = frozenset()
+) -> dict[str, Any]:
+    """Every registered stage in order (an optional one only when named in `only` or `extra`),
+    under the budget; the summary line last."""
     watchdog = Watchdog(ctx, grace_s=30.0).start()
     try:
         for entry in list(STAGES):
             ctx.current = entry.name
             if (only and entry.name not in only) or entry.name in skip:
+                continue
+            if entry.optional and entry.name not in (only or set()) | set(extra):
                 continue
             estimate = 0.0 if ctx.tiny else entry.estimate_s
             left = ctx.started + ctx.budget_s - time.perf_counter()
@@ -295,6 +302,8 @@ def run_isolated(ctx: Context, entry: Stage) -> None:
         f"{ctx.elapsed():.3f}",
         "--budget-s",
         str(ctx.budget_s),
+        "--child-facts",
+        json.dumps(child_facts(ctx.state)),
     ]
     log.info("== stage %s in a child process (limit %.0f s): %s", entry.name, limit, command)
     t0 = time.perf_counter()
@@ -321,6 +330,29 @@ def run_isolated(ctx: Context, entry: Stage) -> None:
     elif code != 0 and not any("status" in line for line in emitted):
         ctx.emit({"status": "error", "error": f"its child process exited with {code} without a line"})
     log.info("== stage %s took %.1f s (child exit %s)", entry.name, took, code)
+
+
+def child_facts(state: dict[str, Any]) -> dict[str, Any]:
+    """The plain numbers of `state` (the matmul ceiling, the eager ms per size, ...) for a child:
+    what its lines are compared with. Objects (models, pipelines) stay here."""
+
+    def plain(value: Any) -> bool:
+        if isinstance(value, dict):
+            return all(isinstance(k, (int, str)) and plain(v) for k, v in value.items())
+        return isinstance(value, (int, float, str, bool)) or value is None
+
+    return {k: v for k, v in state.items() if plain(v)}
+
+
+def load_facts(text: str) -> dict[str, Any]:
+    """`child_facts` back from JSON: integer keys (sizes) are integers again."""
+
+    def keys(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {int(k) if k.lstrip("-").isdigit() else k: keys(v) for k, v in value.items()}
+        return value
+
+    return keys(json.loads(text)) if text else {}
 
 
 def _pump(ctx: Context, proc: subprocess.Popen, emitted: list[dict[str, Any]]) -> None:

@@ -28,6 +28,7 @@ from ditfleet.workers.selftest.checks import (
 from ditfleet.workers.selftest.parts import (
     dit_inputs,
     forward_flops,
+    free,
     make_transformer,
     make_vae,
     rel_err,
@@ -521,3 +522,30 @@ def _compiled_forward_line(
     if compiles_before is not None:
         line["compiles"] = compile_count() - compiles_before
     return line
+
+
+# -- 9. beyond the budget's plan: run with --extra NAME ------------------------------------------------
+
+
+@stage("fp8_compiled", estimate_s=90, limit_s=240, isolated=True, frees=("dit60",), optional=True)
+def fp8_compiled(ctx: Context) -> None:
+    """The FP8 DiT as a job runs it, compiled, at the main bucket: ms per forward with
+    _scaled_mm's fast accumulation off and on (one compile each), against the bf16 eager line.
+    In a child process (a fresh compile); optional (`--extra fp8_compiled`): it does not fit the
+    budget's plan."""
+    if not ctx.cuda:
+        raise StageSkipped("not on CPU: the compiled FP8 GEMMs are timed on a GPU")
+    from ditfleet.model.fp8 import selftest_forward, set_fast_accum
+
+    fp8 = selftest_forward(full_model(ctx), "fp8")
+    if fp8 is None:
+        raise StageSkipped("this GPU cannot run fp8 (no FP8 matrix units)")
+    free(ctx, "dit60")  # the copy keeps the tensors it shares; the bf16 weights it replaced go
+    vae = make_vae(vae_config(ctx), ctx.device, ctx.dtype, False)
+    report = apply_compile(TextToImagePipeline(fp8, vae, None), compile_config(ctx, dit=True, vae=False))
+    for fast in (False, True):
+        set_fast_accum(fp8, fast)
+        line = _compiled_forward_line(ctx, fp8, sizes(ctx)[0], report, compiles_before=compile_count())
+        ctx.emit(
+            {**line, "mode": "fp8", "use_fast_accum": fast, "gemm_scales": _gemm_scales(fp8, ctx.device)}
+        )

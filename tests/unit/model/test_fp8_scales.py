@@ -99,9 +99,11 @@ def test_a_rowwise_refusal_at_run_time_falls_back_for_that_k_and_above(monkeypat
         calls.append((a.shape[1], rowwise))
         if rowwise and a.shape[1] >= 64:
             raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul")
-        return per_tensor_only(a, b, torch.ones(()), torch.ones(()), torch.float32).mul(
-            scale_a * scale_b
-        ).to(out_dtype)
+        return (
+            per_tensor_only(a, b, torch.ones(()), torch.ones(()), torch.float32)
+            .mul(scale_a * scale_b)
+            .to(out_dtype)
+        )
 
     monkeypatch.setattr(fp8, "_KERNEL", refuses_large_k)
     monkeypatch.setitem(fp8._GEMM_SUPPORT, "cpu", ("rowwise", None))
@@ -116,3 +118,20 @@ def test_a_rowwise_refusal_at_run_time_falls_back_for_that_k_and_above(monkeypat
     wide(_x(64))
     narrow(_x(32))
     assert calls == [(64, False), (32, True)]  # no second refusal; the narrow layer stays row-wise
+
+
+def test_fast_accumulation_is_passed_to_the_kernel_when_asked(monkeypatch):
+    seen = []
+
+    def recording(a, b, scale_a, scale_b, out_dtype, use_fast_accum=False):
+        seen.append(use_fast_accum)
+        return REAL_KERNEL(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+    monkeypatch.setattr(fp8, "_KERNEL", recording)
+    monkeypatch.setitem(fp8._GEMM_SUPPORT, "cpu", ("tensorwise", None))
+    model = torch.nn.Sequential(_layer(), torch.nn.ReLU(), _layer(48, 16))
+    x = _x()
+    model(x)
+    assert fp8.set_fast_accum(model, True) == 2
+    model(x)
+    assert seen == [False, False, True, True]
