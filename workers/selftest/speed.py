@@ -485,6 +485,13 @@ def dit_compiled_other_sizes(ctx: Context) -> None:
         ctx.emit(_compiled_forward_line(ctx, model, size, report))
 
 
+def _fx_cache_counts() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    inductor = counters["inductor"]
+    return {"hit": int(inductor["fxgraph_cache_hit"]), "miss": int(inductor["fxgraph_cache_miss"])}
+
+
 def _compiled_forward_line(
     ctx: Context, model, size: int, report, compiles_before: int | None = None
 ) -> dict:
@@ -494,11 +501,13 @@ def _compiled_forward_line(
     cfg, text_len = model.config, ctx.args.text_len
     x, txt, shapes = dit_inputs(cfg, size, text_len, 1, ctx.device, ctx.dtype)
     t = torch.full((1,), 0.5, device=ctx.device, dtype=ctx.dtype)
+    cache_before = _fx_cache_counts()
     t0 = time.perf_counter()
     with torch.no_grad():
         model(x, txt, None, t, shapes)
         sync(ctx.device)
         first_s = time.perf_counter() - t0
+        cache = {k: v - cache_before.get(k, 0) for k, v in _fx_cache_counts().items()}
         ms = timed_ms(
             ctx,
             lambda x=x, txt=txt, t=t, shapes=shapes: model(x, txt, None, t, shapes),
@@ -517,6 +526,9 @@ def _compiled_forward_line(
         "pct_of_matmul_ceiling": _pct(ctx, flops, ms),
         "speedup_vs_eager": round(eager / ms, 3) if eager else None,
         "first_call_s": round(first_s, 1),
+        # Inductor's FX graph cache during the first call: hits load kernels another process
+        # (the compile stage's child) compiled; misses compiled here.
+        "fx_graph_cache": cache,
         "fallbacks": report.fallbacks,
     }
     if compiles_before is not None:
