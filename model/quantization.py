@@ -83,7 +83,7 @@ def check_fp8_device(
     device_kind: "cuda", "cpu", ...; capability: the CUDA compute capability (None elsewhere)."""
     check_quantization(name)
     if name != "fp8" or device_kind == "cpu":
-        return  # torch._scaled_mm has a CPU kernel; weight-only runs anywhere
+        return  # torch._scaled_mm has a CPU kernel (which scales it takes: model.fp8.gemm_support)
     if device_kind == "cuda" and capability is not None and tuple(capability) >= FP8_MIN_CAPABILITY:
         return
     what = f"{device_name or device_kind}" + (
