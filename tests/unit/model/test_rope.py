@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ditfleet.compile.compiled_method import CompiledMethod
 from ditfleet.compile.counting import count_compiles
 from ditfleet.model.rope import RotaryTables, apply_rotary, rotate_pairs
 
@@ -33,39 +32,46 @@ def test_stack_free_rotation_is_bitwise_the_stacked_one_in_fp32(scale):
     torch.testing.assert_close(apply_rotary(x, txt), rotate_pairs(xf, txt.cos, txt.sin).flatten(-2))
 
 
-class _Rotary:
-    """What a DiT block's compiled region does with the text rotation: norm-free, RoPE only."""
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_inductor_compiles_the_dit_block_once_for_every_batch_and_prompt_length():
+    # The node self-test's sweep (--tiny), on the DiT block regions as the worker compiles them
+    # with Inductor: warmed at batch 4 and 8 tokens, then batches 1-4 at lengths 1, 2, 3, 8, 16,
+    # padded batches included. Under torch 2.11 the stacked rotation cost a recompile for
+    # one-token prompts (Inductor's cat lowering guards the text length against 1); 2.13 does not
+    # guard, so this holds the rehearsal's finding (docs/real-model.md) on both. In bf16, the
+    # dtype of the GPU path and the self-test: under 2.11 an fp32 compiled DiT still guards the
+    # text length against 1 (the rotation's fp32 result is then a view into the cat, not a cast).
+    from ditfleet.compile.config import CompileConfig
+    from ditfleet.compile.policy import apply_compile
+    from ditfleet.model.loader import load_pipeline
+    from ditfleet.model.sampling import latent_grid
 
-    def rotate(self, x: torch.Tensor, rotation) -> torch.Tensor:
-        return apply_rotary(x, rotation)
-
-
-@pytest.mark.timeout(600)
-def test_inductor_compiles_the_rotation_once_for_every_batch_and_prompt_length():
-    # The self-test's sweep (--tiny): warmed at batch 4 and 8 tokens, then batches 1-4 at
-    # lengths 1, 2, 3, 8, 16, text length and batch dynamic as the DiT block marks them.
-    owner = _Rotary()
-    compiled = CompiledMethod(
-        owner,
-        "rotate",
-        {"backend": "inductor", "dynamic": False},
-        dynamic_dims={0: (0, 1), 1: {"cos": (0,), "sin": (0,), "polar": (0,)}},
+    pipe = load_pipeline("tiny", dtype=torch.bfloat16, load_text_encoder_too=False)
+    config = CompileConfig(
+        vae=False, dit=True, shared_cache=False, dit_backend="inductor", cpu_onednn_linear=False
     )
-    tables = RotaryTables((8, 12, 12))
-    g = torch.Generator().manual_seed(1)
+    report = apply_compile(pipe, config)
+    dit = pipe.transformer
+    h, w = latent_grid(64, 64)
+    g = torch.Generator().manual_seed(7)
+    x4 = torch.randn(4, h * w, 64, generator=g).bfloat16()
+    t = torch.full((1,), 0.5, dtype=torch.bfloat16)
 
     def call(batch: int, length: int) -> None:
-        _, rot = tables.tables((1, 4, 4), length, torch.device("cpu"))
-        x = torch.randn(batch, length, 2, 32, generator=g)
-        got = compiled(x, rot)
-        torch.testing.assert_close(got, apply_rotary(x, rot), atol=1e-6, rtol=1e-6)
+        text = torch.randn(batch, length, dit.config.joint_attention_dim, generator=g).bfloat16()
+        mask = None
+        if batch > 1 and length > 1:
+            mask = torch.ones(batch, length, dtype=torch.long)
+            mask[-1, length // 2 :] = 0
+        with torch.no_grad():
+            dit(x4[:batch], text, mask, t, [[(1, h, w)]] * batch)
 
     with count_compiles() as warm:
         call(4, 8)
-    assert warm.count == 1 and compiled.fallback_reason is None
+    assert warm.count == 2 and report.fallbacks == {}
     with torch._dynamo.config.patch(error_on_recompile=True), count_compiles() as tally:
         for batch in (1, 2, 3, 4):
             for length in (1, 2, 3, 8, 16):
                 call(batch, length)
-    assert tally.count == 0
-    assert compiled.compiled_calls == 21 and compiled.fallback_reason is None
+    assert tally.count == 0 and report.fallbacks == {}
