@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup system-deps run test test-fast lint bench
+.PHONY: setup system-deps run test test-fast lint bench selftest-rehearsal
 
 # Headless Chromium (Debian's package) renders the job report in tests/integration/test_report.py.
 system-deps:
@@ -27,3 +27,26 @@ test-fast:
 
 lint:
 	$(VENV)/bin/ruff check ditfleet model compile workers driver jobs recipes tests bench
+
+# The node self-test rehearsed on this CPU under the GPU image's torch (2.11.0, the CUDA 13 build
+# PyPI serves: ~3 GB of wheels, 4.6 GB installed; it imports and runs on a CPU) in a side
+# environment, ditfleet installed there from a wheel of this checkout with its dependencies (torch
+# stays as installed), with diffusers and transformers for the side-by-side checks. The --tiny run
+# with Inductor; run from outside the checkout so that the installed package is the one imported.
+# Heavy (minutes on 2 cores), so not in CI; docs/real-model.md gives its output.
+REHEARSAL_TORCH ?= 2.11.0
+REHEARSAL_VENV ?= /tmp/venv211
+REHEARSAL_OUT ?= /tmp/st211
+REHEARSAL_WHEEL_DIR ?= /tmp/ditfleet-rehearsal-wheel
+REHEARSAL_PY := $(REHEARSAL_VENV)/bin/python
+
+selftest-rehearsal:
+	test -x $(REHEARSAL_PY) || python3 -m venv $(REHEARSAL_VENV)
+	$(REHEARSAL_PY) -m pip install -q torch==$(REHEARSAL_TORCH)
+	rm -rf $(REHEARSAL_WHEEL_DIR)
+	$(REHEARSAL_PY) -m pip wheel -q --no-deps -w $(REHEARSAL_WHEEL_DIR) .
+	$(REHEARSAL_PY) -m pip install -q --force-reinstall --no-deps $(REHEARSAL_WHEEL_DIR)/ditfleet-*.whl
+	$(REHEARSAL_PY) -m pip install -q $(REHEARSAL_WHEEL_DIR)/ditfleet-*.whl numpy diffusers transformers
+	$(REHEARSAL_PY) -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$(REHEARSAL_TORCH)')"
+	cd /tmp && $(REHEARSAL_PY) -m ditfleet.workers.selftest --tiny --out $(REHEARSAL_OUT) \
+	  --compile-backend inductor --budget-s 900 --limit-scale 3

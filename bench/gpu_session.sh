@@ -16,7 +16,8 @@ PY=${PY:-python3}
 mkdir -p "$OUT"
 if ! $PY -c "import ditfleet.workers.selftest" 2>/dev/null; then
   # the layers install as ditfleet.<layer>: an editable install maps them, without dependencies
-  $PY -m pip install --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || {
-    echo "could not install ditfleet (see $OUT/install.log)" >&2; exit 2; }
+  LOG=${TMPDIR:-/tmp}/ditfleet-selftest-install.log   # not in $OUT: it gets the two result files only
+  $PY -m pip install --no-deps --no-build-isolation -e . > "$LOG" 2>&1 || {
+    echo "could not install ditfleet (see $LOG)" >&2; exit 2; }
 fi
 exec env PYTHONUNBUFFERED=1 $PY -m ditfleet.workers.selftest --out "$OUT" "$@"

@@ -21,6 +21,7 @@ kernel; a dense mask falls back to the memory-efficient kernel.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import asdict, dataclass
 
 import torch
@@ -85,16 +86,14 @@ class TextPadding:
         image_len: int,
         mode: str = "split",
     ) -> TextPadding:
-        """One host sync (the per-sample lengths) per forward, none without a mask."""
+        """One host read per distinct mask (`padding_facts`: once per batch, not per forward),
+        none without a mask."""
         if mode not in PADDED_ATTENTION:
             raise ValueError(f"padded attention must be one of {PADDED_ATTENTION}, got {mode!r}")
         if text_mask is None:
             return cls(batch, text_len, image_len, None, (), None)
         mask = text_mask.to(torch.bool)
-        lengths = mask.sum(dim=1)  # (B,)
-        positions = torch.arange(text_len, device=mask.device)
-        prefix = bool((mask == (positions[None, :] < lengths[:, None])).all())
-        counts = [int(n) for n in lengths.tolist()]
+        prefix, counts = padding_facts(text_mask)
         if prefix and all(n == text_len for n in counts):
             return cls(batch, text_len, image_len, None, (), None)
         if mode == "mask" or not prefix:
@@ -107,6 +106,32 @@ class TextPadding:
                 runs.append((start, i, counts[start]))
                 start = i
         return cls(batch, text_len, image_len, tuple(counts), tuple(runs), None)
+
+
+# The last few masks' facts: a batch's forwards (every step, both CFG passes) pass the same mask
+# tensors, so each is read from the device once. Keyed by the tensor's id, checked against a weak
+# reference and the tensor's version counter (an in-place change reads it again).
+_FACTS: dict[int, tuple[weakref.ref, int, tuple[bool, tuple[int, ...]]]] = {}
+_FACTS_KEPT = 8
+
+
+def padding_facts(text_mask: torch.Tensor) -> tuple[bool, tuple[int, ...]]:
+    """(whether every sample's real tokens are a prefix, the real tokens per sample) of a (B, L)
+    mask: one device-to-host read per mask tensor, however many forwards use it."""
+    hit = _FACTS.get(id(text_mask))
+    if hit is not None and hit[0]() is text_mask and hit[1] == text_mask._version:
+        return hit[2]
+    mask = text_mask.to(torch.bool)
+    lengths = mask.sum(dim=1)  # (B,)
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    prefix = (mask == (positions[None, :] < lengths[:, None])).all()
+    # One read for both facts: the lengths and the prefix flag side by side.
+    values = torch.cat([lengths, prefix.to(lengths.dtype)[None]]).tolist()
+    facts = (bool(values[-1]), tuple(int(n) for n in values[:-1]))
+    if len(_FACTS) >= _FACTS_KEPT:
+        _FACTS.pop(next(iter(_FACTS)))
+    _FACTS[id(text_mask)] = (weakref.ref(text_mask), text_mask._version, facts)
+    return facts
 
 
 def joint_attention(

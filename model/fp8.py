@@ -7,6 +7,9 @@ Weights: float8 e4m3 (max 448), one fp32 scale per output channel, w ~= w8 * sca
 `fp8` also quantizes each activation row (token) with its own scale and runs the GEMM through
 `torch._scaled_mm` (FP8 matrix units on Ada/Hopper; a reference kernel on the CPU); the two
 per-row scales are exact to apply after the integer-like product, so W8A8 costs two roundings.
+Where the kernel refuses row-wise scales (the CPU kernel of some torch builds, large-K GEMMs on
+Hopper before CUDA 13) it runs with unit per-tensor scales and the same scales are applied to its
+fp32 product (`gemm_support`, model.quantization's rules); where it has none, weight-only.
 `fp8-weight-only` dequantizes the weight to the activation dtype for each call and uses F.linear.
 
 Loading never holds the bf16 model: `Fp8Quantizer` is handed each tensor as it arrives from the
@@ -29,6 +32,8 @@ from .quantization import (
     check_fp8_device,
     check_quantization,
     keeps_load_dtype,
+    layer_scale_kind,
+    rowwise_max_k,
 )
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -48,6 +53,67 @@ def check_device(mode: str, device: torch.device | str) -> None:
         capability = torch.cuda.get_device_capability(device)
         name = torch.cuda.get_device_name(device)
     check_fp8_device(mode, device.type, capability, name)
+    if mode == "fp8":
+        gemm_support(device)  # decided now, in eager, before anything compiles a call
+
+
+# -- what this device's _scaled_mm takes ------------------------------------------------------------
+
+# The kernel every fp8 GEMM calls (a module attribute, so that a test can stand a refusing one in).
+_KERNEL = torch._scaled_mm
+# Per device ("cpu", "cuda:0"): (the best scale kind its kernel takes, the largest K it takes
+# row-wise or None). Filled once per device, in eager (check_device, or a layer's first call).
+_GEMM_SUPPORT: dict[str, tuple[str, int | None]] = {}
+_REFUSED_MESSAGES = ("CUBLAS_STATUS_NOT_SUPPORTED", "only supports", "not supported")
+
+
+def _device_key(device: torch.device | str) -> str:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
+
+
+def probe_scaled_mm(device: torch.device | str, kernel=None) -> str:
+    """Which scales `kernel` (torch._scaled_mm) takes on `device`, by calling it once on a 16x16
+    GEMM: "rowwise", else "tensorwise" (unit per-tensor scales), else "weight-only"."""
+    kernel = kernel or _KERNEL
+    device = torch.device(device)
+    a = torch.ones(16, 16, device=device).to(FP8_DTYPE)
+    b = torch.ones(16, 16, device=device).to(FP8_DTYPE).t()
+    rows, cols = torch.ones(16, 1, device=device), torch.ones(1, 16, device=device)
+    one = torch.ones((), device=device)
+    try:
+        kernel(a, b, scale_a=rows, scale_b=cols, out_dtype=torch.bfloat16)
+        return "rowwise"
+    except (RuntimeError, NotImplementedError):
+        pass
+    try:
+        kernel(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)
+        return "tensorwise"
+    except (RuntimeError, NotImplementedError):
+        return "weight-only"
+
+
+def gemm_support(device: torch.device | str, kernel=None) -> tuple[str, int | None]:
+    """(scale kind, largest row-wise K) of `device`, decided once: on the CPU by probing the
+    kernel (torch 2.11's CPU kernel takes per-tensor scales only, 2.13's row-wise too); on CUDA
+    from the build's CUDA version and the GPU (model.quantization.rowwise_max_k)."""
+    key = _device_key(device)
+    found = _GEMM_SUPPORT.get(key)
+    if found is None:
+        dev = torch.device(key)
+        if dev.type == "cuda":
+            capability = torch.cuda.get_device_capability(dev)
+            found = ("rowwise", rowwise_max_k(torch.version.cuda, capability))
+        else:
+            found = (probe_scaled_mm(dev, kernel), None)
+        _GEMM_SUPPORT[key] = found
+    return found
+
+
+def _refused(error: RuntimeError) -> bool:
+    return any(m in str(error) for m in _REFUSED_MESSAGES)
 
 
 def check_checkpoint_dtypes(tensors: dict, where: str) -> None:
@@ -125,6 +191,8 @@ class Fp8Linear(nn.Module):
         self.scaled_mm = (
             mode == "fp8" and in_features % FP8_GEMM_MULTIPLE == 0 and out_features % FP8_GEMM_MULTIPLE == 0
         )
+        # _scaled_mm's use_fast_accum (Hopper: faster, fewer accumulation bits); off by default.
+        self.fast_accum = False
         w = torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device)
         self.weight = nn.Parameter(w, requires_grad=False)
         self.register_buffer("weight_scale", torch.empty(out_features, dtype=torch.float32, device=device))
@@ -150,8 +218,19 @@ class Fp8Linear(nn.Module):
         """The weight as `dtype` (out, in): w8 * scale, rounded once."""
         return self.weight.to(dtype) * self.weight_scale.to(dtype)[:, None]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def scale_kind(self, device: torch.device) -> str:
+        """How this layer's GEMM runs on `device`: FP8_SCALE_KINDS (model.quantization)."""
         if not self.scaled_mm:
+            return "weight-only"
+        support = _GEMM_SUPPORT.get(str(device))
+        if support is None:
+            # Traced before any eager call decided it: per-tensor scales, which every build takes.
+            support = ("tensorwise", None) if torch.compiler.is_compiling() else gemm_support(device)
+        return layer_scale_kind(support[0], self.in_features, support[1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kind = self.scale_kind(x.device)
+        if kind == "weight-only":
             return F.linear(x, self.dequantized(x.dtype), self.bias)
         lead = x.shape[:-1]
         x8, x_scale = quantize_rows(x.reshape(-1, self.in_features))
@@ -162,20 +241,72 @@ class Fp8Linear(nn.Module):
             # and recompile for a one-token prompt at batch 1. One spare row makes M >= 2
             # provably; rows are quantized and multiplied independently, so it changes nothing.
             x8, x_scale = torch.cat([x8, x8[:1]]), torch.cat([x_scale, x_scale[:1]])
-        # weight (out, in) row-major: its transpose is the column-major (in, out) operand
-        # _scaled_mm requires; the scales are (M, 1) and (1, out): row-wise on both sides.
-        y = torch._scaled_mm(
-            x8, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale[None, :], out_dtype=x.dtype
-        )[:rows]
+        if kind == "rowwise":
+            try:
+                y = self._rowwise(x8, x_scale, x.dtype)[:rows]
+            except RuntimeError as e:
+                if torch.compiler.is_compiling() or not _refused(e):
+                    raise
+                y = self._refused_rowwise(x8, x_scale, x.dtype, e)[:rows]
+        else:
+            y = self._tensorwise(x8, x_scale, x.dtype)[:rows]
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features)
+
+    def _rowwise(self, x8: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # weight (out, in) row-major: its transpose is the column-major (in, out) operand
+        # _scaled_mm requires; the scales are (M, 1) and (1, out): row-wise on both sides.
+        return _KERNEL(
+            x8,
+            self.weight.t(),
+            scale_a=x_scale,
+            scale_b=self.weight_scale[None, :],
+            out_dtype=dtype,
+            **self._accum(),
+        )
+
+    def _accum(self) -> dict[str, bool]:
+        return {"use_fast_accum": True} if self.fast_accum else {}
+
+    def _tensorwise(self, x8: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        one = torch.ones((), dtype=torch.float32, device=x8.device)
+        y = _KERNEL(x8, self.weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32, **self._accum())
+        return (y * x_scale * self.weight_scale[None, :]).to(dtype)
+
+    def _refused_rowwise(
+        self, x8: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype, error: RuntimeError
+    ) -> torch.Tensor:
+        """The kernel refused this row-wise shape at run time (a build the rules do not know):
+        the device takes row-wise scales only below this K from now on, and this call runs
+        tensorwise."""
+        import warnings
+
+        key = str(x8.device)
+        kind, max_k = _GEMM_SUPPORT.get(key, ("rowwise", None))
+        _GEMM_SUPPORT[key] = (kind, min(max_k or self.in_features, self.in_features - 1))
+        warnings.warn(
+            f"fp8 GEMM with K={self.in_features} on {key}: the kernel refused row-wise scales "
+            f"({str(error).splitlines()[0][:200]}); layers with K >= {self.in_features} run with "
+            "per-tensor scales on this device from now on",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return self._tensorwise(x8, x_scale, dtype)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, mode={self.mode}"
         )
+
+
+def set_fast_accum(model: nn.Module, on: bool) -> int:
+    """Turn _scaled_mm's fast accumulation on or off in every Fp8Linear of `model`; how many."""
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    for m in layers:
+        m.fast_accum = bool(on)
+    return len(layers)
 
 
 def quantized_linear_names(model: nn.Module, keep: Sequence[str] = KEEP_IN_LOAD_DTYPE) -> list[str]:

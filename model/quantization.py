@@ -83,7 +83,7 @@ def check_fp8_device(
     device_kind: "cuda", "cpu", ...; capability: the CUDA compute capability (None elsewhere)."""
     check_quantization(name)
     if name != "fp8" or device_kind == "cpu":
-        return  # torch._scaled_mm has a CPU kernel; weight-only runs anywhere
+        return  # torch._scaled_mm has a CPU kernel (which scales it takes: model.fp8.gemm_support)
     if device_kind == "cuda" and capability is not None and tuple(capability) >= FP8_MIN_CAPABILITY:
         return
     what = f"{device_name or device_kind}" + (
@@ -94,3 +94,44 @@ def check_fp8_device(
         f"{FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]}+: L4, L40S, H100, H200), but this actor has {what}. "
         "Use quantization: fp8-weight-only: the same FP8 weights and memory, computed in bf16."
     )
+
+
+# -- how an fp8 GEMM applies its scales ------------------------------------------------------------
+#
+# "rowwise": torch._scaled_mm takes the per-token and per-channel scales itself (one kernel).
+# "tensorwise": it takes unit per-tensor scales and returns fp32; the same two scales are applied
+#   to that product afterwards (the same quantization and products, one more elementwise pass).
+# "weight-only": no _scaled_mm kernel at all here; the layer dequantizes its weight (fp8-weight-only).
+FP8_SCALE_KINDS = ("rowwise", "tensorwise", "weight-only")
+
+# cuBLASLt before CUDA 13.0 refuses row-wise scaled GEMMs on Hopper with a large K and M <= 256
+# (CUBLAS_STATUS_NOT_SUPPORTED; pytorch/ao#4582: K=9216 fails, K=3072 works; fixed in CUDA 13.0).
+# Qwen-Image's MLP down-projections (K=12288) meet it on every text-stream call. M is the batch
+# times the text length, a dynamic size in a compiled graph, so the rule cannot branch on it
+# without a recompile: on those builds every layer with K above this runs tensorwise.
+ROWWISE_MAX_K_BEFORE_CUDA13 = 3072
+HOPPER_MAJOR = 9
+
+
+def rowwise_max_k(cuda_version: str | None, capability: tuple[int, int] | None) -> int | None:
+    """The largest K a row-wise fp8 GEMM may have on this CUDA build and GPU (None: no limit).
+
+    cuda_version: torch.version.cuda ("12.9", "13.0", None on a CPU build)."""
+    if not cuda_version or capability is None or capability[0] != HOPPER_MAJOR:
+        return None
+    try:
+        major = int(str(cuda_version).split(".")[0])
+    except ValueError:
+        return ROWWISE_MAX_K_BEFORE_CUDA13  # an unreadable version: the safe side
+    return ROWWISE_MAX_K_BEFORE_CUDA13 if major < 13 else None
+
+
+def layer_scale_kind(device_kind: str, in_features: int, max_k: int | None) -> str:
+    """How one fp8 layer with `in_features` (K) runs, given what the device's kernel takes:
+    `device_kind` one of FP8_SCALE_KINDS (the device's best), `max_k` the largest K it takes
+    row-wise (None: any)."""
+    if device_kind not in FP8_SCALE_KINDS:
+        raise ValueError(f"fp8 scale kind must be one of {FP8_SCALE_KINDS}, got {device_kind!r}")
+    if device_kind == "rowwise" and max_k is not None and in_features > max_k:
+        return "tensorwise"
+    return device_kind

@@ -8,7 +8,7 @@ three axes, so text never collides with the image grid.
 The rotation runs in fp32 (bf16-safe). In eager it is one complex multiply per tensor (one
 kernel, no stack or slicing round trips); while torch.compile traces it is written on real cos/sin
 tables instead, which Inductor fuses into the neighbouring norm (it does not generate code for
-complex tensors).
+complex tensors), in a stack-free form (`rotate_pairs`).
 """
 
 from __future__ import annotations
@@ -105,9 +105,25 @@ def apply_rotary(x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
     """
     xf = x.float().unflatten(-1, (-1, 2))  # (B, S, H, D/2, 2)
     if torch.compiler.is_compiling():
-        x0, x1 = xf[..., 0], xf[..., 1]
-        c = rotation.cos[None, :, None, :]
-        s = rotation.sin[None, :, None, :]
-        return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
+        return rotate_pairs(xf, rotation.cos, rotation.sin).flatten(-2)
     rotated = torch.view_as_complex(xf) * rotation.polar[None, :, None, :]  # one kernel
     return torch.view_as_real(rotated).flatten(-2)
+
+
+# (x0, x1) -> (-x1, x0) after the swap: the sign of each half of a pair. Multiplying by +-1 is
+# exact, so the rotation below rounds exactly as x0*c - x1*s, x0*s + x1*c would.
+_PAIR_SIGN = (-1.0, 1.0)
+
+
+def rotate_pairs(xf: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """(x0, x1) -> (x0*c - x1*s, x0*s + x1*c) on xf (B, S, H, D/2, 2) with cos/sin (S, D/2), fp32.
+
+    Written without stacking the two halves back together: one elementwise expression on the
+    pair dimension (a flip of its two entries and a sign). A 5-D `torch.stack` of the halves makes
+    torch 2.11's cat lowering guard the text length against 1, a recompile for one-token prompts;
+    this form has no such guard and gives the same bits in fp32.
+    """
+    c = cos[None, :, None, :, None]  # (1, S, 1, D/2, 1)
+    s = sin[None, :, None, :, None]
+    sign = xf.new_tensor(_PAIR_SIGN)  # (2,)
+    return xf * c + xf.flip(-1) * s * sign

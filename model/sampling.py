@@ -136,6 +136,9 @@ def denoise(
             sigmas, (steps, image_seq_len, scheduler), latents.device, latents.dtype
         )
     hook.start(steps, latents.shape[0])
+    # One joined batch for every step: the same mask tensor each step, so the DiT reads its
+    # padding from the device once per batch (model.attention.padding_facts), not per step.
+    both_text = _cat_branches(cond, uncond) if uncond is not None and cfg_batched else None
     for i in range(steps):
         # The same tensor object goes to both CFG passes of this step: that is the cache key.
         if bank_steps is not None:
@@ -146,8 +149,8 @@ def denoise(
         forward = hook.forward(step, transformer)
         if uncond is None:
             velocity = forward(latents, cond.embeds, cond.mask, timestep, img_shapes)
-        elif cfg_batched:
-            embeds, mask = _cat_branches(cond, uncond)
+        elif both_text is not None:
+            embeds, mask = both_text
             both = forward(torch.cat([latents, latents]), embeds, mask, timestep, img_shapes * 2)
             c, u = both.chunk(2)
             velocity = true_cfg(c, u, true_cfg_scale)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -265,10 +265,20 @@ def to_host(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     out = tuple(
         torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors
     )
-    done = torch.cuda.Event()
-    done.record()
-    done.synchronize()
+    # Each copy was queued on the current stream of its source tensor's device, which need not
+    # be the current device (an actor on cuda:1 of a process whose current device is cuda:0).
+    for device in copy_devices(t.device for t in tensors):
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(device))
+        done.synchronize()
     return out
+
+
+def copy_devices(devices: Iterable[torch.device]) -> list[torch.device]:
+    """The devices whose streams `to_host`'s copies are queued on, given its tensors' devices:
+    each non-CPU one once, in index order."""
+    found = {d for d in devices if d.type != "cpu"}
+    return sorted(found, key=lambda d: (d.type, -1 if d.index is None else d.index))
 
 
 def iter_generated(generator: BatchGenerator, batches: list[list[ImageRequest]]) -> Iterator[GeneratedImage]:
@@ -282,10 +292,42 @@ def iter_generated(generator: BatchGenerator, batches: list[list[ImageRequest]])
     """
     if not batches:
         return
+    stream = encode_stream(torch.device(generator.pipe.device))
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode-next") as pool:
-        pending = pool.submit(generator.encode, batches[0])
+        pending = pool.submit(_encode, generator, batches[0], stream)
         for i, batch in enumerate(batches):
-            inputs = pending.result()
+            inputs, done = pending.result()
+            _use_on_current_stream(inputs, done)
             if i + 1 < len(batches):
-                pending = pool.submit(generator.encode, batches[i + 1])
+                pending = pool.submit(_encode, generator, batches[i + 1], stream)
             yield from generator.run(batch, inputs)
+
+
+def encode_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """On CUDA, a stream of its own for encoding the next batch, so its kernels and copies overlap
+    the denoising on the device too, not only on the host; None elsewhere (nothing changes)."""
+    return torch.cuda.Stream(device) if device.type == "cuda" else None
+
+
+def _encode(
+    generator: BatchGenerator, batch: list[ImageRequest], stream: torch.cuda.Stream | None
+) -> tuple[GuidanceInputs, torch.cuda.Event | None]:
+    if stream is None:
+        return generator.encode(batch), None
+    with torch.cuda.stream(stream):
+        inputs = generator.encode(batch)
+        done = torch.cuda.Event()
+        done.record(stream)
+    return inputs, done
+
+
+def _use_on_current_stream(inputs: GuidanceInputs, done: torch.cuda.Event | None) -> None:
+    """The denoising stream waits for the encoding stream's work (on the device, not the host),
+    and the allocator learns that these tensors are in use there too."""
+    if done is None:
+        return
+    tensors = [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.device.type == "cuda"]
+    for t in tensors:
+        current = torch.cuda.current_stream(t.device)
+        current.wait_event(done)
+        t.record_stream(current)

@@ -66,6 +66,18 @@ class JobSpec(Section):
     s3: S3Spec = Field(default_factory=S3Spec, description="Client settings for s3:// input and output.")
 
     @model_validator(mode="after")
+    def _whole_gpus_for_a_gpu_model(self) -> JobSpec:
+        gpus = self.workers.gpus
+        if gpus is not None and 0 < gpus < 1 and self.model.device != "cpu":
+            raise ValueError(
+                f"workers.gpus: {gpus:g} is a share of a GPU, but each actor sizes its batch from the "
+                "whole card's memory and loads a whole DiT onto it, so actors sharing a card would run it "
+                "out of memory. Use workers.gpus: 1 (one actor per GPU), or model.device: cpu to run "
+                "without one"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _single_writer_needs_no_twins(self) -> JobSpec:
         if self.s3.single_writer and self.workers.speculative_tail:
             raise ValueError(

@@ -318,7 +318,12 @@ WorkersSpec = section(
         ),
         "gpus": (
             float | None,
-            Field(None, ge=0, description="GPUs per actor; null: 0 for the tiny model, 1 otherwise."),
+            Field(
+                None,
+                ge=0,
+                description="GPUs per actor; null: 0 for the tiny model, 1 otherwise. A share below 1 "
+                "is refused unless model.device is cpu (each actor plans for and loads onto a whole card).",
+            ),
         ),
         "cpus": knob(DispatchConfig, "num_cpus"),
         "batch_size": knob(WorkerConfig, "batch_size"),

@@ -7,6 +7,7 @@ import inspect
 import platform
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +110,29 @@ def write_slice(ctx: Context, root: Path) -> Path:
     return root
 
 
+def slice_root(ctx: Context) -> Path:
+    assert ctx.scratch is not None
+    return ctx.scratch / "slice"
+
+
+def slice_pipe(ctx: Context) -> TextToImagePipeline:
+    """The slice's pipeline: the correctness stage's, or (a stage run on its own, in a child
+    process) loaded again from the shards it wrote, written first if they are not there."""
+    pipe = ctx.state.get("slice_pipe")
+    if pipe is not None:
+        return pipe
+    from ditfleet.model.loader import load_pipeline
+
+    root = slice_root(ctx)
+    if not (root / "model_index.json").exists():
+        write_slice(ctx, root)
+    pipe = load_pipeline(
+        root, device=ctx.device, dtype=ctx.dtype, load_text_encoder_too=False, model_id="selftest-slice"
+    )
+    ctx.state["slice_pipe"] = pipe
+    return pipe
+
+
 def _diffusers_transformer(ours: QwenImageTransformer, dtype: torch.dtype):
     """diffusers' transformer on `ours`' weights (cast to `dtype`; shared when the dtype is the
     same). `from_config` drops keys an older release does not know, so its constructor never
@@ -146,14 +170,14 @@ def _passes(ours_vs_ref: float, ours_vs_fp32: float, ref_vs_fp32: float, limit: 
     return ours_vs_ref <= limit or ours_vs_fp32 <= 1.25 * ref_vs_fp32 + 1e-3
 
 
-@stage("correctness", estimate_s=40, limit_s=90, check=True)
+@stage("correctness", estimate_s=30, limit_s=90, check=True)
 def correctness(ctx: Context) -> None:
     """The real-width slice loaded from hub-style shards, then ours vs diffusers in the run's dtype:
     DiT output, VAE decode, the timestep trajectory."""
     from ditfleet.model.loader import load_pipeline
 
     t0 = time.perf_counter()
-    root = write_slice(ctx, ctx.out / "work" / "slice")
+    root = write_slice(ctx, slice_root(ctx))
     write_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     pipe = load_pipeline(
@@ -291,9 +315,7 @@ def _trajectory_vs_diffusers(ctx: Context, pipe: TextToImagePipeline, root: Path
 def sdpa_backends(ctx: Context) -> None:
     """Every SDPA call of one CFG step (a padded batch of 2) and one VAE decode: the backend of
     each; zero calls may take the math path."""
-    pipe = ctx.state.get("slice_pipe")
-    if pipe is None:
-        raise StageSkipped("needs the slice of the correctness stage")
+    pipe = slice_pipe(ctx)
     size = 64 if ctx.tiny else 512
     cfg = pipe.transformer.config
     g = torch.Generator().manual_seed(5)
@@ -325,6 +347,57 @@ def sdpa_backends(ctx: Context) -> None:
     ctx.emit({"status": status, "calls": len(recorder.calls), "math_calls": math_calls, "by_call": groups})
 
 
+@stage("sdpa_speed", estimate_s=5, limit_s=30)
+def sdpa_speed(ctx: Context) -> None:
+    """ms per SDPA call of the DiT's joint attention at the main bucket (batch 1, text 128), once
+    per fused backend alone (cuDNN, flash, efficient), and the fastest."""
+    if not ctx.cuda:
+        raise StageSkipped("not on CPU: the fused SDPA kernels are CUDA's")
+    from torch.nn.attention import sdpa_kernel
+
+    from ditfleet.model.attention_backend import _backend
+
+    cfg = transformer_config(ctx, 1)
+    h, w = latent_grid(sizes(ctx)[0], sizes(ctx)[0])
+    tokens = h * w + ctx.args.text_len
+    g = torch.Generator(device=ctx.device).manual_seed(11)
+    q, k, v = (
+        torch.randn(
+            1,
+            cfg.num_attention_heads,
+            tokens,
+            cfg.attention_head_dim,
+            generator=g,
+            device=ctx.device,
+            dtype=ctx.dtype,
+        )
+        for _ in range(3)
+    )
+    ms: dict[str, float | None] = {}
+    errors: dict[str, str] = {}
+    for name in ("cudnn", "flash", "efficient"):
+        ctx.check(name)
+        try:
+            with sdpa_kernel([_backend(name)]):
+                ms[name] = timed_ms(
+                    ctx, lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), 10, warm=2
+                )
+        except RuntimeError as e:
+            ms[name] = None
+            errors[name] = str(e).splitlines()[0][:200]
+    timed = {k: v for k, v in ms.items() if v is not None}
+    ctx.emit(
+        {
+            "status": "measured",
+            "size": f"{sizes(ctx)[0]}x{sizes(ctx)[0]}",
+            "q": list(q.shape),
+            "ms_per_call": ms,
+            "errors": errors,
+            "fastest": min(timed, key=timed.get) if timed else None,
+        }
+    )
+
+
 # -- 4. compile --------------------------------------------------------------------------------------
 
 
@@ -354,17 +427,39 @@ def length_sweep(tiny: bool) -> list[int]:
     return sorted(lengths)
 
 
-@stage("compile", estimate_s=120, limit_s=200, check=True)
-def compile_stage(ctx: Context) -> None:
-    """The slice's DiT blocks and VAE decode compiled as the worker compiles them, at the main
-    bucket: no fallback to eager, and zero recompiles over batch 1..4 and prompt lengths 1..512."""
+def stage_compile_config(ctx: Context) -> CompileConfig:
+    """What the compile stage compiles: the DiT regions and (on a GPU) the VAE decode. Tracing
+    the whole VAE decode costs half a minute of CPU even with the eager backend: the smoke run
+    leaves it to the compile tests and compiles the DiT regions only."""
+    return compile_config(ctx, dit=True, vae=not ctx.tiny)
+
+
+def _adopt_compile(ctx: Context, lines: list[dict[str, Any]]) -> None:
+    """After the compile stage (run in its child): this process's slice VAE gets the same
+    compiled decode, which loads the child's kernels from the Inductor cache at its first call;
+    the VAE and the scheduler stay for the decode lines, the slice's DiT goes."""
     pipe = ctx.state.get("slice_pipe")
     if pipe is None:
-        raise StageSkipped("needs the slice of the correctness stage")
+        return
+    config = stage_compile_config(ctx)
+    apply_compile(pipe, replace(config, dit=False))
+    ctx.state["vae"] = pipe.vae
+    ctx.state["scheduler"] = pipe.scheduler
+    ctx.state["compile_config"] = config
+    ctx.state["compile_passed"] = any(
+        line.get("check") == "recompiles" and line.get("status") == "pass" for line in lines
+    )
+    free(ctx, "slice_pipe")
+
+
+@stage("compile", estimate_s=90, limit_s=200, check=True, isolated=True, adopt=_adopt_compile)
+def compile_stage(ctx: Context) -> None:
+    """The slice's DiT blocks and VAE decode compiled as the worker compiles them, at the main
+    bucket: no fallback to eager, and zero recompiles over batch 1..4 and prompt lengths 1..512.
+    In a child process, so that a compile past the deadline ends with a line."""
+    pipe = slice_pipe(ctx)
     size = sizes(ctx)[0]
-    # Tracing the whole VAE decode costs half a minute of CPU even with the eager backend: the
-    # smoke run leaves it to the compile tests and compiles the DiT regions only.
-    config = compile_config(ctx, dit=True, vae=not ctx.tiny)
+    config = stage_compile_config(ctx)
     report = apply_compile(pipe, config)
     dit = pipe.transformer
     cfg = dit.config
@@ -432,7 +527,4 @@ def compile_stage(ctx: Context) -> None:
             "limit_hits": report.limit_hits,
         }
     )
-    # The compiled VAE stays for the decode lines; the slice's DiT goes (the full model is next).
-    ctx.state["vae"] = pipe.vae
-    ctx.state["scheduler"] = pipe.scheduler
-    free(ctx, "slice_pipe")
+    # What stays for the later stages is `_adopt_compile`'s (this may be a child process).

@@ -2,9 +2,14 @@
 
 A stage is a function of a `Context`. Stages run in registry order (the most valuable numbers
 first), each only when the run's budget still holds its estimate, and each under its own
-deadline: a stage that runs out of time stops at its next `ctx.check()` with a line saying so, and
-a call that blocks past the whole budget (a compile that hangs) is reported by a watchdog thread,
-which writes the summary and ends the process. No path ends the run without a line.
+deadline: a stage that runs out of time stops at its next `ctx.check()` with a line saying so. A
+compile cannot stop at a check, so the compile-heavy stages (`isolated=True`) run in a child
+process (the same command, `--child-stage NAME`) that the runner ends at the stage's deadline with
+a `timeout` line; the later stages run as usual. What such a stage leaves for later ones is taken
+over in this process by its `adopt` function (lazily: compiled targets load from the Inductor
+cache the child filled). A call that blocks past the whole budget in this process is reported by
+a watchdog thread, which writes the summary and ends the process. No path ends the run without a
+line.
 
 Other work adds its lines by registering a stage (`stage(...)`, optionally `after=` an existing
 one); the FP8 and step-cache lines have their slots in `speed.py`.
@@ -16,6 +21,9 @@ import faulthandler
 import json
 import logging
 import os
+import shutil
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -44,13 +52,31 @@ class Stage:
     limit_s: float  # this stage's own deadline on a GPU
     doc: str = ""
     check: bool = False  # a correctness stage: a failure makes the run fail
+    isolated: bool = False  # runs in a child process, ended at its deadline (a compile inside)
+    # Run in this process after the stage (isolated or not) with the lines it emitted: takes over
+    # what the stage leaves for later ones.
+    adopt: Callable[[Context, list[dict[str, Any]]], None] | None = None
+    frees: tuple[str, ...] = ()  # ctx.state keys dropped before its child starts (device memory)
+    optional: bool = False  # beyond the budget's plan: runs only when named (--extra or --only)
 
 
 STAGES: list[Stage] = []
+# Seconds an isolated stage's child gets beyond the stage's limit: its start-up (imports) and the
+# chance to stop at its own next check with a `deadline` line before it is ended.
+CHILD_GRACE_S = 20.0
 
 
 def stage(
-    name: str, estimate_s: float, limit_s: float, *, check: bool = False, after: str | None = None
+    name: str,
+    estimate_s: float,
+    limit_s: float,
+    *,
+    check: bool = False,
+    after: str | None = None,
+    isolated: bool = False,
+    adopt: Callable[[Context, list[dict[str, Any]]], None] | None = None,
+    frees: tuple[str, ...] = (),
+    optional: bool = False,
 ) -> Callable[[Callable[[Context], None]], Callable[[Context], None]]:
     """Register a stage; `after`: insert it right after the named stage (else at the end)."""
 
@@ -58,7 +84,7 @@ def stage(
         if any(s.name == name for s in STAGES):
             raise ValueError(f"self-test stage {name!r} is registered twice")
         doc = (fn.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
-        entry = Stage(name, fn, estimate_s, limit_s, doc, check)
+        entry = Stage(name, fn, estimate_s, limit_s, doc, check, isolated, adopt, tuple(frees), optional)
         index = len(STAGES)
         if after is not None:
             names = [s.name for s in STAGES]
@@ -82,6 +108,12 @@ class Context:
     tiny: bool
     started: float
     budget_s: float
+    # Weight shards, the worker's shard, the Inductor cache: never under `out`.
+    scratch: Path | None = None
+    keep_scratch: bool = False
+    # The command that runs one isolated stage in a child (None: run every stage in this process).
+    child_command: list[str] | None = None
+    child: bool = False  # this process is such a child: lines go to stdout only
     state: dict[str, Any] = field(default_factory=dict)
     lines: list[dict[str, Any]] = field(default_factory=list)
     current: str = ""
@@ -108,15 +140,25 @@ class Context:
     def emit(self, line: dict[str, Any], stage_name: str | None = None) -> dict[str, Any]:
         """Print one JSON line now (flushed) and keep it in `selftest.jsonl`."""
         full = {"stage": stage_name or self.current, **line, "t_s": round(self.elapsed(), 1)}
+        return self.relay(full)
+
+    def relay(self, full: dict[str, Any]) -> dict[str, Any]:
+        """Print a complete line (a child's, or `emit`'s) and keep it; a child's own lines go to
+        stdout only, and its parent keeps them."""
         text = json.dumps(full, default=_jsonable)
         with self._lock:
             self.lines.append(full)
             sys.stdout.write(text + "\n")
             sys.stdout.flush()
-            with open(self.out / "selftest.jsonl", "a") as f:
-                f.write(text + "\n")
+            if not self.child:
+                with open(self.out / "selftest.jsonl", "a") as f:
+                    f.write(text + "\n")
         log.info("%s", text)
         return full
+
+    def remove_scratch(self) -> None:
+        if self.scratch is not None and not self.keep_scratch and not self.child:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def _jsonable(value: Any) -> Any:
@@ -124,7 +166,7 @@ def _jsonable(value: Any) -> Any:
 
 
 def _summary(ctx: Context, stopped: str | None = None) -> dict[str, Any]:
-    by_status: dict[str, list[str]] = {"failed": [], "passed": [], "skipped": [], "error": []}
+    by_status: dict[str, list[str]] = {"failed": [], "passed": [], "skipped": [], "error": [], "timeout": []}
     for line in ctx.lines:
         status = line.get("status")
         name = line["stage"]
@@ -136,8 +178,14 @@ def _summary(ctx: Context, stopped: str | None = None) -> dict[str, Any]:
             by_status["skipped"].append(name)
         elif status == "error":
             by_status["error"].append(name)
+        elif status == "timeout":
+            by_status["timeout"].append(name)
     by_status = {k: list(dict.fromkeys(v)) for k, v in by_status.items()}
-    out = {"status": "fail" if by_status["failed"] or by_status["error"] else "pass", **by_status}
+    checks = {s.name for s in STAGES if s.check}
+    # A correctness stage that never finished has not passed; a speed stage's timeout is a
+    # missing number, reported.
+    failed = by_status["failed"] or by_status["error"] or checks & set(by_status["timeout"])
+    out = {"status": "fail" if failed else "pass", **by_status}
     out["wall_s"] = round(ctx.elapsed(), 1)
     if stopped:
         out["stopped"] = stopped
@@ -165,16 +213,22 @@ class Watchdog:
         with open(log_file, "a") as f:
             faulthandler.dump_traceback(file=f, all_threads=True)
         ctx.emit(_summary(ctx, stopped=f"watchdog in stage {ctx.current}"), stage_name="summary")
+        ctx.remove_scratch()
         os._exit(3)
 
 
-def run_stages(ctx: Context, only: set[str] | None, skip: set[str]) -> dict[str, Any]:
-    """Every registered stage in order, under the budget; the summary line last."""
+def run_stages(
+    ctx: Context, only: set[str] | None, skip: set[str], extra: set[str] = frozenset()
+) -> dict[str, Any]:
+    """Every registered stage in order (an optional one only when named in `only` or `extra`),
+    under the budget; the summary line last."""
     watchdog = Watchdog(ctx, grace_s=30.0).start()
     try:
         for entry in list(STAGES):
             ctx.current = entry.name
             if (only and entry.name not in only) or entry.name in skip:
+                continue
+            if entry.optional and entry.name not in (only or set()) | set(extra):
                 continue
             estimate = 0.0 if ctx.tiny else entry.estimate_s
             left = ctx.started + ctx.budget_s - time.perf_counter()
@@ -186,31 +240,169 @@ def run_stages(ctx: Context, only: set[str] | None, skip: set[str]) -> dict[str,
                     }
                 )
                 continue
-            limit = entry.limit_s * (ctx.args.limit_scale if ctx.tiny else 1.0)
-            ctx.stage_deadline = time.perf_counter() + limit
-            t0 = time.perf_counter()
-            log.info("== stage %s (limit %.0f s)", entry.name, limit)
-            try:
-                entry.fn(ctx)
-            except StageDeadline as e:
-                ctx.emit(
-                    {
-                        "status": "deadline",
-                        "reason": f"out of time at {e} after {time.perf_counter() - t0:.0f} s",
-                    }
-                )
-            except StageSkipped as e:
-                ctx.emit({"status": "skipped", "reason": str(e)})
-            except Exception as e:  # noqa: BLE001 - one stage's failure must not stop the next
-                log.error("stage %s failed:\n%s", entry.name, traceback.format_exc())
-                ctx.emit(
-                    {
-                        "status": "error",
-                        "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}",
-                    }
-                )
-            log.info("== stage %s took %.1f s", entry.name, time.perf_counter() - t0)
+            first = len(ctx.lines)
+            if entry.isolated and ctx.child_command is not None:
+                run_isolated(ctx, entry)
+            else:
+                run_stage(ctx, entry)
+            if entry.adopt is not None:
+                _adopt(ctx, entry, ctx.lines[first:])
     finally:
         watchdog.done.set()
     ctx.current = "summary"
     return ctx.emit(_summary(ctx))
+
+
+def stage_limit(ctx: Context, entry: Stage) -> float:
+    return entry.limit_s * (ctx.args.limit_scale if ctx.tiny else 1.0)
+
+
+def run_stage(ctx: Context, entry: Stage) -> None:
+    """One stage in this process under its deadline; every outcome is a line."""
+    ctx.current = entry.name
+    limit = stage_limit(ctx, entry)
+    ctx.stage_deadline = time.perf_counter() + limit
+    t0 = time.perf_counter()
+    log.info("== stage %s (limit %.0f s)", entry.name, limit)
+    try:
+        entry.fn(ctx)
+    except StageDeadline as e:
+        ctx.emit(
+            {
+                "status": "deadline",
+                "reason": f"out of time at {e} after {time.perf_counter() - t0:.0f} s",
+            }
+        )
+    except StageSkipped as e:
+        ctx.emit({"status": "skipped", "reason": str(e)})
+    except Exception as e:  # noqa: BLE001 - one stage's failure must not stop the next
+        log.error("stage %s failed:\n%s", entry.name, traceback.format_exc())
+        ctx.emit({"status": "error", "error": _error_text(e)})
+    log.info("== stage %s took %.1f s", entry.name, time.perf_counter() - t0)
+
+
+def _error_text(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
+def run_isolated(ctx: Context, entry: Stage) -> None:
+    """One stage in a child process, its lines relayed as they come; at the stage's deadline
+    (plus CHILD_GRACE_S) the child and everything it started are ended, with a `timeout` line."""
+    assert ctx.child_command is not None
+    for key in entry.frees:
+        ctx.state.pop(key, None)
+    _empty_device_cache(ctx)
+    limit = stage_limit(ctx, entry)
+    wait_s = max(1.0, min(limit + CHILD_GRACE_S, ctx.started + ctx.budget_s + 15.0 - time.perf_counter()))
+    command = [
+        *ctx.child_command,
+        "--child-stage",
+        entry.name,
+        "--child-offset-s",
+        f"{ctx.elapsed():.3f}",
+        "--budget-s",
+        str(ctx.budget_s),
+        "--child-facts",
+        json.dumps(child_facts(ctx.state)),
+    ]
+    log.info("== stage %s in a child process (limit %.0f s): %s", entry.name, limit, command)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    emitted: list[dict[str, Any]] = []
+    pump = threading.Thread(target=_pump, args=(ctx, proc, emitted), name="selftest-child", daemon=True)
+    pump.start()
+    try:
+        code: int | None = proc.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        code = None
+        _end_group(proc)
+    pump.join(timeout=10.0)
+    took = time.perf_counter() - t0
+    ctx.current = entry.name
+    if code is None:
+        ctx.emit(
+            {
+                "status": "timeout",
+                "reason": f"still running after {took:.0f} s (limit {limit:.0f} s): its process was "
+                "ended; the later stages run",
+            }
+        )
+    elif code != 0 and not any("status" in line for line in emitted):
+        ctx.emit({"status": "error", "error": f"its child process exited with {code} without a line"})
+    log.info("== stage %s took %.1f s (child exit %s)", entry.name, took, code)
+
+
+def child_facts(state: dict[str, Any]) -> dict[str, Any]:
+    """The plain numbers of `state` (the matmul ceiling, the eager ms per size, ...) for a child:
+    what its lines are compared with. Objects (models, pipelines) stay here."""
+
+    def plain(value: Any) -> bool:
+        if isinstance(value, dict):
+            return all(isinstance(k, (int, str)) and plain(v) for k, v in value.items())
+        return isinstance(value, (int, float, str, bool)) or value is None
+
+    return {k: v for k, v in state.items() if plain(v)}
+
+
+def load_facts(text: str) -> dict[str, Any]:
+    """`child_facts` back from JSON: integer keys (sizes) are integers again."""
+
+    def keys(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {int(k) if k.lstrip("-").isdigit() else k: keys(v) for k, v in value.items()}
+        return value
+
+    return keys(json.loads(text)) if text else {}
+
+
+def _pump(ctx: Context, proc: subprocess.Popen, emitted: list[dict[str, Any]]) -> None:
+    assert proc.stdout is not None
+    for raw in proc.stdout:
+        raw = raw.strip()
+        try:
+            line = json.loads(raw) if raw.startswith("{") else None
+        except ValueError:
+            line = None
+        if isinstance(line, dict) and "stage" in line:
+            emitted.append(ctx.relay(line))
+        elif raw:
+            log.info("child: %s", raw)
+
+
+def _end_group(proc: subprocess.Popen) -> None:
+    """End the child and its own children (Inductor's compile workers), then reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _empty_device_cache(ctx: Context) -> None:
+    if ctx.cuda:
+        import gc
+
+        import torch
+
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def _adopt(ctx: Context, entry: Stage, lines: list[dict[str, Any]]) -> None:
+    assert entry.adopt is not None
+    ctx.current = entry.name
+    try:
+        entry.adopt(ctx, lines)
+    except Exception as e:  # noqa: BLE001 - the later stages still run, and say what they miss
+        log.error("stage %s: taking over its results failed:\n%s", entry.name, traceback.format_exc())
+        ctx.emit({"status": "error", "error": f"after the stage: {_error_text(e)}"})
+
+
+def run_child(ctx: Context, name: str) -> int:
+    """The child side of `run_isolated`: the one stage, its lines on stdout, no summary."""
+    entries = [s for s in STAGES if s.name == name]
+    if not entries:
+        print(f"--child-stage: no stage {name!r}", file=sys.stderr)
+        return 2
+    run_stage(ctx, entries[0])
+    return 0

@@ -10,10 +10,12 @@ import time
 import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
 
+from ditfleet.compile.compiled_method import CompiledMethod
 from ditfleet.compile.counting import compile_count
 from ditfleet.compile.policy import apply_compile
 from ditfleet.model.memory import GB, ModelMemory, plan_memory
@@ -26,6 +28,7 @@ from ditfleet.workers.selftest.checks import (
 from ditfleet.workers.selftest.parts import (
     dit_inputs,
     forward_flops,
+    free,
     make_transformer,
     make_vae,
     rel_err,
@@ -59,7 +62,7 @@ def _pct(ctx: Context, flops: float, ms: float) -> float | None:
     return round(100 * flops / (ms / 1000) / (ceiling * 1e12), 1)
 
 
-@stage("dit_eager", estimate_s=25, limit_s=60)
+@stage("dit_eager", estimate_s=20, limit_s=60)
 def dit_eager(ctx: Context) -> None:
     """ms per DiT forward at full depth, eager, at each size; % of the measured matmul ceiling;
     peak memory next to the memory plan's."""
@@ -127,21 +130,27 @@ def _memory_vs_plan(
     return out
 
 
-@stage("dit_compiled", estimate_s=60, limit_s=150)
+@stage("dit_compiled", estimate_s=25, limit_s=120)
 def dit_compiled(ctx: Context) -> None:
-    """ms per DiT forward at full depth, compiled as the worker compiles it (the main bucket;
-    the slice's compile filled the caches), and the compile fallbacks (must be none)."""
+    """ms per DiT forward at full depth at the main bucket, compiled as the worker compiles it
+    (its graphs load from the cache the compile stage filled), and the compile fallbacks (must
+    be none). The other sizes compile last, each in its own child process."""
+    if ctx.state.get("compile_passed") is False:
+        raise StageSkipped(
+            "the compile stage did not finish: a fresh compile of the full model here could not be "
+            "stopped at this stage's deadline"
+        )
     model = full_model(ctx)
-    pipe = TextToImagePipeline(
-        model,
-        ctx.state.get("vae") or make_vae(vae_config(ctx), ctx.device, ctx.dtype, False),
-        ctx.state.get("scheduler"),
-    )
-    report = apply_compile(pipe, compile_config(ctx, dit=True, vae=False))
+    vae = ctx.state.get("vae") or make_vae(vae_config(ctx), ctx.device, ctx.dtype, False)
+    pipe = TextToImagePipeline(model, vae, ctx.state.get("scheduler"))
+    # The compile stage's settings with the DiT on: its compiled VAE decode stays installed
+    # (apply_compile keeps a target compiled with the same settings, and would uninstall it
+    # under a config with the VAE off).
+    config = replace(ctx.state.get("compile_config") or compile_config(ctx, dit=True, vae=False), dit=True)
+    report = apply_compile(pipe, config)
     ctx.state["compiled_report"] = report
-    for size in sizes(ctx):
-        before = compile_count()
-        ctx.emit(_compiled_forward_line(ctx, model, size, report, compiles_before=before))
+    before = compile_count()
+    ctx.emit(_compiled_forward_line(ctx, model, sizes(ctx)[0], report, compiles_before=before))
 
 
 @stage("cfg_step", estimate_s=15, limit_s=45)
@@ -183,7 +192,7 @@ def cfg_step(ctx: Context) -> None:
     )
 
 
-@stage("vae_decode", estimate_s=30, limit_s=90)
+@stage("vae_decode", estimate_s=20, limit_s=90)
 def vae_decode(ctx: Context) -> None:
     """ms per VAE decode, eager vs compiled (the compile stage's), at the main bucket; its peak
     memory next to the plan's."""
@@ -193,7 +202,8 @@ def vae_decode(ctx: Context) -> None:
     size = sizes(ctx)[0]
     z = torch.randn(1, 16, size // 8, size // 8).to(ctx.device, ctx.dtype)
     eager_decode = type(vae).decode.__get__(vae)
-    line: dict[str, Any] = {"status": "measured", "size": f"{size}x{size}"}
+    compiled = compiled_decode(vae)
+    line: dict[str, Any] = {"status": "measured", "size": f"{size}x{size}", "compiled": compiled is not None}
     with torch.no_grad():
         if ctx.cuda:
             torch.cuda.reset_peak_memory_stats(ctx.device)
@@ -212,8 +222,17 @@ def vae_decode(ctx: Context) -> None:
         vae_decode_activation_bytes(vae_config(ctx), 1, size, size, e) / GB, 3
     )
     line["speedup"] = round(line["eager_ms"] / line["compiled_ms"], 3)
+    if compiled is not None:
+        line["compiled_status"] = compiled.status  # "eager" here: its compile fell back
+        line["fallback"] = compiled.fallback_reason
     ctx.state["decode_ms"] = min(line["eager_ms"], line["compiled_ms"])
     ctx.emit(line)
+
+
+def compiled_decode(vae) -> CompiledMethod | None:
+    """The compiled `decode` installed on `vae` (compile.policy), or None: it decodes eager."""
+    fn = vars(vae).get("decode")
+    return fn if isinstance(fn, CompiledMethod) else None
 
 
 @stage("images_per_hour", estimate_s=1, limit_s=10)
@@ -276,7 +295,7 @@ def count_host_syncs(ctx: Context):
     found["syncs"] = sum(1 for w in caught if "synchroniz" in str(w.message).lower())
 
 
-@stage("batch_generator", estimate_s=45, limit_s=90)
+@stage("batch_generator", estimate_s=30, limit_s=90)
 def batch_generator(ctx: Context) -> None:
     """The worker's BatchGenerator (the code a job runs, minus Ray) on one small shard at the main
     bucket, images stored by the files writer on local disk; compared with the bare CFG step."""
@@ -319,7 +338,8 @@ def batch_generator(ctx: Context) -> None:
     generator = BatchGenerator(pipe)
     requests = image_requests(rows)
     batches = plan_batches(requests, ctx.args.worker_batch, generator.count_tokens)
-    store = LocalStore(str(ctx.out / "work" / "shard"))
+    assert ctx.scratch is not None
+    store = LocalStore(str(ctx.scratch / "shard"))
     writer = make_shard_writer(store, 0, ShardWriterConfig(), new_attempt_token(0))
     t0 = time.perf_counter()
     with count_host_syncs(ctx) as syncs:
@@ -368,7 +388,7 @@ def _slot_function(module: str, name: str) -> Callable[..., Any] | None:
         return None
 
 
-@stage("fp8_forward", estimate_s=40, limit_s=90)
+@stage("fp8_forward", estimate_s=30, limit_s=90)
 def fp8_forward(ctx: Context) -> None:
     """The slot of the FP8 line: `ditfleet.model.fp8.selftest_forward(transformer, mode)` (or in
     `model.quantization`) returns an FP8 DiT over the full-depth model's weights (mode 'fp8' or
@@ -401,6 +421,7 @@ def fp8_forward(ctx: Context) -> None:
                 {
                     "status": "measured",
                     "mode": mode,
+                    "gemm_scales": _gemm_scales(fp8, ctx.device),
                     "size": f"{size}x{size}",
                     "ms_per_forward": ms,
                     "speedup_vs_bf16_eager": round(eager / ms, 3) if eager else None,
@@ -412,6 +433,18 @@ def fp8_forward(ctx: Context) -> None:
                 }
             )
             del fp8
+
+
+def _gemm_scales(model: torch.nn.Module, device: torch.device) -> dict[str, int]:
+    """How many of the FP8 model's layers run each way here (model.fp8: rowwise, tensorwise
+    where the kernel refuses row-wise scales, weight-only)."""
+    counts: dict[str, int] = {}
+    for m in model.modules():
+        kind = getattr(m, "scale_kind", None)
+        if callable(kind):
+            name = kind(device)
+            counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 def _forward_peak_gb(ctx: Context, fn: Callable[[], object]) -> float | None:
@@ -426,7 +459,7 @@ def _forward_peak_gb(ctx: Context, fn: Callable[[], object]) -> float | None:
     return round((torch.cuda.max_memory_allocated(ctx.device) - base) / 1e9, 2)
 
 
-@stage("step_cache", estimate_s=40, limit_s=90)
+@stage("step_cache", estimate_s=30, limit_s=90)
 def step_cache(ctx: Context) -> None:
     """`ditfleet.model.step_cache_selftest.selftest_line(pipe, size, steps)`: DiT work and
     wall-time speed-up of each preset against exact, one image at the first size."""
@@ -441,14 +474,22 @@ def step_cache(ctx: Context) -> None:
 # -- 8. the other sizes, last: each compiles its own graphs ---------------------------------------------
 
 
-@stage("dit_compiled_other_sizes", estimate_s=90, limit_s=150)
+@stage("dit_compiled_other_sizes", estimate_s=60, limit_s=150, isolated=True, frees=("dit60",))
 def dit_compiled_other_sizes(ctx: Context) -> None:
-    """The compiled full-depth forward at the other sizes (a fresh compile each)."""
-    if "compiled_report" not in ctx.state:
-        raise StageSkipped("needs the dit_compiled stage")
+    """The compiled full-depth forward at the other sizes (a fresh compile each), in a child
+    process that has the device to itself: this process drops its full-depth DiT first."""
     model = full_model(ctx)
+    vae = make_vae(vae_config(ctx), ctx.device, ctx.dtype, False)
+    report = apply_compile(TextToImagePipeline(model, vae, None), compile_config(ctx, dit=True, vae=False))
     for size in sizes(ctx)[1:]:
-        ctx.emit(_compiled_forward_line(ctx, model, size, ctx.state["compiled_report"]))
+        ctx.emit(_compiled_forward_line(ctx, model, size, report))
+
+
+def _fx_cache_counts() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    inductor = counters["inductor"]
+    return {"hit": int(inductor["fxgraph_cache_hit"]), "miss": int(inductor["fxgraph_cache_miss"])}
 
 
 def _compiled_forward_line(
@@ -460,11 +501,13 @@ def _compiled_forward_line(
     cfg, text_len = model.config, ctx.args.text_len
     x, txt, shapes = dit_inputs(cfg, size, text_len, 1, ctx.device, ctx.dtype)
     t = torch.full((1,), 0.5, device=ctx.device, dtype=ctx.dtype)
+    cache_before = _fx_cache_counts()
     t0 = time.perf_counter()
     with torch.no_grad():
         model(x, txt, None, t, shapes)
         sync(ctx.device)
         first_s = time.perf_counter() - t0
+        cache = {k: v - cache_before.get(k, 0) for k, v in _fx_cache_counts().items()}
         ms = timed_ms(
             ctx,
             lambda x=x, txt=txt, t=t, shapes=shapes: model(x, txt, None, t, shapes),
@@ -483,8 +526,38 @@ def _compiled_forward_line(
         "pct_of_matmul_ceiling": _pct(ctx, flops, ms),
         "speedup_vs_eager": round(eager / ms, 3) if eager else None,
         "first_call_s": round(first_s, 1),
+        # Inductor's FX graph cache during the first call: hits load kernels another process
+        # (the compile stage's child) compiled; misses compiled here.
+        "fx_graph_cache": cache,
         "fallbacks": report.fallbacks,
     }
     if compiles_before is not None:
         line["compiles"] = compile_count() - compiles_before
     return line
+
+
+# -- 9. beyond the budget's plan: run with --extra NAME ------------------------------------------------
+
+
+@stage("fp8_compiled", estimate_s=90, limit_s=240, isolated=True, frees=("dit60",), optional=True)
+def fp8_compiled(ctx: Context) -> None:
+    """The FP8 DiT as a job runs it, compiled, at the main bucket: ms per forward with
+    _scaled_mm's fast accumulation off and on (one compile each), against the bf16 eager line.
+    In a child process (a fresh compile); optional (`--extra fp8_compiled`): it does not fit the
+    budget's plan."""
+    if not ctx.cuda:
+        raise StageSkipped("not on CPU: the compiled FP8 GEMMs are timed on a GPU")
+    from ditfleet.model.fp8 import selftest_forward, set_fast_accum
+
+    fp8 = selftest_forward(full_model(ctx), "fp8")
+    if fp8 is None:
+        raise StageSkipped("this GPU cannot run fp8 (no FP8 matrix units)")
+    free(ctx, "dit60")  # the copy keeps the tensors it shares; the bf16 weights it replaced go
+    vae = make_vae(vae_config(ctx), ctx.device, ctx.dtype, False)
+    report = apply_compile(TextToImagePipeline(fp8, vae, None), compile_config(ctx, dit=True, vae=False))
+    for fast in (False, True):
+        set_fast_accum(fp8, fast)
+        line = _compiled_forward_line(ctx, fp8, sizes(ctx)[0], report, compiles_before=compile_count())
+        ctx.emit(
+            {**line, "mode": "fp8", "use_fast_accum": fast, "gemm_scales": _gemm_scales(fp8, ctx.device)}
+        )

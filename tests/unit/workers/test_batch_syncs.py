@@ -102,3 +102,15 @@ def test_the_next_batch_is_encoded_while_the_current_one_runs(monkeypatch):
 def test_to_host_returns_host_tensors_unchanged():
     a, b = torch.arange(4), torch.ones(2, dtype=torch.bool)
     assert generate.to_host(a, b) == (a, b)
+
+
+def test_to_host_waits_on_the_streams_of_the_tensors_own_devices():
+    # cuda:1's copies are queued on cuda:1's stream, whatever the current device is
+    cuda = [torch.device("cuda", 1), torch.device("cpu"), torch.device("cuda", 1), torch.device("cuda", 0)]
+    assert generate.copy_devices(cuda) == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert generate.copy_devices([torch.device("cpu")]) == []
+
+
+def test_the_next_batch_is_encoded_on_its_own_stream_on_cuda_only():
+    # on the CPU nothing changes: no stream, the encoding thread's calls are as before
+    assert generate.encode_stream(torch.device("cpu")) is None

@@ -41,6 +41,7 @@ RUNNER = textwrap.dedent(
 
     importlib.util.find_spec = find_spec
     sys.meta_path.insert(0, Refuse())
+    {extra}
     from ditfleet.workers.selftest.main import run_and_exit
     run_and_exit(sys.argv[1:])
     """
@@ -48,11 +49,22 @@ RUNNER = textwrap.dedent(
 
 
 def run_selftest(
-    out: Path, *args: str, blocked: tuple[str, ...] = BLOCKED, timeout: float = 240
+    out: Path,
+    *args: str,
+    blocked: tuple[str, ...] = BLOCKED,
+    timeout: float = 240,
+    extra: str = "",
+    tmpdir: Path | None = None,
 ) -> tuple[int, list[dict]]:
+    """The self-test in a child process; `extra`: code run before it (a stage to register);
+    `tmpdir`: its TMPDIR (where the default scratch folder goes)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if tmpdir is not None:
+        tmpdir.mkdir(parents=True, exist_ok=True)
+        env["TMPDIR"] = str(tmpdir)
+    code = RUNNER.format(blocked=blocked, extra=extra)
     proc = subprocess.run(
-        [sys.executable, "-c", RUNNER.format(blocked=blocked), "--tiny", "--out", str(out), *args],
+        [sys.executable, "-c", code, "--tiny", "--out", str(out), *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -75,15 +87,20 @@ def by_stage(lines: list[dict]) -> dict[str, list[dict]]:
 @pytest.mark.timeout(300)
 def test_tiny_run_prints_every_line_without_ray_pydantic_or_boto3(tmp_path):
     # The diffusers comparisons have their own test below; here the rest of the run.
-    code, lines = run_selftest(tmp_path, blocked=BLOCKED + ("diffusers",))
+    out, tmp = tmp_path / "out", tmp_path / "tmp"
+    code, lines = run_selftest(out, blocked=BLOCKED + ("diffusers",), tmpdir=tmp)
     stages = by_stage(lines)
     summary = stages["summary"][-1]
     assert code == 0, summary
     assert summary["status"] == "pass" and not summary["error"], summary
-    # every line went to the log folder too, in the order printed
-    kept = [json.loads(x) for x in (tmp_path / "selftest.jsonl").read_text().splitlines()]
+    # every line went to the log folder too, in the order printed (the compile-heavy stages'
+    # children's lines included, once each)
+    kept = [json.loads(x) for x in (out / "selftest.jsonl").read_text().splitlines()]
     assert kept == lines
-    assert (tmp_path / "selftest.log").stat().st_size > 0
+    assert (out / "selftest.log").stat().st_size > 0
+    # --out holds the two files only; the scratch folder (shards, the shard, caches) is gone
+    assert sorted(p.name for p in out.iterdir()) == ["selftest.jsonl", "selftest.log"]
+    assert list(tmp.iterdir()) == []
     # the hub layout was written as shards + index and loaded
     load = [x for x in stages["correctness"] if x.get("check") == "hub_layout_load"][0]
     assert load["status"] == "pass" and load["files"] >= 3
@@ -116,6 +133,20 @@ def test_tiny_run_prints_every_line_without_ray_pydantic_or_boto3(tmp_path):
     assert set(fp8) == {"fp8", "fp8-weight-only"}, stages["fp8_forward"]
     assert all(x["ms_per_forward"] > 0 and x["rel_err_vs_bf16"] < 0.2 for x in fp8.values())
     assert all("forward_peak_gb" in x and x["weights_gb"] >= 0 for x in fp8.values())
+    # how its GEMMs ran: the kernel probed (rowwise, or tensorwise on a per-tensor-only build)
+    assert set(fp8["fp8"]["gemm_scales"]) <= {"rowwise", "tensorwise", "weight-only"}
+    assert set(fp8["fp8-weight-only"]["gemm_scales"]) == {"weight-only"}
+    # the compiled DiT line is the main size only; the other size has its own stage
+    assert [x["size"] for x in stages["dit_compiled"]] == ["64x64"]
+    assert [x["size"] for x in stages["dit_compiled_other_sizes"]] == ["96x96"]
+    # its child was handed the numbers its line compares with (the eager ms, the matmul ceiling)
+    other = stages["dit_compiled_other_sizes"][-1]
+    assert other["speedup_vs_eager"] > 0 and other["pct_of_matmul_ceiling"] is not None, other
+    # the CUDA-only lines say so on the CPU; the optional compiled-FP8 stage is not run unasked
+    assert (
+        stages["sdpa_speed"][-1]["status"] == "skipped" and "not on CPU" in stages["sdpa_speed"][-1]["reason"]
+    )
+    assert "fp8_compiled" not in stages
 
 
 def test_a_stage_out_of_time_says_so_and_the_rest_are_skipped_with_a_line(tmp_path):
@@ -144,3 +175,99 @@ def test_tiny_run_matches_diffusers(tmp_path):
         assert checks[name]["status"] == "pass", checks[name]
     assert checks["dit_vs_diffusers"]["rel_err"] < 0.01
     assert code == 0
+
+
+HANG = """
+import os, time
+from ditfleet.workers.selftest import stages  # noqa: F401
+from ditfleet.workers.selftest.runner import stage
+
+@stage("hang", estimate_s=0, limit_s=2, isolated=True, after="env")
+def hang(ctx):
+    \"\"\"A compile that never returns.\"\"\"
+    (ctx.scratch / "hang.pid").write_text(str(os.getpid()))
+    time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_an_isolated_stage_past_its_deadline_ends_with_a_timeout_line_and_the_rest_run(tmp_path):
+    scratch = tmp_path / "scratch"
+    code, lines = run_selftest(
+        tmp_path / "out",
+        "--only",
+        "env,hang,matmul_ceiling",
+        "--scratch",
+        str(scratch),
+        "--keep-scratch",
+        extra=HANG,
+        timeout=150,
+    )
+    stages = by_stage(lines)
+    assert [x["status"] for x in stages["hang"]] == ["timeout"], stages["hang"]
+    assert "ended" in stages["hang"][0]["reason"]
+    assert stages["matmul_ceiling"][-1]["status"] == "measured"  # after it, still run
+    summary = lines[-1]
+    assert summary["stage"] == "summary" and summary["timeout"] == ["hang"]
+    assert summary["status"] == "pass" and code == 0  # a speed stage's timeout: a missing number
+    pid = int((scratch / "hang.pid").read_text())  # the child is gone, not left running
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_the_stage_estimates_fit_the_budget_with_margin():
+    from ditfleet.workers.selftest import stages  # noqa: F401 - registers the stages
+    from ditfleet.workers.selftest.main import BUDGET_S, ESTIMATE_MARGIN
+    from ditfleet.workers.selftest.runner import STAGES
+
+    planned = [s for s in STAGES if not s.optional]  # what a plain run runs
+    total = sum(s.estimate_s for s in planned)
+    assert total <= BUDGET_S * (1 - ESTIMATE_MARGIN), {s.name: s.estimate_s for s in planned}
+    assert all(s.limit_s >= s.estimate_s for s in STAGES)
+    # the stages that compile from scratch run where their deadline can end them
+    assert {s.name for s in STAGES if s.isolated} == {"compile", "dit_compiled_other_sizes", "fp8_compiled"}
+    assert {s.name for s in STAGES if s.optional} == {"fp8_compiled"}
+
+
+def test_dit_compiled_keeps_the_compiled_vae_and_compiles_the_main_size_only(tmp_path):
+    import time
+
+    import torch
+
+    from ditfleet.compile.policy import apply_compile
+    from ditfleet.model.pipeline import TextToImagePipeline
+    from ditfleet.workers.selftest import checks, parts, speed
+    from ditfleet.workers.selftest.main import build_parser
+    from ditfleet.workers.selftest.runner import Context
+
+    args = build_parser().parse_args(["--tiny", "--out", str(tmp_path), "--layers", "2", "--text-len", "8"])
+    args.repeat = 1
+    ctx = Context(
+        args=args,
+        out=tmp_path,
+        device=torch.device("cpu"),
+        dtype=torch.bfloat16,
+        tiny=True,
+        started=time.perf_counter(),
+        budget_s=600,
+        scratch=tmp_path / "scratch",
+        stage_deadline=time.perf_counter() + 600,
+    )
+    # as the compile stage leaves it on a GPU: its settings, the VAE decode compiled
+    config = checks.compile_config(ctx, dit=True, vae=True)
+    vae = parts.make_vae(parts.vae_config(ctx), ctx.device, ctx.dtype, False)
+    dit = parts.make_transformer(parts.transformer_config(ctx, 1), ctx.device, ctx.dtype)
+    apply_compile(TextToImagePipeline(dit, vae, None), config)
+    decode = speed.compiled_decode(vae)
+    assert decode is not None
+    ctx.state.update(vae=vae, compile_config=config, compile_passed=True)
+    ctx.current = "dit_compiled"
+    speed.dit_compiled(ctx)
+    assert speed.compiled_decode(vae) is decode  # still installed, the same compiled target
+    assert [line["size"] for line in ctx.lines] == ["64x64"]
+    assert ctx.lines[0]["status"] == "measured" and ctx.lines[0]["fallbacks"] == {}
+    # a compile stage that did not finish: no fresh, unstoppable compile here
+    ctx.lines.clear()
+    ctx.state["compile_passed"] = False
+    with pytest.raises(checks.StageSkipped, match="compile stage did not finish"):
+        speed.dit_compiled(ctx)
