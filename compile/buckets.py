@@ -10,9 +10,9 @@ Resolution: a bucket is (width, height) in pixels, both multiples of 16 (8x VAE 
 the nearest aspect ratio, or is refused in strict mode.
 
 Prompt length (kept for comparisons and the shared cache key): embeddings (B, L, D) can be
-zero-padded to the smallest bucket length >= L with the padding masked off, which changes no output
-(`compile.prompt_padding`). This module is plain arithmetic, without torch: the job spec and the
-driver's planning read it. The default buckets are the model family's (`model.family`):
+zero-padded to the smallest bucket length >= L with the padding masked off, which changes no
+output (`ditfleet.testing.prompt_padding`, for tests and benchmarks). This module is plain
+arithmetic, without torch: the job spec and the driver's planning read it. The default buckets are the model family's (`model.family`):
 `default_buckets(model_path)`.
 """
 

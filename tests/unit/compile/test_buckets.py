@@ -11,7 +11,7 @@ from ditfleet.compile.buckets import (
     default_buckets,
     prompt_length_bucket,
 )
-from ditfleet.compile.prompt_padding import pad_prompt_embeds, pad_to_bucket
+from ditfleet.testing.prompt_padding import pad_prompt_embeds, pad_to_bucket
 
 QWEN = default_buckets("/models/qwen-image")  # any path but "tiny" is Qwen-Image
 TINY = default_buckets("tiny")

@@ -29,7 +29,6 @@ from ditfleet.compile import (
     compile_count,
     count_compiles,
     load_shared_cache,
-    pad_guidance_inputs,
     remove_compile,
     warm_up,
 )
@@ -37,6 +36,7 @@ from ditfleet.compile.cache import UnauthenticatedCacheBlob, open_sealed, pack, 
 from ditfleet.compile.claims import CLAIMS_DIR
 from ditfleet.compile.prewarm import spawn_prewarm
 from ditfleet.model import load_pipeline
+from ditfleet.testing.prompt_padding import pad_guidance_inputs
 from tests.support.compile_helpers import SMALL_BUCKETS, generate, perturbed_vae, random_embeds, velocity
 
 # (cond tokens, negative tokens): inside, at the edge of, and across prompt-length buckets.
