@@ -95,7 +95,7 @@ def shard_orphans(store: ObjectStore, shard: int, key: str | None = None) -> lis
         key, _ = manifest_object_key(root, shard, uri)
         if key is None:
             return []
-        tokens.add(attempt_object(key).attempt)  # type: ignore[union-attr] - checked by manifest_object_key
+        tokens.add(attempt_object(key).attempt)  # type: ignore[union-attr]  # checked by manifest_object_key
         areas.add(key.split("/", 1)[0] + "/")
     # One output has one format: list only its area when the manifest names an object there.
     prefixes = [p for p in attempt_prefixes(shard) if not areas or p.split("/", 1)[0] + "/" in areas]

@@ -307,7 +307,7 @@ def _verify(
 def _current_of(keys: list[str]) -> dict[int, str]:
     best: dict[int, tuple[int, str]] = {}
     for key in keys:
-        shard, generation = manifest_of_key(key)  # type: ignore[misc] - keys are manifest keys
+        shard, generation = manifest_of_key(key)  # type: ignore[misc]  # keys are manifest keys
         if shard not in best or generation > best[shard][0]:
             best[shard] = (generation, key)
     return {shard: key for shard, (_, key) in best.items()}
@@ -390,7 +390,7 @@ def _named_objects(root: str, shards: list[_Shard], report: VerifyReport) -> dic
                 continue
             if report.moved_from is None and object_key(root, r.uri)[1]:
                 report.moved_from = r.uri[: -len(key) - 1]
-            s.tokens.add(attempt_object(key).attempt)  # type: ignore[union-attr] - checked above
+            s.tokens.add(attempt_object(key).attempt)  # type: ignore[union-attr]  # checked above
             named[key].append(r)
     return named
 
