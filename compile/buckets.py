@@ -181,8 +181,8 @@ def default_buckets(model: Any, strict: bool = False) -> BucketSet:
 # Prompt-length buckets
 
 # Short buckets matter when the image has few tokens: a 128x128 image is 64 tokens, and padding a
-# 10-token prompt to 64 doubled the DiT's sequence (measured: 1.39x model time with buckets from
-# 16). At Qwen-Image sizes (4096+ image tokens) they cost nothing. Each bucket is one more traced
+# 10-token prompt to 64 doubles the DiT's sequence (1.39x the model time of buckets from 16,
+# bench/pipeline_profile.py). At Qwen-Image sizes (4096+ image tokens) they cost nothing. Each bucket is one more traced
 # text length when the DiT is compiled.
 PROMPT_LENGTH_BUCKETS: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)
 

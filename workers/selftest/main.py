@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-# The whole run's budget on a GPU node: the 7 minutes, compiles included.
+# The whole run's budget on a GPU node (7 minutes), compiles included.
 BUDGET_S = 420.0
 
 

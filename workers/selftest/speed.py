@@ -428,13 +428,14 @@ def _forward_peak_gb(ctx: Context, fn: Callable[[], object]) -> float | None:
 
 @stage("step_cache", estimate_s=40, limit_s=90)
 def step_cache(ctx: Context) -> None:
-    """DiT work and wall-time speed-up of each preset against exact, one image at the first size
-    (workers/selftest/step_cache_line.py)."""
-    from .step_cache_line import selftest_line
-
+    """`ditfleet.model.step_cache_selftest.selftest_line(pipe, size, steps)`: DiT work and
+    wall-time speed-up of each preset against exact, one image at the first size."""
+    fn = _slot_function("ditfleet.model.step_cache_selftest", "selftest_line")
+    if fn is None:
+        raise StageSkipped("slot: no model.step_cache_selftest.selftest_line")
     model = full_model(ctx)
     pipe = TextToImagePipeline(model, ctx.state["vae"], ctx.state["scheduler"])
-    ctx.emit({"status": "measured", **selftest_line(pipe, sizes(ctx)[0], 20)})
+    ctx.emit({"status": "measured", **fn(pipe, sizes(ctx)[0], 20)})
 
 
 # -- 8. the other sizes, last: each compiles its own graphs ---------------------------------------------

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from ditfleet.model.step_cache import StepCache
-from ditfleet.model.step_cache_config import PRESETS
+from .step_cache import StepCache
+from .step_cache_config import PRESETS
 
 _TEXT_TOKENS = 64
 _CFG = 4.0
