@@ -60,11 +60,6 @@ class ResolutionBucket:
         return f"{self.width}x{self.height}"
 
     @property
-    def aspect(self) -> float:
-        """width / height."""
-        return self.width / self.height
-
-    @property
     def pixels(self) -> int:
         return self.width * self.height
 
