@@ -41,8 +41,9 @@ from ditfleet.model import load_pipeline
 from ditfleet.testing.prompt_padding import pad_guidance_inputs
 from tests.support.compile_helpers import SMALL_BUCKETS, generate, perturbed_vae, random_embeds, velocity
 
-# (cond tokens, negative tokens): inside, at the edge of, and across prompt-length buckets.
-PROMPT_CASES = ((1, 1), (5, 3), (30, 64), (64, 9), (65, 2), (100, 128), (128, 128))
+# (cond tokens, negative tokens): inside, at the edge of, and across prompt-length buckets; each
+# pads to a different pair of bucket lengths (16, 32, 64, 128), which is all the compiled code sees.
+PROMPT_CASES = ((5, 3), (30, 64), (64, 9), (65, 2), (128, 128))
 
 
 @pytest.fixture
@@ -70,7 +71,7 @@ def test_warmed_buckets_never_compile_again(warmed, random_model_dir):
                 inputs = pad_guidance_inputs(*cond, *neg)
                 image = generate(pipe, bucket, inputs)
                 assert image.shape == (1, 3, bucket.height, bucket.width)
-                if i == 1:  # compiled and eager agree
+                if i == 0:  # compiled and eager agree
                     torch.testing.assert_close(image, generate(eager, bucket, inputs), atol=1e-4, rtol=0)
             # A batch of 3 decodes image by image through the same compiled graph.
             z = torch.randn(3, 16, bucket.height // 8, bucket.width // 8)
