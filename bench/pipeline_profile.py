@@ -2,7 +2,7 @@
 on the same weights, split into text encoding, denoising (DiT steps with CFG) and VAE decode.
 
 ditfleet is measured as its worker runs it (prompts padded to their prompt-length bucket, 64
-tokens at least, see compile/prompt_inputs.py), with the prompts unpadded, and with buckets that
+tokens at least, see ditfleet/testing/prompt_padding.py), with the prompts unpadded, and with buckets that
 start at 16 tokens: that isolates what the padding costs when the image has few tokens. Milliseconds per image: CPU time of this process on a CPU (robust
 to other tenants), wall time with the device synchronised on CUDA.
 
@@ -25,8 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.vs_ray_data_io import prompt_text  # noqa: E402
-from ditfleet.compile import PROMPT_LENGTH_BUCKETS, encode_padded  # noqa: E402
+from ditfleet.compile import PROMPT_LENGTH_BUCKETS  # noqa: E402
 from ditfleet.model import load_pipeline  # noqa: E402
+from ditfleet.testing.prompt_padding import encode_padded  # noqa: E402
 
 SMALL_FIRST_BUCKETS = (16, 32, *PROMPT_LENGTH_BUCKETS)
 

@@ -36,12 +36,12 @@ from ditfleet.compile import (  # noqa: E402
     CompileConfig,
     apply_compile,
     compile_count,
-    encode_padded,
     remove_compile,
     warm_up,
 )
 from ditfleet.compile.prewarm import spawn_prewarm  # noqa: E402
 from ditfleet.model import load_pipeline  # noqa: E402
+from ditfleet.testing.prompt_padding import encode_padded  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PROMPT = "a lighthouse on a rocky coast at dawn"

@@ -10,9 +10,9 @@ Resolution: a bucket is (width, height) in pixels, both multiples of 16 (8x VAE 
 the nearest aspect ratio, or is refused in strict mode.
 
 Prompt length (kept for comparisons and the shared cache key): embeddings (B, L, D) can be
-zero-padded to the smallest bucket length >= L with the padding masked off, which changes no output
-(`compile.prompt_padding`). This module is plain arithmetic, without torch: the job spec and the
-driver's planning read it. The default buckets are the model family's (`model.family`):
+zero-padded to the smallest bucket length >= L with the padding masked off, which changes no
+output (`ditfleet.testing.prompt_padding`, for tests and benchmarks). This module is plain
+arithmetic, without torch: the job spec and the driver's planning read it. The default buckets are the model family's (`model.family`):
 `default_buckets(model_path)`.
 """
 
@@ -58,11 +58,6 @@ class ResolutionBucket:
     def name(self) -> str:
         """'WxH', e.g. '1664x928'; the form used in job files, manifests and cache keys."""
         return f"{self.width}x{self.height}"
-
-    @property
-    def aspect(self) -> float:
-        """width / height."""
-        return self.width / self.height
 
     @property
     def pixels(self) -> int:
@@ -181,8 +176,8 @@ def default_buckets(model: Any, strict: bool = False) -> BucketSet:
 # Prompt-length buckets
 
 # Short buckets matter when the image has few tokens: a 128x128 image is 64 tokens, and padding a
-# 10-token prompt to 64 doubled the DiT's sequence (measured: 1.39x model time with buckets from
-# 16). At Qwen-Image sizes (4096+ image tokens) they cost nothing. Each bucket is one more traced
+# 10-token prompt to 64 doubles the DiT's sequence (1.39x the model time of buckets from 16,
+# bench/pipeline_profile.py). At Qwen-Image sizes (4096+ image tokens) they cost nothing. Each bucket is one more traced
 # text length when the DiT is compiled.
 PROMPT_LENGTH_BUCKETS: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)
 

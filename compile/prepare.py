@@ -84,7 +84,7 @@ def prepare_worker_pipeline(
     and a compiled DiT takes the batch size as a dynamic dimension).
     expected_images: images this actor is expected to make; decides compile.dit "auto".
     on_bucket: called as (i, n, 'WxH') before warm-up of bucket i of n starts (progress).
-    length_buckets: part of the shared cache key only (requests are no longer padded to them).
+    length_buckets: part of the shared cache key only (requests are not padded to them).
     """
     start = time.perf_counter()
     config = resolve_dit(config, torch.device(pipe.device).type, expected_images, len(buckets))

@@ -106,7 +106,7 @@ def _axes(x_max: float, y_max: float, x_label: str, y_label: str) -> list[str]:
     return parts
 
 
-def rate_plot_svg(timelines: dict[str, list[float]]) -> str:
+def rate_plot_svg(timelines: dict[str, list[tuple[float, float]]]) -> str:
     """Images per second over (rebuilt) time, one line per worker, a marked point per shard."""
     curves = timelines
     span = max((pts[-1][0] for pts in curves.values() if pts), default=0.0)

@@ -14,9 +14,9 @@ Three ways to run it, decided once per forward (`TextPadding.build`) and used by
 - "mask": the reference, one SDPA call with a dense boolean key mask (B, 1, 1, N + L). It rules
   out the flash kernels on CUDA. Used when asked for, and for masks that are not a prefix.
 
-Measured on CPU (bench/dit_forward.py, `padded_attention`): split is as fast as unmasked SDPA and
-no slower than the dense mask. On CUDA each split call is an unmasked SDPA, so it keeps the flash
-kernel; a dense mask falls back to the memory-efficient kernel.
+Split is the default because on CPU it is as fast as unmasked SDPA and no slower than the dense
+mask (bench/dit_forward.py, `padded_attention`), and on CUDA each split call is an unmasked
+SDPA, so it keeps the flash kernel; a dense mask falls back to the memory-efficient kernel.
 """
 
 from __future__ import annotations

@@ -7,14 +7,13 @@
     family.text_conditioning(pipe)           # (embedding width, longest prompt in tokens)
     family.attention_counters(pipe)          # counters of the DiT's attention calls
     family.memory                            # the memory formula (model.memory) from configs
-    family.step_hook                         # the sampler's per-step hook (model.step_hooks)
 
 compile/, workers/, driver/ and jobs/ ask the family and never name a submodule, method or
 constant of the Qwen-Image DiT themselves (tests/unit/test_model_face.py parses them): a second
 family is a second `ModelFamily` here, not edits across the layers. Qwen-Image is the one family;
 the bundled tiny model is a configuration of it (same architecture, own sizes, runs on the CPU).
 
-Standard library only (model.memory, model.step_hooks and the config readers are torch-free):
+Standard library only (model.memory and the config readers are torch-free):
 the job spec and the driver's planning read the defaults without loading torch.
 """
 
@@ -30,7 +29,6 @@ from typing import Any, Protocol, runtime_checkable
 from .folder import TINY_MODEL
 from .memory import MemoryPlan, ModelMemory, dit_activation_bytes, largest_batch, plan_memory
 from .settings import MAX_SEQUENCE_LENGTH_LIMIT
-from .step_hooks import NO_STEP_HOOK, StepHook
 
 Size = tuple[int, int]  # (width, height) in pixels
 
@@ -141,7 +139,6 @@ class ModelFamily(Protocol):
     runs_on_cpu: bool  # actors get no GPU unless the job asks for one
     compile_regions: tuple[CompileRegion, ...]
     memory: MemoryFormula
-    step_hook: StepHook  # what the sampler calls each step when the job asks for nothing else
 
     def text_conditioning(self, pipe: Any) -> TextConditioning: ...
 
@@ -193,7 +190,6 @@ class QwenImageFamily:
     runs_on_cpu: bool = False
     compile_regions: tuple[CompileRegion, ...] = QWEN_IMAGE_COMPILE_REGIONS
     memory: MemoryFormula = field(default_factory=MemoryFormula)
-    step_hook: StepHook = NO_STEP_HOOK
     # The longest prompt the text path embeds, in tokens (what a job may ask for at most).
     max_text_tokens: int = MAX_SEQUENCE_LENGTH_LIMIT
 

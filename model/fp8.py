@@ -382,12 +382,6 @@ def quantize_model(model: nn.Module, mode: str, keep: Sequence[str] = KEEP_IN_LO
     return model
 
 
-def fp8_weight_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter and buffer (what the memory plan's DiT weights count)."""
-    tensors = list(model.parameters()) + list(model.buffers())
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 # -- measuring it on a device ------------------------------------------------------------------------
 
 

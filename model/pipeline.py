@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -163,7 +163,6 @@ class TextToImagePipeline:
         true_cfg_scale: float | Sequence[float] = 4.0,
         seeds: Sequence[int],
         max_sequence_length: int = MAX_SEQUENCE_LENGTH,
-        on_step: Callable[[int], None] | None = None,
         decode: bool = True,
         step_hook: StepHook | None = None,
     ) -> torch.Tensor:
@@ -202,7 +201,7 @@ class TextToImagePipeline:
         bank = self.timestep_bank if self.transformer.modulation_cache.mode == "table" else None
         with attention_backend(self.settings.attention_backend, self.device.type):
             return self._denoise_decode(
-                latents, cond, uncond, true_cfg_scale, height, width, steps, bank, on_step, decode, step_hook
+                latents, cond, uncond, true_cfg_scale, height, width, steps, bank, decode, step_hook
             )
 
     def _denoise_decode(
@@ -215,7 +214,6 @@ class TextToImagePipeline:
         width: int,
         steps: int,
         bank: TimestepBank | None,
-        on_step: Callable[[int], None] | None,
         decode: bool,
         step_hook: StepHook | None,
     ) -> torch.Tensor:
@@ -233,7 +231,6 @@ class TextToImagePipeline:
             cfg_batched=uncond is not None
             and self.batch_cfg(B, latents.shape[1], cond.embeds.shape[1], uncond.embeds.shape[1]),
             timestep_bank=bank,
-            on_step=on_step,
             step_hook=step_hook,
         )
         return self.decode(latents, height, width) if decode else latents

@@ -58,10 +58,6 @@ def check_quantization(name: str, where: str = "model.quantization") -> str:
     return name
 
 
-def is_quantized(name: str) -> bool:
-    return check_quantization(name) != "none"
-
-
 def quantized_revision(revision: str, name: str) -> str:
     """The model revision a manifest records: FP8 weights are another model's numbers, so the
     quantization is part of it (unchanged for "none", so existing outputs keep theirs)."""

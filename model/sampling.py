@@ -6,7 +6,6 @@ order, so an H x W image is (H/16) * (W/16) tokens.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -114,7 +113,6 @@ def denoise(
     scheduler: SchedulerConfig,
     cfg_batched: bool = False,
     timestep_bank: TimestepBank | None = None,
-    on_step: Callable[[int], None] | None = None,
     step_hook: StepHook | None = None,
 ) -> torch.Tensor:
     """Run the flow-match Euler loop; returns latents (B, N, 64) in the input dtype.
@@ -159,9 +157,6 @@ def denoise(
             u = forward(latents, uncond.embeds, uncond.mask, timestep, img_shapes)
             velocity = true_cfg(c, u, true_cfg_scale)
         latents = euler_step(latents, velocity, sigmas[i], sigmas[i + 1])
-        hook.end(step, latents)
-        if on_step is not None:
-            on_step(i)
     return latents
 
 

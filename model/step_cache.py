@@ -134,9 +134,6 @@ class StepCache:
 
         return cached
 
-    def end(self, step: Step, latents: torch.Tensor) -> None:
-        return None
-
     # -- what a call covers -----------------------------------------------------------------
 
     def _rows_for_call(self, rows: int) -> StepCacheRows:

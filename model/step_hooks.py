@@ -4,7 +4,6 @@
 
     hook.start(steps, batch)                       once, before the first step
     forward = hook.forward(step, transformer)      each step: the callable both CFG passes use
-    hook.end(step, latents)                        each step, after the Euler update
 
 `forward` is handed the transformer itself and returns what the sampler calls in its place for
 this step, with the transformer's own arguments `(latents, embeds, mask, timestep, img_shapes)`.
@@ -12,8 +11,7 @@ A hook that reuses work returns a callable that answers from what it kept (per i
 image must depend only on its own prompt, seed and settings); the default returns the transformer
 unchanged, so with no hook every step computes exactly what it did before (bit-identical).
 
-Standard library only (torch only for type checking): `model.family` re-exports it to the
-torch-free planning side.
+Standard library only (torch only for type checking).
 """
 
 from __future__ import annotations
@@ -49,8 +47,6 @@ class StepHook(Protocol):
 
     def forward(self, step: Step, transformer: Forward) -> Forward: ...
 
-    def end(self, step: Step, latents: torch.Tensor) -> None: ...
-
 
 class NoStepHook:
     """The default: every step runs the transformer as it is, and nothing is kept."""
@@ -60,9 +56,6 @@ class NoStepHook:
 
     def forward(self, step: Step, transformer: Forward) -> Forward:
         return transformer
-
-    def end(self, step: Step, latents: torch.Tensor) -> None:
-        return None
 
 
 NO_STEP_HOOK: StepHook = NoStepHook()

@@ -23,7 +23,6 @@ import torch
 from ditfleet.compile import PreparedPipeline, compile_count, prepare_worker_pipeline
 from ditfleet.model import LoraSpec, TextToImagePipeline, load_pipeline, resolve_model_dir
 from ditfleet.model.family import model_family
-from ditfleet.model.guidance import negative_text
 from ditfleet.model.loader import load_text_encoder
 from ditfleet.workers.batch_fit import fit_batch_size
 from ditfleet.workers.cache_secret import read_cache_secret, say_shared_cache_off
@@ -35,6 +34,7 @@ from ditfleet.workers.generate import (
     image_requests,
     iter_generated,
     plan_batches,
+    shard_prompts,
 )
 from ditfleet.workers.metrics import WorkerMetrics
 from ditfleet.workers.output.formats import ImageResult, ImageTask, StoredShard, make_shard_writer
@@ -414,10 +414,3 @@ def place_text_encoder(pipe, local_path, config: WorkerConfig) -> PlacedTextEnco
     )
     pipe.text_encoder = placed
     return placed
-
-
-def shard_prompts(requests) -> list[str]:
-    """Every text a shard's batches will encode: prompts, and negatives where CFG is on."""
-    out = [r.row.prompt for r in requests]
-    out += [negative_text(r.row.negative_prompt) for r in requests if r.uses_cfg]
-    return out

@@ -122,10 +122,7 @@ def _token_lengths(
     requests: Sequence[ImageRequest], count_tokens: TokenCounter
 ) -> dict[tuple[str, int], tuple[int, int]] | None:
     """(prompt tokens, negative tokens or 0 without CFG) per request; None if uncountable."""
-    texts = sorted(
-        {r.row.prompt for r in requests}
-        | {negative_text(r.row.negative_prompt) for r in requests if r.uses_cfg}
-    )
+    texts = sorted(set(shard_prompts(requests)))
     counts = count_tokens(texts) if texts else []
     if counts is None:
         return None
@@ -134,6 +131,13 @@ def _token_lengths(
         _key(r): (by_text[r.row.prompt], by_text[negative_text(r.row.negative_prompt)] if r.uses_cfg else 0)
         for r in requests
     }
+
+
+def shard_prompts(requests: Sequence[ImageRequest]) -> list[str]:
+    """Every text a shard's batches will encode: prompts, and negatives where CFG is on."""
+    out = [r.row.prompt for r in requests]
+    out += [negative_text(r.row.negative_prompt) for r in requests if r.uses_cfg]
+    return out
 
 
 def image_tokens(req: ImageRequest) -> int:

@@ -146,7 +146,7 @@ class FleetSim(ActorPool):
         return run.ref
 
     def cancel(self, ref: Hashable) -> None:
-        run = self.runs.get(ref)  # type: ignore[arg-type]
+        run = self.runs.get(ref)  # type: ignore[call-overload]
         actor = self.actors[run.actor] if run is not None else None
         if run is None or actor is None or run.started_at is not None or actor.dead_at is not None:
             return  # done, running (a running call is not interrupted) or gone with its actor

@@ -416,7 +416,7 @@ def _named_objects(root: str, shards: list[_Shard], report: VerifyReport) -> dic
                 continue
             if report.moved_from is None and object_key(root, r.uri)[1]:
                 report.moved_from = r.uri[: -len(key) - 1]
-            s.tokens.add(attempt_object(key).attempt)  # type: ignore[union-attr] - checked above
+            s.tokens.add(attempt_object(key).attempt)  # type: ignore[union-attr]  # checked above
             named[key].append(r)
     return named
 

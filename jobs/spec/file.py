@@ -140,8 +140,9 @@ def _key_lines(text: str) -> dict[tuple[str, ...], int]:
                 walk(value, path)
         elif isinstance(node, yaml.SequenceNode):
             for i, item in enumerate(node.value):
-                out[(*prefix, str(i))] = item.start_mark.line + 1
-                walk(item, (*prefix, str(i)))
+                path = (*prefix, str(i))
+                out[path] = item.start_mark.line + 1
+                walk(item, path)
 
     walk(root, ())
     return out

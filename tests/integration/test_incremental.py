@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -120,14 +119,11 @@ def test_growing_directory_three_runs_each_row_once(tmp_path: Path):
     assert union_ids(driver.output_uri) == expected
     assert second.shards["planned"] == 2 and second.rows["ok"] == 15
 
-    # Nothing new: quick, no actors, nothing written.
+    # Nothing new: no actors, nothing written (what makes it quick, without timing it).
     before = snapshot(out)
-    t0 = time.monotonic()
     third, log = run(driver, worker)
-    elapsed = time.monotonic() - t0
     assert third.exit_code == 0 and third.status == "succeeded"
     assert "nothing new in 3 input file(s); all 7 shards committed" in log
-    assert elapsed < 5, f"a run with nothing new took {elapsed:.1f} s"
     assert shards_run(tmp_path) == set() and third.startup["actors"] == 0
     assert snapshot(out) == before, "a run with nothing new writes nothing"
     assert union_ids(driver.output_uri) == expected

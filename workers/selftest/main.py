@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-# The whole run's budget on a GPU node: the issue's 7 minutes, compiles included.
+# The whole run's budget on a GPU node (7 minutes), compiles included.
 BUDGET_S = 420.0
 # The stages' estimates add up to at most this much less than the budget: room for the children's
 # start-up and for a GPU slower than the estimates assume (tests/unit/workers/test_selftest.py).

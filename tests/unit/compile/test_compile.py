@@ -1,9 +1,11 @@
 """Compile and warm-up: no compile after warm-up, per-target compiled decode, loud fallback,
 a fleet-shared compile cache, and prompt padding that changes nothing.
 
-Inductor on CPU takes tens of seconds per graph, so only the VAE decode goes through Inductor
-(one graph per bucket, two small buckets); the DiT blocks are compiled with Dynamo's "eager"
-backend, which guards and recompiles exactly as Inductor would, at no codegen cost.
+Inductor on CPU takes tens of seconds per graph, so what is about guards and recompiles (the
+warm-up, prompt lengths, buckets) runs under Dynamo's "eager" backend, which guards and recompiles
+exactly as Inductor would, at no codegen cost. Inductor itself compiles the VAE decode of one
+small bucket: its output against eager (test_replaced_vae_...) and its artifacts through the
+shared cache (test_a_fresh_actor_...).
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from ditfleet.compile import (
     compile_count,
     count_compiles,
     load_shared_cache,
-    pad_guidance_inputs,
     remove_compile,
     warm_up,
 )
@@ -37,16 +38,18 @@ from ditfleet.compile.cache import UnauthenticatedCacheBlob, open_sealed, pack, 
 from ditfleet.compile.claims import CLAIMS_DIR
 from ditfleet.compile.prewarm import spawn_prewarm
 from ditfleet.model import load_pipeline
+from ditfleet.testing.prompt_padding import pad_guidance_inputs
 from tests.support.compile_helpers import SMALL_BUCKETS, generate, perturbed_vae, random_embeds, velocity
 
-# (cond tokens, negative tokens): inside, at the edge of, and across prompt-length buckets.
-PROMPT_CASES = ((1, 1), (5, 3), (30, 64), (64, 9), (65, 2), (100, 128), (128, 128))
+# (cond tokens, negative tokens): inside, at the edge of, and across prompt-length buckets; each
+# pads to a different pair of bucket lengths (16, 32, 64, 128), which is all the compiled code sees.
+PROMPT_CASES = ((5, 3), (30, 64), (64, 9), (65, 2), (128, 128))
 
 
 @pytest.fixture
 def warmed(random_model_dir):
     pipe = load_pipeline(random_model_dir)
-    report = apply_compile(pipe, CompileConfig(vae=True, dit=True, dit_backend="eager"))
+    report = apply_compile(pipe, CompileConfig(vae=True, dit=True, vae_backend="eager", dit_backend="eager"))
     # The compiled DiT takes any text length: one warm-up per bucket covers every case below.
     warm = warm_up(pipe, SMALL_BUCKETS, max_sequence_length=128)
     return pipe, report, warm
@@ -68,7 +71,7 @@ def test_warmed_buckets_never_compile_again(warmed, random_model_dir):
                 inputs = pad_guidance_inputs(*cond, *neg)
                 image = generate(pipe, bucket, inputs)
                 assert image.shape == (1, 3, bucket.height, bucket.width)
-                if i == 1:  # compiled and eager agree
+                if i == 0:  # compiled and eager agree
                     torch.testing.assert_close(image, generate(eager, bucket, inputs), atol=1e-4, rtol=0)
             # A batch of 3 decodes image by image through the same compiled graph.
             z = torch.randn(3, 16, bucket.height // 8, bucket.width // 8)
@@ -280,8 +283,9 @@ def test_cache_key_follows_what_the_compiled_code_depends_on(random_model_dir):
 
 
 @pytest.mark.slow
-def test_a_fresh_actor_warms_faster_from_the_shared_cache(random_model_dir, tmp_path):
-    """Two fresh processes, each with its own empty local Inductor cache, sharing one store."""
+def test_a_fresh_actor_warms_from_the_shared_cache_without_compiling(random_model_dir, tmp_path):
+    """Two fresh processes, each with its own empty local Inductor cache, sharing one store: the
+    second compiles no graph with Inductor (every graph comes from the first's blob)."""
     store = tmp_path / "shared"
     env = {
         "OMP_NUM_THREADS": "1",
@@ -294,10 +298,12 @@ def test_a_fresh_actor_warms_faster_from_the_shared_cache(random_model_dir, tmp_
     assert (first["load"], first["save"]) == ("missing", "saved")
     assert (second["load"], second["save"]) == ("loaded", "skipped")
     assert second["kernels_loaded"] > 0 and second["key"] == first["key"]
+    # Counted, not timed (a loaded machine makes it slower, never wrong): the first compiled its
+    # graphs with Inductor, the second found every one in the shared cache.
+    assert first["inductor_compiles"] > 0 and second["inductor_compiles"] == 0, (first, second)
     cold = first["load_s"] + first["warmup_s"]
     warm = second["load_s"] + second["warmup_s"]
     print(f"\nwarm-up without shared cache {cold:.1f}s, with it {warm:.1f}s: {cold / warm:.1f}x")
-    assert cold / warm >= 2.0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -130,7 +130,7 @@ def test_one_step_schedule_is_finite():
 
 def test_batched_cfg_matches_serial(random_model_dir):
     """cond+uncond in one batch of 2B computes what two serial passes compute."""
-    from ditfleet.compile import encode_padded
+    from ditfleet.testing.prompt_padding import encode_padded
 
     serial = load_pipeline(random_model_dir)
     batched = load_pipeline(random_model_dir, cfg_mode="batched")

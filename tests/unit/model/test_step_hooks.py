@@ -22,13 +22,10 @@ class Recording(NoStepHook):
 
     def forward(self, step: Step, transformer):
         def counted(*args):
-            self.calls.append(("forward", step.index))
+            self.calls.append(("forward", step.index, float(step.sigma) > float(step.sigma_next)))
             return transformer(*args)
 
         return counted
-
-    def end(self, step: Step, latents: torch.Tensor) -> None:
-        self.calls.append(("end", step.index, float(step.sigma) > float(step.sigma_next)))
 
 
 def _inputs(pipe):
@@ -51,5 +48,5 @@ def test_a_hook_sees_every_step_and_changes_nothing(random_model_dir, cfg_mode):
     passes = 2 if cfg_mode == "serial" else 1  # two CFG forwards per step, or one of 2B
     expected = [("start", 3, 2)]
     for i in range(3):
-        expected += [("forward", i)] * passes + [("end", i, True)]
+        expected += [("forward", i, True)] * passes
     assert hook.calls == expected

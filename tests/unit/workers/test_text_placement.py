@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from ditfleet.model import load_pipeline
-from ditfleet.workers.actor import place_text_encoder, shard_prompts
+from ditfleet.workers.actor import place_text_encoder
 from ditfleet.workers.contract import ModelPlacement, WorkerConfig
-from ditfleet.workers.generate import image_requests
+from ditfleet.workers.generate import image_requests, shard_prompts
 from ditfleet.workers.rows import PromptRow
 from ditfleet.workers.text_embeddings import EmbeddingCache, PlacedTextEncoder
 
