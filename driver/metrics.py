@@ -23,7 +23,7 @@ ACTOR_EVENTS = "ditfleet_actor_events"
 class FanOut(DispatchEvents):
     """Passes every dispatch event to each sink in turn."""
 
-    def __init__(self, *sinks: DispatchEvents) -> None:
+    def __init__(self, *sinks: DispatchEvents | None) -> None:
         self.sinks = [s for s in sinks if s is not None]
 
     def actor_starting(self, count: int) -> None:

@@ -87,7 +87,7 @@ class _Column:
         t = values.type
         self.values = values
         self.fixed: list[np.ndarray] = []
-        self.offsets: np.ndarray | None = None  # strings: into data; lists: into the elements
+        self.offsets: np.ndarray = np.zeros(1, np.int64)  # strings: into data; lists: into the elements
         self.data = memoryview(b"")
         self.children: list[_Column] = []
         self.child_matrix: np.ndarray | None = None
@@ -191,7 +191,7 @@ class _Column:
 
 def _rows_bytes(matrix: np.ndarray, lo: int, hi: int) -> memoryview:
     """Rows lo..hi-1 of a C-contiguous matrix as bytes, without a copy."""
-    return memoryview(matrix[lo:hi].reshape(-1).view(np.uint8))
+    return memoryview(matrix[lo:hi].reshape(-1).view(np.uint8).data)
 
 
 def _kind_name(t: pa.DataType) -> str:

@@ -71,9 +71,9 @@ def digests(values: pa.Array, bits: int = 64, positions: np.ndarray | None = Non
         block[:, :longest] = np.frombuffer(buffers[2], np.uint8, count=end - base, offset=base).reshape(
             n, longest
         )
-        words = block.view("<u8")
+        columns = block.view("<u8")
         for w in range(width // 8):
-            h = _fmix((h * _STEP) ^ words[:, w])
+            h = _fmix((h * _STEP) ^ columns[:, w])
         return _finish(values, h, out, bits, positions)
     # Two words of zero padding: the last string's final read and its next word stay in bounds.
     padded = np.zeros((end - base) // 8 * 8 + 16, np.uint8)

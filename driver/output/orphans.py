@@ -141,7 +141,7 @@ def read_shard_record(store: ObjectStore, shard: int, keys: Mapping[int, str]) -
     return ShardRecord(
         shard,
         kinds,
-        frozenset(attempt_object(k).attempt for k in every),  # type: ignore[union-attr] - checked
+        frozenset(attempt_object(k).attempt for k in every),  # type: ignore[union-attr]  # checked above
         accounted,
         frozenset(k.split("/", 1)[0] + "/" for k in every),
         named_by,
