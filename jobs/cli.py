@@ -39,6 +39,7 @@ from ditfleet.driver.output.status import output_status
 from ditfleet.driver.run_job import OutputMismatch, validate_job_input
 from ditfleet.jobs.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from ditfleet.jobs.plan_command import cmd_plan
+from ditfleet.jobs.ray_auth import ClusterAuthError
 from ditfleet.jobs.run import check_memory, run
 from ditfleet.jobs.spec import SpecError, load_spec
 from ditfleet.jobs.submit import SubmitError
@@ -409,7 +410,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (SpecError, InputError, OutputMismatch, UsageError, LocationError, MemoryPlanError) as e:
+    except (
+        SpecError,
+        InputError,
+        OutputMismatch,
+        UsageError,
+        LocationError,
+        MemoryPlanError,
+        ClusterAuthError,
+    ) as e:
         _print_err(str(e))
         return EXIT_BAD_INPUT
     except StoreConfigError as e:  # found before any work: nothing written
