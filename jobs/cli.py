@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shlex
 import sys
 from collections.abc import Sequence
@@ -44,7 +45,7 @@ from ditfleet.jobs.run import check_memory, run
 from ditfleet.jobs.spec import SpecError, load_spec
 from ditfleet.jobs.submit import SubmitError
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH
-from ditfleet.workers.storage import S3Config, StoreConfigError, StoreError, open_store
+from ditfleet.workers.storage import ObjectStore, S3Config, StoreConfigError, StoreError, open_store
 
 
 class UsageError(ValueError):
@@ -57,6 +58,16 @@ def _print_err(message: str) -> None:
 
 def _store_args(args: argparse.Namespace) -> S3Config:
     return S3Config(endpoint_url=args.endpoint_url, region=args.region)
+
+
+def _open_output(args: argparse.Namespace) -> ObjectStore:
+    """The output an output command reads; a local path that is a file is a usage error."""
+    path = args.output.removeprefix("file://")
+    if "://" not in path and os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(
+            f"{args.output} is a file, not an output folder: give the folder a job wrote (its output.uri)"
+        )
+    return open_store(args.output, _store_args(args))
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -113,7 +124,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    status = output_status(open_store(args.output, _store_args(args)))
+    status = output_status(_open_output(args))
     if status.job is None and not status.committed:
         raise UsageError(f"{args.output}: no _job.json and no manifests: not a ditfleet output (yet)")
     print(json.dumps(status.to_dict(), indent=2) if args.json else status.format_text())
@@ -126,7 +137,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     if args.address and not args.ray:
         raise UsageError("verify --address is the cluster of --ray: give --ray too")
-    store = open_store(args.output, _store_args(args))
+    store = _open_output(args)
     checks, owned = None, False
     if args.ray:
         from ditfleet.driver.output.verify_ray import RayChecks
@@ -156,7 +167,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_compact(args: argparse.Namespace) -> int:
     from ditfleet.driver.output.compact import CompactionError, compact_output
 
-    store = open_store(args.output, _store_args(args))
+    store = _open_output(args)
     try:
         report = compact_output(store, rows_per_file=args.rows_per_file, row_group_rows=args.row_group_rows)
     except CompactionError as e:
@@ -168,7 +179,7 @@ def cmd_compact(args: argparse.Namespace) -> int:
 def cmd_preview(args: argparse.Namespace) -> int:
     from ditfleet.jobs.preview import write_preview
 
-    store = open_store(args.output, _store_args(args))
+    store = _open_output(args)
     shown = write_preview(store, args.out, limit=args.max, columns=args.columns)
     print(f"wrote {args.out}: {shown} images from {store.uri()}")
     return EXIT_OK
@@ -177,7 +188,7 @@ def cmd_preview(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from ditfleet.jobs.report import write_report
 
-    store = open_store(args.output, _store_args(args))
+    store = _open_output(args)
     try:
         data = write_report(store, args.html, samples=args.max)
     except ValueError as e:

@@ -44,6 +44,7 @@ computed block; DBCache with Fn 8 is the published setting for the quality end.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -165,7 +166,10 @@ def parse_step_cache(value: Any, key: str = SPEC_KEY) -> StepCacheConfig | None:
         raise StepCacheError(f"{key}.preset: unknown preset {preset!r}; use one of {list(PRESET_NAMES)}")
     unknown = sorted(set(fields) - set(_FIELDS))
     if unknown:
-        raise StepCacheError(f"{key}: unknown key(s) {unknown}; allowed: {['preset', *_FIELDS]}")
+        allowed = ["preset", *_FIELDS]
+        close = [m for u in unknown for m in difflib.get_close_matches(u, allowed, n=1, cutoff=0.6)]
+        hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
+        raise StepCacheError(f"{key}: unknown key(s) {unknown}{hint}; allowed: {allowed}")
     base = PRESETS[preset]
     if base is None:
         if fields:

@@ -7,6 +7,7 @@ line, so a user is sent to the line to fix, and an unknown key comes with the ke
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from pathlib import Path
@@ -101,8 +102,10 @@ def _describe(err: dict[str, Any], name: str, lines: dict[tuple[str, ...], int])
     where = f"{name}:{line}" if line else name
     kind = err["type"]
     if kind == "extra_forbidden":
-        allowed = ", ".join(_allowed_keys(loc[:-1]))
-        return f"{where}: {key}: unknown key; allowed here: {allowed}"
+        keys = _allowed_keys(loc[:-1])
+        close = difflib.get_close_matches(loc[-1], keys, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        return f"{where}: {key}: unknown key{hint}; allowed here: {', '.join(keys)}"
     if kind == "missing":
         return f"{where}: {key}: required, missing"
     message = str(err["msg"]).removeprefix("Value error, ")

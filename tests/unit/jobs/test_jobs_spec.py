@@ -43,11 +43,19 @@ def minimal(tmp_path: Path, extra: str = "") -> str:
     [
         (
             "workers:\n  min: 1\n  maxx: 4\n",
-            ["job.yaml:7: workers.maxx: unknown key; allowed here: min, max,"],
+            ["job.yaml:7: workers.maxx: unknown key (did you mean 'max'?); allowed here: min, max,"],
         ),
         ("workers:\n  min: two\n", ["job.yaml:6: workers.min:", "valid integer", "(got 'two')"]),
         ("sampling:\n  steps: 0\n", ["job.yaml:6: sampling.steps:", "greater than or equal to 1", "(got 0)"]),
-        ("output_dir: x\n", ["job.yaml:5: output_dir: unknown key; allowed here: name, input, output"]),
+        (
+            "output_dir: x\n",
+            ["job.yaml:5: output_dir: unknown key (did you mean 'output'?); allowed here: name, input, output"],
+        ),
+        ("workers:\n  zzz: 1\n", ["job.yaml:6: workers.zzz: unknown key; allowed here: min, max,"]),
+        (
+            "sampling:\n  step_cache: {preset: safe, treshold: 0.2}\n",
+            ["sampling.step_cache: unknown key(s) ['treshold'] (did you mean 'threshold'?); allowed:"],
+        ),
         ("buckets:\n  names: [100x100]\n", ["buckets.names", "not a positive multiple of 16"]),
         ("workers:\n  min: 3\n  max: 2\n", ["workers: max (2) must be >= min (3)"]),
         ("model:\n  dtype: fp16\n", ["model.dtype: Input should be 'auto', 'bf16' or 'fp32' (got 'fp16')"]),
