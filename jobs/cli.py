@@ -40,6 +40,7 @@ from ditfleet.driver.output.status import output_status
 from ditfleet.driver.run_job import OutputMismatch, validate_job_input
 from ditfleet.jobs.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from ditfleet.jobs.plan_command import cmd_plan
+from ditfleet.jobs.prompt_words import tiny_words_warning
 from ditfleet.jobs.ray_auth import ClusterAuthError
 from ditfleet.jobs.run import check_memory, run
 from ditfleet.jobs.spec import SpecError, load_spec
@@ -77,6 +78,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         raise InputError(report.errors, report.total)
     memory = check_memory(spec, args.job)
     print(f"{args.job}: ok: {report.rows} rows in {len(report.files)} file(s) under {spec.input_uri()}")
+    if (words := tiny_words_warning(spec)) is not None:
+        print(f"warning: {words}")
     if memory is not None:
         print(f"memory: fits {spec.workers.gpu_memory_gb:g} GB; worst: {memory.worst().describe()}")
     return EXIT_OK

@@ -20,6 +20,7 @@ from ditfleet.driver.locations import check_local_output_nodes
 from ditfleet.driver.memory_plan import JobMemoryPlan, job_memory_plan
 from ditfleet.driver.output.summary import JobSummary
 from ditfleet.driver.run_job import run_job
+from ditfleet.jobs.prompt_words import tiny_words_warning
 from ditfleet.jobs.ray_auth import check_gcs_token, refused
 from ditfleet.jobs.spec import JobSpec, load_spec
 from ditfleet.workers.storage import StoreError
@@ -133,6 +134,8 @@ def run(
     spec = job if isinstance(job, JobSpec) else load_spec(job)
     check_memory(spec, str(job) if not isinstance(job, JobSpec) else (spec.name or "the job"))
     driver, worker = spec.to_driver_config(), spec.to_worker_config()
+    if (words := tiny_words_warning(spec)) is not None:
+        _say(f"warning: {words}")
     if redo_shards:
         driver = dataclasses.replace(driver, redo_shards=tuple(redo_shards))
     started = False

@@ -276,3 +276,17 @@ def test_adapters_and_schedule_are_part_of_the_output_fingerprint(tmp_path):
     assert any(
         c.startswith("image_settings.scheduler_config:") for c in describe_differences(plain, lightning)
     )
+
+
+def test_a_spec_changed_in_code_is_a_validated_copy(tmp_path):
+    spec = load_spec(write_job(tmp_path, minimal(tmp_path, "sampling:\n  steps: 20\n  seed: 3\n")))
+    changed = spec.with_changes(name="short", sampling={"steps": 10}, output={"uri": str(tmp_path / "o2")})
+    assert (changed.name, changed.sampling.steps, changed.sampling.seed) == ("short", 10, 3)
+    assert changed.output.uri == str(tmp_path / "o2") and changed.input == spec.input
+    assert spec.sampling.steps == 20 and spec.name is None, "the original is left as it was"
+    with pytest.raises(SpecError, match=r"sampling.stepz: unknown key \(did you mean 'steps'\?\)"):
+        spec.with_changes(sampling={"stepz": 3})
+    with pytest.raises(SpecError, match=r"workers.min: Input should be greater than or equal to 1 \(got 0\)"):
+        spec.with_changes(workers={"min": 0})
+    with pytest.raises(TypeError, match=r"SamplingSpec.steps: a JobSpec is frozen; .*spec.with_changes"):
+        spec.sampling.steps = 3
