@@ -170,6 +170,7 @@ class JobProgress(DispatchEvents):
         self.errors: Counter = Counter()
         self.workers: dict[str, WorkerStats] = {}
         self.startup: dict[str, dict] = {}
+        self._said: set[str] = set()  # facts the actors report alike, said once per job
         self.actor_events: Counter = Counter()
         self.t0 = time.monotonic()
         self.first_result_at: float | None = None
@@ -259,6 +260,10 @@ class JobProgress(DispatchEvents):
         if fallbacks:
             parts.append(f"COMPILE FELL BACK TO EAGER: {fallbacks}")
         self.log(", ".join(parts))
+        shared = str(report.get("shared_compile_cache", ""))
+        if shared.startswith("off: ") and shared not in self._said:
+            self._said.add(shared)
+            self.log(f"compile cache: {shared.removeprefix('off: ')}")
 
     def actor_lost(self, worker_id: str, kind: str, error: str, starting: bool) -> None:
         self.actor_events["start_failed" if starting else "lost"] += 1

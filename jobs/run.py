@@ -49,11 +49,28 @@ def connect_ray(address: str | None) -> bool:
                 raise refused(target) from e
             raise
         return True
+    quiet_local_ray()
     with loopback_only():
         ray.init(
             address="local", include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING"
         )
     return True
+
+
+def quiet_local_ray() -> None:
+    """Keep a local run's log to what it says about the job.
+
+    Ray turns token authentication on for a new local cluster when RAY_AUTH_MODE is unset, and
+    warns on every run that it did; asking for it by name makes the same cluster (the token in
+    ~/.ray/auth_token, created if missing) without the warning. Ray colours the prefix of every
+    line it forwards from an actor: ANSI codes, also into a log file; off unless stderr is a
+    terminal (RAY_COLOR_PREFIX set by the user wins)."""
+    from ray._private.authentication.authentication_token_setup import _enable_token_auth
+
+    if "RAY_AUTH_MODE" not in os.environ:
+        _enable_token_auth()  # what Ray does by default, less its warning
+    if "RAY_COLOR_PREFIX" not in os.environ and not sys.stderr.isatty():
+        os.environ["RAY_COLOR_PREFIX"] = "0"
 
 
 _CLUSTER_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"

@@ -26,7 +26,7 @@ from ditfleet.model.family import model_family
 from ditfleet.model.guidance import negative_text
 from ditfleet.model.loader import load_text_encoder
 from ditfleet.workers.batch_fit import fit_batch_size
-from ditfleet.workers.cache_secret import read_cache_secret, say_shared_cache_off
+from ditfleet.workers.cache_secret import read_cache_secret
 from ditfleet.workers.contract import ShardAbandoned, ShardResult, WorkerConfig
 from ditfleet.workers.generate import (
     BatchGenerator,
@@ -125,12 +125,20 @@ class GenerationWorker:
         self.pipe = self._load_pipeline(self.model.local_path)
         self.text = place_text_encoder(self.pipe, self.model.local_path, config)
         load_s = time.perf_counter() - t_load
+        # Why the shared cache is off goes in the start-up report: the driver says it once per job.
         secret = read_cache_secret(config.compile_cache_key) if config.compile.shared_cache else None
-        if secret is not None and secret.key is None and (config.compile.vae or config.compile.dit):
-            say_shared_cache_off(secret.off_reason)
         self.compile_report = self._compile(secret.key if secret is not None else None)
         self.generator = BatchGenerator(self.pipe)  # its prompt length: the pipeline's settings
-        shared_cache = "off" if secret is None else ("on" if secret.key else f"off: {secret.off_reason}")
+        compiles = config.compile.vae or config.compile.dit
+        shared_cache = (
+            "off"
+            if secret is None
+            else "on"
+            if secret.key
+            else f"off: {secret.off_reason}"
+            if compiles
+            else "off"
+        )
         self.startup = self._startup_report(load_s, shared_cache, time.perf_counter() - t0)
         publish_phase(READY)
 
