@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -91,6 +92,7 @@ class JobPlan:
     buckets_used: tuple[str, ...]  # in the bucket set's order
     empty_files: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()  # for the log: nothing wrong with the input, but slow
+    images_per_bucket: Mapping[str, int] = field(default_factory=dict)  # in the bucket set's order
 
     def fingerprint_doc(self) -> dict[str, Any]:
         """The settings and input identities the fingerprint is computed over (stored in _job.json)."""
@@ -168,6 +170,7 @@ class ShardCutter:
         self._rows_in_shard = 0
         self._bucket_ids: set[int] = set()
         self._names: dict[frozenset[int], tuple[str, ...]] = {}
+        self.bucket_images: Counter[int] = Counter()  # bucket index -> images, over every shard
 
     def on_batch(self, file: InputFile, first_row: int, first_position: int, batch: pa.RecordBatch) -> None:
         if self._file is not file:
@@ -180,6 +183,7 @@ class ShardCutter:
         images = self._images_of(batch)
         bucket_ids = self._bucket_ids_of(batch)
         single = pc.unique(bucket_ids).to_pylist() if bucket_ids is not None else [0]
+        self._count_bucket_images(images, bucket_ids, single, batch.num_rows)
         size, n, at = self.config.shard_size, batch.num_rows, 0
         while at < n:
             row = first_row + at
@@ -197,6 +201,18 @@ class ShardCutter:
             at += take
             if (first_row + at) % size == 0:
                 self._emit()
+
+    def _count_bucket_images(
+        self, images: pa.Array | None, bucket_ids: pa.Array | None, single: list[int], rows: int
+    ) -> None:
+        for bucket in single:
+            if images is None:
+                n = rows if len(single) == 1 else pc.sum(pc.equal(bucket_ids, bucket)).as_py() or 0
+                self.bucket_images[bucket] += n * self.config.rows.num_images
+            elif len(single) == 1:
+                self.bucket_images[bucket] += pc.sum(images).as_py() or 0
+            else:
+                self.bucket_images[bucket] += pc.sum(pc.filter(images, pc.equal(bucket_ids, bucket))).as_py() or 0
 
     def finish_file(self) -> None:
         if self._rows_in_shard:
@@ -306,6 +322,7 @@ def plan_job(
         rows_per_file[s.file] = rows_per_file.get(s.file, 0) + s.num_rows
     inputs = input_identities(source, report.files, rows_per_file)
     buckets = config.rows.buckets
+    per_bucket: Counter[int] = sum((c.bucket_images for c in cutters), Counter())
     return JobPlan(
         config=config,
         source=source.uri,
@@ -316,6 +333,7 @@ def plan_job(
         buckets_used=tuple(b.name for i, b in enumerate(buckets) if i in used),
         empty_files=report.empty_files,
         warnings=tuple(row_group_warnings(source, report.files, config.shard_size)),
+        images_per_bucket={b.name: per_bucket[i] for i, b in enumerate(buckets) if i in used},
     )
 
 

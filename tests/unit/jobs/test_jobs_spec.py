@@ -49,7 +49,9 @@ def minimal(tmp_path: Path, extra: str = "") -> str:
         ("sampling:\n  steps: 0\n", ["job.yaml:6: sampling.steps:", "greater than or equal to 1", "(got 0)"]),
         (
             "output_dir: x\n",
-            ["job.yaml:5: output_dir: unknown key (did you mean 'output'?); allowed here: name, input, output"],
+            [
+                "job.yaml:5: output_dir: unknown key (did you mean 'output'?); allowed here: name, input, output"
+            ],
         ),
         ("workers:\n  zzz: 1\n", ["job.yaml:6: workers.zzz: unknown key; allowed here: min, max,"]),
         (
@@ -154,6 +156,26 @@ def test_cli_plan_prints_shards_and_buckets(tmp_path, capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["rows"] == 10 and info["shards"] == 3 and info["images"] == 10
     assert info["buckets"] == {"128x128": 2, "160x96": 1}
+    assert info["images_per_bucket"] == {"128x128": 6, "160x96": 4}
+    assert info["step_cache"] == {"setting": "off", "most_work_saved": 0.0, "line": "off (exact)"}
+    assert main(["plan", str(job)]) == 0
+    text = capsys.readouterr().out.splitlines()
+    assert "rows:    10, images: 10, in 3 shards of up to 4 rows" in text
+    assert "buckets: 128x128 6 images, 160x96 4 images" in text
+    assert (
+        sum(" shards " in line.split(":", 1)[-1] for line in text if not line.startswith(("input", "output")))
+        == 1
+    ), text
+
+
+def test_cli_plan_shows_the_step_cache_as_the_model_runs_it(tmp_path, capsys):
+    body = minimal(tmp_path, "sampling: {steps: 50, step_cache: safe}\n")
+    assert main(["plan", str(write_job(tmp_path, body))]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("step cache:")]
+    assert line.startswith("step cache: dbcache, threshold 0.12, compute_blocks 1 of 4, warm-up 8 steps")
+    # 50 steps, 8 warm-up and 1 exact last: 41 reusable, each skipping 3 of the tiny model's 4 blocks.
+    assert f"at most {41 / 50 * 3 / 4:.0%} of the DiT work saved at 50 steps" in line
+    assert "measure with `ditfleet calibrate" in line
 
 
 def _fake_output(root: Path, shards: int, planned: int) -> None:
