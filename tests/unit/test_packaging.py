@@ -3,6 +3,7 @@ the wheel carries the data a user's install needs (the tiny model, the example j
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -14,8 +15,12 @@ from tests.support.paths import REPO
 
 @pytest.mark.slow
 def test_the_wheel_builds_quietly_and_carries_the_data(tmp_path):
+    # Built from a copy: setuptools writes build/ and *.egg-info into the tree it builds.
+    source = tmp_path / "src"
+    skip = shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__", "out", ".*_cache")
+    shutil.copytree(REPO, source, ignore=skip)
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(REPO)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(source)],
         capture_output=True,
         text=True,
         timeout=600,
