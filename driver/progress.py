@@ -114,12 +114,19 @@ def starting_summary(phases: tuple[ActorPhase, ...]) -> str:
     """'1 compiling bucket 2/3 (512x512) 12s, 1 waiting for resources 40s': actors by phase, with
     the longest time one of them has spent in it."""
     counts: Counter = Counter()
-    longest: dict[str, float] = {}
+    longest: dict[tuple[str, str], float] = {}
     for p in phases:
-        label = p.describe()
-        counts[label] += 1
-        longest[label] = max(longest.get(label, 0.0), p.in_phase_s)
-    return ", ".join(f"{counts[k]} {k} {format_duration(longest[k])}" for k in longest)
+        key = (p.describe(), p.note)
+        counts[key] += 1
+        longest[key] = max(longest.get(key, 0.0), p.in_phase_s)
+
+    def one(key: tuple[str, str]) -> str:
+        label, note = key
+        text = f"{counts[key]} {label} {format_duration(longest[key])}"
+        # "12s of about 50 s (first run only)"; "2s (from this machine's compile cache)"
+        return text + (f" of {note}" if note.startswith("about") else f" ({note})" if note else "")
+
+    return ", ".join(one(k) for k in longest)
 
 
 def startup_notice(waited_s: float, phases: tuple[ActorPhase, ...], starting: int) -> str:

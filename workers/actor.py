@@ -21,6 +21,7 @@ import time
 import torch
 
 from ditfleet.compile import PreparedPipeline, compile_count, prepare_worker_pipeline
+from ditfleet.compile.config import first_compile_estimate_s
 from ditfleet.model import LoraSpec, TextToImagePipeline, load_pipeline, resolve_model_dir
 from ditfleet.model.family import model_family
 from ditfleet.model.guidance import negative_text
@@ -162,6 +163,7 @@ class GenerationWorker:
         """Compile and warm up every bucket the job uses, before the actor takes work."""
         config = self.config
         buckets = config.warmup_buckets or config.rows.buckets.names
+        estimate_s = first_compile_estimate_s(self.device.type, bool(config.compile.dit))
         return prepare_worker_pipeline(
             self.pipe,
             config.compile,
@@ -173,7 +175,9 @@ class GenerationWorker:
             batch_sizes=(self.batch_size,) if config.compile.dit else (1,),
             max_sequence_length=config.pipeline.max_sequence_length,
             expected_images=config.expected_images,
-            on_bucket=lambda i, n, name: publish_phase(COMPILING, bucket=i, buckets=n, name=name),
+            on_bucket=lambda i, n, name, first: publish_phase(
+                COMPILING, bucket=i, buckets=n, name=name, first=first, estimate_s=estimate_s
+            ),
         )
 
     def _startup_report(self, load_s: float, shared_cache: str, startup_s: float) -> dict:
