@@ -2,15 +2,17 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup system-deps run test test-fast check lint format-check deadcode typecheck bench selftest-rehearsal
+.PHONY: setup browser run test test-fast check lint format-check deadcode typecheck bench selftest-rehearsal
 
-# Headless Chromium (Debian's package) renders the job report in tests/integration/test_report.py.
-system-deps:
+# Headless Chromium (Debian's package) renders the job report in one test,
+# tests/integration/test_report.py::test_report_page_draws_plot_and_images (skipped without it).
+# Not part of setup: about a hundred apt packages for one test. .ci/run installs it.
+browser:
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
 	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$SUDO apt-get update && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y chromium; }
 
-setup: system-deps
+setup:
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0   # the CPU build; an unpinned torch pulls a CUDA build

@@ -4,10 +4,17 @@ Metadata and dependencies are in pyproject.toml; only the mapping, which needs a
 folders, is here.
 """
 
+import os
+
 from setuptools import find_packages, setup
 
 # model <- compile <- workers <- driver <- jobs (ARCHITECTURE.md); `ditfleet/` is the users' face.
 LAYERS = ("model", "compile", "workers", "driver", "jobs")
+# Folders of data files, not code: the bundled tiny model's weights, the example job, the published
+# model configs the tests read. Each folder is declared a (data-only) package with its files as
+# package data: setuptools warns about, and stops including in a later release, data in folders
+# that look like packages but are not declared as ones.
+DATA = {"model": "tiny/weights", "jobs": "examples", "ditfleet": "testing/published"}
 
 package_dir = {"ditfleet": "ditfleet"}
 # ditfleet.testing: the builders tests/ and bench/ share (random checkpoints, model folders, outputs).
@@ -17,4 +24,15 @@ for layer in LAYERS:
     packages.append(f"ditfleet.{layer}")
     packages += [f"ditfleet.{layer}.{sub}" for sub in find_packages(where=layer)]
 
-setup(package_dir=package_dir, packages=packages)
+package_data = {}
+for root, folder in DATA.items():
+    base = "ditfleet" if root == "ditfleet" else f"ditfleet.{root}"
+    for here, _dirs, files in os.walk(os.path.join(root, folder)):
+        if "__pycache__" in here or not files:
+            continue
+        name = ".".join([base, *os.path.relpath(here, root).split(os.sep)])
+        if name not in packages:
+            packages.append(name)
+        package_data[name] = [f for f in files if not f.endswith((".py", ".pyc"))]
+
+setup(package_dir=package_dir, packages=packages, package_data=package_data)

@@ -63,6 +63,11 @@ class BucketClaims:
         digest = hashlib.sha256(f"{self.key}\0{bucket}".encode()).hexdigest()[:24]
         return self.dir / f"{bucket}-{digest}.lock"
 
+    def compiled_before(self, bucket: str) -> bool:
+        """Whether a process on this machine has claimed the bucket before (its lock file stays):
+        then warm-up finds the bucket in the local compile cache and takes seconds, not a compile."""
+        return self.path(bucket).exists()
+
     def _open(self, bucket: str) -> int:
         self.dir.mkdir(parents=True, exist_ok=True)
         return os.open(self.path(bucket), os.O_RDWR | os.O_CREAT, 0o644)

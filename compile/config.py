@@ -31,6 +31,17 @@ AUTO_DIT_IMAGES_PER_BUCKET = 50
 # shared compile cache pays a few seconds instead. An estimate until the node self-test
 # (python -m ditfleet.workers.selftest, its compile lines) measures it.
 DIT_WARMUP_S_PER_BUCKET = (60, 120)
+# The first compile of a bucket's VAE decode into an empty Inductor cache on CPU actors: 55-57 s
+# per actor's first bucket with two actors at once on a 2-core machine, a few seconds for a bucket
+# this machine compiled before (the progress line says which).
+VAE_FIRST_COMPILE_S_CPU = 50
+
+
+def first_compile_estimate_s(device: str, dit: bool) -> int:
+    """About how long a bucket's first compile on a machine takes, for the progress line."""
+    if dit and device != "cpu":
+        return sum(DIT_WARMUP_S_PER_BUCKET) // 2
+    return VAE_FIRST_COMPILE_S_CPU
 
 Backend = str | Callable[..., Any]
 

@@ -75,7 +75,7 @@ def prepare_worker_pipeline(
     max_sequence_length: int = MAX_SEQUENCE_LENGTH,
     steps: int = 2,
     expected_images: int | None = None,
-    on_bucket: Callable[[int, int, str], None] | None = None,
+    on_bucket: Callable[[int, int, str, bool], None] | None = None,
 ) -> PreparedPipeline:
     """Compile and warm `pipe` for `buckets`, through the shared cache when a store and the
     secret key that authenticates its blobs are given.
@@ -83,7 +83,8 @@ def prepare_worker_pipeline(
     batch_sizes: the batch sizes warm-up runs; one is enough (the VAE decodes image by image,
     and a compiled DiT takes the batch size as a dynamic dimension).
     expected_images: images this actor is expected to make; decides compile.dit "auto".
-    on_bucket: called as (i, n, 'WxH') before warm-up of bucket i of n starts (progress).
+    on_bucket: called as (i, n, 'WxH', first) before warm-up of bucket i of n starts (progress;
+    first: not compiled on this machine before, compile.warmup).
     length_buckets: part of the shared cache key only (requests are not padded to them).
     """
     start = time.perf_counter()

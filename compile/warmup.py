@@ -89,7 +89,7 @@ def warm_up(
     true_cfg_scale: float = 4.0,
     max_sequence_length: int = MAX_SEQUENCE_LENGTH,
     seed: int = 0,
-    on_bucket: Callable[[int, int, str], None] | None = None,
+    on_bucket: Callable[[int, int, str, bool], None] | None = None,
     claims: BucketClaims | None = None,
 ) -> WarmupReport:
     """Run every bucket once per prompt and batch size; return times and compile counts.
@@ -97,7 +97,8 @@ def warm_up(
     prompts: encoded when the pipeline has a text encoder; without one, random embeddings of
     `embed_lengths` tokens stand in for them (and a one-token negative).
     batch_sizes: with the DiT compiled, one is enough (the batch is a dynamic dimension).
-    on_bucket: called as (i, n, 'WxH') before bucket i of n (from 1) starts, for progress.
+    on_bucket: called as (i, n, 'WxH', first) before bucket i of n (from 1) starts, for progress;
+    first: no process on this machine compiled the bucket before (with claims; else True).
     claims: coordinate with other processes on this machine so each bucket compiles once; the
     buckets are then warmed in claim order (those free first), not in the order given.
     """
@@ -123,9 +124,12 @@ def warm_up(
     timings: list[BucketWarmup] = []
     start_all, compiles_all = time.perf_counter(), compile_count()
 
+    # Read before any claim of this start creates a lock file.
+    before = {b.name for b in resolved if claims is not None and claims.compiled_before(b.name)}
+
     def announce(bucket: ResolutionBucket) -> None:
         if on_bucket is not None:
-            on_bucket(len(timings) + 1, len(resolved), bucket.name)
+            on_bucket(len(timings) + 1, len(resolved), bucket.name, bucket.name not in before)
 
     def warm(bucket: ResolutionBucket, outcome: ClaimOutcome) -> None:
         timings.append(_warm_bucket(pipe, bucket, outcome, cases, steps, true_cfg_scale, seed))

@@ -48,8 +48,28 @@ class ActorPhase:
     def describe(self) -> str:
         label = PHASE_LABELS.get(self.phase, self.phase)
         if self.phase == COMPILING and self.detail:
-            label = f"compiling {self.detail}"
+            label = f"compiling {self.detail.split(', ', 1)[0]}"
         return label
+
+    @property
+    def note(self) -> str:
+        """What a compiling bucket is expected to take ("about 50 s (first run only)"), or ""."""
+        if self.phase != COMPILING or ", " not in self.detail:
+            return ""
+        return self.detail.split(", ", 1)[1]
+
+
+def compiling_detail(published: dict) -> str:
+    """ "bucket 1/3 (160x96), about 50 s (first run only)" from what the actor published: how long
+    the bucket takes depends on whether this machine compiled it before."""
+    i, n, name = published.get("bucket"), published.get("buckets"), published.get("name")
+    text = f"bucket {i}/{n}" + (f" ({name})" if name else "")
+    first, estimate = published.get("first"), published.get("estimate_s")
+    if first is True and isinstance(estimate, (int, float)):
+        return f"{text}, about {estimate:.0f} s (first run only)"
+    if first is False:
+        return f"{text}, from this machine's compile cache"
+    return text
 
 
 def actor_id(handle: Any) -> str:
@@ -124,8 +144,7 @@ class PhaseTracker:
         if published is not None:
             phase = published["phase"]
             if phase == COMPILING:
-                i, n, name = published.get("bucket"), published.get("buckets"), published.get("name")
-                return phase, f"bucket {i}/{n}" + (f" ({name})" if name else "")
+                return phase, compiling_detail(published)
             return phase, ""
         placed = ray_placement(handle)
         if placed is not False:

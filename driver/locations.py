@@ -51,6 +51,21 @@ def _inside(child: str, parent: str, sep: str) -> bool:
     return child == parent or child.startswith(parent.rstrip(sep) + sep)
 
 
+def check_output_is_a_folder(output_uri: str) -> None:
+    """Refuse a local output that is a file, or lies under one (it would fail on the first write)."""
+    if is_s3(output_uri):
+        return
+    path = os.path.abspath(output_uri.removeprefix("file://"))
+    probe = path
+    while not os.path.lexists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        where = "is a file" if probe == path else f"lies under {probe}, which is a file"
+        raise LocationError(
+            f"output {output_uri} {where}, not a folder: give output.uri a folder (created if missing)"
+        )
+
+
 def check_output_outside_input(input_uri: str, output_uri: str) -> None:
     """Refuse an output that is the input directory or lies inside it (or the same on S3)."""
     if is_s3(input_uri) != is_s3(output_uri):
@@ -112,3 +127,4 @@ def check_locations(input_uri: str, output_uri: str) -> None:
     check_not_in_ray_package("input", input_uri)
     check_not_in_ray_package("output", output_uri)
     check_output_outside_input(input_uri, output_uri)
+    check_output_is_a_folder(output_uri)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -109,6 +110,7 @@ class JobPlan:
     buckets_used: tuple[str, ...]  # in the bucket set's order
     empty_files: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()  # for the log: nothing wrong with the input, but slow
+    images_per_bucket: Mapping[str, int] = field(default_factory=dict)  # in the bucket set's order
 
     def fingerprint_doc(self) -> dict[str, Any]:
         """The settings and input identities the fingerprint is computed over (stored in _job.json)."""
@@ -187,6 +189,7 @@ class ShardCutter:
         self._digest = RangeDigest()
         self._bucket_ids: set[int] = set()
         self._names: dict[frozenset[int], tuple[str, ...]] = {}
+        self.bucket_images: Counter[int] = Counter()  # bucket index -> images, over every shard
 
     def on_batch(self, file: InputFile, first_row: int, first_position: int, batch: pa.RecordBatch) -> None:
         if self._file is not file:
@@ -200,6 +203,7 @@ class ShardCutter:
         bucket_ids = self._bucket_ids_of(batch)
         content = prepare(batch, content_columns(batch.schema.names))
         single = pc.unique(bucket_ids).to_pylist() if bucket_ids is not None else [0]
+        self._count_bucket_images(images, bucket_ids, single, batch.num_rows)
         size, n, at = self.config.shard_size, batch.num_rows, 0
         while at < n:
             row = first_row + at
@@ -218,6 +222,18 @@ class ShardCutter:
             at += take
             if (first_row + at) % size == 0:
                 self._emit()
+
+    def _count_bucket_images(
+        self, images: pa.Array | None, bucket_ids: pa.Array | None, single: list[int], rows: int
+    ) -> None:
+        for bucket in single:
+            if images is None:
+                n = rows if len(single) == 1 else pc.sum(pc.equal(bucket_ids, bucket)).as_py() or 0
+                self.bucket_images[bucket] += n * self.config.rows.num_images
+            elif len(single) == 1:
+                self.bucket_images[bucket] += pc.sum(images).as_py() or 0
+            else:
+                self.bucket_images[bucket] += pc.sum(pc.filter(images, pc.equal(bucket_ids, bucket))).as_py() or 0
 
     def finish_file(self) -> None:
         if self._rows_in_shard:
@@ -332,6 +348,7 @@ def plan_job(
     digest_per_file = {uri: combine(d) for uri, d in shard_digests.items()}
     inputs = input_identities(source, report.files, rows_per_file, digest_per_file)
     buckets = config.rows.buckets
+    per_bucket: Counter[int] = sum((c.bucket_images for c in cutters), Counter())
     return JobPlan(
         config=config,
         source=source.uri,
@@ -342,6 +359,7 @@ def plan_job(
         buckets_used=tuple(b.name for i, b in enumerate(buckets) if i in used),
         empty_files=report.empty_files,
         warnings=tuple(row_group_warnings(source, report.files, config.shard_size)),
+        images_per_bucket={b.name: per_bucket[i] for i, b in enumerate(buckets) if i in used},
     )
 
 

@@ -114,12 +114,19 @@ def starting_summary(phases: tuple[ActorPhase, ...]) -> str:
     """'1 compiling bucket 2/3 (512x512) 12s, 1 waiting for resources 40s': actors by phase, with
     the longest time one of them has spent in it."""
     counts: Counter = Counter()
-    longest: dict[str, float] = {}
+    longest: dict[tuple[str, str], float] = {}
     for p in phases:
-        label = p.describe()
-        counts[label] += 1
-        longest[label] = max(longest.get(label, 0.0), p.in_phase_s)
-    return ", ".join(f"{counts[k]} {k} {format_duration(longest[k])}" for k in longest)
+        key = (p.describe(), p.note)
+        counts[key] += 1
+        longest[key] = max(longest.get(key, 0.0), p.in_phase_s)
+
+    def one(key: tuple[str, str]) -> str:
+        label, note = key
+        text = f"{counts[key]} {label} {format_duration(longest[key])}"
+        # "12s of about 50 s (first run only)"; "2s (from this machine's compile cache)"
+        return text + (f" of {note}" if note.startswith("about") else f" ({note})" if note else "")
+
+    return ", ".join(one(k) for k in longest)
 
 
 def startup_notice(waited_s: float, phases: tuple[ActorPhase, ...], starting: int) -> str:
@@ -170,6 +177,7 @@ class JobProgress(DispatchEvents):
         self.errors: Counter = Counter()
         self.workers: dict[str, WorkerStats] = {}
         self.startup: dict[str, dict] = {}
+        self._said: set[str] = set()  # facts the actors report alike, said once per job
         self.actor_events: Counter = Counter()
         self.t0 = time.monotonic()
         self.first_result_at: float | None = None
@@ -259,6 +267,10 @@ class JobProgress(DispatchEvents):
         if fallbacks:
             parts.append(f"COMPILE FELL BACK TO EAGER: {fallbacks}")
         self.log(", ".join(parts))
+        shared = str(report.get("shared_compile_cache", ""))
+        if shared.startswith("off: ") and shared not in self._said:
+            self._said.add(shared)
+            self.log(f"compile cache: {shared.removeprefix('off: ')}")
 
     def actor_lost(self, worker_id: str, kind: str, error: str, starting: bool) -> None:
         self.actor_events["start_failed" if starting else "lost"] += 1

@@ -225,8 +225,32 @@ def calibrate(
             "blocks": exact.blocks_computed,
             "adherence": exact.adherence,
         },
-        "presets": [r.to_dict(exact.wall_s) for r in results.values()],
+        "batch_size": batch,
+        "dit_layers": layers,
+        "presets": [
+            {**r.to_dict(exact.wall_s), "runs_as": configs[name].runs_as(layers)}
+            for name, r in results.items()
+        ],
     }
+
+
+# Wall time below this share of the work's speed-up gets a line saying why.
+_WALL_LAGS_WORK = 0.8
+
+
+def wall_lag_reason(preset: dict[str, Any], result: dict[str, Any]) -> str | None:
+    """One line when a preset's wall-time speed-up is well below its DiT-work speed-up: the
+    work a step cache saves is DiT blocks, and what else a step costs does not shrink."""
+    work, wall = preset["work_speedup"], preset["wall_speedup"]
+    if not work or wall >= _WALL_LAGS_WORK * work:
+        return None
+    return (
+        f"wall {wall:.2f}x against {work:.2f}x less DiT work: the cache saves DiT blocks only, and "
+        f"here a block is cheap ({result.get('dit_layers')} blocks, batch {result.get('batch_size')}, "
+        f"{result['steps']} steps) next to what every step still pays (the cache's own signal and "
+        "kept residuals, the text encoder, the VAE decode); on a large model at large sizes blocks "
+        "dominate and wall time follows the work"
+    )
 
 
 def format_calibration(result: dict[str, Any]) -> str:
@@ -251,7 +275,10 @@ def format_calibration(result: dict[str, Any]) -> str:
                 for k, v in p["adherence"].items()
             )
             lines.append(f"    adherence vs exact: {diffs}")
-        lines.append(f"    settings: {p['settings']}")
+        lines.append(f"    runs as: {p['runs_as']}")
+        lag = wall_lag_reason(p, result)
+        if lag is not None:
+            lines.append(f"    why: {lag}")
     lines.append(
         "  Quality is measured against the exact images of the same prompts and seeds; choose a preset "
         "whose cost you accept, on your own model, before a large job."

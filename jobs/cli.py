@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shlex
 import sys
 from collections.abc import Sequence
@@ -40,11 +41,13 @@ from ditfleet.driver.output.status import output_status
 from ditfleet.driver.run_job import OutputMismatch, validate_job_input
 from ditfleet.jobs.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from ditfleet.jobs.plan_command import cmd_plan
+from ditfleet.jobs.prompt_words import tiny_words_warning
+from ditfleet.jobs.ray_auth import ClusterAuthError
 from ditfleet.jobs.run import check_memory, run
 from ditfleet.jobs.spec import SpecError, load_spec
 from ditfleet.jobs.submit import SubmitError
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH
-from ditfleet.workers.storage import S3Config, StoreConfigError, StoreError, open_store
+from ditfleet.workers.storage import ObjectStore, S3Config, StoreConfigError, StoreError, open_store
 
 
 class UsageError(ValueError):
@@ -59,6 +62,16 @@ def _store_args(args: argparse.Namespace) -> S3Config:
     return S3Config(endpoint_url=args.endpoint_url, region=args.region)
 
 
+def _open_output(args: argparse.Namespace) -> ObjectStore:
+    """The output an output command reads; a local path that is a file is a usage error."""
+    path = args.output.removeprefix("file://")
+    if "://" not in path and os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(
+            f"{args.output} is a file, not an output folder: give the folder a job wrote (its output.uri)"
+        )
+    return open_store(args.output, _store_args(args))
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     spec = load_spec(args.job)
     report = validate_job_input(spec.to_driver_config())
@@ -66,6 +79,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         raise InputError(report.errors, report.total)
     memory = check_memory(spec, args.job)
     print(f"{args.job}: ok: {report.rows} rows in {len(report.files)} file(s) under {spec.input_uri()}")
+    if (words := tiny_words_warning(spec)) is not None:
+        print(f"warning: {words}")
     if memory is not None:
         print(f"memory: fits {spec.workers.gpu_memory_gb:g} GB; worst: {memory.worst().describe()}")
     return EXIT_OK
@@ -113,7 +128,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    status = output_status(open_store(args.output, _store_args(args)))
+    status = output_status(_open_output(args))
     if status.job is None and not status.committed:
         raise UsageError(f"{args.output}: no _job.json and no manifests: not a ditfleet output (yet)")
     print(json.dumps(status.to_dict(), indent=2) if args.json else status.format_text())
@@ -127,7 +142,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     if args.address and not args.ray:
         raise UsageError("verify --address is the cluster of --ray: give --ray too")
-    store = open_store(args.output, _store_args(args))
+    store = _open_output(args)
     checks, owned = None, False
     if args.ray:
         from ditfleet.driver.output.verify_ray import RayChecks
@@ -160,7 +175,7 @@ def cmd_compact(args: argparse.Namespace) -> int:
     from ditfleet.driver.output.lease import acquire_lease
     from ditfleet.jobs.knobs import lease_ttl_s
 
-    store = open_store(args.output, _store_args(args))
+    store = _open_output(args)
     try:
         # A writer like a driver: one at a time, and it stops if another takes the output; it
         # leaves a complete output complete, so its lease does not make _SUCCESS stale.
@@ -175,7 +190,7 @@ def cmd_compact(args: argparse.Namespace) -> int:
 def cmd_preview(args: argparse.Namespace) -> int:
     from ditfleet.jobs.preview import write_preview
 
-    store = open_store(args.output, _store_args(args))
+    store = _open_output(args)
     shown = write_preview(store, args.out, limit=args.max, columns=args.columns)
     print(f"wrote {args.out}: {shown} images from {store.uri()}")
     return EXIT_OK
@@ -184,7 +199,7 @@ def cmd_preview(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from ditfleet.jobs.report import write_report
 
-    store = open_store(args.output, _store_args(args))
+    store = _open_output(args)
     try:
         data = write_report(store, args.html, samples=args.max)
     except ValueError as e:
@@ -418,7 +433,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (SpecError, InputError, OutputMismatch, UsageError, LocationError, MemoryPlanError) as e:
+    except (
+        SpecError,
+        InputError,
+        OutputMismatch,
+        UsageError,
+        LocationError,
+        MemoryPlanError,
+        ClusterAuthError,
+    ) as e:
         _print_err(str(e))
         return EXIT_BAD_INPUT
     except StoreConfigError as e:  # found before any work: nothing written

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Sequence
+from pathlib import Path
 
 from ditfleet.driver.memory_plan import JobMemoryPlan
 from ditfleet.driver.run_job import plan_input, preview_increment
@@ -42,14 +43,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
         "actors": {"min": spec.workers.min, "max": spec.workers.max or spec.workers.min},
         "fingerprint": plan.fingerprint(),
     }
+    info["images_per_bucket"] = dict(plan.images_per_bucket)
     info["compile_dit"] = _dit_compile_plan(spec, plan.total_images, len(plan.bucket_usage))
+    info["step_cache"] = _step_cache_plan(spec, args.job)
     memory = memory_plan_of(spec)
     info["memory"] = memory.to_dict() if memory is not None else None
     if args.json:
         print(json.dumps(info, indent=2))
     else:
-        _print_plan_text(info, plan.bucket_usage, plan.warnings)
+        _print_plan_text(info, plan.images_per_bucket, plan.warnings)
         print(f"compile: {info['compile_dit']['line']}")
+        print(f"step cache: {info['step_cache']['line']}")
         _print_memory(memory, spec)
     if memory is not None and spec.workers.gpu_memory_gb is not None:
         memory.check(args.job)
@@ -81,11 +85,43 @@ def _dit_compile_plan(spec: JobSpec, images: int, buckets: int) -> dict:
     return {"setting": setting, "on": on, "warmup_s": list(warmup), "line": line}
 
 
-def _print_plan_text(info: dict, bucket_usage: dict[str, int], warnings: Sequence[str] = ()) -> None:
+def _step_cache_plan(spec: JobSpec, job: str) -> dict:
+    """sampling.step_cache as the model will run it, and the most DiT work its settings can save."""
+    from ditfleet.model.step_cache_config import parse_step_cache
+
+    config = parse_step_cache(spec.sampling.step_cache)
+    if config is None:
+        return {"setting": "off", "most_work_saved": 0.0, "line": "off (exact)"}
+    steps, layers = spec.sampling.steps, _dit_layers(spec)
+    if layers is None:
+        line = f"{config.method}: the model's depth is not read here; measure with `ditfleet calibrate {job}`"
+        return {"setting": config.to_dict(), "most_work_saved": None, "line": line}
+    most = config.most_work_saved(steps, layers)
+    line = (
+        f"{config.runs_as(layers)}: at most {most:.0%} of the DiT work saved at {steps} steps "
+        f"(from the settings; what it saves depends on the images: measure with `ditfleet calibrate {job}`)"
+    )
+    return {"setting": config.to_dict(), "most_work_saved": round(most, 4), "line": line}
+
+
+def _dit_layers(spec: JobSpec) -> int | None:
+    """The DiT's block count from its config.json, for a local (or the bundled) model."""
+    from ditfleet.model.folder import TINY_MODEL_DIR
+
+    path = spec.model_path()
+    if "://" in path:
+        return None
+    root = TINY_MODEL_DIR if path == "tiny" else Path(path)
+    try:
+        return int(json.loads((root / "transformer" / "config.json").read_text())["num_layers"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _print_plan_text(info: dict, images_per_bucket: dict[str, int], warnings: Sequence[str] = ()) -> None:
     print(f"input:   {info['input']} ({info['files']} file(s))")
-    print(f"rows:    {info['rows']}, images: {info['images']}")
-    print(f"shards:  {info['shards']} of up to {info['shard_size']} rows")
-    print("buckets: " + ", ".join(f"{b} ({n} shards)" for b, n in bucket_usage.items()))
+    print(f"rows:    {info['rows']}, images: {info['images']}, in {info['shards']} shards of up to {info['shard_size']} rows")
+    print("buckets: " + ", ".join(f"{b} {n} images" for b, n in images_per_bucket.items()))
     print(f"output:  {info['output']}")
     print(f"actors:  {info['actors']['min']}..{info['actors']['max']}")
     for warning in warnings:

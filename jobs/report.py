@@ -16,12 +16,14 @@ from __future__ import annotations
 import base64
 import html
 import io
+import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from ditfleet.driver.output.job_file import read_job_file
 from ditfleet.driver.output.success import success_file
-from ditfleet.driver.output.summary import fleet_line
+from ditfleet.driver.output.summary import RATE_NAME, fleet_line, generation_rate
 from ditfleet.jobs.preview import collect
 from ditfleet.workers.output.manifest import read_manifests
 from ditfleet.workers.storage import ObjectStore
@@ -40,6 +42,7 @@ class ReportData:
     rows: list[dict[str, Any]]  # manifest rows (without prompts' pass-through columns)
     # (label, prompt, jpeg thumbnail, (width, height) to show it at: fit into THUMB x THUMB)
     samples: list[tuple[str, str, bytes, tuple[int, int]]] = field(default_factory=list)
+    spec: dict[str, Any] | None = None  # the resolved job spec from _job.json
 
 
 def load_report_data(store: ObjectStore, samples: int = SAMPLES) -> ReportData:
@@ -47,7 +50,9 @@ def load_report_data(store: ObjectStore, samples: int = SAMPLES) -> ReportData:
     summary = success_file(store).doc  # None: not finished yet (or a stale _SUCCESS)
     table = read_manifests(store)
     if table.num_rows == 0:
-        raise ValueError(f"{store.uri()} has no committed manifests yet: nothing to report; run the job first")
+        raise ValueError(
+            f"{store.uri()} has no committed manifests yet: nothing to report; run the job first"
+        )
     columns = ["id", "k", "prompt", "status", "error", "worker", "shard", "attempt", "bucket", "generate_s"]
     rows = table.select(columns).to_pylist()
     thumbs = []
@@ -60,7 +65,30 @@ def load_report_data(store: ObjectStore, samples: int = SAMPLES) -> ReportData:
         scale = THUMB / max(image.image.size)  # small images are shown enlarged, pixelated
         shown = (round(image.image.width * scale), round(image.image.height * scale))
         thumbs.append((label, image.prompt, buf.getvalue(), shown))
-    return ReportData(store.uri(), summary, rows, thumbs)
+    job = read_job_file(store) or {}
+    spec = job.get("spec") if isinstance(job.get("spec"), dict) else None
+    return ReportData(store.uri(), summary, rows, thumbs, spec)
+
+
+def job_header(spec: dict[str, Any] | None) -> str:
+    """The job in one line: name, model, steps, CFG, seed, step cache (from _job.json)."""
+    if not spec:
+        return "job settings unknown: the output has no _job.json"
+    sampling = spec.get("sampling") or {}
+    cache = sampling.get("step_cache", "off")
+    cache_text = cache if isinstance(cache, str) else ", ".join(f"{k} {v}" for k, v in cache.items())
+    return " · ".join(
+        [
+            f"job {spec.get('name') or '(unnamed)'}",
+            f"model {(spec.get('model') or {}).get('path', '?')}",
+            f"{sampling.get('steps', '?')} steps",
+            f"CFG {sampling.get('true_cfg_scale', '?'):g}"
+            if isinstance(sampling.get("true_cfg_scale"), (int, float))
+            else "CFG ?",
+            f"seed {sampling.get('seed', '?')}",
+            f"step cache {cache_text}",
+        ]
+    )
 
 
 # -- numbers ---------------------------------------------------------------------------------------
@@ -79,7 +107,7 @@ def worker_timelines(rows: list[dict[str, Any]]) -> dict[str, list[tuple[float, 
             times = runs[worker][key]
             busy = sum(times)
             t += busy
-            points.append((t, len(times) / busy if busy > 0 else 0.0))
+            points.append((t, generation_rate(len(times), busy)))
         out[worker] = points
     return out
 
@@ -96,14 +124,33 @@ def _axes(x_max: float, y_max: float, x_label: str, y_label: str) -> list[str]:
         f'<text x="14" y="{(h - m) / 2}" text-anchor="middle" transform="rotate(-90 14 {(h - m) / 2})">'
         f"{html.escape(y_label)}</text>",
     ]
-    for i in range(5):
-        fx, fy = i / 4, i / 4
-        x = m + fx * (w - 10 - m)
-        y = h - m - fy * (h - m - 10)
-        parts.append(f'<text x="{x:.1f}" y="{h - m + 16}" text-anchor="middle">{fx * x_max:.3g}</text>')
-        parts.append(f'<text x="{m - 4}" y="{y + 4:.1f}" text-anchor="end">{fy * y_max:.3g}</text>')
+    for tick in round_ticks(x_max):
+        x = m + tick / x_max * (w - 10 - m)
+        parts.append(f'<text x="{x:.1f}" y="{h - m + 16}" text-anchor="middle">{tick:g}</text>')
+    for tick in round_ticks(y_max):
+        y = h - m - tick / y_max * (h - m - 10)
+        parts.append(f'<text x="{m - 4}" y="{y + 4:.1f}" text-anchor="end">{tick:g}</text>')
         parts.append(f'<line x1="{m}" y1="{y:.1f}" x2="{w - 10}" y2="{y:.1f}" stroke="#ddd"/>')
     return parts
+
+
+def _round_step(top: float, ticks: int = 4) -> float:
+    """A round tick step (1, 2, 2.5 or 5 times a power of ten) giving about `ticks` ticks to `top`."""
+    raw = max(top, 1e-9) / ticks
+    power = 10 ** math.floor(math.log10(raw))
+    return next(f * power for f in (1, 2, 2.5, 5, 10) if f * power >= raw)
+
+
+def round_top(top: float) -> float:
+    """`top` rounded up to a whole number of round tick steps: where an axis ends."""
+    step = _round_step(top)
+    return max(1, math.ceil(round(top / step, 9))) * step
+
+
+def round_ticks(top: float) -> list[float]:
+    """Round tick values from 0 to `top` (an axis end from round_top)."""
+    step = _round_step(top)
+    return [round(i * step, 9) for i in range(int(round(top / step, 9)) + 1)]
 
 
 def rate_plot_svg(timelines: dict[str, list[tuple[float, float]]]) -> str:
@@ -112,14 +159,18 @@ def rate_plot_svg(timelines: dict[str, list[tuple[float, float]]]) -> str:
     span = max((pts[-1][0] for pts in curves.values() if pts), default=0.0)
     y_max = max((r for c in curves.values() for _, r in c), default=0.0) * 1.1 or 1.0
     w, h, m = _PLOT_W, _PLOT_H, _MARGIN
-    parts = _axes(span or 1.0, y_max, "generation time on the worker (s)", "images / s")
+    span, y_max = round_top(span), round_top(y_max)
+    parts = _axes(span, y_max, "generation time on the worker (s)", RATE_NAME)
     legend = []
     for i, (worker, curve) in enumerate(curves.items()):
         colour = _COLOURS[i % len(_COLOURS)]
         points = " ".join(
-            f"{m + t / (span or 1.0) * (w - 10 - m):.1f},{h - m - r / y_max * (h - m - 10):.1f}" for t, r in curve
+            f"{m + t / (span or 1.0) * (w - 10 - m):.1f},{h - m - r / y_max * (h - m - 10):.1f}"
+            for t, r in curve
         )
-        parts.append(f'<polyline class="rate" fill="none" stroke="{colour}" stroke-width="2" points="{points}"/>')
+        parts.append(
+            f'<polyline class="rate" fill="none" stroke="{colour}" stroke-width="2" points="{points}"/>'
+        )
         for t, r in curve:
             x, y = m + t / (span or 1.0) * (w - 10 - m), h - m - r / y_max * (h - m - 10)
             parts.append(f'<circle class="shard" cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{colour}"/>')
@@ -134,7 +185,7 @@ def rate_plot_svg(timelines: dict[str, list[tuple[float, float]]]) -> str:
 def worker_bars_svg(per_worker: dict[str, tuple[int, float]]) -> str:
     """A horizontal bar per worker: images per second of generation time (label: images)."""
     items = sorted(per_worker.items())
-    rates = {wk: (n / s if s > 0 else 0.0) for wk, (n, s) in items}
+    rates = {wk: generation_rate(n, s) for wk, (n, s) in items}
     top = max(rates.values(), default=0.0) or 1.0
     bar_h, label_w, w = 22, 260, _PLOT_W
     h = bar_h * len(items) + 10
@@ -142,13 +193,15 @@ def worker_bars_svg(per_worker: dict[str, tuple[int, float]]) -> str:
     for i, (worker, (n, _busy)) in enumerate(items):
         y = 5 + i * bar_h
         length = rates[worker] / top * (w - label_w - 170)
-        parts.append(f'<text x="{label_w - 6}" y="{y + 15}" text-anchor="end">{html.escape(worker[-36:])}</text>')
+        parts.append(
+            f'<text x="{label_w - 6}" y="{y + 15}" text-anchor="end">{html.escape(worker[-36:])}</text>'
+        )
         parts.append(
             f'<rect class="bar" x="{label_w}" y="{y + 3}" width="{max(length, 1):.1f}" height="{bar_h - 6}" '
             f'fill="{_COLOURS[i % len(_COLOURS)]}"/>'
         )
         parts.append(
-            f'<text x="{label_w + length + 6:.1f}" y="{y + 15}">{rates[worker]:.2f} img/s ({n} images)</text>'
+            f'<text x="{label_w + length + 6:.1f}" y="{y + 15}">{rates[worker]:.2f} {RATE_NAME} ({n} images)</text>'
         )
     return (
         f'<svg id="worker-bars" xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
@@ -196,7 +249,9 @@ def startup_rows(summary: dict[str, Any] | None) -> list[list[Any]]:
                 _seconds(comp.get("seconds")),
                 ", ".join(f"{b} {s:.1f} s" for b, s in per_bucket.items()) or _seconds(r.get("warmup_s")),
                 warm.get("compiles", "-"),
-                (comp.get("cache_load") or {}).get("status", "-") if isinstance(comp.get("cache_load"), dict) else "-",
+                (comp.get("cache_load") or {}).get("status", "-")
+                if isinstance(comp.get("cache_load"), dict)
+                else "-",
                 f"{r.get('device', '')} {r.get('dtype', '')}".strip() or "-",
             ]
         )
@@ -248,10 +303,12 @@ def _step_cache_rows(s: dict[str, Any] | None) -> list[list[Any]]:
     sc = (s or {}).get("step_cache") or {}
     if not sc.get("blocks_computed"):
         return []
-    return [[
-        "step cache",
-        f"{sc['reused_share']:.1%} of DiT block evaluations reused ({sc['work_speedup']:.2f}x less DiT work)",
-    ]]
+    return [
+        [
+            "step cache",
+            f"{sc['reused_share']:.1%} of DiT block evaluations reused ({sc['work_speedup']:.2f}x less DiT work)",
+        ]
+    ]
 
 
 def _per_worker(rows: list[dict[str, Any]]) -> dict[str, tuple[int, float]]:
@@ -307,7 +364,10 @@ def render_html(data: ReportData) -> str:
     failures_by_error = _table(["error", "count"], [[e, c] for e, c in errors.most_common()], "errors")
     failure_table = _table(
         ["shard", "id", "k", "attempt", "worker", "error"],
-        [[r["shard"], r["id"], r["k"], r["attempt"], r["worker"], r["error"] or "?"] for r in failed[:MAX_FAILURE_ROWS]],
+        [
+            [r["shard"], r["id"], r["k"], r["attempt"], r["worker"], r["error"] or "?"]
+            for r in failed[:MAX_FAILURE_ROWS]
+        ],
         "failures",
     )
     shard_table = _failed_shards_table(s)
@@ -318,6 +378,7 @@ def render_html(data: ReportData) -> str:
 <html lang="en"><head><meta charset="utf-8"><title>ditfleet report: {html.escape(data.output)}</title>
 <style>{_CSS}</style></head><body>
 <h1>ditfleet job report</h1>
+<p id="job">{html.escape(job_header(data.spec))}</p>
 <h2>Summary</h2>{_table(None, summary_rows, "summary")}
 <h2>Failures by error</h2>{failures_by_error if errors else '<p class="ok">No failures.</p>'}
 <h2>Images per second over time</h2>
@@ -325,10 +386,10 @@ def render_html(data: ReportData) -> str:
 on its worker's timeline, which lays the worker's shards end to end in shard order by the generation
 times in the manifests (they record durations, not clock times); start-up and waits are not on it.</p>
 {rate_plot_svg(timelines)}
-<h2>Images per second per worker</h2>{worker_bars_svg(per_worker)}
+<h2>Speed per worker ({RATE_NAME}, as <code>ditfleet run</code> prints it)</h2>{worker_bars_svg(per_worker)}
 <h2>Start-up costs per actor</h2>{startup_html}
 <h2>Failed images{more}</h2>{failure_table if failed else '<p class="ok">No failed images.</p>'}
-{'<h2>Failed shards</h2>' + shard_table if shard_table else ''}
+{"<h2>Failed shards</h2>" + shard_table if shard_table else ""}
 <h2>Sample images</h2><div class="grid" id="samples">{cells}</div>
 </body></html>
 """

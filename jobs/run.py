@@ -20,6 +20,8 @@ from ditfleet.driver.locations import check_local_output_nodes
 from ditfleet.driver.memory_plan import JobMemoryPlan, job_memory_plan
 from ditfleet.driver.output.summary import JobSummary
 from ditfleet.driver.run_job import run_job
+from ditfleet.jobs.prompt_words import tiny_words_warning
+from ditfleet.jobs.ray_auth import check_gcs_token, refused
 from ditfleet.jobs.spec import JobSpec, load_spec
 from ditfleet.workers.storage import StoreError
 from ditfleet.workers.storage.input_files import is_s3
@@ -38,17 +40,37 @@ def connect_ray(address: str | None) -> bool:
     if ray.is_initialized():
         return False
     if address or os.environ.get("RAY_ADDRESS"):
+        target = address or os.environ.get("RAY_ADDRESS", "")
+        check_gcs_token(target)
         try:
             ray.init(address=address, logging_level="WARNING")  # None: Ray reads RAY_ADDRESS
         except Exception as e:
-            _refused_for_the_token(address or os.environ.get("RAY_ADDRESS", ""), e)
+            if any(words in str(e).lower() for words in _TOKEN_REFUSALS):
+                raise refused(target) from e
             raise
         return True
+    quiet_local_ray()
     with loopback_only():
         ray.init(
             address="local", include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING"
         )
     return True
+
+
+def quiet_local_ray() -> None:
+    """Keep a local run's log to what it says about the job.
+
+    Ray turns token authentication on for a new local cluster when RAY_AUTH_MODE is unset, and
+    warns on every run that it did; asking for it by name makes the same cluster (the token in
+    ~/.ray/auth_token, created if missing) without the warning. Ray colours the prefix of every
+    line it forwards from an actor: ANSI codes, also into a log file; off unless stderr is a
+    terminal (RAY_COLOR_PREFIX set by the user wins)."""
+    from ray._private.authentication.authentication_token_setup import _enable_token_auth
+
+    if "RAY_AUTH_MODE" not in os.environ:
+        _enable_token_auth()  # what Ray does by default, less its warning
+    if "RAY_COLOR_PREFIX" not in os.environ and not sys.stderr.isatty():
+        os.environ["RAY_COLOR_PREFIX"] = "0"
 
 
 _CLUSTER_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
@@ -83,25 +105,8 @@ def loopback_only() -> Iterator[None]:
             os.environ[_CLUSTER_SWITCH] = saved_env
 
 
-class ClusterAuthError(ValueError):
-    """The cluster wants Ray's authentication token and this process has none (or a wrong one):
-    a setting to fix, not a failure to retry."""
-
-
 # What Ray says when token authentication refuses a client (ray._private.authentication).
 _TOKEN_REFUSALS = ("authentication token", "unauthenticated", "unauthorized")
-
-
-def _refused_for_the_token(address: str, error: BaseException) -> None:
-    text = str(error)
-    if not any(words in text.lower() for words in _TOKEN_REFUSALS):
-        return
-    raise ClusterAuthError(
-        f"the Ray cluster at {address} refused this driver: it needs Ray's authentication token "
-        f"({text.strip().splitlines()[0] if text.strip() else type(error).__name__}). Set "
-        "RAY_AUTH_MODE=token and the cluster's token in RAY_AUTH_TOKEN (or a file named by "
-        "RAY_AUTH_TOKEN_PATH, default ~/.ray/auth_token), then run the same command again"
-    ) from error
 
 
 def alive_ray_nodes() -> int:
@@ -146,6 +151,8 @@ def run(
     spec = job if isinstance(job, JobSpec) else load_spec(job)
     check_memory(spec, str(job) if not isinstance(job, JobSpec) else (spec.name or "the job"))
     driver, worker = spec.to_driver_config(), spec.to_worker_config()
+    if (words := tiny_words_warning(spec)) is not None:
+        _say(f"warning: {words}")
     if redo_shards:
         driver = dataclasses.replace(driver, redo_shards=tuple(redo_shards))
     started = False
@@ -158,6 +165,8 @@ def run(
 
     try:
         on_cluster = bool(address or os.environ.get("RAY_ADDRESS"))
+        if on_cluster:  # a cluster that wants a token refuses the job now, before anything is written
+            check_gcs_token(address or os.environ.get("RAY_ADDRESS", ""))
         if on_cluster and not is_s3(driver.output_uri) and not spec.output.shared_filesystem:
             connect()  # before anything is written: a local output needs a one-node cluster
             check_local_output_nodes(driver.output_uri, False, alive_ray_nodes())

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from ditfleet.jobs.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
+from ditfleet.jobs.ray_auth import refused
 
 MAX_ID_CHARS = 100
 _UNSAFE = re.compile(r"[^a-z0-9_-]+")
@@ -79,11 +80,14 @@ class SlotSubmitter:
     """Submits, finds and follows the job of one (job name, slot) on one cluster."""
 
     def __init__(self, address: str | None, out: TextIO | None = None) -> None:
+        from ray.exceptions import AuthenticationError
         from ray.job_submission import JobSubmissionClient
 
         self.out = out if out is not None else sys.stderr
         try:
             self.client = JobSubmissionClient(address)
+        except AuthenticationError:
+            raise refused(address or os.environ.get("RAY_ADDRESS", "(RAY_ADDRESS)")) from None
         except (ConnectionError, RuntimeError, ValueError) as e:
             raise SubmitError(
                 f"cannot reach the Ray job server at {address or '(RAY_ADDRESS)'}: {e}. Check --address "

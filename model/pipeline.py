@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import typing
 from collections.abc import Sequence
 
@@ -14,7 +15,11 @@ from .scheduler import SchedulerConfig
 from .settings import DEFAULT_PIPELINE, MAX_SEQUENCE_LENGTH, CfgMode, PipelineSettings
 from .step_hooks import StepHook
 from .text_encoder import TextEncoder
+from .tiny.known_words import known_of, unknown_words, unknown_words_warning
+from .tiny.text_encoder import WordTokenizer
 from .transformer import QwenImageTransformer
+
+_log = logging.getLogger(__name__)
 
 # The keyword arguments of `generate` that carry text: prompt_embeds, prompt_embeds_mask,
 # negative_prompt_embeds, negative_prompt_embeds_mask (the last two None without CFG).
@@ -96,6 +101,13 @@ class TextToImagePipeline:
             )
         embeds, mask = self.text_encoder.encode(list(prompts), max_length)
         return embeds.to(self.device, self.dtype), mask.to(self.device)
+
+    def unknown_words(self, prompts: Sequence[str]) -> list[str]:
+        """Words of `prompts` a word-level (tiny) text encoder does not know; [] for any other."""
+        tokenizer = getattr(self.text_encoder, "tokenizer", None)
+        if not isinstance(tokenizer, WordTokenizer):
+            return []
+        return unknown_words(prompts, known_of(tokenizer.vocab))
 
     def count_tokens(self, prompts: Sequence[str], max_length: int = MAX_SEQUENCE_LENGTH) -> list[int] | None:
         """Each prompt's embedding length, from the tokenizer alone; None if the encoder can't say."""
@@ -183,6 +195,10 @@ class TextToImagePipeline:
             raise ValueError(
                 "pass negative_prompt (text) with prompt, negative_prompt_embeds with prompt_embeds"
             )
+        if prompt is not None and (unknown := self.unknown_words(prompt)):
+            known = known_of(self.text_encoder.tokenizer.vocab)  # type: ignore[union-attr]
+            with_unknown = sum(1 for p in prompt if unknown_words([p], known))
+            _log.warning(unknown_words_warning(unknown, with_unknown, len(prompt)))
         inputs: GuidanceInputs = (
             self.encode_guidance(prompt, negative_prompt, true_cfg_scale, max_sequence_length)
             if prompt is not None

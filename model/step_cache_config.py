@@ -44,6 +44,7 @@ computed block; DBCache with Fn 8 is the published setting for the quality end.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -121,6 +122,31 @@ class StepCacheConfig:
             return f"a model of {num_layers} block has nothing to skip"
         return None
 
+    def most_work_saved(self, steps: int, num_layers: int) -> float:
+        """The largest share of a schedule's DiT block work these settings can save: every step
+        the warm-up, the exact last steps and the cap on reused steps in a row leave open is
+        reused, and a reused dbcache pass still computes its first blocks. What a job saves is
+        at most this and depends on its images (the threshold): `ditfleet calibrate` measures it."""
+        if self.inactive_reason(steps, num_layers) is not None:
+            return 0.0
+        open_steps = steps - max(1, self.warmup_steps) - self.exact_last_steps
+        k = self.max_consecutive_skips
+        reused = open_steps if k < 0 else open_steps * k // (k + 1)
+        skipped_blocks = 1.0 - self.compute_blocks_for(num_layers) / num_layers
+        return reused / steps * skipped_blocks
+
+    def runs_as(self, num_layers: int) -> str:
+        """The settings as the model runs them (compute_blocks clipped to its depth), in words."""
+        parts = [f"{self.method}, threshold {self.threshold:g}"]
+        if self.method == "dbcache":
+            parts.append(f"compute_blocks {self.compute_blocks_for(num_layers)} of {num_layers}")
+        if self.taylorseer_order:
+            parts.append(f"TaylorSeer order {self.taylorseer_order}")
+        parts.append(f"warm-up {self.warmup_steps} steps, last {self.exact_last_steps} exact")
+        if self.max_consecutive_skips >= 0:
+            parts.append(f"at most {self.max_consecutive_skips} reused in a row")
+        return ", ".join(parts)
+
     def to_dict(self) -> dict[str, Any]:
         """The settings that act: the field of the other method is left out (a fingerprint must
         not change with a number the images never saw)."""
@@ -165,7 +191,10 @@ def parse_step_cache(value: Any, key: str = SPEC_KEY) -> StepCacheConfig | None:
         raise StepCacheError(f"{key}.preset: unknown preset {preset!r}; use one of {list(PRESET_NAMES)}")
     unknown = sorted(set(fields) - set(_FIELDS))
     if unknown:
-        raise StepCacheError(f"{key}: unknown key(s) {unknown}; allowed: {['preset', *_FIELDS]}")
+        allowed = ["preset", *_FIELDS]
+        close = [m for u in unknown for m in difflib.get_close_matches(u, allowed, n=1, cutoff=0.6)]
+        hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
+        raise StepCacheError(f"{key}: unknown key(s) {unknown}{hint}; allowed: {allowed}")
     base = PRESETS[preset]
     if base is None:
         if fields:

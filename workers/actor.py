@@ -21,11 +21,12 @@ import time
 import torch
 
 from ditfleet.compile import PreparedPipeline, compile_count, prepare_worker_pipeline
+from ditfleet.compile.config import first_compile_estimate_s
 from ditfleet.model import LoraSpec, TextToImagePipeline, load_pipeline, resolve_model_dir
 from ditfleet.model.family import model_family
 from ditfleet.model.loader import load_text_encoder
 from ditfleet.workers.batch_fit import fit_batch_size
-from ditfleet.workers.cache_secret import read_cache_secret, say_shared_cache_off
+from ditfleet.workers.cache_secret import read_cache_secret
 from ditfleet.workers.contract import ShardAbandoned, ShardResult, WorkerConfig
 from ditfleet.workers.generate import (
     BatchGenerator,
@@ -131,12 +132,20 @@ class GenerationWorker:
         self.pipe = self._load_pipeline(self.model.local_path)
         self.text = place_text_encoder(self.pipe, self.model.local_path, config)
         load_s = time.perf_counter() - t_load
+        # Why the shared cache is off goes in the start-up report: the driver says it once per job.
         secret = read_cache_secret(config.compile_cache_key) if config.compile.shared_cache else None
-        if secret is not None and secret.key is None and (config.compile.vae or config.compile.dit):
-            say_shared_cache_off(secret.off_reason)
         self.compile_report = self._compile(secret.key if secret is not None else None)
         self.generator = BatchGenerator(self.pipe)  # its prompt length: the pipeline's settings
-        shared_cache = "off" if secret is None else ("on" if secret.key else f"off: {secret.off_reason}")
+        compiles = config.compile.vae or config.compile.dit
+        shared_cache = (
+            "off"
+            if secret is None
+            else "on"
+            if secret.key
+            else f"off: {secret.off_reason}"
+            if compiles
+            else "off"
+        )
         self.startup = self._startup_report(load_s, shared_cache, time.perf_counter() - t0)
         publish_phase(READY)
 
@@ -160,6 +169,7 @@ class GenerationWorker:
         """Compile and warm up every bucket the job uses, before the actor takes work."""
         config = self.config
         buckets = config.warmup_buckets or config.rows.buckets.names
+        estimate_s = first_compile_estimate_s(self.device.type, bool(config.compile.dit))
         return prepare_worker_pipeline(
             self.pipe,
             config.compile,
@@ -171,7 +181,9 @@ class GenerationWorker:
             batch_sizes=(self.batch_size,) if config.compile.dit else (1,),
             max_sequence_length=config.pipeline.max_sequence_length,
             expected_images=config.expected_images,
-            on_bucket=lambda i, n, name: publish_phase(COMPILING, bucket=i, buckets=n, name=name),
+            on_bucket=lambda i, n, name, first: publish_phase(
+                COMPILING, bucket=i, buckets=n, name=name, first=first, estimate_s=estimate_s
+            ),
         )
 
     def _startup_report(self, load_s: float, shared_cache: str, startup_s: float) -> dict:

@@ -15,8 +15,9 @@ group or others is refused, an environment variable that this actor got from a R
 environment is used with a warning, and well-known variables (PATH, HOME, ...) are refused:
 their values are no secret.
 
-Without a usable key the shared compile cache is off (each actor compiles for itself), and the
-worker says so once in its log.
+Without a usable key the shared compile cache is off (each machine compiles for itself; actors on
+one machine still share its local cache, compile.claims), and the actor's start-up report says
+why: the driver prints it once per job (driver.progress).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import threading
 from dataclasses import dataclass
 
 from ditfleet.compile.config import COMPILE_CACHE_KEY_ENV, MIN_SECRET_BYTES
@@ -33,8 +33,6 @@ from ditfleet.model.settings import setting
 log = logging.getLogger(__name__)
 
 DEFAULT_KEY_ENV = COMPILE_CACHE_KEY_ENV
-_said_off = False
-_said_lock = threading.Lock()
 # Variables every process has, or whose values anyone on the node can guess or read: a key
 # named by one of them is no secret.
 WELL_KNOWN_ENV = frozenset(
@@ -78,8 +76,10 @@ def read_cache_secret(source: CacheSecretSource) -> CacheSecret:
     at least MIN_SECRET_BYTES long; `openssl rand -hex 32` makes a good one.
     """
     hint = (
-        "the shared compile cache is off: every actor compiles for itself. To share compiled "
-        "artifacts, give every actor the same secret key (e.g. `openssl rand -hex 32`)"
+        "the shared compile cache is off: compiled artifacts are not shared through the output, "
+        "so each machine compiles once for itself (actors on one machine share its local compile "
+        "cache). To share them across machines, give every actor the same secret key "
+        "(e.g. `openssl rand -hex 32`)"
     )
     if source.file:
         try:
@@ -145,12 +145,3 @@ def runtime_env_vars() -> frozenset[str]:
     except Exception:  # noqa: BLE001 - only a warning depends on it
         return frozenset()
 
-
-def say_shared_cache_off(reason: str) -> None:
-    """Log once per process that the shared compile cache is off, and why."""
-    global _said_off
-    with _said_lock:
-        if _said_off:
-            return
-        _said_off = True
-    log.warning("%s", reason)

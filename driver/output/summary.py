@@ -22,6 +22,16 @@ from ditfleet.workers.storage import ObjectStore
 
 SUMMARY_VERSION = 1
 
+# A worker's speed, as the run's summary and the report (jobs/report.py) both give it: images per
+# second of generation time (the DiT, VAE and text encoder for its batches: the manifests'
+# generate_s), so that start-up, queueing, encode and upload do not count against a worker.
+RATE_NAME = "img/s of generation time"
+
+
+def generation_rate(images: int, generate_s: float) -> float:
+    """Images per second of generation time (RATE_NAME); 0 when nothing was generated."""
+    return images / generate_s if generate_s > 0 else 0.0
+
 SUCCEEDED = "succeeded"  # every shard committed, every image ok
 COMPLETED_WITH_FAILURES = "completed_with_failures"  # every shard committed, some images failed
 FAILED = "failed"  # some shards failed: no _SUCCESS, run the same command again to retry them
@@ -94,7 +104,8 @@ class JobSummary:
             lines.append(f"  fleet:  {fleet_line(self.fleet)}")
         for worker, w in sorted(self.workers.items()):
             lines.append(
-                f"  worker {worker}: {w['shards']} shards, {w['images_ok']} images, {w['images_per_s']:.2f} img/s"
+                f"  worker {worker}: {w['shards']} shards, {w['images_ok']} images, "
+                f"{generation_rate(w['images_ok'] + w['images_failed'], w['generate_s']):.2f} {RATE_NAME}"
             )
         a = self.attention
         if a.get("calls"):

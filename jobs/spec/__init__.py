@@ -5,7 +5,8 @@
 
 - `sections`: one pydantic model per section of the file, each field saying why it exists;
 - `job`: `JobSpec`, the whole file, and how it maps onto the lower layers' configs;
-- `file`: reading the file, with errors that name the file, line and key.
+- `file`: reading the file, with errors that name the file, line and key;
+- `problems`: validation problems as one SpecError (shared by the file reader and `JobSpec.with_changes`).
 """
 
 from __future__ import annotations

@@ -13,13 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ValidationError
 
 from .job import JobSpec
-
-
-class SpecError(ValueError):
-    """A job file that cannot be used; the message names the file, line and key."""
+from .problems import SpecError, validated
 
 
 def load_spec(path: str | os.PathLike) -> JobSpec:
@@ -85,43 +81,7 @@ def parse_spec(text: str, name: str = "<job>") -> JobSpec:
             f"{name}: a job file must be a mapping with at least 'input' and 'output' sections, "
             f"got {type(data).__name__}"
         )
-    try:
-        return JobSpec.model_validate(data)
-    except ValidationError as e:
-        lines = _key_lines(text)
-        problems = [_describe(err, name, lines) for err in e.errors()]
-        head = f"{name}: {len(problems)} problem{'s' if len(problems) != 1 else ''} in the job file:"
-        raise SpecError("\n".join([head, *(f"  {p}" for p in problems)])) from None
-
-
-def _describe(err: dict[str, Any], name: str, lines: dict[tuple[str, ...], int]) -> str:
-    loc = tuple(str(p) for p in err["loc"])
-    key = ".".join(loc) or "(top level)"
-    line = next((lines[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in lines), None)
-    where = f"{name}:{line}" if line else name
-    kind = err["type"]
-    if kind == "extra_forbidden":
-        allowed = ", ".join(_allowed_keys(loc[:-1]))
-        return f"{where}: {key}: unknown key; allowed here: {allowed}"
-    if kind == "missing":
-        return f"{where}: {key}: required, missing"
-    message = str(err["msg"]).removeprefix("Value error, ")
-    given = err.get("input")
-    shown = "" if isinstance(given, dict) or "got " in message else f" (got {given!r})"
-    if message.startswith((f"{key}:", f"{key}.")):  # a checker that names its own key, deeper
-        return f"{where}: {message}{shown}"
-    return f"{where}: {key}: {message}{shown}"
-
-
-def _allowed_keys(loc: tuple[str, ...]) -> list[str]:
-    model: type[BaseModel] = JobSpec
-    for part in loc:
-        field = model.model_fields.get(part)
-        annotation = getattr(field, "annotation", None)
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return []
-        model = annotation
-    return list(model.model_fields)
+    return validated(JobSpec, data, name, _key_lines(text))
 
 
 def _key_lines(text: str) -> dict[tuple[str, ...], int]:

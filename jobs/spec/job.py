@@ -34,6 +34,7 @@ from ditfleet.workers.rows import RowConfig
 from ditfleet.workers.storage import S3Config
 
 from .derive import settings_from
+from .problems import validated
 from .sections import (
     TINY_MODEL,
     BucketsSpec,
@@ -85,6 +86,16 @@ class JobSpec(Section):
                 "a second writer of the same shard, which such a store cannot keep apart)"
             )
         return self
+
+    def with_changes(self, **changes: Any) -> JobSpec:
+        """A copy with `changes` made and validated again like a job file (a JobSpec is frozen).
+
+            spec.with_changes(name="tiny-10", sampling={"steps": 10}, output={"uri": "out/tiny-10"})
+
+        A section given as a mapping changes only the keys it names, deeper mappings likewise;
+        any other value replaces the key. Raises SpecError naming the key, as load_spec does."""
+        doc = _merged(self.model_dump(mode="python", exclude_unset=True), changes)
+        return validated(JobSpec, doc, "with_changes", what="the changed job")
 
     # -- resolution ------------------------------------------------------------------------------
 
@@ -259,6 +270,17 @@ def _pixel_knobs(settings: Any, exclude: Mapping[str, Any]) -> dict[str, Any]:
         value = getattr(settings, name)
         if f.metadata.get("pixels") and name not in exclude and value != field_default(f):
             out[name] = value
+    return out
+
+
+def _merged(base: dict[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
+    """`base` with `changes` applied: mappings merge key by key, anything else replaces."""
+    out = dict(base)
+    for key, value in changes.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _merged(out[key], value)
+        else:
+            out[key] = value
     return out
 
 

@@ -32,6 +32,14 @@ from .derive import knob, knobs, section
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Frozen: a spec is validated as a whole, once. Pydantic's own refusal says only
+        # "Instance is frozen"; this one says how to change it.
+        raise TypeError(
+            f"{type(self).__name__}.{name}: a JobSpec is frozen; make a changed copy, validated again, "
+            "with spec.with_changes(section={'key': value}), e.g. spec.with_changes(sampling={'steps': 10})"
+        )
+
 
 def _plain_s3_uri(uri: str) -> str:
     return check_s3_uri(uri, "path")

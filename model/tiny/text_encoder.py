@@ -13,7 +13,6 @@ On disk (diffusers-ish): `text_encoder/config.json` + `text_encoder/model.safete
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -23,10 +22,11 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH
+from ditfleet.model.tiny.known_words import WORD_RE
 from ditfleet.model.weights import WeightsError, assign_state_dict, read_config, read_state_dict
 
 PAD, UNK, BOS = "<pad>", "<unk>", "<bos>"
-_WORD_RE = re.compile(r"[a-z0-9]+")
+_WORD_RE = WORD_RE
 
 
 class WordTokenizer:

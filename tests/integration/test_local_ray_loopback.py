@@ -109,3 +109,37 @@ def test_a_local_run_starts_ray_on_loopback_only(tmp_path):
     assert {"gcs_server", "raylet", "ray::DashboardAgent", "ray::IDLE"} <= names, sockets
     wide = [s for s in sockets if not s[1].startswith(_LOOPBACK)]
     assert not wide, f"listening beyond loopback: {wide}"
+
+
+_QUIET_CHILD = textwrap.dedent(
+    """
+    import time
+    import ray
+
+    from ditfleet.jobs.run import connect_ray
+
+    @ray.remote
+    class Talker:
+        def say(self):
+            print("a line from an actor")
+            return 1
+
+    connect_ray(None)
+    ray.get(Talker.remote().say.remote())
+    time.sleep(2)  # Ray forwards actor output asynchronously
+    ray.shutdown()
+    """
+)
+
+
+def test_a_local_run_logs_no_token_warning_and_no_colour_into_a_file(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(RAY_USAGE_STATS_ENABLED="0", TMPDIR="/tmp")
+    done = subprocess.run(
+        [sys.executable, "-c", _QUIET_CHILD], env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path
+    )
+    logs = done.stdout + done.stderr
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "a line from an actor" in logs, "the check is not vacuous: a forwarded actor line"
+    assert "Token authentication" not in logs, logs[-3000:]
+    assert "\x1b[" not in logs, "ANSI colour in output that is not a terminal"

@@ -41,6 +41,32 @@ def test_an_output_inside_the_input_directory_is_refused(tmp_path, capsys, comma
     assert not (prompts / "out").exists(), "nothing written"
 
 
+@pytest.mark.parametrize("command", ["validate", "plan", "run"])
+@pytest.mark.parametrize("under", [False, True])
+def test_an_output_that_is_a_file_is_refused_before_any_work(tmp_path, capsys, command, under):
+    prompts = write_prompts(tmp_path / "p.parquet", 3, sizes=False)
+    a_file = tmp_path / "out.png"
+    a_file.write_bytes(b"not a folder")
+    output = a_file / "out" if under else a_file
+    assert main([command, str(_job(tmp_path, str(prompts), str(output)))]) == 2
+    err = capsys.readouterr().err.strip()
+    where = f"lies under {a_file}, which is a file" if under else "is a file"
+    assert err == f"ditfleet: output {output} {where}, not a folder: give output.uri a folder (created if missing)"
+    assert a_file.read_bytes() == b"not a folder"
+
+
+@pytest.mark.parametrize("command", ["status", "verify", "preview", "report", "compact"])
+def test_output_commands_on_a_file_exit_2_with_one_line(tmp_path, capsys, command):
+    a_file = tmp_path / "prompts.parquet"
+    a_file.write_bytes(b"PAR1")
+    extra = ["--out", str(tmp_path / "s.png")] if command == "preview" else []
+    assert main([command, str(a_file), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"ditfleet: {a_file} is a file, not an output folder: give the folder a job wrote (its output.uri)"
+    )
+
+
 @pytest.mark.parametrize(
     "input_uri, output_uri, inside",
     [

@@ -143,6 +143,8 @@ def test_multi_file_plan_covers_every_row_once_in_order(tmp_path: Path):
         assert set(s.buckets_used) == {r.bucket for r in mine}
     assert plan.buckets_used == ("128x128", "160x96")
     assert plan.bucket_usage == {"128x128": 7, "160x96": 7}  # row 0 of every shard is 160x96
+    per_bucket = {b: sum(r.num_images for r in rows if r.bucket == b) for b in plan.buckets_used}
+    assert plan.images_per_bucket == per_bucket and sum(per_bucket.values()) == plan.total_images
 
 
 def test_sizes_map_to_buckets_like_the_worker_does(tmp_path: Path):

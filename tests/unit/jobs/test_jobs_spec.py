@@ -43,11 +43,21 @@ def minimal(tmp_path: Path, extra: str = "") -> str:
     [
         (
             "workers:\n  min: 1\n  maxx: 4\n",
-            ["job.yaml:7: workers.maxx: unknown key; allowed here: min, max,"],
+            ["job.yaml:7: workers.maxx: unknown key (did you mean 'max'?); allowed here: min, max,"],
         ),
         ("workers:\n  min: two\n", ["job.yaml:6: workers.min:", "valid integer", "(got 'two')"]),
         ("sampling:\n  steps: 0\n", ["job.yaml:6: sampling.steps:", "greater than or equal to 1", "(got 0)"]),
-        ("output_dir: x\n", ["job.yaml:5: output_dir: unknown key; allowed here: name, input, output"]),
+        (
+            "output_dir: x\n",
+            [
+                "job.yaml:5: output_dir: unknown key (did you mean 'output'?); allowed here: name, input, output"
+            ],
+        ),
+        ("workers:\n  zzz: 1\n", ["job.yaml:6: workers.zzz: unknown key; allowed here: min, max,"]),
+        (
+            "sampling:\n  step_cache: {preset: safe, treshold: 0.2}\n",
+            ["sampling.step_cache: unknown key(s) ['treshold'] (did you mean 'threshold'?); allowed:"],
+        ),
         ("buckets:\n  names: [100x100]\n", ["buckets.names", "not a positive multiple of 16"]),
         ("workers:\n  min: 3\n  max: 2\n", ["workers: max (2) must be >= min (3)"]),
         ("model:\n  dtype: fp16\n", ["model.dtype: Input should be 'auto', 'bf16' or 'fp32' (got 'fp16')"]),
@@ -196,6 +206,26 @@ def test_cli_plan_prints_shards_and_buckets(tmp_path, capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["rows"] == 10 and info["shards"] == 3 and info["images"] == 10
     assert info["buckets"] == {"128x128": 2, "160x96": 1}
+    assert info["images_per_bucket"] == {"128x128": 6, "160x96": 4}
+    assert info["step_cache"] == {"setting": "off", "most_work_saved": 0.0, "line": "off (exact)"}
+    assert main(["plan", str(job)]) == 0
+    text = capsys.readouterr().out.splitlines()
+    assert "rows:    10, images: 10, in 3 shards of up to 4 rows" in text
+    assert "buckets: 128x128 6 images, 160x96 4 images" in text
+    assert (
+        sum(" shards " in line.split(":", 1)[-1] for line in text if not line.startswith(("input", "output")))
+        == 1
+    ), text
+
+
+def test_cli_plan_shows_the_step_cache_as_the_model_runs_it(tmp_path, capsys):
+    body = minimal(tmp_path, "sampling: {steps: 50, step_cache: safe}\n")
+    assert main(["plan", str(write_job(tmp_path, body))]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("step cache:")]
+    assert line.startswith("step cache: dbcache, threshold 0.12, compute_blocks 1 of 4, warm-up 8 steps")
+    # 50 steps, 8 warm-up and 1 exact last: 41 reusable, each skipping 3 of the tiny model's 4 blocks.
+    assert f"at most {41 / 50 * 3 / 4:.0%} of the DiT work saved at 50 steps" in line
+    assert "measure with `ditfleet calibrate" in line
 
 
 def _fake_output(root: Path, shards: int, planned: int) -> None:
@@ -318,3 +348,17 @@ def test_adapters_and_schedule_are_part_of_the_output_fingerprint(tmp_path):
     assert any(
         c.startswith("image_settings.scheduler_config:") for c in describe_differences(plain, lightning)
     )
+
+
+def test_a_spec_changed_in_code_is_a_validated_copy(tmp_path):
+    spec = load_spec(write_job(tmp_path, minimal(tmp_path, "sampling:\n  steps: 20\n  seed: 3\n")))
+    changed = spec.with_changes(name="short", sampling={"steps": 10}, output={"uri": str(tmp_path / "o2")})
+    assert (changed.name, changed.sampling.steps, changed.sampling.seed) == ("short", 10, 3)
+    assert changed.output.uri == str(tmp_path / "o2") and changed.input == spec.input
+    assert spec.sampling.steps == 20 and spec.name is None, "the original is left as it was"
+    with pytest.raises(SpecError, match=r"sampling.stepz: unknown key \(did you mean 'steps'\?\)"):
+        spec.with_changes(sampling={"stepz": 3})
+    with pytest.raises(SpecError, match=r"workers.min: Input should be greater than or equal to 1 \(got 0\)"):
+        spec.with_changes(workers={"min": 0})
+    with pytest.raises(TypeError, match=r"SamplingSpec.steps: a JobSpec is frozen; .*spec.with_changes"):
+        spec.sampling.steps = 3

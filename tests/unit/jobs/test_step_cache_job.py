@@ -8,6 +8,7 @@ import json
 import pytest
 
 from ditfleet.driver.output.summary import step_cache_summary
+from ditfleet.jobs.calibrate import format_calibration, wall_lag_reason
 from ditfleet.jobs.cli import main
 from ditfleet.jobs.spec import SpecError
 from ditfleet.jobs.spec.file import parse_spec
@@ -80,6 +81,29 @@ def test_calibrate_on_the_tiny_model(tmp_path, capsys):
         assert p["work_speedup"] > 1.0 and p["wall_speedup"] > 0
         assert p["psnr_mean_db"] > 30 and 0.9 < p["ssim_mean"] <= 1.0
         assert set(p["adherence"]) == set(exact_adherence)
+    # The settings as the tiny model (4 blocks) runs them, not as the preset writes them.
+    assert out["dit_layers"] == 4 and out["presets"][0]["runs_as"].startswith(
+        "dbcache, threshold 0.12, compute_blocks 1 of 4"
+    )
+    text = format_calibration(out)
+    assert "runs as: dbcache, threshold 0.12, compute_blocks 1 of 4" in text
+    assert "compute_blocks: 8" not in text and '"compute_blocks":8' not in text
+    for p in out["presets"]:
+        lag = wall_lag_reason(p, out)
+        if p["wall_speedup"] < 0.8 * p["work_speedup"]:
+            assert lag is not None and f"wall {p['wall_speedup']:.2f}x against" in lag and f"why: {lag}" in text
+        else:
+            assert lag is None
     # Too short a schedule for the presets: an error before any work.
     assert main(["calibrate", str(job), "--n", "2", "--steps", "8"]) != 0
     assert "too short" in capsys.readouterr().err
+
+
+def test_a_wall_time_below_the_work_gets_one_line_why():
+    result = {"steps": 20, "dit_layers": 4, "batch_size": 2}
+    slow = {"work_speedup": 1.15, "wall_speedup": 0.63}
+    line = wall_lag_reason(slow, result)
+    assert line is not None and "\n" not in line
+    assert line.startswith("wall 0.63x against 1.15x less DiT work: the cache saves DiT blocks only")
+    assert "4 blocks, batch 2, 20 steps" in line
+    assert wall_lag_reason({"work_speedup": 2.0, "wall_speedup": 1.8}, result) is None

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 
 from ditfleet.jobs.spec import SpecError, parse_spec
-from ditfleet.workers import cache_secret
-from ditfleet.workers.cache_secret import CacheSecretSource, read_cache_secret, say_shared_cache_off
+from ditfleet.workers.cache_secret import CacheSecretSource, read_cache_secret
 
 KEY = "4f1c0e8d2b7a69350c1d2e3f4a5b6c7d"
 
@@ -42,14 +39,20 @@ def test_without_a_usable_key_the_shared_cache_is_off_and_says_why(source, env, 
     assert __import__("re").search(why, got.off_reason), got.off_reason
 
 
-def test_the_worker_log_says_it_once(monkeypatch, caplog):
-    monkeypatch.setattr(cache_secret, "_said_off", False)
-    with caplog.at_level(logging.WARNING, logger="ditfleet.workers.cache_secret"):
-        for _ in range(3):
-            say_shared_cache_off("no compile cache key: the shared compile cache is off")
-    assert [r.getMessage() for r in caplog.records].count(
-        "no compile cache key: the shared compile cache is off"
-    ) == 1
+def test_the_driver_says_it_once_per_job_however_many_actors_report_it():
+    import io
+
+    from ditfleet.driver.progress import JobProgress
+
+    stream = io.StringIO()
+    progress = JobProgress(total_shards=2, total_images=4, stream=stream, interactive=False)
+    reason = read_cache_secret(CacheSecretSource(env=None, file=None)).off_reason
+    for worker in ("w0", "w1", "w2"):
+        progress.actor_ready(worker, {"shared_compile_cache": f"off: {reason}"}, 1.0)
+    lines = stream.getvalue().splitlines()
+    assert lines.count(f"compile cache: {reason}") == 1, lines
+    assert lines.index(f"compile cache: {reason}") == 1, "right after the first actor is ready"
+    assert "actors on one machine share its local compile cache" in reason
 
 
 def test_the_spec_names_where_the_key_is_never_the_key(tmp_path):

@@ -1,0 +1,29 @@
+"""A tiny-model job's prompts checked against the words the model knows: one line per job that
+names the unknown words (docs/tiny-model.md), before any image is made."""
+
+from __future__ import annotations
+
+from ditfleet.driver.run_job import prompt_source
+from ditfleet.jobs.spec import TINY_MODEL, JobSpec
+from ditfleet.model.folder import TINY_MODEL_DIR
+from ditfleet.model.tiny.known_words import unknown_words, unknown_words_warning, vocabulary
+
+
+def tiny_words_warning(spec: JobSpec) -> str | None:
+    """The warning line for a job of the bundled tiny model whose prompts use words it does not
+    know; None for any other model, or when every word is known."""
+    if spec.model.path != TINY_MODEL:
+        return None
+    known = vocabulary(str(TINY_MODEL_DIR))
+    column = getattr(spec.input, "prompt_column", "prompt")
+    source = prompt_source(spec.to_driver_config())
+    words: dict[str, None] = {}
+    total = with_unknown = 0
+    for file in source.files():
+        prompts = source.open(file).read(columns=[column]).column(column).to_pylist()
+        for prompt in prompts:
+            total += 1
+            found = unknown_words([prompt or ""], known)
+            with_unknown += bool(found)
+            words.update(dict.fromkeys(found))
+    return unknown_words_warning(list(words), with_unknown, total) if words else None

@@ -1,0 +1,96 @@
+"""docs/cluster.md's local `ray job submit` walkthrough, run as written: a head on 127.0.0.1 with
+token authentication, the example job submitted, watched, verified, and only that head stopped.
+
+The commands are read from the doc. Only what must differ on a shared test machine is changed:
+the ports (free ones, also for the agents Ray would start on fixed defaults), HOME (a temporary one, so the token is the test's own) and the folder
+it runs in (a temporary one holding the example job)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.paths import REPO
+
+DOC = REPO / "docs" / "cluster.md"
+
+
+def walkthrough() -> str:
+    (script,) = re.findall(r"```bash\n# local ray job submit walkthrough\n(.*?)```", DOC.read_text(), re.S)
+    return script
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_the_local_submit_walkthrough_runs_as_written(tmp_path):
+    script = walkthrough()
+    assert "--port=6390" in script and "127.0.0.1:8266" in script and "--dashboard-port=8266" in script
+    script = script.replace("6390", str(_free_port())).replace("8266", str(_free_port()))
+    # Ports Ray takes at fixed defaults (52365, 10001, ...), which other clusters on a shared test
+    # machine hold: a head whose agent cannot bind has no job server (as tests/support/fixtures_ray.py).
+    agent_ports = " ".join(
+        f"--{flag}={_free_port()}"
+        for flag in (
+            "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
+            "metrics-export-port", "ray-client-server-port",
+        )
+    )  # fmt: skip
+    assert script.count("--disable-usage-stats") == 1
+    script = script.replace("--disable-usage-stats", f"--disable-usage-stats {agent_ports}")
+    work, home = tmp_path / "work", tmp_path / "home"
+    shutil.copytree(REPO / "jobs" / "examples", work / "jobs" / "examples")
+    home.mkdir()
+    bin_dir = os.path.dirname(sys.executable)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(HOME=str(home), PATH=f"{bin_dir}:{env.get('PATH', '')}", RAY_USAGE_STATS_ENABLED="0", TMPDIR="/tmp")
+    proc = subprocess.Popen(
+        ["bash", "-euo", "pipefail", "-c", script],
+        cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=900)
+    finally:
+        _stop_head(work / "out" / "ray-head.pid")
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    assert proc.returncode == 0, out[-4000:]
+    assert "job succeeded" in out, out[-4000:]  # the job's summary, watched through `ray job logs`
+    assert "Job 'tiny-local' succeeded" in out, out[-2000:]  # `ray job status`
+    assert re.search(r"verify \S+/out/tiny-submitted: OK", out), out[-2000:]
+    assert (home / ".ray" / "auth_token").exists(), "the head ran with the walkthrough's token"
+    assert len(list((work / "out" / "tiny-submitted" / "manifests").glob("*.parquet"))) == 6
+
+
+def _stop_head(pid_file: Path) -> None:
+    """The walkthrough stops its head; if it did not get there, stop that process group here."""
+    try:
+        pid = int(pid_file.read_text())
+    except (OSError, ValueError):
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        for _ in range(60):
+            try:
+                os.killpg(pid, 0)
+            except ProcessLookupError:
+                return
+            import time
+
+            time.sleep(1)
