@@ -68,7 +68,9 @@ def write_prompts(path: Path, rows: int, chunk: int = 131072, first: int = 0) ->
             {
                 "id": ids,
                 "prompt": prompts,
-                "seed": pa.array(np.where(own, (i * 2654435761) & np.int64(2**62 - 1), 0), pa.int64(), mask=~own),
+                "seed": pa.array(
+                    np.where(own, (i * 2654435761) & np.int64(2**62 - 1), 0), pa.int64(), mask=~own
+                ),
                 "width": pa.array(_W[size], pa.int32(), mask=~own),
                 "height": pa.array(_H[size], pa.int32(), mask=~own),
                 "source": pc.binary_join_element_wise("set-", pa.array(i % 17).cast(pa.string()), ""),

@@ -31,7 +31,9 @@ def main() -> None:
     def one(mode: str) -> float:
         pipe.set_modulation_cache(mode)
         t0 = time.perf_counter()
-        pipe.generate(prompt=prompt, height=args.size, width=args.size, steps=args.steps, true_cfg_scale=4.0, seeds=[0])
+        pipe.generate(
+            prompt=prompt, height=args.size, width=args.size, steps=args.steps, true_cfg_scale=4.0, seeds=[0]
+        )
         return time.perf_counter() - t0
 
     one("cfg")  # first call: allocator and kernel selection
@@ -41,8 +43,19 @@ def main() -> None:
             times[mode].append(one(mode))
     med = {m: statistics.median(v) for m, v in times.items()}
     for m, v in med.items():
-        print(f"modulation cache {m:<4}: {v:.3f} s per {args.size}x{args.size} image ({args.steps} steps, CFG 4, 1 thread)")
-    print(json.dumps({"bench": "tiny_latency", "steps": args.steps, "size": args.size, "s_per_image": {m: round(v, 4) for m, v in med.items()}}))
+        print(
+            f"modulation cache {m:<4}: {v:.3f} s per {args.size}x{args.size} image ({args.steps} steps, CFG 4, 1 thread)"
+        )
+    print(
+        json.dumps(
+            {
+                "bench": "tiny_latency",
+                "steps": args.steps,
+                "size": args.size,
+                "s_per_image": {m: round(v, 4) for m, v in med.items()},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ def first_compile_estimate_s(device: str, dit: bool) -> int:
         return sum(DIT_WARMUP_S_PER_BUCKET) // 2
     return VAE_FIRST_COMPILE_S_CPU
 
+
 Backend = str | Callable[..., Any]
 
 

@@ -46,7 +46,9 @@ class OneDNNLinear(nn.Linear):
 def onednn_available(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether `use_onednn_linears` applies: fp32 on CPU with oneDNN built in. (bf16 on CPU
     already goes through oneDNN in aten.)"""
-    return torch.device(device).type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    return (
+        torch.device(device).type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    )
 
 
 def use_onednn_linears(module: nn.Module) -> int:

@@ -157,4 +157,3 @@ class PhaseTracker:
         if free is None:
             return STARTING, ""
         return (PLACING, "") if free else (WAITING, "")
-

@@ -233,7 +233,9 @@ class ShardCutter:
             elif len(single) == 1:
                 self.bucket_images[bucket] += pc.sum(images).as_py() or 0
             else:
-                self.bucket_images[bucket] += pc.sum(pc.filter(images, pc.equal(bucket_ids, bucket))).as_py() or 0
+                self.bucket_images[bucket] += (
+                    pc.sum(pc.filter(images, pc.equal(bucket_ids, bucket))).as_py() or 0
+                )
 
     def finish_file(self) -> None:
         if self._rows_in_shard:

@@ -207,7 +207,9 @@ class JobProgress(DispatchEvents):
         actors = ""
         if snap:
             starting = starting_summary(snap.starting_phases) or f"{snap.actors_starting} starting"
-            actors = f" | actors {snap.actors_ready} ready" + (f", {starting}" if snap.actors_starting else "")
+            actors = f" | actors {snap.actors_ready} ready" + (
+                f", {starting}" if snap.actors_starting else ""
+            )
         failed = f" ({self.images_failed} failed)" if self.images_failed else ""
         return (
             f"[{'#' * filled}{'-' * (_BAR_WIDTH - filled)}] {frac:4.0%} {done}/{self.total_images} images"

@@ -222,10 +222,16 @@ def _plain_work(run: _Execution, started: float) -> _Work | JobSummary:
     if stored is None:
         save_plan(store, plan)
     holder = run.lease.generation if run.lease is not None else None
-    if len(done) == len(plan.shards) and not redo and (previous := read_success(store, holder, out)) is not None:
+    if (
+        len(done) == len(plan.shards)
+        and not redo
+        and (previous := read_success(store, holder, out)) is not None
+    ):
         summary = complete_already(store, previous, len(done), out)
         if summary.status != FAILED:  # still complete: `_SUCCESS` is this driver's now
-            close_output(store, lease=run.lease, settled=run.settled, own=(), redo={}, success=previous, out=out)
+            close_output(
+                store, lease=run.lease, settled=run.settled, own=(), redo={}, success=previous, out=out
+            )
         return summary
     if store.exists(success_key()):
         # Not complete: `_SUCCESS` goes before this run writes anything, so that no reader takes
@@ -291,7 +297,9 @@ def _incremental_work(run: _Execution, started: float) -> _Work | JobSummary:
             # Every shard is committed but no run got to write _SUCCESS (it stopped just before,
             # or a later driver took the output since): this run writes it, under the lease.
             run.hold(store)
-            close_output(store, lease=run.lease, settled=run.settled, own=(), redo={}, success=summary, out=out)
+            close_output(
+                store, lease=run.lease, settled=run.settled, own=(), redo={}, success=summary, out=out
+            )
         return summary  # nothing new and a valid _SUCCESS: nothing is written, no lease taken
     run.hold(store)
     if store.exists(success_key()):
@@ -351,7 +359,9 @@ class _Execution:
         """Write into the lease document the shards this run dispatches and its redo
         generations, before it dispatches any (raises OutputBusy when the output was taken)."""
         if self.lease is not None and todo:
-            self.lease.record_work((s.index for s in todo), {s.index: s.generation for s in todo if s.generation})
+            self.lease.record_work(
+                (s.index for s in todo), {s.index: s.generation for s in todo if s.generation}
+            )
 
     def release(self) -> None:
         if self.lease is not None:

@@ -422,7 +422,10 @@ def _add_output_commands(sub: argparse._SubParsersAction) -> None:
         cmd_compact,
     )
     p.add_argument(
-        "--row-group-rows", type=int, default=ROW_GROUP_ROWS, help=f"rows per row group (default {ROW_GROUP_ROWS:,})"
+        "--row-group-rows",
+        type=int,
+        default=ROW_GROUP_ROWS,
+        help=f"rows per row group (default {ROW_GROUP_ROWS:,})",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
 

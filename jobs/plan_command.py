@@ -120,7 +120,9 @@ def _dit_layers(spec: JobSpec) -> int | None:
 
 def _print_plan_text(info: dict, images_per_bucket: dict[str, int], warnings: Sequence[str] = ()) -> None:
     print(f"input:   {info['input']} ({info['files']} file(s))")
-    print(f"rows:    {info['rows']}, images: {info['images']}, in {info['shards']} shards of up to {info['shard_size']} rows")
+    print(
+        f"rows:    {info['rows']}, images: {info['images']}, in {info['shards']} shards of up to {info['shard_size']} rows"
+    )
     print("buckets: " + ", ".join(f"{b} {n} images" for b, n in images_per_bucket.items()))
     print(f"output:  {info['output']}")
     print(f"actors:  {info['actors']['min']}..{info['actors']['max']}")

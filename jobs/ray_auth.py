@@ -58,7 +58,7 @@ def check_gcs_token(address: str) -> None:
         stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
         try:
             stub.GetClusterId(
-                gcs_service_pb2.GetClusterIdRequest(),
+                gcs_service_pb2.GetClusterIdRequest(),  # type: ignore[attr-defined]  # generated protobuf
                 timeout=PROBE_TIMEOUT_S,
                 metadata=_get_authentication_metadata_tuple(),
             )

@@ -13,7 +13,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 
-def lazy_exports(package: str, where: Mapping[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+def lazy_exports(
+    package: str, where: Mapping[str, str]
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """(__getattr__, __dir__) for `package`, whose `where` maps each public name to its submodule."""
 
     def __getattr__(name: str) -> Any:

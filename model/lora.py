@@ -301,7 +301,9 @@ def merge_updates(model: torch.nn.Module, updates: Sequence[LayerUpdate]) -> Non
     for u in updates:
         layer = model.get_submodule(u.module)
         if not isinstance(layer, torch.nn.Linear):  # e.g. an FP8 layer: merge before quantizing
-            raise LoraError(f"{u.module} is a {type(layer).__name__}, not a Linear: cannot merge a LoRA into it")
+            raise LoraError(
+                f"{u.module} is a {type(layer).__name__}, not a Linear: cannot merge a LoRA into it"
+            )
         merge_into(layer.weight, layer.bias, u)
 
 

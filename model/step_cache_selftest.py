@@ -46,7 +46,12 @@ def selftest_line(pipe: Any, size: int, steps: int) -> dict[str, Any]:
 
     run(None, 1)  # one-off costs out of the timings
     exact, exact_s = run(None)
-    line: dict[str, Any] = {"size": f"{size}x{size}", "steps": steps, "exact_s": round(exact_s, 3), "presets": {}}
+    line: dict[str, Any] = {
+        "size": f"{size}x{size}",
+        "steps": steps,
+        "exact_s": round(exact_s, 3),
+        "presets": {},
+    }
     for name, config in PRESETS.items():
         if config is None:
             continue

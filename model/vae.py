@@ -22,6 +22,7 @@ from ditfleet.model.weights import WeightsError, assign_state_dict, read_config,
 
 ENCODER_PREFIXES = ("encoder.", "quant_conv.")
 
+
 class QwenImageVAE(nn.Module):
     """Image VAE: (B, 3, H, W) in [-1, 1] <-> (B, z_dim, H/8, W/8) latents (for 3 down levels).
 

@@ -30,7 +30,6 @@ def read_state_dict(component_dir: Path, device: str | torch.device = "cpu") -> 
     return state
 
 
-
 def check_state_matches(
     expected: Mapping[str, tuple[int, ...]], got: Mapping[str, tuple[int, ...]], where: str
 ) -> None:
@@ -88,4 +87,3 @@ def assign_state_dict(
         cast[k] = v.to(device=device, dtype=target) if v.is_floating_point() else v.to(device=device)
     module.load_state_dict(cast, strict=True, assign=True)
     return module
-

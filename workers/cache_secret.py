@@ -144,4 +144,3 @@ def runtime_env_vars() -> frozenset[str]:
         return frozenset((env.get("env_vars") or {}).keys())
     except Exception:  # noqa: BLE001 - only a warning depends on it
         return frozenset()
-

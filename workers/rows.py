@@ -285,7 +285,11 @@ def _row_id(value: Any, file: str, row: int) -> str:
 
 
 def _bucket_of(
-    w: int | None, h: int | None, config: RowConfig, mapped: dict[tuple[int, int], ResolutionBucket], where: str
+    w: int | None,
+    h: int | None,
+    config: RowConfig,
+    mapped: dict[tuple[int, int], ResolutionBucket],
+    where: str,
 ) -> ResolutionBucket:
     """The bucket of a requested size (the default bucket without one); `mapped` memoises sizes."""
     if (w is None) != (h is None):

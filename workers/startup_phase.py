@@ -61,7 +61,9 @@ def publish_phase(phase: str, **detail: Any) -> None:
         return
     try:
         _kv()._internal_kv_put(
-            phase_key(actor_id), json.dumps({"phase": phase, **detail}).encode(), overwrite=True,
+            phase_key(actor_id),
+            json.dumps({"phase": phase, **detail}).encode(),
+            overwrite=True,
             namespace=NAMESPACE,
         )
     except Exception:  # noqa: BLE001 - progress display only; never fail a start-up over it

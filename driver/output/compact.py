@@ -176,7 +176,8 @@ def compacted_state(store: ObjectStore, current: Mapping[int, str] | None = None
     if then.get("generations_sha256") == now["generations_sha256"]:
         return CompactedState(True, True)
     redone = sorted(
-        int(s) for s in set(now["redone"]) | set(then.get("redone", {}))
+        int(s)
+        for s in set(now["redone"]) | set(then.get("redone", {}))
         if now["redone"].get(s) != then.get("redone", {}).get(s)
     )
     if redone:
@@ -361,15 +362,18 @@ def check_compacted(store: ObjectStore, threads: int = _READ_THREADS) -> list[st
                 ids = table.column("id").combine_chunks()
                 if len(ids):
                     in_order &= last_id is None or ids[0].as_py() >= last_id
-                    in_order &= len(ids) < 2 or pc.all(
-                        pc.less_equal(ids.slice(0, len(ids) - 1), ids.slice(1))
-                    ).as_py()
+                    in_order &= (
+                        len(ids) < 2
+                        or pc.all(pc.less_equal(ids.slice(0, len(ids) - 1), ids.slice(1))).as_py()
+                    )
                     last_id = ids[-1].as_py()
                 compacted.add(table)
         except (OSError, pa.ArrowException) as e:
             return [*problems, f"{store.uri(COMPACTED_KEY)}: unreadable ({e})"]
     if compacted.rows != index.get("rows"):
-        problems.append(f"{store.uri(COMPACTED_KEY)}: {compacted.rows} rows, its index says {index.get('rows')}")
+        problems.append(
+            f"{store.uri(COMPACTED_KEY)}: {compacted.rows} rows, its index says {index.get('rows')}"
+        )
     if not in_order:
         problems.append(f"{store.uri(COMPACTED_KEY)}: ids not in order")
     union = UnionDigest()

@@ -138,7 +138,10 @@ def close_output(
         _check(lease)
         # A compacted set the user made is kept the union of the current manifests (a redo).
         if refresh_compacted(store, current_manifest_keys(store), lease) is not None:
-            print(f"rebuilt the compacted set {store.uri(COMPACTED_KEY)} (a redo changed its manifests)", file=out)
+            print(
+                f"rebuilt the compacted set {store.uri(COMPACTED_KEY)} (a redo changed its manifests)",
+                file=out,
+            )
         write_success(store, success, lease.generation if lease is not None else None)
     if lease is not None:
         lease.mark_settled()

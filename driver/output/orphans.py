@@ -154,7 +154,9 @@ def shard_lost_objects(store: ObjectStore, record: ShardRecord) -> list[str]:
         return []
     # One output has one format: list only its area when a manifest names an object there.
     prefixes = [
-        p for p in attempt_prefixes(record.shard) if not record.areas or p.split("/", 1)[0] + "/" in record.areas
+        p
+        for p in attempt_prefixes(record.shard)
+        if not record.areas or p.split("/", 1)[0] + "/" in record.areas
     ]
     return [key for prefix in prefixes for key in store.list(prefix) if record.is_lost(key)]
 
@@ -193,7 +195,9 @@ def delete_lost(
     if not records:
         return 0
     with ThreadPoolExecutor(max_workers=min(workers, len(records))) as pool:
-        lost = [k for keys in pool.map(lambda r: shard_lost_objects(store, r), records.values()) for k in keys]
+        lost = [
+            k for keys in pool.map(lambda r: shard_lost_objects(store, r), records.values()) for k in keys
+        ]
     if before_delete is not None:
         before_delete()
     return delete_keys(store, lost, workers) if lost else 0

@@ -38,7 +38,9 @@ def seal_generations(store: ObjectStore, redo: Iterable[tuple[int, int]]) -> lis
     data = seal_bytes()
     for shard, generation in redo:
         if generation < 1:
-            raise ValueError(f"only a redo generation (>= 1) is sealed, got shard {shard} generation {generation}")
+            raise ValueError(
+                f"only a redo generation (>= 1) is sealed, got shard {shard} generation {generation}"
+            )
         key = manifest_key(shard, generation)
         if store.put_if_absent(key, data, "application/vnd.apache.parquet"):
             sealed.append((shard, generation))

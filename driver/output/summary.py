@@ -32,6 +32,7 @@ def generation_rate(images: int, generate_s: float) -> float:
     """Images per second of generation time (RATE_NAME); 0 when nothing was generated."""
     return images / generate_s if generate_s > 0 else 0.0
 
+
 SUCCEEDED = "succeeded"  # every shard committed, every image ok
 COMPLETED_WITH_FAILURES = "completed_with_failures"  # every shard committed, some images failed
 FAILED = "failed"  # some shards failed: no _SUCCESS, run the same command again to retry them
@@ -149,7 +150,9 @@ def write_success(store: ObjectStore, summary: JobSummary, lease: int | None = N
     put_success(store, dataclasses.replace(summary, lease=lease).to_dict(), lease)
 
 
-def read_success(store: ObjectStore, holder: int | None = None, out: TextIO | None = None) -> JobSummary | None:
+def read_success(
+    store: ObjectStore, holder: int | None = None, out: TextIO | None = None
+) -> JobSummary | None:
     """The summary in `_SUCCESS`; None when there is none, it is stale (said on `out`), or it
     was written by another version (then the caller counts again)."""
     found = success_file(store, holder)

@@ -318,7 +318,9 @@ def _verify(
     if plan is None:
         return report
     report.planned_shards = len(plan.shards)
-    committed, shards, generations = _read_manifests(store, plan, report, checks)  # first: see the module docstring
+    committed, shards, generations = _read_manifests(
+        store, plan, report, checks
+    )  # first: see the module docstring
     _check_rows_once(shards, plan, report)
     _check_objects(store, shards, generations, set(committed), plan, report, hash_objects, checks)
     if success is not None:
@@ -456,15 +458,20 @@ def _check_superseded(
             if done and (record.kinds[g] == MANIFEST or left):
                 report.problems.append(
                     f"shard {record.shard}: generation {g} is superseded by generation {current} but "
-                    + ("its manifest still holds rows in manifests/" if record.kinds[g] == MANIFEST
-                       else f"{len(left)} of its objects still lie in the data areas (e.g. {store.uri(left[0])})")
+                    + (
+                        "its manifest still holds rows in manifests/"
+                        if record.kinds[g] == MANIFEST
+                        else f"{len(left)} of its objects still lie in the data areas (e.g. {store.uri(left[0])})"
+                    )
                     + ": readers see it next to the current one; `ditfleet verify --clean` finishes its supersession"
                 )
             if record.kinds[g] != SUPERSEDED:
                 continue
             if history is None:
                 history = set(store.list(SUPERSEDED_PREFIX))
-            gone = [k for k in record.named_by.get(g, ()) if superseded_key(k) not in history and k not in listed]
+            gone = [
+                k for k in record.named_by.get(g, ()) if superseded_key(k) not in history and k not in listed
+            ]
             report.history_missing.extend(store.uri(superseded_key(k)) for k in gone)
 
 
@@ -494,8 +501,10 @@ def _check_objects(
             obj = attempt_object(key)
             read = by_shard.get(obj.shard) if obj is not None else None
             record = records.get(obj.shard) if obj is not None else None
-            if obj is not None and obj.shard in committed and (
-                read is None or not read.accounted or record is None or not record.accounted
+            if (
+                obj is not None
+                and obj.shard in committed
+                and (read is None or not read.accounted or record is None or not record.accounted)
             ):
                 kept[obj.shard] += 1
             elif read is not None and obj is not None and obj.attempt in read.tokens:

@@ -29,7 +29,7 @@ def validated(
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        problems = [_describe(model, err, name, lines or {}) for err in e.errors()]
+        problems = [_describe(model, dict(err), name, lines or {}) for err in e.errors()]
         head = f"{name}: {len(problems)} problem{'s' if len(problems) != 1 else ''} in {what}:"
         raise SpecError("\n".join([head, *(f"  {p}" for p in problems)])) from None
 

@@ -39,7 +39,8 @@ def output(tmp_path):
     prompts = write_prompts(tmp_path / "prompts.parquet", ROWS)
     out = tmp_path / "out"
     procs = Processes(
-        tmp_path / "procs", {"input": str(prompts), "output": str(out), "format": "parquet", "shard_size": SHARD_SIZE}
+        tmp_path / "procs",
+        {"input": str(prompts), "output": str(out), "format": "parquet", "shard_size": SHARD_SIZE},
     )
     try:
         assert (done := procs.run("run")).rc == 0, done
@@ -69,7 +70,11 @@ def compacted_rows(out: Path) -> list[list[dict]]:
 def assert_each_row_once_naming_what_is_there(out: Path, rows: list[dict]) -> None:
     seen = Counter(r["id"] for r in rows)
     assert sorted(seen) == IDS and set(seen.values()) == {1}, seen
-    gone = [r["uri"] for r in rows if r["status"] == "ok" and not (out / object_key(str(out), r["uri"])[0]).exists()]
+    gone = [
+        r["uri"]
+        for r in rows
+        if r["status"] == "ok" and not (out / object_key(str(out), r["uri"])[0]).exists()
+    ]
     assert not gone, f"compacted rows name objects that are not there: {gone}"
 
 
@@ -103,7 +108,9 @@ def test_a_second_compaction_killed_midway_leaves_one_set_never_a_mix(output, po
     assert procs.run("redo", redo=[2]).rc == 0
     rebuilt = (out / COMPACTED_KEY).read_bytes()
     assert rebuilt != old
-    killed = procs.start("compact", mode="cli", argv=["compact", str(out), "--row-group-rows", "1"], pause_at=[point])
+    killed = procs.start(
+        "compact", mode="cli", argv=["compact", str(out), "--row-group-rows", "1"], pause_at=[point]
+    )
     killed.wait_paused(point)
     killed.kill()
     after = (out / COMPACTED_KEY).read_bytes()

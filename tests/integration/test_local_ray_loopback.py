@@ -136,7 +136,12 @@ def test_a_local_run_logs_no_token_warning_and_no_colour_into_a_file(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(RAY_USAGE_STATS_ENABLED="0", TMPDIR="/tmp")
     done = subprocess.run(
-        [sys.executable, "-c", _QUIET_CHILD], env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path
+        [sys.executable, "-c", _QUIET_CHILD],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
     )
     logs = done.stdout + done.stderr
     assert done.returncode == 0, done.stderr[-3000:]

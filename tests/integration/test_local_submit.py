@@ -55,7 +55,9 @@ def test_the_local_submit_walkthrough_runs_as_written(tmp_path):
     home.mkdir()
     bin_dir = os.path.dirname(sys.executable)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(HOME=str(home), PATH=f"{bin_dir}:{env.get('PATH', '')}", RAY_USAGE_STATS_ENABLED="0", TMPDIR="/tmp")
+    env.update(
+        HOME=str(home), PATH=f"{bin_dir}:{env.get('PATH', '')}", RAY_USAGE_STATS_ENABLED="0", TMPDIR="/tmp"
+    )
     proc = subprocess.Popen(
         ["bash", "-euo", "pipefail", "-c", script],
         cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,

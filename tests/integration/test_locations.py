@@ -51,7 +51,10 @@ def test_an_output_that_is_a_file_is_refused_before_any_work(tmp_path, capsys, c
     assert main([command, str(_job(tmp_path, str(prompts), str(output)))]) == 2
     err = capsys.readouterr().err.strip()
     where = f"lies under {a_file}, which is a file" if under else "is a file"
-    assert err == f"ditfleet: output {output} {where}, not a folder: give output.uri a folder (created if missing)"
+    assert (
+        err
+        == f"ditfleet: output {output} {where}, not a folder: give output.uri a folder (created if missing)"
+    )
     assert a_file.read_bytes() == b"not a folder"
 
 

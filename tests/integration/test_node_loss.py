@@ -59,7 +59,11 @@ def test_losing_a_node_mid_job_loses_and_duplicates_nothing(random_model_dir, s3
     # (often first, since Ray notices a lost node only after its health checks fail) moved or
     # duplicated onto the surviving actor by the tail logic.
     d = summary["dispatch"]
-    assert d["actor_deaths"] + d["retries"] + d["tail_moves"] + d["speculative_runs"] >= 1, (d, removed, result["log"])
+    assert d["actor_deaths"] + d["retries"] + d["tail_moves"] + d["speculative_runs"] >= 1, (
+        d,
+        removed,
+        result["log"],
+    )
     # 0 rows lost, 0 duplicated: every shard committed once, every row once, every sha256 right.
     assert summary["status"] == "succeeded", result["log"]
     assert summary["shards"] == {**summary["shards"], "planned": ROWS // SHARD_SIZE, "left": 0, "failed": 0}

@@ -68,9 +68,7 @@ def test_slow_warmup_is_reported_as_loading_then_compiling(tmp_path):
     out = io.StringIO()
     config = DispatchConfig(min_actors=1, max_actors=1, num_cpus=0.5, tick_s=0.1)
     worker = SleepingWorkerConfig(output_uri=str(tmp_path / "out"), shard_s=0.01)
-    result = run_shards(
-        shards(2), SlowWarmupWorker, (worker, 1.5, 1.5, 2), config, progress(out)
-    )
+    result = run_shards(shards(2), SlowWarmupWorker, (worker, 1.5, 1.5, 2), config, progress(out))
     assert len(result.results) == 2 and not result.failed
     text = out.getvalue()
     assert "1 loading weights" in text, text

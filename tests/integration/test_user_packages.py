@@ -49,7 +49,9 @@ def test_a_job_submitted_from_a_repository_with_its_own_model_and_jobs_packages_
         "workers: {min: 1, gpus: 0, cpus: 1, batch_size: 8, idle_retire_s: 2}\n"
     )
     # The entrypoint runs inside Ray's copy of the working dir, where `model/` and `jobs/` come first.
-    done = ray_head.job_submit(["--working-dir", str(repo), "--", "ditfleet", "run", "job.yaml"], timeout_s=400)
+    done = ray_head.job_submit(
+        ["--working-dir", str(repo), "--", "ditfleet", "run", "job.yaml"], timeout_s=400
+    )
     logs = done.stdout + done.stderr
     assert done.returncode == 0, logs[-4000:]
     assert "was imported by ditfleet" not in logs, logs[-4000:]

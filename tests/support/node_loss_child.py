@@ -60,7 +60,9 @@ def main(spec_path: str) -> int:
     workers = [cluster.add_node(num_cpus=1, **node_args) for _ in range(2)]
     removed: dict[str, object] = {}
     try:
-        ray.init(address=cluster.address, runtime_env={"env_vars": dict(FAKE_CREDENTIALS)}, logging_level="ERROR")
+        ray.init(
+            address=cluster.address, runtime_env={"env_vars": dict(FAKE_CREDENTIALS)}, logging_level="ERROR"
+        )
         store = open_store(spec["output"], s3)
 
         def remove_a_busy_node() -> None:
@@ -97,7 +99,9 @@ def main(spec_path: str) -> int:
             # a few steps a shard took 0.1 s, the whole job under a second, and the removed actor had
             # often finished its shards already (nothing to recover, nothing tested).
             plan=PlanConfig(rows=rows, shard_size=spec["shard_size"]),
-            dispatch=DispatchConfig(min_actors=2, max_actors=2, num_cpus=1, placement_timeout_s=120, tick_s=0.2),
+            dispatch=DispatchConfig(
+                min_actors=2, max_actors=2, num_cpus=1, placement_timeout_s=120, tick_s=0.2
+            ),
             s3=s3,
             status_every_s=3600,
         )

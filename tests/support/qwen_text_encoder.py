@@ -58,5 +58,3 @@ def make_text_encoder(out: Path, seed: int = 0):
     model = Qwen2_5_VLForConditionalGeneration(config).eval()
     model.save_pretrained(out, safe_serialization=True)
     return model
-
-

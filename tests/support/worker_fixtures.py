@@ -112,7 +112,9 @@ def finish_like_driver(store: Any, plan: Any) -> None:
         fingerprint=plan.fingerprint(),
         planned={"shards": n, "rows": plan.total_rows, "images": plan.total_images},
         result=None,
-        progress=JobProgress(total_shards=n, total_images=plan.total_images, stream=io.StringIO(), interactive=False),
+        progress=JobProgress(
+            total_shards=n, total_images=plan.total_images, stream=io.StringIO(), interactive=False
+        ),
         timings={},
         started=time.monotonic(),
         out=io.StringIO(),

@@ -20,7 +20,17 @@ def test_the_wheel_builds_quietly_and_carries_the_data(tmp_path):
     skip = shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__", "out", ".*_cache")
     shutil.copytree(REPO, source, ignore=skip)
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(source)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            str(source),
+        ],
         capture_output=True,
         text=True,
         timeout=600,

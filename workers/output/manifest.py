@@ -258,7 +258,9 @@ def tombstone_bytes(superseded_by: int) -> bytes:
     supersessions of one generation write the same object."""
     if isinstance(superseded_by, bool) or not isinstance(superseded_by, int) or superseded_by < 1:
         raise ValueError(f"a superseding generation is an int >= 1, got {superseded_by!r}")
-    return _marker_bytes({_TOMBSTONE_KEY: SUPERSEDED.encode(), _SUPERSEDED_BY_KEY: str(superseded_by).encode()})
+    return _marker_bytes(
+        {_TOMBSTONE_KEY: SUPERSEDED.encode(), _SUPERSEDED_BY_KEY: str(superseded_by).encode()}
+    )
 
 
 def seal_bytes() -> bytes:

@@ -13,9 +13,7 @@ from ditfleet.compile import CompileConfig, apply_compile, remove_compile
 from ditfleet.compile.cpu_linear import OneDNNLinear, onednn_available, restore_linears, use_onednn_linears
 from ditfleet.model import load_pipeline
 
-pytestmark = pytest.mark.skipif(
-    not onednn_available("cpu", torch.float32), reason="this torch has no oneDNN"
-)
+pytestmark = pytest.mark.skipif(not onednn_available("cpu", torch.float32), reason="this torch has no oneDNN")
 
 
 def _mlp(seed: int = 0) -> nn.Sequential:

@@ -77,7 +77,9 @@ def _readers_see(root: Path) -> list[pa.Table]:
     """The compacted set as the docs' readers read it: pyarrow.dataset over compacted/ and DuckDB
     over compacted/*.parquet."""
     arrow = ds.dataset(str(root / COMPACTED_PREFIX), format="parquet").to_table()
-    duck = duckdb.sql(f"select * from read_parquet('{root / COMPACTED_PREFIX}/*.parquet')").fetch_arrow_table()
+    duck = duckdb.sql(
+        f"select * from read_parquet('{root / COMPACTED_PREFIX}/*.parquet')"
+    ).fetch_arrow_table()
     return [arrow, duck]
 
 

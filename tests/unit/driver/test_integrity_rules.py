@@ -83,7 +83,10 @@ def test_the_token_says_its_generation_and_plain_tokens_are_generation_0():
 
 
 def test_tombstones_and_seals_are_zero_row_manifests_that_say_what_they_are(tmp_path):
-    for data, kind in ((tombstone_bytes(3), ManifestKind(SUPERSEDED, 3)), (seal_bytes(), ManifestKind(SEALED))):
+    for data, kind in (
+        (tombstone_bytes(3), ManifestKind(SUPERSEDED, 3)),
+        (seal_bytes(), ManifestKind(SEALED)),
+    ):
         assert manifest_kind(data) == kind
         table = pq.read_table(io.BytesIO(data))
         assert table.num_rows == 0 and table.schema.equals(MANIFEST_SCHEMA, check_metadata=False)
@@ -252,7 +255,9 @@ def test_supersession_crashed_at_every_step_is_finished_by_the_next_one(tmp_path
             assert store.exists(key) or store.exists(superseded_key(key)), (steps, key)
         supersede_pending(LocalStore(str(root)))
         assert set(store.list("images/")) == set(new) | set(other), steps
-        assert set(store.list("_superseded/")) == {superseded_key(manifest_key(0))} | {superseded_key(k) for k in old}
+        assert set(store.list("_superseded/")) == {superseded_key(manifest_key(0))} | {
+            superseded_key(k) for k in old
+        }
         assert store.get(superseded_key(manifest_key(0))) == first
         assert manifest_kind(store.get(manifest_key(0))) == ManifestKind(SUPERSEDED, 1)
         _readers_see_each_row_once_with_its_object(store)
@@ -395,7 +400,9 @@ def test_verify_clean_of_a_complete_output_leaves_its_success_believed(tmp_path)
     store = LocalStore(str(tmp_path / "out"))
     commit(store, 0, 0, new_attempt_token(0))
     loser = straggler(store, 0, 0)
-    store.put("_job.json", json.dumps({"fingerprint": "t", "plan": {"shards": 1, "rows": 2, "images": 2}}).encode())
+    store.put(
+        "_job.json", json.dumps({"fingerprint": "t", "plan": {"shards": 1, "rows": 2, "images": 2}}).encode()
+    )
     run = acquire_lease(store, ttl_s=60, renew=False)
     put_success(store, {"status": "succeeded", "images": {"ok": 2, "failed": 0}}, run.generation)
     run.mark_settled()

@@ -93,7 +93,11 @@ def test_a_pause_point_stops_the_process_only_when_named(tmp_path):
     pause_point("in_cleanup")  # unset: nothing happens
     with pytest.raises(ValueError, match="unknown pause point"):
         pause_point("nowhere")
-    env = {**os.environ, "DITFLEET_PAUSE_AT": "before_success, in_cleanup", "DITFLEET_PAUSE_DIR": str(tmp_path)}
+    env = {
+        **os.environ,
+        "DITFLEET_PAUSE_AT": "before_success, in_cleanup",
+        "DITFLEET_PAUSE_DIR": str(tmp_path),
+    }
     code = "from ditfleet.driver.output.pause_points import pause_point; pause_point('in_cleanup'); print('resumed')"
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
     try:

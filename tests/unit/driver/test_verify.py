@@ -38,7 +38,9 @@ def _make_output(root: Path, model_dir: Path, prompts: Path, output_format: str)
     """Plan, claim, run every shard on the real worker, finish as the driver does. Returns the
     committed attempt token per shard."""
     config = DriverConfig(
-        input_uri=str(prompts), output_uri=str(root), plan=PlanConfig(rows=row_config(), shard_size=SHARD_SIZE)
+        input_uri=str(prompts),
+        output_uri=str(root),
+        plan=PlanConfig(rows=row_config(), shard_size=SHARD_SIZE),
     )
     plan = plan_input(config)
     store = open_store(str(root))

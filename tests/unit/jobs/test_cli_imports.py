@@ -85,4 +85,7 @@ def test_validate_and_plan_load_no_torch_ray_or_model_code(command, job, tmp_pat
     assert "boto3" not in tops and "botocore" not in tops
     model = {m for m in modules if m.split(".")[0] == "model"}
     assert model <= TORCH_FREE_MODEL, f"model modules with torch loaded: {sorted(model - TORCH_FREE_MODEL)}"
-    assert not {"ditfleet.workers.actor", "ditfleet.workers.text_embeddings", "ditfleet.compile.policy"} & modules
+    assert (
+        not {"ditfleet.workers.actor", "ditfleet.workers.text_embeddings", "ditfleet.compile.policy"}
+        & modules
+    )

@@ -129,11 +129,17 @@ def test_example_job_converts_to_consistent_lower_configs(monkeypatch):
 def test_a_share_of_a_gpu_is_refused_for_a_gpu_model(tmp_path):
     # Each actor sizes its batch from the whole card and loads a whole DiT: two on one card OOM.
     for gpus in ("0.5", "0.25"):
-        job = write_job(tmp_path, minimal(tmp_path, f"model:\n  path: /models/qwen\nworkers:\n  gpus: {gpus}\n"))
+        job = write_job(
+            tmp_path, minimal(tmp_path, f"model:\n  path: /models/qwen\nworkers:\n  gpus: {gpus}\n")
+        )
         with pytest.raises(SpecError, match=rf"workers.gpus: {gpus} is a share of a GPU.*workers.gpus: 1"):
             load_spec(job)
     # whole GPUs, no GPU, or a share while the model runs on the CPU: accepted
-    for extra in ("workers:\n  gpus: 1\n", "workers:\n  gpus: 0\n", "model:\n  device: cpu\nworkers:\n  gpus: 0.5\n"):
+    for extra in (
+        "workers:\n  gpus: 1\n",
+        "workers:\n  gpus: 0\n",
+        "model:\n  device: cpu\nworkers:\n  gpus: 0.5\n",
+    ):
         assert load_spec(write_job(tmp_path, minimal(tmp_path, extra))).workers.gpus is not None
 
 

@@ -41,7 +41,11 @@ def test_off_keeps_the_fingerprint_and_a_preset_enters_it_resolved():
     [
         ("turbo", 50, "sampling.step_cache: unknown preset 'turbo'"),
         ("{method: fbcache}", 50, "sampling.step_cache.method: unknown method 'fbcache'"),
-        ("{preset: fast, compute_blocks: 4}", 50, "sampling.step_cache.compute_blocks: only method 'dbcache'"),
+        (
+            "{preset: fast, compute_blocks: 4}",
+            50,
+            "sampling.step_cache.compute_blocks: only method 'dbcache'",
+        ),
         ("{taylorseer_order: -1}", 50, "sampling.step_cache.taylorseer_order: must be 0 (off) to 2"),
         ("{threshold: 1.2}", 50, "sampling.step_cache.threshold: must be in (0, 1)"),
         ("{max_skips: 3}", 50, "unknown key(s) ['max_skips']"),
@@ -91,7 +95,9 @@ def test_calibrate_on_the_tiny_model(tmp_path, capsys):
     for p in out["presets"]:
         lag = wall_lag_reason(p, out)
         if p["wall_speedup"] < 0.8 * p["work_speedup"]:
-            assert lag is not None and f"wall {p['wall_speedup']:.2f}x against" in lag and f"why: {lag}" in text
+            assert (
+                lag is not None and f"wall {p['wall_speedup']:.2f}x against" in lag and f"why: {lag}" in text
+            )
         else:
             assert lag is None
     # Too short a schedule for the presets: an error before any work.

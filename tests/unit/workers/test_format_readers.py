@@ -89,7 +89,9 @@ def test_rows_not_asked_for_are_reported_as_unnamed(tmp_path, output_format):
     (key,) = _keys(store, rows)
     stored = READERS[output_format].read(store, key, rows[1:])
     assert stored.unnamed == ((rows[0].id, rows[0].k),)
-    assert stored.unnamed_problems() == [f"{store.uri(key)}: holds row id='a' k=0, which its manifest does not name as ok"]
+    assert stored.unnamed_problems() == [
+        f"{store.uri(key)}: holds row id='a' k=0, which its manifest does not name as ok"
+    ]
     with pytest.raises(StoredImageError, match=r"has no image for manifest row id='a' k=0"):
         stored.image(rows[0])
 
@@ -120,7 +122,9 @@ def test_a_changed_image_in_a_data_file_is_named(tmp_path):
     store.put(key, sink.getvalue().to_pybytes())
     stored = READERS["parquet"].read(store, key, rows)
     assert [stored.problem(r) is None for r in rows] == [True, True, False, True]
-    assert f"{store.uri(key)}: image of row id='d' k=0 is {rows[2].bytes - 1} bytes" in stored.problem(rows[2])
+    assert f"{store.uri(key)}: image of row id='d' k=0 is {rows[2].bytes - 1} bytes" in stored.problem(
+        rows[2]
+    )
     store.put(key, store.get(key)[:-100])  # the footer is gone
     with pytest.raises(StoredImageError, match=rf"{key}: cannot be read as Parquet"):
         READERS["parquet"].read(store, key, rows)
@@ -134,7 +138,9 @@ def test_a_cut_tar_member_is_named(tmp_path):
         last_image = [m for m in tar.getmembers() if m.name.endswith(".png")][-1]
     # Cut the tar in the middle of the last image's data.
     store.put(key, blob[: last_image.offset_data + last_image.size // 2])
-    with pytest.raises(StoredImageError, match=rf"{key}: cannot be read as a tar \(.*member d_1\.png is cut short"):
+    with pytest.raises(
+        StoredImageError, match=rf"{key}: cannot be read as a tar \(.*member d_1\.png is cut short"
+    ):
         list(read_images(store, rows))
 
 
@@ -169,7 +175,10 @@ def test_a_copied_output_reads_from_where_it_is_now(tmp_path, output_format):
 
 def test_keys_of_moved_outputs_and_unknown_areas():
     root = "s3://new/out"
-    assert object_key(root, "s3://new/out/data/shard-00001-x.parquet") == ("data/shard-00001-x.parquet", False)
+    assert object_key(root, "s3://new/out/data/shard-00001-x.parquet") == (
+        "data/shard-00001-x.parquet",
+        False,
+    )
     assert object_key(root, "s3://old/run/images/00001/a0-x/a.png") == ("images/00001/a0-x/a.png", True)
     assert object_key(root, "s3://old/run/elsewhere/a.png") == (None, True)
     with pytest.raises(StoredImageError, match="elsewhere/a.png is in no output format's area"):

@@ -77,7 +77,9 @@ def test_distinct_ids_give_distinct_keys() -> None:
     ids |= {raw for raw, _ in HOSTILE if isinstance(raw, str)} | {LONG, LONG + "z"}
     assert len({safe_key_component(i) for i in ids}) == len(ids)
     # The "_k" suffix cannot make two images of different rows share a key.
-    keys = [image_key(0, T, i, image_index_in_key(k, n), "png") for i in ids for n in (1, 2) for k in range(n)]
+    keys = [
+        image_key(0, T, i, image_index_in_key(k, n), "png") for i in ids for n in (1, 2) for k in range(n)
+    ]
     assert len(set(keys)) == len(keys)
 
 
