@@ -319,26 +319,23 @@ class S3Store(ObjectStore):
 
     # -- reads ---------------------------------------------------------------------------
 
-    @_names_the_object("GET")
-    def get(self, key: str) -> bytes:
+    def _body(self, key: str) -> Any:
+        """The streaming body of a GET of `key`; raises ObjectNotFound."""
         try:
-            reply = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
+            return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
         except ClientError as e:
             if _error_code(e) in ("NoSuchKey", "404") or _status(e) == 404:
                 raise ObjectNotFound(f"no object {self.uri(key)}") from None
             raise
-        with reply["Body"] as body:
+
+    @_names_the_object("GET")
+    def get(self, key: str) -> bytes:
+        with self._body(key) as body:
             return body.read()
 
     @_names_the_object("GET")
     def get_file(self, key: str, f: BinaryIO) -> None:
-        try:
-            reply = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
-        except ClientError as e:
-            if _error_code(e) in ("NoSuchKey", "404") or _status(e) == 404:
-                raise ObjectNotFound(f"no object {self.uri(key)}") from None
-            raise
-        with reply["Body"] as body:
+        with self._body(key) as body:
             for chunk in iter(lambda: body.read(_COPY_CHUNK), b""):
                 f.write(chunk)
 
