@@ -570,10 +570,12 @@ def test_a_cluster_wanting_a_token_is_exit_2_naming_the_token(monkeypatch, tmp_p
 
     monkeypatch.setattr(ray, "init", refuse)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    # A client that did not ask for token auth (a local run earlier in this process may have).
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
     write_prompts(tmp_path / "p.parquet", 4)  # a valid input: the run gets as far as connecting
     job = tmp_path / "job.yaml"
     job.write_text(f"input: {{path: {tmp_path}/p.parquet}}\noutput: {{uri: {tmp_path}/out}}\n")
     assert main(["run", str(job), "--address", "ray://127.0.0.1:1"]) == 2
     err = capsys.readouterr().err
-    assert "RAY_AUTH_TOKEN" in err and "store error" not in err
+    assert "RAY_AUTH_MODE=token" in err and "auth_token" in err and "store error" not in err, err
     assert not (tmp_path / "out").exists()  # nothing written
