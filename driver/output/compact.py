@@ -316,11 +316,12 @@ def compact_output(
 
 
 def refresh_compacted(
-    store: ObjectStore, current: Mapping[int, str], lease: OutputLease | None
+    store: ObjectStore, lease: OutputLease | None, current: Mapping[int, str] | None = None
 ) -> CompactionReport | None:
     """At a driver's finish (every shard committed): rebuild an existing compacted set that is not
-    the union of `current` (a redo changed a generation). None when there is none or it is current.
-    A run that never compacted is not made to: only a set the user asked for is kept current."""
+    the union of the current manifests (a redo changed a generation). None when there is none or
+    it is current. A run that never compacted is not made to: only a set the user asked for is
+    kept current. current: the listing, when the caller has it; listed only if a set exists."""
     state = compacted_state(store, current)
     if not state.present or state.current:
         return None

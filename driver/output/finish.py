@@ -35,7 +35,7 @@ from ditfleet.driver.output.status import count_shards
 from ditfleet.driver.output.summary import JobSummary, build_summary, write_success
 from ditfleet.driver.output.supersede import supersede_pending
 from ditfleet.driver.progress import JobProgress
-from ditfleet.workers.output.manifest import committed_shards, current_manifest_keys
+from ditfleet.workers.output.manifest import committed_shards
 from ditfleet.workers.rows import ShardSpec
 from ditfleet.workers.storage import ObjectStore
 
@@ -137,7 +137,7 @@ def close_output(
     if success is not None:
         _check(lease)
         # A compacted set the user made is kept the union of the current manifests (a redo).
-        if refresh_compacted(store, current_manifest_keys(store), lease) is not None:
+        if refresh_compacted(store, lease) is not None:
             print(
                 f"rebuilt the compacted set {store.uri(COMPACTED_KEY)} (a redo changed its manifests)",
                 file=out,
