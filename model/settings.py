@@ -12,6 +12,7 @@ Torch-free on purpose: the planning side (the job spec, `ditfleet validate`) imp
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -75,8 +76,11 @@ def check_settings(obj: Any) -> None:
         allowed = literal_values(hints[f.name])
         if allowed is not None and value not in allowed:
             raise ValueError(f"{name}.{f.name} must be one of {allowed}, got {value!r}")
-        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        bounded = [b for b in BOUNDS if b in f.metadata]
+        if value is None or not bounded:
             continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{name}.{f.name} must be a finite number, got {value!r}")
         for bound, ok in (
             ("ge", lambda v, b: v >= b),
             ("gt", lambda v, b: v > b),

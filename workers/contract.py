@@ -98,8 +98,6 @@ class WorkerConfig:
     s3: S3Config = field(default_factory=S3Config)
 
     def __post_init__(self) -> None:
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         check_settings(self)
 
 

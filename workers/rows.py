@@ -23,7 +23,6 @@ import base64
 import datetime as dt
 import decimal
 import hashlib
-import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -35,7 +34,7 @@ import pyarrow.fs as pafs
 from ditfleet.compile.buckets import BucketSet, ResolutionBucket, default_buckets
 from ditfleet.model.family import DEFAULT_FAMILY
 from ditfleet.model.guidance import DEFAULT_NEGATIVE_PROMPT
-from ditfleet.model.settings import setting
+from ditfleet.model.settings import check_settings, setting
 from ditfleet.workers.content_digest import RangeDigest, prepare
 from ditfleet.workers.storage.input_files import InputFileError, open_parquet
 
@@ -121,16 +120,7 @@ class RowConfig:
     )
 
     def __post_init__(self) -> None:
-        def check(name: str, value: object, lo: float, hi: float) -> None:
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            if not ok or not lo <= value <= hi:  # type: ignore[operator]
-                raise ValueError(f"default {name} must be in [{lo}, {hi}], got {value!r}")
-
-        check("job_seed", self.job_seed, 0, MAX_SEED)
-        check("steps", self.steps, *STEPS_RANGE)
-        check("true_cfg_scale", self.true_cfg_scale, *CFG_RANGE)
-        check("num_images", self.num_images, *NUM_IMAGES_RANGE)
-        check("max_prompt_chars", self.max_prompt_chars, 1, 10**7)
+        check_settings(self)
         if not isinstance(self.buckets, BucketSet):
             raise ValueError(f"buckets must be a BucketSet, got {type(self.buckets).__name__}")
         for name in ("prompt_column", "id_column"):
