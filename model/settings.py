@@ -76,8 +76,7 @@ def check_settings(obj: Any) -> None:
         allowed = literal_values(hints[f.name])
         if allowed is not None and value not in allowed:
             raise ValueError(f"{name}.{f.name} must be one of {allowed}, got {value!r}")
-        bounded = [b for b in BOUNDS if b in f.metadata]
-        if value is None or not bounded:
+        if value is None or not any(b in f.metadata for b in BOUNDS):
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ValueError(f"{name}.{f.name} must be a finite number, got {value!r}")
