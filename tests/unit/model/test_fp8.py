@@ -29,6 +29,7 @@ from ditfleet.model.quantization import (
     check_fp8_device,
     keeps_load_dtype,
 )
+from ditfleet.model.tiny.adherence import measure
 from ditfleet.model.weights import WeightsError
 from ditfleet.testing.outliers import cast_inputs, forward_inputs, outlier_transformer, relative_error
 from tests.support.paths import REPO
@@ -184,7 +185,16 @@ def test_tiny_pipeline_runs_quantized_and_records_it(mode):
     )
     a, b = exact.generate(**kw), pipe.generate(**kw)
     assert torch.isfinite(b).all()
-    assert 0 < (a - b).abs().max() < 0.5  # other pixels, the same picture
+    # Other pixels, the same picture. Judged as a whole (PSNR, and the scene the adherence check
+    # reads), not by the single worst pixel: a shape's anti-aliased rim moving by one pixel differs by
+    # about 0.5 there, and which pixel that is depends on the CPU's FP8 kernel (28.1 dB for fp8 and
+    # 31.0 dB weight-only, measured on this picture).
+    assert (a != b).any()
+    psnr = -10 * torch.log10(((a - b) ** 2).mean())
+    assert psnr > 24, f"{mode}: {psnr:.1f} dB against the exact image"
+    seen_exact, seen_quantized = measure(a[0]), measure(b[0])
+    for attribute in ("background", "color", "position", "kind"):
+        assert getattr(seen_quantized, attribute) == getattr(seen_exact, attribute), attribute
     assert pipe.model_revision != exact.model_revision
     assert load_pipeline("tiny", quantization="none").model_revision == exact.model_revision
 
