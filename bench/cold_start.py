@@ -1,17 +1,20 @@
-"""The README job from empty compile caches: every actor compiling every bucket vs compile
-claims (each bucket compiled once per machine), side by side in one run.
+"""The README job's first run on a machine, from empty caches, in variants side by side in one run:
 
-    python bench/cold_start.py                 # jobs/examples/tiny.yaml, off then on
-    python bench/cold_start.py --order on,off  # the other order (the machine warms up too)
-    python bench/cold_start.py --repeat 2      # off, on, off, on: medians (a shared machine is noisy)
+    python bench/cold_start.py                                # default,compiled
+    python bench/cold_start.py --variants compiled,no-claims  # what compile claims save
+    python bench/cold_start.py --repeat 2                     # interleaved rounds: medians
 
-For each variant it runs `ditfleet run` on a copy of the job whose output, model cache and
-Inductor cache (TORCHINDUCTOR_CACHE_DIR) are fresh temporary directories, without a shared
-compile cache key (a fresh machine: nothing to load from anywhere). "off" sets
-compile.claim_timeout_s: 0 (every actor compiles every bucket), "on" keeps the default.
-It reports the whole job's wall time (the command, Ray start included) and, per actor,
-warm-up seconds, the buckets it compiled (Inductor compiles > 0) and the ones it took from the
-cache another actor filled. Prints one line per variant, then one JSON line.
+Variants (each a copy of the job with one setting changed):
+- default: the job as shipped (compile.vae auto: off on CPU actors);
+- compiled: compile.vae true, compile claims on (each bucket compiled once per machine);
+- no-claims: compile.vae true, compile.claim_timeout_s 0 (every actor compiles every bucket).
+
+For each it runs `ditfleet run` on a copy of the job whose output, model cache and Inductor cache
+(TORCHINDUCTOR_CACHE_DIR) are fresh temporary directories, without a shared compile cache key (a
+fresh machine: nothing to load from anywhere). It reports the whole job's wall time (the command,
+Ray start included) and, per actor, warm-up seconds, the buckets it compiled (Inductor compiles >
+0) and the ones it took from the cache another actor filled. Prints one line per variant, then one
+JSON line with the medians and each variant's wall time over the first variant's.
 """
 
 from __future__ import annotations
@@ -31,7 +34,15 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_variant(job: Path, claims: bool, timeout_s: float) -> dict:
+# variant -> the compile settings it sets (None: the job's own)
+VARIANTS: dict[str, dict | None] = {
+    "default": None,
+    "compiled": {"vae": True, "claim_timeout_s": 600.0},
+    "no-claims": {"vae": True, "claim_timeout_s": 0},
+}
+
+
+def run_variant(job: Path, variant: str, timeout_s: float) -> dict:
     doc = yaml.safe_load(job.read_text())
     with tempfile.TemporaryDirectory(prefix="ditfleet-cold-") as tmp:
         tmp_path = Path(tmp)
@@ -39,7 +50,7 @@ def run_variant(job: Path, claims: bool, timeout_s: float) -> dict:
         doc["input"]["path"] = str((ROOT / doc["input"]["path"]).resolve())
         doc["output"]["uri"] = str(tmp_path / "out")
         doc.setdefault("model", {})["cache_dir"] = str(tmp_path / "models")
-        doc.setdefault("compile", {})["claim_timeout_s"] = 600.0 if claims else 0
+        doc.setdefault("compile", {}).update(VARIANTS[variant] or {})
         job_copy = tmp_path / "job.yaml"
         job_copy.write_text(yaml.safe_dump(doc))
         env = {k: v for k, v in os.environ.items() if k != "DITFLEET_COMPILE_CACHE_KEY"}
@@ -71,7 +82,8 @@ def run_variant(job: Path, claims: bool, timeout_s: float) -> dict:
             ],
         }
     return {
-        "claims": claims,
+        "variant": variant,
+        "compile": doc["compile"],
         "wall_s": round(wall, 2),
         "job_wall_s": summary["timings"]["wall_s"],
         "images_ok": summary["images"]["ok"],
@@ -85,17 +97,18 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--job", default=str(ROOT / "jobs/examples/tiny.yaml"))
-    parser.add_argument("--order", default="off,on", help="variants in run order: off,on or on,off")
-    parser.add_argument("--repeat", type=int, default=1, help="rounds of both variants, interleaved")
+    parser.add_argument("--variants", default="default,compiled", help=f"in run order, of {sorted(VARIANTS)}")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds of every variant, interleaved")
     parser.add_argument("--timeout", type=float, default=900)
     args = parser.parse_args(argv)
-    order = [v.strip() for v in args.order.split(",")]
-    if sorted(order) != ["off", "on"]:
-        parser.error(f"--order must name off and on once each, got {args.order!r}")
-    rounds: dict[str, list[dict]] = {"off": [], "on": []}
+    order = [v.strip() for v in args.variants.split(",")]
+    unknown = [v for v in order if v not in VARIANTS]
+    if unknown or len(set(order)) != len(order):
+        parser.error(f"--variants must name distinct variants of {sorted(VARIANTS)}, got {args.variants!r}")
+    rounds: dict[str, list[dict]] = {v: [] for v in order}
     for _ in range(max(1, args.repeat)):
         for variant in order:
-            r = run_variant(Path(args.job).resolve(), variant == "on", args.timeout)
+            r = run_variant(Path(args.job).resolve(), variant, args.timeout)
             r["load_avg_1m"] = round(os.getloadavg()[0], 2)
             rounds[variant].append(r)
             per_actor = "; ".join(
@@ -103,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                 for a in r["actors"].values()
             )
             print(
-                f"claims {variant}: wall {r['wall_s']:.1f} s (job {r['job_wall_s']:.1f} s, load "
-                f"{r['load_avg_1m']}), {per_actor}",
+                f"{variant}: wall {r['wall_s']:.1f} s (job {r['job_wall_s']:.1f} s, load "
+                f"{r['load_avg_1m']}), {r['images_ok']} images; {per_actor}",
                 flush=True,
             )
     mean = lambda r: sum(a["warmup_s"] for a in r["actors"].values()) / max(1, len(r["actors"]))  # noqa: E731
@@ -113,10 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "cold_start",
         "job": str(Path(args.job)),
         "cpus": os.cpu_count(),
-        "off": rounds["off"],
-        "on": rounds["on"],
+        "rounds": rounds,
         "wall_s_median": med,
-        "wall_speedup": round(med["off"] / med["on"], 2),
+        "wall_over_first": {v: round(med[v] / med[order[0]], 2) for v in order},
         "warmup_mean_s_median": {
             v: round(statistics.median(mean(r) for r in rs), 2) for v, rs in rounds.items()
         },

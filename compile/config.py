@@ -35,6 +35,10 @@ DIT_WARMUP_S_PER_BUCKET = (60, 120)
 # per actor's first bucket with two actors at once on a 2-core machine, a few seconds for a bucket
 # this machine compiled before (the progress line says which).
 VAE_FIRST_COMPILE_S_CPU = 50
+# Why compile.vae "auto" is off on CPU actors: the compiled decode of one 128x128 tiny-model image
+# takes 15.8 ms against 29.2 ms eager on one core, so a bucket's ~50 s compile is repaid after about
+# 4,000 images of that bucket on the machine (docs/performance.md, "The first run").
+VAE_CPU_COMPILE_REPAID_AFTER_IMAGES = 4000
 
 
 def first_compile_estimate_s(device: str, dit: bool) -> int:
@@ -64,7 +68,12 @@ class CompileConfig:
     not part of the cache key.
     """
 
-    vae: bool = setting(True, description="Compile the VAE decode, warmed once per bucket at actor start-up.")
+    vae: bool | Literal["auto"] = setting(
+        "auto",
+        description="Compile the VAE decode, warmed once per bucket at actor start-up. 'auto': on for "
+        "GPU actors; off on CPU actors, where a bucket's compile (about 50 s) is repaid only after "
+        "thousands of images of that bucket.",
+    )  # "auto": see vae_on
     vae_mode: str = "default"
     vae_backend: Backend = "inductor"
     vae_batch: int | None = 1
@@ -73,7 +82,7 @@ class CompileConfig:
         description="Compile the DiT blocks too: one graph pair per resolution bucket (batch size and "
         "prompt length are dynamic), longer start-up, faster steps on GPUs. 'auto': on for CUDA "
         "actors expected to make enough images per bucket to repay the warm-up.",
-    )  # "auto": see resolve_dit
+    )  # "auto": see dit_on
     dit_mode: str | None = None
     dit_backend: Backend = "inductor"
     dynamic: bool = False
@@ -106,12 +115,22 @@ class CompileConfig:
                     f"CompileConfig.{name} must be a backend name such as 'inductor' or a callable, "
                     f"got {backend!r}"
                 )
-        if not isinstance(self.dit, bool) and self.dit != "auto":
-            raise ValueError(f"CompileConfig.dit must be true, false or 'auto', got {self.dit!r}")
+        for name in ("vae", "dit"):
+            if not isinstance(getattr(self, name), bool) and getattr(self, name) != "auto":
+                raise ValueError(
+                    f"CompileConfig.{name} must be true, false or 'auto', got {getattr(self, name)!r}"
+                )
         if not self.claim_timeout_s >= 0:
             raise ValueError(f"CompileConfig.claim_timeout_s must be >= 0, got {self.claim_timeout_s}")
         if self.vae_batch is not None and self.vae_batch < 1:
             raise ValueError(f"CompileConfig.vae_batch must be >= 1 or None, got {self.vae_batch}")
+
+    def vae_on(self, device_type: str) -> bool:
+        """Whether the VAE decode compiles: compile.vae, with "auto" decided by the device alone (on
+        for CUDA, off elsewhere), so every actor of a job, and the plan's fingerprint, agree."""
+        if self.vae != "auto":
+            return bool(self.vae)
+        return device_type == "cuda"
 
     def dit_on(self, device_type: str, expected_images: int | None = None, buckets: int = 1) -> bool:
         """Whether the DiT compiles: compile.dit, with "auto" decided as on for CUDA when the
@@ -145,7 +164,7 @@ class CompileConfig:
         out: dict[str, Any] = {"dynamic": self.dynamic, "fullgraph": self.fullgraph}
         # "auto" as apply_compile decides it with the image count unknown.
         dit = self.dit_on(device_type)
-        for target, on in (("vae", self.vae), ("dit", dit)):
+        for target, on in (("vae", self.vae_on(device_type)), ("dit", dit)):
             if not on:
                 out[target] = "off"
                 continue

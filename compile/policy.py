@@ -73,7 +73,7 @@ def apply_compile(pipe: Any, config: CompileConfig) -> CompileReport:
     device_type = torch.device(pipe.device).type
     # "auto" (the default) decided here for a caller that did not: the image count unknown, so
     # on for CUDA and off elsewhere; a worker resolves it itself from the images it expects.
-    config = resolve_dit(config, device_type, expected_images=None, buckets=1)
+    config = resolve_auto(config, device_type, expected_images=None, buckets=1)
     report = CompileReport(config, device_type)
     for region in model_family(pipe).compile_regions:
         if region.part == "dit":
@@ -113,14 +113,15 @@ def dit_linears(transformer: Any, config: CompileConfig, device_type: str) -> No
         restore_linears(transformer)
 
 
-def resolve_dit(
+def resolve_auto(
     config: CompileConfig, device_type: str, expected_images: int | None, buckets: int
 ) -> CompileConfig:
-    """The config with compile.dit "auto" decided: on for CUDA when the images each actor is
-    expected to make (None: unknown, taken as many) reach AUTO_DIT_IMAGES_PER_BUCKET per bucket."""
-    if config.dit != "auto":
-        return config
-    return replace(config, dit=config.dit_on(device_type, expected_images, buckets))
+    """The config with "auto" decided: compile.vae on for CUDA (CompileConfig.vae_on), compile.dit
+    on for CUDA when the images each actor is expected to make (None: unknown, taken as many) reach
+    AUTO_DIT_IMAGES_PER_BUCKET per bucket (CompileConfig.dit_on)."""
+    return replace(
+        config, vae=config.vae_on(device_type), dit=config.dit_on(device_type, expected_images, buckets)
+    )
 
 
 def remove_compile(pipe: Any) -> None:

@@ -33,7 +33,7 @@ from .cache import (
     save_shared_cache,
 )
 from .claims import BucketClaims
-from .policy import CompileConfig, CompileReport, apply_compile, resolve_dit
+from .policy import CompileConfig, CompileReport, apply_compile, resolve_auto
 from .warmup import WARMUP_PROMPTS, WarmupReport, warm_up
 
 
@@ -88,7 +88,7 @@ def prepare_worker_pipeline(
     length_buckets: part of the shared cache key only (requests are not padded to them).
     """
     start = time.perf_counter()
-    config = resolve_dit(config, torch.device(pipe.device).type, expected_images, len(buckets))
+    config = resolve_auto(config, torch.device(pipe.device).type, expected_images, len(buckets))
     report = apply_compile(pipe, config)
     if not report.methods:
         return PreparedPipeline(report, None, None, None, time.perf_counter() - start)

@@ -38,7 +38,7 @@ def prewarm(
     store_dir: str | None,
     device: str = "cpu",
     dtype: str = "float32",
-    dit: bool | str = CompileConfig.dit,  # "auto": off on the CPU (compile.policy.resolve_dit)
+    dit: bool | str = CompileConfig.dit,  # "auto": off on the CPU (CompileConfig.dit_on)
     steps: int = 2,
     cache_secret: bytes | None = None,
     claim_timeout_s: float = CompileConfig.claim_timeout_s,
@@ -52,7 +52,7 @@ def prewarm(
     store = DirectoryArtifactStore(store_dir) if store_dir else None
     prepared = prepare_worker_pipeline(
         pipe,
-        CompileConfig(dit=dit, claim_timeout_s=claim_timeout_s),
+        CompileConfig(vae=True, dit=dit, claim_timeout_s=claim_timeout_s),  # prewarming is compiling
         BucketSet.from_names(buckets).buckets,
         store,
         cache_secret,

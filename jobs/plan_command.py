@@ -1,5 +1,5 @@
 """`ditfleet plan job.yaml [--json]`: what a run would do (rows, shards, buckets, images, the
-DiT compile decision, the memory plan), or for an incremental job what its next run would add.
+VAE and DiT compile decisions, the memory plan), or for an incremental job what its next run would add.
 Writes nothing."""
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         "fingerprint": plan.fingerprint(),
     }
     info["images_per_bucket"] = dict(plan.images_per_bucket)
+    info["compile_vae"] = _vae_compile_plan(spec)
     info["compile_dit"] = _dit_compile_plan(spec, plan.total_images, len(plan.bucket_usage))
     info["step_cache"] = _step_cache_plan(spec, args.job)
     memory = memory_plan_of(spec)
@@ -52,12 +53,28 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps(info, indent=2))
     else:
         _print_plan_text(info, plan.images_per_bucket, plan.warnings)
-        print(f"compile: {info['compile_dit']['line']}")
+        print(f"compile: {info['compile_vae']['line']}; {info['compile_dit']['line']}")
         print(f"step cache: {info['step_cache']['line']}")
         _print_memory(memory, spec)
     if memory is not None and spec.workers.gpu_memory_gb is not None:
         memory.check(args.job)
     return EXIT_OK
+
+
+def _vae_compile_plan(spec: JobSpec) -> dict:
+    """compile.vae as an actor will resolve it (CompileConfig.vae_on, without torch)."""
+    from ditfleet.compile.config import VAE_CPU_COMPILE_REPAID_AFTER_IMAGES
+
+    setting = spec.compile.vae
+    device = spec.actor_device()
+    on = spec.compile_config().vae_on(device)
+    head = f"vae {'auto -> ' if setting == 'auto' else ''}{'on' if on else 'off'}"
+    if setting == "auto" and not on:
+        head += (
+            f" (CPU actors: a bucket's compile is repaid after about "
+            f"{VAE_CPU_COMPILE_REPAID_AFTER_IMAGES:,} images of it; compile.vae: true to compile)"
+        )
+    return {"setting": setting, "on": on, "line": head}
 
 
 def _dit_compile_plan(spec: JobSpec, images: int, buckets: int) -> dict:
@@ -66,7 +83,7 @@ def _dit_compile_plan(spec: JobSpec, images: int, buckets: int) -> dict:
     from ditfleet.compile.config import AUTO_DIT_IMAGES_PER_BUCKET, DIT_WARMUP_S_PER_BUCKET
 
     setting = spec.compile.dit
-    on_cpu = spec.model.device == "cpu" or spec.gpus_per_actor() == 0
+    on_cpu = spec.actor_device() == "cpu"
     actors = spec.workers.max or spec.workers.min
     per_actor = images // max(1, actors)
     on = spec.compile_config().dit_on("cpu" if on_cpu else "cuda", per_actor, buckets)

@@ -22,6 +22,7 @@ import torch
 
 from ditfleet.compile import PreparedPipeline, compile_count, prepare_worker_pipeline
 from ditfleet.compile.config import first_compile_estimate_s
+from ditfleet.compile.policy import resolve_auto
 from ditfleet.model import LoraSpec, TextToImagePipeline, load_pipeline, resolve_model_dir
 from ditfleet.model.family import model_family
 from ditfleet.model.loader import load_text_encoder
@@ -136,7 +137,7 @@ class GenerationWorker:
         secret = read_cache_secret(config.compile_cache_key) if config.compile.shared_cache else None
         self.compile_report = self._compile(secret.key if secret is not None else None)
         self.generator = BatchGenerator(self.pipe)  # its prompt length: the pipeline's settings
-        compiles = config.compile.vae or config.compile.dit
+        compiles = bool(self.compile_report.compile.methods)
         shared_cache = (
             "off"
             if secret is None
@@ -169,16 +170,17 @@ class GenerationWorker:
         """Compile and warm up every bucket the job uses, before the actor takes work."""
         config = self.config
         buckets = config.warmup_buckets or config.rows.buckets.names
-        estimate_s = first_compile_estimate_s(self.device.type, bool(config.compile.dit))
+        compile_config = resolve_auto(config.compile, self.device.type, config.expected_images, len(buckets))
+        estimate_s = first_compile_estimate_s(self.device.type, bool(compile_config.dit))
         return prepare_worker_pipeline(
             self.pipe,
-            config.compile,
+            compile_config,
             [config.rows.buckets.get(b) for b in buckets],
             artifact_store=self.store,
             cache_secret=cache_secret,
             # A compiled DiT takes the batch size and text length as dynamic dimensions: one
             # batch of the configured size traces the graph every batch of 1..batch_size uses.
-            batch_sizes=(self.batch_size,) if config.compile.dit else (1,),
+            batch_sizes=(self.batch_size,) if compile_config.dit else (1,),
             max_sequence_length=config.pipeline.max_sequence_length,
             expected_images=config.expected_images,
             on_bucket=lambda i, n, name, first: publish_phase(

@@ -58,7 +58,7 @@ def plan_kwargs(config: WorkerConfig, dtype: torch.dtype) -> dict[str, Any]:
         dtype="fp32" if dtype == torch.float32 else "bf16",
         text_encoder=config.placement.text_encoder,
         cfg="serial",  # rows may turn CFG on; serial passes hold one output more
-        vae_batch=1 if config.compile.vae else None,
+        vae_batch=1 if config.compile.vae_on("cuda") else None,
         text_len=prompt_length_bucket(config.pipeline.max_sequence_length, PROMPT_LENGTH_BUCKETS),
         modulation_table_steps=(config.rows.steps,) if config.pipeline.modulation_cache == "table" else (),
         device="cuda",

@@ -168,7 +168,7 @@ class JobSpec(Section):
             "model": self.model_path(),
             "device": self.model.device,
             "dtype": self.model.dtype,
-            "compile_vae": self.compile.vae,
+            "compile_vae": self.compile_config().vae_on(self.actor_device()),
             "compile_dit": self.compile_dit_planned(),
             "cfg_mode": self.sampling.cfg_mode,
             "max_sequence_length": self.model.max_sequence_length,
@@ -184,19 +184,24 @@ class JobSpec(Section):
             settings["scheduler_config"] = self.model_scheduler_config()
         return settings
 
+    def actor_device(self) -> str:
+        """The device type an actor runs the model on: "cpu" or "cuda"."""
+        return "cpu" if self.model.device == "cpu" or self.gpus_per_actor() == 0 else "cuda"
+
     def compile_dit_planned(self) -> bool | str:
-        """compile.dit as the fingerprint records it: "auto" is off on CPU actors (compile.policy
-        resolve_dit), so a CPU job keeps the fingerprint it had when the default was false; on a
-        GPU "auto" stays "auto" (each actor decides it from the same expected image count)."""
+        """compile.dit as the fingerprint records it: "auto" is off on CPU actors
+        (CompileConfig.dit_on), so a CPU job keeps the fingerprint it had when the default was
+        false; on a GPU "auto" stays "auto" (each actor decides it from the same expected image
+        count). compile.vae "auto" depends on the device alone: the fingerprint records the bool."""
         dit = self.compile.dit
-        if dit == "auto" and (self.model.device == "cpu" or self.gpus_per_actor() == 0):
+        if dit == "auto" and self.actor_device() == "cpu":
             return False
         return dit
 
     def memory_request(self) -> MemoryRequest:
         """What one actor asks of its GPU, for the memory plan (every bucket of the job)."""
         table = self.model.modulation_cache == "table"
-        on_cpu = self.model.device == "cpu" or self.gpus_per_actor() == 0
+        on_cpu = self.actor_device() == "cpu"
         step_cache = parse_step_cache(self.sampling.step_cache)
         return MemoryRequest(
             model_path=self.model_path(),
@@ -207,7 +212,7 @@ class JobSpec(Section):
             text_encoder=self.model.text_encoder,
             gpu_memory_gb=self.workers.gpu_memory_gb,
             cfg="serial",  # rows may turn CFG on whatever the default; serial passes hold one output more
-            vae_batch=1 if self.compile.vae else None,
+            vae_batch=1 if self.compile_config().vae_on(self.actor_device()) else None,
             max_sequence_length=self.model.max_sequence_length,
             table_steps=(self.sampling.steps,) if table else (),
             s3=self.s3_config(),

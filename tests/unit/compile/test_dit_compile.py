@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ditfleet.compile import CompileConfig, apply_compile, count_compiles, warm_up
-from ditfleet.compile.policy import AUTO_DIT_IMAGES_PER_BUCKET, resolve_dit
+from ditfleet.compile.policy import AUTO_DIT_IMAGES_PER_BUCKET, resolve_auto
 from ditfleet.model import load_pipeline
 from tests.support.compile_helpers import SMALL_BUCKETS, generate, random_embeds
 from tests.support.paths import REPO
@@ -86,10 +86,10 @@ def test_modulation_cache_outside_the_compiled_regions(random_model_dir):
 def test_dit_auto_turns_on_for_cuda_jobs_that_repay_the_warm_up():
     auto = CompileConfig(dit="auto")
     enough = AUTO_DIT_IMAGES_PER_BUCKET * 2
-    assert resolve_dit(auto, "cuda", enough, buckets=2).dit is True
-    assert resolve_dit(auto, "cuda", enough - 1, buckets=2).dit is False
-    assert resolve_dit(auto, "cpu", 10**6, buckets=1).dit is False
-    assert resolve_dit(CompileConfig(dit=True), "cpu", 1, buckets=1).dit is True
+    assert resolve_auto(auto, "cuda", enough, buckets=2).dit is True
+    assert resolve_auto(auto, "cuda", enough - 1, buckets=2).dit is False
+    assert resolve_auto(auto, "cpu", 10**6, buckets=1).dit is False
+    assert resolve_auto(CompileConfig(dit=True), "cpu", 1, buckets=1).dit is True
     with pytest.raises(ValueError, match="auto"):
         CompileConfig(dit="sometimes")
 
