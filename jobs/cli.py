@@ -47,6 +47,7 @@ from ditfleet.jobs.run import check_memory, run
 from ditfleet.jobs.spec import SpecError, load_spec
 from ditfleet.jobs.submit import SubmitError
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH
+from ditfleet.workers.output.layout import MANIFESTS_PREFIX
 from ditfleet.workers.storage import ObjectStore, S3Config, StoreConfigError, StoreError, open_store
 
 
@@ -184,6 +185,32 @@ def cmd_compact(args: argparse.Namespace) -> int:
     except CompactionError as e:
         raise UsageError(str(e)) from e
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_text())
+    return EXIT_OK
+
+
+def cmd_score(args: argparse.Namespace) -> int:
+    from ditfleet.jobs.score import score_output
+
+    if args.address and not args.ray:
+        raise UsageError("score --address is the cluster of --ray: give --ray too")
+    store = _open_output(args)
+    if next(iter(store.list(MANIFESTS_PREFIX)), None) is None:
+        raise UsageError(f"{args.output}: no manifests: not a ditfleet output with committed shards (yet)")
+    owned = False
+    if args.ray:
+        from ditfleet.jobs.run import connect_ray
+
+        owned = connect_ray(args.address)
+    try:
+        report = score_output(
+            store, args.scorer, workers=args.workers, use_ray=args.ray, ray_s3=_store_args(args)
+        )
+    finally:
+        if owned:
+            import ray
+
+            ray.shutdown()
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_text(store.uri()))
     return EXIT_OK
 
 
@@ -361,7 +388,7 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_output_commands(sub: argparse._SubParsersAction) -> None:
-    """status, verify, preview, report: commands that read an output."""
+    """status, verify, score, preview, report, compact: commands that read an output."""
 
     def command(name: str, helptext: str, func) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=helptext)
@@ -402,6 +429,22 @@ def _add_output_commands(sub: argparse._SubParsersAction) -> None:
         "--address",
         help="with --ray: the cluster to connect to (default RAY_ADDRESS, else a local Ray on 127.0.0.1)",
     )
+
+    p = command(
+        "score",
+        "score an output's images into side tables (scores/NAME/), resumable; committed files untouched",
+        cmd_score,
+    )
+    p.add_argument(
+        "--scorer", required=True, help="sharpness (Laplacian variance) or tiny (the tiny model's adherence)"
+    )
+    p.add_argument("--workers", type=int, default=2, help="threads scoring shards here (default 2)")
+    p.add_argument("--ray", action="store_true", help="score shards in Ray tasks over the cluster")
+    p.add_argument(
+        "--address",
+        help="with --ray: the cluster to connect to (default RAY_ADDRESS, else a local Ray on 127.0.0.1)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON")
 
     p = command("preview", "contact sheet PNG of generated images with their prompts", cmd_preview)
     p.add_argument("--out", required=True, help="PNG file to write")

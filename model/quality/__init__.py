@@ -1,7 +1,8 @@
 """Image scorers: a number per generated image, computed where the image is made (on the actor,
 right after decode) or later from the stored file (`ditfleet score`). See base.py for the contract.
 
-`scorer(name)` builds the weight-free scorers by name. perceptual_hash.py gives a hash, not a
+`scorer(name)` builds the weight-free scorers by name: `sharpness`, and `tiny` (the bundled tiny
+model's adherence check, for captions in its template). perceptual_hash.py gives a hash, not a
 score (a 64-bit int does not fit a float exactly), so it is used directly, not registered here.
 """
 
@@ -11,8 +12,12 @@ from collections.abc import Callable
 
 from .base import ImageScorer
 from .sharpness import Sharpness
+from .tiny_adherence import TinyAdherence
 
-_WEIGHT_FREE: dict[str, Callable[[], ImageScorer]] = {Sharpness.name: Sharpness}
+_WEIGHT_FREE: dict[str, Callable[[], ImageScorer]] = {
+    Sharpness.name: Sharpness,
+    TinyAdherence.name: TinyAdherence,
+}
 
 
 def scorer(name: str) -> ImageScorer:

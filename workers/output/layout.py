@@ -55,6 +55,7 @@ TMP_PREFIX = "_tmp/"
 RUNS_PREFIX = "_runs/"
 LEASE_PREFIX = "_lease/"
 SUPERSEDED_PREFIX = "_superseded/"
+SCORES_PREFIX = "scores/"
 JOB_KEY = "_job.json"
 SUCCESS_KEY = "_SUCCESS"
 
@@ -276,6 +277,29 @@ def shard_of_manifest_key(key: str) -> int | None:
     """The shard index of a key under MANIFESTS_PREFIX (any generation), or None for any other key."""
     found = manifest_of_key(key)
     return found[0] if found else None
+
+
+_SCORER_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+
+
+def score_table_key(scorer: str, manifest: str) -> str:
+    """Key of the scores `ditfleet score` made with `scorer` from the manifest at key `manifest`:
+    scores/{scorer}/ and the manifest's own file name, so a table names the generation it was made
+    from, and a redo's scores can never be taken for the superseded generation's."""
+    if not _SCORER_NAME.match(scorer):
+        raise ValueError(f"scorer name {scorer!r}: use lower-case letters, digits and _ (at most 32)")
+    if manifest_of_key(manifest) is None:
+        raise ValueError(f"{manifest!r} is not a shard manifest key")
+    return f"{SCORES_PREFIX}{scorer}/{manifest[len(MANIFESTS_PREFIX) :]}"
+
+
+def manifest_of_score_table(scorer: str, key: str) -> str | None:
+    """The manifest key a score table of `scorer` was made from, or None for any other key."""
+    prefix = f"{SCORES_PREFIX}{scorer}/"
+    if not key.startswith(prefix):
+        return None
+    manifest = MANIFESTS_PREFIX + key[len(prefix) :]
+    return manifest if manifest_of_key(manifest) is not None else None
 
 
 def superseded_key(key: str) -> str:

@@ -1,0 +1,144 @@
+"""`ditfleet score OUT --scorer NAME`: score an existing output's images into side tables that
+readers join, never touching a committed manifest or image.
+
+One table per current shard manifest (workers.output.score_table), made in threads here or in Ray
+tasks over a cluster (`--ray`). Resumable: a manifest whose table exists is skipped, so a killed
+run goes on where it stopped. Never silently stale: a table is named after the manifest
+generation it was made from and joins on the image's uri, which a redo changes; a table whose
+manifest is no longer current (a redo committed a higher generation since) is one this command
+wrote and can prove superseded, so it is deleted before the missing tables are made.
+
+Reading the scores next to the manifests (pyarrow; DuckDB in the README's "Scoring an output"):
+
+    import pyarrow.dataset as ds
+    rows = ds.dataset("out/tiny/manifests").to_table()
+    scores = ds.dataset("out/tiny/scores/tiny").to_table(columns=["uri", "score"])
+    joined = rows.join(scores, "uri")
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from ditfleet.workers.output.layout import (
+    SCORES_PREFIX,
+    manifest_of_key,
+    manifest_of_score_table,
+    score_table_key,
+)
+from ditfleet.workers.output.manifest import current_manifest_keys
+from ditfleet.workers.storage import ObjectStore, S3Config, open_store
+
+
+@dataclass
+class ScoreReport:
+    """What one `ditfleet score` run did."""
+
+    scorer: str
+    manifests: int = 0  # current shard manifests of the output
+    already: int = 0  # of them with a table before this run
+    scored: list[str] = field(default_factory=list)  # manifests scored now
+    images: int = 0  # images scored now
+    stale_deleted: list[str] = field(default_factory=list)  # tables of superseded generations
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "scorer": self.scorer,
+            "manifests": self.manifests,
+            "already": self.already,
+            "scored": len(self.scored),
+            "images": self.images,
+            "stale_deleted": self.stale_deleted,
+            "seconds": round(self.seconds, 3),
+            "tables": f"{SCORES_PREFIX}{self.scorer}/",
+        }
+
+    def format_text(self, root: str) -> str:
+        lines = [
+            f"scores {self.scorer}: {self.already + len(self.scored)}/{self.manifests} shard manifests "
+            f"scored ({len(self.scored)} now, {self.images} images, {self.seconds:.1f} s; "
+            f"{self.already} before)",
+            f"tables: {root.rstrip('/')}/{SCORES_PREFIX}{self.scorer}/ (join on uri with the manifests)",
+        ]
+        if self.stale_deleted:
+            lines.append(
+                f"deleted {len(self.stale_deleted)} table(s) of superseded generations (a redo committed since)"
+            )
+        return "\n".join(lines)
+
+
+# manifest key -> images scored (a thread runs it; a Ray task runs _score_task)
+ScoreOne = Callable[[str], int]
+
+
+def _score_in_process(store: ObjectStore, scorer: str) -> ScoreOne:
+    from ditfleet.workers.output.score_table import write_score_table
+
+    return lambda manifest: write_score_table(store, manifest, scorer)
+
+
+def _score_task(uri: str, s3: S3Config | None, manifests: list[str], scorer: str) -> list[int]:
+    from ditfleet.workers.output.score_table import write_score_table
+
+    store = open_store(uri, s3)
+    return [write_score_table(store, m, scorer) for m in manifests]
+
+
+def score_output(
+    store: ObjectStore,
+    scorer: str,
+    *,
+    workers: int = 2,
+    ray_s3: S3Config | None = None,
+    use_ray: bool = False,
+) -> ScoreReport:
+    """Make the missing score tables of `scorer` for every current manifest of the output."""
+    from ditfleet.workers.output.score_table import check_scorer
+
+    check_scorer(scorer)  # a wrong name fails before any work
+    start = time.perf_counter()
+    report = ScoreReport(scorer)
+    by_shard = current_manifest_keys(store)  # listed before the tables: see below
+    current = set(by_shard.values())
+    report.manifests = len(current)
+    made: set[str] = set()
+    for key in store.list(f"{SCORES_PREFIX}{scorer}/"):
+        manifest = manifest_of_score_table(scorer, key)
+        if manifest is None:
+            continue  # not a table of ours: left alone
+        if manifest in current:
+            made.add(manifest)
+            continue
+        # Deleted only when provably superseded: a lower generation than the shard's current one.
+        # A higher one committed after the listing above (another run may have scored it) stays.
+        shard, generation = manifest_of_key(manifest) or (-1, -1)
+        seen = manifest_of_key(by_shard[shard]) if shard in by_shard else None
+        if seen is not None and generation < seen[1]:
+            store.delete(key)
+            report.stale_deleted.append(key)
+    report.already = len(made)
+    todo = sorted(current - made)
+    if use_ray:
+        import ray
+
+        task = ray.remote(num_cpus=1)(_score_task)
+        per_task = max(1, -(-len(todo) // max(1, int(ray.cluster_resources().get("CPU", 1)) * 4)))
+        groups = [todo[i : i + per_task] for i in range(0, len(todo), per_task)]
+        counts = [
+            n for part in ray.get([task.remote(store.uri(), ray_s3, g, scorer) for g in groups]) for n in part
+        ]
+    else:
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            counts = list(pool.map(_score_in_process(store, scorer), todo))
+    report.scored = todo
+    report.images = sum(counts)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+__all__ = ["ScoreReport", "score_output", "score_table_key"]
