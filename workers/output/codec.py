@@ -3,8 +3,9 @@
 Same pixels + same format and settings + same provenance + same Pillow build -> the same bytes:
 no timestamps, no ICC profile, no encoder metadata. The only metadata is the image's provenance
 when one is given (workers.output.provenance: PNG text chunks, EXIF and XMP for JPEG and WebP),
-itself a pure function of the row's settings; without one, no EXIF, XMP or text chunk. The float -> uint8 conversion is
-diffusers' (`(x * 255).round()` after clamping to [0, 1]), so images match its output.
+itself a pure function of the row's settings and the job; without one, no EXIF, XMP or text
+chunk. The float -> uint8 conversion is diffusers' (`(x * 255).round()` after clamping to
+[0, 1]), so images match its output.
 """
 
 from __future__ import annotations
