@@ -13,6 +13,7 @@ manifest's objects stay as they were, whatever a losing or late run does afterwa
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import threading
@@ -42,6 +43,7 @@ from ditfleet.workers.metrics import WorkerMetrics
 from ditfleet.workers.output.formats import ImageResult, ImageTask, StoredShard, make_shard_writer
 from ditfleet.workers.output.layout import manifest_key, new_attempt_token
 from ditfleet.workers.output.manifest import ManifestRow, ManifestWriter, passthrough_json
+from ditfleet.workers.output.provenance import JobProvenance
 from ditfleet.workers.rows import PromptRow, ShardSpec, read_shard_rows
 from ditfleet.workers.spot import StopOnSigterm
 from ditfleet.workers.startup_phase import COMPILING, LOADING, READY, publish_phase
@@ -132,6 +134,11 @@ class GenerationWorker:
         self.batch_size = self.batch_fit.batch_size
         self.pipe = self._load_pipeline(self.model.local_path)
         self.text = place_text_encoder(self.pipe, self.model.local_path, config)
+        # What every image's metadata names: the model loaded here and the job.
+        self.writer_config = dataclasses.replace(
+            config.writer,
+            job=JobProvenance(self.pipe.model_id, self.pipe.model_revision, config.job_name),
+        )
         load_s = time.perf_counter() - t_load
         # Why the shared cache is off goes in the start-up report: the driver says it once per job.
         secret = read_cache_secret(config.compile_cache_key) if config.compile.shared_cache else None
@@ -283,7 +290,7 @@ class GenerationWorker:
         """Generate every image of the shard and hand each to the shard writer as it comes; the
         writer's objects are all durably stored when this returns (aborted on any error)."""
         generated: dict[tuple[str, int], GeneratedImage] = {}
-        writer = make_shard_writer(self.store, shard, self.config.writer, token)
+        writer = make_shard_writer(self.store, shard, self.writer_config, token)
         try:
             batches = plan_batches(requests, self.batch_size, self.generator.count_tokens)
             for image in iter_generated(self.generator, batches):
@@ -300,6 +307,8 @@ class GenerationWorker:
                         req.row.negative_prompt,
                         req.seed,
                         passthrough_json(req.row.extra),
+                        req.row.steps,
+                        float(req.row.true_cfg_scale),
                     )
                     writer.add(task, image.pixels.permute(1, 2, 0).numpy())  # (H, W, 3) uint8
                     image.pixels = None  # the writer holds it now; keep shard memory flat

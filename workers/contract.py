@@ -95,6 +95,7 @@ class WorkerConfig:
     # Where each actor finds the key that authenticates the shared compile cache (not the key).
     compile_cache_key: CacheSecretSource = field(default_factory=CacheSecretSource)
     writer: ShardWriterConfig = field(default_factory=ShardWriterConfig)
+    job_name: str | None = None  # the job spec's name: each image's metadata names it
     s3: S3Config = field(default_factory=S3Config)
 
     def __post_init__(self) -> None:

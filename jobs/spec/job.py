@@ -177,6 +177,12 @@ class JobSpec(Section):
             "image_format": self.output.image_format,
             "quality": self.output.quality,
         }
+        if self.output.embed_metadata:
+            # The files carry their provenance, the job's name included. Listed only when on,
+            # so an output planned before the knob existed (no metadata) keeps its fingerprint
+            # with embed_metadata: false, and is not resumed into files with metadata.
+            settings["embed_metadata"] = True
+            settings["job_name"] = self.name
         settings.update(_pixel_knobs(self.pipeline_settings(), exclude=settings))
         if self.model.loras:
             settings["loras"] = [{"path": a.path, "scale": a.scale} for a in self.model_loras()]
@@ -262,6 +268,7 @@ class JobSpec(Section):
             compile=self.compile_config(),
             compile_cache_key=settings_from(CacheSecretSource, *sections),
             writer=settings_from(ShardWriterConfig, self.output),
+            job_name=self.name,
             s3=self.s3_config(),
         )
 

@@ -133,6 +133,7 @@ OutputSpec = section(
         "format": knob(ShardWriterConfig, "output_format"),
         "image_format": knob(ShardWriterConfig, "image_format"),
         "quality": knob(ShardWriterConfig, "quality"),
+        "embed_metadata": knob(ShardWriterConfig, "embed_metadata"),
         "shared_filesystem": (
             bool,
             Field(

@@ -356,6 +356,34 @@ def test_adapters_and_schedule_are_part_of_the_output_fingerprint(tmp_path):
     )
 
 
+def test_embedded_metadata_is_on_by_default_and_part_of_the_output_fingerprint(tmp_path):
+    """The images carry their provenance (the job's name included) unless output.embed_metadata
+    is false; files with and without it are different bytes, so an output refuses to resume
+    across the change. Off, the fingerprint is the one of outputs planned before the knob."""
+    from ditfleet.driver.output.job_file import describe_differences
+    from ditfleet.driver.plan import settings_doc
+
+    def spec(extra: str = "") -> JobSpec:
+        return load_spec(write_job(tmp_path, minimal(tmp_path, extra)))
+
+    on, renamed = spec("name: first\n"), spec("name: second\n")
+    off = on.with_changes(output={"embed_metadata": False})
+    worker = on.to_worker_config()
+    assert worker.writer.embed_metadata is True and worker.job_name == "first"
+    assert off.to_worker_config().writer.embed_metadata is False
+    assert on.image_settings()["embed_metadata"] is True and on.image_settings()["job_name"] == "first"
+    assert not {"embed_metadata", "job_name"} & set(off.image_settings())
+    docs = [settings_doc(s.to_driver_config().plan) for s in (on, renamed, off)]
+    assert describe_differences(docs[0], docs[1]) == [
+        "image_settings.job_name: 'first' in the existing output, 'second' now"
+    ]
+    assert "image_settings.embed_metadata: True in the existing output, None now" in describe_differences(
+        docs[0], docs[2]
+    )
+    with pytest.raises(SpecError, match="output.embed_metadata"):
+        parse_spec("input: {path: p.parquet}\noutput: {uri: out, embed_metadata: maybe}\n")
+
+
 def test_a_spec_changed_in_code_is_a_validated_copy(tmp_path):
     spec = load_spec(write_job(tmp_path, minimal(tmp_path, "sampling:\n  steps: 20\n  seed: 3\n")))
     changed = spec.with_changes(name="short", sampling={"steps": 10}, output={"uri": str(tmp_path / "o2")})

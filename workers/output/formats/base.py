@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Protocol
 
 import pyarrow as pa
@@ -28,6 +28,7 @@ import pyarrow.compute as pc
 from ditfleet.model.settings import setting
 from ditfleet.workers.output.codec import encode_image, extension, sha256_hex, to_uint8_hwc
 from ditfleet.workers.output.layout import FORMAT_NAMES, IMAGE_FORMATS
+from ditfleet.workers.output.provenance import JobProvenance, Provenance
 from ditfleet.workers.output.upload_pool import ImageResult
 from ditfleet.workers.storage.base import ObjectStore
 
@@ -36,8 +37,9 @@ _MiB = 1024 * 1024
 
 @dataclass(frozen=True)
 class ShardWriterConfig:
-    """How a worker stores images. Sizes in bytes. The three knobs a job file sets (output.format,
-    image_format, quality) are always part of the plan's fingerprint (JobSpec.image_settings)."""
+    """How a worker stores images. Sizes in bytes. The knobs a job file sets (output.format,
+    image_format, quality, embed_metadata) are part of the plan's fingerprint
+    (JobSpec.image_settings)."""
 
     output_format: Literal[FORMAT_NAMES] = setting(
         "files",
@@ -51,6 +53,15 @@ class ShardWriterConfig:
     quality: int | None = setting(
         None, ge=1, le=100, description="webp/jpeg quality 1..100; null: the codec's default. Not for png."
     )
+    embed_metadata: bool = setting(
+        True,
+        description="Write each image's provenance into the file itself: prompt, negative prompt, seed, "
+        "steps, CFG scale, size, model id and revision, job name (PNG: a `parameters` text chunk as "
+        "AUTOMATIC1111 writes it and a `ditfleet` JSON chunk; JPEG and WebP: EXIF and XMP). A pure "
+        "function of the row's settings: the same job makes the same bytes. false: no metadata.",
+    )
+    # The model and job every image's metadata names (the actor fills in the model it loaded).
+    job: JobProvenance = field(default_factory=JobProvenance)
     png_compress_level: int = 6
     max_in_flight: int = 32  # images held by the pool at once: the memory bound
     threads: int = 8  # encode+upload threads
@@ -85,6 +96,23 @@ class ImageTask:
     negative_prompt: str | None = None
     seed: int = 0
     extra: str | None = None  # pass-through columns as JSON (manifest.passthrough_json)
+    steps: int | None = None  # the row's sampling steps and CFG scale, for the image's metadata
+    true_cfg_scale: float | None = None
+
+    def provenance(self, job: JobProvenance, width: int, height: int) -> Provenance:
+        """What the stored image's metadata says made it; width, height: its pixels."""
+        return Provenance(
+            self.prompt,
+            self.negative_prompt,
+            self.seed,
+            self.steps,
+            self.true_cfg_scale,
+            width,
+            height,
+            self.id,
+            self.k,
+            job,
+        )
 
     def fields(self, width: int, height: int) -> dict[str, Any]:
         """What the "parquet" and "webdataset" formats store next to the image (in this order);
@@ -122,16 +150,21 @@ class ShardWriter(Protocol):
         """Stop and drop what is not yet stored; leaves no partial object behind."""
 
 
-def encode_task_image(cfg: ShardWriterConfig, image: Any) -> tuple[bytes | None, float, str | None, int, int]:
-    """(encoded bytes or None, encode seconds, error, width, height). Encode problems fail the
+def encode_task_image(
+    cfg: ShardWriterConfig, task: ImageTask, image: Any
+) -> tuple[bytes | None, float, str | None, int, int]:
+    """(encoded bytes or None, encode seconds, error, width, height): the task's image, with its
+    provenance in the file's metadata unless cfg.embed_metadata is off. Encode problems fail the
     row only."""
     start = time.perf_counter()
     try:
         pixels = to_uint8_hwc(image)  # (H, W, 3) uint8
-        data = encode_image(pixels, cfg.image_format, cfg.quality, cfg.png_compress_level)
+        height, width = pixels.shape[:2]
+        provenance = task.provenance(cfg.job, width, height) if cfg.embed_metadata else None
+        data = encode_image(pixels, cfg.image_format, cfg.quality, cfg.png_compress_level, provenance)
     except Exception as e:  # non-finite output, bad shape, a codec error: this row only
         return None, time.perf_counter() - start, f"encode failed: {type(e).__name__}: {e}", 0, 0
-    return data, time.perf_counter() - start, None, pixels.shape[1], pixels.shape[0]
+    return data, time.perf_counter() - start, None, width, height
 
 
 # -- reading an output back ------------------------------------------------------------------------

@@ -39,7 +39,7 @@ class FilesShardWriter:
         self._pool.submit(self.store.uri(key), lambda: self._store_one(key, task, image))
 
     def _store_one(self, key: str, task: ImageTask, image: Any) -> ImageResult:
-        data, encode_s, error, _, _ = encode_task_image(self.config, image)
+        data, encode_s, error, _, _ = encode_task_image(self.config, task, image)
         if data is None:
             return ImageResult(task.id, task.k, encode_s=encode_s, error=error)
         start = time.perf_counter()

@@ -55,7 +55,7 @@ class SpooledShardWriter:
         name, label = self._entry(task)
         self._pool.submit(
             f"{self.store.uri(self.key)} {label}",
-            lambda: (task, name, *encode_task_image(self.config, image)),
+            lambda: (task, name, *encode_task_image(self.config, task, image)),
         )
 
     def _appended(
