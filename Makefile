@@ -22,7 +22,7 @@ run:
 	$(VENV)/bin/ditfleet run jobs/examples/tiny.yaml
 
 test:
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 test-fast:
 	$(PY) -m pytest -q -m "not slow"

@@ -8,7 +8,7 @@ generation it was made from and joins on the image's uri, which a redo changes; 
 manifest is no longer current (a redo committed a higher generation since) is one this command
 wrote and can prove superseded, so it is deleted before the missing tables are made.
 
-Reading the scores next to the manifests (pyarrow; DuckDB in the README's "Scoring an output"):
+Reading the scores next to the manifests (pyarrow; DuckDB in the README's "Scores"):
 
     import pyarrow.dataset as ds
     rows = ds.dataset("out/tiny/manifests").to_table()

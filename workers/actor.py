@@ -14,6 +14,7 @@ manifest's objects stay as they were, whatever a losing or late run does afterwa
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import socket
 import threading
@@ -27,6 +28,7 @@ from ditfleet.compile.policy import resolve_auto
 from ditfleet.model import LoraSpec, TextToImagePipeline, load_pipeline, resolve_model_dir
 from ditfleet.model.family import model_family
 from ditfleet.model.loader import load_text_encoder
+from ditfleet.model.quality import scorer
 from ditfleet.workers.batch_fit import fit_batch_size
 from ditfleet.workers.cache_secret import read_cache_secret
 from ditfleet.workers.contract import ShardAbandoned, ShardResult, WorkerConfig
@@ -143,6 +145,7 @@ class GenerationWorker:
         # Why the shared cache is off goes in the start-up report: the driver says it once per job.
         secret = read_cache_secret(config.compile_cache_key) if config.compile.shared_cache else None
         self.compile_report = self._compile(secret.key if secret is not None else None)
+        self.scorers = [scorer(name) for name in config.scorers]
         self.generator = BatchGenerator(self.pipe)  # its prompt length: the pipeline's settings
         compiles = bool(self.compile_report.compile.methods)
         shared_cache = (
@@ -261,13 +264,13 @@ class GenerationWorker:
         compiles_before, oom_splits_before = compile_count(), self.generator.oom_splits
         attention = model_family(self.pipe).attention_counters(self.pipe)
         attention_before = attention.to_dict()
-        generated, stored = self._generate_and_store(shard.index, requests, token)
+        generated, stored, scores = self._generate_and_store(shard.index, requests, token)
         result.recompiles = compile_count() - compiles_before
         result.oom_splits = self.generator.oom_splits - oom_splits_before
         result.attention = attention.since(attention_before)
         manifest = ManifestWriter(shard.index, expected_rows=len(requests), generation=shard.generation)
         rows_written = self._manifest_rows(
-            requests, generated, stored, shard.index, attempt, result.recompiles
+            requests, generated, stored, scores, shard.index, attempt, result.recompiles
         )
         for row in rows_written:
             manifest.add(row)
@@ -286,10 +289,12 @@ class GenerationWorker:
 
     def _generate_and_store(
         self, shard: int, requests: list[ImageRequest], token: str
-    ) -> tuple[dict[tuple[str, int], GeneratedImage], StoredShard]:
-        """Generate every image of the shard and hand each to the shard writer as it comes; the
-        writer's objects are all durably stored when this returns (aborted on any error)."""
+    ) -> tuple[dict[tuple[str, int], GeneratedImage], StoredShard, dict[tuple[str, int], dict[str, float]]]:
+        """Generate every image of the shard, score it (workers.scorers) and hand it to the shard
+        writer as it comes; the writer's objects are all durably stored when this returns (aborted
+        on any error). Returns the images, what the writer stored, and each image's scores."""
         generated: dict[tuple[str, int], GeneratedImage] = {}
+        scores: dict[tuple[str, int], dict[str, float]] = {}
         writer = make_shard_writer(self.store, shard, self.writer_config, token)
         try:
             batches = plan_batches(requests, self.batch_size, self.generator.count_tokens)
@@ -299,6 +304,9 @@ class GenerationWorker:
                 req = image.request
                 generated[(req.row.id, req.k)] = image
                 if image.pixels is not None:
+                    scores[(req.row.id, req.k)] = {
+                        s.name: s.score(image.pixels[None], [req.row.prompt])[0] for s in self.scorers
+                    }  # the stored pixels, (1, 3, H, W) uint8
                     task = ImageTask(
                         req.row.id,
                         req.k,
@@ -312,7 +320,7 @@ class GenerationWorker:
                     )
                     writer.add(task, image.pixels.permute(1, 2, 0).numpy())  # (H, W, 3) uint8
                     image.pixels = None  # the writer holds it now; keep shard memory flat
-            return generated, writer.finish()
+            return generated, writer.finish(), scores
         except BaseException:
             writer.abort()
             raise
@@ -325,6 +333,7 @@ class GenerationWorker:
         requests: list[ImageRequest],
         generated: dict[tuple[str, int], GeneratedImage],
         stored: StoredShard,
+        scores: dict[tuple[str, int], dict[str, float]],
         shard: int,
         attempt: int,
         recompiles: int,
@@ -337,6 +346,7 @@ class GenerationWorker:
                 req.k,
                 generated[(req.row.id, req.k)],
                 stored_by_key.get((req.row.id, req.k)),
+                scores.get((req.row.id, req.k), {}),
                 shard,
                 attempt,
                 recompiles,
@@ -365,6 +375,7 @@ class GenerationWorker:
         k: int,
         gen: GeneratedImage,
         stored: ImageResult | None,
+        scores: dict[str, float],
         shard: int,
         attempt: int,
         recompiles: int,
@@ -403,6 +414,8 @@ class GenerationWorker:
             dit_blocks_computed=gen.blocks_computed,
             dit_blocks_reused=gen.blocks_reused,
             batch_size=self.batch_size,
+            # NaN (the scorer cannot judge) and a failed image's missing score are both null
+            **{f"score_{name}": v if ok and not math.isnan(v) else None for name, v in scores.items()},
         )
 
 

@@ -13,7 +13,7 @@ from typing import Literal
 
 from ditfleet.compile.config import CompileConfig
 from ditfleet.model.lora_spec import LoraSpec  # noqa: F401 - re-exported for the job spec
-from ditfleet.model.settings import PipelineSettings, check_settings, setting
+from ditfleet.model.settings import PipelineSettings, ScorerName, check_settings, setting
 from ditfleet.workers.cache_secret import CacheSecretSource
 from ditfleet.workers.output.formats import ShardWriterConfig
 from ditfleet.workers.rows import RowConfig
@@ -80,6 +80,13 @@ class WorkerConfig:
     scheduler_config: str | None = None  # replaces the checkpoint's scheduler (a distilled LoRA's)
     batch_size: int = setting(
         4, ge=1, le=1024, description="Images generated together (same bucket and steps)."
+    )
+    scorers: tuple[ScorerName, ...] = setting(
+        (),
+        description="Image scorers run on each image right after it is made, each filling its manifest "
+        "column score_{name}: 'tiny' (the tiny model's adherence check: the share of the caption's "
+        "colour, background, position, shape and size it reads back; null off its caption template), "
+        "'sharpness' (variance of the Laplacian of the luma). For an existing output: `ditfleet score`.",
     )
     warmup_buckets: tuple[str, ...] = ()  # the buckets this job uses; empty = every job bucket
     expected_images: int | None = None  # images one actor is expected to make (compile.dit "auto")

@@ -42,6 +42,7 @@ from .sections import (
     InputSpec,
     ModelSpec,
     OutputSpec,
+    QualitySpec,
     S3Spec,
     SamplingSpec,
     Section,
@@ -64,6 +65,7 @@ class JobSpec(Section):
     compile: CompileSpec = Field(default_factory=CompileSpec, description="torch.compile at actor start-up.")
     workers: WorkersSpec = Field(default_factory=WorkersSpec, description="The actor fleet.")
     shards: ShardsSpec = Field(default_factory=ShardsSpec, description="Units of work.")
+    quality: QualitySpec = Field(default_factory=QualitySpec, description="Image scores in the manifests.")
     s3: S3Spec = Field(default_factory=S3Spec, description="Client settings for s3:// input and output.")
 
     @model_validator(mode="after")

@@ -355,6 +355,10 @@ WorkersSpec = section(
 )
 
 
+# Image scores taken where each image is made (workers.contract.WorkerConfig.scorers).
+QualitySpec = section("QualitySpec", None, {"scorers": knob(WorkerConfig, "scorers")}, base=Section)
+
+
 # Units of work (driver.plan.PlanConfig) and how often one is retried (DispatchConfig).
 ShardsSpec = section(
     "ShardsSpec",

@@ -8,7 +8,10 @@ score (a 64-bit int does not fit a float exactly), so it is used directly, not r
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable
+
+from ditfleet.model.settings import ScorerName
 
 from .base import ImageScorer
 from .sharpness import Sharpness
@@ -18,6 +21,7 @@ _WEIGHT_FREE: dict[str, Callable[[], ImageScorer]] = {
     Sharpness.name: Sharpness,
     TinyAdherence.name: TinyAdherence,
 }
+assert set(_WEIGHT_FREE) == set(typing.get_args(ScorerName)), "model.settings.ScorerName names the scorers"
 
 
 def scorer(name: str) -> ImageScorer:

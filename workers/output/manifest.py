@@ -117,6 +117,16 @@ class ManifestRow:
     batch_size: int | None = _col(
         pa.int32(), "images per batch of the actor that made this image (its GPU's fit)", True, None
     )
+    # The scores of workers.scorers (one column per scorer of model.quality, score_{name}), taken on
+    # the actor from the stored pixels; null when the job did not ask for that scorer, when the
+    # image failed, or when the scorer cannot judge it (tiny off its caption template).
+    score_sharpness: float | None = _col(
+        pa.float64(), "variance of the Laplacian of the image's luma (quality.scorers: sharpness)", True, None
+    )
+    score_tiny: float | None = _col(
+        pa.float64(), "share of the caption's attributes the tiny model's check reads back (quality.scorers: tiny)",
+        True, None,
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         if isinstance(self.extra, Mapping):

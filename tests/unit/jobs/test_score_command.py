@@ -140,3 +140,17 @@ def test_bad_scorer_or_output_is_refused_with_one_line(tmp_path, capsys):
     assert "no manifests" in capsys.readouterr().err
     assert main(["score", str(root / "manifests" / "shard-00000.parquet"), "--scorer", "tiny"]) == 2
     assert "is a file, not an output folder" in capsys.readouterr().err
+
+
+def test_the_job_asks_for_scores_by_name_and_a_wrong_name_is_refused(tmp_path):
+    from ditfleet.jobs.spec import SpecError, load_spec
+    from tests.support.paths import REPO
+
+    text = (REPO / "jobs" / "examples" / "tiny.yaml").read_text()
+    job = tmp_path / "job.yaml"
+    job.write_text(text + "\nquality:\n  scorers: [tiny, sharpness]\n")
+    assert load_spec(str(job)).to_worker_config().scorers == ("tiny", "sharpness")
+    job.write_text(text + "\nquality:\n  scorers: [beauty]\n")
+    with pytest.raises(SpecError, match=r"quality\.scorers") as refused:
+        load_spec(str(job))
+    assert "sharpness" in str(refused.value) and "tiny" in str(refused.value)

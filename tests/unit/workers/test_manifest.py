@@ -56,6 +56,8 @@ EXPECTED_COLUMNS = [
     ("dit_blocks_computed", pa.int64(), True),
     ("dit_blocks_reused", pa.int64(), True),
     ("batch_size", pa.int32(), True),
+    ("score_sharpness", pa.float64(), True),
+    ("score_tiny", pa.float64(), True),
 ]
 DESIGN_COLUMNS = {name for name, _, _ in EXPECTED_COLUMNS}
 
@@ -210,14 +212,17 @@ def test_a_manifest_written_before_the_step_cache_columns_still_reads(tmp_path) 
     """Older outputs lack the (nullable, trailing) step-cache columns: read as nulls, not refused."""
     from ditfleet.workers.output.manifest import with_later_columns
 
+    scores = ["score_sharpness", "score_tiny"]
     old = MANIFEST_SCHEMA.empty_table().drop_columns(
-        ["step_cache", "dit_blocks_computed", "dit_blocks_reused"]
+        ["step_cache", "dit_blocks_computed", "dit_blocks_reused", "batch_size", *scores]
     )
-    upgraded = with_later_columns(old.drop_columns(["batch_size"]))
+    upgraded = with_later_columns(old)
     assert upgraded.schema.equals(MANIFEST_SCHEMA, check_metadata=False)
-    # ... and those before the per-image batch size (workers.batch_fit) alone.
-    no_batch = with_later_columns(MANIFEST_SCHEMA.empty_table().drop_columns(["batch_size"]))
+    # ... and those before the per-image batch size (workers.batch_fit), and before the scores.
+    no_batch = with_later_columns(MANIFEST_SCHEMA.empty_table().drop_columns(["batch_size", *scores]))
     assert no_batch.schema.equals(MANIFEST_SCHEMA, check_metadata=False)
+    no_scores = with_later_columns(MANIFEST_SCHEMA.empty_table().drop_columns(scores))
+    assert no_scores.schema.equals(MANIFEST_SCHEMA, check_metadata=False)
     # Anything else that differs is still refused by the readers.
     other = MANIFEST_SCHEMA.empty_table().drop_columns(["shard"])
     assert not with_later_columns(other).schema.equals(MANIFEST_SCHEMA, check_metadata=False)

@@ -1,0 +1,55 @@
+"""Image scores taken on the actor (workers.scorers): each manifest row carries score_{name} of the
+pixels it stored, equal to what `ditfleet score` reads back from the stored file (a score is a
+function of the image's bytes and prompt alone); without scorers the columns are null; the
+manifest has one column for every scorer model.quality knows."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pyarrow.parquet as pq
+
+from ditfleet.jobs.score import score_output
+from ditfleet.model.settings import ScorerName
+from ditfleet.workers.output.layout import manifest_key, score_table_key
+from ditfleet.workers.output.manifest import MANIFEST_SCHEMA, read_manifests
+from ditfleet.workers.storage import open_store
+from tests.support.worker_fixtures import row_config, shard_of, worker_config, write_prompts
+
+BUCKETS = ("64x64",)
+
+
+def test_every_scorer_has_its_manifest_column():
+    columns = {f.name for f in MANIFEST_SCHEMA if f.name.startswith("score_")}
+    assert columns == {f"score_{name}" for name in typing.get_args(ScorerName)}
+
+
+def test_the_actor_scores_what_it_stores_as_ditfleet_score_reads_it_back(tmp_path):
+    from ditfleet.workers.actor import GenerationWorker
+
+    prompts = write_prompts(tmp_path / "prompts.parquet", 4, sizes=False)
+    rows = row_config(steps=4, cfg=2.0, buckets=BUCKETS)
+    out = tmp_path / "out"
+    config = dataclasses.replace(worker_config("tiny", str(out), rows=rows), scorers=("tiny", "sharpness"))
+    result = GenerationWorker(config).run_shard(shard_of(prompts, 0, 0, 4, buckets=BUCKETS))
+    assert result.images_ok == 4
+    store = open_store(str(out))
+    manifest = read_manifests(store).to_pylist()
+    assert all(0.0 <= r["score_tiny"] <= 1.0 and r["score_sharpness"] > 0 for r in manifest)
+    for name in ("tiny", "sharpness"):
+        score_output(store, name)
+        table = pq.read_table(out / score_table_key(name, manifest_key(0))).to_pylist()
+        read_back = {t["uri"]: t["score"] for t in table}
+        assert {r["uri"]: r[f"score_{name}"] for r in manifest} == read_back
+
+
+def test_without_scorers_the_columns_are_null(tmp_path):
+    from ditfleet.workers.actor import GenerationWorker
+
+    prompts = write_prompts(tmp_path / "prompts.parquet", 2, sizes=False)
+    rows = row_config(steps=1, cfg=1.0, buckets=BUCKETS)
+    config = worker_config("tiny", str(tmp_path / "out"), rows=rows)
+    GenerationWorker(config).run_shard(shard_of(prompts, 0, 0, 2, buckets=BUCKETS))
+    manifest = read_manifests(open_store(str(tmp_path / "out"))).to_pylist()
+    assert [(r["score_tiny"], r["score_sharpness"]) for r in manifest] == [(None, None)] * 2
