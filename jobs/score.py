@@ -11,7 +11,7 @@ wrote and can prove superseded, so it is deleted before the missing tables are m
 Reading the scores next to the manifests (pyarrow; DuckDB in the README's "Scores"):
 
     import pyarrow.dataset as ds
-    rows = ds.dataset("out/tiny/manifests").to_table()
+    rows = ds.dataset("out/tiny/manifests").to_table(columns=["id", "prompt", "uri"])
     scores = ds.dataset("out/tiny/scores/tiny").to_table(columns=["uri", "score"])
     joined = rows.join(scores, "uri")
 """

@@ -14,6 +14,7 @@ manifest's objects stay as they were, whatever a losing or late run does afterwa
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import socket
@@ -34,11 +35,8 @@ from ditfleet.workers.cache_secret import read_cache_secret
 from ditfleet.workers.contract import ShardAbandoned, ShardResult, WorkerConfig
 from ditfleet.workers.generate import (
     BatchGenerator,
-    GeneratedImage,
     ImageRequest,
     image_requests,
-    iter_generated,
-    plan_batches,
     shard_prompts,
 )
 from ditfleet.workers.metrics import WorkerMetrics
@@ -46,6 +44,7 @@ from ditfleet.workers.output.formats import ImageResult, ImageTask, StoredShard,
 from ditfleet.workers.output.layout import manifest_key, new_attempt_token
 from ditfleet.workers.output.manifest import ManifestRow, ManifestWriter, passthrough_json
 from ditfleet.workers.output.provenance import JobProvenance
+from ditfleet.workers.quality_gate import GateRecord, ScoredImage, scored_images
 from ditfleet.workers.rows import PromptRow, ShardSpec, read_shard_rows
 from ditfleet.workers.spot import StopOnSigterm
 from ditfleet.workers.startup_phase import COMPILING, LOADING, READY, publish_phase
@@ -145,7 +144,9 @@ class GenerationWorker:
         # Why the shared cache is off goes in the start-up report: the driver says it once per job.
         secret = read_cache_secret(config.compile_cache_key) if config.compile.shared_cache else None
         self.compile_report = self._compile(secret.key if secret is not None else None)
-        self.scorers = [scorer(name) for name in config.scorers]
+        # The gate's scorer is always taken (the spec lists it among the scorers too).
+        names = (*config.scorers, *((config.gate.scorer,) if config.gate else ()))
+        self.scorers = [scorer(name) for name in dict.fromkeys(names)]
         self.generator = BatchGenerator(self.pipe)  # its prompt length: the pipeline's settings
         compiles = bool(self.compile_report.compile.methods)
         shared_cache = (
@@ -264,18 +265,18 @@ class GenerationWorker:
         compiles_before, oom_splits_before = compile_count(), self.generator.oom_splits
         attention = model_family(self.pipe).attention_counters(self.pipe)
         attention_before = attention.to_dict()
-        generated, stored, scores = self._generate_and_store(shard.index, requests, token)
+        generated, stored = self._generate_and_store(shard.index, requests, token)
         result.recompiles = compile_count() - compiles_before
         result.oom_splits = self.generator.oom_splits - oom_splits_before
         result.attention = attention.since(attention_before)
         manifest = ManifestWriter(shard.index, expected_rows=len(requests), generation=shard.generation)
         rows_written = self._manifest_rows(
-            requests, generated, stored, scores, shard.index, attempt, result.recompiles
+            requests, generated, stored, shard.index, attempt, result.recompiles
         )
         for row in rows_written:
             manifest.add(row)
             _count(result, row)
-        result.generate_s = sum(generated[(r.row.id, r.k)].generate_s for r in requests)
+        result.generate_s = sum(generated[(r.row.id, r.k)].image.generate_s for r in requests)
         result.upload_s += stored.data_upload_s
         if not manifest.commit(self.store):
             # Another run committed first and its manifest names its own objects: ours are
@@ -289,24 +290,21 @@ class GenerationWorker:
 
     def _generate_and_store(
         self, shard: int, requests: list[ImageRequest], token: str
-    ) -> tuple[dict[tuple[str, int], GeneratedImage], StoredShard, dict[tuple[str, int], dict[str, float]]]:
-        """Generate every image of the shard, score it (workers.scorers) and hand it to the shard
-        writer as it comes; the writer's objects are all durably stored when this returns (aborted
-        on any error). Returns the images, what the writer stored, and each image's scores."""
-        generated: dict[tuple[str, int], GeneratedImage] = {}
-        scores: dict[tuple[str, int], dict[str, float]] = {}
+    ) -> tuple[dict[tuple[str, int], ScoredImage], StoredShard]:
+        """Generate every image of the shard, score it (quality.scorers; with quality.gate, its
+        kept try: workers.quality_gate) and hand it to the shard writer as it comes; the writer's
+        objects are all durably stored when this returns (aborted on any error)."""
+        generated: dict[tuple[str, int], ScoredImage] = {}
         writer = make_shard_writer(self.store, shard, self.writer_config, token)
         try:
-            batches = plan_batches(requests, self.batch_size, self.generator.count_tokens)
-            for image in iter_generated(self.generator, batches):
+            made = scored_images(self.generator, requests, self.batch_size, self.scorers, self.config.gate)
+            for scored in made:
                 if self._stop.is_set():
                     raise ShardAbandoned(f"shard {shard}: worker asked to stop; nothing committed")
+                image = scored.image
                 req = image.request
-                generated[(req.row.id, req.k)] = image
+                generated[(req.row.id, req.k)] = scored
                 if image.pixels is not None:
-                    scores[(req.row.id, req.k)] = {
-                        s.name: s.score(image.pixels[None], [req.row.prompt])[0] for s in self.scorers
-                    }  # the stored pixels, (1, 3, H, W) uint8
                     task = ImageTask(
                         req.row.id,
                         req.k,
@@ -320,7 +318,7 @@ class GenerationWorker:
                     )
                     writer.add(task, image.pixels.permute(1, 2, 0).numpy())  # (H, W, 3) uint8
                     image.pixels = None  # the writer holds it now; keep shard memory flat
-            return generated, writer.finish(), scores
+            return generated, writer.finish()
         except BaseException:
             writer.abort()
             raise
@@ -331,9 +329,8 @@ class GenerationWorker:
     def _manifest_rows(
         self,
         requests: list[ImageRequest],
-        generated: dict[tuple[str, int], GeneratedImage],
+        generated: dict[tuple[str, int], ScoredImage],
         stored: StoredShard,
-        scores: dict[tuple[str, int], dict[str, float]],
         shard: int,
         attempt: int,
         recompiles: int,
@@ -346,7 +343,6 @@ class GenerationWorker:
                 req.k,
                 generated[(req.row.id, req.k)],
                 stored_by_key.get((req.row.id, req.k)),
-                scores.get((req.row.id, req.k), {}),
                 shard,
                 attempt,
                 recompiles,
@@ -373,13 +369,13 @@ class GenerationWorker:
         self,
         row: PromptRow,
         k: int,
-        gen: GeneratedImage,
+        scored: ScoredImage,
         stored: ImageResult | None,
-        scores: dict[str, float],
         shard: int,
         attempt: int,
         recompiles: int,
     ) -> ManifestRow:
+        gen = scored.image
         error = gen.error or (stored.error if stored is not None else "image was not stored")
         ok = gen.error is None and stored is not None and stored.ok
         return ManifestRow(
@@ -415,8 +411,22 @@ class GenerationWorker:
             dit_blocks_reused=gen.blocks_reused,
             batch_size=self.batch_size,
             # NaN (the scorer cannot judge) and a failed image's missing score are both null
-            **{f"score_{name}": v if ok and not math.isnan(v) else None for name, v in scores.items()},
+            **{f"score_{name}": v if ok and not math.isnan(v) else None for name, v in scored.scores.items()},
+            **_gate_columns(scored.gate),
         )
+
+
+def _gate_columns(gate: GateRecord | None) -> dict:
+    """The manifest's gate_* columns of an image (none without quality.gate: they stay null)."""
+    if gate is None:
+        return {}
+    return {
+        "gate_passed": gate.passed,
+        "gate_tries": len(gate.scores),
+        "gate_kept": gate.kept,
+        "gate_scores": json.dumps(list(gate.scores)),
+        "gate_seeds": json.dumps(list(gate.seeds)),
+    }
 
 
 def _count(result: ShardResult, row: ManifestRow) -> None:

@@ -60,6 +60,30 @@ class ModelPlacement:
 
 
 @dataclass(frozen=True)
+class GateConfig:
+    """quality.gate: an image whose score is under `min` is made again with the next seed of its
+    fixed sequence (workers.generate.try_seed), up to `max_tries` in all; the row keeps its best
+    try and records every try's score and seed. An image the scorer cannot judge is kept as made."""
+
+    scorer: ScorerName = setting(
+        "tiny", description="The scorer that decides (one of quality.scorers' names)."
+    )
+    min: float = setting(
+        1.0,
+        description="The lowest passing score: an image scoring under it is made again (higher is better).",
+    )
+    max_tries: int = setting(
+        3,
+        ge=1,
+        le=16,
+        description="Tries per image at most, the first included; each is one more image's work.",
+    )
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+
+@dataclass(frozen=True)
 class WorkerConfig:
     """What one worker needs; built by jobs/ from the job spec."""
 
@@ -88,6 +112,7 @@ class WorkerConfig:
         "colour, background, position, shape and size it reads back; null off its caption template), "
         "'sharpness' (variance of the Laplacian of the luma). For an existing output: `ditfleet score`.",
     )
+    gate: GateConfig | None = None  # quality.gate; None: every image is kept as first made
     warmup_buckets: tuple[str, ...] = ()  # the buckets this job uses; empty = every job bucket
     expected_images: int | None = None  # images one actor is expected to make (compile.dit "auto")
     compile: CompileConfig = field(default_factory=CompileConfig)

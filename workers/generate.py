@@ -34,14 +34,25 @@ def image_seed(row_seed: int, k: int) -> int:
     return int.from_bytes(digest, "big") & MAX_SEED
 
 
+def try_seed(seed: int, try_index: int) -> int:
+    """The seed of try `try_index` of an image whose seed is `seed` (quality.gate): the image's own
+    seed for the first try, a stable hash of (seed, try) for the others: a fixed sequence, so the
+    same job makes the same tries on any actor and any attempt."""
+    if try_index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{try_index}".encode(), digest_size=8, person=b"ditfleet-try").digest()
+    return int.from_bytes(digest, "big") & MAX_SEED
+
+
 @dataclass(frozen=True)
 class ImageRequest:
     row: PromptRow
     k: int
+    try_index: int = 0  # quality.gate: 0 the first try, 1.. the tries after an image under the gate
 
     @property
     def seed(self) -> int:
-        return image_seed(self.row.seed, self.k)
+        return try_seed(image_seed(self.row.seed, self.k), self.try_index)
 
     @property
     def uses_cfg(self) -> bool:

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
@@ -30,6 +31,8 @@ from ditfleet.workers.storage import ObjectStore
 _COLUMNS = ["id", "status", "error"]
 # The step cache's counts; absent from manifests written before it existed.
 _STEP_CACHE_COLUMNS = ["dit_blocks_computed", "dit_blocks_reused"]
+# The quality gate's record (quality.gate); absent from manifests written before it existed.
+_GATE_COLUMNS = ["gate_passed", "gate_tries"]
 _READ_THREADS = 16  # manifests are small; reading them is round trips, not bandwidth
 MAX_ERROR_KINDS = 20  # distinct error messages kept in counts; the rest are summed as "other"
 
@@ -47,6 +50,10 @@ class OutputCounts:
     # DiT block evaluations of the images a step cache served (sampling.step_cache), summed.
     dit_blocks_computed: int = 0
     dit_blocks_reused: int = 0
+    # quality.gate: images it judged, those that passed, and the tries they took in all.
+    gate_images: int = 0
+    gate_passed: int = 0
+    gate_tries: int = 0
 
     def add(self, other: OutputCounts) -> None:
         self.shards += other.shards
@@ -57,6 +64,20 @@ class OutputCounts:
         self.errors.update(other.errors)
         self.dit_blocks_computed += other.dit_blocks_computed
         self.dit_blocks_reused += other.dit_blocks_reused
+        self.gate_images += other.gate_images
+        self.gate_passed += other.gate_passed
+        self.gate_tries += other.gate_tries
+
+    def gate(self) -> dict[str, Any]:
+        """The gate's pass rate and tries per image over the images it judged; {} without a gate."""
+        if not self.gate_images:
+            return {}
+        return {
+            "images": self.gate_images,
+            "passed": self.gate_passed,
+            "pass_rate": round(self.gate_passed / self.gate_images, 4),
+            "tries_per_image": round(self.gate_tries / self.gate_images, 3),
+        }
 
     def errors_capped(self, limit: int = MAX_ERROR_KINDS) -> dict[str, int]:
         top = self.errors.most_common(limit)
@@ -69,9 +90,10 @@ def shard_counts(store: ObjectStore, shard: int, key: str | None = None) -> Outp
     3 columns read)."""
     key = key or current_manifest_key(store, shard) or manifest_key(shard)
     parquet = pq.ParquetFile(io.BytesIO(store.get(key)))
-    present = [c for c in _STEP_CACHE_COLUMNS if c in parquet.schema_arrow.names]
+    present = [c for c in _STEP_CACHE_COLUMNS + _GATE_COLUMNS if c in parquet.schema_arrow.names]
     table = parquet.read(columns=_COLUMNS + present)
     blocks = {c: (pc.sum(table.column(c)).as_py() or 0) if c in present else 0 for c in _STEP_CACHE_COLUMNS}
+    judged = pc.is_valid(table.column("gate_passed")) if "gate_passed" in present else None
     ok = pc.equal(table.column("status"), "ok")
     images_ok = pc.sum(ok).as_py() or 0
     # A row is failed when any of its images failed: group the failed images by id.
@@ -87,7 +109,19 @@ def shard_counts(store: ObjectStore, shard: int, key: str | None = None) -> Outp
         errors=errors,
         dit_blocks_computed=blocks["dit_blocks_computed"],
         dit_blocks_reused=blocks["dit_blocks_reused"],
+        **(_gate_counts(table, judged) if judged is not None else {}),
     )
+
+
+def _gate_counts(table: pa.Table, judged: pa.Array) -> dict[str, int]:
+    """The gate's counts of one manifest: the images it judged, passed, and their tries."""
+    passed = pc.filter(table.column("gate_passed"), judged)
+    tries = pc.filter(table.column("gate_tries"), judged)
+    return {
+        "gate_images": len(passed),
+        "gate_passed": pc.sum(passed).as_py() or 0,
+        "gate_tries": pc.sum(tries).as_py() or 0,
+    }
 
 
 def count_shards(store: ObjectStore, shards: Iterable[int], threads: int = _READ_THREADS) -> OutputCounts:
@@ -136,6 +170,7 @@ class OutputStatus:
             "rows": {"planned": plan.get("rows"), "ok": c.rows_ok, "failed": c.rows_failed},
             "images": {"planned": plan.get("images"), "ok": c.images_ok, "failed": c.images_failed},
             "failures_by_error": c.errors_capped(),
+            "quality_gate": c.gate(),
             "shards_left": _ranges(self.missing),
             "stale_success": self.stale_success,
             "compacted": self.compacted.describe(),
@@ -157,6 +192,8 @@ class OutputStatus:
             lines.append(f"  note: {self.stale_success}")
         if d["shards_left"]:
             lines.append(f"  shards left: {d['shards_left']}")
+        if d["quality_gate"]:
+            lines.append(f"  quality gate: {gate_line(d['quality_gate'])}")
         for message, n in d["failures_by_error"].items():
             lines.append(f"  failed x{n}: {message}")
         if self.compacted.present:
@@ -164,6 +201,14 @@ class OutputStatus:
         if self.job is None:
             lines.append("  (no _job.json: not a ditfleet output, or no run got past planning)")
         return "\n".join(lines)
+
+
+def gate_line(gate: dict[str, Any]) -> str:
+    """'45/48 images passed (93.8%), 1.15 tries per image'."""
+    return (
+        f"{gate['passed']}/{gate['images']} images passed ({gate['pass_rate']:.1%}), "
+        f"{gate['tries_per_image']:.2f} tries per image"
+    )
 
 
 def _or_unknown(value: Any) -> str:

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
 from ditfleet.driver.dispatch.types import DispatchResult
-from ditfleet.driver.output.status import OutputCounts
+from ditfleet.driver.output.status import OutputCounts, gate_line
 from ditfleet.driver.output.success import put_success, success_file
 from ditfleet.driver.progress import JobProgress, compile_fallbacks, format_duration, plural, warmup_seconds
 from ditfleet.workers.storage import ObjectStore
@@ -61,6 +61,8 @@ class JobSummary:
     # The step cache's share of the DiT work (empty when no image used one): block evaluations
     # computed and reused over the committed images, reused_share = reused / (computed + reused).
     step_cache: dict[str, Any] = field(default_factory=dict)
+    # quality.gate over the committed images (OutputCounts.gate): pass rate, tries per image.
+    quality_gate: dict[str, Any] = field(default_factory=dict)
     # What this run's fleet cost (DispatchResult.fleet): GPU hours split into start-up,
     # generating and idle, and images per GPU hour; empty when nothing was dispatched.
     fleet: dict[str, Any] = field(default_factory=dict)
@@ -121,6 +123,8 @@ class JobSummary:
                 f"({sc['blocks_computed'] + sc['blocks_reused']} -> {sc['blocks_computed']} computed, "
                 f"{sc['work_speedup']:.2f}x less DiT work)"
             )
+        if self.quality_gate:
+            lines.append(f"  quality gate: {gate_line(self.quality_gate)}")
         if self.recompiles:
             lines.append(f"  WARNING: {self.recompiles} compilations on the request path (expected 0)")
         if self.oom_splits:
@@ -271,6 +275,7 @@ def build_summary(
         attention=attention_summary([w.attention for w in progress.workers.values()]),
         compile_fallbacks={w: fb for w, r in reports.items() if (fb := compile_fallbacks(r))},
         step_cache=step_cache_summary(counts.dit_blocks_computed, counts.dit_blocks_reused),
+        quality_gate=counts.gate(),
         fleet=dispatch.fleet(sum(w.images_ok for w in progress.workers.values())) if dispatch else {},
     )
 

@@ -10,6 +10,7 @@ every actor gets the same absolute path.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -28,7 +29,7 @@ from ditfleet.model.family import model_family
 from ditfleet.model.settings import PipelineSettings, field_default, settings_fields
 from ditfleet.model.step_cache_config import parse_step_cache
 from ditfleet.workers.cache_secret import CacheSecretSource
-from ditfleet.workers.contract import LoraSpec, ModelPlacement, WorkerConfig
+from ditfleet.workers.contract import GateConfig, LoraSpec, ModelPlacement, WorkerConfig
 from ditfleet.workers.output.formats import ShardWriterConfig
 from ditfleet.workers.rows import RowConfig
 from ditfleet.workers.storage import S3Config
@@ -186,6 +187,8 @@ class JobSpec(Section):
             settings["embed_metadata"] = True
             settings["job_name"] = self.name
         settings.update(_pixel_knobs(self.pipeline_settings(), exclude=settings))
+        if (gate := self.gate_config()) is not None:  # which try is stored: only when set
+            settings["quality_gate"] = dataclasses.asdict(gate)
         if self.model.loras:
             settings["loras"] = [{"path": a.path, "scale": a.scale} for a in self.model_loras()]
         if self.model.scheduler_config:
@@ -271,8 +274,14 @@ class JobSpec(Section):
             compile_cache_key=settings_from(CacheSecretSource, *sections),
             writer=settings_from(ShardWriterConfig, self.output),
             job_name=self.name,
+            gate=self.gate_config(),
             s3=self.s3_config(),
         )
+
+    def gate_config(self) -> GateConfig | None:
+        """quality.gate as the actor's GateConfig (None: no gate)."""
+        gate = self.quality.gate
+        return settings_from(GateConfig, gate) if gate is not None else None
 
 
 def _pixel_knobs(settings: Any, exclude: Mapping[str, Any]) -> dict[str, Any]:

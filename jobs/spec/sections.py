@@ -20,7 +20,7 @@ from ditfleet.model.folder import TINY_MODEL
 from ditfleet.model.settings import PipelineSettings
 from ditfleet.model.step_cache_config import check_schedule, parse_step_cache
 from ditfleet.workers.cache_secret import WELL_KNOWN_ENV, CacheSecretSource
-from ditfleet.workers.contract import ModelPlacement, WorkerConfig
+from ditfleet.workers.contract import GateConfig, ModelPlacement, WorkerConfig
 from ditfleet.workers.output.formats import ShardWriterConfig
 from ditfleet.workers.rows import RowConfig
 from ditfleet.workers.storage import S3Config
@@ -355,8 +355,26 @@ WorkersSpec = section(
 )
 
 
-# Image scores taken where each image is made (workers.contract.WorkerConfig.scorers).
-QualitySpec = section("QualitySpec", None, {"scorers": knob(WorkerConfig, "scorers")}, base=Section)
+# Image scores taken where each image is made (workers.contract.WorkerConfig.scorers), and the
+# gate that makes an image again when it scores too low (workers.contract.GateConfig).
+GateSpec = section("GateSpec", None, knobs(GateConfig), base=Section)
+QualitySpec = section(
+    "QualitySpec",
+    None,
+    {
+        "scorers": knob(WorkerConfig, "scorers"),
+        "gate": (
+            GateSpec | None,
+            Field(
+                None,
+                description="Make an image again, with the next seed of a fixed sequence, while it scores "
+                "under `min` (at most `max_tries` tries; the row keeps its best). The gate's scorer is "
+                "taken whether or not `scorers` lists it. Null: every image is kept as first made.",
+            ),
+        ),
+    },
+    base=Section,
+)
 
 
 # Units of work (driver.plan.PlanConfig) and how often one is retried (DispatchConfig).

@@ -127,6 +127,22 @@ class ManifestRow:
         pa.float64(), "share of the caption's attributes the tiny model's check reads back (quality.scorers: tiny)",
         True, None,
     )  # fmt: skip
+    # quality.gate (workers.quality_gate); null without a gate. The tries' scores and seeds are
+    # JSON lists in try order (a null score: that try failed or could not be judged), text rather
+    # than list columns so every reader and the compacted set's digests take them as they are;
+    # `seed` above stays the row's, gate_seeds[gate_kept] is the seed the stored image was made with.
+    gate_passed: bool | None = _col(
+        pa.bool_(),
+        "the kept try scored at least quality.gate.min; null: no gate, or not judgeable",
+        True,
+        None,
+    )
+    gate_tries: int | None = _col(pa.int32(), "tries made of this image (quality.gate)", True, None)
+    gate_kept: int | None = _col(pa.int32(), "index of the kept try (from 0)", True, None)
+    gate_scores: str | None = _col(
+        pa.string(), "the gate scorer's score of every try, a JSON list", True, None
+    )
+    gate_seeds: str | None = _col(pa.string(), "the seed of every try, a JSON list", True, None)
 
     def __post_init__(self) -> None:
         if isinstance(self.extra, Mapping):

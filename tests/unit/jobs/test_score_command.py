@@ -87,7 +87,7 @@ def test_score_tables_join_on_uri_resume_and_never_go_stale(tmp_path, capsys):
 
     assert main(["score", str(root), "--scorer", "tiny"]) == 0
     assert "2/2 shard manifests scored (2 now, 3 images" in capsys.readouterr().out
-    rows = ds.dataset(str(root / "manifests")).to_table()
+    rows = ds.dataset(str(root / "manifests")).to_table(columns=["id", "uri"])
     scores = ds.dataset(str(root / "scores" / "tiny")).to_table()
     joined = rows.join(scores.select(["uri", "score"]), "uri", join_type="inner").to_pylist()
     by_id = {r["id"]: r["score"] for r in joined}

@@ -58,6 +58,11 @@ EXPECTED_COLUMNS = [
     ("batch_size", pa.int32(), True),
     ("score_sharpness", pa.float64(), True),
     ("score_tiny", pa.float64(), True),
+    ("gate_passed", pa.bool_(), True),
+    ("gate_tries", pa.int32(), True),
+    ("gate_kept", pa.int32(), True),
+    ("gate_scores", pa.string(), True),
+    ("gate_seeds", pa.string(), True),
 ]
 DESIGN_COLUMNS = {name for name, _, _ in EXPECTED_COLUMNS}
 
@@ -212,7 +217,15 @@ def test_a_manifest_written_before_the_step_cache_columns_still_reads(tmp_path) 
     """Older outputs lack the (nullable, trailing) step-cache columns: read as nulls, not refused."""
     from ditfleet.workers.output.manifest import with_later_columns
 
-    scores = ["score_sharpness", "score_tiny"]
+    scores = [
+        "score_sharpness",
+        "score_tiny",
+        "gate_passed",
+        "gate_tries",
+        "gate_kept",
+        "gate_scores",
+        "gate_seeds",
+    ]
     old = MANIFEST_SCHEMA.empty_table().drop_columns(
         ["step_cache", "dit_blocks_computed", "dit_blocks_reused", "batch_size", *scores]
     )
