@@ -2,7 +2,7 @@
 
     python bench/lora_merge.py [--layers 1] [--rank 64] [--dtype bf16] [--device cpu]
 
-Builds the published Qwen-Image transformer config (ditfleet/testing/published/qwen-image) with
+Builds the published Qwen-Image transformer config (model/published/qwen-image) with
 `--layers` blocks (weights zeroed: their values do not change the cost), writes a LoRA of `--rank` over every linear layer of the
 blocks (the layers the Lightning LoRAs adapt: 14 per block) in the diffusers layout, then times
 read_lora + plan_updates + merge_updates where the weights live. Prints the time per block and

@@ -18,6 +18,7 @@ from ditfleet.compile.counting import compile_count
 from ditfleet.compile.policy import apply_compile
 from ditfleet.model.memory import GB
 from ditfleet.model.pipeline import TextToImagePipeline
+from ditfleet.model.published import PUBLISHED
 from ditfleet.model.sampling import latent_grid, model_timestep
 from ditfleet.model.scheduler import sigma_schedule
 from ditfleet.model.transformer import QwenImageTransformer
@@ -33,6 +34,7 @@ from ditfleet.workers.selftest.parts import (
     timed_ms,
     transformer_config,
     vae_config,
+    write_random_transformer,
 )
 from ditfleet.workers.selftest.runner import Context, StageSkipped, stage
 from ditfleet.workers.selftest.sdpa_recorder import SdpaRecorder, summarize_calls
@@ -95,9 +97,6 @@ def matmul_ceiling(ctx: Context) -> None:
 def write_slice(ctx: Context, root: Path) -> Path:
     """The hub layout at the slice's depth: transformer shards + index, the VAE in diffusers' 3D
     layout, the published scheduler; random weights, no text encoder."""
-    from ditfleet.testing import PUBLISHED
-    from ditfleet.testing.real_widths import write_random_transformer
-
     root.mkdir(parents=True, exist_ok=True)
     shutil.copy(PUBLISHED / PUBLISHED_MODEL / "model_index.json", root / "model_index.json")
     (root / "scheduler").mkdir(exist_ok=True)

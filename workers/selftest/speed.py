@@ -1,5 +1,5 @@
 """The self-test's speed stages: full-depth DiT forwards eager and compiled, CFG steps, the VAE
-decode, images per hour, the worker's batch generator, the FP8 and step-cache slots, and the
+decode, images per hour, the worker's batch generator, the FP8 lines, the step-cache slot, and the
 compiled forward at the other sizes (last: each compiles its own graphs)."""
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from ditfleet.workers.selftest.checks import (
 from ditfleet.workers.selftest.parts import (
     dit_inputs,
     forward_flops,
+    fp8_copy,
     free,
     make_transformer,
     make_vae,
@@ -378,7 +379,7 @@ def batch_generator(ctx: Context) -> None:
     ctx.emit(line)
 
 
-# -- 7. slots for lines other work adds ---------------------------------------------------------------
+# -- 7. FP8 and step caching ----------------------------------------------------------------------------
 
 
 def _slot_function(module: str, name: str) -> Callable[..., Any] | None:
@@ -390,15 +391,9 @@ def _slot_function(module: str, name: str) -> Callable[..., Any] | None:
 
 @stage("fp8_forward", estimate_s=30, limit_s=90)
 def fp8_forward(ctx: Context) -> None:
-    """The slot of the FP8 line: `ditfleet.model.fp8.selftest_forward(transformer, mode)` (or in
-    `model.quantization`) returns an FP8 DiT over the full-depth model's weights (mode 'fp8' or
-    'fp8-weight-only'), or None when this GPU cannot run the mode; this stage times it like the
-    eager line and reports its error against the bf16 output."""
-    fn = _slot_function("ditfleet.model.fp8", "selftest_forward") or _slot_function(
-        "ditfleet.model.quantization", "selftest_forward"
-    )
-    if fn is None:
-        raise StageSkipped("slot: no model.fp8.selftest_forward yet")
+    """The FP8 line: the full-depth DiT copied as an FP8 DiT of each mode ('fp8',
+    'fp8-weight-only'; parts.fp8_copy), timed like the eager line, its error against the bf16
+    output; a mode this GPU cannot run is skipped."""
     model = full_model(ctx)
     cfg, size, text_len = model.config, sizes(ctx)[0], ctx.args.text_len
     x, txt, shapes = dit_inputs(cfg, size, text_len, 1, ctx.device, ctx.dtype)
@@ -408,7 +403,7 @@ def fp8_forward(ctx: Context) -> None:
         exact = model(x, txt, None, t, shapes)
         for mode in ("fp8", "fp8-weight-only"):
             ctx.check(mode)
-            fp8 = fn(model, mode)
+            fp8 = fp8_copy(model, mode)
             if fp8 is None:
                 ctx.emit({"status": "skipped", "mode": mode, "reason": "not supported here"})
                 continue
@@ -547,9 +542,9 @@ def fp8_compiled(ctx: Context) -> None:
     budget's plan."""
     if not ctx.cuda:
         raise StageSkipped("not on CPU: the compiled FP8 GEMMs are timed on a GPU")
-    from ditfleet.model.fp8 import selftest_forward, set_fast_accum
+    from ditfleet.model.fp8 import set_fast_accum
 
-    fp8 = selftest_forward(full_model(ctx), "fp8")
+    fp8 = fp8_copy(full_model(ctx), "fp8")
     if fp8 is None:
         raise StageSkipped("this GPU cannot run fp8 (no FP8 matrix units)")
     free(ctx, "dit60")  # the copy keeps the tensors it shares; the bf16 weights it replaced go

@@ -24,10 +24,10 @@ from ditfleet.model.memory import (
     vae_decode_activation_bytes,
     vae_params,
 )
+from ditfleet.model.published import PUBLISHED as ALL_PUBLISHED
 from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig
 from ditfleet.model.vae import QwenImageVAE, VAEConfig
 from ditfleet.model.weights import read_config
-from ditfleet.testing import PUBLISHED as ALL_PUBLISHED
 from tests.support.memory_measure import peak_allocated_bytes
 from tests.support.paths import REPO
 
