@@ -34,7 +34,8 @@ from typing import TextIO
 from ditfleet.driver.dispatch import DispatchConfig, DispatchEvents, DispatchResult, run_shards
 from ditfleet.driver.increment import IncrementPlan, commit_increment, plan_increment
 from ditfleet.driver.input.prompts import PromptSource
-from ditfleet.driver.input.validate import ValidationReport, validate_input
+from ditfleet.driver.input.scan import validate_input
+from ditfleet.driver.input.validate import ValidationReport
 from ditfleet.driver.locations import check_locations
 from ditfleet.driver.metrics import FanOut
 from ditfleet.driver.output.claim import OutputMismatch, claim_incremental_output, claim_output
