@@ -18,7 +18,7 @@ import torch
 from ditfleet.compile.compiled_method import CompiledMethod
 from ditfleet.compile.counting import compile_count
 from ditfleet.compile.policy import apply_compile
-from ditfleet.model.memory import GB, ModelMemory, plan_memory
+from ditfleet.model.memory import GB, ModelMemory, Runtime, plan_memory
 from ditfleet.model.pipeline import TextToImagePipeline
 from ditfleet.model.sampling import euler_step, true_cfg
 from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig
@@ -106,16 +106,8 @@ def _memory_vs_plan(
 ) -> dict[str, Any]:
     model = ModelMemory(cfg, vae_config(ctx), None, "selftest")
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[ctx.dtype]
-    plan = plan_memory(
-        model,
-        height=size,
-        width=size,
-        batch=1,
-        dtype=dtype,
-        text_encoder="cpu",
-        text_len=text_len,
-        device=ctx.device.type,
-    )
+    run = Runtime(dtype=dtype, text_encoder="cpu", text_len=text_len, device=ctx.device.type)
+    plan = plan_memory(model, height=size, width=size, batch=1, run=run)
     out: dict[str, Any] = {
         "plan_denoise_gb": round(plan.phases["denoise"] / GB, 2),
         "plan_dit_activations_gb": round(plan.activations["denoise"] / GB, 3),
