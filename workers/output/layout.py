@@ -272,12 +272,6 @@ def manifest_of_key(key: str) -> tuple[int, int] | None:
     return (int(match.group(1)), int(match.group(2) or 0)) if match else None
 
 
-def shard_of_manifest_key(key: str) -> int | None:
-    """The shard index of a key under MANIFESTS_PREFIX (any generation), or None for any other key."""
-    found = manifest_of_key(key)
-    return found[0] if found else None
-
-
 def superseded_key(key: str) -> str:
     """Where a superseded generation's manifest or object `key` is kept: the same relative key
     under `_superseded/`, which the readers the docs show skip."""
