@@ -83,7 +83,7 @@ def fit_batch_size(
     try:
         model = family.memory.from_dir(model_dir, name=config.model_path)
     except (OSError, ValueError, KeyError) as e:
-        # A model the formula cannot size: run the job's batch, as before the plan knew GPUs.
+        # A model the formula cannot size: run the job's batch.
         return BatchFit(job, job, round(capacity_gb, 1), note=f"no memory plan ({e}); the job's batch size")
     run = plan_runtime(config, dtype)
     largest: dict[str, int] = {}
