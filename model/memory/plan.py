@@ -221,10 +221,7 @@ def plan_memory(
     weights["transformer"] = transformer_weight_bytes(
         model.transformer, e, check_quantization(run.quantization)
     )
-    dit_w, vae_w, te_w = weights["transformer"], weights["vae"], weights.get("text_encoder", 0)
-    dit_batch = 2 * batch if run.cfg == "batched" else batch
     acts = _activations(model, run, batch, height, width, e)
-    acts["denoise"] += _fp8_transient(model, run, dit_batch, height, width, e)
     extra: dict[str, int] = {}
     if run.modulation_table_steps:
         D, layers = model.transformer.inner_dim, model.transformer.num_layers
@@ -233,24 +230,8 @@ def plan_memory(
         branches = 1 if run.cfg == "off" else 2
         N, D = image_tokens(height, width), model.transformer.inner_dim
         extra["step_cache"] = step_cache_tensors * branches * batch * N * D * e
-    # Latents, velocities and embeddings of the batch while the VAE runs: small, but resident.
-    carried = sum(extra.values())
-    resident = dit_w + vae_w + carried + (CUDA_RESERVE if run.device == "cuda" else 0)
-    te_resident = te_w if run.text_encoder == "gpu" else 0
-    phases = {
-        "denoise": resident + te_resident + _fragmented(acts["denoise"]),
-        "decode": resident + te_resident + _fragmented(acts["decode"]),
-    }
     capacity = None if gpu_memory_gb is None else int(gpu_memory_gb * GB)
-    swapped = False
-    host = te_w if run.text_encoder != "gpu" else 0
-    if "encode" in acts and run.text_encoder != "cpu":
-        encode = resident + te_w + _fragmented(acts["encode"])
-        if run.text_encoder == "offload" and capacity is not None and encode > capacity:
-            encode -= dit_w  # the DiT waits in host memory while the shard's prompts are encoded
-            swapped = True
-            host = max(host, te_w + dit_w)
-        phases["encode"] = encode
+    phases, swapped, host = _phases(run, weights, acts, sum(extra.values()), capacity)
     return MemoryPlan(
         model=model.name,
         dtype=run.dtype,
@@ -271,6 +252,31 @@ def plan_memory(
         device=run.device,
         quantization=run.quantization,
     )
+
+
+def _phases(
+    run: Runtime, weights: dict[str, int], acts: dict[str, int], carried: int, capacity: int | None
+) -> tuple[dict[str, int], bool, int]:
+    """(bytes on the GPU per phase, whether the DiT waits in host memory while encoding, bytes
+    kept in host memory). `carried`: what stays resident beside the weights (the extras)."""
+    dit_w, vae_w, te_w = weights["transformer"], weights["vae"], weights.get("text_encoder", 0)
+    # Latents, velocities and embeddings of the batch while the VAE runs: small, but resident.
+    resident = dit_w + vae_w + carried + (CUDA_RESERVE if run.device == "cuda" else 0)
+    te_resident = te_w if run.text_encoder == "gpu" else 0
+    phases = {
+        "denoise": resident + te_resident + _fragmented(acts["denoise"]),
+        "decode": resident + te_resident + _fragmented(acts["decode"]),
+    }
+    swapped = False
+    host = te_w if run.text_encoder != "gpu" else 0
+    if "encode" in acts and run.text_encoder != "cpu":
+        encode = resident + te_w + _fragmented(acts["encode"])
+        if run.text_encoder == "offload" and capacity is not None and encode > capacity:
+            encode -= dit_w  # the DiT waits in host memory while the shard's prompts are encoded
+            swapped = True
+            host = max(host, te_w + dit_w)
+        phases["encode"] = encode
+    return phases, swapped, host
 
 
 def _fp8_transient(model: ModelMemory, run: Runtime, dit_batch: int, height: int, width: int, e: int) -> int:
@@ -294,13 +300,15 @@ def _fragmented(nbytes: int) -> int:
 def _activations(
     model: ModelMemory, run: Runtime, batch: int, height: int, width: int, e: int
 ) -> dict[str, int]:
-    """Activation bytes of each phase: denoise, decode, and encode when the model has a text encoder."""
+    """Activation bytes of each phase: denoise (the FP8 GEMMs' transients included), decode, and
+    encode when the model has a text encoder."""
     dit_batch = 2 * batch if run.cfg == "batched" else batch
     vae_batch = min(run.vae_batch or batch, batch)
     acts = {
         "denoise": dit_activation_bytes(
             model.transformer, dit_batch, height, width, run.text_len, e, run.attention
-        ),
+        )
+        + _fp8_transient(model, run, dit_batch, height, width, e),
         "decode": vae_decode_activation_bytes(model.vae, vae_batch, height, width, e),
     }
     if model.text_encoder is not None:
