@@ -142,6 +142,26 @@ class _Reader:
     # the input is refused for the miscount anyway.
     miscounted: list[str]
 
+    def scan_all(
+        self, valid: Sequence[_File], sinks: Sequence[FileScan | None], validator: RowValidator, workers: int
+    ) -> None:
+        """Every valid file, into `validator`: one after the other, or, with `workers` threads and
+        FileScans to feed, side by side, each into its own validator merged in input order (the
+        first errors are the first rows')."""
+        if workers <= 1 or len(valid) <= 1 or all(sink is None for sink in sinks):
+            for at, sink in zip(valid, sinks):
+                self.scan(at, validator, sink)
+            return
+
+        def one(i: int) -> RowValidator:
+            own = RowValidator(self.config, validator.max_errors)
+            self.scan(valid[i], own, sinks[i])
+            return own
+
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            for own in pool.map(one, range(len(valid))):
+                validator.merge(own)
+
     def scan(self, at: _File, sink: RowValidator, see: FileScan | None) -> None:
         try:
             self._scan(at, sink, see)
@@ -206,20 +226,7 @@ def scan_input(
     reader = _Reader(source, config, options.batch_rows, duplicates, [])
     # Made here, in input order, whatever thread then feeds them.
     sinks = [per_file(v.file, v.start, v.footer.rows) if per_file is not None else None for v in valid]
-    if per_file is None or options.workers <= 1 or len(valid) <= 1:
-        for at, sink in zip(valid, sinks):
-            reader.scan(at, validator, sink)
-    else:
-
-        def one(i: int) -> RowValidator:
-            own = RowValidator(config, options.max_errors)
-            reader.scan(valid[i], own, sinks[i])
-            return own
-
-        with ThreadPoolExecutor(max_workers=options.workers) as pool:
-            for own in pool.map(one, range(len(valid))):  # input order: the first errors are the first rows'
-                validator.merge(own)
-
+    reader.scan_all(valid, sinks, validator, options.workers)
     if duplicates is not None and not reader.miscounted:
         count, errors = duplicates.count_and_errors(
             source, max(0, options.max_errors - len(validator.errors))
@@ -232,9 +239,8 @@ def scan_input(
         problem = (
             "the file has no rows" if len(empty) == 1 else f"the input has no rows ({len(empty)} empty files)"
         )
-        validator.add(
-            RowError(where, None, None, None, problem, "Check that the prompts were written to the file(s)")
-        )
+        hint = "Check that the prompts were written to the file(s)"
+        validator.add(RowError(where, None, None, None, problem, hint))
     return report(rows)
 
 
