@@ -63,6 +63,13 @@ def _pct(ctx: Context, flops: float, ms: float) -> float | None:
     return round(100 * flops / (ms / 1000) / (ceiling * 1e12), 1)
 
 
+def _dit_call(ctx: Context, cfg: TransformerConfig, size: int) -> tuple[Callable[[Any], torch.Tensor], int]:
+    """One DiT forward of batch 1 at `size` on random inputs, as call(model), and its image tokens."""
+    x, txt, shapes = dit_inputs(cfg, size, ctx.args.text_len, 1, ctx.device, ctx.dtype)
+    t = torch.full((1,), 0.5, device=ctx.device, dtype=ctx.dtype)
+    return (lambda model: model(x, txt, None, t, shapes)), x.shape[1]
+
+
 @stage("dit_eager", estimate_s=20, limit_s=60)
 def dit_eager(ctx: Context) -> None:
     """ms per DiT forward at full depth, eager, at each size; % of the measured matmul ceiling;
@@ -73,18 +80,12 @@ def dit_eager(ctx: Context) -> None:
     weights = torch.cuda.memory_allocated(ctx.device) if ctx.cuda else 0
     for size in sizes(ctx):
         ctx.check(f"eager {size}")
-        x, txt, shapes = dit_inputs(cfg, size, text_len, 1, ctx.device, ctx.dtype)
-        t = torch.full((1,), 0.5, device=ctx.device, dtype=ctx.dtype)
+        call, N = _dit_call(ctx, cfg, size)
         if ctx.cuda:
             torch.cuda.reset_peak_memory_stats(ctx.device)
             base = torch.cuda.memory_allocated(ctx.device)
         with torch.no_grad():
-            ms = timed_ms(
-                ctx,
-                lambda x=x, txt=txt, t=t, shapes=shapes: model(x, txt, None, t, shapes),
-                repeat=ctx.args.repeat,
-            )
-        N = x.shape[1]
+            ms = timed_ms(ctx, lambda call=call: call(model), repeat=ctx.args.repeat)
         flops = forward_flops(cfg, 1, N, text_len)
         line: dict[str, Any] = {
             "status": "measured",
@@ -387,22 +388,21 @@ def fp8_forward(ctx: Context) -> None:
     'fp8-weight-only'; parts.fp8_copy), timed like the eager line, its error against the bf16
     output; a mode this GPU cannot run is skipped."""
     model = full_model(ctx)
-    cfg, size, text_len = model.config, sizes(ctx)[0], ctx.args.text_len
-    x, txt, shapes = dit_inputs(cfg, size, text_len, 1, ctx.device, ctx.dtype)
-    t = torch.full((1,), 0.5, device=ctx.device, dtype=ctx.dtype)
+    size = sizes(ctx)[0]
+    call, _ = _dit_call(ctx, model.config, size)
     with torch.no_grad():
-        bf16_peak = _forward_peak_gb(ctx, lambda: model(x, txt, None, t, shapes))
-        exact = model(x, txt, None, t, shapes)
+        bf16_peak = _forward_peak_gb(ctx, lambda: call(model))
+        exact = call(model)
         for mode in ("fp8", "fp8-weight-only"):
             ctx.check(mode)
             fp8 = fp8_copy(model, mode)
             if fp8 is None:
                 ctx.emit({"status": "skipped", "mode": mode, "reason": "not supported here"})
                 continue
-            ms = timed_ms(ctx, lambda fp8=fp8: fp8(x, txt, None, t, shapes), repeat=ctx.args.repeat)
+            ms = timed_ms(ctx, lambda fp8=fp8: call(fp8), repeat=ctx.args.repeat)
             eager = ctx.state.get("eager_ms", {}).get(size)
-            peak = _forward_peak_gb(ctx, lambda fp8=fp8: fp8(x, txt, None, t, shapes))
-            got = fp8(x, txt, None, t, shapes)
+            peak = _forward_peak_gb(ctx, lambda fp8=fp8: call(fp8))
+            got = call(fp8)
             weights = sum(p.numel() * p.element_size() for p in (*fp8.parameters(), *fp8.buffers()))
             ctx.emit(
                 {
@@ -485,23 +485,17 @@ def _compiled_forward_line(
     """One compiled full-depth forward at `size`: its first call (the compile, or a cache load) and
     the steady ms per forward, against the eager figure and the matmul ceiling."""
     ctx.check(f"compiled {size}")
-    cfg, text_len = model.config, ctx.args.text_len
-    x, txt, shapes = dit_inputs(cfg, size, text_len, 1, ctx.device, ctx.dtype)
-    t = torch.full((1,), 0.5, device=ctx.device, dtype=ctx.dtype)
+    cfg = model.config
+    call, N = _dit_call(ctx, cfg, size)
     cache_before = _fx_cache_counts()
     t0 = time.perf_counter()
     with torch.no_grad():
-        model(x, txt, None, t, shapes)
+        call(model)
         sync(ctx.device)
         first_s = time.perf_counter() - t0
         cache = {k: v - cache_before.get(k, 0) for k, v in _fx_cache_counts().items()}
-        ms = timed_ms(
-            ctx,
-            lambda x=x, txt=txt, t=t, shapes=shapes: model(x, txt, None, t, shapes),
-            repeat=ctx.args.repeat,
-            warm=0,
-        )
-    flops = forward_flops(cfg, 1, x.shape[1], text_len)
+        ms = timed_ms(ctx, lambda: call(model), repeat=ctx.args.repeat, warm=0)
+    flops = forward_flops(cfg, 1, N, ctx.args.text_len)
     eager = ctx.state.get("eager_ms", {}).get(size)
     ctx.state.setdefault("compiled_ms", {})[size] = ms
     line = {
