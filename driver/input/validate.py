@@ -282,7 +282,7 @@ class RowValidator:
 
     def check_batch(self, batch: pa.RecordBatch, file: str, first_row: int) -> None:
         """Check the rows of `batch`, rows first_row.. of `file` (its schema already checked)."""
-        at, names, limit = _At(file, first_row), batch.schema.names, self.config.max_prompt_chars
+        at, names = _At(file, first_row), batch.schema.names
         if not self._check_utf8(at, batch):
             return
         prompt = plain(batch.column("prompt"))
@@ -290,33 +290,12 @@ class RowValidator:
         # Without copying the prompts (trimming would): no bytes, or nothing but whitespace.
         empty = pc.or_(pc.equal(pc.binary_length(prompt), 0), pc.utf8_is_space(prompt))
         self._flag(at, "prompt", empty, prompt, "prompt is empty", _GIVE_PROMPT)
-        # A NUL ends the text early in C-side tokenizers and logs: what is generated would not be
-        # what the manifest says.
-        if _has_zero_byte(prompt):
-            nul = pc.match_substring(prompt, "\x00")
-            self._flag(at, "prompt", nul, prompt, "prompt holds a NUL character (\\x00)", _NO_NUL)
-        # A string has at least as many bytes as characters: count characters only when some
-        # prompt has more bytes than the limit allows characters.
-        if (pc.max(pc.binary_length(prompt)).as_py() or 0) > limit:
-            long = pc.greater(pc.utf8_length(prompt), limit)
-            self._flag(at, "prompt", long, prompt, f"prompt is longer than {limit} characters", _SHORTEN)
+        self._check_nul(at, "prompt", prompt)
+        self._check_length(at, "prompt", prompt)
         if "negative_prompt" in names and _kind(batch.schema.field("negative_prompt").type) == "string":
             neg = plain(batch.column("negative_prompt"))
-            if (pc.max(pc.binary_length(neg)).as_py() or 0) > limit:
-                long = pc.greater(pc.utf8_length(neg), limit)
-                self._flag(
-                    at,
-                    "negative_prompt",
-                    long,
-                    neg,
-                    f"negative prompt is longer than {limit} characters",
-                    _SHORTEN,
-                )
-            if _has_zero_byte(neg):
-                nul = pc.match_substring(neg, "\x00")
-                self._flag(
-                    at, "negative_prompt", nul, neg, "negative prompt holds a NUL character (\\x00)", _NO_NUL
-                )
+            self._check_length(at, "negative_prompt", neg)
+            self._check_nul(at, "negative_prompt", neg)
         if "id" in names:
             ids = batch.column("id")
             self._flag(at, "id", pc.is_null(ids), ids, "id is null", "Give every row an id, or drop the id column to use row positions")  # fmt: skip
@@ -330,6 +309,23 @@ class RowValidator:
                 self._check_range(at, column, plain(batch.column(column)), lo, hi)
         if "width" in names and "height" in names:
             self._check_sizes(at, plain(batch.column("width")), plain(batch.column("height")))
+
+    def _check_nul(self, at: _At, column: str, text: pa.Array) -> None:
+        """A NUL ends the text early in C-side tokenizers and logs: what is generated would not be
+        what the manifest says."""
+        if _has_zero_byte(text):
+            nul = pc.match_substring(text, "\x00")
+            what = column.replace("_", " ")
+            self._flag(at, column, nul, text, f"{what} holds a NUL character (\\x00)", _NO_NUL)
+
+    def _check_length(self, at: _At, column: str, text: pa.Array) -> None:
+        """At most max_prompt_chars characters. A string has at least as many bytes as characters:
+        characters are counted only when some value has more bytes than the limit allows."""
+        limit = self.config.max_prompt_chars
+        if (pc.max(pc.binary_length(text)).as_py() or 0) > limit:
+            long = pc.greater(pc.utf8_length(text), limit)
+            what = column.replace("_", " ")
+            self._flag(at, column, long, text, f"{what} is longer than {limit} characters", _SHORTEN)
 
     def _check_range(self, at: _At, column: str, v: pa.Array, lo: float, hi: float) -> None:
         if pa.types.is_null(v.type):
