@@ -213,16 +213,8 @@ class RowValidator:
         for have, missing in (("width", "height"), ("height", "width")):
             if have in names and missing not in names:
                 ok = False
-                self.add(
-                    RowError(
-                        file,
-                        None,
-                        missing,
-                        None,
-                        f"there is a '{have}' column but no '{missing}' column",
-                        _BOTH_SIZES,
-                    )
-                )
+                problem = f"there is a '{have}' column but no '{missing}' column"
+                self.add(RowError(file, None, missing, None, problem, _BOTH_SIZES))
         return ok
 
     def _flag(
