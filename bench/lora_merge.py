@@ -25,9 +25,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ditfleet.model.lora import LoraSpec, merge_updates, plan_updates, read_lora  # noqa: E402
+from ditfleet.model.published import published_config  # noqa: E402
 from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig  # noqa: E402
 
-PUBLISHED = ROOT / "ditfleet" / "testing" / "published" / "qwen-image" / "transformer" / "config.json"
 FULL_DEPTH = 60
 
 
@@ -47,7 +47,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), torch.bfloat16 if args.dtype == "bf16" else torch.float32
 
-    config = TransformerConfig.from_dict({**json.loads(PUBLISHED.read_text()), "num_layers": args.layers})
+    config = TransformerConfig.from_dict(
+        {**published_config("qwen-image", "transformer/config.json"), "num_layers": args.layers}
+    )
     with torch.device("meta"):
         model = QwenImageTransformer(config)
     # The weights' values do not change the merge's cost: allocate them, zeroed, without init.
