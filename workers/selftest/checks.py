@@ -188,18 +188,14 @@ def _side_by_side(
 def correctness(ctx: Context) -> None:
     """The real-width slice loaded from hub-style shards, then ours vs diffusers in the run's dtype:
     DiT output, VAE decode, the timestep trajectory."""
-    from ditfleet.model.loader import load_pipeline
-
     t0 = time.perf_counter()
     root = write_slice(ctx, slice_root(ctx))
     write_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    pipe = load_pipeline(
-        root, device=ctx.device, dtype=ctx.dtype, load_text_encoder_too=False, model_id="selftest-slice"
-    )
+    ctx.state.pop("slice_pipe", None)
+    pipe = slice_pipe(ctx)  # loaded from the shards just written
     sync(ctx.device)
     load_s = time.perf_counter() - t0
-    ctx.state["slice_pipe"] = pipe
     files = sorted(p.name for p in (root / "transformer").iterdir())
     ctx.emit(
         {
