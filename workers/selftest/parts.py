@@ -162,6 +162,9 @@ def transformer_shapes(config: dict) -> dict[str, tuple[int, ...]]:
 def write_random_transformer(
     out_dir: Path, config: dict, shard_bytes: int, seed: int = 0, dtype: torch.dtype = torch.bfloat16
 ) -> list[Path]:
+    """The DiT of `config` with random weights in the hub's shards + index, and its config.json.
+    Tensors are drawn one by one (PyTorch's default Linear range) and written shard by shard, so
+    even a full-depth layout never holds the whole model in memory."""
     shapes = transformer_shapes(config)
     files = write_sharded(
         ((k, _random_tensor(k, s, seed).to(dtype)) for k, s in shapes.items()), out_dir, shard_bytes
