@@ -10,11 +10,11 @@ from setuptools import find_packages, setup
 
 # model <- compile <- workers <- driver <- jobs (ARCHITECTURE.md); `ditfleet/` is the users' face.
 LAYERS = ("model", "compile", "workers", "driver", "jobs")
-# Folders of data files, not code: the bundled tiny model's weights, the example job, the published
-# model configs the tests read. Each folder is declared a (data-only) package with its files as
+# Folders of data files, not code: the bundled tiny model's weights, the published model configs,
+# the example job. Each folder is declared a (data-only) package with its files as
 # package data: setuptools warns about, and stops including in a later release, data in folders
 # that look like packages but are not declared as ones.
-DATA = {"model": "tiny/weights", "jobs": "examples", "ditfleet": "testing/published"}
+DATA = (("model", "tiny/weights"), ("model", "published"), ("jobs", "examples"))
 
 package_dir = {"ditfleet": "ditfleet"}
 # ditfleet.testing: the builders tests/ and bench/ share (random checkpoints, model folders, outputs).
@@ -25,8 +25,8 @@ for layer in LAYERS:
     packages += [f"ditfleet.{layer}.{sub}" for sub in find_packages(where=layer)]
 
 package_data = {}
-for root, folder in DATA.items():
-    base = "ditfleet" if root == "ditfleet" else f"ditfleet.{root}"
+for root, folder in DATA:
+    base = f"ditfleet.{root}"
     for here, _dirs, files in os.walk(os.path.join(root, folder)):
         if "__pycache__" in here or not files:
             continue

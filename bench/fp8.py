@@ -245,19 +245,45 @@ def part_rss(layers: int, shard_mb: int, variants: list[str]) -> None:
 # -- on a GPU ----------------------------------------------------------------------------------------
 
 
+def forward_cost(forward, device: torch.device | str, iters: int = 5, warm: int = 1) -> dict:
+    """ms per call of `forward()` (mean of `iters` after `warm`) and, on CUDA, the device's peak
+    memory during the calls and above what was allocated before them, in GB (JSON-able)."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    with torch.inference_mode():
+        for _ in range(warm):
+            forward()
+        sync()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device) if cuda else 0
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            forward()
+        sync()
+        ms = 1000 * (time.perf_counter() - t0) / max(iters, 1)
+    row: dict = {"ms_per_forward": round(ms, 2), "peak_gb": None, "peak_above_weights_gb": None}
+    if cuda:
+        peak = torch.cuda.max_memory_allocated(device)
+        row["peak_gb"] = round(peak / 1e9, 2)
+        row["peak_above_weights_gb"] = round((peak - before) / 1e9, 2)
+    return row
+
+
 def gpu_forward(
     layers: int = 60, size: int = 1328, text_len: int = 512, iters: int = 5, device: str = "cuda"
 ) -> list[dict]:
     """ms per DiT forward at size x size (batch 1) and peak device memory, bf16 vs FP8, random
     weights built on the device (no checkpoint). Prints and returns one JSON row per variant.
 
-    The node self-test measures the same on its loaded DiT (model.fp8.selftest_forward); both
-    time with model.fp8.forward_cost. fp8 runs only where the device has FP8 matrix units
-    (model.fp8.runs_on), fp8-weight-only everywhere."""
-    from ditfleet.model.fp8 import check_device, forward_cost
+    The node self-test measures the same on its loaded DiT (workers/selftest/parts.fp8_copy). fp8
+    runs only where the device has FP8 matrix units (model.fp8.check_device), fp8-weight-only
+    everywhere."""
+    from ditfleet.model.fp8 import check_device
+    from ditfleet.model.published import published_config
     from ditfleet.model.quantization import QuantizationError
     from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig
-    from ditfleet.testing.real_widths import published_config
 
     config = TransformerConfig.from_dict(
         {**published_config("qwen-image", "transformer/config.json"), "num_layers": layers}

@@ -2,7 +2,7 @@
 
     python bench/lora_merge.py [--layers 1] [--rank 64] [--dtype bf16] [--device cpu]
 
-Builds the published Qwen-Image transformer config (ditfleet/testing/published/qwen-image) with
+Builds the published Qwen-Image transformer config (model/published/qwen-image) with
 `--layers` blocks (weights zeroed: their values do not change the cost), writes a LoRA of `--rank` over every linear layer of the
 blocks (the layers the Lightning LoRAs adapt: 14 per block) in the diffusers layout, then times
 read_lora + plan_updates + merge_updates where the weights live. Prints the time per block and
@@ -25,9 +25,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ditfleet.model.lora import LoraSpec, merge_updates, plan_updates, read_lora  # noqa: E402
+from ditfleet.model.published import published_config  # noqa: E402
 from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig  # noqa: E402
 
-PUBLISHED = ROOT / "ditfleet" / "testing" / "published" / "qwen-image" / "transformer" / "config.json"
 FULL_DEPTH = 60
 
 
@@ -47,7 +47,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), torch.bfloat16 if args.dtype == "bf16" else torch.float32
 
-    config = TransformerConfig.from_dict({**json.loads(PUBLISHED.read_text()), "num_layers": args.layers})
+    config = TransformerConfig.from_dict(
+        {**published_config("qwen-image", "transformer/config.json"), "num_layers": args.layers}
+    )
     with torch.device("meta"):
         model = QwenImageTransformer(config)
     # The weights' values do not change the merge's cost: allocate them, zeroed, without init.

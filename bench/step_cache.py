@@ -23,11 +23,11 @@ import time
 import torch
 
 from ditfleet.model import load_pipeline
+from ditfleet.model.published import published_config
 from ditfleet.model.step_cache import StepCache, StepCacheRows
 from ditfleet.model.step_cache_config import PRESETS
 from ditfleet.model.tiny.scenes import held_out_captions
 from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig
-from ditfleet.testing.real_widths import published_config
 
 PRESET_NAMES = ("safe", "fast")
 

@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 from ditfleet.driver.input.arrays import plain
 from ditfleet.driver.input.prompts import InputFile, PromptSource
 from ditfleet.driver.input.row_errors import file_error
-from ditfleet.driver.input.validate import scan_input
+from ditfleet.driver.input.scan import ScanOptions, scan_input
 from ditfleet.driver.plan import PlanConfig, ShardCutter, row_group_warnings
 from ditfleet.driver.run_records import (
     FileEntry,
@@ -214,9 +214,8 @@ def plan_increment(
         report = scan_input(
             PromptSource(source.uri, source.filesystem, files=to_read),
             config.rows,
-            config.max_errors,
-            config.read_batch_rows,
-            selector.on_batch,
+            ScanOptions(config.max_errors, config.read_batch_rows),
+            lambda *_: selector,  # one selector sees every file, in input order
         )
         cutter.finish_file()
         report.raise_if_errors()

@@ -9,7 +9,7 @@ largest one that does.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlparse
 
@@ -19,7 +19,7 @@ from ditfleet.compile.buckets import PROMPT_LENGTH_BUCKETS, ResolutionBucket, pr
 # job (`ditfleet plan`) does not load it.
 from ditfleet.model.family import model_family
 from ditfleet.model.folder import resolve_model_dir
-from ditfleet.model.memory import GB, TEXT_ENCODER_PLACEMENTS, MemoryPlan, ModelMemory
+from ditfleet.model.memory import GB, TEXT_ENCODER_PLACEMENTS, MemoryPlan, ModelMemory, Runtime
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH
 from ditfleet.workers.storage import ObjectNotFound, S3Config, StoreError, open_store
 
@@ -212,8 +212,9 @@ def read_model_memory(model_path: str, s3: S3Config | None = None) -> ModelMemor
 
 
 def plan_kwargs(request: MemoryRequest, **overrides: Any) -> dict[str, Any]:
-    """The memory formula's keyword arguments for `request` (all but the size, batch and GPU)."""
-    kwargs: dict[str, Any] = dict(
+    """The memory formula's keyword arguments for `request` (all but the size, batch and GPU);
+    `overrides` replace fields of its Runtime."""
+    run = Runtime(
         dtype=request.dtype,
         text_encoder=request.text_encoder,
         cfg=request.cfg,
@@ -222,9 +223,11 @@ def plan_kwargs(request: MemoryRequest, **overrides: Any) -> dict[str, Any]:
         modulation_table_steps=request.table_steps,
         device=request.device,
         quantization=request.quantization,
+    )
+    return dict(
+        run=replace(run, **overrides),
         step_cache_tensors=request.step_cache_tensors,
     )
-    return {**kwargs, **overrides}
 
 
 def job_memory_plan(request: MemoryRequest, model: ModelMemory | None = None) -> JobMemoryPlan | None:

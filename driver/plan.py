@@ -33,7 +33,8 @@ from ditfleet.driver.input.arrays import plain
 from ditfleet.driver.input.duplicate_ids import DIGEST_BITS
 from ditfleet.driver.input.prompts import DEFAULT_BATCH_ROWS, InputFile, PromptSource
 from ditfleet.driver.input.row_errors import file_error
-from ditfleet.driver.input.validate import DEFAULT_MAX_ERRORS, scan_input, valid_sizes
+from ditfleet.driver.input.scan import ScanOptions, scan_input
+from ditfleet.driver.input.validate import DEFAULT_MAX_ERRORS, valid_sizes
 from ditfleet.model.settings import field_default, setting, settings_fields
 from ditfleet.workers.content_digest import RangeDigest, combine, hex_digest, prepare
 from ditfleet.workers.rows import MAX_SIDE, RowConfig, ShardSpec, content_columns
@@ -327,16 +328,8 @@ def plan_job(
         cutters.append(cutter)
         return cutter
 
-    report = scan_input(
-        source,
-        config.rows,
-        config.max_errors,
-        config.read_batch_rows,
-        per_file=cutter_for,
-        workers=workers,
-        fail_fast=True,
-        digest_bits=digest_bits,
-    )
+    options = ScanOptions(config.max_errors, config.read_batch_rows, workers, True, digest_bits)
+    report = scan_input(source, config.rows, options, cutter_for)
     for cutter in cutters:
         cutter.finish_file()
     report.raise_if_errors()

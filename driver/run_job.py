@@ -34,7 +34,8 @@ from typing import TextIO
 from ditfleet.driver.dispatch import DispatchConfig, DispatchEvents, DispatchResult, run_shards
 from ditfleet.driver.increment import IncrementPlan, commit_increment, plan_increment
 from ditfleet.driver.input.prompts import PromptSource
-from ditfleet.driver.input.validate import ValidationReport, validate_input
+from ditfleet.driver.input.scan import validate_input
+from ditfleet.driver.input.validate import ValidationReport
 from ditfleet.driver.locations import check_locations
 from ditfleet.driver.metrics import FanOut
 from ditfleet.driver.output.claim import OutputMismatch, claim_incremental_output, claim_output
@@ -233,11 +234,7 @@ def _plain_work(run: _Execution, started: float) -> _Work | JobSummary:
                 store, lease=run.lease, settled=run.settled, own=(), redo={}, success=previous, out=out
             )
         return summary
-    if store.exists(success_key()):
-        # Not complete: `_SUCCESS` goes before this run writes anything, so that no reader takes
-        # the output for finished while it changes.
-        store.delete(success_key())
-    _remove_stale_temp_files(store, out)
+    _prepare_to_write(store, out)
     shards: Sequence[ShardSpec] = plan.shards
     if redo:
         shards = tuple(
@@ -302,11 +299,9 @@ def _incremental_work(run: _Execution, started: float) -> _Work | JobSummary:
             )
         return summary  # nothing new and a valid _SUCCESS: nothing is written, no lease taken
     run.hold(store)
-    if store.exists(success_key()):
-        # The output is incomplete until these shards commit. commit_increment removed it before
-        # writing a new record; this catches shards carried over from a run that left it behind.
-        store.delete(success_key())
-    _remove_stale_temp_files(store, out)
+    # commit_increment removed `_SUCCESS` before writing a new record; this catches shards
+    # carried over from a run that left it behind.
+    _prepare_to_write(store, out)
     order = config.plan.rows.buckets.names
     return _Work(store, fingerprint, todo, frozenset(), planned, order, plan_s)
 
@@ -491,8 +486,12 @@ def _plan_increment(
     )
 
 
-def _remove_stale_temp_files(store: ObjectStore, out: TextIO) -> None:
-    """Temp files of writers killed mid-write (local outputs) would stay forever: remove them."""
+def _prepare_to_write(store: ObjectStore, out: TextIO) -> None:
+    """Before a run writes to an output that is not complete: `_SUCCESS` goes, so that no reader
+    takes the output for finished while it changes, and the temp files of writers killed
+    mid-write (local outputs), which would stay forever, are removed."""
+    if store.exists(success_key()):
+        store.delete(success_key())
     removed = store.remove_stale_temp_files()
     if removed:
         print(f"{store.uri()}: removed {removed} temporary file(s) left by killed writers", file=out)

@@ -14,7 +14,14 @@ from ditfleet.compile.buckets import PROMPT_LENGTH_BUCKETS, default_buckets, pro
 from ditfleet.driver.memory_plan import read_model_memory
 from ditfleet.model.family import MemoryFormula, model_family
 from ditfleet.model.loader import resolve_model_dir
-from ditfleet.model.memory import GB, TEXT_ENCODER_PLACEMENTS, CheckpointSize, ModelMemory, checkpoint_size
+from ditfleet.model.memory import (
+    GB,
+    TEXT_ENCODER_PLACEMENTS,
+    CheckpointSize,
+    ModelMemory,
+    Runtime,
+    checkpoint_size,
+)
 from ditfleet.model.memory.params import transformer_weight_bytes
 from ditfleet.model.quantization import check_quantization
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH
@@ -70,10 +77,8 @@ def inspect_model(
     for bucket in buckets or (default_bucket(model_path),):
         w, h = (int(v) for v in bucket.lower().split("x"))
         for placement in TEXT_ENCODER_PLACEMENTS if "text_encoder" in params else ("gpu",):
-            kw: dict[str, Any] = dict(
-                height=h, width=w, dtype=dtype, text_encoder=placement, text_len=text_len,
-                quantization=quantization,
-            )  # fmt: skip
+            run = Runtime(dtype=dtype, text_encoder=placement, text_len=text_len, quantization=quantization)
+            kw: dict[str, Any] = dict(height=h, width=w, run=run)
             base = memory.plan(model, batch=batch, **kw)
             row = {"bucket": bucket, "text_encoder": placement, "batch": batch, "peak_gb": round(base.peak / GB, 2),
                    "peak_phase": base.peak_phase, "phases_gb": base.to_dict()["phases_gb"], "gpus": {}}  # fmt: skip

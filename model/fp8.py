@@ -375,82 +375,8 @@ class Fp8Quantizer:
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, mode: str, keep: Sequence[str] = KEEP_IN_LOAD_DTYPE) -> nn.Module:
-    """Quantize an already loaded model in place (for tests and benches; loading quantizes while
-    streaming instead, without a full-precision copy)."""
+    """Quantize an already loaded model in place (the self-test, tests, benches; loading quantizes
+    while streaming instead, without a full-precision copy)."""
     for name in quantized_linear_names(model, keep):
         _set_module(model, name, Fp8Linear.from_linear(model.get_submodule(name), mode))
     return model
-
-
-# -- measuring it on a device ------------------------------------------------------------------------
-
-
-def runs_on(mode: str, device: torch.device | str) -> bool:
-    """Whether `mode` can run on `device` (fp8 needs FP8 matrix units or the CPU)."""
-    from .quantization import QuantizationError
-
-    try:
-        check_device(mode, device)
-    except QuantizationError:
-        return False
-    return True
-
-
-@torch.no_grad()
-def quantized_copy(model: nn.Module, mode: str, keep: Sequence[str] = KEEP_IN_LOAD_DTYPE) -> nn.Module:
-    """A copy of a loaded `model` whose chosen Linear layers are FP8, the original untouched.
-
-    Every tensor that stays in the load dtype (kept layers, norms, biases' sources) is shared with
-    the original, not copied, so the copy costs only the FP8 weights and scales (20.5 GB beside a
-    40.9 GB bf16 DiT at Qwen-Image size): enough to compare both on one GPU."""
-    import copy
-
-    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
-    twin = copy.deepcopy(model, memo=dict(shared))
-    for m in twin.modules():
-        # A method compiled from outside (an instance attribute over the class's own, as
-        # compile/ installs it) would be copied still bound to the original bf16 module: the
-        # copy runs its own class methods, eager.
-        for name in [k for k in vars(m) if callable(getattr(type(m), k, None)) and k != "training"]:
-            del m.__dict__[name]
-    for name in quantized_linear_names(twin, keep):
-        _set_module(twin, name, Fp8Linear.from_linear(twin.get_submodule(name), mode))
-    return twin.eval().requires_grad_(False)
-
-
-def selftest_forward(transformer: nn.Module, mode: str) -> nn.Module | None:
-    """The node self-test's FP8 line (workers/selftest/speed.py, stage fp8_forward): the loaded
-    `transformer` as an FP8 DiT of `mode` on its own device, called like it, or None when that
-    device cannot run `mode` (fp8 on a GPU without FP8 units)."""
-    device = next(transformer.parameters()).device
-    if not runs_on(mode, device):
-        return None
-    return quantized_copy(transformer, mode)
-
-
-def forward_cost(forward, device: torch.device | str, iters: int = 5, warm: int = 1) -> dict:
-    """ms per call of `forward()` (mean of `iters` after `warm`) and, on CUDA, the device's peak
-    memory during the calls and above what was allocated before them, in GB (JSON-able)."""
-    import time
-
-    device = torch.device(device)
-    cuda = device.type == "cuda"
-    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
-    with torch.inference_mode():
-        for _ in range(warm):
-            forward()
-        sync()
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device) if cuda else 0
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            forward()
-        sync()
-        ms = 1000 * (time.perf_counter() - t0) / max(iters, 1)
-    row: dict = {"ms_per_forward": round(ms, 2), "peak_gb": None, "peak_above_weights_gb": None}
-    if cuda:
-        peak = torch.cuda.max_memory_allocated(device)
-        row["peak_gb"] = round(peak / 1e9, 2)
-        row["peak_above_weights_gb"] = round((peak - before) / 1e9, 2)
-    return row

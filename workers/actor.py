@@ -350,10 +350,6 @@ class GenerationWorker:
             for req in requests
         ]
 
-    def text_encoder_stats(self) -> dict:
-        """Placement, prompts encoded, embedding-cache hits and misses (empty without an encoder)."""
-        return self.text.stats() if self.text is not None else {}
-
     # -- helpers ---------------------------------------------------------------------------------
 
     def _drop(self, keys: tuple[str, ...]) -> None:

@@ -23,7 +23,7 @@ import torch
 
 from ditfleet.compile.buckets import PROMPT_LENGTH_BUCKETS, prompt_length_bucket
 from ditfleet.model.family import model_family
-from ditfleet.model.memory import GB
+from ditfleet.model.memory import GB, Runtime
 from ditfleet.workers.contract import WorkerConfig
 
 
@@ -52,9 +52,9 @@ def device_memory(device: torch.device) -> tuple[str, int]:
     return props.name, int(props.total_memory)
 
 
-def plan_kwargs(config: WorkerConfig, dtype: torch.dtype) -> dict[str, Any]:
-    """The memory formula's arguments for this actor, as the job's plan builds them."""
-    return dict(
+def plan_runtime(config: WorkerConfig, dtype: torch.dtype) -> Runtime:
+    """How this actor runs a batch, for the memory formula, as the job's plan builds it."""
+    return Runtime(
         dtype="fp32" if dtype == torch.float32 else "bf16",
         text_encoder=config.placement.text_encoder,
         cfg="serial",  # rows may turn CFG on; serial passes hold one output more
@@ -83,14 +83,14 @@ def fit_batch_size(
     try:
         model = family.memory.from_dir(model_dir, name=config.model_path)
     except (OSError, ValueError, KeyError) as e:
-        # A model the formula cannot size: run the job's batch, as before the plan knew GPUs.
+        # A model the formula cannot size: run the job's batch.
         return BatchFit(job, job, round(capacity_gb, 1), note=f"no memory plan ({e}); the job's batch size")
-    kwargs = plan_kwargs(config, dtype)
+    run = plan_runtime(config, dtype)
     largest: dict[str, int] = {}
     for name in config.warmup_buckets or config.rows.buckets.names:
         b = config.rows.buckets.get(name)
         largest[b.name] = family.memory.largest_batch(
-            model, capacity_gb, limit=job, height=b.height, width=b.width, **kwargs
+            model, capacity_gb, limit=job, height=b.height, width=b.width, run=run
         )
     if not largest:
         return BatchFit(job, job, round(capacity_gb, 1), note="no buckets")
@@ -99,8 +99,8 @@ def fit_batch_size(
     if best == 0:
         raise BatchFitError(
             f"this GPU ({gpu_name}, {capacity_gb:.1f} GB) cannot fit one "
-            f"image of bucket {bucket} ({kwargs['quantization']} DiT, text encoder "
-            f"{kwargs['text_encoder']}) by the memory plan; `ditfleet plan` shows what each GPU "
+            f"image of bucket {bucket} ({run.quantization} DiT, text encoder "
+            f"{run.text_encoder}) by the memory plan; `ditfleet plan` shows what each GPU "
             "size fits. Use larger GPUs, model.text_encoder: offload or cpu, or model.quantization: fp8"
         )
     return BatchFit(

@@ -256,13 +256,6 @@ def prepare(batch: pa.RecordBatch | pa.Table, columns: Iterable[str]) -> Prepare
     return Prepared(batch, columns)
 
 
-def range_digest(batch: pa.RecordBatch | pa.Table, columns: Iterable[str]) -> int:
-    """The digest of the rows `batch` holds, over `columns`."""
-    digest = RangeDigest()
-    digest.add(prepare(batch, columns), 0, batch.num_rows)
-    return digest.value()
-
-
 def combine(digests: Iterable[int]) -> int:
     """One digest for a sequence of range digests (a file's shards, in row order)."""
     h = hashlib.sha256()

@@ -4,9 +4,5 @@ layout (`models`), and hand-written outputs with their manifest rows (`outputs`)
 
 Installed with the package so that bench/ and tests/ import the same code; nothing here is used by
 a job. `models` needs diffusers (the `test` extra), imported inside the functions that use it.
+The published checkpoints' configs are a model fact: `ditfleet.model.published`.
 """
-
-from pathlib import Path
-
-# The config files of the published checkpoints, as the hub ships them (published/SOURCES.md).
-PUBLISHED = Path(__file__).parent / "published"

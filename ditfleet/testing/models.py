@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ditfleet.testing import PUBLISHED
+from ditfleet.model.published import PUBLISHED
 
 TINY_TRANSFORMER = dict(
     patch_size=2,

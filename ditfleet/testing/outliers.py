@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ditfleet.testing.real_widths import published_config
+from ditfleet.model.published import published_config
 
 OUTLIER_CHANNELS = (7, 301, 1500, 2900)  # of the 3072 residual channels
 CHANNEL_GAIN = 25.0

@@ -1,4 +1,4 @@
-"""Validation of every input row, before any GPU is touched.
+"""The checks of every input row, before any GPU is touched (driver/input/scan.py reads the rows).
 
 Checks run column-wise with pyarrow compute on each read batch, so a million rows take seconds.
 Only the first `max_errors` problems are kept (with file, row, column and value); all are counted.
@@ -7,24 +7,17 @@ A column of the wrong type is one schema-level problem for its file, not one per
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from ditfleet.driver.input.arrays import outside, plain
-from ditfleet.driver.input.duplicate_ids import DIGEST_BITS, DuplicateIds
 from ditfleet.driver.input.prompts import (
-    DEFAULT_BATCH_ROWS,
     InputFile,
-    PromptSource,
-    RowCountMismatch,
-    footer_row_count_error,
-    iter_batches,
 )
 from ditfleet.driver.input.row_errors import InputError, RowError, describe_value
 from ditfleet.workers.rows import (
@@ -34,7 +27,6 @@ from ditfleet.workers.rows import (
     NUM_IMAGES_RANGE,
     STEPS_RANGE,
     RowConfig,
-    content_columns,
 )
 
 DEFAULT_MAX_ERRORS = 50
@@ -221,16 +213,8 @@ class RowValidator:
         for have, missing in (("width", "height"), ("height", "width")):
             if have in names and missing not in names:
                 ok = False
-                self.add(
-                    RowError(
-                        file,
-                        None,
-                        missing,
-                        None,
-                        f"there is a '{have}' column but no '{missing}' column",
-                        _BOTH_SIZES,
-                    )
-                )
+                problem = f"there is a '{have}' column but no '{missing}' column"
+                self.add(RowError(file, None, missing, None, problem, _BOTH_SIZES))
         return ok
 
     def _flag(
@@ -290,7 +274,7 @@ class RowValidator:
 
     def check_batch(self, batch: pa.RecordBatch, file: str, first_row: int) -> None:
         """Check the rows of `batch`, rows first_row.. of `file` (its schema already checked)."""
-        at, names, limit = _At(file, first_row), batch.schema.names, self.config.max_prompt_chars
+        at, names = _At(file, first_row), batch.schema.names
         if not self._check_utf8(at, batch):
             return
         prompt = plain(batch.column("prompt"))
@@ -298,33 +282,12 @@ class RowValidator:
         # Without copying the prompts (trimming would): no bytes, or nothing but whitespace.
         empty = pc.or_(pc.equal(pc.binary_length(prompt), 0), pc.utf8_is_space(prompt))
         self._flag(at, "prompt", empty, prompt, "prompt is empty", _GIVE_PROMPT)
-        # A NUL ends the text early in C-side tokenizers and logs: what is generated would not be
-        # what the manifest says.
-        if _has_zero_byte(prompt):
-            nul = pc.match_substring(prompt, "\x00")
-            self._flag(at, "prompt", nul, prompt, "prompt holds a NUL character (\\x00)", _NO_NUL)
-        # A string has at least as many bytes as characters: count characters only when some
-        # prompt has more bytes than the limit allows characters.
-        if (pc.max(pc.binary_length(prompt)).as_py() or 0) > limit:
-            long = pc.greater(pc.utf8_length(prompt), limit)
-            self._flag(at, "prompt", long, prompt, f"prompt is longer than {limit} characters", _SHORTEN)
+        self._check_nul(at, "prompt", prompt)
+        self._check_length(at, "prompt", prompt)
         if "negative_prompt" in names and _kind(batch.schema.field("negative_prompt").type) == "string":
             neg = plain(batch.column("negative_prompt"))
-            if (pc.max(pc.binary_length(neg)).as_py() or 0) > limit:
-                long = pc.greater(pc.utf8_length(neg), limit)
-                self._flag(
-                    at,
-                    "negative_prompt",
-                    long,
-                    neg,
-                    f"negative prompt is longer than {limit} characters",
-                    _SHORTEN,
-                )
-            if _has_zero_byte(neg):
-                nul = pc.match_substring(neg, "\x00")
-                self._flag(
-                    at, "negative_prompt", nul, neg, "negative prompt holds a NUL character (\\x00)", _NO_NUL
-                )
+            self._check_length(at, "negative_prompt", neg)
+            self._check_nul(at, "negative_prompt", neg)
         if "id" in names:
             ids = batch.column("id")
             self._flag(at, "id", pc.is_null(ids), ids, "id is null", "Give every row an id, or drop the id column to use row positions")  # fmt: skip
@@ -338,6 +301,23 @@ class RowValidator:
                 self._check_range(at, column, plain(batch.column(column)), lo, hi)
         if "width" in names and "height" in names:
             self._check_sizes(at, plain(batch.column("width")), plain(batch.column("height")))
+
+    def _check_nul(self, at: _At, column: str, text: pa.Array) -> None:
+        """A NUL ends the text early in C-side tokenizers and logs: what is generated would not be
+        what the manifest says."""
+        if _has_zero_byte(text):
+            nul = pc.match_substring(text, "\x00")
+            what = column.replace("_", " ")
+            self._flag(at, column, nul, text, f"{what} holds a NUL character (\\x00)", _NO_NUL)
+
+    def _check_length(self, at: _At, column: str, text: pa.Array) -> None:
+        """At most max_prompt_chars characters. A string has at least as many bytes as characters:
+        characters are counted only when some value has more bytes than the limit allows."""
+        limit = self.config.max_prompt_chars
+        if (pc.max(pc.binary_length(text)).as_py() or 0) > limit:
+            long = pc.greater(pc.utf8_length(text), limit)
+            what = column.replace("_", " ")
+            self._flag(at, column, long, text, f"{what} is longer than {limit} characters", _SHORTEN)
 
     def _check_range(self, at: _At, column: str, v: pa.Array, lo: float, hi: float) -> None:
         if pa.types.is_null(v.type):
@@ -368,194 +348,3 @@ class RowValidator:
         hint = f"Use one of {buckets.describe()}, or turn strict bucket matching off to map sizes to the nearest aspect ratio"
         problem = "size is not one of the job's buckets (bucket matching is strict)"
         self._flag(at, "width/height", off, pairs, problem, hint, show=lambda p: f"{p['w']}x{p['h']}")
-
-
-BatchCallback = Callable[[InputFile, int, int, pa.RecordBatch], None]
-
-
-class FileScan(Protocol):
-    """What sees the batches of one file when files are scanned in parallel (see scan_input)."""
-
-    def on_batch(
-        self, file: InputFile, first_row: int, first_position: int, batch: pa.RecordBatch
-    ) -> None: ...
-
-
-# Footers are one or two small reads each: on S3 they are latency, so many go at once.
-_FOOTER_THREADS = 16
-
-
-class _Footer(NamedTuple):
-    schema: pa.Schema
-    rows: int
-
-
-def _read_footers(
-    source: PromptSource, files: Sequence[InputFile], validator: RowValidator
-) -> list[_Footer | None]:
-    """Each file's schema and row count, from its footer (in parallel); None, and the problem
-    reported, when it cannot be read or its row count is not its row groups' sum."""
-
-    def one(file: InputFile) -> _Footer | InputError:
-        try:
-            with source.open(file) as pf:
-                lie = footer_row_count_error(file.uri, pf.metadata)
-                if lie is not None:
-                    return InputError([lie])
-                return _Footer(pf.schema_arrow, pf.metadata.num_rows)
-        except InputError as e:
-            return e
-
-    if len(files) > 1:
-        with ThreadPoolExecutor(max_workers=min(_FOOTER_THREADS, len(files))) as pool:
-            read = list(pool.map(one, files))
-    else:
-        read = [one(f) for f in files]
-    footers: list[_Footer | None] = []
-    for file, got in zip(files, read):
-        validator._order.setdefault(file.uri, len(validator._order))
-        if isinstance(got, InputError):
-            footers.append(None)
-            for err in got.errors:
-                validator.add(err)
-        else:
-            footers.append(got)
-    return footers
-
-
-def scan_input(
-    source: PromptSource,
-    config: RowConfig,
-    max_errors: int = DEFAULT_MAX_ERRORS,
-    batch_rows: int = DEFAULT_BATCH_ROWS,
-    on_batch: BatchCallback | None = None,
-    *,
-    per_file: Callable[[InputFile, int, int], FileScan] | None = None,
-    workers: int = 1,
-    fail_fast: bool = False,
-    digest_bits: int = DIGEST_BITS,
-) -> ValidationReport:
-    """Read and validate every row of the input once, in input order.
-
-    First every file's footer is read: a file that cannot be read or whose schema is wrong is
-    reported then, and with fail_fast (planning) nothing more is read, so a bad file among
-    thousands is named before any row is. Then the rows:
-    - on_batch(file, first_row, first_position, batch) sees every batch of each file whose
-      schema is valid (the columns a job reads: workers.rows.content_columns), files in input order, so the planner
-      shares this one pass;
-    - or per_file(file, first_position, rows) makes one FileScan per file (rows: its footer's count), and `workers` threads scan
-      files side by side (Parquet decoding and Arrow compute release the GIL); each FileScan
-      sees its own file's batches in row order. The caller keeps what they hold.
-    Raises InputError only when the input path cannot be resolved; all else is in the report.
-    """
-    if on_batch is not None and per_file is not None:
-        raise ValueError("scan_input takes on_batch or per_file, not both")
-    files = source.files()
-    validator = RowValidator(config, max_errors)
-    footers = _read_footers(source, files, validator)
-    valid: list[tuple[InputFile, _Footer, int]] = []
-    position = 0
-    for file, footer in zip(files, footers):
-        if footer is None or not validator.check_schema(file.uri, footer.schema):
-            continue
-        footer = footer._replace(schema=job_schema(config, footer.schema))  # what the scan sees
-        valid.append((file, footer, position))
-        position += footer.rows
-    empty = [file.uri for file, footer, _ in valid if footer.rows == 0]
-    if fail_fast and validator.total:
-        return ValidationReport(validator.sorted_errors(), validator.total, 0, files, tuple(empty))
-    # Without any id column, ids are positions, which cannot collide: skip the digests.
-    try:
-        duplicates = (
-            DuplicateIds(position, digest_bits, config.id_column)
-            if any("id" in f.schema.names for _, f, _ in valid)
-            else None
-        )
-    except MemoryError:
-        # The digests are sized by the footers' counts before any row is read; a footer that
-        # claims far more rows than its pages hold must end in a message, not a traceback.
-        file, footer, _ = max(valid, key=lambda v: v[1].rows)
-        problem = (
-            f"the footers claim {position} rows in all, more than this machine can check for "
-            f"duplicate ids (8 bytes a row); the largest claim is {footer.rows} rows in this file"
-        )
-        hint = "Check the files' row counts; a damaged or hand-edited footer must be written again from its source"
-        validator.add(RowError(file.uri, None, None, None, problem, hint))
-        return ValidationReport(validator.sorted_errors(), validator.total, 0, files, tuple(empty))
-
-    # Files whose rows read are not their footer's count: their positions, and so every later
-    # file's, are not what the footers said, so the duplicate check (by position) is skipped;
-    # the input is refused for the miscount anyway.
-    miscounted: list[str] = []
-
-    def scan(
-        file: InputFile, footer: _Footer, start: int, sink: RowValidator, see: BatchCallback | None
-    ) -> None:
-        try:
-            _scan(file, footer, start, sink, see)
-        except RowCountMismatch as e:
-            miscounted.append(file.uri)
-            for error in e.errors(file.uri):
-                sink.add(error)
-
-    def _scan(
-        file: InputFile, footer: _Footer, start: int, sink: RowValidator, see: BatchCallback | None
-    ) -> None:
-        has_ids = "id" in footer.schema.names
-        if duplicates is not None:
-            duplicates.add_file(start, footer.rows, file.uri, has_ids)
-        with source.open(file) as pf:
-            read = [config.input_name(c) for c in content_columns(footer.schema.names)]
-            for first_row, in_file in iter_batches(pf, read, batch_rows):
-                batch = config.as_job_columns(in_file)
-                sink.check_batch(batch, file.uri, first_row)
-                if duplicates is not None and has_ids:
-                    duplicates.add_ids(plain(batch.column("id")), start + first_row)
-                elif duplicates is not None:
-                    duplicates.add_positions(start + first_row, batch.num_rows)
-                if see is not None:
-                    see(file, first_row, start + first_row, batch)
-
-    # Made here, in input order, whatever thread then feeds them.
-    sinks = [
-        per_file(file, start, footer.rows) if per_file is not None else None for file, footer, start in valid
-    ]
-    if per_file is None or workers <= 1 or len(valid) <= 1:
-        for (file, footer, start), sink in zip(valid, sinks):
-            scan(file, footer, start, validator, on_batch if sink is None else sink.on_batch)
-    else:
-
-        def one(i: int) -> RowValidator:
-            file, footer, start = valid[i]
-            own = RowValidator(config, max_errors)
-            scan(file, footer, start, own, sinks[i].on_batch)
-            return own
-
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            for own in pool.map(one, range(len(valid))):  # input order: the first errors are the first rows'
-                validator.merge(own)
-
-    if duplicates is not None and not miscounted:
-        count, errors = duplicates.count_and_errors(source, max(0, max_errors - len(validator.errors)))
-        for error in errors:
-            validator.add(error)
-        validator.total += count - len(errors)
-    if position == 0 and validator.total == 0:
-        where = empty[0] if len(empty) == 1 else source.uri
-        problem = (
-            "the file has no rows" if len(empty) == 1 else f"the input has no rows ({len(empty)} empty files)"
-        )
-        validator.add(
-            RowError(where, None, None, None, problem, "Check that the prompts were written to the file(s)")
-        )
-    return ValidationReport(validator.sorted_errors(), validator.total, position, files, tuple(empty))
-
-
-def validate_input(
-    source: PromptSource, config: RowConfig, max_errors: int = DEFAULT_MAX_ERRORS
-) -> ValidationReport:
-    """Validate every row of the input; the report shows up to `max_errors` problems, counts all."""
-    try:
-        return scan_input(source, config, max_errors)
-    except InputError as e:
-        return ValidationReport(e.errors, e.total, 0, (), ())

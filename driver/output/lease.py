@@ -205,7 +205,7 @@ def _process_space() -> str | None:
 
 def _holder_is_gone(doc: dict[str, Any]) -> bool:
     """The lease's driver ran in this process space and its process has exited (it crashed, or
-    was killed): its lease need not be waited out. A reused pid only makes us wait, as before."""
+    was killed): its lease need not be waited out. A reused pid only makes us wait out the lease."""
     space, pid = doc.get("process_space"), doc.get("pid")
     if space is None or space != _process_space() or not isinstance(pid, int) or pid == os.getpid():
         return False

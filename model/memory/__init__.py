@@ -11,7 +11,8 @@ N image tokens ((H/16) * (W/16)), L text tokens, S = L + N, D the DiT width.
 
 - `params`: parameter counts per component;
 - `activations`: activation peaks of the DiT forward, the VAE decode and the prompt encode;
-- `plan`: `ModelMemory` (the configs), `MemoryPlan` and `plan_memory` / `largest_batch`;
+- `plan`: `ModelMemory` (the configs), `Runtime` (how a batch runs), `MemoryPlan` and
+  `plan_memory` / `largest_batch`;
 - `disk`: what a checkpoint holds on disk, from its safetensors headers.
 
 Standard library only: `ditfleet plan` sizes a job without loading torch.
@@ -32,6 +33,7 @@ from .plan import (
     GiB,
     MemoryPlan,
     ModelMemory,
+    Runtime,
     largest_batch,
     plan_memory,
 )
@@ -47,6 +49,7 @@ __all__ = [
     "GiB",
     "MemoryPlan",
     "ModelMemory",
+    "Runtime",
     "checkpoint_size",
     "dit_activation_bytes",
     "largest_batch",

@@ -162,25 +162,9 @@ class MemoryPlan:
         )
 
 
-def plan_memory(
-    model: ModelMemory,
-    *,
-    height: int,
-    width: int,
-    batch: int,
-    dtype: str = "bf16",
-    text_encoder: str = "gpu",
-    cfg: str = "serial",
-    vae_batch: int | None = 1,
-    text_len: int = MAX_SEQUENCE_LENGTH,
-    modulation_table_steps: tuple[int, ...] = (),
-    gpu_memory_gb: float | None = None,
-    attention: str = "fused",
-    device: str = "cuda",
-    quantization: str = "none",
-    step_cache_tensors: int = 0,
-) -> MemoryPlan:
-    """The memory plan of generating `batch` images of height x width.
+@dataclass(frozen=True)
+class Runtime:
+    """How a batch runs, all but its size, its step cache and the GPU's memory.
 
     cfg: "serial" (two DiT passes per step), "batched" (one pass of 2 x batch) or "off".
     vae_batch: images per VAE decode call (1 when the decode is compiled), None: the batch.
@@ -189,55 +173,75 @@ def plan_memory(
     device: "cuda" adds the CUDA context's reserve; "cpu" (an actor without a GPU) does not.
     quantization: the DiT's weights (model.quantization): FP8 stores its Linear weights in one
       byte each (40.9 -> 20.5 GB at Qwen-Image size) and adds the GEMMs' own transients.
+    """
+
+    dtype: str = "bf16"
+    text_encoder: str = "gpu"
+    cfg: str = "serial"
+    vae_batch: int | None = 1
+    text_len: int = MAX_SEQUENCE_LENGTH
+    modulation_table_steps: tuple[int, ...] = ()
+    attention: str = "fused"
+    device: str = "cuda"
+    quantization: str = "none"
+
+    def check(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.text_encoder not in TEXT_ENCODER_PLACEMENTS:
+            raise ValueError(
+                f"text_encoder must be one of {TEXT_ENCODER_PLACEMENTS}, got {self.text_encoder!r}"
+            )
+        if self.cfg not in ("serial", "batched", "off"):
+            raise ValueError(f"cfg must be serial, batched or off, got {self.cfg!r}")
+
+
+def plan_memory(
+    model: ModelMemory,
+    *,
+    height: int,
+    width: int,
+    batch: int,
+    run: Runtime = Runtime(),
+    gpu_memory_gb: float | None = None,
+    step_cache_tensors: int = 0,
+) -> MemoryPlan:
+    """The memory plan of generating `batch` images of height x width, run as `run` says.
+
     step_cache_tensors: image-stream tensors (N x D per image) a step cache keeps per CFG branch
       through the whole schedule (model.step_cache_config.StepCacheConfig.kept_tensors); 0: none.
     """
-    # Long only by its keyword arguments and the plan's fields; the arithmetic is the middle.
-    _check_request(dtype, text_encoder, cfg, batch, height, width)
-    e = DTYPE_BYTES[dtype]
+    run.check()
+    if batch < 1 or height % 16 or width % 16 or height < 16 or width < 16:
+        raise ValueError(
+            f"need batch >= 1 and sizes that are multiples of 16, got {batch} x {width}x{height}"
+        )
+    e = DTYPE_BYTES[run.dtype]
     weights = {k: v * e for k, v in model.params().items()}
-    weights["transformer"] = transformer_weight_bytes(model.transformer, e, check_quantization(quantization))
-    dit_w, vae_w, te_w = weights["transformer"], weights["vae"], weights.get("text_encoder", 0)
-    acts = _activations(model, batch, height, width, e, cfg, vae_batch, text_len, attention)
-    acts["denoise"] += _fp8_transient(
-        model, quantization, 2 * batch if cfg == "batched" else batch, height, width, text_len, e
+    weights["transformer"] = transformer_weight_bytes(
+        model.transformer, e, check_quantization(run.quantization)
     )
+    acts = _activations(model, run, batch, height, width, e)
     extra: dict[str, int] = {}
-    if modulation_table_steps:
+    if run.modulation_table_steps:
         D, layers = model.transformer.inner_dim, model.transformer.num_layers
-        extra["modulation_table"] = sum(modulation_table_steps) * layers * 2 * 6 * D * e
+        extra["modulation_table"] = sum(run.modulation_table_steps) * layers * 2 * 6 * D * e
     if step_cache_tensors:
-        branches = 1 if cfg == "off" else 2
+        branches = 1 if run.cfg == "off" else 2
         N, D = image_tokens(height, width), model.transformer.inner_dim
         extra["step_cache"] = step_cache_tensors * branches * batch * N * D * e
-    # Latents, velocities and embeddings of the batch while the VAE runs: small, but resident.
-    carried = sum(extra.values())
-    resident = dit_w + vae_w + carried + (CUDA_RESERVE if device == "cuda" else 0)
-    te_resident = te_w if text_encoder == "gpu" else 0
-    phases = {
-        "denoise": resident + te_resident + _fragmented(acts["denoise"]),
-        "decode": resident + te_resident + _fragmented(acts["decode"]),
-    }
     capacity = None if gpu_memory_gb is None else int(gpu_memory_gb * GB)
-    swapped = False
-    host = te_w if text_encoder != "gpu" else 0
-    if "encode" in acts and text_encoder != "cpu":
-        encode = resident + te_w + _fragmented(acts["encode"])
-        if text_encoder == "offload" and capacity is not None and encode > capacity:
-            encode -= dit_w  # the DiT waits in host memory while the shard's prompts are encoded
-            swapped = True
-            host = max(host, te_w + dit_w)
-        phases["encode"] = encode
+    phases, swapped, host = _phases(run, weights, acts, sum(extra.values()), capacity)
     return MemoryPlan(
         model=model.name,
-        dtype=dtype,
+        dtype=run.dtype,
         width=width,
         height=height,
         batch=batch,
-        text_encoder=text_encoder,
-        cfg=cfg,
-        vae_batch=min(vae_batch or batch, batch),
-        text_len=text_len,
+        text_encoder=run.text_encoder,
+        cfg=run.cfg,
+        vae_batch=min(run.vae_batch or batch, batch),
+        text_len=run.text_len,
         weights=weights,
         phases=phases,
         activations=acts,
@@ -245,38 +249,48 @@ def plan_memory(
         capacity=capacity,
         dit_swapped=swapped,
         host=host,
-        device=device,
-        quantization=quantization,
+        device=run.device,
+        quantization=run.quantization,
     )
 
 
-def _fp8_transient(
-    model: ModelMemory, quantization: str, batch: int, height: int, width: int, text_len: int, e: int
-) -> int:
+def _phases(
+    run: Runtime, weights: dict[str, int], acts: dict[str, int], carried: int, capacity: int | None
+) -> tuple[dict[str, int], bool, int]:
+    """(bytes on the GPU per phase, whether the DiT waits in host memory while encoding, bytes
+    kept in host memory). `carried`: what stays resident beside the weights (the extras)."""
+    dit_w, vae_w, te_w = weights["transformer"], weights["vae"], weights.get("text_encoder", 0)
+    # Latents, velocities and embeddings of the batch while the VAE runs: small, but resident.
+    resident = dit_w + vae_w + carried + (CUDA_RESERVE if run.device == "cuda" else 0)
+    te_resident = te_w if run.text_encoder == "gpu" else 0
+    phases = {
+        "denoise": resident + te_resident + _fragmented(acts["denoise"]),
+        "decode": resident + te_resident + _fragmented(acts["decode"]),
+    }
+    swapped = False
+    host = te_w if run.text_encoder != "gpu" else 0
+    if "encode" in acts and run.text_encoder != "cpu":
+        encode = resident + te_w + _fragmented(acts["encode"])
+        if run.text_encoder == "offload" and capacity is not None and encode > capacity:
+            encode -= dit_w  # the DiT waits in host memory while the shard's prompts are encoded
+            swapped = True
+            host = max(host, te_w + dit_w)
+        phases["encode"] = encode
+    return phases, swapped, host
+
+
+def _fp8_transient(model: ModelMemory, run: Runtime, dit_batch: int, height: int, width: int, e: int) -> int:
     """What the FP8 GEMMs (model.fp8) hold beyond the bf16 forward's tensors at its peak (the MLP
     down-projection): `fp8` the scaled copy's FP8 codes of its 4D-wide input, one byte per element
     (the scaled copy itself takes the freed up-projection's place); `fp8-weight-only` the largest
     weight dequantized, and its cast, for the duration of one GEMM."""
     D = model.transformer.inner_dim
-    if quantization == "fp8":
-        tokens = max(image_tokens(height, width), text_len)
-        return batch * tokens * 4 * D
-    if quantization == "fp8-weight-only":
+    if run.quantization == "fp8":
+        tokens = max(image_tokens(height, width), run.text_len)
+        return dit_batch * tokens * 4 * D
+    if run.quantization == "fp8-weight-only":
         return 2 * 4 * D * D * e
     return 0
-
-
-def _check_request(dtype: str, text_encoder: str, cfg: str, batch: int, height: int, width: int) -> None:
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
-    if text_encoder not in TEXT_ENCODER_PLACEMENTS:
-        raise ValueError(f"text_encoder must be one of {TEXT_ENCODER_PLACEMENTS}, got {text_encoder!r}")
-    if cfg not in ("serial", "batched", "off"):
-        raise ValueError(f"cfg must be serial, batched or off, got {cfg!r}")
-    if batch < 1 or height % 16 or width % 16 or height < 16 or width < 16:
-        raise ValueError(
-            f"need batch >= 1 and sizes that are multiples of 16, got {batch} x {width}x{height}"
-        )
 
 
 def _fragmented(nbytes: int) -> int:
@@ -284,32 +298,29 @@ def _fragmented(nbytes: int) -> int:
 
 
 def _activations(
-    model: ModelMemory,
-    batch: int,
-    height: int,
-    width: int,
-    e: int,
-    cfg: str,
-    vae_batch: int | None,
-    text_len: int,
-    attention: str,
+    model: ModelMemory, run: Runtime, batch: int, height: int, width: int, e: int
 ) -> dict[str, int]:
-    """Activation bytes of each phase: denoise, decode, and encode when the model has a text encoder."""
-    dit_batch = 2 * batch if cfg == "batched" else batch
+    """Activation bytes of each phase: denoise (the FP8 GEMMs' transients included), decode, and
+    encode when the model has a text encoder."""
+    dit_batch = 2 * batch if run.cfg == "batched" else batch
+    vae_batch = min(run.vae_batch or batch, batch)
     acts = {
-        "denoise": dit_activation_bytes(model.transformer, dit_batch, height, width, text_len, e, attention),
-        "decode": vae_decode_activation_bytes(model.vae, min(vae_batch or batch, batch), height, width, e),
+        "denoise": dit_activation_bytes(
+            model.transformer, dit_batch, height, width, run.text_len, e, run.attention
+        )
+        + _fp8_transient(model, run, dit_batch, height, width, e),
+        "decode": vae_decode_activation_bytes(model.vae, vae_batch, height, width, e),
     }
     if model.text_encoder is not None:
         qwen = "vision_config" in model.text_encoder
-        tokens = text_len + (QWEN_TEMPLATE_TOKENS if qwen else 0)
+        tokens = run.text_len + (QWEN_TEMPLATE_TOKENS if qwen else 0)
         acts["encode"] = text_encode_activation_bytes(model.text_encoder, tokens, e)
     return acts
 
 
 def largest_batch(model: ModelMemory, gpu_memory_gb: float, limit: int = 1024, **kwargs: Any) -> int:
     """The largest batch (<= limit) whose plan fits `gpu_memory_gb`; 0 when not even 1 fits.
-    kwargs: as for `plan_memory` (height and width required)."""
+    kwargs: as for `plan_memory` (height and width required; `run`, `step_cache_tensors`)."""
     fits = lambda b: bool(plan_memory(model, batch=b, gpu_memory_gb=gpu_memory_gb, **kwargs).fits)  # noqa: E731
     if not fits(1):
         return 0

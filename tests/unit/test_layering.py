@@ -324,3 +324,17 @@ def test_installed_code_imports_nothing_that_is_not_installed():
                 if module.split(".")[0] in NOT_INSTALLED
             ]
     assert not bad, f"installed code importing {', '.join(NOT_INSTALLED)} (not installed):\n" + "\n".join(bad)
+
+
+def test_the_layers_import_nothing_from_ditfleet_testing():
+    """ditfleet.testing holds the builders tests/ and bench/ share: what a job or the node
+    self-test runs never imports it (the published configs it reads are `model.published`)."""
+    testing = f"{PACKAGE}.testing"
+    bad = [
+        f"{path.relative_to(ROOT).as_posix()}:{line}: imports {module}"
+        for layer in LAYERS
+        for path in sorted((ROOT / layer).rglob("*.py"))
+        for line, module in _imported_modules(path)
+        if _allowed(module, {testing})
+    ]
+    assert not bad, f"the layers import {testing}:\n" + "\n".join(bad)

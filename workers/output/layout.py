@@ -273,12 +273,6 @@ def manifest_of_key(key: str) -> tuple[int, int] | None:
     return (int(match.group(1)), int(match.group(2) or 0)) if match else None
 
 
-def shard_of_manifest_key(key: str) -> int | None:
-    """The shard index of a key under MANIFESTS_PREFIX (any generation), or None for any other key."""
-    found = manifest_of_key(key)
-    return found[0] if found else None
-
-
 _SCORER_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 
 

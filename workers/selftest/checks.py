@@ -18,6 +18,7 @@ from ditfleet.compile.counting import compile_count
 from ditfleet.compile.policy import apply_compile
 from ditfleet.model.memory import GB
 from ditfleet.model.pipeline import TextToImagePipeline
+from ditfleet.model.published import PUBLISHED
 from ditfleet.model.sampling import latent_grid, model_timestep
 from ditfleet.model.scheduler import sigma_schedule
 from ditfleet.model.transformer import QwenImageTransformer
@@ -33,6 +34,7 @@ from ditfleet.workers.selftest.parts import (
     timed_ms,
     transformer_config,
     vae_config,
+    write_random_transformer,
 )
 from ditfleet.workers.selftest.runner import Context, StageSkipped, stage
 from ditfleet.workers.selftest.sdpa_recorder import SdpaRecorder, summarize_calls
@@ -95,9 +97,6 @@ def matmul_ceiling(ctx: Context) -> None:
 def write_slice(ctx: Context, root: Path) -> Path:
     """The hub layout at the slice's depth: transformer shards + index, the VAE in diffusers' 3D
     layout, the published scheduler; random weights, no text encoder."""
-    from ditfleet.testing import PUBLISHED
-    from ditfleet.testing.real_widths import write_random_transformer
-
     root.mkdir(parents=True, exist_ok=True)
     shutil.copy(PUBLISHED / PUBLISHED_MODEL / "model_index.json", root / "model_index.json")
     (root / "scheduler").mkdir(exist_ok=True)
@@ -164,28 +163,39 @@ def _diffusers_forward(ref, x, txt, t, shapes):
     return ref(**kwargs)[0]
 
 
-def _passes(ours_vs_ref: float, ours_vs_fp32: float, ref_vs_fp32: float, limit: float = 0.01) -> bool:
-    """Within `limit` of diffusers in the same dtype, or no further from the fp32 reference than
-    diffusers' own bf16 run is (bf16 rounding is then the whole difference)."""
-    return ours_vs_ref <= limit or ours_vs_fp32 <= 1.25 * ref_vs_fp32 + 1e-3
+def _side_by_side(
+    check: str, version: str, got: torch.Tensor, want: torch.Tensor, exact: torch.Tensor, **where: int
+) -> dict[str, Any]:
+    """The line of one check against diffusers: ours (`got`) against diffusers in the same dtype
+    (`want`) and in fp32 (`exact`). It passes within 1% of diffusers, or no further from fp32 than
+    diffusers' own run in this dtype is (rounding in the dtype is then the whole difference)."""
+    ours_vs_ref, ours_vs_fp32, ref_vs_fp32 = rel_err(got, want), rel_err(got, exact), rel_err(want, exact)
+    limit = 0.01
+    passes = ours_vs_ref <= limit or ours_vs_fp32 <= 1.25 * ref_vs_fp32 + 1e-3
+    return {
+        "status": "pass" if passes else "fail",
+        "check": check,
+        "diffusers": version,
+        **where,
+        "rel_err": round(ours_vs_ref, 5),
+        "rel_err_vs_fp32": round(ours_vs_fp32, 5),
+        "diffusers_rel_err_vs_fp32": round(ref_vs_fp32, 5),
+        "limit": limit,
+    }
 
 
 @stage("correctness", estimate_s=30, limit_s=90, check=True)
 def correctness(ctx: Context) -> None:
     """The real-width slice loaded from hub-style shards, then ours vs diffusers in the run's dtype:
     DiT output, VAE decode, the timestep trajectory."""
-    from ditfleet.model.loader import load_pipeline
-
     t0 = time.perf_counter()
     root = write_slice(ctx, slice_root(ctx))
     write_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    pipe = load_pipeline(
-        root, device=ctx.device, dtype=ctx.dtype, load_text_encoder_too=False, model_id="selftest-slice"
-    )
+    ctx.state.pop("slice_pipe", None)
+    pipe = slice_pipe(ctx)  # loaded from the shards just written
     sync(ctx.device)
     load_s = time.perf_counter() - t0
-    ctx.state["slice_pipe"] = pipe
     files = sorted(p.name for p in (root / "transformer").iterdir())
     ctx.emit(
         {
@@ -215,20 +225,7 @@ def correctness(ctx: Context) -> None:
         ref32 = _diffusers_transformer(ours, torch.float32)
         exact = _diffusers_forward(ref32, x.float(), txt.float(), t.float(), shapes)
         del ref32
-    errs = (rel_err(got, want), rel_err(got, exact), rel_err(want, exact))
-    ctx.emit(
-        {
-            "status": "pass" if _passes(*errs) else "fail",
-            "check": "dit_vs_diffusers",
-            "diffusers": version,
-            "size": size,
-            "text_len": text_len,
-            "rel_err": round(errs[0], 5),
-            "rel_err_vs_fp32": round(errs[1], 5),
-            "diffusers_rel_err_vs_fp32": round(errs[2], 5),
-            "limit": 0.01,
-        }
-    )
+    ctx.emit(_side_by_side("dit_vs_diffusers", version, got, want, exact, size=size, text_len=text_len))
     free(ctx)
     ctx.check("vae")
     _vae_vs_diffusers(ctx, pipe, root, version)
@@ -250,22 +247,8 @@ def _vae_vs_diffusers(ctx: Context, pipe: TextToImagePipeline, root: Path, versi
             )
             results[dtype] = ref.decode(z.to(dtype)[:, :, None]).sample[:, :, 0]
             del ref
-    errs = (
-        rel_err(got, results[ctx.dtype]),
-        rel_err(got, results[torch.float32]),
-        rel_err(results[ctx.dtype], results[torch.float32]),
-    )
     ctx.emit(
-        {
-            "status": "pass" if _passes(*errs) else "fail",
-            "check": "vae_vs_diffusers",
-            "diffusers": version,
-            "size": size,
-            "rel_err": round(errs[0], 5),
-            "rel_err_vs_fp32": round(errs[1], 5),
-            "diffusers_rel_err_vs_fp32": round(errs[2], 5),
-            "limit": 0.01,
-        }
+        _side_by_side("vae_vs_diffusers", version, got, results[ctx.dtype], results[torch.float32], size=size)
     )
 
 

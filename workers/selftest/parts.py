@@ -1,16 +1,25 @@
-"""What the self-test's stages share: the model's configs at the run's widths, weights made on the
-device, timing and FLOP counts."""
+"""What the self-test's stages share: the model's configs at the run's widths (the published ones,
+model/published), weights made on the device or written as the hub's shards, timing and FLOP
+counts."""
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import json
 import logging
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
+from ditfleet.model.fp8 import check_device, quantize_model
+from ditfleet.model.published import published_config
+from ditfleet.model.quantization import QuantizationError
 from ditfleet.model.sampling import LATENT_CHANNELS, latent_grid
 from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig
 from ditfleet.model.vae import QwenImageVAE
@@ -36,8 +45,6 @@ TINY_VAE = dict(base_dim=16, z_dim=16, dim_mult=(1, 2, 4, 4), num_res_blocks=1)
 def transformer_config(ctx: Context, layers: int) -> TransformerConfig:
     if ctx.tiny:
         return TransformerConfig(**{**TINY_TRANSFORMER, "num_layers": layers})
-    from ditfleet.testing.real_widths import published_config
-
     return TransformerConfig.from_dict(
         {**published_config(PUBLISHED_MODEL, "transformer/config.json"), "num_layers": layers}
     )
@@ -46,8 +53,6 @@ def transformer_config(ctx: Context, layers: int) -> TransformerConfig:
 def vae_config(ctx: Context) -> VAEConfig:
     if ctx.tiny:
         return VAEConfig(**TINY_VAE)
-    from ditfleet.testing.real_widths import published_config
-
     return VAEConfig.from_dict(published_config(PUBLISHED_MODEL, "vae/config.json"))
 
 
@@ -91,6 +96,81 @@ def make_vae(
         vae = QwenImageVAE(cfg, with_encoder=with_encoder)
     vae = vae.to(dtype).to_empty(device=device)
     return init_on_device(vae, seed).eval().requires_grad_(False)
+
+
+SHARD_STEM = "diffusion_pytorch_model"
+
+
+def _random_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Deterministic per (seed, name): the same checkpoint whatever the shard size or order."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+    if name.endswith(".weight") and len(shape) == 1:  # norm scales: around 1
+        return 1 + 0.1 * torch.randn(shape, generator=g)
+    fan_in = shape[1] if len(shape) > 1 else shape[0]
+    bound = fan_in**-0.5  # nn.Linear's default init range
+    return (torch.rand(shape, generator=g) * 2 - 1) * bound
+
+
+def write_sharded(
+    tensors: Iterator[tuple[str, torch.Tensor]], out_dir: Path, shard_bytes: int, stem: str = SHARD_STEM
+) -> list[Path]:
+    """Write (name, tensor) pairs as hub-style shards + `<stem>.safetensors.index.json`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    parts: list[dict[str, torch.Tensor]] = [{}]
+    sizes = [0]
+    tmp_files: list[Path] = []
+    weight_map: dict[str, int] = {}
+    total = 0
+
+    def flush() -> None:
+        path = out_dir / f".part-{len(tmp_files):05d}.safetensors"
+        save_file(parts[-1], str(path), metadata={"format": "pt"})
+        tmp_files.append(path)
+        parts[-1] = {}
+        sizes[-1] = 0
+
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if parts[-1] and sizes[-1] + nbytes > shard_bytes:
+            flush()
+        parts[-1][name] = t.contiguous()
+        sizes[-1] += nbytes
+        weight_map[name] = len(tmp_files)
+        total += nbytes
+    if parts[-1]:
+        flush()
+    n = len(tmp_files)
+    names = [f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    for tmp, name in zip(tmp_files, names):
+        tmp.rename(out_dir / name)
+    index = {
+        "metadata": {"total_size": total},
+        "weight_map": {k: names[i] for k, i in sorted(weight_map.items())},
+    }
+    (out_dir / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return [out_dir / name for name in names]
+
+
+def transformer_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor name and shape of the transformer a config describes (built on meta)."""
+    with torch.device("meta"):
+        model = QwenImageTransformer(TransformerConfig.from_dict(config))
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def write_random_transformer(
+    out_dir: Path, config: dict, shard_bytes: int, seed: int = 0, dtype: torch.dtype = torch.bfloat16
+) -> list[Path]:
+    """The DiT of `config` with random weights in the hub's shards + index, and its config.json.
+    Tensors are drawn one by one (PyTorch's default Linear range) and written shard by shard, so
+    even a full-depth layout never holds the whole model in memory."""
+    shapes = transformer_shapes(config)
+    files = write_sharded(
+        ((k, _random_tensor(k, s, seed).to(dtype)) for k, s in shapes.items()), out_dir, shard_bytes
+    )
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return files
 
 
 def sync(device: torch.device) -> None:
@@ -149,3 +229,26 @@ def free(ctx: Context, *names: str) -> None:
         ctx.state.pop(name, None)
     if ctx.cuda:
         torch.cuda.empty_cache()
+
+
+@torch.no_grad()
+def fp8_copy(transformer: torch.nn.Module, mode: str) -> torch.nn.Module | None:
+    """The loaded `transformer` as an FP8 DiT of `mode` on its own device, the original untouched,
+    or None when that device cannot run `mode` (fp8 on a GPU without FP8 units).
+
+    Every tensor that stays in the load dtype (kept layers, norms) is shared with the original, not
+    copied, so the copy costs only the FP8 weights and scales (20.5 GB beside a 40.9 GB bf16 DiT at
+    Qwen-Image size): enough to compare both on one GPU."""
+    try:
+        check_device(mode, next(transformer.parameters()).device)
+    except QuantizationError:
+        return None
+    shared = {id(t): t for t in (*transformer.parameters(), *transformer.buffers())}
+    twin = copy.deepcopy(transformer, memo=dict(shared))
+    for m in twin.modules():
+        # A method compiled from outside (an instance attribute over the class's own, as
+        # compile/ installs it) would be copied still bound to the original bf16 module: the
+        # copy runs its own class methods, eager.
+        for name in [k for k in vars(m) if callable(getattr(type(m), k, None)) and k != "training"]:
+            del m.__dict__[name]
+    return quantize_model(twin, mode).eval().requires_grad_(False)

@@ -1,5 +1,5 @@
 """The self-test's speed stages: full-depth DiT forwards eager and compiled, CFG steps, the VAE
-decode, images per hour, the worker's batch generator, the FP8 and step-cache slots, and the
+decode, images per hour, the worker's batch generator, the FP8 lines, the step-cache slot, and the
 compiled forward at the other sizes (last: each compiles its own graphs)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from ditfleet.compile.compiled_method import CompiledMethod
 from ditfleet.compile.counting import compile_count
 from ditfleet.compile.policy import apply_compile
-from ditfleet.model.memory import GB, ModelMemory, plan_memory
+from ditfleet.model.memory import GB, ModelMemory, Runtime, plan_memory
 from ditfleet.model.pipeline import TextToImagePipeline
 from ditfleet.model.sampling import euler_step, true_cfg
 from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig
@@ -28,6 +28,7 @@ from ditfleet.workers.selftest.checks import (
 from ditfleet.workers.selftest.parts import (
     dit_inputs,
     forward_flops,
+    fp8_copy,
     free,
     make_transformer,
     make_vae,
@@ -62,6 +63,13 @@ def _pct(ctx: Context, flops: float, ms: float) -> float | None:
     return round(100 * flops / (ms / 1000) / (ceiling * 1e12), 1)
 
 
+def _dit_call(ctx: Context, cfg: TransformerConfig, size: int) -> tuple[Callable[[Any], torch.Tensor], int]:
+    """One DiT forward of batch 1 at `size` on random inputs, as call(model), and its image tokens."""
+    x, txt, shapes = dit_inputs(cfg, size, ctx.args.text_len, 1, ctx.device, ctx.dtype)
+    t = torch.full((1,), 0.5, device=ctx.device, dtype=ctx.dtype)
+    return (lambda model: model(x, txt, None, t, shapes)), x.shape[1]
+
+
 @stage("dit_eager", estimate_s=20, limit_s=60)
 def dit_eager(ctx: Context) -> None:
     """ms per DiT forward at full depth, eager, at each size; % of the measured matmul ceiling;
@@ -72,18 +80,12 @@ def dit_eager(ctx: Context) -> None:
     weights = torch.cuda.memory_allocated(ctx.device) if ctx.cuda else 0
     for size in sizes(ctx):
         ctx.check(f"eager {size}")
-        x, txt, shapes = dit_inputs(cfg, size, text_len, 1, ctx.device, ctx.dtype)
-        t = torch.full((1,), 0.5, device=ctx.device, dtype=ctx.dtype)
+        call, N = _dit_call(ctx, cfg, size)
         if ctx.cuda:
             torch.cuda.reset_peak_memory_stats(ctx.device)
             base = torch.cuda.memory_allocated(ctx.device)
         with torch.no_grad():
-            ms = timed_ms(
-                ctx,
-                lambda x=x, txt=txt, t=t, shapes=shapes: model(x, txt, None, t, shapes),
-                repeat=ctx.args.repeat,
-            )
-        N = x.shape[1]
+            ms = timed_ms(ctx, lambda call=call: call(model), repeat=ctx.args.repeat)
         flops = forward_flops(cfg, 1, N, text_len)
         line: dict[str, Any] = {
             "status": "measured",
@@ -105,16 +107,8 @@ def _memory_vs_plan(
 ) -> dict[str, Any]:
     model = ModelMemory(cfg, vae_config(ctx), None, "selftest")
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[ctx.dtype]
-    plan = plan_memory(
-        model,
-        height=size,
-        width=size,
-        batch=1,
-        dtype=dtype,
-        text_encoder="cpu",
-        text_len=text_len,
-        device=ctx.device.type,
-    )
+    run = Runtime(dtype=dtype, text_encoder="cpu", text_len=text_len, device=ctx.device.type)
+    plan = plan_memory(model, height=size, width=size, batch=1, run=run)
     out: dict[str, Any] = {
         "plan_denoise_gb": round(plan.phases["denoise"] / GB, 2),
         "plan_dit_activations_gb": round(plan.activations["denoise"] / GB, 3),
@@ -378,7 +372,7 @@ def batch_generator(ctx: Context) -> None:
     ctx.emit(line)
 
 
-# -- 7. slots for lines other work adds ---------------------------------------------------------------
+# -- 7. FP8 and step caching ----------------------------------------------------------------------------
 
 
 def _slot_function(module: str, name: str) -> Callable[..., Any] | None:
@@ -390,32 +384,25 @@ def _slot_function(module: str, name: str) -> Callable[..., Any] | None:
 
 @stage("fp8_forward", estimate_s=30, limit_s=90)
 def fp8_forward(ctx: Context) -> None:
-    """The slot of the FP8 line: `ditfleet.model.fp8.selftest_forward(transformer, mode)` (or in
-    `model.quantization`) returns an FP8 DiT over the full-depth model's weights (mode 'fp8' or
-    'fp8-weight-only'), or None when this GPU cannot run the mode; this stage times it like the
-    eager line and reports its error against the bf16 output."""
-    fn = _slot_function("ditfleet.model.fp8", "selftest_forward") or _slot_function(
-        "ditfleet.model.quantization", "selftest_forward"
-    )
-    if fn is None:
-        raise StageSkipped("slot: no model.fp8.selftest_forward yet")
+    """The FP8 line: the full-depth DiT copied as an FP8 DiT of each mode ('fp8',
+    'fp8-weight-only'; parts.fp8_copy), timed like the eager line, its error against the bf16
+    output; a mode this GPU cannot run is skipped."""
     model = full_model(ctx)
-    cfg, size, text_len = model.config, sizes(ctx)[0], ctx.args.text_len
-    x, txt, shapes = dit_inputs(cfg, size, text_len, 1, ctx.device, ctx.dtype)
-    t = torch.full((1,), 0.5, device=ctx.device, dtype=ctx.dtype)
+    size = sizes(ctx)[0]
+    call, _ = _dit_call(ctx, model.config, size)
     with torch.no_grad():
-        bf16_peak = _forward_peak_gb(ctx, lambda: model(x, txt, None, t, shapes))
-        exact = model(x, txt, None, t, shapes)
+        bf16_peak = _forward_peak_gb(ctx, lambda: call(model))
+        exact = call(model)
         for mode in ("fp8", "fp8-weight-only"):
             ctx.check(mode)
-            fp8 = fn(model, mode)
+            fp8 = fp8_copy(model, mode)
             if fp8 is None:
                 ctx.emit({"status": "skipped", "mode": mode, "reason": "not supported here"})
                 continue
-            ms = timed_ms(ctx, lambda fp8=fp8: fp8(x, txt, None, t, shapes), repeat=ctx.args.repeat)
+            ms = timed_ms(ctx, lambda fp8=fp8: call(fp8), repeat=ctx.args.repeat)
             eager = ctx.state.get("eager_ms", {}).get(size)
-            peak = _forward_peak_gb(ctx, lambda fp8=fp8: fp8(x, txt, None, t, shapes))
-            got = fp8(x, txt, None, t, shapes)
+            peak = _forward_peak_gb(ctx, lambda fp8=fp8: call(fp8))
+            got = call(fp8)
             weights = sum(p.numel() * p.element_size() for p in (*fp8.parameters(), *fp8.buffers()))
             ctx.emit(
                 {
@@ -498,23 +485,17 @@ def _compiled_forward_line(
     """One compiled full-depth forward at `size`: its first call (the compile, or a cache load) and
     the steady ms per forward, against the eager figure and the matmul ceiling."""
     ctx.check(f"compiled {size}")
-    cfg, text_len = model.config, ctx.args.text_len
-    x, txt, shapes = dit_inputs(cfg, size, text_len, 1, ctx.device, ctx.dtype)
-    t = torch.full((1,), 0.5, device=ctx.device, dtype=ctx.dtype)
+    cfg = model.config
+    call, N = _dit_call(ctx, cfg, size)
     cache_before = _fx_cache_counts()
     t0 = time.perf_counter()
     with torch.no_grad():
-        model(x, txt, None, t, shapes)
+        call(model)
         sync(ctx.device)
         first_s = time.perf_counter() - t0
         cache = {k: v - cache_before.get(k, 0) for k, v in _fx_cache_counts().items()}
-        ms = timed_ms(
-            ctx,
-            lambda x=x, txt=txt, t=t, shapes=shapes: model(x, txt, None, t, shapes),
-            repeat=ctx.args.repeat,
-            warm=0,
-        )
-    flops = forward_flops(cfg, 1, x.shape[1], text_len)
+        ms = timed_ms(ctx, lambda: call(model), repeat=ctx.args.repeat, warm=0)
+    flops = forward_flops(cfg, 1, N, ctx.args.text_len)
     eager = ctx.state.get("eager_ms", {}).get(size)
     ctx.state.setdefault("compiled_ms", {})[size] = ms
     line = {
@@ -547,9 +528,9 @@ def fp8_compiled(ctx: Context) -> None:
     budget's plan."""
     if not ctx.cuda:
         raise StageSkipped("not on CPU: the compiled FP8 GEMMs are timed on a GPU")
-    from ditfleet.model.fp8 import selftest_forward, set_fast_accum
+    from ditfleet.model.fp8 import set_fast_accum
 
-    fp8 = selftest_forward(full_model(ctx), "fp8")
+    fp8 = fp8_copy(full_model(ctx), "fp8")
     if fp8 is None:
         raise StageSkipped("this GPU cannot run fp8 (no FP8 matrix units)")
     free(ctx, "dit60")  # the copy keeps the tensors it shares; the bf16 weights it replaced go

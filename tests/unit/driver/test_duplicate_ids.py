@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import ditfleet.driver.input.validate as validate_module
+import ditfleet.driver.input.scan as scan_module
 from ditfleet.compile.buckets import default_buckets
 from ditfleet.driver.input.duplicate_ids import DuplicateIds
 from ditfleet.driver.input.prompts import PromptSource
@@ -120,8 +120,8 @@ def test_a_bad_file_among_many_is_named_before_any_row_is_read(tmp_path: Path, m
     else:
         pq.write_table(pa.table({"caption": ["a cat"], "id": [1.5]}), target)
     batches = []
-    real = validate_module.iter_batches
-    monkeypatch.setattr(validate_module, "iter_batches", lambda *a, **k: batches.append(1) or real(*a, **k))
+    real = scan_module.iter_batches
+    monkeypatch.setattr(scan_module, "iter_batches", lambda *a, **k: batches.append(1) or real(*a, **k))
     with pytest.raises(InputError) as raised:
         plan_job(PromptSource(str(tmp_path / "in")), CONFIG)
     assert not batches, "rows were read before the bad file was named"

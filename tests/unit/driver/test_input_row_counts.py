@@ -14,7 +14,7 @@ import pytest
 from ditfleet.compile.buckets import default_buckets
 from ditfleet.driver.input.prompts import PromptSource
 from ditfleet.driver.input.row_errors import InputError
-from ditfleet.driver.input.validate import validate_input
+from ditfleet.driver.input.scan import validate_input
 from ditfleet.driver.plan import PlanConfig, plan_job
 from ditfleet.workers.rows import RowConfig
 from tests.support.forged_parquet import footer_counts, write_forged_prompts

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from ditfleet.jobs.cli import main
 from ditfleet.model.memory import (
     GB,
     ModelMemory,
+    Runtime,
     checkpoint_size,
     dit_activation_bytes,
     largest_batch,
@@ -24,10 +26,10 @@ from ditfleet.model.memory import (
     vae_decode_activation_bytes,
     vae_params,
 )
+from ditfleet.model.published import PUBLISHED as ALL_PUBLISHED
 from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig
 from ditfleet.model.vae import QwenImageVAE, VAEConfig
 from ditfleet.model.weights import read_config
-from ditfleet.testing import PUBLISHED as ALL_PUBLISHED
 from tests.support.memory_measure import peak_allocated_bytes
 from tests.support.paths import REPO
 
@@ -165,7 +167,9 @@ def test_vae_decode_estimate_matches_measured_peak_at_full_width(dtype):
 
 def test_qwen_image_at_1328_fits_48_gb_only_with_the_text_encoder_off_the_gpu(qwen):
     def plan(te, gb):
-        return plan_memory(qwen, height=1328, width=1328, batch=1, text_encoder=te, gpu_memory_gb=gb)
+        return plan_memory(
+            qwen, height=1328, width=1328, batch=1, run=Runtime(text_encoder=te), gpu_memory_gb=gb
+        )
 
     assert plan("gpu", 80).weights["transformer"] == 2 * 20_430_401_088
     assert plan("gpu", 80).fits and plan("cpu", 80).fits and plan("offload", 80).fits
@@ -180,15 +184,16 @@ def test_qwen_image_at_1328_fits_48_gb_only_with_the_text_encoder_off_the_gpu(qw
 
 
 def test_largest_batch_is_the_edge_of_fitting(qwen):
-    kw = dict(height=1328, width=1328, text_encoder="cpu")
-    best = largest_batch(qwen, 48, **kw)
+    cpu = Runtime(text_encoder="cpu")
+    kw = dict(height=1328, width=1328)
+    best = largest_batch(qwen, 48, run=cpu, **kw)
     assert best >= 1
-    assert plan_memory(qwen, batch=best, gpu_memory_gb=48, **kw).fits
-    assert not plan_memory(qwen, batch=best + 1, gpu_memory_gb=48, **kw).fits
-    assert largest_batch(qwen, 48, height=1328, width=1328, text_encoder="gpu") == 0
+    assert plan_memory(qwen, batch=best, run=cpu, gpu_memory_gb=48, **kw).fits
+    assert not plan_memory(qwen, batch=best + 1, run=cpu, gpu_memory_gb=48, **kw).fits
+    assert largest_batch(qwen, 48, run=Runtime(text_encoder="gpu"), **kw) == 0
     # Batched CFG doubles the DiT's batch; an uncompiled VAE decodes the whole batch at once.
-    assert largest_batch(qwen, 48, cfg="batched", **kw) < best
-    assert largest_batch(qwen, 48, vae_batch=None, **kw) < best
+    assert largest_batch(qwen, 48, run=replace(cpu, cfg="batched"), **kw) < best
+    assert largest_batch(qwen, 48, run=replace(cpu, vae_batch=None), **kw) < best
 
 
 def test_math_attention_materialises_the_scores(qwen):
@@ -330,7 +335,10 @@ def test_qwen_plan_numbers_for_the_readme(qwen):
     """The numbers README.md quotes for 1328x1328 (batch 1, bf16)."""
     peaks = {
         te: round(
-            plan_memory(qwen, height=1328, width=1328, batch=1, text_encoder=te, gpu_memory_gb=48).peak / GB,
+            plan_memory(
+                qwen, height=1328, width=1328, batch=1, run=Runtime(text_encoder=te), gpu_memory_gb=48
+            ).peak
+            / GB,
             1,
         )
         for te in ("gpu", "cpu", "offload")

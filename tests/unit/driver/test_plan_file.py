@@ -9,7 +9,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-import ditfleet.driver.input.validate as validate_module
+import ditfleet.driver.input.scan as scan_module
 from ditfleet.compile.buckets import default_buckets
 from ditfleet.driver.input.prompts import PromptSource
 from ditfleet.driver.plan import PlanConfig, plan_job
@@ -48,8 +48,8 @@ def test_a_rerun_loads_the_stored_plan_without_reading_rows(tmp_path: Path, monk
     assert store.exists(PLAN_KEY)
 
     read = []
-    real = validate_module.iter_batches
-    monkeypatch.setattr(validate_module, "iter_batches", lambda *a, **k: read.append(1) or real(*a, **k))
+    real = scan_module.iter_batches
+    monkeypatch.setattr(scan_module, "iter_batches", lambda *a, **k: read.append(1) or real(*a, **k))
     loaded = load_plan(store, PromptSource(str(tmp_path / "in")), CONFIG)
     assert loaded is not None and not read
     assert loaded.shards == plan.shards

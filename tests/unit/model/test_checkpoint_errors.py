@@ -14,8 +14,9 @@ import torch
 from safetensors.torch import load_file
 
 from ditfleet.model import load_pipeline
+from ditfleet.model.published import published_config
 from ditfleet.model.weights import WeightsError
-from ditfleet.testing.real_widths import published_config, write_sharded
+from ditfleet.workers.selftest.parts import write_sharded
 
 INDEX = "diffusion_pytorch_model.safetensors.index.json"
 

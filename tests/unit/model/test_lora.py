@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from ditfleet.model import load_pipeline
 from ditfleet.model.lora import LoraError, LoraSpec
-from ditfleet.testing import PUBLISHED
+from ditfleet.model.published import PUBLISHED
 from tests.support.model_fixtures import diffusers_images, diffusers_pipeline, padded_embeds
 from tests.support.paths import REPO
 

@@ -1,4 +1,4 @@
-"""The config files of the published Qwen-Image checkpoints load as shipped (ditfleet/testing/published).
+"""The config files of the published Qwen-Image checkpoints load as shipped (model/published).
 
 Keys that do not change the computation are ignored (once, at debug level), keys that would are
 refused, and the full-depth transformer built from the published config has the published size.
@@ -16,11 +16,11 @@ import torch
 
 from ditfleet.model import folder
 from ditfleet.model.loader import check_model_index, load_scheduler
+from ditfleet.model.published import PUBLISHED
 from ditfleet.model.scheduler import SchedulerConfig, sigma_schedule
 from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig
 from ditfleet.model.vae import VAEConfig, load_vae
 from ditfleet.model.weights import WeightsError
-from ditfleet.testing import PUBLISHED
 
 MODELS = ["qwen-image", "qwen-image-2512"]
 # Parameters of the published 60-layer transformer: its nine bf16 shards hold 40,860,802,176 bytes

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from ditfleet.model.loader import load_scheduler
+from ditfleet.model.published import PUBLISHED
 from ditfleet.model.scheduler import SchedulerConfig, sigma_schedule
-from ditfleet.testing import PUBLISHED
 
 LIGHTNING = PUBLISHED / "qwen-image-lightning" / "scheduler"
 QWEN_IMAGE = SchedulerConfig()  # Qwen-Image's own settings are the defaults

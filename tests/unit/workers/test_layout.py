@@ -14,8 +14,8 @@ from ditfleet.workers.output.layout import (
     image_index_in_key,
     image_key,
     manifest_key,
+    manifest_of_key,
     safe_key_component,
-    shard_of_manifest_key,
 )
 from ditfleet.workers.storage.base import check_key
 
@@ -98,10 +98,10 @@ def test_layout_keys() -> None:
     assert data_key(7, T) == f"data/shard-00007-{T}.parquet"
     assert layout.webdataset_key(7, T) == f"webdataset/shard-00007-{T}.tar"
     assert layout.job_key() == "_job.json" and layout.success_key() == "_SUCCESS"
-    assert shard_of_manifest_key(manifest_key(42)) == 42
-    assert shard_of_manifest_key(manifest_key(1_234_567)) == 1_234_567
-    assert shard_of_manifest_key("manifests/shard-00001.parquet.tmp") is None
-    assert shard_of_manifest_key("data/shard-00001.parquet") is None
+    assert manifest_of_key(manifest_key(42)) == (42, 0)
+    assert manifest_of_key(manifest_key(1_234_567)) == (1_234_567, 0)
+    assert manifest_of_key("manifests/shard-00001.parquet.tmp") is None
+    assert manifest_of_key("data/shard-00001.parquet") is None
     with pytest.raises(ValueError, match="extension"):
         image_key(0, T, "x", None, "gif")
     with pytest.raises(ValueError, match="shard index"):

@@ -10,7 +10,6 @@ from ditfleet.workers.output.layout import (
     manifest_key,
     manifest_of_key,
     manifest_prefix,
-    shard_of_manifest_key,
 )
 from ditfleet.workers.output.manifest import committed_shards, current_manifest_key, current_manifest_keys
 from ditfleet.workers.storage import open_store
@@ -20,7 +19,7 @@ def test_generation_keys_parse_back_and_generation_0_is_the_first_commit():
     assert manifest_key(3) == manifest_key(3, 0) == "manifests/shard-00003.parquet"
     assert manifest_key(3, 2) == "manifests/shard-00003.redo-2.parquet"
     assert manifest_of_key(manifest_key(3, 2)) == (3, 2) and manifest_of_key(manifest_key(3)) == (3, 0)
-    assert shard_of_manifest_key(manifest_key(123456, 7)) == 123456
+    assert manifest_of_key(manifest_key(123456, 7)) == (123456, 7)
     for other in ("manifests/shard-00003.redo-0.parquet", "manifests/shard-00003.redo-x.parquet", "data/x"):
         assert manifest_of_key(other) is None
     with pytest.raises(ValueError):

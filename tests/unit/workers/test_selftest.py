@@ -125,10 +125,8 @@ def test_tiny_run_prints_every_line_without_ray_pydantic_or_boto3(tmp_path):
     cached = stages["step_cache"][-1]
     assert cached["status"] == "measured" and set(cached["presets"]) == {"safe", "fast"}, cached
     assert all(p["active"] and p["work_speedup"] >= 1 for p in cached["presets"].values())
-    # the slots of other work's lines are there and say what they wait for
+    # the FP8 line: both modes run on the CPU (peak memory is a CUDA measurement, None here)
     assert stages["fp8_forward"][-1]["status"] in ("skipped", "measured")
-    # model.fp8.selftest_forward fills the FP8 slot: both modes run on the CPU (peak memory is
-    # a CUDA measurement, None here)
     fp8 = {x["mode"]: x for x in stages["fp8_forward"] if x["status"] == "measured"}
     assert set(fp8) == {"fp8", "fp8-weight-only"}, stages["fp8_forward"]
     assert all(x["ms_per_forward"] > 0 and x["rel_err_vs_bf16"] < 0.2 for x in fp8.values())

@@ -136,7 +136,7 @@ def test_worker_with_offloaded_encoder_writes_the_same_images_encoding_each_text
         )
         worker = GenerationWorker(config)
         assert worker.run_shard(shard_of(prompts, 0, 0, 8)).status == "committed"
-        stats = worker.text_encoder_stats()
+        stats = worker.text.stats()
         assert stats["placement"] == placement
         if placement == "offload":  # 8 rows, 8 distinct prompts... plus the shared negative " "
             assert stats["encoder_calls"] == 9 and stats["dit_swaps"] == 0
