@@ -102,8 +102,10 @@ def test_the_actor_runs_and_reports_the_batch_it_fitted(tmp_path, monkeypatch):
         planned.extend(real_plan(requests, batch_size, count_tokens))
         return planned
 
-    real_plan = actor.plan_batches
-    monkeypatch.setattr(actor, "plan_batches", plan_batches)
+    from ditfleet.workers import quality_gate  # where the actor's batches are planned
+
+    real_plan = quality_gate.plan_batches
+    monkeypatch.setattr(quality_gate, "plan_batches", plan_batches)
     result = worker.run_shard(shard_of(prompts, 0, 0, 6))
     assert result.status == "committed" and result.batch_size == 2
     assert max(len(b) for b in planned) == 2 and sum(len(b) for b in planned) == 6
