@@ -3,6 +3,7 @@ before and after a change to the step cache's plumbing, and diff the outputs (th
 
     python bench/step_cache_hashes.py > before.txt   # ... change ...
     python bench/step_cache_hashes.py | diff before.txt -
+    python bench/step_cache_hashes.py fast teacache   # some cases only
 
 Each line: case, cfg mode, size, steps, image index, sha256 of the fp32 image bytes, sha256 of the
 uint8 image, and the image's DiT block evaluations computed/reused (what the cache decided).
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import sys
 
 import torch
 
@@ -60,24 +62,25 @@ BATCHES = [
 
 def _generate(pipe, setting, **kw):
     """Images (B, 3, H, W) and per-image {blocks_computed, blocks_reused} (None when off)."""
-    import inspect
+    from ditfleet.model.pipeline import Sampling
 
-    if "step_hook" in inspect.signature(pipe.generate).parameters:  # the step cache as a hook
-        from ditfleet.model.step_cache import StepCache
+    config = parse_step_cache(setting)
+    if config is None:  # the public call, as the README shows it
+        return pipe.generate(**kw), None
+    inputs = pipe.encode_guidance(kw.pop("prompt"), None, kw["true_cfg_scale"])
+    generation = pipe.with_step_cache(config).run(inputs, Sampling(**kw))
+    cache = generation.step_cache
+    return generation.images, None if cache is None else cache.per_image()
 
-        config = parse_step_cache(setting)
-        hook = None if config is None else StepCache(config, pipe.transformer.config.num_layers)
-        images = pipe.generate(**kw, step_hook=hook)
-        return images, None if hook is None else hook.per_image()
-    raise NotImplementedError("update for the pipeline's step-cache API")
 
-
-def main() -> None:
+def main(only: list[str]) -> None:
     logging.disable(logging.WARNING)
     torch.manual_seed(0)
     for cfg_mode in ("serial", "batched"):
         for name, setting, steps in CASES:
-            pipe = _pipe(cfg_mode, setting)
+            if only and name not in only:
+                continue
+            pipe = load_pipeline("tiny", cfg_mode=cfg_mode)
             for height, width, prompts, seeds, scale in BATCHES:
                 images, counts = _generate(
                     pipe,
@@ -101,13 +104,5 @@ def main() -> None:
                     )
 
 
-def _pipe(cfg_mode, setting):
-    import inspect
-
-    if "step_hook" in inspect.signature(load_pipeline("tiny").generate).parameters:
-        return load_pipeline("tiny", cfg_mode=cfg_mode)
-    raise NotImplementedError("update for the pipeline's step-cache API")
-
-
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])  # case names to run; none: all
