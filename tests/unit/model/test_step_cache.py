@@ -277,3 +277,27 @@ def test_compiled_dit_skips_without_recompiling(random_model_dir, serial, method
     for k in range(4):
         assert hook.reused_steps(0, k) == reference_hook.reused_steps(0, k)
     torch.testing.assert_close(compiled, reference, atol=1e-4, rtol=0)
+
+
+def test_teacache_normalises_block_0s_input_once_per_pass(serial, monkeypatch):
+    """TeaCache's signal is block 0's modulated input; the rows that compute run block 0 on it
+    (`run_blocks(start=...)`) instead of normalising and modulating the image stream again."""
+    import ditfleet.model.transformer as transformer
+
+    real, image_norms = transformer._norm_modulate, []
+    tokens = (32 // 16) * (48 // 16)
+
+    def counted(x, shift, scale, eps):
+        if x.shape[1] == tokens:
+            image_norms.append(x.shape[0])
+        return real(x, shift, scale, eps)
+
+    monkeypatch.setattr(transformer, "_norm_modulate", counted)
+    always_compute = dataclasses.replace(SHORT_TEACACHE, threshold=1e-9)
+    _, cache = _generate(serial, _inputs(serial, 2), SEEDS[:2], always_compute)
+    assert cache is not None and cache.inactive is None
+    assert sum(c["blocks_reused"] for c in cache.per_image()) == 0
+    layers, passes = serial.transformer.config.num_layers, STEPS * 2  # serial CFG: two a step
+    # Each block normalises the image stream twice (before attention, before the MLP), the output
+    # norm once more; no more (recomputing TeaCache's signal would add one a pass).
+    assert image_norms == [2] * (passes * (2 * layers + 1))
