@@ -159,9 +159,8 @@ def _block_owners(transformer: Any) -> list[tuple[str, Any]]:
     return [(f"transformer_blocks.{block.index}", block) for block in transformer.transformer_blocks]
 
 
-# The DiT block's two tensor functions around its attention kernel (attention_inputs: the text's
-# norm and modulate, q/k/v, RMS norm, RoPE; attention_outputs: projections, gated residuals,
-# MLPs; the image's norm and modulate before them is eager, TeaCache reads it), with
+# The DiT block's two tensor functions around its attention kernel (attention_inputs: norm,
+# modulate, q/k/v, RMS norm, RoPE; attention_outputs: projections, gated residuals, MLPs), with
 # their dynamic dims by argument position: batch (dim 0) everywhere, text length on the text
 # tensors and the text RoPE table. The image token count stays static (one graph per resolution
 # bucket, specialised to it). The block's forward (the modulation cache lookup) and the attention
@@ -169,8 +168,8 @@ def _block_owners(transformer: Any) -> list[tuple[str, Any]]:
 # code object, so it is one graph per bucket, not per block.
 _DIT_BLOCK_METHODS: Mapping[str, Mapping[int, Any]] = MappingProxyType(
     {
-        # attention_inputs(img_in, txt, txt_mod, rope=(image Rotation, text Rotation))
-        "attention_inputs": {0: (0,), 1: (0, 1), 3: {1: {"cos": (0,), "sin": (0,), "polar": (0,)}}},
+        # attention_inputs(img, txt, img_mod, txt_mod, rope=(image Rotation, text Rotation))
+        "attention_inputs": {0: (0,), 1: (0, 1), 4: {1: {"cos": (0,), "sin": (0,), "polar": (0,)}}},
         # attention_outputs(img, txt, img_attn, txt_attn, img_mod, txt_mod)
         "attention_outputs": {0: (0,), 1: (0, 1), 2: (0,), 3: (0, 1)},
     }

@@ -246,9 +246,10 @@ class TransformerBlock(nn.Module):
         `forward`.
         """
         if img_in is None:
-            img_in = self.modulated_input(img, img_mod)
-        q, k, v = self.attention_inputs(img_in, txt, txt_mod, rope)
-        del img_in  # freed before the attention, as the memory plan counts it
+            q, k, v = self.attention_inputs(img, txt, img_mod, txt_mod, rope)
+        else:  # TeaCache's block 0: its signal is this input, made once (model.step_cache)
+            q, k, v = self.modulated_attention_inputs(img_in, txt, txt_mod, rope)
+            del img_in  # freed before the attention, as the memory plan counts it
         attn = joint_attention(q, k, v, padding, stats)  # (B, H, N + L, hd)
         img_attn, txt_attn = split_streams(attn, img.shape[1])
         return self.attention_outputs(img, txt, img_attn, txt_attn, img_mod, txt_mod)
@@ -261,13 +262,25 @@ class TransformerBlock(nn.Module):
 
     def attention_inputs(
         self,
+        img: torch.Tensor,  # (B, N, D)
+        txt: torch.Tensor,  # (B, L, D)
+        img_mod: torch.Tensor,  # (B or 1, 6D)
+        txt_mod: torch.Tensor,  # (B or 1, 6D)
+        rope: tuple[Rotation, Rotation],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """LayerNorm + modulate of both streams, q/k/v projections, q/k RMS norm + RoPE:
+        (B, H, N + L, hd) each. The compiled region (model.family): the image's norm and
+        modulate fuse with the projections."""
+        return self.modulated_attention_inputs(self.modulated_input(img, img_mod), txt, txt_mod, rope)
+
+    def modulated_attention_inputs(
+        self,
         img_in: torch.Tensor,  # (B, N, D), modulated_input(img, img_mod)
         txt: torch.Tensor,  # (B, L, D)
         txt_mod: torch.Tensor,  # (B or 1, 6D)
         rope: tuple[Rotation, Rotation],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The text's LayerNorm + modulate, q/k/v projections, q/k RMS norm + RoPE:
-        (B, H, N + L, hd) each."""
+        """attention_inputs from the image stream already normed and modulated."""
         t_sh1, t_sc1 = txt_mod.chunk(6, dim=-1)[:2]
         txt_in = _norm_modulate(txt, t_sh1, t_sc1, self.eps)
         return self.attn.qkv(img_in, txt_in, rope)
