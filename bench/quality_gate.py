@@ -55,7 +55,9 @@ def run_variant(prompts: Path, n: int, out: Path, steps: int, gate: GateConfig |
     manifest = read_manifests(store).to_pylist()
     images = torch.stack(
         [
-            torch.from_numpy(np.array(Image.open(io.BytesIO(store.get(_key(store, r["uri"])))).convert("RGB")))
+            torch.from_numpy(
+                np.array(Image.open(io.BytesIO(store.get(_key(store, r["uri"])))).convert("RGB"))
+            )
             .permute(2, 0, 1)
             .float()
             / 255.0
@@ -66,7 +68,9 @@ def run_variant(prompts: Path, n: int, out: Path, steps: int, gate: GateConfig |
     tries = sum(r["gate_tries"] or 1 for r in manifest)
     return {
         "steps": steps,
-        "gate": None if gate is None else {"scorer": gate.scorer, "min": gate.min, "max_tries": gate.max_tries},
+        "gate": None
+        if gate is None
+        else {"scorer": gate.scorer, "min": gate.min, "max_tries": gate.max_tries},
         "images": result.images_ok,
         "all_five": round(sum(judged[a] for a in ATTRIBUTES) / len(ATTRIBUTES), 4),
         **{a: round(judged[a], 4) for a in ATTRIBUTES},
@@ -84,7 +88,9 @@ def _key(store, uri: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=2, help="the short schedule (default 2)")
     parser.add_argument("--exact-steps", type=int, default=20, help="the reference schedule (default 20)")
     parser.add_argument("--max-tries", type=int, default=3)
@@ -101,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     with tempfile.TemporaryDirectory(prefix="ditfleet-gate-") as tmp:
         prompts = Path(tmp) / "prompts.parquet"
-        pq.write_table(pa.table({"id": [f"h{i:02d}" for i in range(len(captions))], "prompt": captions}), prompts)
+        pq.write_table(
+            pa.table({"id": [f"h{i:02d}" for i in range(len(captions))], "prompt": captions}), prompts
+        )
         for i, (name, steps, g) in enumerate(variants):
             r = run_variant(prompts, len(captions), Path(tmp) / f"out{i}", steps, g, args.bucket)
             results[name] = r
@@ -122,8 +130,12 @@ def main(argv: list[str] | None = None) -> int:
                 "variants": results,
                 "gated_vs_exact_points": round(100 * (gated["all_five"] - exact["all_five"]), 2),
                 "short_vs_exact_points": round(100 * (short["all_five"] - exact["all_five"]), 2),
-                "gated_dit_work_vs_short": round(gated["dit_steps_per_image"] / short["dit_steps_per_image"], 3),
-                "gated_dit_work_vs_exact": round(gated["dit_steps_per_image"] / exact["dit_steps_per_image"], 3),
+                "gated_dit_work_vs_short": round(
+                    gated["dit_steps_per_image"] / short["dit_steps_per_image"], 3
+                ),
+                "gated_dit_work_vs_exact": round(
+                    gated["dit_steps_per_image"] / exact["dit_steps_per_image"], 3
+                ),
             },
             sort_keys=True,
         )

@@ -23,8 +23,9 @@ import time
 import torch
 
 from ditfleet.model import load_pipeline
+from ditfleet.model.pipeline import Sampling
 from ditfleet.model.published import published_config
-from ditfleet.model.step_cache import StepCache, StepCacheRows
+from ditfleet.model.step_cache import StepCache
 from ditfleet.model.step_cache_config import PRESETS
 from ditfleet.model.tiny.scenes import held_out_captions
 from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig
@@ -36,25 +37,25 @@ def tiny(steps: int, images: int, rounds: int) -> list[dict]:
     pipe = load_pipeline("tiny")
     layers = pipe.transformer.config.num_layers
     caps = held_out_captions()[:: max(1, 64 // images)][:images]
-    kw = dict(
-        prompt=caps, height=128, width=128, steps=steps, true_cfg_scale=2.0, seeds=list(range(len(caps)))
-    )
-    pipe.generate(**{**kw, "steps": 1})  # untimed start-up
+    inputs = pipe.encode_guidance(caps, None, 2.0)
+    sampling = Sampling(128, 128, steps, list(range(len(caps))), 2.0)
+    pipe.run(inputs, Sampling(128, 128, 1, sampling.seeds, 2.0))  # untimed start-up
     times: dict[str, list[float]] = {name: [] for name in ("exact", *PRESET_NAMES)}
     ref = None
     counts: dict[str, tuple[int, int]] = {}
     psnrs: dict[str, float] = {}
     for _ in range(rounds):
         for name in times:
-            hook = None if name == "exact" else StepCache(PRESETS[name], layers)
             t0 = time.perf_counter()
-            out = pipe.generate(**kw, step_hook=hook)
+            generation = pipe.with_step_cache(PRESETS.get(name)).run(inputs, sampling)
             times[name].append(time.perf_counter() - t0)
+            out, cache = generation.images, generation.step_cache
             if name == "exact":
                 ref = out
                 counts[name] = (len(caps) * steps * 2 * layers, 0)
             else:
-                per = hook.per_image()
+                assert cache is not None
+                per = cache.per_image()
                 counts[name] = (sum(p["blocks_computed"] for p in per), sum(p["blocks_reused"] for p in per))
                 mse = ((out - ref) ** 2).flatten(1).mean(dim=1)
                 psnrs[name] = float((10 * torch.log10(1 / mse)).mean())
@@ -138,11 +139,15 @@ def _decision_s(config, dit, start, after, temb, repeats: int) -> float:
             return block.modulated_input(after, img_mod)
         return after - start
 
-    StepCacheRows(cache, 18, [(cache._branch(0), 1)])._remember([0], after - start)
-    rows = StepCacheRows(cache, 19, [(cache._branch(0), 1)])
+    rows = cache.call(18, (0,))
+    assert rows is not None
+    rows._remember([0], after - start)
+    rows = cache.call(19, (0,))
+    assert rows is not None
     rows._scatter("signal", [0], signal())
     rows._remember([0], after - start)  # two computed steps: TaylorSeer has a derivative
-    rows = StepCacheRows(cache, 20, [(cache._branch(0), 1)])
+    rows = cache.call(20, (0,))
+    assert rows is not None
     t0 = time.perf_counter()
     for _ in range(repeats):
         rows.decide(signal())

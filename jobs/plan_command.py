@@ -104,9 +104,7 @@ def _dit_compile_plan(spec: JobSpec, images: int, buckets: int) -> dict:
 
 def _step_cache_plan(spec: JobSpec, job: str) -> dict:
     """sampling.step_cache as the model will run it, and the most DiT work its settings can save."""
-    from ditfleet.model.step_cache_config import parse_step_cache
-
-    config = parse_step_cache(spec.sampling.step_cache)
+    config = spec.sampling.step_cache
     if config is None:
         return {"setting": "off", "most_work_saved": 0.0, "line": "off (exact)"}
     steps, layers = spec.sampling.steps, _dit_layers(spec)

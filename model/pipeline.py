@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
 import typing
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -13,7 +16,8 @@ from .guidance import cfg_on, negative_texts
 from .sampling import Conditioning, TimestepBank, denoise, initial_noise, latent_grid, unpack_latents
 from .scheduler import SchedulerConfig
 from .settings import DEFAULT_PIPELINE, MAX_SEQUENCE_LENGTH, CfgMode, PipelineSettings
-from .step_hooks import StepHook
+from .step_cache import StepCache
+from .step_cache_config import StepCacheConfig
 from .text_encoder import TextEncoder
 from .tiny.known_words import known_of, unknown_words, unknown_words_warning
 from .tiny.text_encoder import WordTokenizer
@@ -30,6 +34,27 @@ CFG_MODES = typing.get_args(CfgMode)
 # the batch and would pay twice the activation memory. CPUs always run serial.
 AUTO_BATCHED_MAX_TOKENS = 4096
 AUTO_BATCHED_MAX_PADDING = 0.05
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How one batch is drawn, beyond its text: image size, schedule length, true-CFG scale (one,
+    or one per image) and one seed per image."""
+
+    height: int
+    width: int
+    steps: int
+    seeds: Sequence[int]
+    true_cfg_scale: float | Sequence[float] = 4.0
+
+
+@dataclass
+class Generation:
+    """What `TextToImagePipeline.run` returns: the images (or packed latents), and the step
+    cache that served the batch (None when off): `describe()` and per image `per_image()`."""
+
+    images: torch.Tensor
+    step_cache: StepCache | None = None
 
 
 def cfg_batched_for(
@@ -85,6 +110,12 @@ class TextToImagePipeline:
     @property
     def dtype(self) -> torch.dtype:
         return self.transformer.img_in.weight.dtype
+
+    def with_step_cache(self, config: StepCacheConfig | None) -> TextToImagePipeline:
+        """This pipeline (the same modules) with another step cache: what calibration compares."""
+        other = copy.copy(self)
+        other.settings = dataclasses.replace(self.settings, step_cache=config)
+        return other
 
     def set_modulation_cache(self, mode: str) -> None:
         self.transformer.modulation_cache.set_mode(mode)
@@ -176,17 +207,15 @@ class TextToImagePipeline:
         seeds: Sequence[int],
         max_sequence_length: int = MAX_SEQUENCE_LENGTH,
         decode: bool = True,
-        step_hook: StepHook | None = None,
     ) -> torch.Tensor:
         """Images (B, 3, H, W) in [0, 1], fp32; B = len(seeds). With `decode=False`, the packed
         latents (B, N, 64) in the pipeline dtype instead, before the VAE (what the tiny model's
-        decoder adaptation trains on).
+        decoder adaptation trains on). `run` with the same inputs, its images only.
 
         Text (prompt, negative_prompt) is encoded by `encode_guidance`; embeddings are taken as
         given. True CFG follows model.guidance: on when every `true_cfg_scale > 1` and there is a
         negative (for text, the default " " when none is given; for embeddings, negative
-        embeddings). A list of scales lets one batch carry per-row scales. `step_hook` is called
-        around every denoising step (model.step_hooks); None runs every step as it is.
+        embeddings). A list of scales lets one batch carry per-row scales.
         """
         if (prompt is None) == (prompt_embeds is None):
             raise ValueError("pass exactly one of prompt or prompt_embeds")
@@ -209,47 +238,39 @@ class TextToImagePipeline:
                 "negative_prompt_embeds_mask": negative_prompt_embeds_mask,
             }
         )
-        cond, uncond = self._conditionings(inputs, true_cfg_scale)
-        B = cond.embeds.shape[0]
-        if len(seeds) != B:
-            raise ValueError(f"need one seed per image: {B} prompts but {len(seeds)} seeds")
-        latents = initial_noise(list(seeds), height, width, self.device, self.dtype)
-        bank = self.timestep_bank if self.transformer.modulation_cache.mode == "table" else None
-        with attention_backend(self.settings.attention_backend, self.device.type):
-            return self._denoise_decode(
-                latents, cond, uncond, true_cfg_scale, height, width, steps, bank, decode, step_hook
-            )
+        return self.run(inputs, Sampling(height, width, steps, seeds, true_cfg_scale), decode).images
 
-    def _denoise_decode(
-        self,
-        latents: torch.Tensor,
-        cond: Conditioning,
-        uncond: Conditioning | None,
-        true_cfg_scale: float | Sequence[float],
-        height: int,
-        width: int,
-        steps: int,
-        bank: TimestepBank | None,
-        decode: bool,
-        step_hook: StepHook | None,
-    ) -> torch.Tensor:
-        """The denoising loop and the decode, under the attention-backend preference."""
-        B = latents.shape[0]
-        latents = denoise(
-            self.transformer,
-            latents,
-            cond,
-            uncond,
-            _guidance_scale(true_cfg_scale, B, self.device),
-            latent_grid(height, width),
-            steps,
-            self.scheduler,
-            cfg_batched=uncond is not None
-            and self.batch_cfg(B, latents.shape[1], cond.embeds.shape[1], uncond.embeds.shape[1]),
-            timestep_bank=bank,
-            step_hook=step_hook,
-        )
-        return self.decode(latents, height, width) if decode else latents
+    @torch.no_grad()
+    def run(self, inputs: GuidanceInputs, sampling: Sampling, decode: bool = True) -> Generation:
+        """Embedded text (`encode_guidance`'s form) -> a `Generation`: the images (or latents with
+        `decode=False`) and the step cache of the pipeline's settings that served them."""
+        s = sampling
+        cond, uncond = self._conditionings(inputs, s.true_cfg_scale)
+        B = cond.embeds.shape[0]
+        if len(s.seeds) != B:
+            raise ValueError(f"need one seed per image: {B} prompts but {len(s.seeds)} seeds")
+        latents = initial_noise(list(s.seeds), s.height, s.width, self.device, self.dtype)
+        config = self.settings.step_cache
+        cache = None if config is None else StepCache(config, self.transformer.config.num_layers)
+        with attention_backend(self.settings.attention_backend, self.device.type):
+            latents = denoise(
+                self.transformer,
+                latents,
+                cond,
+                uncond,
+                _guidance_scale(s.true_cfg_scale, B, self.device),
+                latent_grid(s.height, s.width),
+                s.steps,
+                self.scheduler,
+                cfg_batched=uncond is not None
+                and self.batch_cfg(B, latents.shape[1], cond.embeds.shape[1], uncond.embeds.shape[1]),
+                timestep_bank=self.timestep_bank
+                if self.transformer.modulation_cache.mode == "table"
+                else None,
+                step_cache=cache,
+            )
+            images = self.decode(latents, s.height, s.width) if decode else latents
+        return Generation(images, cache)
 
     def _conditionings(
         self, inputs: GuidanceInputs, true_cfg_scale: float | Sequence[float]

@@ -7,11 +7,15 @@ order, so an H x W image is (H/16) * (W/16) tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 
 from .scheduler import SchedulerConfig, euler_step, sigma_schedule
-from .step_hooks import NO_STEP_HOOK, Step, StepHook
+
+if TYPE_CHECKING:
+    from .step_cache import StepCache
 
 LATENT_CHANNELS = 16
 
@@ -113,16 +117,16 @@ def denoise(
     scheduler: SchedulerConfig,
     cfg_batched: bool = False,
     timestep_bank: TimestepBank | None = None,
-    step_hook: StepHook | None = None,
+    step_cache: StepCache | None = None,
 ) -> torch.Tensor:
     """Run the flow-match Euler loop; returns latents (B, N, 64) in the input dtype.
 
     cfg_batched: the conditional and unconditional passes of a step run as one forward of 2B
     (text padded to the longer branch); else as two forwards of B. Either way the step's
     modulation is computed once: one forward, or a cache hit in the second.
-    step_hook: called around every step (model.step_hooks); None: the no-op hook.
+    step_cache: reuses block work per image and CFG branch (model.step_cache); each call names
+    the branches it carries. None: every block computes.
     """
-    hook = step_hook if step_hook is not None else NO_STEP_HOOK
     h, w = grid
     image_seq_len = h * w
     sigmas = sigma_schedule(scheduler, steps, image_seq_len).to(latents.device)
@@ -133,7 +137,8 @@ def denoise(
         bank_steps = timestep_bank.get(
             sigmas, (steps, image_seq_len, scheduler), latents.device, latents.dtype
         )
-    hook.start(steps, latents.shape[0])
+    if step_cache is not None:
+        step_cache.start(steps, latents.shape[0])
     # One joined batch for every step: the same mask tensor each step, so the DiT reads its
     # padding from the device once per batch (model.attention.padding_facts), not per step.
     both_text = _cat_branches(cond, uncond) if uncond is not None and cfg_batched else None
@@ -143,21 +148,29 @@ def denoise(
             timestep = bank_steps[i]
         else:
             timestep = model_timestep(ts[i : i + 1], latents.dtype)
-        step = Step(i, steps, sigmas[i], sigmas[i + 1], timestep)
-        forward = hook.forward(step, transformer)
+        forward = partial(_forward, transformer, step_cache, i)
         if uncond is None:
-            velocity = forward(latents, cond.embeds, cond.mask, timestep, img_shapes)
+            velocity = forward((0,), latents, cond.embeds, cond.mask, timestep, img_shapes)
         elif both_text is not None:
             embeds, mask = both_text
-            both = forward(torch.cat([latents, latents]), embeds, mask, timestep, img_shapes * 2)
+            both = forward((0, 1), torch.cat([latents, latents]), embeds, mask, timestep, img_shapes * 2)
             c, u = both.chunk(2)
             velocity = true_cfg(c, u, true_cfg_scale)
         else:
-            c = forward(latents, cond.embeds, cond.mask, timestep, img_shapes)
-            u = forward(latents, uncond.embeds, uncond.mask, timestep, img_shapes)
+            c = forward((0,), latents, cond.embeds, cond.mask, timestep, img_shapes)
+            u = forward((1,), latents, uncond.embeds, uncond.mask, timestep, img_shapes)
             velocity = true_cfg(c, u, true_cfg_scale)
         latents = euler_step(latents, velocity, sigmas[i], sigmas[i + 1])
     return latents
+
+
+def _forward(
+    transformer: torch.nn.Module, step_cache: StepCache | None, step: int, branches: tuple[int, ...], *args
+) -> torch.Tensor:
+    """One transformer call of step `step` carrying the CFG branches `branches` (0 conditional,
+    1 unconditional), served by the step cache when one is active."""
+    rows = None if step_cache is None else step_cache.call(step, branches)
+    return transformer(*args) if rows is None else transformer(*args, step_cache=rows)
 
 
 def _cat_branches(a: Conditioning, b: Conditioning) -> tuple[torch.Tensor, torch.Tensor | None]:

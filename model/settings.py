@@ -14,8 +14,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from .step_cache_config import StepCacheConfig, parse_step_cache, step_cache_value
 
 # The longest prompt, in text tokens, that a job embeds by default, and the most it may ask for
 # (the largest prompt-length bucket a compiled region is warmed for, compile.buckets).
@@ -32,6 +35,8 @@ def setting(
     description: str,
     default_factory: Any = dataclasses.MISSING,
     pixels: bool = False,
+    parse: Callable[[Any], Any] | None = None,
+    dump: Callable[[Any], Any] | None = None,
     **bounds: float,
 ) -> Any:
     """A dataclass field that is a user-facing knob.
@@ -41,11 +46,15 @@ def setting(
     pixels: the knob changes the stored bytes of an image, so it enters the plan's fingerprint
       (only when set to something other than its default, so that outputs planned before the knob
       existed keep theirs).
+    parse, dump: for a knob whose value is a typed object: what the job file's value becomes (the
+      spec calls it, once) and the JSON form written back (the resolved spec, the fingerprint).
     """
     unknown = set(bounds) - set(BOUNDS)
     if unknown:
         raise TypeError(f"setting(): unknown bounds {sorted(unknown)}; use {BOUNDS}")
-    metadata = {"description": description, "pixels": pixels, **bounds}
+    metadata: dict[str, Any] = {"description": description, "pixels": pixels, **bounds}
+    if parse is not None:
+        metadata.update(parse=parse, dump=dump)
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
 
 
@@ -147,9 +156,11 @@ class PipelineSettings:
         "e.g. A100); 'none': the exact weights. Changes pixels: see docs/real-model.md for the measured cost.",
     )
 
-    step_cache: str | dict[str, Any] = setting(
-        "off",
+    step_cache: StepCacheConfig | None = setting(
+        None,
         pixels=True,
+        parse=parse_step_cache,
+        dump=step_cache_value,
         description="Approximate step caching (model.step_cache: DBCache or TeaCache, optionally with a "
         "TaylorSeer forecast): 'off' (exact), 'safe', 'fast', or a mapping {preset, method, threshold, "
         "compute_blocks (dbcache), coefficients (teacache), taylorseer_order, warmup_steps, "
@@ -167,6 +178,11 @@ class PipelineSettings:
 
     def __post_init__(self) -> None:
         check_settings(self)
+        if self.step_cache is not None and not isinstance(self.step_cache, StepCacheConfig):
+            raise TypeError(
+                "PipelineSettings.step_cache must be a StepCacheConfig or None (parse_step_cache reads a "
+                f"preset name or mapping), got {self.step_cache!r}"
+            )
 
 
 DEFAULT_PIPELINE = PipelineSettings()

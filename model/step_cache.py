@@ -1,6 +1,7 @@
 """The step cache: reuse of DiT block work between denoising steps, per image and CFG branch.
 
-`StepCache` is a sampler step hook (model.step_hooks). Each transformer pass it serves makes a
+The pipeline builds a `StepCache` from its settings for each batch (model.pipeline) and the
+sampler hands each transformer pass the rows it serves (`StepCache.call`). Each pass makes a
 signal for every row of the batch (one image in one CFG branch), then decides per row:
 
 - compute: the row runs the remaining blocks; the residual they add is kept for that row;
@@ -16,13 +17,14 @@ The signal depends on the method (settings and sources: model.step_cache_config)
   its value at the previous step, rescaled by the model's polynomial and summed since the row
   last computed; below the threshold it reuses the residual of every block.
 
-Only the rows that compute go through the remaining blocks (index_select, then scattered back),
-so an image's result and decisions do not depend on its batch-mates, and the compiled block
-regions (batch a dynamic dimension) see one more batch size, not a new graph.
+Only the rows that compute go through the remaining blocks (the transformer's `run_blocks` on a
+subset of rows, then scattered back), so an image's result and decisions do not depend on its
+batch-mates, and the compiled block regions (batch a dynamic dimension) see one more batch size,
+not a new graph. The cache calls only the transformer's public `first_block_input` and
+`run_blocks`.
 
-Each CFG branch of each image has its own state: serial CFG calls the transformer twice a step
-(conditional first), batched CFG once with the conditional rows first; the hook tells them apart
-by the call order and the batch size that `start` was given.
+Each CFG branch of each image has its own state: the sampler names the branches of each call
+(serial CFG: the conditional, then the unconditional; batched CFG: both, conditional rows first).
 
 Forced compute (no decision, no overhead): the warm-up steps, the exact last steps, a row with
 nothing cached yet, a row at its limit of consecutive reused steps. A schedule shorter than
@@ -35,9 +37,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention import TextPadding
 from .step_cache_config import StepCacheConfig
-from .step_hooks import Forward, Step
+from .transformer import BlockInputs, QwenImageTransformer, take_rows
 
 # Relative change of a row whose kept signal is all zeros: infinite (compute).
 _EPS = 1e-12
@@ -99,9 +100,9 @@ class BranchState:
 
 
 class StepCache:
-    """A `StepHook` that reuses DiT block work per image and CFG branch (see the module docstring).
+    """Reuses DiT block work per image and CFG branch (see the module docstring).
 
-    One per `generate` call (its state is that call's images); `start` resets it.
+    One per batch (its state is that batch's images); `start` resets it.
     """
 
     def __init__(self, config: StepCacheConfig, num_layers: int) -> None:
@@ -112,44 +113,18 @@ class StepCache:
         self.steps = 0
         self.inactive: str | None = None
         self.branches: list[BranchState] = []
-        self._step: Step | None = None
-        self._calls = 0
-
-    # -- the hook ---------------------------------------------------------------------------
 
     def start(self, steps: int, batch: int) -> None:
         self.steps, self.batch = steps, batch
-        self.inactive = self.config.inactive_reason(steps, self.num_layers)
+        self.inactive = self.config.inactive_reason(steps, num_layers=self.num_layers)
         self.branches = []
 
-    def forward(self, step: Step, transformer: Forward) -> Forward:
+    def call(self, step: int, branches: tuple[int, ...]) -> StepCacheRows | None:
+        """The rows of one transformer call at step `step`: the batch once per CFG branch in
+        `branches` (0 conditional, 1 unconditional), in that order. None while inactive."""
         if self.inactive is not None:
-            return transformer
-        self._step, self._calls = step, 0
-
-        def cached(latents, embeds, mask, timestep, img_shapes, *args, **kwargs):
-            rows = self._rows_for_call(latents.shape[0])
-            self._calls += 1
-            return transformer(latents, embeds, mask, timestep, img_shapes, *args, step_cache=rows, **kwargs)
-
-        return cached
-
-    # -- what a call covers -----------------------------------------------------------------
-
-    def _rows_for_call(self, rows: int) -> StepCacheRows:
-        """The (branch, image) of each row of this step's next transformer call."""
-        assert self._step is not None
-        B = self.batch
-        if rows == 2 * B and self._calls == 0:  # batched CFG: conditional rows, then unconditional
-            segments = [(self._branch(0), B), (self._branch(1), B)]
-        elif rows == B:  # no CFG, or serial CFG: call k of the step is branch k
-            segments = [(self._branch(self._calls), B)]
-        else:
-            raise ValueError(
-                f"step cache: a transformer call of {rows} rows in a batch of {B} images "
-                f"(call {self._calls} of step {self._step.index}); expected {B} or {2 * B}"
-            )
-        return StepCacheRows(self, self._step.index, segments)
+            return None
+        return StepCacheRows(self, step, [(self._branch(b), self.batch) for b in branches])
 
     def _branch(self, index: int) -> BranchState:
         while len(self.branches) <= index:
@@ -230,7 +205,7 @@ class StepCacheRows:
         reuse = [False] * len(self.rows)
         candidates = [j for j, f in enumerate(forced) if not f]
         if candidates:
-            current = signal if len(candidates) == len(self.rows) else _rows(signal, candidates)
+            current = signal if len(candidates) == len(self.rows) else take_rows(signal, candidates)
             kept = self._gather("signal", candidates)
             change = torch.linalg.vector_norm(current - kept, ord=1, dim=(1, 2), dtype=torch.float32)
             scale = torch.linalg.vector_norm(kept, ord=1, dim=(1, 2), dtype=torch.float32)
@@ -290,30 +265,21 @@ class StepCacheRows:
             residual = residual + self._gather(f"d{k}", positions) * term
         return residual
 
-    def run_blocks(
-        self,
-        model: torch.nn.Module,
-        img: torch.Tensor,  # (B, N, D) after img_in
-        txt: torch.Tensor,  # (B, L, D) after txt_in
-        temb: torch.Tensor,  # (B or 1, D)
-        padding: TextPadding,
-        rope: tuple,
-        mod_key,
-        text_mask: torch.Tensor | None,  # (B, L) or None: what `padding` was built from
+    def run(
+        self, transformer: QwenImageTransformer, img: torch.Tensor, txt: torch.Tensor, inputs: BlockInputs
     ) -> torch.Tensor:
         """The image stream after every block, (B, N, D): the first Fn computed (dbcache), the
         rest computed or reused per row."""
-        blocks = model.transformer_blocks
-        fn, total = self.cache.fn, len(blocks)
-        cache, stats = model.modulation_cache, model.attention_stats
-        if self.cache.config.method == "teacache":
-            img_mod, _ = blocks[0].modulation(temb, mod_key, cache)
-            signal = blocks[0].modulated_input(img, img_mod)
+        fn, total = self.cache.fn, self.cache.num_layers
+        teacache = self.cache.config.method == "teacache"
+        start = None
+        if teacache:
+            start = transformer.first_block_input(img, inputs)
+            signal = start.img_in
         else:
-            start = img
-            for block in blocks[:fn]:
-                img, txt = block(img, txt, temb, padding, rope, mod_key, cache, stats)
-            signal = img - start  # the first blocks' residual
+            first = img
+            img, txt = transformer.run_blocks(img, txt, inputs, blocks=slice(0, fn))
+            signal = img - first  # the first blocks' residual
         reuse = self.decide(signal)
         B = img.shape[0]
         compute = [j for j in range(B) if not reuse[j]]
@@ -330,26 +296,17 @@ class StepCacheRows:
 
         out = None
         if compute:
-            if self.cache.config.method == "dbcache":  # its reference moves only when computing
-                self._scatter("signal", compute, _rows(signal, compute) if skip else signal)
-            sub_img, sub_txt, sub_padding = img, txt, padding
-            if skip:
-                sub_img, sub_txt = _rows(img, compute), _rows(txt, compute)
-                sub_mask = None if text_mask is None else _rows(text_mask, compute)
-                N, L = img.shape[1], txt.shape[1]
-                sub_padding = TextPadding.build(sub_mask, len(compute), L, N, model.padded_attention)
-            before_rest = sub_img
-            for block in blocks[fn:]:
-                img_mod, txt_mod = block.modulation(temb, mod_key, cache)
-                if skip and img_mod.shape[0] == B and B > 1:  # one modulation row per image
-                    img_mod, txt_mod = _rows(img_mod, compute), _rows(txt_mod, compute)
-                sub_img, sub_txt = block.body(sub_img, sub_txt, img_mod, txt_mod, sub_padding, rope, stats)
-            self._remember(compute, sub_img - before_rest)
+            if not teacache:  # dbcache's reference moves only when computing
+                self._scatter("signal", compute, take_rows(signal, compute))
+            rest, _ = transformer.run_blocks(
+                img, txt, inputs, blocks=slice(fn, None), rows=compute, start=start
+            )
+            self._remember(compute, rest - take_rows(img, compute))
             if not skip:
-                return sub_img
+                return rest
             out = torch.empty_like(img)
-            out.index_copy_(0, torch.tensor(compute, device=img.device), sub_img)
-        reused = _rows(img, skip) + self._forecast(skip)
+            out.index_copy_(0, torch.tensor(compute, device=img.device), rest)
+        reused = take_rows(img, skip) + self._forecast(skip)
         if out is None:
             return reused
         out.index_copy_(0, torch.tensor(skip, device=img.device), reused)
@@ -362,10 +319,3 @@ def _polynomial(coefficients: tuple[float, ...], x: float) -> float:
     for c in coefficients:
         value = value * x + c
     return value
-
-
-def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """x[rows] along dim 0 (a view when the rows are the whole batch)."""
-    if len(rows) == x.shape[0]:
-        return x
-    return x.index_select(0, torch.tensor(rows, device=x.device))

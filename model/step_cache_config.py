@@ -167,12 +167,15 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(StepCacheConfig))
 
 def parse_step_cache(value: Any, key: str = SPEC_KEY) -> StepCacheConfig | None:
     """A preset name, a mapping ({preset?, method?, threshold?, ...} over the preset, default
-    "safe"), a StepCacheConfig, or None/"off" -> the config, or None for off.
+    "safe"), a StepCacheConfig, or None/False/"off" -> the config, or None for off. The job
+    spec calls it once (model.settings: the knob's `parse`); below it the value is typed.
 
     Raises StepCacheError naming `key` (and the field) for an unknown preset, method or field, or
     a value out of range.
     """
-    if value is None or isinstance(value, StepCacheConfig):
+    if value is None or value is False:  # YAML reads a bare `off` as false
+        return None
+    if isinstance(value, StepCacheConfig):
         return value
     if isinstance(value, str):
         if value not in PRESETS:
@@ -286,6 +289,12 @@ PRESETS: dict[str, StepCacheConfig | None] = {
         taylorseer_order=1,
     ),
 }
+
+
+def step_cache_value(config: StepCacheConfig | None) -> str | dict[str, Any]:
+    """The setting as the resolved job file and the fingerprint write it: "off", or every setting
+    that acts (`parse_step_cache` reads it back as it was)."""
+    return "off" if config is None else config.to_dict()
 
 
 def check_schedule(config: StepCacheConfig | None, steps: int, key: str = SPEC_KEY) -> None:

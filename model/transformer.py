@@ -10,7 +10,8 @@ head_dim, C = 64 packed latent channels.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +23,14 @@ from .rope import RotaryTables, Rotation, apply_rotary
 from .settings import DEFAULT_PIPELINE
 from .transformer_config import DIFFUSERS_CLASS, IGNORED_KEYS, TransformerConfig  # noqa: F401 - re-exported
 
-if TYPE_CHECKING:
-    from .step_cache import StepCacheRows
+
+class BlockRunner(Protocol):
+    """What runs a forward's blocks in the transformer's place (a step cache's rows for one
+    call, model.step_cache), through `run_blocks` and `first_block_input`."""
+
+    def run(
+        self, transformer: QwenImageTransformer, img: torch.Tensor, txt: torch.Tensor, inputs: BlockInputs
+    ) -> torch.Tensor: ...
 
 
 class RMSNorm(nn.Module):
@@ -229,6 +236,7 @@ class TransformerBlock(nn.Module):
         padding: TextPadding,
         rope: tuple[Rotation, Rotation],
         stats: AttentionStats | None = None,
+        img_in: torch.Tensor | None = None,  # modulated_input(img, img_mod) when already made
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention and MLP given the modulation.
 
@@ -237,14 +245,18 @@ class TransformerBlock(nn.Module):
         forward. The modulation cache lookup (Python state keyed by tensor identity) stays in
         `forward`.
         """
-        q, k, v = self.attention_inputs(img, txt, img_mod, txt_mod, rope)
+        if img_in is None:
+            q, k, v = self.attention_inputs(img, txt, img_mod, txt_mod, rope)
+        else:  # TeaCache's block 0: its signal is this input, made once (model.step_cache)
+            q, k, v = self.modulated_attention_inputs(img_in, txt, txt_mod, rope)
+            del img_in  # freed before the attention, as the memory plan counts it
         attn = joint_attention(q, k, v, padding, stats)  # (B, H, N + L, hd)
         img_attn, txt_attn = split_streams(attn, img.shape[1])
         return self.attention_outputs(img, txt, img_attn, txt_attn, img_mod, txt_mod)
 
     def modulated_input(self, img: torch.Tensor, img_mod: torch.Tensor) -> torch.Tensor:
         """The image stream as the attention sees it, LayerNorm then the first shift and scale,
-        (B, N, D): TeaCache's signal of how much a step changes (model.step_cache)."""
+        (B, N, D): block 0's is TeaCache's signal of how much a step changes (model.step_cache)."""
         i_sh1, i_sc1 = img_mod.chunk(6, dim=-1)[:2]
         return _norm_modulate(img, i_sh1, i_sc1, self.eps)
 
@@ -256,10 +268,20 @@ class TransformerBlock(nn.Module):
         txt_mod: torch.Tensor,  # (B or 1, 6D)
         rope: tuple[Rotation, Rotation],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """LayerNorm + modulate, q/k/v projections, q/k RMS norm + RoPE: (B, H, N + L, hd) each."""
-        i_sh1, i_sc1 = img_mod.chunk(6, dim=-1)[:2]
+        """LayerNorm + modulate of both streams, q/k/v projections, q/k RMS norm + RoPE:
+        (B, H, N + L, hd) each. The compiled region (model.family): the image's norm and
+        modulate fuse with the projections."""
+        return self.modulated_attention_inputs(self.modulated_input(img, img_mod), txt, txt_mod, rope)
+
+    def modulated_attention_inputs(
+        self,
+        img_in: torch.Tensor,  # (B, N, D), modulated_input(img, img_mod)
+        txt: torch.Tensor,  # (B, L, D)
+        txt_mod: torch.Tensor,  # (B or 1, 6D)
+        rope: tuple[Rotation, Rotation],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """attention_inputs from the image stream already normed and modulated."""
         t_sh1, t_sc1 = txt_mod.chunk(6, dim=-1)[:2]
-        img_in = _norm_modulate(img, i_sh1, i_sc1, self.eps)
         txt_in = _norm_modulate(txt, t_sh1, t_sc1, self.eps)
         return self.attn.qkv(img_in, txt_in, rope)
 
@@ -336,12 +358,12 @@ class QwenImageTransformer(nn.Module):
         timestep: torch.Tensor,  # (B,) or (1,), scheduler t / 1000, in [0, 1]
         img_shapes: list,  # [(frames, h, w)] or [[(frames, h, w)]] per sample, in packed tokens
         additional_t_cond: torch.Tensor | None = None,
-        step_cache: StepCacheRows | None = None,
+        step_cache: BlockRunner | None = None,
     ) -> torch.Tensor:
         """Velocity prediction (B, N, patch^2 * out_channels).
 
-        step_cache: the rows' state when a step cache (model.step_cache) serves this call; it runs
-        the blocks, reusing work per row. None: every block computes, as always."""
+        step_cache: the rows' state when a step cache (model.step_cache) serves this call; it
+        calls `run_blocks` for the blocks and rows it computes. None: every block computes."""
         img = self.img_in(hidden_states)
         dtype, device = img.dtype, img.device
         mod_key = make_key(self, timestep, additional_t_cond, dtype, device)
@@ -350,16 +372,81 @@ class QwenImageTransformer(nn.Module):
         (B, N), L = img.shape[:2], txt.shape[1]
         padding = TextPadding.build(encoder_hidden_states_mask, B, L, N, self.padded_attention)
         rope = self.rope.tables(_first_shape(img_shapes), L, device)
+        inputs = BlockInputs(temb, padding, rope, mod_key, encoder_hidden_states_mask)
         if step_cache is not None:
-            img = step_cache.run_blocks(
-                self, img, txt, temb, padding, rope, mod_key, encoder_hidden_states_mask
-            )
-            return self.proj_out(self.norm_out(img, temb))
-        for block in self.transformer_blocks:
-            img, txt = block(
-                img, txt, temb, padding, rope, mod_key, self.modulation_cache, self.attention_stats
-            )
+            img = step_cache.run(self, img, txt, inputs)
+        else:
+            img, _ = self.run_blocks(img, txt, inputs)
         return self.proj_out(self.norm_out(img, temb))
+
+    def first_block_input(self, img: torch.Tensor, inputs: BlockInputs) -> BlockStart:
+        """Block 0's modulation and the image stream as its attention sees it (TeaCache's
+        signal); `run_blocks(start=...)` uses both instead of computing them again."""
+        block = self.transformer_blocks[0]
+        img_mod, txt_mod = block.modulation(inputs.temb, inputs.mod_key, self.modulation_cache)
+        return BlockStart(img_mod, txt_mod, block.modulated_input(img, img_mod))
+
+    def run_blocks(
+        self,
+        img: torch.Tensor,  # (B, N, D)
+        txt: torch.Tensor,  # (B, L, D)
+        inputs: BlockInputs,
+        blocks: slice = slice(None),
+        rows: list[int] | None = None,
+        start: BlockStart | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(img, txt) after `blocks` (all by default), for the batch rows `rows` only (None: all):
+        a subset gets its own text padding and modulation rows, so a row's result does not
+        depend on the others. `start`: the first block's modulation and modulated input, from
+        `first_block_input` over the whole batch (blocks must then start at block 0)."""
+        B = img.shape[0]
+        padding = inputs.padding
+        subset = rows if rows is not None and len(rows) < B else None
+        if subset is not None:
+            img, txt = take_rows(img, subset), take_rows(txt, subset)
+            mask = None if inputs.text_mask is None else take_rows(inputs.text_mask, subset)
+            padding = TextPadding.build(mask, len(subset), txt.shape[1], img.shape[1], self.padded_attention)
+        for block in self.transformer_blocks[blocks]:
+            img_in = None
+            if start is not None:
+                img_mod, txt_mod, img_in = start.img_mod, start.txt_mod, start.img_in
+                img_in = img_in if subset is None else take_rows(img_in, subset)
+                start = None
+            else:
+                img_mod, txt_mod = block.modulation(inputs.temb, inputs.mod_key, self.modulation_cache)
+            if subset is not None and img_mod.shape[0] == B and B > 1:  # one modulation row per image
+                img_mod, txt_mod = take_rows(img_mod, subset), take_rows(txt_mod, subset)
+            img, txt = block.body(
+                img, txt, img_mod, txt_mod, padding, inputs.rope, self.attention_stats, img_in
+            )
+        return img, txt
+
+
+@dataclass(frozen=True)
+class BlockInputs:
+    """What every block of one forward takes besides the two streams."""
+
+    temb: torch.Tensor  # (B or 1, D)
+    padding: TextPadding
+    rope: tuple[Rotation, Rotation]
+    mod_key: ModulationKey | None
+    text_mask: torch.Tensor | None  # (B, L) or None: what `padding` was built from
+
+
+@dataclass(frozen=True)
+class BlockStart:
+    """Block 0's (img_mod, txt_mod) and modulated image input, each over the whole batch."""
+
+    img_mod: torch.Tensor
+    txt_mod: torch.Tensor
+    img_in: torch.Tensor
+
+
+def take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x[rows] along dim 0 (x itself when the rows are the whole batch)."""
+    if len(rows) == x.shape[0]:
+        return x
+    return x.index_select(0, torch.tensor(rows, device=x.device))
 
 
 def _first_shape(img_shapes: list) -> tuple[int, int, int]:

@@ -19,9 +19,7 @@ import torch
 
 from ditfleet.model import TextToImagePipeline
 from ditfleet.model.guidance import cfg_on, negative_text
-from ditfleet.model.pipeline import GuidanceInputs
-from ditfleet.model.step_cache import StepCache
-from ditfleet.model.step_cache_config import parse_step_cache
+from ditfleet.model.pipeline import GuidanceInputs, Sampling
 from ditfleet.workers.rows import MAX_SEED, PromptRow
 
 
@@ -65,8 +63,9 @@ class GeneratedImage:
     pixels: torch.Tensor | None  # (3, H, W) uint8 on the CPU, or None when generation failed
     error: str | None
     generate_s: float  # this image's share of its batch's wall time
-    # The step cache's record (model.step_cache), None when it is off: the settings it ran with
-    # (or why it ran exact) and the image's DiT block evaluations, both CFG branches.
+    # The step cache's record (what the pipeline's Generation says), None when it is off: the
+    # settings it ran with (or why it ran exact) and the image's DiT block evaluations, both CFG
+    # branches.
     step_cache: str | None = None
     blocks_computed: int | None = None
     blocks_reused: int | None = None
@@ -234,17 +233,9 @@ class BatchGenerator:
         scales = [r.true_cfg_scale for r in rows] if batch[0].uses_cfg else 1.0
         if inputs is None:
             inputs = self.encode(batch)
-        step_cache = self._step_cache()
-        images = self.pipe.generate(
-            **inputs,
-            height=first.height,
-            width=first.width,
-            steps=first.steps,
-            true_cfg_scale=scales,
-            seeds=[r.seed for r in batch],
-            max_sequence_length=self.max_sequence_length,
-            step_hook=step_cache,
-        )
+        sampling = Sampling(first.height, first.width, first.steps, [r.seed for r in batch], scales)
+        generation = self.pipe.run(inputs, sampling)
+        images, step_cache = generation.images, generation.step_cache
         ok = torch.isfinite(images).flatten(1).all(dim=1)
         pixels = (images * 255).round().clamp(0, 255).to(torch.uint8)  # (B, 3, H, W)
         pixels, ok = to_host(pixels, ok)  # the batch's one blocking wait for the device
@@ -262,13 +253,6 @@ class BatchGenerator:
                 gen.step_cache = described
                 gen.blocks_computed, gen.blocks_reused = counts["blocks_computed"], counts["blocks_reused"]
         return out
-
-    def _step_cache(self) -> StepCache | None:
-        """A fresh step cache for one batch (its state is that batch's images); None when off."""
-        config = parse_step_cache(getattr(self.pipe.settings, "step_cache", "off"))
-        if config is None:
-            return None
-        return StepCache(config, self.pipe.transformer.config.num_layers)
 
 
 def to_host(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

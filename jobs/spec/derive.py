@@ -21,9 +21,9 @@ import inspect
 import sys
 import typing
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, Field, create_model
+from pydantic import BaseModel, Field, PlainSerializer, PlainValidator, create_model
 
 from ditfleet.model.settings import BOUNDS, field_default, settings_fields
 
@@ -56,7 +56,12 @@ class Knob:
         kwargs: dict[str, Any] = {b: f.metadata[b] for b in BOUNDS if b in f.metadata}
         kwargs["description"] = f.metadata["description"]
         kwargs.update(self.overrides)
-        return self.annotation(), Field(self.default(), **kwargs)
+        annotation = self.annotation()
+        if "parse" in f.metadata:  # a typed value: the knob's own parser reads the job file's form
+            annotation = Annotated[
+                annotation, PlainValidator(f.metadata["parse"]), PlainSerializer(f.metadata["dump"])
+            ]
+        return annotation, Field(self.default(), **kwargs)
 
 
 def knob(source: type, name: str, **overrides: Any) -> Knob:

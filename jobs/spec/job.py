@@ -27,7 +27,6 @@ from ditfleet.driver.run_job import DriverConfig
 from ditfleet.jobs.knobs import lease_ttl_s
 from ditfleet.model.family import model_family
 from ditfleet.model.settings import PipelineSettings, field_default, settings_fields
-from ditfleet.model.step_cache_config import parse_step_cache
 from ditfleet.workers.cache_secret import CacheSecretSource
 from ditfleet.workers.contract import GateConfig, LoraSpec, ModelPlacement, WorkerConfig
 from ditfleet.workers.output.formats import ShardWriterConfig
@@ -213,7 +212,7 @@ class JobSpec(Section):
         """What one actor asks of its GPU, for the memory plan (every bucket of the job)."""
         table = self.model.modulation_cache == "table"
         on_cpu = self.actor_device() == "cpu"
-        step_cache = parse_step_cache(self.sampling.step_cache)
+        step_cache = self.sampling.step_cache
         return MemoryRequest(
             model_path=self.model_path(),
             buckets=tuple(self.bucket_names()),
@@ -292,7 +291,7 @@ def _pixel_knobs(settings: Any, exclude: Mapping[str, Any]) -> dict[str, Any]:
     for name, f in settings_fields(type(settings)).items():
         value = getattr(settings, name)
         if f.metadata.get("pixels") and name not in exclude and value != field_default(f):
-            out[name] = value
+            out[name] = f.metadata["dump"](value) if "dump" in f.metadata else value
     return out
 
 

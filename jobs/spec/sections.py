@@ -18,7 +18,7 @@ from ditfleet.driver.dispatch import DispatchConfig
 from ditfleet.driver.plan import PlanConfig
 from ditfleet.model.folder import TINY_MODEL
 from ditfleet.model.settings import PipelineSettings
-from ditfleet.model.step_cache_config import check_schedule, parse_step_cache
+from ditfleet.model.step_cache_config import check_schedule
 from ditfleet.workers.cache_secret import WELL_KNOWN_ENV, CacheSecretSource
 from ditfleet.workers.contract import GateConfig, ModelPlacement, WorkerConfig
 from ditfleet.workers.output.formats import ShardWriterConfig
@@ -204,24 +204,15 @@ ModelSpec = section(
 )
 
 
-def _resolved_step_cache(value: Any) -> str | dict[str, Any]:
-    """A preset name or mapping -> 'off' or the full settings it stands for, so that the
-    fingerprint names what the images were made with, not a preset's name. YAML reads a bare
-    `off` as false: that is off too."""
-    config = parse_step_cache(None if value is False else value)
-    return "off" if config is None else config.to_dict()
-
-
 def _step_cache_fits_schedule(spec: Any) -> Any:
-    check_schedule(parse_step_cache(spec.step_cache), spec.steps)
+    """sampling.step_cache is parsed by its knob (model.step_cache_config.parse_step_cache): a
+    StepCacheConfig or None from here down; the job's schedule must be long enough to use it."""
+    check_schedule(spec.step_cache, spec.steps)
     return spec
 
 
 def _sampling_spec_validators() -> dict:
-    return {
-        "_step_cache_ok": field_validator("step_cache", mode="before")(_resolved_step_cache),
-        "_step_cache_schedule": model_validator(mode="after")(_step_cache_fits_schedule),
-    }
+    return {"_step_cache_schedule": model_validator(mode="after")(_step_cache_fits_schedule)}
 
 
 # Defaults for rows that give none (workers.rows.RowConfig), and how CFG runs.

@@ -5,7 +5,6 @@ compiled forward at the other sizes (last: each compiles its own graphs)."""
 from __future__ import annotations
 
 import hashlib
-import importlib
 import time
 import warnings
 from collections.abc import Callable
@@ -19,8 +18,9 @@ from ditfleet.compile.compiled_method import CompiledMethod
 from ditfleet.compile.counting import compile_count
 from ditfleet.compile.policy import apply_compile
 from ditfleet.model.memory import GB, ModelMemory, Runtime, plan_memory
-from ditfleet.model.pipeline import TextToImagePipeline
+from ditfleet.model.pipeline import Generation, GuidanceInputs, Sampling, TextToImagePipeline
 from ditfleet.model.sampling import euler_step, true_cfg
+from ditfleet.model.step_cache_config import PRESETS, StepCacheConfig
 from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig
 from ditfleet.workers.selftest.checks import (
     compile_config,
@@ -375,13 +375,6 @@ def batch_generator(ctx: Context) -> None:
 # -- 7. FP8 and step caching ----------------------------------------------------------------------------
 
 
-def _slot_function(module: str, name: str) -> Callable[..., Any] | None:
-    try:
-        return getattr(importlib.import_module(module), name, None)
-    except ImportError:
-        return None
-
-
 @stage("fp8_forward", estimate_s=30, limit_s=90)
 def fp8_forward(ctx: Context) -> None:
     """The FP8 line: the full-depth DiT copied as an FP8 DiT of each mode ('fp8',
@@ -448,14 +441,51 @@ def _forward_peak_gb(ctx: Context, fn: Callable[[], object]) -> float | None:
 
 @stage("step_cache", estimate_s=30, limit_s=90)
 def step_cache(ctx: Context) -> None:
-    """`ditfleet.model.step_cache_selftest.selftest_line(pipe, size, steps)`: DiT work and
-    wall-time speed-up of each preset against exact, one image at the first size."""
-    fn = _slot_function("ditfleet.model.step_cache_selftest", "selftest_line")
-    if fn is None:
-        raise StageSkipped("slot: no model.step_cache_selftest.selftest_line")
-    model = full_model(ctx)
-    pipe = TextToImagePipeline(model, ctx.state["vae"], ctx.state["scheduler"])
-    ctx.emit({"status": "measured", **fn(pipe, sizes(ctx)[0], 20)})
+    """One image on the full-depth model at the first size, exact and with each step-cache
+    preset, same seed and prompt embeddings: per preset the DiT work and wall-time speed-ups
+    against exact, and how far the final latents moved (relative L2). The weights are random, so
+    the distance says nothing of a real model's quality (`ditfleet calibrate` measures that); the
+    wall-time speed-up next to the work speed-up shows what the decisions, the batch subsets and
+    the kept residuals cost on the device."""
+    pipe = TextToImagePipeline(full_model(ctx), ctx.state["vae"], ctx.state["scheduler"])
+    size, steps, text, width = sizes(ctx)[0], 20, 64, pipe.transformer.config.joint_attention_dim
+    g = torch.Generator().manual_seed(3)
+    inputs: GuidanceInputs = {
+        "prompt_embeds": torch.randn(1, text, width, generator=g),
+        "prompt_embeds_mask": None,
+        "negative_prompt_embeds": torch.randn(1, text // 2, width, generator=g),
+        "negative_prompt_embeds_mask": None,
+    }
+
+    def run(config: StepCacheConfig | None, n: int = steps) -> tuple[Generation, torch.Tensor, float]:
+        t0 = time.perf_counter()
+        out = pipe.with_step_cache(config).run(inputs, Sampling(size, size, n, [0], 4.0), decode=False)
+        latents = out.images.float().cpu()  # .cpu() waits
+        return out, latents, time.perf_counter() - t0
+
+    run(None, 1)  # one-off costs out of the timings
+    _, exact, exact_s = run(None)
+    line: dict[str, Any] = {
+        "size": f"{size}x{size}",
+        "steps": steps,
+        "exact_s": round(exact_s, 3),
+        "presets": {},
+    }
+    for name, config in PRESETS.items():
+        if config is None:
+            continue
+        out, latents, seconds = run(config)
+        assert out.step_cache is not None
+        per = out.step_cache.per_image()[0]
+        line["presets"][name] = {
+            "active": out.step_cache.inactive is None,
+            "work_speedup": round(
+                (per["blocks_computed"] + per["blocks_reused"]) / max(1, per["blocks_computed"]), 3
+            ),
+            "wall_speedup": round(exact_s / seconds, 3),
+            "latent_rel_l2": round(float((latents - exact).norm() / exact.norm()), 4),
+        }
+    ctx.emit({"status": "measured", **line})
 
 
 # -- 8. the other sizes, last: each compiles its own graphs ---------------------------------------------

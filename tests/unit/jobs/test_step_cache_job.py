@@ -12,6 +12,7 @@ from ditfleet.jobs.calibrate import format_calibration, wall_lag_reason
 from ditfleet.jobs.cli import main
 from ditfleet.jobs.spec import SpecError
 from ditfleet.jobs.spec.file import parse_spec
+from ditfleet.model.step_cache_config import PRESETS
 from tests.support.paths import REPO
 
 BASE = (REPO / "jobs" / "examples" / "tiny.yaml").read_text()
@@ -33,7 +34,11 @@ def test_off_keeps_the_fingerprint_and_a_preset_enters_it_resolved():
     fast = _spec("fast").image_settings()["step_cache"]
     assert fast["method"] == "teacache" and "compute_blocks" not in fast  # what acts, nothing else
     assert _spec("{preset: fast, taylorseer_order: 0}").image_settings()["step_cache"] != fast
-    assert _spec("safe").to_worker_config().pipeline.step_cache == safe
+    # Parsed once, in the spec: the worker gets the typed settings, the same as the fingerprint's.
+    assert _spec("safe").sampling.step_cache == PRESETS["safe"]
+    assert _spec("safe").to_worker_config().pipeline.step_cache == PRESETS["safe"]
+    assert PRESETS["safe"].to_dict() == safe and _spec("off").to_worker_config().pipeline.step_cache is None
+    assert _spec("safe").resolved()["sampling"]["step_cache"] == safe  # what _job.json stores
 
 
 @pytest.mark.parametrize(

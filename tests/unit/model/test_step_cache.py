@@ -11,7 +11,8 @@ import torch
 
 from ditfleet.compile import CompileConfig, apply_compile, count_compiles, warm_up
 from ditfleet.model import load_pipeline
-from ditfleet.model.step_cache import StepCache, StepCacheRows
+from ditfleet.model.pipeline import Sampling
+from ditfleet.model.step_cache import StepCache
 from ditfleet.model.step_cache_config import (
     PRESETS,
     StepCacheConfig,
@@ -42,20 +43,10 @@ def _inputs(pipe, batch: int, start: int = 0) -> dict:
     )
 
 
-def _generate(pipe, inputs, seeds, hook=None, steps=STEPS, cfg=4.0, height=32, width=48):
-    return pipe.generate(
-        **inputs,
-        height=height,
-        width=width,
-        steps=steps,
-        true_cfg_scale=cfg,
-        seeds=list(seeds),
-        step_hook=hook,
-    )
-
-
-def _hook(pipe, config=SHORT) -> StepCache:
-    return StepCache(config, pipe.transformer.config.num_layers)
+def _generate(pipe, inputs, seeds, config=SHORT, steps=STEPS, cfg=4.0, height=32, width=48):
+    """(images, the step cache that served them: None when `config` is None)."""
+    out = pipe.with_step_cache(config).run(inputs, Sampling(height, width, steps, list(seeds), cfg))
+    return out.images, out.step_cache
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +62,7 @@ def _teacache(pipe, taylorseer_order: int, height: int = 32, width: int = 48) ->
     images alike; the threshold is put in the widest gap between their first rescaled changes
     instead, so that some reuse where others compute."""
     probe = dataclasses.replace(SHORT_TEACACHE, threshold=0.99)
-    hook = _hook(pipe, probe)
-    _generate(pipe, _inputs(pipe, 4), SEEDS, hook, height=height, width=width)
+    _, hook = _generate(pipe, _inputs(pipe, 4), SEEDS, probe, height=height, width=width)
     first = sorted(hook.branches[0].changes[k][0][1] for k in range(4))
     gap, low = max((b - a, a) for a, b in zip(first, first[1:]))
     return dataclasses.replace(SHORT_TEACACHE, threshold=low + gap / 2, taylorseer_order=taylorseer_order)
@@ -93,8 +83,7 @@ def config(request, serial) -> StepCacheConfig:
 
 
 def test_it_reuses_work_and_counts_every_block(serial, config):
-    hook = _hook(serial, config)
-    _generate(serial, _inputs(serial, 4), SEEDS, hook)
+    _, hook = _generate(serial, _inputs(serial, 4), SEEDS, config)
     layers = serial.transformer.config.num_layers
     fn = config.compute_blocks_for(layers)  # teacache: 0, a reused step runs no block at all
     for k, counts in enumerate(hook.per_image()):
@@ -106,8 +95,7 @@ def test_it_reuses_work_and_counts_every_block(serial, config):
 
 
 def test_first_warmup_and_last_steps_compute_and_runs_are_capped(serial, config):
-    hook = _hook(serial, config)
-    _generate(serial, _inputs(serial, 4), SEEDS, hook)
+    _, hook = _generate(serial, _inputs(serial, 4), SEEDS, config)
     for branch in (0, 1):
         for image in range(4):
             reused = hook.reused_steps(branch, image)
@@ -126,12 +114,10 @@ def _runs(steps: list[int]) -> list[int]:
 
 
 def test_an_image_decides_the_same_alone_and_in_a_batch_of_4(serial, config):
-    batch_hook = _hook(serial, config)
-    together = _generate(serial, _inputs(serial, 4), SEEDS, batch_hook)
+    together, batch_hook = _generate(serial, _inputs(serial, 4), SEEDS, config)
     some_reuse = False
     for k in range(4):
-        alone_hook = _hook(serial, config)
-        alone = _generate(serial, _inputs(serial, 1, start=k), SEEDS[k : k + 1], alone_hook)
+        alone, alone_hook = _generate(serial, _inputs(serial, 1, start=k), SEEDS[k : k + 1], config)
         for branch in (0, 1):
             assert alone_hook.reused_steps(branch, 0) == batch_hook.reused_steps(branch, k), (k, branch)
             some_reuse |= bool(alone_hook.reused_steps(branch, 0))
@@ -147,8 +133,7 @@ def test_each_cfg_branch_has_its_own_cache_serial_and_batched(random_model_dir, 
     hooks = {}
     images = {}
     for name, pipe in (("serial", serial), ("batched", batched)):
-        hooks[name] = _hook(pipe, config)
-        images[name] = _generate(pipe, _inputs(pipe, 2), SEEDS[:2], hooks[name])
+        images[name], hooks[name] = _generate(pipe, _inputs(pipe, 2), SEEDS[:2], config)
         assert len(hooks[name].branches) == 2
     for branch in (0, 1):
         for image in (0, 1):
@@ -159,8 +144,7 @@ def test_each_cfg_branch_has_its_own_cache_serial_and_batched(random_model_dir, 
     assert not torch.allclose(cond, uncond)
     torch.testing.assert_close(images["serial"], images["batched"], atol=1e-4, rtol=0)
     # Without CFG: one branch.
-    plain = _hook(serial, config)
-    _generate(serial, _inputs(serial, 2), SEEDS[:2], plain, cfg=1.0)
+    _, plain = _generate(serial, _inputs(serial, 2), SEEDS[:2], config, cfg=1.0)
     assert len(plain.branches) == 1
 
 
@@ -170,17 +154,16 @@ def test_every_modulation_cache_mode_gives_the_same_images(random_model_dir, con
         pipe = load_pipeline(
             random_model_dir, cfg_mode="serial", modulation_cache=mode, load_text_encoder_too=False
         )
-        hook = _hook(pipe, config)
-        out[mode] = (_generate(pipe, _inputs(pipe, 3), SEEDS[:3], hook), hook.reused_steps(0, 1))
+        images, hook = _generate(pipe, _inputs(pipe, 3), SEEDS[:3], config)
+        out[mode] = (images, hook.reused_steps(0, 1))
     for mode in ("cfg", "table"):
         assert torch.equal(out[mode][0], out["off"][0]), mode
         assert out[mode][1] == out["off"][1]
 
 
 def test_too_short_a_schedule_runs_exact_and_says_so(serial):
-    exact = _generate(serial, _inputs(serial, 2), SEEDS[:2], steps=3)
-    hook = _hook(serial)
-    short = _generate(serial, _inputs(serial, 2), SEEDS[:2], hook, steps=3)
+    exact, _ = _generate(serial, _inputs(serial, 2), SEEDS[:2], None, steps=3)
+    short, hook = _generate(serial, _inputs(serial, 2), SEEDS[:2], steps=3)
     assert torch.equal(short, exact)
     assert hook.describe() == "off (3 steps < min_steps 4)"
     assert all(c["blocks_reused"] == 0 for c in hook.per_image())
@@ -188,11 +171,17 @@ def test_too_short_a_schedule_runs_exact_and_says_so(serial):
     assert lightning is not None and lightning.inactive_reason(8) == "8 steps < min_steps 20"
 
 
-def test_off_is_no_hook_and_bit_identical(serial):
+def test_off_builds_no_cache_and_is_the_public_call(serial):
     assert parse_step_cache("off") is None and parse_step_cache(None) is None
-    a = _generate(serial, _inputs(serial, 2), SEEDS[:2])
-    b = _generate(serial, _inputs(serial, 2), SEEDS[:2], hook=None)
+    assert parse_step_cache(False) is None  # YAML's bare `off`
+    a, cache = _generate(serial, _inputs(serial, 2), SEEDS[:2], None)
+    assert cache is None
+    b = serial.generate(
+        **_inputs(serial, 2), height=32, width=48, steps=STEPS, true_cfg_scale=4.0, seeds=SEEDS[:2]
+    )
     assert torch.equal(a, b)
+    with pytest.raises(TypeError, match="StepCacheConfig"):  # parsed once, in the spec: typed below
+        load_pipeline("tiny", step_cache="safe")
 
 
 def test_bad_settings_name_the_key():
@@ -242,10 +231,9 @@ def _forecast(taylorseer_order: int, residual, computed: tuple[int, ...], at: in
     """The residual a reused row gets at step `at` after computing `residual(t)` at `computed`."""
     cache = StepCache(dataclasses.replace(SHORT, taylorseer_order=taylorseer_order), num_layers=4)
     cache.start(20, 1)
-    branch = cache._branch(0)
     for t in computed:
-        StepCacheRows(cache, t, [(branch, 1)])._remember([0], residual(t))
-    return StepCacheRows(cache, at, [(branch, 1)])._forecast([0])
+        cache.call(t, (0,))._remember([0], residual(t))  # type: ignore[union-attr]
+    return cache.call(at, (0,))._forecast([0])  # type: ignore[union-attr]
 
 
 def test_taylorseer_extrapolates_the_residual_over_the_steps_since():
@@ -277,18 +265,39 @@ def test_compiled_dit_skips_without_recompiling(random_model_dir, serial, method
     apply_compile(pipe, CompileConfig(vae=False, dit=True, dit_backend="eager"))
     warm_up(pipe, (bucket,), batch_sizes=(4,))
     eager = load_pipeline(random_model_dir, cfg_mode="serial", load_text_encoder_too=False)
-    kw = dict(height=bucket.height, width=bucket.width, steps=STEPS, true_cfg_scale=4.0, seeds=SEEDS)
     size = dict(height=bucket.height, width=bucket.width)
     config = SHORT if method == "dbcache" else _teacache(serial, taylorseer_order=1, **size)
     with torch._dynamo.config.patch(error_on_recompile=True), count_compiles() as tally:
-        hook = _hook(pipe, config)
-        compiled = pipe.generate(**_inputs(pipe, 4), **kw, step_hook=hook)
+        compiled, hook = _generate(pipe, _inputs(pipe, 4), SEEDS, config, **size)
     assert tally.count == 0
-    reference_hook = _hook(eager, config)
-    reference = eager.generate(**_inputs(eager, 4), **kw, step_hook=reference_hook)
+    reference, reference_hook = _generate(eager, _inputs(eager, 4), SEEDS, config, **size)
     # Subsets of the batch ran through the compiled blocks: the images did not all decide alike.
     assert any(hook.reused_steps(0, k) for k in range(4))
     assert len({tuple(hook.reused_steps(0, k)) for k in range(4)}) > 1
     for k in range(4):
         assert hook.reused_steps(0, k) == reference_hook.reused_steps(0, k)
     torch.testing.assert_close(compiled, reference, atol=1e-4, rtol=0)
+
+
+def test_teacache_normalises_block_0s_input_once_per_pass(serial, monkeypatch):
+    """TeaCache's signal is block 0's modulated input; the rows that compute run block 0 on it
+    (`run_blocks(start=...)`) instead of normalising and modulating the image stream again."""
+    import ditfleet.model.transformer as transformer
+
+    real, image_norms = transformer._norm_modulate, []
+    tokens = (32 // 16) * (48 // 16)
+
+    def counted(x, shift, scale, eps):
+        if x.shape[1] == tokens:
+            image_norms.append(x.shape[0])
+        return real(x, shift, scale, eps)
+
+    monkeypatch.setattr(transformer, "_norm_modulate", counted)
+    always_compute = dataclasses.replace(SHORT_TEACACHE, threshold=1e-9)
+    _, cache = _generate(serial, _inputs(serial, 2), SEEDS[:2], always_compute)
+    assert cache is not None and cache.inactive is None
+    assert sum(c["blocks_reused"] for c in cache.per_image()) == 0
+    layers, passes = serial.transformer.config.num_layers, STEPS * 2  # serial CFG: two a step
+    # Each block normalises the image stream twice (before attention, before the MLP), the output
+    # norm once more; no more (recomputing TeaCache's signal would add one a pass).
+    assert image_norms == [2] * (passes * (2 * layers + 1))

@@ -42,30 +42,30 @@ def pipe(random_model_dir):
 
 def test_the_failed_batch_is_freed_before_the_retry_and_images_match(pipe):
     requests = image_requests(_rows(4))
-    real_generate = pipe.generate
+    real_run = pipe.run
     failed_tensors: list[weakref.ref] = []
     alive_at_retry: list[int] = []
 
-    def generate_that_runs_out_of_memory(**kwargs):
-        if len(kwargs["seeds"]) > 1:
+    def run_that_runs_out_of_memory(inputs, sampling):
+        if len(sampling.seeds) > 1:
             activations = torch.empty(8 * 1024 * 1024)  # what a real attempt holds when it fails
             failed_tensors.append(weakref.ref(activations))
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
         alive_at_retry.append(sum(ref() is not None for ref in failed_tensors))
-        return real_generate(**kwargs)
+        return real_run(inputs, sampling)
 
     expected = BatchGenerator(pipe, max_sequence_length=64).run(requests[:1]) + BatchGenerator(
         pipe, max_sequence_length=64
     ).run(requests[1:2])
     gc.disable()  # refcounting alone must free them: no reliance on a collection
     try:
-        pipe.generate = generate_that_runs_out_of_memory
+        pipe.run = run_that_runs_out_of_memory
         generator = BatchGenerator(pipe, max_sequence_length=64)
         (batch,) = plan_batches(requests, 4)
         images = generator.run(batch)
     finally:
         gc.enable()
-        del pipe.generate
+        del pipe.run
     assert generator.oom_splits == 3  # 4 -> 2 + 2 -> 1 + 1 + 1 + 1
     assert [img.request for img in images] == requests, "input order is kept"
     assert len(failed_tensors) == 3 and alive_at_retry == [0, 0, 0, 0]
@@ -76,15 +76,15 @@ def test_the_failed_batch_is_freed_before_the_retry_and_images_match(pipe):
 def test_a_single_image_oom_or_another_error_is_raised(pipe):
     requests = image_requests(_rows(2))
 
-    def broken(**kwargs):
+    def broken(inputs, sampling):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    pipe.generate = broken
+    pipe.run = broken
     try:
         with pytest.raises(RuntimeError, match="illegal memory access"):
             BatchGenerator(pipe).run(requests)
     finally:
-        del pipe.generate
+        del pipe.run
 
 
 def test_the_shard_result_reports_oom_splits(random_model_dir, tmp_path):
@@ -94,21 +94,21 @@ def test_the_shard_result_reports_oom_splits(random_model_dir, tmp_path):
 
     prompts = write_prompts(tmp_path / "prompts.parquet", 4, sizes=False)
     worker = GenerationWorker(worker_config(random_model_dir, str(tmp_path / "out"), batch_size=4))
-    real_generate = worker.pipe.generate
+    real_run = worker.pipe.run
     failed_calls = []
 
-    def generate_that_runs_out_of_memory(**kwargs):
-        if len(kwargs["seeds"]) > 1:
-            failed_calls.append(len(kwargs["seeds"]))
+    def run_that_runs_out_of_memory(inputs, sampling):
+        if len(sampling.seeds) > 1:
+            failed_calls.append(len(sampling.seeds))
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
-        return real_generate(**kwargs)
+        return real_run(inputs, sampling)
 
-    worker.pipe.generate = generate_that_runs_out_of_memory
+    worker.pipe.run = run_that_runs_out_of_memory
     result = worker.run_shard(shard_of(prompts, 0, 0, 4), attempt=0)
     assert result.status == "committed" and result.images_ok == 4
     assert failed_calls == [4, 2, 2]  # 4 -> 2 + 2 -> 1 + 1 + 1 + 1
     assert result.oom_splits == 3
-    del worker.pipe.generate
+    del worker.pipe.run
     again = worker.run_shard(shard_of(prompts, 1, 0, 4), attempt=0)
     assert again.oom_splits == 0  # counted per shard, not per actor
 
