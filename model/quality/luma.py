@@ -6,6 +6,8 @@ for a PNG read back: a GPU's reductions may sum in another order and differ in t
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
 #: ITU-R BT.601 luma weights for R, G, B.
@@ -19,6 +21,19 @@ def check_pixels(pixels: torch.Tensor) -> None:
             f"image scorers take (B, 3, H, W) uint8 pixels, got {tuple(pixels.shape)} "
             f"{pixels.dtype}: pass the decoded image as stored (uint8 RGB, channels first)"
         )
+
+
+def score_each(
+    name: str, pixels: torch.Tensor, prompts: Sequence[str], one: Callable[[torch.Tensor, str], float]
+) -> list[float]:
+    """`one(image, prompt)` for each (3, H, W) uint8 image of the batch: a scorer whose images
+    score one at a time, so a score never depends on the batch. ValueError for a wrong batch."""
+    check_pixels(pixels)
+    if len(prompts) != pixels.shape[0]:
+        raise ValueError(
+            f"{name} got {pixels.shape[0]} images and {len(prompts)} prompts: pass one prompt per image"
+        )
+    return [one(image, prompt) for image, prompt in zip(pixels, prompts)]
 
 
 def luma(image: torch.Tensor) -> torch.Tensor:

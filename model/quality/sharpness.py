@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .luma import check_pixels, luma
+from .luma import luma, score_each
 
 
 def laplacian_variance(y: torch.Tensor) -> float:
@@ -29,10 +29,4 @@ class Sharpness:
     higher_is_better = True
 
     def score(self, pixels: torch.Tensor, prompts: Sequence[str]) -> list[float]:
-        check_pixels(pixels)
-        if len(prompts) != pixels.shape[0]:
-            raise ValueError(
-                f"sharpness got {pixels.shape[0]} images and {len(prompts)} prompts: pass one "
-                "prompt per image"
-            )
-        return [laplacian_variance(luma(image)) for image in pixels]
+        return score_each(self.name, pixels, prompts, lambda image, _: laplacian_variance(luma(image)))

@@ -15,7 +15,7 @@ import torch
 from ditfleet.model.tiny.adherence import measure
 from ditfleet.model.tiny.scenes import parse_caption
 
-from .luma import check_pixels
+from .luma import score_each
 
 #: The attributes a caption states, as (the caption's field, the measurement's field).
 ATTRIBUTES = (("color", "color"), ("background", "background"), ("position", "position"),
@@ -29,12 +29,7 @@ class TinyAdherence:
     higher_is_better = True
 
     def score(self, pixels: torch.Tensor, prompts: Sequence[str]) -> list[float]:
-        check_pixels(pixels)
-        if len(prompts) != pixels.shape[0]:
-            raise ValueError(
-                f"tiny got {pixels.shape[0]} images and {len(prompts)} prompts: pass one prompt per image"
-            )
-        return [self._one(image, prompt) for image, prompt in zip(pixels, prompts)]
+        return score_each(self.name, pixels, prompts, self._one)
 
     @staticmethod
     def _one(image: torch.Tensor, prompt: str) -> float:
