@@ -40,7 +40,13 @@ from ditfleet.workers.generate import (
     shard_prompts,
 )
 from ditfleet.workers.metrics import WorkerMetrics
-from ditfleet.workers.output.formats import ImageResult, ImageTask, StoredShard, make_shard_writer
+from ditfleet.workers.output.formats import (
+    ImageResult,
+    ImageTask,
+    ShardWriterConfig,
+    StoredShard,
+    make_shard_writer,
+)
 from ditfleet.workers.output.layout import manifest_key, new_attempt_token
 from ditfleet.workers.output.manifest import ManifestRow, ManifestWriter, passthrough_json
 from ditfleet.workers.output.provenance import JobProvenance
@@ -135,11 +141,6 @@ class GenerationWorker:
         self.batch_size = self.batch_fit.batch_size
         self.pipe = self._load_pipeline(self.model.local_path)
         self.text = place_text_encoder(self.pipe, self.model.local_path, config)
-        # What every image's metadata names: the model loaded here and the job.
-        self.writer_config = dataclasses.replace(
-            config.writer,
-            job=JobProvenance(self.pipe.model_id, self.pipe.model_revision, config.job_name),
-        )
         load_s = time.perf_counter() - t_load
         # Why the shared cache is off goes in the start-up report: the driver says it once per job.
         secret = read_cache_secret(config.compile_cache_key) if config.compile.shared_cache else None
@@ -287,6 +288,13 @@ class GenerationWorker:
         result.rows = len(rows)
         result.wall_s = time.perf_counter() - t0
         return result
+
+    @property
+    def writer_config(self) -> ShardWriterConfig:
+        """The job's writer settings and what every image's metadata names: the model loaded here
+        and the job (made from `config` at each shard, so a changed config is followed)."""
+        job = JobProvenance(self.pipe.model_id, self.pipe.model_revision, self.config.job_name)
+        return dataclasses.replace(self.config.writer, job=job)
 
     def _generate_and_store(
         self, shard: int, requests: list[ImageRequest], token: str
