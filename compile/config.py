@@ -36,7 +36,7 @@ DIT_WARMUP_S_PER_BUCKET = (60, 120)
 # this machine compiled before (the progress line says which).
 VAE_FIRST_COMPILE_S_CPU = 50
 # Why compile.vae "auto" is off on CPU actors: the compiled decode of one 128x128 tiny-model image
-# takes 15.8 ms against 29.2 ms eager on one core, so a bucket's ~50 s compile is repaid after about
+# takes 15.8 ms against 29.2 ms eager on one core, so a bucket's 30-75 s compile is repaid after about
 # 4,000 images of that bucket on the machine (docs/performance.md, "The first run").
 VAE_CPU_COMPILE_REPAID_AFTER_IMAGES = 4000
 
@@ -71,7 +71,7 @@ class CompileConfig:
     vae: bool | Literal["auto"] = setting(
         "auto",
         description="Compile the VAE decode, warmed once per bucket at actor start-up. 'auto': on for "
-        "GPU actors; off on CPU actors, where a bucket's compile (about 50 s) is repaid only after "
+        "GPU actors; off on CPU actors, where a bucket's compile (30-75 s on 2 cores) is repaid only after "
         "thousands of images of that bucket.",
     )  # "auto": see vae_on
     vae_mode: str = "default"
