@@ -218,7 +218,10 @@ def cmd_preview(args: argparse.Namespace) -> int:
     from ditfleet.jobs.preview import write_preview
 
     store = _open_output(args)
-    shown = write_preview(store, args.out, limit=args.max, columns=args.columns)
+    try:
+        shown = write_preview(store, args.out, args.max, args.columns, sort=args.sort, best=args.best)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
     print(f"wrote {args.out}: {shown} images from {store.uri()}")
     return EXIT_OK
 
@@ -450,6 +453,13 @@ def _add_output_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="PNG file to write")
     p.add_argument("--max", type=int, default=24, help="images on the sheet (default 24)")
     p.add_argument("--columns", type=int, help="images per row (default: about square)")
+    p.add_argument(
+        "--sort",
+        metavar="SCORER",
+        help="show the images by a score (tiny, sharpness: the manifests' score_NAME, else the tables "
+        "of `ditfleet score`), lowest first, each labelled with it",
+    )
+    p.add_argument("--best", action="store_true", help="with --sort: highest first")
 
     p = command(
         "report",

@@ -1,7 +1,8 @@
 """A contact sheet of an output: a grid of generated images, each captioned with its prompt.
 
 Reads manifests shard by shard until it has enough ok images, then reads those images through
-their format's reader (workers.output.formats), each stored object once.
+their format's reader (workers.output.formats), each stored object once. Sorted by a score
+(`--sort tiny`), it reads every manifest's uri and score columns first, then only the images shown.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from dataclasses import dataclass
 import pyarrow.parquet as pq
 from PIL import Image, ImageDraw, ImageFont
 
-from ditfleet.workers.output.formats import MANIFEST_IMAGE_COLUMNS, ok_images, read_images
+from ditfleet.workers.output.formats import MANIFEST_IMAGE_COLUMNS, ManifestImage, ok_images, read_images
+from ditfleet.workers.output.layout import score_table_key
 from ditfleet.workers.output.manifest import current_manifest_keys
 from ditfleet.workers.storage import ObjectStore
 
@@ -31,6 +33,38 @@ class PreviewImage:
     k: int
     prompt: str
     image: Image.Image
+    score: float | None = None  # with --sort: the score it was sorted by
+
+
+def scored_rows(store: ObjectStore, scorer: str) -> list[tuple[float, ManifestImage, str]]:
+    """(score, row, prompt) of every ok image with a `scorer` score: the manifest's score_{name}
+    column (quality.scorers), else the side table `ditfleet score` wrote for that manifest."""
+    found = []
+    column = f"score_{scorer}"
+    for _, key in sorted(current_manifest_keys(store).items()):
+        parquet = pq.ParquetFile(io.BytesIO(store.get(key)))
+        has_column = column in parquet.schema_arrow.names
+        table = parquet.read(columns=[*_COLUMNS, *([column] if has_column else [])])
+        scores = dict(zip(table["uri"].to_pylist(), table[column].to_pylist())) if has_column else {}
+        side = score_table_key(scorer, key)
+        if not any(v is not None for v in scores.values()) and store.exists(side):
+            side_table = pq.read_table(io.BytesIO(store.get(side)), columns=["uri", "score"])
+            scores = dict(zip(side_table["uri"].to_pylist(), side_table["score"].to_pylist()))
+        prompts = {(r["id"], r["k"]): r["prompt"] for r in table.select(["id", "k", "prompt"]).to_pylist()}
+        for row in ok_images(table):
+            if (value := scores.get(row.uri)) is not None:
+                found.append((value, row, prompts[(row.id, row.k)]))
+    return found
+
+
+def collect_sorted(store: ObjectStore, limit: int, scorer: str, best: bool = False) -> list[PreviewImage]:
+    """Up to `limit` scored images, lowest score first (best: highest first); ties in shard order."""
+    ranked = sorted(scored_rows(store, scorer), key=lambda t: -t[0] if best else t[0])[:limit]
+    blobs = read_images(store, [row for _, row, _ in ranked])
+    return [
+        PreviewImage(row.id, row.k, prompt, Image.open(io.BytesIO(blob)).convert("RGB"), value)
+        for (value, row, prompt), (_, blob) in zip(ranked, blobs)
+    ]
 
 
 def collect(store: ObjectStore, limit: int) -> list[PreviewImage]:
@@ -66,15 +100,29 @@ def contact_sheet(images: list[PreviewImage], columns: int | None = None) -> Ima
         thumb.thumbnail((THUMB, THUMB))
         sheet.paste(thumb, (x0 + (THUMB - thumb.width) // 2, y0 + (THUMB - thumb.height) // 2))
         label = item.id if item.k == 0 else f"{item.id} #{item.k}"
+        label += "" if item.score is None else f"  {item.score:.3g}"
         lines = [label, *textwrap.wrap(item.prompt, _CAPTION_CHARS)[:_CAPTION_LINES]]
         for i, text in enumerate(lines):
             draw.text((x0, y0 + THUMB + 4 + i * line_h), text, fill="black" if i else "gray", font=font)
     return sheet
 
 
-def write_preview(store: ObjectStore, out_path: str, limit: int = 24, columns: int | None = None) -> int:
-    """Write a contact sheet PNG of up to `limit` images to `out_path`; returns how many it shows."""
-    images = collect(store, limit)
+def write_preview(
+    store: ObjectStore,
+    out_path: str,
+    limit: int = 24,
+    columns: int | None = None,
+    sort: str | None = None,
+    best: bool = False,
+) -> int:
+    """Write a contact sheet PNG of up to `limit` images to `out_path`; returns how many it shows.
+    sort: a scorer's name: the images with that score, lowest first (best: highest first)."""
+    images = collect(store, limit) if sort is None else collect_sorted(store, limit, sort, best)
+    if not images and sort is not None:
+        raise ValueError(
+            f"{store.uri()} has no image with a {sort!r} score: run the job with quality.scorers: "
+            f"[{sort}], or `ditfleet score {store.uri()} --scorer {sort}`"
+        )
     if not images:
         raise ValueError(f"{store.uri()} has no committed ok images yet; run the job first")
     contact_sheet(images, columns).save(out_path, format="PNG")

@@ -154,3 +154,21 @@ def test_the_job_asks_for_scores_by_name_and_a_wrong_name_is_refused(tmp_path):
     with pytest.raises(SpecError, match=r"quality\.scorers") as refused:
         load_spec(str(job))
     assert "sharpness" in str(refused.value) and "tiny" in str(refused.value)
+
+
+def test_preview_sorts_by_a_score_from_the_side_tables(tmp_path, capsys):
+    from ditfleet.jobs.preview import collect_sorted
+
+    root = tmp_path / "out"
+    store = open_store(str(root))
+    wrong = {0: Scene("circle", "green", "blue", "centre", "large").caption}  # 0.8: the colour is wrong
+    _write_shard(store, 0, SCENES, captions=wrong)
+    sheet = tmp_path / "sheet.png"
+    assert main(["preview", str(root), "--out", str(sheet), "--sort", "tiny"]) == 2
+    assert "ditfleet score" in capsys.readouterr().err  # nothing scored yet: says how to score
+    assert main(["score", str(root), "--scorer", "tiny"]) == 0
+    assert main(["preview", str(root), "--out", str(sheet), "--sort", "tiny", "--max", "2"]) == 0
+    assert "2 images" in capsys.readouterr().out and Image.open(sheet).size[0] > 0
+    lowest = collect_sorted(store, 3, "tiny")
+    assert [(p.id, p.score) for p in lowest] == [("s0-0", 0.8), ("s0-1", 1.0), ("s0-2", 1.0)]
+    assert [p.id for p in collect_sorted(store, 1, "tiny", best=True)] == ["s0-1"]  # ties: shard order

@@ -53,3 +53,17 @@ def test_without_scorers_the_columns_are_null(tmp_path):
     GenerationWorker(config).run_shard(shard_of(prompts, 0, 0, 2, buckets=BUCKETS))
     manifest = read_manifests(open_store(str(tmp_path / "out"))).to_pylist()
     assert [(r["score_tiny"], r["score_sharpness"]) for r in manifest] == [(None, None)] * 2
+
+
+def test_preview_sorts_by_the_manifests_own_scores(tmp_path):
+    from ditfleet.jobs.preview import collect_sorted
+    from ditfleet.workers.actor import GenerationWorker
+
+    prompts = write_prompts(tmp_path / "prompts.parquet", 4, sizes=False)
+    rows = row_config(steps=2, cfg=2.0, buckets=BUCKETS)
+    config = dataclasses.replace(worker_config("tiny", str(tmp_path / "out"), rows=rows), scorers=("sharpness",))
+    GenerationWorker(config).run_shard(shard_of(prompts, 0, 0, 4, buckets=BUCKETS))
+    store = open_store(str(tmp_path / "out"))
+    shown = collect_sorted(store, 4, "sharpness", best=True)
+    by_manifest = sorted((r["score_sharpness"] for r in read_manifests(store).to_pylist()), reverse=True)
+    assert [p.score for p in shown] == by_manifest and len(shown) == 4
