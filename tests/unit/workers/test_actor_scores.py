@@ -61,7 +61,9 @@ def test_preview_sorts_by_the_manifests_own_scores(tmp_path):
 
     prompts = write_prompts(tmp_path / "prompts.parquet", 4, sizes=False)
     rows = row_config(steps=2, cfg=2.0, buckets=BUCKETS)
-    config = dataclasses.replace(worker_config("tiny", str(tmp_path / "out"), rows=rows), scorers=("sharpness",))
+    config = dataclasses.replace(
+        worker_config("tiny", str(tmp_path / "out"), rows=rows), scorers=("sharpness",)
+    )
     GenerationWorker(config).run_shard(shard_of(prompts, 0, 0, 4, buckets=BUCKETS))
     store = open_store(str(tmp_path / "out"))
     shown = collect_sorted(store, 4, "sharpness", best=True)
