@@ -25,12 +25,13 @@ starts a local Ray on 127.0.0.1 without a dashboard.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from ditfleet.driver.dispatch import DispatchError
 from ditfleet.driver.input.row_errors import InputError
@@ -71,6 +72,35 @@ def _open_output(args: argparse.Namespace) -> ObjectStore:
             f"{args.output} is a file, not an output folder: give the folder a job wrote (its output.uri)"
         )
     return open_store(args.output, _store_args(args))
+
+
+@contextlib.contextmanager
+def _ray_if_asked(args: argparse.Namespace) -> Iterator[None]:
+    """With --ray: connected to the cluster of --address (RAY_ADDRESS, else a local Ray) while
+    the block runs, and disconnected after unless this process was connected already."""
+    if args.address and not args.ray:
+        raise UsageError(f"{args.command} --address is the cluster of --ray: give --ray too")
+    if not args.ray:
+        yield
+        return
+    from ditfleet.jobs.run import connect_ray
+
+    owned = connect_ray(args.address)
+    try:
+        yield
+    finally:
+        if owned:
+            import ray
+
+            ray.shutdown()
+
+
+def _add_ray_options(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--ray", action="store_true", help=what)
+    p.add_argument(
+        "--address",
+        help="with --ray: the cluster to connect to (default RAY_ADDRESS, else a local Ray on 127.0.0.1)",
+    )
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -141,18 +171,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from ditfleet.driver.output.verify import verify_output
     from ditfleet.jobs.knobs import lease_ttl_s
 
-    if args.address and not args.ray:
-        raise UsageError("verify --address is the cluster of --ray: give --ray too")
     store = _open_output(args)
-    checks, owned = None, False
-    if args.ray:
-        from ditfleet.driver.output.verify_ray import RayChecks
-        from ditfleet.jobs.run import connect_ray
+    with _ray_if_asked(args):
+        checks = None
+        if args.ray:
+            from ditfleet.driver.output.verify_ray import RayChecks
 
-        owned = connect_ray(args.address)
-        # The store's own URI: a relative path would be resolved in each task's working directory.
-        checks = RayChecks(store.uri(), _store_args(args))
-    try:
+            # The store's own URI: a relative path would be resolved in each task's working directory.
+            checks = RayChecks(store.uri(), _store_args(args))
         report = verify_output(
             store,
             partial=args.partial,
@@ -162,11 +188,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
             shard_checks=checks,
             lease_ttl_s=lease_ttl_s(),
         )
-    finally:
-        if owned:
-            import ray
-
-            ray.shutdown()
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_text())
     return EXIT_OK if report.exit_code == 0 else EXIT_FAILED
 
@@ -191,25 +212,13 @@ def cmd_compact(args: argparse.Namespace) -> int:
 def cmd_score(args: argparse.Namespace) -> int:
     from ditfleet.jobs.score import score_output
 
-    if args.address and not args.ray:
-        raise UsageError("score --address is the cluster of --ray: give --ray too")
     store = _open_output(args)
     if next(iter(store.list(MANIFESTS_PREFIX)), None) is None:
         raise UsageError(f"{args.output}: no manifests: not a ditfleet output with committed shards (yet)")
-    owned = False
-    if args.ray:
-        from ditfleet.jobs.run import connect_ray
-
-        owned = connect_ray(args.address)
-    try:
+    with _ray_if_asked(args):
         report = score_output(
             store, args.scorer, workers=args.workers, use_ray=args.ray, ray_s3=_store_args(args)
         )
-    finally:
-        if owned:
-            import ray
-
-            ray.shutdown()
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_text(store.uri()))
     return EXIT_OK
 
@@ -422,15 +431,10 @@ def _add_output_commands(sub: argparse._SubParsersAction) -> None:
         type=int,
         help="threads reading manifests and objects (default: one per CPU core for a local output, 16 for S3)",
     )
-    p.add_argument(
-        "--ray",
-        action="store_true",
-        help="read manifests and hash objects in Ray tasks over the cluster (large outputs); "
+    _add_ray_options(
+        p,
+        "read manifests and hash objects in Ray tasks over the cluster (large outputs); "
         "the whole-output checks and --clean's deletions run here, the report is the same",
-    )
-    p.add_argument(
-        "--address",
-        help="with --ray: the cluster to connect to (default RAY_ADDRESS, else a local Ray on 127.0.0.1)",
     )
 
     p = command(
@@ -442,11 +446,7 @@ def _add_output_commands(sub: argparse._SubParsersAction) -> None:
         "--scorer", required=True, help="sharpness (Laplacian variance) or tiny (the tiny model's adherence)"
     )
     p.add_argument("--workers", type=int, default=2, help="threads scoring shards here (default 2)")
-    p.add_argument("--ray", action="store_true", help="score shards in Ray tasks over the cluster")
-    p.add_argument(
-        "--address",
-        help="with --ray: the cluster to connect to (default RAY_ADDRESS, else a local Ray on 127.0.0.1)",
-    )
+    _add_ray_options(p, "score shards in Ray tasks over the cluster")
     p.add_argument("--json", action="store_true", help="print JSON")
 
     p = command("preview", "contact sheet PNG of generated images with their prompts", cmd_preview)

@@ -8,7 +8,7 @@ generation it was made from and joins on the image's uri, which a redo changes; 
 manifest is no longer current (a redo committed a higher generation since) is one this command
 wrote and can prove superseded, so it is deleted before the missing tables are made.
 
-Reading the scores next to the manifests (pyarrow; DuckDB in the README's "Scores"):
+Reading the scores next to the manifests (pyarrow; DuckDB in docs/quality.md):
 
     import pyarrow.dataset as ds
     rows = ds.dataset("out/tiny/manifests").to_table(columns=["id", "prompt", "uri"])
@@ -126,12 +126,11 @@ def score_output(
     if use_ray:
         import ray
 
+        from ditfleet.driver.output.verify_ray import task_groups
+
         task = ray.remote(num_cpus=1)(_score_task)
-        per_task = max(1, -(-len(todo) // max(1, int(ray.cluster_resources().get("CPU", 1)) * 4)))
-        groups = [todo[i : i + per_task] for i in range(0, len(todo), per_task)]
-        counts = [
-            n for part in ray.get([task.remote(store.uri(), ray_s3, g, scorer) for g in groups]) for n in part
-        ]
+        refs = [task.remote(store.uri(), ray_s3, group, scorer) for group in task_groups(todo)]
+        counts = [n for part in ray.get(refs) for n in part]
     else:
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
             counts = list(pool.map(_score_in_process(store, scorer), todo))

@@ -14,8 +14,6 @@ manifest's objects stay as they were, whatever a losing or late run does afterwa
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import os
 import socket
 import threading
@@ -50,7 +48,7 @@ from ditfleet.workers.output.formats import (
 from ditfleet.workers.output.layout import manifest_key, new_attempt_token
 from ditfleet.workers.output.manifest import ManifestRow, ManifestWriter, passthrough_json
 from ditfleet.workers.output.provenance import JobProvenance
-from ditfleet.workers.quality_gate import GateRecord, ScoredImage, scored_images
+from ditfleet.workers.quality_gate import ScoredImage, scored_images
 from ditfleet.workers.rows import PromptRow, ShardSpec, read_shard_rows
 from ditfleet.workers.spot import StopOnSigterm
 from ditfleet.workers.startup_phase import COMPILING, LOADING, READY, publish_phase
@@ -414,23 +412,8 @@ class GenerationWorker:
             dit_blocks_computed=gen.blocks_computed,
             dit_blocks_reused=gen.blocks_reused,
             batch_size=self.batch_size,
-            # NaN (the scorer cannot judge) and a failed image's missing score are both null
-            **{f"score_{name}": v if ok and not math.isnan(v) else None for name, v in scored.scores.items()},
-            **_gate_columns(scored.gate),
+            **scored.manifest_columns(stored_ok=ok),
         )
-
-
-def _gate_columns(gate: GateRecord | None) -> dict:
-    """The manifest's gate_* columns of an image (none without quality.gate: they stay null)."""
-    if gate is None:
-        return {}
-    return {
-        "gate_passed": gate.passed,
-        "gate_tries": len(gate.scores),
-        "gate_kept": gate.kept,
-        "gate_scores": json.dumps(list(gate.scores)),
-        "gate_seeds": json.dumps(list(gate.seeds)),
-    }
 
 
 def _count(result: ShardResult, row: ManifestRow) -> None:

@@ -20,9 +20,11 @@ Memory: an image under the gate holds its best try's pixels (uint8) until it com
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ditfleet.model.quality.base import ImageScorer
 from ditfleet.workers.contract import GateConfig
@@ -50,6 +52,22 @@ class ScoredImage:
     image: GeneratedImage  # the kept try; its request carries the try's index and seed
     scores: dict[str, float] = field(default_factory=dict)  # the kept try's, by scorer name
     gate: GateRecord | None = None
+
+    def manifest_columns(self, stored_ok: bool) -> dict[str, Any]:
+        """Its manifest columns (workers.output.manifest): score_{name} of each scorer (null
+        when not stored or NaN: the scorer cannot judge it) and, under a gate, gate_*."""
+        columns: dict[str, Any] = {
+            f"score_{name}": v if stored_ok and not math.isnan(v) else None for name, v in self.scores.items()
+        }
+        if self.gate is not None:
+            columns.update(
+                gate_passed=self.gate.passed,
+                gate_tries=len(self.gate.scores),
+                gate_kept=self.gate.kept,
+                gate_scores=json.dumps(list(self.gate.scores)),
+                gate_seeds=json.dumps(list(self.gate.seeds)),
+            )
+        return columns
 
 
 @dataclass

@@ -28,7 +28,13 @@ def _check_task(uri: str, s3: S3Config | None, items: list, threads: int) -> lis
     return check_object_group(open_store(uri, s3), items, threads)
 
 
-def _groups(items: list, groups: int) -> list[list]:
+def task_groups(items: list, groups: int | None = None) -> list[list]:
+    """`items` cut into about `groups` runs in order (default: TASKS_PER_CPU per CPU of the
+    cluster this process is connected to), one Ray task each."""
+    if groups is None:
+        import ray
+
+        groups = max(1, int(ray.cluster_resources().get("CPU", 1)) * TASKS_PER_CPU)
     size = max(1, -(-len(items) // max(1, groups)))
     return [items[i : i + size] for i in range(0, len(items), size)]
 
@@ -44,13 +50,6 @@ class RayChecks:
     groups: int | None = None
     threads: int = 4
 
-    def _count(self) -> int:
-        import ray
-
-        if self.groups is not None:
-            return self.groups
-        return max(1, int(ray.cluster_resources().get("CPU", 1)) * TASKS_PER_CPU)
-
     def read_manifests(self, store, items, plan):
         import ray
 
@@ -60,7 +59,7 @@ class RayChecks:
         plan_ref = ray.put(plan)  # once for all tasks: an incremental plan has every shard's counts
         refs = [
             task.remote(self.uri, self.s3, group, plan_ref, self.threads)
-            for group in _groups(items, self._count())
+            for group in task_groups(items, self.groups)
         ]
         return [found for part in ray.get(refs) for found in part]
 
@@ -71,9 +70,9 @@ class RayChecks:
             return []
         task = ray.remote(num_cpus=1)(_check_task)
         refs = [
-            task.remote(self.uri, self.s3, group, self.threads) for group in _groups(items, self._count())
+            task.remote(self.uri, self.s3, group, self.threads) for group in task_groups(items, self.groups)
         ]
         return [found for part in ray.get(refs) for found in part]
 
 
-__all__ = ["RayChecks"]
+__all__ = ["RayChecks", "task_groups"]

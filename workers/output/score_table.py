@@ -33,8 +33,6 @@ SCORE_TABLE_SCHEMA = pa.schema(
         pa.field("score", pa.float64()),  # null: the scorer cannot judge this image
     ]
 )
-# Images scored per call: the scorer's batch (a score does not depend on it).
-SCORE_BATCH = 16
 
 
 def check_scorer(name: str) -> None:
@@ -44,7 +42,7 @@ def check_scorer(name: str) -> None:
     scorer(name)
 
 
-def score_manifest(store: ObjectStore, manifest: str, scorer_name: str, batch: int = SCORE_BATCH) -> pa.Table:
+def score_manifest(store: ObjectStore, manifest: str, scorer_name: str) -> pa.Table:
     """The score table of the manifest at key `manifest`: each ok image read back through its
     format's reader and scored with the scorer called `scorer_name` (model.quality.scorer)."""
     import torch
@@ -56,15 +54,9 @@ def score_manifest(store: ObjectStore, manifest: str, scorer_name: str, batch: i
     table = pq.read_table(io.BytesIO(store.get(manifest)), columns=[*MANIFEST_IMAGE_COLUMNS, "prompt"])
     prompts = {(r["id"], r["k"]): r["prompt"] for r in table.select(["id", "k", "prompt"]).to_pylist()}
     rows, scores = ok_images(table), []
-    read = read_images(store, rows)
-    for start in range(0, len(rows), batch):
-        chunk = [next(read) for _ in rows[start : start + batch]]
-        pixels = [
-            torch.from_numpy(np.array(Image.open(io.BytesIO(blob)).convert("RGB"))).permute(2, 0, 1)
-            for _, blob in chunk
-        ]  # each (3, H, W) uint8; a chunk may mix sizes, so each image is scored on its own
-        for (row, _), image in zip(chunk, pixels):
-            scores += scorer.score(image[None], [prompts[(row.id, row.k)]])
+    for row, blob in read_images(store, rows):  # each stored object read once
+        pixels = torch.from_numpy(np.array(Image.open(io.BytesIO(blob)).convert("RGB"))).permute(2, 0, 1)
+        scores += scorer.score(pixels[None], [prompts[(row.id, row.k)]])  # (1, 3, H, W) uint8
     columns: dict[str, Any] = {
         "id": [r.id for r in rows],
         "k": [r.k for r in rows],
@@ -84,7 +76,3 @@ def write_score_table(store: ObjectStore, manifest: str, scorer_name: str) -> in
     pq.write_table(table, buffer)
     won = store.put_if_absent(score_table_key(scorer_name, manifest), buffer.getvalue())
     return table.num_rows if won else 0
-
-
-def read_score_table(store: ObjectStore, key: str) -> pa.Table:
-    return pq.read_table(io.BytesIO(store.get(key)))
