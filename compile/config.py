@@ -22,15 +22,32 @@ COMPILE_CACHE_KEY_ENV = "DITFLEET_COMPILE_CACHE_KEY"
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 # compile.dit "auto": compile on CUDA when each actor is expected to make at least this many
-# images per resolution bucket it warms. Warm-up compiles 2 graphs per bucket (about a minute or
-# two on a GPU with autotuned matmuls); a compiled step is expected to save 10-20% of a 20-50
-# step image that takes tens of seconds at 1328x1328, so a few dozen images repay it.
+# images per resolution bucket it warms. Measured on an H200 (node self-test, 60 blocks, bf16):
+# a compiled forward takes 236 ms against 274 ms eager at 1328x1328 (1.16x; 125 vs 152 ms at
+# 1024, 1.21x), so a 50-step CFG image saves about 3.8 s and a bucket's 75 s compile is repaid
+# after about 20 images; 50 leaves room for slower GPUs and smaller speed-ups.
 AUTO_DIT_IMAGES_PER_BUCKET = 50
-# What a compiled DiT adds to an actor's start-up per resolution bucket it warms, on one
-# H100/H200 with an empty compile cache (2 graphs, autotuned matmuls); an actor that loads the
-# shared compile cache pays a few seconds instead. An estimate until the node self-test
-# (python -m ditfleet.workers.selftest, its compile lines) measures it.
+# What a compiled DiT adds to an actor's start-up per resolution bucket it warms, with an empty
+# compile cache (2 graphs, autotuned matmuls): 74.6 s measured for the full-depth DiT at 1024 on
+# an H200; an actor that loads the shared compile cache pays a few seconds instead (7.5 s there).
 DIT_WARMUP_S_PER_BUCKET = (60, 120)
+
+
+# The mode a compiled DiT gets when compile.dit_mode is not set. bf16 on CUDA: matmuls autotuned
+# ("max-autotune"), no CUDA graphs, whose static buffers clash with regional compile and the
+# cache. FP8 on CUDA: Inductor's default, cuBLAS for every scaled GEMM. Measured on an H200, the
+# search over 106 scaled-GEMM candidates took 3-66 s per shape (8 shapes a bucket: the FP8 DiT's
+# compile ran past 4 minutes), and cuBLAS won both large shapes timed (0.100 vs 0.173 ms and
+# 0.388 vs 0.697 ms for the best Triton kernel); Triton won only the 129-row text-stream shape,
+# about 2% of the FLOPs. Elsewhere "default": max-autotune on CPU costs minutes for nothing.
+def default_dit_mode(device_type: str, scaled_gemms: bool = False) -> str:
+    """The DiT's compile mode when compile.dit_mode is not set; `scaled_gemms`: the DiT runs FP8
+    GEMMs (model.quantization 'fp8')."""
+    if device_type != "cuda":
+        return "default"
+    return "default" if scaled_gemms else "max-autotune-no-cudagraphs"
+
+
 # The first compile of a bucket's VAE decode into an empty Inductor cache on CPU actors: 55-57 s
 # per actor's first bucket with two actors at once on a 2-core machine, a few seconds for a bucket
 # this machine compiled before (the progress line says which).
@@ -55,9 +72,8 @@ Backend = str | Callable[..., Any]
 class CompileConfig:
     """How the worker compiles the pipeline. Backends other than "inductor" ignore the mode.
 
-    dit_mode None means the platform's choice: "max-autotune-no-cudagraphs" on CUDA (autotuned
-    matmuls; no CUDA graphs, whose static buffers clash with regional compile and the cache),
-    "default" elsewhere (max-autotune on CPU costs minutes for nothing).
+    dit_mode None means the platform's choice, `default_dit_mode` (it depends on the device and the
+    DiT's quantization; `resolve_auto` sets it).
     vae_batch: the VAE decodes this many images per compiled call (the last chunk zero-padded),
     so a partial batch never adds a shape; 1 also makes decoding independent of the batch.
     shared_cache: load compiled artifacts from the job's storage before warm-up and save them
@@ -146,9 +162,7 @@ class CompileConfig:
         if target == "vae":
             return self.vae_mode
         if target == "dit":
-            if self.dit_mode is not None:
-                return self.dit_mode
-            return "max-autotune-no-cudagraphs" if device_type == "cuda" else "default"
+            return self.dit_mode if self.dit_mode is not None else default_dit_mode(device_type)
         raise ValueError(f"compile target must be 'vae' or 'dit', got {target!r}")
 
     def compile_kwargs(self, target: str, device_type: str) -> dict[str, Any]:

@@ -18,12 +18,13 @@ from typing import Any
 import torch
 
 from ditfleet.model.family import CompileRegion, model_family
+from ditfleet.model.fp8 import runs_scaled_gemms
 
 from .compiled_method import CompiledMethod, compiled_method, uninstall
 
 # The config lives in the torch-free compile.config (the job spec builds it without torch);
 # re-exported here, where it is applied.
-from .config import AUTO_DIT_IMAGES_PER_BUCKET, COMPILE_MODES, Backend, CompileConfig  # noqa: F401
+from .config import AUTO_DIT_IMAGES_PER_BUCKET, COMPILE_MODES, Backend, CompileConfig, default_dit_mode  # noqa: F401
 from .counting import ensure_counting
 from .cpu_linear import restore_linears, use_onednn_linears
 
@@ -73,7 +74,7 @@ def apply_compile(pipe: Any, config: CompileConfig) -> CompileReport:
     device_type = torch.device(pipe.device).type
     # "auto" (the default) decided here for a caller that did not: the image count unknown, so
     # on for CUDA and off elsewhere; a worker resolves it itself from the images it expects.
-    config = resolve_auto(config, device_type, expected_images=None, buckets=1)
+    config = resolve_auto(config, device_type, None, 1, runs_scaled_gemms(pipe.transformer))
     report = CompileReport(config, device_type)
     for region in model_family(pipe).compile_regions:
         if region.part == "dit":
@@ -114,13 +115,25 @@ def dit_linears(transformer: Any, config: CompileConfig, device_type: str) -> No
 
 
 def resolve_auto(
-    config: CompileConfig, device_type: str, expected_images: int | None, buckets: int
+    config: CompileConfig,
+    device_type: str,
+    expected_images: int | None,
+    buckets: int,
+    scaled_gemms: bool = False,
 ) -> CompileConfig:
     """The config with "auto" decided: compile.vae on for CUDA (CompileConfig.vae_on), compile.dit
     on for CUDA when the images each actor is expected to make (None: unknown, taken as many) reach
-    AUTO_DIT_IMAGES_PER_BUCKET per bucket (CompileConfig.dit_on)."""
+    AUTO_DIT_IMAGES_PER_BUCKET per bucket (CompileConfig.dit_on), and the DiT's mode, when not set,
+    by the device and whether the DiT runs FP8 GEMMs (`scaled_gemms`: model.fp8.runs_scaled_gemms
+    of the pipeline's transformer; default_dit_mode)."""
+    dit_mode = config.dit_mode
+    if dit_mode is None:
+        dit_mode = default_dit_mode(device_type, scaled_gemms)
     return replace(
-        config, vae=config.vae_on(device_type), dit=config.dit_on(device_type, expected_images, buckets)
+        config,
+        vae=config.vae_on(device_type),
+        dit=config.dit_on(device_type, expected_images, buckets),
+        dit_mode=dit_mode,
     )
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ditfleet.model.fp8 import runs_scaled_gemms
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH
 
 from .buckets import PROMPT_LENGTH_BUCKETS, ResolutionBucket
@@ -88,7 +89,10 @@ def prepare_worker_pipeline(
     length_buckets: part of the shared cache key only (requests are not padded to them).
     """
     start = time.perf_counter()
-    config = resolve_auto(config, torch.device(pipe.device).type, expected_images, len(buckets))
+    device_type = torch.device(pipe.device).type
+    config = resolve_auto(
+        config, device_type, expected_images, len(buckets), runs_scaled_gemms(pipe.transformer)
+    )
     report = apply_compile(pipe, config)
     if not report.methods:
         return PreparedPipeline(report, None, None, None, time.perf_counter() - start)

@@ -309,6 +309,11 @@ def set_fast_accum(model: nn.Module, on: bool) -> int:
     return len(layers)
 
 
+def runs_scaled_gemms(model: nn.Module) -> bool:
+    """Whether any layer of `model` runs its GEMM through torch._scaled_mm (FP8 activations)."""
+    return any(isinstance(m, Fp8Linear) and m.scaled_mm for m in model.modules())
+
+
 def quantized_linear_names(model: nn.Module, keep: Sequence[str] = KEEP_IN_LOAD_DTYPE) -> list[str]:
     """The nn.Linear modules of `model` that a quantization replaces (all but `keep`)."""
     return [

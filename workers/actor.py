@@ -26,6 +26,7 @@ from ditfleet.compile.config import first_compile_estimate_s
 from ditfleet.compile.policy import resolve_auto
 from ditfleet.model import LoraSpec, TextToImagePipeline, load_pipeline, resolve_model_dir
 from ditfleet.model.family import model_family
+from ditfleet.model.fp8 import runs_scaled_gemms
 from ditfleet.model.loader import load_text_encoder
 from ditfleet.model.quality import scorer
 from ditfleet.workers.batch_fit import fit_batch_size
@@ -180,7 +181,13 @@ class GenerationWorker:
         """Compile and warm up every bucket the job uses, before the actor takes work."""
         config = self.config
         buckets = config.warmup_buckets or config.rows.buckets.names
-        compile_config = resolve_auto(config.compile, self.device.type, config.expected_images, len(buckets))
+        compile_config = resolve_auto(
+            config.compile,
+            self.device.type,
+            config.expected_images,
+            len(buckets),
+            runs_scaled_gemms(self.pipe.transformer),
+        )
         estimate_s = first_compile_estimate_s(self.device.type, bool(compile_config.dit))
         return prepare_worker_pipeline(
             self.pipe,

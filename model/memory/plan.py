@@ -306,7 +306,7 @@ def _activations(
     vae_batch = min(run.vae_batch or batch, batch)
     acts = {
         "denoise": dit_activation_bytes(
-            model.transformer, dit_batch, height, width, run.text_len, e, run.attention
+            model.transformer, dit_batch, height, width, run.text_len, e, run.attention, run.device
         )
         + _fp8_transient(model, run, dit_batch, height, width, e),
         "decode": vae_decode_activation_bytes(model.vae, vae_batch, height, width, e),

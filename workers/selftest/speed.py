@@ -292,7 +292,10 @@ def count_host_syncs(ctx: Context):
 @stage("batch_generator", estimate_s=30, limit_s=90)
 def batch_generator(ctx: Context) -> None:
     """The worker's BatchGenerator (the code a job runs, minus Ray) on one small shard at the main
-    bucket, images stored by the files writer on local disk; compared with the bare CFG step."""
+    bucket, images stored by the files writer on local disk; compared with the bare CFG step.
+    The rows carry the job's default negative prompt, so true CFG runs as in a default job and as
+    in the bare step (a null negative turns CFG off: half the forwards)."""
+    from ditfleet.model.guidance import DEFAULT_NEGATIVE_PROMPT
     from ditfleet.model.settings import PipelineSettings
     from ditfleet.workers.generate import BatchGenerator, image_requests, iter_generated, plan_batches
     from ditfleet.workers.output.formats import ImageTask, ShardWriterConfig, make_shard_writer
@@ -314,7 +317,7 @@ def batch_generator(ctx: Context) -> None:
         PromptRow(
             id=f"p{i}",
             prompt=" ".join(["word"] * (20 + 3 * i)),
-            negative_prompt=None,
+            negative_prompt=DEFAULT_NEGATIVE_PROMPT,
             seed=i,
             width=size,
             height=size,
@@ -343,7 +346,7 @@ def batch_generator(ctx: Context) -> None:
             generate_s += image.generate_s
             req = image.request
             writer.add(
-                ImageTask(req.row.id, req.k, 1, req.row.prompt, None, req.seed),
+                ImageTask(req.row.id, req.k, 1, req.row.prompt, req.row.negative_prompt, req.seed),
                 image.pixels.permute(1, 2, 0).numpy(),
             )
     stored = writer.finish()

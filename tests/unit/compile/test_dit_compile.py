@@ -94,6 +94,29 @@ def test_dit_auto_turns_on_for_cuda_jobs_that_repay_the_warm_up():
         CompileConfig(dit="sometimes")
 
 
+def test_dit_mode_by_device_and_fp8_gemms():
+    """Autotuned matmuls for a bf16 DiT on CUDA; cuBLAS (Inductor's default) for an FP8 DiT, whose
+    scaled-GEMM search costs minutes a bucket for a loss (compile.config, default_dit_mode);
+    "default" on CPU; a mode the job sets is kept."""
+    auto = CompileConfig(dit=True)
+    assert resolve_auto(auto, "cuda", None, 1).dit_mode == "max-autotune-no-cudagraphs"
+    assert resolve_auto(auto, "cuda", None, 1, scaled_gemms=True).dit_mode == "default"
+    assert resolve_auto(auto, "cpu", None, 1, scaled_gemms=True).dit_mode == "default"
+    chosen = CompileConfig(dit=True, dit_mode="max-autotune")
+    assert resolve_auto(chosen, "cuda", None, 1, scaled_gemms=True).dit_mode == "max-autotune"
+    resolved = resolve_auto(auto, "cuda", None, 1, scaled_gemms=True)
+    assert resolved.describe("cuda")["dit"] == "inductor:default"  # what the cache key and stats record
+
+
+@pytest.mark.parametrize(("mode", "scaled"), [("fp8", True), ("fp8-weight-only", False)])
+def test_runs_scaled_gemms_reads_the_quantized_dit(random_model_dir, mode, scaled):
+    from ditfleet.model.fp8 import quantize_model, runs_scaled_gemms
+
+    pipe = load_pipeline(random_model_dir, load_text_encoder_too=False)
+    assert runs_scaled_gemms(pipe.transformer) is False
+    assert runs_scaled_gemms(quantize_model(pipe.transformer, mode)) is scaled
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("quantization", "atol"),
