@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup browser run test test-fast check lint format-check deadcode typecheck bench selftest-rehearsal
+.PHONY: setup browser run test test-fast coverage check lint format-check deadcode typecheck bench selftest-rehearsal
 
 # Headless Chromium (Debian's package) renders the job report in one test,
 # tests/integration/test_report.py::test_report_page_draws_plot_and_images (skipped without it).
@@ -26,6 +26,14 @@ test:
 
 test-fast:
 	$(PY) -m pytest -q -m "not slow"
+
+# Line coverage of the five layers over the whole suite, Ray actors and other Python children
+# included ([tool.coverage.*] in pyproject.toml); the report lists each file, the total last.
+coverage:
+	rm -rf build/coverage && mkdir -p build/coverage
+	$(PY) -m coverage run -m pytest -q
+	$(PY) -m coverage combine -q
+	$(PY) -m coverage report
 
 # The static checks CI runs before the tests (.ci/run); each fails the run.
 PY_TREES := ditfleet model compile workers driver jobs recipes tests bench
