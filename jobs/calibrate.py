@@ -40,6 +40,19 @@ class PresetResult:
     psnr: list[float] = field(default_factory=list)
     ssim: list[float] = field(default_factory=list)
     adherence: dict[str, float] = field(default_factory=dict)
+    # Per bucket, the images made, for the tiny model's adherence (a batch shares one size).
+    images_by_bucket: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+
+    def add_images(self, bucket: str, images: torch.Tensor) -> None:
+        self.images_by_bucket.setdefault(bucket, []).append(images)
+
+    def judge(self, captions: list[str]) -> None:
+        """The tiny model's adherence of these images: every bucket has the same captions, so the
+        mean over buckets is the mean over images."""
+        from ditfleet.model.tiny.adherence import score
+
+        scores = [score(torch.cat(images), captions) for images in self.images_by_bucket.values()]
+        self.adherence = {k: sum(s[k] for s in scores) / len(scores) for k in scores[0]}
 
     @property
     def work_speedup(self) -> float:
@@ -118,16 +131,75 @@ def calibrate(
     log=print,
 ) -> dict[str, Any]:
     """Run the calibration for a JobSpec; returns {"exact": {...}, "presets": [...], ...}."""
-    from ditfleet.model import load_pipeline
-    from ditfleet.model.pipeline import Sampling
-
     steps = int(steps or spec.sampling.steps)
-    cfg = float(spec.sampling.true_cfg_scale)
-    negative = spec.sampling.negative_prompt
     is_tiny = spec.model.path == TINY
     captions = list(prompts) if prompts is not None else _prompts(spec, n, is_tiny)[:n]
-    seeds = [int(spec.sampling.seed) + i for i in range(len(captions))]
     names = list(buckets or spec.bucket_names())
+    configs = _configs(presets, spec.sampling.step_cache, steps)
+    pipe = _load(spec)
+    run = _Run(
+        captions=captions,
+        seeds=[int(spec.sampling.seed) + i for i in range(len(captions))],
+        steps=steps,
+        cfg=float(spec.sampling.true_cfg_scale),
+        negative=spec.sampling.negative_prompt,
+        batch=int(spec.workers.batch_size),
+        max_sequence_length=spec.pipeline_settings().max_sequence_length,
+    )
+    log(
+        f"calibrating {spec.model.path}: {len(captions)} prompts x {len(names)} buckets, {steps} steps, "
+        f"CFG {run.cfg}, batch {run.batch}, presets {list(configs)}"
+    )
+    # One untimed pass first, so the first timed batch pays no one-off start-up cost.
+    w0, h0 = (int(v) for v in names[0].split("x"))
+    pipe.generate(
+        prompt=captions[:1], height=h0, width=w0, steps=1, true_cfg_scale=run.cfg, seeds=run.seeds[:1]
+    )
+    exact = PresetResult("exact", "off")
+    results = {name: PresetResult(name, config.describe()) for name, config in configs.items()}
+    for bucket in names:
+        _measure_bucket(pipe, run, bucket, configs, exact, results)
+        log(f"  {bucket}: done")
+    if is_tiny:
+        for result in (exact, *results.values()):
+            result.judge(captions)
+    layers = pipe.transformer.config.num_layers
+    return {
+        "model": spec.model.path,
+        "steps": steps,
+        "true_cfg_scale": run.cfg,
+        "buckets": names,
+        "prompts": len(captions),
+        "exact": {
+            "wall_s": round(exact.wall_s, 3),
+            "blocks": exact.blocks_computed,
+            "adherence": exact.adherence,
+        },
+        "batch_size": run.batch,
+        "dit_layers": layers,
+        "presets": [
+            {**r.to_dict(exact.wall_s), "runs_as": configs[name].runs_as(layers)}
+            for name, r in results.items()
+        ],
+    }
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What every run of the calibration shares: the prompts, their seeds and the sampling."""
+
+    captions: list[str]
+    seeds: list[int]
+    steps: int
+    cfg: float
+    negative: str | None
+    batch: int
+    max_sequence_length: int
+
+
+def _configs(presets: Sequence[str], own: StepCacheConfig | None, steps: int) -> dict[str, StepCacheConfig]:
+    """The step caches to measure by name: the presets asked for, and the job's own ("job") when
+    it is none of them; ValueError for a preset that is off or too long for `steps`."""
     configs: dict[str, StepCacheConfig] = {}
     for name in presets:
         config = _candidate(name)
@@ -136,7 +208,6 @@ def calibrate(
                 f"calibrate: preset {name!r} is off; name presets that cache ({list(PRESETS)[1:]})"
             )
         configs[name] = config
-    own = spec.sampling.step_cache
     if own is not None and all(own != c for c in configs.values()):
         configs["job"] = own
     for name, config in configs.items():
@@ -145,88 +216,61 @@ def calibrate(
             raise ValueError(
                 f"calibrate: {steps} steps are too short for preset {name!r} ({reason}); pass --steps"
             )
+    return configs
 
-    settings = spec.pipeline_settings()
-    pipe = load_pipeline(
+
+def _load(spec: Any) -> Any:
+    """The job's pipeline without its step cache (each run sets its own)."""
+    from ditfleet.model import load_pipeline
+
+    return load_pipeline(
         spec.model_path(),
         device=_device(spec),
         dtype=_dtype(spec),
-        settings=dataclasses.replace(settings, step_cache=None),
+        settings=dataclasses.replace(spec.pipeline_settings(), step_cache=None),
         loras=spec.model_loras(),
         scheduler_config=spec.model_scheduler_config(),
     )
+
+
+def _measure_bucket(
+    pipe: Any,
+    run: _Run,
+    bucket: str,
+    configs: dict[str, StepCacheConfig],
+    exact: PresetResult,
+    results: dict[str, PresetResult],
+) -> None:
+    """Every prompt at one bucket, a batch at a time: exact, then with each step cache from the
+    same embeddings (encoded once, outside the timings), each compared with its exact twin."""
+    from ditfleet.model.pipeline import Sampling
+
+    width, height = (int(v) for v in bucket.split("x"))
     layers = pipe.transformer.config.num_layers
-    batch = int(spec.workers.batch_size)
-    log(
-        f"calibrating {spec.model.path}: {len(captions)} prompts x {len(names)} buckets, {steps} steps, "
-        f"CFG {cfg}, batch {batch}, presets {list(configs)}"
-    )
-
-    # One untimed pass first, so the first timed batch pays no one-off start-up cost.
-    w0, h0 = (int(v) for v in names[0].split("x"))
-    pipe.generate(prompt=captions[:1], height=h0, width=w0, steps=1, true_cfg_scale=cfg, seeds=seeds[:1])
-    exact = PresetResult("exact", "off")
-    results = {name: PresetResult(name, config.describe()) for name, config in configs.items()}
-    # Per preset, per bucket: images of one size, scored together (a batch shares one size).
-    adherence_images: dict[str, dict[str, list[torch.Tensor]]] = {k: {} for k in ["exact", *configs]}
-    for bucket in names:
-        width, height = (int(v) for v in bucket.split("x"))
-        for start in range(0, len(captions), batch):
-            chunk, chunk_seeds = captions[start : start + batch], seeds[start : start + batch]
-            # Encoded once, outside the timings: every run of the chunk takes the same embeddings.
-            inputs = pipe.encode_guidance(chunk, negative, cfg, settings.max_sequence_length)
-            sampling = Sampling(height, width, steps, chunk_seeds, cfg)
+    for start in range(0, len(run.captions), run.batch):
+        chunk, seeds = run.captions[start : start + run.batch], run.seeds[start : start + run.batch]
+        inputs = pipe.encode_guidance(chunk, run.negative, run.cfg, run.max_sequence_length)
+        sampling = Sampling(height, width, run.steps, seeds, run.cfg)
+        t0 = time.perf_counter()
+        ref = pipe.run(inputs, sampling).images
+        exact.wall_s += time.perf_counter() - t0
+        exact.images += len(chunk)
+        exact.blocks_computed += len(chunk) * run.steps * layers * (2 if run.cfg > 1 else 1)
+        exact.add_images(bucket, ref)
+        for name, config in configs.items():
             t0 = time.perf_counter()
-            ref = pipe.run(inputs, sampling).images
-            exact.wall_s += time.perf_counter() - t0
-            exact.images += len(chunk)
-            exact.blocks_computed += len(chunk) * steps * layers * (2 if cfg > 1 else 1)
-            adherence_images["exact"].setdefault(bucket, []).append(ref)
-            for name, config in configs.items():
-                t0 = time.perf_counter()
-                generation = pipe.with_step_cache(config).run(inputs, sampling)
-                out, cache = generation.images, generation.step_cache
-                assert cache is not None
-                r = results[name]
-                r.wall_s += time.perf_counter() - t0
-                r.images += len(chunk)
-                for counts in cache.per_image():
-                    r.blocks_computed += counts["blocks_computed"]
-                    r.blocks_reused += counts["blocks_reused"]
-                r.psnr += psnr(out, ref).tolist()
-                r.ssim += ssim(out, ref).tolist()
-                adherence_images[name].setdefault(bucket, []).append(out)
-        log(f"  {bucket}: done")
-
-    if is_tiny:
-        from ditfleet.model.tiny.adherence import score
-
-        def judged(per_bucket: dict[str, list[torch.Tensor]]) -> dict[str, float]:
-            # Every bucket has the same captions: the mean over buckets is the mean over images.
-            scores = [score(torch.cat(images), captions) for images in per_bucket.values()]
-            return {k: sum(s[k] for s in scores) / len(scores) for k in scores[0]}
-
-        exact.adherence = judged(adherence_images["exact"])
-        for name in configs:
-            results[name].adherence = judged(adherence_images[name])
-    return {
-        "model": spec.model.path,
-        "steps": steps,
-        "true_cfg_scale": cfg,
-        "buckets": names,
-        "prompts": len(captions),
-        "exact": {
-            "wall_s": round(exact.wall_s, 3),
-            "blocks": exact.blocks_computed,
-            "adherence": exact.adherence,
-        },
-        "batch_size": batch,
-        "dit_layers": layers,
-        "presets": [
-            {**r.to_dict(exact.wall_s), "runs_as": configs[name].runs_as(layers)}
-            for name, r in results.items()
-        ],
-    }
+            generation = pipe.with_step_cache(config).run(inputs, sampling)
+            out, cache = generation.images, generation.step_cache
+            assert cache is not None
+            r = results[name]
+            r.wall_s += time.perf_counter() - t0
+            r.images += len(chunk)
+            for counts in cache.per_image():
+                r.blocks_computed += counts["blocks_computed"]
+                r.blocks_reused += counts["blocks_reused"]
+            r.psnr += psnr(out, ref).tolist()
+            r.ssim += ssim(out, ref).tolist()
+            r.add_images(bucket, out)
 
 
 # Wall time below this share of the work's speed-up gets a line saying why.
