@@ -28,10 +28,10 @@ from typing import TextIO
 from ditfleet.driver.dispatch import DispatchResult
 from ditfleet.driver.output.compact import COMPACTED_KEY, refresh_compacted
 from ditfleet.driver.output.lease import OutputLease
+from ditfleet.driver.output.near_duplicate_counts import output_near_duplicates
 from ditfleet.driver.output.orphans import delete_lost
 from ditfleet.driver.output.pause_points import pause_point
 from ditfleet.driver.output.settle import Settled, delete_settled, seal_generations
-from ditfleet.driver.output.near_duplicate_counts import output_near_duplicates
 from ditfleet.driver.output.status import count_shards
 from ditfleet.driver.output.summary import JobSummary, build_summary, write_success
 from ditfleet.driver.output.supersede import supersede_pending

@@ -94,7 +94,6 @@ def shard_counts(store: ObjectStore, shard: int, key: str | None = None) -> Outp
     present = [c for c in _STEP_CACHE_COLUMNS + _GATE_COLUMNS if c in parquet.schema_arrow.names]
     table = parquet.read(columns=_COLUMNS + present)
     blocks = {c: (pc.sum(table.column(c)).as_py() or 0) if c in present else 0 for c in _STEP_CACHE_COLUMNS}
-    judged = pc.is_valid(table.column("gate_passed")) if "gate_passed" in present else None
     ok = pc.equal(table.column("status"), "ok")
     images_ok = pc.sum(ok).as_py() or 0
     # A row is failed when any of its images failed: group the failed images by id.
@@ -110,12 +109,14 @@ def shard_counts(store: ObjectStore, shard: int, key: str | None = None) -> Outp
         errors=errors,
         dit_blocks_computed=blocks["dit_blocks_computed"],
         dit_blocks_reused=blocks["dit_blocks_reused"],
-        **(_gate_counts(table, judged) if judged is not None else {}),
+        **(gate_counts(table) if "gate_passed" in present else {}),
     )
 
 
-def _gate_counts(table: pa.Table, judged: pa.Array) -> dict[str, int]:
-    """The gate's counts of one manifest: the images it judged, passed, and their tries."""
+def gate_counts(table: pa.Table) -> dict[str, int]:
+    """The gate's counts of manifest rows (OutputCounts' gate_* fields): the images it judged (a
+    gate_passed that is not null), those that passed, and their tries."""
+    judged = pc.is_valid(table.column("gate_passed"))
     passed = pc.filter(table.column("gate_passed"), judged)
     tries = pc.filter(table.column("gate_tries"), judged)
     return {
