@@ -107,7 +107,11 @@ def load_score_sections(
         section = ScoreSection(name, [v for v, _ in scored], images_ok - len(scored))
         if gate.get("scorer") == name and isinstance(gate.get("min"), (int, float)):
             section.threshold = float(gate["min"])
-            section.gate = OutputCounts(**gate_counts).gate()
+            section.gate = OutputCounts(
+                gate_images=gate_counts.get("gate_images", 0),
+                gate_passed=gate_counts.get("gate_passed", 0),
+                gate_tries=gate_counts.get("gate_tries", 0),
+            ).gate()
             below, above = nearest_threshold(scored, section.threshold)
             section.below, section.above = _thumbs(store, below), _thumbs(store, above)
         sections.append(section)

@@ -17,6 +17,7 @@ from .luma import check_pixels, luma
 _SIDE = 32  # the resized image
 _LOW = 8  # the low-frequency block kept: 8 x 8 = 64 bits
 
+
 def _dct_matrix(n: int) -> torch.Tensor:
     """The orthonormal DCT-II matrix (n, n) in float64: coefficients = D @ x."""
     k = torch.arange(n, dtype=torch.float64)[:, None]
