@@ -13,25 +13,28 @@ time since it took its first shard (start-up, queueing and encode overlap are no
 
 from __future__ import annotations
 
-import base64
 import html
-import io
-import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 from ditfleet.driver.output.job_file import read_job_file
+from ditfleet.driver.output.near_duplicate_counts import near_duplicate_line, near_duplicates_of
+from ditfleet.driver.output.status import gate_counts
 from ditfleet.driver.output.success import success_file
 from ditfleet.driver.output.summary import RATE_NAME, fleet_line, generation_rate
 from ditfleet.jobs.preview import collect
+from ditfleet.jobs.report_images import Thumbnail, image_cells, thumbnail
+from ditfleet.jobs.report_scores import ScoreSection, load_score_sections, scores_html
+from ditfleet.jobs.svg_axes import MARGIN as _MARGIN
+from ditfleet.jobs.svg_axes import PLOT_H as _PLOT_H
+from ditfleet.jobs.svg_axes import PLOT_W as _PLOT_W
+from ditfleet.jobs.svg_axes import axes, round_top
 from ditfleet.workers.output.manifest import read_manifests
 from ditfleet.workers.storage import ObjectStore
 
-THUMB = 128  # longest side of a sample thumbnail, pixels
 SAMPLES = 24
 MAX_FAILURE_ROWS = 200  # the failures table lists at most this many images (the counts are all)
-_PLOT_W, _PLOT_H, _MARGIN = 640, 260, 48
 _COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
 
 
@@ -40,9 +43,11 @@ class ReportData:
     output: str
     summary: dict[str, Any] | None  # _SUCCESS, or None for an unfinished output
     rows: list[dict[str, Any]]  # manifest rows (without prompts' pass-through columns)
-    # (label, prompt, jpeg thumbnail, (width, height) to show it at: fit into THUMB x THUMB)
-    samples: list[tuple[str, str, bytes, tuple[int, int]]] = field(default_factory=list)
+    samples: list[Thumbnail] = field(default_factory=list)  # captioned with their prompts
     spec: dict[str, Any] | None = None  # the resolved job spec from _job.json
+    scores: list[ScoreSection] = field(default_factory=list)  # per scorer that scored any image
+    # Near duplicates among the committed images (driver.output.near_duplicate_counts); {}: no phash.
+    near_duplicates: dict[str, Any] = field(default_factory=dict)
 
 
 def load_report_data(store: ObjectStore, samples: int = SAMPLES) -> ReportData:
@@ -55,19 +60,12 @@ def load_report_data(store: ObjectStore, samples: int = SAMPLES) -> ReportData:
         )
     columns = ["id", "k", "prompt", "status", "error", "worker", "shard", "attempt", "bucket", "generate_s"]
     rows = table.select(columns).to_pylist()
-    thumbs = []
-    for image in collect(store, samples):
-        thumb = image.image.copy()
-        thumb.thumbnail((THUMB, THUMB))
-        buf = io.BytesIO()
-        thumb.save(buf, format="JPEG", quality=85)
-        label = image.id if image.k == 0 else f"{image.id} #{image.k}"
-        scale = THUMB / max(image.image.size)  # small images are shown enlarged, pixelated
-        shown = (round(image.image.width * scale), round(image.image.height * scale))
-        thumbs.append((label, image.prompt, buf.getvalue(), shown))
+    thumbs = [thumbnail(image.image, image.id, image.k, image.prompt) for image in collect(store, samples)]
     job = read_job_file(store) or {}
     spec = job.get("spec") if isinstance(job.get("spec"), dict) else None
-    return ReportData(store.uri(), summary, rows, thumbs, spec)
+    images_ok = sum(1 for r in rows if r["status"] == "ok")
+    scores = load_score_sections(store, spec, images_ok, gate_counts(table))
+    return ReportData(store.uri(), summary, rows, thumbs, spec, scores, near_duplicates_of(table))
 
 
 def job_header(spec: dict[str, Any] | None) -> str:
@@ -115,44 +113,6 @@ def worker_timelines(rows: list[dict[str, Any]]) -> dict[str, list[tuple[float, 
 # -- SVG ---------------------------------------------------------------------------------------------
 
 
-def _axes(x_max: float, y_max: float, x_label: str, y_label: str) -> list[str]:
-    w, h, m = _PLOT_W, _PLOT_H, _MARGIN
-    parts = [
-        f'<line x1="{m}" y1="{h - m}" x2="{w - 10}" y2="{h - m}" stroke="#333"/>',
-        f'<line x1="{m}" y1="10" x2="{m}" y2="{h - m}" stroke="#333"/>',
-        f'<text x="{(w + m) / 2}" y="{h - 8}" text-anchor="middle">{html.escape(x_label)}</text>',
-        f'<text x="14" y="{(h - m) / 2}" text-anchor="middle" transform="rotate(-90 14 {(h - m) / 2})">'
-        f"{html.escape(y_label)}</text>",
-    ]
-    for tick in round_ticks(x_max):
-        x = m + tick / x_max * (w - 10 - m)
-        parts.append(f'<text x="{x:.1f}" y="{h - m + 16}" text-anchor="middle">{tick:g}</text>')
-    for tick in round_ticks(y_max):
-        y = h - m - tick / y_max * (h - m - 10)
-        parts.append(f'<text x="{m - 4}" y="{y + 4:.1f}" text-anchor="end">{tick:g}</text>')
-        parts.append(f'<line x1="{m}" y1="{y:.1f}" x2="{w - 10}" y2="{y:.1f}" stroke="#ddd"/>')
-    return parts
-
-
-def _round_step(top: float, ticks: int = 4) -> float:
-    """A round tick step (1, 2, 2.5 or 5 times a power of ten) giving about `ticks` ticks to `top`."""
-    raw = max(top, 1e-9) / ticks
-    power = 10 ** math.floor(math.log10(raw))
-    return next(f * power for f in (1, 2, 2.5, 5, 10) if f * power >= raw)
-
-
-def round_top(top: float) -> float:
-    """`top` rounded up to a whole number of round tick steps: where an axis ends."""
-    step = _round_step(top)
-    return max(1, math.ceil(round(top / step, 9))) * step
-
-
-def round_ticks(top: float) -> list[float]:
-    """Round tick values from 0 to `top` (an axis end from round_top)."""
-    step = _round_step(top)
-    return [round(i * step, 9) for i in range(int(round(top / step, 9)) + 1)]
-
-
 def rate_plot_svg(timelines: dict[str, list[tuple[float, float]]]) -> str:
     """Images per second over (rebuilt) time, one line per worker, a marked point per shard."""
     curves = timelines
@@ -160,7 +120,7 @@ def rate_plot_svg(timelines: dict[str, list[tuple[float, float]]]) -> str:
     y_max = max((r for c in curves.values() for _, r in c), default=0.0) * 1.1 or 1.0
     w, h, m = _PLOT_W, _PLOT_H, _MARGIN
     span, y_max = round_top(span), round_top(y_max)
-    parts = _axes(span, y_max, "generation time on the worker (s)", RATE_NAME)
+    parts = axes(span, y_max, "generation time on the worker (s)", RATE_NAME)
     legend = []
     for i, (worker, curve) in enumerate(curves.items()):
         colour = _COLOURS[i % len(_COLOURS)]
@@ -265,6 +225,7 @@ table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ccc;paddin
 .ok{color:#1a7f37}.bad{color:#b42318}.legend{font-size:12px}.note{font-size:12px;color:#555}
 .grid{display:flex;flex-wrap:wrap;gap:10px}.cell{width:150px;font-size:11px}
 .cell img{display:block;border:1px solid #ccc;image-rendering:pixelated}
+.strip .divider{width:3px;background:#d62728}
 """
 
 
@@ -287,6 +248,7 @@ def _summary_rows(data: ReportData, failed: int) -> list[list[Any]]:
         ["workers", len({r["worker"] for r in rows})],
         *_fleet_rows(s),
         *_step_cache_rows(s),
+        *([["near duplicates", near_duplicate_line(data.near_duplicates)]] if data.near_duplicates else []),
     ]  # fmt: skip
 
 
@@ -329,15 +291,6 @@ def _failed_shards_table(s: dict[str, Any] | None) -> str:
     )  # fmt: skip
 
 
-def _sample_cells(samples: list[tuple[str, str, bytes, tuple[int, int]]]) -> str:
-    return "".join(
-        f'<div class="cell"><img src="data:image/jpeg;base64,{base64.b64encode(jpeg).decode()}" '
-        f'width="{w}" height="{h}" alt="{html.escape(label)}"><b>{html.escape(label)}</b><br>'
-        f"{html.escape(prompt)}</div>"
-        for label, prompt, jpeg, (w, h) in samples
-    )
-
-
 def _startup_html(s: dict[str, Any] | None) -> str:
     startup = startup_rows(s)
     return (
@@ -371,7 +324,7 @@ def render_html(data: ReportData) -> str:
         "failures",
     )
     shard_table = _failed_shards_table(s)
-    cells = _sample_cells(data.samples)
+    cells = image_cells(data.samples)
     startup_html = _startup_html(s)
     more = f" (first {MAX_FAILURE_ROWS} of {len(failed)})" if len(failed) > MAX_FAILURE_ROWS else ""
     return f"""<!DOCTYPE html>
@@ -390,6 +343,7 @@ times in the manifests (they record durations, not clock times); start-up and wa
 <h2>Start-up costs per actor</h2>{startup_html}
 <h2>Failed images{more}</h2>{failure_table if failed else '<p class="ok">No failed images.</p>'}
 {"<h2>Failed shards</h2>" + shard_table if shard_table else ""}
+<h2>Scores</h2>{scores_html(data.scores)}
 <h2>Sample images</h2><div class="grid" id="samples">{cells}</div>
 </body></html>
 """

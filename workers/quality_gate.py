@@ -5,7 +5,10 @@ scores too low (quality.scorers, quality.gate).
         made.image, made.scores, made.gate   # the kept try, its scores, every try's record
 
 Every image is scored from the uint8 pixels that will be stored (model.quality: a score depends on
-the image and its prompt alone). Without a gate each image comes out as it is made. With one, the
+the image and its prompt alone), and the image that comes out gets its perceptual hash, whatever
+the job's scorers: the near-duplicate counts of `ditfleet status` and `ditfleet report` read it.
+It is cheap next to the image's DiT work (measured on one CPU thread: 0.1 ms at 64x64, 26 ms at
+1024x1024, 65 ms at 1328x1328), and only the kept try is hashed. Without a gate each image comes out as it is made. With one, the
 tries go in rounds: round t makes try t (workers.generate.try_seed) of every image that has not
 passed yet, batched like any other work; an image comes out when a try passes (score >= min), when
 the scorer cannot judge it (NaN: kept as made), when its generation failed on the first try (a
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ditfleet.model.quality.base import ImageScorer
+from ditfleet.model.quality.perceptual_hash import perceptual_hashes
 from ditfleet.workers.contract import GateConfig
 from ditfleet.workers.generate import (
     BatchGenerator,
@@ -52,13 +56,18 @@ class ScoredImage:
     image: GeneratedImage  # the kept try; its request carries the try's index and seed
     scores: dict[str, float] = field(default_factory=dict)  # the kept try's, by scorer name
     gate: GateRecord | None = None
+    phash: int | None = None  # the kept image's 64-bit perceptual hash, unsigned (None: it failed)
 
     def manifest_columns(self, stored_ok: bool) -> dict[str, Any]:
         """Its manifest columns (workers.output.manifest): score_{name} of each scorer (null
-        when not stored or NaN: the scorer cannot judge it) and, under a gate, gate_*."""
+        when not stored or NaN: the scorer cannot judge it), phash (null when not stored) and,
+        under a gate, gate_*."""
         columns: dict[str, Any] = {
             f"score_{name}": v if stored_ok and not math.isnan(v) else None for name, v in self.scores.items()
         }
+        if stored_ok and self.phash is not None:
+            # The manifest's int64 holds the 64 bits: the top bit becomes the sign.
+            columns["phash"] = self.phash - (1 << 64) if self.phash >= 1 << 63 else self.phash
         if self.gate is not None:
             columns.update(
                 gate_passed=self.gate.passed,
@@ -112,7 +121,22 @@ def scored_images(
     scorers: Sequence[ImageScorer],
     gate: GateConfig | None = None,
 ) -> Iterator[ScoredImage]:
-    """The shard's images, each once, scored, and with a gate its kept try (see the module)."""
+    """The shard's images, each once, scored and hashed, and with a gate its kept try (see the
+    module)."""
+    for made in _kept_tries(generator, requests, batch_size, scorers, gate):
+        if made.image.pixels is not None:
+            made.phash = perceptual_hashes(made.image.pixels[None])[0]
+        yield made
+
+
+def _kept_tries(
+    generator: BatchGenerator,
+    requests: Sequence[ImageRequest],
+    batch_size: int,
+    scorers: Sequence[ImageScorer],
+    gate: GateConfig | None,
+) -> Iterator[ScoredImage]:
+    """The shard's images, each once, scored, and with a gate its kept try."""
     if gate is not None and gate.scorer not in {s.name for s in scorers}:
         raise ValueError(
             f"quality.gate.scorer {gate.scorer!r} is not among the scorers {[s.name for s in scorers]}"

@@ -28,6 +28,7 @@ from typing import TextIO
 from ditfleet.driver.dispatch import DispatchResult
 from ditfleet.driver.output.compact import COMPACTED_KEY, refresh_compacted
 from ditfleet.driver.output.lease import OutputLease
+from ditfleet.driver.output.near_duplicate_counts import output_near_duplicates
 from ditfleet.driver.output.orphans import delete_lost
 from ditfleet.driver.output.pause_points import pause_point
 from ditfleet.driver.output.settle import Settled, delete_settled, seal_generations
@@ -69,6 +70,7 @@ def finish_run(
     t0 = time.monotonic()
     committed = committed_shards(store) & {s.index for s in shards}
     counts = count_shards(store, sorted(committed))
+    near_duplicates = output_near_duplicates(store, sorted(committed))
     now = time.monotonic()
     summary = build_summary(
         output=store.uri(),
@@ -79,6 +81,7 @@ def finish_run(
         dispatch=result,
         progress=progress,
         timings={**dict.fromkeys(_TIMINGS, 0.0), **timings, "count_s": now - t0, "wall_s": now - started},
+        near_duplicates=near_duplicates,
     )
     unfenced = result.unfenced_actors if result is not None else []
     if unfenced:

@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 
 from ditfleet.driver.output.compact import CompactedState, compacted_state
 from ditfleet.driver.output.job_file import read_job_file
+from ditfleet.driver.output.near_duplicate_counts import near_duplicate_line, output_near_duplicates
 from ditfleet.driver.output.success import success_file
 from ditfleet.driver.run_records import RecordedPlan, read_run_records
 from ditfleet.workers.output.layout import manifest_key
@@ -93,7 +94,6 @@ def shard_counts(store: ObjectStore, shard: int, key: str | None = None) -> Outp
     present = [c for c in _STEP_CACHE_COLUMNS + _GATE_COLUMNS if c in parquet.schema_arrow.names]
     table = parquet.read(columns=_COLUMNS + present)
     blocks = {c: (pc.sum(table.column(c)).as_py() or 0) if c in present else 0 for c in _STEP_CACHE_COLUMNS}
-    judged = pc.is_valid(table.column("gate_passed")) if "gate_passed" in present else None
     ok = pc.equal(table.column("status"), "ok")
     images_ok = pc.sum(ok).as_py() or 0
     # A row is failed when any of its images failed: group the failed images by id.
@@ -109,12 +109,14 @@ def shard_counts(store: ObjectStore, shard: int, key: str | None = None) -> Outp
         errors=errors,
         dit_blocks_computed=blocks["dit_blocks_computed"],
         dit_blocks_reused=blocks["dit_blocks_reused"],
-        **(_gate_counts(table, judged) if judged is not None else {}),
+        **(gate_counts(table) if "gate_passed" in present else {}),
     )
 
 
-def _gate_counts(table: pa.Table, judged: pa.Array) -> dict[str, int]:
-    """The gate's counts of one manifest: the images it judged, passed, and their tries."""
+def gate_counts(table: pa.Table) -> dict[str, int]:
+    """The gate's counts of manifest rows (OutputCounts' gate_* fields): the images it judged (a
+    gate_passed that is not null), those that passed, and their tries."""
+    judged = pc.is_valid(table.column("gate_passed"))
     passed = pc.filter(table.column("gate_passed"), judged)
     tries = pc.filter(table.column("gate_tries"), judged)
     return {
@@ -150,6 +152,9 @@ class OutputStatus:
     recorded: dict[str, int] | None = None
     stale_success: str | None = None  # why a `_SUCCESS` there is not believed (driver.output.summary)
     compacted: CompactedState = CompactedState(False, False)
+    # Near duplicates among the committed images (driver.output.near_duplicate_counts); {}
+    # when no manifest has a phash (an output older than the column).
+    near_duplicates: dict[str, Any] = field(default_factory=dict)
 
     @property
     def plan(self) -> dict[str, Any]:
@@ -171,6 +176,7 @@ class OutputStatus:
             "images": {"planned": plan.get("images"), "ok": c.images_ok, "failed": c.images_failed},
             "failures_by_error": c.errors_capped(),
             "quality_gate": c.gate(),
+            "near_duplicates": self.near_duplicates,
             "shards_left": _ranges(self.missing),
             "stale_success": self.stale_success,
             "compacted": self.compacted.describe(),
@@ -194,6 +200,8 @@ class OutputStatus:
             lines.append(f"  shards left: {d['shards_left']}")
         if d["quality_gate"]:
             lines.append(f"  quality gate: {gate_line(d['quality_gate'])}")
+        if self.near_duplicates:
+            lines.append(f"  near duplicates: {near_duplicate_line(self.near_duplicates)}")
         for message, n in d["failures_by_error"].items():
             lines.append(f"  failed x{n}: {message}")
         if self.compacted.present:
@@ -259,4 +267,5 @@ def output_status(store: ObjectStore) -> OutputStatus:
         counts=count_shards(store, committed),
         recorded=recorded,
         compacted=compacted_state(store, current),
+        near_duplicates=output_near_duplicates(store, committed),
     )

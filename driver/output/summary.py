@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
 from ditfleet.driver.dispatch.types import DispatchResult
+from ditfleet.driver.output.near_duplicate_counts import near_duplicate_line
 from ditfleet.driver.output.status import OutputCounts, gate_line
 from ditfleet.driver.output.success import put_success, success_file
 from ditfleet.driver.progress import JobProgress, compile_fallbacks, format_duration, plural, warmup_seconds
@@ -63,6 +64,9 @@ class JobSummary:
     step_cache: dict[str, Any] = field(default_factory=dict)
     # quality.gate over the committed images (OutputCounts.gate): pass rate, tries per image.
     quality_gate: dict[str, Any] = field(default_factory=dict)
+    # Near duplicates among the committed images (driver.output.near_duplicate_counts): images
+    # counted, those near an earlier image of their prompt or of another; {} without phashes.
+    near_duplicates: dict[str, Any] = field(default_factory=dict)
     # What this run's fleet cost (DispatchResult.fleet): GPU hours split into start-up,
     # generating and idle, and images per GPU hour; empty when nothing was dispatched.
     fleet: dict[str, Any] = field(default_factory=dict)
@@ -125,6 +129,8 @@ class JobSummary:
             )
         if self.quality_gate:
             lines.append(f"  quality gate: {gate_line(self.quality_gate)}")
+        if self.near_duplicates:
+            lines.append(f"  near duplicates: {near_duplicate_line(self.near_duplicates)}")
         if self.recompiles:
             lines.append(f"  WARNING: {self.recompiles} compilations on the request path (expected 0)")
         if self.oom_splits:
@@ -228,9 +234,11 @@ def build_summary(
     dispatch: DispatchResult | None,
     progress: JobProgress,
     timings: dict[str, float],
+    near_duplicates: dict[str, Any] | None = None,
 ) -> JobSummary:
-    """Assemble the summary. planned: {'shards', 'rows', 'images'} of the plan; counts: over
-    every committed shard of the output."""
+    """Assemble the summary. planned: {'shards', 'rows', 'images'} of the plan; counts and
+    near_duplicates (driver.output.near_duplicate_counts; None: none counted): over every
+    committed shard of the output."""
     failed = [
         {"shard": f.index, "attempts": f.attempts, "kind": f.kind, "error": f.error}
         for f in (dispatch.failed if dispatch else [])
@@ -276,6 +284,7 @@ def build_summary(
         compile_fallbacks={w: fb for w, r in reports.items() if (fb := compile_fallbacks(r))},
         step_cache=step_cache_summary(counts.dit_blocks_computed, counts.dit_blocks_reused),
         quality_gate=counts.gate(),
+        near_duplicates=near_duplicates or {},
         fleet=dispatch.fleet(sum(w.images_ok for w in progress.workers.values())) if dispatch else {},
     )
 

@@ -1,9 +1,10 @@
 """`ditfleet report`: the HTML page of a real job's output, rendered by headless Chromium.
 
 The job runs the real worker (tiny random-weight model, compile off) on the session's Ray: two
-actors, three shards. The page is screenshotted twice: as written, and with its plot lines
-emptied and its sample images replaced by white ones of the same size (same layout). Where the
-two differ, the plot and the images were drawn.
+actors, three shards, every image scored for sharpness under a sharpness gate. The page is
+screenshotted as written, with its plot lines emptied and its images replaced by white ones of
+the same size (same layout), and with its histogram bars flattened. Where they differ, the plot,
+the images and the histogram were drawn.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import re
 import shutil
 import subprocess
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import numpy as np
 import pytest
@@ -24,13 +25,17 @@ from ditfleet.driver.dispatch import DispatchConfig
 from ditfleet.driver.plan import PlanConfig
 from ditfleet.driver.run_job import DriverConfig, run_job
 from ditfleet.jobs.cli import main
-from ditfleet.jobs.report import THUMB, load_report_data, render_html
+from ditfleet.jobs.report import load_report_data, render_html
+from ditfleet.jobs.report_images import THUMB
+from ditfleet.jobs.report_scores import load_score_sections
+from ditfleet.workers.contract import GateConfig
 from ditfleet.workers.storage import open_store
 from tests.support.worker_fixtures import row_config, worker_config, write_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 
-WINDOW = (1200, 2600)
+WINDOW = (1200, 3600)
+GATE = GateConfig(scorer="sharpness", min=0.0, max_tries=2)  # every image passes at its first try
 
 
 def chromium() -> str:
@@ -71,10 +76,13 @@ def job_output(tmp_path_factory, random_model_dir):
         output_uri=out,
         plan=PlanConfig(rows=row_config(), shard_size=4),
         dispatch=DispatchConfig(min_actors=2, max_actors=2, num_cpus=0.5, max_attempts=1, tick_s=0.05),
-        resolved_spec=json.dumps({"name": "report-test"}),
+        resolved_spec=json.dumps({"name": "report-test", "quality": {"gate": asdict(GATE)}}),
     )
-    summary = run_job(driver, worker_config(random_model_dir, out), stream=io.StringIO(), interactive=False)
+    config = replace(worker_config(random_model_dir, out), scorers=("sharpness",), gate=GATE)
+    summary = run_job(driver, config, stream=io.StringIO(), interactive=False)
     assert summary.images["ok"] == 12, summary.to_json()
+    # _SUCCESS counts the near duplicates over every committed image.
+    assert summary.near_duplicates["images"] == 12, summary.to_json()
     return out
 
 
@@ -92,7 +100,12 @@ def test_report_page_draws_plot_and_images(browser, job_output, tmp_path, capsys
     # Self-contained: no scripts, nothing fetched (the only URIs are data: ones and the SVG namespace).
     assert "<script" not in page
     assert not re.search(r"""(src|href)=["'](?!data:)""", page)
-    assert page.count('<img src="data:image/jpeg;base64,') == 8
+    # 8 samples, and the 4 images at or above the gate's threshold nearest it (none are under it).
+    assert page.count('<img src="data:image/jpeg;base64,') == 8 + 4
+    assert 'id="hist-sharpness"' in page and 'class="threshold"' in page and "gate min 0" in page
+    assert "12 images scored, 0 ok images without a score (null)" in page
+    assert "quality gate (min 0): 12/12 images passed (100.0%), 1.00 tries per image" in page
+    assert re.search(r"<td>near duplicates</td><td>\d+ of 12 images repeat", page)
     # One rate line and one bar per worker that generated (both actors usually share the three
     # shards, but a slow start can leave one actor all of them; test_two_workers_... pins two).
     workers = {r["worker"] for r in load_report_data(open_store(job_output), samples=0).rows}
@@ -122,6 +135,13 @@ def test_report_page_draws_plot_and_images(browser, job_output, tmp_path, capsys
     assert plot_rows.size > 60, plot_rows.size  # a line and a dot per shard (3 shards)
     sample_px = int(differs[rows.max() - 2 * 200 :, :].sum())
     assert sample_px > 0.3 * 8 * THUMB * THUMB, sample_px  # 8 drawn thumbnails of 128 px
+    # The histogram: its bars, flattened to no height, leave a visibly different page.
+    flat = tmp_path / "flat.html"
+    flat.write_text(re.sub(r'(class="hist-bar" x="[\d.]+") y="[\d.]+"( width="[\d.]+") height="[\d.]+"',
+                           r'\1 y="0"\2 height="0"', page))  # fmt: skip
+    assert flat.read_text() != page
+    bars = np.abs(shot - screenshot(flat, tmp_path / "flat.png")).max(axis=2) > 40
+    assert bars.sum() > 500, bars.sum()  # blue bars over a 640 x 260 plot
     shutil.copy(tmp_path / "report.png", "/tmp/ditfleet-report-test.png")
 
 
@@ -141,6 +161,20 @@ def test_two_workers_get_two_rate_lines_and_two_bars(job_output):
     page = render_html(replace(data, rows=rows))
     assert page.count('class="rate"') == 2 and page.count('class="bar"') == 2
     assert "worker-0" in page and "worker-1" in page
+
+
+def test_the_strip_shows_the_images_nearest_a_threshold_on_both_sides(job_output):
+    store = open_store(job_output)
+    data = load_report_data(store, samples=0)
+    median = sorted(data.scores[0].values)[6]
+    spec = {"quality": {"gate": {"scorer": "sharpness", "min": median}}}
+    (section,) = load_score_sections(store, spec, 12, {"gate_images": 12, "gate_passed": 6, "gate_tries": 12})
+    below = [float(t.caption.split(":")[0].removeprefix("score ")) for t in section.below]
+    above = [float(t.caption.split(":")[0].removeprefix("score ")) for t in section.above]
+    assert len(below) == len(above) == 4
+    shown = float(f"{median:.4g}")  # captions round to 4 digits, which keeps the order
+    assert below == sorted(below) and max(below) <= shown <= min(above) and above == sorted(above)
+    assert all(t.jpeg[:2] == b"\xff\xd8" for t in section.below + section.above)  # thumbnails, JPEG
 
 
 def test_report_of_an_empty_output_says_so(tmp_path, capsys):

@@ -143,6 +143,13 @@ class ManifestRow:
         pa.string(), "the gate scorer's score of every try, a JSON list", True, None
     )
     gate_seeds: str | None = _col(pa.string(), "the seed of every try, a JSON list", True, None)
+    # The stored image's 64-bit perceptual hash (model.quality.perceptual_hash), always taken on the
+    # actor; its 64 bits as a signed int64 (bit 63 is the sign), since not every reader has uint64.
+    # Hamming distance: bit_count(a XOR b) in DuckDB, np.bitwise_count in numpy. Null when the image
+    # failed, and in older manifests.
+    phash: int | None = _col(
+        pa.int64(), "64-bit perceptual hash of the stored image, as int64 (near duplicates)", True, None
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.extra, Mapping):

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from ditfleet.driver.output.summary import RATE_NAME, JobSummary, generation_rate
-from ditfleet.jobs.report import job_header, round_ticks, round_top, worker_bars_svg, worker_timelines
+from ditfleet.jobs.report import job_header, worker_bars_svg, worker_timelines
+from ditfleet.jobs.svg_axes import round_ticks, round_top
 
 
 def _rows(worker: str, shard: int, times: list[float]) -> list[dict]:

@@ -11,13 +11,9 @@ import torch.nn.functional as F
 from PIL import Image
 
 from ditfleet.model.quality import scorer
-from ditfleet.model.quality.perceptual_hash import (
-    NEAR_DUPLICATE_BITS,
-    NearDuplicates,
-    hamming,
-    perceptual_hashes,
-)
+from ditfleet.model.quality.perceptual_hash import hamming, perceptual_hashes
 from ditfleet.model.quality.sharpness import Sharpness
+from ditfleet.workers.near_duplicates import NEAR_DUPLICATE_BITS
 
 
 def _checkerboard(side: int = 64, cell: int = 4) -> torch.Tensor:
@@ -119,40 +115,6 @@ def test_phash_of_unrelated_random_images_is_far() -> None:
 def test_hamming_counts_differing_bits() -> None:
     assert hamming(0, 2**64 - 1) == 64
     assert hamming(0b1011, 0b0001) == 2
-
-
-def test_near_duplicates_splits_same_prompt_from_across_prompts() -> None:
-    base = 0x0123_4567_89AB_CDEF
-    near = base ^ 0b11_1111  # 6 bits, in one band
-    spread = base ^ sum(1 << (8 * band) for band in range(6))  # 6 bits, one per band
-    far = base ^ ((1 << 7) - 1) << 20  # 7 bits
-    counter = NearDuplicates()
-    assert counter.add("r0", "cat", base) is None
-    assert counter.add("r1", "cat", near) == "r0"  # another seed of the same prompt
-    assert counter.add("r2", "dog", spread) == "r0"  # a near copy under another prompt
-    assert counter.add("r3", "dog", base) == "r2"  # same prompt preferred to the earlier cat
-    assert counter.add("r4", "cow", far ^ (1 << 63) ^ (1 << 62)) is None
-    assert (counter.same_prompt, counter.across_prompts) == (2, 1)
-
-
-def test_near_duplicates_finds_every_pair_the_brute_force_finds() -> None:
-    g = torch.Generator().manual_seed(1)
-    hashes: list[int] = []
-    for _ in range(40):
-        h = int(torch.randint(0, 2**62, (1,), generator=g))
-        hashes.append(h)
-        flips = torch.randperm(64, generator=g)[: int(torch.randint(0, 9, (1,), generator=g))]
-        hashes.append(h ^ sum(1 << int(f) for f in flips))
-    counter = NearDuplicates()
-    found = [counter.add(f"r{i}", "p", h) is not None for i, h in enumerate(hashes)]
-    brute = [any(hamming(h, e) <= NEAR_DUPLICATE_BITS for e in hashes[:i]) for i, h in enumerate(hashes)]
-    assert found == brute
-    assert 0 < sum(found) < len(found) // 2 + 1
-
-
-def test_near_duplicates_refuses_a_threshold_the_bands_cannot_find() -> None:
-    with pytest.raises(ValueError, match="bits=8.*0 to 7 bits"):
-        NearDuplicates(bits=8)
 
 
 def test_scorer_registry_builds_sharpness_and_names_the_known_ones() -> None:

@@ -8,9 +8,13 @@ from __future__ import annotations
 import dataclasses
 import typing
 
+import numpy as np
 import pyarrow.parquet as pq
+import torch
+from PIL import Image
 
 from ditfleet.jobs.score import score_output
+from ditfleet.model.quality.perceptual_hash import perceptual_hashes
 from ditfleet.model.settings import ScorerName
 from ditfleet.workers.output.layout import manifest_key, score_table_key
 from ditfleet.workers.output.manifest import MANIFEST_SCHEMA, read_manifests
@@ -53,6 +57,23 @@ def test_without_scorers_the_columns_are_null(tmp_path):
     GenerationWorker(config).run_shard(shard_of(prompts, 0, 0, 2, buckets=BUCKETS))
     manifest = read_manifests(open_store(str(tmp_path / "out"))).to_pylist()
     assert [(r["score_tiny"], r["score_sharpness"]) for r in manifest] == [(None, None)] * 2
+
+
+def test_every_stored_image_carries_the_phash_of_its_stored_pixels_without_scorers(tmp_path):
+    from ditfleet.workers.actor import GenerationWorker
+
+    prompts = write_prompts(tmp_path / "prompts.parquet", 3, sizes=False)
+    rows = row_config(steps=2, cfg=1.0, buckets=BUCKETS)
+    GenerationWorker(worker_config("tiny", str(tmp_path / "out"), rows=rows)).run_shard(
+        shard_of(prompts, 0, 0, 3, buckets=BUCKETS)
+    )
+    manifest = read_manifests(open_store(str(tmp_path / "out"))).to_pylist()
+    assert len(manifest) == 3 and all(r["status"] == "ok" for r in manifest)
+    for r in manifest:
+        with Image.open(r["uri"]) as image:  # a local output: the uri is the file's path
+            pixels = torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1)[None]
+        stored_bits = r["phash"] & (2**64 - 1)  # the int64 column's two's complement, unsigned
+        assert stored_bits == perceptual_hashes(pixels)[0]
 
 
 def test_preview_sorts_by_the_manifests_own_scores(tmp_path):

@@ -16,6 +16,7 @@ from ditfleet.workers.output.manifest import (
     ManifestRow,
     ManifestWriter,
     committed_shards,
+    manifest_table,
     passthrough_json,
     read_manifests,
 )
@@ -63,6 +64,7 @@ EXPECTED_COLUMNS = [
     ("gate_kept", pa.int32(), True),
     ("gate_scores", pa.string(), True),
     ("gate_seeds", pa.string(), True),
+    ("phash", pa.int64(), True),
 ]
 DESIGN_COLUMNS = {name for name, _, _ in EXPECTED_COLUMNS}
 
@@ -225,6 +227,7 @@ def test_a_manifest_written_before_the_step_cache_columns_still_reads(tmp_path) 
         "gate_kept",
         "gate_scores",
         "gate_seeds",
+        "phash",
     ]
     old = MANIFEST_SCHEMA.empty_table().drop_columns(
         ["step_cache", "dit_blocks_computed", "dit_blocks_reused", "batch_size", *scores]
@@ -236,6 +239,23 @@ def test_a_manifest_written_before_the_step_cache_columns_still_reads(tmp_path) 
     assert no_batch.schema.equals(MANIFEST_SCHEMA, check_metadata=False)
     no_scores = with_later_columns(MANIFEST_SCHEMA.empty_table().drop_columns(scores))
     assert no_scores.schema.equals(MANIFEST_SCHEMA, check_metadata=False)
+    # ... and those of the scores and gate, before the perceptual hash.
+    no_phash = with_later_columns(MANIFEST_SCHEMA.empty_table().drop_columns(["phash"]))
+    assert no_phash.schema.equals(MANIFEST_SCHEMA, check_metadata=False)
     # Anything else that differs is still refused by the readers.
     other = MANIFEST_SCHEMA.empty_table().drop_columns(["shard"])
     assert not with_later_columns(other).schema.equals(MANIFEST_SCHEMA, check_metadata=False)
+
+
+def test_a_phash_with_its_top_bit_set_is_stored_as_its_int64_bits_and_only_for_stored_images():
+    from ditfleet.workers.generate import GeneratedImage
+    from ditfleet.workers.quality_gate import ScoredImage
+
+    image = GeneratedImage(request=None, pixels=None, error=None, generate_s=0.0)  # type: ignore[arg-type]
+    top = ScoredImage(image, phash=(1 << 63) | 5)
+    columns = top.manifest_columns(stored_ok=True)
+    assert columns["phash"] == -(1 << 63) + 5
+    table = manifest_table([make_row(0, 0, **columns)])
+    assert (table.column("phash")[0].as_py() & (2**64 - 1)) == (1 << 63) | 5
+    assert ScoredImage(image, phash=7).manifest_columns(stored_ok=True)["phash"] == 7
+    assert "phash" not in top.manifest_columns(stored_ok=False)  # the row's column stays null
