@@ -158,5 +158,5 @@ def test_near_duplicates_refuses_a_threshold_the_bands_cannot_find() -> None:
 def test_scorer_registry_builds_sharpness_and_names_the_known_ones() -> None:
     built = scorer("sharpness")
     assert isinstance(built, Sharpness) and built.higher_is_better
-    with pytest.raises(ValueError, match="unknown image scorer 'clip'.*are sharpness"):
-        scorer("clip")
+    with pytest.raises(ValueError, match="unknown image scorer 'beauty'.*are clip, sharpness, tiny, vqa"):
+        scorer("beauty")
