@@ -46,7 +46,7 @@ class CLIPScore:
                 "or hf://org/name[@revision]"
             )
         try:
-            model = CLIPModel.from_pretrained(str(folder), torch_dtype=dtype, local_files_only=True)
+            model: Any = CLIPModel.from_pretrained(str(folder), torch_dtype=dtype, local_files_only=True)
             processor = CLIPProcessor.from_pretrained(str(folder), local_files_only=True)
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(

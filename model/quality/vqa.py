@@ -106,7 +106,7 @@ class VQAScore:
         finally:
             # The model keeps this forward's M-RoPE offsets for a generation that would follow; the
             # same model encodes prompts next, so it is left as prompt encoding expects it.
-            inner = getattr(self.model, "model", None)
+            inner: Any = getattr(self.model, "model", None)
             if hasattr(inner, "rope_deltas"):
                 inner.rope_deltas = None
         logp = logits.float().log_softmax(-1)  # (k, V)
