@@ -216,9 +216,18 @@ def cmd_score(args: argparse.Namespace) -> int:
     if next(iter(store.list(MANIFESTS_PREFIX)), None) is None:
         raise UsageError(f"{args.output}: no manifests: not a ditfleet output with committed shards (yet)")
     with _ray_if_asked(args):
-        report = score_output(
-            store, args.scorer, workers=args.workers, use_ray=args.ray, ray_s3=_store_args(args)
-        )
+        try:
+            report = score_output(
+                store,
+                args.scorer,
+                workers=args.workers,
+                use_ray=args.ray,
+                ray_s3=_store_args(args),
+                model_path=args.model,
+                clip_model=args.clip_model,
+            )
+        except ValueError as e:
+            raise UsageError(str(e)) from e
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_text(store.uri()))
     return EXIT_OK
 
@@ -443,7 +452,14 @@ def _add_output_commands(sub: argparse._SubParsersAction) -> None:
         cmd_score,
     )
     p.add_argument(
-        "--scorer", required=True, help="sharpness (Laplacian variance) or tiny (the tiny model's adherence)"
+        "--scorer",
+        required=True,
+        help="sharpness (Laplacian variance), tiny (the tiny model's adherence), vqa (VQAScore from the "
+        "model's Qwen2.5-VL) or clip (CLIP score)",
+    )
+    p.add_argument("--model", default=None, help="vqa: the Qwen-Image model (default: the output's job's)")
+    p.add_argument(
+        "--clip-model", default=None, help="clip: the CLIP model (default: the job's quality.clip_model)"
     )
     p.add_argument("--workers", type=int, default=2, help="threads scoring shards here (default 2)")
     _add_ray_options(p, "score shards in Ray tasks over the cluster")

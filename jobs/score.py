@@ -22,8 +22,9 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ditfleet.driver.output.job_file import read_job_file
 from ditfleet.workers.output.layout import (
     SCORES_PREFIX,
     manifest_of_key,
@@ -32,6 +33,9 @@ from ditfleet.workers.output.layout import (
 )
 from ditfleet.workers.output.manifest import current_manifest_keys
 from ditfleet.workers.storage import ObjectStore, S3Config, open_store
+
+if TYPE_CHECKING:  # torch: the CLI starts without it
+    from ditfleet.workers.scorers import ScorerSource
 
 
 @dataclass
@@ -76,16 +80,18 @@ class ScoreReport:
 ScoreOne = Callable[[str], int]
 
 
-def _score_in_process(store: ObjectStore, scorer: str) -> ScoreOne:
+def _score_in_process(store: ObjectStore, source: ScorerSource) -> ScoreOne:
     from ditfleet.workers.output.score_table import write_score_table
 
+    scorer = source.build()  # once: a model-based scorer's weights load once, its threads share them
     return lambda manifest: write_score_table(store, manifest, scorer)
 
 
-def _score_task(uri: str, s3: S3Config | None, manifests: list[str], scorer: str) -> list[int]:
+def _score_task(uri: str, s3: S3Config | None, manifests: list[str], source: ScorerSource) -> list[int]:
     from ditfleet.workers.output.score_table import write_score_table
 
     store = open_store(uri, s3)
+    scorer = source.build()
     return [write_score_table(store, m, scorer) for m in manifests]
 
 
@@ -96,11 +102,23 @@ def score_output(
     workers: int = 2,
     ray_s3: S3Config | None = None,
     use_ray: bool = False,
+    model_path: str | None = None,
+    clip_model: str | None = None,
 ) -> ScoreReport:
-    """Make the missing score tables of `scorer` for every current manifest of the output."""
-    from ditfleet.workers.output.score_table import check_scorer
+    """Make the missing score tables of `scorer` for every current manifest of the output.
 
-    check_scorer(scorer)  # a wrong name fails before any work
+    model_path: the model whose text encoder `vqa` asks (default: the one the output's job used);
+    clip_model: the CLIP model of `clip` (default: the job's quality.clip_model)."""
+    from ditfleet.workers.scorers import ScorerSource
+
+    job = (read_job_file(store) or {}).get("spec", {})
+    source = ScorerSource(
+        scorer,
+        model_path=model_path or job.get("model", {}).get("path"),
+        clip_model=clip_model or job.get("quality", {}).get("clip_model"),
+        s3=ray_s3,
+    )
+    source.check()  # a wrong name or a missing model fails before any work
     start = time.perf_counter()
     report = ScoreReport(scorer)
     by_shard = current_manifest_keys(store)  # listed before the tables: see below
@@ -129,11 +147,11 @@ def score_output(
         from ditfleet.driver.output.verify_ray import task_groups
 
         task = ray.remote(num_cpus=1)(_score_task)
-        refs = [task.remote(store.uri(), ray_s3, group, scorer) for group in task_groups(todo)]
+        refs = [task.remote(store.uri(), ray_s3, group, source) for group in task_groups(todo)]
         counts = [n for part in ray.get(refs) for n in part]
     else:
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-            counts = list(pool.map(_score_in_process(store, scorer), todo))
+            counts = list(pool.map(_score_in_process(store, source), todo)) if todo else []
     report.scored = todo
     report.images = sum(counts)
     report.seconds = time.perf_counter() - start

@@ -120,3 +120,18 @@ def check_model_index(root: Path) -> None:
             f"{path}: _class_name is {cls!r}; ditfleet runs {list(SUPPORTED_PIPELINES)} checkpoints "
             "(text-to-image Qwen-Image). Point the model path at one of those."
         )
+
+
+def text_encoder_kind(te_dir: Path) -> str:
+    """ "tiny" or "qwen2.5-vl" from text_encoder/config.json; any other model is refused by name."""
+    config = read_config(te_dir)
+    archs = config.get("architectures") or [""]
+    cls = config.get("_class_name") or archs[0]
+    if cls == "TinyTextEncoder":
+        return "tiny"
+    if cls.startswith("Qwen2_5_VL"):
+        return "qwen2.5-vl"
+    raise WeightsError(
+        f"{te_dir / 'config.json'}: text encoder {cls!r} is not Qwen2.5-VL (Qwen-Image's encoder). "
+        "Point the model path at a Qwen-Image checkpoint."
+    )

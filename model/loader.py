@@ -23,6 +23,7 @@ from .folder import (  # noqa: F401 - re-exported: the folder checks are torch-f
     TINY_MODEL_DIR,
     check_model_index,
     resolve_model_dir,
+    text_encoder_kind,
 )
 from .fp8 import Fp8Quantizer, check_checkpoint_dtypes, check_device
 from .lora import LoraFile, LoraSpec, adapters_revision, merge_updates, plan_updates, read_loras
@@ -129,21 +130,6 @@ def load_text_encoder(root: Path, device, dtype) -> TextEncoder | None:
 
         return TinyTextEncoder.load(root, device=device, dtype=dtype)
     return QwenVLTextEncoder.from_dirs(te_dir, root / "tokenizer", device, dtype)
-
-
-def text_encoder_kind(te_dir: Path) -> str:
-    """ "tiny" or "qwen2.5-vl" from text_encoder/config.json; any other model is refused by name."""
-    config = read_config(te_dir)
-    archs = config.get("architectures") or [""]
-    cls = config.get("_class_name") or archs[0]
-    if cls == "TinyTextEncoder":
-        return "tiny"
-    if cls.startswith("Qwen2_5_VL"):
-        return "qwen2.5-vl"
-    raise WeightsError(
-        f"{te_dir / 'config.json'}: text encoder {cls!r} is not Qwen2.5-VL (Qwen-Image's encoder). "
-        "Point the model path at a Qwen-Image checkpoint."
-    )
 
 
 def load_pipeline(

@@ -125,7 +125,7 @@ Quantization = Literal["none", "fp8", "fp8-weight-only"]  # model.quantization n
 AttentionBackend = Literal["auto", "cudnn", "flash", "efficient", "math"]  # model.attention_backend
 # The image scorers (model.quality's registry, which checks it holds exactly these); each has its
 # manifest column, score_{name} (workers.output.manifest).
-ScorerName = Literal["sharpness", "tiny"]
+ScorerName = Literal["sharpness", "tiny", "vqa", "clip"]
 
 
 @dataclass(frozen=True)

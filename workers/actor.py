@@ -28,7 +28,6 @@ from ditfleet.model import LoraSpec, TextToImagePipeline, load_pipeline, resolve
 from ditfleet.model.family import model_family
 from ditfleet.model.fp8 import runs_scaled_gemms
 from ditfleet.model.loader import load_text_encoder
-from ditfleet.model.quality import scorer
 from ditfleet.workers.batch_fit import fit_batch_size
 from ditfleet.workers.cache_secret import read_cache_secret
 from ditfleet.workers.contract import ShardAbandoned, ShardResult, WorkerConfig
@@ -51,6 +50,7 @@ from ditfleet.workers.output.manifest import ManifestRow, ManifestWriter, passth
 from ditfleet.workers.output.provenance import JobProvenance
 from ditfleet.workers.quality_gate import ScoredImage, scored_images
 from ditfleet.workers.rows import PromptRow, ShardSpec, read_shard_rows
+from ditfleet.workers.scorers import build_scorers
 from ditfleet.workers.spot import StopOnSigterm
 from ditfleet.workers.startup_phase import COMPILING, LOADING, READY, publish_phase
 from ditfleet.workers.storage import StoreConfigError, open_store
@@ -140,13 +140,23 @@ class GenerationWorker:
         self.batch_size = self.batch_fit.batch_size
         self.pipe = self._load_pipeline(self.model.local_path)
         self.text = place_text_encoder(self.pipe, self.model.local_path, config)
+        # Before compiling: a CLIP model that cannot be fetched or a model without the encoder
+        # vqa asks fails the actor's start-up early. vqa reads the unwrapped encoder, wherever
+        # the placement keeps it (workers.text_embeddings).
+        self.scorers = build_scorers(
+            config.scorer_names,
+            text_encoder=self.text.encoder if self.text is not None else None,
+            clip_model=config.clip_model,
+            cache_dir=config.model_cache_dir,
+            s3=config.s3,
+            fetch=config.model_fetch,
+            device=self.device,
+            dtype=self.dtype,
+        )
         load_s = time.perf_counter() - t_load
         # Why the shared cache is off goes in the start-up report: the driver says it once per job.
         secret = read_cache_secret(config.compile_cache_key) if config.compile.shared_cache else None
         self.compile_report = self._compile(secret.key if secret is not None else None)
-        # The gate's scorer is always taken (the spec lists it among the scorers too).
-        names = (*config.scorers, *((config.gate.scorer,) if config.gate else ()))
-        self.scorers = [scorer(name) for name in dict.fromkeys(names)]
         self.generator = BatchGenerator(self.pipe)  # its prompt length: the pipeline's settings
         compiles = bool(self.compile_report.compile.methods)
         shared_cache = (

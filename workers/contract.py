@@ -110,7 +110,16 @@ class WorkerConfig:
         description="Image scorers run on each image right after it is made, each filling its manifest "
         "column score_{name}: 'tiny' (the tiny model's adherence check: the share of the caption's "
         "colour, background, position, shape and size it reads back; null off its caption template), "
-        "'sharpness' (variance of the Laplacian of the luma). For an existing output: `ditfleet score`.",
+        "'sharpness' (variance of the Laplacian of the luma), 'vqa' (VQAScore: the model's own Qwen2.5-VL "
+        "text encoder's probability of 'Yes' to 'Does this figure show \"PROMPT\"?', in [0, 1]; a Qwen-Image "
+        "model only), 'clip' (CLIP score: 100 x the cosine of quality.clip_model's image and text "
+        "embeddings, clipped at 0). For an existing output: `ditfleet score`.",
+    )
+    clip_model: str | None = setting(
+        None,
+        description="The CLIP model of the 'clip' scorer: a local folder holding a transformers CLIPModel "
+        "(config, weights, tokenizer and preprocessor files), s3://bucket/prefix holding one (fetched once "
+        "per node like the model), or hf://org/name[@revision]. Needed when 'clip' scores.",
     )
     gate: GateConfig | None = None  # quality.gate; None: every image is kept as first made
     warmup_buckets: tuple[str, ...] = ()  # the buckets this job uses; empty = every job bucket
@@ -132,6 +141,12 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)
+
+    @property
+    def scorer_names(self) -> tuple[ScorerName, ...]:
+        """The scorers an actor runs: quality.scorers, and the gate's scorer whether or not they
+        list it."""
+        return tuple(dict.fromkeys((*self.scorers, *((self.gate.scorer,) if self.gate else ()))))
 
 
 @dataclass

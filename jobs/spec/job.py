@@ -26,6 +26,7 @@ from ditfleet.driver.plan import PlanConfig
 from ditfleet.driver.run_job import DriverConfig
 from ditfleet.jobs.knobs import lease_ttl_s
 from ditfleet.model.family import model_family
+from ditfleet.model.folder import WeightsError, resolve_model_dir, text_encoder_kind
 from ditfleet.model.settings import PipelineSettings, field_default, settings_fields
 from ditfleet.workers.cache_secret import CacheSecretSource
 from ditfleet.workers.contract import GateConfig, LoraSpec, ModelPlacement, WorkerConfig
@@ -89,6 +90,24 @@ class JobSpec(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _model_based_scorers_have_their_model(self) -> JobSpec:
+        names = self.scorer_names()
+        if "clip" in names and not self.quality.clip_model:
+            raise ValueError(
+                "quality: the 'clip' scorer (in quality.scorers or quality.gate.scorer) needs "
+                "quality.clip_model: a folder holding a transformers CLIPModel, s3://bucket/prefix or "
+                "hf://org/name[@revision]"
+            )
+        if "vqa" in names:
+            check_vqa_model(self.model.path)
+        return self
+
+    def scorer_names(self) -> tuple[str, ...]:
+        """quality.scorers and the gate's scorer (the actor runs both)."""
+        gate = self.quality.gate
+        return tuple(dict.fromkeys((*self.quality.scorers, *((gate.scorer,) if gate else ()))))
+
     def with_changes(self, **changes: Any) -> JobSpec:
         """A copy with `changes` made and validated again like a job file (a JobSpec is frozen).
 
@@ -129,6 +148,10 @@ class JobSpec(Section):
 
     def model_scheduler_config(self) -> str | None:
         return _absolute(self.model.scheduler_config) if self.model.scheduler_config else None
+
+    def clip_model(self) -> str | None:
+        path = self.quality.clip_model
+        return _absolute(path) if path else None
 
     def resolved(self) -> dict[str, Any]:
         """The spec with every default and path filled in (JSON-safe): what `_job.json` stores."""
@@ -188,6 +211,8 @@ class JobSpec(Section):
         settings.update(_pixel_knobs(self.pipeline_settings(), exclude=settings))
         if (gate := self.gate_config()) is not None:  # which try is stored: only when set
             settings["quality_gate"] = dataclasses.asdict(gate)
+            if gate.scorer == "clip":  # the CLIP model judges which try is kept
+                settings["clip_model"] = self.clip_model()
         if self.model.loras:
             settings["loras"] = [{"path": a.path, "scale": a.scale} for a in self.model_loras()]
         if self.model.scheduler_config:
@@ -274,6 +299,7 @@ class JobSpec(Section):
             writer=settings_from(ShardWriterConfig, self.output),
             job_name=self.name,
             gate=self.gate_config(),
+            clip_model=self.clip_model(),
             s3=self.s3_config(),
         )
 
@@ -304,6 +330,27 @@ def _merged(base: dict[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
         else:
             out[key] = value
     return out
+
+
+def check_vqa_model(model_path: str) -> None:
+    """ValueError unless the model's text encoder is a Qwen2.5-VL, which 'vqa' asks. Read here
+    for the bundled tiny model and local folders; a remote model's is checked when an actor
+    builds the scorer (its configs are not fetched to validate a job)."""
+    if "://" in model_path and not model_path.startswith("file://"):
+        return
+    path = model_path.removeprefix("file://")
+    try:
+        kind = text_encoder_kind(
+            resolve_model_dir(path if path == TINY_MODEL else _absolute(path)) / "text_encoder"
+        )
+    except WeightsError as e:
+        kind = f"unreadable ({e})"
+    if kind != "qwen2.5-vl":
+        raise ValueError(
+            f"quality.scorers: 'vqa' asks the model's own Qwen2.5-VL text encoder, but model.path "
+            f"{model_path!r} has a {kind} text encoder. Use a Qwen-Image checkpoint as model.path, or "
+            "leave 'vqa' out (the tiny model's own check is the 'tiny' scorer)"
+        )
 
 
 def _absolute(path: str) -> str:

@@ -354,6 +354,7 @@ QualitySpec = section(
     None,
     {
         "scorers": knob(WorkerConfig, "scorers"),
+        "clip_model": knob(WorkerConfig, "clip_model"),
         "gate": (
             GateSpec | None,
             Field(

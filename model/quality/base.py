@@ -8,7 +8,9 @@ deterministic and batch-independent: an image scores the same alone or in any ba
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
@@ -22,3 +24,18 @@ class ImageScorer(Protocol):
     def score(self, pixels: torch.Tensor, prompts: Sequence[str]) -> list[float]:
         """pixels: (B, 3, H, W) uint8 on any device; prompts: B texts. One float per image."""
         ...
+
+
+@dataclass(frozen=True)
+class ScorerInputs:
+    """What building a scorer may take beyond its name (model.quality.scorer). The weight-free
+    scorers take nothing; the model-based ones read their part, and say which setting to fix
+    when it is missing."""
+
+    #: The pipeline's loaded text encoder: `vqa` asks its Qwen2.5-VL (model.text_encoder).
+    text_encoder: Any = None
+    #: A local folder holding a transformers CLIPModel: `clip` (a remote one is fetched first).
+    clip_model: Path | None = None
+    #: Where a scorer that loads its own weights (`clip`) puts them, and in what dtype.
+    device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32

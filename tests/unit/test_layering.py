@@ -35,6 +35,8 @@ MODEL_OPTIONAL_IMPORTS = {
     # The published Qwen2.5-VL text encoder is transformers' model (the `qwen` extra); the
     # tiny model's own text encoder needs nothing.
     ("model/text_encoder.py", "transformers"),
+    # The clip scorer loads transformers' CLIPModel (quality.clip_model), only when asked for.
+    ("model/quality/clip_score.py", "transformers"),
 }
 
 # The repository's folders besides the layers (the layers are what `LAYERS` checks):

@@ -127,6 +127,14 @@ class ManifestRow:
         pa.float64(), "share of the caption's attributes the tiny model's check reads back (quality.scorers: tiny)",
         True, None,
     )  # fmt: skip
+    score_vqa: float | None = _col(
+        pa.float64(), "probability the model's Qwen2.5-VL answers Yes to 'does this figure show the prompt' "
+        "(quality.scorers: vqa)", True, None,
+    )  # fmt: skip
+    score_clip: float | None = _col(
+        pa.float64(), "CLIP score: 100 x cosine of the image and prompt embeddings, at least 0 "
+        "(quality.scorers: clip)", True, None,
+    )  # fmt: skip
     # quality.gate (workers.quality_gate); null without a gate. The tries' scores and seeds are
     # JSON lists in try order (a null score: that try failed or could not be judged), text rather
     # than list columns so every reader and the compacted set's digests take them as they are;

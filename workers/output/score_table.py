@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import io
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -23,6 +23,9 @@ import pyarrow.parquet as pq
 from ditfleet.workers.output.formats import MANIFEST_IMAGE_COLUMNS, ok_images, read_images
 from ditfleet.workers.output.layout import score_table_key
 from ditfleet.workers.storage import ObjectStore
+
+if TYPE_CHECKING:  # torch, which listing and reading tables do not need
+    from ditfleet.model.quality.base import ImageScorer
 
 SCORE_TABLE_SCHEMA = pa.schema(
     [
@@ -35,22 +38,12 @@ SCORE_TABLE_SCHEMA = pa.schema(
 )
 
 
-def check_scorer(name: str) -> None:
-    """ValueError naming the known scorers unless `name` is one (model.quality.scorer)."""
-    from ditfleet.model.quality import scorer
-
-    scorer(name)
-
-
-def score_manifest(store: ObjectStore, manifest: str, scorer_name: str) -> pa.Table:
+def score_manifest(store: ObjectStore, manifest: str, scorer: ImageScorer) -> pa.Table:
     """The score table of the manifest at key `manifest`: each ok image read back through its
-    format's reader and scored with the scorer called `scorer_name` (model.quality.scorer)."""
+    format's reader and scored with `scorer` (built once by the caller: workers.scorers)."""
     import torch
     from PIL import Image
 
-    from ditfleet.model.quality import scorer as build_scorer
-
-    scorer = build_scorer(scorer_name)
     table = pq.read_table(io.BytesIO(store.get(manifest)), columns=[*MANIFEST_IMAGE_COLUMNS, "prompt"])
     prompts = {(r["id"], r["k"]): r["prompt"] for r in table.select(["id", "k", "prompt"]).to_pylist()}
     rows, scores = ok_images(table), []
@@ -64,15 +57,15 @@ def score_manifest(store: ObjectStore, manifest: str, scorer_name: str) -> pa.Ta
         "sha256": [r.sha256 for r in rows],
         "score": [None if math.isnan(s) else s for s in scores],
     }
-    metadata = {"ditfleet.scorer": scorer_name, "ditfleet.manifest": manifest}
+    metadata = {"ditfleet.scorer": scorer.name, "ditfleet.manifest": manifest}
     return pa.table(columns, schema=SCORE_TABLE_SCHEMA.with_metadata(metadata))
 
 
-def write_score_table(store: ObjectStore, manifest: str, scorer_name: str) -> int:
+def write_score_table(store: ObjectStore, manifest: str, scorer: ImageScorer) -> int:
     """Score the manifest and store its table create-only; returns the images scored, or 0 when
     another scorer's table of that manifest was there first (it holds the same scores)."""
-    table = score_manifest(store, manifest, scorer_name)
+    table = score_manifest(store, manifest, scorer)
     buffer = io.BytesIO()
     pq.write_table(table, buffer)
-    won = store.put_if_absent(score_table_key(scorer_name, manifest), buffer.getvalue())
+    won = store.put_if_absent(score_table_key(scorer.name, manifest), buffer.getvalue())
     return table.num_rows if won else 0

@@ -12,6 +12,6 @@ from __future__ import annotations
 from ditfleet.model.attention_backend import BACKEND_NAMES
 
 # Registered in run order: the checks (checks.py), then the speed numbers (speed.py).
-from ditfleet.workers.selftest import checks, speed  # noqa: F401 - importing registers the stages
+from ditfleet.workers.selftest import checks, speed, vqa  # noqa: F401 - importing registers the stages
 
 __all__ = ["BACKEND_NAMES"]

@@ -32,10 +32,12 @@ from ditfleet.workers.weights.digest import ModelIdentity, etag_identity
 from ditfleet.workers.weights.download import FetchConfig, download_files, list_s3_model
 from ditfleet.workers.weights.node_cache import (
     CacheEntry,
+    Layout,
     ModelFetchError,
     RemoteFile,
     check_layout,
     content_revision,
+    relative_files,
 )
 
 log = logging.getLogger(__name__)
@@ -72,21 +74,23 @@ def fetch_model(
     s3: S3Config,
     config: FetchConfig | None = None,
     progress: Callable[[int], None] | None = None,
+    layout: Layout | None = None,
 ) -> FetchedModel:
     """A local diffusers-layout directory holding the model `source` names.
 
     `cache_dir` must be node-local (the lock is a POSIX file lock). `progress`, if given, is
     called from download threads with the bytes just received (negative when a broken-off range
-    is retried). Raises ModelFetchError."""
+    is retried). `layout`: another folder layout than the diffusers one (a scorer's model),
+    checked on the remote listing before any download. Raises ModelFetchError."""
     config = config or FetchConfig()
     t0 = time.perf_counter()
     scheme = urlparse(source).scheme
     if scheme == "s3":
-        return _fetch_s3(source, Path(cache_dir), s3, config, progress, t0)
+        return _fetch_s3(source, Path(cache_dir), s3, config, progress, t0, layout)
     if scheme == "hf":
         from ditfleet.workers.weights.hub import fetch_hub_snapshot
 
-        snap = fetch_hub_snapshot(source, Path(cache_dir), config.lock_timeout_s)
+        snap = fetch_hub_snapshot(source, Path(cache_dir), config.lock_timeout_s, layout)
         return FetchedModel(
             snap.path,
             source,
@@ -98,22 +102,28 @@ def fetch_model(
             snap.lock_wait_s,
         )
     if scheme in ("", "file"):
-        return _local(source, t0)
+        return _local(source, t0, layout)
     raise ModelFetchError(
         f"model path {source!r}: unsupported scheme {scheme!r}; use a local directory, "
         "s3://bucket/prefix or hf://org/name@revision"
     )
 
 
-def _local(source: str, t0: float) -> FetchedModel:
+def _local(source: str, t0: float, layout: Layout | None) -> FetchedModel:
     # Imported here: it brings torch, which a fetch of remote files does not need.
     from ditfleet.model import WeightsError, model_revision, resolve_model_dir
 
     parsed = urlparse(source)
     if parsed.scheme == "file" and parsed.netloc not in ("", "localhost"):
         raise ModelFetchError(f"model path {source!r}: a file:// URI must name a local path (file:///path)")
+    path = parsed.path if parsed.scheme == "file" else source
+    if layout is not None:
+        root = Path(path)
+        layout.check(set(relative_files(root)) if root.is_dir() else set(), str(root))
+        files = sum(1 for p in root.rglob("*") if p.is_file())
+        return FetchedModel(root, source, model_revision(root), False, 0, time.perf_counter() - t0, files)
     try:
-        root = resolve_model_dir(parsed.path if parsed.scheme == "file" else source)
+        root = resolve_model_dir(path)
     except WeightsError as e:
         raise ModelFetchError(str(e)) from None
     files = sum(1 for p in root.rglob("*") if p.is_file())
@@ -130,6 +140,7 @@ def _fetch_s3(
     config: FetchConfig,
     progress: Callable[[int], None] | None,
     t0: float,
+    layout: Layout | None,
 ) -> FetchedModel:
     parsed = urlparse(source)
     bucket, prefix = parsed.netloc, parsed.path.strip("/")
@@ -141,11 +152,14 @@ def _fetch_s3(
     client = make_s3_client(dataclasses.replace(s3, max_pool_connections=pool))
     endpoint = s3.endpoint_url or str(client.meta.endpoint_url)
     files = list_s3_model(client, bucket, prefix, uri, endpoint, s3.list_page_size)
-    check_layout(
-        {f.path for f in files},
-        uri,
-        f"upload the missing parts (e.g. aws s3 sync MODEL_DIR {uri}) or fix the model path",
-    )
+    if layout is not None:
+        layout.check({f.path for f in files}, uri)
+    else:
+        check_layout(
+            {f.path for f in files},
+            uri,
+            f"upload the missing parts (e.g. aws s3 sync MODEL_DIR {uri}) or fix the model path",
+        )
     revision = content_revision(files)
     entry = CacheEntry.for_source(cache_dir, uri, files)
     try:

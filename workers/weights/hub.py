@@ -14,7 +14,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ditfleet.workers.weights.node_cache import REQUIRED_FILES, ModelFetchError, check_layout, node_lock
+from ditfleet.workers.weights.node_cache import (
+    REQUIRED_FILES,
+    Layout,
+    ModelFetchError,
+    check_layout,
+    node_lock,
+    relative_files,
+)
 
 # The folders a diffusers-layout model may hold that the loader reads; anything else in the repo
 # (other formats, samples, a second copy of the weights) is never downloaded.
@@ -43,7 +50,11 @@ def parse_hub_source(source: str) -> tuple[str, str]:
     return repo_id, revision or "main"
 
 
-def fetch_hub_snapshot(source: str, cache_dir: Path, lock_timeout_s: float) -> HubSnapshot:
+def fetch_hub_snapshot(
+    source: str, cache_dir: Path, lock_timeout_s: float, layout: Layout | None = None
+) -> HubSnapshot:
+    """The snapshot of `source` in the node's hub cache: a diffusers-layout model, or a folder
+    of `layout` (a scorer's model)."""
     repo_id, revision = parse_hub_source(source)
     try:
         import huggingface_hub
@@ -67,7 +78,7 @@ def fetch_hub_snapshot(source: str, cache_dir: Path, lock_timeout_s: float) -> H
                     repo_id,
                     revision=revision,
                     cache_dir=hub_cache,
-                    allow_patterns=_ALLOW,
+                    allow_patterns=list(layout.allow) if layout is not None else _ALLOW,
                     ignore_patterns=_IGNORE,
                 )
             )
@@ -77,12 +88,15 @@ def fetch_hub_snapshot(source: str, cache_dir: Path, lock_timeout_s: float) -> H
     except Exception as e:  # noqa: BLE001 - every failure becomes an error that says what to do
         raise _hub_error(e, source, repo_id, revision, hub_cache) from None
 
-    files = sorted(_relative_files(path))
-    check_layout(
-        set(files),
-        f"{source} ({path})",
-        f"point at a repository or revision in the diffusers layout (folders {', '.join(_FOLDERS)})",
-    )
+    files = sorted(relative_files(path))
+    if layout is not None:
+        layout.check(set(files), f"{source} ({path})")
+    else:
+        check_layout(
+            set(files),
+            f"{source} ({path})",
+            f"point at a repository or revision in the diffusers layout (folders {', '.join(_FOLDERS)})",
+        )
     return HubSnapshot(path, path.name, downloaded, len(files), waited)
 
 
@@ -149,12 +163,3 @@ def _blob_bytes(storage: Path) -> int:
     if not blobs.is_dir():
         return 0
     return sum(entry.stat().st_size for entry in os.scandir(blobs) if entry.is_file())
-
-
-def _relative_files(root: Path) -> list[str]:
-    out = []
-    for dirpath, _, filenames in os.walk(root):
-        rel = os.path.relpath(dirpath, root)
-        for name in filenames:
-            out.append(name if rel == "." else f"{rel}/{name}".replace(os.sep, "/"))
-    return out

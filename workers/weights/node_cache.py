@@ -90,6 +90,38 @@ def check_layout(paths: Collection[str], where: str, hint: str) -> None:
         )
 
 
+@dataclass(frozen=True)
+class Layout:
+    """A model folder that is not in the diffusers layout (a scorer's model): the files it must
+    hold at its root, checked before any download, and what a hub snapshot of it fetches."""
+
+    setting: str  # the job-file key that names the model, for errors
+    what: str  # "a transformers CLIPModel"
+    required: tuple[str, ...]  # files at the root
+    allow: tuple[str, ...]  # hub file patterns fetched (the rest of a repository is not)
+
+    def check(self, paths: Collection[str], where: str) -> None:
+        missing = [name for name in self.required if name not in paths]
+        if not any("/" not in p and p.endswith(".safetensors") for p in paths):
+            missing.append("*.safetensors")
+        if missing:
+            raise ModelFetchError(
+                f"{self.setting}: {where} lacks {', '.join(missing)}; give a folder holding {self.what} "
+                f"({', '.join(self.required)} and safetensors weights at its root, as save_pretrained "
+                "writes them)"
+            )
+
+
+def relative_files(root: Path) -> list[str]:
+    """Every file under `root`, as a path relative to it with '/' separators."""
+    out = []
+    for dirpath, _, filenames in os.walk(root):
+        rel = os.path.relpath(dirpath, root)
+        for name in filenames:
+            out.append(name if rel == "." else f"{rel}/{name}".replace(os.sep, "/"))
+    return out
+
+
 def entry_key(source: str, files: Sequence[RemoteFile]) -> str:
     """The cache directory name: changes whenever the source or any file's ETag or size does."""
     return _digest([source, *[(f.path, f.etag, f.size) for f in sorted(files, key=lambda f: f.path)]])

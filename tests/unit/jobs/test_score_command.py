@@ -18,7 +18,7 @@ from PIL import Image
 
 from ditfleet.jobs.cli import main
 from ditfleet.jobs.score import score_output
-from ditfleet.model.quality import scorer
+from ditfleet.model.quality import ScorerInputs, scorer
 from ditfleet.model.tiny.scenes import Scene, render
 from ditfleet.testing.outputs import manifest_row, put_image
 from ditfleet.workers.output.layout import image_key, manifest_key, new_attempt_token, score_table_key
@@ -172,3 +172,42 @@ def test_preview_sorts_by_a_score_from_the_side_tables(tmp_path, capsys):
     lowest = collect_sorted(store, 3, "tiny")
     assert [(p.id, p.score) for p in lowest] == [("s0-0", 0.8), ("s0-1", 1.0), ("s0-2", 1.0)]
     assert [p.id for p in collect_sorted(store, 1, "tiny", best=True)] == ["s0-1"]  # ties: shard order
+
+
+def test_the_model_based_scorers_are_refused_at_validate_time_without_their_model(tmp_path):
+    from ditfleet.jobs.spec import SpecError, load_spec
+    from tests.support.paths import REPO
+
+    text = (REPO / "jobs" / "examples" / "tiny.yaml").read_text()
+    job = tmp_path / "job.yaml"
+    job.write_text(text + "\nquality:\n  scorers: [clip]\n")
+    with pytest.raises(SpecError, match=r"'clip' scorer .* needs quality\.clip_model"):
+        load_spec(str(job))
+    job.write_text(text + "\nquality:\n  scorers: [tiny]\n  gate: {scorer: clip, min: 20}\n")
+    with pytest.raises(SpecError, match=r"quality\.clip_model"):
+        load_spec(str(job))
+    job.write_text(text + "\nquality:\n  scorers: [clip]\n  clip_model: models/clip\n")
+    worker = load_spec(str(job)).to_worker_config()
+    assert worker.scorers == ("clip",) and worker.clip_model == str(Path("models/clip").absolute())
+    # the bundled tiny model's text encoder is not a Qwen2.5-VL: vqa has nothing to ask
+    job.write_text(text + "\nquality:\n  scorers: [vqa]\n")
+    with pytest.raises(SpecError, match=r"'vqa' asks .* model\.path 'tiny' has a tiny text encoder"):
+        load_spec(str(job))
+
+
+def test_score_with_clip_writes_its_table_from_the_given_model(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from tests.support.clip_model import write_clip_model
+
+    clip_dir = write_clip_model(tmp_path / "clip")
+    root = tmp_path / "out"
+    store = open_store(str(root))
+    uris = _write_shard(store, 0, SCENES)
+    assert main(["score", str(root), "--scorer", "clip"]) == 2  # no _job.json naming one: says what to give
+    assert "--clip-model" in capsys.readouterr().err
+    assert main(["score", str(root), "--scorer", "clip", "--clip-model", str(clip_dir)]) == 0
+    table = pq.read_table(root / score_table_key("clip", manifest_key(0))).to_pylist()
+    assert [t["uri"] for t in table] == uris
+    assert all(0.0 <= t["score"] <= 100.0 for t in table)
+    clip = scorer("clip", ScorerInputs(clip_model=clip_dir))
+    assert [t["score"] for t in table] == [clip.score(_uint8(s)[None], [s.caption])[0] for s in SCENES]

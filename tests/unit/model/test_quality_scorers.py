@@ -120,5 +120,5 @@ def test_hamming_counts_differing_bits() -> None:
 def test_scorer_registry_builds_sharpness_and_names_the_known_ones() -> None:
     built = scorer("sharpness")
     assert isinstance(built, Sharpness) and built.higher_is_better
-    with pytest.raises(ValueError, match="unknown image scorer 'clip'.*are sharpness"):
-        scorer("clip")
+    with pytest.raises(ValueError, match="unknown image scorer 'beauty'.*are clip, sharpness, tiny, vqa"):
+        scorer("beauty")

@@ -120,6 +120,10 @@ def test_tiny_run_prints_every_line_without_ray_pydantic_or_boto3(tmp_path):
         assert stages[name][-1]["status"] == "measured", stages[name]
     assert set(stages["cfg_step"][-1]["ms_per_cfg_step"]) == {"off", "cfg", "table"}
     assert stages["batch_generator"][-1]["stored"] == 2
+    # the vqa line: a probability, the same on each call, timed next to the CFG step
+    vqa = stages["vqa"][-1]
+    assert vqa["status"] == "measured" and vqa["score_in_0_1"] and vqa["same_score_each_call"], vqa
+    assert vqa["ms_per_image"] > 0 and vqa["vqa_per_cfg_step"] > 0
     # the step cache's line: each preset against exact on the same image (random weights: the
     # work counts and the wall time are the figures, not the distance)
     cached = stages["step_cache"][-1]
