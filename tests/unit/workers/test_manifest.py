@@ -59,6 +59,8 @@ EXPECTED_COLUMNS = [
     ("batch_size", pa.int32(), True),
     ("score_sharpness", pa.float64(), True),
     ("score_tiny", pa.float64(), True),
+    ("score_vqa", pa.float64(), True),
+    ("score_clip", pa.float64(), True),
     ("gate_passed", pa.bool_(), True),
     ("gate_tries", pa.int32(), True),
     ("gate_kept", pa.int32(), True),
@@ -222,6 +224,8 @@ def test_a_manifest_written_before_the_step_cache_columns_still_reads(tmp_path) 
     scores = [
         "score_sharpness",
         "score_tiny",
+        "score_vqa",
+        "score_clip",
         "gate_passed",
         "gate_tries",
         "gate_kept",
