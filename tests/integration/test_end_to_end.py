@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from ditfleet.jobs.cli import main
+from ditfleet.workers.generate import try_seed
 from ditfleet.workers.output.layout import MANIFESTS_PREFIX, success_key
 from ditfleet.workers.output.manifest import read_manifests
 from ditfleet.workers.storage import S3Config, open_store
@@ -128,7 +129,14 @@ def _kill_writers_of_new_manifests(out: Path, kills: int, every: int, killed: li
         time.sleep(0.05)
 
 
+# A gate no image passes: every image is made twice (2 tries at 6 steps: the DiT work of 12
+# steps), so a kill lands in a retry round as often as in a first one.
+ALWAYS_RETRY = "{scorers: [sharpness], gate: {scorer: sharpness, min: 1000.0, max_tries: 2}}"
+
+
 def test_actors_sigkilled_twice_mid_job_every_row_once(random_model_dir, tmp_path, capsys):
+    """Also under the quality gate: a killed actor's shard is made again with the same tries, no
+    losing try is committed, and nothing it stored is left unaccounted for (verify)."""
     prompts = write_prompts(tmp_path / "prompts.parquet", 120)
     out = tmp_path / "out"
     job = write_job(
@@ -136,8 +144,9 @@ def test_actors_sigkilled_twice_mid_job_every_row_once(random_model_dir, tmp_pat
         random_model_dir,
         prompts,
         str(out),
-        sampling="{steps: 12, seed: 7}",
+        sampling="{steps: 6, seed: 7}",
         shards="{size: 10}",
+        quality=ALWAYS_RETRY,
     )
     killed: list[int] = []
     killer = threading.Thread(target=_kill_writers_of_new_manifests, args=(out, 2, 2, killed), daemon=True)
@@ -153,11 +162,16 @@ def test_actors_sigkilled_twice_mid_job_every_row_once(random_model_dir, tmp_pat
     summary = json.loads(store.get(success_key()))
     assert summary["dispatch"]["actor_deaths"] >= 2 and summary["dispatch"]["retries"] >= 2
     assert err.count("lost (actor_died)") >= 2
+    for row in table.select(["seed", "gate_passed", "gate_tries", "gate_seeds"]).to_pylist():
+        assert row["gate_passed"] is False and row["gate_tries"] == 2
+        assert json.loads(row["gate_seeds"]) == [row["seed"], try_seed(row["seed"], 1)]
+    assert main(["verify", str(out)]) == 0, capsys.readouterr().err  # every object accounted for
 
 
 def test_driver_sigkilled_then_rerun_gives_identical_images(random_model_dir, ray_cluster, tmp_path, capsys):
+    """Under the quality gate too: the resume makes the same tries and keeps the same ones."""
     prompts = write_prompts(tmp_path / "prompts.parquet", 100)
-    sampling, shards = "{steps: 6, seed: 7}", "{size: 10}"
+    sampling, shards = "{steps: 3, seed: 7}", "{size: 10}"
     ref_job = write_job(
         tmp_path / "ref.yaml",
         random_model_dir,
@@ -165,13 +179,20 @@ def test_driver_sigkilled_then_rerun_gives_identical_images(random_model_dir, ra
         str(tmp_path / "ref"),
         sampling=sampling,
         shards=shards,
+        quality=ALWAYS_RETRY,
     )
     assert main(["run", str(ref_job)]) == 0
     capsys.readouterr()
 
     out = tmp_path / "out"
     job = write_job(
-        tmp_path / "job.yaml", random_model_dir, prompts, str(out), sampling=sampling, shards=shards
+        tmp_path / "job.yaml",
+        random_model_dir,
+        prompts,
+        str(out),
+        sampling=sampling,
+        shards=shards,
+        quality=ALWAYS_RETRY,
     )
     env = {**os.environ, **LOOPBACK_ENV, **FAKE_CREDENTIALS}
     cmd = [sys.executable, "-m", "ditfleet.jobs.cli", "run", str(job), "--address", ray_cluster.address]
@@ -198,6 +219,9 @@ def test_driver_sigkilled_then_rerun_gives_identical_images(random_model_dir, ra
     assert all(store.get(k) == v for k, v in before.items()), "committed shards must not be rewritten"
     ref, got = images_by_key(open_store(str(tmp_path / "ref"))), images_by_key(store)
     assert got == ref and len(got) == 100, "images differ from the uninterrupted run's"
+    gate = ["id", "gate_tries", "gate_kept", "gate_scores", "gate_seeds"]
+    rows = lambda s: sorted(read_manifests(s).select(gate).to_pylist(), key=lambda r: r["id"])  # noqa: E731
+    assert rows(store) == rows(open_store(str(tmp_path / "ref")))
 
 
 def test_ray_job_submit_runs_a_job_to_success(random_model_dir, ray_head, tmp_path):
