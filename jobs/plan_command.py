@@ -47,6 +47,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     info["compile_vae"] = _vae_compile_plan(spec)
     info["compile_dit"] = _dit_compile_plan(spec, plan.total_images, len(plan.bucket_usage))
     info["step_cache"] = _step_cache_plan(spec, args.job)
+    info["quality_gate"] = _gate_plan(spec, plan.total_images)
     memory = memory_plan_of(spec)
     info["memory"] = memory.to_dict() if memory is not None else None
     if args.json:
@@ -55,6 +56,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         _print_plan_text(info, plan.images_per_bucket, plan.warnings)
         print(f"compile: {info['compile_vae']['line']}; {info['compile_dit']['line']}")
         print(f"step cache: {info['step_cache']['line']}")
+        if info["quality_gate"]:
+            print(f"quality gate: {info['quality_gate']['line']}")
         _print_memory(memory, spec)
     if memory is not None and spec.workers.gpu_memory_gb is not None:
         memory.check(args.job)
@@ -100,6 +103,27 @@ def _dit_compile_plan(spec: JobSpec, images: int, buckets: int) -> dict:
         else ""
     )
     return {"setting": setting, "on": on, "warmup_s": list(warmup), "line": line}
+
+
+def _gate_plan(spec: JobSpec, images: int) -> dict:
+    """quality.gate's bounds on the work: every image tried once, at most max_tries times. A retry
+    round runs at the job's batch size, so the memory peak is the plan's below; {} without a gate."""
+    gate = spec.gate_config()
+    if gate is None:
+        return {}
+    most = images * gate.max_tries
+    line = (
+        f"{gate.scorer} >= {gate.min:g}, up to {gate.max_tries} tries an image: {images}-{most} images "
+        f"generated (1-{gate.max_tries}x the DiT work); retries run at the same batch size, so the "
+        "memory peak below holds"
+    )
+    return {
+        "scorer": gate.scorer,
+        "min": gate.min,
+        "max_tries": gate.max_tries,
+        "most_images_generated": most,
+        "line": line,
+    }
 
 
 def _step_cache_plan(spec: JobSpec, job: str) -> dict:

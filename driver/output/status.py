@@ -212,11 +212,18 @@ class OutputStatus:
 
 
 def gate_line(gate: dict[str, Any]) -> str:
-    """'45/48 images passed (93.8%), 1.15 tries per image'."""
-    return (
+    """'45/48 images passed (93.8%), 1.15 tries per image' and, where the summary gave them, what
+    the retries cost: '; retries 13.0% of the generating work (0.4 GPU hours)'."""
+    line = (
         f"{gate['passed']}/{gate['images']} images passed ({gate['pass_rate']:.1%}), "
         f"{gate['tries_per_image']:.2f} tries per image"
     )
+    if "retry_share" in gate:
+        line += f"; retries {gate['retry_share']:.1%} of the generating work"
+        for unit, label in (("gpu", "GPU"), ("actor", "actor")):
+            if f"retry_{unit}_hours" in gate:
+                line += f" ({gate[f'retry_{unit}_hours']:.2f} {label} hours)"
+    return line
 
 
 def _or_unknown(value: Any) -> str:

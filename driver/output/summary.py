@@ -251,6 +251,7 @@ def build_summary(
         failures[key] = failures.get(key, 0) + 1
     workers = {w: s.to_dict() for w, s in progress.workers.items()}
     reports = progress.startup_costs()
+    fleet = dispatch.fleet(sum(w.images_ok for w in progress.workers.values())) if dispatch else {}
     return JobSummary(
         status=status,
         output=output,
@@ -283,10 +284,23 @@ def build_summary(
         attention=attention_summary([w.attention for w in progress.workers.values()]),
         compile_fallbacks={w: fb for w, r in reports.items() if (fb := compile_fallbacks(r))},
         step_cache=step_cache_summary(counts.dit_blocks_computed, counts.dit_blocks_reused),
-        quality_gate=counts.gate(),
+        quality_gate=gate_with_cost(counts.gate(), fleet),
         near_duplicates=near_duplicates or {},
-        fleet=dispatch.fleet(sum(w.images_ok for w in progress.workers.values())) if dispatch else {},
+        fleet=fleet,
     )
+
+
+def gate_with_cost(gate: dict[str, Any], fleet: dict[str, Any]) -> dict[str, Any]:
+    """The gate's counts with what its retries cost: `retry_share`, the tries beyond each image's
+    first over all tries (every try is one image's work at the same size and steps), and, with a
+    fleet account, that share of its generating hours (`retry_gpu_hours` or `retry_actor_hours`)."""
+    if not gate:
+        return gate
+    out = {**gate, "retry_share": round(1 - 1 / gate["tries_per_image"], 4)}
+    unit = "gpu" if "gpu_hours" in fleet else "actor"
+    if f"generating_{unit}_hours" in fleet:
+        out[f"retry_{unit}_hours"] = round(fleet[f"generating_{unit}_hours"] * out["retry_share"], 4)
+    return out
 
 
 def fleet_line(fleet: dict[str, Any]) -> str:
