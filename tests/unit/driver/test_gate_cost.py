@@ -42,7 +42,10 @@ def test_plan_bounds_the_work_of_a_gated_job(tmp_path, capsys):
     job.write_text(text + "\nquality:\n  scorers: [tiny]\n  gate: {scorer: tiny, min: 0.8, max_tries: 3}\n")
     assert main(["plan", str(job)]) == 0
     out = capsys.readouterr().out
-    assert "quality gate: tiny >= 0.8, up to 3 tries an image: 48-144 images generated (1-3x the DiT work)" in out
+    assert (
+        "quality gate: tiny >= 0.8, up to 3 tries an image: 48-144 images generated (1-3x the DiT work)"
+        in out
+    )
     assert main(["plan", str(job), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["quality_gate"]["most_images_generated"] == 144
