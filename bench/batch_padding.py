@@ -3,7 +3,7 @@
 Prompts of 10-300 tokens (counted with the bundled tiny model's tokenizer) are cut into shards
 and planned exactly as the worker plans them (`workers.generate.plan_batches`); every DiT
 attention call the plan would make is then counted the way the DiT counts it
-(`model.attention`): calls with a dense mask, padded calls (run unmasked per text length), and
+(`model.networks.attention`): calls with a dense mask, padded calls (run unmasked per text length), and
 padded tokens over all tokens computed. No images are generated. The README job's own prompts
 (jobs/examples/prompts.parquet) are planned the same way.
 
@@ -20,7 +20,7 @@ import random
 import pyarrow.parquet as pq
 
 from ditfleet.compile.buckets import BucketSet, ResolutionBucket
-from ditfleet.model.guidance import DEFAULT_NEGATIVE_PROMPT, negative_text
+from ditfleet.model.generation.guidance import DEFAULT_NEGATIVE_PROMPT, negative_text
 from ditfleet.model.tiny.text_encoder import WordTokenizer
 from ditfleet.workers.generate import image_requests, plan_batches
 from ditfleet.workers.rows import PromptRow

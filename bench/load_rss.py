@@ -44,9 +44,9 @@ def measure(model_dir: Path, method: str, dtype_name: str, device: str, quantiza
 
     import torch
 
-    from ditfleet.model.checkpoint import Checkpoint, load_streaming
-    from ditfleet.model.loader import prepare_transformer
-    from ditfleet.model.weights import assign_state_dict, read_state_dict
+    from ditfleet.model.loading.checkpoint import Checkpoint, load_streaming
+    from ditfleet.model.loading.loader import prepare_transformer
+    from ditfleet.model.loading.weights import assign_state_dict, read_state_dict
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
     tdir = model_dir / "transformer"
@@ -65,8 +65,8 @@ def measure(model_dir: Path, method: str, dtype_name: str, device: str, quantiza
     sampler.start()
     t0 = time.perf_counter()
     if method == "streaming" and quantization != "none":
-        # quantized as it streams in (model.fp8): the bf16 DiT never exists as a whole
-        from ditfleet.model.fp8 import Fp8Quantizer
+        # quantized as it streams in (model.loading.fp8): the bf16 DiT never exists as a whole
+        from ditfleet.model.loading.fp8 import Fp8Quantizer
 
         load_streaming(model, checkpoint, str(tdir), dtype, device, transform=Fp8Quantizer(quantization))
     elif method == "streaming":
@@ -152,7 +152,7 @@ def main() -> None:
             model_dir = write_real_widths_checkpoint(
                 Path(tmp) / "qwen-image", num_layers=args.layers, shard_bytes=args.shard_mb * MB
             )
-        from ditfleet.model.checkpoint import Checkpoint
+        from ditfleet.model.loading.checkpoint import Checkpoint
 
         ckpt = Checkpoint(model_dir / "transformer")
         largest, total = ckpt.largest_file_bytes, sum(f.stat().st_size for f in ckpt.files)

@@ -24,9 +24,9 @@ from safetensors.torch import save_file
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ditfleet.model.lora import LoraSpec, merge_updates, plan_updates, read_lora  # noqa: E402
+from ditfleet.model.loading.lora import LoraSpec, merge_updates, plan_updates, read_lora  # noqa: E402
+from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig  # noqa: E402
 from ditfleet.model.published import published_config  # noqa: E402
-from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig  # noqa: E402
 
 FULL_DEPTH = 60
 

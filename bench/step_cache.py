@@ -23,12 +23,12 @@ import time
 import torch
 
 from ditfleet.model import load_pipeline
-from ditfleet.model.pipeline import Sampling
+from ditfleet.model.generation.pipeline import Sampling
+from ditfleet.model.generation.step_cache import StepCache
+from ditfleet.model.generation.step_cache_config import PRESETS
+from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
 from ditfleet.model.published import published_config
-from ditfleet.model.step_cache import StepCache
-from ditfleet.model.step_cache_config import PRESETS
 from ditfleet.model.tiny.scenes import held_out_captions
-from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig
 
 PRESET_NAMES = ("safe", "fast")
 

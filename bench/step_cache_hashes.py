@@ -18,7 +18,7 @@ import sys
 import torch
 
 from ditfleet import load_pipeline
-from ditfleet.model.step_cache_config import parse_step_cache
+from ditfleet.model.generation.step_cache_config import parse_step_cache
 
 PROMPTS = [
     "a large blue square in the centre on a yellow background",
@@ -62,7 +62,7 @@ BATCHES = [
 
 def _generate(pipe, setting, **kw):
     """Images (B, 3, H, W) and per-image {blocks_computed, blocks_reused} (None when off)."""
-    from ditfleet.model.pipeline import Sampling
+    from ditfleet.model.generation.pipeline import Sampling
 
     config = parse_step_cache(setting)
     if config is None:  # the public call, as the README shows it

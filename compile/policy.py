@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ditfleet.model.family import CompileRegion, model_family
-from ditfleet.model.fp8 import runs_scaled_gemms
+from ditfleet.model.loading.fp8 import runs_scaled_gemms
 
 from .compiled_method import CompiledMethod, compiled_method, uninstall
 
@@ -124,7 +124,7 @@ def resolve_auto(
     """The config with "auto" decided: compile.vae on for CUDA (CompileConfig.vae_on), compile.dit
     on for CUDA when the images each actor is expected to make (None: unknown, taken as many) reach
     AUTO_DIT_IMAGES_PER_BUCKET per bucket (CompileConfig.dit_on), and the DiT's mode, when not set,
-    by the device and whether the DiT runs FP8 GEMMs (`scaled_gemms`: model.fp8.runs_scaled_gemms
+    by the device and whether the DiT runs FP8 GEMMs (`scaled_gemms`: model.loading.fp8.runs_scaled_gemms
     of the pipeline's transformer; default_dit_mode)."""
     dit_mode = config.dit_mode
     if dit_mode is None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ditfleet.model.fp8 import runs_scaled_gemms
+from ditfleet.model.loading.fp8 import runs_scaled_gemms
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH
 
 from .buckets import PROMPT_LENGTH_BUCKETS, ResolutionBucket

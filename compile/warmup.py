@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from ditfleet.model.family import model_family
-from ditfleet.model.guidance import cfg_on
-from ditfleet.model.pipeline import GuidanceInputs
+from ditfleet.model.generation.guidance import cfg_on
+from ditfleet.model.generation.pipeline import GuidanceInputs
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH
 
 from .buckets import ResolutionBucket
@@ -45,7 +45,7 @@ WARMUP_PROMPTS: tuple[str, ...] = (
 )
 # For a pipeline without a text encoder: random embeddings of these token counts.
 WARMUP_EMBED_LENGTHS: tuple[int, ...] = (7, 77)
-NEGATIVE_EMBED_LENGTH = 1  # the default negative prompt (model.guidance) is one token or so
+NEGATIVE_EMBED_LENGTH = 1  # the default negative prompt (model.generation.guidance) is one token or so
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """`ditfleet calibrate job.yaml --n 64`: what each step-cache preset costs on this model and machine.
 
-The same prompts and seeds are generated exact and with each preset (model.step_cache), on the
+The same prompts and seeds are generated exact and with each preset (model.generation.step_cache), on the
 job's model, device, dtype, steps, CFG scale, batch size and buckets. Per preset it reports: the
 DiT work (block evaluations, exact / with the cache), the wall-time speed-up of the same images,
 PSNR and SSIM of every image against its exact twin (mean and worst), and on the bundled tiny
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ditfleet.model.step_cache_config import PRESETS, StepCacheConfig, parse_step_cache
+from ditfleet.model.generation.step_cache_config import PRESETS, StepCacheConfig, parse_step_cache
 
 TINY = "tiny"
 
@@ -243,7 +243,7 @@ def _measure_bucket(
 ) -> None:
     """Every prompt at one bucket, a batch at a time: exact, then with each step cache from the
     same embeddings (encoded once, outside the timings), each compared with its exact twin."""
-    from ditfleet.model.pipeline import Sampling
+    from ditfleet.model.generation.pipeline import Sampling
 
     width, height = (int(v) for v in bucket.split("x"))
     layers = pipe.transformer.config.num_layers

@@ -13,7 +13,9 @@ from typing import Any
 from ditfleet.compile.buckets import PROMPT_LENGTH_BUCKETS, default_buckets, prompt_length_bucket
 from ditfleet.driver.memory_plan import read_model_memory
 from ditfleet.model.family import MemoryFormula, model_family
-from ditfleet.model.loader import resolve_model_dir
+from ditfleet.model.loading.loader import resolve_model_dir
+from ditfleet.model.loading.quantization import check_quantization
+from ditfleet.model.loading.weights import WeightsError
 from ditfleet.model.memory import (
     GB,
     TEXT_ENCODER_PLACEMENTS,
@@ -23,9 +25,7 @@ from ditfleet.model.memory import (
     checkpoint_size,
 )
 from ditfleet.model.memory.params import transformer_weight_bytes
-from ditfleet.model.quantization import check_quantization
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH
-from ditfleet.model.weights import WeightsError
 from ditfleet.workers.storage import S3Config
 
 DEFAULT_GPUS_GB = (80.0, 48.0, 24.0)

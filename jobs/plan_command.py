@@ -145,7 +145,7 @@ def _step_cache_plan(spec: JobSpec, job: str) -> dict:
 
 def _dit_layers(spec: JobSpec) -> int | None:
     """The DiT's block count from its config.json, for a local (or the bundled) model."""
-    from ditfleet.model.folder import TINY_MODEL_DIR
+    from ditfleet.model.loading.folder import TINY_MODEL_DIR
 
     path = spec.model_path()
     if "://" in path:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ditfleet.driver.run_job import prompt_source
 from ditfleet.jobs.spec import TINY_MODEL, JobSpec
-from ditfleet.model.folder import TINY_MODEL_DIR
+from ditfleet.model.loading.folder import TINY_MODEL_DIR
 from ditfleet.model.tiny.known_words import unknown_words, unknown_words_warning, vocabulary
 
 

@@ -26,9 +26,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
-from .folder import TINY_MODEL
-from .memory import MemoryPlan, ModelMemory, dit_activation_bytes, largest_batch, plan_memory
-from .settings import MAX_SEQUENCE_LENGTH_LIMIT
+from ditfleet.model.loading.folder import TINY_MODEL
+from ditfleet.model.memory import MemoryPlan, ModelMemory, dit_activation_bytes, largest_batch, plan_memory
+from ditfleet.model.settings import MAX_SEQUENCE_LENGTH_LIMIT
 
 Size = tuple[int, int]  # (width, height) in pixels
 
@@ -93,7 +93,7 @@ class TextConditioning:
 
 @runtime_checkable
 class AttentionCounters(Protocol):
-    """Counters of the DiT's attention calls (model.attention.AttentionStats)."""
+    """Counters of the DiT's attention calls (model.networks.attention.AttentionStats)."""
 
     def to_dict(self) -> dict[str, int]: ...
 

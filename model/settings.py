@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .step_cache_config import StepCacheConfig, parse_step_cache, step_cache_value
+from ditfleet.model.generation.step_cache_config import StepCacheConfig, parse_step_cache, step_cache_value
 
 # The longest prompt, in text tokens, that a job embeds by default, and the most it may ask for
 # (the largest prompt-length bucket a compiled region is warmed for, compile.buckets).
@@ -122,7 +122,7 @@ def literal_values(tp: Any) -> tuple | None:
 ModulationCache = Literal["off", "cfg", "table"]
 CfgMode = Literal["serial", "batched", "auto"]
 Quantization = Literal["none", "fp8", "fp8-weight-only"]  # model.quantization names these
-AttentionBackend = Literal["auto", "cudnn", "flash", "efficient", "math"]  # model.attention_backend
+AttentionBackend = Literal["auto", "cudnn", "flash", "efficient", "math"]  # model.networks.attention_backend
 # The image scorers (model.quality's registry, which checks it holds exactly these); each has its
 # manifest column, score_{name} (workers.output.manifest).
 ScorerName = Literal["sharpness", "tiny", "vqa", "clip"]

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from ditfleet.compile.config import CompileConfig
-from ditfleet.model.lora_spec import LoraSpec  # noqa: F401 - re-exported for the job spec
+from ditfleet.model.loading.lora_spec import LoraSpec  # noqa: F401 - re-exported for the job spec
 from ditfleet.model.settings import PipelineSettings, ScorerName, check_settings, setting
 from ditfleet.workers.cache_secret import CacheSecretSource
 from ditfleet.workers.output.formats import ShardWriterConfig
@@ -167,7 +167,7 @@ class ShardResult:
     # Batches halved after a CUDA out-of-memory error and run again (workers.generate). Their
     # images differ at rounding level from an unsplit run's: a lower batch_size avoids them.
     oom_splits: int = 0
-    # DiT attention over this shard (model.attention.AttentionStats): calls, masked_calls (a
+    # DiT attention over this shard (model.networks.attention.AttentionStats): calls, masked_calls (a
     # dense mask), split_calls (padded, run unmasked per text length), image/text/padded tokens.
     attention: dict[str, int] = field(default_factory=dict)
     attempt_token: str = ""  # the key component of this run's objects (layout.new_attempt_token)

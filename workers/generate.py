@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from ditfleet.model import TextToImagePipeline
-from ditfleet.model.guidance import cfg_on, negative_text
-from ditfleet.model.pipeline import GuidanceInputs, Sampling
+from ditfleet.model.generation.guidance import cfg_on, negative_text
+from ditfleet.model.generation.pipeline import GuidanceInputs, Sampling
 from ditfleet.workers.rows import MAX_SEED, PromptRow
 
 

@@ -36,7 +36,7 @@ def _outlier_weight(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
 @torch.no_grad()
 def outlier_transformer(num_layers: int = 1, seed: int = 0, model: str = "qwen-image"):
     """QwenImageTransformer at the published widths, `num_layers` deep, fp32 on the CPU."""
-    from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig
+    from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
 
     config = TransformerConfig.from_dict(
         {**published_config(model, "transformer/config.json"), "num_layers": num_layers}

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ditfleet.compile.buckets import PROMPT_LENGTH_BUCKETS, BucketError, prompt_length_bucket
-from ditfleet.model.pipeline import GuidanceInputs
+from ditfleet.model.generation.pipeline import GuidanceInputs
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH
 
 
@@ -99,7 +99,7 @@ def encode_padded(
     length_buckets: Sequence[int] = PROMPT_LENGTH_BUCKETS,
     max_sequence_length: int = MAX_SEQUENCE_LENGTH,
 ) -> GuidanceInputs:
-    """`pipe.encode_guidance` (model.guidance's CFG rule and negatives), padded to buckets.
+    """`pipe.encode_guidance` (model.generation.guidance's CFG rule and negatives), padded to buckets.
 
     The result goes to `pipe.generate(**inputs, height=..., width=..., ...)`.
     """

@@ -26,7 +26,7 @@ from ditfleet.driver.plan import PlanConfig
 from ditfleet.driver.run_job import DriverConfig
 from ditfleet.jobs.knobs import lease_ttl_s
 from ditfleet.model.family import model_family
-from ditfleet.model.folder import WeightsError, resolve_model_dir, text_encoder_kind
+from ditfleet.model.loading.folder import WeightsError, resolve_model_dir, text_encoder_kind
 from ditfleet.model.settings import PipelineSettings, field_default, settings_fields
 from ditfleet.workers.cache_secret import CacheSecretSource
 from ditfleet.workers.contract import GateConfig, LoraSpec, ModelPlacement, WorkerConfig

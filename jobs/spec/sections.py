@@ -16,9 +16,9 @@ from ditfleet.compile.buckets import BucketError, BucketSet, ResolutionBucket
 from ditfleet.compile.config import CompileConfig
 from ditfleet.driver.dispatch import DispatchConfig
 from ditfleet.driver.plan import PlanConfig
-from ditfleet.model.folder import TINY_MODEL
+from ditfleet.model.generation.step_cache_config import check_schedule
+from ditfleet.model.loading.folder import TINY_MODEL
 from ditfleet.model.settings import PipelineSettings
-from ditfleet.model.step_cache_config import check_schedule
 from ditfleet.workers.cache_secret import WELL_KNOWN_ENV, CacheSecretSource
 from ditfleet.workers.contract import GateConfig, ModelPlacement, WorkerConfig
 from ditfleet.workers.output.formats import ShardWriterConfig
@@ -205,7 +205,7 @@ ModelSpec = section(
 
 
 def _step_cache_fits_schedule(spec: Any) -> Any:
-    """sampling.step_cache is parsed by its knob (model.step_cache_config.parse_step_cache): a
+    """sampling.step_cache is parsed by its knob (model.generation.step_cache_config.parse_step_cache): a
     StepCacheConfig or None from here down; the job's schedule must be long enough to use it."""
     check_schedule(spec.step_cache, spec.steps)
     return spec

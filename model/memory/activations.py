@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..transformer_config import TransformerConfig
-from ..vae_config import VAEConfig
+from ditfleet.model.networks.transformer_config import TransformerConfig
+from ditfleet.model.networks.vae_config import VAEConfig
+
 from .params import qwen_text_config
 
 # Pixels per image token side: the VAE's 8x downsampling times the DiT's 2x2 patches.

@@ -7,7 +7,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..folder import WeightsError, safetensors_files
+from ditfleet.model.loading.folder import WeightsError, safetensors_files
 
 _SAFETENSORS_BYTES = {
     "F64": 8,

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..quantization import KEEP_IN_LOAD_DTYPE, check_quantization, keeps_load_dtype
-from ..transformer_config import TransformerConfig
-from ..vae_config import VAEConfig
+from ditfleet.model.loading.quantization import KEEP_IN_LOAD_DTYPE, check_quantization, keeps_load_dtype
+from ditfleet.model.networks.transformer_config import TransformerConfig
+from ditfleet.model.networks.vae_config import VAEConfig
 
 
 def _linear(i: int, o: int, bias: bool = True) -> int:
@@ -66,7 +66,7 @@ def transformer_weight_bytes(
     cfg: TransformerConfig, e: int, quantization: str = "none", keep: tuple[str, ...] = KEEP_IN_LOAD_DTYPE
 ) -> int:
     """Bytes of the DiT's weights as loaded: every parameter in `e`-byte elements, or under an
-    FP8 quantization (model.fp8) each quantized Linear's weight in 1 byte plus one fp32 scale per
+    FP8 quantization (model.loading.fp8) each quantized Linear's weight in 1 byte plus one fp32 scale per
     output channel (its bias and every kept layer, norm and embedding still `e` bytes)."""
     total = transformer_params(cfg) * e
     if check_quantization(quantization) == "none":

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
+from ditfleet.model.loading.weights import WeightsError, assign_state_dict, read_config, read_state_dict
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH
 from ditfleet.model.tiny.known_words import WORD_RE
-from ditfleet.model.weights import WeightsError, assign_state_dict, read_config, read_state_dict
 
 PAD, UNK, BOS = "<pad>", "<unk>", "<bos>"
 _WORD_RE = WORD_RE

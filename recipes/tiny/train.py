@@ -30,12 +30,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ditfleet.model.loader import load_pipeline
-from ditfleet.model.scheduler import SchedulerConfig
+from ditfleet.model.generation.scheduler import SchedulerConfig
+from ditfleet.model.loading.loader import load_pipeline
+from ditfleet.model.networks.transformer import QwenImageTransformer
+from ditfleet.model.networks.vae import QwenImageVAE, load_vae, vae_state_dict_3d
 from ditfleet.model.tiny.scenes import all_scenes, split_scenes
 from ditfleet.model.tiny.text_encoder import TextEncoderConfig, TinyTextEncoder, WordTokenizer
-from ditfleet.model.transformer import QwenImageTransformer
-from ditfleet.model.vae import QwenImageVAE, load_vae, vae_state_dict_3d
 from recipes.tiny.data_parallel import Shard, run_data_parallel
 from recipes.tiny.train_decoder import DecoderTrainConfig, adapt_decoder
 from recipes.tiny.train_dit import DiTTrainConfig, build_centred_pools, build_pools, train_dit

@@ -32,7 +32,7 @@ from ditfleet.driver.output.verify import verify_output
 from ditfleet.driver.plan import PlanConfig
 from ditfleet.driver.run_job import DriverConfig, plan_input, run_job
 from ditfleet.jobs.cli import main
-from ditfleet.model.folder import TINY_MODEL_DIR
+from ditfleet.model.loading.folder import TINY_MODEL_DIR
 from ditfleet.workers.output.layout import (
     data_key,
     image_key,
@@ -367,7 +367,7 @@ def test_a_resume_with_a_lora_or_scheduler_config_replaced_at_the_same_path_is_r
     bytes at the same path are refused by the driver's claim and by the actor, naming the file."""
     import dataclasses
 
-    from ditfleet.model.lora import LoraSpec
+    from ditfleet.model.loading.lora import LoraSpec
     from ditfleet.workers.actor import GenerationWorker
     from ditfleet.workers.storage import S3Config
     from ditfleet.workers.weights.digest import model_identity

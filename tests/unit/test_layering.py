@@ -34,7 +34,7 @@ MODEL_MAY_IMPORT = {"torch", "safetensors", "model"}
 MODEL_OPTIONAL_IMPORTS = {
     # The published Qwen2.5-VL text encoder is transformers' model (the `qwen` extra); the
     # tiny model's own text encoder needs nothing.
-    ("model/text_encoder.py", "transformers"),
+    ("model/networks/text_encoder.py", "transformers"),
     # The clip scorer loads transformers' CLIPModel (quality.clip_model), only when asked for.
     ("model/quality/clip_score.py", "transformers"),
 }
@@ -65,7 +65,7 @@ class Import:
 
 
 def module_name(path: Path) -> str:
-    """The import name of one of our files: model/loader.py is ditfleet.model.loader."""
+    """The import name of one of our files: model/loading/loader.py is ditfleet.model.loading.loader."""
     parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join((PACKAGE, *(parts[:-1] if parts[-1] == "__init__" else parts)))
 

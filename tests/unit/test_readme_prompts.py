@@ -65,7 +65,7 @@ def test_a_prompt_with_unknown_words_gets_one_line_naming_them(caplog):
     from ditfleet import load_pipeline
 
     pipe = load_pipeline("tiny", device="cpu", dtype=torch.float32)
-    with caplog.at_level(logging.WARNING, logger="ditfleet.model.pipeline"):
+    with caplog.at_level(logging.WARNING, logger="ditfleet.model.generation.pipeline"):
         pipe.generate(
             prompt=["a purple dragon in the centre", "a small red circle in the centre on a blue background"],
             height=128,
@@ -78,7 +78,7 @@ def test_a_prompt_with_unknown_words_gets_one_line_naming_them(caplog):
     assert len(lines) == 1 and "\n" not in lines[0], lines
     assert lines[0].startswith("1 of 2 prompts use words the tiny model does not know ('purple', 'dragon')")
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="ditfleet.model.pipeline"):
+    with caplog.at_level(logging.WARNING, logger="ditfleet.model.generation.pipeline"):
         pipe.generate(
             prompt=["a small red circle in the centre on a blue background"],
             height=128,

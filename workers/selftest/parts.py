@@ -17,13 +17,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ditfleet.model.fp8 import check_device, quantize_model
+from ditfleet.model.generation.sampling import LATENT_CHANNELS, latent_grid
+from ditfleet.model.loading.fp8 import check_device, quantize_model
+from ditfleet.model.loading.quantization import QuantizationError
+from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
+from ditfleet.model.networks.vae import QwenImageVAE
+from ditfleet.model.networks.vae_config import VAEConfig
 from ditfleet.model.published import published_config
-from ditfleet.model.quantization import QuantizationError
-from ditfleet.model.sampling import LATENT_CHANNELS, latent_grid
-from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig
-from ditfleet.model.vae import QwenImageVAE
-from ditfleet.model.vae_config import VAEConfig
 from ditfleet.workers.selftest.runner import Context
 
 log = logging.getLogger("ditfleet.selftest")

@@ -17,11 +17,11 @@ import torch
 from ditfleet.compile.compiled_method import CompiledMethod
 from ditfleet.compile.counting import compile_count
 from ditfleet.compile.policy import apply_compile
+from ditfleet.model.generation.pipeline import Generation, GuidanceInputs, Sampling, TextToImagePipeline
+from ditfleet.model.generation.sampling import euler_step, true_cfg
+from ditfleet.model.generation.step_cache_config import PRESETS, StepCacheConfig
 from ditfleet.model.memory import GB, ModelMemory, Runtime, plan_memory
-from ditfleet.model.pipeline import Generation, GuidanceInputs, Sampling, TextToImagePipeline
-from ditfleet.model.sampling import euler_step, true_cfg
-from ditfleet.model.step_cache_config import PRESETS, StepCacheConfig
-from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig
+from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
 from ditfleet.workers.selftest.checks import (
     compile_config,
 )
@@ -295,7 +295,7 @@ def batch_generator(ctx: Context) -> None:
     bucket, images stored by the files writer on local disk; compared with the bare CFG step.
     The rows carry the job's default negative prompt, so true CFG runs as in a default job and as
     in the bare step (a null negative turns CFG off: half the forwards)."""
-    from ditfleet.model.guidance import DEFAULT_NEGATIVE_PROMPT
+    from ditfleet.model.generation.guidance import DEFAULT_NEGATIVE_PROMPT
     from ditfleet.model.settings import PipelineSettings
     from ditfleet.workers.generate import BatchGenerator, image_requests, iter_generated, plan_batches
     from ditfleet.workers.output.formats import ImageTask, ShardWriterConfig, make_shard_writer
@@ -419,7 +419,7 @@ def fp8_forward(ctx: Context) -> None:
 
 
 def _gemm_scales(model: torch.nn.Module, device: torch.device) -> dict[str, int]:
-    """How many of the FP8 model's layers run each way here (model.fp8: rowwise, tensorwise
+    """How many of the FP8 model's layers run each way here (model.loading.fp8: rowwise, tensorwise
     where the kernel refuses row-wise scales, weight-only)."""
     counts: dict[str, int] = {}
     for m in model.modules():
@@ -561,7 +561,7 @@ def fp8_compiled(ctx: Context) -> None:
     budget's plan."""
     if not ctx.cuda:
         raise StageSkipped("not on CPU: the compiled FP8 GEMMs are timed on a GPU")
-    from ditfleet.model.fp8 import set_fast_accum
+    from ditfleet.model.loading.fp8 import set_fast_accum
 
     fp8 = fp8_copy(full_model(ctx), "fp8")
     if fp8 is None:

@@ -9,7 +9,7 @@ nothing multi-GB goes through the disk; the hub-layout loading path is covered b
 
 from __future__ import annotations
 
-from ditfleet.model.attention_backend import BACKEND_NAMES
+from ditfleet.model.networks.attention_backend import BACKEND_NAMES
 
 # Registered in run order: the checks (checks.py), then the speed numbers (speed.py).
 from ditfleet.workers.selftest import checks, speed, vqa  # noqa: F401 - importing registers the stages

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
+from ditfleet.model.networks.text_encoder import QwenVLTextEncoder
 from ditfleet.model.published import published_config
 from ditfleet.model.quality.vqa import QUESTION, VQAScore
-from ditfleet.model.text_encoder import QwenVLTextEncoder
 from ditfleet.workers.selftest import speed  # noqa: F401 - registers images_per_hour, which this line follows
 from ditfleet.workers.selftest.parts import PUBLISHED_MODEL, sizes, sync, timed_ms
 from ditfleet.workers.selftest.runner import Context, StageSkipped, stage

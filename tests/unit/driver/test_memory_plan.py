@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ditfleet.jobs.cli import main
+from ditfleet.model.loading.weights import read_config
 from ditfleet.model.memory import (
     GB,
     ModelMemory,
@@ -26,10 +27,9 @@ from ditfleet.model.memory import (
     vae_decode_activation_bytes,
     vae_params,
 )
+from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
+from ditfleet.model.networks.vae import QwenImageVAE, VAEConfig
 from ditfleet.model.published import PUBLISHED as ALL_PUBLISHED
-from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig
-from ditfleet.model.vae import QwenImageVAE, VAEConfig
-from ditfleet.model.weights import read_config
 from tests.support.memory_measure import peak_allocated_bytes
 from tests.support.paths import REPO
 

@@ -25,18 +25,18 @@ TINY_JOB = ROOT / "jobs" / "examples" / "tiny.yaml"
 # The model modules that planning reads (configs, safetensors headers, memory arithmetic).
 TORCH_FREE_MODEL = {
     "model",
-    "ditfleet.model.folder",
-    "ditfleet.model.guidance",  # the CFG rule and the default negative prompt (the spec's default)
+    "ditfleet.model.loading.folder",
+    "ditfleet.model.generation.guidance",  # the CFG rule and the default negative prompt (the spec's default)
     "ditfleet.model.lazy_exports",  # the packages' load-on-first-use attributes
-    "ditfleet.model.lora_spec",
-    "ditfleet.model.step_cache_config",  # step-cache presets and checks (the spec validates them)
+    "ditfleet.model.loading.lora_spec",
+    "ditfleet.model.generation.step_cache_config",  # step-cache presets and checks (the spec validates them)
     "ditfleet.model.memory",
     "ditfleet.model.memory.activations",
     "ditfleet.model.memory.disk",
     "ditfleet.model.memory.params",
     "ditfleet.model.memory.plan",
-    "ditfleet.model.transformer_config",
-    "ditfleet.model.vae_config",
+    "ditfleet.model.networks.transformer_config",
+    "ditfleet.model.networks.vae_config",
 }
 
 REPORT = """

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ditfleet.model import load_pipeline
-from ditfleet.model.pipeline import cfg_batched_for
+from ditfleet.model.generation.pipeline import cfg_batched_for
 from tests.support.compile_helpers import random_embeds
 
 KW = dict(height=32, width=48, steps=2, true_cfg_scale=4.0, seeds=[1, 2])

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ditfleet.model import fp8
-from ditfleet.model.fp8 import Fp8Linear, gemm_support, probe_scaled_mm
-from ditfleet.model.quantization import ROWWISE_MAX_K_BEFORE_CUDA13, layer_scale_kind, rowwise_max_k
+from ditfleet.model.loading import fp8
+from ditfleet.model.loading.fp8 import Fp8Linear, gemm_support, probe_scaled_mm
+from ditfleet.model.loading.quantization import ROWWISE_MAX_K_BEFORE_CUDA13, layer_scale_kind, rowwise_max_k
 
 REAL_KERNEL = torch._scaled_mm
 

@@ -1,4 +1,4 @@
-"""The true-CFG rule and the default negative prompt (model.guidance), and the pipeline's use of
+"""The true-CFG rule and the default negative prompt (model.generation.guidance), and the pipeline's use of
 them: text prompts without a negative get the default, a null negative or a scale <= 1 turns
 CFG off, and text and embeddings are not mixed across the two branches."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ditfleet.model.guidance import DEFAULT_NEGATIVE_PROMPT, cfg_on, negative_text, negative_texts
+from ditfleet.model.generation.guidance import DEFAULT_NEGATIVE_PROMPT, cfg_on, negative_text, negative_texts
 
 
 @pytest.mark.parametrize(

@@ -7,10 +7,15 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ditfleet.model.attention import TextPadding
-from ditfleet.model.attention_backend import ATTENTION_BACKENDS, attention_backend, backend_order, sdpa_choice
-from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig
-from ditfleet.model.vae_blocks import AttentionBlock
+from ditfleet.model.networks.attention import TextPadding
+from ditfleet.model.networks.attention_backend import (
+    ATTENTION_BACKENDS,
+    attention_backend,
+    backend_order,
+    sdpa_choice,
+)
+from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
+from ditfleet.model.networks.vae_blocks import AttentionBlock
 
 
 def test_vae_attention_hands_sdpa_dense_qkv_and_computes_what_the_strided_form_did():
@@ -111,7 +116,7 @@ def test_attention_backend_preference_is_cuda_only_and_keeps_a_fallback():
 
 
 def test_the_pipeline_applies_its_attention_backend(monkeypatch):
-    import ditfleet.model.pipeline as pipeline_module
+    import ditfleet.model.generation.pipeline as pipeline_module
     from ditfleet.model.settings import PipelineSettings
 
     seen = []
@@ -120,7 +125,7 @@ def test_the_pipeline_applies_its_attention_backend(monkeypatch):
     assert PipelineSettings().attention_backend == "auto"
     with pytest.raises(ValueError):
         PipelineSettings(attention_backend="fast")
-    from ditfleet.model.loader import load_pipeline
+    from ditfleet.model.loading.loader import load_pipeline
 
     pipe = load_pipeline("tiny", attention_backend="cudnn", load_text_encoder_too=False)
     embeds = torch.randn(1, 3, pipe.transformer.config.joint_attention_dim)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ditfleet.model import TransformerConfig, WeightsError, load_pipeline
-from ditfleet.model.loader import load_transformer
+from ditfleet.model.loading.loader import load_transformer
 from ditfleet.testing.models import TINY_TRANSFORMER
 from tests.support.model_fixtures import (
     diffusers_images,
@@ -63,7 +63,7 @@ def test_transformer_matches_diffusers(tmp_path, grid, text_lens, overrides):
 def test_module_tree_mirrors_diffusers_keys(tmp_path):
     ref = _reference_transformer()
     ours = TransformerConfig.from_dict(dict(ref.config))
-    from ditfleet.model.transformer import QwenImageTransformer
+    from ditfleet.model.networks.transformer import QwenImageTransformer
 
     assert set(QwenImageTransformer(ours).state_dict()) == set(ref.state_dict())
     block = QwenImageTransformer(ours).transformer_blocks[0]
@@ -83,8 +83,8 @@ def test_scheduler_matches_diffusers(random_model_dir):
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
-    from ditfleet.model.loader import load_scheduler
-    from ditfleet.model.scheduler import sigma_schedule
+    from ditfleet.model.generation.scheduler import sigma_schedule
+    from ditfleet.model.loading.loader import load_scheduler
 
     ref = FlowMatchEulerDiscreteScheduler.from_pretrained(random_model_dir / "scheduler")
     ours = load_scheduler(random_model_dir / "scheduler")
@@ -122,7 +122,7 @@ def test_missing_and_pickle_weights_are_refused(tmp_path, random_model_dir):
 
 
 def test_one_step_schedule_is_finite():
-    from ditfleet.model.scheduler import SchedulerConfig, sigma_schedule
+    from ditfleet.model.generation.scheduler import SchedulerConfig, sigma_schedule
 
     sigmas = sigma_schedule(SchedulerConfig(), 1, 1024)
     assert torch.isfinite(sigmas).all() and sigmas.tolist() == [1.0, 0.0]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ditfleet.model import load_pipeline
-from ditfleet.model.loader import load_transformer
+from ditfleet.model.loading.loader import load_transformer
 from ditfleet.testing.models import TINY_TRANSFORMER
 
 

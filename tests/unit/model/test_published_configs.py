@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from ditfleet.model import folder
-from ditfleet.model.loader import check_model_index, load_scheduler
+from ditfleet.model.loading import folder
+from ditfleet.model.generation.scheduler import SchedulerConfig, sigma_schedule
+from ditfleet.model.loading.loader import check_model_index, load_scheduler
+from ditfleet.model.loading.weights import WeightsError
+from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
+from ditfleet.model.networks.vae import VAEConfig, load_vae
 from ditfleet.model.published import PUBLISHED
-from ditfleet.model.scheduler import SchedulerConfig, sigma_schedule
-from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig
-from ditfleet.model.vae import VAEConfig, load_vae
-from ditfleet.model.weights import WeightsError
 
 MODELS = ["qwen-image", "qwen-image-2512"]
 # Parameters of the published 60-layer transformer: its nine bf16 shards hold 40,860,802,176 bytes
@@ -45,7 +45,7 @@ def test_pooled_projection_dim_is_ignored_once_at_debug(caplog):
     raw = _json("qwen-image", "transformer/config.json")
     assert raw["pooled_projection_dim"] == 768  # the key the published file really carries
     folder._ignored_seen.discard(("transformer", "pooled_projection_dim"))
-    with caplog.at_level(logging.DEBUG, logger="ditfleet.model.folder"):
+    with caplog.at_level(logging.DEBUG, logger="ditfleet.model.loading.folder"):
         TransformerConfig.from_dict(raw)
         TransformerConfig.from_dict(raw)
     hits = [r for r in caplog.records if "pooled_projection_dim" in r.getMessage()]

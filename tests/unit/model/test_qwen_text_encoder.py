@@ -15,7 +15,11 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 pytest.importorskip("diffusers")
 
-from ditfleet.model.text_encoder import QWEN_IMAGE_DROP_TOKENS, QWEN_IMAGE_TEMPLATE, QwenVLTextEncoder  # noqa: E402
+from ditfleet.model.networks.text_encoder import (  # noqa: E402
+    QWEN_IMAGE_DROP_TOKENS,
+    QWEN_IMAGE_TEMPLATE,
+    QwenVLTextEncoder,
+)
 from tests.support.qwen_text_encoder import PROMPTS, make_text_encoder, make_tokenizer  # noqa: E402
 
 
@@ -89,7 +93,7 @@ def test_matches_diffusers_encode_prompt(qwen_dirs):
 def test_load_pipeline_picks_qwen_text_encoder(qwen_dirs, tmp_path):
     import shutil
 
-    from ditfleet.model.loader import load_pipeline
+    from ditfleet.model.loading.loader import load_pipeline
     from ditfleet.testing.models import make_diffusers_model_dir
 
     src, _, _ = qwen_dirs

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from ditfleet.model.loader import load_scheduler
+from ditfleet.model.generation.scheduler import SchedulerConfig, sigma_schedule
+from ditfleet.model.loading.loader import load_scheduler
 from ditfleet.model.published import PUBLISHED
-from ditfleet.model.scheduler import SchedulerConfig, sigma_schedule
 
 LIGHTNING = PUBLISHED / "qwen-image-lightning" / "scheduler"
 QWEN_IMAGE = SchedulerConfig()  # Qwen-Image's own settings are the defaults

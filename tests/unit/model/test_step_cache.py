@@ -1,4 +1,4 @@
-"""The step cache (model.step_cache): per image, per CFG branch, exact when off or too short,
+"""The step cache (model.generation.step_cache): per image, per CFG branch, exact when off or too short,
 the same under every modulation-cache mode, and no recompiles when the compiled DiT skips; each
 property for both methods (DBCache, TeaCache) and with TaylorSeer's forecast."""
 
@@ -11,9 +11,9 @@ import torch
 
 from ditfleet.compile import CompileConfig, apply_compile, count_compiles, warm_up
 from ditfleet.model import load_pipeline
-from ditfleet.model.pipeline import Sampling
-from ditfleet.model.step_cache import StepCache
-from ditfleet.model.step_cache_config import (
+from ditfleet.model.generation.pipeline import Sampling
+from ditfleet.model.generation.step_cache import StepCache
+from ditfleet.model.generation.step_cache_config import (
     PRESETS,
     StepCacheConfig,
     StepCacheError,
@@ -282,7 +282,7 @@ def test_compiled_dit_skips_without_recompiling(random_model_dir, serial, method
 def test_teacache_normalises_block_0s_input_once_per_pass(serial, monkeypatch):
     """TeaCache's signal is block 0's modulated input; the rows that compute run block 0 on it
     (`run_blocks(start=...)`) instead of normalising and modulating the image stream again."""
-    import ditfleet.model.transformer as transformer
+    import ditfleet.model.networks.transformer as transformer
 
     real, image_norms = transformer._norm_modulate, []
     tokens = (32 // 16) * (48 // 16)

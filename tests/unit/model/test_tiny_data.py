@@ -169,7 +169,7 @@ def test_text_encoder_contract_unknown_words_empty_prompt_and_save_load(tmp_path
 
 
 def test_text_encoder_refuses_mismatched_files(tmp_path):
-    from ditfleet.model.weights import WeightsError
+    from ditfleet.model.loading.weights import WeightsError
 
     enc = _encoder()
     enc.save(tmp_path)

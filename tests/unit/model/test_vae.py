@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from ditfleet.model.vae import QwenImageVAE, VAEConfig, load_vae, save_vae, vae_state_dict_3d
-from ditfleet.model.vae_blocks import RMSNorm
-from ditfleet.model.weights import WeightsError
+from ditfleet.model.loading.weights import WeightsError
+from ditfleet.model.networks.vae import QwenImageVAE, VAEConfig, load_vae, save_vae, vae_state_dict_3d
+from ditfleet.model.networks.vae_blocks import RMSNorm
 
 diffusers = pytest.importorskip("diffusers")
 AutoencoderKLQwenImage = diffusers.AutoencoderKLQwenImage

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from ditfleet.model import load_pipeline
-from ditfleet.model.sampling import pack_latents
+from ditfleet.model.generation.sampling import pack_latents
+from ditfleet.model.networks.vae import QwenImageVAE, VAEConfig
 from ditfleet.model.tiny.scenes import Scene, render_batch, split_scenes
 from ditfleet.model.tiny.text_encoder import TextEncoderConfig, TinyTextEncoder, WordTokenizer
-from ditfleet.model.vae import QwenImageVAE, VAEConfig
 from recipes.tiny.data_parallel import Shard, run_data_parallel
 from recipes.tiny.train import caption_vocabulary
 from recipes.tiny.train_dit import DiTTrainConfig, build_centred_pools, shape_token_weights

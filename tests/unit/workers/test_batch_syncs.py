@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 import ditfleet.workers.generate as generate
-from ditfleet.model.loader import load_pipeline
+from ditfleet.model.loading.loader import load_pipeline
 from ditfleet.workers.generate import BatchGenerator, image_requests, iter_generated, plan_batches
 from ditfleet.workers.rows import PromptRow
 

@@ -237,7 +237,7 @@ def test_dit_compiled_keeps_the_compiled_vae_and_compiles_the_main_size_only(tmp
     import torch
 
     from ditfleet.compile.policy import apply_compile
-    from ditfleet.model.pipeline import TextToImagePipeline
+    from ditfleet.model.generation.pipeline import TextToImagePipeline
     from ditfleet.workers.selftest import checks, parts, speed
     from ditfleet.workers.selftest.main import build_parser
     from ditfleet.workers.selftest.runner import Context

@@ -40,8 +40,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .lora_spec import LoraSpec  # noqa: F401 - re-exported: the spec is torch-free
-from .weights import PICKLE_SUFFIXES, WeightsError
+from ditfleet.model.loading.lora_spec import LoraSpec  # noqa: F401 - re-exported: the spec is torch-free
+from ditfleet.model.loading.weights import PICKLE_SUFFIXES, WeightsError
 
 # diffusers' key for the PEFT LoraConfig it writes into the safetensors header.
 METADATA_KEY = "lora_adapter_metadata"
@@ -311,7 +311,7 @@ def merge_updates(model: torch.nn.Module, updates: Sequence[LayerUpdate]) -> Non
 def merge_into(weight: torch.Tensor | None, bias: torch.Tensor | None, u: LayerUpdate) -> None:
     """Add one update into a layer's weight and/or bias tensors (either may be None), in place.
 
-    The FP8 loader (model.fp8) calls this on each weight as it streams in, before quantizing."""
+    The FP8 loader (model.loading.fp8) calls this on each weight as it streams in, before quantizing."""
     if weight is not None:
         w = weight
         down = u.down.to(device=w.device, dtype=w.dtype)

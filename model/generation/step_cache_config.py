@@ -1,7 +1,7 @@
 """Step-cache settings: the presets, their published sources, and the checks on user input.
 
 Torch-free on purpose: the job spec, `ditfleet validate` and the fingerprint read it without
-loading torch. The algorithm itself is `model.step_cache`.
+loading torch. The algorithm itself is `model.generation.step_cache`.
 
 Two methods, both decided per image and per CFG branch (an image never depends on its
 batch-mates), both reusing a residual kept at the row's last computed step:
@@ -104,7 +104,7 @@ class StepCacheConfig:
 
     def kept_tensors(self) -> int:
         """Image-stream tensors (N x D per image) kept per CFG branch for the whole schedule: the
-        signal, the residual and one derivative per TaylorSeer order (model.step_cache). The
+        signal, the residual and one derivative per TaylorSeer order (model.generation.step_cache). The
         memory plan counts them."""
         return 2 + self.taylorseer_order
 

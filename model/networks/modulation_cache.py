@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .settings import ModulationCache as ModulationCacheMode
+from ditfleet.model.settings import ModulationCache as ModulationCacheMode
 
 MODES = typing.get_args(ModulationCacheMode)
 

@@ -1,7 +1,7 @@
 """FP8 DiT weights: `Fp8Linear` and the quantizer that fills it while the checkpoint streams in.
 
 The rules (modes, which layers stay in the load dtype, which devices can run `fp8`) live in the
-torch-free model.quantization; this is the arithmetic.
+torch-free model.loading.quantization; this is the arithmetic.
 
 Weights: float8 e4m3 (max 448), one fp32 scale per output channel, w ~= w8 * scale[:, None].
 `fp8` also quantizes each activation row (token) with its own scale and runs the GEMM through
@@ -9,11 +9,11 @@ Weights: float8 e4m3 (max 448), one fp32 scale per output channel, w ~= w8 * sca
 per-row scales are exact to apply after the integer-like product, so W8A8 costs two roundings.
 Where the kernel refuses row-wise scales (the CPU kernel of some torch builds, large-K GEMMs on
 Hopper before CUDA 13) it runs with unit per-tensor scales and the same scales are applied to its
-fp32 product (`gemm_support`, model.quantization's rules); where it has none, weight-only.
+fp32 product (`gemm_support`, model.loading.quantization's rules); where it has none, weight-only.
 `fp8-weight-only` dequantizes the weight to the activation dtype for each call and uses F.linear.
 
 Loading never holds the bf16 model: `Fp8Quantizer` is handed each tensor as it arrives from the
-checkpoint (model.checkpoint.load_streaming), merges that layer's LoRA updates into it, and turns
+checkpoint (model.loading.checkpoint.load_streaming), merges that layer's LoRA updates into it, and turns
 it into (w8, scale) at once; only one bf16 tensor is alive at a time.
 """
 
@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .folder import WeightsError
-from .quantization import (
+from ditfleet.model.loading.folder import WeightsError
+from ditfleet.model.loading.quantization import (
     FP8_GEMM_MULTIPLE,
     KEEP_IN_LOAD_DTYPE,
     check_fp8_device,
@@ -98,7 +98,7 @@ def probe_scaled_mm(device: torch.device | str, kernel=None) -> str:
 def gemm_support(device: torch.device | str, kernel=None) -> tuple[str, int | None]:
     """(scale kind, largest row-wise K) of `device`, decided once: on the CPU by probing the
     kernel (torch 2.11's CPU kernel takes per-tensor scales only, 2.13's row-wise too); on CUDA
-    from the build's CUDA version and the GPU (model.quantization.rowwise_max_k)."""
+    from the build's CUDA version and the GPU (model.loading.quantization.rowwise_max_k)."""
     key = _device_key(device)
     found = _GEMM_SUPPORT.get(key)
     if found is None:
@@ -119,7 +119,7 @@ def _refused(error: RuntimeError) -> bool:
 def check_checkpoint_dtypes(tensors: dict, where: str) -> None:
     """Refuse a checkpoint that already holds FP8 tensors, by name, before any weight is read.
 
-    tensors: name -> model.checkpoint.TensorEntry. Cast to bf16 without their scales, FP8 weights
+    tensors: name -> model.loading.checkpoint.TensorEntry. Cast to bf16 without their scales, FP8 weights
     would load as silently wrong numbers; ditfleet quantizes the bf16 checkpoint at load instead."""
     fp8 = sorted(k for k, e in tensors.items() if e.dtype.startswith("F8"))
     if not fp8:
@@ -219,7 +219,7 @@ class Fp8Linear(nn.Module):
         return self.weight.to(dtype) * self.weight_scale.to(dtype)[:, None]
 
     def scale_kind(self, device: torch.device) -> str:
-        """How this layer's GEMM runs on `device`: FP8_SCALE_KINDS (model.quantization)."""
+        """How this layer's GEMM runs on `device`: FP8_SCALE_KINDS (model.loading.quantization)."""
         if not self.scaled_mm:
             return "weight-only"
         support = _GEMM_SUPPORT.get(str(device))
@@ -337,8 +337,8 @@ class Fp8Quantizer:
       the load dtype on the load device: a quantized layer's weight becomes `weight` (fp8) and
       `weight_scale`, after the layer's LoRA updates are merged into it (merge, then quantize);
       every other tensor passes through.
-    updates: LoRA layer updates (model.lora.LayerUpdate); those of quantized layers are merged
-      here, `unmerged` holds the rest for model.lora.merge_updates afterwards.
+    updates: LoRA layer updates (model.loading.lora.LayerUpdate); those of quantized layers are merged
+      here, `unmerged` holds the rest for model.loading.lora.merge_updates afterwards.
     """
 
     def __init__(self, mode: str, updates: Iterable = (), keep: Sequence[str] = KEEP_IN_LOAD_DTYPE) -> None:
@@ -365,7 +365,9 @@ class Fp8Quantizer:
         module, _, param = key.rpartition(".")
         if module not in self.names:
             return [(key, tensor)]
-        from .lora import merge_into  # the same arithmetic as merging into a loaded model
+        from ditfleet.model.loading.lora import (
+            merge_into,  # the same arithmetic as merging into a loaded model
+        )
 
         mine = [u for u in self._updates if u.module == module]
         if param == "bias":

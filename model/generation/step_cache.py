@@ -1,6 +1,6 @@
 """The step cache: reuse of DiT block work between denoising steps, per image and CFG branch.
 
-The pipeline builds a `StepCache` from its settings for each batch (model.pipeline) and the
+The pipeline builds a `StepCache` from its settings for each batch (model.generation.pipeline) and the
 sampler hands each transformer pass the rows it serves (`StepCache.call`). Each pass makes a
 signal for every row of the batch (one image in one CFG branch), then decides per row:
 
@@ -9,7 +9,7 @@ signal for every row of the batch (one image in one CFG branch), then decides pe
   the kept residual (or, with TaylorSeer, the residual extrapolated to this step), and the
   remaining blocks never run for it.
 
-The signal depends on the method (settings and sources: model.step_cache_config):
+The signal depends on the method (settings and sources: model.generation.step_cache_config):
 - dbcache: the first Fn blocks run for every row; the signal is their residual H(Fn) - H(0),
   compared with its value at the row's last computed step (reused steps do not move that
   reference, as in cache-dit), mean|R_t - R_last| / mean|R_last| < threshold;
@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .step_cache_config import StepCacheConfig
-from .transformer import BlockInputs, QwenImageTransformer, take_rows
+from ditfleet.model.generation.step_cache_config import StepCacheConfig
+from ditfleet.model.networks.transformer import BlockInputs, QwenImageTransformer, take_rows
 
 # Relative change of a row whose kept signal is all zeros: infinite (compute).
 _EPS = 1e-12

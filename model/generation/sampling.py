@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .scheduler import SchedulerConfig, euler_step, sigma_schedule
+from ditfleet.model.generation.scheduler import SchedulerConfig, euler_step, sigma_schedule
 
 if TYPE_CHECKING:
-    from .step_cache import StepCache
+    from ditfleet.model.generation.step_cache import StepCache
 
 LATENT_CHANNELS = 16
 
@@ -124,7 +124,7 @@ def denoise(
     cfg_batched: the conditional and unconditional passes of a step run as one forward of 2B
     (text padded to the longer branch); else as two forwards of B. Either way the step's
     modulation is computed once: one forward, or a cache hit in the second.
-    step_cache: reuses block work per image and CFG branch (model.step_cache); each call names
+    step_cache: reuses block work per image and CFG branch (model.generation.step_cache); each call names
     the branches it carries. None: every block computes.
     """
     h, w = grid
@@ -140,7 +140,7 @@ def denoise(
     if step_cache is not None:
         step_cache.start(steps, latents.shape[0])
     # One joined batch for every step: the same mask tensor each step, so the DiT reads its
-    # padding from the device once per batch (model.attention.padding_facts), not per step.
+    # padding from the device once per batch (model.networks.attention.padding_facts), not per step.
     both_text = _cat_branches(cond, uncond) if uncond is not None and cfg_batched else None
     for i in range(steps):
         # The same tensor object goes to both CFG passes of this step: that is the cache key.

@@ -17,16 +17,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionStats, TextPadding, joint_attention
-from .modulation_cache import ModulationCache, ModulationKey, make_key
-from .rope import RotaryTables, Rotation, apply_rotary
-from .settings import DEFAULT_PIPELINE
-from .transformer_config import DIFFUSERS_CLASS, IGNORED_KEYS, TransformerConfig  # noqa: F401 - re-exported
+from ditfleet.model.networks.attention import AttentionStats, TextPadding, joint_attention
+from ditfleet.model.networks.modulation_cache import ModulationCache, ModulationKey, make_key
+from ditfleet.model.networks.rope import RotaryTables, Rotation, apply_rotary
+from ditfleet.model.networks.transformer_config import DIFFUSERS_CLASS, IGNORED_KEYS, TransformerConfig  # noqa: F401 - re-exported
+from ditfleet.model.settings import DEFAULT_PIPELINE
 
 
 class BlockRunner(Protocol):
     """What runs a forward's blocks in the transformer's place (a step cache's rows for one
-    call, model.step_cache), through `run_blocks` and `first_block_input`."""
+    call, model.generation.step_cache), through `run_blocks` and `first_block_input`."""
 
     def run(
         self, transformer: QwenImageTransformer, img: torch.Tensor, txt: torch.Tensor, inputs: BlockInputs
@@ -106,7 +106,7 @@ class JointAttention(nn.Module):
     """Attention over [image, text] with per-head RMS q/k norms and interleaved RoPE.
 
     Split in two tensor functions around the attention kernel, so that a compiler can take the
-    elementwise-heavy parts while the kernel choice (`model.attention`) stays a runtime decision.
+    elementwise-heavy parts while the kernel choice (`model.networks.attention`) stays a runtime decision.
     """
 
     def __init__(self, dim: int, heads: int, head_dim: int) -> None:
@@ -247,7 +247,7 @@ class TransformerBlock(nn.Module):
         """
         if img_in is None:
             q, k, v = self.attention_inputs(img, txt, img_mod, txt_mod, rope)
-        else:  # TeaCache's block 0: its signal is this input, made once (model.step_cache)
+        else:  # TeaCache's block 0: its signal is this input, made once (model.generation.step_cache)
             q, k, v = self.modulated_attention_inputs(img_in, txt, txt_mod, rope)
             del img_in  # freed before the attention, as the memory plan counts it
         attn = joint_attention(q, k, v, padding, stats)  # (B, H, N + L, hd)
@@ -256,7 +256,7 @@ class TransformerBlock(nn.Module):
 
     def modulated_input(self, img: torch.Tensor, img_mod: torch.Tensor) -> torch.Tensor:
         """The image stream as the attention sees it, LayerNorm then the first shift and scale,
-        (B, N, D): block 0's is TeaCache's signal of how much a step changes (model.step_cache)."""
+        (B, N, D): block 0's is TeaCache's signal of how much a step changes (model.generation.step_cache)."""
         i_sh1, i_sc1 = img_mod.chunk(6, dim=-1)[:2]
         return _norm_modulate(img, i_sh1, i_sc1, self.eps)
 
@@ -328,7 +328,7 @@ class QwenImageTransformer(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
-        # How a batch with padded prompts attends (see model.attention); "mask" is the reference.
+        # How a batch with padded prompts attends (see model.networks.attention); "mask" is the reference.
         self.padded_attention = padded_attention
         self.attention_stats = AttentionStats()
         D = config.inner_dim
@@ -362,7 +362,7 @@ class QwenImageTransformer(nn.Module):
     ) -> torch.Tensor:
         """Velocity prediction (B, N, patch^2 * out_channels).
 
-        step_cache: the rows' state when a step cache (model.step_cache) serves this call; it
+        step_cache: the rows' state when a step cache (model.generation.step_cache) serves this call; it
         calls `run_blocks` for the blocks and rows it computes. None: every block computes."""
         img = self.img_in(hidden_states)
         dtype, device = img.dtype, img.device

@@ -1,7 +1,7 @@
 """The Qwen-Image VAE as a 2D image model, loading diffusers' `AutoencoderKLQwenImage` weights.
 
 The checkpoint is a causal 3D video VAE; for one frame only the last temporal slice of each conv
-kernel sees data (see `model/vae_blocks.py`), so the 2D model computes what diffusers computes
+kernel sees data (see `model/networks/vae_blocks.py`), so the 2D model computes what diffusers computes
 for `z[:, :, None]` with a third of the conv weights and none of the per-frame cache logic.
 `load_vae` slices the 5-D weights; `vae_state_dict_3d` writes them back in the diffusers layout.
 """
@@ -15,10 +15,10 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from ditfleet.model.checkpoint import Checkpoint
-from ditfleet.model.vae_blocks import CausalConv2d, Decoder, Encoder, Resample, RMSNorm
-from ditfleet.model.vae_config import DIFFUSERS_CLASS, VAEConfig  # noqa: F401 - re-exported
-from ditfleet.model.weights import WeightsError, assign_state_dict, read_config, read_state_dict
+from ditfleet.model.loading.checkpoint import Checkpoint
+from ditfleet.model.loading.weights import WeightsError, assign_state_dict, read_config, read_state_dict
+from ditfleet.model.networks.vae_blocks import CausalConv2d, Decoder, Encoder, Resample, RMSNorm
+from ditfleet.model.networks.vae_config import DIFFUSERS_CLASS, VAEConfig  # noqa: F401 - re-exported
 
 ENCODER_PREFIXES = ("encoder.", "quant_conv.")
 

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import Checkpoint, load_streaming
-from .folder import (  # noqa: F401 - re-exported: the folder checks are torch-free
+from ditfleet.model.generation.pipeline import TextToImagePipeline
+from ditfleet.model.generation.scheduler import SchedulerConfig
+from ditfleet.model.loading.checkpoint import Checkpoint, load_streaming
+from ditfleet.model.loading.folder import (  # noqa: F401 - re-exported: the folder checks are torch-free
     REQUIRED_COMPONENTS,
     SUPPORTED_PIPELINES,
     TINY_MODEL_DIR,
@@ -25,16 +27,21 @@ from .folder import (  # noqa: F401 - re-exported: the folder checks are torch-f
     resolve_model_dir,
     text_encoder_kind,
 )
-from .fp8 import Fp8Quantizer, check_checkpoint_dtypes, check_device
-from .lora import LoraFile, LoraSpec, adapters_revision, merge_updates, plan_updates, read_loras
-from .pipeline import TextToImagePipeline
-from .quantization import check_quantization, quantized_revision
-from .scheduler import SchedulerConfig
-from .settings import DEFAULT_PIPELINE, PipelineSettings
-from .text_encoder import QwenVLTextEncoder, TextEncoder
-from .transformer import QwenImageTransformer, TransformerConfig
-from .vae import load_vae
-from .weights import WeightsError, read_config
+from ditfleet.model.loading.fp8 import Fp8Quantizer, check_checkpoint_dtypes, check_device
+from ditfleet.model.loading.lora import (
+    LoraFile,
+    LoraSpec,
+    adapters_revision,
+    merge_updates,
+    plan_updates,
+    read_loras,
+)
+from ditfleet.model.loading.quantization import check_quantization, quantized_revision
+from ditfleet.model.loading.weights import WeightsError, read_config
+from ditfleet.model.networks.text_encoder import QwenVLTextEncoder, TextEncoder
+from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
+from ditfleet.model.networks.vae import load_vae
+from ditfleet.model.settings import DEFAULT_PIPELINE, PipelineSettings
 
 
 def model_revision(root: Path) -> str:
@@ -77,8 +84,8 @@ def load_transformer(
     loras: Sequence[LoraFile] = (),
     quantization: str = DEFAULT_PIPELINE.quantization,
 ) -> QwenImageTransformer:
-    """`loras` are merged into the weights as they load (see model/lora.py), before any
-    quantization (model.fp8)."""
+    """`loras` are merged into the weights as they load (see model/loading/lora.py), before any
+    quantization (model.loading.fp8)."""
     check_device(check_quantization(quantization), device)
     model, checkpoint = prepare_transformer(component_dir, modulation_cache)
     updates = plan_updates(loras, model)  # every adapter key checked before any weight is read
@@ -126,7 +133,7 @@ def load_text_encoder(root: Path, device, dtype) -> TextEncoder | None:
     if not te_dir.is_dir():
         return None
     if text_encoder_kind(te_dir) == "tiny":
-        from .tiny.text_encoder import TinyTextEncoder
+        from ditfleet.model.tiny.text_encoder import TinyTextEncoder
 
         return TinyTextEncoder.load(root, device=device, dtype=dtype)
     return QwenVLTextEncoder.from_dirs(te_dir, root / "tokenizer", device, dtype)

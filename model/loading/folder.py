@@ -2,7 +2,7 @@
 and the list of its safetensors files.
 
 `model.memory` plans from these alone, so `ditfleet plan` reads a model without loading torch;
-`model.weights` and `model.loader` load the tensors.
+`model.loading.weights` and `model.loading.loader` load the tensors.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def safetensors_files(component_dir: Path) -> list[Path]:
 
 # The model path that names the bundled tiny model, and where its weights are.
 TINY_MODEL = "tiny"
-TINY_MODEL_DIR = Path(__file__).parent / "tiny" / "weights"
+TINY_MODEL_DIR = Path(__file__).parents[1] / "tiny" / "weights"  # model/tiny/weights
 REQUIRED_COMPONENTS = ("transformer", "vae", "scheduler")
 # model_index.json pipeline classes whose transformer/vae/scheduler this loader computes exactly.
 SUPPORTED_PIPELINES = ("QwenImagePipeline",)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from .folder import drop_ignored_keys
+from ditfleet.model.loading.folder import drop_ignored_keys
 
 # Keys of published transformer configs that diffusers' QwenImageTransformer2DModel does not take.
 IGNORED_KEYS = {

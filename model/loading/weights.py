@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-# The torch-free readers of a component folder live in model.folder; re-exported here.
-from .folder import (  # noqa: F401
+# The torch-free readers of a component folder live in model.loading.folder; re-exported here.
+from ditfleet.model.loading.folder import (  # noqa: F401
     PICKLE_SUFFIXES,
     WeightsError,
     drop_ignored_keys,

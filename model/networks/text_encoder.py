@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from .settings import MAX_SEQUENCE_LENGTH
+from ditfleet.model.settings import MAX_SEQUENCE_LENGTH
 
 # Qwen-Image's system prompt; its first 34 tokens are dropped from the hidden states.
 QWEN_IMAGE_TEMPLATE = (

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from .weights import WeightsError, check_state_matches, safetensors_files
+from ditfleet.model.loading.weights import WeightsError, check_state_matches, safetensors_files
 
 # diffusers / transformers shard names: <stem>-00002-of-00009.safetensors
 _SHARD_NAME = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.safetensors$")
@@ -198,7 +198,7 @@ def load_streaming(
     itself is not in host memory at all).
 
     transform: reshapes the module after its keys are checked (`prepare`) and turns each cast
-    tensor into the entries to assign (model.fp8.Fp8Quantizer: a weight into FP8 and its scales),
+    tensor into the entries to assign (model.loading.fp8.Fp8Quantizer: a weight into FP8 and its scales),
     so that a converted model never exists in the load dtype as a whole.
     """
     checkpoint.check_matches(module, where)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from .weights import drop_ignored_keys
+from ditfleet.model.loading.weights import drop_ignored_keys
 
 # Scheduler features we do not implement; a config that turns one on is refused, not ignored.
 _UNSUPPORTED_FLAGS = (

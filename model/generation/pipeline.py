@@ -11,17 +11,24 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention_backend import attention_backend
-from .guidance import cfg_on, negative_texts
-from .sampling import Conditioning, TimestepBank, denoise, initial_noise, latent_grid, unpack_latents
-from .scheduler import SchedulerConfig
-from .settings import DEFAULT_PIPELINE, MAX_SEQUENCE_LENGTH, CfgMode, PipelineSettings
-from .step_cache import StepCache
-from .step_cache_config import StepCacheConfig
-from .text_encoder import TextEncoder
-from .tiny.known_words import known_of, unknown_words, unknown_words_warning
-from .tiny.text_encoder import WordTokenizer
-from .transformer import QwenImageTransformer
+from ditfleet.model.generation.guidance import cfg_on, negative_texts
+from ditfleet.model.generation.sampling import (
+    Conditioning,
+    TimestepBank,
+    denoise,
+    initial_noise,
+    latent_grid,
+    unpack_latents,
+)
+from ditfleet.model.generation.scheduler import SchedulerConfig
+from ditfleet.model.generation.step_cache import StepCache
+from ditfleet.model.generation.step_cache_config import StepCacheConfig
+from ditfleet.model.networks.attention_backend import attention_backend
+from ditfleet.model.networks.text_encoder import TextEncoder
+from ditfleet.model.networks.transformer import QwenImageTransformer
+from ditfleet.model.settings import DEFAULT_PIPELINE, MAX_SEQUENCE_LENGTH, CfgMode, PipelineSettings
+from ditfleet.model.tiny.known_words import known_of, unknown_words, unknown_words_warning
+from ditfleet.model.tiny.text_encoder import WordTokenizer
 
 _log = logging.getLogger(__name__)
 
@@ -165,7 +172,7 @@ class TextToImagePipeline:
         true_cfg_scale: float | Sequence[float] = 4.0,
         max_sequence_length: int = MAX_SEQUENCE_LENGTH,
     ) -> GuidanceInputs:
-        """Encode prompts, and their negatives when CFG is on (model.guidance), for `generate`.
+        """Encode prompts, and their negatives when CFG is on (model.generation.guidance), for `generate`.
 
         Each branch is padded only to its own longest prompt (what the encoder returns), since the
         DiT takes any text length. A negative shared by the whole batch (the usual " ") is encoded
