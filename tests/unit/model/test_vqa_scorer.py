@@ -16,12 +16,11 @@ from ditfleet.model.quality import ScorerInputs, scorer  # noqa: E402
 from ditfleet.model.quality.qwen_vision_input import (  # noqa: E402
     IMAGE_MEAN,
     IMAGE_STD,
-    MAX_PIXELS,
-    MIN_PIXELS,
     VisionLayout,
     vision_input,
 )
 from ditfleet.model.quality.vqa import VQAScore  # noqa: E402
+from ditfleet.model.qwen_vision_size import MAX_PIXELS, MIN_PIXELS  # noqa: E402
 from ditfleet.model.text_encoder import QwenVLTextEncoder  # noqa: E402
 from tests.support.qwen_text_encoder import make_text_encoder, make_tokenizer  # noqa: E402
 
