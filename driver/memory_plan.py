@@ -50,6 +50,7 @@ class MemoryRequest:
     device: str = "cuda"  # cuda | cpu (an actor without a GPU: the plan is of host memory)
     quantization: str = "none"  # the DiT's weights: none | fp8 | fp8-weight-only
     step_cache_tensors: int = 0  # image-stream tensors a step cache keeps per CFG branch
+    vqa: bool = False  # quality.scorers (or the gate) asks vqa of the text encoder
 
     @property
     def text_len(self) -> int:
@@ -130,7 +131,23 @@ class JobMemoryPlan:
                 out.append(f"  {bucket}: {cells}")
         if first.host:
             out.append(f"host memory per actor: {first.host / GB:.1f} GB (text encoder off the GPU)")
+        if self.request.vqa:
+            out.append(self._vqa_line())
         return out
+
+    def _vqa_line(self) -> str:
+        """Where vqa's forward runs and, on the GPU, what its phase holds at the largest bucket."""
+        scored = [p for p in self.plans if "score" in p.phases]
+        if not scored:
+            return (
+                f"vqa: runs where the text encoder is (model.text_encoder: {self.request.text_encoder}), "
+                "on the host: no GPU memory, but host time per image (docs/performance.md)"
+            )
+        p = max(scored, key=lambda p: p.activations["score"])
+        return (
+            f"vqa: one text-encoder forward per image after the decode, {p.activations['score'] / GB:.2f} GB "
+            f"of activations at {p.width}x{p.height} (score phase {p.phases['score'] / GB:.1f} GB)"
+        )
 
     def check(self, where: str) -> None:
         """Raise MemoryPlanError naming each bucket whose batch does not fit."""
@@ -223,6 +240,7 @@ def plan_kwargs(request: MemoryRequest, **overrides: Any) -> dict[str, Any]:
         modulation_table_steps=request.table_steps,
         device=request.device,
         quantization=request.quantization,
+        vqa=request.vqa,
     )
     return dict(
         run=replace(run, **overrides),

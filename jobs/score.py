@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ditfleet.driver.output.job_file import read_job_file
+from ditfleet.workers.contract import MODEL_CACHE_DIR
 from ditfleet.workers.output.layout import (
     SCORES_PREFIX,
     manifest_of_key,
@@ -108,7 +109,8 @@ def score_output(
     """Make the missing score tables of `scorer` for every current manifest of the output.
 
     model_path: the model whose text encoder `vqa` asks (default: the one the output's job used);
-    clip_model: the CLIP model of `clip` (default: the job's quality.clip_model)."""
+    clip_model: the CLIP model of `clip` (default: the job's quality.clip_model). Either, when
+    remote, is fetched into the job's model.cache_dir (without a `_job.json`, the default one)."""
     from ditfleet.workers.scorers import ScorerSource
 
     job = (read_job_file(store) or {}).get("spec", {})
@@ -116,6 +118,9 @@ def score_output(
         scorer,
         model_path=model_path or job.get("model", {}).get("path"),
         clip_model=clip_model or job.get("quality", {}).get("clip_model"),
+        # A remote model lands where the job's actors put theirs: on a node that ran the job, the
+        # copy is there already and nothing is fetched again.
+        cache_dir=job.get("model", {}).get("cache_dir") or MODEL_CACHE_DIR,
         s3=ray_s3,
     )
     source.check()  # a wrong name or a missing model fails before any work

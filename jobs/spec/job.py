@@ -254,6 +254,7 @@ class JobSpec(Section):
             device="cpu" if on_cpu else "cuda",
             quantization=self.pipeline_settings().quantization,
             step_cache_tensors=step_cache.kept_tensors() if step_cache is not None else 0,
+            vqa="vqa" in self.scorer_names(),
         )
 
     def s3_config(self) -> S3Config:

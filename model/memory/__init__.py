@@ -10,7 +10,8 @@ Units: bytes. `e` is the activation element size (2 for bf16, 4 for fp32). Shape
 N image tokens ((H/16) * (W/16)), L text tokens, S = L + N, D the DiT width.
 
 - `params`: parameter counts per component;
-- `activations`: activation peaks of the DiT forward, the VAE decode and the prompt encode;
+- `activations`: activation peaks of the DiT forward, the VAE decode, the prompt encode and
+  the vqa score;
 - `plan`: `ModelMemory` (the configs), `Runtime` (how a batch runs), `MemoryPlan` and
   `plan_memory` / `largest_batch`;
 - `disk`: what a checkpoint holds on disk, from its safetensors headers.
@@ -20,7 +21,12 @@ Standard library only: `ditfleet plan` sizes a job without loading torch.
 
 from __future__ import annotations
 
-from .activations import dit_activation_bytes, text_encode_activation_bytes, vae_decode_activation_bytes
+from .activations import (
+    dit_activation_bytes,
+    text_encode_activation_bytes,
+    vae_decode_activation_bytes,
+    vqa_activation_bytes,
+)
 from .disk import CheckpointSize, checkpoint_size
 from .params import text_encoder_params, transformer_params, vae_params
 from .plan import (
@@ -59,4 +65,5 @@ __all__ = [
     "transformer_params",
     "vae_decode_activation_bytes",
     "vae_params",
+    "vqa_activation_bytes",
 ]

@@ -1,4 +1,5 @@
-"""Activation peaks: bytes above the weights of one DiT forward, one VAE decode, one prompt encode.
+"""Activation peaks: bytes above the weights of one DiT forward, one VAE decode, one prompt encode,
+one vqa score.
 
 They follow the lifetimes of the tensors in this package's forward passes (`transformer.py`,
 `vae_blocks.py`), checked against the CPU allocator's own peak on a real-width slice.
@@ -9,11 +10,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from ditfleet.model.networks.qwen_vision_size import smart_resize
 from ditfleet.model.networks.transformer_config import TransformerConfig
 from ditfleet.model.networks.vae_config import VAEConfig
 
 from .params import qwen_text_config
 
+# The question around the prompt and the image (model.quality.vqa: system turn, question, turn
+# markers, vision start and end): 34 tokens with Qwen's tokenizer, about one a word, rounded up.
+VQA_TEMPLATE_TOKENS = 48
 # Pixels per image token side: the VAE's 8x downsampling times the DiT's 2x2 patches.
 PIXELS_PER_TOKEN_SIDE = 16
 
@@ -128,3 +133,37 @@ def text_encode_activation_bytes(config: dict[str, Any], tokens: int, e: int) ->
         t = qwen_text_config(config)
         H, inter = t["hidden_size"], t["intermediate_size"]
     return tokens * e * (4 * H + 3 * inter)
+
+
+def vqa_activation_bytes(config: dict[str, Any], height: int, width: int, text_len: int, e: int) -> int:
+    """Peak bytes above the weights of scoring one height x width image with vqa
+    (model.quality.vqa): one forward of the Qwen2.5-VL text encoder, the image alone.
+
+    P patches (the image resized as Qwen2.5-VL's preprocessing does, model.networks.qwen_vision_size) go
+    through the vision tower, then T = P / merge^2 image tokens, the prompt (counted at the DiT's
+    text length `text_len`; vqa asks a longer one whole) and the question through the language
+    model. Held throughout: the patches, in fp32 and in the weights' dtype, and the question's
+    token embeddings (T x H). The tower's peak is in a block's attention: its input, norm and qkv
+    (5 h) in the weights' dtype while transformers' vision RoPE works in fp32 (q and k upcast,
+    their rotate_half and products: 6 h fp32), beside the RoPE tables (2 x head_dim fp32); the
+    MLP (2 h + 3 x the intermediate width) is smaller. The language model's is the prompt
+    encode's (`text_encode_activation_bytes`) over T tokens, with the tower's last state (P x h)
+    and the image embeddings (T_image x H) still held. Then one position's logits over the
+    vocabulary, an fp32 copy and its log-softmax. Measured on the CPU allocator at the published
+    widths (tests/unit/driver/test_vqa_memory.py).
+    """
+    v, t = config["vision_config"], qwen_text_config(config)
+    patch, merge = v["patch_size"], v.get("spatial_merge_size", 2)
+    h_px, w_px = smart_resize(height, width, patch * merge)
+    P = (h_px // patch) * (w_px // patch)  # vision patches
+    image_tokens_ = P // merge**2
+    T = image_tokens_ + text_len + VQA_TEMPLATE_TOKENS
+    h, H = v["hidden_size"], t["hidden_size"]
+    pixels = v.get("in_channels", 3) * v.get("temporal_patch_size", 2) * patch**2  # per patch
+    held = P * pixels * (4 + (e if e != 4 else 0)) + T * H * e
+    rope = 2 * (h // v["num_heads"]) * 4
+    block = max(5 * h * e + 6 * h * 4, (2 * h + 3 * v["intermediate_size"]) * e)
+    vision = P * (block + rope)
+    language = text_encode_activation_bytes(config, T, e) + P * h * e + image_tokens_ * H * e
+    logits = t["vocab_size"] * (e + 2 * 4)
+    return held + max(vision, language) + logits

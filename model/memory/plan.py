@@ -19,6 +19,7 @@ from .activations import (
     image_tokens,
     text_encode_activation_bytes,
     vae_decode_activation_bytes,
+    vqa_activation_bytes,
 )
 from .params import text_encoder_params, transformer_params, transformer_weight_bytes, vae_params
 
@@ -86,8 +87,9 @@ class ModelMemory:
 class MemoryPlan:
     """Bytes on the GPU, phase by phase, for one image size, batch and text-encoder placement.
 
-    Phases: "encode" (prompts through the text encoder), "denoise" (the DiT forward) and
-    "decode" (the VAE). `peak` is the largest phase. With `offload`, the text encoder comes onto
+    Phases: "encode" (prompts through the text encoder), "denoise" (the DiT forward), "decode"
+    (the VAE) and, with the vqa scorer and the text encoder on the GPU, "score" (one image through
+    the text encoder, model.quality.vqa). `peak` is the largest phase. With `offload`, the text encoder comes onto
     the GPU only to encode a shard's prompts; when it cannot sit next to the DiT, the DiT waits
     in host memory meanwhile (`dit_swapped`).
     """
@@ -174,6 +176,9 @@ class Runtime:
     device: "cuda" adds the CUDA context's reserve; "cpu" (an actor without a GPU) does not.
     quantization: the DiT's weights (model.quantization): FP8 stores its Linear weights in one
       byte each (40.9 -> 20.5 GB at Qwen-Image size) and adds the GEMMs' own transients.
+    vqa: quality.scorers asks vqa of every image, one forward of the text encoder per image where
+      the encoder sits: a phase of its own on the GPU when it sits there ("gpu"); with "cpu" or
+      "offload" the score runs on the host and takes no GPU memory.
     """
 
     dtype: str = "bf16"
@@ -185,6 +190,7 @@ class Runtime:
     attention: str = "fused"
     device: str = "cuda"
     quantization: str = "none"
+    vqa: bool = False
 
     def check(self) -> None:
         if self.dtype not in DTYPE_BYTES:
@@ -270,6 +276,8 @@ def _phases(
     }
     swapped = False
     host = te_w if run.text_encoder != "gpu" else 0
+    if "score" in acts:  # after the decode, the batch's pixels only beside the weights
+        phases["score"] = resident + te_resident + _fragmented(acts["score"])
     if "encode" in acts and run.text_encoder != "cpu":
         encode = resident + te_w + _fragmented(acts["encode"])
         if run.text_encoder == "offload" and capacity is not None and encode > capacity:
@@ -301,8 +309,8 @@ def _fragmented(nbytes: int) -> int:
 def _activations(
     model: ModelMemory, run: Runtime, batch: int, height: int, width: int, e: int
 ) -> dict[str, int]:
-    """Activation bytes of each phase: denoise (the FP8 GEMMs' transients included), decode, and
-    encode when the model has a text encoder."""
+    """Activation bytes of each phase: denoise (the FP8 GEMMs' transients included), decode,
+    encode when the model has a text encoder, and score when vqa runs on the GPU's encoder."""
     dit_batch = 2 * batch if run.cfg == "batched" else batch
     vae_batch = min(run.vae_batch or batch, batch)
     acts = {
@@ -316,6 +324,8 @@ def _activations(
         qwen = "vision_config" in model.text_encoder
         tokens = run.text_len + (QWEN_TEMPLATE_TOKENS if qwen else 0)
         acts["encode"] = text_encode_activation_bytes(model.text_encoder, tokens, e)
+        if run.vqa and qwen and run.text_encoder == "gpu":
+            acts["score"] = vqa_activation_bytes(model.text_encoder, height, width, run.text_len, e)
     return acts
 
 

@@ -58,3 +58,14 @@ def make_text_encoder(out: Path, seed: int = 0):
     model = Qwen2_5_VLForConditionalGeneration(config).eval()
     model.save_pretrained(out, safe_serialization=True)
     return model
+
+
+def write_qwen_model_dir(root: Path, seed: int = 0) -> Path:
+    """A whole model folder as Qwen-Image lays it out, tiny: diffusers' tiny DiT and VAE (the DiT
+    taking the encoder's 32-wide states), the tiny Qwen2.5-VL as text_encoder/ and its tokenizer/."""
+    from ditfleet.testing.models import make_diffusers_model_dir
+
+    make_diffusers_model_dir(root, seed, transformer_overrides={"joint_attention_dim": 32})
+    make_tokenizer(root / "tokenizer")
+    make_text_encoder(root / "text_encoder", seed)
+    return root

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from ditfleet.model.loading import folder
 from ditfleet.model.generation.scheduler import SchedulerConfig, sigma_schedule
+from ditfleet.model.loading import folder
 from ditfleet.model.loading.loader import check_model_index, load_scheduler
 from ditfleet.model.loading.weights import WeightsError
 from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig

@@ -12,13 +12,12 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
+from ditfleet.model.networks.qwen_vision_size import MAX_PIXELS, MIN_PIXELS  # noqa: E402
 from ditfleet.model.networks.text_encoder import QwenVLTextEncoder  # noqa: E402
 from ditfleet.model.quality import ScorerInputs, scorer  # noqa: E402
 from ditfleet.model.quality.qwen_vision_input import (  # noqa: E402
     IMAGE_MEAN,
     IMAGE_STD,
-    MAX_PIXELS,
-    MIN_PIXELS,
     VisionLayout,
     vision_input,
 )
