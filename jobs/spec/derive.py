@@ -113,6 +113,24 @@ def knob_values(source: type, *sections: BaseModel) -> dict[str, Any]:
     return out
 
 
+def fingerprint_entries(config: Any, out: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The knobs of `config` and of the settings dataclasses it holds that are marked `fingerprint`
+    (model.settings.setting), as the plan's fingerprint records them: by key, in their JSON form."""
+    out = {} if out is None else out
+    for f in dataclasses.fields(config):
+        value, mode = getattr(config, f.name), f.metadata.get("fingerprint")
+        if mode is None and dataclasses.is_dataclass(value):
+            fingerprint_entries(value, out)
+        elif mode == "always" or (mode == "when_set" and value != field_default(f)):
+            key = f.metadata["fingerprint_key"] or f.name
+            if key in out:
+                raise TypeError(
+                    f"{type(config).__name__}.{f.name}: another knob enters the fingerprint as {key!r}"
+                )
+            out[key] = f.metadata["dump"](value) if "dump" in f.metadata else value
+    return out
+
+
 def settings_from(source: type, *sections: BaseModel, **given: Any) -> Any:
     """`source` built from the knobs the sections show, plus `given` (fields the spec resolves
     itself, such as absolute paths)."""

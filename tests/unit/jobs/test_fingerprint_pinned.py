@@ -7,6 +7,7 @@ differs"): never update a digest to make this pass; make the new setting enter o
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -14,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from ditfleet.jobs.spec import JobSpec, load_spec
+from ditfleet.jobs.spec.derive import fingerprint_entries
+from ditfleet.model.settings import setting
 
 TINY_JOB = Path(__file__).resolve().parents[3] / "jobs" / "examples" / "tiny.yaml"
 
@@ -83,3 +86,17 @@ def _digest(settings: dict) -> str:
 def test_image_settings_keep_their_fingerprint(case):
     settings = _spec(case).image_settings()
     assert _digest(settings) == PINNED[case], json.dumps(settings, sort_keys=True, indent=1)
+
+
+def test_two_knobs_entering_under_one_key_are_refused():
+    @dataclasses.dataclass(frozen=True)
+    class Inner:
+        size: int = setting(1, fingerprint="always", description="d")
+
+    @dataclasses.dataclass(frozen=True)
+    class Outer:
+        width: int = setting(2, fingerprint="always", fingerprint_key="size", description="d")
+        inner: Inner = dataclasses.field(default_factory=Inner)
+
+    with pytest.raises(TypeError, match="Inner.size: another knob enters the fingerprint as 'size'"):
+        fingerprint_entries(Outer())

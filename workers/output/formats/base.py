@@ -37,21 +37,27 @@ _MiB = 1024 * 1024
 
 @dataclass(frozen=True)
 class ShardWriterConfig:
-    """How a worker stores images. Sizes in bytes. The knobs a job file sets (output.format,
-    image_format, quality, embed_metadata) are part of the plan's fingerprint
-    (JobSpec.image_settings)."""
+    """How a worker stores images. Sizes in bytes. The plan's fingerprint records the knobs marked
+    `fingerprint`, and embed_metadata with the job's name when it is on (JobSpec.image_settings)."""
 
     output_format: Literal[FORMAT_NAMES] = setting(
         "files",
+        fingerprint="always",
         description="'files': one image object per image; 'parquet': images embedded in one Parquet "
         "file per shard (Hugging Face datasets image struct); 'webdataset': one tar per shard "
         "({key}.{ext} + {key}.json).",
     )
     image_format: Literal[IMAGE_FORMATS] = setting(
-        "png", description="Image encoding: png (lossless), webp or jpeg (smaller, lossy)."
+        "png",
+        fingerprint="always",
+        description="Image encoding: png (lossless), webp or jpeg (smaller, lossy).",
     )
     quality: int | None = setting(
-        None, ge=1, le=100, description="webp/jpeg quality 1..100; null: the codec's default. Not for png."
+        None,
+        ge=1,
+        le=100,
+        fingerprint="always",
+        description="webp/jpeg quality 1..100; null: the codec's default. Not for png.",
     )
     embed_metadata: bool = setting(
         True,
