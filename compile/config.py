@@ -66,6 +66,7 @@ def first_compile_estimate_s(device: str, dit: bool) -> int:
 
 
 Backend = str | Callable[..., Any]
+OnOffAuto = bool | Literal["auto"]  # "auto": the actor decides by its device (and work)
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ class CompileConfig:
     not part of the cache key.
     """
 
-    vae: bool | Literal["auto"] = setting(
+    vae: OnOffAuto = setting(
         "auto",
         fingerprint="always",  # as the job plans it: the bool for the actors' device
         fingerprint_key="compile_vae",
@@ -95,7 +96,7 @@ class CompileConfig:
     vae_mode: str = "default"
     vae_backend: Backend = "inductor"
     vae_batch: int | None = 1
-    dit: bool | Literal["auto"] = setting(
+    dit: OnOffAuto = setting(
         "auto",
         fingerprint="always",  # as the job plans it: off on CPU actors, else as given
         fingerprint_key="compile_dit",

@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from ditfleet.compile.buckets import BucketSet, default_buckets
-from ditfleet.compile.config import CompileConfig
+from ditfleet.compile.config import CompileConfig, OnOffAuto
 from ditfleet.driver.dispatch import DispatchConfig
 from ditfleet.driver.memory_plan import MemoryRequest
 from ditfleet.driver.plan import PlanConfig
@@ -55,7 +55,7 @@ from .sections import (
 class JobSpec(Section):
     """A ditfleet job: what to generate (input), where (output), with what (model, sampling)."""
 
-    name: str | None = Field(None, description="A name for logs and summaries.")
+    name: str | None = Field(default=None, description="A name for logs and summaries.")
     input: InputSpec = Field(description="The prompts.")
     output: OutputSpec = Field(description="Where results go.")
     model: ModelSpec = Field(default_factory=ModelSpec, description="The model and its numerics.")
@@ -210,7 +210,7 @@ class JobSpec(Section):
         """The device type an actor runs the model on: "cpu" or "cuda"."""
         return "cpu" if self.model.device == "cpu" or self.gpus_per_actor() == 0 else "cuda"
 
-    def compile_dit_planned(self) -> bool | str:
+    def compile_dit_planned(self) -> OnOffAuto:
         """compile.dit as the fingerprint records it: "auto" is off on CPU actors
         (CompileConfig.dit_on), so a CPU job keeps the fingerprint it had when the default was
         false; on a GPU "auto" stays "auto" (each actor decides it from the same expected image
