@@ -30,7 +30,7 @@ from .lora import LoraFile, LoraSpec, adapters_revision, merge_updates, plan_upd
 from .pipeline import TextToImagePipeline
 from .quantization import check_quantization, quantized_revision
 from .scheduler import SchedulerConfig
-from .settings import DEFAULT_PIPELINE, PipelineSettings
+from .settings import DEFAULT_PIPELINE, PipelineSettings, Quantization
 from .text_encoder import QwenVLTextEncoder, TextEncoder
 from .transformer import QwenImageTransformer, TransformerConfig
 from .vae import load_vae
@@ -75,7 +75,7 @@ def load_transformer(
     dtype,
     modulation_cache: str = DEFAULT_PIPELINE.modulation_cache,
     loras: Sequence[LoraFile] = (),
-    quantization: str = DEFAULT_PIPELINE.quantization,
+    quantization: Quantization = DEFAULT_PIPELINE.quantization,
 ) -> QwenImageTransformer:
     """`loras` are merged into the weights as they load (see model/lora.py), before any
     quantization (model.fp8)."""
@@ -93,7 +93,7 @@ def fill_transformer(
     dtype: torch.dtype,
     device,
     updates: Sequence,
-    quantization: str = DEFAULT_PIPELINE.quantization,
+    quantization: Quantization = DEFAULT_PIPELINE.quantization,
 ) -> QwenImageTransformer:
     """Stream the weights in and merge the LoRA updates; with a quantization, each Linear weight
     is merged and then quantized as it arrives, so the full-precision DiT is never held."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..quantization import KEEP_IN_LOAD_DTYPE, check_quantization, keeps_load_dtype
+from ..settings import Quantization
 from ..transformer_config import TransformerConfig
 from ..vae_config import VAEConfig
 
@@ -63,7 +64,10 @@ def transformer_linears(cfg: TransformerConfig) -> list[tuple[str, int, int]]:
 
 
 def transformer_weight_bytes(
-    cfg: TransformerConfig, e: int, quantization: str = "none", keep: tuple[str, ...] = KEEP_IN_LOAD_DTYPE
+    cfg: TransformerConfig,
+    e: int,
+    quantization: Quantization = "none",
+    keep: tuple[str, ...] = KEEP_IN_LOAD_DTYPE,
 ) -> int:
     """Bytes of the DiT's weights as loaded: every parameter in `e`-byte elements, or under an
     FP8 quantization (model.fp8) each quantized Linear's weight in 1 byte plus one fp32 scale per

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..folder import read_config
 from ..quantization import check_quantization
-from ..settings import MAX_SEQUENCE_LENGTH
+from ..settings import MAX_SEQUENCE_LENGTH, Quantization
 from ..transformer_config import TransformerConfig
 from ..vae_config import VAEConfig
 from .activations import (
@@ -108,7 +108,7 @@ class MemoryPlan:
     dit_swapped: bool = False
     host: int = 0  # bytes kept in host memory (a CPU text encoder, a swapped DiT)
     device: str = "cuda"
-    quantization: str = "none"  # the DiT's weights (model.quantization)
+    quantization: Quantization = "none"  # the DiT's weights (model.quantization)
 
     @property
     def peak(self) -> int:
@@ -183,7 +183,7 @@ class Runtime:
     modulation_table_steps: tuple[int, ...] = ()
     attention: str = "fused"
     device: str = "cuda"
-    quantization: str = "none"
+    quantization: Quantization = "none"
 
     def check(self) -> None:
         if self.dtype not in DTYPE_BYTES:

@@ -21,6 +21,7 @@ from ditfleet.model.fp8 import check_device, quantize_model
 from ditfleet.model.published import published_config
 from ditfleet.model.quantization import QuantizationError
 from ditfleet.model.sampling import LATENT_CHANNELS, latent_grid
+from ditfleet.model.settings import Quantization
 from ditfleet.model.transformer import QwenImageTransformer, TransformerConfig
 from ditfleet.model.vae import QwenImageVAE
 from ditfleet.model.vae_config import VAEConfig
@@ -232,7 +233,7 @@ def free(ctx: Context, *names: str) -> None:
 
 
 @torch.no_grad()
-def fp8_copy(transformer: torch.nn.Module, mode: str) -> torch.nn.Module | None:
+def fp8_copy(transformer: torch.nn.Module, mode: Quantization) -> torch.nn.Module | None:
     """The loaded `transformer` as an FP8 DiT of `mode` on its own device, the original untouched,
     or None when that device cannot run `mode` (fp8 on a GPU without FP8 units).
 
