@@ -66,6 +66,7 @@ def first_compile_estimate_s(device: str, dit: bool) -> int:
 
 
 Backend = str | Callable[..., Any]
+OnOffAuto = bool | Literal["auto"]  # "auto": the actor decides by its device (and work)
 
 
 @dataclass(frozen=True)
@@ -84,8 +85,10 @@ class CompileConfig:
     not part of the cache key.
     """
 
-    vae: bool | Literal["auto"] = setting(
+    vae: OnOffAuto = setting(
         "auto",
+        fingerprint="always",  # as the job plans it: the bool for the actors' device
+        fingerprint_key="compile_vae",
         description="Compile the VAE decode, warmed once per bucket at actor start-up. 'auto': on for "
         "GPU actors; off on CPU actors, where a bucket's compile (30-75 s on 2 cores) is repaid only after "
         "thousands of images of that bucket.",
@@ -93,8 +96,10 @@ class CompileConfig:
     vae_mode: str = "default"
     vae_backend: Backend = "inductor"
     vae_batch: int | None = 1
-    dit: bool | Literal["auto"] = setting(
+    dit: OnOffAuto = setting(
         "auto",
+        fingerprint="always",  # as the job plans it: off on CPU actors, else as given
+        fingerprint_key="compile_dit",
         description="Compile the DiT blocks too: one graph pair per resolution bucket (batch size and "
         "prompt length are dynamic), longer start-up, faster steps on GPUs. 'auto': on for CUDA "
         "actors expected to make enough images per bucket to repay the warm-up.",

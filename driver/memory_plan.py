@@ -20,7 +20,7 @@ from ditfleet.compile.buckets import PROMPT_LENGTH_BUCKETS, ResolutionBucket, pr
 from ditfleet.model.family import model_family
 from ditfleet.model.loading.folder import resolve_model_dir
 from ditfleet.model.memory import GB, TEXT_ENCODER_PLACEMENTS, MemoryPlan, ModelMemory, Runtime
-from ditfleet.model.settings import MAX_SEQUENCE_LENGTH
+from ditfleet.model.settings import MAX_SEQUENCE_LENGTH, Quantization
 from ditfleet.workers.storage import ObjectNotFound, S3Config, StoreError, open_store
 
 # The GPU sizes the plan shows the largest batch for: 80 GB (A100/H100), 48 GB (L40S, A6000),
@@ -48,7 +48,7 @@ class MemoryRequest:
     table_steps: tuple[int, ...] = ()  # schedules kept per bucket in "table" modulation mode
     s3: S3Config | None = None
     device: str = "cuda"  # cuda | cpu (an actor without a GPU: the plan is of host memory)
-    quantization: str = "none"  # the DiT's weights: none | fp8 | fp8-weight-only
+    quantization: Quantization = "none"  # the DiT's weights
     step_cache_tensors: int = 0  # image-stream tensors a step cache keeps per CFG branch
     vqa: bool = False  # quality.scorers (or the gate) asks vqa of the text encoder
 

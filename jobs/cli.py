@@ -31,6 +31,7 @@ import logging
 import os
 import shlex
 import sys
+import typing
 from collections.abc import Iterator, Sequence
 
 from ditfleet.driver.dispatch import DispatchError
@@ -47,7 +48,7 @@ from ditfleet.jobs.ray_auth import ClusterAuthError
 from ditfleet.jobs.run import check_memory, run
 from ditfleet.jobs.spec import SpecError, load_spec
 from ditfleet.jobs.submit import SubmitError
-from ditfleet.model.settings import MAX_SEQUENCE_LENGTH
+from ditfleet.model.settings import MAX_SEQUENCE_LENGTH, Quantization
 from ditfleet.workers.output.layout import MANIFESTS_PREFIX
 from ditfleet.workers.storage import ObjectStore, S3Config, StoreConfigError, StoreError, open_store
 
@@ -386,7 +387,7 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument(
         "--quantization",
-        choices=("none", "fp8", "fp8-weight-only"),
+        choices=typing.get_args(Quantization),
         default="none",
         help="the DiT's weights, as model.quantization (default none; fp8 halves them)",
     )

@@ -25,7 +25,7 @@ from ditfleet.model.memory import (
     checkpoint_size,
 )
 from ditfleet.model.memory.params import transformer_weight_bytes
-from ditfleet.model.settings import MAX_SEQUENCE_LENGTH
+from ditfleet.model.settings import MAX_SEQUENCE_LENGTH, Quantization
 from ditfleet.workers.storage import S3Config
 
 DEFAULT_GPUS_GB = (80.0, 48.0, 24.0)
@@ -45,7 +45,7 @@ def inspect_model(
     gpus_gb: Sequence[float] = DEFAULT_GPUS_GB,
     max_sequence_length: int = MAX_SEQUENCE_LENGTH,
     s3: S3Config | None = None,
-    quantization: str = "none",
+    quantization: Quantization = "none",
 ) -> dict[str, Any]:
     """Components (parameters, checkpoint headers, bytes in `dtype`) and, per bucket, the peak
     and the largest batch for every text-encoder placement on every GPU size.

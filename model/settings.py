@@ -34,7 +34,8 @@ def setting(
     *,
     description: str,
     default_factory: Any = dataclasses.MISSING,
-    pixels: bool = False,
+    fingerprint: Literal["always", "when_set"] | None = None,
+    fingerprint_key: str | None = None,
     parse: Callable[[Any], Any] | None = None,
     dump: Callable[[Any], Any] | None = None,
     **bounds: float,
@@ -43,16 +44,19 @@ def setting(
 
     description: what the knob does, as the job file's documentation says it.
     bounds: ge / gt / le / lt, checked by the spec (and by `check_settings`).
-    pixels: the knob changes the stored bytes of an image, so it enters the plan's fingerprint
-      (only when set to something other than its default, so that outputs planned before the knob
-      existed keep theirs).
+    fingerprint: the knob changes the stored bytes of an image, so the plan's fingerprint records
+      it (jobs.spec.derive.fingerprint_entries), under `fingerprint_key` or its name: "always", or
+      "when_set": only when it differs from its default, so that outputs planned before the knob
+      existed keep their fingerprint.
     parse, dump: for a knob whose value is a typed object: what the job file's value becomes (the
       spec calls it, once) and the JSON form written back (the resolved spec, the fingerprint).
     """
     unknown = set(bounds) - set(BOUNDS)
     if unknown:
         raise TypeError(f"setting(): unknown bounds {sorted(unknown)}; use {BOUNDS}")
-    metadata: dict[str, Any] = {"description": description, "pixels": pixels, **bounds}
+    metadata: dict[str, Any] = {"description": description, **bounds}
+    if fingerprint is not None:
+        metadata.update(fingerprint=fingerprint, fingerprint_key=fingerprint_key)
     if parse is not None:
         metadata.update(parse=parse, dump=dump)
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
@@ -138,10 +142,15 @@ class PipelineSettings:
         "'table' once per bucket schedule per actor (more memory). Outputs are identical.",
     )
     max_sequence_length: int = setting(
-        MAX_SEQUENCE_LENGTH, ge=1, le=MAX_SEQUENCE_LENGTH_LIMIT, description="Longest prompt, in text tokens."
+        MAX_SEQUENCE_LENGTH,
+        ge=1,
+        le=MAX_SEQUENCE_LENGTH_LIMIT,
+        fingerprint="always",
+        description="Longest prompt, in text tokens.",
     )
     cfg_mode: CfgMode = setting(
         "auto",
+        fingerprint="always",
         description="How the two true-CFG passes of a step run: 'serial' (two forwards of the batch; "
         "the modulation cache computes the step's modulation once), 'batched' (one forward of twice "
         "the batch, text padded to the longer branch), 'auto' (batched on a GPU while a pass is too "
@@ -149,7 +158,7 @@ class PipelineSettings:
     )
     quantization: Quantization = setting(
         "none",
-        pixels=True,
+        fingerprint="when_set",
         description="DiT weights in FP8 (half the memory: 20.5 instead of 40.9 GB at Qwen-Image size). "
         "'fp8': FP8 weights and activations, the GEMMs on FP8 matrix units (GPUs of compute capability "
         "8.9+: L4, L40S, H100, H200; or the CPU); 'fp8-weight-only': FP8 weights computed in bf16 (any GPU, "
@@ -158,7 +167,7 @@ class PipelineSettings:
 
     step_cache: StepCacheConfig | None = setting(
         None,
-        pixels=True,
+        fingerprint="when_set",
         parse=parse_step_cache,
         dump=step_cache_value,
         description="Approximate step caching (model.step_cache: DBCache or TeaCache, optionally with a "
@@ -170,7 +179,7 @@ class PipelineSettings:
 
     attention_backend: AttentionBackend = setting(
         "auto",
-        pixels=True,
+        fingerprint="when_set",
         description="The SDPA kernel the DiT and VAE prefer on CUDA (model.attention_backend): 'auto' "
         "(SDPA's own order), 'cudnn', 'flash', 'efficient', or 'math' (the reference, slow). The others "
         "stay behind the preferred one for shapes it does not take. No effect on the CPU.",

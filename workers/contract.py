@@ -22,6 +22,8 @@ from ditfleet.workers.weights.fetch_config import FetchConfig
 
 # Where the text encoder lives (workers.text_embeddings places it).
 Placement = Literal["gpu", "cpu", "offload"]
+Device = Literal["auto", "cpu", "cuda"]
+Dtype = Literal["auto", "bf16", "fp32"]
 PLACEMENTS: tuple[str, ...] = typing.get_args(Placement)
 
 # The node-local folder where remote weights are fetched once per node, unless the job names another.
@@ -32,10 +34,8 @@ MODEL_CACHE_DIR = "/tmp/ditfleet/models"
 class ModelPlacement:
     """Where an actor puts the model: its device and dtype, and the text encoder's place."""
 
-    device: Literal["auto", "cpu", "cuda"] = setting(
-        "auto", description="auto: cuda when the actor has a GPU."
-    )
-    dtype: Literal["auto", "bf16", "fp32"] = setting("auto", description="auto: bf16 on cuda, fp32 on cpu.")
+    device: Device = setting("auto", fingerprint="always", description="auto: cuda when the actor has a GPU.")
+    dtype: Dtype = setting("auto", fingerprint="always", description="auto: bf16 on cuda, fp32 on cpu.")
     text_encoder: Placement = setting(
         "gpu",
         description="Where the text encoder lives: 'gpu' (always next to the DiT), 'cpu' (encodes on the "
@@ -102,8 +102,14 @@ class WorkerConfig:
     pipeline: PipelineSettings = field(default_factory=PipelineSettings)  # handed to load_pipeline
     loras: tuple[LoraSpec, ...] = ()  # adapters merged into the DiT at load, in order (local or s3://)
     scheduler_config: str | None = None  # replaces the checkpoint's scheduler (a distilled LoRA's)
+    # In the fingerprint: batched kernels round differently for other batch shapes, so an image
+    # can differ in a few pixel values between batch sizes (measured on CPU, fp32).
     batch_size: int = setting(
-        4, ge=1, le=1024, description="Images generated together (same bucket and steps)."
+        4,
+        ge=1,
+        le=1024,
+        fingerprint="always",
+        description="Images generated together (same bucket and steps).",
     )
     scorers: tuple[ScorerName, ...] = setting(
         (),

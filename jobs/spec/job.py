@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from ditfleet.compile.buckets import BucketSet, default_buckets
-from ditfleet.compile.config import CompileConfig
+from ditfleet.compile.config import CompileConfig, OnOffAuto
 from ditfleet.driver.dispatch import DispatchConfig
 from ditfleet.driver.memory_plan import MemoryRequest
 from ditfleet.driver.plan import PlanConfig
@@ -27,14 +27,14 @@ from ditfleet.driver.run_job import DriverConfig
 from ditfleet.jobs.knobs import lease_ttl_s
 from ditfleet.model.family import model_family
 from ditfleet.model.loading.folder import WeightsError, resolve_model_dir, text_encoder_kind
-from ditfleet.model.settings import PipelineSettings, field_default, settings_fields
+from ditfleet.model.settings import PipelineSettings
 from ditfleet.workers.cache_secret import CacheSecretSource
 from ditfleet.workers.contract import GateConfig, LoraSpec, ModelPlacement, WorkerConfig
 from ditfleet.workers.output.formats import ShardWriterConfig
 from ditfleet.workers.rows import RowConfig
 from ditfleet.workers.storage import S3Config
 
-from .derive import settings_from
+from .derive import fingerprint_entries, settings_from
 from .problems import validated
 from .sections import (
     TINY_MODEL,
@@ -55,7 +55,7 @@ from .sections import (
 class JobSpec(Section):
     """A ditfleet job: what to generate (input), where (output), with what (model, sampling)."""
 
-    name: str | None = Field(None, description="A name for logs and summaries.")
+    name: str | None = Field(default=None, description="A name for logs and summaries.")
     input: InputSpec = Field(description="The prompts.")
     output: OutputSpec = Field(description="Where results go.")
     model: ModelSpec = Field(default_factory=ModelSpec, description="The model and its numerics.")
@@ -183,47 +183,34 @@ class JobSpec(Section):
         )
 
     def image_settings(self) -> dict[str, Any]:
-        """Settings that change the stored bytes of an image, for the plan's fingerprint.
-        The batch size is one: batched kernels round differently for different batch shapes, so
-        an image can differ in a few pixel values between batch sizes (measured on CPU, fp32).
-        The modulation cache is not: outputs are identical with and without it.
-        Adapters and a scheduler override are listed only when set, so outputs planned before
-        they existed keep their fingerprint."""
-        settings: dict[str, Any] = {
-            "model": self.model_path(),
-            "device": self.model.device,
-            "dtype": self.model.dtype,
-            "compile_vae": self.compile_config().vae_on(self.actor_device()),
-            "compile_dit": self.compile_dit_planned(),
-            "cfg_mode": self.sampling.cfg_mode,
-            "max_sequence_length": self.model.max_sequence_length,
-            "batch_size": self.workers.batch_size,
-            "output_format": self.output.format,
-            "image_format": self.output.image_format,
-            "quality": self.output.quality,
-        }
-        if self.output.embed_metadata:
-            # The files carry their provenance, the job's name included. Listed only when on,
-            # so an output planned before the knob existed (no metadata) keeps its fingerprint
-            # with embed_metadata: false, and is not resumed into files with metadata.
-            settings["embed_metadata"] = True
-            settings["job_name"] = self.name
-        settings.update(_pixel_knobs(self.pipeline_settings(), exclude=settings))
-        if (gate := self.gate_config()) is not None:  # which try is stored: only when set
-            settings["quality_gate"] = dataclasses.asdict(gate)
-            if gate.scorer == "clip":  # the CLIP model judges which try is kept
-                settings["clip_model"] = self.clip_model()
-        if self.model.loras:
-            settings["loras"] = [{"path": a.path, "scale": a.scale} for a in self.model_loras()]
-        if self.model.scheduler_config:
-            settings["scheduler_config"] = self.model_scheduler_config()
+        """What changes the stored bytes of an image, for the plan's fingerprint: the knobs the
+        actors are given that are marked `fingerprint` where they are defined, with compile as
+        planned for the actors' device, and the spec's own values: the model, and only when set
+        (so that outputs planned before they existed keep their fingerprint) the job's name the
+        files embed, the gate (with the CLIP model when it judges), adapters, a scheduler override."""
+        worker = self.to_worker_config()
+        planned = dataclasses.replace(
+            worker.compile, vae=worker.compile.vae_on(self.actor_device()), dit=self.compile_dit_planned()
+        )
+        settings = fingerprint_entries(dataclasses.replace(worker, compile=planned))
+        settings["model"] = worker.model_path
+        if worker.writer.embed_metadata:
+            settings.update(embed_metadata=True, job_name=worker.job_name)
+        if worker.gate is not None:  # which try is stored
+            settings["quality_gate"] = dataclasses.asdict(worker.gate)
+            if worker.gate.scorer == "clip":
+                settings["clip_model"] = worker.clip_model
+        if worker.loras:
+            settings["loras"] = [dataclasses.asdict(a) for a in worker.loras]
+        if worker.scheduler_config:
+            settings["scheduler_config"] = worker.scheduler_config
         return settings
 
     def actor_device(self) -> str:
         """The device type an actor runs the model on: "cpu" or "cuda"."""
         return "cpu" if self.model.device == "cpu" or self.gpus_per_actor() == 0 else "cuda"
 
-    def compile_dit_planned(self) -> bool | str:
+    def compile_dit_planned(self) -> OnOffAuto:
         """compile.dit as the fingerprint records it: "auto" is off on CPU actors
         (CompileConfig.dit_on), so a CPU job keeps the fingerprint it had when the default was
         false; on a GPU "auto" stays "auto" (each actor decides it from the same expected image
@@ -308,18 +295,6 @@ class JobSpec(Section):
         """quality.gate as the actor's GateConfig (None: no gate)."""
         gate = self.quality.gate
         return settings_from(GateConfig, gate) if gate is not None else None
-
-
-def _pixel_knobs(settings: Any, exclude: Mapping[str, Any]) -> dict[str, Any]:
-    """The knobs marked `pixels` (they change an image's bytes) that differ from their default,
-    for the fingerprint. Only when set: an output planned before a knob existed keeps its
-    fingerprint. Knobs the fingerprint already names (`exclude`) are not repeated."""
-    out: dict[str, Any] = {}
-    for name, f in settings_fields(type(settings)).items():
-        value = getattr(settings, name)
-        if f.metadata.get("pixels") and name not in exclude and value != field_default(f):
-            out[name] = f.metadata["dump"](value) if "dump" in f.metadata else value
-    return out
 
 
 def _merged(base: dict[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from ditfleet.model.loading.quantization import (
     layer_scale_kind,
     rowwise_max_k,
 )
+from ditfleet.model.settings import Quantization
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -44,7 +45,7 @@ _ROWS_PER_CHUNK = 256
 _TINY = 1e-12  # an all-zero row keeps a finite scale
 
 
-def check_device(mode: str, device: torch.device | str) -> None:
+def check_device(mode: Quantization, device: torch.device | str) -> None:
     """QuantizationError when `mode` cannot run on `device` (fp8 on a GPU without FP8 units);
     reads the device's properties only, before any weight or activation is placed there."""
     device = torch.device(device)
@@ -178,7 +179,7 @@ class Fp8Linear(nn.Module):
         in_features: int,
         out_features: int,
         bias: bool = True,
-        mode: str = "fp8",
+        mode: Quantization = "fp8",
         device: torch.device | str | None = None,
         bias_dtype: torch.dtype | None = None,
     ) -> None:
@@ -203,7 +204,7 @@ class Fp8Linear(nn.Module):
             self.register_parameter("bias", None)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, mode: str) -> Fp8Linear:
+    def from_linear(cls, linear: nn.Linear, mode: Quantization) -> Fp8Linear:
         """Quantize a loaded nn.Linear (the load path quantizes while streaming instead)."""
         w = linear.weight
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, mode, "meta")
@@ -341,7 +342,9 @@ class Fp8Quantizer:
       here, `unmerged` holds the rest for model.loading.lora.merge_updates afterwards.
     """
 
-    def __init__(self, mode: str, updates: Iterable = (), keep: Sequence[str] = KEEP_IN_LOAD_DTYPE) -> None:
+    def __init__(
+        self, mode: Quantization, updates: Iterable = (), keep: Sequence[str] = KEEP_IN_LOAD_DTYPE
+    ) -> None:
         if check_quantization(mode) == "none":
             raise ValueError("Fp8Quantizer: mode 'none' quantizes nothing; load without a quantizer")
         self.mode, self.keep = mode, tuple(keep)
@@ -381,7 +384,9 @@ class Fp8Quantizer:
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, mode: str, keep: Sequence[str] = KEEP_IN_LOAD_DTYPE) -> nn.Module:
+def quantize_model(
+    model: nn.Module, mode: Quantization, keep: Sequence[str] = KEEP_IN_LOAD_DTYPE
+) -> nn.Module:
     """Quantize an already loaded model in place (the self-test, tests, benches; loading quantizes
     while streaming instead, without a full-precision copy)."""
     for name in quantized_linear_names(model, keep):

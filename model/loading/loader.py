@@ -41,7 +41,7 @@ from ditfleet.model.loading.weights import WeightsError, read_config
 from ditfleet.model.networks.text_encoder import QwenVLTextEncoder, TextEncoder
 from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
 from ditfleet.model.networks.vae import load_vae
-from ditfleet.model.settings import DEFAULT_PIPELINE, PipelineSettings
+from ditfleet.model.settings import DEFAULT_PIPELINE, PipelineSettings, Quantization
 
 
 def model_revision(root: Path) -> str:
@@ -82,7 +82,7 @@ def load_transformer(
     dtype,
     modulation_cache: str = DEFAULT_PIPELINE.modulation_cache,
     loras: Sequence[LoraFile] = (),
-    quantization: str = DEFAULT_PIPELINE.quantization,
+    quantization: Quantization = DEFAULT_PIPELINE.quantization,
 ) -> QwenImageTransformer:
     """`loras` are merged into the weights as they load (see model/loading/lora.py), before any
     quantization (model.loading.fp8)."""
@@ -100,7 +100,7 @@ def fill_transformer(
     dtype: torch.dtype,
     device,
     updates: Sequence,
-    quantization: str = DEFAULT_PIPELINE.quantization,
+    quantization: Quantization = DEFAULT_PIPELINE.quantization,
 ) -> QwenImageTransformer:
     """Stream the weights in and merge the LoRA updates; with a quantization, each Linear weight
     is merged and then quantized as it arrives, so the full-precision DiT is never held."""

@@ -23,7 +23,7 @@ import typing
 
 from ditfleet.model.settings import Quantization  # the knob (PipelineSettings.quantization) names the modes
 
-QUANTIZATIONS: tuple[str, ...] = typing.get_args(Quantization)
+QUANTIZATIONS: tuple[Quantization, ...] = typing.get_args(Quantization)
 
 # The Linear layers that stay in the load dtype, as full-match patterns on diffusers' module
 # names. Measured (bench/fp8.py, docs/real-model.md): these hold ~0.2% of the DiT's parameters,
@@ -50,7 +50,8 @@ class QuantizationError(ValueError):
     """A quantization the model or the device cannot do; the message says what to use instead."""
 
 
-def check_quantization(name: str, where: str = "model.quantization") -> str:
+def check_quantization(name: str, where: str = "model.quantization") -> Quantization:
+    """`name` as the typed choice, or a QuantizationError naming `where` and the choices."""
     if name not in QUANTIZATIONS:
         raise QuantizationError(
             f"{where}: unknown quantization {name!r}; use one of {', '.join(QUANTIZATIONS)}"
@@ -58,7 +59,7 @@ def check_quantization(name: str, where: str = "model.quantization") -> str:
     return name
 
 
-def quantized_revision(revision: str, name: str) -> str:
+def quantized_revision(revision: str, name: Quantization) -> str:
     """The model revision a manifest records: FP8 weights are another model's numbers, so the
     quantization is part of it (unchanged for "none", so existing outputs keep theirs)."""
     if check_quantization(name) == "none":
@@ -72,7 +73,7 @@ def keeps_load_dtype(module_name: str, keep: tuple[str, ...] = KEEP_IN_LOAD_DTYP
 
 
 def check_fp8_device(
-    name: str, device_kind: str, capability: tuple[int, int] | None, device_name: str = ""
+    name: Quantization, device_kind: str, capability: tuple[int, int] | None, device_name: str = ""
 ) -> None:
     """Refuse `fp8` on a device without FP8 matrix units, before any weight is read.
 

@@ -11,6 +11,7 @@ from typing import Any
 from ditfleet.model.loading.quantization import KEEP_IN_LOAD_DTYPE, check_quantization, keeps_load_dtype
 from ditfleet.model.networks.transformer_config import TransformerConfig
 from ditfleet.model.networks.vae_config import VAEConfig
+from ditfleet.model.settings import Quantization
 
 
 def _linear(i: int, o: int, bias: bool = True) -> int:
@@ -63,7 +64,10 @@ def transformer_linears(cfg: TransformerConfig) -> list[tuple[str, int, int]]:
 
 
 def transformer_weight_bytes(
-    cfg: TransformerConfig, e: int, quantization: str = "none", keep: tuple[str, ...] = KEEP_IN_LOAD_DTYPE
+    cfg: TransformerConfig,
+    e: int,
+    quantization: Quantization = "none",
+    keep: tuple[str, ...] = KEEP_IN_LOAD_DTYPE,
 ) -> int:
     """Bytes of the DiT's weights as loaded: every parameter in `e`-byte elements, or under an
     FP8 quantization (model.loading.fp8) each quantized Linear's weight in 1 byte plus one fp32 scale per

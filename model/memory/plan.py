@@ -12,7 +12,7 @@ from ditfleet.model.loading.folder import read_config
 from ditfleet.model.loading.quantization import check_quantization
 from ditfleet.model.networks.transformer_config import TransformerConfig
 from ditfleet.model.networks.vae_config import VAEConfig
-from ditfleet.model.settings import MAX_SEQUENCE_LENGTH
+from ditfleet.model.settings import MAX_SEQUENCE_LENGTH, Quantization
 
 from .activations import (
     dit_activation_bytes,
@@ -111,7 +111,7 @@ class MemoryPlan:
     dit_swapped: bool = False
     host: int = 0  # bytes kept in host memory (a CPU text encoder, a swapped DiT)
     device: str = "cuda"
-    quantization: str = "none"  # the DiT's weights (model.quantization)
+    quantization: Quantization = "none"  # the DiT's weights (model.quantization)
 
     @property
     def peak(self) -> int:
@@ -189,7 +189,7 @@ class Runtime:
     modulation_table_steps: tuple[int, ...] = ()
     attention: str = "fused"
     device: str = "cuda"
-    quantization: str = "none"
+    quantization: Quantization = "none"
     vqa: bool = False
 
     def check(self) -> None:

@@ -45,7 +45,9 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
+import typing
 from dataclasses import dataclass
+from typing import Literal
 
 IMAGES_PREFIX = "images/"
 DATA_PREFIX = "data/"
@@ -59,12 +61,14 @@ SCORES_PREFIX = "scores/"
 JOB_KEY = "_job.json"
 SUCCESS_KEY = "_SUCCESS"
 
-# File extension per image format (the codec's format names); "jpeg" is stored as ".jpg".
+# The encodings a job may name, and each one's file extension (the codec's format names).
+ImageFormat = Literal["png", "webp", "jpeg"]
+IMAGE_FORMATS: tuple[ImageFormat, ...] = typing.get_args(ImageFormat)
 IMAGE_EXTENSIONS = {"png": "png", "webp": "webp", "jpeg": "jpg"}
-IMAGE_FORMATS = tuple(IMAGE_EXTENSIONS)  # the encodings a job may name: png, webp, jpeg
 # The output formats a job may name, each with its own area of keys (below); the registry in
 # workers.output.formats maps each to its writer and reader.
-FORMAT_NAMES = ("files", "parquet", "webdataset")
+FormatName = Literal["files", "parquet", "webdataset"]
+FORMAT_NAMES: tuple[FormatName, ...] = typing.get_args(FormatName)
 
 # A component plus "_{k}.{ext}" must fit a file name (255 bytes on common filesystems) and
 # leave room in S3's 1024-byte key for the output prefix.

@@ -24,6 +24,7 @@ from ditfleet.model.networks.transformer import QwenImageTransformer, Transforme
 from ditfleet.model.networks.vae import QwenImageVAE
 from ditfleet.model.networks.vae_config import VAEConfig
 from ditfleet.model.published import published_config
+from ditfleet.model.settings import Quantization
 from ditfleet.workers.selftest.runner import Context
 
 log = logging.getLogger("ditfleet.selftest")
@@ -232,7 +233,7 @@ def free(ctx: Context, *names: str) -> None:
 
 
 @torch.no_grad()
-def fp8_copy(transformer: torch.nn.Module, mode: str) -> torch.nn.Module | None:
+def fp8_copy(transformer: torch.nn.Module, mode: Quantization) -> torch.nn.Module | None:
     """The loaded `transformer` as an FP8 DiT of `mode` on its own device, the original untouched,
     or None when that device cannot run `mode` (fp8 on a GPU without FP8 units).
 

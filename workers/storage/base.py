@@ -19,6 +19,9 @@ from ditfleet.model.settings import setting
 log = logging.getLogger(__name__)
 
 _MiB = 1024 * 1024
+
+AddressingStyle = Literal["auto", "path", "virtual"]
+
 # Temporary files of the local store start with this; `list` hides them and keys may not use it.
 _TMP_MARK = ".ditfleet-tmp-"
 _COPY_CHUNK = 8 * _MiB
@@ -63,7 +66,7 @@ class S3Config:
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 60.0
     max_pool_connections: int = 32  # >= the upload threads that share one client
-    addressing_style: Literal["auto", "path", "virtual"] = setting(
+    addressing_style: AddressingStyle = setting(
         "auto", description="'path' for most S3-compatible servers (bucket in the path, not the host name)."
     )
     list_page_size: int = 1000  # keys per LIST request (S3's maximum; some servers allow fewer)

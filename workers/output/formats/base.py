@@ -20,14 +20,14 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from ditfleet.model.settings import setting
 from ditfleet.workers.output.codec import encode_image, extension, sha256_hex, to_uint8_hwc
-from ditfleet.workers.output.layout import FORMAT_NAMES, IMAGE_FORMATS
+from ditfleet.workers.output.layout import FORMAT_NAMES, FormatName, ImageFormat
 from ditfleet.workers.output.provenance import JobProvenance, Provenance
 from ditfleet.workers.output.upload_pool import ImageResult
 from ditfleet.workers.storage.base import ObjectStore
@@ -37,21 +37,27 @@ _MiB = 1024 * 1024
 
 @dataclass(frozen=True)
 class ShardWriterConfig:
-    """How a worker stores images. Sizes in bytes. The knobs a job file sets (output.format,
-    image_format, quality, embed_metadata) are part of the plan's fingerprint
-    (JobSpec.image_settings)."""
+    """How a worker stores images. Sizes in bytes. The plan's fingerprint records the knobs marked
+    `fingerprint`, and embed_metadata with the job's name when it is on (JobSpec.image_settings)."""
 
-    output_format: Literal[FORMAT_NAMES] = setting(
+    output_format: FormatName = setting(
         "files",
+        fingerprint="always",
         description="'files': one image object per image; 'parquet': images embedded in one Parquet "
         "file per shard (Hugging Face datasets image struct); 'webdataset': one tar per shard "
         "({key}.{ext} + {key}.json).",
     )
-    image_format: Literal[IMAGE_FORMATS] = setting(
-        "png", description="Image encoding: png (lossless), webp or jpeg (smaller, lossy)."
+    image_format: ImageFormat = setting(
+        "png",
+        fingerprint="always",
+        description="Image encoding: png (lossless), webp or jpeg (smaller, lossy).",
     )
     quality: int | None = setting(
-        None, ge=1, le=100, description="webp/jpeg quality 1..100; null: the codec's default. Not for png."
+        None,
+        ge=1,
+        le=100,
+        fingerprint="always",
+        description="webp/jpeg quality 1..100; null: the codec's default. Not for png.",
     )
     embed_metadata: bool = setting(
         True,
