@@ -21,11 +21,14 @@ setup:
 run:
 	$(VENV)/bin/ditfleet run jobs/examples/tiny.yaml
 
+# Two workers (pytest-xdist): each test process has its own Ray cluster and S3 endpoint
+# (session fixtures), and no test depends on wall-clock timing, so a busy machine is slower, not red.
 test:
-	$(PY) -m pytest -q --durations=30
+	$(PY) -m pytest -q -n 2 --durations=30
 
+# The unit tests that take under about a second each: the loop while changing code.
 test-fast:
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n 2 tests/unit -m "not slow"
 
 # Line coverage of the five layers over the whole suite, Ray actors and other Python children
 # included ([tool.coverage.*] in pyproject.toml); the report lists each file, the total last.

@@ -170,8 +170,8 @@ def test_actors_sigkilled_twice_mid_job_every_row_once(random_model_dir, tmp_pat
 
 def test_driver_sigkilled_then_rerun_gives_identical_images(random_model_dir, ray_cluster, tmp_path, capsys):
     """Under the quality gate too: the resume makes the same tries and keeps the same ones."""
-    prompts = write_prompts(tmp_path / "prompts.parquet", 100)
-    sampling, shards = "{steps: 3, seed: 7}", "{size: 10}"
+    prompts = write_prompts(tmp_path / "prompts.parquet", 40)
+    sampling, shards = "{steps: 3, seed: 7}", "{size: 4}"
     ref_job = write_job(
         tmp_path / "ref.yaml",
         random_model_dir,
@@ -218,7 +218,7 @@ def test_driver_sigkilled_then_rerun_gives_identical_images(random_model_dir, ra
     assert summary["shards"]["committed_now"] == 10 - len(before)
     assert all(store.get(k) == v for k, v in before.items()), "committed shards must not be rewritten"
     ref, got = images_by_key(open_store(str(tmp_path / "ref"))), images_by_key(store)
-    assert got == ref and len(got) == 100, "images differ from the uninterrupted run's"
+    assert got == ref and len(got) == 40, "images differ from the uninterrupted run's"
     gate = ["id", "gate_tries", "gate_kept", "gate_scores", "gate_seeds"]
     rows = lambda s: sorted(read_manifests(s).select(gate).to_pylist(), key=lambda r: r["id"])  # noqa: E731
     assert rows(store) == rows(open_store(str(tmp_path / "ref")))

@@ -24,6 +24,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 from tests.support.paths import REPO
 
 ROOT = REPO
@@ -187,6 +189,7 @@ def cycles(edges: list[Import]) -> list[list[str]]:
     return sorted(found)
 
 
+@pytest.mark.slow
 def test_the_parser_sees_every_layer_and_its_imports():
     modules = our_modules()
     assert {top_name(m) for m in modules} == set(LAYERS)
@@ -212,6 +215,7 @@ def test_no_upward_import():
     assert not upward, "upward imports:\n" + "\n".join(upward)
 
 
+@pytest.mark.slow
 def test_model_imports_only_torch_safetensors_and_the_standard_library():
     _, every = all_imports()
     allowed = MODEL_MAY_IMPORT | set(sys.stdlib_module_names) | {"__future__"}
@@ -237,6 +241,7 @@ def _describe(components: list[list[str]], edges: list[Import]) -> str:
     return "\n".join(lines)
 
 
+@pytest.mark.slow
 def test_no_import_cycle_between_our_modules():
     edges, _ = all_imports()
     at_load = [e for e in edges if e.at_load]
@@ -244,6 +249,7 @@ def test_no_import_cycle_between_our_modules():
     assert not found, "import cycles (module level):\n" + _describe(found, at_load)
 
 
+@pytest.mark.slow
 def test_function_level_imports_close_only_the_listed_cycles():
     edges, _ = all_imports()
     found = cycles(edges)
@@ -262,6 +268,7 @@ def test_cycle_finder_finds_a_cycle_and_ignores_a_chain():
     assert cycles([*chain, edge("c", "a"), edge("c", "d")]) == [["a", "b", "c"]]
 
 
+@pytest.mark.slow
 def test_our_packages_are_imported_only_by_their_installed_names():
     """`import model` would find a user's own model/ first on a Ray worker's path (a job's
     working_dir); only `ditfleet.model` is ours for certain."""
@@ -328,6 +335,7 @@ def test_installed_code_imports_nothing_that_is_not_installed():
     assert not bad, f"installed code importing {', '.join(NOT_INSTALLED)} (not installed):\n" + "\n".join(bad)
 
 
+@pytest.mark.slow
 def test_the_layers_import_nothing_from_ditfleet_testing():
     """ditfleet.testing holds the builders tests/ and bench/ share: what a job or the node
     self-test runs never imports it (the published configs it reads are `model.published`)."""

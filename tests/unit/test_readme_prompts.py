@@ -25,6 +25,7 @@ def _model_example() -> str:
     return block
 
 
+@pytest.mark.slow
 def test_the_readme_model_example_draws_what_its_prompt_says(torch_threads):
     torch_threads(2)
     scope: dict = {}
@@ -59,6 +60,7 @@ def test_the_example_caption_the_readme_gives_is_in_prompts_parquet():
     assert caption in prompts
 
 
+@pytest.mark.slow
 def test_a_prompt_with_unknown_words_gets_one_line_naming_them(caplog):
     import torch
 

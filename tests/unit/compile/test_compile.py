@@ -55,6 +55,7 @@ def warmed(random_model_dir):
     return pipe, report, warm
 
 
+@pytest.mark.slow
 def test_warmed_buckets_never_compile_again(warmed, random_model_dir):
     pipe, report, warm = warmed
     assert [b.bucket for b in warm.buckets] == ["32x32", "48x32"]
@@ -104,6 +105,7 @@ def test_warmed_buckets_never_compile_again(warmed, random_model_dir):
     assert tally.count == 0
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_replaced_vae_gets_its_own_compiled_decode_and_the_old_one_is_freed(random_model_dir):
     pipe = load_pipeline(random_model_dir)
@@ -137,6 +139,7 @@ def _exploding_backend(gm, example_inputs):
     raise RuntimeError("backend exploded on purpose")
 
 
+@pytest.mark.slow
 def test_a_compile_failure_falls_back_to_eager_loudly(random_model_dir):
     eager = load_pipeline(random_model_dir)
     pipe = load_pipeline(random_model_dir)
@@ -157,6 +160,7 @@ def test_a_compile_failure_falls_back_to_eager_loudly(random_model_dir):
     )
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_bad_input_raises_like_eager_and_is_not_a_compile_failure(random_model_dir):
     pipe = load_pipeline(random_model_dir)
@@ -168,6 +172,7 @@ def test_bad_input_raises_like_eager_and_is_not_a_compile_failure(random_model_d
     assert report.status == {"vae.decode": "compiled"}
 
 
+@pytest.mark.slow
 def test_padding_to_the_prompt_bucket_changes_no_output(random_model_dir):
     pipe = load_pipeline(random_model_dir)
     bucket = SMALL_BUCKETS[1]
@@ -340,6 +345,7 @@ def test_a_sealed_blob_opens_only_with_its_key_and_every_byte_is_covered():
         seal(blob, b"short")
 
 
+@pytest.mark.slow
 def test_a_forged_blob_writes_nothing_and_the_actor_compiles_normally(
     random_model_dir, tmp_path, monkeypatch
 ):
@@ -380,6 +386,7 @@ def test_a_forged_blob_writes_nothing_and_the_actor_compiles_normally(
         assert store.get(key.name) == forged
 
 
+@pytest.mark.slow
 def test_without_a_key_nothing_is_read_from_or_written_to_the_store(random_model_dir, tmp_path):
     from ditfleet.compile import prepare_worker_pipeline
 

@@ -36,6 +36,7 @@ def test_onednn_linears_match_aten_and_swap_back():
     assert not onednn_available("cpu", torch.bfloat16) and not onednn_available("meta", torch.float32)
 
 
+@pytest.mark.slow
 def test_inductor_keeps_them_dynamic_and_reads_the_live_weight():
     """One graph for every batch and length; a weight changed in place (a LoRA merged after
     compile) is used at once: the weight is an input of the graph, not a folded constant."""

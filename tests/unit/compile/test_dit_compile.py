@@ -39,6 +39,7 @@ def _inputs(pipe, batch: int, length: int, seed: int, padded: bool) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_dit_warms_once_per_bucket_and_never_recompiles(random_model_dir):
     pipe = load_pipeline(random_model_dir, load_text_encoder_too=False)
     report = apply_compile(pipe, CompileConfig(vae=False, dit=True, dit_backend="eager"))
@@ -67,6 +68,7 @@ def test_dit_warms_once_per_bucket_and_never_recompiles(random_model_dir):
     assert fresh.count == 2
 
 
+@pytest.mark.slow
 def test_modulation_cache_outside_the_compiled_regions(random_model_dir):
     pipe = load_pipeline(random_model_dir, load_text_encoder_too=False)
     apply_compile(pipe, CompileConfig(vae=False, dit=True, dit_backend="eager"))

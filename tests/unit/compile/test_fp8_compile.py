@@ -19,6 +19,7 @@ LENGTHS = (1, 7, 300)
 MODES = ("fp8", "fp8-weight-only")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_fp8_dit_warms_once_per_bucket_and_never_recompiles(random_model_dir, mode):
     pipe = load_pipeline(random_model_dir, load_text_encoder_too=False, quantization=mode)
@@ -42,6 +43,7 @@ def test_fp8_dit_warms_once_per_bucket_and_never_recompiles(random_model_dir, mo
     assert tally.count == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_modulation_cache_with_fp8_weights(random_model_dir, mode):
     """img_mod.1 is an FP8 layer: still called as a module, once per block per step with the

@@ -103,6 +103,7 @@ def test_compaction_is_the_union_sorted_by_id_in_one_file(tmp_path: Path):
     assert check_compacted(store) == []
 
 
+@pytest.mark.slow
 def test_check_finds_a_compacted_set_that_is_not_the_union(tmp_path: Path):
     store = _output(tmp_path / "out")
     compact_output(store)

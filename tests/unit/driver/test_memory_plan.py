@@ -128,6 +128,7 @@ DTYPES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dit_estimate_matches_measured_peak_on_a_real_width_block(dtype):
     """1 block of the published width (3072 = 24 x 128, text 3584), the 256x256 bucket."""
@@ -149,6 +150,7 @@ def test_dit_estimate_matches_measured_peak_on_a_real_width_block(dtype):
     assert abs(measured - estimate) <= TOLERANCE * estimate, (measured, estimate)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_vae_decode_estimate_matches_measured_peak_at_full_width(dtype):
     config = VAEConfig.from_dict(published_configs()[1])
@@ -309,6 +311,7 @@ def test_inspect_reads_headers_and_prints_the_plan(qwen_configs_dir, capsys):
     assert "text encoder cpu" in out and "48 GB: fits (max batch 5)" in out
 
 
+@pytest.mark.slow
 def test_fp8_halves_the_dit_in_plan_and_inspect_and_a_batch_too_large_is_refused(
     tmp_path, qwen_configs_dir, capsys
 ):

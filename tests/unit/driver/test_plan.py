@@ -398,6 +398,7 @@ def test_planning_200k_rows_is_fast_and_holds_no_rows(tmp_path: Path):
     assert elapsed < 30, elapsed
 
 
+@pytest.mark.slow
 def test_bench_script_prints_one_json_line(tmp_path: Path):
     out = subprocess.run(
         [sys.executable, str(REPO / "bench" / "driver_scale.py"), "--rows", "20000", "--shard-size", "500"],

@@ -78,6 +78,7 @@ def test_parallel_verify_equals_serial_verify(tmp_path: Path, case: str):
         assert expected in problems
 
 
+@pytest.mark.slow
 def test_parallel_clean_deletes_what_serial_would(tmp_path: Path):
     a, _ = _build(tmp_path / "a")
     b, _ = _build(tmp_path / "b")

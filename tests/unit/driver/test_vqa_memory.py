@@ -53,6 +53,7 @@ def _real_width_qwen_vl(dtype: torch.dtype):
     return model, json.loads(config.to_json_string())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", MEASURED)
 def test_the_vqa_estimate_matches_the_measured_peak_at_the_published_widths(dtype, tmp_path):
     from ditfleet.model.quality.vqa import VQAScore

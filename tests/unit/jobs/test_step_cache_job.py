@@ -74,6 +74,7 @@ def test_the_summary_states_the_share_of_reused_work():
     assert s == {"blocks_computed": 100, "blocks_reused": 70, "reused_share": 0.4118, "work_speedup": 1.7}
 
 
+@pytest.mark.slow
 def test_calibrate_on_the_tiny_model(tmp_path, capsys):
     job = tmp_path / "job.yaml"
     job.write_text(BASE.replace("batch_size: 8", "batch_size: 2"))

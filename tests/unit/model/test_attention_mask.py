@@ -81,6 +81,7 @@ def test_transformer_split_matches_mask_reference_and_counts():
     )
 
 
+@pytest.mark.slow
 def test_images_without_mask_match_masked_reference(random_model_dir):
     """A padded batch through the split kernel, and each prompt alone with no padding at all,
     give the images of the dense-mask reference within fp32 tolerance."""
@@ -157,6 +158,7 @@ def test_batches_are_sorted_by_length_and_cut_at_the_padding_budget():
     assert all(padded_share(b, table) <= 0.01 for b in batches)
 
 
+@pytest.mark.slow
 def test_worker_reports_mask_counts_and_padded_share(random_model_dir, tmp_path):
     """A shard of mixed prompt lengths: no call carries a dense mask, padding stays under 5%."""
     import pyarrow as pa

@@ -38,6 +38,7 @@ def _modulation_calls(pipe, runs: int = 1) -> list[int]:
     return counts
 
 
+@pytest.mark.slow
 def test_serial_and_batched_cfg_give_the_same_images(random_model_dir):
     serial = load_pipeline(random_model_dir, cfg_mode="serial", load_text_encoder_too=False)
     batched = load_pipeline(random_model_dir, cfg_mode="batched", load_text_encoder_too=False)
@@ -46,6 +47,7 @@ def test_serial_and_batched_cfg_give_the_same_images(random_model_dir):
     assert (a - b).abs().max().item() <= 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["serial", "batched"])
 def test_modulation_cache_is_effective_in_both_modes(random_model_dir, mode):
     pipe = load_pipeline(random_model_dir, cfg_mode=mode, load_text_encoder_too=False)

@@ -29,6 +29,7 @@ def _images(n: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, 256, (n, 3, 40, 48), generator=g, dtype=torch.uint8)  # (B, 3, H, W)
 
 
+@pytest.mark.slow
 def test_scores_are_in_range_deterministic_and_batch_independent(clip_dir):
     clip = scorer("clip", ScorerInputs(clip_model=clip_dir))
     images = _images(len(PROMPTS))
@@ -40,6 +41,7 @@ def test_scores_are_in_range_deterministic_and_batch_independent(clip_dir):
         assert clip.score(images[i : i + 1], PROMPTS[i : i + 1])[0] == pytest.approx(batch[i], abs=1e-5)
 
 
+@pytest.mark.slow
 def test_the_score_is_100_times_the_clipped_cosine(clip_dir):
     from transformers import CLIPModel, CLIPProcessor
 

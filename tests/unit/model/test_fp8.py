@@ -76,6 +76,7 @@ def test_fp8_linear_is_a_linear_by_name_and_hooks(mode):
     assert not Fp8Linear.from_linear(torch.nn.Linear(64, 40), mode).scaled_mm
 
 
+@pytest.mark.slow
 def test_published_width_forward_error_next_to_bf16():
     """One block at Qwen-Image's widths with outlier channels: the relative error of one forward
     against fp32, bf16 activations as on a GPU (bench/fp8.py --part forward measures the same
@@ -109,6 +110,7 @@ def _kept_to_bf16(model):
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_streamed_quantization_equals_quantizing_the_loaded_weights(real_widths_dir, mode):
     """Quantized tensor by tensor while streaming == the bf16 model loaded, then quantized; the
@@ -171,6 +173,7 @@ def test_quantizer_hands_back_the_updates_of_kept_layers(tmp_path, random_model_
     assert {u.module for u in quantizer.unmerged} == {"img_in", "txt_in", "proj_out"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_tiny_pipeline_runs_quantized_and_records_it(mode):
     exact = load_pipeline("tiny", load_text_encoder_too=True)
@@ -199,6 +202,7 @@ def test_tiny_pipeline_runs_quantized_and_records_it(mode):
     assert load_pipeline("tiny", quantization="none").model_revision == exact.model_revision
 
 
+@pytest.mark.slow
 def test_streaming_quantized_load_holds_less_than_one_shard_beyond_the_model(real_widths_dir):
     out = subprocess.run(
         [sys.executable, str(REPO / "bench" / "load_rss.py"), "--model", str(real_widths_dir),

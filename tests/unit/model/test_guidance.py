@@ -56,6 +56,7 @@ def test_encode_guidance_follows_the_rule(tiny_pipe):
     assert off["negative_prompt_embeds"] is None and off["negative_prompt_embeds_mask"] is None
 
 
+@pytest.mark.slow
 def test_generate_text_path_is_encode_guidance(tiny_pipe):
     kw = dict(height=32, width=32, steps=1, true_cfg_scale=4.0, seeds=[3, 4])
     prompts = ["a small red circle", "a blue square"]

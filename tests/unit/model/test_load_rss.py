@@ -26,6 +26,7 @@ def _bench(model_dir: Path, dtype: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_streaming_load_holds_less_than_one_shard_beyond_the_model(real_widths_dir, dtype):
     r = _bench(real_widths_dir, dtype)

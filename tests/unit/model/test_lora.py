@@ -174,6 +174,7 @@ def test_two_adapters_in_bf16_equal_diffusers_bit_for_bit(tmp_path, random_model
     _assert_same_weights(pipe.transformer, ref.transformer)
 
 
+@pytest.mark.slow
 def test_lightning_lora_form_makes_diffusers_images(tmp_path, random_model_dir):
     """The LoRA form of a few-step distilled model: base weights + adapter + the distilled
     scheduler config, 4 steps, CFG off. Same images as diffusers set up the same way."""
@@ -314,6 +315,7 @@ def test_metadata_rank_must_match_the_factors(tmp_path, random_model_dir):
 # -- through the worker ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_lightning_style_keys_match_the_published_full_depth_model(tmp_path):
     """Every linear layer of the 60 blocks of the published Qwen-Image transformer (built on the
     meta device), named the way the Lightning LoRA files name them (bare module names,
@@ -343,6 +345,7 @@ def test_lightning_style_keys_match_the_published_full_depth_model(tmp_path):
         assert sorted(u.module for u in updates) == sorted(linears)
 
 
+@pytest.mark.slow
 def test_bench_script_prints_one_json_line():
     """bench/lora_merge.py at the published widths, one block, rank 4 (seconds on CPU)."""
     import subprocess

@@ -36,6 +36,7 @@ def _count_reads(monkeypatch) -> dict[str, int]:
     return counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg_batched", [False, True])
 def test_one_read_per_mask_however_many_steps(monkeypatch, cfg_batched):
     pipe = load_pipeline("tiny")

@@ -142,6 +142,7 @@ def test_full_depth_transformer_on_meta_has_the_published_size(model):
     assert sum(p.numel() for p in ours.parameters()) == PUBLISHED_TRANSFORMER_PARAMS
 
 
+@pytest.mark.slow
 def test_published_vae_builds_and_loads_strictly(tmp_path):
     """The full published VAE (decoder and encoder) round-trips through the diffusers layout."""
     from diffusers import AutoencoderKLQwenImage

@@ -42,6 +42,7 @@ def _inputs(h: int, w: int, lens: list[int], dtype):
     return x, txt.to(dtype), mask, [[(1, h, w)]] * len(lens)
 
 
+@pytest.mark.slow
 def test_checkpoint_is_stored_like_the_hub(real_widths_dir):
     tdir = real_widths_dir / "transformer"
     shards = sorted(tdir.glob("diffusion_pytorch_model-*-of-*.safetensors"))
@@ -53,6 +54,7 @@ def test_checkpoint_is_stored_like_the_hub(real_widths_dir):
     assert config["pooled_projection_dim"] == 768 and config["num_layers"] == 1  # the published file, cut
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_loads_through_load_pipeline(real_widths_dir, dtype):
     pipe = load_pipeline(real_widths_dir, dtype=dtype)
@@ -81,11 +83,13 @@ def _transformer_outputs(root, dtype: torch.dtype, t: torch.Tensor) -> tuple[tor
     return got, expected
 
 
+@pytest.mark.slow
 def test_fp32_transformer_matches_diffusers(real_widths_dir):
     got, expected = _transformer_outputs(real_widths_dir, torch.float32, torch.tensor([0.6, 0.6]))
     assert (got - expected).abs().max().item() <= 2e-4
 
 
+@pytest.mark.slow
 def test_bf16_transformer_within_one_percent_of_diffusers(real_widths_dir):
     t = model_timestep(torch.tensor([607.0, 607.0]), torch.bfloat16)
     got, expected = _transformer_outputs(real_widths_dir, torch.bfloat16, t)

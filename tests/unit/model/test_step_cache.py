@@ -82,6 +82,7 @@ def config(request, serial) -> StepCacheConfig:
     return _teacache(serial, 1 if taylor else 0)
 
 
+@pytest.mark.slow
 def test_it_reuses_work_and_counts_every_block(serial, config):
     _, hook = _generate(serial, _inputs(serial, 4), SEEDS, config)
     layers = serial.transformer.config.num_layers
@@ -94,6 +95,7 @@ def test_it_reuses_work_and_counts_every_block(serial, config):
     assert hook.describe() == config.describe()
 
 
+@pytest.mark.slow
 def test_first_warmup_and_last_steps_compute_and_runs_are_capped(serial, config):
     _, hook = _generate(serial, _inputs(serial, 4), SEEDS, config)
     for branch in (0, 1):
@@ -113,6 +115,7 @@ def _runs(steps: list[int]) -> list[int]:
     return runs
 
 
+@pytest.mark.slow
 def test_an_image_decides_the_same_alone_and_in_a_batch_of_4(serial, config):
     together, batch_hook = _generate(serial, _inputs(serial, 4), SEEDS, config)
     some_reuse = False
@@ -128,6 +131,7 @@ def test_an_image_decides_the_same_alone_and_in_a_batch_of_4(serial, config):
     assert len({tuple(batch_hook.reused_steps(0, k)) for k in range(4)}) > 1
 
 
+@pytest.mark.slow
 def test_each_cfg_branch_has_its_own_cache_serial_and_batched(random_model_dir, serial, config):
     batched = load_pipeline(random_model_dir, cfg_mode="batched", load_text_encoder_too=False)
     hooks = {}
@@ -148,6 +152,7 @@ def test_each_cfg_branch_has_its_own_cache_serial_and_batched(random_model_dir, 
     assert len(plain.branches) == 1
 
 
+@pytest.mark.slow
 def test_every_modulation_cache_mode_gives_the_same_images(random_model_dir, config):
     out = {}
     for mode in ("off", "cfg", "table"):
@@ -161,6 +166,7 @@ def test_every_modulation_cache_mode_gives_the_same_images(random_model_dir, con
         assert out[mode][1] == out["off"][1]
 
 
+@pytest.mark.slow
 def test_too_short_a_schedule_runs_exact_and_says_so(serial):
     exact, _ = _generate(serial, _inputs(serial, 2), SEEDS[:2], None, steps=3)
     short, hook = _generate(serial, _inputs(serial, 2), SEEDS[:2], steps=3)
@@ -171,6 +177,7 @@ def test_too_short_a_schedule_runs_exact_and_says_so(serial):
     assert lightning is not None and lightning.inactive_reason(8) == "8 steps < min_steps 20"
 
 
+@pytest.mark.slow
 def test_off_builds_no_cache_and_is_the_public_call(serial):
     assert parse_step_cache("off") is None and parse_step_cache(None) is None
     assert parse_step_cache(False) is None  # YAML's bare `off`
@@ -258,6 +265,7 @@ def test_taylorseer_extrapolates_the_residual_over_the_steps_since():
     assert torch.equal(_forecast(2, quadratic, (7,), 10), quadratic(7))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["dbcache", "teacache"])
 def test_compiled_dit_skips_without_recompiling(random_model_dir, serial, method):
     bucket = SMALL_BUCKETS[0]
@@ -279,6 +287,7 @@ def test_compiled_dit_skips_without_recompiling(random_model_dir, serial, method
     torch.testing.assert_close(compiled, reference, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_teacache_normalises_block_0s_input_once_per_pass(serial, monkeypatch):
     """TeaCache's signal is block 0's modulated input; the rows that compute run block 0 on it
     (`run_blocks(start=...)`) instead of normalising and modulating the image stream again."""

@@ -62,6 +62,7 @@ def test_batches_are_deterministic_and_shapes_stay_inside_their_cell(width, heig
     assert image[:, -2:, :].max() < 0.1 and image[:, :, -2:].max() < 0.1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("width,height", TINY_BUCKETS)
 def test_adherence_is_perfect_on_ground_truth(width, height):
     scenes = all_scenes()
@@ -80,6 +81,7 @@ def test_adherence_is_perfect_on_ground_truth(width, height):
     assert iou > 0.93, iou
 
 
+@pytest.mark.slow
 def test_adherence_is_near_chance_on_noise_and_catches_wrong_images():
     scenes = all_scenes()
     g = torch.Generator().manual_seed(1)

@@ -27,6 +27,7 @@ STEPS = 12
 CFG = 2.0  # the README job's setting, where the bundled model is at its best
 
 
+@pytest.mark.slow
 def test_bundled_files_are_diffusers_layout_and_small():
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler
 
@@ -74,6 +75,7 @@ def test_tiny_model_follows_held_out_prompts(torch_threads, tiny_pipe, width, he
     assert result["one_blob"] >= 0.95 and result["iou"] >= 0.9, result
 
 
+@pytest.mark.slow
 def test_held_out_images_do_not_depend_on_the_batch(torch_threads, tiny_pipe):
     torch_threads(2)
     images, _ = generate_held_out(tiny_pipe, steps=2, true_cfg_scale=CFG, batch_size=16)
@@ -81,6 +83,7 @@ def test_held_out_images_do_not_depend_on_the_batch(torch_threads, tiny_pipe):
     assert torch.equal(again, images)
 
 
+@pytest.mark.slow
 def test_random_weights_score_near_chance(torch_threads):
     torch_threads(2)
     pipe = load_pipeline("tiny")

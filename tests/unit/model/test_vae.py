@@ -62,6 +62,7 @@ def _diffusers_decode(ref: AutoencoderKLQwenImage, z: torch.Tensor) -> torch.Ten
         return ref.decode(z[:, :, None]).sample[:, :, 0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hw", [(8, 8), (6, 10)])
 def test_decode_matches_diffusers(reference, ours, hw) -> None:
     ref, _ = reference
@@ -77,6 +78,7 @@ def test_decode_matches_diffusers(reference, ours, hw) -> None:
     )
 
 
+@pytest.mark.slow
 def test_encode_matches_diffusers(reference, ours) -> None:
     ref, _ = reference
     x = torch.rand(2, 3, 64, 48, generator=torch.Generator().manual_seed(3)) * 2 - 1
@@ -102,6 +104,7 @@ def test_decoder_only_load(reference, ours) -> None:
         dec.encode(torch.zeros(1, 3, 64, 64))
 
 
+@pytest.mark.slow
 def test_bf16_load_decodes_close_to_fp32(reference, ours) -> None:
     _, path = reference
     dec = load_vae(path, device="cpu", dtype=torch.bfloat16)
@@ -113,6 +116,7 @@ def test_bf16_load_decodes_close_to_fp32(reference, ours) -> None:
     assert got.dtype == torch.float32 and (got - want).abs().mean().item() < 0.05
 
 
+@pytest.mark.slow
 def test_state_dict_3d_round_trip_through_diffusers(ours, tmp_path) -> None:
     # A VAE whose weights came from our 2D code (not from a 3D checkpoint), saved in diffusers' layout.
     torch.manual_seed(5)

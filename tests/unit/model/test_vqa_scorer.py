@@ -40,6 +40,7 @@ def _images(n: int, h: int = 40, w: int = 56, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 256, (n, 3, h, w), generator=g, dtype=torch.uint8)  # (B, 3, H, W)
 
 
+@pytest.mark.slow
 def test_scores_are_probabilities_deterministic_and_batch_independent(encoder):
     vqa = scorer("vqa", ScorerInputs(text_encoder=encoder))
     images = _images(3)

@@ -40,6 +40,7 @@ def test_shape_token_weights_of_one_are_uniform():
     assert torch.equal(shape_token_weights(images, 1.0), torch.ones(1, 60))
 
 
+@pytest.mark.slow
 def test_centred_pools_hold_each_scene_once_and_split_over_processes():
     vae = QwenImageVAE(
         VAEConfig(base_dim=8, num_res_blocks=1, latents_mean=(0.0,) * 16, latents_std=(1.0,) * 16)
@@ -74,6 +75,7 @@ def _average_in_process(out_dir, shard: Shard) -> None:
     torch.save((param.grad, value), f"{out_dir}/rank{shard.rank}.pt")
 
 
+@pytest.mark.slow
 def test_two_processes_average_gradients_and_share_process_0s_values(tmp_path):
     run_data_parallel(2, functools.partial(_average_in_process, str(tmp_path)))
     for rank in (0, 1):
@@ -81,6 +83,7 @@ def test_two_processes_average_gradients_and_share_process_0s_values(tmp_path):
         assert torch.equal(grad, torch.full((3,), 1.5)) and value.item() == 7.0
 
 
+@pytest.mark.slow
 def test_run_data_parallel_raises_what_a_process_raised():
     with pytest.raises(Exception, match="DiT batch size 7 does not split"):
         run_data_parallel(2, _split_seven)
@@ -90,6 +93,7 @@ def _split_seven(shard: Shard) -> None:
     shard.part(7, "DiT batch size")
 
 
+@pytest.mark.slow
 def test_training_script_runs_end_to_end_and_is_deterministic(tmp_path):
     from safetensors.torch import load_file
 

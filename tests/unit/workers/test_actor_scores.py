@@ -10,6 +10,7 @@ import typing
 
 import numpy as np
 import pyarrow.parquet as pq
+import pytest
 import torch
 from PIL import Image
 
@@ -29,6 +30,7 @@ def test_every_scorer_has_its_manifest_column():
     assert columns == {f"score_{name}" for name in typing.get_args(ScorerName)}
 
 
+@pytest.mark.slow
 def test_the_actor_scores_what_it_stores_as_ditfleet_score_reads_it_back(tmp_path):
     from ditfleet.workers.actor import GenerationWorker
 
@@ -48,6 +50,7 @@ def test_the_actor_scores_what_it_stores_as_ditfleet_score_reads_it_back(tmp_pat
         assert {r["uri"]: r[f"score_{name}"] for r in manifest} == read_back
 
 
+@pytest.mark.slow
 def test_without_scorers_the_columns_are_null(tmp_path):
     from ditfleet.workers.actor import GenerationWorker
 
@@ -59,6 +62,7 @@ def test_without_scorers_the_columns_are_null(tmp_path):
     assert [(r["score_tiny"], r["score_sharpness"]) for r in manifest] == [(None, None)] * 2
 
 
+@pytest.mark.slow
 def test_every_stored_image_carries_the_phash_of_its_stored_pixels_without_scorers(tmp_path):
     from ditfleet.workers.actor import GenerationWorker
 
@@ -76,6 +80,7 @@ def test_every_stored_image_carries_the_phash_of_its_stored_pixels_without_score
         assert stored_bits == perceptual_hashes(pixels)[0]
 
 
+@pytest.mark.slow
 def test_preview_sorts_by_the_manifests_own_scores(tmp_path):
     from ditfleet.jobs.preview import collect_sorted
     from ditfleet.workers.actor import GenerationWorker

@@ -53,6 +53,7 @@ def _run(tmp_path, model, quality: dict) -> list[dict]:
     return read_manifests(open_store(spec.output_uri())).to_pylist()
 
 
+@pytest.mark.slow
 def test_vqa_on_the_actor_is_a_probability_per_row_equal_to_ditfleet_score(tmp_path, qwen_model):
     manifest = _run(tmp_path, qwen_model, {"scorers": ["vqa"]})
     scores = [r["score_vqa"] for r in manifest]
@@ -65,6 +66,7 @@ def test_vqa_on_the_actor_is_a_probability_per_row_equal_to_ditfleet_score(tmp_p
     assert read_back == pytest.approx({r["uri"]: r["score_vqa"] for r in manifest}, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_a_gate_on_vqa_keeps_each_images_best_try(tmp_path, qwen_model):
     # min 1: no probability passes, so every image is tried max_tries times and keeps its best
     gate = {"scorer": "vqa", "min": 1.0, "max_tries": 2}

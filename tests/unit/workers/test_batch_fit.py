@@ -80,6 +80,7 @@ def test_a_gpu_that_fits_no_image_is_refused_at_start_up_saying_what_would(tmp_p
     assert fit_batch_size(config, qwen_dir, CUDA, torch.bfloat16).batch_size == 5
 
 
+@pytest.mark.slow
 def test_the_actor_runs_and_reports_the_batch_it_fitted(tmp_path, monkeypatch):
     """The worker path on the CPU: the fitted batch plans the batches and is reported in the
     start-up report, the ShardResult and every manifest row."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 import ditfleet.workers.generate as generate
@@ -43,6 +44,7 @@ def rows(n: int) -> list[PromptRow]:
     ]
 
 
+@pytest.mark.slow
 def test_at_most_one_blocking_host_sync_per_batch_and_same_images(monkeypatch):
     import inspect
 

@@ -40,6 +40,7 @@ def pipe(random_model_dir):
     return load_pipeline(random_model_dir)
 
 
+@pytest.mark.slow
 def test_the_failed_batch_is_freed_before_the_retry_and_images_match(pipe):
     requests = image_requests(_rows(4))
     real_run = pipe.run
@@ -87,6 +88,7 @@ def test_a_single_image_oom_or_another_error_is_raised(pipe):
         del pipe.run
 
 
+@pytest.mark.slow
 def test_the_shard_result_reports_oom_splits(random_model_dir, tmp_path):
     """A split changes pixels at rounding level, so the shard result says how many there were."""
     from ditfleet.workers.actor import GenerationWorker

@@ -289,6 +289,7 @@ def test_every_output_format_stores_images_that_carry_their_row(
         assert ("Negative prompt: " in text) == (task.negative_prompt is not None)
 
 
+@pytest.mark.slow
 def test_the_worker_stores_images_that_carry_their_row_model_and_job(random_model_dir, tmp_path) -> None:
     """The real actor on a small shard: each stored PNG names its row's prompt, seed, steps and
     CFG, the model the actor loaded and the job, and the manifest's sha256 is of those bytes."""

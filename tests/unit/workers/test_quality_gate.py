@@ -53,6 +53,7 @@ def test_try_seeds_are_a_fixed_sequence_starting_at_the_image_seed():
     assert try_seed(image_seed(1234, 1), 1) != sequence[1]  # image k=1 has a sequence of its own
 
 
+@pytest.mark.slow
 def test_the_gate_makes_an_image_again_and_keeps_its_best_try(tmp_path):
     prompts = write_prompts(tmp_path / "prompts.parquet", 8, sizes=False)
     gate = GateConfig("tiny", min=1.0, max_tries=3)
@@ -85,6 +86,7 @@ def test_the_gate_makes_an_image_again_and_keeps_its_best_try(tmp_path):
     assert [{c: r[c] for c in GATE_COLUMNS} for r in again] == [{c: r[c] for c in GATE_COLUMNS} for r in rows]
 
 
+@pytest.mark.slow
 def test_a_min_no_image_reaches_makes_every_try_and_keeps_the_best(tmp_path):
     prompts = write_prompts(tmp_path / "prompts.parquet", 3, sizes=False)
     rows = _run(_worker(tmp_path, "out", GateConfig("tiny", min=1.5, max_tries=2)), prompts, 3)
@@ -109,6 +111,7 @@ class _StopWhileRetrying:
         return self.inner.score(pixels, prompts)
 
 
+@pytest.mark.slow
 def test_a_run_abandoned_mid_retry_stores_no_losing_try_and_its_rerun_makes_the_same_tries(tmp_path):
     prompts = write_prompts(tmp_path / "prompts.parquet", 8, sizes=False)
     gate = GateConfig("tiny", min=1.0, max_tries=3)

@@ -84,6 +84,7 @@ def by_stage(lines: list[dict]) -> dict[str, list[dict]]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_tiny_run_prints_every_line_without_ray_pydantic_or_boto3(tmp_path):
     # The diffusers comparisons have their own test below; here the rest of the run.
@@ -151,6 +152,7 @@ def test_tiny_run_prints_every_line_without_ray_pydantic_or_boto3(tmp_path):
     assert "fp8_compiled" not in stages
 
 
+@pytest.mark.slow
 def test_a_stage_out_of_time_says_so_and_the_rest_are_skipped_with_a_line(tmp_path):
     code, lines = run_selftest(
         tmp_path,
@@ -192,6 +194,7 @@ def hang(ctx):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_an_isolated_stage_past_its_deadline_ends_with_a_timeout_line_and_the_rest_run(tmp_path):
     scratch = tmp_path / "scratch"
@@ -231,6 +234,7 @@ def test_the_stage_estimates_fit_the_budget_with_margin():
     assert {s.name for s in STAGES if s.optional} == {"fp8_compiled"}
 
 
+@pytest.mark.slow
 def test_dit_compiled_keeps_the_compiled_vae_and_compiles_the_main_size_only(tmp_path):
     import time
 

@@ -15,6 +15,7 @@ from ditfleet.workers.selftest import parts
 from ditfleet.workers.selftest.parts import fp8_copy
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ("fp8", "fp8-weight-only"))
 def test_fp8_copy_shares_the_kept_tensors_and_computes_the_in_place_quantization(mode):
     """The original untouched, its bf16-kept tensors shared rather than copied, the output the

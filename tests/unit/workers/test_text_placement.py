@@ -41,6 +41,7 @@ def reference() -> torch.Tensor:
     return _generate(load_pipeline("tiny"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("placement", ["gpu", "cpu", "offload"])
 def test_images_are_identical_whichever_placement(placement, reference):
     pipe, placed = _placed(placement)
@@ -51,6 +52,7 @@ def test_images_are_identical_whichever_placement(placement, reference):
     assert torch.equal(_generate(pipe), reference)  # after release: from the cache, or encoded again
 
 
+@pytest.mark.slow
 def test_offload_swapping_the_dit_out_and_back_changes_nothing(reference):
     pipe, placed = _placed("offload", swap_dit=True)
     assert placed.prefetch([*PROMPTS, " "], 64) == 3  # unique texts: two prompts and the negative
@@ -59,6 +61,7 @@ def test_offload_swapping_the_dit_out_and_back_changes_nothing(reference):
     assert placed.encoder_calls == 3  # generation found every text prefetched
 
 
+@pytest.mark.slow
 def test_a_repeated_prompt_and_the_negative_are_encoded_once(reference):
     pipe, placed = _placed("gpu")
     calls: list[list[str]] = []
@@ -117,6 +120,7 @@ def test_a_bad_placement_is_refused():
         ModelPlacement(text_encoder="disk")
 
 
+@pytest.mark.slow
 def test_worker_with_offloaded_encoder_writes_the_same_images_encoding_each_text_once(tmp_path):
     """A whole shard through the worker (tiny model, repeated prompts): the same image bytes as
     with the encoder on the device, and each distinct text encoded once."""

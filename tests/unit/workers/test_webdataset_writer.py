@@ -73,6 +73,7 @@ def _check_against_manifest(store: ObjectStore, shard: int, tar_bytes: bytes, ex
     return docs
 
 
+@pytest.mark.slow
 def test_worker_shard_reads_back_with_tarfile_and_reruns_byte_identical(random_model_dir, prompts, tmp_path):
     out = tmp_path / "out"
     worker = GenerationWorker(worker_config(random_model_dir, str(out), output_format="webdataset"))
@@ -99,6 +100,7 @@ def test_worker_shard_reads_back_with_tarfile_and_reruns_byte_identical(random_m
     assert read_manifests(store)["attempt"].to_pylist() == [1] * N
 
 
+@pytest.mark.slow
 def test_ids_with_dots_and_several_images_per_row_get_distinct_dot_free_keys(random_model_dir, tmp_path):
     ids = ["a.b", "a~2Eb", ".hidden", "dir/x.png", "a_b", "a", "é.json", "x" * 300 + ".y"]
     counts = [1, 2, 1, 1, 2, 1, 1, 1]
