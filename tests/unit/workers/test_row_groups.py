@@ -108,4 +108,6 @@ def test_a_shard_reads_its_row_group_only_up_to_its_last_row(tmp_path):
     # The first shard's rows are in the first pages: it stops there (one buffer per column, the
     # footer), where it used to fetch every column chunk whole.
     assert reads[first.index] < 2 * (STREAM_BUFFER_BYTES + 64 * 1024) + 256 * 1024 < size / 3
-    assert reads[last.index] <= size + 64 * 1024
+    # The last shard reads the file about once, never twice: the footer and some page headers may
+    # be read again (tens of KB, depending on what earlier tests left in pyarrow's I/O state).
+    assert reads[last.index] <= size + 256 * 1024 < 2 * size
