@@ -38,11 +38,11 @@ import torch.nn.functional as F
 from ditfleet.model.tiny.scenes import (
     COLORS,
     PALETTE,
-    POSITIONS,
     SHAPES,
     SIZE_FRACTION,
     SIZES,
     parse_caption,
+    position_at,
     shape_mask,
 )
 
@@ -118,8 +118,7 @@ def fit_shapes(evidence: torch.Tensor) -> list[tuple[str, str, str]]:
         # (row, col) is the pixel under the window's centre pixel: the drawn centre, but for the half
         # pixel an even side puts between it and that pixel's centre.
         cx, cy = col + width / 2.0 - width // 2, row + height / 2.0 - height // 2
-        cell = min(2, int(cy / height * 3)) * 3 + min(2, int(cx / width * 3))
-        fits.append((*_CANDIDATES[candidate], POSITIONS[cell]))
+        fits.append((*_CANDIDATES[candidate], position_at(cx, cy, width, height)))
     return fits
 
 

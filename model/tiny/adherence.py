@@ -31,10 +31,10 @@ import torch.nn.functional as F
 from ditfleet.model.tiny.scenes import (
     COLORS,
     PALETTE,
-    POSITIONS,
     SIZE_FRACTION,
     held_out_captions,
     parse_caption,
+    position_at,
     shape_mask,
 )
 
@@ -145,8 +145,6 @@ def _measure_with_mask(img: torch.Tensor) -> tuple[Measurement, torch.Tensor]:
     color = nearest_color(img[:, mask].median(dim=1).values)
     ys, xs = torch.nonzero(mask, as_tuple=True)
     cy, cx = float(ys.float().mean()) + 0.5, float(xs.float().mean()) + 0.5
-    row = min(2, int(cy / h * 3))
-    col = min(2, int(cx / w * 3))
     box_h = int(ys.max()) - int(ys.min()) + 1
     box_w = int(xs.max()) - int(xs.min()) + 1
     fill = count / (box_h * box_w)
@@ -156,7 +154,7 @@ def _measure_with_mask(img: torch.Tensor) -> tuple[Measurement, torch.Tensor]:
     measurement = Measurement(
         background,
         color,
-        POSITIONS[row * 3 + col],
+        position_at(cx, cy, w, h),
         kind,
         fill,
         size,

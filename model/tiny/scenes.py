@@ -47,6 +47,13 @@ POSITIONS: tuple[str, ...] = (
     "bottom",
     "bottom right",
 )
+
+
+def position_at(x: float, y: float, width: int, height: int) -> str:
+    """The grid cell (of `POSITIONS`) that the point (x, y) of a width x height image falls in."""
+    return POSITIONS[min(2, int(y / height * 3)) * 3 + min(2, int(x / width * 3))]
+
+
 # How each position reads in a caption ("at the top left", "on the left", "in the centre").
 POSITION_PHRASES: dict[str, str] = {
     "top left": "at the top left",
