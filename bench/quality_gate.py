@@ -7,8 +7,9 @@ images, side by side in one run, through the worker's own path (no Ray).
     python bench/quality_gate.py --job-seeds 0 1 2 3 4 5   # six draws of the 64 images, pooled
 
 Each variant's stored images are read back and judged twice:
-- by an independent judge (ditfleet.testing.scene_judge: 2-means colours and a least-squares fit
-  of every shape the scenes' rasteriser draws), which the gate never sees: the share of images
+- by an independent judge (ditfleet.testing.scene_judge: a palette vote for the colours and a
+  least-squares fit of every shape kind the scenes' rasteriser draws, at every radius around the
+  two sizes), which the gate never sees: the share of images
   whose shape colour, background, position, shape and size match the caption, and "all five", the
   share with every one right. This is the judge the gate is measured by.
 - by the gate's own analysis (model.tiny.adherence.score, which the `tiny` scorer averages): the

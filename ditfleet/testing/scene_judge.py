@@ -9,11 +9,16 @@ decides the same attributes by another method:
 - colours: every pixel votes for its nearest palette colour; the most voted colour is the
   background, the runner-up the shape's (a palette histogram: stray artefact pixels of a third
   colour do not mix into either, as they would into a two-cluster mean).
-- kind, size and position, together: each (kind, size) shape drawn by the scenes' own rasteriser
-  (`shape_mask`) is laid over the image at every pixel, in the mean colours of the two colours'
-  voters (so a uniform colour drift biases no candidate); the rendering
-  with the least squared pixel error wins. Position is the grid cell of that shape's drawn centre,
-  the point `shape_geometry` keeps inside its cell.
+- kind, size and position, together: each kind drawn by the scenes' own rasteriser (`outline`), at
+  every half-extent from well under the small size's to well over the large size's in half-pixel
+  steps, is laid over the image at every pixel, in the mean colours of the two colours' voters (so
+  a uniform colour drift biases no candidate); the rendering with the least squared pixel error
+  wins. Its kind is the shape's; its half-extent, named by the nearest drawn size
+  (`scenes.size_at`), the size. Position is the grid cell of its drawn centre, the point
+  `shape_geometry` keeps inside its cell. The radius is fitted, not fixed at the two drawn sizes,
+  so a shape a little under or over its size is still compared with its own kind at its own size:
+  with only the two drawn radii, a square a pixel narrower than drawn and with rounded corners fits
+  the circle of the drawn radius better than the square, though anyone would call it a square.
 
 The least-squares fit needs no loop over placements. With background colour b and shape colour f,
 an ideal rendering is b + (f - b) * c for a 0/1 shape c, and its squared error against image I is,
@@ -40,16 +45,17 @@ from ditfleet.model.tiny.scenes import (
     PALETTE,
     SHAPES,
     SIZE_FRACTION,
-    SIZES,
+    outline,
     parse_caption,
     position_at,
-    shape_mask,
+    size_at,
 )
 
 #: The attributes a caption states, named as `Scene`'s fields.
 ATTRIBUTES = ("color", "background", "position", "shape", "size")
 _PALETTE = torch.tensor([PALETTE[c] for c in COLORS])  # (K, 3)
-_CANDIDATES = tuple(itertools.product(SHAPES, SIZES))  # (kind, size) pairs, one template each
+# The fitted half-extents span this much below the small size's and above the large size's.
+RADIUS_MARGIN = 0.3
 
 
 @dataclass(frozen=True)
@@ -82,16 +88,22 @@ def palette_colours(images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 @functools.cache
-def _templates(width: int, height: int) -> torch.Tensor:
-    """Every candidate shape drawn centred in a k x k window: (C, k, k) float, k odd.
+def _candidates(width: int, height: int) -> tuple[tuple[tuple[str, float], ...], torch.Tensor]:
+    """Every candidate (kind, half-extent in pixels), and each drawn centred in a k x k window:
+    (C, k, k) float, k odd.
 
-    Each is cut from a full-size `shape_mask` drawn at the image's centre (the radius depends on
-    the image's size), the window's centre pixel on that centre's pixel.
+    Each is cut from a full-size `outline` drawn at the image's centre, the window's centre pixel
+    on that centre's pixel.
     """
-    k = 2 * math.ceil(SIZE_FRACTION["large"] * min(width, height)) + 3
+    side = min(width, height)
+    low = (1.0 - RADIUS_MARGIN) * SIZE_FRACTION["small"] * side
+    high = (1.0 + RADIUS_MARGIN) * SIZE_FRACTION["large"] * side
+    radii = [low + 0.5 * i for i in range(int((high - low) / 0.5) + 1)]
+    candidates = tuple(itertools.product(SHAPES, radii))
+    k = 2 * math.ceil(high) + 3
     x0, y0 = width // 2 - k // 2, height // 2 - k // 2
-    drawn = [shape_mask(kind, size, width, height, width / 2.0, height / 2.0) for kind, size in _CANDIDATES]
-    return torch.stack([m[y0 : y0 + k, x0 : x0 + k] for m in drawn]).float()
+    drawn = [outline(kind, r, width, height, width / 2.0, height / 2.0) for kind, r in candidates]
+    return candidates, torch.stack([m[y0 : y0 + k, x0 : x0 + k] for m in drawn]).float()
 
 
 def correlate(evidence: torch.Tensor, templates: torch.Tensor) -> torch.Tensor:
@@ -109,7 +121,7 @@ def correlate(evidence: torch.Tensor, templates: torch.Tensor) -> torch.Tensor:
 def fit_shapes(evidence: torch.Tensor) -> list[tuple[str, str, str]]:
     """(kind, size, position) of the best-fitting candidate rendering, for each evidence map of (B, H, W)."""
     _, height, width = evidence.shape
-    templates = _templates(width, height)
+    candidates, templates = _candidates(width, height)
     # Squared error up to a constant, negated: higher fits better.
     fit = 2.0 * correlate(evidence, templates) - templates.sum(dim=(1, 2)).view(1, -1, 1, 1)
     fits = []
@@ -118,7 +130,8 @@ def fit_shapes(evidence: torch.Tensor) -> list[tuple[str, str, str]]:
         # (row, col) is the pixel under the window's centre pixel: the drawn centre, but for the half
         # pixel an even side puts between it and that pixel's centre.
         cx, cy = col + width / 2.0 - width // 2, row + height / 2.0 - height // 2
-        fits.append((*_CANDIDATES[candidate], position_at(cx, cy, width, height)))
+        kind, r = candidates[candidate]
+        fits.append((kind, size_at(r, width, height), position_at(cx, cy, width, height)))
     return fits
 
 

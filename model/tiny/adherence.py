@@ -6,8 +6,8 @@ For an image (3, H, W) in [0, 1]:
 - shape colour: per-channel median inside the mask, snapped to the nearest palette colour;
 - position: the mask's centroid, mapped to a cell of the 3x3 grid;
 - kind: how much of the mask's bounding box the mask fills (circle pi/4, square 1, triangle 1/2);
-- size: the mask's half-extent (half the longer side of its bounding box) over min(H, W), split
-  halfway between the two `SIZE_FRACTION`s;
+- size: the mask's half-extent (half the longer side of its bounding box), named by the nearest
+  drawn size (`scenes.size_at`);
 - blobs and holes: the number of 8-connected components of the mask and of holes in it (a clean
   shape is exactly one component without holes);
 - IoU: overlap of the mask with the ideal captioned shape (kind and size as the caption says, drawn
@@ -31,11 +31,11 @@ import torch.nn.functional as F
 from ditfleet.model.tiny.scenes import (
     COLORS,
     PALETTE,
-    SIZE_FRACTION,
     held_out_captions,
     parse_caption,
     position_at,
     shape_mask,
+    size_at,
 )
 
 # Euclidean RGB distance from the background above which a pixel counts as shape. Palette colours are
@@ -48,8 +48,6 @@ MIN_MASK_FRACTION = 0.002
 # Fill-ratio boundaries between triangle (0.5), circle (0.785) and square (1.0).
 TRIANGLE_MAX_FILL = 0.64
 CIRCLE_MAX_FILL = 0.90
-# Half-extent over min(H, W) below which a shape is "small": halfway between the drawn fractions.
-SMALL_MAX_EXTENT = (SIZE_FRACTION["small"] + SIZE_FRACTION["large"]) / 2.0
 
 _PALETTE = torch.tensor([PALETTE[c] for c in COLORS])  # (K, 3)
 
@@ -150,7 +148,7 @@ def _measure_with_mask(img: torch.Tensor) -> tuple[Measurement, torch.Tensor]:
     fill = count / (box_h * box_w)
     kind = "triangle" if fill < TRIANGLE_MAX_FILL else "circle" if fill < CIRCLE_MAX_FILL else "square"
     extent = max(box_h, box_w) / 2.0 / min(h, w)
-    size = "small" if extent < SMALL_MAX_EXTENT else "large"
+    size = size_at(extent * min(h, w), w, h)
     measurement = Measurement(
         background,
         color,

@@ -233,16 +233,30 @@ def render_batch(
 def shape_mask(shape: str, size: str, width: int, height: int, cx: float, cy: float) -> torch.Tensor:
     """(height, width) bool: pixels at least half covered by a `shape` of `size` centred at (cx, cy),
     drawn by the same rasteriser as `render_batch` (the ideal a generated shape is compared with)."""
-    if shape not in SHAPES or size not in SIZES:
-        raise ValueError(f"shape_mask: shape {shape!r} / size {size!r}; expected one of {SHAPES} / {SIZES}.")
+    if size not in SIZES:
+        raise ValueError(f"shape_mask: size {size!r}; expected one of {SIZES}.")
+    return outline(shape, SIZE_FRACTION[size] * min(width, height), width, height, cx, cy)
+
+
+def outline(shape: str, r: float, width: int, height: int, cx: float, cy: float) -> torch.Tensor:
+    """(height, width) bool: pixels at least half covered by a `shape` of half-extent `r` pixels
+    centred at (cx, cy), by `render_batch`'s rasteriser, at any radius, not only the two sizes'."""
+    if shape not in SHAPES:
+        raise ValueError(f"outline: shape {shape!r}; expected one of {SHAPES}.")
     ys = torch.arange(height, dtype=torch.float32) + 0.5
     xs = torch.arange(width, dtype=torch.float32) + 0.5
     y, x = torch.meshgrid(ys, xs, indexing="ij")
-    r = SIZE_FRACTION[size] * min(width, height)
     distance = _shape_distance(
         torch.tensor([SHAPES.index(shape)]), x, y, torch.tensor([cx]), torch.tensor([cy]), torch.tensor([r])
     )
     return distance[0] < 0.0
+
+
+def size_at(half_extent: float, width: int, height: int) -> str:
+    """The size whose drawn half-extent (a `SIZE_FRACTION` of min(width, height)) is nearest to
+    `half_extent` pixels: what a shape of that half-extent is called."""
+    fraction = half_extent / min(width, height)
+    return min(SIZES, key=lambda size: abs(SIZE_FRACTION[size] - fraction))
 
 
 def render(scene: Scene, width: int, height: int, jitter: tuple[float, float] = (0.0, 0.0)) -> torch.Tensor:
