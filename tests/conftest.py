@@ -2,8 +2,22 @@
 
 import os
 
-# Tests run on 2 CPU cores; keep torch from oversubscribing them when several processes run.
-os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+def _threads_per_worker() -> int:
+    """Each pytest-xdist worker's share of the cores, at most 2 (the tests' tensors gain nothing
+    from more). Two workers on 2 cores with 2 threads each oversubscribe them: OpenMP's threads then
+    wait on each other, and a generation that takes 4 s alone took 20 s next to the other worker."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1, min(2, cores // workers))
+
+
+# Read by torch when it is imported, and inherited by the Ray cluster's workers and child processes.
+# A count the caller set is kept; the one this file set in the xdist controller (whose environment
+# the workers inherit, before they know their number) is worked out again in each worker.
+_OWN_COUNT = "DITFLEET_TESTS_OMP_NUM_THREADS"
+if os.environ.get("OMP_NUM_THREADS") in (None, os.environ.get(_OWN_COUNT)):
+    os.environ["OMP_NUM_THREADS"] = os.environ[_OWN_COUNT] = str(_threads_per_worker())
 
 pytest_plugins = [
     "tests.support.fixtures_s3",
@@ -29,14 +43,3 @@ def real_widths_dir(tmp_path_factory):
     from ditfleet.testing.real_widths import write_real_widths_checkpoint
 
     return write_real_widths_checkpoint(tmp_path_factory.mktemp("real-widths") / "qwen-image", num_layers=1)
-
-
-@pytest.fixture
-def torch_threads():
-    """Set torch's intra-op thread count for one test: `torch_threads(2)`. The count is process-wide,
-    so it is put back afterwards rather than leaking into every later test of the session."""
-    import torch
-
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)

@@ -26,8 +26,7 @@ def _model_example() -> str:
 
 
 @pytest.mark.slow
-def test_the_readme_model_example_draws_what_its_prompt_says(torch_threads):
-    torch_threads(2)
+def test_the_readme_model_example_draws_what_its_prompt_says():
     scope: dict = {}
     exec(compile(_model_example(), "README.md (the model alone)", "exec"), scope)  # noqa: S102 - as a user runs it
     images, prompts = scope["images"], re.findall(r'prompt=\[(".*?")\]', _model_example())

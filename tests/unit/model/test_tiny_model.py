@@ -63,8 +63,7 @@ def tiny_pipe():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("width,height", TINY_BUCKETS)
-def test_tiny_model_follows_held_out_prompts(torch_threads, tiny_pipe, width, height):
-    torch_threads(2)
+def test_tiny_model_follows_held_out_prompts(tiny_pipe, width, height):
     images, captions = generate_held_out(tiny_pipe, STEPS, CFG, width, height)
     assert images.shape == (64, 3, height, width) and captions == held_out_captions()
     result = score(images, captions)
@@ -76,16 +75,14 @@ def test_tiny_model_follows_held_out_prompts(torch_threads, tiny_pipe, width, he
 
 
 @pytest.mark.slow
-def test_held_out_images_do_not_depend_on_the_batch(torch_threads, tiny_pipe):
-    torch_threads(2)
+def test_held_out_images_do_not_depend_on_the_batch(tiny_pipe):
     images, _ = generate_held_out(tiny_pipe, steps=2, true_cfg_scale=CFG, batch_size=16)
     again, _ = generate_held_out(tiny_pipe, steps=2, true_cfg_scale=CFG, batch_size=64)
     assert torch.equal(again, images)
 
 
 @pytest.mark.slow
-def test_random_weights_score_near_chance(torch_threads):
-    torch_threads(2)
+def test_random_weights_score_near_chance():
     pipe = load_pipeline("tiny")
     torch.manual_seed(0)
     with torch.no_grad():
