@@ -77,9 +77,11 @@ def nearest_color(rgb: torch.Tensor) -> str:
 def count_components(mask: torch.Tensor, connectivity: int = 8) -> int:
     """Number of `connectivity`-connected (8 or 4) components of a (H, W) bool mask.
 
-    Each pixel starts with its own label and takes the largest label among its 3x3 neighbours that are
-    in the mask, until nothing changes: every component ends up carrying its largest pixel index, so
-    the distinct labels count the components. Iterations <= the longest path inside a component.
+    Union-find over the mask's pixels, all of its edges at once: each pixel starts as its own root;
+    each round, a root joined by an edge to a smaller root takes the smallest one as its parent,
+    and every pixel then follows its parents up to its root, until every edge has one root at both
+    ends. The roots left count the components; parents only ever point to smaller indices, so no
+    cycle forms, and a long thin component takes a few rounds, not one per pixel of its length.
     """
     if mask.ndim != 2:
         raise ValueError(f"count_components: expected a (H, W) mask, got {tuple(mask.shape)}.")
@@ -91,21 +93,38 @@ def count_components(mask: torch.Tensor, connectivity: int = 8) -> int:
     # Only the bounding box matters: labelling there is much cheaper than on the whole image.
     mask = mask[int(ys.min()) : int(ys.max()) + 1, int(xs.min()) : int(xs.max()) + 1]
     h, w = mask.shape
-    keep = mask.float()[None, None]
-    labels = (torch.arange(1, h * w + 1, dtype=torch.float32).view(1, 1, h, w)) * keep
+    index = torch.arange(h * w).view(h, w)
+    # Each pair of neighbours once, as (pixel, its neighbour) views of the mask and of the indices:
+    # right and down, and for 8 the two diagonals.
+    pairs = [
+        (mask[:, :-1], mask[:, 1:], index[:, :-1], index[:, 1:]),
+        (mask[:-1], mask[1:], index[:-1], index[1:]),
+    ]
+    if connectivity == 8:
+        pairs += [
+            (mask[:-1, :-1], mask[1:, 1:], index[:-1, :-1], index[1:, 1:]),
+            (mask[:-1, 1:], mask[1:, :-1], index[:-1, 1:], index[1:, :-1]),
+        ]
+    ends_a, ends_b = [], []
+    for in_a, in_b, at_a, at_b in pairs:
+        both = in_a & in_b
+        ends_a.append(at_a[both])
+        ends_b.append(at_b[both])
+    a, b = torch.cat(ends_a), torch.cat(ends_b)
+    parent = torch.arange(h * w)
     while True:
-        if connectivity == 8:
-            grown = F.max_pool2d(labels, 3, stride=1, padding=1)
-        else:  # the pixel and its 4 edge neighbours: a 1x3 and a 3x1 pooling
-            grown = torch.maximum(
-                F.max_pool2d(labels, (1, 3), stride=1, padding=(0, 1)),
-                F.max_pool2d(labels, (3, 1), stride=1, padding=(1, 0)),
-            )
-        grown = grown * keep
-        if torch.equal(grown, labels):
+        root_a, root_b = parent[a], parent[b]
+        apart = root_a != root_b
+        if not bool(apart.any()):
             break
-        labels = grown
-    return int(torch.unique(labels[keep > 0]).numel())
+        root_a, root_b = root_a[apart], root_b[apart]
+        parent.scatter_reduce_(0, torch.maximum(root_a, root_b), torch.minimum(root_a, root_b), "amin")
+        while True:
+            grand = parent[parent]
+            if torch.equal(grand, parent):
+                break
+            parent = grand
+    return int(torch.unique(parent[mask.reshape(-1)]).numel())
 
 
 def count_holes(mask: torch.Tensor) -> int:

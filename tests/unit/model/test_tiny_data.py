@@ -137,6 +137,46 @@ def test_component_and_hole_counting():
         count_components(m, connectivity=6)
 
 
+def _flood_fill_count(mask: torch.Tensor, connectivity: int) -> int:
+    """The plain reference: visit each unvisited mask pixel's component breadth-first."""
+    rows = mask.tolist()
+    h, w = len(rows), len(rows[0])
+    steps = [(0, 1), (1, 0), (0, -1), (-1, 0)]
+    if connectivity == 8:
+        steps += [(1, 1), (1, -1), (-1, 1), (-1, -1)]
+    seen, count = set(), 0
+    for y0 in range(h):
+        for x0 in range(w):
+            if rows[y0][x0] and (y0, x0) not in seen:
+                count += 1
+                seen.add((y0, x0))
+                todo = [(y0, x0)]
+                while todo:
+                    y, x = todo.pop()
+                    for dy, dx in steps:
+                        n = (y + dy, x + dx)
+                        if 0 <= n[0] < h and 0 <= n[1] < w and rows[n[0]][n[1]] and n not in seen:
+                            seen.add(n)
+                            todo.append(n)
+    return count
+
+
+def test_component_counts_equal_a_flood_fill_on_noise_blobs_and_snakes():
+    g = torch.Generator().manual_seed(0)
+    masks = [torch.rand(24, 31, generator=g) < p for p in (0.3, 0.45, 0.6, 0.8)]
+    masks += [torch.nn.functional.avg_pool2d(torch.rand(1, 1, 40, 40, generator=g), 3, 1, 1)[0, 0] > 0.5]
+    snake = torch.zeros(21, 21, dtype=torch.bool)  # one path winding through every other row
+    for r in range(0, 21, 2):
+        snake[r] = True
+        if r + 1 < 21:
+            snake[r + 1, 20 if r % 4 == 0 else 0] = True
+    masks += [snake, snake.t(), ~snake]
+    for mask in masks:
+        for connectivity in (8, 4):
+            assert count_components(mask, connectivity) == _flood_fill_count(mask, connectivity)
+    assert count_components(snake) == 1 and count_holes(snake) == 0
+
+
 def _encoder(tmp_path=None) -> TinyTextEncoder:
     words = sorted({w for s in all_scenes() for w in s.caption.split()})
     tok = WordTokenizer.from_words(words)
