@@ -21,11 +21,10 @@ setup:
 run:
 	$(VENV)/bin/ditfleet run jobs/examples/tiny.yaml
 
-# Two workers (pytest-xdist): in one process the machine sits mostly idle while tests wait on Ray
-# start-up, child processes and leases (load about 1.4 on 2 cores); measured on one idle machine,
-# one process had done 23% of the suite after 13 minutes, two workers 50% after 11 (all of it in
-# 19 min). Each worker has its own session fixtures (Ray cluster, S3 endpoint); no test depends on
-# wall-clock timing, so a busy machine is slower, not red.
+# Two workers (pytest-xdist): much of the suite waits (Ray start-up, child processes, leases), and
+# the other worker uses that time. Each worker has its own session fixtures (Ray cluster, S3
+# endpoint) and its share of the cores for torch (tests/conftest.py: one thread each on 2 cores);
+# no test depends on wall-clock timing, so a busy machine is slower, not red.
 test:
 	$(PY) -m pytest -q -n 2 --durations=30
 
