@@ -166,8 +166,9 @@ def _measure_with_mask(img: torch.Tensor) -> tuple[Measurement, torch.Tensor]:
     box_w = int(xs.max()) - int(xs.min()) + 1
     fill = count / (box_h * box_w)
     kind = "triangle" if fill < TRIANGLE_MAX_FILL else "circle" if fill < CIRCLE_MAX_FILL else "square"
-    extent = max(box_h, box_w) / 2.0 / min(h, w)
-    size = size_at(extent * min(h, w), w, h)
+    half_extent = max(box_h, box_w) / 2.0  # pixels
+    extent = half_extent / min(h, w)
+    size = size_at(half_extent, w, h)
     measurement = Measurement(
         background,
         color,
