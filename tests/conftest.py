@@ -1,6 +1,10 @@
 """Shared pytest set-up. Fixtures live in their own modules, registered here."""
 
+import atexit
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 
 def _threads_per_worker() -> int:
@@ -18,6 +22,23 @@ def _threads_per_worker() -> int:
 _OWN_COUNT = "DITFLEET_TESTS_OMP_NUM_THREADS"
 if os.environ.get("OMP_NUM_THREADS") in (None, os.environ.get(_OWN_COUNT)):
     os.environ["OMP_NUM_THREADS"] = os.environ[_OWN_COUNT] = str(_threads_per_worker())
+
+
+def _share_kernel_builds_within_the_run() -> None:
+    """Inductor's C++ kernels built once per test run, whichever test and process builds them
+    (tests/support/cached-g++ says how and why). The folder is temporary and lives as long as the
+    run; a CXX the caller set is kept. The xdist workers inherit what the controller sets."""
+    if "CXX" in os.environ or "DITFLEET_TESTS_KERNEL_CACHE" in os.environ:
+        return
+    cache = tempfile.mkdtemp(prefix="ditfleet-tests-kernels-")
+    atexit.register(shutil.rmtree, cache, ignore_errors=True)
+    os.environ.update(
+        CXX=str(Path(__file__).parent / "support" / "cached-g++"),
+        DITFLEET_TESTS_KERNEL_CACHE=cache,
+    )
+
+
+_share_kernel_builds_within_the_run()
 
 pytest_plugins = [
     "tests.support.fixtures_s3",

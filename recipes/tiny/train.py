@@ -265,6 +265,8 @@ def main(argv: list[str] | None = None) -> None:
         ("--threads", int, TinyTrainConfig.threads,
          "torch CPU threads in each process (a second thread does not speed up these small layers; a second process does)"),
         ("--vae-steps", int, VAETrainConfig.steps, "VAE training steps"),
+        ("--vae-stats-images", int, VAETrainConfig.stats_images,
+         "images the VAE's per-channel latent mean and std are measured on"),
         ("--dit-steps", int, DiTTrainConfig.steps, "DiT training steps"),
         ("--pool-per-bucket", int, DiTTrainConfig.pool_per_bucket, "images encoded per bucket for the DiT"),
         ("--dit-centre-from", int, DiTTrainConfig.centre_from_step,
@@ -286,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
         "--vae",
         type=Path,
         default=None,
-        help="reuse this vae/ folder from an earlier run with the same --seed and --vae-steps (skips the VAE stage)",
+        help="reuse this vae/ folder from an earlier run with the same --seed, --vae-steps and --vae-stats-images (skips the VAE stage)",
     )
     parser.add_argument(
         "--stage2",
@@ -299,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
         seed=args.seed,
         processes=args.processes,
         threads=args.threads,
-        vae=dataclasses.replace(VAETrainConfig(), steps=args.vae_steps),
+        vae=dataclasses.replace(VAETrainConfig(), steps=args.vae_steps, stats_images=args.vae_stats_images),
         dit=dataclasses.replace(
             DiTTrainConfig(),
             steps=args.dit_steps,

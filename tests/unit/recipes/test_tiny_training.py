@@ -110,7 +110,7 @@ def test_training_script_runs_end_to_end_and_is_deterministic(tmp_path):
     # gradients must be deterministic too. A smaller DiT than the recipe's keeps it quick and
     # checks that the size flags reach the model.
     args = (
-        "--vae-steps 2 --dit-steps 4 --dit-centre-from 2 --pool-per-bucket 8 --processes 2"
+        "--vae-steps 2 --vae-stats-images 12 --dit-steps 4 --dit-centre-from 2 --pool-per-bucket 8 --processes 2"
         " --dit-heads 2 --dit-layers 2 --dit-batch 8 --decoder-steps 2 --decoder-pairs 4"
     ).split()
     main(["--out", str(tmp_path / "a"), *args])
