@@ -228,15 +228,13 @@ class ShardCutter:
         self, images: pa.Array | None, bucket_ids: pa.Array | None, single: list[int], rows: int
     ) -> None:
         for bucket in single:
+            chosen = None if len(single) == 1 else pc.equal(bucket_ids, bucket)
             if images is None:
-                n = rows if len(single) == 1 else pc.sum(pc.equal(bucket_ids, bucket)).as_py() or 0
+                n = rows if chosen is None else pc.sum(chosen).as_py() or 0
                 self.bucket_images[bucket] += n * self.config.rows.num_images
-            elif len(single) == 1:
-                self.bucket_images[bucket] += pc.sum(images).as_py() or 0
             else:
-                self.bucket_images[bucket] += (
-                    pc.sum(pc.filter(images, pc.equal(bucket_ids, bucket))).as_py() or 0
-                )
+                counts = images if chosen is None else pc.filter(images, chosen)
+                self.bucket_images[bucket] += pc.sum(counts).as_py() or 0
 
     def finish_file(self) -> None:
         if self._rows_in_shard:
