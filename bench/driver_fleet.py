@@ -3,7 +3,7 @@
     python bench/driver_fleet.py                                   # 1,000 actors, 400,000 shards
     python bench/driver_fleet.py --actors 100 --shards 20000 --churn 0.1
 
-The policy is the real one (driver.dispatch.policy); the actors are driver.dispatch.sim_pool's
+The policy is the real one (driver.dispatch.policy); the actors are ditfleet.testing.sim_pool's
 FleetSim: 60 s shards (+-10%), 300 s start-up, and with --churn that share of the fleet reclaimed
 per simulated hour (half with notice, 5% just after their manifest was written), replacements
 joining as the dispatcher starts them. The driver's own CPU time is charged to the virtual
@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ditfleet.driver.dispatch import DispatchConfig, DispatchEvents  # noqa: E402
 from ditfleet.driver.dispatch.policy import Dispatcher  # noqa: E402
-from ditfleet.driver.dispatch.sim_pool import FleetSim  # noqa: E402
 from ditfleet.driver.progress import JobProgress  # noqa: E402
+from ditfleet.testing.sim_pool import FleetSim  # noqa: E402
 
 
 class _FirstWave(DispatchEvents):

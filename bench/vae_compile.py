@@ -39,8 +39,8 @@ from ditfleet.compile import (  # noqa: E402
     remove_compile,
     warm_up,
 )
-from ditfleet.compile.prewarm import spawn_prewarm  # noqa: E402
 from ditfleet.model import load_pipeline  # noqa: E402
+from ditfleet.testing.prewarm import spawn_prewarm  # noqa: E402
 from ditfleet.testing.prompt_padding import encode_padded  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -5,7 +5,7 @@ compile cache key in DITFLEET_COMPILE_CACHE_KEY, or another variable named by --
 loads the shared cache (if any), compiles and warms every bucket, saves the cache (if it was
 missing), and prints one JSON line of timings. It is what one actor's start-up does, on its own:
 run it on one node to fill the cache before a fleet starts, or in fresh processes to measure
-what the shared cache saves (`spawn_prewarm`, used by the tests and the benchmark).
+what the shared cache saves (ditfleet.testing.prewarm.spawn_prewarm, for the tests and the benchmark).
 """
 
 from __future__ import annotations
@@ -13,11 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -83,34 +80,6 @@ def prewarm(
         "save_bytes": saved.bytes if saved else 0,
         "total_s": round(time.perf_counter() - start, 3),
     }
-
-
-def spawn_prewarm(
-    model: str | Path,
-    buckets: Sequence[str],
-    store_dir: str | Path,
-    inductor_cache_dir: str | Path,
-    device: str = "cpu",
-    extra_env: dict[str, str] | None = None,
-    timeout_s: float = 900,
-) -> dict[str, Any]:
-    """Run `prewarm` in a fresh Python process with its own local Inductor cache directory.
-
-    Only that child's environment changes (TORCHINDUCTOR_CACHE_DIR, plus extra_env), so the
-    child starts with empty local caches and only the shared store can spare it a compile.
-    """
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache_dir), **(extra_env or {})}
-    cmd = [
-        sys.executable, "-m", "ditfleet.compile.prewarm", "--model", str(model), "--buckets", ",".join(buckets),
-        "--store", str(store_dir), "--device", device,
-    ]  # fmt: skip
-    root = Path(__file__).resolve().parents[1]
-    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s)
-    if done.returncode != 0:
-        raise RuntimeError(
-            f"prewarm child failed (exit {done.returncode}): {' '.join(cmd)}\n{done.stderr[-4000:]}"
-        )
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

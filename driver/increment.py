@@ -21,7 +21,6 @@ import dataclasses
 import datetime as dt
 import secrets
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -29,9 +28,9 @@ import pyarrow.compute as pc
 
 from ditfleet.driver.input.arrays import plain
 from ditfleet.driver.input.prompts import InputFile, PromptSource
-from ditfleet.driver.input.row_errors import file_error
 from ditfleet.driver.input.scan import ScanOptions, scan_input
-from ditfleet.driver.plan import PlanConfig, ShardCutter, row_group_warnings
+from ditfleet.driver.output.lease import shard_ranges
+from ditfleet.driver.plan import PlanConfig, ShardCutter, footer_hashes, row_group_warnings
 from ditfleet.driver.run_records import (
     FileEntry,
     RecordedPlan,
@@ -44,10 +43,8 @@ from ditfleet.driver.run_records import (
 from ditfleet.workers.output.layout import success_key
 from ditfleet.workers.rows import ShardSpec
 from ditfleet.workers.storage import ObjectStore
-from ditfleet.workers.storage.input_files import InputFileError, footer_sha256
 
 ID_SEPARATOR = "#"  # between a file's name and the row, in the id of a row without an id column
-_IDENTITY_THREADS = 16
 
 
 @dataclass(frozen=True)
@@ -102,21 +99,6 @@ class IncrementPlan:
         return lines
 
 
-def _identities(source: PromptSource, files: Sequence[InputFile]) -> dict[str, str]:
-    """uri -> footer sha256, read in parallel (one or two small reads per file)."""
-
-    def one(f: InputFile) -> str:
-        try:
-            return footer_sha256(source.filesystem, f.uri)
-        except InputFileError as e:
-            raise file_error(e.uri, e.problem, e.hint) from e
-
-    if not files:
-        return {}
-    with ThreadPoolExecutor(max_workers=min(_IDENTITY_THREADS, len(files))) as pool:
-        return dict(zip((f.uri for f in files), pool.map(one, files)))
-
-
 class _NewRowSelector:
     """Sees every batch of the new files (through scan_input) and passes on to the shard cutter
     only the rows whose id is not covered yet, in contiguous runs; keeps the ids it passed on."""
@@ -148,7 +130,7 @@ class _NewRowSelector:
         elif count == 0:
             spans = []
         else:
-            spans = _true_spans(pc.indices_nonzero(new).to_pylist())
+            spans = [(a, b + 1) for a, b in shard_ranges(pc.indices_nonzero(new).to_pylist())]
         for start, stop in spans:
             self.cutter.on_batch(
                 file, first_row + start, first_position + start, batch.slice(start, stop - start)
@@ -167,17 +149,6 @@ class _NewRowSelector:
         return tuple(out)
 
 
-def _true_spans(indices: list[int]) -> list[tuple[int, int]]:
-    """[0, 1, 2, 5, 6] -> [(0, 3), (5, 7)]: runs of consecutive indices as half-open spans."""
-    spans: list[tuple[int, int]] = []
-    for i in indices:
-        if spans and spans[-1][1] == i:
-            spans[-1] = (spans[-1][0], i + 1)
-        else:
-            spans.append((i, i + 1))
-    return spans
-
-
 def plan_increment(
     source: PromptSource,
     config: PlanConfig,
@@ -193,7 +164,7 @@ def plan_increment(
     RunRecordError for damaged records.
     """
     files = source.files()
-    sha = _identities(source, files)
+    sha = footer_hashes(source, files)
     recorded = RecordedPlan.of(read_run_records(store))
     carried, superseded_now = _carry_over(recorded, committed, {f.uri: (f.size, sha[f.uri]) for f in files})
     gone = recorded.superseded | set(superseded_now)

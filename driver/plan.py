@@ -228,15 +228,13 @@ class ShardCutter:
         self, images: pa.Array | None, bucket_ids: pa.Array | None, single: list[int], rows: int
     ) -> None:
         for bucket in single:
+            chosen = None if len(single) == 1 else pc.equal(bucket_ids, bucket)
             if images is None:
-                n = rows if len(single) == 1 else pc.sum(pc.equal(bucket_ids, bucket)).as_py() or 0
+                n = rows if chosen is None else pc.sum(chosen).as_py() or 0
                 self.bucket_images[bucket] += n * self.config.rows.num_images
-            elif len(single) == 1:
-                self.bucket_images[bucket] += pc.sum(images).as_py() or 0
             else:
-                self.bucket_images[bucket] += (
-                    pc.sum(pc.filter(images, pc.equal(bucket_ids, bucket))).as_py() or 0
-                )
+                counts = images if chosen is None else pc.filter(images, chosen)
+                self.bucket_images[bucket] += pc.sum(counts).as_py() or 0
 
     def finish_file(self) -> None:
         if self._rows_in_shard:
@@ -358,32 +356,41 @@ def plan_job(
     )
 
 
+def footer_hashes(source: PromptSource, files: Sequence[InputFile]) -> dict[str, str]:
+    """uri -> footer sha256, read in parallel (one or two small reads per file); a file replaced
+    or gone since it was listed raises its InputError."""
+
+    def one(f: InputFile) -> str:
+        try:
+            return footer_sha256(source.filesystem, f.uri)
+        except InputFileError as e:
+            raise file_error(e.uri, e.problem, e.hint) from e
+
+    if len(files) <= 1:
+        return {f.uri: one(f) for f in files}
+    with ThreadPoolExecutor(max_workers=min(_IDENTITY_THREADS, len(files))) as pool:
+        return dict(zip((f.uri for f in files), pool.map(one, files)))
+
+
 def input_identities(
     source: PromptSource,
     files: Sequence[InputFile],
     rows_per_file: Mapping[str, int],
     digest_per_file: Mapping[str, int],
 ) -> tuple[InputIdentity, ...]:
-    """Each file's identity (its footer's sha256 read again, in parallel: a file replaced since
-    the pass changes it) with the content digest the pass computed."""
-
-    def one(f: InputFile) -> InputIdentity:
-        try:
-            sha = footer_sha256(source.filesystem, f.uri)
-        except InputFileError as e:  # replaced between the pass and now
-            raise file_error(e.uri, e.problem, e.hint) from e
-        return InputIdentity(
+    """Each file's identity (its footer's sha256 read again: a file replaced since the pass
+    changes it) with the content digest the pass computed."""
+    sha = footer_hashes(source, files)
+    return tuple(
+        InputIdentity(
             f.uri,
             f.size,
             rows_per_file.get(f.uri, 0),
-            sha,
+            sha[f.uri],
             hex_digest(digest_per_file.get(f.uri, combine(()))),
         )
-
-    if len(files) <= 1:
-        return tuple(one(f) for f in files)
-    with ThreadPoolExecutor(max_workers=min(_IDENTITY_THREADS, len(files))) as pool:
-        return tuple(pool.map(one, files))
+        for f in files
+    )
 
 
 # A row group this many times a shard makes each actor read and decode up to that many times the

@@ -45,7 +45,7 @@ from ditfleet.jobs.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from ditfleet.jobs.plan_command import cmd_plan
 from ditfleet.jobs.prompt_words import tiny_words_warning
 from ditfleet.jobs.ray_auth import ClusterAuthError
-from ditfleet.jobs.run import check_memory, run
+from ditfleet.jobs.run import check_memory, run, say
 from ditfleet.jobs.spec import SpecError, load_spec
 from ditfleet.jobs.submit import SubmitError
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH, Quantization
@@ -55,10 +55,6 @@ from ditfleet.workers.storage import ObjectStore, S3Config, StoreConfigError, St
 
 class UsageError(ValueError):
     """A bad command line (other than what argparse catches)."""
-
-
-def _print_err(message: str) -> None:
-    print(f"ditfleet: {message}", file=sys.stderr)
 
 
 def _store_args(args: argparse.Namespace) -> S3Config:
@@ -515,30 +511,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         MemoryPlanError,
         ClusterAuthError,
     ) as e:
-        _print_err(str(e))
+        say(str(e))
         return EXIT_BAD_INPUT
     except StoreConfigError as e:  # found before any work: nothing written
-        _print_err(f"{type(e).__name__}: {e}")
+        say(f"{type(e).__name__}: {e}")
         return EXIT_BAD_INPUT
     except (StoreError, OSError) as e:
         # A store that failed after its retries, mid-job: the job failed, its input was fine.
         if args.command == "run":
-            _print_err(
+            say(
                 f"the job failed on a store error, after retries ({type(e).__name__}: {e}). Committed "
                 "shards are kept: run the same command again to resume"
             )
         else:
-            _print_err(f"{type(e).__name__}: {e}")
+            say(f"{type(e).__name__}: {e}")
         return EXIT_FAILED
     except ValueError as e:
         # A damaged file in the output, a value that cannot be used: say what and where.
-        _print_err(f"{type(e).__name__}: {e}")
+        say(f"{type(e).__name__}: {e}")
         return EXIT_BAD_INPUT
     except (DispatchError, SubmitError) as e:
-        _print_err(str(e))
+        say(str(e))
         return EXIT_FAILED
     except KeyboardInterrupt:
-        _print_err("interrupted; run the same command again to resume (committed shards are kept)")
+        say("interrupted; run the same command again to resume (committed shards are kept)")
         return 130
 
 

@@ -59,9 +59,10 @@ def inspect_model(
     root = None if "://" in model_path else resolve_model_dir(model_path)
     text_len = prompt_length_bucket(max_sequence_length, PROMPT_LENGTH_BUCKETS)
     params = model.params()
+    e = 2 if dtype == "bf16" else 4  # bytes per parameter
     components: dict[str, Any] = {}
     for name, n in params.items():
-        entry: dict[str, Any] = {"params": n, f"{dtype}_gb": round(n * (2 if dtype == "bf16" else 4) / GB, 3)}
+        entry: dict[str, Any] = {"params": n, f"{dtype}_gb": round(n * e / GB, 3)}
         ck = _checkpoint(root, name)
         if ck is not None:
             entry["checkpoint"] = {
@@ -70,7 +71,6 @@ def inspect_model(
             }  # fmt: skip
         components[name] = entry
     if quantization != "none":
-        e = 2 if dtype == "bf16" else 4
         loaded = transformer_weight_bytes(model.transformer, e, check_quantization(quantization))
         components["transformer"][f"{quantization}_gb"] = round(loaded / GB, 3)
     plans = []
@@ -98,7 +98,7 @@ def inspect_model(
         "text_len": text_len,
         "components": components,
         "plans": plans,
-        "math_attention_extra_gb": _math_attention_extra(memory, model, plans, dtype, text_len),
+        "math_attention_extra_gb": _math_attention_extra(memory, model, plans, e, text_len),
     }
 
 
@@ -115,9 +115,8 @@ def _checkpoint(root: Path | None, component: str) -> CheckpointSize | None:
 
 
 def _math_attention_extra(
-    memory: MemoryFormula, model: ModelMemory, plans: list[dict], dtype: str, text_len: int
+    memory: MemoryFormula, model: ModelMemory, plans: list[dict], e: int, text_len: int
 ) -> dict[str, float]:
-    e = 2 if dtype == "bf16" else 4
     out = {}
     for bucket in dict.fromkeys(p["bucket"] for p in plans):
         w, h = (int(v) for v in bucket.split("x"))

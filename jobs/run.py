@@ -27,7 +27,7 @@ from ditfleet.workers.storage import StoreError
 from ditfleet.workers.storage.input_files import is_s3
 
 
-def _say(message: str) -> None:
+def say(message: str) -> None:
     print(f"ditfleet: {message}", file=sys.stderr)
 
 
@@ -126,7 +126,7 @@ def memory_plan_of(spec: JobSpec) -> JobMemoryPlan | None:
     try:
         return job_memory_plan(spec.memory_request())
     except (StoreError, OSError, ValueError) as e:
-        _say(f"memory plan skipped: {spec.model.path}: {e}")
+        say(f"memory plan skipped: {spec.model.path}: {e}")
         return None
 
 
@@ -136,7 +136,7 @@ def check_memory(spec: JobSpec, job: str) -> JobMemoryPlan | None:
         return None
     memory = memory_plan_of(spec)
     if memory is None:
-        _say(f"{job}: {spec.model.path}: configs are not read at plan time; memory not checked")
+        say(f"{job}: {spec.model.path}: configs are not read at plan time; memory not checked")
         return None
     memory.check(job)
     return memory
@@ -152,7 +152,7 @@ def run(
     check_memory(spec, str(job) if not isinstance(job, JobSpec) else (spec.name or "the job"))
     driver, worker = spec.to_driver_config(), spec.to_worker_config()
     if (words := tiny_words_warning(spec)) is not None:
-        _say(f"warning: {words}")
+        say(f"warning: {words}")
     if redo_shards:
         driver = dataclasses.replace(driver, redo_shards=tuple(redo_shards))
     started = False

@@ -49,7 +49,7 @@ from ditfleet.workers.output.layout import manifest_key, new_attempt_token
 from ditfleet.workers.output.manifest import ManifestRow, ManifestWriter, passthrough_json
 from ditfleet.workers.output.provenance import JobProvenance
 from ditfleet.workers.quality_gate import ScoredImage, scored_images
-from ditfleet.workers.rows import PromptRow, ShardSpec, read_shard_rows
+from ditfleet.workers.rows import ShardSpec, read_shard_rows
 from ditfleet.workers.scorers import build_scorers
 from ditfleet.workers.spot import StopOnSigterm
 from ditfleet.workers.startup_phase import COMPILING, LOADING, READY, publish_phase
@@ -70,10 +70,7 @@ def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
     dev = torch.device(
         "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
     )
-    if dtype == "auto":
-        dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    else:
-        dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+    dt = torch.bfloat16 if dtype == "bf16" or (dtype == "auto" and dev.type == "cuda") else torch.float32
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -158,16 +155,9 @@ class GenerationWorker:
         secret = read_cache_secret(config.compile_cache_key) if config.compile.shared_cache else None
         self.compile_report = self._compile(secret.key if secret is not None else None)
         self.generator = BatchGenerator(self.pipe)  # its prompt length: the pipeline's settings
-        compiles = bool(self.compile_report.compile.methods)
-        shared_cache = (
-            "off"
-            if secret is None
-            else "on"
-            if secret.key
-            else f"off: {secret.off_reason}"
-            if compiles
-            else "off"
-        )
+        shared_cache = "off"
+        if secret is not None and (secret.key or self.compile_report.compile.methods):
+            shared_cache = "on" if secret.key else f"off: {secret.off_reason}"
         self.startup = self._startup_report(load_s, shared_cache, time.perf_counter() - t0)
         publish_phase(READY)
 
@@ -286,9 +276,13 @@ class GenerationWorker:
         result.oom_splits = self.generator.oom_splits - oom_splits_before
         result.attention = attention.since(attention_before)
         manifest = ManifestWriter(shard.index, expected_rows=len(requests), generation=shard.generation)
-        rows_written = self._manifest_rows(
-            requests, generated, stored, shard.index, attempt, result.recompiles
-        )
+        stored_by_key = {(r.id, r.k): r for r in stored.results}
+        rows_written = [
+            self._manifest_row(
+                req, generated[(req.row.id, req.k)], stored_by_key.get((req.row.id, req.k)), result
+            )
+            for req in requests
+        ]
         for row in rows_written:
             manifest.add(row)
             _count(result, row)
@@ -349,30 +343,6 @@ class GenerationWorker:
             if self.text is not None:
                 self.text.release()
 
-    def _manifest_rows(
-        self,
-        requests: list[ImageRequest],
-        generated: dict[tuple[str, int], ScoredImage],
-        stored: StoredShard,
-        shard: int,
-        attempt: int,
-        recompiles: int,
-    ) -> list[ManifestRow]:
-        """One row per requested image, in request order, failures included."""
-        stored_by_key = {(r.id, r.k): r for r in stored.results}
-        return [
-            self._manifest_row(
-                req.row,
-                req.k,
-                generated[(req.row.id, req.k)],
-                stored_by_key.get((req.row.id, req.k)),
-                shard,
-                attempt,
-                recompiles,
-            )
-            for req in requests
-        ]
-
     # -- helpers ---------------------------------------------------------------------------------
 
     def _drop(self, keys: tuple[str, ...]) -> None:
@@ -385,16 +355,10 @@ class GenerationWorker:
                 return
 
     def _manifest_row(
-        self,
-        row: PromptRow,
-        k: int,
-        scored: ScoredImage,
-        stored: ImageResult | None,
-        shard: int,
-        attempt: int,
-        recompiles: int,
+        self, req: ImageRequest, scored: ScoredImage, stored: ImageResult | None, result: ShardResult
     ) -> ManifestRow:
-        gen = scored.image
+        """The manifest row of one requested image, failures included."""
+        row, k, gen = req.row, req.k, scored.image
         error = gen.error or (stored.error if stored is not None else "image was not stored")
         ok = gen.error is None and stored is not None and stored.ok
         return ManifestRow(
@@ -420,10 +384,10 @@ class GenerationWorker:
             encode_s=stored.encode_s if stored else None,
             upload_s=stored.upload_s if stored else None,
             worker=self.worker_id,
-            attempt=attempt,
-            shard=shard,
+            attempt=result.attempt,
+            shard=result.shard,
             compile_fallback=bool(self.compile_report.fallbacks),
-            recompiles=recompiles,
+            recompiles=result.recompiles,
             extra=row.extra or None,
             step_cache=gen.step_cache,
             dit_blocks_computed=gen.blocks_computed,

@@ -23,23 +23,25 @@ from ditfleet.model.generation.pipeline import GuidanceInputs, Sampling
 from ditfleet.workers.rows import MAX_SEED, PromptRow
 
 
+def _derived_seed(seed: int, index: int, person: bytes) -> int:
+    """`seed` itself for index 0, else a stable 63-bit hash of (seed, index) under `person`."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8, person=person).digest()
+    return int.from_bytes(digest, "big") & MAX_SEED
+
+
 def image_seed(row_seed: int, k: int) -> int:
     """The seed of image k of a row: the row's seed for k = 0 (so one image per row uses exactly
     the row's seed, as any other tool would), a stable hash of (seed, k) for the others."""
-    if k == 0:
-        return row_seed
-    digest = hashlib.blake2b(f"{row_seed}:{k}".encode(), digest_size=8, person=b"ditfleet-k").digest()
-    return int.from_bytes(digest, "big") & MAX_SEED
+    return _derived_seed(row_seed, k, b"ditfleet-k")
 
 
 def try_seed(seed: int, try_index: int) -> int:
     """The seed of try `try_index` of an image whose seed is `seed` (quality.gate): the image's own
     seed for the first try, a stable hash of (seed, try) for the others: a fixed sequence, so the
     same job makes the same tries on any actor and any attempt."""
-    if try_index == 0:
-        return seed
-    digest = hashlib.blake2b(f"{seed}:{try_index}".encode(), digest_size=8, person=b"ditfleet-try").digest()
-    return int.from_bytes(digest, "big") & MAX_SEED
+    return _derived_seed(seed, try_index, b"ditfleet-try")
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,18 @@ pipeline). Needs diffusers (the `test` extra).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from ditfleet.model.loading.fp8 import check_device
+from ditfleet.model.loading.loader import fill_transformer, prepare_transformer
+from ditfleet.model.loading.lora import LoraFile, plan_updates
+from ditfleet.model.loading.quantization import check_quantization
+from ditfleet.model.networks.transformer import QwenImageTransformer
 from ditfleet.model.published import PUBLISHED
+from ditfleet.model.settings import DEFAULT_PIPELINE, Quantization
 
 TINY_TRANSFORMER = dict(
     patch_size=2,
@@ -61,3 +68,20 @@ def add_tiny_text_encoder(root: Path, seed: int = 0) -> Path:
     )
     TinyTextEncoder(config, tokenizer).save(root)
     return root
+
+
+def load_transformer(
+    component_dir: Path,
+    device,
+    dtype,
+    modulation_cache: str = DEFAULT_PIPELINE.modulation_cache,
+    loras: Sequence[LoraFile] = (),
+    quantization: Quantization = DEFAULT_PIPELINE.quantization,
+) -> QwenImageTransformer:
+    """The transformer alone from its folder, as load_pipeline loads it: `loras` are merged into
+    the weights as they load (see model/loading/lora.py), before any quantization (model.loading.fp8)."""
+    check_device(check_quantization(quantization), device)
+    model, checkpoint = prepare_transformer(component_dir, modulation_cache)
+    updates = plan_updates(loras, model)  # every adapter key checked before any weight is read
+    fill_transformer(model, checkpoint, str(component_dir), dtype, device, updates, quantization)
+    return model.eval().requires_grad_(False)

@@ -40,7 +40,6 @@ def claim_output(
     doc = _with_model(plan.fingerprint_doc(), model)
     return _claim(
         store,
-        fingerprint_of(doc),
         doc,
         lambda: _job_with_model(job_document(plan, resolved_spec), doc, model),
         "run with the settings and input it was made with",
@@ -82,7 +81,6 @@ def claim_incremental_output(
     doc = _with_model(settings_doc(config, incremental=True), model)
     _claim(
         store,
-        fingerprint_of(doc),
         doc,
         lambda: _job_with_model(incremental_job_document(config, source, resolved_spec), doc, model),
         "run with the settings it was made with",
@@ -94,7 +92,6 @@ def claim_incremental_output(
 
 def _claim(
     store: ObjectStore,
-    fingerprint: str,
     fingerprint_doc: Mapping[str, Any],
     job_doc: Callable[[], dict[str, Any]],
     or_else: str,
@@ -124,13 +121,11 @@ def _claim(
         existing_doc = _unweighed(existing["fingerprint_doc"])
         existing = {**existing, "fingerprint": fingerprint_of(existing_doc), "fingerprint_doc": existing_doc}
         fingerprint_doc = _unweighed(fingerprint_doc)
-        fingerprint = fingerprint_of(fingerprint_doc)
     if _undigested(existing["fingerprint_doc"]) and not _undigested(fingerprint_doc):
         # An output planned before input content was digested: compared by footers, as then
         # (its _job.json has no digest to compare with).
         fingerprint_doc = _without_content(fingerprint_doc)
-        fingerprint = fingerprint_of(fingerprint_doc)
-    differences = fingerprint_differences(existing, fingerprint, fingerprint_doc)
+    differences = fingerprint_differences(existing, fingerprint_of(fingerprint_doc), fingerprint_doc)
     if not differences:
         return True
     differences = _name_changed_files(existing, model, differences)

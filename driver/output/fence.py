@@ -25,6 +25,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from ditfleet.driver.actor_phases import actor_id
+
 
 def process_gone(pid: int) -> bool:
     """True when no live process has this pid on this machine (a zombie counts as gone)."""
@@ -47,10 +49,6 @@ def process_gone(pid: int) -> bool:
 
 def _gone_on_this_node(pids: Sequence[int]) -> list[bool]:
     return [process_gone(p) for p in pids]
-
-
-def _actor_id(handle: Any) -> str:
-    return handle._actor_id.hex()
 
 
 def _local_addresses() -> set[str]:
@@ -76,7 +74,7 @@ def wait_actors_gone(handles: Iterable[Any], timeout_s: float = 60.0, poll_s: fl
     import ray
     from ray._private import state  # the GCS actor table: state and pid, no dashboard needed
 
-    pending = {_actor_id(h) for h in handles}
+    pending = {actor_id(h) for h in handles}
     if not pending:
         return []
     local = _local_addresses()

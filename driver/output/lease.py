@@ -55,7 +55,8 @@ class OutputBusy(OutputMismatch):
     """Another driver owns the output now (its lease is current)."""
 
 
-def _generations(store: ObjectStore) -> list[int]:
+def lease_generations(store: ObjectStore) -> list[int]:
+    """The lease generations present, lowest first."""
     return sorted(g for g in map(lease_of_key, store.list(LEASE_PREFIX)) if g is not None)
 
 
@@ -99,21 +100,26 @@ class OutputLease:
                 return
 
     def _taken_over(self) -> int | None:
-        higher = [g for g in _generations(self.store) if g > self.generation]
+        higher = [g for g in lease_generations(self.store) if g > self.generation]
         return higher[0] if higher else None
+
+    def _note_takeover(self) -> None:
+        other = self._taken_over()
+        if other is not None:
+            self._lost = f"another driver took the output (lease generation {other})"
+
+    def _write(self, **changes: Any) -> None:
+        doc = {**self._doc, **changes}
+        self.store.put(self.key, _encode(doc), "application/json")
+        self._doc = doc
 
     def renew(self) -> None:
         """Extend the lease by ttl_s, unless another driver took the output."""
         with self._lock:
-            if self._lost is not None:
-                return
-            other = self._taken_over()
-            if other is not None:
-                self._lost = f"another driver took the output (lease generation {other})"
-                return
-            doc = {**self._doc, "expires_at": self._clock() + self.ttl_s}
-            self.store.put(self.key, _encode(doc), "application/json")
-            self._doc = doc
+            if self._lost is None:
+                self._note_takeover()
+            if self._lost is None:
+                self._write(expires_at=self._clock() + self.ttl_s)
 
     def record_work(self, shards: Iterable[int], redo: Mapping[int, int]) -> None:
         """Write, durably, the shards this run dispatches and the redo generations it commits,
@@ -121,33 +127,22 @@ class OutputLease:
         generations and cleans those shards. Raises OutputBusy when the output was taken."""
         self.check()  # a released or lost lease's document is not written again
         with self._lock:
-            doc = {
-                **self._doc,
-                "shards": shard_ranges(shards),
-                "redo": {str(s): int(g) for s, g in sorted(redo.items())},
-            }
-            self.store.put(self.key, _encode(doc), "application/json")
-            self._doc = doc
+            self._write(shards=shard_ranges(shards), redo={str(s): int(g) for s, g in sorted(redo.items())})
         self.check()  # after the write: a driver taking over later reads what it says
 
     def mark_settled(self) -> None:
         """This run's finish cleaned up its shards: a later driver need not settle this document."""
         with self._lock:
-            if self._lost is not None or self._doc.get("settled"):
-                return
-            doc = {**self._doc, "settled": True}
-            self.store.put(self.key, _encode(doc), "application/json")
-            self._doc = doc
+            if self._lost is None and not self._doc.get("settled"):
+                self._write(settled=True)
 
     def check(self) -> None:
         """Raise OutputBusy unless this driver still owns the output."""
         with self._lock:
             if self._lost is None:
-                other = self._taken_over()
-                if other is not None:
-                    self._lost = f"another driver took the output (lease generation {other})"
-                elif self._clock() >= self.expires_at:
-                    self._lost = "this driver's lease ran out before it could be renewed"
+                self._note_takeover()
+            if self._lost is None and self._clock() >= self.expires_at:
+                self._lost = "this driver's lease ran out before it could be renewed"
             if self._lost is not None:
                 raise OutputBusy(
                     f"output {self.store.uri()}: {self._lost}; this run stops writing to it. Run one "
@@ -164,8 +159,7 @@ class OutputLease:
                 return
             try:
                 if self._taken_over() is None:
-                    doc = {**self._doc, "released": True, "expires_at": self._clock()}
-                    self.store.put(self.key, _encode(doc), "application/json")
+                    self._write(released=True, expires_at=self._clock())
             except Exception as e:  # noqa: BLE001 - the lease then expires on its own
                 log.warning("could not release the lease on %s: %s", self.store.uri(self.key), e)
             self._lost = "the lease was released"
@@ -248,7 +242,7 @@ def acquire_lease(
     holder is a tool that leaves a complete output complete (`ditfleet compact`, `verify
     --clean`): its lease does not make the output's `_SUCCESS` stale (driver.output.success)."""
     for _ in range(_TRIES):
-        generations = _generations(store)
+        generations = lease_generations(store)
         now = clock()
         if generations:
             top = generations[-1]
@@ -285,11 +279,6 @@ def acquire_lease(
         f"output {store.uri()}: {_TRIES} other drivers took its lease first; is another `ditfleet run` "
         "of this output starting? Run one at a time"
     )
-
-
-def lease_generations(store: ObjectStore) -> list[int]:
-    """The lease generations present, lowest first."""
-    return _generations(store)
 
 
 def read_lease_document(store: ObjectStore, generation: int) -> dict[str, Any] | None:

@@ -51,11 +51,7 @@ def _redo_of(doc: dict) -> list[tuple[int, int]]:
     redo = doc.get("redo")
     if not isinstance(redo, dict):
         return []
-    out = []
-    for shard, generation in redo.items():
-        if str(shard).isdigit() and isinstance(generation, int) and generation >= 1:
-            out.append((int(shard), generation))
-    return out
+    return [(int(s), g) for s, g in redo.items() if str(s).isdigit() and isinstance(g, int) and g >= 1]
 
 
 def settle_older(store: ObjectStore, generation: int) -> Settled:

@@ -13,7 +13,7 @@ import io
 from collections import Counter
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import pyarrow as pa
@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 
 from ditfleet.driver.output.compact import CompactedState, compacted_state
 from ditfleet.driver.output.job_file import read_job_file
+from ditfleet.driver.output.lease import shard_ranges
 from ditfleet.driver.output.near_duplicate_counts import near_duplicate_line, output_near_duplicates
 from ditfleet.driver.output.success import success_file
 from ditfleet.driver.run_records import RecordedPlan, read_run_records
@@ -57,17 +58,11 @@ class OutputCounts:
     gate_tries: int = 0
 
     def add(self, other: OutputCounts) -> None:
-        self.shards += other.shards
-        self.rows_ok += other.rows_ok
-        self.rows_failed += other.rows_failed
-        self.images_ok += other.images_ok
-        self.images_failed += other.images_failed
-        self.errors.update(other.errors)
-        self.dit_blocks_computed += other.dit_blocks_computed
-        self.dit_blocks_reused += other.dit_blocks_reused
-        self.gate_images += other.gate_images
-        self.gate_passed += other.gate_passed
-        self.gate_tries += other.gate_tries
+        for f in fields(self):
+            if f.name == "errors":
+                self.errors.update(other.errors)
+            else:
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
     def gate(self) -> dict[str, Any]:
         """The gate's pass rate and tries per image over the images it judged; {} without a gate."""
@@ -232,15 +227,9 @@ def _or_unknown(value: Any) -> str:
 
 def _ranges(shards: list[int], limit: int = 20) -> str:
     """[1, 2, 3, 7] -> '1-3, 7' (at most `limit` ranges, then '...')."""
-    out: list[str] = []
-    i = 0
-    while i < len(shards) and len(out) < limit:
-        j = i
-        while j + 1 < len(shards) and shards[j + 1] == shards[j] + 1:
-            j += 1
-        out.append(str(shards[i]) if i == j else f"{shards[i]}-{shards[j]}")
-        i = j + 1
-    return ", ".join(out) + (", ..." if i < len(shards) else "")
+    ranges = shard_ranges(shards)
+    shown = [str(a) if a == b else f"{a}-{b}" for a, b in ranges[:limit]]
+    return ", ".join(shown) + (", ..." if len(ranges) > limit else "")
 
 
 def output_status(store: ObjectStore) -> OutputStatus:

@@ -203,17 +203,12 @@ def startup_summary(reports: dict[str, dict]) -> dict[str, Any]:
     startup = [float(r["ready_s"]) for r in reports.values() if isinstance(r.get("ready_s"), (int, float))]
     load = [float(r["load_s"]) for r in reports.values() if isinstance(r.get("load_s"), (int, float))]
     warm = [w for w in (warmup_seconds(r) for r in reports.values()) if w is not None]
-    (sm, sx), (lm, lx), (wm, wx) = _stats(startup), _stats(load), _stats(warm)
-    return {
-        "actors": len(reports),
-        "ready_s_mean": round(sm, 3),  # actor created -> ready, as the driver saw it
-        "ready_s_max": round(sx, 3),
-        "load_s_mean": round(lm, 3),
-        "load_s_max": round(lx, 3),
-        "warmup_s_mean": round(wm, 3),
-        "warmup_s_max": round(wx, 3),
-        "per_worker": reports,
-    }
+    out: dict[str, Any] = {"actors": len(reports)}
+    # ready_s: actor created -> ready, as the driver saw it
+    for name, values in (("ready_s", startup), ("load_s", load), ("warmup_s", warm)):
+        mean, top = _stats(values)
+        out[f"{name}_mean"], out[f"{name}_max"] = round(mean, 3), round(top, 3)
+    return {**out, "per_worker": reports}
 
 
 def _status(shards_failed: bool, shards_left: bool, counts: OutputCounts) -> str:

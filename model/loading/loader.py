@@ -29,7 +29,6 @@ from ditfleet.model.loading.folder import (  # noqa: F401 - re-exported: the fol
 )
 from ditfleet.model.loading.fp8 import Fp8Quantizer, check_checkpoint_dtypes, check_device
 from ditfleet.model.loading.lora import (
-    LoraFile,
     LoraSpec,
     adapters_revision,
     merge_updates,
@@ -74,23 +73,6 @@ def prepare_transformer(
         model = QwenImageTransformer(config, modulation_cache=modulation_cache)
     checkpoint.check_matches(model, str(component_dir))
     return model, checkpoint
-
-
-def load_transformer(
-    component_dir: Path,
-    device,
-    dtype,
-    modulation_cache: str = DEFAULT_PIPELINE.modulation_cache,
-    loras: Sequence[LoraFile] = (),
-    quantization: Quantization = DEFAULT_PIPELINE.quantization,
-) -> QwenImageTransformer:
-    """`loras` are merged into the weights as they load (see model/loading/lora.py), before any
-    quantization (model.loading.fp8)."""
-    check_device(check_quantization(quantization), device)
-    model, checkpoint = prepare_transformer(component_dir, modulation_cache)
-    updates = plan_updates(loras, model)  # every adapter key checked before any weight is read
-    fill_transformer(model, checkpoint, str(component_dir), dtype, device, updates, quantization)
-    return model.eval().requires_grad_(False)
 
 
 def fill_transformer(

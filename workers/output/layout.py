@@ -43,6 +43,7 @@ paths.
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 import secrets
 import typing
@@ -130,18 +131,19 @@ def safe_key_component(id_: str | int) -> str:
     return f"{head}~~{digest}"
 
 
+def _whole(value: object, what: str, lo: int = 0, hi: float = math.inf) -> int:
+    """`value` when it is an int (not a bool) in [lo, hi]; else ValueError "{what}, got {value!r}"."""
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ValueError(f"{what}, got {value!r}")
+    return value
+
+
 def _shard(shard: int) -> str:
-    if isinstance(shard, bool) or not isinstance(shard, int) or shard < 0:
-        raise ValueError(f"a shard index must be an int >= 0, got {shard!r}")
-    return f"{shard:05d}"
+    return f"{_whole(shard, 'a shard index must be an int >= 0'):05d}"
 
 
 def _k_suffix(k: int | None) -> str:
-    if k is None:
-        return ""
-    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-        raise ValueError(f"image index k must be an int >= 0 or None, got {k!r}")
-    return f"_{k}"
+    return "" if k is None else f"_{_whole(k, 'image index k must be an int >= 0 or None')}"
 
 
 def new_attempt_token(attempt: int, generation: int = 0) -> str:
@@ -151,10 +153,8 @@ def new_attempt_token(attempt: int, generation: int = 0) -> str:
 
     Drawn anew for every run, also for two runs with the same attempt number (a queued run moved
     to an idle actor keeps its number, and the original may start anyway)."""
-    if isinstance(attempt, bool) or not isinstance(attempt, int) or not 0 <= attempt < 10**6:
-        raise ValueError(f"an attempt number must be an int in 0..999999, got {attempt!r}")
-    if isinstance(generation, bool) or not isinstance(generation, int) or not 0 <= generation < 10**9:
-        raise ValueError(f"a manifest generation must be an int in 0..999999999, got {generation!r}")
+    _whole(attempt, "an attempt number must be an int in 0..999999", hi=10**6 - 1)
+    _whole(generation, "a manifest generation must be an int in 0..999999999", hi=10**9 - 1)
     redo = f"r{generation}-" if generation else ""
     return f"{redo}a{attempt}-{secrets.token_hex(8)}"
 
@@ -322,34 +322,29 @@ def run_ids_key(run: int, token: str) -> str:
     return f"{RUNS_PREFIX}{_run(run)}-{token}.ids.parquet"
 
 
-def run_of_key(key: str) -> int | None:
-    """The run number of a key made by run_key, or None for any other key."""
-    if not key.startswith(RUNS_PREFIX):
-        return None
-    match = _RUN_FILE.match(key[len(RUNS_PREFIX) :])
+def _number_of(key: str, prefix: str, pattern: re.Pattern[str]) -> int | None:
+    match = pattern.match(key[len(prefix) :]) if key.startswith(prefix) else None
     return int(match.group(1)) if match else None
 
 
+def run_of_key(key: str) -> int | None:
+    """The run number of a key made by run_key, or None for any other key."""
+    return _number_of(key, RUNS_PREFIX, _RUN_FILE)
+
+
 def _run(run: int) -> str:
-    if isinstance(run, bool) or not isinstance(run, int) or run < 1:
-        raise ValueError(f"a run number must be an int >= 1, got {run!r}")
-    return f"{run:05d}"
+    return f"{_whole(run, 'a run number must be an int >= 1', lo=1):05d}"
 
 
 def lease_key(generation: int) -> str:
     """Key of generation `generation` of the output's driver lease (driver.output.lease); each
     generation is written create-only, so of two drivers taking the next one, one wins."""
-    if isinstance(generation, bool) or not isinstance(generation, int) or generation < 0:
-        raise ValueError(f"a lease generation must be an int >= 0, got {generation!r}")
-    return f"{LEASE_PREFIX}{generation:08d}.json"
+    return f"{LEASE_PREFIX}{_whole(generation, 'a lease generation must be an int >= 0'):08d}.json"
 
 
 def lease_of_key(key: str) -> int | None:
     """The generation of a key made by lease_key, or None for any other key."""
-    if not key.startswith(LEASE_PREFIX):
-        return None
-    match = _LEASE_FILE.match(key[len(LEASE_PREFIX) :])
-    return int(match.group(1)) if match else None
+    return _number_of(key, LEASE_PREFIX, _LEASE_FILE)
 
 
 def job_key() -> str:

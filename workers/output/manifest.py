@@ -360,12 +360,8 @@ def current_of(store: ObjectStore, generations: dict[int, str]) -> str | None:
 
 
 def _current(store: ObjectStore, keys) -> dict[int, str]:
-    out: dict[int, str] = {}
-    for shard, generations in manifest_generations(keys).items():
-        key = current_of(store, generations)
-        if key is not None:
-            out[shard] = key
-    return out
+    found = {shard: current_of(store, g) for shard, g in manifest_generations(keys).items()}
+    return {shard: key for shard, key in found.items() if key is not None}
 
 
 def current_manifest_keys(store: ObjectStore) -> dict[int, str]:

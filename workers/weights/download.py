@@ -144,11 +144,9 @@ def _transfer(
             for f, staged, future in futures:
                 try:
                     future.result()
-                except OSError as e:
-                    if not isinstance(e, (ConnectionError, TimeoutError)):
-                        raise  # writing the local file failed: reported as a cache problem
-                    raise s3_fetch_error(e, "download", f"s3://{bucket}/{f.key}", endpoint) from None
                 except Exception as e:  # noqa: BLE001 - every cause becomes one clear error
+                    if isinstance(e, OSError) and not isinstance(e, (ConnectionError, TimeoutError)):
+                        raise  # writing the local file failed: reported as a cache problem
                     raise s3_fetch_error(e, "download", f"s3://{bucket}/{f.key}", endpoint) from None
                 checks.append(verifiers.submit(_verify_and_commit, client, bucket, entry, f, staged, config))
             for check in checks:

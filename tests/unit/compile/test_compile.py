@@ -36,8 +36,8 @@ from ditfleet.compile import (
 )
 from ditfleet.compile.cache import UnauthenticatedCacheBlob, open_sealed, pack, seal, unpack
 from ditfleet.compile.claims import CLAIMS_DIR
-from ditfleet.compile.prewarm import spawn_prewarm
 from ditfleet.model import load_pipeline
+from ditfleet.testing.prewarm import spawn_prewarm
 from ditfleet.testing.prompt_padding import pad_guidance_inputs
 from tests.support.compile_helpers import SMALL_BUCKETS, generate, perturbed_vae, random_embeds, velocity
 

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from ditfleet.compile import BucketClaims, CompileClaimWarning
-from ditfleet.compile.prewarm import spawn_prewarm
+from ditfleet.testing.prewarm import spawn_prewarm
 from tests.support.compile_helpers import SMALL_BUCKETS
 
 QUIET_ENV = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}

@@ -1,4 +1,4 @@
-"""The dispatch policy at fleet scale, on driver.dispatch.sim_pool's virtual clock: spot churn
+"""The dispatch policy at fleet scale, on ditfleet.testing.sim_pool's virtual clock: spot churn
 (actors reclaimed with and without notice, some just after their manifest was written) with
 replacements joining, and every shard committed exactly once; the book's memory per shard; the
 fleet's cost accounted by the dispatcher. Small sizes: bench/driver_fleet.py has the 1,000-actor,
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 from ditfleet.driver.dispatch import DispatchConfig, DispatchEvents
 from ditfleet.driver.dispatch.book import ShardBook
 from ditfleet.driver.dispatch.policy import Dispatcher
-from ditfleet.driver.dispatch.sim_pool import FleetSim
+from ditfleet.testing.sim_pool import FleetSim
 
 
 class Counts(DispatchEvents):

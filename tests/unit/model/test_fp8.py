@@ -21,7 +21,6 @@ from ditfleet.model.loading.fp8 import (
     quantize_rows,
     quantize_weight,
 )
-from ditfleet.model.loading.loader import load_transformer
 from ditfleet.model.loading.lora import LoraSpec, read_loras
 from ditfleet.model.loading.quantization import (
     KEEP_IN_LOAD_DTYPE,
@@ -31,6 +30,7 @@ from ditfleet.model.loading.quantization import (
 )
 from ditfleet.model.loading.weights import WeightsError
 from ditfleet.model.tiny.adherence import measure
+from ditfleet.testing.models import load_transformer
 from ditfleet.testing.outliers import cast_inputs, forward_inputs, outlier_transformer, relative_error
 from tests.support.paths import REPO
 from tests.unit.model.test_lora import write_diffusers_lora

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from ditfleet.model import TransformerConfig, WeightsError, load_pipeline
-from ditfleet.model.loading.loader import load_transformer
-from ditfleet.testing.models import TINY_TRANSFORMER
+from ditfleet.testing.models import TINY_TRANSFORMER, load_transformer
 from tests.support.model_fixtures import (
     diffusers_images,
     diffusers_pipeline,

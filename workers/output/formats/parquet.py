@@ -29,42 +29,25 @@ IMAGE_STRUCT = pa.struct([pa.field("bytes", pa.binary()), pa.field("path", pa.st
 
 # All fields nullable: `datasets` only applies its features to fields equal to its own
 # (always nullable) ones, so a non-nullable "image" would load as a plain dict.
-DATA_SCHEMA = pa.schema(
-    [
-        pa.field("image", IMAGE_STRUCT),
-        pa.field("id", pa.string()),
-        pa.field("k", pa.int32()),
-        pa.field("prompt", pa.string()),
-        pa.field("negative_prompt", pa.string()),
-        pa.field("seed", pa.int64()),
-        pa.field("width", pa.int32()),
-        pa.field("height", pa.int32()),
-        pa.field("sha256", pa.string()),
-        pa.field("extra", pa.string()),
-    ],
-    # `datasets` reads its features from this key, so load_dataset yields PIL images for
-    # "image" without a cast_column.
-    metadata={
-        "huggingface": json.dumps(
-            {
-                "info": {
-                    "features": {
-                        "image": {"_type": "Image"},
-                        "id": {"dtype": "string", "_type": "Value"},
-                        "k": {"dtype": "int32", "_type": "Value"},
-                        "prompt": {"dtype": "string", "_type": "Value"},
-                        "negative_prompt": {"dtype": "string", "_type": "Value"},
-                        "seed": {"dtype": "int64", "_type": "Value"},
-                        "width": {"dtype": "int32", "_type": "Value"},
-                        "height": {"dtype": "int32", "_type": "Value"},
-                        "sha256": {"dtype": "string", "_type": "Value"},
-                        "extra": {"dtype": "string", "_type": "Value"},
-                    }
-                }
-            }
-        )
-    },
-)
+_FIELDS = [
+    pa.field("image", IMAGE_STRUCT),
+    pa.field("id", pa.string()),
+    pa.field("k", pa.int32()),
+    pa.field("prompt", pa.string()),
+    pa.field("negative_prompt", pa.string()),
+    pa.field("seed", pa.int64()),
+    pa.field("width", pa.int32()),
+    pa.field("height", pa.int32()),
+    pa.field("sha256", pa.string()),
+    pa.field("extra", pa.string()),
+]
+# `datasets` reads its features from this key, so load_dataset yields PIL images for
+# "image" without a cast_column.
+_FEATURES = {
+    f.name: {"_type": "Image"} if f.name == "image" else {"dtype": str(f.type), "_type": "Value"}
+    for f in _FIELDS
+}
+DATA_SCHEMA = pa.schema(_FIELDS, metadata={"huggingface": json.dumps({"info": {"features": _FEATURES}})})
 _NOT_IMAGE = [f.name for f in DATA_SCHEMA if f.name != "image"]
 
 
