@@ -63,6 +63,9 @@ def test_the_local_submit_walkthrough_runs_as_written(tmp_path):
     env.update(
         HOME=str(home), PATH=f"{bin_dir}:{env.get('PATH', '')}", RAY_USAGE_STATS_ENABLED="0", TMPDIR="/tmp"
     )
+    # A test head has nothing to drain: its GCS ends at once on the walkthrough's SIGTERM (by
+    # default it waits 30 s, and _stop_head with it), as tests/support/fixtures_ray.py's heads do.
+    env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
     proc = subprocess.Popen(
         ["bash", "-euo", "pipefail", "-c", script],
         cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
