@@ -36,7 +36,7 @@ from ditfleet.model.loading.lora import (
     read_loras,
 )
 from ditfleet.model.loading.quantization import check_quantization, quantized_revision
-from ditfleet.model.loading.weights import WeightsError, read_config
+from ditfleet.model.loading.weights import WeightsError, on_meta, read_config
 from ditfleet.model.networks.text_encoder import QwenVLTextEncoder, TextEncoder
 from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
 from ditfleet.model.networks.vae import load_vae
@@ -69,7 +69,7 @@ def prepare_transformer(
     config = TransformerConfig.from_dict(read_config(component_dir), where=str(component_dir / "config.json"))
     checkpoint = Checkpoint(component_dir)
     check_checkpoint_dtypes(checkpoint.tensors, str(component_dir))  # FP8 tensors without scales
-    with torch.device("meta"):
+    with on_meta():
         model = QwenImageTransformer(config, modulation_cache=modulation_cache)
     checkpoint.check_matches(model, str(component_dir))
     return model, checkpoint

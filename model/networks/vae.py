@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from ditfleet.model.loading.checkpoint import Checkpoint
-from ditfleet.model.loading.weights import WeightsError, assign_state_dict, read_config, read_state_dict
+from ditfleet.model.loading.weights import WeightsError, assign_state_dict, on_meta, read_config, read_state_dict
 from ditfleet.model.networks.vae_blocks import CausalConv2d, Decoder, Encoder, Resample, RMSNorm
 from ditfleet.model.networks.vae_config import DIFFUSERS_CLASS, VAEConfig  # noqa: F401 - re-exported
 
@@ -214,7 +214,7 @@ def load_vae(
             f"{cfg_path}: _class_name is {cls_name!r}; expected {DIFFUSERS_CLASS!r} (the Qwen-Image VAE)."
         )
     config = VAEConfig.from_dict(raw, source=str(cfg_path))
-    with torch.device("meta"):
+    with on_meta():
         vae = QwenImageVAE(config, with_encoder=with_encoder)
     Checkpoint(component_dir)  # a missing or truncated file is named before anything is read
     state = state_dict_from_3d(vae, read_state_dict(component_dir), where=str(component_dir))

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from ditfleet.model.loading.weights import WeightsError, assign_state_dict, read_config, read_state_dict
+from ditfleet.model.loading.weights import WeightsError, assign_state_dict, on_meta, read_config, read_state_dict
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH
 from ditfleet.model.tiny.known_words import WORD_RE
 
@@ -200,7 +200,7 @@ class TinyTextEncoder(nn.Module):
                 f"{root / 'text_encoder' / 'config.json'}: {e}. Expected keys {list(TextEncoderConfig.__dataclass_fields__)}."
             ) from e
         tokenizer = WordTokenizer.load(root / "tokenizer")
-        with torch.device("meta"):
+        with on_meta():
             module = cls(config, tokenizer)
         state = read_state_dict(root / "text_encoder")
         assign_state_dict(module, state, where=str(root / "text_encoder"), dtype=dtype, device=device)
