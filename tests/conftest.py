@@ -38,7 +38,17 @@ def _share_kernel_builds_within_the_run() -> None:
     )
 
 
+def _trust_the_hosts_vector_isa() -> None:
+    """Every process that compiles with Inductor on the CPU first proves which vector instruction
+    set works (it builds a probe per candidate ISA, then loads each in a Python child): about 3 s a
+    fresh process, and the tests start dozens. The run's processes share one host and one compiler,
+    so they take the best ISA the host's /proc/cpuinfo lists, as the probe picks on this host. A
+    value the caller set is kept."""
+    os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
+
+
 _share_kernel_builds_within_the_run()
+_trust_the_hosts_vector_isa()
 
 pytest_plugins = [
     "tests.support.fixtures_s3",
