@@ -61,9 +61,13 @@ class Stage:
 
 
 STAGES: list[Stage] = []
-# Seconds an isolated stage's child gets beyond the stage's limit: its start-up (imports) and the
-# chance to stop at its own next check with a `deadline` line before it is ended.
-CHILD_GRACE_S = 20.0
+# An isolated stage's clock starts when its child says it has started the stage (CHILD_STARTED, on
+# stdout), so a slow start (imports, CUDA's first context) is not taken from the stage. The start
+# itself gets CHILD_START_S; the stage then gets its limit plus CHILD_GRACE_S, the chance to stop
+# at its own next check with a `deadline` line before it is ended.
+CHILD_STARTED = "selftest-child: stage started"
+CHILD_START_S = 120.0
+CHILD_GRACE_S = 5.0
 
 
 def stage(
@@ -287,13 +291,14 @@ def _error_text(e: BaseException) -> str:
 
 def run_isolated(ctx: Context, entry: Stage) -> None:
     """One stage in a child process, its lines relayed as they come; at the stage's deadline
-    (plus CHILD_GRACE_S) the child and everything it started are ended, with a `timeout` line."""
+    (counted from the child's CHILD_STARTED, plus CHILD_GRACE_S) the child and everything it
+    started are ended, with a `timeout` line."""
     assert ctx.child_command is not None
     for key in entry.frees:
         ctx.state.pop(key, None)
     _empty_device_cache(ctx)
     limit = stage_limit(ctx, entry)
-    wait_s = max(1.0, min(limit + CHILD_GRACE_S, ctx.started + ctx.budget_s + 15.0 - time.perf_counter()))
+    run_end = ctx.started + ctx.budget_s + 15.0
     command = [
         *ctx.child_command,
         "--child-stage",
@@ -309,10 +314,17 @@ def run_isolated(ctx: Context, entry: Stage) -> None:
     t0 = time.perf_counter()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True)
     emitted: list[dict[str, Any]] = []
-    pump = threading.Thread(target=_pump, args=(ctx, proc, emitted), name="selftest-child", daemon=True)
+    started = threading.Event()  # set at CHILD_STARTED, or when the child's stdout ends
+    pump = threading.Thread(
+        target=_pump, args=(ctx, proc, emitted, started), name="selftest-child", daemon=True
+    )
     pump.start()
     try:
-        code: int | None = proc.wait(timeout=wait_s)
+        if not started.wait(timeout=max(1.0, min(CHILD_START_S, run_end - time.perf_counter()))):
+            raise subprocess.TimeoutExpired(command, CHILD_START_S)
+        code: int | None = proc.wait(
+            timeout=max(1.0, min(limit + CHILD_GRACE_S, run_end - time.perf_counter()))
+        )
     except subprocess.TimeoutExpired:
         code = None
         _end_group(proc)
@@ -355,10 +367,15 @@ def load_facts(text: str) -> dict[str, Any]:
     return keys(json.loads(text)) if text else {}
 
 
-def _pump(ctx: Context, proc: subprocess.Popen, emitted: list[dict[str, Any]]) -> None:
+def _pump(
+    ctx: Context, proc: subprocess.Popen, emitted: list[dict[str, Any]], started: threading.Event
+) -> None:
     assert proc.stdout is not None
     for raw in proc.stdout:
         raw = raw.strip()
+        if raw == CHILD_STARTED:
+            started.set()
+            continue
         try:
             line = json.loads(raw) if raw.startswith("{") else None
         except ValueError:
@@ -367,6 +384,7 @@ def _pump(ctx: Context, proc: subprocess.Popen, emitted: list[dict[str, Any]]) -
             emitted.append(ctx.relay(line))
         elif raw:
             log.info("child: %s", raw)
+    started.set()  # it ended without starting the stage: nothing more to wait for
 
 
 def _end_group(proc: subprocess.Popen) -> None:
@@ -404,5 +422,6 @@ def run_child(ctx: Context, name: str) -> int:
     if not entries:
         print(f"--child-stage: no stage {name!r}", file=sys.stderr)
         return 2
+    print(CHILD_STARTED, flush=True)
     run_stage(ctx, entries[0])
     return 0
