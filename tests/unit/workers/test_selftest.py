@@ -277,3 +277,29 @@ def test_dit_compiled_keeps_the_compiled_vae_and_compiles_the_main_size_only(tmp
     ctx.state["compile_passed"] = False
     with pytest.raises(checks.StageSkipped, match="compile stage did not finish"):
         speed.dit_compiled(ctx)
+
+
+def test_an_isolated_stage_whose_child_dies_while_starting_is_an_error_at_once(tmp_path):
+    """A child that exits before it starts its stage ends the wait for its start (CHILD_START_S)
+    at once: an error line, not a `timeout` one after the start-up allowance."""
+    import time
+
+    import torch
+
+    from ditfleet.workers.selftest import stages  # noqa: F401 - registers the stages
+    from ditfleet.workers.selftest.main import build_parser
+    from ditfleet.workers.selftest.runner import STAGES, Context, run_isolated
+
+    ctx = Context(
+        args=build_parser().parse_args(["--tiny", "--out", str(tmp_path)]),
+        out=tmp_path,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        tiny=True,
+        started=time.perf_counter(),
+        budget_s=600,
+        child_command=[sys.executable, "-c", "import sys; sys.exit(3)"],
+    )
+    run_isolated(ctx, next(s for s in STAGES if s.isolated))
+    (line,) = ctx.lines
+    assert line["status"] == "error" and "exited with 3 without a line" in line["error"], line
