@@ -16,7 +16,13 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from ditfleet.model.loading.checkpoint import Checkpoint
-from ditfleet.model.loading.weights import WeightsError, assign_state_dict, on_meta, read_config, read_state_dict
+from ditfleet.model.loading.weights import (
+    WeightsError,
+    assign_state_dict,
+    on_meta,
+    read_config,
+    read_state_dict,
+)
 from ditfleet.model.networks.vae_blocks import CausalConv2d, Decoder, Encoder, Resample, RMSNorm
 from ditfleet.model.networks.vae_config import DIFFUSERS_CLASS, VAEConfig  # noqa: F401 - re-exported
 

@@ -21,7 +21,13 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from ditfleet.model.loading.weights import WeightsError, assign_state_dict, on_meta, read_config, read_state_dict
+from ditfleet.model.loading.weights import (
+    WeightsError,
+    assign_state_dict,
+    on_meta,
+    read_config,
+    read_state_dict,
+)
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH
 from ditfleet.model.tiny.known_words import WORD_RE
 

@@ -65,7 +65,9 @@ def test_loading_a_model_imports_no_compiler():
         "import sys; from ditfleet.model import load_pipeline; load_pipeline('tiny'); "
         "print('torch._dynamo' in sys.modules)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
+    )
     assert out.stdout.strip() == "False", out
 
 
