@@ -234,31 +234,31 @@ def test_the_stage_estimates_fit_the_budget_with_margin():
     assert {s.name for s in STAGES if s.optional} == {"fp8_compiled"}
 
 
-@pytest.mark.slow
-def test_dit_compiled_keeps_the_compiled_vae_and_compiles_the_main_size_only(tmp_path):
+def _tiny_context(out: Path, *options: str, **fields):
+    """A `--tiny` run's Context in this process (CPU, 600 s of budget and stage deadline)."""
     import time
 
     import torch
 
-    from ditfleet.compile.policy import apply_compile
-    from ditfleet.model.generation.pipeline import TextToImagePipeline
-    from ditfleet.workers.selftest import checks, parts, speed
     from ditfleet.workers.selftest.main import build_parser
     from ditfleet.workers.selftest.runner import Context
 
-    args = build_parser().parse_args(["--tiny", "--out", str(tmp_path), "--layers", "2", "--text-len", "8"])
-    args.repeat = 1
-    ctx = Context(
-        args=args,
-        out=tmp_path,
-        device=torch.device("cpu"),
-        dtype=torch.bfloat16,
-        tiny=True,
-        started=time.perf_counter(),
-        budget_s=600,
-        scratch=tmp_path / "scratch",
-        stage_deadline=time.perf_counter() + 600,
-    )
+    args = build_parser().parse_args(["--tiny", "--out", str(out), *options])
+    now = time.perf_counter()
+    return Context(
+        args=args, out=out, device=torch.device("cpu"), dtype=torch.bfloat16, tiny=True, started=now,
+        budget_s=600, stage_deadline=now + 600, **fields,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_dit_compiled_keeps_the_compiled_vae_and_compiles_the_main_size_only(tmp_path):
+    from ditfleet.compile.policy import apply_compile
+    from ditfleet.model.generation.pipeline import TextToImagePipeline
+    from ditfleet.workers.selftest import checks, parts, speed
+
+    ctx = _tiny_context(tmp_path, "--layers", "2", "--text-len", "8", scratch=tmp_path / "scratch")
+    ctx.args.repeat = 1
     # as the compile stage leaves it on a GPU: its settings, the VAE decode compiled
     config = checks.compile_config(ctx, dit=True, vae=True)
     vae = parts.make_vae(parts.vae_config(ctx), ctx.device, ctx.dtype, False)
@@ -282,24 +282,10 @@ def test_dit_compiled_keeps_the_compiled_vae_and_compiles_the_main_size_only(tmp
 def test_an_isolated_stage_whose_child_dies_while_starting_is_an_error_at_once(tmp_path):
     """A child that exits before it starts its stage ends the wait for its start (CHILD_START_S)
     at once: an error line, not a `timeout` one after the start-up allowance."""
-    import time
-
-    import torch
-
     from ditfleet.workers.selftest import stages  # noqa: F401 - registers the stages
-    from ditfleet.workers.selftest.main import build_parser
-    from ditfleet.workers.selftest.runner import STAGES, Context, run_isolated
+    from ditfleet.workers.selftest.runner import STAGES, run_isolated
 
-    ctx = Context(
-        args=build_parser().parse_args(["--tiny", "--out", str(tmp_path)]),
-        out=tmp_path,
-        device=torch.device("cpu"),
-        dtype=torch.float32,
-        tiny=True,
-        started=time.perf_counter(),
-        budget_s=600,
-        child_command=[sys.executable, "-c", "import sys; sys.exit(3)"],
-    )
+    ctx = _tiny_context(tmp_path, child_command=[sys.executable, "-c", "import sys; sys.exit(3)"])
     run_isolated(ctx, next(s for s in STAGES if s.isolated))
     (line,) = ctx.lines
     assert line["status"] == "error" and "exited with 3 without a line" in line["error"], line
