@@ -30,7 +30,7 @@ class _SkipInit(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if getattr(func, "__module__", None) == "torch.nn.init":
-            return args[0] if args else next(iter((kwargs or {}).values()))
+            return args[0] if args else kwargs["tensor"]  # every torch.nn.init function names it so
         return func(*args, **(kwargs or {}))
 
 
