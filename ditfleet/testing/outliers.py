@@ -36,12 +36,13 @@ def _outlier_weight(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
 @torch.no_grad()
 def outlier_transformer(num_layers: int = 1, seed: int = 0, model: str = "qwen-image"):
     """QwenImageTransformer at the published widths, `num_layers` deep, fp32 on the CPU."""
+    from ditfleet.model.loading.weights import on_meta
     from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
 
     config = TransformerConfig.from_dict(
         {**published_config(model, "transformer/config.json"), "num_layers": num_layers}
     )
-    with torch.device("meta"):
+    with on_meta():
         dit = QwenImageTransformer(config)
     g = torch.Generator().manual_seed(seed)
     state = {}

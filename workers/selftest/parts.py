@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from ditfleet.model.generation.sampling import LATENT_CHANNELS, latent_grid
 from ditfleet.model.loading.fp8 import check_device, quantize_model
 from ditfleet.model.loading.quantization import QuantizationError
+from ditfleet.model.loading.weights import on_meta
 from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
 from ditfleet.model.networks.vae import QwenImageVAE
 from ditfleet.model.networks.vae_config import VAEConfig
@@ -84,7 +85,7 @@ def make_transformer(
     cfg: TransformerConfig, device: torch.device, dtype: torch.dtype, seed: int = 0
 ) -> QwenImageTransformer:
     """The DiT straight on the device in `dtype`: built on meta, allocated there, filled there."""
-    with torch.device("meta"):
+    with on_meta():
         model = QwenImageTransformer(cfg)
     model = model.to(dtype).to_empty(device=device)
     return init_on_device(model, seed).eval().requires_grad_(False)
@@ -93,7 +94,7 @@ def make_transformer(
 def make_vae(
     cfg: VAEConfig, device: torch.device, dtype: torch.dtype, with_encoder: bool, seed: int = 0
 ) -> QwenImageVAE:
-    with torch.device("meta"):
+    with on_meta():
         vae = QwenImageVAE(cfg, with_encoder=with_encoder)
     vae = vae.to(dtype).to_empty(device=device)
     return init_on_device(vae, seed).eval().requires_grad_(False)
@@ -155,7 +156,7 @@ def write_sharded(
 
 def transformer_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """Every tensor name and shape of the transformer a config describes (built on meta)."""
-    with torch.device("meta"):
+    with on_meta():
         model = QwenImageTransformer(TransformerConfig.from_dict(config))
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 

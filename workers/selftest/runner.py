@@ -299,6 +299,10 @@ def run_isolated(ctx: Context, entry: Stage) -> None:
     _empty_device_cache(ctx)
     limit = stage_limit(ctx, entry)
     run_end = ctx.started + ctx.budget_s + 15.0
+
+    def wait_s(cap: float) -> float:  # never past the run's end
+        return max(1.0, min(cap, run_end - time.perf_counter()))
+
     command = [
         *ctx.child_command,
         "--child-stage",
@@ -319,14 +323,13 @@ def run_isolated(ctx: Context, entry: Stage) -> None:
         target=_pump, args=(ctx, proc, emitted, started), name="selftest-child", daemon=True
     )
     pump.start()
-    try:
-        if not started.wait(timeout=max(1.0, min(CHILD_START_S, run_end - time.perf_counter()))):
-            raise subprocess.TimeoutExpired(command, CHILD_START_S)
-        code: int | None = proc.wait(
-            timeout=max(1.0, min(limit + CHILD_GRACE_S, run_end - time.perf_counter()))
-        )
-    except subprocess.TimeoutExpired:
-        code = None
+    code: int | None = None
+    if started.wait(timeout=wait_s(CHILD_START_S)):
+        try:
+            code = proc.wait(timeout=wait_s(limit + CHILD_GRACE_S))
+        except subprocess.TimeoutExpired:
+            pass
+    if code is None:
         _end_group(proc)
     pump.join(timeout=10.0)
     took = time.perf_counter() - t0
