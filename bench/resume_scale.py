@@ -32,6 +32,7 @@ from ditfleet.workers.output.layout import manifest_key  # noqa: E402
 from ditfleet.workers.output.manifest import committed_shards  # noqa: E402
 from ditfleet.workers.rows import RowConfig, ShardSpec  # noqa: E402
 from ditfleet.workers.storage import open_store  # noqa: E402
+from ditfleet.workers.storage.parquet_bytes import read_parquet
 
 
 def main() -> None:
@@ -83,7 +84,7 @@ def main() -> None:
     pq.write_table(plan_table(plan), sink, compression="zstd")
     write_s, write_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     t0, c0 = time.perf_counter(), time.process_time()
-    loaded = plan_from_table(pq.read_table(io.BytesIO(sink.getvalue())), config)
+    loaded = plan_from_table(read_parquet(sink.getvalue()), config)
     read_s, read_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     assert loaded.shards == plan.shards and loaded.fingerprint() == plan.fingerprint()
     print(

@@ -17,6 +17,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ditfleet.workers.storage.parquet_bytes import read_parquet
+
 BENCH_BUCKET = "bench"
 # A random model gets the bundled tiny model's proportions (recipes/tiny/train_dit.py), so that
 # the numbers carry over to it; the VAE and text encoder are the test fixtures' (same as bundled).
@@ -170,11 +172,11 @@ def _per_id(ids: list[str], n: int) -> dict[str, int]:
 
 def ditfleet_outputs(client: Any, prefix: str, n: int, fmt: str) -> dict[str, Any]:
     """Per id: stored images and manifest rows; rewrites of stored objects; stage timings."""
-    tables = [pq.read_table(io.BytesIO(_get(client, k))) for k in list_keys(client, f"{prefix}/manifests/")]
+    tables = [read_parquet(_get(client, k)) for k in list_keys(client, f"{prefix}/manifests/")]
     manifest = pa.concat_tables(tables) if tables else None
     rows = manifest.to_pylist() if manifest is not None else []
     if fmt == "parquet":
-        data = [pq.read_table(io.BytesIO(_get(client, k))) for k in list_keys(client, f"{prefix}/data/")]
+        data = [read_parquet(_get(client, k)) for k in list_keys(client, f"{prefix}/data/")]
         stored = pa.concat_tables(data).select(["id", "image"]).to_pylist() if data else []
         images = {r["id"]: r["image"]["bytes"] for r in stored}
         image_ids = [r["id"] for r in stored]
@@ -220,7 +222,7 @@ def _mean_ms(rows: list[dict], fields: tuple[str, ...]) -> dict[str, float]:
 def baseline_outputs(client: Any, prefix: str, n: int, udf_log_dir: Path) -> dict[str, Any]:
     """Per id: rows in the Parquet files; rewritten files; the UDF's own log of started batches."""
     keys = [k for k in list_keys(client, f"{prefix}/") if k.endswith(".parquet")]
-    table = pa.concat_tables([pq.read_table(io.BytesIO(_get(client, k))) for k in keys]) if keys else None
+    table = pa.concat_tables([read_parquet(_get(client, k)) for k in keys]) if keys else None
     rows = table.select(["id", "image"]).to_pylist() if table is not None else []
     counts = _per_id([r["id"] for r in rows], n)
     rewritten = rewrites(client, f"{prefix}/", ".parquet")

@@ -31,6 +31,7 @@ from ditfleet.driver.plan import InputIdentity, JobPlan, PlanConfig, fingerprint
 from ditfleet.workers.rows import ShardSpec
 from ditfleet.workers.storage import ObjectStore
 from ditfleet.workers.storage.input_files import InputFileError, footer_sha256
+from ditfleet.workers.storage.parquet_bytes import read_parquet
 
 PLAN_KEY = "_plan.parquet"
 PLAN_FILE_VERSION = 2
@@ -160,7 +161,7 @@ def load_plan(store: ObjectStore, source: PromptSource, config: PlanConfig) -> J
     if not store.exists(PLAN_KEY):
         return None
     try:
-        table = pq.read_table(io.BytesIO(store.get(PLAN_KEY)))
+        table = read_parquet(store.get(PLAN_KEY))
         meta = json.loads(table.schema.metadata[_META])
     except (OSError, ValueError, KeyError, TypeError, pa.ArrowException):
         return None  # damaged or foreign: plan from scratch, and the new plan replaces it

@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 from ditfleet.workers.output.layout import RUNS_PREFIX, run_ids_key, run_key, run_of_key
 from ditfleet.workers.rows import ShardSpec
 from ditfleet.workers.storage import ObjectNotFound, ObjectStore
+from ditfleet.workers.storage.parquet_bytes import read_parquet
 
 RUN_RECORD_VERSION = 1
 IDS_SCHEMA = pa.schema(
@@ -246,7 +247,7 @@ def recorded_ids(store: ObjectStore, records: Sequence[RunRecord], leave_out: It
 
     def read(key: str) -> pa.Array:
         try:
-            table = pq.read_table(io.BytesIO(store.get(key)))
+            table = read_parquet(store.get(key))
         except ObjectNotFound as e:
             raise RunRecordError(
                 f"{store.uri(key)} is missing: a run record names it as the ids of its rows. "

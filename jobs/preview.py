@@ -12,13 +12,13 @@ import math
 import textwrap
 from dataclasses import dataclass
 
-import pyarrow.parquet as pq
 from PIL import Image, ImageDraw, ImageFont
 
 from ditfleet.workers.output.formats import MANIFEST_IMAGE_COLUMNS, ManifestImage, ok_images, read_images
 from ditfleet.workers.output.layout import score_table_key
 from ditfleet.workers.output.manifest import current_manifest_keys
 from ditfleet.workers.storage import ObjectStore
+from ditfleet.workers.storage.parquet_bytes import read_parquet
 
 _COLUMNS = [*MANIFEST_IMAGE_COLUMNS, "prompt"]
 THUMB = 160  # longest side of a thumbnail, pixels
@@ -42,13 +42,12 @@ def scored_rows(store: ObjectStore, scorer: str) -> list[tuple[float, ManifestIm
     found = []
     column = f"score_{scorer}"
     for _, key in sorted(current_manifest_keys(store).items()):
-        parquet = pq.ParquetFile(io.BytesIO(store.get(key)))
-        has_column = column in parquet.schema_arrow.names
-        table = parquet.read(columns=[*_COLUMNS, *([column] if has_column else [])])
+        table = read_parquet(store.get(key), _COLUMNS, if_present=[column])
+        has_column = column in table.column_names
         scores = dict(zip(table["uri"].to_pylist(), table[column].to_pylist())) if has_column else {}
         side = score_table_key(scorer, key)
         if not any(v is not None for v in scores.values()) and store.exists(side):
-            side_table = pq.read_table(io.BytesIO(store.get(side)), columns=["uri", "score"])
+            side_table = read_parquet(store.get(side), ["uri", "score"])
             scores = dict(zip(side_table["uri"].to_pylist(), side_table["score"].to_pylist()))
         prompts = {(r["id"], r["k"]): r["prompt"] for r in table.select(["id", "k", "prompt"]).to_pylist()}
         for row in ok_images(table):
@@ -74,7 +73,7 @@ def collect(store: ObjectStore, limit: int) -> list[PreviewImage]:
     for shard in sorted(current):
         if len(picked) >= limit:
             break
-        table = pq.read_table(io.BytesIO(store.get(current[shard])), columns=_COLUMNS)
+        table = read_parquet(store.get(current[shard]), _COLUMNS)
         prompts = {(r["id"], r["k"]): r["prompt"] for r in table.select(["id", "k", "prompt"]).to_pylist()}
         rows = ok_images(table)[: limit - len(picked)]
         for row, blob in read_images(store, rows):

@@ -25,7 +25,6 @@ Compaction is a writer like a driver: it runs under the output's lease.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import tempfile
@@ -46,6 +45,7 @@ from ditfleet.driver.output.success import success_file
 from ditfleet.workers.output.layout import manifest_of_key
 from ditfleet.workers.output.manifest import MANIFEST_SCHEMA, current_manifest_keys, with_later_columns
 from ditfleet.workers.storage import ObjectStore
+from ditfleet.workers.storage.parquet_bytes import read_parquet
 from ditfleet.workers.value_digests import digests, mix
 
 COMPACTED_PREFIX = "compacted/"
@@ -189,7 +189,7 @@ def compacted_state(store: ObjectStore, current: Mapping[int, str] | None = None
 
 def _read(store: ObjectStore, key: str) -> pa.Table:
     try:
-        table = with_later_columns(pq.read_table(io.BytesIO(store.get(key))))
+        table = with_later_columns(read_parquet(store.get(key)))
     except (OSError, pa.ArrowException) as e:
         raise CompactionError(f"{store.uri(key)}: cannot read this manifest ({e})") from e
     if not table.schema.equals(MANIFEST_SCHEMA, check_metadata=False):
@@ -348,11 +348,12 @@ def check_compacted(store: ObjectStore, threads: int = _READ_THREADS) -> list[st
     compacted = UnionDigest()
     last_id: str | None = None
     in_order = True
-    with tempfile.TemporaryFile(prefix="ditfleet-compacted-") as f:
+    with tempfile.NamedTemporaryFile(prefix="ditfleet-compacted-") as f:
         try:
             store.get_file(COMPACTED_KEY, f)
-            f.seek(0)
-            parquet = pq.ParquetFile(f)
+            f.flush()
+            # By path: Arrow then owns the buffers it reads (see workers.storage.parquet_bytes).
+            parquet = pq.ParquetFile(f.name)
             if not with_later_columns(parquet.schema_arrow.empty_table()).schema.equals(
                 MANIFEST_SCHEMA, check_metadata=False
             ):

@@ -15,18 +15,17 @@ outputs) add nothing.
 
 from __future__ import annotations
 
-import io
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from ditfleet.workers.near_duplicates import NEAR_DUPLICATE_BITS, count_near_duplicates
 from ditfleet.workers.output.manifest import current_manifest_keys
 from ditfleet.workers.storage import ObjectStore
+from ditfleet.workers.storage.parquet_bytes import read_parquet
 from ditfleet.workers.value_digests import digests
 
 NEAR_DUPLICATE_LIMIT = 1_000_000  # images counted at most (the module says what it costs)
@@ -54,10 +53,10 @@ def near_duplicates_of(table: pa.Table, limit: int = NEAR_DUPLICATE_LIMIT) -> di
 
 
 def _read_hashes(store: ObjectStore, key: str) -> pa.Table:
-    parquet = pq.ParquetFile(io.BytesIO(store.get(key)))
-    if "phash" not in parquet.schema_arrow.names:
+    table = read_parquet(store.get(key), ["prompt"], if_present=["phash"])
+    if "phash" not in table.column_names:
         return pa.table({"prompt": pa.array([], pa.string()), "phash": pa.array([], pa.int64())})
-    return parquet.read(columns=["prompt", "phash"])
+    return table
 
 
 def output_near_duplicates(

@@ -21,13 +21,10 @@ Used by the driver's finish (driver.output.finish), `ditfleet verify --clean`
 
 from __future__ import annotations
 
-import io
 import os
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-
-import pyarrow.parquet as pq
 
 from ditfleet.workers.output.formats import FORMAT_AREAS, object_key
 from ditfleet.workers.output.layout import (
@@ -46,6 +43,7 @@ from ditfleet.workers.output.manifest import (
 from ditfleet.workers.storage import ObjectStore
 from ditfleet.workers.storage.base import check_key
 from ditfleet.workers.storage.local import LocalStore
+from ditfleet.workers.storage.parquet_bytes import read_parquet
 
 # Threads reading and deleting objects in a remote store: its calls wait on the network.
 IO_THREADS = 16
@@ -105,7 +103,7 @@ class ShardRecord:
 
 
 def _ok_keys(root: str, shard: int, data: bytes) -> tuple[list[str], bool]:
-    table = pq.read_table(io.BytesIO(data), columns=["status", "uri"])
+    table = read_parquet(data, ["status", "uri"])
     keys: list[str] = []
     for status, uri in zip(table.column("status").to_pylist(), table.column("uri").to_pylist()):
         if status != "ok":
@@ -213,7 +211,7 @@ def missing_named_objects(store: ObjectStore) -> dict[int, list[str]]:
     for shard in sorted(current):
         key = current[shard]
         try:
-            table = pq.read_table(io.BytesIO(store.get(key)), columns=["status", "uri"])
+            table = read_parquet(store.get(key), ["status", "uri"])
         except Exception:  # noqa: BLE001 - an unreadable commit is as bad as a lost object
             named[shard] = {key}
             continue

@@ -9,7 +9,6 @@ incremental job, in the union of its run records (driver.run_records).
 
 from __future__ import annotations
 
-import io
 from collections import Counter
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +17,6 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from ditfleet.driver.output.compact import CompactedState, compacted_state
 from ditfleet.driver.output.job_file import read_job_file
@@ -29,6 +27,7 @@ from ditfleet.driver.run_records import RecordedPlan, read_run_records
 from ditfleet.workers.output.layout import manifest_key
 from ditfleet.workers.output.manifest import current_manifest_key, current_manifest_keys
 from ditfleet.workers.storage import ObjectStore
+from ditfleet.workers.storage.parquet_bytes import read_parquet
 
 _COLUMNS = ["id", "status", "error"]
 # The step cache's counts; absent from manifests written before it existed.
@@ -85,9 +84,8 @@ def shard_counts(store: ObjectStore, shard: int, key: str | None = None) -> Outp
     """Counts of one committed shard, from its current manifest `key` (listed when not given;
     3 columns read)."""
     key = key or current_manifest_key(store, shard) or manifest_key(shard)
-    parquet = pq.ParquetFile(io.BytesIO(store.get(key)))
-    present = [c for c in _STEP_CACHE_COLUMNS + _GATE_COLUMNS if c in parquet.schema_arrow.names]
-    table = parquet.read(columns=_COLUMNS + present)
+    table = read_parquet(store.get(key), _COLUMNS, if_present=_STEP_CACHE_COLUMNS + _GATE_COLUMNS)
+    present = table.column_names
     blocks = {c: (pc.sum(table.column(c)).as_py() or 0) if c in present else 0 for c in _STEP_CACHE_COLUMNS}
     ok = pc.equal(table.column("status"), "ok")
     images_ok = pc.sum(ok).as_py() or 0

@@ -42,7 +42,6 @@ Exit 0 when nothing is wrong and the output is complete (or `partial` was asked 
 
 from __future__ import annotations
 
-import io
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -50,7 +49,6 @@ from typing import Any, Protocol
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from ditfleet.driver.output.compact import check_compacted
 from ditfleet.driver.output.json_objects import read_json
@@ -96,6 +94,7 @@ from ditfleet.workers.output.manifest import (
     with_later_columns,
 )
 from ditfleet.workers.storage import ObjectNotFound, ObjectStore
+from ditfleet.workers.storage.parquet_bytes import read_parquet
 
 
 @dataclass
@@ -151,7 +150,7 @@ def _read_manifest(
 ) -> _Shard | None:
     where = store.uri(key)
     try:
-        table = with_later_columns(pq.read_table(io.BytesIO(store.get(key))))
+        table = with_later_columns(read_parquet(store.get(key)))
     except Exception as e:  # noqa: BLE001 - a damaged manifest is a finding, not a crash
         problems.append(f"{where}: cannot be read as Parquet ({type(e).__name__}: {e})")
         return None

@@ -37,6 +37,7 @@ from ditfleet.workers.output.layout import (
     manifest_prefix,
 )
 from ditfleet.workers.storage import ObjectStore
+from ditfleet.workers.storage.parquet_bytes import read_parquet
 
 MANIFEST_VERSION = "1"
 STATUSES = ("ok", "failed")
@@ -320,7 +321,7 @@ class ManifestKind:
 
 def manifest_kind(data: bytes) -> ManifestKind:
     """Read a manifest key's footer (its schema metadata) alone; raises on what is not Parquet."""
-    metadata = pq.read_schema(io.BytesIO(data)).metadata or {}
+    metadata = pq.read_schema(pa.BufferReader(data)).metadata or {}
     marker = metadata.get(_TOMBSTONE_KEY)
     if marker == SEALED.encode():
         return ManifestKind(SEALED)
@@ -400,7 +401,7 @@ def read_manifests(store: ObjectStore) -> pa.Table:
     current = current_manifest_keys(store)
     for shard in sorted(current):
         key = current[shard]
-        table = with_later_columns(pq.read_table(io.BytesIO(store.get(key))))
+        table = with_later_columns(read_parquet(store.get(key)))
         if not table.schema.equals(MANIFEST_SCHEMA, check_metadata=False):
             raise ValueError(
                 f"{store.uri(key)} does not have the manifest schema (version {MANIFEST_VERSION}); "

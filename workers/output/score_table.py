@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 from ditfleet.workers.output.formats import MANIFEST_IMAGE_COLUMNS, ok_images, read_images
 from ditfleet.workers.output.layout import score_table_key
 from ditfleet.workers.storage import ObjectStore
+from ditfleet.workers.storage.parquet_bytes import read_parquet
 
 if TYPE_CHECKING:  # torch, which listing and reading tables do not need
     from ditfleet.model.quality.base import ImageScorer
@@ -44,7 +45,7 @@ def score_manifest(store: ObjectStore, manifest: str, scorer: ImageScorer) -> pa
     import torch
     from PIL import Image
 
-    table = pq.read_table(io.BytesIO(store.get(manifest)), columns=[*MANIFEST_IMAGE_COLUMNS, "prompt"])
+    table = read_parquet(store.get(manifest), [*MANIFEST_IMAGE_COLUMNS, "prompt"])
     prompts = {(r["id"], r["k"]): r["prompt"] for r in table.select(["id", "k", "prompt"]).to_pylist()}
     rows, scores = ok_images(table), []
     for row, blob in read_images(store, rows):  # each stored object read once

@@ -12,7 +12,7 @@ import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import BinaryIO, Literal
+from typing import IO, BinaryIO, Literal
 
 from ditfleet.model.settings import setting
 
@@ -155,7 +155,7 @@ class ObjectStore(abc.ABC):
     def get(self, key: str) -> bytes:
         """The object's bytes; raises ObjectNotFound."""
 
-    def get_file(self, key: str, f: BinaryIO) -> None:
+    def get_file(self, key: str, f: IO[bytes]) -> None:
         """Write the object's bytes into the binary file `f`, streaming where the store can (an
         object too large to hold in memory, such as a compacted set); raises ObjectNotFound."""
         f.write(self.get(key))

@@ -9,7 +9,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Iterator
-from typing import BinaryIO
+from typing import IO, BinaryIO
 
 from ditfleet.workers.output.layout import write_check_key
 from ditfleet.workers.storage.base import (
@@ -121,7 +121,7 @@ class LocalStore(ObjectStore):
         except FileNotFoundError:
             raise ObjectNotFound(f"no object {key!r} at {path}") from None
 
-    def get_file(self, key: str, f: BinaryIO) -> None:
+    def get_file(self, key: str, f: IO[bytes]) -> None:
         path = self._path(key)
         try:
             with open(path, "rb") as src:

@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, BinaryIO, TypeVar
+from typing import IO, Any, BinaryIO, TypeVar
 
 import boto3
 from boto3.s3.transfer import TransferConfig
@@ -334,7 +334,7 @@ class S3Store(ObjectStore):
             return body.read()
 
     @_names_the_object("GET")
-    def get_file(self, key: str, f: BinaryIO) -> None:
+    def get_file(self, key: str, f: IO[bytes]) -> None:
         with self._body(key) as body:
             for chunk in iter(lambda: body.read(_COPY_CHUNK), b""):
                 f.write(chunk)

@@ -22,6 +22,7 @@ from ditfleet.workers.output.formats.base import (
 from ditfleet.workers.output.formats.spool import SpooledShardWriter
 from ditfleet.workers.output.layout import DATA_PREFIX, data_key, image_file_name, image_index_in_key
 from ditfleet.workers.storage.base import ObjectStore
+from ditfleet.workers.storage.parquet_bytes import read_parquet
 
 PARQUET_CONTENT_TYPE = "application/vnd.apache.parquet"
 
@@ -122,7 +123,7 @@ class ParquetShardReader:
         uri = store.uri(key)
         blob = store.get(key)  # ObjectNotFound when absent
         try:
-            table = pq.read_table(pa.BufferReader(blob))
+            table = read_parquet(blob)
             images = pc.struct_field(table.column("image"), "bytes").to_pylist()  # null where the struct is
             ids, ks = table.column("id").to_pylist(), table.column("k").to_pylist()
         except Exception as e:  # noqa: BLE001 - any damage of the file is this one finding
