@@ -23,12 +23,10 @@ committed row's object intact, every row once, and as orphans only the uploads t
 from __future__ import annotations
 
 import hashlib
-import io
 import threading
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
-import pyarrow.parquet as pq
 import pytest
 
 from ditfleet.driver.output.verify import verify_output
@@ -38,6 +36,7 @@ from ditfleet.jobs.cli import main
 from ditfleet.workers.actor import GenerationWorker
 from ditfleet.workers.output.layout import MANIFESTS_PREFIX, attempt_object, manifest_key, success_key
 from ditfleet.workers.storage import ObjectStore, open_store
+from ditfleet.workers.storage.parquet_bytes import read_parquet
 from tests.support.worker_fixtures import finish_like_driver, row_config, worker_config, write_prompts
 
 INTERLEAVINGS = (
@@ -160,7 +159,7 @@ def _reset(gated: GatedStore) -> None:
 def _committed_objects(store: ObjectStore, shard: int) -> tuple[bytes, dict[str, str]]:
     """The shard's manifest bytes and {key: sha256} of the objects its ok rows name."""
     manifest = store.get(manifest_key(shard))
-    rows = pq.read_table(io.BytesIO(manifest)).to_pylist()
+    rows = read_parquet(manifest).to_pylist()
     root = store.uri() + "/"
     keys = {r["uri"].removeprefix(root) for r in rows if r["status"] == "ok"}
     return manifest, {k: hashlib.sha256(store.get(k)).hexdigest() for k in keys}

@@ -6,14 +6,12 @@ checked on what is in the output directory, not on what the dispatcher believes.
 
 from __future__ import annotations
 
-import io
 import os
 import signal
 import threading
 import time
 from collections import Counter
 
-import pyarrow.parquet as pq
 import pytest
 
 from ditfleet.driver.dispatch import DispatchConfig, DispatchEvents, run_shards
@@ -21,6 +19,7 @@ from ditfleet.workers.output.layout import manifest_key
 from ditfleet.workers.output.manifest import committed_shards
 from ditfleet.workers.rows import ShardSpec
 from ditfleet.workers.storage import open_store
+from ditfleet.workers.storage.parquet_bytes import read_parquet
 from tests.support.dispatch_workers import SleepingWorker, SleepingWorkerConfig
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -54,7 +53,7 @@ class Recorder(DispatchEvents):
 
 
 def manifest_attempts(out: str, shard: int) -> set[int]:
-    table = pq.read_table(io.BytesIO(open_store(out).get(manifest_key(shard))))
+    table = read_parquet(open_store(out).get(manifest_key(shard)))
     return set(table.column("attempt").to_pylist())
 
 

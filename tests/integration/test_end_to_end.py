@@ -8,7 +8,6 @@ what is claimed (several shards per actor, several buckets, kills while shards r
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import signal
@@ -26,6 +25,7 @@ from ditfleet.workers.generate import try_seed
 from ditfleet.workers.output.layout import MANIFESTS_PREFIX, success_key
 from ditfleet.workers.output.manifest import read_manifests
 from ditfleet.workers.storage import S3Config, open_store
+from ditfleet.workers.storage.parquet_bytes import read_parquet
 from tests.support.fixtures_ray import LOOPBACK_ENV
 from tests.support.fixtures_s3 import FAKE_CREDENTIALS, REGION
 from tests.support.paths import REPO
@@ -117,9 +117,7 @@ def _kill_writers_of_new_manifests(out: Path, kills: int, every: int, killed: li
         keys = sorted(store.list(MANIFESTS_PREFIX))
         if len(keys) >= target:
             for key in reversed(keys):
-                worker = (
-                    pq.read_table(io.BytesIO(store.get(key)), columns=["worker"]).column("worker")[0].as_py()
-                )
+                worker = read_parquet(store.get(key), ["worker"]).column("worker")[0].as_py()
                 pid = int(worker.split(":")[1])  # host:pid:actor
                 if pid not in killed:
                     os.kill(pid, signal.SIGKILL)

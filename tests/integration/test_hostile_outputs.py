@@ -43,6 +43,7 @@ from ditfleet.workers.output.layout import (
 )
 from ditfleet.workers.output.manifest import MANIFEST_SCHEMA
 from ditfleet.workers.storage import open_store
+from ditfleet.workers.storage.parquet_bytes import read_parquet
 from ditfleet.workers.weights.digest import WeightsChanged, local_identity
 from tests.support.worker_fixtures import finish_like_driver, row_config, worker_config, write_prompts
 
@@ -162,7 +163,7 @@ def problems_of(case: Case, **kwargs) -> str:
 
 
 def rewrite_parquet(case: Case, key: str, change) -> None:
-    table = pq.read_table(io.BytesIO(case.store.get(key)))
+    table = read_parquet(case.store.get(key))
     buf = io.BytesIO()
     pq.write_table(change(table), buf)
     case.store.put(key, buf.getvalue())

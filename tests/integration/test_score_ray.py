@@ -3,14 +3,12 @@ store from the output's URI and S3 settings) give the tables the threads give on
 
 from __future__ import annotations
 
-import io
-
-import pyarrow.parquet as pq
 import pytest
 
 from ditfleet.jobs.score import score_output
 from ditfleet.workers.output.layout import manifest_key, score_table_key
 from ditfleet.workers.storage import open_store
+from ditfleet.workers.storage.parquet_bytes import read_parquet
 from tests.unit.jobs.test_score_command import SCENES, _write_shard
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -28,8 +26,8 @@ def test_ray_tasks_score_an_s3_output_as_threads_score_a_local_one(tmp_path, s3_
     assert in_ray.images == threaded.images == 9
     for shard in range(3):
         key = score_table_key("tiny", manifest_key(shard))
-        ray_table = pq.read_table(io.BytesIO(remote.get(key)))
-        local_table = pq.read_table(io.BytesIO(local.get(key)))
+        ray_table = read_parquet(remote.get(key))
+        local_table = read_parquet(local.get(key))
         assert ray_table["score"].to_pylist() == local_table["score"].to_pylist() == [1.0, 1.0, 1.0]
         assert [u.startswith(f"s3://{s3_bucket}/out/images/") for u in ray_table["uri"].to_pylist()] == [
             True

@@ -13,7 +13,6 @@ import threading
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 
 from ditfleet.driver.dispatch import DispatchConfig
@@ -22,6 +21,7 @@ from ditfleet.driver.run_job import DriverConfig, run_job
 from ditfleet.workers.output.layout import IMAGES_PREFIX, MANIFESTS_PREFIX, manifest_key
 from ditfleet.workers.output.manifest import read_manifests
 from ditfleet.workers.storage import open_store
+from ditfleet.workers.storage.parquet_bytes import read_parquet
 from tests.support.worker_fixtures import row_config, worker_config, write_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
@@ -48,7 +48,7 @@ def _sigterm_mid_shard(out: Path, found: dict, deadline_s: float = 240) -> None:
     pid = None
     while time.monotonic() < deadline:
         if pid is None and store.exists(manifest_key(0)):
-            table = pq.read_table(io.BytesIO(store.get(manifest_key(0))), columns=["worker"])
+            table = read_parquet(store.get(manifest_key(0)), ["worker"])
             pid = int(table.column("worker")[0].as_py().split(":")[1])  # host:pid:actor
         if pid is not None:
             committed = {k for k in store.list(MANIFESTS_PREFIX)}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import io
 import threading
 
 import pyarrow.parquet as pq
@@ -14,6 +13,7 @@ from ditfleet.workers.output.formats import ShardStoreError
 from ditfleet.workers.output.layout import data_key, manifest_key
 from ditfleet.workers.output.manifest import read_manifests
 from ditfleet.workers.storage import StoreError, open_store
+from ditfleet.workers.storage.parquet_bytes import read_parquet
 from tests.support.fault_proxy import FaultPlan, Rule
 from tests.support.worker_fixtures import shard_of, worker_config, write_prompts
 
@@ -156,4 +156,4 @@ def test_manifest_reads_with_pandas_duckdb(random_model_dir, prompts, tmp_path):
         f"select json_extract_string(extra, '$.source') from read_parquet('{out}/manifests/*.parquet') where id = 'p00003'"
     ).fetchall()[0][0]
     assert src == "batch-3"
-    assert len(pq.read_table(io.BytesIO((out / "manifests" / "shard-00001.parquet").read_bytes()))) == N - 6
+    assert len(read_parquet((out / "manifests" / "shard-00001.parquet").read_bytes())) == N - 6

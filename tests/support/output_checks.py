@@ -22,12 +22,11 @@ import tarfile
 from collections import Counter
 from dataclasses import dataclass
 
-import pyarrow.parquet as pq
-
 from ditfleet.workers.output.formats import object_key
 from ditfleet.workers.output.layout import LEASE_PREFIX, lease_key, lease_of_key, manifest_key, success_key
 from ditfleet.workers.output.manifest import MANIFEST_SCHEMA
 from ditfleet.workers.storage import ObjectStore
+from ditfleet.workers.storage.parquet_bytes import read_parquet
 
 SUPERSEDED_PREFIX = "_superseded/"
 TOMBSTONE = b"ditfleet.tombstone"
@@ -54,7 +53,7 @@ class ManifestFile:
 
 
 def manifest_file(store: ObjectStore, key: str) -> ManifestFile:
-    table = pq.read_table(io.BytesIO(store.get(key)))
+    table = read_parquet(store.get(key))
     return ManifestFile(table.to_pylist(), dict(table.schema.metadata or {}), table.schema.names)
 
 
@@ -85,7 +84,7 @@ def data_area_ids(store: ObjectStore, output_format: str) -> list[str]:
             continue
         data = store.get(key)
         if output_format == "parquet":
-            ids += pq.read_table(io.BytesIO(data), columns=["id"]).column("id").to_pylist()
+            ids += read_parquet(data, ["id"]).column("id").to_pylist()
         else:
             with tarfile.open(fileobj=io.BytesIO(data)) as tar:
                 ids += sorted({m.name.split(".", 1)[0] for m in tar.getmembers() if m.isfile()})

@@ -5,11 +5,9 @@ processes of the same scenarios are tests/integration's."""
 
 from __future__ import annotations
 
-import io
 import json
 
 import pyarrow.dataset as ds
-import pyarrow.parquet as pq
 import pytest
 
 from ditfleet.driver.output.lease import acquire_lease, shard_ranges, shards_of_ranges
@@ -41,6 +39,7 @@ from ditfleet.workers.output.manifest import (
     tombstone_bytes,
 )
 from ditfleet.workers.storage import LocalStore, open_store
+from ditfleet.workers.storage.parquet_bytes import read_parquet
 
 
 def commit(store, shard: int, generation: int, token: str, ids=("p0", "p1")) -> list[str]:
@@ -88,7 +87,7 @@ def test_tombstones_and_seals_are_zero_row_manifests_that_say_what_they_are(tmp_
         (seal_bytes(), ManifestKind(SEALED)),
     ):
         assert manifest_kind(data) == kind
-        table = pq.read_table(io.BytesIO(data))
+        table = read_parquet(data)
         assert table.num_rows == 0 and table.schema.equals(MANIFEST_SCHEMA, check_metadata=False)
     store = open_store(str(tmp_path / "out"))
     commit(store, 0, 0, new_attempt_token(0))

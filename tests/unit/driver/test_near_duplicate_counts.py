@@ -20,6 +20,7 @@ from ditfleet.testing.outputs import manifest_row
 from ditfleet.workers.output.layout import manifest_key
 from ditfleet.workers.output.manifest import manifest_bytes, read_manifests
 from ditfleet.workers.storage import ObjectStore, open_store
+from ditfleet.workers.storage.parquet_bytes import read_parquet
 
 BASE = 0x0123_4567_89AB_CDEF
 FAR = [0x7F00_0000_0000_00FF, 0x00FF_FF00_0F0F_F000, 0x5555_0000_AAAA_0000]  # > 6 bits from all
@@ -77,7 +78,7 @@ def test_the_count_stops_at_its_limit_and_says_so(tmp_path: Path):
 
 def test_manifests_older_than_the_phash_column_count_nothing(tmp_path: Path):
     store = open_store(str(tmp_path / "old"))
-    table = pq.read_table(io.BytesIO(_rows(0, [("cat", BASE), ("cat", BASE)]))).drop_columns(["phash"])
+    table = read_parquet(_rows(0, [("cat", BASE), ("cat", BASE)])).drop_columns(["phash"])
     sink = io.BytesIO()
     pq.write_table(table, sink)
     store.put(manifest_key(0), sink.getvalue())

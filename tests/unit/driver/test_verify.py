@@ -29,6 +29,7 @@ from ditfleet.workers.output.layout import (
 )
 from ditfleet.workers.output.manifest import MANIFEST_SCHEMA
 from ditfleet.workers.storage import open_store
+from ditfleet.workers.storage.parquet_bytes import read_parquet
 from tests.support.worker_fixtures import finish_like_driver, row_config, worker_config, write_prompts
 
 ROWS, SHARD_SIZE = 6, 2
@@ -107,7 +108,7 @@ def test_a_missing_image_is_found(output):
 def test_a_changed_row_in_a_data_file_is_found(output):
     _, store, tokens = output
     key = data_key(2, tokens[2])
-    table = pq.read_table(io.BytesIO(store.get(key)))
+    table = read_parquet(store.get(key))
     images = table.column("image").to_pylist()
     images[0] = {"bytes": images[0]["bytes"][:-1], "path": images[0]["path"]}
     table = table.set_column(0, "image", pa.array(images, table.schema.field("image").type))
@@ -133,7 +134,7 @@ def test_a_tar_missing_a_member_is_found(output):
 
 def test_a_row_in_two_manifests_is_found(output):
     _, store, _ = output
-    table = pq.read_table(io.BytesIO(store.get(manifest_key(0))))
+    table = read_parquet(store.get(manifest_key(0)))
     moved = table.set_column(
         table.schema.get_field_index("shard"), "shard", pa.array([1] * table.num_rows, pa.int32())
     )
@@ -204,7 +205,7 @@ def test_not_an_output(tmp_path, capsys):
 
 def test_manifest_with_rows_of_another_shard(output):
     _, store, _ = output
-    table = pq.read_table(io.BytesIO(store.get(manifest_key(0))))
+    table = read_parquet(store.get(manifest_key(0)))
     shard = pc.if_else(pc.equal(table.column("id"), "p00001"), 5, table.column("shard")).cast(pa.int32())
     table = table.set_column(table.schema.get_field_index("shard"), "shard", shard)
     buf = io.BytesIO()

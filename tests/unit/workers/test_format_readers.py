@@ -29,6 +29,7 @@ from ditfleet.workers.output.formats import (
 )
 from ditfleet.workers.output.formats.parquet import IMAGE_STRUCT
 from ditfleet.workers.storage import ObjectNotFound, open_store
+from ditfleet.workers.storage.parquet_bytes import read_parquet
 
 T = "a0-0123456789abcdef"  # the run's attempt token
 # (id, images of the row): a dotted id (escaped in tar member names) and a row of two images.
@@ -114,7 +115,7 @@ def test_a_changed_image_object_is_named(tmp_path):
 def test_a_changed_image_in_a_data_file_is_named(tmp_path):
     store, rows, _ = _write_shard(tmp_path / "out", "parquet")
     (key,) = _keys(store, rows)
-    table = pq.read_table(io.BytesIO(store.get(key)))
+    table = read_parquet(store.get(key))
     images = table.column("image").to_pylist()
     images[2]["bytes"] = images[2]["bytes"][:-1]  # the third row's image loses its last byte
     sink = pa.BufferOutputStream()

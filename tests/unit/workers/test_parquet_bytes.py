@@ -20,8 +20,9 @@ from ditfleet.workers.storage.parquet_bytes import read_parquet
 from tests.support.paths import REPO
 
 HELPER = "workers/storage/parquet_bytes.py"
-# Where the product's Python lives: the five layers, the installed face, the benchmarks.
-SOURCE_FOLDERS = ("model", "compile", "workers", "driver", "jobs", "ditfleet", "bench")
+# All our Python: the five layers, the installed face, the benchmarks, and the tests (a pytest
+# worker or a test's child process that aborts at exit fails the run as surely).
+SOURCE_FOLDERS = ("model", "compile", "workers", "driver", "jobs", "ditfleet", "bench", "recipes", "tests")
 # Reads that decode row groups. A footer alone (read_schema, read_metadata) is read in the calling
 # thread, so those are left out.
 PARQUET_READS = {"read_table", "ParquetFile"}
@@ -73,7 +74,7 @@ def test_every_read_of_parquet_from_bytes_goes_through_read_parquet():
                 continue
             found += [f"{rel}:{line}" for line in _reads_from_memory(ast.parse(path.read_text(), rel))]
     assert not found, (
-        f"Parquet read from in-memory bytes outside {HELPER}: {found}. Use read_parquet/parquet_schema "
+        f"Parquet decoded from in-memory bytes outside {HELPER}: {found}. Use read_parquet/parquet_schema "
         "(a threaded read of Python-owned bytes can abort the process at exit)."
     )
 

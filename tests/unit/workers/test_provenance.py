@@ -11,7 +11,6 @@ import tarfile
 import xml.etree.ElementTree as ET
 
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
@@ -20,6 +19,7 @@ from ditfleet.workers.output.formats import ImageTask, ShardWriterConfig, make_s
 from ditfleet.workers.output.formats.base import encode_task_image
 from ditfleet.workers.output.provenance import XMP_NAMESPACE, JobProvenance, Provenance
 from ditfleet.workers.storage import open_store
+from ditfleet.workers.storage.parquet_bytes import read_parquet
 
 T = "a0-0123456789abcdef"  # an attempt token
 PROMPT = "un café à Paris, 東京"
@@ -246,7 +246,7 @@ def _stored_images(store, fmt: str, stored) -> dict[str, bytes]:
     key = stored.data_uri.removeprefix(store.uri("")).lstrip("/")
     blob = store.get(key)
     if fmt == "parquet":
-        table = pq.read_table(io.BytesIO(blob)).to_pylist()
+        table = read_parquet(blob).to_pylist()
         return {row["id"]: row["image"]["bytes"] for row in table}
     with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
         return {

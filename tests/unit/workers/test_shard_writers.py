@@ -182,7 +182,7 @@ def check_parquet_loads_with_datasets(store, tmp_path) -> None:
     assert [r.ok for r in stored.results].count(False) == 1
 
     data = store.get(data_key(2, T))
-    assert pq.ParquetFile(io.BytesIO(data)).metadata.num_row_groups == 3  # 9 images / 3 per group
+    assert pq.read_metadata(io.BytesIO(data)).num_row_groups == 3  # 9 images / 3 per group
     local = tmp_path / "shard.parquet"
     local.write_bytes(data)
     from datasets import Image as HFImage
