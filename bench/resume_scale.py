@@ -32,7 +32,7 @@ from ditfleet.workers.output.layout import manifest_key  # noqa: E402
 from ditfleet.workers.output.manifest import committed_shards  # noqa: E402
 from ditfleet.workers.rows import RowConfig, ShardSpec  # noqa: E402
 from ditfleet.workers.storage import open_store  # noqa: E402
-from ditfleet.workers.storage.parquet_bytes import read_parquet
+from ditfleet.workers.storage.parquet_bytes import read_parquet  # noqa: E402
 
 
 def main() -> None:
