@@ -40,7 +40,7 @@ from ditfleet.driver.locations import check_locations
 from ditfleet.driver.metrics import FanOut
 from ditfleet.driver.output.claim import OutputMismatch, claim_incremental_output, claim_output
 from ditfleet.driver.output.finish import close_output, finish_run
-from ditfleet.driver.output.lease import LEASE_TTL_S, OutputLease, acquire_lease
+from ditfleet.driver.output.lease import OutputLease, acquire_lease
 from ditfleet.driver.output.pause_points import pause_point
 from ditfleet.driver.output.settle import Settled, settle_older
 from ditfleet.driver.output.status import OutputCounts
@@ -83,16 +83,10 @@ class DriverConfig:
     # Committed shards to run again under new attempts, each committing its next manifest
     # generation (workers.output.layout.manifest_key); the other shards are left as they are.
     redo_shards: tuple[int, ...] = ()
-    # How long the driver's hold on the output lasts unless renewed (driver.output.lease); the
-    # CLI takes it from DITFLEET_LEASE_TTL_S, a testing knob. Only whether two live drivers may
-    # both work for a while depends on it, never what is deleted or committed.
-    lease_ttl_s: float = LEASE_TTL_S
 
     def __post_init__(self) -> None:
         if not self.input_uri or not self.output_uri:
             raise ValueError("DriverConfig needs an input_uri and an output_uri")
-        if not self.lease_ttl_s > 0:
-            raise ValueError(f"DriverConfig.lease_ttl_s must be > 0 seconds, got {self.lease_ttl_s!r}")
         if self.redo_shards and self.incremental:
             raise ValueError(
                 "redo_shards is for a plain job's output; an incremental job's shards are redone by "
@@ -347,7 +341,7 @@ class _Execution:
         """Own the output for this run (one driver at a time; raises OutputBusy), then settle
         what earlier drivers left open (driver.output.settle), before anything is planned."""
         if self.lease is None:
-            self.lease = acquire_lease(store, self.config.lease_ttl_s)
+            self.lease = acquire_lease(store)
             self.settled = settle_older(store, self.lease.generation)
 
     def record(self, todo: Sequence[ShardSpec]) -> None:

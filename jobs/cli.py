@@ -166,7 +166,6 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from ditfleet.driver.output.verify import verify_output
-    from ditfleet.jobs.knobs import lease_ttl_s
 
     store = _open_output(args)
     with _ray_if_asked(args):
@@ -183,7 +182,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
             hash_objects=not args.no_hash,
             workers=args.workers,
             shard_checks=checks,
-            lease_ttl_s=lease_ttl_s(),
         )
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_text())
     return EXIT_OK if report.exit_code == 0 else EXIT_FAILED
@@ -192,13 +190,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_compact(args: argparse.Namespace) -> int:
     from ditfleet.driver.output.compact import CompactionError, compact_output
     from ditfleet.driver.output.lease import acquire_lease
-    from ditfleet.jobs.knobs import lease_ttl_s
 
     store = _open_output(args)
     try:
         # A writer like a driver: one at a time, and it stops if another takes the output; it
         # leaves a complete output complete, so its lease does not make _SUCCESS stale.
-        with acquire_lease(store, lease_ttl_s(), keeps_complete=True) as lease:
+        with acquire_lease(store, keeps_complete=True) as lease:
             report = compact_output(store, row_group_rows=args.row_group_rows, lease=lease)
     except CompactionError as e:
         raise UsageError(str(e)) from e

@@ -52,7 +52,7 @@ import pyarrow.compute as pc
 
 from ditfleet.driver.output.compact import check_compacted
 from ditfleet.driver.output.json_objects import read_json
-from ditfleet.driver.output.lease import LEASE_TTL_S, OutputBusy, acquire_lease
+from ditfleet.driver.output.lease import OutputBusy, acquire_lease
 from ditfleet.driver.output.orphans import (
     IO_THREADS,
     ShardRecord,
@@ -246,7 +246,6 @@ def verify_output(
     hash_objects: bool = True,
     workers: int | None = None,
     shard_checks: ShardChecks | None = None,
-    lease_ttl_s: float = LEASE_TTL_S,
 ) -> VerifyReport:
     """Check the output at `store`; with `clean`, delete the orphans found (attempt objects of
     committed shards that their current manifest does not name).
@@ -271,7 +270,7 @@ def verify_output(
     if not clean:
         return _verify(store, partial, False, hash_objects, workers, checks)
     try:
-        lease = acquire_lease(store, lease_ttl_s, renew=True, keeps_complete=True)
+        lease = acquire_lease(store, renew=True, keeps_complete=True)
     except OutputBusy as e:
         report = _verify(store, partial, False, hash_objects, workers, checks)
         report.problems.append(f"--clean deleted nothing: {e}")

@@ -24,7 +24,6 @@ from ditfleet.driver.dispatch import DispatchConfig
 from ditfleet.driver.memory_plan import MemoryRequest
 from ditfleet.driver.plan import PlanConfig
 from ditfleet.driver.run_job import DriverConfig
-from ditfleet.jobs.knobs import lease_ttl_s
 from ditfleet.model.family import model_family
 from ditfleet.model.loading.folder import WeightsError, resolve_model_dir, text_encoder_kind
 from ditfleet.model.settings import PipelineSettings
@@ -262,7 +261,6 @@ class JobSpec(Section):
             resolved_spec=json.dumps(self.resolved(), sort_keys=True),
             incremental=self.input.incremental,
             shared_filesystem=self.output.shared_filesystem,
-            lease_ttl_s=lease_ttl_s(),
         )
 
     def compile_config(self) -> CompileConfig:

@@ -29,7 +29,7 @@ from ditfleet.workers.storage import open_store
 from tests.support.paused_process import Processes
 from tests.support.worker_fixtures import write_prompts
 
-ROWS, SHARD_SIZE, TTL_S = 6, 2, 6.0
+ROWS, SHARD_SIZE = 6, 2
 IDS = [f"p{i:05d}" for i in range(ROWS)]
 
 
@@ -51,7 +51,7 @@ def output(tmp_path):
 
 
 def compact(procs: Processes, out: Path, *extra: str, **start):
-    return procs.run("compact", mode="cli", argv=["compact", str(out), *extra], ttl_s=TTL_S, **start)
+    return procs.run("compact", mode="cli", argv=["compact", str(out), *extra], **start)
 
 
 def compacted_rows(out: Path) -> list[list[dict]]:
@@ -130,7 +130,7 @@ def test_a_second_compaction_killed_midway_leaves_one_set_never_a_mix(output, po
 def test_compaction_is_refused_while_a_driver_owns_the_output(output):
     out, procs = output
     index = (out / "compacted" / "_index.json").read_bytes()
-    driver = procs.start("redo", redo=[0], pause_at=["after_dispatch_start"], ttl_s=TTL_S)
+    driver = procs.start("redo", redo=[0], pause_at=["after_dispatch_start"])
     driver.wait_paused("after_dispatch_start")
     try:
         refused = compact(procs, out)

@@ -44,7 +44,6 @@ from tests.support.worker_fixtures import write_prompts
 
 ROWS, SHARD_SIZE, FORMAT = 6, 2, "parquet"
 IDS = [f"p{i:05d}" for i in range(ROWS)]
-TTL_S = 6.0  # the lease of the drivers a test pauses past it (DriverConfig.lease_ttl_s)
 
 
 @dataclass
@@ -80,13 +79,14 @@ def case(request, tmp_path):
         procs.close()
 
 
-def wait_lease_lapsed(store: ObjectStore, timeout: float = 60) -> None:
-    """Until the highest lease document's expiry has passed (its holder is stopped: no renewal)."""
-    deadline = time.monotonic() + timeout
-    top = max(lease_generations(store))
-    while time.time() <= json.loads(store.get(lease_key(top)))["expires_at"] + 0.3:
-        assert time.monotonic() < deadline, "the paused holder's lease never expired"
-        time.sleep(0.1)
+def lapse_lease(store: ObjectStore) -> None:
+    """The highest lease document as its stopped holder leaves it once its time is up: expired.
+    The test moves the expiry to the past rather than waiting the lease out, so no test depends on
+    how fast the machine runs (a holder that is not stopped keeps the default 120 s lease)."""
+    key = lease_key(max(lease_generations(store)))
+    doc = json.loads(store.get(key))
+    assert not doc["released"], doc
+    store.put(key, json.dumps({**doc, "expires_at": time.time() - 1}).encode(), "application/json")
 
 
 def finished(case: Case) -> None:
@@ -139,10 +139,10 @@ def assert_intact(case: Case) -> None:
 
 def test_1_driver_paused_in_cleanup_past_its_lease_deletes_nothing_of_a_redo(case):
     lost = killed_twin(case, 1)  # A's clean-up has this to delete once A committed shard 1
-    a = case.procs.start("A", pause_at=["in_cleanup"], ttl_s=TTL_S)
+    a = case.procs.start("A", pause_at=["in_cleanup"])
     a.wait_paused("in_cleanup")  # A committed every shard, read the manifests, found the twin's file lost
-    wait_lease_lapsed(case.store)
-    b = case.procs.run("B-redo", redo=[1], ttl_s=TTL_S)
+    lapse_lease(case.store)
+    b = case.procs.run("B-redo", redo=[1])
     assert b.rc == 0 and case.store.exists(success_key()), b
     a.cont()
     a_done = a.finish()
@@ -154,11 +154,11 @@ def test_1_driver_paused_in_cleanup_past_its_lease_deletes_nothing_of_a_redo(cas
 
 
 def test_1_driver_paused_after_its_lease_check_deletes_nothing_of_a_redo(case):
-    a = case.procs.start("A", pause_at=["after_lease_check"], ttl_s=TTL_S)
+    a = case.procs.start("A", pause_at=["after_lease_check"])
     a.wait_paused("after_lease_check")
-    wait_lease_lapsed(case.store)
+    lapse_lease(case.store)
     # B takes the output over and redoes shard 1: its objects are stored, its commit waits.
-    b = case.procs.start("B-redo", redo=[1], pause_shards=[1], pause_at=[HOLD_BEFORE_COMMIT], ttl_s=TTL_S)
+    b = case.procs.start("B-redo", redo=[1], pause_shards=[1], pause_at=[HOLD_BEFORE_COMMIT])
     b.wait_held(HOLD_BEFORE_COMMIT)
     a.cont()  # A's clean-up runs now, against B's stored but uncommitted objects
     a_done = a.finish()
@@ -171,10 +171,10 @@ def test_1_driver_paused_after_its_lease_check_deletes_nothing_of_a_redo(case):
 
 
 def test_1_driver_paused_before_success_past_its_lease_cannot_finish_the_output(case):
-    a = case.procs.start("A", pause_at=["before_success"], ttl_s=TTL_S)
+    a = case.procs.start("A", pause_at=["before_success"])
     a.wait_paused("before_success")  # A's clean-up is done; its _SUCCESS is next
-    wait_lease_lapsed(case.store)
-    b = case.procs.start("B-redo", redo=[1], pause_shards=[1], pause_at=[HOLD_BEFORE_COMMIT], ttl_s=TTL_S)
+    lapse_lease(case.store)
+    b = case.procs.start("B-redo", redo=[1], pause_shards=[1], pause_at=[HOLD_BEFORE_COMMIT])
     b.wait_held(HOLD_BEFORE_COMMIT)  # B owns the output; shard 1's redo is not committed
     a.cont()
     a_done = a.finish()
@@ -199,11 +199,10 @@ def test_2_verify_clean_paused_before_deleting_deletes_nothing_of_a_redo(case):
         mode="cli",
         argv=["verify", case.uri, "--clean", *case.cli],
         pause_at=["verify_before_delete"],
-        ttl_s=TTL_S,
     )
     v.wait_paused("verify_before_delete")  # it read the manifests of generation 0
-    wait_lease_lapsed(case.store)
-    b = case.procs.run("B-redo", redo=[1], ttl_s=TTL_S)
+    lapse_lease(case.store)
+    b = case.procs.run("B-redo", redo=[1])
     assert b.rc == 0, b
     v.cont()
     v.finish()
@@ -218,11 +217,11 @@ def test_2_verify_clean_paused_before_deleting_deletes_nothing_of_a_redo(case):
 
 def test_3_redo_killed_after_its_commit_then_a_rerun_leaves_each_row_once(case):
     finished(case)
-    a = case.procs.start("A-redo", redo=[1], pause_at=["after_redo_commit"], ttl_s=TTL_S)
+    a = case.procs.start("A-redo", redo=[1], pause_at=["after_redo_commit"])
     a.wait_paused("after_redo_commit")  # generation 1 of shard 1 is committed, nothing superseded yet
     a.kill()
     assert case.store.exists(manifest_key(1, 1))
-    b = case.procs.run("B-rerun", ttl_s=TTL_S)
+    b = case.procs.run("B-rerun")
     assert b.rc == 0, b
     assert_intact(case)
     assert_superseded(case.store, 1, 0, by=1)
@@ -231,10 +230,10 @@ def test_3_redo_killed_after_its_commit_then_a_rerun_leaves_each_row_once(case):
 def test_3_driver_killed_before_its_cleanup_of_a_killed_twin_then_a_rerun_cleans_it(case):
     lost = killed_twin(case, 1)  # stored its data file, killed before it committed
     # The driver commits every shard (shard 1 by attempt 0) and is killed before its clean-up.
-    a = case.procs.start("A", pause_at=["after_lease_check"], ttl_s=TTL_S)
+    a = case.procs.start("A", pause_at=["after_lease_check"])
     a.wait_paused("after_lease_check")
     a.kill()
-    b = case.procs.run("B-rerun", ttl_s=TTL_S)
+    b = case.procs.run("B-rerun")
     assert b.rc == 0, b
     assert not case.store.exists(lost), f"the killed twin's {lost} is still in data/ under _SUCCESS"
     assert_intact(case)
@@ -245,7 +244,7 @@ def test_3_driver_killed_before_its_cleanup_of_a_killed_twin_then_a_rerun_cleans
 
 def test_4_straggler_of_a_dead_redo_cannot_commit_after_the_rerun_and_clean(case):
     finished(case)
-    a = case.procs.start("A-redo", redo=[1], pause_at=["after_dispatch_start"], ttl_s=TTL_S)
+    a = case.procs.start("A-redo", redo=[1], pause_at=["after_dispatch_start"])
     a.wait_paused("after_dispatch_start")  # its lease document names the redo of shard 1, generation 1
     # A's actor for shard 1: it stores generation 1's objects and stops before committing.
     straggler = case.procs.start(
@@ -253,11 +252,9 @@ def test_4_straggler_of_a_dead_redo_cannot_commit_after_the_rerun_and_clean(case
     )
     straggler.wait_paused(STOP_BEFORE_COMMIT)
     a.kill()  # the redo's driver dies; its straggler lives on
-    b = case.procs.run("B-rerun", ttl_s=TTL_S)
+    b = case.procs.run("B-rerun")
     assert b.rc == 0, b
-    clean = case.procs.run(
-        "verify-clean", mode="cli", argv=["verify", case.uri, "--clean", *case.cli], ttl_s=TTL_S
-    )
+    clean = case.procs.run("verify-clean", mode="cli", argv=["verify", case.uri, "--clean", *case.cli])
     assert clean.rc == 0, clean
     straggler.cont()  # it tries to commit generation 1 now
     s_done = straggler.finish()
@@ -269,7 +266,7 @@ def test_4_straggler_of_a_dead_redo_cannot_commit_after_the_rerun_and_clean(case
 
 def test_4_straggler_of_a_dead_redo_that_commits_first_is_superseding(case):
     finished(case)
-    a = case.procs.start("A-redo", redo=[1], pause_at=["after_dispatch_start"], ttl_s=TTL_S)
+    a = case.procs.start("A-redo", redo=[1], pause_at=["after_dispatch_start"])
     a.wait_paused("after_dispatch_start")
     straggler = case.procs.start(
         "straggler", mode="worker", shard=1, generation=1, pause_shards=[1], pause_at=[STOP_BEFORE_COMMIT]
@@ -279,7 +276,7 @@ def test_4_straggler_of_a_dead_redo_that_commits_first_is_superseding(case):
     straggler.cont()  # it commits generation 1 before any other driver settles A's redo
     s_done = straggler.finish()
     assert json.loads(s_done.out.strip().splitlines()[-1])["status"] == "committed", s_done
-    b = case.procs.run("B-rerun", ttl_s=TTL_S)
+    b = case.procs.run("B-rerun")
     assert b.rc == 0, b
     assert_intact(case)
     assert_superseded(case.store, 1, 0, by=1)  # the straggler's commit is real: it supersedes

@@ -13,9 +13,8 @@ SPEC is JSON; its "mode" says what the process is:
 
 Common keys: "input", "output", "endpoint_url" (an S3 output), "shard_size", "format" (files,
 parquet, webdataset), "incremental", "redo" (shards), "pause_shards" (the stand-in worker stops
-before committing these), "checked_before_commit" (it runs a committed shard too), "ttl_s" (the driver's lease, DriverConfig.lease_ttl_s; the CLI reads
-DITFLEET_LEASE_TTL_S, which the test sets). Pauses: DITFLEET_PAUSE_AT / DITFLEET_PAUSE_DIR
-(tests/support/pause_seam.py).
+before committing these), "checked_before_commit" (it runs a committed shard too). Pauses:
+DITFLEET_PAUSE_AT / DITFLEET_PAUSE_DIR (tests/support/pause_seam.py).
 """
 
 from __future__ import annotations
@@ -41,9 +40,6 @@ def driver_config(spec: dict[str, Any]):
     from ditfleet.driver.run_job import DriverConfig
     from tests.support.worker_fixtures import row_config
 
-    extra: dict[str, Any] = {}
-    if spec.get("ttl_s") is not None:
-        extra["lease_ttl_s"] = float(spec["ttl_s"])
     return DriverConfig(
         input_uri=spec["input"],
         output_uri=spec["output"],
@@ -52,7 +48,6 @@ def driver_config(spec: dict[str, Any]):
         resolved_spec=json.dumps({"name": "fence-tests", "format": spec.get("format", "parquet")}),
         incremental=bool(spec.get("incremental")),
         redo_shards=tuple(spec.get("redo", ())),
-        **extra,
     )
 
 

@@ -2,7 +2,7 @@
 continue or kill it.
 
     procs = Processes(tmp_path / "procs", base_spec)
-    a = procs.start("A", mode="run", pause_at=["in_cleanup"], ttl_s=4)
+    a = procs.start("A", mode="run", pause_at=["in_cleanup"])
     a.wait_paused("in_cleanup")      # the process wrote <dir>/in_cleanup.<pid> and is stopped
     ... act ...
     a.cont()                         # SIGCONT (or a.kill(): SIGKILL)
@@ -122,13 +122,10 @@ class Processes:
         name: str,
         *,
         pause_at: tuple[str, ...] | list[str] = (),
-        ttl_s: float | None = None,
         env: dict[str, str] | None = None,
         **spec: Any,
     ) -> Process:
         spec = {**self.base, **spec}
-        if ttl_s is not None:
-            spec["ttl_s"] = ttl_s
         n = len(self.started)
         spec_path = self.folder / f"{n:02d}-{name}.json"
         spec_path.write_text(json.dumps(spec))
@@ -139,8 +136,6 @@ class Processes:
             "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
             **(env or {}),
         }
-        if ttl_s is not None:
-            environ["DITFLEET_LEASE_TTL_S"] = str(ttl_s)
         logs = (self.folder / f"{n:02d}-{name}.out", self.folder / f"{n:02d}-{name}.err")
         with open(logs[0], "w") as out, open(logs[1], "w") as err:
             popen = subprocess.Popen(

@@ -68,22 +68,6 @@ def test_older_generations_stay_until_settled_and_the_document_says_what_its_run
     assert json.loads(store.get(lease_key(1)))["settled"] is True
 
 
-def test_the_lease_length_knob_is_read_in_one_place(monkeypatch):
-    from ditfleet.driver.run_job import DriverConfig
-    from ditfleet.jobs.knobs import LEASE_TTL_ENV, lease_ttl_s
-
-    monkeypatch.delenv(LEASE_TTL_ENV, raising=False)
-    assert lease_ttl_s() == 120.0 == DriverConfig("in", "out").lease_ttl_s
-    monkeypatch.setenv(LEASE_TTL_ENV, "2.5")
-    assert lease_ttl_s() == 2.5
-    for bad in ("0", "-1", "soon"):
-        monkeypatch.setenv(LEASE_TTL_ENV, bad)
-        with pytest.raises(ValueError, match=LEASE_TTL_ENV):
-            lease_ttl_s()
-    with pytest.raises(ValueError, match="lease_ttl_s"):
-        DriverConfig("in", "out", lease_ttl_s=0)
-
-
 def test_a_pause_point_stops_the_process_only_when_named(tmp_path):
     import os
     import signal
