@@ -1,5 +1,7 @@
 """End to end with the real worker and a tiny random model: `ditfleet run` on a real local Ray,
-S3 through the moto server, chaos (actors and the driver SIGKILLed), and `ray job submit`.
+S3 through the moto server, chaos (actors and the driver SIGKILLed). `ray job submit` of
+`ditfleet run` to success: test_local_submit.py (the docs' walkthrough) and test_user_packages.py
+(a working dir whose own packages would shadow ours).
 
 Slow: each actor imports torch and loads the model. Sizes are the smallest that still exercise
 what is claimed (several shards per actor, several buckets, kills while shards run).
@@ -220,17 +222,3 @@ def test_driver_sigkilled_then_rerun_gives_identical_images(random_model_dir, ra
     gate = ["id", "gate_tries", "gate_kept", "gate_scores", "gate_seeds"]
     rows = lambda s: sorted(read_manifests(s).select(gate).to_pylist(), key=lambda r: r["id"])  # noqa: E731
     assert rows(store) == rows(open_store(str(tmp_path / "ref")))
-
-
-def test_ray_job_submit_runs_a_job_to_success(random_model_dir, ray_head, tmp_path):
-    prompts = write_prompts(tmp_path / "prompts.parquet", 30)
-    out = tmp_path / "out"
-    job = write_job(
-        tmp_path / "job.yaml", random_model_dir, prompts, str(out), workers="{min: 1, gpus: 0, cpus: 1}"
-    )
-    done = ray_head.job_submit(["--working-dir", str(REPO), "--", "ditfleet", "run", str(job)], timeout_s=400)
-    logs = done.stdout + done.stderr
-    assert done.returncode == 0, logs[-4000:]
-    assert "job succeeded" in logs and "succeeded" in logs.lower()
-    summary = json.loads(open_store(str(out)).get(success_key()))
-    assert summary["images"] == {"planned": 30, "ok": 30, "failed": 0}
