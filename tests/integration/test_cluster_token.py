@@ -11,18 +11,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.fixtures_ray import start_ray_head
 from tests.support.paths import REPO
 from tests.support.worker_fixtures import write_prompts
 
 
-@pytest.fixture
-def token_head(request, monkeypatch, tmp_path_factory):
-    """A `ray start --head` that runs with RAY_AUTH_MODE=token and a token of its own."""
-    token = tmp_path_factory.mktemp("head-token") / "auth_token"
-    token.write_text("0123456789abcdef0123456789abcdef\n")
-    monkeypatch.setenv("RAY_AUTH_MODE", "token")
-    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
-    return request.getfixturevalue("ray_head")
+@pytest.fixture(scope="module")
+def token_head(tmp_path_factory):
+    """A `ray start --head` that runs with RAY_AUTH_MODE=token and a token of its own (as every
+    test head does), shared by this file's tests: each refused client leaves it as it was."""
+    with start_ray_head(tmp_path_factory) as head:
+        yield head
 
 
 def _client_env(head, home: Path, **extra: str) -> dict[str, str]:
