@@ -59,18 +59,45 @@ pytest_plugins = [
 import pytest  # noqa: E402
 
 
+def _made_once_per_run(tmp_path_factory, name: str, make):
+    """`make(folder)` once for the whole test run, its result shared by the xdist workers: the first
+    worker to ask makes it under the run's temp folder while holding a lock, the others wait and
+    take the same result. The folders these make are only read by the tests. Without xdist, a
+    folder of this session's own."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return make(tmp_path_factory.mktemp(name))
+    import fcntl
+
+    root = tmp_path_factory.getbasetemp().parent  # the run's folder, above each worker's own
+    done = root / f"{name}.done"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            folder = root / name
+            folder.mkdir()
+            done.write_text(str(make(folder)))
+    return Path(done.read_text())
+
+
 @pytest.fixture(scope="session")
 def random_model_dir(tmp_path_factory):
     """A tiny random-weight Qwen-Image model in the diffusers layout, written by diffusers."""
     from ditfleet.testing.models import add_tiny_text_encoder, make_diffusers_model_dir
 
-    return add_tiny_text_encoder(make_diffusers_model_dir(tmp_path_factory.mktemp("random-model")))
+    return _made_once_per_run(
+        tmp_path_factory, "random-model", lambda d: add_tiny_text_encoder(make_diffusers_model_dir(d))
+    )
 
 
 @pytest.fixture(scope="session")
 def real_widths_dir(tmp_path_factory):
     """Qwen-Image's published layout cut to one block (hidden 3072, text 3584, the full VAE), random
-    bf16 weights in four hub-style shards + index (ditfleet/testing/real_widths.py); about 1 GB on disk."""
+    bf16 weights in four hub-style shards + index (ditfleet/testing/real_widths.py); about 1 GB on
+    disk, written once per run."""
     from ditfleet.testing.real_widths import write_real_widths_checkpoint
 
-    return write_real_widths_checkpoint(tmp_path_factory.mktemp("real-widths") / "qwen-image", num_layers=1)
+    return _made_once_per_run(
+        tmp_path_factory,
+        "real-widths",
+        lambda d: write_real_widths_checkpoint(d / "qwen-image", num_layers=1),
+    )

@@ -53,10 +53,11 @@ def test_the_local_submit_walkthrough_runs_as_written(tmp_path):
     work, home = tmp_path / "work", tmp_path / "home"
     shutil.copytree(REPO / "jobs" / "examples", work / "jobs" / "examples")
     # The submission is what this test proves, not the images (the README job's own tests check
-    # those): 2 steps an image instead of 20, so the job itself is a small part of the walkthrough.
+    # those): 2 steps an image instead of 20 and one actor instead of two, so the job itself is a
+    # small part of the walkthrough.
     example = work / "jobs" / "examples" / "tiny.yaml"
-    assert "steps: 20" in example.read_text()
-    example.write_text(example.read_text().replace("steps: 20", "steps: 2"))
+    assert "steps: 20" in example.read_text() and "  max: 2" in example.read_text()
+    example.write_text(example.read_text().replace("steps: 20", "steps: 2").replace("  max: 2", "  max: 1"))
     home.mkdir()
     bin_dir = os.path.dirname(sys.executable)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
