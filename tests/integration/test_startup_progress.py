@@ -3,6 +3,10 @@
 An actor asking for a GPU on the CPU-only test cluster is reported as unplaceable (Ray keeps it
 pending and no node has a GPU); an actor that is placed but slow to warm up is reported as
 loading, then compiling bucket i of n, and never as waiting for resources.
+
+No check depends on how fast the machine runs: the slow actor stays in each phase until the
+driver's progress has shown it (the test's stream drops a file per phase seen), and in its last
+one until the time shown in it has counted up to 1 s.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import io
 import re
 import time
+from pathlib import Path
 
 import pytest
 
@@ -22,17 +27,48 @@ from tests.support.dispatch_workers import SleepingWorker, SleepingWorkerConfig
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 
-class SlowWarmupWorker(SleepingWorker):
-    """Publishes its start-up phases like workers.actor.GenerationWorker, each taking a while."""
+# What the driver's progress must have shown before the slow actor leaves each phase.
+SHOWN = (
+    r"1 loading weights",
+    r"1 compiling bucket 1/2 \(64x64\)",
+    r"1 compiling bucket 2/2 \(128x128\) [1-9]\d*s",  # the time in the phase counted up
+)
 
-    def __init__(self, config: SleepingWorkerConfig, load_s: float, bucket_s: float, buckets: int) -> None:
-        publish_phase(LOADING)
-        time.sleep(load_s)
-        for i in range(1, buckets + 1):
-            publish_phase(COMPILING, bucket=i, buckets=buckets, name=f"{64 * i}x{64 * i}")
-            time.sleep(bucket_s)
+
+class SlowWarmupWorker(SleepingWorker):
+    """Publishes its start-up phases like workers.actor.GenerationWorker, and leaves phase i only
+    once the file `gates/i` exists (or after a minute, so a progress that never shows the phase
+    fails the test's checks, not its time limit)."""
+
+    def __init__(self, config: SleepingWorkerConfig, gates: str, buckets: int) -> None:
+        phases = [(LOADING, {})]
+        phases += [
+            (COMPILING, dict(bucket=i, buckets=buckets, name=f"{64 * i}x{64 * i}"))
+            for i in range(1, buckets + 1)
+        ]
+        for i, (phase, fields) in enumerate(phases):
+            publish_phase(phase, **fields)
+            deadline = time.monotonic() + 60
+            while not (Path(gates) / str(i)).exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
         super().__init__(config)
         publish_phase(READY)
+
+
+class GatingStream(io.StringIO):
+    """The progress stream: once the text holds `SHOWN[i]`, it drops the file `gates/i`."""
+
+    def __init__(self, gates: Path) -> None:
+        super().__init__()
+        self.gates = gates
+        gates.mkdir()
+
+    def write(self, text: str) -> int:
+        n = super().write(text)
+        for i, pattern in enumerate(SHOWN):
+            if re.search(pattern, self.getvalue()):
+                (self.gates / str(i)).touch()
+        return n
 
 
 def shards(n: int) -> list[ShardSpec]:
@@ -65,17 +101,14 @@ def test_slow_warmup_is_reported_as_loading_then_compiling(tmp_path):
     from ray.experimental import internal_kv
 
     internal_kv._internal_kv_reset()
-    out = io.StringIO()
+    out = GatingStream(tmp_path / "gates")
     config = DispatchConfig(min_actors=1, max_actors=1, num_cpus=0.5, tick_s=0.1)
     worker = SleepingWorkerConfig(output_uri=str(tmp_path / "out"), shard_s=0.01)
-    result = run_shards(shards(2), SlowWarmupWorker, (worker, 1.5, 1.5, 2), config, progress(out))
+    result = run_shards(shards(2), SlowWarmupWorker, (worker, str(out.gates), 2), config, progress(out))
     assert len(result.results) == 2 and not result.failed
     text = out.getvalue()
-    assert "1 loading weights" in text, text
-    assert "1 compiling bucket 1/2 (64x64)" in text, text
-    assert "1 compiling bucket 2/2 (128x128)" in text, text
+    for pattern in SHOWN:  # loading, then each bucket, and the time in a phase counting up
+        assert re.search(pattern, text), (pattern, text)
     assert "no worker actor ready after" in text, text
     # Placed all along: nothing may blame the cluster's resources.
     assert "no free resources" not in text and "cannot be placed" not in text, text
-    # The time in the phase counts up: some line shows a bucket compiling for 1 s or more.
-    assert re.search(r"compiling bucket \d/2 \(\d+x\d+\) [1-9]\d*s", text), text
