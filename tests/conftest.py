@@ -74,6 +74,7 @@ def _made_once_per_run(tmp_path_factory, name: str, make):
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.exists():
             folder = root / name
+            shutil.rmtree(folder, ignore_errors=True)  # what a worker that failed making it left
             folder.mkdir()
             done.write_text(str(make(folder)))
     return Path(done.read_text())

@@ -65,7 +65,7 @@ def test_the_local_submit_walkthrough_runs_as_written(tmp_path):
         HOME=str(home), PATH=f"{bin_dir}:{env.get('PATH', '')}", RAY_USAGE_STATS_ENABLED="0", TMPDIR="/tmp"
     )
     # A test head has nothing to drain: its GCS ends at once on the walkthrough's SIGTERM (by
-    # default it waits 30 s, and _stop_head with it), as tests/support/fixtures_ray.py's heads do.
+    # default it waits 30 s, and _stop_head with it).
     env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
     proc = subprocess.Popen(
         ["bash", "-euo", "pipefail", "-c", script],

@@ -160,8 +160,6 @@ def start_ray_head(tmp_path_factory) -> Iterator[RayHead]:
         **FAKE_CREDENTIALS,
         "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}",
     }
-    # A test cluster has nothing to drain: stop at once on SIGTERM (the default waits 30 s).
-    env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
     env.pop("RAY_ADDRESS", None)
     token = Path(temp_dir) / "auth_token"
     token.write_text(secrets.token_hex(32) + "\n")
