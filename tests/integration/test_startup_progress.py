@@ -66,8 +66,9 @@ class GatingStream(io.StringIO):
     def write(self, text: str) -> int:
         n = super().write(text)
         for i, pattern in enumerate(SHOWN):
-            if re.search(pattern, self.getvalue()):
-                (self.gates / str(i)).touch()
+            gate = self.gates / str(i)
+            if not gate.exists() and re.search(pattern, self.getvalue()):
+                gate.touch()
         return n
 
 

@@ -74,7 +74,7 @@ def test_every_read_of_parquet_from_bytes_goes_through_read_parquet():
                 continue
             found += [f"{rel}:{line}" for line in _reads_from_memory(ast.parse(path.read_text(), rel))]
     assert not found, (
-        f"Parquet decoded from in-memory bytes outside {HELPER}: {found}. Use read_parquet/parquet_schema "
+        f"Parquet decoded from in-memory bytes outside {HELPER}: {found}. Use read_parquet "
         "(a threaded read of Python-owned bytes can abort the process at exit)."
     )
 
