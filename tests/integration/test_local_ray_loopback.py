@@ -117,7 +117,9 @@ def test_a_local_run_listens_on_loopback_only_and_logs_no_token_warning_or_colou
     sockets = json.loads(line[len("LISTENING ") :])
     names = {name for name, _, _ in sockets}
     # The servers named in the issue, and a worker's, were seen (the check is not vacuous).
-    assert {"gcs_server", "raylet", "ray::DashboardAgent", "ray::IDLE", "ray::Talker"} <= names, sockets
+    # (The actor's worker is among the descendants checked below, under whichever title Ray has
+    # given its process by then: not asserted by name.)
+    assert {"gcs_server", "raylet", "ray::DashboardAgent", "ray::IDLE"} <= names, sockets
     wide = [s for s in sockets if not s[1].startswith(_LOOPBACK)]
     assert not wide, f"listening beyond loopback: {wide}"
 
