@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from ditfleet.compile import CompileConfig, apply_compile, warm_up
+from ditfleet.compile import CompileConfig, WarmupRuns, apply_compile, warm_up
 from ditfleet.model import load_pipeline
 
 
@@ -36,12 +36,11 @@ def main() -> None:
     pipe = load_pipeline("tiny")
     apply_compile(pipe, CompileConfig(vae=True, dit=True))
     start = cpu_seconds()
-    warm = warm_up(
-        pipe,
-        args.bucket or ["128x128"],
-        batch_sizes=[int(b) for b in args.batch_sizes.split(",")],
+    runs = WarmupRuns(
+        batch_sizes=tuple(int(b) for b in args.batch_sizes.split(",")),
         max_sequence_length=args.max_sequence_length,
     )
+    warm = warm_up(pipe, args.bucket or ["128x128"], runs)
     print(
         json.dumps(
             {

@@ -43,6 +43,7 @@ _WHERE = {
     "prepare_worker_pipeline": "prepare",
     "BucketWarmup": "warmup",
     "WarmupReport": "warmup",
+    "WarmupRuns": "warmup",
     "warm_up": "warmup",
 }
 

@@ -35,7 +35,7 @@ from .cache import (
 )
 from .claims import BucketClaims
 from .policy import CompileConfig, CompileReport, apply_compile, resolve_auto
-from .warmup import WARMUP_PROMPTS, WarmupReport, warm_up
+from .warmup import WARMUP_PROMPTS, WarmupReport, WarmupRuns, warm_up
 
 
 @dataclass
@@ -108,16 +108,13 @@ def prepare_worker_pipeline(
         if config.claim_timeout_s > 0
         else None
     )
-    warm = warm_up(
-        pipe,
-        buckets,
-        prompts=prompts,
-        batch_sizes=batch_sizes,
+    runs = WarmupRuns(
+        prompts=tuple(prompts),
+        batch_sizes=tuple(batch_sizes),
         steps=steps,
         max_sequence_length=max_sequence_length,
-        on_bucket=on_bucket,
-        claims=claims,
     )
+    warm = warm_up(pipe, buckets, runs, on_bucket=on_bucket, claims=claims)
     saved = None
     unloaded = loaded is None or loaded.status != "loaded"
     if share and artifact_store is not None and cache_secret is not None and unloaded:

@@ -49,6 +49,24 @@ NEGATIVE_EMBED_LENGTH = 1  # the default negative prompt (model.generation.guida
 
 
 @dataclass(frozen=True)
+class WarmupRuns:
+    """What warm-up runs at every bucket.
+
+    prompts: encoded when the pipeline has a text encoder; without one, random embeddings of
+    `embed_lengths` tokens stand in for them (and a one-token negative).
+    batch_sizes: with the DiT compiled, one is enough (the batch is a dynamic dimension).
+    """
+
+    prompts: tuple[str, ...] = WARMUP_PROMPTS
+    embed_lengths: tuple[int, ...] = WARMUP_EMBED_LENGTHS
+    batch_sizes: tuple[int, ...] = (1,)
+    steps: int = 2
+    true_cfg_scale: float = 4.0
+    max_sequence_length: int = MAX_SEQUENCE_LENGTH
+    seed: int = 0
+
+
+@dataclass(frozen=True)
 class BucketWarmup:
     bucket: str  # 'WxH'
     seconds: float  # wall time of every run of this bucket, compiles included
@@ -81,22 +99,13 @@ class WarmupReport:
 def warm_up(
     pipe: Any,
     buckets: Sequence[ResolutionBucket | str],
+    runs: WarmupRuns = WarmupRuns(),
     *,
-    prompts: Sequence[str] = WARMUP_PROMPTS,
-    embed_lengths: Sequence[int] = WARMUP_EMBED_LENGTHS,
-    batch_sizes: Sequence[int] = (1,),
-    steps: int = 2,
-    true_cfg_scale: float = 4.0,
-    max_sequence_length: int = MAX_SEQUENCE_LENGTH,
-    seed: int = 0,
     on_bucket: Callable[[int, int, str, bool], None] | None = None,
     claims: BucketClaims | None = None,
 ) -> WarmupReport:
     """Run every bucket once per prompt and batch size; return times and compile counts.
 
-    prompts: encoded when the pipeline has a text encoder; without one, random embeddings of
-    `embed_lengths` tokens stand in for them (and a one-token negative).
-    batch_sizes: with the DiT compiled, one is enough (the batch is a dynamic dimension).
     on_bucket: called as (i, n, 'WxH', first) before bucket i of n (from 1) starts, for progress;
     first: no process on this machine compiled the bucket before (with claims; else True).
     claims: coordinate with other processes on this machine so each bucket compiles once; the
@@ -105,16 +114,12 @@ def warm_up(
     resolved = [b if isinstance(b, ResolutionBucket) else ResolutionBucket.parse(b) for b in buckets]
     if not resolved:
         raise ValueError("warm_up needs at least one resolution bucket")
-    if not batch_sizes or any(int(b) < 1 for b in batch_sizes):
-        raise ValueError(f"batch_sizes must be positive integers, got {list(batch_sizes)}")
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
+    if not runs.batch_sizes or any(int(b) < 1 for b in runs.batch_sizes):
+        raise ValueError(f"batch_sizes must be positive integers, got {list(runs.batch_sizes)}")
+    if runs.steps < 1:
+        raise ValueError(f"steps must be >= 1, got {runs.steps}")
     methods = compiled_methods(pipe)
-    cases = {
-        int(b): _cases(pipe, int(b), prompts, embed_lengths, true_cfg_scale, max_sequence_length, seed)
-        for b in batch_sizes
-    }
-    lengths = _all_lengths(cases)
+    cases = {int(b): _cases(pipe, int(b), runs) for b in runs.batch_sizes}
     # One graph per resolution for each target (the DiT's batch and text length are dynamic);
     # the margin covers a platform that specialises a size after all.
     shapes = 2 * len(resolved) + 2
@@ -132,18 +137,17 @@ def warm_up(
             on_bucket(len(timings) + 1, len(resolved), bucket.name, bucket.name not in before)
 
     def warm(bucket: ResolutionBucket, outcome: ClaimOutcome) -> None:
-        timings.append(_warm_bucket(pipe, bucket, outcome, cases, steps, true_cfg_scale, seed))
+        timings.append(_warm_bucket(pipe, bucket, outcome, cases, runs))
 
     _each_bucket(resolved, claims, announce, warm)
-    fallbacks = {label: m.fallback_reason for label, m in methods.items() if m.fallback_reason}
     return WarmupReport(
         buckets=tuple(timings),
-        prompt_lengths=tuple(lengths),
-        batch_sizes=tuple(int(b) for b in batch_sizes),
+        prompt_lengths=tuple(_all_lengths(cases)),
+        batch_sizes=tuple(int(b) for b in runs.batch_sizes),
         seconds=time.perf_counter() - start_all,
         compiles=compile_count() - compiles_all,
         shape_limit=max((m.shape_limit for m in methods.values()), default=0),
-        fallbacks=fallbacks,
+        fallbacks={label: m.fallback_reason for label, m in methods.items() if m.fallback_reason},
     )
 
 
@@ -181,28 +185,26 @@ def _warm_bucket(
     bucket: ResolutionBucket,
     outcome: ClaimOutcome,
     cases: dict[int, list[GuidanceInputs]],
-    steps: int,
-    true_cfg_scale: float,
-    seed: int,
+    runs: WarmupRuns,
 ) -> BucketWarmup:
     """Run every case of every batch size at this bucket's resolution; time and count it."""
-    start, compiles, graphs, runs = time.perf_counter(), compile_count(), _inductor_compiles(), 0
+    start, compiles, graphs, count = time.perf_counter(), compile_count(), _inductor_compiles(), 0
     for batch, per_batch in cases.items():
         for case in per_batch:
             pipe.generate(
                 **case,
                 height=bucket.height,
                 width=bucket.width,
-                steps=steps,
-                true_cfg_scale=true_cfg_scale,
-                seeds=list(range(seed, seed + batch)),
+                steps=runs.steps,
+                true_cfg_scale=runs.true_cfg_scale,
+                seeds=list(range(runs.seed, runs.seed + batch)),
             )
-            runs += 1
+            count += 1
     return BucketWarmup(
         bucket.name,
         time.perf_counter() - start + outcome.waited_s,
         compile_count() - compiles,
-        runs,
+        count,
         _inductor_compiles() - graphs,
         outcome.how,
         outcome.waited_s,
@@ -216,27 +218,23 @@ def _inductor_compiles() -> int:
     return int(counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_bypass"])
 
 
-def _cases(
-    pipe: Any,
-    batch: int,
-    prompts: Sequence[str],
-    embed_lengths: Sequence[int],
-    true_cfg_scale: float,
-    max_sequence_length: int,
-    seed: int,
-) -> list[GuidanceInputs]:
+def _cases(pipe: Any, batch: int, runs: WarmupRuns) -> list[GuidanceInputs]:
     """The generate() inputs of one batch size: one per prompt (or per embedding length)."""
     if pipe.text_encoder is not None:
         return [
-            pipe.encode_guidance([prompt] * batch, None, true_cfg_scale, max_sequence_length)
-            for prompt in prompts
+            pipe.encode_guidance([prompt] * batch, None, runs.true_cfg_scale, runs.max_sequence_length)
+            for prompt in runs.prompts
         ]
     cases: list[GuidanceInputs] = []
-    for length in embed_lengths:
-        neg = _random_embeds(pipe, batch, NEGATIVE_EMBED_LENGTH, seed + 1) if cfg_on(true_cfg_scale) else None
+    for length in runs.embed_lengths:
+        neg = (
+            _random_embeds(pipe, batch, NEGATIVE_EMBED_LENGTH, runs.seed + 1)
+            if cfg_on(runs.true_cfg_scale)
+            else None
+        )
         cases.append(
             {
-                "prompt_embeds": _random_embeds(pipe, batch, int(length), seed),
+                "prompt_embeds": _random_embeds(pipe, batch, int(length), runs.seed),
                 "prompt_embeds_mask": None,
                 "negative_prompt_embeds": neg,
                 "negative_prompt_embeds_mask": None,

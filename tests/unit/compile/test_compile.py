@@ -26,6 +26,7 @@ from ditfleet.compile import (
     CompileFallbackWarning,
     DirectoryArtifactStore,
     ResolutionBucket,
+    WarmupRuns,
     apply_compile,
     cache_key,
     compile_count,
@@ -51,7 +52,7 @@ def warmed(random_model_dir):
     pipe = load_pipeline(random_model_dir)
     report = apply_compile(pipe, CompileConfig(vae=True, dit=True, vae_backend="eager", dit_backend="eager"))
     # The compiled DiT takes any text length: one warm-up per bucket covers every case below.
-    warm = warm_up(pipe, SMALL_BUCKETS, max_sequence_length=128)
+    warm = warm_up(pipe, SMALL_BUCKETS, WarmupRuns(max_sequence_length=128))
     return pipe, report, warm
 
 

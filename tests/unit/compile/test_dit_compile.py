@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from ditfleet.compile import CompileConfig, apply_compile, count_compiles, warm_up
+from ditfleet.compile import CompileConfig, WarmupRuns, apply_compile, count_compiles, warm_up
 from ditfleet.compile.policy import AUTO_DIT_IMAGES_PER_BUCKET, resolve_auto
 from ditfleet.model import load_pipeline
 from tests.support.compile_helpers import SMALL_BUCKETS, generate, random_embeds
@@ -44,7 +44,7 @@ def test_dit_warms_once_per_bucket_and_never_recompiles(random_model_dir):
     pipe = load_pipeline(random_model_dir, load_text_encoder_too=False)
     report = apply_compile(pipe, CompileConfig(vae=False, dit=True, dit_backend="eager"))
     assert len(report.methods) == 2 * len(pipe.transformer.transformer_blocks)
-    warm = warm_up(pipe, SMALL_BUCKETS, batch_sizes=(BATCH_SIZE,))
+    warm = warm_up(pipe, SMALL_BUCKETS, WarmupRuns(batch_sizes=(BATCH_SIZE,)))
     # Two functions per bucket (attention_inputs, attention_outputs), shared by every block.
     assert warm.compiles == 2 * len(SMALL_BUCKETS)
     assert set(report.status.values()) == {"compiled"} and report.fallbacks == {}
@@ -134,7 +134,7 @@ def test_runs_scaled_gemms_reads_the_quantized_dit(random_model_dir, mode, scale
 def test_inductor_dit_one_bucket_any_length_and_batch(random_model_dir, quantization, atol):
     pipe = load_pipeline(random_model_dir, load_text_encoder_too=False, quantization=quantization)
     apply_compile(pipe, CompileConfig(vae=False, dit=True))
-    warm = warm_up(pipe, SMALL_BUCKETS[:1], batch_sizes=(2,))
+    warm = warm_up(pipe, SMALL_BUCKETS[:1], WarmupRuns(batch_sizes=(2,)))
     assert warm.compiles == 2
     eager = load_pipeline(random_model_dir, load_text_encoder_too=False, quantization=quantization)
     with torch._dynamo.config.patch(error_on_recompile=True), count_compiles() as tally:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ditfleet.compile import CompileConfig, apply_compile, count_compiles, warm_up
+from ditfleet.compile import CompileConfig, WarmupRuns, apply_compile, count_compiles, warm_up
 from ditfleet.model import load_pipeline
 from ditfleet.model.loading.fp8 import Fp8Linear
 from tests.support.compile_helpers import SMALL_BUCKETS, generate
@@ -25,7 +25,7 @@ def test_fp8_dit_warms_once_per_bucket_and_never_recompiles(random_model_dir, mo
     pipe = load_pipeline(random_model_dir, load_text_encoder_too=False, quantization=mode)
     assert isinstance(pipe.transformer.transformer_blocks[0].attn.to_q, Fp8Linear)
     report = apply_compile(pipe, CompileConfig(vae=False, dit=True, dit_backend="eager"))
-    warm = warm_up(pipe, SMALL_BUCKETS, batch_sizes=(BATCH_SIZE,))
+    warm = warm_up(pipe, SMALL_BUCKETS, WarmupRuns(batch_sizes=(BATCH_SIZE,)))
     assert warm.compiles == 2 * len(SMALL_BUCKETS)
     assert set(report.status.values()) == {"compiled"} and report.fallbacks == {}
 

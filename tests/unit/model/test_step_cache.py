@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from ditfleet.compile import CompileConfig, apply_compile, count_compiles, warm_up
+from ditfleet.compile import CompileConfig, WarmupRuns, apply_compile, count_compiles, warm_up
 from ditfleet.model import load_pipeline
 from ditfleet.model.generation.pipeline import Sampling
 from ditfleet.model.generation.step_cache import StepCache
@@ -271,7 +271,7 @@ def test_compiled_dit_skips_without_recompiling(random_model_dir, serial, method
     bucket = SMALL_BUCKETS[0]
     pipe = load_pipeline(random_model_dir, cfg_mode="serial", load_text_encoder_too=False)
     apply_compile(pipe, CompileConfig(vae=False, dit=True, dit_backend="eager"))
-    warm_up(pipe, (bucket,), batch_sizes=(4,))
+    warm_up(pipe, (bucket,), WarmupRuns(batch_sizes=(4,)))
     eager = load_pipeline(random_model_dir, cfg_mode="serial", load_text_encoder_too=False)
     size = dict(height=bucket.height, width=bucket.width)
     config = SHORT if method == "dbcache" else _teacache(serial, taylorseer_order=1, **size)
