@@ -86,20 +86,14 @@ def fetch_model(
     t0 = time.perf_counter()
     scheme = urlparse(source).scheme
     if scheme == "s3":
-        return _fetch_s3(source, Path(cache_dir), s3, config, progress, t0, layout)
+        return _fetch_s3(source, Path(cache_dir), s3, config, progress, layout)
     if scheme == "hf":
         from ditfleet.workers.weights.hub import fetch_hub_snapshot
 
         snap = fetch_hub_snapshot(source, Path(cache_dir), config.lock_timeout_s, layout)
+        got, seconds = snap.downloaded_bytes, time.perf_counter() - t0
         return FetchedModel(
-            snap.path,
-            source,
-            snap.revision,
-            snap.downloaded_bytes > 0,
-            snap.downloaded_bytes,
-            time.perf_counter() - t0,
-            snap.files,
-            snap.lock_wait_s,
+            snap.path, source, snap.revision, got > 0, got, seconds, snap.files, snap.lock_wait_s
         )
     if scheme in ("", "file"):
         return _local(source, t0, layout)
@@ -120,12 +114,11 @@ def _local(source: str, t0: float, layout: Layout | None) -> FetchedModel:
     if layout is not None:
         root = Path(path)
         layout.check(set(relative_files(root)) if root.is_dir() else set(), str(root))
-        files = sum(1 for p in root.rglob("*") if p.is_file())
-        return FetchedModel(root, source, model_revision(root), False, 0, time.perf_counter() - t0, files)
-    try:
-        root = resolve_model_dir(path)
-    except WeightsError as e:
-        raise ModelFetchError(str(e)) from None
+    else:
+        try:
+            root = resolve_model_dir(path)
+        except WeightsError as e:
+            raise ModelFetchError(str(e)) from None
     files = sum(1 for p in root.rglob("*") if p.is_file())
     return FetchedModel(root, source, model_revision(root), False, 0, time.perf_counter() - t0, files)
 
@@ -139,9 +132,9 @@ def _fetch_s3(
     s3: S3Config,
     config: FetchConfig,
     progress: Callable[[int], None] | None,
-    t0: float,
     layout: Layout | None,
 ) -> FetchedModel:
+    t0 = time.perf_counter()
     parsed = urlparse(source)
     bucket, prefix = parsed.netloc, parsed.path.strip("/")
     if not bucket:
@@ -155,29 +148,17 @@ def _fetch_s3(
     if layout is not None:
         layout.check({f.path for f in files}, uri)
     else:
-        check_layout(
-            {f.path for f in files},
-            uri,
-            f"upload the missing parts (e.g. aws s3 sync MODEL_DIR {uri}) or fix the model path",
-        )
+        hint = f"upload the missing parts (e.g. aws s3 sync MODEL_DIR {uri}) or fix the model path"
+        check_layout({f.path for f in files}, uri, hint)
     revision = content_revision(files)
     entry = CacheEntry.for_source(cache_dir, uri, files)
+
+    def download(todo: list[RemoteFile]) -> int:
+        return download_files(client, bucket, endpoint, entry, todo, config, progress)
+
     try:
         with entry.locked(config.lock_timeout_s) as waited:
-            todo, marked = entry.stale_files(files)
-            fetched_bytes = 0
-            if todo:
-                if marked:
-                    log.warning(
-                        "cached model %s: %d file(s) missing or of the wrong size (%s); fetching them again",
-                        entry.root,
-                        len(todo),
-                        ", ".join(f.path for f in todo[:5]),
-                    )
-                _check_disk(entry, todo, config)
-                fetched_bytes = download_files(client, bucket, endpoint, entry, todo, config, progress)
-            if todo or not marked:
-                entry.finish(revision, files, fetched_bytes)
+            todo, fetched_bytes = _bring_up_to_date(entry, files, revision, config, download)
     except OSError as e:
         raise ModelFetchError(
             f"model cache {cache_dir}: {e.strerror or e} at {e.filename or cache_dir} while fetching "
@@ -195,17 +176,35 @@ def _fetch_s3(
             fetched_bytes / 1e6 / max(seconds, 1e-6),
             entry.root,
         )
+    identity = etag_identity(files)
     return FetchedModel(
-        entry.root,
-        uri,
-        revision,
-        bool(todo),
-        fetched_bytes,
-        seconds,
-        len(files),
-        waited,
-        etag_identity(files),
+        entry.root, uri, revision, bool(todo), fetched_bytes, seconds, len(files), waited, identity
     )
+
+
+def _bring_up_to_date(
+    entry: CacheEntry,
+    files: list[RemoteFile],
+    revision: str,
+    config: FetchConfig,
+    download: Callable[[list[RemoteFile]], int],
+) -> tuple[list[RemoteFile], int]:
+    """Under the entry's lock: fetch what is missing or damaged, then mark the entry complete."""
+    todo, marked = entry.stale_files(files)
+    fetched_bytes = 0
+    if todo:
+        if marked:
+            log.warning(
+                "cached model %s: %d file(s) missing or of the wrong size (%s); fetching them again",
+                entry.root,
+                len(todo),
+                ", ".join(f.path for f in todo[:5]),
+            )
+        _check_disk(entry, todo, config)
+        fetched_bytes = download(todo)
+    if todo or not marked:
+        entry.finish(revision, files, fetched_bytes)
+    return todo, fetched_bytes
 
 
 def _check_disk(entry: CacheEntry, todo: list[RemoteFile], config: FetchConfig) -> None:
