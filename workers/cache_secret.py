@@ -69,66 +69,76 @@ class CacheSecret:
     off_reason: str = ""
 
 
+# Ends every reason the shared cache is off: what that costs and how to turn it on.
+_HINT = (
+    "the shared compile cache is off: compiled artifacts are not shared through the output, "
+    "so each machine compiles once for itself (actors on one machine share its local compile "
+    "cache). To share them across machines, give every actor the same secret key "
+    "(e.g. `openssl rand -hex 32`)"
+)
+
+
 def read_cache_secret(source: CacheSecretSource) -> CacheSecret:
     """Read the key; never raises (a missing key turns the shared cache off, it stops nothing).
 
     The key is the file's bytes (one trailing newline dropped) or the variable's text, and must be
     at least MIN_SECRET_BYTES long; `openssl rand -hex 32` makes a good one.
     """
-    hint = (
-        "the shared compile cache is off: compiled artifacts are not shared through the output, "
-        "so each machine compiles once for itself (actors on one machine share its local compile "
-        "cache). To share them across machines, give every actor the same secret key "
-        "(e.g. `openssl rand -hex 32`)"
-    )
     if source.file:
-        try:
-            with open(source.file, "rb") as f:
-                mode = os.fstat(f.fileno()).st_mode
-                key = f.read()
-        except OSError as e:
-            return CacheSecret(
-                None,
-                f"compile cache key file {source.file} cannot be read ({e.strerror or e}); {hint} in that file",
-            )
-        if mode & 0o077:
-            return CacheSecret(
-                None,
-                f"compile cache key file {source.file} is readable by group or others (mode "
-                f"{mode & 0o777:04o}); a key others can read is no key: `chmod 600` it (a Kubernetes "
-                f"Secret volume: defaultMode: 0400); {hint} in that file",
-            )
-        key = key[:-1] if key.endswith(b"\n") else key
-        where = f"compile cache key file {source.file}"
-    elif source.env:
-        if source.env in WELL_KNOWN_ENV:
-            return CacheSecret(
-                None,
-                f"compile.cache_key_env names ${source.env}, a well-known variable whose value is no "
-                f"secret; {hint} in a file (compile.cache_key_file)",
-            )
-        if source.env in runtime_env_vars():
-            log.warning(
-                "the compile cache key $%s comes from a Ray runtime environment (ray job submit "
-                "--runtime-env-json): Ray keeps it in plain text in the Jobs API and in each node's "
-                "runtime_env_agent.log. Mount it as a file instead (compile.cache_key_file, mode 0600)",
-                source.env,
-            )
-        text = os.environ.get(source.env, "")
-        if not text:
-            return CacheSecret(
-                None, f"no compile cache key: ${source.env} is not set on this node; {hint} in ${source.env}"
-            )
-        key = text.encode()
-        where = f"${source.env}"
-    else:
+        return _key_from_file(source.file)
+    if source.env:
+        return _key_from_env(source.env)
+    return CacheSecret(
+        None,
+        f"no compile cache key is configured (compile.cache_key_env and compile.cache_key_file are both null); {_HINT}",
+    )
+
+
+def _key_from_file(path: str) -> CacheSecret:
+    try:
+        with open(path, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            key = f.read()
+    except OSError as e:
         return CacheSecret(
             None,
-            f"no compile cache key is configured (compile.cache_key_env and compile.cache_key_file are both null); {hint}",
+            f"compile cache key file {path} cannot be read ({e.strerror or e}); {_HINT} in that file",
         )
+    if mode & 0o077:
+        return CacheSecret(
+            None,
+            f"compile cache key file {path} is readable by group or others (mode "
+            f"{mode & 0o777:04o}); a key others can read is no key: `chmod 600` it (a Kubernetes "
+            f"Secret volume: defaultMode: 0400); {_HINT} in that file",
+        )
+    return _long_enough(key[:-1] if key.endswith(b"\n") else key, f"compile cache key file {path}")
+
+
+def _key_from_env(name: str) -> CacheSecret:
+    if name in WELL_KNOWN_ENV:
+        return CacheSecret(
+            None,
+            f"compile.cache_key_env names ${name}, a well-known variable whose value is no "
+            f"secret; {_HINT} in a file (compile.cache_key_file)",
+        )
+    if name in runtime_env_vars():
+        log.warning(
+            "the compile cache key $%s comes from a Ray runtime environment (ray job submit "
+            "--runtime-env-json): Ray keeps it in plain text in the Jobs API and in each node's "
+            "runtime_env_agent.log. Mount it as a file instead (compile.cache_key_file, mode 0600)",
+            name,
+        )
+    text = os.environ.get(name, "")
+    if not text:
+        return CacheSecret(None, f"no compile cache key: ${name} is not set on this node; {_HINT} in ${name}")
+    return _long_enough(text.encode(), f"${name}")
+
+
+def _long_enough(key: bytes, where: str) -> CacheSecret:
     if len(key) < MIN_SECRET_BYTES:
         return CacheSecret(
-            None, f"{where} holds {len(key)} bytes, fewer than the {MIN_SECRET_BYTES} a key needs; {hint}"
+            None,
+            f"{where} holds {len(key)} bytes, fewer than the {MIN_SECRET_BYTES} a key needs; {_HINT}",
         )
     return CacheSecret(key)
 
