@@ -49,44 +49,48 @@ def digests(values: pa.Array, bits: int = 64, positions: np.ndarray | None = Non
     strings, so nulls do not pile up as one repeated digest; they are never duplicates.
     """
     values = _as_string(values)
-    n = len(values)
-    out = np.empty(n, np.uint64)
-    if n == 0:
-        return out
+    if len(values) == 0:
+        return np.empty(0, np.uint64)
     offset_type = np.int64 if pa.types.is_large_string(values.type) else np.int32
-    buffers = values.buffers()
-    width = np.dtype(offset_type).itemsize
-    offsets = np.frombuffer(buffers[1], offset_type, count=n + 1, offset=values.offset * width).astype(
-        np.int64
-    )
+    at = values.offset * np.dtype(offset_type).itemsize
+    raw_offsets = np.frombuffer(values.buffers()[1], offset_type, count=len(values) + 1, offset=at)
+    offsets = raw_offsets.astype(np.int64)
     base, end = int(offsets[0]), int(offsets[-1])
+    data = np.zeros(0, np.uint8)  # strings all empty: there may be no data buffer
+    if end > base:
+        data = np.frombuffer(values.buffers()[2], np.uint8, count=end - base, offset=base)
     lengths = offsets[1:] - offsets[:-1]
     h = (lengths.astype(np.uint64) * _STEP) ^ _SEED
     longest = int(lengths.max())
     if longest == int(lengths.min()) and longest:
-        # Ids of one length (most id schemes): the bytes are an n x length matrix; the same words
-        # as the general path reads, without gathering them.
-        width = -(-longest // 8) * 8
-        block = np.zeros((n, width), np.uint8)
-        block[:, :longest] = np.frombuffer(buffers[2], np.uint8, count=end - base, offset=base).reshape(
-            n, longest
-        )
-        columns = block.view("<u8")
-        for w in range(width // 8):
-            h = _fmix((h * _STEP) ^ columns[:, w])
-        return _finish(values, h, out, bits, positions)
+        h = _mix_one_length(h, data, longest)
+    else:
+        h = _mix_ragged(h, data, offsets[:-1] - base, lengths)
+    return _finish(values, h, bits, positions)
+
+
+def _mix_one_length(h: np.ndarray, data: np.ndarray, length: int) -> np.ndarray:
+    """Ids of one length (most id schemes): the bytes are an n x length matrix; the same words
+    as `_mix_ragged` reads, without gathering them."""
+    block = np.zeros((len(h), -(-length // 8) * 8), np.uint8)
+    block[:, :length] = data.reshape(len(h), length)
+    for column in block.view("<u8").T:
+        h = _fmix((h * _STEP) ^ column)
+    return h
+
+
+def _mix_ragged(h: np.ndarray, data: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Strings of any lengths, eight bytes at a time from each one's start."""
     # Two words of zero padding: the last string's final read and its next word stay in bounds.
-    padded = np.zeros((end - base) // 8 * 8 + 16, np.uint8)
-    if end > base:
-        padded[: end - base] = np.frombuffer(buffers[2], np.uint8, count=end - base, offset=base)
+    padded = np.zeros(len(data) // 8 * 8 + 16, np.uint8)
+    padded[: len(data)] = data
     words = padded.view("<u8")
-    starts = offsets[:-1] - base
-    for word_at in range(0, longest, 8):
+    for word_at in range(0, int(lengths.max()), 8):
         # Whole-column steps while most strings still have bytes here (ids of one format have
         # one length); the stragglers of a few long ids are gathered by index.
         rest = lengths - word_at
         live = rest > 0
-        dense = word_at == 0 or np.count_nonzero(live) * 2 > n
+        dense = word_at == 0 or np.count_nonzero(live) * 2 > len(h)
         idx = None if dense else np.flatnonzero(live)
         at = starts + word_at if dense else starts[idx] + word_at
         rest = rest if dense else rest[idx]
@@ -103,13 +107,11 @@ def digests(values: pa.Array, bits: int = 64, positions: np.ndarray | None = Non
             h = np.where(live, mixed, h)
         else:
             h[idx] = _fmix((h[idx] * _STEP) ^ ((lo | hi) & keep))
-    return _finish(values, h, out, bits, positions)
+    return h
 
 
-def _finish(
-    values: pa.Array, h: np.ndarray, out: np.ndarray, bits: int, positions: np.ndarray | None
-) -> np.ndarray:
-    out[:] = _fmix(h)
+def _finish(values: pa.Array, h: np.ndarray, bits: int, positions: np.ndarray | None) -> np.ndarray:
+    out = _fmix(h)
     if values.null_count:
         nulls = np.asarray(values.is_null().to_numpy(zero_copy_only=False))
         where = positions[nulls] if positions is not None else np.flatnonzero(nulls)
