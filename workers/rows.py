@@ -24,7 +24,7 @@ import datetime as dt
 import decimal
 import hashlib
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,16 +40,8 @@ from ditfleet.workers.storage.input_files import InputFileError, open_parquet
 
 # Columns with a meaning; every other column is passed through to the manifest.
 KNOWN_COLUMNS = (
-    "id",
-    "prompt",
-    "negative_prompt",
-    "seed",
-    "width",
-    "height",
-    "steps",
-    "true_cfg_scale",
-    "num_images",
-)
+    "id", "prompt", "negative_prompt", "seed", "width", "height", "steps", "true_cfg_scale", "num_images"
+)  # fmt: skip
 
 # Accepted ranges, inclusive. The validator and RowConfig both check against these.
 STEPS_RANGE = (1, 200)
@@ -217,9 +209,7 @@ class RowResolutionError(ValueError):
 def to_json_safe(value: Any) -> Any:
     """A pass-through value as JSON-serialisable Python: timestamps/dates -> ISO 8601 strings,
     decimals -> strings (exact), bytes -> base64 strings, nested lists/maps converted inside."""
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float):
+    if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, (dt.datetime, dt.date, dt.time)):
         return value.isoformat()
@@ -291,64 +281,60 @@ def _bucket_of(
     return mapped[w, h]
 
 
+# Columns a row may leave null for the job's default (RowConfig's field of the same name), and
+# how a given value is read.
+_DEFAULTED: dict[str, Callable[[Any], Any]] = {
+    "negative_prompt": lambda value: value,
+    "steps": int,
+    "true_cfg_scale": float,
+    "num_images": int,
+}
+
+
 def resolve_rows(
-    batch: pa.RecordBatch,
-    config: RowConfig,
-    file: str,
-    first_row: int,
-    first_position: int | None = None,
-    id_prefix: str | None = None,
+    batch: pa.RecordBatch, config: RowConfig, shard: ShardSpec, first_row: int
 ) -> list[PromptRow]:
-    """Resolve the rows of `batch` (rows first_row.. of `file`) into PromptRows.
+    """Resolve the rows of `batch` (rows first_row.. of the shard's file) into PromptRows.
 
-    first_position is the global input position of the batch's first row (default first_row,
-    right for the first or only file); rows without an id use their position as id, or
-    f"{id_prefix}{row}" when id_prefix is given.
+    Rows without an id use their global input position as id, or f"{id_prefix}{row}" when the
+    shard has an id_prefix.
     """
-    n = batch.num_rows
-    position = first_row if first_position is None else first_position
-    names = batch.schema.names
-
-    def column(name: str) -> list[Any]:
-        return batch.column(name).to_pylist() if name in names else [None] * n
-
-    ids, prompts, negatives, seeds = column("id"), column("prompt"), column("negative_prompt"), column("seed")
-    widths, heights, steps = column("width"), column("height"), column("steps")
-    cfgs, counts = column("true_cfg_scale"), column("num_images")
+    n, names, file = batch.num_rows, batch.schema.names, shard.file
+    known = {name: batch.column(name).to_pylist() if name in names else [None] * n for name in KNOWN_COLUMNS}
     extras = {name: batch.column(name).to_pylist() for name in passthrough_columns(names)}
-    has_ids = "id" in names
+    position = shard.position_start + first_row - shard.row_start
     mapped: dict[tuple[int, int], ResolutionBucket] = {}
     out: list[PromptRow] = []
     for i in range(n):
         row = first_row + i
-        prompt = prompts[i]
+        prompt, seed = known["prompt"][i], known["seed"][i]
         if not isinstance(prompt, str) or not prompt.strip():
             raise RowResolutionError(
                 f"{file}: row {row}, column 'prompt': no prompt ({prompt!r}). Run the input through validation"
             )
-        if has_ids:
-            row_id = _row_id(ids[i], file, row)
+        if "id" in names:
+            row_id = _row_id(known["id"][i], file, row)
         else:
-            row_id = f"{id_prefix}{row}" if id_prefix is not None else str(position + i)
-        w, h = widths[i], heights[i]
+            row_id = f"{shard.id_prefix}{row}" if shard.id_prefix is not None else str(position + i)
+        w, h = known["width"][i], known["height"][i]
         bucket = _bucket_of(w, h, config, mapped, f"{file}: row {row}")
         out.append(
             PromptRow(
                 id=row_id,
                 prompt=prompt,
-                negative_prompt=config.negative_prompt if negatives[i] is None else negatives[i],
-                seed=derive_seed(config.job_seed, row_id) if seeds[i] is None else int(seeds[i]),
+                seed=derive_seed(config.job_seed, row_id) if seed is None else int(seed),
                 width=bucket.width,
                 height=bucket.height,
                 requested_width=w,
                 requested_height=h,
                 bucket=bucket.name,
-                steps=config.steps if steps[i] is None else int(steps[i]),
-                true_cfg_scale=config.true_cfg_scale if cfgs[i] is None else float(cfgs[i]),
-                num_images=config.num_images if counts[i] is None else int(counts[i]),
                 file=file,
                 row=row,
                 extra={name: to_json_safe(values[i]) for name, values in extras.items()},
+                **{
+                    k: getattr(config, k) if known[k][i] is None else read(known[k][i])
+                    for k, read in _DEFAULTED.items()
+                },
             )
         )
     return out
@@ -400,9 +386,7 @@ def read_shard_rows(
         check_content(shard, digest.value())
     rows: list[PromptRow] = []
     for first, part in parts:
-        rows += resolve_rows(
-            part, config, shard.file, first, shard.position_start + first - shard.row_start, shard.id_prefix
-        )
+        rows += resolve_rows(part, config, shard, first)
     images = sum(r.num_images for r in rows)
     if len(rows) != shard.num_rows or images != shard.num_images:
         raise InputFileError(

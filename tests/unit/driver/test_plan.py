@@ -27,6 +27,7 @@ from ditfleet.workers.rows import (
     InputContentChanged,
     PromptRow,
     RowConfig,
+    ShardSpec,
     derive_seed,
     read_shard_rows,
     resolve_rows,
@@ -175,7 +176,10 @@ def test_resolve_rows_defaults_and_pass_through_columns(tmp_path: Path):
             "__index_level_0__": [10, 11],  # pandas' saved index: not a pass-through column
         }
     )
-    rows = resolve_rows(table.to_batches()[0], ROWS, "f.parquet", first_row=5)
+    shard = ShardSpec(
+        0, "f.parquet", row_start=5, row_stop=7, position_start=5, buckets_used=(), num_images=2
+    )
+    rows = resolve_rows(table.to_batches()[0], ROWS, shard, first_row=5)
     a, b = rows
     assert (a.id, a.row, a.file) == ("3", 5, "f.parquet")
     assert a.negative_prompt == " " and b.negative_prompt == "blurry"
