@@ -2,8 +2,8 @@
 
 A shard is a contiguous row range of one input file (ShardSpec); the plan holds shards and
 per-file identities, never rows, so its memory is O(shards) (plus 8 bytes per row for the
-duplicate-id check while planning). The worker re-reads its shard's rows and resolves them with
-the same `workers.rows.resolve_rows` the planner's counts come from.
+duplicate-id check while planning). The worker re-reads its shard's rows and resolves them
+(workers.rows.resolve_rows); the planner only checks them, against the same bounds.
 
 The plan's fingerprint covers everything that changes the images a row gets (model identity,
 sampling defaults, buckets, job seed, shard size) and the identity of every input file (its size,

@@ -1,8 +1,10 @@
 """Prompt rows: how one input row becomes one generation request, for the planner and the worker.
 
-The driver plans shards as row ranges of the input files and never holds the rows; the worker
-re-reads its shard's rows and resolves them here. Both sides call the same `resolve_rows`, so an
-id, seed or bucket cannot differ between what was planned and what is generated.
+The driver plans shards as row ranges of the input files and never holds the rows: it checks
+them column-wise against the bounds defined here (driver.input.validate). The worker re-reads its
+shard's rows and resolves them with `resolve_rows`, where a row's seed and bucket are decided
+(its id too; an incremental job's planner applies the same id rule, column-wise, in
+driver.increment to skip rows an earlier run covered).
 
 Row resolution (columns of the prompt Parquet; "null" means absent for that row; the prompt and
 id columns are `prompt` and `id` unless RowConfig.prompt_column / id_column name others, which
