@@ -127,33 +127,22 @@ def calibrate(
     presets: Sequence[str] = ("safe", "fast"),
     steps: int | None = None,
     buckets: Sequence[str] | None = None,
-    prompts: Sequence[str] | None = None,
     log=print,
 ) -> dict[str, Any]:
     """Run the calibration for a JobSpec; returns {"exact": {...}, "presets": [...], ...}."""
-    steps = int(steps or spec.sampling.steps)
     is_tiny = spec.model.path == TINY
-    captions = list(prompts) if prompts is not None else _prompts(spec, n, is_tiny)[:n]
+    run = _Run.of(spec, _prompts(spec, n, is_tiny)[:n], int(steps or spec.sampling.steps))
     names = list(buckets or spec.bucket_names())
-    configs = _configs(presets, spec.sampling.step_cache, steps)
+    configs = _configs(presets, spec.sampling.step_cache, run.steps)
     pipe = _load(spec)
-    run = _Run(
-        captions=captions,
-        seeds=[int(spec.sampling.seed) + i for i in range(len(captions))],
-        steps=steps,
-        cfg=float(spec.sampling.true_cfg_scale),
-        negative=spec.sampling.negative_prompt,
-        batch=int(spec.workers.batch_size),
-        max_sequence_length=spec.pipeline_settings().max_sequence_length,
-    )
     log(
-        f"calibrating {spec.model.path}: {len(captions)} prompts x {len(names)} buckets, {steps} steps, "
-        f"CFG {run.cfg}, batch {run.batch}, presets {list(configs)}"
+        f"calibrating {spec.model.path}: {len(run.captions)} prompts x {len(names)} buckets, "
+        f"{run.steps} steps, CFG {run.cfg}, batch {run.batch}, presets {list(configs)}"
     )
     # One untimed pass first, so the first timed batch pays no one-off start-up cost.
     w0, h0 = (int(v) for v in names[0].split("x"))
     pipe.generate(
-        prompt=captions[:1], height=h0, width=w0, steps=1, true_cfg_scale=run.cfg, seeds=run.seeds[:1]
+        prompt=run.captions[:1], height=h0, width=w0, steps=1, true_cfg_scale=run.cfg, seeds=run.seeds[:1]
     )
     exact = PresetResult("exact", "off")
     results = {name: PresetResult(name, config.describe()) for name, config in configs.items()}
@@ -162,14 +151,14 @@ def calibrate(
         log(f"  {bucket}: done")
     if is_tiny:
         for result in (exact, *results.values()):
-            result.judge(captions)
+            result.judge(run.captions)
     layers = pipe.transformer.config.num_layers
     return {
         "model": spec.model.path,
-        "steps": steps,
+        "steps": run.steps,
         "true_cfg_scale": run.cfg,
         "buckets": names,
-        "prompts": len(captions),
+        "prompts": len(run.captions),
         "exact": {
             "wall_s": round(exact.wall_s, 3),
             "blocks": exact.blocks_computed,
@@ -195,6 +184,19 @@ class _Run:
     negative: str | None
     batch: int
     max_sequence_length: int
+
+    @classmethod
+    def of(cls, spec: Any, captions: list[str], steps: int) -> _Run:
+        """The job's sampling for these prompts at `steps` steps."""
+        return cls(
+            captions=captions,
+            seeds=[int(spec.sampling.seed) + i for i in range(len(captions))],
+            steps=steps,
+            cfg=float(spec.sampling.true_cfg_scale),
+            negative=spec.sampling.negative_prompt,
+            batch=int(spec.workers.batch_size),
+            max_sequence_length=spec.pipeline_settings().max_sequence_length,
+        )
 
 
 def _configs(presets: Sequence[str], own: StepCacheConfig | None, steps: int) -> dict[str, StepCacheConfig]:
