@@ -204,22 +204,18 @@ def cmd_compact(args: argparse.Namespace) -> int:
 
 
 def cmd_score(args: argparse.Namespace) -> int:
-    from ditfleet.jobs.score import score_output
+    from ditfleet.jobs.score import score_output, scorer_source
 
     store = _open_output(args)
     if next(iter(store.list(MANIFESTS_PREFIX)), None) is None:
         raise UsageError(f"{args.output}: no manifests: not a ditfleet output with committed shards (yet)")
     with _ray_if_asked(args):
         try:
-            report = score_output(
-                store,
-                args.scorer,
-                workers=args.workers,
-                use_ray=args.ray,
-                ray_s3=_store_args(args),
-                model_path=args.model,
-                clip_model=args.clip_model,
+            s3 = _store_args(args)
+            source = scorer_source(
+                store, args.scorer, model_path=args.model, clip_model=args.clip_model, s3=s3
             )
+            report = score_output(store, source, workers=args.workers, use_ray=args.ray, ray_s3=s3)
         except ValueError as e:
             raise UsageError(str(e)) from e
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_text(store.uri()))

@@ -96,40 +96,74 @@ def _score_task(uri: str, s3: S3Config | None, manifests: list[str], source: Sco
     return [write_score_table(store, m, scorer) for m in manifests]
 
 
-def score_output(
+def scorer_source(
     store: ObjectStore,
     scorer: str,
     *,
-    workers: int = 2,
-    ray_s3: S3Config | None = None,
-    use_ray: bool = False,
     model_path: str | None = None,
     clip_model: str | None = None,
-) -> ScoreReport:
-    """Make the missing score tables of `scorer` for every current manifest of the output.
-
-    model_path: the model whose text encoder `vqa` asks (default: the one the output's job used);
-    clip_model: the CLIP model of `clip` (default: the job's quality.clip_model). Either, when
-    remote, is fetched into the job's model.cache_dir (without a `_job.json`, the default one)."""
+    s3: S3Config | None = None,
+) -> ScorerSource:
+    """`scorer` with its models: model_path, the model whose text encoder `vqa` asks (default: the
+    one the output's job used); clip_model, the CLIP model of `clip` (default: the job's
+    quality.clip_model). Either, when remote, is fetched through `s3` into the job's
+    model.cache_dir (without a `_job.json`, the default one)."""
     from ditfleet.workers.scorers import ScorerSource
 
     job = (read_job_file(store) or {}).get("spec", {})
-    source = ScorerSource(
+    return ScorerSource(
         scorer,
         model_path=model_path or job.get("model", {}).get("path"),
         clip_model=clip_model or job.get("quality", {}).get("clip_model"),
         # A remote model lands where the job's actors put theirs: on a node that ran the job, the
         # copy is there already and nothing is fetched again.
         cache_dir=job.get("model", {}).get("cache_dir") or MODEL_CACHE_DIR,
-        s3=ray_s3,
+        s3=s3,
     )
+
+
+def score_output(
+    store: ObjectStore,
+    source: ScorerSource,
+    *,
+    workers: int = 2,
+    use_ray: bool = False,
+    ray_s3: S3Config | None = None,
+) -> ScoreReport:
+    """Make the missing score tables of `source` for every current manifest of the output: in
+    `workers` threads here, or with `use_ray` in Ray tasks that open the output with `ray_s3`."""
     source.check()  # a wrong name or a missing model fails before any work
     start = time.perf_counter()
-    report = ScoreReport(scorer)
-    by_shard = current_manifest_keys(store)  # listed before the tables: see below
+    report = ScoreReport(source.name)
+    by_shard = current_manifest_keys(store)  # listed before the tables: see _existing_tables
     current = set(by_shard.values())
     report.manifests = len(current)
+    made, report.stale_deleted = _existing_tables(store, source.name, by_shard)
+    report.already = len(made)
+    report.scored = sorted(current - made)
+    counts: list[int] = []
+    if use_ray:
+        import ray
+
+        from ditfleet.driver.output.verify_ray import task_groups
+
+        task = ray.remote(num_cpus=1)(_score_task)
+        refs = [task.remote(store.uri(), ray_s3, group, source) for group in task_groups(report.scored)]
+        counts = [n for part in ray.get(refs) for n in part]
+    elif report.scored:
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            counts = list(pool.map(_score_in_process(store, source), report.scored))
+    report.images = sum(counts)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _existing_tables(store: ObjectStore, scorer: str, by_shard: dict[int, str]) -> tuple[set[str], list[str]]:
+    """The current manifests (`by_shard`: shard -> manifest) that have a table of `scorer`
+    already, and the tables of superseded generations, which are deleted."""
+    current = set(by_shard.values())
     made: set[str] = set()
+    deleted: list[str] = []
     for key in store.list(f"{SCORES_PREFIX}{scorer}/"):
         manifest = manifest_of_score_table(scorer, key)
         if manifest is None:
@@ -138,29 +172,13 @@ def score_output(
             made.add(manifest)
             continue
         # Deleted only when provably superseded: a lower generation than the shard's current one.
-        # A higher one committed after the listing above (another run may have scored it) stays.
+        # A higher one committed after `by_shard` was listed (another run may have scored it) stays.
         shard, generation = manifest_of_key(manifest) or (-1, -1)
         seen = manifest_of_key(by_shard[shard]) if shard in by_shard else None
         if seen is not None and generation < seen[1]:
             store.delete(key)
-            report.stale_deleted.append(key)
-    report.already = len(made)
-    todo = sorted(current - made)
-    if use_ray:
-        import ray
-
-        from ditfleet.driver.output.verify_ray import task_groups
-
-        task = ray.remote(num_cpus=1)(_score_task)
-        refs = [task.remote(store.uri(), ray_s3, group, source) for group in task_groups(todo)]
-        counts = [n for part in ray.get(refs) for n in part]
-    else:
-        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-            counts = list(pool.map(_score_in_process(store, source), todo)) if todo else []
-    report.scored = todo
-    report.images = sum(counts)
-    report.seconds = time.perf_counter() - start
-    return report
+            deleted.append(key)
+    return made, deleted
 
 
 __all__ = ["ScoreReport", "score_output", "score_table_key"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ditfleet.jobs.score import score_output
+from ditfleet.jobs.score import score_output, scorer_source
 from ditfleet.workers.output.layout import manifest_key, score_table_key
 from ditfleet.workers.storage import open_store
 from ditfleet.workers.storage.parquet_bytes import read_parquet
@@ -20,8 +20,9 @@ def test_ray_tasks_score_an_s3_output_as_threads_score_a_local_one(tmp_path, s3_
     for store in (local, remote):
         for shard in range(3):
             _write_shard(store, shard, SCENES[shard:] + SCENES[:shard])
-    threaded = score_output(local, "tiny")
-    in_ray = score_output(remote, "tiny", use_ray=True, ray_s3=s3_config)
+    threaded = score_output(local, scorer_source(local, "tiny"))
+    source = scorer_source(remote, "tiny", s3=s3_config)
+    in_ray = score_output(remote, source, use_ray=True, ray_s3=s3_config)
     assert in_ray.scored == threaded.scored == [manifest_key(s) for s in range(3)]
     assert in_ray.images == threaded.images == 9
     for shard in range(3):
@@ -32,4 +33,4 @@ def test_ray_tasks_score_an_s3_output_as_threads_score_a_local_one(tmp_path, s3_
         assert [u.startswith(f"s3://{s3_bucket}/out/images/") for u in ray_table["uri"].to_pylist()] == [
             True
         ] * 3
-    assert score_output(remote, "tiny", use_ray=True, ray_s3=s3_config).scored == []  # resumed: done
+    assert score_output(remote, source, use_ray=True, ray_s3=s3_config).scored == []  # resumed: done

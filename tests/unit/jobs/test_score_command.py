@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from ditfleet.jobs.cli import main
-from ditfleet.jobs.score import score_output
+from ditfleet.jobs.score import score_output, scorer_source
 from ditfleet.model.quality import ScorerInputs, scorer
 from ditfleet.model.tiny.scenes import Scene, render
 from ditfleet.testing.outputs import manifest_row, put_image
@@ -97,7 +97,7 @@ def test_score_tables_join_on_uri_resume_and_never_go_stale(tmp_path, capsys):
     assert table.schema.metadata[b"ditfleet.manifest"] == manifest_key(0).encode()
     assert _committed(root) == before  # manifests and images untouched
 
-    report = score_output(store, "tiny")  # a rerun: nothing left to do
+    report = score_output(store, scorer_source(store, "tiny"))  # a rerun: nothing left to do
     assert (report.already, report.scored, report.stale_deleted) == (2, [], [])
 
     # A redo of shard 0 commits generation 1 with its own objects: the generation-0 table is
@@ -105,7 +105,7 @@ def test_score_tables_join_on_uri_resume_and_never_go_stale(tmp_path, capsys):
     _write_shard(store, 0, SCENES[1:], generation=1)
     newer = score_table_key("tiny", manifest_key(1, 7))
     store.put(newer, b"made by a run that saw generation 7")
-    report = score_output(store, "tiny")
+    report = score_output(store, scorer_source(store, "tiny"))
     assert report.stale_deleted == [score_table_key("tiny", manifest_key(0))]
     assert report.scored == [manifest_key(0, 1)] and report.images == 2
     assert store.get(newer) == b"made by a run that saw generation 7"

@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from ditfleet.jobs.score import score_output
+from ditfleet.jobs.score import score_output, scorer_source
 from ditfleet.model.quality.perceptual_hash import perceptual_hashes
 from ditfleet.model.settings import ScorerName
 from ditfleet.workers.output.layout import manifest_key, score_table_key
@@ -44,7 +44,7 @@ def test_the_actor_scores_what_it_stores_as_ditfleet_score_reads_it_back(tmp_pat
     manifest = read_manifests(store).to_pylist()
     assert all(0.0 <= r["score_tiny"] <= 1.0 and r["score_sharpness"] > 0 for r in manifest)
     for name in ("tiny", "sharpness"):
-        score_output(store, name)
+        score_output(store, scorer_source(store, name))
         table = pq.read_table(out / score_table_key(name, manifest_key(0))).to_pylist()
         read_back = {t["uri"]: t["score"] for t in table}
         assert {r["uri"]: r[f"score_{name}"] for r in manifest} == read_back
