@@ -37,7 +37,7 @@ from collections.abc import Iterator, Sequence
 from ditfleet.driver.dispatch import DispatchError
 from ditfleet.driver.input.row_errors import InputError
 from ditfleet.driver.locations import LocationError
-from ditfleet.driver.memory_plan import MemoryPlanError
+from ditfleet.driver.memory_plan import GPU_SIZES_GB, MemoryPlanError, MemoryRequest
 from ditfleet.driver.output.compact import ROW_GROUP_ROWS
 from ditfleet.driver.output.status import output_status
 from ditfleet.driver.run_job import OutputMismatch, validate_job_input
@@ -275,16 +275,16 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ditfleet.jobs.inspect_model import format_inspection, inspect_model
 
-    info = inspect_model(
+    request = MemoryRequest(
         args.model,
-        buckets=args.bucket or (),
-        batch=args.batch,
+        tuple(args.bucket or ()),
+        args.batch,
         dtype=args.dtype,
-        gpus_gb=args.gpu_gb,
         max_sequence_length=args.max_sequence_length,
         s3=_store_args(args),
         quantization=args.quantization,
     )
+    info = inspect_model(request, args.gpu_gb)
     print(json.dumps(info, indent=2) if args.json else format_inspection(info))
     return EXIT_OK
 
@@ -384,8 +384,8 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
         "--gpu-gb",
         type=float,
         nargs="+",
-        default=[80.0, 48.0, 24.0],
-        help="GPU sizes in GB (default 80 48 24)",
+        default=list(GPU_SIZES_GB),
+        help=f"GPU sizes in GB (default {' '.join(f'{gb:g}' for gb in GPU_SIZES_GB)})",
     )
     p.add_argument(
         "--max-sequence-length",

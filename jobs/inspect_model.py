@@ -7,28 +7,25 @@ second on a 58 GB checkpoint, on a laptop.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ditfleet.compile.buckets import PROMPT_LENGTH_BUCKETS, default_buckets, prompt_length_bucket
-from ditfleet.driver.memory_plan import read_model_memory
+from ditfleet.compile.buckets import default_buckets
+from ditfleet.driver.memory_plan import GPU_SIZES_GB, MemoryRequest, plan_kwargs, read_model_memory
 from ditfleet.model.family import MemoryFormula, model_family
 from ditfleet.model.loading.loader import resolve_model_dir
 from ditfleet.model.loading.quantization import check_quantization
 from ditfleet.model.loading.weights import WeightsError
 from ditfleet.model.memory import (
+    DTYPE_BYTES,
     GB,
     TEXT_ENCODER_PLACEMENTS,
     CheckpointSize,
     ModelMemory,
-    Runtime,
     checkpoint_size,
 )
 from ditfleet.model.memory.params import transformer_weight_bytes
-from ditfleet.model.settings import MAX_SEQUENCE_LENGTH, Quantization
-from ditfleet.workers.storage import S3Config
-
-DEFAULT_GPUS_GB = (80.0, 48.0, 24.0)
 
 
 def default_bucket(model_path: str) -> str:
@@ -37,32 +34,37 @@ def default_bucket(model_path: str) -> str:
     return max(default_buckets(model_path), key=lambda b: b.pixels).name
 
 
-def inspect_model(
-    model_path: str,
-    buckets: Sequence[str] = (),
-    batch: int = 1,
-    dtype: str = "bf16",
-    gpus_gb: Sequence[float] = DEFAULT_GPUS_GB,
-    max_sequence_length: int = MAX_SEQUENCE_LENGTH,
-    s3: S3Config | None = None,
-    quantization: Quantization = "none",
-) -> dict[str, Any]:
-    """Components (parameters, checkpoint headers, bytes in `dtype`) and, per bucket, the peak
-    and the largest batch for every text-encoder placement on every GPU size.
-
-    quantization: the DiT's weights (model.quantization); under fp8 the transformer's entry
-    also says its bytes as loaded, and every plan counts them."""
-    model = read_model_memory(model_path, s3)
+def inspect_model(request: MemoryRequest, gpus_gb: Sequence[float] = GPU_SIZES_GB) -> dict[str, Any]:
+    """Components (parameters, checkpoint headers, bytes in the request's dtype) and, per bucket
+    (default: the largest), the peak and the largest batch for every text-encoder placement on
+    every GPU size (so the request's own text_encoder and gpu_memory_gb are not read)."""
+    model = read_model_memory(request.model_path, request.s3)
     if model is None:
-        raise ValueError(f"{model_path}: hf:// models are not read here; inspect a local copy of the folder")
-    memory = model_family(model_path).memory
-    root = None if "://" in model_path else resolve_model_dir(model_path)
-    text_len = prompt_length_bucket(max_sequence_length, PROMPT_LENGTH_BUCKETS)
-    params = model.params()
-    e = 2 if dtype == "bf16" else 4  # bytes per parameter
+        raise ValueError(
+            f"{request.model_path}: hf:// models are not read here; inspect a local copy of the folder"
+        )
+    memory = model_family(request.model_path).memory
+    request = replace(request, buckets=request.buckets or (default_bucket(request.model_path),))
+    return {
+        "model": request.model_path,
+        "dtype": request.dtype,
+        "quantization": request.quantization,
+        "text_len": request.text_len,
+        "components": _components(model, request),
+        "plans": _plans(memory, model, request, gpus_gb),
+        "math_attention_extra_gb": _math_attention_extra(memory, model, request),
+    }
+
+
+def _components(model: ModelMemory, request: MemoryRequest) -> dict[str, Any]:
+    """Per component: its parameters, their bytes in the request's dtype and the headers of its
+    checkpoint; under a quantization (model.quantization) the transformer's entry also says its
+    bytes as loaded, which every plan counts."""
+    root = None if "://" in request.model_path else resolve_model_dir(request.model_path)
+    e = DTYPE_BYTES[request.dtype]
     components: dict[str, Any] = {}
-    for name, n in params.items():
-        entry: dict[str, Any] = {"params": n, f"{dtype}_gb": round(n * e / GB, 3)}
+    for name, n in model.params().items():
+        entry: dict[str, Any] = {"params": n, f"{request.dtype}_gb": round(n * e / GB, 3)}
         ck = _checkpoint(root, name)
         if ck is not None:
             entry["checkpoint"] = {
@@ -70,15 +72,23 @@ def inspect_model(
                 "gb": round(ck.bytes / GB, 3), "dtypes": list(ck.dtypes),
             }  # fmt: skip
         components[name] = entry
-    if quantization != "none":
-        loaded = transformer_weight_bytes(model.transformer, e, check_quantization(quantization))
-        components["transformer"][f"{quantization}_gb"] = round(loaded / GB, 3)
+    if request.quantization != "none":
+        loaded = transformer_weight_bytes(model.transformer, e, check_quantization(request.quantization))
+        components["transformer"][f"{request.quantization}_gb"] = round(loaded / GB, 3)
+    return components
+
+
+def _plans(
+    memory: MemoryFormula, model: ModelMemory, request: MemoryRequest, gpus_gb: Sequence[float]
+) -> list[dict[str, Any]]:
+    """Per bucket and text-encoder placement: the peak at the request's batch size and, per GPU
+    size, whether it fits and the largest batch that does."""
+    batch = request.batch_size
     plans = []
-    for bucket in buckets or (default_bucket(model_path),):
+    for bucket in request.buckets:
         w, h = (int(v) for v in bucket.lower().split("x"))
-        for placement in TEXT_ENCODER_PLACEMENTS if "text_encoder" in params else ("gpu",):
-            run = Runtime(dtype=dtype, text_encoder=placement, text_len=text_len, quantization=quantization)
-            kw: dict[str, Any] = dict(height=h, width=w, run=run)
+        for placement in TEXT_ENCODER_PLACEMENTS if "text_encoder" in model.params() else ("gpu",):
+            kw: dict[str, Any] = dict(height=h, width=w, **plan_kwargs(request, text_encoder=placement))
             base = memory.plan(model, batch=batch, **kw)
             row = {"bucket": bucket, "text_encoder": placement, "batch": batch, "peak_gb": round(base.peak / GB, 2),
                    "peak_phase": base.peak_phase, "phases_gb": base.to_dict()["phases_gb"], "gpus": {}}  # fmt: skip
@@ -91,15 +101,7 @@ def inspect_model(
                     "largest_batch": memory.largest_batch(model, gb, **kw),
                 }
             plans.append(row)
-    return {
-        "model": model_path,
-        "dtype": dtype,
-        "quantization": quantization,
-        "text_len": text_len,
-        "components": components,
-        "plans": plans,
-        "math_attention_extra_gb": _math_attention_extra(memory, model, plans, e, text_len),
-    }
+    return plans
 
 
 def _checkpoint(root: Path | None, component: str) -> CheckpointSize | None:
@@ -115,12 +117,13 @@ def _checkpoint(root: Path | None, component: str) -> CheckpointSize | None:
 
 
 def _math_attention_extra(
-    memory: MemoryFormula, model: ModelMemory, plans: list[dict], e: int, text_len: int
+    memory: MemoryFormula, model: ModelMemory, request: MemoryRequest
 ) -> dict[str, float]:
     out = {}
-    for bucket in dict.fromkeys(p["bucket"] for p in plans):
+    for bucket in dict.fromkeys(request.buckets):
         w, h = (int(v) for v in bucket.split("x"))
-        out[bucket] = round(memory.math_attention_extra(model, h, w, text_len, e) / GB, 2)
+        extra = memory.math_attention_extra(model, h, w, request.text_len, DTYPE_BYTES[request.dtype])
+        out[bucket] = round(extra / GB, 2)
     return out
 
 
