@@ -25,23 +25,20 @@ starts a local Ray on 127.0.0.1 without a dashboard.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
-import os
 import shlex
 import sys
 import typing
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from ditfleet.driver.dispatch import DispatchError
 from ditfleet.driver.input.row_errors import InputError
 from ditfleet.driver.locations import LocationError
 from ditfleet.driver.memory_plan import GPU_SIZES_GB, MemoryPlanError, MemoryRequest
-from ditfleet.driver.output.compact import ROW_GROUP_ROWS
-from ditfleet.driver.output.status import output_status
 from ditfleet.driver.run_job import OutputMismatch, validate_job_input
 from ditfleet.jobs.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
+from ditfleet.jobs.output_commands import UsageError, add_output_commands, add_s3_options, store_config
 from ditfleet.jobs.plan_command import cmd_plan
 from ditfleet.jobs.prompt_words import tiny_words_warning
 from ditfleet.jobs.ray_auth import ClusterAuthError
@@ -49,55 +46,7 @@ from ditfleet.jobs.run import check_memory, run, say
 from ditfleet.jobs.spec import SpecError, load_spec
 from ditfleet.jobs.submit import SubmitError
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH, Quantization
-from ditfleet.workers.output.layout import MANIFESTS_PREFIX
-from ditfleet.workers.storage import ObjectStore, S3Config, StoreConfigError, StoreError, open_store
-
-
-class UsageError(ValueError):
-    """A bad command line (other than what argparse catches)."""
-
-
-def _store_args(args: argparse.Namespace) -> S3Config:
-    return S3Config(endpoint_url=args.endpoint_url, region=args.region)
-
-
-def _open_output(args: argparse.Namespace) -> ObjectStore:
-    """The output an output command reads; a local path that is a file is a usage error."""
-    path = args.output.removeprefix("file://")
-    if "://" not in path and os.path.exists(path) and not os.path.isdir(path):
-        raise UsageError(
-            f"{args.output} is a file, not an output folder: give the folder a job wrote (its output.uri)"
-        )
-    return open_store(args.output, _store_args(args))
-
-
-@contextlib.contextmanager
-def _ray_if_asked(args: argparse.Namespace) -> Iterator[None]:
-    """With --ray: connected to the cluster of --address (RAY_ADDRESS, else a local Ray) while
-    the block runs, and disconnected after unless this process was connected already."""
-    if args.address and not args.ray:
-        raise UsageError(f"{args.command} --address is the cluster of --ray: give --ray too")
-    if not args.ray:
-        yield
-        return
-    from ditfleet.jobs.run import connect_ray
-
-    owned = connect_ray(args.address)
-    try:
-        yield
-    finally:
-        if owned:
-            import ray
-
-            ray.shutdown()
-
-
-def _add_ray_options(p: argparse.ArgumentParser, what: str) -> None:
-    p.add_argument("--ray", action="store_true", help=what)
-    p.add_argument(
-        "--address",
-        help="with --ray: the cluster to connect to (default RAY_ADDRESS, else a local Ray on 127.0.0.1)",
-    )
+from ditfleet.workers.storage import StoreConfigError, StoreError
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -155,99 +104,6 @@ def cmd_submit(args: argparse.Namespace) -> int:
     )
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    status = output_status(_open_output(args))
-    if status.job is None and not status.committed:
-        raise UsageError(f"{args.output}: no _job.json and no manifests: not a ditfleet output (yet)")
-    print(json.dumps(status.to_dict(), indent=2) if args.json else status.format_text())
-    d = status.to_dict()
-    return EXIT_OK if d["complete"] and not d["rows"]["failed"] else EXIT_FAILED
-
-
-def cmd_verify(args: argparse.Namespace) -> int:
-    from ditfleet.driver.output.verify import verify_output
-
-    store = _open_output(args)
-    with _ray_if_asked(args):
-        checks = None
-        if args.ray:
-            from ditfleet.driver.output.verify_ray import RayChecks
-
-            # The store's own URI: a relative path would be resolved in each task's working directory.
-            checks = RayChecks(store.uri(), _store_args(args))
-        report = verify_output(
-            store,
-            partial=args.partial,
-            clean=args.clean,
-            hash_objects=not args.no_hash,
-            workers=args.workers,
-            shard_checks=checks,
-        )
-    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_text())
-    return EXIT_OK if report.exit_code == 0 else EXIT_FAILED
-
-
-def cmd_compact(args: argparse.Namespace) -> int:
-    from ditfleet.driver.output.compact import CompactionError, compact_output
-    from ditfleet.driver.output.lease import acquire_lease
-
-    store = _open_output(args)
-    try:
-        # A writer like a driver: one at a time, and it stops if another takes the output; it
-        # leaves a complete output complete, so its lease does not make _SUCCESS stale.
-        with acquire_lease(store, keeps_complete=True) as lease:
-            report = compact_output(store, row_group_rows=args.row_group_rows, lease=lease)
-    except CompactionError as e:
-        raise UsageError(str(e)) from e
-    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_text())
-    return EXIT_OK
-
-
-def cmd_score(args: argparse.Namespace) -> int:
-    from ditfleet.jobs.score import score_output, scorer_source
-
-    store = _open_output(args)
-    if next(iter(store.list(MANIFESTS_PREFIX)), None) is None:
-        raise UsageError(f"{args.output}: no manifests: not a ditfleet output with committed shards (yet)")
-    with _ray_if_asked(args):
-        try:
-            s3 = _store_args(args)
-            source = scorer_source(
-                store, args.scorer, model_path=args.model, clip_model=args.clip_model, s3=s3
-            )
-            report = score_output(store, source, workers=args.workers, use_ray=args.ray, ray_s3=s3)
-        except ValueError as e:
-            raise UsageError(str(e)) from e
-    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_text(store.uri()))
-    return EXIT_OK
-
-
-def cmd_preview(args: argparse.Namespace) -> int:
-    from ditfleet.jobs.preview import write_preview
-
-    store = _open_output(args)
-    try:
-        shown = write_preview(store, args.out, args.max, args.columns, sort=args.sort, best=args.best)
-    except ValueError as e:
-        raise UsageError(str(e)) from e
-    print(f"wrote {args.out}: {shown} images from {store.uri()}")
-    return EXIT_OK
-
-
-def cmd_report(args: argparse.Namespace) -> int:
-    from ditfleet.jobs.report import write_report
-
-    store = _open_output(args)
-    try:
-        data = write_report(store, args.html, samples=args.max)
-    except ValueError as e:
-        raise UsageError(str(e)) from e
-    print(
-        f"wrote {args.html}: report of {store.uri()} ({len(data.rows)} images, {len(data.samples)} samples)"
-    )
-    return EXIT_OK
-
-
 def report_hint(output: str) -> str:
     """The line `ditfleet run` ends with: how to get the job's report page."""
     return f"report: ditfleet report {shlex.quote(output)} --html report.html  (one HTML page; open it in a browser)"
@@ -281,7 +137,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         args.batch,
         dtype=args.dtype,
         max_sequence_length=args.max_sequence_length,
-        s3=_store_args(args),
+        s3=store_config(args),
         quantization=args.quantization,
     )
     info = inspect_model(request, args.gpu_gb)
@@ -294,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_job_commands(sub)
     _add_inspect(sub)
-    _add_output_commands(sub)
+    add_output_commands(sub)
     return parser
 
 
@@ -359,11 +215,6 @@ def _add_job_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_calibrate)
 
 
-def _add_s3_options(p: argparse.ArgumentParser, what: str) -> None:
-    p.add_argument("--endpoint-url", help=f"S3-compatible endpoint for s3:// {what}")
-    p.add_argument("--region", help="S3 region")
-
-
 def _add_inspect(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "inspect", help="a model's components and memory plan (reads configs and headers only)"
@@ -394,99 +245,8 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
         help=f"longest prompt in tokens (default {MAX_SEQUENCE_LENGTH})",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
-    _add_s3_options(p, "models")
+    add_s3_options(p, "models")
     p.set_defaults(func=cmd_inspect)
-
-
-def _add_output_commands(sub: argparse._SubParsersAction) -> None:
-    """status, verify, score, preview, report, compact: commands that read an output."""
-
-    def command(name: str, helptext: str, func) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=helptext)
-        p.add_argument("output", help="output directory or s3://bucket/prefix")
-        _add_s3_options(p, "outputs")
-        p.set_defaults(func=func)
-        return p
-
-    p = command("status", "what an output holds and what is left", cmd_status)
-    p.add_argument("--json", action="store_true", help="print JSON")
-
-    p = command("verify", "check an output end to end: every row once, every object's sha256", cmd_verify)
-    p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument(
-        "--partial",
-        action="store_true",
-        help="a running or unfinished output: uncommitted shards and no _SUCCESS are not errors",
-    )
-    p.add_argument(
-        "--clean",
-        action="store_true",
-        help="delete orphans: objects of losing or killed runs of committed shards, "
-        "which no manifest names (never anything a manifest names)",
-    )
-    p.add_argument("--no-hash", action="store_true", help="check presence only; do not read and hash objects")
-    p.add_argument(
-        "--workers",
-        type=int,
-        help="threads reading manifests and objects (default: one per CPU core for a local output, 16 for S3)",
-    )
-    _add_ray_options(
-        p,
-        "read manifests and hash objects in Ray tasks over the cluster (large outputs); "
-        "the whole-output checks and --clean's deletions run here, the report is the same",
-    )
-
-    p = command(
-        "score",
-        "score an output's images into side tables (scores/NAME/), resumable; committed files untouched",
-        cmd_score,
-    )
-    p.add_argument(
-        "--scorer",
-        required=True,
-        help="sharpness (Laplacian variance), tiny (the tiny model's adherence), vqa (VQAScore from the "
-        "model's Qwen2.5-VL) or clip (CLIP score)",
-    )
-    p.add_argument("--model", default=None, help="vqa: the Qwen-Image model (default: the output's job's)")
-    p.add_argument(
-        "--clip-model", default=None, help="clip: the CLIP model (default: the job's quality.clip_model)"
-    )
-    p.add_argument("--workers", type=int, default=2, help="threads scoring shards here (default 2)")
-    _add_ray_options(p, "score shards in Ray tasks over the cluster")
-    p.add_argument("--json", action="store_true", help="print JSON")
-
-    p = command("preview", "contact sheet PNG of generated images with their prompts", cmd_preview)
-    p.add_argument("--out", required=True, help="PNG file to write")
-    p.add_argument("--max", type=int, default=24, help="images on the sheet (default 24)")
-    p.add_argument("--columns", type=int, help="images per row (default: about square)")
-    p.add_argument(
-        "--sort",
-        metavar="SCORER",
-        help="show the images by a score (tiny, sharpness: the manifests' score_NAME, else the tables "
-        "of `ditfleet score`), lowest first, each labelled with it",
-    )
-    p.add_argument("--best", action="store_true", help="with --sort: highest first")
-
-    p = command(
-        "report",
-        "one self-contained HTML page: summary, rates, start-up costs, failures, samples",
-        cmd_report,
-    )
-    p.add_argument("--html", default="report.html", help="HTML file to write (default report.html)")
-    p.add_argument("--max", type=int, default=24, help="sample images on the page (default 24)")
-
-    p = command(
-        "compact",
-        "after _SUCCESS: the union of the manifests as one Parquet file sorted by id, compacted/manifests.parquet",
-        cmd_compact,
-    )
-    p.add_argument(
-        "--row-group-rows",
-        type=int,
-        default=ROW_GROUP_ROWS,
-        help=f"rows per row group (default {ROW_GROUP_ROWS:,})",
-    )
-    p.add_argument("--json", action="store_true", help="print JSON")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
