@@ -19,7 +19,6 @@ Reading the scores next to the manifests (pyarrow; DuckDB in docs/quality.md):
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -75,17 +74,6 @@ class ScoreReport:
                 f"deleted {len(self.stale_deleted)} table(s) of superseded generations (a redo committed since)"
             )
         return "\n".join(lines)
-
-
-# manifest key -> images scored (a thread runs it; a Ray task runs _score_task)
-ScoreOne = Callable[[str], int]
-
-
-def _score_in_process(store: ObjectStore, source: ScorerSource) -> ScoreOne:
-    from ditfleet.workers.output.score_table import write_score_table
-
-    scorer = source.build()  # once: a model-based scorer's weights load once, its threads share them
-    return lambda manifest: write_score_table(store, manifest, scorer)
 
 
 def _score_task(uri: str, s3: S3Config | None, manifests: list[str], source: ScorerSource) -> list[int]:
@@ -151,8 +139,11 @@ def score_output(
         refs = [task.remote(store.uri(), ray_s3, group, source) for group in task_groups(report.scored)]
         counts = [n for part in ray.get(refs) for n in part]
     elif report.scored:
+        from ditfleet.workers.output.score_table import write_score_table
+
+        scorer = source.build()  # once: a model-based scorer's weights load once, its threads share them
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-            counts = list(pool.map(_score_in_process(store, source), report.scored))
+            counts = list(pool.map(lambda m: write_score_table(store, m, scorer), report.scored))
     report.images = sum(counts)
     report.seconds = time.perf_counter() - start
     return report
