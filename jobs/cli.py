@@ -38,7 +38,13 @@ from ditfleet.driver.locations import LocationError
 from ditfleet.driver.memory_plan import GPU_SIZES_GB, MemoryPlanError, MemoryRequest
 from ditfleet.driver.run_job import OutputMismatch, validate_job_input
 from ditfleet.jobs.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
-from ditfleet.jobs.output_commands import UsageError, add_output_commands, add_s3_options, store_config
+from ditfleet.jobs.output_commands import (
+    UsageError,
+    add_output_commands,
+    add_s3_options,
+    store_config,
+    usage_errors,
+)
 from ditfleet.jobs.plan_command import cmd_plan
 from ditfleet.jobs.prompt_words import tiny_words_warning
 from ditfleet.jobs.ray_auth import ClusterAuthError
@@ -113,7 +119,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from ditfleet.jobs.calibrate import calibrate, format_calibration
 
     spec = load_spec(args.job)
-    try:
+    with usage_errors(ValueError):
         result = calibrate(
             spec,
             n=args.n,
@@ -122,8 +128,6 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             buckets=args.bucket,
             log=(lambda *_: None) if args.json else print,
         )
-    except ValueError as e:
-        raise UsageError(str(e)) from e
     print(json.dumps(result, indent=2) if args.json else format_calibration(result))
     return EXIT_OK
 
@@ -155,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_job_commands(sub: argparse._SubParsersAction) -> None:
-    """validate, plan, run, submit: commands that take a job file."""
+    """validate, plan, run, submit, calibrate: commands that take a job file."""
     p = sub.add_parser("validate", help="check the job file and every input row (no cluster, no GPU)")
     p.add_argument("job", help="job file (YAML or JSON)")
     p.set_defaults(func=cmd_validate)

@@ -22,6 +22,15 @@ class UsageError(ValueError):
     """A bad command line (other than what argparse catches)."""
 
 
+@contextlib.contextmanager
+def usage_errors(*errors: type[Exception]) -> Iterator[None]:
+    """One of `errors` raised in the block is a bad command line: a UsageError with its message."""
+    try:
+        yield
+    except errors as e:
+        raise UsageError(str(e)) from e
+
+
 def store_config(args: argparse.Namespace) -> S3Config:
     return S3Config(endpoint_url=args.endpoint_url, region=args.region)
 
@@ -163,13 +172,10 @@ def cmd_compact(args: argparse.Namespace) -> int:
     from ditfleet.driver.output.lease import acquire_lease
 
     store = _open_output(args)
-    try:
-        # A writer like a driver: one at a time, and it stops if another takes the output; it
-        # leaves a complete output complete, so its lease does not make _SUCCESS stale.
-        with acquire_lease(store, keeps_complete=True) as lease:
-            report = compact_output(store, row_group_rows=args.row_group_rows, lease=lease)
-    except CompactionError as e:
-        raise UsageError(str(e)) from e
+    # A writer like a driver: one at a time, and it stops if another takes the output; it leaves a
+    # complete output complete, so its lease does not make _SUCCESS stale.
+    with usage_errors(CompactionError), acquire_lease(store, keeps_complete=True) as lease:
+        report = compact_output(store, row_group_rows=args.row_group_rows, lease=lease)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_text())
     return EXIT_OK
 
@@ -187,15 +193,10 @@ def cmd_score(args: argparse.Namespace) -> int:
     store = _open_output(args)
     if next(iter(store.list(MANIFESTS_PREFIX)), None) is None:
         raise UsageError(f"{args.output}: no manifests: not a ditfleet output with committed shards (yet)")
-    with _ray_if_asked(args):
-        try:
-            s3 = store_config(args)
-            source = scorer_source(
-                store, args.scorer, model_path=args.model, clip_model=args.clip_model, s3=s3
-            )
-            report = score_output(store, source, workers=args.workers, use_ray=args.ray, ray_s3=s3)
-        except ValueError as e:
-            raise UsageError(str(e)) from e
+    with _ray_if_asked(args), usage_errors(ValueError):
+        s3 = store_config(args)
+        source = scorer_source(store, args.scorer, model_path=args.model, clip_model=args.clip_model, s3=s3)
+        report = score_output(store, source, workers=args.workers, use_ray=args.ray, ray_s3=s3)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_text(store.uri()))
     return EXIT_OK
 
@@ -221,10 +222,8 @@ def cmd_preview(args: argparse.Namespace) -> int:
     from ditfleet.jobs.preview import write_preview
 
     store = _open_output(args)
-    try:
+    with usage_errors(ValueError):
         shown = write_preview(store, args.out, args.max, args.columns, sort=args.sort, best=args.best)
-    except ValueError as e:
-        raise UsageError(str(e)) from e
     print(f"wrote {args.out}: {shown} images from {store.uri()}")
     return EXIT_OK
 
@@ -247,10 +246,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     from ditfleet.jobs.report import write_report
 
     store = _open_output(args)
-    try:
+    with usage_errors(ValueError):
         data = write_report(store, args.html, samples=args.max)
-    except ValueError as e:
-        raise UsageError(str(e)) from e
     print(
         f"wrote {args.html}: report of {store.uri()} ({len(data.rows)} images, {len(data.samples)} samples)"
     )
