@@ -37,14 +37,8 @@ from ditfleet.driver.input.row_errors import InputError
 from ditfleet.driver.locations import LocationError
 from ditfleet.driver.memory_plan import GPU_SIZES_GB, MemoryPlanError, MemoryRequest
 from ditfleet.driver.run_job import OutputMismatch, validate_job_input
-from ditfleet.jobs.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
-from ditfleet.jobs.output_commands import (
-    UsageError,
-    add_output_commands,
-    add_s3_options,
-    store_config,
-    usage_errors,
-)
+from ditfleet.jobs.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, UsageError, usage_errors
+from ditfleet.jobs.output_commands import add_output_commands, add_s3_options, store_config
 from ditfleet.jobs.plan_command import cmd_plan
 from ditfleet.jobs.prompt_words import tiny_words_warning
 from ditfleet.jobs.ray_auth import ClusterAuthError

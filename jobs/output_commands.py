@@ -1,6 +1,6 @@
 """`ditfleet status | verify | compact | score | preview | report OUTPUT`: the commands that read an
 output a job wrote, each a cmd_NAME and the _add_NAME that declares its arguments; and what every
-command shares: UsageError, the S3 options.
+command shares: the S3 options.
 """
 
 from __future__ import annotations
@@ -13,22 +13,9 @@ from collections.abc import Callable, Iterator
 
 from ditfleet.driver.output.compact import ROW_GROUP_ROWS
 from ditfleet.driver.output.status import output_status
-from ditfleet.jobs.exit_codes import EXIT_FAILED, EXIT_OK
+from ditfleet.jobs.exit_codes import EXIT_FAILED, EXIT_OK, UsageError, usage_errors
 from ditfleet.workers.output.layout import MANIFESTS_PREFIX
 from ditfleet.workers.storage import ObjectStore, S3Config, open_store
-
-
-class UsageError(ValueError):
-    """A bad command line (other than what argparse catches)."""
-
-
-@contextlib.contextmanager
-def usage_errors(*errors: type[Exception]) -> Iterator[None]:
-    """One of `errors` raised in the block is a bad command line: a UsageError with its message."""
-    try:
-        yield
-    except errors as e:
-        raise UsageError(str(e)) from e
 
 
 def store_config(args: argparse.Namespace) -> S3Config:
