@@ -10,6 +10,10 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 # The whole run's budget on a GPU node (7 minutes), compiles included.
 BUDGET_S = 420.0
@@ -82,7 +86,8 @@ def _logging(out: Path) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from ditfleet.workers.selftest import stages  # noqa: F401 - registers the stages
-    from ditfleet.workers.selftest.runner import STAGES, Context, load_facts, run_child, run_stages
+    from ditfleet.workers.selftest.child_process import load_facts
+    from ditfleet.workers.selftest.runner import STAGES, Context, run_child, run_stages
 
     if args.list:
         for s in STAGES:
@@ -102,24 +107,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(scratch / "inductor-cache"))
     import torch
 
-    if args.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    else:
-        device = torch.device(args.device)
+    device = _device(args.device, args.tiny)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("--device cuda: no CUDA device is visible", file=sys.stderr)
         return 2
     if args.tiny:
-        args.repeat = 1
-        args.layers = min(args.layers, 4)
-        args.text_len = min(args.text_len, 16)
-        args.worker_steps = min(args.worker_steps, 2)
-    dtype = torch.bfloat16
+        _shrink_to_tiny(args)
     ctx = Context(
         args=args,
         out=out,
         device=device,
-        dtype=dtype,
+        dtype=torch.bfloat16,
         tiny=args.tiny,
         started=time.perf_counter() - args.child_offset_s,
         budget_s=args.budget_s or (120.0 if args.tiny else BUDGET_S),
@@ -135,13 +133,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     if child:
         ctx.state.update(load_facts(args.child_facts))
         return run_child(ctx, args.child_stage)
-    only = {s for s in args.only.split(",") if s}
-    skip = {s for s in args.skip.split(",") if s}
     try:
-        summary = run_stages(ctx, only or None, skip, {s for s in args.extra.split(",") if s})
+        summary = run_stages(ctx, _names(args.only) or None, _names(args.skip), _names(args.extra))
     finally:
         ctx.remove_scratch()
     return 0 if summary["status"] == "pass" else 1
+
+
+def _device(option: str, tiny: bool) -> torch.device:
+    """`--device`: auto is cuda when present, except on a `--tiny` run (the CPU)."""
+    import torch
+
+    if option == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() and not tiny else "cpu")
+    return torch.device(option)
+
+
+def _shrink_to_tiny(args: argparse.Namespace) -> None:
+    """A `--tiny` run: one timed call and toy depth, text and step counts."""
+    args.repeat = 1
+    args.layers = min(args.layers, 4)
+    args.text_len = min(args.text_len, 16)
+    args.worker_steps = min(args.worker_steps, 2)
+
+
+def _names(option: str) -> set[str]:
+    return {s for s in option.split(",") if s}
 
 
 def child_command(scratch: Path) -> list[str]:

@@ -4,10 +4,10 @@ A stage is a function of a `Context`. Stages run in registry order (the most val
 first), each only when the run's budget still holds its estimate, and each under its own
 deadline: a stage that runs out of time stops at its next `ctx.check()` with a line saying so. A
 compile cannot stop at a check, so the compile-heavy stages (`isolated=True`) run in a child
-process (the same command, `--child-stage NAME`) that the runner ends at the stage's deadline with
-a `timeout` line; the later stages run as usual. What such a stage leaves for later ones is taken
-over in this process by its `adopt` function (lazily: compiled targets load from the Inductor
-cache the child filled). A call that blocks past the whole budget in this process is reported by
+process (`child_process.py`) that the runner ends at the stage's deadline with a `timeout` line;
+the later stages run as usual. What such a stage leaves for later ones is taken over in this
+process by its `adopt` function (lazily: compiled targets load from the Inductor cache the child
+filled). A call that blocks past the whole budget in this process is reported by
 a watchdog thread, which writes the summary and ends the process. No path ends the run without a
 line.
 
@@ -22,8 +22,6 @@ import json
 import logging
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -32,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ditfleet.workers.selftest.child_process import CHILD_STARTED, child_facts, run_child_process
 
 log = logging.getLogger("ditfleet.selftest")
 
@@ -61,13 +61,6 @@ class Stage:
 
 
 STAGES: list[Stage] = []
-# An isolated stage's clock starts when its child says it has started the stage (CHILD_STARTED, on
-# stdout), so a slow start (imports, CUDA's first context) is not taken from the stage. The start
-# itself gets CHILD_START_S; the stage then gets its limit plus CHILD_GRACE_S, the chance to stop
-# at its own next check with a `deadline` line before it is ended.
-CHILD_STARTED = "selftest-child: stage started"
-CHILD_START_S = 120.0
-CHILD_GRACE_S = 5.0
 
 
 def stage(
@@ -149,7 +142,7 @@ class Context:
     def relay(self, full: dict[str, Any]) -> dict[str, Any]:
         """Print a complete line (a child's, or `emit`'s) and keep it; a child's own lines go to
         stdout only, and its parent keeps them."""
-        text = json.dumps(full, default=_jsonable)
+        text = json.dumps(full, default=str)
         with self._lock:
             self.lines.append(full)
             sys.stdout.write(text + "\n")
@@ -165,31 +158,26 @@ class Context:
             shutil.rmtree(self.scratch, ignore_errors=True)
 
 
-def _jsonable(value: Any) -> Any:
-    return str(value)
+# The summary's lists of stages, each filled by the lines of these statuses.
+SUMMARY_LISTS = {
+    "failed": ("fail",),
+    "passed": ("pass",),
+    "skipped": ("skipped", "deadline"),
+    "error": ("error",),
+    "timeout": ("timeout",),
+}
 
 
 def _summary(ctx: Context, stopped: str | None = None) -> dict[str, Any]:
-    by_status: dict[str, list[str]] = {"failed": [], "passed": [], "skipped": [], "error": [], "timeout": []}
-    for line in ctx.lines:
-        status = line.get("status")
-        name = line["stage"]
-        if status == "fail":
-            by_status["failed"].append(name)
-        elif status == "pass":
-            by_status["passed"].append(name)
-        elif status in ("skipped", "deadline"):
-            by_status["skipped"].append(name)
-        elif status == "error":
-            by_status["error"].append(name)
-        elif status == "timeout":
-            by_status["timeout"].append(name)
-    by_status = {k: list(dict.fromkeys(v)) for k, v in by_status.items()}
+    by_status = {
+        key: list(dict.fromkeys(line["stage"] for line in ctx.lines if line.get("status") in statuses))
+        for key, statuses in SUMMARY_LISTS.items()
+    }
     checks = {s.name for s in STAGES if s.check}
     # A correctness stage that never finished has not passed; a speed stage's timeout is a
     # missing number, reported.
     failed = by_status["failed"] or by_status["error"] or checks & set(by_status["timeout"])
-    out = {"status": "fail" if failed else "pass", **by_status}
+    out: dict[str, Any] = {"status": "fail" if failed else "pass", **by_status}
     out["wall_s"] = round(ctx.elapsed(), 1)
     if stopped:
         out["stopped"] = stopped
@@ -222,7 +210,7 @@ class Watchdog:
 
 
 def run_stages(
-    ctx: Context, only: set[str] | None, skip: set[str], extra: set[str] = frozenset()
+    ctx: Context, only: set[str] | None, skip: set[str], extra: set[str] | frozenset[str] = frozenset()
 ) -> dict[str, Any]:
     """Every registered stage in order (an optional one only when named in `only` or `extra`),
     under the budget; the summary line last."""
@@ -290,19 +278,13 @@ def _error_text(e: BaseException) -> str:
 
 
 def run_isolated(ctx: Context, entry: Stage) -> None:
-    """One stage in a child process, its lines relayed as they come; at the stage's deadline
-    (counted from the child's CHILD_STARTED, plus CHILD_GRACE_S) the child and everything it
-    started are ended, with a `timeout` line."""
+    """One stage in a child process (child_process.run_child_process), its lines relayed as they
+    come; a child ended at the stage's deadline leaves a `timeout` line."""
     assert ctx.child_command is not None
     for key in entry.frees:
         ctx.state.pop(key, None)
     _empty_device_cache(ctx)
     limit = stage_limit(ctx, entry)
-    run_end = ctx.started + ctx.budget_s + 15.0
-
-    def wait_s(cap: float) -> float:  # never past the run's end
-        return max(1.0, min(cap, run_end - time.perf_counter()))
-
     command = [
         *ctx.child_command,
         "--child-stage",
@@ -316,22 +298,7 @@ def run_isolated(ctx: Context, entry: Stage) -> None:
     ]
     log.info("== stage %s in a child process (limit %.0f s): %s", entry.name, limit, command)
     t0 = time.perf_counter()
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True)
-    emitted: list[dict[str, Any]] = []
-    started = threading.Event()  # set at CHILD_STARTED, or when the child's stdout ends
-    pump = threading.Thread(
-        target=_pump, args=(ctx, proc, emitted, started), name="selftest-child", daemon=True
-    )
-    pump.start()
-    code: int | None = None
-    if started.wait(timeout=wait_s(CHILD_START_S)):
-        try:
-            code = proc.wait(timeout=wait_s(limit + CHILD_GRACE_S))
-        except subprocess.TimeoutExpired:
-            pass
-    if code is None:
-        _end_group(proc)
-    pump.join(timeout=10.0)
+    code, emitted = run_child_process(command, ctx.relay, limit, run_end=ctx.started + ctx.budget_s + 15.0)
     took = time.perf_counter() - t0
     ctx.current = entry.name
     if code is None:
@@ -345,58 +312,6 @@ def run_isolated(ctx: Context, entry: Stage) -> None:
     elif code != 0 and not any("status" in line for line in emitted):
         ctx.emit({"status": "error", "error": f"its child process exited with {code} without a line"})
     log.info("== stage %s took %.1f s (child exit %s)", entry.name, took, code)
-
-
-def child_facts(state: dict[str, Any]) -> dict[str, Any]:
-    """The plain numbers of `state` (the matmul ceiling, the eager ms per size, ...) for a child:
-    what its lines are compared with. Objects (models, pipelines) stay here."""
-
-    def plain(value: Any) -> bool:
-        if isinstance(value, dict):
-            return all(isinstance(k, (int, str)) and plain(v) for k, v in value.items())
-        return isinstance(value, (int, float, str, bool)) or value is None
-
-    return {k: v for k, v in state.items() if plain(v)}
-
-
-def load_facts(text: str) -> dict[str, Any]:
-    """`child_facts` back from JSON: integer keys (sizes) are integers again."""
-
-    def keys(value: Any) -> Any:
-        if isinstance(value, dict):
-            return {int(k) if k.lstrip("-").isdigit() else k: keys(v) for k, v in value.items()}
-        return value
-
-    return keys(json.loads(text)) if text else {}
-
-
-def _pump(
-    ctx: Context, proc: subprocess.Popen, emitted: list[dict[str, Any]], started: threading.Event
-) -> None:
-    assert proc.stdout is not None
-    for raw in proc.stdout:
-        raw = raw.strip()
-        if raw == CHILD_STARTED:
-            started.set()
-            continue
-        try:
-            line = json.loads(raw) if raw.startswith("{") else None
-        except ValueError:
-            line = None
-        if isinstance(line, dict) and "stage" in line:
-            emitted.append(ctx.relay(line))
-        elif raw:
-            log.info("child: %s", raw)
-    started.set()  # it ended without starting the stage: nothing more to wait for
-
-
-def _end_group(proc: subprocess.Popen) -> None:
-    """End the child and its own children (Inductor's compile workers), then reap it."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
 
 
 def _empty_device_cache(ctx: Context) -> None:

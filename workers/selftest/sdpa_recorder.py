@@ -29,14 +29,8 @@ class SdpaRecorder:
         original = F.scaled_dot_product_attention
 
         def recorded(q, k, v, attn_mask=None, *args, **kwargs):
-            caller = inspect.stack(context=0)[1].filename
-            site = (
-                "vae"
-                if "vae" in Path(caller).name
-                else "dit"
-                if "attention" in Path(caller).name
-                else Path(caller).name
-            )
+            caller = Path(inspect.stack(context=0)[1].filename).name
+            site = "vae" if "vae" in caller else "dit" if "attention" in caller else caller
             call = {
                 "site": site,
                 "q": list(q.shape),
