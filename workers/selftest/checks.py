@@ -1,5 +1,5 @@
-"""The self-test's first stages: the node, correctness against diffusers, the attention kernels and
-compile (fallbacks and recompiles), each a pass/fail line before any speed number."""
+"""The self-test's first stages: the node, correctness against diffusers and the attention kernels,
+each a pass/fail line before any speed number (the compile stage, next, is compile_check's)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,11 @@ import inspect
 import platform
 import shutil
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ditfleet.compile.config import CompileConfig
-from ditfleet.compile.counting import compile_count
-from ditfleet.compile.policy import apply_compile
 from ditfleet.model.generation.pipeline import TextToImagePipeline
 from ditfleet.model.generation.sampling import latent_grid, model_timestep
 from ditfleet.model.generation.scheduler import sigma_schedule
@@ -344,18 +340,8 @@ def sdpa_speed(ctx: Context) -> None:
     h, w = latent_grid(sizes(ctx)[0], sizes(ctx)[0])
     tokens = h * w + ctx.args.text_len
     g = torch.Generator(device=ctx.device).manual_seed(11)
-    q, k, v = (
-        torch.randn(
-            1,
-            cfg.num_attention_heads,
-            tokens,
-            cfg.attention_head_dim,
-            generator=g,
-            device=ctx.device,
-            dtype=ctx.dtype,
-        )
-        for _ in range(3)
-    )
+    shape = (1, cfg.num_attention_heads, tokens, cfg.attention_head_dim)
+    q, k, v = (torch.randn(shape, generator=g, device=ctx.device, dtype=ctx.dtype) for _ in range(3))
     ms: dict[str, float | None] = {}
     errors: dict[str, str] = {}
     for name in ("cudnn", "flash", "efficient"):
@@ -379,135 +365,3 @@ def sdpa_speed(ctx: Context) -> None:
             "fastest": min(timed, key=timed.get) if timed else None,
         }
     )
-
-
-# -- 4. compile --------------------------------------------------------------------------------------
-
-
-def compile_config(ctx: Context, dit: bool, vae: bool) -> CompileConfig:
-    backend = ctx.args.compile_backend or ("eager" if ctx.tiny else "inductor")
-    return CompileConfig(
-        vae=vae,
-        dit=dit,
-        shared_cache=False,
-        dit_mode=ctx.args.compile_mode,
-        dit_backend=backend,
-        vae_backend=backend,
-        cpu_onednn_linear=False,
-    )
-
-
-def length_sweep(tiny: bool) -> list[int]:
-    """Prompt lengths 1..512 at every power-of-two edge (where a size guard would split)."""
-    if tiny:
-        return [1, 2, 3, 8, 16]
-    top = 512
-    lengths = {1, 2, 3, top}
-    p = 4
-    while p <= top:
-        lengths |= {p - 1, p, min(p + 1, top)}
-        p *= 2
-    return sorted(lengths)
-
-
-def stage_compile_config(ctx: Context) -> CompileConfig:
-    """What the compile stage compiles: the DiT regions and (on a GPU) the VAE decode. Tracing
-    the whole VAE decode costs half a minute of CPU even with the eager backend: the smoke run
-    leaves it to the compile tests and compiles the DiT regions only."""
-    return compile_config(ctx, dit=True, vae=not ctx.tiny)
-
-
-def _adopt_compile(ctx: Context, lines: list[dict[str, Any]]) -> None:
-    """After the compile stage (run in its child): this process's slice VAE gets the same
-    compiled decode, which loads the child's kernels from the Inductor cache at its first call;
-    the VAE and the scheduler stay for the decode lines, the slice's DiT goes."""
-    pipe = ctx.state.get("slice_pipe")
-    if pipe is None:
-        return
-    config = stage_compile_config(ctx)
-    apply_compile(pipe, replace(config, dit=False))
-    ctx.state["vae"] = pipe.vae
-    ctx.state["scheduler"] = pipe.scheduler
-    ctx.state["compile_config"] = config
-    ctx.state["compile_passed"] = any(
-        line.get("check") == "recompiles" and line.get("status") == "pass" for line in lines
-    )
-    free(ctx, "slice_pipe")
-
-
-@stage("compile", estimate_s=90, limit_s=200, check=True, isolated=True, adopt=_adopt_compile)
-def compile_stage(ctx: Context) -> None:
-    """The slice's DiT blocks and VAE decode compiled as the worker compiles them, at the main
-    bucket: no fallback to eager, and zero recompiles over batch 1..4 and prompt lengths 1..512.
-    In a child process, so that a compile past the deadline ends with a line."""
-    pipe = slice_pipe(ctx)
-    size = sizes(ctx)[0]
-    config = stage_compile_config(ctx)
-    report = apply_compile(pipe, config)
-    dit = pipe.transformer
-    cfg = dit.config
-    g = torch.Generator().manual_seed(7)
-    h, w = latent_grid(size, size)
-    shapes = lambda b: [[(1, h, w)]] * b  # noqa: E731
-    x4 = torch.randn(4, h * w, 64, generator=g).to(ctx.device, ctx.dtype)
-    t = torch.full((1,), 0.5, device=ctx.device, dtype=ctx.dtype)
-
-    def text(b: int, length: int) -> torch.Tensor:
-        return torch.randn(b, length, cfg.joint_attention_dim, generator=g).to(ctx.device, ctx.dtype)
-
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        # The worker's warm-up: one batch of the configured size (4) and a mid-length prompt.
-        dit(x4, text(4, 64 if not ctx.tiny else 8), None, t, shapes(4))
-        z = torch.randn(1, 16, size // 8, size // 8, generator=g).to(ctx.device, ctx.dtype)
-        pipe.vae.decode(z)
-        sync(ctx.device)
-    warm_s = time.perf_counter() - t0
-    ctx.emit(
-        {
-            "status": "fail" if report.fallbacks else "measured",
-            "check": "compile_warmup",
-            "size": size,
-            "settings": report.config.describe(ctx.device.type),
-            "warmup_s": round(warm_s, 1),
-            "compiles": compile_count(),
-            "fallbacks": report.fallbacks,
-        }
-    )
-    before = compile_count()
-    recompiled: list[list[int]] = []
-    lengths = length_sweep(ctx.tiny)
-    with torch.no_grad():
-        for b in (1, 2, 3, 4):
-            for length in lengths:
-                ctx.check(f"recompile sweep at batch {b}, length {length}")
-                n = compile_count()
-                embeds = text(b, length)
-                mask = None
-                if b > 1 and length > 1:  # a padded batch: the split attention path
-                    mask = torch.ones(b, length, dtype=torch.long, device=ctx.device)
-                    mask[-1, length // 2 :] = 0
-                dit(x4[:b], embeds, mask, t, shapes(b))
-                if compile_count() != n:
-                    recompiled.append([b, length])
-            n = compile_count()
-            pipe.vae.decode(z.expand(b, -1, -1, -1).contiguous())
-            if compile_count() != n:
-                recompiled.append([b, "vae"])
-        sync(ctx.device)
-    status = report.status
-    ok = not report.fallbacks and not recompiled and all(s == "compiled" for s in status.values())
-    ctx.emit(
-        {
-            "status": "pass" if ok else "fail",
-            "check": "recompiles",
-            "batches": [1, 2, 3, 4],
-            "prompt_lengths": f"{len(lengths)} lengths {lengths[0]}..{lengths[-1]} (every power-of-two edge)",
-            "recompiles": compile_count() - before,
-            "recompiled_at": recompiled[:20],
-            "fallbacks": report.fallbacks,
-            "not_compiled": sorted({k.split(".")[-1] for k, s in status.items() if s != "compiled"}),
-            "limit_hits": report.limit_hits,
-        }
-    )
-    # What stays for the later stages is `_adopt_compile`'s (this may be a child process).

@@ -22,9 +22,7 @@ from ditfleet.model.generation.sampling import euler_step, true_cfg
 from ditfleet.model.generation.step_cache_config import PRESETS, StepCacheConfig
 from ditfleet.model.memory import GB, ModelMemory, Runtime, plan_memory
 from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
-from ditfleet.workers.selftest.checks import (
-    compile_config,
-)
+from ditfleet.workers.selftest.compile_check import compile_config
 from ditfleet.workers.selftest.parts import (
     dit_inputs,
     forward_flops,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ditfleet.model.networks.attention_backend import BACKEND_NAMES
 
-# Registered in run order: the checks (checks.py), then the speed numbers (speed.py).
-from ditfleet.workers.selftest import checks, speed, vqa  # noqa: F401 - importing registers the stages
+# Registered in run order: the checks (checks.py, compile_check.py), then the speed numbers (speed.py).
+from ditfleet.workers.selftest import checks, compile_check, speed, vqa  # noqa: F401 - registers them
 
 __all__ = ["BACKEND_NAMES"]

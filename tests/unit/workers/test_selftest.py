@@ -255,12 +255,13 @@ def _tiny_context(out: Path, *options: str, **fields):
 def test_dit_compiled_keeps_the_compiled_vae_and_compiles_the_main_size_only(tmp_path):
     from ditfleet.compile.policy import apply_compile
     from ditfleet.model.generation.pipeline import TextToImagePipeline
-    from ditfleet.workers.selftest import checks, parts, speed
+    from ditfleet.workers.selftest import compile_check, parts, speed
+    from ditfleet.workers.selftest.runner import StageSkipped
 
     ctx = _tiny_context(tmp_path, "--layers", "2", "--text-len", "8", scratch=tmp_path / "scratch")
     ctx.args.repeat = 1
     # as the compile stage leaves it on a GPU: its settings, the VAE decode compiled
-    config = checks.compile_config(ctx, dit=True, vae=True)
+    config = compile_check.compile_config(ctx, dit=True, vae=True)
     vae = parts.make_vae(parts.vae_config(ctx), ctx.device, ctx.dtype, False)
     dit = parts.make_transformer(parts.transformer_config(ctx, 1), ctx.device, ctx.dtype)
     apply_compile(TextToImagePipeline(dit, vae, None), config)
@@ -275,7 +276,7 @@ def test_dit_compiled_keeps_the_compiled_vae_and_compiles_the_main_size_only(tmp
     # a compile stage that did not finish: no fresh, unstoppable compile here
     ctx.lines.clear()
     ctx.state["compile_passed"] = False
-    with pytest.raises(checks.StageSkipped, match="compile stage did not finish"):
+    with pytest.raises(StageSkipped, match="compile stage did not finish"):
         speed.dit_compiled(ctx)
 
 
