@@ -12,7 +12,7 @@ a watchdog thread, which writes the summary and ends the process. No path ends t
 line.
 
 Other work adds its lines by registering a stage (`stage(...)`, optionally `after=` an existing
-one); the FP8 and step-cache lines have their slots in `speed.py`.
+one), as the FP8 lines (`fp8_speed.py`) and the worker's batch generator (`worker_path.py`) do.
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """The self-test's speed stages: full-depth DiT forwards eager and compiled, CFG steps, the VAE
-decode, images per hour, the worker's batch generator, the FP8 lines, the step-cache slot, and the
-compiled forward at the other sizes (last: each compiles its own graphs)."""
+decode, images per hour, the step-cache slot, and the compiled forward at the other sizes (last:
+each compiles its own graphs). The worker's batch generator (worker_path.py) and the FP8 lines
+(fp8_speed.py) slot in between."""
 
 from __future__ import annotations
 
-import hashlib
 import time
-import warnings
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -16,7 +14,7 @@ import torch
 
 from ditfleet.compile.compiled_method import CompiledMethod
 from ditfleet.compile.counting import compile_count
-from ditfleet.compile.policy import apply_compile
+from ditfleet.compile.policy import CompileReport, apply_compile
 from ditfleet.model.generation.pipeline import Generation, GuidanceInputs, Sampling, TextToImagePipeline
 from ditfleet.model.generation.sampling import euler_step, true_cfg
 from ditfleet.model.generation.step_cache_config import PRESETS, StepCacheConfig
@@ -26,11 +24,8 @@ from ditfleet.workers.selftest.compile_check import compile_config
 from ditfleet.workers.selftest.parts import (
     dit_inputs,
     forward_flops,
-    fp8_copy,
-    free,
     make_transformer,
     make_vae,
-    rel_err,
     sizes,
     sync,
     timed_ms,
@@ -39,7 +34,7 @@ from ditfleet.workers.selftest.parts import (
 )
 from ditfleet.workers.selftest.runner import Context, StageSkipped, stage
 
-# -- 5. speed at full depth ---------------------------------------------------------------------------
+# -- speed at full depth ------------------------------------------------------------------------------
 
 
 def full_model(ctx: Context) -> QwenImageTransformer:
@@ -61,7 +56,7 @@ def _pct(ctx: Context, flops: float, ms: float) -> float | None:
     return round(100 * flops / (ms / 1000) / (ceiling * 1e12), 1)
 
 
-def _dit_call(ctx: Context, cfg: TransformerConfig, size: int) -> tuple[Callable[[Any], torch.Tensor], int]:
+def dit_call(ctx: Context, cfg: TransformerConfig, size: int) -> tuple[Callable[[Any], torch.Tensor], int]:
     """One DiT forward of batch 1 at `size` on random inputs, as call(model), and its image tokens."""
     x, txt, shapes = dit_inputs(cfg, size, ctx.args.text_len, 1, ctx.device, ctx.dtype)
     t = torch.full((1,), 0.5, device=ctx.device, dtype=ctx.dtype)
@@ -78,7 +73,7 @@ def dit_eager(ctx: Context) -> None:
     weights = torch.cuda.memory_allocated(ctx.device) if ctx.cuda else 0
     for size in sizes(ctx):
         ctx.check(f"eager {size}")
-        call, N = _dit_call(ctx, cfg, size)
+        call, N = dit_call(ctx, cfg, size)
         if ctx.cuda:
             torch.cuda.reset_peak_memory_stats(ctx.device)
             base = torch.cuda.memory_allocated(ctx.device)
@@ -142,7 +137,7 @@ def dit_compiled(ctx: Context) -> None:
     report = apply_compile(pipe, config)
     ctx.state["compiled_report"] = report
     before = compile_count()
-    ctx.emit(_compiled_forward_line(ctx, model, sizes(ctx)[0], report, compiles_before=before))
+    ctx.emit(compiled_forward_line(ctx, model, sizes(ctx)[0], report, compiles_before=before))
 
 
 @stage("cfg_step", estimate_s=15, limit_s=45)
@@ -246,198 +241,7 @@ def images_per_hour(ctx: Context) -> None:
     )
 
 
-# -- 6. the worker's path -----------------------------------------------------------------------------
-
-
-class RandomTextEncoder:
-    """Stands in for Qwen2.5-VL (not on the node): each prompt's embeddings drawn from its own
-    hash, one token per word, on the CPU, as the placed encoder returns them."""
-
-    def __init__(self, hidden_size: int) -> None:
-        self.hidden_size = hidden_size
-
-    def count_tokens(self, prompts: list[str], max_length: int) -> list[int]:
-        return [min(max(1, len(p.split())), max_length) for p in prompts]
-
-    def encode(self, prompts: list[str], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        lengths = self.count_tokens(list(prompts), max_length)
-        embeds = torch.zeros(len(prompts), max(lengths), self.hidden_size)
-        mask = torch.zeros(len(prompts), max(lengths), dtype=torch.long)
-        for i, (p, n) in enumerate(zip(prompts, lengths)):
-            seed = int.from_bytes(hashlib.sha256(p.encode()).digest()[:8], "little")
-            embeds[i, :n] = torch.randn(n, self.hidden_size, generator=torch.Generator().manual_seed(seed))
-            mask[i, :n] = 1
-        return embeds, mask
-
-
-@contextmanager
-def count_host_syncs(ctx: Context):
-    """Blocking device syncs while the block runs: CUDA's sync debug mode warns once per sync."""
-    found = {"syncs": None}
-    if not ctx.cuda:
-        yield found
-        return
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            yield found
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    found["syncs"] = sum(1 for w in caught if "synchroniz" in str(w.message).lower())
-
-
-@stage("batch_generator", estimate_s=30, limit_s=90)
-def batch_generator(ctx: Context) -> None:
-    """The worker's BatchGenerator (the code a job runs, minus Ray) on one small shard at the main
-    bucket, images stored by the files writer on local disk; compared with the bare CFG step.
-    The rows carry the job's default negative prompt, so true CFG runs as in a default job and as
-    in the bare step (a null negative turns CFG off: half the forwards)."""
-    from ditfleet.model.generation.guidance import DEFAULT_NEGATIVE_PROMPT
-    from ditfleet.model.settings import PipelineSettings
-    from ditfleet.workers.generate import BatchGenerator, image_requests, iter_generated, plan_batches
-    from ditfleet.workers.output.formats import ImageTask, ShardWriterConfig, make_shard_writer
-    from ditfleet.workers.output.layout import new_attempt_token
-    from ditfleet.workers.rows import PromptRow
-    from ditfleet.workers.storage.local import LocalStore
-
-    model = full_model(ctx)
-    vae = ctx.state.get("vae") or make_vae(vae_config(ctx), ctx.device, ctx.dtype, False)
-    scheduler = ctx.state.get("scheduler")
-    if scheduler is None:
-        raise StageSkipped("needs the scheduler of the correctness stage")
-    encoder = RandomTextEncoder(model.config.joint_attention_dim)
-    pipe = TextToImagePipeline(
-        model, vae, scheduler, encoder, model_id="selftest", settings=PipelineSettings()
-    )
-    size, steps, images = sizes(ctx)[0], ctx.args.worker_steps, ctx.args.worker_images
-    rows = [
-        PromptRow(
-            id=f"p{i}",
-            prompt=" ".join(["word"] * (20 + 3 * i)),
-            negative_prompt=DEFAULT_NEGATIVE_PROMPT,
-            seed=i,
-            width=size,
-            height=size,
-            requested_width=None,
-            requested_height=None,
-            bucket=f"{size}x{size}",
-            steps=steps,
-            true_cfg_scale=4.0,
-            num_images=1,
-            file="selftest",
-            row=i,
-        )  # fmt: skip
-        for i in range(images)
-    ]
-    generator = BatchGenerator(pipe)
-    requests = image_requests(rows)
-    batches = plan_batches(requests, ctx.args.worker_batch, generator.count_tokens)
-    assert ctx.scratch is not None
-    store = LocalStore(str(ctx.scratch / "shard"))
-    writer = make_shard_writer(store, 0, ShardWriterConfig(), new_attempt_token(0))
-    t0 = time.perf_counter()
-    with count_host_syncs(ctx) as syncs:
-        generate_s = 0.0
-        for image in iter_generated(generator, batches):
-            ctx.check("batch generator")
-            generate_s += image.generate_s
-            req = image.request
-            writer.add(
-                ImageTask(req.row.id, req.k, 1, req.row.prompt, req.row.negative_prompt, req.seed),
-                image.pixels.permute(1, 2, 0).numpy(),
-            )
-    stored = writer.finish()
-    wall = time.perf_counter() - t0
-    step = ctx.state.get("cfg_step_ms", {}).get("cfg")
-    decode = ctx.state.get("decode_ms")
-    per_image_ms = 1000 * generate_s / images
-    line: dict[str, Any] = {
-        "status": "measured",
-        "size": f"{size}x{size}",
-        "images": images,
-        "batches": len(batches),
-        "steps": steps,
-        "shard_wall_s": round(wall, 2),
-        "ms_per_image": round(per_image_ms, 1),
-        "stored": len(stored.results),
-        "host_syncs": syncs["syncs"],
-    }
-    if step and decode:
-        bare = batches and (steps * step * len(batches[0]) + decode * len(batches[0])) / len(batches[0])
-        line["bare_ms_per_image"] = round(bare, 1)
-        line["overhead_vs_bare"] = round(per_image_ms / bare, 3)
-        # 50 steps through the worker: its per-step cost scaled, the decode once.
-        per_step = max(per_image_ms - decode, 1e-3) / steps
-        line["images_per_hour_50_steps"] = round(3_600_000 / (50 * per_step + decode), 1)
-    ctx.emit(line)
-
-
-# -- 7. FP8 and step caching ----------------------------------------------------------------------------
-
-
-@stage("fp8_forward", estimate_s=30, limit_s=90)
-def fp8_forward(ctx: Context) -> None:
-    """The FP8 line: the full-depth DiT copied as an FP8 DiT of each mode ('fp8',
-    'fp8-weight-only'; parts.fp8_copy), timed like the eager line, its error against the bf16
-    output; a mode this GPU cannot run is skipped."""
-    model = full_model(ctx)
-    size = sizes(ctx)[0]
-    call, _ = _dit_call(ctx, model.config, size)
-    with torch.no_grad():
-        bf16_peak = _forward_peak_gb(ctx, lambda: call(model))
-        exact = call(model)
-        for mode in ("fp8", "fp8-weight-only"):
-            ctx.check(mode)
-            fp8 = fp8_copy(model, mode)
-            if fp8 is None:
-                ctx.emit({"status": "skipped", "mode": mode, "reason": "not supported here"})
-                continue
-            ms = timed_ms(ctx, lambda fp8=fp8: call(fp8), repeat=ctx.args.repeat)
-            eager = ctx.state.get("eager_ms", {}).get(size)
-            peak = _forward_peak_gb(ctx, lambda fp8=fp8: call(fp8))
-            got = call(fp8)
-            weights = sum(p.numel() * p.element_size() for p in (*fp8.parameters(), *fp8.buffers()))
-            ctx.emit(
-                {
-                    "status": "measured",
-                    "mode": mode,
-                    "gemm_scales": _gemm_scales(fp8, ctx.device),
-                    "size": f"{size}x{size}",
-                    "ms_per_forward": ms,
-                    "speedup_vs_bf16_eager": round(eager / ms, 3) if eager else None,
-                    "rel_err_vs_bf16": round(rel_err(got, exact), 4),
-                    "weights_gb": round(weights / 1e9, 2),
-                    # Above the weights resident before the call (the bf16 DiT stays loaded too).
-                    "forward_peak_gb": peak,
-                    "bf16_forward_peak_gb": bf16_peak,
-                }
-            )
-            del fp8
-
-
-def _gemm_scales(model: torch.nn.Module, device: torch.device) -> dict[str, int]:
-    """How many of the FP8 model's layers run each way here (model.loading.fp8: rowwise, tensorwise
-    where the kernel refuses row-wise scales, weight-only)."""
-    counts: dict[str, int] = {}
-    for m in model.modules():
-        kind = getattr(m, "scale_kind", None)
-        if callable(kind):
-            name = kind(device)
-            counts[name] = counts.get(name, 0) + 1
-    return counts
-
-
-def _forward_peak_gb(ctx: Context, fn: Callable[[], object]) -> float | None:
-    """GB one call of `fn` allocates at its peak above what was allocated before; None off CUDA."""
-    if not ctx.cuda:
-        return None
-    sync(ctx.device)
-    torch.cuda.reset_peak_memory_stats(ctx.device)
-    base = torch.cuda.memory_allocated(ctx.device)
-    fn()
-    sync(ctx.device)
-    return round((torch.cuda.max_memory_allocated(ctx.device) - base) / 1e9, 2)
+# -- step caching -------------------------------------------------------------------------------------
 
 
 @stage("step_cache", estimate_s=30, limit_s=90)
@@ -489,7 +293,7 @@ def step_cache(ctx: Context) -> None:
     ctx.emit({"status": "measured", **line})
 
 
-# -- 8. the other sizes, last: each compiles its own graphs ---------------------------------------------
+# -- the other sizes, last: each compiles its own graphs ----------------------------------------------
 
 
 @stage("dit_compiled_other_sizes", estimate_s=60, limit_s=150, isolated=True, frees=("dit60",))
@@ -497,10 +301,15 @@ def dit_compiled_other_sizes(ctx: Context) -> None:
     """The compiled full-depth forward at the other sizes (a fresh compile each), in a child
     process that has the device to itself: this process drops its full-depth DiT first."""
     model = full_model(ctx)
-    vae = make_vae(vae_config(ctx), ctx.device, ctx.dtype, False)
-    report = apply_compile(TextToImagePipeline(model, vae, None), compile_config(ctx, dit=True, vae=False))
+    report = compile_dit(ctx, model)
     for size in sizes(ctx)[1:]:
-        ctx.emit(_compiled_forward_line(ctx, model, size, report))
+        ctx.emit(compiled_forward_line(ctx, model, size, report))
+
+
+def compile_dit(ctx: Context, model: torch.nn.Module) -> CompileReport:
+    """`model` compiled as the worker compiles the DiT, in a pipeline whose fresh VAE stays eager."""
+    vae = make_vae(vae_config(ctx), ctx.device, ctx.dtype, False)
+    return apply_compile(TextToImagePipeline(model, vae, None), compile_config(ctx, dit=True, vae=False))
 
 
 def _fx_cache_counts() -> dict[str, int]:
@@ -510,14 +319,12 @@ def _fx_cache_counts() -> dict[str, int]:
     return {"hit": int(inductor["fxgraph_cache_hit"]), "miss": int(inductor["fxgraph_cache_miss"])}
 
 
-def _compiled_forward_line(
-    ctx: Context, model, size: int, report, compiles_before: int | None = None
-) -> dict:
+def compiled_forward_line(ctx: Context, model, size: int, report, compiles_before: int | None = None) -> dict:
     """One compiled full-depth forward at `size`: its first call (the compile, or a cache load) and
     the steady ms per forward, against the eager figure and the matmul ceiling."""
     ctx.check(f"compiled {size}")
     cfg = model.config
-    call, N = _dit_call(ctx, cfg, size)
+    call, N = dit_call(ctx, cfg, size)
     cache_before = _fx_cache_counts()
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -546,30 +353,3 @@ def _compiled_forward_line(
     if compiles_before is not None:
         line["compiles"] = compile_count() - compiles_before
     return line
-
-
-# -- 9. beyond the budget's plan: run with --extra NAME ------------------------------------------------
-
-
-@stage("fp8_compiled", estimate_s=90, limit_s=240, isolated=True, frees=("dit60",), optional=True)
-def fp8_compiled(ctx: Context) -> None:
-    """The FP8 DiT as a job runs it, compiled, at the main bucket: ms per forward with
-    _scaled_mm's fast accumulation off and on (one compile each), against the bf16 eager line.
-    In a child process (a fresh compile); optional (`--extra fp8_compiled`): it does not fit the
-    budget's plan."""
-    if not ctx.cuda:
-        raise StageSkipped("not on CPU: the compiled FP8 GEMMs are timed on a GPU")
-    from ditfleet.model.loading.fp8 import set_fast_accum
-
-    fp8 = fp8_copy(full_model(ctx), "fp8")
-    if fp8 is None:
-        raise StageSkipped("this GPU cannot run fp8 (no FP8 matrix units)")
-    free(ctx, "dit60")  # the copy keeps the tensors it shares; the bf16 weights it replaced go
-    vae = make_vae(vae_config(ctx), ctx.device, ctx.dtype, False)
-    report = apply_compile(TextToImagePipeline(fp8, vae, None), compile_config(ctx, dit=True, vae=False))
-    for fast in (False, True):
-        set_fast_accum(fp8, fast)
-        line = _compiled_forward_line(ctx, fp8, sizes(ctx)[0], report, compiles_before=compile_count())
-        ctx.emit(
-            {**line, "mode": "fp8", "use_fast_accum": fast, "gemm_scales": _gemm_scales(fp8, ctx.device)}
-        )
