@@ -44,7 +44,7 @@ from ditfleet.driver.output.lease import OutputLease, acquire_lease
 from ditfleet.driver.output.pause_points import pause_point
 from ditfleet.driver.output.settle import Settled, settle_older
 from ditfleet.driver.output.status import OutputCounts
-from ditfleet.driver.output.summary import FAILED, JobSummary, build_summary, read_success
+from ditfleet.driver.output.summary import FAILED, JobSummary, RunOutcome, build_summary, read_success
 from ditfleet.driver.plan import JobPlan, PlanConfig, plan_job
 from ditfleet.driver.plan_file import load_plan, save_plan
 from ditfleet.driver.progress import JobProgress
@@ -181,15 +181,12 @@ def _run(run: _Execution) -> JobSummary:
     t1 = time.monotonic()
     run.record(work.todo)
     result = run.dispatch(work.todo, work.buckets_order, progress)
+    timings = {"plan_s": work.plan_s, "dispatch_s": time.monotonic() - t1}
     return finish_run(
         work.store,
-        shards=work.shards,
-        committed_before=work.committed_before,
-        fingerprint=work.fingerprint,
-        planned=work.planned,
-        result=result,
-        progress=progress,
-        timings={"plan_s": work.plan_s, "dispatch_s": time.monotonic() - t1},
+        RunOutcome(
+            work.shards, work.committed_before, work.fingerprint, work.planned, result, progress, timings
+        ),
         started=started,
         out=out,
         lease=run.lease,
@@ -274,16 +271,9 @@ def _incremental_work(run: _Execution, started: float) -> _Work | JobSummary:
             f"{store.uri()}: nothing new in {plan.files} input file(s); all {shards} shards committed",
             file=out,
         )
-        summary = build_summary(
-            output=store.uri(),
-            fingerprint=fingerprint,
-            planned=planned,
-            committed_before=0,
-            counts=OutputCounts(),
-            dispatch=None,
-            progress=run.progress(0, 0),
-            timings={"plan_s": 0.0, "dispatch_s": 0.0, "count_s": 0.0, "wall_s": time.monotonic() - started},
-        )
+        timings = {"plan_s": 0.0, "dispatch_s": 0.0, "count_s": 0.0, "wall_s": time.monotonic() - started}
+        outcome = RunOutcome(todo, frozenset(), fingerprint, planned, None, run.progress(0, 0), timings)
+        summary = build_summary(store.uri(), outcome, OutputCounts())
         if shards and read_success(store, out=out) is None:
             # Every shard is committed but no run got to write _SUCCESS (it stopped just before,
             # or a later driver took the output since): this run writes it, under the lease.

@@ -21,11 +21,11 @@ driver that lost the output from doing duplicate work.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping
 from typing import TextIO
 
-from ditfleet.driver.dispatch import DispatchResult
 from ditfleet.driver.output.compact import COMPACTED_KEY, refresh_compacted
 from ditfleet.driver.output.lease import OutputLease
 from ditfleet.driver.output.near_duplicate_counts import output_near_duplicates
@@ -33,11 +33,9 @@ from ditfleet.driver.output.orphans import delete_lost
 from ditfleet.driver.output.pause_points import pause_point
 from ditfleet.driver.output.settle import Settled, delete_settled, seal_generations
 from ditfleet.driver.output.status import count_shards
-from ditfleet.driver.output.summary import JobSummary, build_summary, write_success
+from ditfleet.driver.output.summary import JobSummary, RunOutcome, build_summary, write_success
 from ditfleet.driver.output.supersede import supersede_pending
-from ditfleet.driver.progress import JobProgress
 from ditfleet.workers.output.manifest import committed_shards
-from ditfleet.workers.rows import ShardSpec
 from ditfleet.workers.storage import ObjectStore
 
 _TIMINGS = ("plan_s", "dispatch_s", "count_s", "wall_s")
@@ -45,45 +43,27 @@ _TIMINGS = ("plan_s", "dispatch_s", "count_s", "wall_s")
 
 def finish_run(
     store: ObjectStore,
+    run: RunOutcome,
     *,
-    shards: Sequence[ShardSpec],
-    committed_before: frozenset[int],
-    fingerprint: str,
-    planned: Mapping[str, int],
-    result: DispatchResult | None,
-    progress: JobProgress,
-    timings: Mapping[str, float],
     started: float,
     out: TextIO,
     lease: OutputLease | None = None,
     settled: Settled | None = None,
 ) -> JobSummary:
-    """Count `shards` (all that the summary is over: a plain job's plan, or the shards of one
-    incremental run), close the output and print the summary; returns it.
+    """Count `run.shards`, close the output and print the summary; returns it.
 
-    committed_before: those of `shards` committed before this run and not dispatched; planned: {'shards', 'rows', 'images'} of
-    `shards`; result: None when nothing was dispatched; timings: plan_s and dispatch_s
-    (count_s and wall_s are added, from `started`, a time.monotonic() value); lease: the
-    driver's (None: tests that run shards without a driver); settled: what settling the older
-    lease documents found when the lease was taken.
+    run.timings: plan_s and dispatch_s (count_s and wall_s are added, from `started`, a
+    time.monotonic() value); lease: the driver's (None: tests that run shards without a driver);
+    settled: what settling the older lease documents found when the lease was taken.
     """
     t0 = time.monotonic()
-    committed = committed_shards(store) & {s.index for s in shards}
-    counts = count_shards(store, sorted(committed))
-    near_duplicates = output_near_duplicates(store, sorted(committed))
+    committed = sorted(committed_shards(store) & {s.index for s in run.shards})
+    counts = count_shards(store, committed)
+    near_duplicates = output_near_duplicates(store, committed)
     now = time.monotonic()
-    summary = build_summary(
-        output=store.uri(),
-        fingerprint=fingerprint,
-        planned=dict(planned),
-        committed_before=len(committed_before),
-        counts=counts,
-        dispatch=result,
-        progress=progress,
-        timings={**dict.fromkeys(_TIMINGS, 0.0), **timings, "count_s": now - t0, "wall_s": now - started},
-        near_duplicates=near_duplicates,
-    )
-    unfenced = result.unfenced_actors if result is not None else []
+    timings = {**dict.fromkeys(_TIMINGS, 0.0), **run.timings, "count_s": now - t0, "wall_s": now - started}
+    summary = build_summary(store.uri(), dataclasses.replace(run, timings=timings), counts, near_duplicates)
+    unfenced = run.dispatch.unfenced_actors if run.dispatch is not None else []
     if unfenced:
         print(
             f"WARNING: {len(unfenced)} killed actor(s) still had a live process when the driver "
@@ -91,14 +71,12 @@ def finish_run(
             "that no manifest names: `ditfleet verify --clean` removes it",
             file=out,
         )
-    ran = {s.index for s in shards if s.index not in committed_before}
-    redo = {s.index: s.generation for s in shards if s.generation}
     close_output(
         store,
         lease=lease,
         settled=settled or Settled(),
-        own=ran,
-        redo=redo,
+        own={s.index for s in run.shards if s.index not in run.committed_before},
+        redo={s.index: s.generation for s in run.shards if s.generation},
         success=summary if summary.shards["left"] == 0 else None,
         out=out,
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
@@ -19,6 +20,7 @@ from ditfleet.driver.output.near_duplicate_counts import near_duplicate_line
 from ditfleet.driver.output.status import OutputCounts, gate_line
 from ditfleet.driver.output.success import put_success, success_file
 from ditfleet.driver.progress import JobProgress, compile_fallbacks, format_duration, plural, warmup_seconds
+from ditfleet.workers.rows import ShardSpec
 from ditfleet.workers.storage import ObjectStore
 
 SUMMARY_VERSION = 1
@@ -37,6 +39,15 @@ def generation_rate(images: int, generate_s: float) -> float:
 SUCCEEDED = "succeeded"  # every shard committed, every image ok
 COMPLETED_WITH_FAILURES = "completed_with_failures"  # every shard committed, some images failed
 FAILED = "failed"  # some shards failed: no _SUCCESS, run the same command again to retry them
+_HEADS = {
+    SUCCEEDED: "job succeeded",
+    COMPLETED_WITH_FAILURES: "job completed, but some images FAILED",
+    FAILED: "job FAILED: some shards could not be committed",
+}
+_ADVICE = {
+    FAILED: "  Run the same command again to retry the failed shards; committed ones are kept.",
+    COMPLETED_WITH_FAILURES: "  Failed images have status 'failed' and an error in the manifests.",
+}
 
 
 @dataclass
@@ -85,14 +96,12 @@ class JobSummary:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False, default=str) + "\n"
 
     def format_text(self) -> str:
+        return "\n".join([*self._count_lines(), *self._run_lines(), *self._problem_lines()])
+
+    def _count_lines(self) -> list[str]:
         s, r, i, t = self.shards, self.rows, self.images, self.timings
-        head = {
-            SUCCEEDED: "job succeeded",
-            COMPLETED_WITH_FAILURES: "job completed, but some images FAILED",
-            FAILED: "job FAILED: some shards could not be committed",
-        }[self.status]
-        lines = [
-            f"{head}: {self.output}",
+        return [
+            f"{_HEADS[self.status]}: {self.output}",
             f"  shards: {s['committed']}/{s['planned']} committed ({s['committed_now']} now, "
             f"{s['committed_before']} before), {s['failed']} failed",
             f"  rows:   {r['ok']} ok, {r['failed']} failed of {r['planned']}",
@@ -100,7 +109,11 @@ class JobSummary:
             f"  time:   {format_duration(t['wall_s'])} (plan {t['plan_s']:.1f} s, dispatch "
             f"{format_duration(t['dispatch_s'])})",
         ]
-        st = self.startup
+
+    def _run_lines(self) -> list[str]:
+        """What this run's fleet did, and what the committed images say (each line when known)."""
+        lines = []
+        st, a, sc = self.startup, self.attention, self.step_cache
         if st.get("actors"):
             lines.append(
                 f"  start-up: {st['actors']} actors ready in {st['ready_s_mean']:.1f} s on average "
@@ -114,13 +127,11 @@ class JobSummary:
                 f"  worker {worker}: {w['shards']} shards, {w['images_ok']} images, "
                 f"{generation_rate(w['images_ok'] + w['images_failed'], w['generate_s']):.2f} {RATE_NAME}"
             )
-        a = self.attention
         if a.get("calls"):
             lines.append(
                 f"  DiT attention: {a['calls']} calls, {a['masked_call_share']:.1%} with a dense mask, "
                 f"{a['padded_call_share']:.1%} padded; padding {a['padded_token_share']:.2%} of tokens"
             )
-        sc = self.step_cache
         if sc.get("blocks_computed"):
             lines.append(
                 f"  step cache: {sc['reused_share']:.1%} of DiT block evaluations reused "
@@ -131,6 +142,11 @@ class JobSummary:
             lines.append(f"  quality gate: {gate_line(self.quality_gate)}")
         if self.near_duplicates:
             lines.append(f"  near duplicates: {near_duplicate_line(self.near_duplicates)}")
+        return lines
+
+    def _problem_lines(self) -> list[str]:
+        """Warnings, what failed, and what to do about it."""
+        lines = []
         if self.recompiles:
             lines.append(f"  WARNING: {self.recompiles} compilations on the request path (expected 0)")
         if self.oom_splits:
@@ -138,19 +154,15 @@ class JobSummary:
                 f"  WARNING: {plural(self.oom_splits, 'OOM split')}: batches halved after CUDA out of memory; "
                 "their images differ at rounding level from unsplit ones (a smaller workers.batch_size avoids it)"
             )
-        for worker, fallbacks in self.compile_fallbacks.items():
-            lines.append(f"  WARNING: {worker} ran eager: {fallbacks}")
-        for message, n in self.failures_by_error.items():
-            lines.append(f"  failed x{n}: {message}")
-        for f in self.failed_shards:
-            lines.append(
-                f"  shard {f['shard']} failed after {plural(f['attempts'], 'attempt')}: {f['error']}"
-            )
-        if self.status == FAILED:
-            lines.append("  Run the same command again to retry the failed shards; committed ones are kept.")
-        elif self.status == COMPLETED_WITH_FAILURES:
-            lines.append("  Failed images have status 'failed' and an error in the manifests.")
-        return "\n".join(lines)
+        lines.extend(f"  WARNING: {worker} ran eager: {fb}" for worker, fb in self.compile_fallbacks.items())
+        lines.extend(f"  failed x{n}: {message}" for message, n in self.failures_by_error.items())
+        lines.extend(
+            f"  shard {f['shard']} failed after {plural(f['attempts'], 'attempt')}: {f['error']}"
+            for f in self.failed_shards
+        )
+        if self.status in _ADVICE:
+            lines.append(_ADVICE[self.status])
+        return lines
 
 
 def write_success(store: ObjectStore, summary: JobSummary, lease: int | None = None) -> None:
@@ -219,70 +231,85 @@ def _status(shards_failed: bool, shards_left: bool, counts: OutputCounts) -> str
     return SUCCEEDED
 
 
+@dataclass(frozen=True)
+class RunOutcome:
+    """One run as its summary reports it: the shards it is over (a plain job's plan, or one
+    incremental run's), those of them committed before it (not dispatched), their planned
+    {'shards', 'rows', 'images'}, dispatch's result (None: nothing dispatched), the progress, and
+    plan_s, dispatch_s, count_s, wall_s. The output's counts come from its manifests."""
+
+    shards: Sequence[ShardSpec]
+    committed_before: frozenset[int]
+    fingerprint: str
+    planned: Mapping[str, int]
+    dispatch: DispatchResult | None
+    progress: JobProgress
+    timings: Mapping[str, float]
+
+
 def build_summary(
-    *,
-    output: str,
-    fingerprint: str,
-    planned: dict[str, int],
-    committed_before: int,
-    counts: OutputCounts,
-    dispatch: DispatchResult | None,
-    progress: JobProgress,
-    timings: dict[str, float],
-    near_duplicates: dict[str, Any] | None = None,
+    output: str, run: RunOutcome, counts: OutputCounts, near_duplicates: dict[str, Any] | None = None
 ) -> JobSummary:
-    """Assemble the summary. planned: {'shards', 'rows', 'images'} of the plan; counts and
-    near_duplicates (driver.output.near_duplicate_counts; None: none counted): over every
-    committed shard of the output."""
+    """Assemble the summary. counts and near_duplicates (driver.output.near_duplicate_counts;
+    None: none counted): over every committed shard of the output."""
+    dispatch, workers = run.dispatch, run.progress.workers.values()
     failed = [
         {"shard": f.index, "attempts": f.attempts, "kind": f.kind, "error": f.error}
         for f in (dispatch.failed if dispatch else [])
     ]
-    committed = counts.shards
-    status = _status(bool(failed), committed < planned["shards"], counts)
-    failures = counts.errors_capped()
-    for f in failed:
-        key = f"shard failed: {f['kind']}"
-        failures[key] = failures.get(key, 0) + 1
-    workers = {w: s.to_dict() for w, s in progress.workers.items()}
-    reports = progress.startup_costs()
-    fleet = dispatch.fleet(sum(w.images_ok for w in progress.workers.values())) if dispatch else {}
+    planned, committed, before = run.planned, counts.shards, len(run.committed_before)
+    reports = run.progress.startup_costs()
+    fleet = dispatch.fleet(sum(w.images_ok for w in workers)) if dispatch else {}
     return JobSummary(
-        status=status,
+        status=_status(bool(failed), committed < planned["shards"], counts),
         output=output,
-        fingerprint=fingerprint,
+        fingerprint=run.fingerprint,
         shards={
             "planned": planned["shards"],
             "committed": committed,
-            "committed_before": committed_before,
-            "committed_now": committed - committed_before,
+            "committed_before": before,
+            "committed_now": committed - before,
             "failed": len(failed),
             "left": planned["shards"] - committed,
         },
         rows={"planned": planned["rows"], "ok": counts.rows_ok, "failed": counts.rows_failed},
         images={"planned": planned["images"], "ok": counts.images_ok, "failed": counts.images_failed},
-        failures_by_error=failures,
+        failures_by_error=_failures_by_error(counts, failed),
         failed_shards=failed,
-        timings={
-            **{k: round(v, 3) for k, v in timings.items()},
-            "generate_s": round(sum(w.generate_s for w in progress.workers.values()), 3),
-            "encode_s": round(sum(w.encode_s for w in progress.workers.values()), 3),
-            "upload_s": round(sum(w.upload_s for w in progress.workers.values()), 3),
-            "actor_ready_s": round(dispatch.ready_actor_s, 3) if dispatch else 0.0,
-            "actor_busy_s": round(dispatch.busy_actor_s, 3) if dispatch else 0.0,
-        },
+        timings=_timings(run),
         startup=startup_summary(reports),
-        workers=workers,
+        workers={w: stats.to_dict() for w, stats in run.progress.workers.items()},
         dispatch=asdict(dispatch.stats) if dispatch else {},
-        recompiles=sum(w.recompiles for w in progress.workers.values()),
-        oom_splits=sum(w.oom_splits for w in progress.workers.values()),
-        attention=attention_summary([w.attention for w in progress.workers.values()]),
+        recompiles=sum(w.recompiles for w in workers),
+        oom_splits=sum(w.oom_splits for w in workers),
+        attention=attention_summary([w.attention for w in workers]),
         compile_fallbacks={w: fb for w, r in reports.items() if (fb := compile_fallbacks(r))},
         step_cache=step_cache_summary(counts.dit_blocks_computed, counts.dit_blocks_reused),
         quality_gate=gate_with_cost(counts.gate(), fleet),
         near_duplicates=near_duplicates or {},
         fleet=fleet,
     )
+
+
+def _failures_by_error(counts: OutputCounts, failed: list[dict[str, Any]]) -> dict[str, int]:
+    """The manifests' image errors, then the shards that failed, by kind."""
+    failures = counts.errors_capped()
+    for f in failed:
+        key = f"shard failed: {f['kind']}"
+        failures[key] = failures.get(key, 0) + 1
+    return failures
+
+
+def _timings(run: RunOutcome) -> dict[str, float]:
+    """The run's timings, the workers' summed generate, encode and upload time, the actors' ready
+    and busy time."""
+    workers, dispatch = run.progress.workers.values(), run.dispatch
+    return {
+        **{k: round(v, 3) for k, v in run.timings.items()},
+        **{k: round(sum(getattr(w, k) for w in workers), 3) for k in ("generate_s", "encode_s", "upload_s")},
+        "actor_ready_s": round(dispatch.ready_actor_s, 3) if dispatch else 0.0,
+        "actor_busy_s": round(dispatch.busy_actor_s, 3) if dispatch else 0.0,
+    }
 
 
 def gate_with_cost(gate: dict[str, Any], fleet: dict[str, Any]) -> dict[str, Any]:

@@ -102,21 +102,14 @@ def finish_like_driver(store: Any, plan: Any) -> None:
     import time
 
     from ditfleet.driver.output.finish import finish_run
+    from ditfleet.driver.output.summary import RunOutcome
     from ditfleet.driver.progress import JobProgress
 
     n = len(plan.shards)
-    summary = finish_run(
-        store,
-        shards=plan.shards,
-        committed_before=frozenset(),
-        fingerprint=plan.fingerprint(),
-        planned={"shards": n, "rows": plan.total_rows, "images": plan.total_images},
-        result=None,
-        progress=JobProgress(
-            total_shards=n, total_images=plan.total_images, stream=io.StringIO(), interactive=False
-        ),
-        timings={},
-        started=time.monotonic(),
-        out=io.StringIO(),
+    planned = {"shards": n, "rows": plan.total_rows, "images": plan.total_images}
+    progress = JobProgress(
+        total_shards=n, total_images=plan.total_images, stream=io.StringIO(), interactive=False
     )
+    run = RunOutcome(plan.shards, frozenset(), plan.fingerprint(), planned, None, progress, {})
+    summary = finish_run(store, run, started=time.monotonic(), out=io.StringIO())
     assert summary.shards["left"] == 0, f"finish_like_driver: {summary.shards['left']} shards not committed"

@@ -119,7 +119,7 @@ def test_the_progress_log_and_the_job_summary_show_oom_splits():
     import io
 
     from ditfleet.driver.output.status import OutputCounts
-    from ditfleet.driver.output.summary import build_summary
+    from ditfleet.driver.output.summary import RunOutcome, build_summary
     from ditfleet.driver.progress import JobProgress
     from ditfleet.workers.contract import ShardResult
     from ditfleet.workers.rows import ShardSpec
@@ -133,15 +133,9 @@ def test_the_progress_log_and_the_job_summary_show_oom_splits():
         progress.shard_committed(shard, result)
     assert "shard 00000: 4 images ok, 3 OOM splits in 1.0 s" in stream.getvalue()
     assert "shard 00001: 4 images ok in 1.0 s" in stream.getvalue()
-    summary = build_summary(
-        output="out",
-        fingerprint="f",
-        planned={"shards": 2, "rows": 8, "images": 8},
-        committed_before=0,
-        counts=OutputCounts(shards=2, rows_ok=8, images_ok=8),
-        dispatch=None,
-        progress=progress,
-        timings={"wall_s": 2.0, "plan_s": 0.1, "dispatch_s": 1.9},
-    )
+    planned = {"shards": 2, "rows": 8, "images": 8}
+    timings = {"wall_s": 2.0, "plan_s": 0.1, "dispatch_s": 1.9}
+    run = RunOutcome((), frozenset(), "f", planned, None, progress, timings)
+    summary = build_summary("out", run, OutputCounts(shards=2, rows_ok=8, images_ok=8))
     assert summary.oom_splits == 3 and summary.workers["w1"]["oom_splits"] == 3
     assert "WARNING: 3 OOM splits: batches halved after CUDA out of memory" in summary.format_text()
