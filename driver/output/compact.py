@@ -30,7 +30,7 @@ import os
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -127,13 +127,9 @@ class CompactionReport:
     def to_dict(self) -> dict[str, object]:
         return {
             "version": COMPACT_VERSION,
-            "output": self.output,
             "file": COMPACTED_KEY,
-            "shards": self.shards,
-            "rows": self.rows,
-            "bytes": self.bytes,
+            **asdict(self),
             "union": self.union.to_dict(),
-            "made_from": self.made_from,
         }
 
     def format_text(self) -> str:
@@ -197,15 +193,13 @@ def _read(store: ObjectStore, key: str) -> pa.Table:
     return table.replace_schema_metadata(None)
 
 
-def iter_manifests(
-    store: ObjectStore, keys: Sequence[str], threads: int = _READ_THREADS, batch_rows: int = 0
-) -> Iterator[pa.Table]:
-    """The manifests at `keys`, read `threads` at a time, in order, a window ahead at most;
+def iter_manifests(store: ObjectStore, keys: Sequence[str], batch_rows: int = 0) -> Iterator[pa.Table]:
+    """The manifests at `keys`, read _READ_THREADS at a time, in order, a window ahead at most;
     with batch_rows, several manifests at a time as one table of at least that many rows (the
     per-table work, digests and range splits, then runs once per batch, not once per manifest)."""
     held: list[pa.Table] = []
     rows = 0
-    with ThreadPoolExecutor(max_workers=threads) as pool:
+    with ThreadPoolExecutor(max_workers=_READ_THREADS) as pool:
         for at in range(0, len(keys), _WINDOW):
             for table in pool.map(lambda k: _read(store, k), keys[at : at + _WINDOW]):
                 if not batch_rows:
@@ -220,16 +214,12 @@ def iter_manifests(
         yield pa.concat_tables(held).combine_chunks()
 
 
-def _split_points(store: ObjectStore, keys: Sequence[str], range_rows: int, threads: int) -> list[str]:
+def _split_points(store: ObjectStore, keys: Sequence[str], range_rows: int) -> list[str]:
     """Ids that cut the id order into ranges of about range_rows rows, from a sample of
     evenly spaced manifests."""
-    step = max(1, len(keys) // _SAMPLE_SHARDS)
-    sample = list(keys[::step])
-    tables = list(iter_manifests(store, sample, threads))
-    ids = (
-        pa.concat_arrays([t.column("id").combine_chunks() for t in tables])
-        if tables
-        else pa.array([], pa.string())
+    sample = list(keys[:: max(1, len(keys) // _SAMPLE_SHARDS)])
+    ids = pa.chunked_array(
+        [t.column("id").combine_chunks() for t in iter_manifests(store, sample)], pa.string()
     )
     if not len(ids):
         return []
@@ -257,8 +247,6 @@ def compact_output(
     lease: OutputLease | None = None,
     finished: bool = False,
     range_rows: int = RANGE_ROWS,
-    threads: int = _READ_THREADS,
-    temp_dir: str | None = None,
 ) -> CompactionReport:
     """Compact an output's current manifests (see the module docstring). Raises CompactionError.
 
@@ -267,52 +255,69 @@ def compact_output(
     caller, a driver at its finish, knows every shard is committed (its `_SUCCESS` comes after);
     otherwise the output must have a valid `_SUCCESS` (driver.output.success).
     """
-    holder = lease.generation if lease is not None else None
-    if not finished and success_file(store, holder).doc is None:
+    if not finished and success_file(store, lease.generation if lease else None).doc is None:
         raise CompactionError(
             f"{store.uri()}: no valid _SUCCESS. Compact a finished output: the manifests are still changing"
         )
-    before_write = lease.check if lease is not None else (lambda: None)
     current = current_manifest_keys(store)
     keys = [current[s] for s in sorted(current)]
-    cuts = _split_points(store, keys, range_rows, threads)
+    cuts = _split_points(store, keys, range_rows)
     report = CompactionReport(store.uri(), len(keys), made_from=made_from(current))
-    schema = MANIFEST_SCHEMA.remove_metadata()
-    with tempfile.TemporaryDirectory(prefix="ditfleet-compact-", dir=temp_dir) as tmp:
-        spills = [os.path.join(tmp, f"range-{i:05d}.parquet") for i in range(len(cuts) + 1)]
-        writers = [pq.ParquetWriter(p, schema, compression="lz4") for p in spills]
-        try:
-            for table in iter_manifests(store, keys, threads, batch_rows=_SPILL_ROWS):
-                report.union.add(table)
-                ranges = _range_of(table.column("id").combine_chunks(), cuts) if cuts else None
-                for i in range(len(spills)):
-                    part = table if ranges is None else table.filter(pa.array(ranges == i))
-                    if part.num_rows:
-                        writers[i].write_table(part)
-        finally:
-            for w in writers:
-                w.close()
+    with tempfile.TemporaryDirectory(prefix="ditfleet-compact-") as tmp:
+        spills = _spill_by_id_range(store, keys, cuts, tmp, report.union)
         report.rows = report.union.rows
         local = os.path.join(tmp, "manifests.parquet")
-        with pq.ParquetWriter(local, MANIFEST_SCHEMA, compression="zstd") as out:
-            for spill in spills:
-                table = pq.read_table(spill).sort_by(_SORT)
-                os.remove(spill)
-                if table.num_rows:
-                    out.write_table(table.replace_schema_metadata(MANIFEST_SCHEMA.metadata), row_group_rows)
+        _write_sorted(spills, local, row_group_rows)
         report.bytes = os.path.getsize(local)
         pause_point("compact_before_write")
-        before_write()
+        if lease is not None:
+            lease.check()
         # Files of the earlier layout (compacted/part-NNNNN.parquet) would be read with the new
         # set: the old set goes first, so a kill in between leaves too little, never a mix.
-        for key in store.list(COMPACTED_PREFIX):
-            if key not in (COMPACTED_KEY, INDEX_KEY):
-                store.delete(key)
+        for key in _strays(store):
+            store.delete(key)
         with open(local, "rb") as f:
             store.put_file(COMPACTED_KEY, f, "application/vnd.apache.parquet")
     pause_point("compact_before_index")
     store.put(INDEX_KEY, (json.dumps(report.to_dict(), indent=2) + "\n").encode(), "application/json")
     return report
+
+
+def _spill_by_id_range(
+    store: ObjectStore, keys: Sequence[str], cuts: Sequence[str], tmp: str, union: UnionDigest
+) -> list[str]:
+    """Every manifest at `keys` read once, its rows added to `union` and written, unsorted, to the
+    local file of their id range (one per range between `cuts`, in `tmp`); the files, in id order."""
+    spills = [os.path.join(tmp, f"range-{i:05d}.parquet") for i in range(len(cuts) + 1)]
+    schema = MANIFEST_SCHEMA.remove_metadata()
+    writers = [pq.ParquetWriter(p, schema, compression="lz4") for p in spills]
+    try:
+        for table in iter_manifests(store, keys, batch_rows=_SPILL_ROWS):
+            union.add(table)
+            ranges = _range_of(table.column("id").combine_chunks(), cuts) if cuts else None
+            for i, writer in enumerate(writers):
+                part = table if ranges is None else table.filter(pa.array(ranges == i))
+                if part.num_rows:
+                    writer.write_table(part)
+    finally:
+        for w in writers:
+            w.close()
+    return spills
+
+
+def _write_sorted(spills: Sequence[str], path: str, row_group_rows: int) -> None:
+    """Each range file sorted by (id, k) on its own and appended, in order, to the set at `path`."""
+    with pq.ParquetWriter(path, MANIFEST_SCHEMA, compression="zstd") as out:
+        for spill in spills:
+            table = pq.read_table(spill).sort_by(_SORT)
+            os.remove(spill)
+            if table.num_rows:
+                out.write_table(table.replace_schema_metadata(MANIFEST_SCHEMA.metadata), row_group_rows)
+
+
+def _strays(store: ObjectStore) -> list[str]:
+    """The keys under compacted/ other than the set and its index."""
+    return [k for k in store.list(COMPACTED_PREFIX) if k not in (COMPACTED_KEY, INDEX_KEY)]
 
 
 def refresh_compacted(
@@ -328,7 +333,7 @@ def refresh_compacted(
     return compact_output(store, lease=lease, finished=True)
 
 
-def check_compacted(store: ObjectStore, threads: int = _READ_THREADS) -> list[str]:
+def check_compacted(store: ObjectStore) -> list[str]:
     """Problems of the compacted set (none when there is no `compacted/`): it is there with its
     index, made from today's manifest generations, has the manifest schema and the index's rows,
     ids in order, nothing else under compacted/, and its rows are exactly the union of the
@@ -342,36 +347,12 @@ def check_compacted(store: ObjectStore, threads: int = _READ_THREADS) -> list[st
     index = read_json(store, INDEX_KEY) or {}
     problems = [
         f"{store.uri(k)}: stray object in {COMPACTED_PREFIX} (compaction writes only {COMPACTED_KEY})"
-        for k in store.list(COMPACTED_PREFIX)
-        if k not in (COMPACTED_KEY, INDEX_KEY)
+        for k in _strays(store)
     ]
-    compacted = UnionDigest()
-    last_id: str | None = None
-    in_order = True
-    with tempfile.NamedTemporaryFile(prefix="ditfleet-compacted-") as f:
-        try:
-            store.get_file(COMPACTED_KEY, f)
-            f.flush()
-            # By path: Arrow then owns the buffers it reads (see workers.storage.parquet_bytes).
-            parquet = pq.ParquetFile(f.name)
-            if not with_later_columns(parquet.schema_arrow.empty_table()).schema.equals(
-                MANIFEST_SCHEMA, check_metadata=False
-            ):
-                return [*problems, f"{store.uri(COMPACTED_KEY)}: not the manifest schema"]
-            # Row group by row group: the set can be far larger than memory.
-            for group in range(parquet.num_row_groups):
-                table = with_later_columns(parquet.read_row_group(group))
-                ids = table.column("id").combine_chunks()
-                if len(ids):
-                    in_order &= last_id is None or ids[0].as_py() >= last_id
-                    in_order &= (
-                        len(ids) < 2
-                        or pc.all(pc.less_equal(ids.slice(0, len(ids) - 1), ids.slice(1))).as_py()
-                    )
-                    last_id = ids[-1].as_py()
-                compacted.add(table)
-        except (OSError, pa.ArrowException) as e:
-            return [*problems, f"{store.uri(COMPACTED_KEY)}: unreadable ({e})"]
+    try:
+        compacted, in_order = _read_compacted(store)
+    except CompactionError as e:
+        return [*problems, str(e)]
     if compacted.rows != index.get("rows"):
         problems.append(
             f"{store.uri(COMPACTED_KEY)}: {compacted.rows} rows, its index says {index.get('rows')}"
@@ -380,7 +361,7 @@ def check_compacted(store: ObjectStore, threads: int = _READ_THREADS) -> list[st
         problems.append(f"{store.uri(COMPACTED_KEY)}: ids not in order")
     union = UnionDigest()
     try:
-        for part in iter_manifests(store, [current[s] for s in sorted(current)], threads, _SPILL_ROWS):
+        for part in iter_manifests(store, [current[s] for s in sorted(current)], batch_rows=_SPILL_ROWS):
             union.add(part)
     except CompactionError as e:
         return [*problems, f"cannot compare the compacted set with the manifests: {e}"]
@@ -390,3 +371,30 @@ def check_compacted(store: ObjectStore, threads: int = _READ_THREADS) -> list[st
             f"vs {union.rows} in {len(current)} manifests, or other values); run `ditfleet compact` again"
         )
     return problems
+
+
+def _read_compacted(store: ObjectStore) -> tuple[UnionDigest, bool]:
+    """The compacted set's digest and whether its ids are in order, read row group by row group
+    (the set can be far larger than memory). Raises CompactionError when it is unreadable or not
+    the manifest schema."""
+    digest, in_order, last_id = UnionDigest(), True, ""
+    with tempfile.NamedTemporaryFile(prefix="ditfleet-compacted-") as f:
+        try:
+            store.get_file(COMPACTED_KEY, f)
+            f.flush()
+            # By path: Arrow then owns the buffers it reads (see workers.storage.parquet_bytes).
+            parquet = pq.ParquetFile(f.name)
+            empty = with_later_columns(parquet.schema_arrow.empty_table())
+            if not empty.schema.equals(MANIFEST_SCHEMA, check_metadata=False):
+                raise CompactionError(f"{store.uri(COMPACTED_KEY)}: not the manifest schema")
+            for group in range(parquet.num_row_groups):
+                table = with_later_columns(parquet.read_row_group(group))
+                ids = table.column("id").combine_chunks()
+                if len(ids):
+                    in_order &= ids[0].as_py() >= last_id
+                    in_order &= len(ids) < 2 or pc.all(pc.less_equal(ids[:-1], ids[1:])).as_py()
+                    last_id = ids[-1].as_py()
+                digest.add(table)
+        except (OSError, pa.ArrowException) as e:
+            raise CompactionError(f"{store.uri(COMPACTED_KEY)}: unreadable ({e})") from e
+    return digest, in_order

@@ -103,6 +103,17 @@ def test_compaction_is_the_union_sorted_by_id_in_one_file(tmp_path: Path):
     assert check_compacted(store) == []
 
 
+def test_compaction_cut_into_many_id_ranges_makes_the_same_sorted_union(tmp_path: Path):
+    # 540 rows in ranges of about 50: the bounded-memory path (spill by range, sort each) taken.
+    store = _output(tmp_path / "out")
+    report = compact_output(store, row_group_rows=64, range_rows=50)
+    compacted = pq.read_table(tmp_path / "out" / COMPACTED_KEY)
+    ids = compacted.column("id").to_pylist()
+    assert report.rows == 540 and ids == sorted(ids)
+    assert _sorted(compacted).equals(_sorted(read_manifests(store)))
+    assert check_compacted(store) == []
+
+
 @pytest.mark.slow
 def test_check_finds_a_compacted_set_that_is_not_the_union(tmp_path: Path):
     store = _output(tmp_path / "out")
