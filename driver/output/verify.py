@@ -1,39 +1,12 @@
 """`ditfleet verify OUT`: check an output end to end from what it holds, nothing else.
 
-What is checked (every problem is one line naming the shard, row or key):
-- the plan: which shards exist, from `_job.json` (a plain job) or the run records (an
-  incremental one). Every manifest belongs to a planned shard; a planned shard without one is
-  missing (an error once `_SUCCESS` is there, "not yet" otherwise);
-- every manifest: the manifest schema, rows of its own shard only, each (id, k) once, and as
-  many rows and images as the plan gave the shard (where the plan records that);
-- every input row exactly once over the whole output: no (id, k) in two manifests, each id's
-  images k = 0..n-1, and, when complete, as many rows and images as were planned;
-- every ok row's uri: a key this layout gives an object of the row's own shard (anything else,
-  `/etc/images/../passwd` say, is a PROBLEM line and is never opened);
-- every ok row's object: present, `bytes` long, hashing to its `sha256` (for the "parquet" and
-  "webdataset" formats, the row's image inside the shard's data file or tar). A data file or
-  tar is read whole, as its readers read it: a row or member its manifest does not name, one
-  held twice, a member of no sample, bytes after a tar's end are problems. Objects are read
-  through their format's reader (workers.output.formats), each once;
-- the format areas (images/, data/, webdataset/): a key no current manifest names is an orphan
-  when the one rule of driver.output.orphans proves it lost (its generation's manifest key
-  exists and no manifest of its shard names its token; `--clean` deletes it). It is pending when
-  its generation has no manifest key yet (a run or redo in progress, or one that failed), and a
-  PROBLEM otherwise: a stray, an extra object under the committed run's token, or any object of
-  a shard whose manifests cannot be read (nothing of that shard is deleted then). Once
-  `_SUCCESS` is there, an orphan is a PROBLEM too: readers of the data areas see it; `--clean`
-  deletes it;
-- superseded generations (driver.output.supersede): once `_SUCCESS` is there, a lower
-  generation whose manifest still holds rows, or whose objects still lie in the data areas, is
-  a PROBLEM (readers would count it twice; `--clean` finishes the supersession); objects a
-  superseded manifest names that its history under `_superseded/` lacks are listed as history
-  (lost before the redo that replaced them), never as current rows;
-- `_SUCCESS`: present only when every planned shard is committed, and (plain jobs) with the
-  counts the manifests give; a stale one (driver.output.summary) counts as absent.
-
-What verify cannot see: manifests are not signed, so a manifest rewritten together with the
-objects it names (consistent hashes) passes; it checks that the output is what its manifests
-say, not who wrote them.
+What it checks and guarantees, and what it cannot see, is in docs/reliability.md#verify; every
+problem is one line naming the shard, row or key. Here, in order: the plan (`_job.json`, or an
+incremental job's run records); the manifests (each read by driver.output.verify_shards, on
+threads or Ray tasks), every input row in exactly one; the format areas against them, where a
+key no current manifest names is an orphan only when the one rule of driver.output.orphans
+proves it lost, pending when its generation has no manifest key yet, and a PROBLEM otherwise;
+`_SUCCESS` and the compacted set.
 
 Manifests are read before the data areas are listed: an object a manifest names was stored
 before that manifest was written, so a running job cannot make a committed object look missing.
@@ -43,9 +16,8 @@ Exit 0 when nothing is wrong and the output is complete (or `partial` was asked 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -54,7 +26,6 @@ from ditfleet.driver.output.compact import check_compacted
 from ditfleet.driver.output.json_objects import read_json
 from ditfleet.driver.output.lease import OutputBusy, acquire_lease
 from ditfleet.driver.output.orphans import (
-    IO_THREADS,
     ShardRecord,
     delete_keys,
     io_threads,
@@ -66,15 +37,14 @@ from ditfleet.driver.output.settle import settle_older
 from ditfleet.driver.output.success import success_file
 from ditfleet.driver.output.supersede import supersede_pending
 from ditfleet.driver.output.verify_report import MAX_LISTED, VerifyReport
-from ditfleet.driver.run_records import RecordedPlan, RunRecordError, read_run_records
-from ditfleet.workers.output.formats import (
-    FORMAT_AREAS,
-    ManifestImage,
-    StoredImageError,
-    object_key,
-    ok_images,
-    reader_for_key,
+from ditfleet.driver.output.verify_shards import (
+    CommittedShard,
+    ShardChecks,
+    ThreadChecks,
+    VerifyPlan,
+    read_plan,
 )
+from ditfleet.workers.output.formats import FORMAT_AREAS, ManifestImage, object_key
 from ditfleet.workers.output.layout import (
     MANIFESTS_PREFIX,
     SUPERSEDED_PREFIX,
@@ -86,156 +56,12 @@ from ditfleet.workers.output.layout import (
 )
 from ditfleet.workers.output.manifest import (
     MANIFEST,
-    MANIFEST_SCHEMA,
     SUPERSEDED,
     current_manifest_key,
     current_of,
     manifest_generations,
-    with_later_columns,
 )
-from ditfleet.workers.storage import ObjectNotFound, ObjectStore
-from ditfleet.workers.storage.parquet_bytes import read_parquet
-
-
-@dataclass
-class _Plan:
-    shards: set[int]
-    rows: int | None  # totals (plain jobs); None when unknown
-    images: int | None
-    per_shard: dict[int, tuple[int, int]]  # shard -> (rows, images), where the plan says
-    incremental: bool
-
-
-def _read_plan(store: ObjectStore, job: dict[str, Any], report: VerifyReport) -> _Plan | None:
-    plan = job.get("plan") or {}
-    if plan.get("incremental"):
-        try:
-            recorded = RecordedPlan.of(read_run_records(store))
-        except RunRecordError as e:
-            report.problems.append(str(e))
-            return None
-        live = recorded.live()
-        return _Plan(
-            {s.index for s in live},
-            sum(s.num_rows for s in live),
-            sum(s.num_images for s in live),
-            {s.index: (s.num_rows, s.num_images) for s in live},
-            True,
-        )
-    shards = plan.get("shards")
-    if not isinstance(shards, int) or shards < 0:
-        report.problems.append(f"{store.uri(job_key())} has no plan.shards: was it written by ditfleet?")
-        return None
-    return _Plan(set(range(shards)), plan.get("rows"), plan.get("images"), {}, False)
-
-
-@dataclass
-class _Shard:
-    """What one committed manifest says."""
-
-    shard: int
-    ids: pa.Array
-    ks: pa.Array
-    ok: list[ManifestImage]
-    failed: int
-    # The attempt tokens the ok rows' objects carry (the committed run's, one in practice), and
-    # whether every ok row's uri is an attempt object of this shard: only then can an object of
-    # the shard be proved to be another run's.
-    tokens: set[str] = field(default_factory=set)
-    accounted: bool = True
-
-
-def _read_manifest(
-    store: ObjectStore, shard: int, key: str, plan: _Plan, problems: list[str]
-) -> _Shard | None:
-    where = store.uri(key)
-    try:
-        table = with_later_columns(read_parquet(store.get(key)))
-    except Exception as e:  # noqa: BLE001 - a damaged manifest is a finding, not a crash
-        problems.append(f"{where}: cannot be read as Parquet ({type(e).__name__}: {e})")
-        return None
-    if not table.schema.equals(MANIFEST_SCHEMA, check_metadata=False):
-        problems.append(f"{where}: not the manifest schema (another ditfleet version or a foreign file)")
-        return None
-    shards = set(table.column("shard").to_pylist())
-    if shards != {shard}:
-        problems.append(f"{where}: holds rows of shards {sorted(shards)}, not only {shard}")
-    pairs = Counter(zip(table.column("id").to_pylist(), table.column("k").to_pylist()))
-    for (id_, k), n in pairs.items():
-        if n > 1:
-            problems.append(f"{where}: row id={id_!r} k={k} appears {n} times")
-    per_id = Counter(table.column("id").to_pylist())
-    if shard in plan.per_shard:
-        rows, images = plan.per_shard[shard]
-        if len(per_id) != rows or table.num_rows != images:
-            problems.append(
-                f"{where}: {len(per_id)} rows / {table.num_rows} images, the plan has {rows} / {images}"
-            )
-    ok = ok_images(table, per_id)
-    return _Shard(shard, table.column("id"), table.column("k"), ok, table.num_rows - len(ok))
-
-
-def _check_object(store: ObjectStore, key: str, rows: list[ManifestImage]) -> list[str]:
-    """Problems of one stored object against the ok manifest rows that name it, read through
-    its format's reader."""
-    try:
-        stored = reader_for_key(key).read(store, key, rows)
-    except ObjectNotFound:
-        return [f"{store.uri(key)}: missing (named by {len(rows)} ok manifest rows)"]
-    except StoredImageError as e:
-        return [str(e)]
-    except Exception as e:  # noqa: BLE001 - whatever one object does, it is one finding
-        return [f"{store.uri(key)}: cannot be read ({type(e).__name__}: {e})"]
-    return [p for p in map(stored.problem, rows) if p] + stored.unnamed_problems()
-
-
-def read_manifest_group(
-    store: ObjectStore, items: list[tuple[int, str]], plan: _Plan, workers: int
-) -> list[tuple[_Shard | None, list[str]]]:
-    """(what the manifest says, its problems) for each (shard, manifest key), in order: the
-    per-shard half of reading the manifests, on `workers` threads."""
-
-    def one(item: tuple[int, str]) -> tuple[_Shard | None, list[str]]:
-        problems: list[str] = []
-        return _read_manifest(store, item[0], item[1], plan, problems), problems
-
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(one, items))
-
-
-def check_object_group(
-    store: ObjectStore, items: list[tuple[str, list[ManifestImage]]], workers: int
-) -> list[list[str]]:
-    """The problems of each (key, the ok rows naming it), in order, on `workers` threads."""
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(lambda item: _check_object(store, *item), items))
-
-
-class ShardChecks(Protocol):
-    """Where the per-shard checks run: every result is a pure function of one shard's manifest or
-    one object, so only the whole-output checks (listing, rows across manifests, orphans,
-    _SUCCESS, compaction) need the driver, and the report does not depend on where these ran."""
-
-    def read_manifests(
-        self, store: ObjectStore, items: list[tuple[int, str]], plan: _Plan
-    ) -> list[tuple[_Shard | None, list[str]]]: ...
-
-    def check_objects(
-        self, store: ObjectStore, items: list[tuple[str, list[ManifestImage]]]
-    ) -> list[list[str]]: ...
-
-
-@dataclass
-class ThreadChecks:
-    """The per-shard checks on threads of this process (the default)."""
-
-    workers: int = IO_THREADS  # verify_output passes io_threads(store) unless told
-
-    def read_manifests(self, store, items, plan):
-        return read_manifest_group(store, items, plan, self.workers)
-
-    def check_objects(self, store, items):
-        return check_object_group(store, items, self.workers)
+from ditfleet.workers.storage import ObjectStore
 
 
 def verify_output(
@@ -250,9 +76,8 @@ def verify_output(
     """Check the output at `store`; with `clean`, delete the orphans found (attempt objects of
     committed shards that their current manifest does not name).
 
-    workers: threads reading manifests and objects (and deleting); None: `io_threads(store)`
-    (one per core for a local folder, more for a remote store). The checks and the report are
-    the same for any number, only the time changes.
+    workers: threads reading manifests and objects (and deleting); None: `io_threads(store)`.
+    The checks and the report are the same for any number, only the time changes.
     shard_checks: where the per-shard checks run instead of this process's threads (Ray tasks:
     driver.output.verify_ray); the whole-output checks and deletions stay here, so the report
     is the same.
@@ -312,18 +137,15 @@ def _verify(
         )
         return report
     report.success = success is not None
-    plan = _read_plan(store, job, report)
+    plan = read_plan(store, job, report)
     if plan is None:
         return report
     report.planned_shards = len(plan.shards)
-    committed, shards, generations = _read_manifests(
-        store, plan, report, checks
-    )  # first: see the module docstring
-    _check_rows_once(shards, plan, report)
-    _check_objects(store, shards, generations, set(committed), plan, report, hash_objects, checks)
+    manifests = _read_manifests(store, plan, report, checks)  # first: see the module docstring
+    _check_rows_once(manifests.shards, plan, report)
+    _check_objects(store, manifests, plan, report, hash_objects, checks)
     if success is not None:
         _check_success(success, plan, report)
-    # A compacted set (`ditfleet compact`) must be exactly the union of the manifests.
     report.problems.extend(check_compacted(store))
     report.orphans.sort()
     if clean and report.orphans:
@@ -338,13 +160,19 @@ def _verify(
     return report
 
 
-def _read_manifests(
-    store: ObjectStore, plan: _Plan, report: VerifyReport, checks: ShardChecks
-) -> tuple[list[int], list[_Shard], dict[int, dict[int, str]]]:
-    """(the committed shards of the plan, what their current manifests say, every shard's
-    generations' manifest keys).
+@dataclass(frozen=True)
+class _Manifests:
+    """What the manifests of the plan's shards say."""
 
-    A shard's current manifest is its highest generation that is not a seal (a redo's); the
+    committed: set[int]  # the shards with a current manifest
+    shards: list[CommittedShard]  # what those current manifests that could be read say
+    generations: dict[int, dict[int, str]]  # every shard's generations' manifest keys
+
+
+def _read_manifests(
+    store: ObjectStore, plan: VerifyPlan, report: VerifyReport, checks: ShardChecks
+) -> _Manifests:
+    """A shard's current manifest is its highest generation that is not a seal (a redo's); the
     lower ones it supersedes are tombstones, their rows kept under `_superseded/`."""
     keys: list[str] = []
     for key in store.list(MANIFESTS_PREFIX):
@@ -369,10 +197,10 @@ def _read_manifests(
         report.problems.extend(problems)
         if shard:
             shards.append(shard)
-    return committed, shards, generations
+    return _Manifests(set(committed), shards, generations)
 
 
-def _check_rows_once(shards: list[_Shard], plan: _Plan, report: VerifyReport) -> None:
+def _check_rows_once(shards: list[CommittedShard], plan: VerifyPlan, report: VerifyReport) -> None:
     """Every row exactly once over the output, each id's images k = 0..n-1, the plan's counts."""
     if shards:
         table = pa.table(
@@ -403,7 +231,9 @@ def _check_rows_once(shards: list[_Shard], plan: _Plan, report: VerifyReport) ->
             )
 
 
-def _named_objects(root: str, shards: list[_Shard], report: VerifyReport) -> dict[str, list[ManifestImage]]:
+def _named_objects(
+    root: str, shards: list[CommittedShard], report: VerifyReport
+) -> dict[str, list[ManifestImage]]:
     """Key -> the ok rows that name it (a moved output's keys are found by their format area).
     Sets each shard's tokens, and `accounted` False where a row's uri is no object of its shard."""
     named: dict[str, list[ManifestImage]] = defaultdict(list)
@@ -422,7 +252,7 @@ def _named_objects(root: str, shards: list[_Shard], report: VerifyReport) -> dic
 
 
 def _records(
-    store: ObjectStore, shards: list[_Shard], generations: dict[int, dict[int, str]]
+    store: ObjectStore, shards: list[CommittedShard], generations: dict[int, dict[int, str]]
 ) -> dict[int, ShardRecord]:
     """The one rule's record of each committed shard: a shard with one generation is what its
     current manifest (read already) says; one with more has every generation read."""
@@ -475,10 +305,8 @@ def _check_superseded(
 
 def _check_objects(
     store: ObjectStore,
-    shards: list[_Shard],
-    generations: dict[int, dict[int, str]],
-    committed: set[int],
-    plan: _Plan,
+    manifests: _Manifests,
+    plan: VerifyPlan,
     report: VerifyReport,
     hash_objects: bool,
     checks: ShardChecks,
@@ -486,9 +314,32 @@ def _check_objects(
     """The format areas against the manifests: orphans (by the one rule), pending and stray
     objects, missing ones, and (hash_objects) every named object read through its format's
     reader."""
-    named = _named_objects(store.uri(), shards, report)
-    by_shard = {s.shard: s for s in shards}
-    records = _records(store, shards, generations)
+    named = _named_objects(store.uri(), manifests.shards, report)
+    records = _records(store, manifests.shards, manifests.generations)
+    listed = _judge_unnamed(store, named, manifests, records, plan, report)
+    _check_superseded(store, records, listed, report, report.success)
+    for key, rows in named.items():
+        if key not in listed:
+            report.problems.append(f"{store.uri(key)}: missing (named by {len(rows)} ok manifest rows)")
+    if hash_objects:
+        present = [k for k in named if k in listed]
+        for found in checks.check_objects(store, [(k, named[k]) for k in present]):
+            report.problems.extend(found)
+        report.objects_checked = sum(len(named[k]) for k in present)
+
+
+def _judge_unnamed(
+    store: ObjectStore,
+    named: dict[str, list[ManifestImage]],
+    manifests: _Manifests,
+    records: dict[int, ShardRecord],
+    plan: VerifyPlan,
+    report: VerifyReport,
+) -> set[str]:
+    """Every key in the format areas; each one no current manifest names is kept (its shard's
+    manifests cannot be accounted for), a problem (under the committed run's token), an orphan
+    (the one rule proves it lost), left to _check_superseded, pending, or a stray."""
+    by_shard = {s.shard: s for s in manifests.shards}
     kept: Counter = Counter()  # shard -> objects kept because its manifests cannot be accounted for
     listed: set[str] = set()
     for prefix in FORMAT_AREAS:
@@ -501,7 +352,7 @@ def _check_objects(
             record = records.get(obj.shard) if obj is not None else None
             if (
                 obj is not None
-                and obj.shard in committed
+                and obj.shard in manifests.committed
                 and (read is None or not read.accounted or record is None or not record.accounted)
             ):
                 kept[obj.shard] += 1
@@ -527,18 +378,10 @@ def _check_objects(
             f"shard's manifest {store.uri(current_manifest_key(store, shard) or manifest_key(shard))} cannot be fully read, so which of "
             "them it commits is unknown (restore the manifest, then verify again)"
         )
-    _check_superseded(store, records, listed, report, report.success)
-    for key, rows in named.items():
-        if key not in listed:
-            report.problems.append(f"{store.uri(key)}: missing (named by {len(rows)} ok manifest rows)")
-    if hash_objects:
-        present = [k for k in named if k in listed]
-        for found in checks.check_objects(store, [(k, named[k]) for k in present]):
-            report.problems.extend(found)
-        report.objects_checked = sum(len(named[k]) for k in present)
+    return listed
 
 
-def _check_success(success: dict[str, Any], plan: _Plan, report: VerifyReport) -> None:
+def _check_success(success: dict[str, Any], plan: VerifyPlan, report: VerifyReport) -> None:
     """`_SUCCESS` only when every planned shard is committed, with the manifests' counts."""
     if report.missing:
         report.problems.append(
@@ -552,12 +395,3 @@ def _check_success(success: dict[str, Any], plan: _Plan, report: VerifyReport) -
                 f"_SUCCESS says {said.get('ok')} images ok / {said.get('failed')} failed, the "
                 f"manifests {report.images_ok} / {report.images_failed}"
             )
-
-
-__all__ = [
-    "ShardChecks",
-    "ThreadChecks",
-    "check_object_group",
-    "read_manifest_group",
-    "verify_output",
-]

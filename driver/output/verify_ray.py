@@ -2,11 +2,11 @@
 one machine's threads hash in reasonable time.
 
 Only where the per-shard work runs changes: each task opens the store itself from the output's
-URI and S3 settings, runs verify's own per-shard functions (`read_manifest_group`,
-`check_object_group`) on a group of shards or objects and returns their findings in order; the
-driver lists the output and does every whole-output check (a row in two manifests, orphans and
-strays, `_SUCCESS`, the compacted set) and any `--clean` deletion itself, exactly as with
-threads. So the report is the one `verify_output` gives on threads.
+URI and S3 settings, runs verify's own per-shard functions (driver.output.verify_shards) on a
+group of shards or objects and returns their findings in order; the driver lists the output and
+does every whole-output check (a row in two manifests, orphans and strays, `_SUCCESS`, the
+compacted set) and any `--clean` deletion itself, exactly as with threads. So the report is the
+one `verify_output` gives on threads.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ditfleet.driver.output.verify import check_object_group, read_manifest_group
+from ditfleet.driver.output.verify_shards import check_object_group, read_manifest_group
 from ditfleet.workers.storage import S3Config, open_store
 
 TASKS_PER_CPU = 4  # groups per cluster CPU: a slow node's group is a small part of the work
