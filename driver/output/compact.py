@@ -289,8 +289,7 @@ def _spill_by_id_range(
     """Every manifest at `keys` read once, its rows added to `union` and written, unsorted, to the
     local file of their id range (one per range between `cuts`, in `tmp`); the files, in id order."""
     spills = [os.path.join(tmp, f"range-{i:05d}.parquet") for i in range(len(cuts) + 1)]
-    schema = MANIFEST_SCHEMA.remove_metadata()
-    writers = [pq.ParquetWriter(p, schema, compression="lz4") for p in spills]
+    writers = [pq.ParquetWriter(p, MANIFEST_SCHEMA.remove_metadata(), compression="lz4") for p in spills]
     try:
         for table in iter_manifests(store, keys, batch_rows=_SPILL_ROWS):
             union.add(table)
@@ -375,8 +374,7 @@ def check_compacted(store: ObjectStore) -> list[str]:
 
 def _read_compacted(store: ObjectStore) -> tuple[UnionDigest, bool]:
     """The compacted set's digest and whether its ids are in order, read row group by row group
-    (the set can be far larger than memory). Raises CompactionError when it is unreadable or not
-    the manifest schema."""
+    (it can be far larger than memory). CompactionError: unreadable, or not the manifest schema."""
     digest, in_order, last_id = UnionDigest(), True, ""
     with tempfile.NamedTemporaryFile(prefix="ditfleet-compacted-") as f:
         try:
