@@ -234,9 +234,8 @@ def _status(shards_failed: bool, shards_left: bool, counts: OutputCounts) -> str
 @dataclass(frozen=True)
 class RunOutcome:
     """One run as its summary reports it: the shards it is over (a plain job's plan, or one
-    incremental run's), those of them committed before it (not dispatched), their planned
-    {'shards', 'rows', 'images'}, dispatch's result (None: nothing dispatched), the progress, and
-    plan_s, dispatch_s, count_s, wall_s. The output's counts come from its manifests."""
+    incremental run's), those committed before it (not dispatched), their planned {'shards',
+    'rows', 'images'}, dispatch's result (None: nothing dispatched), progress, and timings."""
 
     shards: Sequence[ShardSpec]
     committed_before: frozenset[int]

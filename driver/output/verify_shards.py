@@ -38,8 +38,7 @@ class VerifyPlan:
 
 
 def read_plan(store: ObjectStore, job: dict[str, Any], report: VerifyReport) -> VerifyPlan | None:
-    """What the plan in `_job.json` (or an incremental job's run records) says; None, with the
-    problem in `report`, when it cannot be read."""
+    """The plan of `_job.json` (or an incremental job's run records); None, said in `report`, if unreadable."""
     plan = job.get("plan") or {}
     if plan.get("incremental"):
         try:
