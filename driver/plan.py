@@ -38,6 +38,7 @@ from ditfleet.driver.input.validate import DEFAULT_MAX_ERRORS, valid_sizes
 from ditfleet.model.settings import field_default, setting, settings_fields
 from ditfleet.workers.content_digest import RangeDigest, combine, hex_digest, prepare
 from ditfleet.workers.rows import MAX_SIDE, RowConfig, ShardSpec, content_columns
+from ditfleet.workers.storage.base import READ_THREADS
 from ditfleet.workers.storage.input_files import InputFileError, footer_sha256, largest_row_group
 
 FINGERPRINT_VERSION = 1
@@ -303,7 +304,6 @@ class ShardCutter:
 # Files scanned side by side while planning: Parquet decoding and Arrow compute release the GIL,
 # so two threads use a small head's two cores.
 PLAN_WORKERS = 2
-_IDENTITY_THREADS = 16
 
 
 def plan_job(
@@ -368,7 +368,7 @@ def footer_hashes(source: PromptSource, files: Sequence[InputFile]) -> dict[str,
 
     if len(files) <= 1:
         return {f.uri: one(f) for f in files}
-    with ThreadPoolExecutor(max_workers=min(_IDENTITY_THREADS, len(files))) as pool:
+    with ThreadPoolExecutor(max_workers=min(READ_THREADS, len(files))) as pool:
         return dict(zip((f.uri for f in files), pool.map(one, files)))
 
 

@@ -30,13 +30,13 @@ from ditfleet.driver.input.row_errors import InputError
 from ditfleet.driver.plan import InputIdentity, JobPlan, PlanConfig, fingerprint_of, settings_doc
 from ditfleet.workers.rows import ShardSpec
 from ditfleet.workers.storage import ObjectStore
+from ditfleet.workers.storage.base import READ_THREADS
 from ditfleet.workers.storage.input_files import InputFileError, footer_sha256
 from ditfleet.workers.storage.parquet_bytes import read_parquet
 
 PLAN_KEY = "_plan.parquet"
 PLAN_FILE_VERSION = 2
 _META = b"ditfleet.plan"
-_FOOTER_THREADS = 16
 _ROW_GROUP = 1 << 17
 
 _SCHEMA = pa.schema(
@@ -150,7 +150,7 @@ def current_identities(source: PromptSource) -> tuple[InputIdentity, ...] | None
         return InputIdentity(f.uri, f.size, rows, footer_sha256(source.filesystem, f.uri))
 
     try:
-        with ThreadPoolExecutor(max_workers=max(1, min(_FOOTER_THREADS, len(files)))) as pool:
+        with ThreadPoolExecutor(max_workers=max(1, min(READ_THREADS, len(files)))) as pool:
             return tuple(pool.map(one, files))
     except (InputError, InputFileError):
         return None

@@ -34,13 +34,13 @@ import pyarrow.parquet as pq
 from ditfleet.workers.output.layout import RUNS_PREFIX, run_ids_key, run_key, run_of_key
 from ditfleet.workers.rows import ShardSpec
 from ditfleet.workers.storage import ObjectNotFound, ObjectStore
+from ditfleet.workers.storage.base import READ_THREADS
 from ditfleet.workers.storage.parquet_bytes import read_parquet
 
 RUN_RECORD_VERSION = 1
 IDS_SCHEMA = pa.schema(
     [pa.field("shard", pa.int32(), nullable=False), pa.field("id", pa.string(), nullable=False)]
 )
-_READ_THREADS = 16
 
 
 class RunRecordError(ValueError):
@@ -169,7 +169,7 @@ def read_run_records(store: ObjectStore) -> list[RunRecord]:
             raise RunRecordError(f"{store.uri(key)} says it is run {record.run}; restore the file")
         return record
 
-    with ThreadPoolExecutor(max_workers=min(_READ_THREADS, len(keys))) as pool:
+    with ThreadPoolExecutor(max_workers=min(READ_THREADS, len(keys))) as pool:
         return list(pool.map(read, keys))
 
 
@@ -257,7 +257,7 @@ def recorded_ids(store: ObjectStore, records: Sequence[RunRecord], leave_out: It
             table = table.filter(pc.invert(pc.is_in(table.column("shard"), value_set=skip)))
         return table.column("id").combine_chunks()
 
-    with ThreadPoolExecutor(max_workers=min(_READ_THREADS, len(keys))) as pool:
+    with ThreadPoolExecutor(max_workers=min(READ_THREADS, len(keys))) as pool:
         arrays = list(pool.map(read, keys))
     return pa.concat_arrays(arrays) if arrays else pa.array([], pa.string())
 

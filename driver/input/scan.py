@@ -23,9 +23,7 @@ from ditfleet.driver.input.prompts import (
 from ditfleet.driver.input.row_errors import InputError, RowError
 from ditfleet.driver.input.validate import DEFAULT_MAX_ERRORS, RowValidator, ValidationReport, job_schema
 from ditfleet.workers.rows import RowConfig, content_columns
-
-# Footers are one or two small reads each: on S3 they are latency, so many go at once.
-_FOOTER_THREADS = 16
+from ditfleet.workers.storage.base import READ_THREADS
 
 
 @dataclass(frozen=True)
@@ -84,7 +82,7 @@ def _read_footers(
             return e
 
     if len(files) > 1:
-        with ThreadPoolExecutor(max_workers=min(_FOOTER_THREADS, len(files))) as pool:
+        with ThreadPoolExecutor(max_workers=min(READ_THREADS, len(files))) as pool:
             read = list(pool.map(one, files))
     else:
         read = [one(f) for f in files]

@@ -45,6 +45,7 @@ from ditfleet.driver.output.success import success_file
 from ditfleet.workers.output.layout import manifest_of_key
 from ditfleet.workers.output.manifest import MANIFEST_SCHEMA, current_manifest_keys, with_later_columns
 from ditfleet.workers.storage import ObjectStore
+from ditfleet.workers.storage.base import READ_THREADS
 from ditfleet.workers.storage.parquet_bytes import read_parquet
 from ditfleet.workers.value_digests import digests, mix
 
@@ -55,7 +56,6 @@ COMPACT_VERSION = 2
 ROW_GROUP_ROWS = 131_072
 # Rows sorted in memory at once (one id range); bounds compaction's memory, not the file's size.
 RANGE_ROWS = 2_000_000
-_READ_THREADS = 16
 _WINDOW = 256  # manifests read ahead at a time
 _SAMPLE_SHARDS = 64
 _SPILL_ROWS = 65_536
@@ -194,12 +194,12 @@ def _read(store: ObjectStore, key: str) -> pa.Table:
 
 
 def iter_manifests(store: ObjectStore, keys: Sequence[str], batch_rows: int = 0) -> Iterator[pa.Table]:
-    """The manifests at `keys`, read _READ_THREADS at a time, in order, a window ahead at most;
+    """The manifests at `keys`, read READ_THREADS at a time, in order, a window ahead at most;
     with batch_rows, several manifests at a time as one table of at least that many rows (the
     per-table work, digests and range splits, then runs once per batch, not once per manifest)."""
     held: list[pa.Table] = []
     rows = 0
-    with ThreadPoolExecutor(max_workers=_READ_THREADS) as pool:
+    with ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
         for at in range(0, len(keys), _WINDOW):
             for table in pool.map(lambda k: _read(store, k), keys[at : at + _WINDOW]):
                 if not batch_rows:

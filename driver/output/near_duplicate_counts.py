@@ -25,11 +25,11 @@ import pyarrow.compute as pc
 from ditfleet.workers.near_duplicates import NEAR_DUPLICATE_BITS, count_near_duplicates
 from ditfleet.workers.output.manifest import current_manifest_keys
 from ditfleet.workers.storage import ObjectStore
+from ditfleet.workers.storage.base import READ_THREADS
 from ditfleet.workers.storage.parquet_bytes import read_parquet
 from ditfleet.workers.value_digests import digests
 
 NEAR_DUPLICATE_LIMIT = 1_000_000  # images counted at most (the module says what it costs)
-_READ_THREADS = 16
 
 
 def _hashed(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
@@ -68,9 +68,9 @@ def output_near_duplicates(
     keys = [current[s] for s in sorted(current if shards is None else set(shards) & set(current))]
     tables: list[pa.Table] = []
     held = 0
-    with ThreadPoolExecutor(max_workers=_READ_THREADS) as pool:
-        for start in range(0, len(keys), _READ_THREADS):
-            for table in pool.map(lambda k: _read_hashes(store, k), keys[start : start + _READ_THREADS]):
+    with ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
+        for start in range(0, len(keys), READ_THREADS):
+            for table in pool.map(lambda k: _read_hashes(store, k), keys[start : start + READ_THREADS]):
                 table = table.filter(pc.is_valid(table.column("phash")))
                 tables.append(table)
                 held += table.num_rows

@@ -21,7 +21,6 @@ Used by the driver's finish (driver.output.finish), `ditfleet verify --clean`
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -41,22 +40,8 @@ from ditfleet.workers.output.manifest import (
     manifest_kind,
 )
 from ditfleet.workers.storage import ObjectStore
-from ditfleet.workers.storage.base import check_key
-from ditfleet.workers.storage.local import LocalStore
+from ditfleet.workers.storage.base import READ_THREADS, check_key
 from ditfleet.workers.storage.parquet_bytes import read_parquet
-
-# Threads reading and deleting objects in a remote store: its calls wait on the network.
-IO_THREADS = 16
-
-
-def io_threads(store: ObjectStore) -> int:
-    """Threads for reading a store's objects when the user names none: IO_THREADS for a remote
-    store; for a local folder, one per CPU core, since reads there run at CPU speed and more
-    threads only contend (1M local objects of 512 B on 2 cores, bench/verify_scan.py: 1 thread
-    3,195 objects/s, 2 threads 3,628, 16 threads 3,015)."""
-    if isinstance(store, LocalStore):
-        return max(1, min(IO_THREADS, os.cpu_count() or 1))
-    return IO_THREADS
 
 
 def manifest_object_key(root: str, shard: int, uri: object) -> tuple[str | None, str | None]:
@@ -160,7 +145,7 @@ def shard_lost_objects(store: ObjectStore, record: ShardRecord) -> list[str]:
 
 
 def shard_records(
-    store: ObjectStore, shards: Iterable[int] | None = None, workers: int = IO_THREADS
+    store: ObjectStore, shards: Iterable[int] | None = None, workers: int = READ_THREADS
 ) -> dict[int, ShardRecord]:
     """The records of `shards` (None: every shard with a manifest key) from one listing of
     manifests/."""
@@ -173,7 +158,7 @@ def shard_records(
         return {r.shard: r for r in records}
 
 
-def delete_keys(store: ObjectStore, keys: list[str], workers: int = IO_THREADS) -> int:
+def delete_keys(store: ObjectStore, keys: list[str], workers: int = READ_THREADS) -> int:
     """Delete `keys`, a few at a time; returns how many."""
     with ThreadPoolExecutor(max_workers=workers) as pool:
         list(pool.map(store.delete, keys))
@@ -184,7 +169,7 @@ def delete_lost(
     store: ObjectStore,
     shards: Iterable[int] | None = None,
     before_delete: Callable[[], None] | None = None,
-    workers: int = IO_THREADS,
+    workers: int = READ_THREADS,
 ) -> int:
     """Delete the objects of `shards` (None: all) that the one rule proves lost; returns how
     many. `before_delete` runs between the verdicts and the deletions (a pause point: a

@@ -27,6 +27,7 @@ from ditfleet.driver.run_records import RecordedPlan, read_run_records
 from ditfleet.workers.output.layout import manifest_key
 from ditfleet.workers.output.manifest import current_manifest_key, current_manifest_keys
 from ditfleet.workers.storage import ObjectStore
+from ditfleet.workers.storage.base import READ_THREADS
 from ditfleet.workers.storage.parquet_bytes import read_parquet
 
 _COLUMNS = ["id", "status", "error"]
@@ -34,7 +35,6 @@ _COLUMNS = ["id", "status", "error"]
 _STEP_CACHE_COLUMNS = ["dit_blocks_computed", "dit_blocks_reused"]
 # The quality gate's record (quality.gate); absent from manifests written before it existed.
 _GATE_COLUMNS = ["gate_passed", "gate_tries"]
-_READ_THREADS = 16  # manifests are small; reading them is round trips, not bandwidth
 MAX_ERROR_KINDS = 20  # distinct error messages kept in counts; the rest are summed as "other"
 
 
@@ -119,7 +119,7 @@ def gate_counts(table: pa.Table) -> dict[str, int]:
     }
 
 
-def count_shards(store: ObjectStore, shards: Iterable[int], threads: int = _READ_THREADS) -> OutputCounts:
+def count_shards(store: ObjectStore, shards: Iterable[int], threads: int = READ_THREADS) -> OutputCounts:
     total = OutputCounts()
     shards = list(shards)
     if not shards:

@@ -28,7 +28,6 @@ from ditfleet.driver.output.lease import OutputBusy, acquire_lease
 from ditfleet.driver.output.orphans import (
     ShardRecord,
     delete_keys,
-    io_threads,
     manifest_object_key,
     read_shard_record,
 )
@@ -76,7 +75,7 @@ def verify_output(
     """Check the output at `store`; with `clean`, delete the orphans found (attempt objects of
     committed shards that their current manifest does not name).
 
-    workers: threads reading manifests and objects (and deleting); None: `io_threads(store)`.
+    workers: threads reading manifests and objects (and deleting); None: `store.read_threads()`.
     The checks and the report are the same for any number, only the time changes.
     shard_checks: where the per-shard checks run instead of this process's threads (Ray tasks:
     driver.output.verify_ray); the whole-output checks and deletions stay here, so the report
@@ -88,7 +87,7 @@ def verify_output(
     deletes only what the one rule of driver.output.orphans proves lost. Its lease keeps a
     complete output complete (it does not make `_SUCCESS` stale).
     """
-    workers = io_threads(store) if workers is None else workers
+    workers = store.read_threads() if workers is None else workers
     if workers < 1:
         raise ValueError(f"verify needs at least one worker thread, got {workers}")
     checks = shard_checks or ThreadChecks(workers)

@@ -16,13 +16,13 @@ from typing import Any, Protocol
 
 import pyarrow as pa
 
-from ditfleet.driver.output.orphans import IO_THREADS
 from ditfleet.driver.output.verify_report import VerifyReport
 from ditfleet.driver.run_records import RecordedPlan, RunRecordError, read_run_records
 from ditfleet.workers.output.formats import ManifestImage, StoredImageError, ok_images, reader_for_key
 from ditfleet.workers.output.layout import job_key
 from ditfleet.workers.output.manifest import MANIFEST_SCHEMA, with_later_columns
 from ditfleet.workers.storage import ObjectNotFound, ObjectStore
+from ditfleet.workers.storage.base import READ_THREADS
 from ditfleet.workers.storage.parquet_bytes import read_parquet
 
 
@@ -157,7 +157,7 @@ class ShardChecks(Protocol):
 class ThreadChecks:
     """The per-shard checks on threads of this process (the default)."""
 
-    workers: int = IO_THREADS  # verify_output passes io_threads(store) unless told
+    workers: int = READ_THREADS  # verify_output passes store.read_threads() unless told
 
     def read_manifests(self, store, items, plan):
         return read_manifest_group(store, items, plan, self.workers)

@@ -27,6 +27,9 @@ _TMP_MARK = ".ditfleet-tmp-"
 _COPY_CHUNK = 8 * _MiB
 # A temp file untouched this long belongs to a writer that was killed (a live one writes on).
 STALE_TEMP_AGE_S = 600.0
+# Reads of a remote store (manifests, footers, small objects) wait on the network, not on
+# bandwidth or CPU: this many go at once.
+READ_THREADS = 16
 
 
 class StoreError(RuntimeError):
@@ -198,6 +201,10 @@ class ObjectStore(abc.ABC):
     @abc.abstractmethod
     def uri(self, key: str = "") -> str:
         """Where the key lives, in a form other tools open ("s3://b/p/k" or an absolute path)."""
+
+    def read_threads(self) -> int:
+        """Threads for reading many of this store's objects at once."""
+        return READ_THREADS
 
     @abc.abstractmethod
     def check_writable(self) -> None:

@@ -15,6 +15,7 @@ from ditfleet.workers.output.layout import write_check_key
 from ditfleet.workers.storage.base import (
     _COPY_CHUNK,
     _TMP_MARK,
+    READ_THREADS,
     STALE_TEMP_AGE_S,
     ObjectNotFound,
     ObjectStore,
@@ -37,6 +38,12 @@ class LocalStore(ObjectStore):
 
     def __repr__(self) -> str:
         return f"LocalStore({self.root!r})"
+
+    def read_threads(self) -> int:
+        """One per CPU core: local reads run at CPU speed and more threads only contend (1M
+        objects of 512 B on 2 cores, bench/verify_scan.py: 1 thread 3,195 objects/s, 2 threads
+        3,628, 16 threads 3,015)."""
+        return max(1, min(READ_THREADS, os.cpu_count() or 1))
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *check_key(key).split("/"))
