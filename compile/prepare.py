@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 from ditfleet.model.loading.fp8 import runs_scaled_gemms
-from ditfleet.model.settings import MAX_SEQUENCE_LENGTH
 
 from .buckets import PROMPT_LENGTH_BUCKETS, ResolutionBucket
 from .cache import (
@@ -35,7 +34,7 @@ from .cache import (
 )
 from .claims import BucketClaims
 from .policy import CompileConfig, CompileReport, apply_compile, resolve_auto
-from .warmup import WARMUP_PROMPTS, WarmupReport, WarmupRuns, warm_up
+from .warmup import WarmupReport, WarmupRuns, warm_up
 
 
 @dataclass
@@ -70,19 +69,15 @@ def prepare_worker_pipeline(
     artifact_store: ArtifactStore | None = None,
     cache_secret: bytes | None = None,
     *,
-    batch_sizes: Sequence[int] = (1,),
-    prompts: Sequence[str] = WARMUP_PROMPTS,
+    runs: WarmupRuns = WarmupRuns(),
     length_buckets: Sequence[int] = PROMPT_LENGTH_BUCKETS,
-    max_sequence_length: int = MAX_SEQUENCE_LENGTH,
-    steps: int = 2,
     expected_images: int | None = None,
     on_bucket: Callable[[int, int, str, bool], None] | None = None,
 ) -> PreparedPipeline:
     """Compile and warm `pipe` for `buckets`, through the shared cache when a store and the
     secret key that authenticates its blobs are given.
 
-    batch_sizes: the batch sizes warm-up runs; one is enough (the VAE decodes image by image,
-    and a compiled DiT takes the batch size as a dynamic dimension).
+    runs: what warm-up runs at every bucket (its batch sizes are part of the shared cache key).
     expected_images: images this actor is expected to make; decides compile.dit "auto".
     on_bucket: called as (i, n, 'WxH', first) before warm-up of bucket i of n starts (progress;
     first: not compiled on this machine before, compile.warmup).
@@ -97,7 +92,7 @@ def prepare_worker_pipeline(
     if not report.methods:
         return PreparedPipeline(report, None, None, None, time.perf_counter() - start)
     share = config.shared_cache and artifact_store is not None and cache_secret is not None
-    key = cache_key(pipe, config, buckets, prompt_lengths=length_buckets, batch_sizes=batch_sizes)
+    key = cache_key(pipe, config, buckets, prompt_lengths=length_buckets, batch_sizes=runs.batch_sizes)
     loaded = None
     if share and artifact_store is not None and cache_secret is not None:
         loaded = load_shared_cache(artifact_store, key, cache_secret)
@@ -107,12 +102,6 @@ def prepare_worker_pipeline(
         BucketClaims(inductor_cache_dir(), key.name, config.claim_timeout_s)
         if config.claim_timeout_s > 0
         else None
-    )
-    runs = WarmupRuns(
-        prompts=tuple(prompts),
-        batch_sizes=tuple(batch_sizes),
-        steps=steps,
-        max_sequence_length=max_sequence_length,
     )
     warm = warm_up(pipe, buckets, runs, on_bucket=on_bucket, claims=claims)
     saved = None

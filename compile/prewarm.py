@@ -24,6 +24,7 @@ from .cache import DirectoryArtifactStore
 from .config import COMPILE_CACHE_KEY_ENV
 from .policy import CompileConfig
 from .prepare import prepare_worker_pipeline
+from .warmup import WarmupRuns
 
 DEFAULT_KEY_ENV = COMPILE_CACHE_KEY_ENV
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -53,7 +54,7 @@ def prewarm(
         BucketSet.from_names(buckets).buckets,
         store,
         cache_secret,
-        steps=steps,
+        runs=WarmupRuns(steps=steps),
     )
     warm, loaded, saved = prepared.warmup, prepared.cache_load, prepared.cache_save
     assert warm is not None  # the VAE is compiled, so there was a warm-up

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from ditfleet.compile import PreparedPipeline, compile_count, prepare_worker_pipeline
+from ditfleet.compile import PreparedPipeline, WarmupRuns, compile_count, prepare_worker_pipeline
 from ditfleet.compile.config import first_compile_estimate_s
 from ditfleet.compile.policy import resolve_auto
 from ditfleet.model import LoraSpec, TextToImagePipeline, load_pipeline, resolve_model_dir
@@ -197,8 +197,10 @@ class GenerationWorker:
             cache_secret=cache_secret,
             # A compiled DiT takes the batch size and text length as dynamic dimensions: one
             # batch of the configured size traces the graph every batch of 1..batch_size uses.
-            batch_sizes=(self.batch_size,) if compile_config.dit else (1,),
-            max_sequence_length=config.pipeline.max_sequence_length,
+            runs=WarmupRuns(
+                batch_sizes=(self.batch_size,) if compile_config.dit else (1,),
+                max_sequence_length=config.pipeline.max_sequence_length,
+            ),
             expected_images=config.expected_images,
             on_bucket=lambda i, n, name, first: publish_phase(
                 COMPILING, bucket=i, buckets=n, name=name, first=first, estimate_s=estimate_s

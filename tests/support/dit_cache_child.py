@@ -47,6 +47,7 @@ def main(args: dict) -> dict:
         CompileConfig,
         DirectoryArtifactStore,
         ResolutionBucket,
+        WarmupRuns,
         count_compiles,
         prepare_worker_pipeline,
     )
@@ -58,7 +59,7 @@ def main(args: dict) -> dict:
     secret = os.environ["DITFLEET_COMPILE_CACHE_KEY"].encode()
     config = CompileConfig(vae=False, dit=True)
     prepared = prepare_worker_pipeline(
-        pipe, config, args["buckets"], DirectoryArtifactStore(args["store"]), secret, steps=1
+        pipe, config, args["buckets"], DirectoryArtifactStore(args["store"]), secret, runs=WarmupRuns(steps=1)
     )
     inductor = dict(counters["inductor"])
     startup_kernels = cpp["kernels"]

@@ -372,7 +372,7 @@ def test_a_forged_blob_writes_nothing_and_the_actor_compiles_normally(
         assert store.put_if_absent(key.name, forged)
         pipe = load_pipeline(random_model_dir)
         with pytest.warns(CompileCacheWarning, match="not trusted"):
-            prepared = prepare_worker_pipeline(pipe, config, buckets, store, SECRET, steps=1)
+            prepared = prepare_worker_pipeline(pipe, config, buckets, store, SECRET, runs=WarmupRuns(steps=1))
         assert prepared.cache_load is not None and prepared.cache_load.status == "unauthenticated", i
         assert not marker.exists(), "the planted pickle was unpickled"
         written = [p for p in inductor.rglob("*") if p.is_file()] if inductor.exists() else []
@@ -394,7 +394,9 @@ def test_without_a_key_nothing_is_read_from_or_written_to_the_store(random_model
     pipe = load_pipeline(random_model_dir)
     config = CompileConfig(vae=True, vae_backend="eager")
     store = DirectoryArtifactStore(tmp_path / "shared")
-    prepared = prepare_worker_pipeline(pipe, config, [SMALL_BUCKETS[0]], store, None, steps=1)
+    prepared = prepare_worker_pipeline(
+        pipe, config, [SMALL_BUCKETS[0]], store, None, runs=WarmupRuns(steps=1)
+    )
     assert prepared.cache_load is None and prepared.cache_save is None
     assert not (tmp_path / "shared").exists()
     assert prepared.compile.status == {"vae.decode": "compiled"}
