@@ -3,12 +3,13 @@ each a pass/fail line before any speed number (the compile stage, next, is compi
 
 from __future__ import annotations
 
+import functools
 import inspect
 import platform
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -78,7 +79,7 @@ def matmul_ceiling(ctx: Context) -> None:
     for m, k, nn in shapes:
         a = torch.randn(m, k, device=ctx.device, dtype=ctx.dtype)
         b = torch.randn(k, nn, device=ctx.device, dtype=ctx.dtype)
-        ms = timed_ms(ctx, lambda a=a, b=b: torch.mm(a, b), repeat=3 if ctx.tiny else 20, warm=3)
+        ms = timed_ms(ctx, functools.partial(torch.mm, a, b), repeat=3 if ctx.tiny else 20, warm=3)
         tflops = 2 * m * k * nn / (ms / 1000) / 1e12
         per_shape[f"{m}x{k}x{nn}"] = round(tflops, 1)
         best = max(best, tflops)
@@ -235,8 +236,9 @@ def _vae_vs_diffusers(ctx: Context, pipe: TextToImagePipeline, root: Path, versi
     g = torch.Generator().manual_seed(3)
     z = torch.randn(1, 16, size // 8, size // 8, generator=g).to(ctx.device, ctx.dtype)
     results = {}
+    vae = cast(QwenImageVAE, pipe.vae)  # the pipeline's type: any module
     with torch.no_grad():
-        got = pipe.vae.decode(z)
+        got = vae.decode(z)
         for dtype in (ctx.dtype, torch.float32):
             ref = (
                 AutoencoderKLQwenImage.from_pretrained(root / "vae", torch_dtype=dtype).to(ctx.device).eval()
@@ -362,6 +364,6 @@ def sdpa_speed(ctx: Context) -> None:
             "q": list(q.shape),
             "ms_per_call": ms,
             "errors": errors,
-            "fastest": min(timed, key=timed.get) if timed else None,
+            "fastest": min(timed, key=timed.__getitem__) if timed else None,
         }
     )

@@ -5,6 +5,7 @@ counts."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import logging
@@ -13,6 +14,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from safetensors.torch import save_file
@@ -31,14 +33,14 @@ from ditfleet.workers.selftest.runner import Context
 log = logging.getLogger("ditfleet.selftest")
 
 PUBLISHED_MODEL = "qwen-image"
-TINY_TRANSFORMER = dict(
+TINY_TRANSFORMER = TransformerConfig(
     num_layers=4,
     num_attention_heads=2,
     attention_head_dim=32,
     joint_attention_dim=32,
     axes_dims_rope=(8, 12, 12),
 )
-TINY_VAE = dict(base_dim=16, z_dim=16, dim_mult=(1, 2, 4, 4), num_res_blocks=1)
+TINY_VAE = VAEConfig(base_dim=16, z_dim=16, dim_mult=(1, 2, 4, 4), num_res_blocks=1)
 
 
 # -- configs, weights, timing ----------------------------------------------------------------------
@@ -46,7 +48,7 @@ TINY_VAE = dict(base_dim=16, z_dim=16, dim_mult=(1, 2, 4, 4), num_res_blocks=1)
 
 def transformer_config(ctx: Context, layers: int) -> TransformerConfig:
     if ctx.tiny:
-        return TransformerConfig(**{**TINY_TRANSFORMER, "num_layers": layers})
+        return dataclasses.replace(TINY_TRANSFORMER, num_layers=layers)
     return TransformerConfig.from_dict(
         {**published_config(PUBLISHED_MODEL, "transformer/config.json"), "num_layers": layers}
     )
@@ -54,7 +56,7 @@ def transformer_config(ctx: Context, layers: int) -> TransformerConfig:
 
 def vae_config(ctx: Context) -> VAEConfig:
     if ctx.tiny:
-        return VAEConfig(**TINY_VAE)
+        return TINY_VAE
     return VAEConfig.from_dict(published_config(PUBLISHED_MODEL, "vae/config.json"))
 
 
@@ -63,7 +65,10 @@ def sizes(ctx: Context) -> list[int]:
     return [64, 96] if ctx.tiny else list(ctx.args.sizes)
 
 
-def init_on_device(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
+
+
+def init_on_device(module: ModuleT, seed: int) -> ModuleT:
     """Fill an allocated (uninitialised) module in place on its device: nn.Linear's default range
     for matrices and biases, norm scales around 1. Seeded, so every run draws the same model."""
     g = None
@@ -234,7 +239,7 @@ def free(ctx: Context, *names: str) -> None:
 
 
 @torch.no_grad()
-def fp8_copy(transformer: torch.nn.Module, mode: Quantization) -> torch.nn.Module | None:
+def fp8_copy(transformer: QwenImageTransformer, mode: Quantization) -> QwenImageTransformer | None:
     """The loaded `transformer` as an FP8 DiT of `mode` on its own device, the original untouched,
     or None when that device cannot run `mode` (fp8 on a GPU without FP8 units).
 
@@ -253,4 +258,5 @@ def fp8_copy(transformer: torch.nn.Module, mode: Quantization) -> torch.nn.Modul
         # copy runs its own class methods, eager.
         for name in [k for k in vars(m) if callable(getattr(type(m), k, None)) and k != "training"]:
             del m.__dict__[name]
-    return quantize_model(twin, mode).eval().requires_grad_(False)
+    quantize_model(twin, mode)  # in place
+    return twin.eval().requires_grad_(False)

@@ -5,6 +5,7 @@ each compiles its own graphs). The worker's batch generator (worker_path.py) and
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -17,9 +18,11 @@ from ditfleet.compile.counting import compile_count
 from ditfleet.compile.policy import CompileReport, apply_compile
 from ditfleet.model.generation.pipeline import Generation, GuidanceInputs, Sampling, TextToImagePipeline
 from ditfleet.model.generation.sampling import euler_step, true_cfg
+from ditfleet.model.generation.scheduler import SchedulerConfig
 from ditfleet.model.generation.step_cache_config import PRESETS, StepCacheConfig
 from ditfleet.model.memory import GB, ModelMemory, Runtime, plan_memory
 from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
+from ditfleet.model.networks.vae import QwenImageVAE
 from ditfleet.workers.selftest.compile_check import compile_config
 from ditfleet.workers.selftest.parts import (
     dit_inputs,
@@ -78,7 +81,7 @@ def dit_eager(ctx: Context) -> None:
             torch.cuda.reset_peak_memory_stats(ctx.device)
             base = torch.cuda.memory_allocated(ctx.device)
         with torch.no_grad():
-            ms = timed_ms(ctx, lambda call=call: call(model), repeat=ctx.args.repeat)
+            ms = timed_ms(ctx, functools.partial(call, model), repeat=ctx.args.repeat)
         flops = forward_flops(cfg, 1, N, text_len)
         line: dict[str, Any] = {
             "status": "measured",
@@ -129,7 +132,7 @@ def dit_compiled(ctx: Context) -> None:
         )
     model = full_model(ctx)
     vae = ctx.state.get("vae") or make_vae(vae_config(ctx), ctx.device, ctx.dtype, False)
-    pipe = TextToImagePipeline(model, vae, ctx.state.get("scheduler"))
+    pipe = pipeline_to_compile(model, vae)
     # The compile stage's settings with the DiT on: its compiled VAE decode stays installed
     # (apply_compile keeps a target compiled with the same settings, and would uninstall it
     # under a config with the VAE off).
@@ -306,10 +309,16 @@ def dit_compiled_other_sizes(ctx: Context) -> None:
         ctx.emit(compiled_forward_line(ctx, model, size, report))
 
 
-def compile_dit(ctx: Context, model: torch.nn.Module) -> CompileReport:
+def pipeline_to_compile(model: QwenImageTransformer, vae: QwenImageVAE) -> TextToImagePipeline:
+    """`model` and `vae` in a pipeline for apply_compile, which compiles its modules and never
+    samples: the schedule (the default, Qwen-Image's) is never read."""
+    return TextToImagePipeline(model, vae, SchedulerConfig())
+
+
+def compile_dit(ctx: Context, model: QwenImageTransformer) -> CompileReport:
     """`model` compiled as the worker compiles the DiT, in a pipeline whose fresh VAE stays eager."""
     vae = make_vae(vae_config(ctx), ctx.device, ctx.dtype, False)
-    return apply_compile(TextToImagePipeline(model, vae, None), compile_config(ctx, dit=True, vae=False))
+    return apply_compile(pipeline_to_compile(model, vae), compile_config(ctx, dit=True, vae=False))
 
 
 def _fx_cache_counts() -> dict[str, int]:

@@ -254,7 +254,6 @@ def _tiny_context(out: Path, *options: str, **fields):
 @pytest.mark.slow
 def test_dit_compiled_keeps_the_compiled_vae_and_compiles_the_main_size_only(tmp_path):
     from ditfleet.compile.policy import apply_compile
-    from ditfleet.model.generation.pipeline import TextToImagePipeline
     from ditfleet.workers.selftest import compile_check, parts, speed
     from ditfleet.workers.selftest.runner import StageSkipped
 
@@ -264,7 +263,7 @@ def test_dit_compiled_keeps_the_compiled_vae_and_compiles_the_main_size_only(tmp
     config = compile_check.compile_config(ctx, dit=True, vae=True)
     vae = parts.make_vae(parts.vae_config(ctx), ctx.device, ctx.dtype, False)
     dit = parts.make_transformer(parts.transformer_config(ctx, 1), ctx.device, ctx.dtype)
-    apply_compile(TextToImagePipeline(dit, vae, None), config)
+    apply_compile(speed.pipeline_to_compile(dit, vae), config)
     decode = speed.compiled_decode(vae)
     assert decode is not None
     ctx.state.update(vae=vae, compile_config=config, compile_passed=True)
