@@ -215,7 +215,7 @@ class ShardCutter:
                 if images is not None
                 else take * self.config.rows.num_images
             )
-            if len(single) == 1:
+            if bucket_ids is None or len(single) == 1:
                 self._bucket_ids.add(single[0])
             else:
                 self._bucket_ids.update(pc.unique(bucket_ids.slice(at, take)).to_pylist())

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from ditfleet.driver.memory_plan import JobMemoryPlan
 from ditfleet.driver.run_job import plan_input, preview_increment
@@ -31,7 +32,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         check_memory(spec, args.job)
         return code
     plan = plan_input(spec.to_driver_config())
-    info = {
+    info: dict[str, Any] = {  # the --json document
         "input": plan.source,
         "files": len(plan.inputs),
         "rows": plan.total_rows,
@@ -157,7 +158,7 @@ def _dit_layers(spec: JobSpec) -> int | None:
         return None
 
 
-def _print_plan_text(info: dict, images_per_bucket: dict[str, int], warnings: Sequence[str] = ()) -> None:
+def _print_plan_text(info: dict, images_per_bucket: Mapping[str, int], warnings: Sequence[str] = ()) -> None:
     print(f"input:   {info['input']} ({info['files']} file(s))")
     print(
         f"rows:    {info['rows']}, images: {info['images']}, in {info['shards']} shards of up to {info['shard_size']} rows"

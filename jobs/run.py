@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -43,7 +44,7 @@ def connect_ray(address: str | None) -> bool:
         target = address or os.environ.get("RAY_ADDRESS", "")
         check_gcs_token(target)
         try:
-            ray.init(address=address, logging_level="WARNING")  # None: Ray reads RAY_ADDRESS
+            ray.init(address=address, logging_level=logging.WARNING)  # None: Ray reads RAY_ADDRESS
         except Exception as e:
             if any(words in str(e).lower() for words in _TOKEN_REFUSALS):
                 raise refused(target) from e
@@ -52,7 +53,10 @@ def connect_ray(address: str | None) -> bool:
     quiet_local_ray()
     with loopback_only():
         ray.init(
-            address="local", include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING"
+            address="local",
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            logging_level=logging.WARNING,
         )
     return True
 

@@ -390,7 +390,7 @@ class GenerationWorker:
             shard=result.shard,
             compile_fallback=bool(self.compile_report.fallbacks),
             recompiles=result.recompiles,
-            extra=row.extra or None,
+            extra=passthrough_json(row.extra),
             step_cache=gen.step_cache,
             dit_blocks_computed=gen.blocks_computed,
             dit_blocks_reused=gen.blocks_reused,

@@ -274,10 +274,10 @@ def _bucket_of(
     where: str,
 ) -> ResolutionBucket:
     """The bucket of a requested size (the default bucket without one); `mapped` memoises sizes."""
-    if (w is None) != (h is None):
-        raise RowResolutionError(f"{where}, columns 'width'/'height': only one of them given ({w}, {h})")
-    if w is None:
+    if w is None and h is None:
         return config.buckets.default()
+    if w is None or h is None:
+        raise RowResolutionError(f"{where}, columns 'width'/'height': only one of them given ({w}, {h})")
     if (w, h) not in mapped:
         mapped[w, h] = config.buckets.map(w, h)
     return mapped[w, h]

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import ray
+from ray import ObjectRef
+from ray.actor import ActorClass
 from ray.exceptions import RayActorError, RayTaskError, TaskCancelledError
 
 from ditfleet.driver.actor_phases import ActorPhase, PhaseTracker, actor_id
@@ -76,6 +78,12 @@ def run_error(error: BaseException) -> RunError:
     return RunError(reason, error_kind(error), short_error(error), short_error(error, limit=2000), error)
 
 
+def _object_ref(ref: Hashable) -> ObjectRef[Any]:
+    """A ref the policy hands back: the policy keeps refs opaque (Hashable), and every one this
+    pool gives it (`_create`, `submit`) is a Ray ObjectRef."""
+    return cast("ObjectRef[Any]", ref)
+
+
 class RayActorPool(ActorPool):
     """Actors of one class with fixed resources, as Ray actors."""
 
@@ -86,7 +94,7 @@ class RayActorPool(ActorPool):
         # max_restarts=0 and no task retries: a dead actor is replaced by the dispatcher, which
         # knows which shard it held and requeues it; Ray retrying behind its back would run the
         # shard again without the attempt count.
-        self._actor_cls = ray.remote(worker_cls).options(
+        self._actor_cls: ActorClass[Any] = ray.remote(worker_cls).options(
             num_cpus=config.num_cpus,
             num_gpus=config.num_gpus,
             resources=dict(config.resources),
@@ -130,13 +138,13 @@ class RayActorPool(ActorPool):
     def startup_outcome(self, slot: Slot) -> dict | RunError:
         forget_phase(actor_id(slot.handle))
         try:
-            return dict(ray.get(slot.startup_ref) or {})
+            return dict(ray.get(_object_ref(slot.startup_ref)) or {})
         except Exception as e:  # noqa: BLE001 - any start failure is reported, then replaced
             return run_error(e)
 
     def run_outcome(self, ref: Hashable) -> ShardResult | RunError:
         try:
-            return ray.get(ref)
+            return ray.get(_object_ref(ref))
         except Exception as e:  # noqa: BLE001 - every failure of a run is judged by the policy
             return run_error(e)
 

@@ -346,5 +346,5 @@ class RowValidator:
         off = pc.and_(valid, pc.invert(pc.fill_null(exact, False)))
         pairs = pa.StructArray.from_arrays([w, h], ["w", "h"])
         hint = f"Use one of {buckets.describe()}, or turn strict bucket matching off to map sizes to the nearest aspect ratio"
-        problem = "size is not one of the job's buckets (bucket matching is strict)"
-        self._flag(at, "width/height", off, pairs, problem, hint, show=lambda p: f"{p['w']}x{p['h']}")
+        not_a_bucket = "size is not one of the job's buckets (bucket matching is strict)"
+        self._flag(at, "width/height", off, pairs, not_a_bucket, hint, show=lambda p: f"{p['w']}x{p['h']}")

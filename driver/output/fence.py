@@ -99,7 +99,7 @@ def wait_actors_gone(handles: Iterable[Any], timeout_s: float = 60.0, poll_s: fl
             if info.get("State") != "DEAD":
                 continue
             node, pid = (info.get("Address") or {}).get("NodeID"), int(info.get("Pid") or 0)
-            if not pid or node not in alive_nodes:
+            if not pid or node is None or node not in alive_nodes:
                 pending.discard(actor)  # never started a process, or its node is gone
                 continue
             if alive_nodes[node].get("NodeManagerAddress") in local:

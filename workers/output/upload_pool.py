@@ -10,6 +10,7 @@ fail only that row (an encode error) are the task's to catch and return as a res
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -105,14 +106,15 @@ class UploadPool:
         index = self._submitted
         self._submitted += 1
         future = self._executor.submit(fn)
-        future.add_done_callback(lambda f, what=what: self._done(what, f))
+        future.add_done_callback(functools.partial(self._done, what))
         self._pending.append((index, what, future))
 
     def _done(self, what: str, future: Future[Any]) -> None:
         # Runs on the worker thread as soon as a task ends.
-        if not future.cancelled() and future.exception() is not None:
+        error = None if future.cancelled() else future.exception()
+        if error is not None:
             with self._lock:
-                self._failures.append((what, future.exception()))  # type: ignore[arg-type]
+                self._failures.append((what, error))
         if not self._ordered:
             self._slots.release()
 

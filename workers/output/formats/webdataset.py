@@ -183,12 +183,16 @@ class WebDatasetShardReader:
 def _index(tar: tarfile.TarFile, uri: str) -> list[tarfile.TarInfo]:
     """Every member header, in order. Listing reads every header; where it fails, the error
     names the last member listed (the one cut short, when the data ends early)."""
+    members: list[tarfile.TarInfo] = []
     try:
-        return tar.getmembers()
+        # Iterating reads the headers one by one (as getmembers does), so the ones read before a
+        # failure are at hand.
+        members.extend(tar)
+        return members
     except tarfile.ReadError as e:
-        if not tar.members:
+        if not members:
             raise
-        last = tar.members[-1].name
+        last = members[-1].name
         where = f"member {last} is cut short" if "end of data" in str(e) else f"after member {last}"
         raise StoredImageError(f"{uri}: cannot be read as a tar ({e}; {where})") from e
 
