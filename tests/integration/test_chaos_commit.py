@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections.abc import Iterator
-from typing import Any, BinaryIO
+from typing import IO, Any
 
 import pytest
 
@@ -85,7 +85,7 @@ class GatedStore(ObjectStore):
         self.inner.put(key, data, content_type)
         self._stored(key, data)
 
-    def put_file(self, key: str, f: BinaryIO, content_type: str | None = None) -> None:
+    def put_file(self, key: str, f: IO[bytes], content_type: str | None = None) -> None:
         self._gate(key)
         start = f.tell()
         data = f.read()

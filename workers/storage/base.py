@@ -12,7 +12,7 @@ import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import IO, BinaryIO, Literal
+from typing import IO, Literal
 
 from ditfleet.model.settings import setting
 
@@ -141,7 +141,7 @@ class ObjectStore(abc.ABC):
         """Write the whole object (replacing any existing one); never visible half-written."""
 
     @abc.abstractmethod
-    def put_file(self, key: str, f: BinaryIO, content_type: str | None = None) -> None:
+    def put_file(self, key: str, f: IO[bytes], content_type: str | None = None) -> None:
         """Like `put`, streaming from a seekable binary file from its current position to EOF."""
 
     @abc.abstractmethod

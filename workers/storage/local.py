@@ -9,7 +9,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Iterator
-from typing import IO, BinaryIO
+from typing import IO
 
 from ditfleet.workers.output.layout import write_check_key
 from ditfleet.workers.storage.base import (
@@ -48,7 +48,7 @@ class LocalStore(ObjectStore):
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *check_key(key).split("/"))
 
-    def _write_temp(self, path: str, f: BinaryIO | None, data: bytes | None) -> str:
+    def _write_temp(self, path: str, f: IO[bytes] | None, data: bytes | None) -> str:
         directory = os.path.dirname(path)
         os.makedirs(directory, exist_ok=True)
         tmp = os.path.join(directory, f"{_TMP_MARK}{uuid.uuid4().hex}")
@@ -68,10 +68,10 @@ class LocalStore(ObjectStore):
     def put(self, key: str, data: bytes, content_type: str | None = None) -> None:
         self._install(self._path(key), None, bytes(data))
 
-    def put_file(self, key: str, f: BinaryIO, content_type: str | None = None) -> None:
+    def put_file(self, key: str, f: IO[bytes], content_type: str | None = None) -> None:
         self._install(self._path(key), f, None)
 
-    def _install(self, path: str, f: BinaryIO | None, data: bytes | None) -> None:
+    def _install(self, path: str, f: IO[bytes] | None, data: bytes | None) -> None:
         """Write a temp file next to `path`, then rename it over `path`: readers see the old
         object or the whole new one, never a part."""
         tmp = self._write_temp(path, f, data)

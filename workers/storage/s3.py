@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import IO, Any, BinaryIO, TypeVar
+from typing import IO, Any, TypeVar
 
 import boto3
 from boto3.s3.transfer import TransferConfig
@@ -151,7 +151,7 @@ class S3Store(ObjectStore):
             self._put_object(key, data if isinstance(data, bytes) else bytes(data), content_type)
 
     @_names_the_object("PUT")
-    def put_file(self, key: str, f: BinaryIO, content_type: str | None = None) -> None:
+    def put_file(self, key: str, f: IO[bytes], content_type: str | None = None) -> None:
         start = f.tell()
         size = f.seek(0, io.SEEK_END) - start
         f.seek(start)
@@ -167,7 +167,7 @@ class S3Store(ObjectStore):
             args["ContentType"] = content_type
         self.client.put_object(**args, **extra)
 
-    def _multipart(self, key: str, f: BinaryIO, size: int, content_type: str | None) -> None:
+    def _multipart(self, key: str, f: IO[bytes], size: int, content_type: str | None) -> None:
         full = self._key(key)
         create: dict[str, Any] = {"Bucket": self.bucket, "Key": full}
         if content_type:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import tempfile
 import time
-from typing import Any, BinaryIO, cast
+from typing import Any
 
 from ditfleet.workers.output.codec import extension, sha256_hex
 from ditfleet.workers.output.formats.base import ImageTask, ShardWriterConfig, StoredShard, encode_task_image
@@ -79,9 +79,7 @@ class SpooledShardWriter:
             self._spool.seek(0)
             start = time.perf_counter()
             try:
-                # A SpooledTemporaryFile is a seekable binary file, but typeshed does not declare
-                # it a BinaryIO (it is an IO[bytes]), which put_file's signature asks for.
-                self.store.put_file(self.key, cast(BinaryIO, self._spool), self.content_type)
+                self.store.put_file(self.key, self._spool, self.content_type)
             except Exception as e:
                 raise ShardStoreError(
                     f"{self.store.uri(self.key)} could not be stored: {type(e).__name__}: {e}. "
