@@ -132,13 +132,25 @@ class MemoryFormula:
 
 @runtime_checkable
 class ModelFamily(Protocol):
-    """What the layers above model/ know about a model family; see the module docstring."""
+    """What the layers above model/ know about a model family; see the module docstring.
 
-    name: str
-    default_buckets: tuple[Size, ...]  # (width, height); the first is the default size
-    runs_on_cpu: bool  # actors get no GPU unless the job asks for one
-    compile_regions: tuple[CompileRegion, ...]
-    memory: MemoryFormula
+    The data members are read-only properties: a family is frozen, and a frozen dataclass's
+    fields satisfy a read-only member, not a settable one."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def default_buckets(self) -> tuple[Size, ...]: ...  # (width, height); the first is the default size
+
+    @property
+    def runs_on_cpu(self) -> bool: ...  # actors get no GPU unless the job asks for one
+
+    @property
+    def compile_regions(self) -> tuple[CompileRegion, ...]: ...
+
+    @property
+    def memory(self) -> MemoryFormula: ...
 
     def text_conditioning(self, pipe: Any) -> TextConditioning: ...
 

@@ -26,6 +26,7 @@ from ditfleet.model.generation.step_cache_config import StepCacheConfig
 from ditfleet.model.networks.attention_backend import attention_backend
 from ditfleet.model.networks.text_encoder import TextEncoder
 from ditfleet.model.networks.transformer import QwenImageTransformer
+from ditfleet.model.networks.vae import QwenImageVAE
 from ditfleet.model.settings import DEFAULT_PIPELINE, MAX_SEQUENCE_LENGTH, CfgMode, PipelineSettings
 from ditfleet.model.tiny.known_words import known_of, unknown_words, unknown_words_warning
 from ditfleet.model.tiny.text_encoder import WordTokenizer
@@ -85,7 +86,7 @@ class TextToImagePipeline:
     def __init__(
         self,
         transformer: QwenImageTransformer,
-        vae: torch.nn.Module,
+        vae: QwenImageVAE,
         scheduler: SchedulerConfig,
         text_encoder: TextEncoder | None = None,
         model_id: str = "",

@@ -217,6 +217,7 @@ def parse_step_cache(value: Any, key: str = SPEC_KEY) -> StepCacheConfig | None:
 
 
 def _check_types(fields: dict[str, Any], key: str) -> None:
+    wants: dict[str, type | tuple[type, ...]] = {"method": str, "threshold": (int, float)}  # else int
     for name, v in fields.items():
         if name == "coefficients":
             if not isinstance(v, (list, tuple)) or not all(
@@ -225,7 +226,7 @@ def _check_types(fields: dict[str, Any], key: str) -> None:
                 raise StepCacheError(f"{key}.{name}: expected a list of numbers, got {v!r}")
             fields[name] = tuple(float(c) for c in v)
             continue
-        want = {"method": str, "threshold": (int, float)}.get(name, int)
+        want = wants.get(name, int)
         if isinstance(v, bool) or not isinstance(v, want):
             raise StepCacheError(f"{key}.{name}: expected {_type_name(want)}, got {v!r}")
     fields["threshold"] = float(fields["threshold"])

@@ -20,6 +20,7 @@ it into (w8, scale) at once; only one bf16 tensor is alive at a time.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -166,6 +167,12 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x8, scale
 
 
+class _Accumulation(TypedDict, total=False):
+    """_scaled_mm's keyword for fast accumulation, passed only when on."""
+
+    use_fast_accum: bool
+
+
 class Fp8Linear(nn.Module):
     """A Linear whose weight is float8 e4m3 with per-output-channel fp32 scales.
 
@@ -173,6 +180,8 @@ class Fp8Linear(nn.Module):
     matching by module name and the diffusers names all still hold. Called as a module, like the
     nn.Linear it replaces. `mode`: "fp8" (W8A8 through torch._scaled_mm) or "fp8-weight-only".
     """
+
+    weight_scale: torch.Tensor  # a buffer (register_buffer in __init__)
 
     def __init__(
         self,
@@ -267,7 +276,7 @@ class Fp8Linear(nn.Module):
             **self._accum(),
         )
 
-    def _accum(self) -> dict[str, bool]:
+    def _accum(self) -> _Accumulation:
         return {"use_fast_accum": True} if self.fast_accum else {}
 
     def _tensorwise(self, x8: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -316,9 +325,14 @@ def runs_scaled_gemms(model: nn.Module) -> bool:
 
 
 def quantized_linear_names(model: nn.Module, keep: Sequence[str] = KEEP_IN_LOAD_DTYPE) -> list[str]:
-    """The nn.Linear modules of `model` that a quantization replaces (all but `keep`)."""
+    """The names of the nn.Linear modules of `model` that a quantization replaces (all but `keep`)."""
+    return [name for name, _ in _quantized_linears(model, keep)]
+
+
+def _quantized_linears(model: nn.Module, keep: Sequence[str]) -> list[tuple[str, nn.Linear]]:
+    """The nn.Linear modules of `model` that a quantization replaces (all but `keep`), by name."""
     return [
-        name
+        (name, m)
         for name, m in model.named_modules()
         if isinstance(m, nn.Linear) and not keeps_load_dtype(name, tuple(keep))
     ]
@@ -353,15 +367,14 @@ class Fp8Quantizer:
         self.unmerged: list = self._updates
 
     def prepare(self, model: nn.Module) -> None:
-        names = quantized_linear_names(model, self.keep)
-        for name in names:
-            lin = model.get_submodule(name)
+        linears = _quantized_linears(model, self.keep)
+        for name, lin in linears:
             _set_module(
                 model,
                 name,
                 Fp8Linear(lin.in_features, lin.out_features, lin.bias is not None, self.mode, "meta"),
             )
-        self.names = set(names)
+        self.names = {name for name, _ in linears}
         self.unmerged = [u for u in self._updates if u.module not in self.names]
 
     def __call__(self, key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -389,6 +402,6 @@ def quantize_model(
 ) -> nn.Module:
     """Quantize an already loaded model in place (the self-test, tests, benches; loading quantizes
     while streaming instead, without a full-precision copy)."""
-    for name in quantized_linear_names(model, keep):
-        _set_module(model, name, Fp8Linear.from_linear(model.get_submodule(name), mode))
+    for name, linear in _quantized_linears(model, keep):
+        _set_module(model, name, Fp8Linear.from_linear(linear, mode))
     return model

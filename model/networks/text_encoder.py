@@ -37,7 +37,9 @@ QWEN_TOKENIZER_MAX = 1024
 
 
 class TextEncoder(Protocol):
-    hidden_size: int
+    # Read-only: an encoder may hold it as an attribute or compute it (a property).
+    @property
+    def hidden_size(self) -> int: ...
 
     def encode(
         self, prompts: list[str], max_length: int = MAX_SEQUENCE_LENGTH

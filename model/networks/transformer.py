@@ -10,8 +10,9 @@ head_dim, C = 64 packed latent channels.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -99,7 +100,10 @@ class GeluMLP(nn.Module):
         self.net = nn.ModuleList([proj, nn.Dropout(0.0), nn.Linear(dim * mult, dim)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net[2](F.gelu(self.net[0].proj(x), approximate="tanh"))
+        # Module attributes read as `Tensor | Module` to mypy; `proj` is the Linear set in __init__
+        # (or the quantized layer that replaced it).
+        proj = cast(nn.Module, self.net[0].proj)
+        return self.net[2](F.gelu(proj(x), approximate="tanh"))
 
 
 class JointAttention(nn.Module):
@@ -382,7 +386,7 @@ class QwenImageTransformer(nn.Module):
     def first_block_input(self, img: torch.Tensor, inputs: BlockInputs) -> BlockStart:
         """Block 0's modulation and the image stream as its attention sees it (TeaCache's
         signal); `run_blocks(start=...)` uses both instead of computing them again."""
-        block = self.transformer_blocks[0]
+        block = cast(TransformerBlock, self.transformer_blocks[0])  # ModuleList items read as Module
         img_mod, txt_mod = block.modulation(inputs.temb, inputs.mod_key, self.modulation_cache)
         return BlockStart(img_mod, txt_mod, block.modulated_input(img, img_mod))
 
@@ -406,7 +410,8 @@ class QwenImageTransformer(nn.Module):
             img, txt = take_rows(img, subset), take_rows(txt, subset)
             mask = None if inputs.text_mask is None else take_rows(inputs.text_mask, subset)
             padding = TextPadding.build(mask, len(subset), txt.shape[1], img.shape[1], self.padded_attention)
-        for block in self.transformer_blocks[blocks]:
+        # ModuleList items read as Module; __init__ fills this one with TransformerBlocks only.
+        for block in cast("Iterable[TransformerBlock]", self.transformer_blocks[blocks]):
             img_in = None
             if start is not None:
                 img_mod, txt_mod, img_in = start.img_mod, start.txt_mod, start.img_in

@@ -117,7 +117,9 @@ def _layout(
 ) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
     """Keys whose checkpoint shape differs from ours: causal conv weights (5-D), video norm gammas
     (C, 1, 1, 1), and the checkpoint-only `time_conv` tensors; each with its 3D shape."""
-    convs, gammas, time_convs = {}, {}, {}
+    convs: dict[str, tuple[int, ...]] = {}
+    gammas: dict[str, tuple[int, ...]] = {}
+    time_convs: dict[str, tuple[int, ...]] = {}
     for name, m in vae.named_modules():
         if isinstance(m, CausalConv2d):
             convs[f"{name}.weight"] = m.weight_shape_3d

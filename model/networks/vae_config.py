@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 DIFFUSERS_CLASS = "AutoencoderKLQwenImage"
 
@@ -55,7 +56,7 @@ class VAEConfig:
         return 2 ** len(self.temperal_downsample)
 
     @classmethod
-    def from_dict(cls, d: dict, source: str = "VAE config") -> VAEConfig:
+    def from_dict(cls, d: dict[str, Any], source: str = "VAE config") -> VAEConfig:
         """Build from a diffusers config dict; keys starting with '_' (`_class_name`, ...) are metadata."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(k for k in d if not k.startswith("_") and k not in known)
@@ -64,7 +65,9 @@ class VAEConfig:
                 f"{source}: unknown key(s) {unknown} for a Qwen-Image VAE (known: {sorted(known)}). "
                 "Check that this is an AutoencoderKLQwenImage config."
             )
-        kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in known}
+        kwargs: dict[str, Any] = {
+            k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in known
+        }
         try:
             return cls(**kwargs)
         except ValueError as e:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -105,7 +105,7 @@ def compile_stage(ctx: Context) -> None:
     pipe = slice_pipe(ctx)
     size = sizes(ctx)[0]
     report = apply_compile(pipe, stage_compile_config(ctx))
-    dit, vae = pipe.transformer, cast(QwenImageVAE, pipe.vae)  # the pipeline's type: any module
+    dit, vae = pipe.transformer, pipe.vae
     inputs = CompileInputs(ctx, dit.config.joint_attention_dim, size)
     t0 = time.perf_counter()
     with torch.no_grad():
