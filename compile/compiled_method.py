@@ -206,7 +206,9 @@ def _symbolic_sizes() -> Any:
     batch of 1 or a one-token prompt runs the same graph as any other."""
     import torch.fx.experimental._config as fx_config
 
-    return fx_config.patch(backed_size_oblivious=True, use_duck_shape=False)
+    # install_config_module gives the module `patch` at import; unlike torch's other config
+    # modules, this one does not import torch.utils._config_typing, which declares it for mypy.
+    return fx_config.patch(backed_size_oblivious=True, use_duck_shape=False)  # type: ignore[attr-defined]
 
 
 def _first_line(error: BaseException, limit: int = 300) -> str:

@@ -19,6 +19,8 @@ nn.Linear for isinstance), undone by `restore_linears`. Inference only: the op h
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -66,6 +68,7 @@ def restore_linears(module: nn.Module) -> int:
     restored = 0
     for m in module.modules():
         if type(m) is OneDNNLinear:
-            m.__class__ = nn.Linear
+            # m stops being a OneDNNLinear here, a change of type that mypy's narrowing cannot follow
+            cast(nn.Module, m).__class__ = nn.Linear
             restored += 1
     return restored

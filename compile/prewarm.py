@@ -21,7 +21,7 @@ import torch
 
 from .buckets import BucketSet
 from .cache import DirectoryArtifactStore
-from .config import COMPILE_CACHE_KEY_ENV
+from .config import COMPILE_CACHE_KEY_ENV, OnOffAuto
 from .policy import CompileConfig
 from .prepare import prepare_worker_pipeline
 from .warmup import WarmupRuns
@@ -36,7 +36,7 @@ def prewarm(
     store_dir: str | None,
     device: str = "cpu",
     dtype: str = "float32",
-    dit: bool | str = CompileConfig.dit,  # "auto": off on the CPU (CompileConfig.dit_on)
+    dit: OnOffAuto = CompileConfig.dit,  # "auto": off on the CPU (CompileConfig.dit_on)
     steps: int = 2,
     cache_secret: bytes | None = None,
     claim_timeout_s: float = CompileConfig.claim_timeout_s,
@@ -58,8 +58,9 @@ def prewarm(
     )
     warm, loaded, saved = prepared.warmup, prepared.cache_load, prepared.cache_save
     assert warm is not None  # the VAE is compiled, so there was a warm-up
+    cache = loaded or saved
     return {
-        "key": (loaded or saved).key if (loaded or saved) else "",
+        "key": cache.key if cache else "",
         "load": loaded.status if loaded else "off",
         "load_s": round(loaded.seconds, 3) if loaded else 0.0,
         "kernels_loaded": loaded.kernels if loaded else 0,
