@@ -167,9 +167,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x8, scale
 
 
+# _scaled_mm's keyword for fast accumulation, passed only when on.
 class _Accumulation(TypedDict, total=False):
-    """_scaled_mm's keyword for fast accumulation, passed only when on."""
-
     use_fast_accum: bool
 
 
@@ -324,11 +323,6 @@ def runs_scaled_gemms(model: nn.Module) -> bool:
     return any(isinstance(m, Fp8Linear) and m.scaled_mm for m in model.modules())
 
 
-def quantized_linear_names(model: nn.Module, keep: Sequence[str] = KEEP_IN_LOAD_DTYPE) -> list[str]:
-    """The names of the nn.Linear modules of `model` that a quantization replaces (all but `keep`)."""
-    return [name for name, _ in _quantized_linears(model, keep)]
-
-
 def _quantized_linears(model: nn.Module, keep: Sequence[str]) -> list[tuple[str, nn.Linear]]:
     """The nn.Linear modules of `model` that a quantization replaces (all but `keep`), by name."""
     return [
@@ -369,11 +363,8 @@ class Fp8Quantizer:
     def prepare(self, model: nn.Module) -> None:
         linears = _quantized_linears(model, self.keep)
         for name, lin in linears:
-            _set_module(
-                model,
-                name,
-                Fp8Linear(lin.in_features, lin.out_features, lin.bias is not None, self.mode, "meta"),
-            )
+            empty = Fp8Linear(lin.in_features, lin.out_features, lin.bias is not None, self.mode, "meta")
+            _set_module(model, name, empty)
         self.names = {name for name, _ in linears}
         self.unmerged = [u for u in self._updates if u.module not in self.names]
 
