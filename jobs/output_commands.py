@@ -66,24 +66,12 @@ def _add_ray_options(p: argparse.ArgumentParser, what: str) -> None:
     )
 
 
-# Each output command's line in `ditfleet --help`.
-_HELP = {
-    "status": "what an output holds and what is left",
-    "verify": "check an output end to end: every row once, every object's sha256",
-    "score": "score an output's images into side tables (scores/NAME/), resumable; committed files untouched",
-    "preview": "contact sheet PNG of generated images with their prompts",
-    "report": "one self-contained HTML page: summary, rates, start-up costs, failures, samples",
-    "compact": "after _SUCCESS: the union of the manifests as one Parquet file sorted by id, "
-    "compacted/manifests.parquet",
-}
-
-
 def _output_parser(
-    sub: argparse._SubParsersAction, name: str, command: Callable[[argparse.Namespace], int]
+    sub: argparse._SubParsersAction, name: str, command: Callable[[argparse.Namespace], int], help: str
 ) -> argparse.ArgumentParser:
-    """The parser of the command `name`, which `command` runs: the output it reads and that
-    output's S3 options."""
-    p = sub.add_parser(name, help=_HELP[name])
+    """The parser of the command `name` (its line in `ditfleet --help`: `help`), which `command`
+    runs: the output it reads and that output's S3 options."""
+    p = sub.add_parser(name, help=help)
     p.add_argument("output", help="output directory or s3://bucket/prefix")
     add_s3_options(p, "outputs")
     p.set_defaults(func=command)
@@ -94,13 +82,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     status = output_status(_open_output(args))
     if status.job is None and not status.committed:
         raise UsageError(f"{args.output}: no _job.json and no manifests: not a ditfleet output (yet)")
-    print(json.dumps(status.to_dict(), indent=2) if args.json else status.format_text())
     d = status.to_dict()
+    print(json.dumps(d, indent=2) if args.json else status.format_text())
     return EXIT_OK if d["complete"] and not d["rows"]["failed"] else EXIT_FAILED
 
 
 def _add_status(sub: argparse._SubParsersAction) -> None:
-    p = _output_parser(sub, "status", cmd_status)
+    p = _output_parser(sub, "status", cmd_status, "what an output holds and what is left")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -128,7 +116,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _add_verify(sub: argparse._SubParsersAction) -> None:
-    p = _output_parser(sub, "verify", cmd_verify)
+    p = _output_parser(
+        sub, "verify", cmd_verify, "check an output end to end: every row once, every object's sha256"
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument(
         "--partial",
@@ -168,7 +158,13 @@ def cmd_compact(args: argparse.Namespace) -> int:
 
 
 def _add_compact(sub: argparse._SubParsersAction) -> None:
-    p = _output_parser(sub, "compact", cmd_compact)
+    p = _output_parser(
+        sub,
+        "compact",
+        cmd_compact,
+        "after _SUCCESS: the union of the manifests as one Parquet file sorted by id, "
+        "compacted/manifests.parquet",
+    )
     per_group = f"rows per row group (default {ROW_GROUP_ROWS:,})"
     p.add_argument("--row-group-rows", type=int, default=ROW_GROUP_ROWS, help=per_group)
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -189,7 +185,12 @@ def cmd_score(args: argparse.Namespace) -> int:
 
 
 def _add_score(sub: argparse._SubParsersAction) -> None:
-    p = _output_parser(sub, "score", cmd_score)
+    p = _output_parser(
+        sub,
+        "score",
+        cmd_score,
+        "score an output's images into side tables (scores/NAME/), resumable; committed files untouched",
+    )
     p.add_argument(
         "--scorer",
         required=True,
@@ -216,7 +217,9 @@ def cmd_preview(args: argparse.Namespace) -> int:
 
 
 def _add_preview(sub: argparse._SubParsersAction) -> None:
-    p = _output_parser(sub, "preview", cmd_preview)
+    p = _output_parser(
+        sub, "preview", cmd_preview, "contact sheet PNG of generated images with their prompts"
+    )
     p.add_argument("--out", required=True, help="PNG file to write")
     p.add_argument("--max", type=int, default=24, help="images on the sheet (default 24)")
     p.add_argument("--columns", type=int, help="images per row (default: about square)")
@@ -242,7 +245,12 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def _add_report(sub: argparse._SubParsersAction) -> None:
-    p = _output_parser(sub, "report", cmd_report)
+    p = _output_parser(
+        sub,
+        "report",
+        cmd_report,
+        "one self-contained HTML page: summary, rates, start-up costs, failures, samples",
+    )
     p.add_argument("--html", default="report.html", help="HTML file to write (default report.html)")
     p.add_argument("--max", type=int, default=24, help="sample images on the page (default 24)")
 
