@@ -8,15 +8,12 @@ local.py (a directory) and s3.py (S3 and S3-compatible endpoints); open.py picks
 from __future__ import annotations
 
 import abc
-import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Literal
 
 from ditfleet.model.settings import setting
-
-log = logging.getLogger(__name__)
 
 _MiB = 1024 * 1024
 
@@ -190,13 +187,6 @@ class ObjectStore(abc.ABC):
             raise
         self.put_if_absent(dst, data)
         return True
-
-    def move(self, src: str, dst: str) -> bool:
-        """`copy`, then delete `src`. A source already gone whose destination exists is done
-        (False); raises ObjectNotFound when neither is there."""
-        made = self.copy(src, dst)
-        self.delete(src)
-        return made
 
     @abc.abstractmethod
     def uri(self, key: str = "") -> str:

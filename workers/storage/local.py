@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import errno
-import logging
+import io
 import os
 import shutil
 import time
@@ -24,8 +24,6 @@ from ditfleet.workers.storage.base import (
     check_key,
     fsync_dir,
 )
-
-log = logging.getLogger(__name__)
 
 
 class LocalStore(ObjectStore):
@@ -48,16 +46,13 @@ class LocalStore(ObjectStore):
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *check_key(key).split("/"))
 
-    def _write_temp(self, path: str, f: IO[bytes] | None, data: bytes | None) -> str:
+    def _write_temp(self, path: str, f: IO[bytes]) -> str:
         directory = os.path.dirname(path)
         os.makedirs(directory, exist_ok=True)
         tmp = os.path.join(directory, f"{_TMP_MARK}{uuid.uuid4().hex}")
         try:
             with open(tmp, "xb") as out:
-                if f is None:
-                    out.write(data)  # type: ignore[arg-type]
-                else:
-                    shutil.copyfileobj(f, out, _COPY_CHUNK)
+                shutil.copyfileobj(f, out, _COPY_CHUNK)
                 out.flush()
                 os.fsync(out.fileno())
         except BaseException:
@@ -66,15 +61,12 @@ class LocalStore(ObjectStore):
         return tmp
 
     def put(self, key: str, data: bytes, content_type: str | None = None) -> None:
-        self._install(self._path(key), None, bytes(data))
+        self.put_file(key, io.BytesIO(data))
 
     def put_file(self, key: str, f: IO[bytes], content_type: str | None = None) -> None:
-        self._install(self._path(key), f, None)
-
-    def _install(self, path: str, f: IO[bytes] | None, data: bytes | None) -> None:
-        """Write a temp file next to `path`, then rename it over `path`: readers see the old
-        object or the whole new one, never a part."""
-        tmp = self._write_temp(path, f, data)
+        # A temp file renamed over the target: readers see the old object or the whole new one.
+        path = self._path(key)
+        tmp = self._write_temp(path, f)
         try:
             os.replace(tmp, path)
         except BaseException:
@@ -85,7 +77,7 @@ class LocalStore(ObjectStore):
     def put_if_absent(self, key: str, data: bytes, content_type: str | None = None) -> bool:
         path = self._path(key)
         data = bytes(data)
-        tmp = self._write_temp(path, None, data)
+        tmp = self._write_temp(path, io.BytesIO(data))
         try:
             # link() fails if the target exists, atomically, on every POSIX filesystem.
             os.link(tmp, path)

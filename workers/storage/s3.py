@@ -75,11 +75,11 @@ def _md5_b64(data: bytes | memoryview) -> str:
     return base64.b64encode(hashlib.md5(data, usedforsecurity=False).digest()).decode("ascii")
 
 
-def _error_code(e: ClientError) -> str:
+def error_code(e: ClientError) -> str:
     return str(e.response.get("Error", {}).get("Code", ""))
 
 
-def _status(e: ClientError) -> int:
+def http_status(e: ClientError) -> int:
     return int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
 
 
@@ -96,10 +96,7 @@ def _names_the_object(op: str) -> Callable[[_F], _F]:
             try:
                 return method(self, key, *args, **kwargs)
             except (ClientError, BotoCoreError) as e:
-                raise StoreError(
-                    f"S3 {op} of {self.uri(key) if key else self.uri()} at {self._endpoint()} failed "
-                    f"(up to {self.config.max_attempts} attempts): {e}"
-                ) from e
+                raise self._failed(op, self.uri(key) if key else self.uri(), e) from e
 
         return named  # type: ignore[return-value]
 
@@ -134,6 +131,12 @@ class S3Store(ObjectStore):
     def _endpoint(self) -> str:
         return self.config.endpoint_url or str(self.client.meta.endpoint_url)
 
+    def _failed(self, op: str, where: str, e: Exception) -> StoreError:
+        return StoreError(
+            f"S3 {op} of {where} at {self._endpoint()} failed "
+            f"(up to {self.config.max_attempts} attempts): {e}"
+        )
+
     def _key(self, key: str) -> str:
         return self.prefix + check_key(key)
 
@@ -148,7 +151,7 @@ class S3Store(ObjectStore):
         if len(data) >= self.config.multipart_threshold:
             self._multipart(key, io.BytesIO(data), len(data), content_type)
         else:
-            self._put_object(key, data if isinstance(data, bytes) else bytes(data), content_type)
+            self._put_object(key, bytes(data), content_type)
 
     @_names_the_object("PUT")
     def put_file(self, key: str, f: IO[bytes], content_type: str | None = None) -> None:
@@ -247,7 +250,7 @@ class S3Store(ObjectStore):
                 self._conditional_writes = True
                 return True
             except ClientError as e:
-                code, status = _error_code(e), _status(e)
+                code, status = error_code(e), http_status(e)
                 if code == "PreconditionFailed" or status == 412:
                     return self._refused(key, data, "the server answered 412 PreconditionFailed")
                 if code == "ConditionalRequestConflict" or status == 409:
@@ -305,15 +308,22 @@ class S3Store(ObjectStore):
 
     def _holds(self, key: str, data: bytes) -> bool | None:
         """True: the key holds `data`; False: other bytes; None: no object."""
+        head = self._head(key)
+        if head is None:
+            return None
+        if int(head.get("ContentLength", -1)) != len(data):
+            return False
         try:
-            head = self.client.head_object(Bucket=self.bucket, Key=self._key(key))
-            if int(head.get("ContentLength", -1)) != len(data):
-                return False
             return self.get(key) == data
         except ObjectNotFound:
             return None
+
+    def _head(self, key: str) -> dict[str, Any] | None:
+        """The HEAD reply of `key`; None when there is no such object."""
+        try:
+            return dict(self.client.head_object(Bucket=self.bucket, Key=self._key(key)))
         except ClientError as e:
-            if _status(e) == 404:
+            if http_status(e) == 404:
                 return None
             raise
 
@@ -324,7 +334,7 @@ class S3Store(ObjectStore):
         try:
             return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
         except ClientError as e:
-            if _error_code(e) in ("NoSuchKey", "404") or _status(e) == 404:
+            if error_code(e) in ("NoSuchKey", "404") or http_status(e) == 404:
                 raise ObjectNotFound(f"no object {self.uri(key)}") from None
             raise
 
@@ -341,13 +351,7 @@ class S3Store(ObjectStore):
 
     @_names_the_object("HEAD")
     def exists(self, key: str) -> bool:
-        try:
-            self.client.head_object(Bucket=self.bucket, Key=self._key(key))
-            return True
-        except ClientError as e:
-            if _status(e) == 404:
-                return False
-            raise
+        return self._head(key) is not None
 
     def list(self, prefix: str = "") -> Iterator[str]:
         paginator = self.client.get_paginator("list_objects_v2")
@@ -362,10 +366,7 @@ class S3Store(ObjectStore):
                 for item in page.get("Contents", ()):
                     yield item["Key"][start:]
         except (ClientError, BotoCoreError) as e:
-            raise StoreError(
-                f"S3 LIST of s3://{self.bucket}/{self.prefix}{prefix} at {self._endpoint()} failed "
-                f"(up to {self.config.max_attempts} attempts): {e}"
-            ) from e
+            raise self._failed("LIST", f"s3://{self.bucket}/{self.prefix}{prefix}", e) from e
 
     @_names_the_object("COPY")
     def copy(self, src: str, dst: str) -> bool:
@@ -374,14 +375,10 @@ class S3Store(ObjectStore):
         write the same bytes."""
         if self.exists(dst):
             return False
-        try:
-            self.client.head_object(Bucket=self.bucket, Key=self._key(src))
-        except ClientError as e:
-            if _status(e) != 404:
-                raise
+        if self._head(src) is None:
             if self.exists(dst):
                 return False
-            raise ObjectNotFound(f"no object {self.uri(src)} to copy to {self.uri(dst)}") from None
+            raise ObjectNotFound(f"no object {self.uri(src)} to copy to {self.uri(dst)}")
         self.client.copy(
             {"Bucket": self.bucket, "Key": self._key(src)},
             self.bucket,
@@ -418,8 +415,8 @@ class S3Store(ObjectStore):
                 self._put_object(probe, b"ok", "text/plain", IfNoneMatch="*")
                 self._conditional_writes = True
             except ClientError as e:
-                code = _error_code(e)
-                if not (code in _NO_CONDITIONAL_WRITE or _status(e) == 501):
+                code = error_code(e)
+                if not (code in _NO_CONDITIONAL_WRITE or http_status(e) == 501):
                     raise
                 self._no_conditional_writes(code or "501")
                 self._put_object(probe, b"ok", "text/plain")
@@ -432,7 +429,7 @@ class S3Store(ObjectStore):
         except EndpointConnectionError as e:
             raise StoreConfigError(f"cannot reach {where}: {e}; check endpoint_url and the network") from None
         except ClientError as e:
-            code, status = _error_code(e), _status(e)
+            code, status = error_code(e), http_status(e)
             if code == "NoSuchBucket" or (status == 404 and step == "PUT"):
                 raise StoreConfigError(
                     f"{where} does not exist: create it (aws s3 mb s3://{self.bucket}) or fix "
