@@ -442,7 +442,7 @@ def test_a_redo_commits_a_new_generation_and_touches_no_other_shard(
         SUPERSEDED,
         ManifestKind,
         current_manifest_keys,
-        read_manifest_kind,
+        manifest_kind,
         read_manifests,
     )
 
@@ -465,7 +465,7 @@ def test_a_redo_commits_a_new_generation_and_touches_no_other_shard(
         k for k, v in kept.items() if after.get(k) != v
     )
     assert after[superseded_key(manifest_key(2))] == before[manifest_key(2)]
-    assert read_manifest_kind(case.store, manifest_key(2)) == ManifestKind(SUPERSEDED, 1)
+    assert manifest_kind(case.store.get(manifest_key(2))) == ManifestKind(SUPERSEDED, 1)
     assert manifest_key(2, 1) in after and current_manifest_keys(case.store)[2] == manifest_key(2, 1)
     # The superseded generation's objects (under its token) left the data areas for _superseded/;
     # readers see one row each.

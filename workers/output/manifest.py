@@ -331,10 +331,6 @@ def manifest_kind(data: bytes) -> ManifestKind:
     return ManifestKind(MANIFEST)
 
 
-def read_manifest_kind(store: ObjectStore, key: str) -> ManifestKind:
-    return manifest_kind(store.get(key))
-
-
 def manifest_generations(keys) -> dict[int, dict[int, str]]:
     """Shard -> {generation: key} of the manifest keys among `keys` (a listing of manifests/)."""
     found: dict[int, dict[int, str]] = {}
@@ -353,7 +349,7 @@ def current_of(store: ObjectStore, generations: dict[int, str]) -> str | None:
         if generation == 0:
             return key
         try:
-            if read_manifest_kind(store, key).kind != SEALED:
+            if manifest_kind(store.get(key)).kind != SEALED:
                 return key
         except Exception:  # noqa: BLE001 - unreadable: not a seal we wrote; readers report it
             return key

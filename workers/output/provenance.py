@@ -20,6 +20,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
+from xml.sax.saxutils import escape
 
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
@@ -175,5 +176,4 @@ def _latin1(text: str) -> bool:
 def _xml_text(value: Any) -> str:
     """`value` as XML character data: escaped, carriage returns kept, unrepresentable characters
     replaced."""
-    text = _NOT_XML.sub("\ufffd", str(value))
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("\r", "&#13;")
+    return escape(_NOT_XML.sub("\ufffd", str(value)), {"\r": "&#13;"})

@@ -64,7 +64,6 @@ class UploadPool:
             raise ValueError(
                 f"UploadPool needs max_in_flight >= 1 and threads >= 1, got {max_in_flight}, {threads}"
             )
-        self.max_in_flight = max_in_flight
         self._ordered = ordered
         self._on_result = on_result
         self._slots = threading.Semaphore(max_in_flight)

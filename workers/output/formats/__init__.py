@@ -19,33 +19,27 @@ from ditfleet.workers.output.formats.base import (
     ShardWriter,
     ShardWriterConfig,
     StoredImageError,
-    StoredImages,
     StoredShard,
     ok_images,
 )
 from ditfleet.workers.output.formats.files import FilesShardReader, FilesShardWriter
-from ditfleet.workers.output.formats.parquet import DATA_SCHEMA, ParquetShardReader, ParquetShardWriter
+from ditfleet.workers.output.formats.parquet import ParquetShardReader, ParquetShardWriter
 from ditfleet.workers.output.formats.webdataset import WebDatasetShardReader, WebDatasetShardWriter
 from ditfleet.workers.output.layout import FORMAT_NAMES
 from ditfleet.workers.output.upload_pool import ImageResult, ShardStoreError, UploadPool
 from ditfleet.workers.storage.base import ObjectStore
 
 __all__ = [
-    "DATA_SCHEMA",
     "FORMAT_AREAS",
     "FORMAT_NAMES",
     "MANIFEST_IMAGE_COLUMNS",
-    "OUTPUT_FORMATS",
     "READERS",
     "ImageResult",
     "ImageTask",
     "ManifestImage",
-    "ShardReader",
     "ShardStoreError",
-    "ShardWriter",
     "ShardWriterConfig",
     "StoredImageError",
-    "StoredImages",
     "StoredShard",
     "UploadPool",
     "make_shard_writer",

@@ -108,16 +108,7 @@ class ImageTask:
     def provenance(self, job: JobProvenance, width: int, height: int) -> Provenance:
         """What the stored image's metadata says made it; width, height: its pixels."""
         return Provenance(
-            self.prompt,
-            self.negative_prompt,
-            self.seed,
-            self.steps,
-            self.true_cfg_scale,
-            width,
-            height,
-            self.id,
-            self.k,
-            job,
+            **self.fields(width, height), steps=self.steps, true_cfg_scale=self.true_cfg_scale, job=job
         )
 
     def fields(self, width: int, height: int) -> dict[str, Any]:
