@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 _CHUNK = 8 * 1024 * 1024
 _CACHE_VERSION = 1
@@ -179,8 +180,6 @@ def etag_identity(files: Any) -> ModelIdentity:
 def _job_file_identity(source: str, s3: Any) -> str:
     """One file a job names: 'sha256:<hex>' of a local file, 'etag:<etag>:<size>' of an S3
     object (one HEAD; a node's fetched copy is verified against that ETag)."""
-    from urllib.parse import urlparse
-
     parsed = urlparse(source)
     if parsed.scheme == "s3":
         from ditfleet.workers.storage.s3 import make_s3_client
@@ -222,8 +221,6 @@ def model_identity(
 
 
 def _base_identity(source: str, cache_dir: str | Path | None, s3: Any) -> ModelIdentity | None:
-    from urllib.parse import urlparse
-
     parsed = urlparse(source)
     if parsed.scheme == "hf":
         return None
@@ -240,16 +237,3 @@ def _base_identity(source: str, cache_dir: str | Path | None, s3: Any) -> ModelI
 
     path = parsed.path if parsed.scheme == "file" else source
     return local_identity(resolve_model_dir(path), cache_dir)
-
-
-__all__ = [
-    "ModelIdentity",
-    "WeightsChanged",
-    "changed_files",
-    "check_identity",
-    "etag_identity",
-    "job_file_identities",
-    "local_identity",
-    "model_identity",
-    "with_job_files",
-]

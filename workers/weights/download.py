@@ -32,6 +32,7 @@ from botocore.exceptions import (
 from s3transfer.exceptions import RetriesExceededError, S3DownloadFailedError
 from s3transfer.subscribers import BaseSubscriber
 
+from ditfleet.workers.storage.s3 import error_code, http_status
 from ditfleet.workers.weights.fetch_config import FetchConfig
 from ditfleet.workers.weights.node_cache import (
     MARKER,
@@ -248,9 +249,7 @@ def s3_fetch_error(e: BaseException, action: str, uri: str, endpoint: str) -> Mo
             "check the network to the store, then start again (files already verified are kept)"
         )
     if isinstance(e, ClientError):
-        error = e.response.get("Error", {})
-        code = str(error.get("Code", ""))
-        status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        code, status = error_code(e), http_status(e)
         bucket = urlparse(uri).netloc
         if code == "NoSuchBucket":
             return ModelFetchError(
@@ -277,6 +276,6 @@ def s3_fetch_error(e: BaseException, action: str, uri: str, endpoint: str) -> Mo
                 f"cannot {action} {uri}: the bucket is in another region; set the S3 region"
             )
         return ModelFetchError(
-            f"cannot {action} {uri} at {endpoint}: {code or status}: {error.get('Message', e)}"
+            f"cannot {action} {uri} at {endpoint}: {code or status}: {e.response.get('Error', {}).get('Message', e)}"
         )
     return ModelFetchError(f"cannot {action} {uri} at {endpoint}: {type(e).__name__}: {e}")

@@ -5,11 +5,9 @@
 
 - a local directory (or "tiny", or file:///path) passes through untouched;
 - `s3://bucket/prefix` (the diffusers layout under it) is listed, checked, and downloaded into
-  the node-local cache (see model_cache.py): once per node, whatever the number of actors that
-  ask at once; files go to a temporary name, are verified (size, and the ETag's MD5 or the stored
-  checksum where the store has one) and only then renamed; large files arrive as parallel
-  ranged GETs (s3transfer);
-- `hf://org/name@revision` goes through huggingface_hub (see hub_fetch.py).
+  the node-local cache once per node, whatever the number of actors that ask at once, each file
+  verified before it is renamed into place (node_cache.py, download.py);
+- `hf://org/name@revision` goes through huggingface_hub (hub.py).
 
 Every failure is a ModelFetchError naming the source or object and saying what to do.
 """
@@ -41,8 +39,6 @@ from ditfleet.workers.weights.node_cache import (
 )
 
 log = logging.getLogger(__name__)
-
-__all__ = ["FetchConfig", "FetchedModel", "ModelFetchError", "fetch_model"]
 
 
 @dataclass(frozen=True)
@@ -83,27 +79,23 @@ def fetch_model(
     is retried). `layout`: another folder layout than the diffusers one (a scorer's model),
     checked on the remote listing before any download. Raises ModelFetchError."""
     config = config or FetchConfig()
-    t0 = time.perf_counter()
     scheme = urlparse(source).scheme
     if scheme == "s3":
         return _fetch_s3(source, Path(cache_dir), s3, config, progress, layout)
     if scheme == "hf":
         from ditfleet.workers.weights.hub import fetch_hub_snapshot
 
-        snap = fetch_hub_snapshot(source, Path(cache_dir), config.lock_timeout_s, layout)
-        got, seconds = snap.downloaded_bytes, time.perf_counter() - t0
-        return FetchedModel(
-            snap.path, source, snap.revision, got > 0, got, seconds, snap.files, snap.lock_wait_s
-        )
+        return fetch_hub_snapshot(source, Path(cache_dir), config.lock_timeout_s, layout)
     if scheme in ("", "file"):
-        return _local(source, t0, layout)
+        return _local(source, layout)
     raise ModelFetchError(
         f"model path {source!r}: unsupported scheme {scheme!r}; use a local directory, "
         "s3://bucket/prefix or hf://org/name@revision"
     )
 
 
-def _local(source: str, t0: float, layout: Layout | None) -> FetchedModel:
+def _local(source: str, layout: Layout | None) -> FetchedModel:
+    t0 = time.perf_counter()
     # Imported here: it brings torch, which a fetch of remote files does not need.
     from ditfleet.model import WeightsError, model_revision, resolve_model_dir
 

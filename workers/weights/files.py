@@ -1,7 +1,7 @@
 """Single files a job names next to its model (LoRA adapters, a scheduler config), made local.
 
 A local path (or file:///path) passes through untouched. `s3://bucket/key` is fetched once per
-node into the same node-local cache as the model weights (model_cache.py), with the same
+node into the same node-local cache as the model weights (node_cache.py), with the same
 guarantees: one download whatever the number of actors asking at once (a file lock), verified
 (size, and the ETag's MD5 or stored checksum) before it is moved into place, repaired at the
 next start if damaged, and a new cache entry whenever the object's ETag or size changes.
@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 from botocore.exceptions import BotoCoreError, ClientError
 
 from ditfleet.workers.storage import S3Config
-from ditfleet.workers.storage.s3 import make_s3_client
+from ditfleet.workers.storage.s3 import http_status, make_s3_client
 from ditfleet.workers.weights.download import FetchConfig, download_files, s3_fetch_error
 from ditfleet.workers.weights.node_cache import CacheEntry, ModelFetchError, RemoteFile, content_revision
 
@@ -47,10 +47,7 @@ def _fetch_s3_file(bucket: str, key: str, cache_dir: Path, s3: S3Config, config:
     try:
         head = client.head_object(Bucket=bucket, Key=key)
     except (ClientError, BotoCoreError) as e:
-        if (
-            isinstance(e, ClientError)
-            and int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)) == 404
-        ):
+        if isinstance(e, ClientError) and http_status(e) == 404:
             raise ModelFetchError(f"{uri}: no such object at {endpoint}; upload it or fix the path") from None
         raise s3_fetch_error(e, "check", uri, endpoint) from None
     f = RemoteFile(PurePosixPath(key).name, key, int(head["ContentLength"]), str(head["ETag"]).strip('"'))
