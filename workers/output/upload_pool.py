@@ -138,14 +138,12 @@ class UploadPool:
         self._retire(index, what, future)
 
     def _retire_done(self) -> None:
-        still: collections.deque[tuple[int, str, Future[Any]]] = collections.deque()
-        while self._pending:
-            item = self._pending.popleft()
+        pending, self._pending = self._pending, collections.deque()
+        for item in pending:
             if item[2].done():
                 self._retire(*item)
             else:
-                still.append(item)
-        self._pending = still
+                self._pending.append(item)
 
     def _raise_if_failed(self, release: bool = False) -> None:
         with self._lock:

@@ -146,12 +146,8 @@ class S3Store(ObjectStore):
 
     # -- whole-object writes -------------------------------------------------------------
 
-    @_names_the_object("PUT")
     def put(self, key: str, data: bytes, content_type: str | None = None) -> None:
-        if len(data) >= self.config.multipart_threshold:
-            self._multipart(key, io.BytesIO(data), len(data), content_type)
-        else:
-            self._put_object(key, bytes(data), content_type)
+        self.put_file(key, io.BytesIO(data), content_type)
 
     @_names_the_object("PUT")
     def put_file(self, key: str, f: IO[bytes], content_type: str | None = None) -> None:

@@ -14,8 +14,7 @@ images do not. So the plan records, and every actor checks, a digest of the file
   (in the plan) names it.
 
 The LoRA files and the scheduler config a job names next to the model change the images as its
-weights do: their identities (sha256 of a local file, ETag and size of an S3 object) join the
-model's files under 'LoRA <i> <path>' and 'scheduler config <path>' (job_file_identities).
+weights do, so their identities join the model's files (job_file_identities).
 
 `ModelIdentity.digest` is one hex string over the per-file ones, so two identities are equal
 exactly when every file is; `changed_files` says which file differs, for the refusal message.

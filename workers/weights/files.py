@@ -1,9 +1,8 @@
 """Single files a job names next to its model (LoRA adapters, a scheduler config), made local.
 
 A local path (or file:///path) passes through untouched. `s3://bucket/key` is fetched once per
-node into the same node-local cache as the model weights (node_cache.py), with the same
-guarantees: one download whatever the number of actors asking at once (a file lock), verified
-(size, and the ETag's MD5 or stored checksum) before it is moved into place, repaired at the
+node into the same node-local cache as the model weights, with the same guarantees
+(node_cache.py): one download per node, verified before it is moved into place, repaired at the
 next start if damaged, and a new cache entry whenever the object's ETag or size changes.
 """
 

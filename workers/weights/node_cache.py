@@ -114,12 +114,7 @@ class Layout:
 
 def relative_files(root: Path) -> list[str]:
     """Every file under `root`, as a path relative to it with '/' separators."""
-    out = []
-    for dirpath, _, filenames in os.walk(root):
-        rel = os.path.relpath(dirpath, root)
-        for name in filenames:
-            out.append(name if rel == "." else f"{rel}/{name}".replace(os.sep, "/"))
-    return out
+    return [p.relative_to(root).as_posix() for p in root.rglob("*") if not p.is_dir()]
 
 
 def entry_key(source: str, files: Sequence[RemoteFile]) -> str:

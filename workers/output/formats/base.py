@@ -9,9 +9,7 @@ manifest: the caller turns results into manifest rows and commits them after `fi
 returned, i.e. after every image is durably stored.
 
 Every writer is made for one run of one shard and writes only keys that carry the run's attempt
-token (layout.image_key, data_key, webdataset_key): no two runs of a shard ever write the same
-key, so whatever a losing, late or killed run uploads, the objects the committed manifest names
-stay exactly as they were committed.
+token, so the objects a committed manifest names never change (layout.py: attempt-scoped objects).
 """
 
 from __future__ import annotations

@@ -50,8 +50,6 @@ class SpooledShardWriter:
     # -- the ShardWriter protocol ------------------------------------------------------------
 
     def add(self, task: ImageTask, image: Any) -> None:
-        """Queue one image ((3, H, W) float in [0, 1] or (H, W, 3) uint8); blocks while the
-        pool holds `max_in_flight` images."""
         name, label = self._entry(task)
         self._pool.submit(
             f"{self.store.uri(self.key)} {label}",
@@ -69,8 +67,6 @@ class SpooledShardWriter:
         return ImageResult(task.id, task.k, self.store.uri(self.key), digest, len(data), encode_s, None)
 
     def finish(self) -> StoredShard:
-        """Wait for every image, close the file and store it whole. Raises ShardStoreError if an
-        image or the file could not be stored; then nothing of the shard is visible."""
         try:
             results = self._pool.drain()
             if not self._close():  # every row failed: no object

@@ -6,19 +6,15 @@
     {key}.json              {"id", "k", "prompt", "negative_prompt", "seed", "width", "height", "extra"}
 ```
 
-`key` is `layout.webdataset_sample_key(id, k)`: unique within the shard and free of dots, since
-WebDataset readers take everything before the first dot of a member's base name as the sample
-key. The two members of a sample are adjacent, as those readers require.
+`key` is `layout.webdataset_sample_key(id, k)` (free of dots: see there). The two members of a
+sample are adjacent, as WebDataset readers require.
 
 Given the same images, the tar is the same bytes on every run of the shard: members are appended
 in the order of `add` (encoding runs on the pool's threads, appending on the caller's), and every
 header field that could vary (mtime, uid, gid, owner names, mode) is fixed. Each run still writes
 its own key (the attempt token in it), since two runs need not make the same pixels. The tar is
-built in a spool and stored whole at `finish` (spool.SpooledShardWriter), so a reader never sees
-part of a tar and `abort` leaves nothing behind. Failed rows have no members (the manifest has
-them). The manifest rows' `uri` is the tar's URI, as the "parquet" format's is its data file.
-The reader finds a row's image by its member name, which the manifest row gives (id, k, the
-id's image count, the image format).
+stored whole at `finish` (spool.py). Failed rows have no members (the manifest has them). The
+manifest rows' `uri` is the tar's URI, as the "parquet" format's is its data file.
 """
 
 from __future__ import annotations
