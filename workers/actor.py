@@ -62,8 +62,7 @@ from ditfleet.workers.weights.digest import (
     local_identity,
     with_job_files,
 )
-from ditfleet.workers.weights.fetch import fetch_model
-from ditfleet.workers.weights.files import fetch_file
+from ditfleet.workers.weights.fetch import fetch_file, fetch_model
 
 
 def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:

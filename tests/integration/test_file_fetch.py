@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from ditfleet.workers.weights.files import fetch_file
+from ditfleet.workers.weights.fetch import fetch_file
 from ditfleet.workers.weights.node_cache import ModelFetchError
 
 

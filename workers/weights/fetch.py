@@ -9,6 +9,10 @@
   verified before it is renamed into place (node_cache.py, download.py);
 - `hf://org/name@revision` goes through huggingface_hub (hub.py).
 
+`fetch_file` does the same for a single file a job names next to its model (a LoRA adapter, a
+scheduler config): a local path passes through; `s3://bucket/key` goes into the same cache with
+the same guarantees, and a new cache entry whenever the object's ETag or size changes.
+
 Every failure is a ModelFetchError naming the source or object and saying what to do.
 """
 
@@ -20,14 +24,16 @@ import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import urlparse
 
+from botocore.exceptions import BotoCoreError, ClientError
+
 from ditfleet.workers.storage import S3Config
-from ditfleet.workers.storage.s3 import make_s3_client
+from ditfleet.workers.storage.s3 import http_status, make_s3_client
 from ditfleet.workers.weights.digest import ModelIdentity, etag_identity
-from ditfleet.workers.weights.download import FetchConfig, download_files, list_s3_model
+from ditfleet.workers.weights.download import FetchConfig, download_files, list_s3_model, s3_fetch_error
 from ditfleet.workers.weights.node_cache import (
     CacheEntry,
     Layout,
@@ -118,6 +124,14 @@ def _local(source: str, layout: Layout | None) -> FetchedModel:
 # -- S3 ------------------------------------------------------------------------------------------
 
 
+def _client(s3: S3Config, config: FetchConfig) -> tuple[Any, str]:
+    """A client with one pooled connection per ranged GET in flight, plus the listing and HEADs;
+    and its endpoint, for messages."""
+    pool = max(s3.max_pool_connections, config.max_concurrency + config.verify_workers)
+    client = make_s3_client(dataclasses.replace(s3, max_pool_connections=pool))
+    return client, s3.endpoint_url or str(client.meta.endpoint_url)
+
+
 def _fetch_s3(
     source: str,
     cache_dir: Path,
@@ -132,10 +146,7 @@ def _fetch_s3(
     if not bucket:
         raise ModelFetchError(f"model path {source!r}: an s3 URI needs a bucket: s3://bucket/prefix")
     uri = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
-    # One pooled connection per ranged GET in flight, plus the listing and HEADs.
-    pool = max(s3.max_pool_connections, config.max_concurrency + config.verify_workers)
-    client = make_s3_client(dataclasses.replace(s3, max_pool_connections=pool))
-    endpoint = s3.endpoint_url or str(client.meta.endpoint_url)
+    client, endpoint = _client(s3, config)
     files = list_s3_model(client, bucket, prefix, uri, endpoint, s3.list_page_size)
     if layout is not None:
         layout.check({f.path for f in files}, uri)
@@ -208,3 +219,49 @@ def _check_disk(entry: CacheEntry, todo: list[RemoteFile], config: FetchConfig) 
             f"model cache {entry.root.parent}: {free / 1e9:.2f} GB free, the model needs "
             f"{need / 1e9:.2f} GB (reserve_bytes included); free space or use another cache directory"
         )
+
+
+# -- single files --------------------------------------------------------------------------------
+
+
+def fetch_file(source: str, cache_dir: str | Path, s3: S3Config, config: FetchConfig | None = None) -> Path:
+    """A local path holding the single file `source` names. Raises ModelFetchError naming it."""
+    parsed = urlparse(source)
+    if parsed.scheme in ("", "file"):
+        if parsed.scheme == "file" and parsed.netloc not in ("", "localhost"):
+            raise ModelFetchError(f"{source!r}: a file:// URI must name a local path (file:///path)")
+        return Path(parsed.path if parsed.scheme == "file" else source)
+    if parsed.scheme != "s3":
+        raise ModelFetchError(
+            f"{source!r}: unsupported scheme {parsed.scheme!r}; give a local path or s3://bucket/key"
+        )
+    return _fetch_s3_file(
+        parsed.netloc, parsed.path.lstrip("/"), Path(cache_dir), s3, config or FetchConfig()
+    )
+
+
+def _fetch_s3_file(bucket: str, key: str, cache_dir: Path, s3: S3Config, config: FetchConfig) -> Path:
+    uri = f"s3://{bucket}/{key}"
+    if not bucket or not key or key.endswith("/"):
+        raise ModelFetchError(f"{uri}: name one object, s3://bucket/path/to/file")
+    client, endpoint = _client(s3, config)
+    try:
+        head = client.head_object(Bucket=bucket, Key=key)
+    except (ClientError, BotoCoreError) as e:
+        if isinstance(e, ClientError) and http_status(e) == 404:
+            raise ModelFetchError(f"{uri}: no such object at {endpoint}; upload it or fix the path") from None
+        raise s3_fetch_error(e, "check", uri, endpoint) from None
+    f = RemoteFile(PurePosixPath(key).name, key, int(head["ContentLength"]), str(head["ETag"]).strip('"'))
+    entry = CacheEntry.for_source(cache_dir, uri, [f])
+    try:
+        with entry.locked(config.lock_timeout_s):
+            todo, marked = entry.stale_files([f])
+            fetched = download_files(client, bucket, endpoint, entry, todo, config, None) if todo else 0
+            if todo or not marked:
+                entry.finish(content_revision([f]), [f], fetched)
+    except OSError as e:
+        raise ModelFetchError(
+            f"model cache {cache_dir}: {e.strerror or e} at {e.filename or cache_dir} while fetching "
+            f"{uri}; give a writable node-local cache directory"
+        ) from None
+    return entry.root / f.path
