@@ -50,10 +50,9 @@ _TOMBSTONE_KEY = b"ditfleet.tombstone"
 _SUPERSEDED_BY_KEY = b"ditfleet.superseded_by"
 
 
-def _col(
-    arrow_type: pa.DataType, doc: str, nullable: bool = False, default: Any = dataclasses.MISSING
-) -> Any:
-    return field(default=default, metadata={"arrow": arrow_type, "nullable": nullable, "doc": doc})
+def _col(arrow_type: pa.DataType, doc: str, default: Any = dataclasses.MISSING) -> Any:
+    """A column; the ones that default to None, and only those, are nullable."""
+    return field(default=default, metadata={"arrow": arrow_type, "nullable": default is None, "doc": doc})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,7 +62,7 @@ class ManifestRow:
     id: str = _col(pa.string(), "input row id (the input's id column, as text)")
     k: int = _col(pa.int32(), "index of this image among its row's num_images")
     prompt: str = _col(pa.string(), "prompt as given")
-    negative_prompt: str | None = _col(pa.string(), "negative prompt; null = none", True, None)
+    negative_prompt: str | None = _col(pa.string(), "negative prompt; null = none", None)
     seed: int = _col(pa.int64(), "seed of this row (image k uses seed and k)")
     width: int = _col(pa.int32(), "generated width (the bucket's), pixels")
     height: int = _col(pa.int32(), "generated height (the bucket's), pixels")
@@ -71,71 +70,68 @@ class ManifestRow:
     steps: int = _col(pa.int32(), "denoising steps")
     true_cfg_scale: float = _col(pa.float64(), "true classifier-free guidance scale")
     model_id: str = _col(pa.string(), "model that generated the image")
-    model_revision: str | None = _col(pa.string(), "model revision or weights hash", True, None)
+    model_revision: str | None = _col(pa.string(), "model revision or weights hash", None)
     status: str = _col(pa.string(), "'ok' or 'failed'")
-    error: str | None = _col(pa.string(), "why the image failed; null when ok", True, None)
-    uri: str | None = _col(pa.string(), "where the image is (the data file in 'parquet' format)", True, None)
-    sha256: str | None = _col(pa.string(), "sha256 (hex) of the encoded image bytes", True, None)
-    bytes: int | None = _col(pa.int64(), "size of the encoded image", True, None)
+    error: str | None = _col(pa.string(), "why the image failed; null when ok", None)
+    uri: str | None = _col(pa.string(), "where the image is (the data file in 'parquet' format)", None)
+    sha256: str | None = _col(pa.string(), "sha256 (hex) of the encoded image bytes", None)
+    bytes: int | None = _col(pa.int64(), "size of the encoded image", None)
     format: str = _col(pa.string(), "image format: png, webp or jpeg")
-    generate_s: float | None = _col(
-        pa.float64(), "this image's share of its batch's generation time", True, None
-    )
-    encode_s: float | None = _col(pa.float64(), "image encode time", True, None)
-    upload_s: float | None = _col(pa.float64(), "upload time (null in 'parquet' format)", True, None)
+    generate_s: float | None = _col(pa.float64(), "this image's share of its batch's generation time", None)
+    encode_s: float | None = _col(pa.float64(), "image encode time", None)
+    upload_s: float | None = _col(pa.float64(), "upload time (null in 'parquet' format)", None)
     worker: str = _col(pa.string(), "worker that made the image (node and actor)")
     attempt: int = _col(pa.int32(), "attempt of the shard, from 0")
     shard: int = _col(pa.int32(), "shard index")
-    compile_fallback: bool = _col(pa.bool_(), "a compile failed and this image ran eager", False, False)
-    recompiles: int = _col(
-        pa.int32(), "compilations on the request path during this shard (should be 0)", False, 0
-    )
+    compile_fallback: bool = _col(pa.bool_(), "a compile failed and this image ran eager", False)
+    recompiles: int = _col(pa.int32(), "compilations on the request path during this shard (should be 0)", 0)
     # Pass-through input columns as one JSON object per row. Typed columns would take their
     # types from each shard's values: a column that is all-null in one shard (null type), int in
     # one and float in another, or a nested value, gives shards with different schemas, which
     # readers of the union refuse or silently coerce. One JSON text column has the same type in
     # every shard; DuckDB (json_extract), pandas (json.loads) and datasets read it as is.
-    extra: str | None = _col(
-        pa.string(), "pass-through input columns, a JSON object; null = none", True, None
-    )
+    extra: str | None = _col(pa.string(), "pass-through input columns, a JSON object; null = none", None)
     # The step cache (sampling.step_cache); null when it is off, and in manifests written before
     # it existed (read_manifests fills these columns with nulls for them).
     step_cache: str | None = _col(
         pa.string(),
         "step-cache settings as JSON, or 'off (why)' when the schedule ran exact; null = off",
-        True,
         None,
     )
     dit_blocks_computed: int | None = _col(
-        pa.int64(), "DiT block evaluations computed for this image (CFG branches summed)", True, None
+        pa.int64(), "DiT block evaluations computed for this image (CFG branches summed)", None
     )
     dit_blocks_reused: int | None = _col(
-        pa.int64(), "DiT block evaluations the step cache reused instead", True, None
+        pa.int64(), "DiT block evaluations the step cache reused instead", None
     )
     # The batch size the image's actor ran with (workers.batch_fit: its GPU's largest, at most
     # workers.batch_size): batched kernels round differently, so a mixed fleet's images of one
     # seed agree with a single-size fleet's only to rounding level. Null in older manifests.
     batch_size: int | None = _col(
-        pa.int32(), "images per batch of the actor that made this image (its GPU's fit)", True, None
+        pa.int32(), "images per batch of the actor that made this image (its GPU's fit)", None
     )
     # The scores of workers.scorers (one column per scorer of model.quality, score_{name}), taken on
     # the actor from the stored pixels; null when the job did not ask for that scorer, when the
     # image failed, or when the scorer cannot judge it (tiny off its caption template).
     score_sharpness: float | None = _col(
-        pa.float64(), "variance of the Laplacian of the image's luma (quality.scorers: sharpness)", True, None
+        pa.float64(), "variance of the Laplacian of the image's luma (quality.scorers: sharpness)", None
     )
     score_tiny: float | None = _col(
-        pa.float64(), "share of the caption's attributes the tiny model's check reads back (quality.scorers: tiny)",
-        True, None,
-    )  # fmt: skip
+        pa.float64(),
+        "share of the caption's attributes the tiny model's check reads back (quality.scorers: tiny)",
+        None,
+    )
     score_vqa: float | None = _col(
-        pa.float64(), "probability the model's Qwen2.5-VL answers Yes to 'does this figure show the prompt' "
-        "(quality.scorers: vqa)", True, None,
-    )  # fmt: skip
+        pa.float64(),
+        "probability the model's Qwen2.5-VL answers Yes to 'does this figure show the prompt' "
+        "(quality.scorers: vqa)",
+        None,
+    )
     score_clip: float | None = _col(
-        pa.float64(), "CLIP score: 100 x cosine of the image and prompt embeddings, at least 0 "
-        "(quality.scorers: clip)", True, None,
-    )  # fmt: skip
+        pa.float64(),
+        "CLIP score: 100 x cosine of the image and prompt embeddings, at least 0 (quality.scorers: clip)",
+        None,
+    )
     # quality.gate (workers.quality_gate); null without a gate. The tries' scores and seeds are
     # JSON lists in try order (a null score: that try failed or could not be judged), text rather
     # than list columns so every reader and the compacted set's digests take them as they are;
@@ -143,21 +139,18 @@ class ManifestRow:
     gate_passed: bool | None = _col(
         pa.bool_(),
         "the kept try scored at least quality.gate.min; null: no gate, or not judgeable",
-        True,
         None,
     )
-    gate_tries: int | None = _col(pa.int32(), "tries made of this image (quality.gate)", True, None)
-    gate_kept: int | None = _col(pa.int32(), "index of the kept try (from 0)", True, None)
-    gate_scores: str | None = _col(
-        pa.string(), "the gate scorer's score of every try, a JSON list", True, None
-    )
-    gate_seeds: str | None = _col(pa.string(), "the seed of every try, a JSON list", True, None)
+    gate_tries: int | None = _col(pa.int32(), "tries made of this image (quality.gate)", None)
+    gate_kept: int | None = _col(pa.int32(), "index of the kept try (from 0)", None)
+    gate_scores: str | None = _col(pa.string(), "the gate scorer's score of every try, a JSON list", None)
+    gate_seeds: str | None = _col(pa.string(), "the seed of every try, a JSON list", None)
     # The stored image's 64-bit perceptual hash (model.quality.perceptual_hash), always taken on the
     # actor; its 64 bits as a signed int64 (bit 63 is the sign), since not every reader has uint64.
     # Hamming distance: bit_count(a XOR b) in DuckDB, np.bitwise_count in numpy. Null when the image
     # failed, and in older manifests.
     phash: int | None = _col(
-        pa.int64(), "64-bit perceptual hash of the stored image, as int64 (near duplicates)", True, None
+        pa.int64(), "64-bit perceptual hash of the stored image, as int64 (near duplicates)", None
     )
 
     def __post_init__(self) -> None:

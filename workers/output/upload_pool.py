@@ -60,10 +60,6 @@ class UploadPool:
         on_result: Callable[[Any], ImageResult] | None = None,
         ordered: bool = False,
     ) -> None:
-        if max_in_flight < 1 or threads < 1:
-            raise ValueError(
-                f"UploadPool needs max_in_flight >= 1 and threads >= 1, got {max_in_flight}, {threads}"
-            )
         self._ordered = ordered
         self._on_result = on_result
         self._slots = threading.Semaphore(max_in_flight)
