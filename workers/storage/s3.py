@@ -160,8 +160,7 @@ class S3Store(ObjectStore):
             self._put_object(key, f.read(), content_type)
 
     def _put_object(self, key: str, data: bytes, content_type: str | None, **extra: Any) -> None:
-        args: dict[str, Any] = {"Bucket": self.bucket, "Key": self._key(key), "Body": data}
-        args["ContentMD5"] = _md5_b64(data)
+        args = {"Bucket": self.bucket, "Key": self._key(key), "Body": data, "ContentMD5": _md5_b64(data)}
         if content_type:
             args["ContentType"] = content_type
         self.client.put_object(**args, **extra)

@@ -99,13 +99,12 @@ def read_images(store: ObjectStore, rows: Iterable[ManifestImage]) -> Iterator[t
     StoredImageError naming the object (and row or member) for anything else."""
     root = store.uri()
     keyed: list[tuple[str, ManifestImage]] = []
+    by_key: dict[str, list[ManifestImage]] = {}
     for row in rows:
         key, _ = object_key(root, row.uri)
         if key is None:
             raise StoredImageError(f"image {row.uri} is not inside the output {root}; was the output moved?")
         keyed.append((key, row))
-    by_key: dict[str, list[ManifestImage]] = {}
-    for key, row in keyed:
         by_key.setdefault(key, []).append(row)
     stored = {key: reader_for_key(key).read(store, key, named) for key, named in by_key.items()}
     for key, row in keyed:
