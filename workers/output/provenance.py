@@ -114,7 +114,7 @@ class Provenance:
         """PNG text chunks: `parameters`, then `ditfleet` (tEXt when Latin-1, else iTXt)."""
         info = PngInfo()
         for key, text in ((PARAMETERS_KEY, self.parameters()), (JSON_KEY, self.to_json())):
-            if _latin1(text):
+            if all(ord(c) < 0x100 for c in text):  # Latin-1
                 info.add_text(key, text)
             else:  # UTF-8 with no language tag, uncompressed: what readers of `parameters` expect
                 info.add_itxt(key, text, lang="", tkey="", zip=False)
@@ -163,14 +163,6 @@ def _quoted(value: Any) -> str:
     if "," in text or ":" in text or "\n" in text:
         return json.dumps(text, ensure_ascii=False)
     return text
-
-
-def _latin1(text: str) -> bool:
-    try:
-        text.encode("latin-1")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _xml_text(value: Any) -> str:

@@ -175,8 +175,6 @@ class LocalStore(ObjectStore):
         return self._path(key) if key else self.root
 
     def remove_stale_temp_files(self, min_age_s: float = STALE_TEMP_AGE_S) -> int:
-        if not os.path.isdir(self.root):
-            return 0
         cutoff, removed = time.time() - min_age_s, 0
         for dirpath, _dirnames, filenames in os.walk(self.root):
             for name in filenames:

@@ -65,9 +65,8 @@ class FetchedModel:
 
     def to_dict(self) -> dict[str, Any]:
         """For the worker's start-up report."""
-        doc = {**dataclasses.asdict(self), "local_path": str(self.local_path)}
-        doc["identity"] = self.identity.digest if self.identity is not None else None
-        return doc
+        identity = self.identity.digest if self.identity is not None else None
+        return {**dataclasses.asdict(self), "local_path": str(self.local_path), "identity": identity}
 
 
 def fetch_model(

@@ -23,8 +23,6 @@ from ditfleet.workers.storage.base import ObjectStore
 
 
 class FilesShardWriter:
-    """One object per image at layout.image_key(shard, attempt, id, k, ext)."""
-
     def __init__(self, store: ObjectStore, shard: int, config: ShardWriterConfig, attempt: str) -> None:
         self.store, self.shard, self.config, self.attempt = store, shard, config, attempt
         self._ext = extension(config.image_format)

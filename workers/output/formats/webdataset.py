@@ -75,9 +75,6 @@ def _sample_key(id_: str, k: int, num_images: int) -> str:
 
 
 class WebDatasetShardWriter(SpooledShardWriter):
-    """One tar per run of a shard at layout.webdataset_key(shard, attempt), samples in the
-    order added."""
-
     content_type = TAR_CONTENT_TYPE
 
     def __init__(self, store: ObjectStore, shard: int, config: ShardWriterConfig, attempt: str) -> None:
