@@ -59,8 +59,6 @@ RUNS_PREFIX = "_runs/"
 LEASE_PREFIX = "_lease/"
 SUPERSEDED_PREFIX = "_superseded/"
 SCORES_PREFIX = "scores/"
-JOB_KEY = "_job.json"
-SUCCESS_KEY = "_SUCCESS"
 
 # The encodings a job may name, and each one's file extension (the codec's format names).
 ImageFormat = Literal["png", "webp", "jpeg"]
@@ -348,11 +346,11 @@ def lease_of_key(key: str) -> int | None:
 
 
 def job_key() -> str:
-    return JOB_KEY
+    return "_job.json"
 
 
 def success_key() -> str:
-    return SUCCESS_KEY
+    return "_SUCCESS"
 
 
 def write_check_key(token: str) -> str:

@@ -113,18 +113,17 @@ class LocalStore(ObjectStore):
             return None
 
     def get(self, key: str) -> bytes:
-        path = self._path(key)
-        try:
-            with open(path, "rb") as f:
-                return f.read()
-        except FileNotFoundError:
-            raise ObjectNotFound(f"no object {key!r} at {path}") from None
+        with self._open(key) as f:
+            return f.read()
 
     def get_file(self, key: str, f: IO[bytes]) -> None:
+        with self._open(key) as src:
+            shutil.copyfileobj(src, f, _COPY_CHUNK)
+
+    def _open(self, key: str) -> IO[bytes]:
         path = self._path(key)
         try:
-            with open(path, "rb") as src:
-                shutil.copyfileobj(src, f, _COPY_CHUNK)
+            return open(path, "rb")
         except FileNotFoundError:
             raise ObjectNotFound(f"no object {key!r} at {path}") from None
 

@@ -365,9 +365,8 @@ class S3Store(ObjectStore):
 
     @_names_the_object("COPY")
     def copy(self, src: str, dst: str) -> bool:
-        """A server-side copy (boto3's managed copy: one CopyObject, or parts above 5 GB).
-        HEAD first, create-only in effect: the sources are immutable, so two copies racing
-        write the same bytes."""
+        """A server-side copy (boto3's managed copy: one CopyObject, or parts above 5 GB), made
+        create-only by a HEAD first: enough for immutable sources (ObjectStore.copy)."""
         if self.exists(dst):
             return False
         if self._head(src) is None:

@@ -203,8 +203,6 @@ def job_file_identities(loras: Any, scheduler_config: str | None, s3: Any) -> di
 
 def with_job_files(identity: ModelIdentity, job_files: Mapping[str, str]) -> ModelIdentity:
     """The model's identity with the files the job names next to it (job_file_identities)."""
-    if not job_files:
-        return identity
     return ModelIdentity(identity.kind, {**identity.files, **job_files})
 
 

@@ -137,10 +137,8 @@ def _transfer(
         futures = []
         for i, f in enumerate(order):
             staged = staging / f"{i:05d}.part"
-            subscriber = _KnownObject(f, progress)
-            futures.append(
-                (f, staged, manager.download(bucket, f.key, str(staged), subscribers=[subscriber]))
-            )
+            download = manager.download(bucket, f.key, str(staged), subscribers=[_KnownObject(f, progress)])
+            futures.append((f, staged, download))
         try:
             for f, staged, future in futures:
                 try:

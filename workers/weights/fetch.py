@@ -147,11 +147,8 @@ def _fetch_s3(
     uri = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
     client, endpoint = _client(s3, config)
     files = list_s3_model(client, bucket, prefix, uri, endpoint, s3.list_page_size)
-    if layout is not None:
-        layout.check({f.path for f in files}, uri)
-    else:
-        hint = f"upload the missing parts (e.g. aws s3 sync MODEL_DIR {uri}) or fix the model path"
-        check_layout({f.path for f in files}, uri, hint)
+    hint = f"upload the missing parts (e.g. aws s3 sync MODEL_DIR {uri}) or fix the model path"
+    check_layout({f.path for f in files}, uri, hint, layout)
     revision = content_revision(files)
     entry = CacheEntry.for_source(cache_dir, uri, files)
 

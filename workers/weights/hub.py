@@ -83,14 +83,8 @@ def fetch_hub_snapshot(
         raise _hub_error(e, source, repo_id, revision, hub_cache) from None
 
     files = sorted(relative_files(path))
-    if layout is not None:
-        layout.check(set(files), f"{source} ({path})")
-    else:
-        check_layout(
-            set(files),
-            f"{source} ({path})",
-            f"point at a repository or revision in the diffusers layout (folders {', '.join(_FOLDERS)})",
-        )
+    hint = f"point at a repository or revision in the diffusers layout (folders {', '.join(_FOLDERS)})"
+    check_layout(set(files), f"{source} ({path})", hint, layout)
     seconds = time.perf_counter() - t0
     return FetchedModel(path, source, path.name, downloaded > 0, downloaded, seconds, len(files), waited)
 

@@ -68,10 +68,14 @@ class RemoteFile:
     checksum_algorithms: tuple[str, ...] = ()  # stored checksums the source announces (S3)
 
 
-def check_layout(paths: Collection[str], where: str, hint: str) -> None:
+def check_layout(paths: Collection[str], where: str, hint: str, layout: Layout | None = None) -> None:
     """Fail before any download when the listing lacks a component, its config, or weights.
 
-    `paths` are relative file paths; `where` names the source; `hint` says how to fix it."""
+    `paths` are relative file paths; `where` names the source; `hint` says how to fix it;
+    `layout`: another folder layout than the diffusers one, checked instead (its own hint)."""
+    if layout is not None:
+        layout.check(paths, where)
+        return
     present = {p.split("/", 1)[0] for p in paths if "/" in p}
     missing = [f"{c}/" for c in REQUIRED_FILES if c not in present]
     if not missing:
