@@ -24,8 +24,6 @@ from ditfleet.workers.output.layout import DATA_PREFIX, data_key, image_file_nam
 from ditfleet.workers.storage.base import ObjectStore
 from ditfleet.workers.storage.parquet_bytes import read_parquet
 
-PARQUET_CONTENT_TYPE = "application/vnd.apache.parquet"
-
 IMAGE_STRUCT = pa.struct([pa.field("bytes", pa.binary()), pa.field("path", pa.string())])
 
 # All fields nullable: `datasets` only applies its features to fields equal to its own
@@ -59,7 +57,7 @@ class ParquetShardWriter(SpooledShardWriter):
     are not in the data file (the manifest has them).
     """
 
-    content_type = PARQUET_CONTENT_TYPE
+    content_type = "application/vnd.apache.parquet"
 
     def __init__(self, store: ObjectStore, shard: int, config: ShardWriterConfig, attempt: str) -> None:
         super().__init__(store, shard, config, data_key(shard, attempt))

@@ -42,11 +42,6 @@ from ditfleet.workers.output.layout import (
 )
 from ditfleet.workers.storage.base import ObjectStore
 
-TAR_CONTENT_TYPE = "application/x-tar"
-# Fixed header fields: the tar's bytes depend on the images and their metadata only.
-_MTIME = 0
-_MODE = 0o644
-
 
 def sample_metadata(task: ImageTask, width: int, height: int) -> bytes:
     """The `{key}.json` member: compact UTF-8 JSON, keys in a fixed order.
@@ -62,8 +57,9 @@ def sample_metadata(task: ImageTask, width: int, height: int) -> bytes:
 def _member(name: str, size: int) -> tarfile.TarInfo:
     info = tarfile.TarInfo(name)
     info.size = size
-    info.mtime = _MTIME
-    info.mode = _MODE
+    # Fixed header fields: the tar's bytes depend on the images and their metadata only.
+    info.mtime = 0
+    info.mode = 0o644
     info.uid = info.gid = 0
     info.uname = info.gname = ""
     info.type = tarfile.REGTYPE
@@ -75,7 +71,7 @@ def _sample_key(id_: str, k: int, num_images: int) -> str:
 
 
 class WebDatasetShardWriter(SpooledShardWriter):
-    content_type = TAR_CONTENT_TYPE
+    content_type = "application/x-tar"
 
     def __init__(self, store: ObjectStore, shard: int, config: ShardWriterConfig, attempt: str) -> None:
         super().__init__(store, shard, config, webdataset_key(shard, attempt))
