@@ -78,14 +78,8 @@ class ShardWriterConfig:
         if self.output_format not in FORMAT_NAMES:
             raise ValueError(f"output format {self.output_format!r} is not one of {list(FORMAT_NAMES)}")
         extension(self.image_format)  # validates
-        counts = {
-            "max_in_flight": self.max_in_flight,
-            "threads": self.threads,
-            "row_group_rows": self.row_group_rows,
-            "row_group_bytes": self.row_group_bytes,
-        }
-        for name, value in counts.items():
-            if value < 1:
+        for name in ("max_in_flight", "threads", "row_group_rows", "row_group_bytes"):
+            if (value := getattr(self, name)) < 1:
                 raise ValueError(f"ShardWriterConfig.{name} must be >= 1, got {value}")
 
 
