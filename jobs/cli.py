@@ -44,7 +44,7 @@ from ditfleet.jobs.prompt_words import tiny_words_warning
 from ditfleet.jobs.ray_auth import ClusterAuthError
 from ditfleet.jobs.run import check_memory, run, say
 from ditfleet.jobs.spec import SpecError, load_spec
-from ditfleet.jobs.submit import SubmitError
+from ditfleet.jobs.submit import SubmitError, submit_slot
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH, Quantization
 from ditfleet.workers.storage import StoreConfigError, StoreError
 
@@ -83,8 +83,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from ditfleet.jobs.submit import submit_slot
-
     spec = load_spec(args.job)  # a bad job file fails here, not on the cluster
     if not spec.name:
         raise UsageError(

@@ -25,12 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from ditfleet.driver.output.job_file import read_job_file
 from ditfleet.workers.contract import MODEL_CACHE_DIR
-from ditfleet.workers.output.layout import (
-    SCORES_PREFIX,
-    manifest_of_key,
-    manifest_of_score_table,
-    score_table_key,
-)
+from ditfleet.workers.output.layout import SCORES_PREFIX, manifest_of_key, manifest_of_score_table
 from ditfleet.workers.output.manifest import current_manifest_keys
 from ditfleet.workers.storage import ObjectStore, S3Config, open_store
 
@@ -170,6 +165,3 @@ def _existing_tables(store: ObjectStore, scorer: str, by_shard: dict[int, str]) 
             store.delete(key)
             deleted.append(key)
     return made, deleted
-
-
-__all__ = ["ScoreReport", "score_output", "score_table_key"]

@@ -21,7 +21,6 @@ import re
 import shlex
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any, TextIO
 
 from ditfleet.jobs.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
@@ -57,13 +56,6 @@ def entrypoint(job_path: str, working_dir: str | None) -> str:
         if os.path.commonpath([root, path]) == root:
             path = os.path.relpath(path, root)
     return f"ditfleet run {shlex.quote(path)}"
-
-
-@dataclass(frozen=True)
-class Submission:
-    submission_id: str
-    submitted: bool  # False: the id existed already (this call attached to that job)
-    status: str  # PENDING | RUNNING | SUCCEEDED | FAILED | STOPPED
 
 
 def exit_code(status: str, driver_exit_code: int | None) -> int | None:
@@ -110,8 +102,9 @@ class SlotSubmitter:
         working_dir: str | None,
         metadata: dict[str, str],
         resubmit_failed: bool = False,
-    ) -> Submission:
-        """Submit `command` as `sid`, or attach to the job that has the id already."""
+    ) -> str:
+        """Submit `command` as `sid`, or attach to the job that has the id already; returns the job's
+        status (PENDING | RUNNING | SUCCEEDED | FAILED | STOPPED)."""
         existing = self.info(sid)
         if existing is not None and resubmit_failed and str(existing.status) in ("FAILED", "STOPPED"):
             self._print(f"{sid}: the earlier job ended {existing.status}; submitting it again")
@@ -122,7 +115,7 @@ class SlotSubmitter:
             existing = None
         if existing is not None:
             self._print(f"{sid}: already submitted ({existing.status}); not submitting it again")
-            return Submission(sid, False, str(existing.status))
+            return str(existing.status)
         runtime_env = {"working_dir": working_dir} if working_dir else None
         try:
             self.client.submit_job(
@@ -133,9 +126,9 @@ class SlotSubmitter:
                 raise SubmitError(f"the job server refused {sid}: {e}") from e
             # Another submitter of the same slot got there between our look-up and our submit.
             self._print(f"{sid}: submitted by another scheduler just now; attaching to it")
-            return Submission(sid, False, str(self.client.get_job_status(sid)))
+            return str(self.client.get_job_status(sid))
         self._print(f"{sid}: submitted: {command}")
-        return Submission(sid, True, "PENDING")
+        return "PENDING"
 
     def wait(self, sid: str, follow_logs: bool = True) -> int:
         """Follow the job's logs until it ends; return its exit code."""
@@ -177,11 +170,10 @@ def submit_slot(
     sid = submission_id(job_name, slot)
     submitter = SlotSubmitter(address, out)
     meta = {"ditfleet_job": job_name, "ditfleet_slot": slot}
-    done = submitter.submit(sid, entrypoint(job_path, working_dir), working_dir, meta, resubmit_failed)
+    status = submitter.submit(sid, entrypoint(job_path, working_dir), working_dir, meta, resubmit_failed)
     if wait:
         return submitter.wait(sid)
-    code = exit_code(done.status, None)
-    if code is None:
+    if exit_code(status, None) is None:
         return EXIT_OK
     info = submitter.client.get_job_info(sid)
     return exit_code(str(info.status), getattr(info, "driver_exit_code", None)) or EXIT_OK
