@@ -1,9 +1,4 @@
-"""The job spec: one YAML (or JSON) file that says what to generate, where, and how.
-
-    spec = load_spec("job.yaml")          # SpecError naming the file, line and key on any problem
-    run_job(spec.to_driver_config(), spec.to_worker_config())
-
-`JobSpec` gathers the sections (jobs.spec.sections) and maps them onto the lower layers' configs.
+"""`JobSpec` gathers the sections (jobs.spec.sections) and maps them onto the lower layers' configs.
 Relative local paths are resolved against the current directory when the spec is converted, so
 every actor gets the same absolute path.
 """
