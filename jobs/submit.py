@@ -21,7 +21,7 @@ import re
 import shlex
 import sys
 import time
-from typing import Any, TextIO
+from typing import Any
 
 from ditfleet.jobs.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from ditfleet.jobs.ray_auth import refused
@@ -71,11 +71,10 @@ def exit_code(status: str, driver_exit_code: int | None) -> int | None:
 class SlotSubmitter:
     """Submits, finds and follows the job of one (job name, slot) on one cluster."""
 
-    def __init__(self, address: str | None, out: TextIO | None = None) -> None:
+    def __init__(self, address: str | None) -> None:
         from ray.exceptions import AuthenticationError
         from ray.job_submission import JobSubmissionClient
 
-        self.out = out if out is not None else sys.stderr
         try:
             self.client = JobSubmissionClient(address)
         except AuthenticationError:
@@ -130,13 +129,12 @@ class SlotSubmitter:
         self._print(f"{sid}: submitted: {command}")
         return "PENDING"
 
-    def wait(self, sid: str, follow_logs: bool = True) -> int:
+    def wait(self, sid: str) -> int:
         """Follow the job's logs until it ends; return its exit code."""
-        if follow_logs:
-            try:
-                asyncio.run(self._tail(sid))
-            except Exception as e:  # noqa: BLE001 - the logs are a convenience; the status decides
-                self._print(f"{sid}: log stream ended ({type(e).__name__}: {e}); polling the status")
+        try:
+            asyncio.run(self._tail(sid))
+        except Exception as e:  # noqa: BLE001 - the logs are a convenience; the status decides
+            self._print(f"{sid}: log stream ended ({type(e).__name__}: {e}); polling the status")
         while True:
             info = self.client.get_job_info(sid)
             code = exit_code(str(info.status), getattr(info, "driver_exit_code", None))
@@ -149,11 +147,11 @@ class SlotSubmitter:
 
     async def _tail(self, sid: str) -> None:
         async for lines in self.client.tail_job_logs(sid):
-            self.out.write(lines)
-            self.out.flush()
+            sys.stderr.write(lines)
+            sys.stderr.flush()
 
     def _print(self, line: str) -> None:
-        print(f"ditfleet submit: {line}", file=self.out, flush=True)
+        print(f"ditfleet submit: {line}", file=sys.stderr, flush=True)
 
 
 def submit_slot(
@@ -164,11 +162,10 @@ def submit_slot(
     wait: bool,
     working_dir: str | None = None,
     resubmit_failed: bool = False,
-    out: TextIO | None = None,
 ) -> int:
     """Submit the job of `slot` once (see the module docstring); returns the exit code."""
     sid = submission_id(job_name, slot)
-    submitter = SlotSubmitter(address, out)
+    submitter = SlotSubmitter(address)
     meta = {"ditfleet_job": job_name, "ditfleet_slot": slot}
     status = submitter.submit(sid, entrypoint(job_path, working_dir), working_dir, meta, resubmit_failed)
     if wait:
