@@ -70,8 +70,7 @@ def _vae_compile_plan(spec: JobSpec) -> dict:
     from ditfleet.compile.config import VAE_CPU_COMPILE_REPAID_AFTER_IMAGES
 
     setting = spec.compile.vae
-    device = spec.actor_device()
-    on = spec.compile_config().vae_on(device)
+    on = spec.compile_config().vae_on(spec.actor_device())
     head = f"vae {'auto -> ' if setting == 'auto' else ''}{'on' if on else 'off'}"
     if setting == "auto" and not on:
         head += (
@@ -90,7 +89,7 @@ def _dit_compile_plan(spec: JobSpec, images: int, buckets: int) -> dict:
     on_cpu = spec.actor_device() == "cpu"
     actors = spec.workers.max or spec.workers.min
     per_actor = images // max(1, actors)
-    on = spec.compile_config().dit_on("cpu" if on_cpu else "cuda", per_actor, buckets)
+    on = spec.compile_config().dit_on(spec.actor_device(), per_actor, buckets)
     if setting == "auto":
         why = "CPU actors" if on_cpu else f"about {per_actor} images per actor for {buckets} bucket(s)"
         head = f"dit auto -> {'on' if on else 'off'} ({why}; on from {AUTO_DIT_IMAGES_PER_BUCKET} per bucket on CUDA)"
