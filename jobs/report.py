@@ -158,13 +158,12 @@ def worker_bars_svg(per_worker: dict[str, tuple[int, float]]) -> str:
 # -- HTML --------------------------------------------------------------------------------------------
 
 
-def _table(head: list[str] | None, body: list[list[Any]], table_id: str = "") -> str:
+def _table(head: list[str] | None, body: list[list[Any]], table_id: str) -> str:
     def tr(cells: list[Any], tag: str = "td") -> str:
         return "<tr>" + "".join(f"<{tag}>{html.escape(str(c))}</{tag}>" for c in cells) + "</tr>"
 
-    ident = f' id="{table_id}"' if table_id else ""
     thead = f"<thead>{tr(head, 'th')}</thead>" if head is not None else ""
-    return f"<table{ident}>{thead}<tbody>{''.join(map(tr, body))}</tbody></table>"
+    return f'<table id="{table_id}">{thead}<tbody>{"".join(map(tr, body))}</tbody></table>'
 
 
 def _seconds(value: Any) -> str:
@@ -217,7 +216,7 @@ def _summary_rows(data: ReportData, failed: int) -> list[list[Any]]:
     rows = data.rows
     images_ok = sum(1 for r in rows if r["status"] == "ok")
     status = s["status"] if s else "not finished (no _SUCCESS yet): what is committed so far"
-    shards = sorted({r["shard"] for r in rows})
+    shards = {r["shard"] for r in rows}
     planned = (s or {}).get("images", {}).get("planned", "?")
     wall = ((s or {}).get("timings") or {}).get("wall_s")
     return [
