@@ -124,10 +124,9 @@ def _math_attention_extra(
 
 def format_inspection(info: dict[str, Any]) -> str:
     lines = [f"model: {info['model']}"]
-    dtype = info["dtype"]
+    dtype, quantization = info["dtype"], info["quantization"]
     for name, c in info["components"].items():
         line = f"  {name:<13} {c['params'] / 1e9:7.3f} B params, {c[f'{dtype}_gb']:7.2f} GB in {dtype}"
-        quantization = info.get("quantization", "none")
         if f"{quantization}_gb" in c:
             line += f", {c[f'{quantization}_gb']:.2f} GB as {quantization}"
         ck = c.get("checkpoint")
@@ -137,7 +136,7 @@ def format_inspection(info: dict[str, Any]) -> str:
                 f"{ck['gb']:.2f} GB {'/'.join(ck['dtypes'])}"
             )
         lines.append(line)
-    dit = f", DiT {info['quantization']}" if info.get("quantization", "none") != "none" else ""
+    dit = f", DiT {quantization}" if quantization != "none" else ""
     lines.append(
         f"memory plan ({dtype}{dit}, prompts up to {info['text_len']} tokens, serial CFG, one image per VAE decode; "
         "peak GB, then per GPU: fits and the largest batch):"

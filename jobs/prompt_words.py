@@ -15,7 +15,7 @@ def tiny_words_warning(spec: JobSpec) -> str | None:
     if spec.model.path != TINY_MODEL:
         return None
     known = vocabulary(str(TINY_MODEL_DIR))
-    column = getattr(spec.input, "prompt_column", "prompt")
+    column = spec.input.prompt_column
     source = prompt_source(spec.to_driver_config())
     words: dict[str, None] = {}
     total = with_unknown = 0
