@@ -6,14 +6,8 @@ tasks over a cluster (`--ray`). Resumable: a manifest whose table exists is skip
 run goes on where it stopped. Never silently stale: a table is named after the manifest
 generation it was made from and joins on the image's uri, which a redo changes; a table whose
 manifest is no longer current (a redo committed a higher generation since) is one this command
-wrote and can prove superseded, so it is deleted before the missing tables are made.
-
-Reading the scores next to the manifests (pyarrow; DuckDB in docs/quality.md):
-
-    import pyarrow.dataset as ds
-    rows = ds.dataset("out/tiny/manifests").to_table(columns=["id", "prompt", "uri"])
-    scores = ds.dataset("out/tiny/scores/tiny").to_table(columns=["uri", "score"])
-    joined = rows.join(scores, "uri")
+wrote and can prove superseded, so it is deleted before the missing tables are made. Reading
+the scores next to the manifests (DuckDB, pyarrow): docs/quality.md.
 """
 
 from __future__ import annotations
