@@ -5,6 +5,7 @@ Writes nothing."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -117,13 +118,7 @@ def _gate_plan(spec: JobSpec, images: int) -> dict:
         f"generated (1-{gate.max_tries}x the DiT work); retries run at the same batch size, so the "
         "memory peak below holds"
     )
-    return {
-        "scorer": gate.scorer,
-        "min": gate.min,
-        "max_tries": gate.max_tries,
-        "most_images_generated": most,
-        "line": line,
-    }
+    return {**dataclasses.asdict(gate), "most_images_generated": most, "line": line}
 
 
 def _step_cache_plan(spec: JobSpec, job: str) -> dict:
