@@ -4,8 +4,8 @@ names the unknown words (docs/tiny-model.md), before any image is made."""
 from __future__ import annotations
 
 from ditfleet.driver.run_job import prompt_source
-from ditfleet.jobs.spec import TINY_MODEL, JobSpec
-from ditfleet.model.loading.folder import TINY_MODEL_DIR
+from ditfleet.jobs.spec import JobSpec
+from ditfleet.model.loading.folder import TINY_MODEL, TINY_MODEL_DIR
 from ditfleet.model.tiny.known_words import unknown_words, unknown_words_warning, vocabulary
 
 

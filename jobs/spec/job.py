@@ -20,7 +20,7 @@ from ditfleet.driver.memory_plan import MemoryRequest
 from ditfleet.driver.plan import PlanConfig
 from ditfleet.driver.run_job import DriverConfig
 from ditfleet.model.family import model_family
-from ditfleet.model.loading.folder import WeightsError, resolve_model_dir, text_encoder_kind
+from ditfleet.model.loading.folder import TINY_MODEL, WeightsError, resolve_model_dir, text_encoder_kind
 from ditfleet.model.settings import PipelineSettings
 from ditfleet.workers.cache_secret import CacheSecretSource
 from ditfleet.workers.contract import GateConfig, LoraSpec, ModelPlacement, WorkerConfig
@@ -31,7 +31,6 @@ from ditfleet.workers.storage import S3Config
 from .derive import fingerprint_entries, settings_from
 from .problems import validated
 from .sections import (
-    TINY_MODEL,
     BucketsSpec,
     CompileSpec,
     InputSpec,
