@@ -23,8 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ditfleet.model.generation.step_cache_config import PRESETS, StepCacheConfig, parse_step_cache
-
-TINY = "tiny"
+from ditfleet.model.loading.folder import TINY_MODEL
 
 
 @dataclass
@@ -43,8 +42,13 @@ class PresetResult:
     # Per bucket, the images made, for the tiny model's adherence (a batch shares one size).
     images_by_bucket: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
-    def add_images(self, bucket: str, images: torch.Tensor) -> None:
+    def add(self, bucket: str, images: torch.Tensor, seconds: float, computed: int, reused: int = 0) -> None:
+        """One batch: its images, its wall time and its DiT block evaluations."""
         self.images_by_bucket.setdefault(bucket, []).append(images)
+        self.images += len(images)
+        self.wall_s += seconds
+        self.blocks_computed += computed
+        self.blocks_reused += reused
 
     def judge(self, captions: list[str]) -> None:
         """The tiny model's adherence of these images: every bucket has the same captions, so the
@@ -130,7 +134,7 @@ def calibrate(
     log=print,
 ) -> dict[str, Any]:
     """Run the calibration for a JobSpec; returns {"exact": {...}, "presets": [...], ...}."""
-    is_tiny = spec.model.path == TINY
+    is_tiny = spec.model.path == TINY_MODEL
     run = _Run.of(spec, _prompts(spec, n, is_tiny)[:n], int(steps or spec.sampling.steps))
     names = list(buckets or spec.bucket_names())
     configs = _configs(presets, spec.sampling.step_cache, run.steps)
@@ -222,13 +226,16 @@ def _configs(presets: Sequence[str], own: StepCacheConfig | None, steps: int) ->
 
 
 def _load(spec: Any) -> Any:
-    """The job's pipeline without its step cache (each run sets its own)."""
+    """The job's pipeline without its step cache (each run sets its own), on the device and in the
+    dtype an actor would choose."""
     from ditfleet.model import load_pipeline
+    from ditfleet.workers.actor import resolve_device
 
+    device, dtype = resolve_device(spec.model.device, spec.model.dtype)
     return load_pipeline(
         spec.model_path(),
-        device=_device(spec),
-        dtype=_dtype(spec),
+        device=device,
+        dtype=dtype,
         settings=dataclasses.replace(spec.pipeline_settings(), step_cache=None),
         loras=spec.model_loras(),
         scheduler_config=spec.model_scheduler_config(),
@@ -255,24 +262,19 @@ def _measure_bucket(
         sampling = Sampling(height, width, run.steps, seeds, run.cfg)
         t0 = time.perf_counter()
         ref = pipe.run(inputs, sampling).images
-        exact.wall_s += time.perf_counter() - t0
-        exact.images += len(chunk)
-        exact.blocks_computed += len(chunk) * run.steps * layers * (2 if run.cfg > 1 else 1)
-        exact.add_images(bucket, ref)
+        blocks = len(chunk) * run.steps * layers * (2 if run.cfg > 1 else 1)
+        exact.add(bucket, ref, time.perf_counter() - t0, blocks)
         for name, config in configs.items():
             t0 = time.perf_counter()
             generation = pipe.with_step_cache(config).run(inputs, sampling)
-            out, cache = generation.images, generation.step_cache
+            seconds, out, cache = time.perf_counter() - t0, generation.images, generation.step_cache
             assert cache is not None
+            counts = cache.per_image()
             r = results[name]
-            r.wall_s += time.perf_counter() - t0
-            r.images += len(chunk)
-            for counts in cache.per_image():
-                r.blocks_computed += counts["blocks_computed"]
-                r.blocks_reused += counts["blocks_reused"]
+            computed, reused = (sum(c[k] for c in counts) for k in ("blocks_computed", "blocks_reused"))
+            r.add(bucket, out, seconds, computed, reused)
             r.psnr += psnr(out, ref).tolist()
             r.ssim += ssim(out, ref).tolist()
-            r.add_images(bucket, out)
 
 
 # Wall time below this share of the work's speed-up gets a line saying why.
@@ -337,17 +339,3 @@ def _prompts(spec: Any, n: int, is_tiny: bool) -> list[str]:
     column = spec.input.prompt_column
     table = ds.dataset(spec.input_uri(), format="parquet").head(n, columns=[column])
     return [str(p) for p in table.column(column).to_pylist()]
-
-
-def _device(spec: Any) -> str:
-    device = spec.model.device
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
-def _dtype(spec: Any) -> torch.dtype:
-    dtype = spec.model.dtype
-    if dtype == "auto":
-        dtype = "bf16" if _device(spec) == "cuda" else "fp32"
-    return {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[dtype]

@@ -44,7 +44,7 @@ from ditfleet.jobs.prompt_words import tiny_words_warning
 from ditfleet.jobs.ray_auth import ClusterAuthError
 from ditfleet.jobs.run import check_memory, run, say
 from ditfleet.jobs.spec import SpecError, load_spec
-from ditfleet.jobs.submit import SubmitError
+from ditfleet.jobs.submit import SubmitError, submit_slot
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH, Quantization
 from ditfleet.workers.storage import StoreConfigError, StoreError
 
@@ -77,14 +77,13 @@ def _shard_list(text: str) -> tuple[int, ...]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     summary = run(args.job, address=args.address, redo_shards=args.redo_shards or ())
-    if summary.shards.get("committed"):
-        print(report_hint(summary.output))
+    if summary.shards.get("committed"):  # how to get the job's report page
+        output = shlex.quote(summary.output)
+        print(f"report: ditfleet report {output} --html report.html  (one HTML page; open it in a browser)")
     return summary.exit_code
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from ditfleet.jobs.submit import submit_slot
-
     spec = load_spec(args.job)  # a bad job file fails here, not on the cluster
     if not spec.name:
         raise UsageError(
@@ -102,11 +101,6 @@ def cmd_submit(args: argparse.Namespace) -> int:
         working_dir=args.working_dir,
         resubmit_failed=args.resubmit_failed,
     )
-
-
-def report_hint(output: str) -> str:
-    """The line `ditfleet run` ends with: how to get the job's report page."""
-    return f"report: ditfleet report {shlex.quote(output)} --html report.html  (one HTML page; open it in a browser)"
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:

@@ -1,8 +1,4 @@
-"""The `ditfleet` command's exit codes (the meanings: jobs/cli.py's docstring).
-
-0: done. 1: the job ran but rows or shards failed, or it stopped on a store error after retries
-(run it again to resume). 2: bad job file, input, location, store or usage (UsageError): nothing
-written."""
+"""The `ditfleet` command's exit codes (what each means: jobs/cli.py's docstring) and UsageError."""
 
 from __future__ import annotations
 

@@ -28,12 +28,6 @@ from ditfleet.model.memory import (
 from ditfleet.model.memory.params import transformer_weight_bytes
 
 
-def default_bucket(model_path: str) -> str:
-    """The largest of the model family's default buckets (1328x1328 for Qwen-Image, 128x128 for
-    the tiny model)."""
-    return max(default_buckets(model_path), key=lambda b: b.pixels).name
-
-
 def inspect_model(request: MemoryRequest, gpus_gb: Sequence[float] = GPU_SIZES_GB) -> dict[str, Any]:
     """Components (parameters, checkpoint headers, bytes in the request's dtype) and, per bucket
     (default: the largest), the peak and the largest batch for every text-encoder placement on
@@ -44,7 +38,8 @@ def inspect_model(request: MemoryRequest, gpus_gb: Sequence[float] = GPU_SIZES_G
             f"{request.model_path}: hf:// models are not read here; inspect a local copy of the folder"
         )
     memory = model_family(request.model_path).memory
-    request = replace(request, buckets=request.buckets or (default_bucket(request.model_path),))
+    largest = max(default_buckets(request.model_path), key=lambda b: b.pixels).name
+    request = replace(request, buckets=request.buckets or (largest,))
     return {
         "model": request.model_path,
         "dtype": request.dtype,
@@ -129,10 +124,9 @@ def _math_attention_extra(
 
 def format_inspection(info: dict[str, Any]) -> str:
     lines = [f"model: {info['model']}"]
-    dtype = info["dtype"]
+    dtype, quantization = info["dtype"], info["quantization"]
     for name, c in info["components"].items():
         line = f"  {name:<13} {c['params'] / 1e9:7.3f} B params, {c[f'{dtype}_gb']:7.2f} GB in {dtype}"
-        quantization = info.get("quantization", "none")
         if f"{quantization}_gb" in c:
             line += f", {c[f'{quantization}_gb']:.2f} GB as {quantization}"
         ck = c.get("checkpoint")
@@ -142,7 +136,7 @@ def format_inspection(info: dict[str, Any]) -> str:
                 f"{ck['gb']:.2f} GB {'/'.join(ck['dtypes'])}"
             )
         lines.append(line)
-    dit = f", DiT {info['quantization']}" if info.get("quantization", "none") != "none" else ""
+    dit = f", DiT {quantization}" if quantization != "none" else ""
     lines.append(
         f"memory plan ({dtype}{dit}, prompts up to {info['text_len']} tokens, serial CFG, one image per VAE decode; "
         "peak GB, then per GPU: fits and the largest batch):"

@@ -69,8 +69,7 @@ def _add_ray_options(p: argparse.ArgumentParser, what: str) -> None:
 def _output_parser(
     sub: argparse._SubParsersAction, name: str, command: Callable[[argparse.Namespace], int], help: str
 ) -> argparse.ArgumentParser:
-    """The parser of the command `name` (its line in `ditfleet --help`: `help`), which `command`
-    runs: the output it reads and that output's S3 options."""
+    """The parser of an output command: the output it reads and that output's S3 options."""
     p = sub.add_parser(name, help=help)
     p.add_argument("output", help="output directory or s3://bucket/prefix")
     add_s3_options(p, "outputs")

@@ -5,6 +5,7 @@ Writes nothing."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -70,8 +71,7 @@ def _vae_compile_plan(spec: JobSpec) -> dict:
     from ditfleet.compile.config import VAE_CPU_COMPILE_REPAID_AFTER_IMAGES
 
     setting = spec.compile.vae
-    device = spec.actor_device()
-    on = spec.compile_config().vae_on(device)
+    on = spec.compile_config().vae_on(spec.actor_device())
     head = f"vae {'auto -> ' if setting == 'auto' else ''}{'on' if on else 'off'}"
     if setting == "auto" and not on:
         head += (
@@ -90,7 +90,7 @@ def _dit_compile_plan(spec: JobSpec, images: int, buckets: int) -> dict:
     on_cpu = spec.actor_device() == "cpu"
     actors = spec.workers.max or spec.workers.min
     per_actor = images // max(1, actors)
-    on = spec.compile_config().dit_on("cpu" if on_cpu else "cuda", per_actor, buckets)
+    on = spec.compile_config().dit_on(spec.actor_device(), per_actor, buckets)
     if setting == "auto":
         why = "CPU actors" if on_cpu else f"about {per_actor} images per actor for {buckets} bucket(s)"
         head = f"dit auto -> {'on' if on else 'off'} ({why}; on from {AUTO_DIT_IMAGES_PER_BUCKET} per bucket on CUDA)"
@@ -118,13 +118,7 @@ def _gate_plan(spec: JobSpec, images: int) -> dict:
         f"generated (1-{gate.max_tries}x the DiT work); retries run at the same batch size, so the "
         "memory peak below holds"
     )
-    return {
-        "scorer": gate.scorer,
-        "min": gate.min,
-        "max_tries": gate.max_tries,
-        "most_images_generated": most,
-        "line": line,
-    }
+    return {**dataclasses.asdict(gate), "most_images_generated": most, "line": line}
 
 
 def _step_cache_plan(spec: JobSpec, job: str) -> dict:

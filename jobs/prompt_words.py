@@ -4,8 +4,8 @@ names the unknown words (docs/tiny-model.md), before any image is made."""
 from __future__ import annotations
 
 from ditfleet.driver.run_job import prompt_source
-from ditfleet.jobs.spec import TINY_MODEL, JobSpec
-from ditfleet.model.loading.folder import TINY_MODEL_DIR
+from ditfleet.jobs.spec import JobSpec
+from ditfleet.model.loading.folder import TINY_MODEL, TINY_MODEL_DIR
 from ditfleet.model.tiny.known_words import unknown_words, unknown_words_warning, vocabulary
 
 
@@ -15,7 +15,7 @@ def tiny_words_warning(spec: JobSpec) -> str | None:
     if spec.model.path != TINY_MODEL:
         return None
     known = vocabulary(str(TINY_MODEL_DIR))
-    column = getattr(spec.input, "prompt_column", "prompt")
+    column = spec.input.prompt_column
     source = prompt_source(spec.to_driver_config())
     words: dict[str, None] = {}
     total = with_unknown = 0

@@ -26,10 +26,7 @@ from ditfleet.driver.output.summary import RATE_NAME, fleet_line, generation_rat
 from ditfleet.jobs.preview import collect
 from ditfleet.jobs.report_images import Thumbnail, image_cells, thumbnail
 from ditfleet.jobs.report_scores import ScoreSection, load_score_sections, scores_html
-from ditfleet.jobs.svg_axes import MARGIN as _MARGIN
-from ditfleet.jobs.svg_axes import PLOT_H as _PLOT_H
-from ditfleet.jobs.svg_axes import PLOT_W as _PLOT_W
-from ditfleet.jobs.svg_axes import axes, round_top
+from ditfleet.jobs.svg_axes import MARGIN, PLOT_H, PLOT_W, axes, round_top, svg
 from ditfleet.workers.output.manifest import read_manifests
 from ditfleet.workers.storage import ObjectStore
 
@@ -115,31 +112,23 @@ def worker_timelines(rows: list[dict[str, Any]]) -> dict[str, list[tuple[float, 
 
 def rate_plot_svg(timelines: dict[str, list[tuple[float, float]]]) -> str:
     """Images per second over (rebuilt) time, one line per worker, a marked point per shard."""
-    curves = timelines
-    span = max((pts[-1][0] for pts in curves.values() if pts), default=0.0)
-    y_max = max((r for c in curves.values() for _, r in c), default=0.0) * 1.1 or 1.0
-    w, h, m = _PLOT_W, _PLOT_H, _MARGIN
+    span = max((pts[-1][0] for pts in timelines.values() if pts), default=0.0)
+    y_max = max((r for c in timelines.values() for _, r in c), default=0.0) * 1.1 or 1.0
+    w, h, m = PLOT_W, PLOT_H, MARGIN
     span, y_max = round_top(span), round_top(y_max)
     parts = axes(span, y_max, "generation time on the worker (s)", RATE_NAME)
     legend = []
-    for i, (worker, curve) in enumerate(curves.items()):
+    for i, (worker, curve) in enumerate(timelines.items()):
         colour = _COLOURS[i % len(_COLOURS)]
-        points = " ".join(
-            f"{m + t / (span or 1.0) * (w - 10 - m):.1f},{h - m - r / y_max * (h - m - 10):.1f}"
-            for t, r in curve
-        )
+        xy = [(m + t / (span or 1.0) * (w - 10 - m), h - m - r / y_max * (h - m - 10)) for t, r in curve]
+        points = " ".join(f"{x:.1f},{y:.1f}" for x, y in xy)
         parts.append(
             f'<polyline class="rate" fill="none" stroke="{colour}" stroke-width="2" points="{points}"/>'
         )
-        for t, r in curve:
-            x, y = m + t / (span or 1.0) * (w - 10 - m), h - m - r / y_max * (h - m - 10)
+        for x, y in xy:
             parts.append(f'<circle class="shard" cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{colour}"/>')
         legend.append(f'<span style="color:{colour}">&#9632;</span> {html.escape(worker)}')
-    return (
-        f'<svg id="rate-plot" xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
-        f'viewBox="0 0 {w} {h}" font-size="11">{"".join(parts)}</svg>'
-        f'<p class="legend">{" &nbsp; ".join(legend)}</p>'
-    )
+    return svg('id="rate-plot"', w, h, parts) + f'<p class="legend">{" &nbsp; ".join(legend)}</p>'
 
 
 def worker_bars_svg(per_worker: dict[str, tuple[int, float]]) -> str:
@@ -147,7 +136,7 @@ def worker_bars_svg(per_worker: dict[str, tuple[int, float]]) -> str:
     items = sorted(per_worker.items())
     rates = {wk: generation_rate(n, s) for wk, (n, s) in items}
     top = max(rates.values(), default=0.0) or 1.0
-    bar_h, label_w, w = 22, 260, _PLOT_W
+    bar_h, label_w, w = 22, 260, PLOT_W
     h = bar_h * len(items) + 10
     parts = []
     for i, (worker, (n, _busy)) in enumerate(items):
@@ -163,25 +152,18 @@ def worker_bars_svg(per_worker: dict[str, tuple[int, float]]) -> str:
         parts.append(
             f'<text x="{label_w + length + 6:.1f}" y="{y + 15}">{rates[worker]:.2f} {RATE_NAME} ({n} images)</text>'
         )
-    return (
-        f'<svg id="worker-bars" xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
-        f'viewBox="0 0 {w} {h}" font-size="11">{"".join(parts)}</svg>'
-    )
+    return svg('id="worker-bars"', w, h, parts)
 
 
 # -- HTML --------------------------------------------------------------------------------------------
 
 
-def _table(head: list[str] | None, body: list[list[Any]], table_id: str = "") -> str:
-    ident = f' id="{table_id}"' if table_id else ""
-    if head is None:
-        body_html = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in body
-        )
-        return f"<table{ident}><tbody>{body_html}</tbody></table>"
-    th = "".join(f"<th>{html.escape(str(c))}</th>" for c in head)
-    trs = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in body)
-    return f"<table{ident}><thead><tr>{th}</tr></thead><tbody>{trs}</tbody></table>"
+def _table(head: list[str] | None, body: list[list[Any]], table_id: str) -> str:
+    def tr(cells: list[Any], tag: str = "td") -> str:
+        return "<tr>" + "".join(f"<{tag}>{html.escape(str(c))}</{tag}>" for c in cells) + "</tr>"
+
+    thead = f"<thead>{tr(head, 'th')}</thead>" if head is not None else ""
+    return f'<table id="{table_id}">{thead}<tbody>{"".join(map(tr, body))}</tbody></table>'
 
 
 def _seconds(value: Any) -> str:
@@ -234,7 +216,7 @@ def _summary_rows(data: ReportData, failed: int) -> list[list[Any]]:
     rows = data.rows
     images_ok = sum(1 for r in rows if r["status"] == "ok")
     status = s["status"] if s else "not finished (no _SUCCESS yet): what is committed so far"
-    shards = sorted({r["shard"] for r in rows})
+    shards = {r["shard"] for r in rows}
     planned = (s or {}).get("images", {}).get("planned", "?")
     wall = ((s or {}).get("timings") or {}).get("wall_s")
     return [
@@ -311,9 +293,6 @@ def render_html(data: ReportData) -> str:
     errors = Counter(r["error"] or "?" for r in failed)
     if s:
         errors = Counter(s.get("failures_by_error") or {}) or errors
-    summary_rows = _summary_rows(data, len(failed))
-    timelines = worker_timelines(data.rows)
-    per_worker = _per_worker(data.rows)
     failures_by_error = _table(["error", "count"], [[e, c] for e, c in errors.most_common()], "errors")
     failure_table = _table(
         ["shard", "id", "k", "attempt", "worker", "error"],
@@ -324,33 +303,30 @@ def render_html(data: ReportData) -> str:
         "failures",
     )
     shard_table = _failed_shards_table(s)
-    cells = image_cells(data.samples)
-    startup_html = _startup_html(s)
     more = f" (first {MAX_FAILURE_ROWS} of {len(failed)})" if len(failed) > MAX_FAILURE_ROWS else ""
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>ditfleet report: {html.escape(data.output)}</title>
 <style>{_CSS}</style></head><body>
 <h1>ditfleet job report</h1>
 <p id="job">{html.escape(job_header(data.spec))}</p>
-<h2>Summary</h2>{_table(None, summary_rows, "summary")}
+<h2>Summary</h2>{_table(None, _summary_rows(data, len(failed)), "summary")}
 <h2>Failures by error</h2>{failures_by_error if errors else '<p class="ok">No failures.</p>'}
 <h2>Images per second over time</h2>
 <p class="note">One point per shard run: its images per second of generation time, at the shard's end
 on its worker's timeline, which lays the worker's shards end to end in shard order by the generation
 times in the manifests (they record durations, not clock times); start-up and waits are not on it.</p>
-{rate_plot_svg(timelines)}
-<h2>Speed per worker ({RATE_NAME}, as <code>ditfleet run</code> prints it)</h2>{worker_bars_svg(per_worker)}
-<h2>Start-up costs per actor</h2>{startup_html}
+{rate_plot_svg(worker_timelines(data.rows))}
+<h2>Speed per worker ({RATE_NAME}, as <code>ditfleet run</code> prints it)</h2>{worker_bars_svg(_per_worker(data.rows))}
+<h2>Start-up costs per actor</h2>{_startup_html(s)}
 <h2>Failed images{more}</h2>{failure_table if failed else '<p class="ok">No failed images.</p>'}
 {"<h2>Failed shards</h2>" + shard_table if shard_table else ""}
 <h2>Scores</h2>{scores_html(data.scores)}
-<h2>Sample images</h2><div class="grid" id="samples">{cells}</div>
+<h2>Sample images</h2><div class="grid" id="samples">{image_cells(data.samples)}</div>
 </body></html>
 """
 
 
 def write_report(store: ObjectStore, html_path: str, samples: int = SAMPLES) -> ReportData:
-    """Write the page for the output in `store` to the local file `html_path`."""
     data = load_report_data(store, samples)
     with open(html_path, "w", encoding="utf-8") as f:
         f.write(render_html(data))

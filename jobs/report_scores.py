@@ -22,7 +22,7 @@ from PIL import Image
 from ditfleet.driver.output.status import OutputCounts, gate_line
 from ditfleet.jobs.preview import scored_rows
 from ditfleet.jobs.report_images import Thumbnail, image_cells, thumbnail
-from ditfleet.jobs.svg_axes import MARGIN, PLOT_H, PLOT_W, axes, round_span, round_top
+from ditfleet.jobs.svg_axes import MARGIN, PLOT_H, PLOT_W, axes, round_span, round_top, svg
 from ditfleet.model.settings import ScorerName
 from ditfleet.workers.output.formats import read_images
 from ditfleet.workers.storage import ObjectStore
@@ -80,11 +80,6 @@ class ScoreSection:
     above: list[Thumbnail] = field(default_factory=list)  # nearest at or above it, rising
 
 
-def _gate_spec(spec: dict[str, Any] | None) -> dict[str, Any]:
-    quality = (spec or {}).get("quality") or {}
-    return quality.get("gate") or {}
-
-
 def _thumbs(store: ObjectStore, picked: list[tuple[float, Any]]) -> list[Thumbnail]:
     blobs = read_images(store, [row for _, (row, _) in picked])
     return [
@@ -98,7 +93,7 @@ def load_score_sections(
 ) -> list[ScoreSection]:
     """A section per scorer that scored any image of the output in `store`. images_ok: the ok
     images of the current manifests; gate_counts: their gate_* counts (status.gate_counts)."""
-    gate = _gate_spec(spec)
+    gate = ((spec or {}).get("quality") or {}).get("gate") or {}
     sections = []
     for name in typing.get_args(ScorerName):
         scored = [(value, (row, prompt)) for value, row, prompt in scored_rows(store, name)]
@@ -145,10 +140,7 @@ def histogram_svg(section: ScoreSection) -> str:
             f'<text x="{x + 4 if x < w / 2 else x - 4:.1f}" y="22" fill="#d62728" '
             f'text-anchor="{"start" if x < w / 2 else "end"}">gate min {section.threshold:g}</text>'
         )
-    return (
-        f'<svg id="hist-{section.scorer}" class="histogram" xmlns="http://www.w3.org/2000/svg" '
-        f'width="{w}" height="{h}" viewBox="0 0 {w} {h}" font-size="11">{"".join(parts)}</svg>'
-    )
+    return svg(f'id="hist-{section.scorer}" class="histogram"', w, h, parts)
 
 
 def scores_html(sections: list[ScoreSection]) -> str:

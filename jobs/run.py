@@ -40,8 +40,8 @@ def connect_ray(address: str | None) -> bool:
 
     if ray.is_initialized():
         return False
-    if address or os.environ.get("RAY_ADDRESS"):
-        target = address or os.environ.get("RAY_ADDRESS", "")
+    target = address or os.environ.get("RAY_ADDRESS")
+    if target:
         check_gcs_token(target)
         try:
             ray.init(address=address, logging_level=logging.WARNING)  # None: Ray reads RAY_ADDRESS
@@ -114,7 +114,6 @@ _TOKEN_REFUSALS = ("authentication token", "unauthenticated", "unauthorized")
 
 
 def alive_ray_nodes() -> int:
-    """Nodes of the connected Ray cluster that are alive now."""
     import ray
 
     return sum(1 for node in ray.nodes() if node.get("Alive"))
@@ -125,11 +124,11 @@ def memory_plan_of(spec: JobSpec) -> JobMemoryPlan | None:
 
     Without workers.gpu_memory_gb the plan is information only: a model whose configs cannot be
     read here (a bucket this machine has no access to) is reported, not an error."""
-    if spec.workers.gpu_memory_gb is not None:
-        return job_memory_plan(spec.memory_request())
     try:
         return job_memory_plan(spec.memory_request())
     except (StoreError, OSError, ValueError) as e:
+        if spec.workers.gpu_memory_gb is not None:
+            raise
         say(f"memory plan skipped: {spec.model.path}: {e}")
         return None
 
@@ -168,10 +167,10 @@ def run(
     from ditfleet.driver.metrics import DriverMetrics
 
     try:
-        on_cluster = bool(address or os.environ.get("RAY_ADDRESS"))
-        if on_cluster:  # a cluster that wants a token refuses the job now, before anything is written
-            check_gcs_token(address or os.environ.get("RAY_ADDRESS", ""))
-        if on_cluster and not is_s3(driver.output_uri) and not spec.output.shared_filesystem:
+        cluster = address or os.environ.get("RAY_ADDRESS")
+        if cluster:  # a cluster that wants a token refuses the job now, before anything is written
+            check_gcs_token(cluster)
+        if cluster and not is_s3(driver.output_uri) and not spec.output.shared_filesystem:
             connect()  # before anything is written: a local output needs a one-node cluster
             check_local_output_nodes(driver.output_uri, False, alive_ray_nodes())
         return run_job(driver, worker, connect=connect, events=DriverMetrics(job=spec.name or ""))

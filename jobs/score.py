@@ -6,14 +6,8 @@ tasks over a cluster (`--ray`). Resumable: a manifest whose table exists is skip
 run goes on where it stopped. Never silently stale: a table is named after the manifest
 generation it was made from and joins on the image's uri, which a redo changes; a table whose
 manifest is no longer current (a redo committed a higher generation since) is one this command
-wrote and can prove superseded, so it is deleted before the missing tables are made.
-
-Reading the scores next to the manifests (pyarrow; DuckDB in docs/quality.md):
-
-    import pyarrow.dataset as ds
-    rows = ds.dataset("out/tiny/manifests").to_table(columns=["id", "prompt", "uri"])
-    scores = ds.dataset("out/tiny/scores/tiny").to_table(columns=["uri", "score"])
-    joined = rows.join(scores, "uri")
+wrote and can prove superseded, so it is deleted before the missing tables are made. Reading
+the scores next to the manifests (DuckDB, pyarrow): docs/quality.md.
 """
 
 from __future__ import annotations
@@ -25,12 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ditfleet.driver.output.job_file import read_job_file
 from ditfleet.workers.contract import MODEL_CACHE_DIR
-from ditfleet.workers.output.layout import (
-    SCORES_PREFIX,
-    manifest_of_key,
-    manifest_of_score_table,
-    score_table_key,
-)
+from ditfleet.workers.output.layout import SCORES_PREFIX, manifest_of_key, manifest_of_score_table
 from ditfleet.workers.output.manifest import current_manifest_keys
 from ditfleet.workers.storage import ObjectStore, S3Config, open_store
 
@@ -170,6 +159,3 @@ def _existing_tables(store: ObjectStore, scorer: str, by_shard: dict[int, str]) 
             store.delete(key)
             deleted.append(key)
     return made, deleted
-
-
-__all__ = ["ScoreReport", "score_output", "score_table_key"]

@@ -21,8 +21,7 @@ import re
 import shlex
 import sys
 import time
-from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any
 
 from ditfleet.jobs.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from ditfleet.jobs.ray_auth import refused
@@ -59,13 +58,6 @@ def entrypoint(job_path: str, working_dir: str | None) -> str:
     return f"ditfleet run {shlex.quote(path)}"
 
 
-@dataclass(frozen=True)
-class Submission:
-    submission_id: str
-    submitted: bool  # False: the id existed already (this call attached to that job)
-    status: str  # PENDING | RUNNING | SUCCEEDED | FAILED | STOPPED
-
-
 def exit_code(status: str, driver_exit_code: int | None) -> int | None:
     """The exit code of a finished job (None while it runs): the driver's own 0/1/2 where
     it has one, 1 for a job that failed without one (it never started) or was stopped."""
@@ -79,11 +71,10 @@ def exit_code(status: str, driver_exit_code: int | None) -> int | None:
 class SlotSubmitter:
     """Submits, finds and follows the job of one (job name, slot) on one cluster."""
 
-    def __init__(self, address: str | None, out: TextIO | None = None) -> None:
+    def __init__(self, address: str | None) -> None:
         from ray.exceptions import AuthenticationError
         from ray.job_submission import JobSubmissionClient
 
-        self.out = out if out is not None else sys.stderr
         try:
             self.client = JobSubmissionClient(address)
         except AuthenticationError:
@@ -110,8 +101,9 @@ class SlotSubmitter:
         working_dir: str | None,
         metadata: dict[str, str],
         resubmit_failed: bool = False,
-    ) -> Submission:
-        """Submit `command` as `sid`, or attach to the job that has the id already."""
+    ) -> str:
+        """Submit `command` as `sid`, or attach to the job that has the id already; returns the job's
+        status (PENDING | RUNNING | SUCCEEDED | FAILED | STOPPED)."""
         existing = self.info(sid)
         if existing is not None and resubmit_failed and str(existing.status) in ("FAILED", "STOPPED"):
             self._print(f"{sid}: the earlier job ended {existing.status}; submitting it again")
@@ -122,7 +114,7 @@ class SlotSubmitter:
             existing = None
         if existing is not None:
             self._print(f"{sid}: already submitted ({existing.status}); not submitting it again")
-            return Submission(sid, False, str(existing.status))
+            return str(existing.status)
         runtime_env = {"working_dir": working_dir} if working_dir else None
         try:
             self.client.submit_job(
@@ -133,17 +125,16 @@ class SlotSubmitter:
                 raise SubmitError(f"the job server refused {sid}: {e}") from e
             # Another submitter of the same slot got there between our look-up and our submit.
             self._print(f"{sid}: submitted by another scheduler just now; attaching to it")
-            return Submission(sid, False, str(self.client.get_job_status(sid)))
+            return str(self.client.get_job_status(sid))
         self._print(f"{sid}: submitted: {command}")
-        return Submission(sid, True, "PENDING")
+        return "PENDING"
 
-    def wait(self, sid: str, follow_logs: bool = True) -> int:
+    def wait(self, sid: str) -> int:
         """Follow the job's logs until it ends; return its exit code."""
-        if follow_logs:
-            try:
-                asyncio.run(self._tail(sid))
-            except Exception as e:  # noqa: BLE001 - the logs are a convenience; the status decides
-                self._print(f"{sid}: log stream ended ({type(e).__name__}: {e}); polling the status")
+        try:
+            asyncio.run(self._tail(sid))
+        except Exception as e:  # noqa: BLE001 - the logs are a convenience; the status decides
+            self._print(f"{sid}: log stream ended ({type(e).__name__}: {e}); polling the status")
         while True:
             info = self.client.get_job_info(sid)
             code = exit_code(str(info.status), getattr(info, "driver_exit_code", None))
@@ -156,11 +147,11 @@ class SlotSubmitter:
 
     async def _tail(self, sid: str) -> None:
         async for lines in self.client.tail_job_logs(sid):
-            self.out.write(lines)
-            self.out.flush()
+            sys.stderr.write(lines)
+            sys.stderr.flush()
 
     def _print(self, line: str) -> None:
-        print(f"ditfleet submit: {line}", file=self.out, flush=True)
+        print(f"ditfleet submit: {line}", file=sys.stderr, flush=True)
 
 
 def submit_slot(
@@ -171,17 +162,15 @@ def submit_slot(
     wait: bool,
     working_dir: str | None = None,
     resubmit_failed: bool = False,
-    out: TextIO | None = None,
 ) -> int:
     """Submit the job of `slot` once (see the module docstring); returns the exit code."""
     sid = submission_id(job_name, slot)
-    submitter = SlotSubmitter(address, out)
+    submitter = SlotSubmitter(address)
     meta = {"ditfleet_job": job_name, "ditfleet_slot": slot}
-    done = submitter.submit(sid, entrypoint(job_path, working_dir), working_dir, meta, resubmit_failed)
+    status = submitter.submit(sid, entrypoint(job_path, working_dir), working_dir, meta, resubmit_failed)
     if wait:
         return submitter.wait(sid)
-    code = exit_code(done.status, None)
-    if code is None:
+    if exit_code(status, None) is None:
         return EXIT_OK
     info = submitter.client.get_job_info(sid)
     return exit_code(str(info.status), getattr(info, "driver_exit_code", None)) or EXIT_OK

@@ -8,6 +8,14 @@ import math
 PLOT_W, PLOT_H, MARGIN = 640, 260, 48  # a plot's size and the room left of and below it, pixels
 
 
+def svg(attributes: str, width: int, height: int, parts: list[str]) -> str:
+    """An inline <svg> element of the page: `attributes` (its id, a class) and its `parts`."""
+    return (
+        f'<svg {attributes} xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" font-size="11">{"".join(parts)}</svg>'
+    )
+
+
 def axes(x_max: float, y_max: float, x_label: str, y_label: str, x_min: float = 0.0) -> list[str]:
     """Axis lines, labels, round ticks and grid lines of a plot of x in [x_min, x_max] (round
     ends: round_top, round_span) and y in [0, y_max]."""

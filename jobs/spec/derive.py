@@ -65,16 +65,6 @@ def section_knobs(section_cls: type[BaseModel]) -> dict[str, Knob]:
     return {key: m for key, f in section_cls.model_fields.items() for m in f.metadata if isinstance(m, Knob)}
 
 
-def knob_values(source: type, *sections: BaseModel) -> dict[str, Any]:
-    """The values the sections give `source`'s knobs, by the dataclass field's name."""
-    out: dict[str, Any] = {}
-    for sec in sections:
-        for key, k in section_knobs(type(sec)).items():
-            if k.source is source:
-                out[k.name] = getattr(sec, key)
-    return out
-
-
 def fingerprint_entries(config: Any, out: dict[str, Any] | None = None) -> dict[str, Any]:
     """The knobs of `config` and of the settings dataclasses it holds that are marked `fingerprint`
     (model.settings.setting), as the plan's fingerprint records them: by key, in their JSON form."""
@@ -96,4 +86,10 @@ def fingerprint_entries(config: Any, out: dict[str, Any] | None = None) -> dict[
 def settings_from(source: type[T], *sections: BaseModel, **given: Any) -> T:
     """`source` built from the knobs the sections show, plus `given` (fields the spec resolves
     itself, such as absolute paths)."""
-    return source(**{**knob_values(source, *sections), **given})
+    values = {
+        k.name: getattr(sec, key)
+        for sec in sections
+        for key, k in section_knobs(type(sec)).items()
+        if k.source is source
+    }
+    return source(**{**values, **given})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +57,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def _unique_pairs(pairs: list[tuple[str, Any]], name: str) -> dict[str, Any]:
-    keys = [k for k, _ in pairs]
-    twice = sorted({k for k in keys if keys.count(k) > 1})
+    twice = sorted(k for k, n in Counter(k for k, _ in pairs).items() if n > 1)
     if twice:
         raise SpecError(f"{name}: {', '.join(map(repr, twice))} appears twice in one object; merge the two")
     return dict(pairs)

@@ -1,9 +1,4 @@
-"""The job spec: one YAML (or JSON) file that says what to generate, where, and how.
-
-    spec = load_spec("job.yaml")          # SpecError naming the file, line and key on any problem
-    run_job(spec.to_driver_config(), spec.to_worker_config())
-
-`JobSpec` gathers the sections (jobs.spec.sections) and maps them onto the lower layers' configs.
+"""`JobSpec` gathers the sections (jobs.spec.sections) and maps them onto the lower layers' configs.
 Relative local paths are resolved against the current directory when the spec is converted, so
 every actor gets the same absolute path.
 """
@@ -19,13 +14,13 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from ditfleet.compile.buckets import BucketSet, default_buckets
-from ditfleet.compile.config import CompileConfig, OnOffAuto
+from ditfleet.compile.config import CompileConfig
 from ditfleet.driver.dispatch import DispatchConfig
 from ditfleet.driver.memory_plan import MemoryRequest
 from ditfleet.driver.plan import PlanConfig
 from ditfleet.driver.run_job import DriverConfig
 from ditfleet.model.family import model_family
-from ditfleet.model.loading.folder import WeightsError, resolve_model_dir, text_encoder_kind
+from ditfleet.model.loading.folder import TINY_MODEL, WeightsError, resolve_model_dir, text_encoder_kind
 from ditfleet.model.settings import PipelineSettings
 from ditfleet.workers.cache_secret import CacheSecretSource
 from ditfleet.workers.contract import GateConfig, LoraSpec, ModelPlacement, WorkerConfig
@@ -36,7 +31,6 @@ from ditfleet.workers.storage import S3Config
 from .derive import fingerprint_entries, settings_from
 from .problems import validated
 from .sections import (
-    TINY_MODEL,
     BucketsSpec,
     CompileSpec,
     InputSpec,
@@ -148,10 +142,6 @@ class JobSpec(Section):
     def model_scheduler_config(self) -> str | None:
         return _absolute(self.model.scheduler_config) if self.model.scheduler_config else None
 
-    def clip_model(self) -> str | None:
-        path = self.quality.clip_model
-        return _absolute(path) if path else None
-
     def resolved(self) -> dict[str, Any]:
         """The spec with every default and path filled in (JSON-safe): what `_job.json` stores."""
         doc = self.model_dump(mode="json")
@@ -187,10 +177,13 @@ class JobSpec(Section):
         planned for the actors' device, and the spec's own values: the model, and only when set
         (so that outputs planned before they existed keep their fingerprint) the job's name the
         files embed, the gate (with the CLIP model when it judges), adapters, a scheduler override."""
-        worker = self.to_worker_config()
-        planned = dataclasses.replace(
-            worker.compile, vae=worker.compile.vae_on(self.actor_device()), dit=self.compile_dit_planned()
-        )
+        worker, device = self.to_worker_config(), self.actor_device()
+        # compile.vae "auto" depends on the device alone: the fingerprint records the bool. compile.dit
+        # "auto" is off on CPU actors (CompileConfig.dit_on), recorded as False so that a CPU job keeps
+        # the fingerprint it had when the default was false; on a GPU it stays "auto" (each actor
+        # decides it from the same expected image count).
+        dit = False if worker.compile.dit == "auto" and device == "cpu" else worker.compile.dit
+        planned = dataclasses.replace(worker.compile, vae=worker.compile.vae_on(device), dit=dit)
         settings = fingerprint_entries(dataclasses.replace(worker, compile=planned))
         settings["model"] = worker.model_path
         if worker.writer.embed_metadata:
@@ -208,16 +201,6 @@ class JobSpec(Section):
     def actor_device(self) -> str:
         """The device type an actor runs the model on: "cpu" or "cuda"."""
         return "cpu" if self.model.device == "cpu" or self.gpus_per_actor() == 0 else "cuda"
-
-    def compile_dit_planned(self) -> OnOffAuto:
-        """compile.dit as the fingerprint records it: "auto" is off on CPU actors
-        (CompileConfig.dit_on), so a CPU job keeps the fingerprint it had when the default was
-        false; on a GPU "auto" stays "auto" (each actor decides it from the same expected image
-        count). compile.vae "auto" depends on the device alone: the fingerprint records the bool."""
-        dit = self.compile.dit
-        if dit == "auto" and self.actor_device() == "cpu":
-            return False
-        return dit
 
     def memory_request(self) -> MemoryRequest:
         """What one actor asks of its GPU, for the memory plan (every bucket of the job)."""
@@ -237,7 +220,7 @@ class JobSpec(Section):
             max_sequence_length=self.model.max_sequence_length,
             table_steps=(self.sampling.steps,) if table else (),
             s3=self.s3_config(),
-            device="cpu" if on_cpu else "cuda",
+            device=self.actor_device(),
             quantization=self.pipeline_settings().quantization,
             step_cache_tensors=step_cache.kept_tensors() if step_cache is not None else 0,
             vqa="vqa" in self.scorer_names(),
@@ -285,7 +268,7 @@ class JobSpec(Section):
             writer=settings_from(ShardWriterConfig, self.output),
             job_name=self.name,
             gate=self.gate_config(),
-            clip_model=self.clip_model(),
+            clip_model=_absolute(self.quality.clip_model) if self.quality.clip_model else None,
             s3=self.s3_config(),
         )
 

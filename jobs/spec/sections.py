@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ditfleet.compile.buckets import BucketError, BucketSet, ResolutionBucket
+from ditfleet.compile.buckets import BucketSet
 from ditfleet.compile.config import CompileConfig, OnOffAuto
 from ditfleet.driver.dispatch import DispatchConfig
 from ditfleet.driver.plan import PlanConfig
@@ -208,12 +208,7 @@ class BucketsSpec(Section):
     @field_validator("names")
     @classmethod
     def _parse(cls, names: list[str] | None) -> list[str] | None:
-        if names is None:
-            return None
-        try:
-            return [ResolutionBucket.parse(n).name for n in BucketSet.from_names(names).names]
-        except BucketError as e:
-            raise ValueError(str(e)) from e
+        return None if names is None else list(BucketSet.from_names(names).names)  # BucketError: a ValueError
 
 
 # torch.compile at actor start-up (compile.config.CompileConfig), and where each actor finds the
