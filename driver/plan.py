@@ -88,15 +88,7 @@ class InputIdentity:
     content_digest: str | None = None
 
     def to_doc(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {
-            "uri": self.uri,
-            "size": self.size,
-            "rows": self.rows,
-            "footer_sha256": self.footer_sha256,
-        }
-        if self.content_digest is not None:
-            doc["content_digest"] = self.content_digest
-        return doc
+        return {k: v for k, v in vars(self).items() if v is not None}
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,7 @@ import io
 import json
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -74,7 +73,6 @@ class RunRecord:
     superseded: tuple[int, ...] = ()
     ids_key: str | None = None  # the ids of the rows of `shards`; None when there are none
     skipped_rows: int = 0  # rows of `files` left out: their ids were in the output already
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def rows(self) -> int:
@@ -111,7 +109,6 @@ class RunRecord:
             "rows": self.rows,
             "images": self.images,
             "skipped_rows": self.skipped_rows,
-            **self.extra,
         }
         return json.dumps(doc, indent=1) + "\n"
 

@@ -37,9 +37,6 @@ class ShardQueue:
     def __len__(self) -> int:
         return len(self._front) + self._n - self._next
 
-    def __bool__(self) -> bool:
-        return bool(self._front) or self._next < self._n
-
     def popleft(self) -> int:
         if self._front:
             return self._front.popleft()

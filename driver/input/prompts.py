@@ -42,6 +42,11 @@ def _hidden(name: str) -> bool:
     return name.startswith(("_", "."))
 
 
+def glob_start(parts: Sequence[str]) -> int | None:
+    """The index of the first path component holding a glob character; None when none does."""
+    return next((i for i, p in enumerate(parts) if _GLOB_CHARS & set(p)), None)
+
+
 def _glob_match(pattern: Sequence[str], parts: Sequence[str]) -> bool:
     """Component-wise glob: '*', '?', '[..]' stay inside one path component; '**' spans any number."""
     if not pattern:
@@ -78,7 +83,7 @@ class PromptSource:
         directory a glob starts in, or the directory of a single file (no trailing "/")."""
         path = fs_path(self.uri).rstrip("/")
         parts = path.split("/")
-        glob_at = next((i for i, p in enumerate(parts) if _GLOB_CHARS & set(p)), None)
+        glob_at = glob_start(parts)
         if glob_at is not None:
             base = "/".join(parts[:glob_at])
         elif any(f.uri == (self.uri if self._s3 else path) for f in self.files()):
@@ -103,8 +108,9 @@ class PromptSource:
     def _resolve(self) -> tuple[InputFile, ...]:
         path = fs_path(self.uri)
         parts = path.split("/")
-        if any(_GLOB_CHARS & set(p) for p in parts):
-            return self._glob(parts)
+        first_glob = glob_start(parts)
+        if first_glob is not None:
+            return self._glob(parts, first_glob)
         info = self.filesystem.get_file_info(path)
         if info.type == pafs.FileType.NotFound:
             raise file_error(self.uri, "no such file or directory", "Check the input path")
@@ -125,8 +131,7 @@ class PromptSource:
             )
         return self._sorted(found)
 
-    def _glob(self, parts: list[str]) -> tuple[InputFile, ...]:
-        first = next(i for i, p in enumerate(parts) if _GLOB_CHARS & set(p))
+    def _glob(self, parts: list[str], first: int) -> tuple[InputFile, ...]:
         base = "/".join(parts[:first])
         matched = [
             i
