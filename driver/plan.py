@@ -21,7 +21,6 @@ import hashlib
 import json
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,14 +30,13 @@ import pyarrow.compute as pc
 from ditfleet.compile.buckets import BucketError
 from ditfleet.driver.input.arrays import plain
 from ditfleet.driver.input.duplicate_ids import DIGEST_BITS
-from ditfleet.driver.input.prompts import DEFAULT_BATCH_ROWS, InputFile, PromptSource
+from ditfleet.driver.input.prompts import DEFAULT_BATCH_ROWS, InputFile, PromptSource, read_each
 from ditfleet.driver.input.row_errors import file_error
 from ditfleet.driver.input.scan import ScanOptions, scan_input
 from ditfleet.driver.input.validate import DEFAULT_MAX_ERRORS, valid_sizes
 from ditfleet.model.settings import field_default, setting, settings_fields
 from ditfleet.workers.content_digest import RangeDigest, combine, hex_digest, prepare
 from ditfleet.workers.rows import MAX_SIDE, RowConfig, ShardSpec, content_columns
-from ditfleet.workers.storage.base import READ_THREADS
 from ditfleet.workers.storage.input_files import InputFileError, footer_sha256, largest_row_group
 
 FINGERPRINT_VERSION = 1
@@ -108,10 +106,7 @@ class JobPlan:
 
     def fingerprint_doc(self) -> dict[str, Any]:
         """The settings and input identities the fingerprint is computed over (stored in _job.json)."""
-        return {
-            **settings_doc(self.config),
-            "inputs": [i.to_doc() for i in self.inputs],
-        }
+        return {**settings_doc(self.config), "inputs": [i.to_doc() for i in self.inputs]}
 
     def fingerprint(self) -> str:
         """sha256 (hex) of the canonical JSON of fingerprint_doc()."""
@@ -358,10 +353,7 @@ def footer_hashes(source: PromptSource, files: Sequence[InputFile]) -> dict[str,
         except InputFileError as e:
             raise file_error(e.uri, e.problem, e.hint) from e
 
-    if len(files) <= 1:
-        return {f.uri: one(f) for f in files}
-    with ThreadPoolExecutor(max_workers=min(READ_THREADS, len(files))) as pool:
-        return dict(zip((f.uri for f in files), pool.map(one, files)))
+    return dict(zip((f.uri for f in files), read_each(one, files)))
 
 
 def input_identities(

@@ -20,17 +20,15 @@ import dataclasses
 import io
 import json
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ditfleet.driver.input.prompts import InputFile, PromptSource
+from ditfleet.driver.input.prompts import InputFile, PromptSource, read_each
 from ditfleet.driver.input.row_errors import InputError
 from ditfleet.driver.plan import InputIdentity, JobPlan, PlanConfig, fingerprint_of, settings_doc
 from ditfleet.workers.rows import ShardSpec
 from ditfleet.workers.storage import ObjectStore
-from ditfleet.workers.storage.base import READ_THREADS
 from ditfleet.workers.storage.input_files import InputFileError, footer_sha256
 from ditfleet.workers.storage.parquet_bytes import read_parquet
 
@@ -150,8 +148,7 @@ def current_identities(source: PromptSource) -> tuple[InputIdentity, ...] | None
         return InputIdentity(f.uri, f.size, rows, footer_sha256(source.filesystem, f.uri))
 
     try:
-        with ThreadPoolExecutor(max_workers=max(1, min(READ_THREADS, len(files)))) as pool:
-            return tuple(pool.map(one, files))
+        return tuple(read_each(one, files))
     except (InputError, InputFileError):
         return None
 

@@ -222,10 +222,7 @@ class JobProgress(DispatchEvents):
         n = self.images_ok + self.images_failed
         if not n or self.first_result_at is None:
             return 0.0
-        start = min(
-            (s.get("_ready_at", self.t0) for s in self.startup.values()),
-            default=self.t0,
-        )
+        start = min((s.get("_ready_at", self.t0) for s in self.startup.values()), default=self.t0)
         elapsed = time.monotonic() - start
         return n / elapsed if elapsed > 0 else 0.0
 
@@ -252,7 +249,7 @@ class JobProgress(DispatchEvents):
 
     def actor_starting(self, count: int) -> None:
         self.actor_events["started"] += count
-        self.log(f"starting {count} worker actor{'s' if count != 1 else ''}")
+        self.log(f"starting {plural(count, 'worker actor')}")
 
     def actor_ready(self, worker_id: str, report: dict, startup_s: float) -> None:
         self.actor_events["ready"] += 1

@@ -255,7 +255,7 @@ def _incremental_work(run: _Execution, started: float) -> _Work | JobSummary:
     nothing new to run."""
     config, out = run.config, run.out
     store = open_store(config.output_uri, config.s3)
-    plan, fingerprint = _plan_increment(config, store, run.model(), lambda: run.hold(store))
+    plan = _plan_increment(config, store, run.model(), lambda: run.hold(store))
     plan_s = time.monotonic() - started
     for line in plan.describe():
         print(line, file=out)
@@ -272,7 +272,7 @@ def _incremental_work(run: _Execution, started: float) -> _Work | JobSummary:
             file=out,
         )
         timings = {"plan_s": 0.0, "dispatch_s": 0.0, "count_s": 0.0, "wall_s": time.monotonic() - started}
-        outcome = RunOutcome(todo, frozenset(), fingerprint, planned, None, run.progress(0, 0), timings)
+        outcome = RunOutcome(todo, frozenset(), plan.fingerprint, planned, None, run.progress(0, 0), timings)
         summary = build_summary(store.uri(), outcome, OutputCounts())
         if shards and read_success(store, out=out) is None:
             # Every shard is committed but no run got to write _SUCCESS (it stopped just before,
@@ -287,7 +287,7 @@ def _incremental_work(run: _Execution, started: float) -> _Work | JobSummary:
     # carried over from a run that left it behind.
     _prepare_to_write(store, out)
     order = config.plan.rows.buckets.names
-    return _Work(store, fingerprint, todo, frozenset(), planned, order, plan_s)
+    return _Work(store, plan.fingerprint, todo, frozenset(), planned, order, plan_s)
 
 
 @dataclass
@@ -437,16 +437,12 @@ def preview_increment(config: DriverConfig) -> IncrementPlan:
 
 
 def _plan_increment(
-    config: DriverConfig,
-    store: ObjectStore,
-    model: ModelIdentity | None = None,
-    hold: Callable[[], None] = lambda: None,
-) -> tuple[IncrementPlan, str]:
+    config: DriverConfig, store: ObjectStore, model: ModelIdentity | None, hold: Callable[[], None]
+) -> IncrementPlan:
     """Plan the next run and write its record; plans again if another driver took the number.
 
     Nothing is written before the new files passed validation, and nothing at all when there
     is nothing new; `hold` (taking the lease) is called before the first write.
-    Returns the plan and the job's settings fingerprint.
     """
     source = prompt_source(config)
     spec = json.loads(config.resolved_spec)
@@ -457,13 +453,13 @@ def _plan_increment(
         )
         plan = plan_increment(source, config.plan, store, committed_shards(store), fingerprint)
         if plan.record is None:
-            return plan, fingerprint
+            return plan
         store.check_writable()
         hold()
         claim_incremental_output(store, config.plan, config.input_uri, spec, model=model)
         written = commit_increment(store, plan)
         if written is not None:
-            return written, fingerprint
+            return written
     raise OutputMismatch(
         f"output {store.uri()}: another driver planned a run at the same time, {_PLAN_TRIES} times in "
         "a row. Is a second `ditfleet run` of this job writing to it? Let one run at a time"

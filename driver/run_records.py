@@ -23,17 +23,16 @@ from __future__ import annotations
 import io
 import json
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from ditfleet.driver.input.prompts import read_each
 from ditfleet.workers.output.layout import RUNS_PREFIX, run_ids_key, run_key, run_of_key
 from ditfleet.workers.rows import ShardSpec
 from ditfleet.workers.storage import ObjectNotFound, ObjectStore
-from ditfleet.workers.storage.base import READ_THREADS
 from ditfleet.workers.storage.parquet_bytes import read_parquet
 
 RUN_RECORD_VERSION = 1
@@ -157,8 +156,6 @@ class RunRecord:
 def read_run_records(store: ObjectStore) -> list[RunRecord]:
     """Every run record of the output, by run number."""
     keys = sorted(k for k in store.list(RUNS_PREFIX) if run_of_key(k) is not None)
-    if not keys:
-        return []
 
     def read(key: str) -> RunRecord:
         record = RunRecord.from_json(store.get(key), store.uri(key))
@@ -166,8 +163,7 @@ def read_run_records(store: ObjectStore) -> list[RunRecord]:
             raise RunRecordError(f"{store.uri(key)} says it is run {record.run}; restore the file")
         return record
 
-    with ThreadPoolExecutor(max_workers=min(READ_THREADS, len(keys))) as pool:
-        return list(pool.map(read, keys))
+    return read_each(read, keys)
 
 
 @dataclass(frozen=True)
@@ -239,8 +235,6 @@ def recorded_ids(store: ObjectStore, records: Sequence[RunRecord], leave_out: It
     `leave_out` (superseded ones: their rows are to be planned again)."""
     skip = pa.array(sorted(set(leave_out)), pa.int32())
     keys = [r.ids_key for r in records if r.ids_key]
-    if not keys:
-        return pa.array([], pa.string())
 
     def read(key: str) -> pa.Array:
         try:
@@ -254,8 +248,7 @@ def recorded_ids(store: ObjectStore, records: Sequence[RunRecord], leave_out: It
             table = table.filter(pc.invert(pc.is_in(table.column("shard"), value_set=skip)))
         return table.column("id").combine_chunks()
 
-    with ThreadPoolExecutor(max_workers=min(READ_THREADS, len(keys))) as pool:
-        arrays = list(pool.map(read, keys))
+    arrays = read_each(read, keys)
     return pa.concat_arrays(arrays) if arrays else pa.array([], pa.string())
 
 

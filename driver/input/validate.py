@@ -18,14 +18,7 @@ import pyarrow.compute as pc
 from ditfleet.driver.input.arrays import outside, plain
 from ditfleet.driver.input.prompts import InputFile
 from ditfleet.driver.input.row_errors import InputError, RowError, describe_value
-from ditfleet.workers.rows import (
-    CFG_RANGE,
-    MAX_SEED,
-    MAX_SIDE,
-    NUM_IMAGES_RANGE,
-    STEPS_RANGE,
-    RowConfig,
-)
+from ditfleet.workers.rows import CFG_RANGE, MAX_SEED, MAX_SIDE, NUM_IMAGES_RANGE, STEPS_RANGE, RowConfig
 
 DEFAULT_MAX_ERRORS = 50
 
