@@ -137,11 +137,8 @@ class PhaseTracker:
         published = read_phase(actor_id(handle))
         if published is not None:
             phase = published["phase"]
-            if phase == COMPILING:
-                return phase, compiling_detail(published)
-            return phase, ""
-        placed = ray_placement(handle)
-        if placed is not False:
+            return phase, compiling_detail(published) if phase == COMPILING else ""
+        if ray_placement(handle) is not False:
             return STARTING, ""
         if self._fits is None:  # node totals change rarely; judged once per tracker
             self._fits = fits_some_node(self.request)

@@ -399,13 +399,10 @@ def row_group_warnings(source: PromptSource, files: Sequence[InputFile], shard_s
     if not large:
         return []
     shown = ", ".join(f"{uri} ({rows} rows)" for uri, rows in large[:_ROW_GROUP_WARN_FILES])
-    more = (
-        f" and {len(large) - _ROW_GROUP_WARN_FILES} more file(s)"
-        if len(large) > _ROW_GROUP_WARN_FILES
-        else ""
-    )
+    more = len(large) - _ROW_GROUP_WARN_FILES
+    more_text = f" and {more} more file(s)" if more > 0 else ""
     return [
-        f"row groups much larger than a shard ({shard_size} rows) in {shown}{more}: an actor reads a "
+        f"row groups much larger than a shard ({shard_size} rows) in {shown}{more_text}: an actor reads a "
         "row group from its start up to its shard's last row, so most of what it reads belongs to "
         "other shards. Rewrite the files with smaller row groups, e.g. "
         f"pyarrow.parquet.write_table(table, path, row_group_size={shard_size}), or raise shards.size"

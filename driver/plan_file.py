@@ -58,17 +58,10 @@ def plan_table(plan: JobPlan) -> pa.Table:
     bit = {name: 1 << i for i, name in enumerate(plan.config.rows.buckets.names)}
     masks: dict[tuple[str, ...], int] = {}
     shards = plan.shards
-    columns = {
-        "index": [s.index for s in shards],
-        "file": [files[s.file] for s in shards],
-        "row_start": [s.row_start for s in shards],
-        "row_stop": [s.row_stop for s in shards],
-        "position_start": [s.position_start for s in shards],
-        "buckets": [masks.get(s.buckets_used) or _mask(masks, bit, s.buckets_used) for s in shards],
-        "num_images": [s.num_images for s in shards],
-        "id_prefix": [s.id_prefix for s in shards],
-        "content_digest": [s.content_digest for s in shards],
-    }
+    # Every column but file (a number) and buckets (a mask) is the ShardSpec field of its name.
+    columns = {n: [getattr(s, n) for s in shards] for n in _SCHEMA.names if n not in ("file", "buckets")}
+    columns["file"] = [files[s.file] for s in shards]
+    columns["buckets"] = [masks.get(s.buckets_used) or _mask(masks, bit, s.buckets_used) for s in shards]
     meta = {
         "version": PLAN_FILE_VERSION,
         "fingerprint": plan.fingerprint(),

@@ -163,7 +163,8 @@ def run_job(
     try:
         return _run(run)
     finally:
-        run.release()
+        if run.lease is not None:
+            run.lease.release()
 
 
 def _run(run: _Execution) -> JobSummary:
@@ -341,10 +342,6 @@ class _Execution:
             self.lease.record_work(
                 (s.index for s in todo), {s.index: s.generation for s in todo if s.generation}
             )
-
-    def release(self) -> None:
-        if self.lease is not None:
-            self.lease.release()
 
     def progress(self, shards: int, images: int, done_shards: int = 0, done_images: int = 0) -> JobProgress:
         return JobProgress(

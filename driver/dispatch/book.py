@@ -48,10 +48,6 @@ class ShardQueue:
     def appendleft(self, pos: int) -> None:
         self._front.appendleft(pos)
 
-    def __iter__(self):
-        yield from self._front
-        yield from range(self._next, self._n)
-
 
 class ShardBook:
     def __init__(self, shards: Sequence[ShardSpec], keep_results: bool = True) -> None:
