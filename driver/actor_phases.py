@@ -40,10 +40,9 @@ class ActorPhase:
     in_phase_s: float  # since the driver first saw this phase
 
     def describe(self) -> str:
-        label = PHASE_LABELS.get(self.phase, self.phase)
         if self.phase == COMPILING and self.detail:
-            label = f"compiling {self.detail.split(', ', 1)[0]}"
-        return label
+            return f"compiling {self.detail.split(', ', 1)[0]}"
+        return PHASE_LABELS.get(self.phase, self.phase)
 
     @property
     def note(self) -> str:

@@ -24,6 +24,7 @@ Ray must be initialised by the caller (jobs/ does it), unless nothing is left to
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -209,7 +210,7 @@ def _plain_work(run: _Execution, started: float) -> _Work | JobSummary:
         print(f"warning: {warning}", file=out)
     store.check_writable()
     run.hold(store)
-    claim_output(store, plan, json.loads(config.resolved_spec), run.model())
+    claim_output(store, plan, json.loads(config.resolved_spec), run.model)
     done = committed_shards(store) & {s.index for s in plan.shards}
     redo = redo_generations(store, plan.shards, done, config.redo_shards)  # refused: nothing written
     if stored is None:
@@ -256,7 +257,7 @@ def _incremental_work(run: _Execution, started: float) -> _Work | JobSummary:
     nothing new to run."""
     config, out = run.config, run.out
     store = open_store(config.output_uri, config.s3)
-    plan = _plan_increment(config, store, run.model(), lambda: run.hold(store))
+    plan = _plan_increment(config, store, run.model, lambda: run.hold(store))
     plan_s = time.monotonic() - started
     for line in plan.describe():
         print(line, file=out)
@@ -305,28 +306,24 @@ class _Execution:
 
     lease: OutputLease | None = None
     settled: Settled = field(default_factory=Settled)
-    _model: tuple[ModelIdentity | None] | None = None
 
+    @functools.cached_property
     def model(self) -> ModelIdentity | None:
         """The identity of the model's bytes (once per run), also handed to every actor, which
         refuses to start on other weights; None when this machine cannot read the model."""
-        if self._model is None:
-            wc = self.worker_config
-            try:
-                identity = model_identity(
-                    wc.model_path, wc.model_cache_dir, wc.s3, wc.loras, wc.scheduler_config
-                )
-            except Exception as e:  # noqa: BLE001 - the actors' own fetch reports what is wrong
-                print(
-                    f"warning: model {wc.model_path} cannot be read here ({type(e).__name__}: {e}); "
-                    "the output does not record its weights' digest and actors are not checked against it",
-                    file=self.out,
-                )
-                identity = None
-            self._model = (identity,)
-            if identity is not None:
-                self.worker_config = dataclasses.replace(wc, model_identity=identity.to_dict())
-        return self._model[0]
+        wc = self.worker_config
+        try:
+            identity = model_identity(wc.model_path, wc.model_cache_dir, wc.s3, wc.loras, wc.scheduler_config)
+        except Exception as e:  # noqa: BLE001 - the actors' own fetch reports what is wrong
+            print(
+                f"warning: model {wc.model_path} cannot be read here ({type(e).__name__}: {e}); "
+                "the output does not record its weights' digest and actors are not checked against it",
+                file=self.out,
+            )
+            return None
+        if identity is not None:
+            self.worker_config = dataclasses.replace(wc, model_identity=identity.to_dict())
+        return identity
 
     def hold(self, store: ObjectStore) -> None:
         """Own the output for this run (one driver at a time; raises OutputBusy), then settle
@@ -475,11 +472,8 @@ def _prepare_to_write(store: ObjectStore, out: TextIO) -> None:
 
 
 __all__ = [
-    "DispatchConfig",
     "DriverConfig",
     "OutputMismatch",
-    "PlanConfig",
-    "claim_incremental_output",
     "claim_output",
     "plan_input",
     "preview_increment",

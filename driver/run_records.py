@@ -81,9 +81,6 @@ class RunRecord:
     def images(self) -> int:
         return sum(s.num_images for s in self.shards)
 
-    def file_of(self, shard: ShardSpec) -> FileEntry:
-        return next(f for f in self.files if f.uri == shard.file)
-
     def to_json(self) -> str:
         index = {f.uri: i for i, f in enumerate(self.files)}
         doc = {
@@ -210,7 +207,7 @@ class RecordedPlan:
 
     def file_entry(self, shard: ShardSpec) -> FileEntry:
         record = next(r for r in self.records if r.run == self.run_of[shard.index])
-        return record.file_of(shard)
+        return next(f for f in record.files if f.uri == shard.file)
 
 
 def write_ids(store: ObjectStore, run: int, token: str, shard_ids: Iterable[tuple[int, pa.Array]]) -> str:

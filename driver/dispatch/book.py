@@ -114,7 +114,6 @@ class ShardBook:
         return True
 
     def fail(self, pos: int, kind: str, error: str) -> ShardFailure:
-        """Give the shard up."""
         self.status[pos] = FAILED
         self.pending -= 1
         failure = ShardFailure(self.shards[pos].index, self.failures[pos], kind, error)

@@ -306,8 +306,7 @@ class Dispatcher:
                     self._submit(pos, slot, speculative=False, attempt=self.book.unstarted.pop(pos, None))
 
     def _submit(self, pos: int, slot: Slot, speculative: bool, attempt: int | None = None) -> Run:
-        """Queue shard `pos` on `slot`. attempt: reuse a number (a move of a run that never
-        started); default the next one, from 0, as the manifest records it."""
+        """Queue shard `pos` on `slot` under `attempt` (see ShardBook.attempt_for)."""
         attempt = self.book.attempt_for(pos, attempt)
         now = self.clock()
         shard = self.book.shards[pos]
