@@ -33,23 +33,16 @@ PHASE_LABELS = {LOADING: "loading weights", COMPILING: "compiling", READY: "read
 
 @dataclass(frozen=True)
 class ActorPhase:
-    """One starting actor as last seen: `since` is when the driver first saw this phase."""
+    """One starting actor as last seen."""
 
-    slot: int
     phase: str  # UNPLACEABLE | WAITING | STARTING | loading | compiling | ready
     detail: str  # e.g. "bucket 2/3 (512x512)", or what an unplaceable actor asks for
-    elapsed_s: float  # since the actor was created
     in_phase_s: float  # since the driver first saw this phase
 
-    @property
-    def placed(self) -> bool:
-        return self.phase not in (UNPLACEABLE, WAITING)
-
     def describe(self) -> str:
-        label = PHASE_LABELS.get(self.phase, self.phase)
         if self.phase == COMPILING and self.detail:
-            label = f"compiling {self.detail.split(', ', 1)[0]}"
-        return label
+            return f"compiling {self.detail.split(', ', 1)[0]}"
+        return PHASE_LABELS.get(self.phase, self.phase)
 
     @property
     def note(self) -> str:
@@ -120,7 +113,7 @@ class PhaseTracker:
         self._fits: bool | None = None
 
     def poll(self, slots: list[Any], now: float | None = None) -> tuple[ActorPhase, ...]:
-        """slots: the pool's STARTING slots (id, handle, created_at)."""
+        """slots: the pool's STARTING slots (their id and handle)."""
         now = time.monotonic() if now is None else now
         # Two GCS reads per starting actor: a fleet of hundreds is polled less often.
         if now - self._last_poll < max(self.every_s, len(slots) / 50):
@@ -135,7 +128,7 @@ class PhaseTracker:
             if seen is None or seen[:2] != (phase, detail):
                 seen = (phase, detail, now)
                 self._seen[slot.id] = seen
-            out.append(ActorPhase(slot.id, phase, detail, now - slot.created_at, now - seen[2]))
+            out.append(ActorPhase(phase, detail, now - seen[2]))
         self._phases = tuple(out)
         return self._phases
 
@@ -143,11 +136,8 @@ class PhaseTracker:
         published = read_phase(actor_id(handle))
         if published is not None:
             phase = published["phase"]
-            if phase == COMPILING:
-                return phase, compiling_detail(published)
-            return phase, ""
-        placed = ray_placement(handle)
-        if placed is not False:
+            return phase, compiling_detail(published) if phase == COMPILING else ""
+        if ray_placement(handle) is not False:
             return STARTING, ""
         if self._fits is None:  # node totals change rarely; judged once per tracker
             self._fits = fits_some_node(self.request)

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import os
 
+from ditfleet.driver.input.prompts import glob_start
 from ditfleet.workers.storage.input_files import check_s3_uri, is_s3
 
-_GLOB_CHARS = frozenset("*?[")
 _RAY_PKG_PARENT = "working_dir_files"
 _RAY_PKG_PREFIX = "_ray_pkg_"
 _USE_SHARED = (
@@ -35,16 +35,13 @@ class LocationError(ValueError):
 def _local_dir(uri: str) -> str:
     """The directory a local input names: the path itself, or where a glob starts."""
     parts = os.path.abspath(uri).split(os.sep)
-    glob_at = next((i for i, p in enumerate(parts) if _GLOB_CHARS & set(p)), None)
-    base = os.sep.join(parts[:glob_at]) if glob_at is not None else os.sep.join(parts)
+    base = os.sep.join(parts[: glob_start(parts)])
     return os.path.realpath(base or os.sep)
 
 
 def _s3_prefix(uri: str) -> str:
-    path = uri[len("s3://") :]
-    parts = path.split("/")
-    glob_at = next((i for i, p in enumerate(parts) if _GLOB_CHARS & set(p)), None)
-    return "/".join(parts[:glob_at] if glob_at is not None else parts).rstrip("/")
+    parts = uri[len("s3://") :].split("/")
+    return "/".join(parts[: glob_start(parts)]).rstrip("/")
 
 
 def _inside(child: str, parent: str, sep: str) -> bool:

@@ -242,10 +242,7 @@ def plan_kwargs(request: MemoryRequest, **overrides: Any) -> dict[str, Any]:
         quantization=request.quantization,
         vqa=request.vqa,
     )
-    return dict(
-        run=replace(run, **overrides),
-        step_cache_tensors=request.step_cache_tensors,
-    )
+    return dict(run=replace(run, **overrides), step_cache_tensors=request.step_cache_tensors)
 
 
 def job_memory_plan(request: MemoryRequest, model: ModelMemory | None = None) -> JobMemoryPlan | None:

@@ -10,6 +10,7 @@ dispatch both, through `FanOut`. Metrics are created at the first event, when Ra
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ditfleet.driver.dispatch.types import DispatchEvents, DispatchSnapshot, ShardFailure
@@ -21,46 +22,24 @@ ACTOR_EVENTS = "ditfleet_actor_events"
 
 
 class FanOut(DispatchEvents):
-    """Passes every dispatch event to each sink in turn."""
+    """Passes every dispatch event to each sink in turn; `finish` is left to each sink's owner."""
 
     def __init__(self, *sinks: DispatchEvents | None) -> None:
         self.sinks = [s for s in sinks if s is not None]
 
-    def actor_starting(self, count: int) -> None:
-        for s in self.sinks:
-            s.actor_starting(count)
 
-    def actor_ready(self, worker_id: str, report: dict, startup_s: float) -> None:
-        for s in self.sinks:
-            s.actor_ready(worker_id, report, startup_s)
+def _to_every_sink(event: str) -> Callable[..., None]:
+    def forward(self: FanOut, *args: Any) -> None:
+        for sink in self.sinks:
+            getattr(sink, event)(*args)
 
-    def actor_lost(self, worker_id: str, kind: str, error: str, starting: bool) -> None:
-        for s in self.sinks:
-            s.actor_lost(worker_id, kind, error, starting)
+    forward.__name__ = event
+    return forward
 
-    def actor_retired(self, worker_id: str) -> None:
-        for s in self.sinks:
-            s.actor_retired(worker_id)
 
-    def shard_started(self, shard: Any, attempt: int, worker_id: str, speculative: bool) -> None:
-        for s in self.sinks:
-            s.shard_started(shard, attempt, worker_id, speculative)
-
-    def shard_committed(self, shard: Any, result: Any) -> None:
-        for s in self.sinks:
-            s.shard_committed(shard, result)
-
-    def shard_retry(self, shard: Any, attempt: int, error: str) -> None:
-        for s in self.sinks:
-            s.shard_retry(shard, attempt, error)
-
-    def shard_failed(self, shard: Any, failure: ShardFailure) -> None:
-        for s in self.sinks:
-            s.shard_failed(shard, failure)
-
-    def tick(self, snapshot: DispatchSnapshot) -> None:
-        for s in self.sinks:
-            s.tick(snapshot)
+# Every event DispatchEvents declares, so that a new one reaches every sink without a change here.
+for _event in [name for name in vars(DispatchEvents) if not name.startswith("_") and name != "finish"]:
+    setattr(FanOut, _event, _to_every_sink(_event))
 
 
 class DriverMetrics(DispatchEvents):
@@ -126,9 +105,5 @@ class DriverMetrics(DispatchEvents):
 
     def finish(self) -> None:
         """Zero the gauges once the job is over, so a dashboard does not show a stale queue."""
-        if not self._made:
-            return
-        for state in ("queued", "in_flight", "pending"):
-            self._shards.set(0, {**self.tags, "state": state})
-        for state in ("starting", "ready"):
-            self._actors.set(0, {**self.tags, "state": state})
+        if self._made:
+            self.tick(DispatchSnapshot(0, 0, 0, 0, 0, 0.0))

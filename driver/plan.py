@@ -21,7 +21,6 @@ import hashlib
 import json
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,14 +30,13 @@ import pyarrow.compute as pc
 from ditfleet.compile.buckets import BucketError
 from ditfleet.driver.input.arrays import plain
 from ditfleet.driver.input.duplicate_ids import DIGEST_BITS
-from ditfleet.driver.input.prompts import DEFAULT_BATCH_ROWS, InputFile, PromptSource
+from ditfleet.driver.input.prompts import DEFAULT_BATCH_ROWS, InputFile, PromptSource, read_each
 from ditfleet.driver.input.row_errors import file_error
 from ditfleet.driver.input.scan import ScanOptions, scan_input
 from ditfleet.driver.input.validate import DEFAULT_MAX_ERRORS, valid_sizes
 from ditfleet.model.settings import field_default, setting, settings_fields
 from ditfleet.workers.content_digest import RangeDigest, combine, hex_digest, prepare
 from ditfleet.workers.rows import MAX_SIDE, RowConfig, ShardSpec, content_columns
-from ditfleet.workers.storage.base import READ_THREADS
 from ditfleet.workers.storage.input_files import InputFileError, footer_sha256, largest_row_group
 
 FINGERPRINT_VERSION = 1
@@ -88,15 +86,7 @@ class InputIdentity:
     content_digest: str | None = None
 
     def to_doc(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {
-            "uri": self.uri,
-            "size": self.size,
-            "rows": self.rows,
-            "footer_sha256": self.footer_sha256,
-        }
-        if self.content_digest is not None:
-            doc["content_digest"] = self.content_digest
-        return doc
+        return {k: v for k, v in vars(self).items() if v is not None}
 
 
 @dataclass(frozen=True)
@@ -116,10 +106,7 @@ class JobPlan:
 
     def fingerprint_doc(self) -> dict[str, Any]:
         """The settings and input identities the fingerprint is computed over (stored in _job.json)."""
-        return {
-            **settings_doc(self.config),
-            "inputs": [i.to_doc() for i in self.inputs],
-        }
+        return {**settings_doc(self.config), "inputs": [i.to_doc() for i in self.inputs]}
 
     def fingerprint(self) -> str:
         """sha256 (hex) of the canonical JSON of fingerprint_doc()."""
@@ -366,10 +353,7 @@ def footer_hashes(source: PromptSource, files: Sequence[InputFile]) -> dict[str,
         except InputFileError as e:
             raise file_error(e.uri, e.problem, e.hint) from e
 
-    if len(files) <= 1:
-        return {f.uri: one(f) for f in files}
-    with ThreadPoolExecutor(max_workers=min(READ_THREADS, len(files))) as pool:
-        return dict(zip((f.uri for f in files), pool.map(one, files)))
+    return dict(zip((f.uri for f in files), read_each(one, files)))
 
 
 def input_identities(
@@ -415,13 +399,10 @@ def row_group_warnings(source: PromptSource, files: Sequence[InputFile], shard_s
     if not large:
         return []
     shown = ", ".join(f"{uri} ({rows} rows)" for uri, rows in large[:_ROW_GROUP_WARN_FILES])
-    more = (
-        f" and {len(large) - _ROW_GROUP_WARN_FILES} more file(s)"
-        if len(large) > _ROW_GROUP_WARN_FILES
-        else ""
-    )
+    more = len(large) - _ROW_GROUP_WARN_FILES
+    more_text = f" and {more} more file(s)" if more > 0 else ""
     return [
-        f"row groups much larger than a shard ({shard_size} rows) in {shown}{more}: an actor reads a "
+        f"row groups much larger than a shard ({shard_size} rows) in {shown}{more_text}: an actor reads a "
         "row group from its start up to its shard's last row, so most of what it reads belongs to "
         "other shards. Rewrite the files with smaller row groups, e.g. "
         f"pyarrow.parquet.write_table(table, path, row_group_size={shard_size}), or raise shards.size"

@@ -17,20 +17,19 @@ unchanged footer is caught by the actors, which digest each shard's rows again b
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import json
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ditfleet.driver.input.prompts import InputFile, PromptSource
+from ditfleet.driver.input.prompts import InputFile, PromptSource, read_each
 from ditfleet.driver.input.row_errors import InputError
 from ditfleet.driver.plan import InputIdentity, JobPlan, PlanConfig, fingerprint_of, settings_doc
 from ditfleet.workers.rows import ShardSpec
 from ditfleet.workers.storage import ObjectStore
-from ditfleet.workers.storage.base import READ_THREADS
 from ditfleet.workers.storage.input_files import InputFileError, footer_sha256
 from ditfleet.workers.storage.parquet_bytes import read_parquet
 
@@ -58,19 +57,12 @@ def plan_table(plan: JobPlan) -> pa.Table:
     """The plan as the table `_plan.parquet` holds (metadata included)."""
     files = {i.uri: n for n, i in enumerate(plan.inputs)}
     bit = {name: 1 << i for i, name in enumerate(plan.config.rows.buckets.names)}
-    masks: dict[tuple[str, ...], int] = {}
+    mask = functools.cache(lambda used: sum(bit[b] for b in used))  # once per bucket combination
     shards = plan.shards
-    columns = {
-        "index": [s.index for s in shards],
-        "file": [files[s.file] for s in shards],
-        "row_start": [s.row_start for s in shards],
-        "row_stop": [s.row_stop for s in shards],
-        "position_start": [s.position_start for s in shards],
-        "buckets": [masks.get(s.buckets_used) or _mask(masks, bit, s.buckets_used) for s in shards],
-        "num_images": [s.num_images for s in shards],
-        "id_prefix": [s.id_prefix for s in shards],
-        "content_digest": [s.content_digest for s in shards],
-    }
+    # Every column but file (a number) and buckets (a mask) is the ShardSpec field of its name.
+    columns = {n: [getattr(s, n) for s in shards] for n in _SCHEMA.names if n not in ("file", "buckets")}
+    columns["file"] = [files[s.file] for s in shards]
+    columns["buckets"] = [mask(s.buckets_used) for s in shards]
     meta = {
         "version": PLAN_FILE_VERSION,
         "fingerprint": plan.fingerprint(),
@@ -83,16 +75,6 @@ def plan_table(plan: JobPlan) -> pa.Table:
         "warnings": list(plan.warnings),
     }
     return pa.table(columns, schema=_SCHEMA.with_metadata({_META: json.dumps(meta).encode()}))
-
-
-def _mask(masks: dict, bit: dict[str, int], used: tuple[str, ...]) -> int:
-    masks[used] = sum(bit[b] for b in used)
-    return masks[used]
-
-
-def _names(decoded: dict, names: tuple[str, ...], mask: int) -> tuple[str, ...]:
-    decoded[mask] = tuple(n for i, n in enumerate(names) if mask >> i & 1)
-    return decoded[mask]
 
 
 def save_plan(store: ObjectStore, plan: JobPlan) -> None:
@@ -108,7 +90,8 @@ def plan_from_table(table: pa.Table, config: PlanConfig) -> JobPlan:
     inputs = tuple(InputIdentity(*entry) for entry in meta["inputs"])
     uris = [i.uri for i in inputs]
     names = config.rows.buckets.names
-    decoded: dict[int, tuple[str, ...]] = {}
+    # One tuple per bucket combination, shared by its shards.
+    decode = functools.cache(lambda mask: tuple(n for i, n in enumerate(names) if mask >> i & 1))
     cols = {name: table.column(name).to_pylist() for name in _SCHEMA.names}
     shards = tuple(
         ShardSpec(
@@ -117,7 +100,7 @@ def plan_from_table(table: pa.Table, config: PlanConfig) -> JobPlan:
             row_start=start,
             row_stop=stop,
             position_start=position,
-            buckets_used=decoded.get(mask) or _names(decoded, names, mask),
+            buckets_used=decode(mask),
             num_images=images,
             id_prefix=prefix,
             content_digest=digest,
@@ -150,8 +133,7 @@ def current_identities(source: PromptSource) -> tuple[InputIdentity, ...] | None
         return InputIdentity(f.uri, f.size, rows, footer_sha256(source.filesystem, f.uri))
 
     try:
-        with ThreadPoolExecutor(max_workers=max(1, min(READ_THREADS, len(files)))) as pool:
-            return tuple(pool.map(one, files))
+        return tuple(read_each(one, files))
     except (InputError, InputFileError):
         return None
 

@@ -172,15 +172,12 @@ class JobProgress(DispatchEvents):
         self.startup_notice_s = startup_notice_s
         self.total_shards, self.total_images = total_shards, total_images
         self.done_shards_before, self.done_images_before = done_shards, done_images
-        self.shards_committed = self.shards_failed = self.retries = 0
+        self.shards_committed = 0
         self.images_ok = self.images_failed = 0
-        self.errors: Counter = Counter()
         self.workers: dict[str, WorkerStats] = {}
         self.startup: dict[str, dict] = {}
         self._said: set[str] = set()  # facts the actors report alike, said once per job
-        self.actor_events: Counter = Counter()
         self.t0 = time.monotonic()
-        self.first_result_at: float | None = None
         self._bar_shown = False
         self._last_draw = self._last_status = 0.0
         self._last_placement_notice = 0.0
@@ -220,12 +217,9 @@ class JobProgress(DispatchEvents):
     def images_per_s(self) -> float:
         """This run's images (ok and failed) per second since the first actor took work."""
         n = self.images_ok + self.images_failed
-        if not n or self.first_result_at is None:
+        if not n:
             return 0.0
-        start = min(
-            (s.get("_ready_at", self.t0) for s in self.startup.values()),
-            default=self.t0,
-        )
+        start = min((s.get("_ready_at", self.t0) for s in self.startup.values()), default=self.t0)
         elapsed = time.monotonic() - start
         return n / elapsed if elapsed > 0 else 0.0
 
@@ -251,11 +245,9 @@ class JobProgress(DispatchEvents):
     # -- dispatch events -------------------------------------------------------------------------
 
     def actor_starting(self, count: int) -> None:
-        self.actor_events["started"] += count
-        self.log(f"starting {count} worker actor{'s' if count != 1 else ''}")
+        self.log(f"starting {plural(count, 'worker actor')}")
 
     def actor_ready(self, worker_id: str, report: dict, startup_s: float) -> None:
-        self.actor_events["ready"] += 1
         self.startup[worker_id] = {**report, "_ready_at": time.monotonic()}
         parts = [f"worker {worker_id} ready in {startup_s:.1f} s"]
         if isinstance(report.get("load_s"), (int, float)):
@@ -275,17 +267,13 @@ class JobProgress(DispatchEvents):
             self.log(f"compile cache: {shared.removeprefix('off: ')}")
 
     def actor_lost(self, worker_id: str, kind: str, error: str, starting: bool) -> None:
-        self.actor_events["start_failed" if starting else "lost"] += 1
         what = "failed to start" if starting else f"lost ({kind})"
         self.log(f"worker {worker_id} {what}: {error}")
 
     def actor_retired(self, worker_id: str) -> None:
-        self.actor_events["retired"] += 1
         self.log(f"worker {worker_id} retired (idle, nothing queued)")
 
     def shard_committed(self, shard: ShardSpec, result: ShardResult) -> None:
-        if self.first_result_at is None:
-            self.first_result_at = time.monotonic()
         self.shards_committed += 1
         if result.status != "committed":
             self.log(
@@ -296,7 +284,6 @@ class JobProgress(DispatchEvents):
             return
         self.images_ok += result.images_ok
         self.images_failed += result.images_failed
-        self.errors.update(result.errors)
         worker = result.worker_id or "?"
         self.workers.setdefault(worker, WorkerStats()).add(result)
         done, wall = result.images_ok + result.images_failed, result.wall_s
@@ -311,11 +298,9 @@ class JobProgress(DispatchEvents):
         self._draw()
 
     def shard_retry(self, shard: ShardSpec, attempt: int, error: str) -> None:
-        self.retries += 1
         self.log(f"shard {shard.index:05d}: will retry (attempt {attempt}) after: {error}")
 
     def shard_failed(self, shard: ShardSpec, failure: ShardFailure) -> None:
-        self.shards_failed += 1
         self.log(
             f"shard {shard.index:05d}: FAILED after {plural(failure.attempts, 'attempt')}: {failure.error}"
         )

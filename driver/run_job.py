@@ -24,6 +24,7 @@ Ray must be initialised by the caller (jobs/ does it), unless nothing is left to
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -163,7 +164,8 @@ def run_job(
     try:
         return _run(run)
     finally:
-        run.release()
+        if run.lease is not None:
+            run.lease.release()
 
 
 def _run(run: _Execution) -> JobSummary:
@@ -208,7 +210,7 @@ def _plain_work(run: _Execution, started: float) -> _Work | JobSummary:
         print(f"warning: {warning}", file=out)
     store.check_writable()
     run.hold(store)
-    claim_output(store, plan, json.loads(config.resolved_spec), run.model())
+    claim_output(store, plan, json.loads(config.resolved_spec), run.model)
     done = committed_shards(store) & {s.index for s in plan.shards}
     redo = redo_generations(store, plan.shards, done, config.redo_shards)  # refused: nothing written
     if stored is None:
@@ -255,7 +257,7 @@ def _incremental_work(run: _Execution, started: float) -> _Work | JobSummary:
     nothing new to run."""
     config, out = run.config, run.out
     store = open_store(config.output_uri, config.s3)
-    plan, fingerprint = _plan_increment(config, store, run.model(), lambda: run.hold(store))
+    plan = _plan_increment(config, store, run.model, lambda: run.hold(store))
     plan_s = time.monotonic() - started
     for line in plan.describe():
         print(line, file=out)
@@ -272,7 +274,7 @@ def _incremental_work(run: _Execution, started: float) -> _Work | JobSummary:
             file=out,
         )
         timings = {"plan_s": 0.0, "dispatch_s": 0.0, "count_s": 0.0, "wall_s": time.monotonic() - started}
-        outcome = RunOutcome(todo, frozenset(), fingerprint, planned, None, run.progress(0, 0), timings)
+        outcome = RunOutcome(todo, frozenset(), plan.fingerprint, planned, None, run.progress(0, 0), timings)
         summary = build_summary(store.uri(), outcome, OutputCounts())
         if shards and read_success(store, out=out) is None:
             # Every shard is committed but no run got to write _SUCCESS (it stopped just before,
@@ -287,7 +289,7 @@ def _incremental_work(run: _Execution, started: float) -> _Work | JobSummary:
     # carried over from a run that left it behind.
     _prepare_to_write(store, out)
     order = config.plan.rows.buckets.names
-    return _Work(store, fingerprint, todo, frozenset(), planned, order, plan_s)
+    return _Work(store, plan.fingerprint, todo, frozenset(), planned, order, plan_s)
 
 
 @dataclass
@@ -304,28 +306,24 @@ class _Execution:
 
     lease: OutputLease | None = None
     settled: Settled = field(default_factory=Settled)
-    _model: tuple[ModelIdentity | None] | None = None
 
+    @functools.cached_property
     def model(self) -> ModelIdentity | None:
         """The identity of the model's bytes (once per run), also handed to every actor, which
         refuses to start on other weights; None when this machine cannot read the model."""
-        if self._model is None:
-            wc = self.worker_config
-            try:
-                identity = model_identity(
-                    wc.model_path, wc.model_cache_dir, wc.s3, wc.loras, wc.scheduler_config
-                )
-            except Exception as e:  # noqa: BLE001 - the actors' own fetch reports what is wrong
-                print(
-                    f"warning: model {wc.model_path} cannot be read here ({type(e).__name__}: {e}); "
-                    "the output does not record its weights' digest and actors are not checked against it",
-                    file=self.out,
-                )
-                identity = None
-            self._model = (identity,)
-            if identity is not None:
-                self.worker_config = dataclasses.replace(wc, model_identity=identity.to_dict())
-        return self._model[0]
+        wc = self.worker_config
+        try:
+            identity = model_identity(wc.model_path, wc.model_cache_dir, wc.s3, wc.loras, wc.scheduler_config)
+        except Exception as e:  # noqa: BLE001 - the actors' own fetch reports what is wrong
+            print(
+                f"warning: model {wc.model_path} cannot be read here ({type(e).__name__}: {e}); "
+                "the output does not record its weights' digest and actors are not checked against it",
+                file=self.out,
+            )
+            return None
+        if identity is not None:
+            self.worker_config = dataclasses.replace(wc, model_identity=identity.to_dict())
+        return identity
 
     def hold(self, store: ObjectStore) -> None:
         """Own the output for this run (one driver at a time; raises OutputBusy), then settle
@@ -341,10 +339,6 @@ class _Execution:
             self.lease.record_work(
                 (s.index for s in todo), {s.index: s.generation for s in todo if s.generation}
             )
-
-    def release(self) -> None:
-        if self.lease is not None:
-            self.lease.release()
 
     def progress(self, shards: int, images: int, done_shards: int = 0, done_images: int = 0) -> JobProgress:
         return JobProgress(
@@ -437,16 +431,12 @@ def preview_increment(config: DriverConfig) -> IncrementPlan:
 
 
 def _plan_increment(
-    config: DriverConfig,
-    store: ObjectStore,
-    model: ModelIdentity | None = None,
-    hold: Callable[[], None] = lambda: None,
-) -> tuple[IncrementPlan, str]:
+    config: DriverConfig, store: ObjectStore, model: ModelIdentity | None, hold: Callable[[], None]
+) -> IncrementPlan:
     """Plan the next run and write its record; plans again if another driver took the number.
 
     Nothing is written before the new files passed validation, and nothing at all when there
     is nothing new; `hold` (taking the lease) is called before the first write.
-    Returns the plan and the job's settings fingerprint.
     """
     source = prompt_source(config)
     spec = json.loads(config.resolved_spec)
@@ -457,13 +447,13 @@ def _plan_increment(
         )
         plan = plan_increment(source, config.plan, store, committed_shards(store), fingerprint)
         if plan.record is None:
-            return plan, fingerprint
+            return plan
         store.check_writable()
         hold()
         claim_incremental_output(store, config.plan, config.input_uri, spec, model=model)
         written = commit_increment(store, plan)
         if written is not None:
-            return written, fingerprint
+            return written
     raise OutputMismatch(
         f"output {store.uri()}: another driver planned a run at the same time, {_PLAN_TRIES} times in "
         "a row. Is a second `ditfleet run` of this job writing to it? Let one run at a time"
@@ -482,11 +472,8 @@ def _prepare_to_write(store: ObjectStore, out: TextIO) -> None:
 
 
 __all__ = [
-    "DispatchConfig",
     "DriverConfig",
     "OutputMismatch",
-    "PlanConfig",
-    "claim_incremental_output",
     "claim_output",
     "plan_input",
     "preview_increment",

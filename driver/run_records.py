@@ -23,18 +23,16 @@ from __future__ import annotations
 import io
 import json
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from ditfleet.driver.input.prompts import read_each
 from ditfleet.workers.output.layout import RUNS_PREFIX, run_ids_key, run_key, run_of_key
 from ditfleet.workers.rows import ShardSpec
 from ditfleet.workers.storage import ObjectNotFound, ObjectStore
-from ditfleet.workers.storage.base import READ_THREADS
 from ditfleet.workers.storage.parquet_bytes import read_parquet
 
 RUN_RECORD_VERSION = 1
@@ -74,7 +72,6 @@ class RunRecord:
     superseded: tuple[int, ...] = ()
     ids_key: str | None = None  # the ids of the rows of `shards`; None when there are none
     skipped_rows: int = 0  # rows of `files` left out: their ids were in the output already
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def rows(self) -> int:
@@ -83,9 +80,6 @@ class RunRecord:
     @property
     def images(self) -> int:
         return sum(s.num_images for s in self.shards)
-
-    def file_of(self, shard: ShardSpec) -> FileEntry:
-        return next(f for f in self.files if f.uri == shard.file)
 
     def to_json(self) -> str:
         index = {f.uri: i for i, f in enumerate(self.files)}
@@ -111,7 +105,6 @@ class RunRecord:
             "rows": self.rows,
             "images": self.images,
             "skipped_rows": self.skipped_rows,
-            **self.extra,
         }
         return json.dumps(doc, indent=1) + "\n"
 
@@ -160,8 +153,6 @@ class RunRecord:
 def read_run_records(store: ObjectStore) -> list[RunRecord]:
     """Every run record of the output, by run number."""
     keys = sorted(k for k in store.list(RUNS_PREFIX) if run_of_key(k) is not None)
-    if not keys:
-        return []
 
     def read(key: str) -> RunRecord:
         record = RunRecord.from_json(store.get(key), store.uri(key))
@@ -169,8 +160,7 @@ def read_run_records(store: ObjectStore) -> list[RunRecord]:
             raise RunRecordError(f"{store.uri(key)} says it is run {record.run}; restore the file")
         return record
 
-    with ThreadPoolExecutor(max_workers=min(READ_THREADS, len(keys))) as pool:
-        return list(pool.map(read, keys))
+    return read_each(read, keys)
 
 
 @dataclass(frozen=True)
@@ -217,7 +207,7 @@ class RecordedPlan:
 
     def file_entry(self, shard: ShardSpec) -> FileEntry:
         record = next(r for r in self.records if r.run == self.run_of[shard.index])
-        return record.file_of(shard)
+        return next(f for f in record.files if f.uri == shard.file)
 
 
 def write_ids(store: ObjectStore, run: int, token: str, shard_ids: Iterable[tuple[int, pa.Array]]) -> str:
@@ -242,8 +232,6 @@ def recorded_ids(store: ObjectStore, records: Sequence[RunRecord], leave_out: It
     `leave_out` (superseded ones: their rows are to be planned again)."""
     skip = pa.array(sorted(set(leave_out)), pa.int32())
     keys = [r.ids_key for r in records if r.ids_key]
-    if not keys:
-        return pa.array([], pa.string())
 
     def read(key: str) -> pa.Array:
         try:
@@ -257,8 +245,7 @@ def recorded_ids(store: ObjectStore, records: Sequence[RunRecord], leave_out: It
             table = table.filter(pc.invert(pc.is_in(table.column("shard"), value_set=skip)))
         return table.column("id").combine_chunks()
 
-    with ThreadPoolExecutor(max_workers=min(READ_THREADS, len(keys))) as pool:
-        arrays = list(pool.map(read, keys))
+    arrays = read_each(read, keys)
     return pa.concat_arrays(arrays) if arrays else pa.array([], pa.string())
 
 

@@ -37,9 +37,6 @@ class ShardQueue:
     def __len__(self) -> int:
         return len(self._front) + self._n - self._next
 
-    def __bool__(self) -> bool:
-        return bool(self._front) or self._next < self._n
-
     def popleft(self) -> int:
         if self._front:
             return self._front.popleft()
@@ -50,10 +47,6 @@ class ShardQueue:
 
     def appendleft(self, pos: int) -> None:
         self._front.appendleft(pos)
-
-    def __iter__(self):
-        yield from self._front
-        yield from range(self._next, self._n)
 
 
 class ShardBook:
@@ -121,7 +114,6 @@ class ShardBook:
         return True
 
     def fail(self, pos: int, kind: str, error: str) -> ShardFailure:
-        """Give the shard up."""
         self.status[pos] = FAILED
         self.pending -= 1
         failure = ShardFailure(self.shards[pos].index, self.failures[pos], kind, error)

@@ -54,7 +54,6 @@ class Dispatcher:
         self.clock = clock
         self.starting: dict[Hashable, int] = {}  # startup ref -> slot id
         self.stats = DispatchStats()
-        self.startup_reports: list[dict] = []
         self.durations: deque[float] = deque(maxlen=_RECENT_DURATIONS)
         self.startup_times: deque[float] = deque(maxlen=_RECENT_DURATIONS)
         self.start_failures_in_row = 0
@@ -88,7 +87,6 @@ class Dispatcher:
             results=self.book.results,
             failed=sorted(self.book.failed, key=lambda f: f.index),
             stats=self.stats,
-            startup_reports=self.startup_reports,
             wall_s=end - t0,
             ready_actor_s=self.ready_actor_s,
             busy_actor_s=self.busy_actor_s,
@@ -106,7 +104,7 @@ class Dispatcher:
             in_flight=len(book.runs),
             pending_shards=book.pending,
             actors_starting=len(self.starting),
-            actors_ready=self.pool.count(SlotState.READY),
+            actors_ready=len(self.pool.ready),
             waiting_for_placement_s=waiting,
             starting_phases=self.pool.phases(starting, now),
         )
@@ -143,7 +141,7 @@ class Dispatcher:
 
     def _growth_pays_off(self) -> bool:
         """A new actor helps only if the queue outlasts its start-up (load + warm-up)."""
-        ready = self.pool.count(SlotState.READY)
+        ready = len(self.pool.ready)
         if not ready or not self.durations or not self.startup_times:
             return True
         drain_s = len(self.book.queue) * statistics.median(self.durations) / ready
@@ -177,7 +175,6 @@ class Dispatcher:
         self._retire_at = min(self._retire_at, now + self.config.idle_retire_s)
         startup_s = now - slot.created_at
         report["ready_s"] = startup_s  # as the driver saw it: placement, process start, load, warm-up
-        self.startup_reports.append(report)
         self.startup_times.append(startup_s)
         self.start_failures_in_row = 0
         self.no_ready_since = None
@@ -215,7 +212,7 @@ class Dispatcher:
         if slot.startup_ref is not None:
             self.starting.pop(slot.startup_ref, None)
         self.pool.stop(slot)
-        if self.no_ready_since is None and not self.pool.count(SlotState.READY):
+        if self.no_ready_since is None and not len(self.pool.ready):
             self.no_ready_since = now
 
     def _lose_actor(self, slot: Slot, kind: str, error: str, blame_head: bool = True) -> None:
@@ -309,8 +306,7 @@ class Dispatcher:
                     self._submit(pos, slot, speculative=False, attempt=self.book.unstarted.pop(pos, None))
 
     def _submit(self, pos: int, slot: Slot, speculative: bool, attempt: int | None = None) -> Run:
-        """Queue shard `pos` on `slot`. attempt: reuse a number (a move of a run that never
-        started); default the next one, from 0, as the manifest records it."""
+        """Queue shard `pos` on `slot` under `attempt` (see ShardBook.attempt_for)."""
         attempt = self.book.attempt_for(pos, attempt)
         now = self.clock()
         shard = self.book.shards[pos]

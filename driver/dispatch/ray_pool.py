@@ -58,13 +58,6 @@ def short_error(error: BaseException, limit: int = 300) -> str:
     return message if len(message) <= limit else message[: limit - 3] + "..."
 
 
-def error_kind(error: BaseException) -> str:
-    """A short class for counting failures: 'actor_died', or the remote exception's type name."""
-    if isinstance(error, RayActorError):
-        return "actor_died"
-    return type(_remote_cause(error)).__name__
-
-
 def run_error(error: BaseException) -> RunError:
     """Why a Ray call returned no result."""
     if isinstance(error, TaskCancelledError):
@@ -75,7 +68,9 @@ def run_error(error: BaseException) -> RunError:
         reason = LEAVING
     else:
         reason = RAISED
-    return RunError(reason, error_kind(error), short_error(error), short_error(error, limit=2000), error)
+    # For counting failures: 'actor_died', or the remote exception's type name.
+    kind = "actor_died" if isinstance(error, RayActorError) else type(_remote_cause(error)).__name__
+    return RunError(reason, kind, short_error(error), short_error(error, limit=2000), error)
 
 
 def _object_ref(ref: Hashable) -> ObjectRef[Any]:

@@ -117,9 +117,6 @@ class ActorPool(ABC):
         self.ready.pop(slot.id, None)
         self._kill(slot)
 
-    def count(self, state: SlotState) -> int:
-        return len(self.ready) if state is SlotState.READY else len(self.slots) - len(self.ready)
-
     @abstractmethod
     def _create(self) -> tuple[Any, Hashable]:
         """Create an actor; return its handle and the ref of its startup_report() call."""

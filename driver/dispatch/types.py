@@ -114,7 +114,6 @@ class DispatchResult:
     results: list[ShardResult]
     failed: list[ShardFailure]
     stats: DispatchStats
-    startup_reports: list[dict]
     wall_s: float  # from the first actor started to the last shard settled
     ready_actor_s: float  # sum over actors of the time they were ready (until the end)
     busy_actor_s: float  # sum of shard run times (executing, duplicates included)

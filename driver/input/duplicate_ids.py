@@ -97,7 +97,7 @@ class DuplicateIds:
                     if len(hit):
                         where = pa.array(hit + span.start + at, pa.int64())
                         positions.append(where)
-                        ids.append(where.cast(pa.string()))
+                        ids.append(where.cast(pa.large_string()))
                 continue
             with source.open(span.uri) as pf:
                 for first_row, batch in iter_batches(pf, [self.id_column]):
@@ -116,12 +116,7 @@ class DuplicateIds:
                     ids.append(values.cast(pa.large_string()))
         if not positions:
             return pa.table({"position": pa.array([], pa.int64()), "id": pa.array([], pa.large_string())})
-        return pa.table(
-            {
-                "position": pa.concat_arrays(positions),
-                "id": pa.concat_arrays([a.cast(pa.large_string()) for a in ids]),
-            }
-        )
+        return pa.table({"position": pa.concat_arrays(positions), "id": pa.concat_arrays(ids)})
 
     def count_and_errors(self, source: PromptSource, max_errors: int) -> tuple[int, list[RowError]]:
         """(rows whose id an earlier row has, errors for the first `max_errors` of them in input
@@ -158,11 +153,6 @@ class DuplicateIds:
                 message = f"this file has no id column, so the row's id is its input position, {row_id!r}, already used by {where}"
             out.append(RowError(dup[0].uri, dup[1], self.id_column, describe_value(row_id), message, _HINT))
         return len(dups), out
-
-    def errors(self, source: PromptSource, max_errors: int | None = None) -> list[RowError]:
-        """One error per duplicate row (up to `max_errors`), naming the earlier row."""
-        _, out = self.count_and_errors(source, max_errors if max_errors is not None else 1 << 62)
-        return out
 
     def _locate(self, position: int) -> tuple[_Span, int]:
         starts = [s.start for s in self._spans]

@@ -8,14 +8,17 @@ path (plain string order) and rows are counted through them in that order.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from ditfleet.driver.input.row_errors import RowError, file_error
+from ditfleet.workers.storage.base import READ_THREADS
 from ditfleet.workers.storage.input_files import (
     InputFileError,
     filesystem_for,
@@ -31,6 +34,19 @@ _GLOB_CHARS = frozenset("*?[")
 DEFAULT_BATCH_ROWS = 65536
 
 
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+
+def read_each(read: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
+    """read(item) for each item, in order, up to READ_THREADS at a time: each is a small read
+    that mostly waits on storage (one item is read on this thread)."""
+    if len(items) <= 1:
+        return [read(item) for item in items]
+    with ThreadPoolExecutor(max_workers=min(READ_THREADS, len(items))) as pool:
+        return list(pool.map(read, items))
+
+
 @dataclass(frozen=True)
 class InputFile:
     uri: str  # absolute local path or s3://bucket/key
@@ -40,6 +56,11 @@ class InputFile:
 def _hidden(name: str) -> bool:
     # "_SUCCESS", "_metadata", ".DS_Store", ".part.crc": written next to data by Spark, Hive, macOS.
     return name.startswith(("_", "."))
+
+
+def glob_start(parts: Sequence[str]) -> int | None:
+    """The index of the first path component holding a glob character; None when none does."""
+    return next((i for i, p in enumerate(parts) if _GLOB_CHARS & set(p)), None)
 
 
 def _glob_match(pattern: Sequence[str], parts: Sequence[str]) -> bool:
@@ -63,10 +84,7 @@ class PromptSource:
     """
 
     def __init__(
-        self,
-        uri: str,
-        filesystem: pafs.FileSystem | None = None,
-        files: Sequence[InputFile] | None = None,
+        self, uri: str, filesystem: pafs.FileSystem | None = None, files: Sequence[InputFile] | None = None
     ) -> None:
         self.uri = str(uri)
         self.filesystem = filesystem if filesystem is not None else filesystem_for(self.uri)
@@ -78,7 +96,7 @@ class PromptSource:
         directory a glob starts in, or the directory of a single file (no trailing "/")."""
         path = fs_path(self.uri).rstrip("/")
         parts = path.split("/")
-        glob_at = next((i for i, p in enumerate(parts) if _GLOB_CHARS & set(p)), None)
+        glob_at = glob_start(parts)
         if glob_at is not None:
             base = "/".join(parts[:glob_at])
         elif any(f.uri == (self.uri if self._s3 else path) for f in self.files()):
@@ -103,8 +121,9 @@ class PromptSource:
     def _resolve(self) -> tuple[InputFile, ...]:
         path = fs_path(self.uri)
         parts = path.split("/")
-        if any(_GLOB_CHARS & set(p) for p in parts):
-            return self._glob(parts)
+        first_glob = glob_start(parts)
+        if first_glob is not None:
+            return self._glob(parts, first_glob)
         info = self.filesystem.get_file_info(path)
         if info.type == pafs.FileType.NotFound:
             raise file_error(self.uri, "no such file or directory", "Check the input path")
@@ -125,8 +144,7 @@ class PromptSource:
             )
         return self._sorted(found)
 
-    def _glob(self, parts: list[str]) -> tuple[InputFile, ...]:
-        first = next(i for i, p in enumerate(parts) if _GLOB_CHARS & set(p))
+    def _glob(self, parts: list[str], first: int) -> tuple[InputFile, ...]:
         base = "/".join(parts[:first])
         matched = [
             i

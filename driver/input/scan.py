@@ -19,11 +19,11 @@ from ditfleet.driver.input.prompts import (
     RowCountMismatch,
     footer_row_count_error,
     iter_batches,
+    read_each,
 )
 from ditfleet.driver.input.row_errors import InputError, RowError
 from ditfleet.driver.input.validate import DEFAULT_MAX_ERRORS, RowValidator, ValidationReport, job_schema
 from ditfleet.workers.rows import RowConfig, content_columns
-from ditfleet.workers.storage.base import READ_THREADS
 
 
 @dataclass(frozen=True)
@@ -81,13 +81,8 @@ def _read_footers(
         except InputError as e:
             return e
 
-    if len(files) > 1:
-        with ThreadPoolExecutor(max_workers=min(READ_THREADS, len(files))) as pool:
-            read = list(pool.map(one, files))
-    else:
-        read = [one(f) for f in files]
     footers: list[_Footer | None] = []
-    for file, got in zip(files, read):
+    for file, got in zip(files, read_each(one, files)):
         validator._order.setdefault(file.uri, len(validator._order))
         if isinstance(got, InputError):
             footers.append(None)

@@ -16,18 +16,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ditfleet.driver.input.arrays import outside, plain
-from ditfleet.driver.input.prompts import (
-    InputFile,
-)
+from ditfleet.driver.input.prompts import InputFile
 from ditfleet.driver.input.row_errors import InputError, RowError, describe_value
-from ditfleet.workers.rows import (
-    CFG_RANGE,
-    MAX_SEED,
-    MAX_SIDE,
-    NUM_IMAGES_RANGE,
-    STEPS_RANGE,
-    RowConfig,
-)
+from ditfleet.workers.rows import CFG_RANGE, MAX_SEED, MAX_SIDE, NUM_IMAGES_RANGE, STEPS_RANGE, RowConfig
 
 DEFAULT_MAX_ERRORS = 50
 
@@ -90,18 +81,13 @@ def _has_zero_byte(strings: pa.Array) -> bool:
     bytes (a substring search per row costs 25x more, for a character that is almost never there)."""
     if pa.types.is_null(strings.type) or len(strings) == 0:
         return False
-    wide = pa.types.is_large_string(strings.type)
     _, offsets, data = strings.buffers()
     if data is None:
         return False
-    width = 8 if wide else 4
-    ends = np.frombuffer(offsets, np.int64 if wide else np.int32, count=2, offset=strings.offset * width)
-    last = int(
-        np.frombuffer(
-            offsets, np.int64 if wide else np.int32, count=1, offset=(strings.offset + len(strings)) * width
-        )[0]
-    )
-    used = np.frombuffer(data, np.uint8, count=last - int(ends[0]), offset=int(ends[0]))
+    dtype = np.dtype(np.int64 if pa.types.is_large_string(strings.type) else np.int32)  # of the offsets
+    ends = np.frombuffer(offsets, dtype, count=len(strings) + 1, offset=strings.offset * dtype.itemsize)
+    first, last = int(ends[0]), int(ends[-1])
+    used = np.frombuffer(data, np.uint8, count=last - first, offset=first)
     return bool(used.size) and not used.all()
 
 

@@ -9,22 +9,20 @@ from ditfleet.driver.actor_phases import ActorPhase, compiling_detail
 from ditfleet.driver.progress import starting_summary
 
 
-def _compiling(slot: int, published: dict, in_phase_s: float) -> ActorPhase:
-    return ActorPhase(
-        slot, "compiling", compiling_detail({"phase": "compiling", **published}), in_phase_s, in_phase_s
-    )
+def _compiling(published: dict, in_phase_s: float) -> ActorPhase:
+    return ActorPhase("compiling", compiling_detail({"phase": "compiling", **published}), in_phase_s)
 
 
 def test_a_first_compile_says_about_how_long_and_a_cached_one_says_so():
     first = {"bucket": 1, "buckets": 3, "name": "160x96", "first": True, "estimate_s": 50}
     again = {"bucket": 2, "buckets": 3, "name": "96x160", "first": False, "estimate_s": 50}
-    line = starting_summary((_compiling(0, first, 12.0), _compiling(1, again, 2.0)))
+    line = starting_summary((_compiling(first, 12.0), _compiling(again, 2.0)))
     assert line == (
         "1 compiling bucket 1/3 (160x96) 12s of about 50 s (first run only), "
         "1 compiling bucket 2/3 (96x160) 2s (from this machine's compile cache)"
     )
     # An actor that publishes no estimate (an older one) keeps the plain line.
-    plain = starting_summary((_compiling(0, {"bucket": 1, "buckets": 2, "name": "64x64"}, 3.0),))
+    plain = starting_summary((_compiling({"bucket": 1, "buckets": 2, "name": "64x64"}, 3.0),))
     assert plain == "1 compiling bucket 1/2 (64x64) 3s"
 
 
