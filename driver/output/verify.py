@@ -41,6 +41,8 @@ from ditfleet.driver.output.verify_shards import (
     ShardChecks,
     ThreadChecks,
     VerifyPlan,
+    check_object_group,
+    read_manifest_group,
     read_plan,
 )
 from ditfleet.workers.output.formats import FORMAT_AREAS, ManifestImage, object_key
@@ -192,7 +194,7 @@ def _read_manifests(
     shards = []
     # Each shard's problems are merged in shard order: the report is the same wherever and in
     # whatever order the shards were read.
-    for shard, problems in checks.read_manifests(store, [(s, current[s]) for s in committed], plan):
+    for shard, problems in checks.run(read_manifest_group, store, [(s, current[s]) for s in committed], plan):
         report.problems.extend(problems)
         if shard:
             shards.append(shard)
@@ -322,7 +324,7 @@ def _check_objects(
             report.problems.append(f"{store.uri(key)}: missing (named by {len(rows)} ok manifest rows)")
     if hash_objects:
         present = [k for k in named if k in listed]
-        for found in checks.check_objects(store, [(k, named[k]) for k in present]):
+        for found in checks.run(check_object_group, store, [(k, named[k]) for k in present]):
             report.problems.extend(found)
         report.objects_checked = sum(len(named[k]) for k in present)
 
