@@ -60,9 +60,8 @@ def _document(
     fingerprint_doc: Mapping[str, Any],
     plan: dict[str, Any],
     versions: Mapping[str, str] | None,
-    created_at: str | None,
 ) -> dict[str, Any]:
-    doc: dict[str, Any] = {
+    return {
         "version": JOB_FILE_VERSION,
         "spec": dict(spec),
         "fingerprint": fingerprint_of(fingerprint_doc),
@@ -70,16 +69,12 @@ def _document(
         "plan": plan,
         "versions": dict(versions) if versions is not None else runtime_versions(),
     }
-    if created_at is not None:
-        doc["created_at"] = created_at
-    return doc
 
 
 def job_document(
     plan: JobPlan,
     resolved_spec: Mapping[str, Any],
     versions: Mapping[str, str] | None = None,
-    created_at: str | None = None,
 ) -> dict[str, Any]:
     """The `_job.json` of a plain job: its spec, the plan's fingerprint and totals, versions."""
     totals = {
@@ -92,20 +87,18 @@ def job_document(
         "buckets_used": list(plan.buckets_used),
         "empty_files": list(plan.empty_files),
     }
-    return _document(resolved_spec, plan.fingerprint_doc(), totals, versions, created_at)
+    return _document(resolved_spec, plan.fingerprint_doc(), totals, versions)
 
 
 def incremental_job_document(
     config: PlanConfig,
     source: str,
     resolved_spec: Mapping[str, Any],
-    versions: Mapping[str, str] | None = None,
-    created_at: str | None = None,
 ) -> dict[str, Any]:
     """The `_job.json` of an incremental job: the settings fingerprint only (its runs record
     their shards in `_runs/`, driver.run_records)."""
     plan = {"source": source, "incremental": True, "shard_size": config.shard_size}
-    return _document(resolved_spec, settings_doc(config, incremental=True), plan, versions, created_at)
+    return _document(resolved_spec, settings_doc(config, incremental=True), plan, None)
 
 
 def write_job_file(store: ObjectStore, doc: Mapping[str, Any]) -> bool:

@@ -53,10 +53,7 @@ def near_duplicates_of(table: pa.Table, limit: int = NEAR_DUPLICATE_LIMIT) -> di
 
 
 def _read_hashes(store: ObjectStore, key: str) -> pa.Table:
-    table = read_parquet(store.get(key), ["prompt"], if_present=["phash"])
-    if "phash" not in table.column_names:
-        return pa.table({"prompt": pa.array([], pa.string()), "phash": pa.array([], pa.int64())})
-    return table
+    return read_parquet(store.get(key), ["prompt"], if_present=["phash"])
 
 
 def output_near_duplicates(
@@ -71,9 +68,9 @@ def output_near_duplicates(
     with ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
         for start in range(0, len(keys), READ_THREADS):
             for table in pool.map(lambda k: _read_hashes(store, k), keys[start : start + READ_THREADS]):
-                table = table.filter(pc.is_valid(table.column("phash")))
-                tables.append(table)
-                held += table.num_rows
+                if "phash" in table.column_names:  # older manifests have none
+                    tables.append(table.filter(pc.is_valid(table.column("phash"))))
+                    held += tables[-1].num_rows
             if held > limit:  # one past the limit tells near_duplicates_of that it was cut
                 break
     if not tables:

@@ -143,7 +143,7 @@ class OutputStatus:
     counts: OutputCounts
     # Incremental jobs: {shards, rows, images} over every run's live shards, and the runs.
     recorded: dict[str, int] | None = None
-    stale_success: str | None = None  # why a `_SUCCESS` there is not believed (driver.output.summary)
+    stale_success: str | None = None  # why a `_SUCCESS` there is not believed (driver.output.success)
     compacted: CompactedState = CompactedState(False, False)
     # Near duplicates among the committed images (driver.output.near_duplicate_counts); {}
     # when no manifest has a phash (an output older than the column).

@@ -26,7 +26,7 @@ class VerifyReport:
     cleaned: int = 0  # orphans deleted (--clean)
     partial: bool = False  # a running or unfinished output is fine
     moved_from: str | None = None  # the manifests name objects under another root (a copy)
-    stale_success: str | None = None  # why a `_SUCCESS` there is not believed (driver.output.summary)
+    stale_success: str | None = None  # why a `_SUCCESS` there is not believed (driver.output.success)
     superseded: int = 0  # generations whose supersession --clean did or finished
     sealed: int = 0  # abandoned redo generations --clean sealed
     # Objects superseded generations name that their history under _superseded/ lacks: lost
