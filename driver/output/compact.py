@@ -319,14 +319,12 @@ def _strays(store: ObjectStore) -> list[str]:
     return [k for k in store.list(COMPACTED_PREFIX) if k not in (COMPACTED_KEY, INDEX_KEY)]
 
 
-def refresh_compacted(
-    store: ObjectStore, lease: OutputLease | None, current: Mapping[int, str] | None = None
-) -> CompactionReport | None:
+def refresh_compacted(store: ObjectStore, lease: OutputLease | None) -> CompactionReport | None:
     """At a driver's finish (every shard committed): rebuild an existing compacted set that is not
     the union of the current manifests (a redo changed a generation). None when there is none or
     it is current. A run that never compacted is not made to: only a set the user asked for is
-    kept current. current: the listing, when the caller has it; listed only if a set exists."""
-    state = compacted_state(store, current)
+    kept current."""
+    state = compacted_state(store)
     if not state.present or state.current:
         return None
     return compact_output(store, lease=lease, finished=True)
