@@ -51,10 +51,6 @@ def runtime_versions() -> dict[str, str]:
     return out
 
 
-def _now() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-
-
 def _document(
     spec: Mapping[str, Any],
     fingerprint_doc: Mapping[str, Any],
@@ -104,8 +100,9 @@ def incremental_job_document(
 def write_job_file(store: ObjectStore, doc: Mapping[str, Any]) -> bool:
     """Write `_job.json` create-only, stamped with the time unless `doc` has one. False: the
     output has one already (nothing written)."""
-    doc = {**doc, "created_at": doc.get("created_at") or _now()}
-    return store.put_if_absent(job_key(), (json.dumps(doc, indent=2) + "\n").encode(), "application/json")
+    created_at = doc.get("created_at") or dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    data = json.dumps({**doc, "created_at": created_at}, indent=2) + "\n"
+    return store.put_if_absent(job_key(), data.encode(), "application/json")
 
 
 def read_job_file(store: ObjectStore) -> dict[str, Any] | None:
@@ -174,10 +171,7 @@ def describe_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list
             )
         if changes:
             out.append(f"input file {uri} changed ({', '.join(changes)})")
-    same_files = old_in.keys() == new_in.keys()
-    if same_files and [i["uri"] for i in old.get("inputs") or []] != [
-        i["uri"] for i in new.get("inputs") or []
-    ]:
+    if old_in.keys() == new_in.keys() and list(old_in) != list(new_in):
         out.append("input files are in a different order (rows without an id would get other ids)")
     return out
 

@@ -20,12 +20,10 @@ on a stale view, and every rule it then follows holds anyway. Deletion follows t
 driver.output.orphans, which needs no lock; a `_SUCCESS` carries the lease generation that wrote
 it and is stale, for every reader of ours, once a higher generation exists (driver.output.success).
 
-The document also says what its run does, for whoever comes after a crash: the shards it
-dispatches ("shards", as ranges) and the redo generations it dispatches ("redo"), written
-(`record_work`) before any is dispatched, and "settled" once its finish cleaned up. Older
-documents are kept until a later driver has settled them (driver.output.settle): it seals their
-redo generations that never committed and cleans their shards; then it deletes them. The
-highest document is never deleted.
+The document also says, for whoever comes after a crash, what its run dispatches ("shards" as
+ranges, "redo" generations; `record_work`, before any is dispatched) and "settled" once its
+finish cleaned up. A later driver settles older documents, then deletes them
+(driver.output.settle); the highest document is never deleted.
 """
 
 from __future__ import annotations
@@ -260,7 +258,6 @@ def acquire_lease(
             "keeps_complete": keeps_complete,
         }
         if store.put_if_absent(lease_key(generation), _encode(doc), "application/json"):
-            # Older generations stay until settled (driver.output.settle deletes them).
             lease = OutputLease(store, generation, doc, ttl_s, clock)
             if renew:
                 lease.start_renewing()

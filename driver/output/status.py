@@ -100,8 +100,7 @@ def shard_counts(store: ObjectStore, shard: int, key: str | None = None) -> Outp
         images_ok=images_ok,
         images_failed=table.num_rows - images_ok,
         errors=errors,
-        dit_blocks_computed=blocks["dit_blocks_computed"],
-        dit_blocks_reused=blocks["dit_blocks_reused"],
+        **blocks,
         **(gate_counts(table) if "gate_passed" in present else {}),
     )
 
@@ -233,11 +232,12 @@ def _ranges(shards: list[int], limit: int = 20) -> str:
 def output_status(store: ObjectStore) -> OutputStatus:
     """Read what `store` (an output root) holds."""
     job = read_job_file(store)
+    planned = (job or {}).get("plan") or {}
     current = current_manifest_keys(store)
     committed = sorted(current)
     have = set(committed)
     recorded = None
-    if ((job or {}).get("plan") or {}).get("incremental"):
+    if planned.get("incremental"):
         plan = RecordedPlan.of(read_run_records(store))
         live = plan.live()
         recorded = {
@@ -248,8 +248,8 @@ def output_status(store: ObjectStore) -> OutputStatus:
         }
         missing = [s.index for s in live if s.index not in have]
     else:
-        planned = ((job or {}).get("plan") or {}).get("shards")
-        missing = [s for s in range(planned) if s not in have] if isinstance(planned, int) else []
+        shards = planned.get("shards")
+        missing = [s for s in range(shards) if s not in have] if isinstance(shards, int) else []
     success = success_file(store)
     return OutputStatus(
         uri=store.uri(),
