@@ -24,8 +24,7 @@ from ditfleet.driver.output.lease import shard_ranges
 from ditfleet.driver.output.near_duplicate_counts import near_duplicate_line, output_near_duplicates
 from ditfleet.driver.output.success import success_file
 from ditfleet.driver.run_records import RecordedPlan, read_run_records
-from ditfleet.workers.output.layout import manifest_key
-from ditfleet.workers.output.manifest import current_manifest_key, current_manifest_keys
+from ditfleet.workers.output.manifest import current_manifest_keys
 from ditfleet.workers.storage import ObjectStore
 from ditfleet.workers.storage.base import READ_THREADS
 from ditfleet.workers.storage.parquet_bytes import read_parquet
@@ -80,10 +79,8 @@ class OutputCounts:
         return dict(top) | ({"other": rest} if rest else {})
 
 
-def shard_counts(store: ObjectStore, shard: int, key: str | None = None) -> OutputCounts:
-    """Counts of one committed shard, from its current manifest `key` (listed when not given;
-    3 columns read)."""
-    key = key or current_manifest_key(store, shard) or manifest_key(shard)
+def shard_counts(store: ObjectStore, key: str) -> OutputCounts:
+    """Counts of one committed shard from its current manifest at `key` (3 columns read)."""
     table = read_parquet(store.get(key), _COLUMNS, if_present=_STEP_CACHE_COLUMNS + _GATE_COLUMNS)
     present = table.column_names
     blocks = {c: (pc.sum(table.column(c)).as_py() or 0) if c in present else 0 for c in _STEP_CACHE_COLUMNS}
@@ -119,13 +116,15 @@ def gate_counts(table: pa.Table) -> dict[str, int]:
 
 
 def count_shards(store: ObjectStore, shards: Iterable[int], threads: int = READ_THREADS) -> OutputCounts:
+    """Counts of committed `shards`; a committed shard stays committed (a manifest key is never
+    freed), so one listing after the caller's has each one's current manifest."""
     total = OutputCounts()
     shards = list(shards)
     if not shards:
         return total
     current = current_manifest_keys(store)  # one listing for all: a redo's generation counts
     with ThreadPoolExecutor(max_workers=min(threads, len(shards))) as pool:
-        for counts in pool.map(lambda s: shard_counts(store, s, current.get(s)), shards):
+        for counts in pool.map(lambda s: shard_counts(store, current[s]), shards):
             total.add(counts)
     return total
 
