@@ -193,8 +193,7 @@ class OutputStatus:
             lines.append(f"  quality gate: {gate_line(d['quality_gate'])}")
         if self.near_duplicates:
             lines.append(f"  near duplicates: {near_duplicate_line(self.near_duplicates)}")
-        for message, n in d["failures_by_error"].items():
-            lines.append(f"  failed x{n}: {message}")
+        lines.extend(f"  failed x{n}: {message}" for message, n in d["failures_by_error"].items())
         if self.compacted.present:
             lines.append(f"  compacted set: {d['compacted']}")
         if self.job is None:

@@ -105,8 +105,7 @@ class VerifyReport:
             lines.extend(f"    {k}" for k in self.orphans[:MAX_LISTED] if not self.cleaned)
         if self.pending:
             lines.append(f"  pending: {self.pending} objects of runs of uncommitted shards (kept)")
-        for p in self.problems[:MAX_LISTED]:
-            lines.append(f"  PROBLEM: {p}")
+        lines.extend(f"  PROBLEM: {p}" for p in self.problems[:MAX_LISTED])
         if len(self.problems) > MAX_LISTED:
             lines.append(f"  ... and {len(self.problems) - MAX_LISTED} more problems")
         return "\n".join(lines)
