@@ -37,21 +37,17 @@ def claim_output(
     Returns True when the output already belonged to this plan (a resume). Raises OutputMismatch
     naming what differs when it belongs to another job. model: the identity of the model's bytes.
     """
-    doc = _with_model(plan.fingerprint_doc(), model)
     return _claim(
         store,
-        doc,
-        lambda: _job_with_model(job_document(plan, resolved_spec), doc, model),
+        plan.fingerprint_doc(),
+        lambda: job_document(plan, resolved_spec),
         "run with the settings and input it was made with",
         model=model,
     )
 
 
 def _with_model(fingerprint_doc: Mapping[str, Any], model: ModelIdentity | None) -> dict[str, Any]:
-    doc = dict(fingerprint_doc)
-    if model is not None:
-        doc["model_weights"] = model.digest
-    return doc
+    return dict(fingerprint_doc) if model is None else {**fingerprint_doc, "model_weights": model.digest}
 
 
 def _job_with_model(
@@ -78,16 +74,16 @@ def claim_incremental_output(
     """`claim_output` for an incremental job: `_job.json` holds the settings fingerprint only
     (the input grows). Returns the fingerprint; raises OutputMismatch naming what differs.
     write=False only checks (`ditfleet plan`): an output without `_job.json` stays as it is."""
-    doc = _with_model(settings_doc(config, incremental=True), model)
+    doc = settings_doc(config, incremental=True)
     _claim(
         store,
         doc,
-        lambda: _job_with_model(incremental_job_document(config, source, resolved_spec), doc, model),
+        lambda: incremental_job_document(config, source, resolved_spec),
         "run with the settings it was made with",
         write,
         model,
     )
-    return fingerprint_of(doc)
+    return fingerprint_of(_with_model(doc, model))
 
 
 def _claim(
@@ -98,7 +94,9 @@ def _claim(
     write: bool = True,
     model: ModelIdentity | None = None,
 ) -> bool:
+    """claim_output's work; `fingerprint_doc` and `job_doc()` get the model's identity here."""
     where = store.uri()
+    fingerprint_doc = _with_model(fingerprint_doc, model)
     existing = read_job_file(store)
     if existing is None and not write:
         return False
@@ -108,7 +106,7 @@ def _claim(
                 f"output {where} has shard manifests but no _job.json, so it cannot be checked against "
                 "this job. Choose a new output, or restore its _job.json"
             )
-        if write_job_file(store, job_doc()):
+        if write_job_file(store, _job_with_model(job_doc(), fingerprint_doc, model)):
             return False
         existing = read_job_file(store)  # another driver claimed it just now
         assert existing is not None

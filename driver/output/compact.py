@@ -193,21 +193,18 @@ def _read(store: ObjectStore, key: str) -> pa.Table:
     return table.replace_schema_metadata(None)
 
 
-def iter_manifests(store: ObjectStore, keys: Sequence[str], batch_rows: int = 0) -> Iterator[pa.Table]:
-    """The manifests at `keys`, read READ_THREADS at a time, in order, a window ahead at most;
-    with batch_rows, several manifests at a time as one table of at least that many rows (the
-    per-table work, digests and range splits, then runs once per batch, not once per manifest)."""
+def iter_manifests(store: ObjectStore, keys: Sequence[str]) -> Iterator[pa.Table]:
+    """The manifests at `keys`, read READ_THREADS at a time, in order, a window ahead at most, as
+    tables of at least _SPILL_ROWS rows (the per-table work, digests and range splits, then runs
+    once per batch, not once per manifest)."""
     held: list[pa.Table] = []
     rows = 0
     with ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
         for at in range(0, len(keys), _WINDOW):
             for table in pool.map(lambda k: _read(store, k), keys[at : at + _WINDOW]):
-                if not batch_rows:
-                    yield table
-                    continue
                 held.append(table)
                 rows += table.num_rows
-                if rows >= batch_rows:
+                if rows >= _SPILL_ROWS:
                     yield pa.concat_tables(held).combine_chunks()
                     held, rows = [], 0
     if held:
@@ -291,7 +288,7 @@ def _spill_by_id_range(
     spills = [os.path.join(tmp, f"range-{i:05d}.parquet") for i in range(len(cuts) + 1)]
     writers = [pq.ParquetWriter(p, MANIFEST_SCHEMA.remove_metadata(), compression="lz4") for p in spills]
     try:
-        for table in iter_manifests(store, keys, batch_rows=_SPILL_ROWS):
+        for table in iter_manifests(store, keys):
             union.add(table)
             ranges = _range_of(table.column("id").combine_chunks(), cuts) if cuts else None
             for i, writer in enumerate(writers):
@@ -319,14 +316,12 @@ def _strays(store: ObjectStore) -> list[str]:
     return [k for k in store.list(COMPACTED_PREFIX) if k not in (COMPACTED_KEY, INDEX_KEY)]
 
 
-def refresh_compacted(
-    store: ObjectStore, lease: OutputLease | None, current: Mapping[int, str] | None = None
-) -> CompactionReport | None:
+def refresh_compacted(store: ObjectStore, lease: OutputLease | None) -> CompactionReport | None:
     """At a driver's finish (every shard committed): rebuild an existing compacted set that is not
     the union of the current manifests (a redo changed a generation). None when there is none or
     it is current. A run that never compacted is not made to: only a set the user asked for is
-    kept current. current: the listing, when the caller has it; listed only if a set exists."""
-    state = compacted_state(store, current)
+    kept current."""
+    state = compacted_state(store)
     if not state.present or state.current:
         return None
     return compact_output(store, lease=lease, finished=True)
@@ -360,7 +355,7 @@ def check_compacted(store: ObjectStore) -> list[str]:
         problems.append(f"{store.uri(COMPACTED_KEY)}: ids not in order")
     union = UnionDigest()
     try:
-        for part in iter_manifests(store, [current[s] for s in sorted(current)], batch_rows=_SPILL_ROWS):
+        for part in iter_manifests(store, [current[s] for s in sorted(current)]):
             union.add(part)
     except CompactionError as e:
         return [*problems, f"cannot compare the compacted set with the manifests: {e}"]

@@ -11,7 +11,7 @@ driver then counts rows and images from the manifests of the run's shards and cl
    shards of every older lease document it settled (driver.output.settle), so a crashed run's
    leftovers are cleaned too;
 4. when every shard is committed, write `_SUCCESS` stamped with its lease generation
-   (driver.output.summary), right after checking the lease;
+   (driver.output.success), right after checking the lease;
 5. mark its lease document settled and delete the older ones it settled.
 None of these steps needs the lease to be safe: a driver paused anywhere in them for any time
 can only seal what is absent, supersede what is superseded, delete what is lost, and write a
@@ -33,7 +33,8 @@ from ditfleet.driver.output.orphans import delete_lost
 from ditfleet.driver.output.pause_points import pause_point
 from ditfleet.driver.output.settle import Settled, delete_settled, seal_generations
 from ditfleet.driver.output.status import count_shards
-from ditfleet.driver.output.summary import JobSummary, RunOutcome, build_summary, write_success
+from ditfleet.driver.output.success import put_success
+from ditfleet.driver.output.summary import JobSummary, RunOutcome, build_summary
 from ditfleet.driver.output.supersede import supersede_pending
 from ditfleet.workers.output.manifest import committed_shards
 from ditfleet.workers.storage import ObjectStore
@@ -123,7 +124,7 @@ def close_output(
                 f"rebuilt the compacted set {store.uri(COMPACTED_KEY)} (a redo changed its manifests)",
                 file=out,
             )
-        write_success(store, success, lease.generation if lease is not None else None)
+        put_success(store, success.to_dict(), lease.generation if lease is not None else None)
     if lease is not None:
         lease.mark_settled()
         delete_settled(store, settled.documents, lease.generation)

@@ -51,18 +51,13 @@ def runtime_versions() -> dict[str, str]:
     return out
 
 
-def _now() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-
-
 def _document(
     spec: Mapping[str, Any],
     fingerprint_doc: Mapping[str, Any],
     plan: dict[str, Any],
     versions: Mapping[str, str] | None,
-    created_at: str | None,
 ) -> dict[str, Any]:
-    doc: dict[str, Any] = {
+    return {
         "version": JOB_FILE_VERSION,
         "spec": dict(spec),
         "fingerprint": fingerprint_of(fingerprint_doc),
@@ -70,16 +65,12 @@ def _document(
         "plan": plan,
         "versions": dict(versions) if versions is not None else runtime_versions(),
     }
-    if created_at is not None:
-        doc["created_at"] = created_at
-    return doc
 
 
 def job_document(
     plan: JobPlan,
     resolved_spec: Mapping[str, Any],
     versions: Mapping[str, str] | None = None,
-    created_at: str | None = None,
 ) -> dict[str, Any]:
     """The `_job.json` of a plain job: its spec, the plan's fingerprint and totals, versions."""
     totals = {
@@ -92,27 +83,26 @@ def job_document(
         "buckets_used": list(plan.buckets_used),
         "empty_files": list(plan.empty_files),
     }
-    return _document(resolved_spec, plan.fingerprint_doc(), totals, versions, created_at)
+    return _document(resolved_spec, plan.fingerprint_doc(), totals, versions)
 
 
 def incremental_job_document(
     config: PlanConfig,
     source: str,
     resolved_spec: Mapping[str, Any],
-    versions: Mapping[str, str] | None = None,
-    created_at: str | None = None,
 ) -> dict[str, Any]:
     """The `_job.json` of an incremental job: the settings fingerprint only (its runs record
     their shards in `_runs/`, driver.run_records)."""
     plan = {"source": source, "incremental": True, "shard_size": config.shard_size}
-    return _document(resolved_spec, settings_doc(config, incremental=True), plan, versions, created_at)
+    return _document(resolved_spec, settings_doc(config, incremental=True), plan, None)
 
 
 def write_job_file(store: ObjectStore, doc: Mapping[str, Any]) -> bool:
     """Write `_job.json` create-only, stamped with the time unless `doc` has one. False: the
     output has one already (nothing written)."""
-    doc = {**doc, "created_at": doc.get("created_at") or _now()}
-    return store.put_if_absent(job_key(), (json.dumps(doc, indent=2) + "\n").encode(), "application/json")
+    created_at = doc.get("created_at") or dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    data = json.dumps({**doc, "created_at": created_at}, indent=2) + "\n"
+    return store.put_if_absent(job_key(), data.encode(), "application/json")
 
 
 def read_job_file(store: ObjectStore) -> dict[str, Any] | None:
@@ -181,10 +171,7 @@ def describe_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list
             )
         if changes:
             out.append(f"input file {uri} changed ({', '.join(changes)})")
-    same_files = old_in.keys() == new_in.keys()
-    if same_files and [i["uri"] for i in old.get("inputs") or []] != [
-        i["uri"] for i in new.get("inputs") or []
-    ]:
+    if old_in.keys() == new_in.keys() and list(old_in) != list(new_in):
         out.append("input files are in a different order (rows without an id would get other ids)")
     return out
 

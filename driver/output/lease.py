@@ -18,14 +18,12 @@ The lease keeps two live drivers from doing the same work at once; it is not wha
 deletion or commit safe (docs/reliability.md): a driver paused past its lease that resumes acts
 on a stale view, and every rule it then follows holds anyway. Deletion follows the one rule of
 driver.output.orphans, which needs no lock; a `_SUCCESS` carries the lease generation that wrote
-it and is stale, for every reader of ours, once a higher generation exists (driver.output.summary).
+it and is stale, for every reader of ours, once a higher generation exists (driver.output.success).
 
-The document also says what its run does, for whoever comes after a crash: the shards it
-dispatches ("shards", as ranges) and the redo generations it dispatches ("redo"), written
-(`record_work`) before any is dispatched, and "settled" once its finish cleaned up. Older
-documents are kept until a later driver has settled them (driver.output.settle): it seals their
-redo generations that never committed and cleans their shards; then it deletes them. The
-highest document is never deleted.
+The document also says, for whoever comes after a crash, what its run dispatches ("shards" as
+ranges, "redo" generations; `record_work`, before any is dispatched) and "settled" once its
+finish cleaned up. A later driver settles older documents, then deletes them
+(driver.output.settle); the highest document is never deleted.
 """
 
 from __future__ import annotations
@@ -40,6 +38,7 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from ditfleet.driver.output.fence import process_gone
 from ditfleet.driver.output.job_file import OutputMismatch
 from ditfleet.driver.output.json_objects import read_json
 from ditfleet.workers.output.layout import LEASE_PREFIX, lease_key, lease_of_key
@@ -104,8 +103,7 @@ class OutputLease:
         return higher[0] if higher else None
 
     def _note_takeover(self) -> None:
-        other = self._taken_over()
-        if other is not None:
+        if self._lost is None and (other := self._taken_over()) is not None:
             self._lost = f"another driver took the output (lease generation {other})"
 
     def _write(self, **changes: Any) -> None:
@@ -116,8 +114,7 @@ class OutputLease:
     def renew(self) -> None:
         """Extend the lease by ttl_s, unless another driver took the output."""
         with self._lock:
-            if self._lost is None:
-                self._note_takeover()
+            self._note_takeover()
             if self._lost is None:
                 self._write(expires_at=self._clock() + self.ttl_s)
 
@@ -139,8 +136,7 @@ class OutputLease:
     def check(self) -> None:
         """Raise OutputBusy unless this driver still owns the output."""
         with self._lock:
-            if self._lost is None:
-                self._note_takeover()
+            self._note_takeover()
             if self._lost is None and self._clock() >= self.expires_at:
                 self._lost = "this driver's lease ran out before it could be renewed"
             if self._lost is not None:
@@ -203,22 +199,14 @@ def _holder_is_gone(doc: dict[str, Any]) -> bool:
     space, pid = doc.get("process_space"), doc.get("pid")
     if space is None or space != _process_space() or not isinstance(pid, int) or pid == os.getpid():
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False  # alive, another user's
-    return False
+    return process_gone(pid)
 
 
 def _current(store: ObjectStore, generation: int, now: float) -> dict[str, Any] | None:
     """The lease document of `generation` when it is still held, else None: not released, not
-    expired, and its driver not known to be gone."""
-    try:
-        doc = read_json(store, lease_key(generation))
-    except ValueError:
-        return None  # not a lease this code wrote: it cannot hold the output
+    expired, and its driver not known to be gone. A document that is not JSON this code wrote
+    cannot hold the output."""
+    doc = read_lease_document(store, generation)
     if doc is None or doc.get("released"):
         return None
     try:
@@ -270,7 +258,6 @@ def acquire_lease(
             "keeps_complete": keeps_complete,
         }
         if store.put_if_absent(lease_key(generation), _encode(doc), "application/json"):
-            # Older generations stay until settled (driver.output.settle deletes them).
             lease = OutputLease(store, generation, doc, ttl_s, clock)
             if renew:
                 lease.start_renewing()
@@ -284,10 +271,9 @@ def acquire_lease(
 def read_lease_document(store: ObjectStore, generation: int) -> dict[str, Any] | None:
     """A lease document, or None when it is gone or is not JSON this code wrote."""
     try:
-        doc = read_json(store, lease_key(generation))
+        return read_json(store, lease_key(generation))
     except ValueError:
         return None
-    return doc if isinstance(doc, dict) else None
 
 
 def shard_ranges(shards: Iterable[int]) -> list[list[int]]:
@@ -312,15 +298,3 @@ def shards_of_ranges(ranges: Any) -> set[int] | None:
             return None
         out.update(range(pair[0], pair[1] + 1))
     return out
-
-
-__all__ = [
-    "LEASE_TTL_S",
-    "OutputBusy",
-    "OutputLease",
-    "acquire_lease",
-    "lease_generations",
-    "read_lease_document",
-    "shard_ranges",
-    "shards_of_ranges",
-]

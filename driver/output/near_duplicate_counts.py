@@ -32,31 +32,22 @@ from ditfleet.workers.value_digests import digests
 NEAR_DUPLICATE_LIMIT = 1_000_000  # images counted at most (the module says what it costs)
 
 
-def _hashed(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
-    """(phash as uint64, prompt digest) of the rows of a manifest table that have a phash."""
-    if "phash" not in table.column_names:
-        return np.empty(0, np.uint64), np.empty(0, np.uint64)
-    has = pc.is_valid(table.column("phash"))
-    hashes = pc.filter(table.column("phash"), has).to_numpy().view(np.uint64)
-    return hashes, digests(pc.filter(table.column("prompt"), has))
-
-
 def near_duplicates_of(table: pa.Table, limit: int = NEAR_DUPLICATE_LIMIT) -> dict[str, Any]:
     """Counts over a manifest table in output order (rows with a phash, the first `limit` of them):
     {images, same_prompt, across_prompts, limited}; {} when no row has a phash."""
-    hashes, prompts = _hashed(table)
-    limited = len(hashes) > limit
+    if "phash" not in table.column_names:
+        return {}
+    has = pc.is_valid(table.column("phash"))
+    hashes = pc.filter(table.column("phash"), has).to_numpy().view(np.uint64)
     if not len(hashes):
         return {}
+    prompts = digests(pc.filter(table.column("prompt"), has))
     counts = count_near_duplicates(hashes[:limit], prompts[:limit])
-    return {**counts.to_dict(), "limited": limited}
+    return {**counts.to_dict(), "limited": len(hashes) > limit}
 
 
 def _read_hashes(store: ObjectStore, key: str) -> pa.Table:
-    table = read_parquet(store.get(key), ["prompt"], if_present=["phash"])
-    if "phash" not in table.column_names:
-        return pa.table({"prompt": pa.array([], pa.string()), "phash": pa.array([], pa.int64())})
-    return table
+    return read_parquet(store.get(key), ["prompt"], if_present=["phash"])
 
 
 def output_near_duplicates(
@@ -71,9 +62,9 @@ def output_near_duplicates(
     with ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
         for start in range(0, len(keys), READ_THREADS):
             for table in pool.map(lambda k: _read_hashes(store, k), keys[start : start + READ_THREADS]):
-                table = table.filter(pc.is_valid(table.column("phash")))
-                tables.append(table)
-                held += table.num_rows
+                if "phash" in table.column_names:  # older manifests have none
+                    tables.append(table.filter(pc.is_valid(table.column("phash"))))
+                    held += tables[-1].num_rows
             if held > limit:  # one past the limit tells near_duplicates_of that it was cut
                 break
     if not tables:

@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import pyarrow.compute as pc
+
 from ditfleet.workers.output.formats import FORMAT_AREAS, object_key
 from ditfleet.workers.output.layout import (
     MANIFESTS_PREFIX,
@@ -87,12 +89,15 @@ class ShardRecord:
         )
 
 
+def _ok_uris(manifest: bytes) -> list:
+    """The uris of a manifest's ok rows."""
+    table = read_parquet(manifest, ["status", "uri"])
+    return pc.filter(table.column("uri"), pc.equal(table.column("status"), "ok")).to_pylist()
+
+
 def _ok_keys(root: str, shard: int, data: bytes) -> tuple[list[str], bool]:
-    table = read_parquet(data, ["status", "uri"])
     keys: list[str] = []
-    for status, uri in zip(table.column("status").to_pylist(), table.column("uri").to_pylist()):
-        if status != "ok":
-            continue
+    for uri in _ok_uris(data):
         key, _ = manifest_object_key(root, shard, uri)
         if key is None:
             return keys, False
@@ -196,15 +201,11 @@ def missing_named_objects(store: ObjectStore) -> dict[int, list[str]]:
     for shard in sorted(current):
         key = current[shard]
         try:
-            table = read_parquet(store.get(key), ["status", "uri"])
+            uris = _ok_uris(store.get(key))
         except Exception:  # noqa: BLE001 - an unreadable commit is as bad as a lost object
             named[shard] = {key}
             continue
-        keys = set()
-        for status, uri in zip(table.column("status").to_pylist(), table.column("uri").to_pylist()):
-            if status == "ok":
-                keys.add(manifest_object_key(root, shard, uri)[0] or f"{key}: {uri}")
-        named[shard] = keys
+        named[shard] = {manifest_object_key(root, shard, uri)[0] or f"{key}: {uri}" for uri in uris}
     listed = {key for prefix in FORMAT_AREAS for key in store.list(prefix)}
     lost = {shard: sorted(keys - listed) for shard, keys in named.items()}
     return {shard: keys for shard, keys in lost.items() if keys}

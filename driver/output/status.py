@@ -24,8 +24,7 @@ from ditfleet.driver.output.lease import shard_ranges
 from ditfleet.driver.output.near_duplicate_counts import near_duplicate_line, output_near_duplicates
 from ditfleet.driver.output.success import success_file
 from ditfleet.driver.run_records import RecordedPlan, read_run_records
-from ditfleet.workers.output.layout import manifest_key
-from ditfleet.workers.output.manifest import current_manifest_key, current_manifest_keys
+from ditfleet.workers.output.manifest import current_manifest_keys
 from ditfleet.workers.storage import ObjectStore
 from ditfleet.workers.storage.base import READ_THREADS
 from ditfleet.workers.storage.parquet_bytes import read_parquet
@@ -80,10 +79,8 @@ class OutputCounts:
         return dict(top) | ({"other": rest} if rest else {})
 
 
-def shard_counts(store: ObjectStore, shard: int, key: str | None = None) -> OutputCounts:
-    """Counts of one committed shard, from its current manifest `key` (listed when not given;
-    3 columns read)."""
-    key = key or current_manifest_key(store, shard) or manifest_key(shard)
+def shard_counts(store: ObjectStore, key: str) -> OutputCounts:
+    """Counts of one committed shard from its current manifest at `key` (3 columns read)."""
     table = read_parquet(store.get(key), _COLUMNS, if_present=_STEP_CACHE_COLUMNS + _GATE_COLUMNS)
     present = table.column_names
     blocks = {c: (pc.sum(table.column(c)).as_py() or 0) if c in present else 0 for c in _STEP_CACHE_COLUMNS}
@@ -100,8 +97,7 @@ def shard_counts(store: ObjectStore, shard: int, key: str | None = None) -> Outp
         images_ok=images_ok,
         images_failed=table.num_rows - images_ok,
         errors=errors,
-        dit_blocks_computed=blocks["dit_blocks_computed"],
-        dit_blocks_reused=blocks["dit_blocks_reused"],
+        **blocks,
         **(gate_counts(table) if "gate_passed" in present else {}),
     )
 
@@ -120,13 +116,15 @@ def gate_counts(table: pa.Table) -> dict[str, int]:
 
 
 def count_shards(store: ObjectStore, shards: Iterable[int], threads: int = READ_THREADS) -> OutputCounts:
+    """Counts of committed `shards`; a committed shard stays committed (a manifest key is never
+    freed), so one listing after the caller's has each one's current manifest."""
     total = OutputCounts()
     shards = list(shards)
     if not shards:
         return total
     current = current_manifest_keys(store)  # one listing for all: a redo's generation counts
     with ThreadPoolExecutor(max_workers=min(threads, len(shards))) as pool:
-        for counts in pool.map(lambda s: shard_counts(store, s, current.get(s)), shards):
+        for counts in pool.map(lambda s: shard_counts(store, current[s]), shards):
             total.add(counts)
     return total
 
@@ -143,7 +141,7 @@ class OutputStatus:
     counts: OutputCounts
     # Incremental jobs: {shards, rows, images} over every run's live shards, and the runs.
     recorded: dict[str, int] | None = None
-    stale_success: str | None = None  # why a `_SUCCESS` there is not believed (driver.output.summary)
+    stale_success: str | None = None  # why a `_SUCCESS` there is not believed (driver.output.success)
     compacted: CompactedState = CompactedState(False, False)
     # Near duplicates among the committed images (driver.output.near_duplicate_counts); {}
     # when no manifest has a phash (an output older than the column).
@@ -195,8 +193,7 @@ class OutputStatus:
             lines.append(f"  quality gate: {gate_line(d['quality_gate'])}")
         if self.near_duplicates:
             lines.append(f"  near duplicates: {near_duplicate_line(self.near_duplicates)}")
-        for message, n in d["failures_by_error"].items():
-            lines.append(f"  failed x{n}: {message}")
+        lines.extend(f"  failed x{n}: {message}" for message, n in d["failures_by_error"].items())
         if self.compacted.present:
             lines.append(f"  compacted set: {d['compacted']}")
         if self.job is None:
@@ -233,11 +230,12 @@ def _ranges(shards: list[int], limit: int = 20) -> str:
 def output_status(store: ObjectStore) -> OutputStatus:
     """Read what `store` (an output root) holds."""
     job = read_job_file(store)
+    planned = (job or {}).get("plan") or {}
     current = current_manifest_keys(store)
     committed = sorted(current)
     have = set(committed)
     recorded = None
-    if ((job or {}).get("plan") or {}).get("incremental"):
+    if planned.get("incremental"):
         plan = RecordedPlan.of(read_run_records(store))
         live = plan.live()
         recorded = {
@@ -248,8 +246,8 @@ def output_status(store: ObjectStore) -> OutputStatus:
         }
         missing = [s.index for s in live if s.index not in have]
     else:
-        planned = ((job or {}).get("plan") or {}).get("shards")
-        missing = [s for s in range(planned) if s not in have] if isinstance(planned, int) else []
+        shards = planned.get("shards")
+        missing = [s for s in range(shards) if s not in have] if isinstance(shards, int) else []
     success = success_file(store)
     return OutputStatus(
         uri=store.uri(),

@@ -9,7 +9,6 @@ manifests; timings, start-up costs and per-worker throughput are this run's.
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -18,7 +17,7 @@ from typing import Any, TextIO
 from ditfleet.driver.dispatch.types import DispatchResult
 from ditfleet.driver.output.near_duplicate_counts import near_duplicate_line
 from ditfleet.driver.output.status import OutputCounts, gate_line
-from ditfleet.driver.output.success import put_success, success_file
+from ditfleet.driver.output.success import success_file
 from ditfleet.driver.progress import JobProgress, compile_fallbacks, format_duration, plural, warmup_seconds
 from ditfleet.workers.rows import ShardSpec
 from ditfleet.workers.storage import ObjectStore
@@ -92,9 +91,6 @@ class JobSummary:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=False, default=str) + "\n"
-
     def format_text(self) -> str:
         return "\n".join([*self._count_lines(), *self._run_lines(), *self._problem_lines()])
 
@@ -163,13 +159,6 @@ class JobSummary:
         if self.status in _ADVICE:
             lines.append(_ADVICE[self.status])
         return lines
-
-
-def write_success(store: ObjectStore, summary: JobSummary, lease: int | None = None) -> None:
-    """Write `_SUCCESS`, the summary stamped with the writer's lease generation
-    (driver.output.success); only once every planned shard is committed, right after the
-    caller checked its lease."""
-    put_success(store, dataclasses.replace(summary, lease=lease).to_dict(), lease)
 
 
 def read_success(

@@ -73,9 +73,11 @@ def pending_generations(store: ObjectStore, record: ShardRecord) -> list[int]:
     return pending
 
 
-def supersede_generation(store: ObjectStore, record: ShardRecord, generation: int, by: int) -> Superseded:
-    """Steps 1-4 (module docstring) for one generation of `record`'s shard, superseded by `by`."""
-    done = Superseded()
+def supersede_generation(
+    store: ObjectStore, record: ShardRecord, generation: int, by: int, done: Superseded
+) -> None:
+    """Steps 1-4 (module docstring) for one generation of `record`'s shard, superseded by `by`;
+    what it did is added to `done`."""
     key = manifest_key(record.shard, generation)
     rows_there = False
     if record.kinds.get(generation) == MANIFEST:
@@ -103,7 +105,6 @@ def supersede_generation(store: ObjectStore, record: ShardRecord, generation: in
     for source in copied:
         store.delete(source)
     done.generations.append((record.shard, generation))
-    return done
 
 
 def supersede_pending(store: ObjectStore, shards: Iterable[int] | None = None) -> Superseded:
@@ -119,8 +120,5 @@ def supersede_pending(store: ObjectStore, shards: Iterable[int] | None = None) -
             continue  # a manifest that cannot be read, or names foreign objects: verify says so
         by = current_generation(record)
         for generation in pending_generations(store, record):
-            one = supersede_generation(store, record, generation, by)  # type: ignore[arg-type]
-            total.generations += one.generations
-            total.moved += one.moved
-            total.missing += one.missing
+            supersede_generation(store, record, generation, by, total)  # type: ignore[arg-type]
     return total

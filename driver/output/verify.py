@@ -41,6 +41,8 @@ from ditfleet.driver.output.verify_shards import (
     ShardChecks,
     ThreadChecks,
     VerifyPlan,
+    check_object_group,
+    read_manifest_group,
     read_plan,
 )
 from ditfleet.workers.output.formats import FORMAT_AREAS, ManifestImage, object_key
@@ -75,17 +77,14 @@ def verify_output(
     """Check the output at `store`; with `clean`, delete the orphans found (attempt objects of
     committed shards that their current manifest does not name).
 
-    workers: threads reading manifests and objects (and deleting); None: `store.read_threads()`.
-    The checks and the report are the same for any number, only the time changes.
-    shard_checks: where the per-shard checks run instead of this process's threads (Ray tasks:
-    driver.output.verify_ray); the whole-output checks and deletions stay here, so the report
-    is the same.
+    workers: threads reading manifests and objects (and deleting); None: `store.read_threads()`;
+    only the time depends on it. shard_checks: where the per-shard checks run (default: those
+    threads; Ray tasks: driver.output.verify_ray).
 
     With `clean` it first takes the output's lease, as a driver does (so it does not clean
-    while a run works on the output; nothing it deletes depends on that), settles the older
-    lease documents (seals abandoned redo generations), finishes every supersession, and
-    deletes only what the one rule of driver.output.orphans proves lost. Its lease keeps a
-    complete output complete (it does not make `_SUCCESS` stale).
+    while a run works on the output; nothing it deletes depends on that), then seals,
+    supersedes and deletes only as driver.output.settle, supersede and orphans allow. Its lease
+    keeps a complete output complete (it does not make `_SUCCESS` stale).
     """
     workers = store.read_threads() if workers is None else workers
     if workers < 1:
@@ -94,7 +93,7 @@ def verify_output(
     if not clean:
         return _verify(store, partial, False, hash_objects, workers, checks)
     try:
-        lease = acquire_lease(store, renew=True, keeps_complete=True)
+        lease = acquire_lease(store, keeps_complete=True)
     except OutputBusy as e:
         report = _verify(store, partial, False, hash_objects, workers, checks)
         report.problems.append(f"--clean deleted nothing: {e}")
@@ -192,7 +191,7 @@ def _read_manifests(
     shards = []
     # Each shard's problems are merged in shard order: the report is the same wherever and in
     # whatever order the shards were read.
-    for shard, problems in checks.read_manifests(store, [(s, current[s]) for s in committed], plan):
+    for shard, problems in checks.run(read_manifest_group, store, [(s, current[s]) for s in committed], plan):
         report.problems.extend(problems)
         if shard:
             shards.append(shard)
@@ -276,11 +275,10 @@ def _check_superseded(
     for record in records.values():
         if len(record.kinds) < 2:
             continue
-        live = [g for g, kind in record.kinds.items() if kind in (MANIFEST, SUPERSEDED)]
         current = max((g for g, k in record.kinds.items() if k == MANIFEST), default=None)
-        for g in sorted(live):
-            if current is None or g >= current:
-                continue
+        if current is None:
+            continue
+        for g in sorted(g for g, k in record.kinds.items() if g < current and k in (MANIFEST, SUPERSEDED)):
             left = [k for k in record.named_by.get(g, ()) if k in listed]
             if done and (record.kinds[g] == MANIFEST or left):
                 report.problems.append(
@@ -322,7 +320,7 @@ def _check_objects(
             report.problems.append(f"{store.uri(key)}: missing (named by {len(rows)} ok manifest rows)")
     if hash_objects:
         present = [k for k in named if k in listed]
-        for found in checks.check_objects(store, [(k, named[k]) for k in present]):
+        for found in checks.run(check_object_group, store, [(k, named[k]) for k in present]):
             report.problems.extend(found)
         report.objects_checked = sum(len(named[k]) for k in present)
 

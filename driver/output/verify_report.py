@@ -26,7 +26,7 @@ class VerifyReport:
     cleaned: int = 0  # orphans deleted (--clean)
     partial: bool = False  # a running or unfinished output is fine
     moved_from: str | None = None  # the manifests name objects under another root (a copy)
-    stale_success: str | None = None  # why a `_SUCCESS` there is not believed (driver.output.summary)
+    stale_success: str | None = None  # why a `_SUCCESS` there is not believed (driver.output.success)
     superseded: int = 0  # generations whose supersession --clean did or finished
     sealed: int = 0  # abandoned redo generations --clean sealed
     # Objects superseded generations name that their history under _superseded/ lacks: lost
@@ -105,8 +105,7 @@ class VerifyReport:
             lines.extend(f"    {k}" for k in self.orphans[:MAX_LISTED] if not self.cleaned)
         if self.pending:
             lines.append(f"  pending: {self.pending} objects of runs of uncommitted shards (kept)")
-        for p in self.problems[:MAX_LISTED]:
-            lines.append(f"  PROBLEM: {p}")
+        lines.extend(f"  PROBLEM: {p}" for p in self.problems[:MAX_LISTED])
         if len(self.problems) > MAX_LISTED:
             lines.append(f"  ... and {len(self.problems) - MAX_LISTED} more problems")
         return "\n".join(lines)

@@ -10,6 +10,7 @@ the compacted set) need driver.output.verify itself.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -142,15 +143,10 @@ def check_object_group(
 
 
 class ShardChecks(Protocol):
-    """Where the per-shard checks run (see the module docstring)."""
+    """Where the per-shard checks run (see the module docstring): `run` returns
+    check(store, items, *args, threads), `check` being read_manifest_group or check_object_group."""
 
-    def read_manifests(
-        self, store: ObjectStore, items: list[tuple[int, str]], plan: VerifyPlan
-    ) -> list[tuple[CommittedShard | None, list[str]]]: ...
-
-    def check_objects(
-        self, store: ObjectStore, items: list[tuple[str, list[ManifestImage]]]
-    ) -> list[list[str]]: ...
+    def run(self, check: Callable[..., list], store: ObjectStore, items: list, *args: Any) -> list: ...
 
 
 @dataclass
@@ -159,8 +155,5 @@ class ThreadChecks:
 
     workers: int = READ_THREADS  # verify_output passes store.read_threads() unless told
 
-    def read_manifests(self, store, items, plan):
-        return read_manifest_group(store, items, plan, self.workers)
-
-    def check_objects(self, store, items):
-        return check_object_group(store, items, self.workers)
+    def run(self, check, store, items, *args):
+        return check(store, items, *args, self.workers)

@@ -80,9 +80,9 @@ def job_output(tmp_path_factory, random_model_dir):
     )
     config = replace(worker_config(random_model_dir, out), scorers=("sharpness",), gate=GATE)
     summary = run_job(driver, config, stream=io.StringIO(), interactive=False)
-    assert summary.images["ok"] == 12, summary.to_json()
+    assert summary.images["ok"] == 12, summary.to_dict()
     # _SUCCESS counts the near duplicates over every committed image.
-    assert summary.near_duplicates["images"] == 12, summary.to_json()
+    assert summary.near_duplicates["images"] == 12, summary.to_dict()
     return out
 
 

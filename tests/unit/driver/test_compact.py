@@ -28,7 +28,7 @@ from ditfleet.driver.output.compact import (
 from ditfleet.driver.output.lease import OutputBusy, acquire_lease
 from ditfleet.driver.output.status import output_status
 from ditfleet.workers.output.layout import manifest_key, success_key
-from ditfleet.workers.output.manifest import MANIFEST_SCHEMA, current_manifest_keys, read_manifests
+from ditfleet.workers.output.manifest import MANIFEST_SCHEMA, read_manifests
 from ditfleet.workers.storage import open_store
 
 
@@ -151,12 +151,12 @@ def test_a_redo_makes_the_set_stale_visibly_and_the_finish_rebuilds_it(tmp_path:
     assert "STALE" in output_status(store).format_text()
     assert any("STALE" in p for p in check_compacted(store))
     # The driver's finish (every shard committed) rebuilds it; a current set is left alone.
-    assert refresh_compacted(store, None, current_manifest_keys(store)) is not None
+    assert refresh_compacted(store, None) is not None
     after = pq.read_table(tmp_path / "out" / COMPACTED_KEY)
     assert not _sorted(after).equals(_sorted(before))
     assert _sorted(after).equals(_sorted(read_manifests(store)))
     assert check_compacted(store) == []
-    assert refresh_compacted(store, None, current_manifest_keys(store)) is None
+    assert refresh_compacted(store, None) is None
     # An output that was never compacted is not made to be.
     fresh = _output(tmp_path / "fresh", shards=2, rows=2)
     assert refresh_compacted(fresh, None) is None
