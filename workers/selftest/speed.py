@@ -131,7 +131,7 @@ def dit_compiled(ctx: Context) -> None:
             "stopped at this stage's deadline"
         )
     model = full_model(ctx)
-    vae = ctx.state.get("vae") or make_vae(vae_config(ctx), ctx.device, ctx.dtype, False)
+    vae = ctx.state.get("vae") or make_vae(ctx)
     pipe = pipeline_to_compile(model, vae)
     # The compile stage's settings with the DiT on: its compiled VAE decode stays installed
     # (apply_compile keeps a target compiled with the same settings, and would uninstall it
@@ -317,7 +317,7 @@ def pipeline_to_compile(model: QwenImageTransformer, vae: QwenImageVAE) -> TextT
 
 def compile_dit(ctx: Context, model: QwenImageTransformer) -> CompileReport:
     """`model` compiled as the worker compiles the DiT, in a pipeline whose fresh VAE stays eager."""
-    vae = make_vae(vae_config(ctx), ctx.device, ctx.dtype, False)
+    vae = make_vae(ctx)
     return apply_compile(pipeline_to_compile(model, vae), compile_config(ctx, dit=True, vae=False))
 
 
