@@ -159,10 +159,9 @@ def _kept_tries(
             judged = None if score is None or math.isnan(score) else score
             record = tries.setdefault(key, _Tries())
             record.record(made, judged)
-            if image.pixels is None and t == 0:
-                yield record.finish(passed=None)  # generation failed: not a quality question
-            elif score is not None and math.isnan(score):
-                yield record.finish(passed=None)  # the scorer cannot judge it: kept as made
+            if (image.pixels is None and t == 0) or (score is not None and math.isnan(score)):
+                # Generation failed (not a quality question), or the scorer cannot judge it: as made.
+                yield record.finish(passed=None)
             elif judged is not None and judged >= gate.min:
                 yield record.finish(passed=True)
             elif t + 1 < gate.max_tries:

@@ -20,7 +20,7 @@ from ditfleet.model.generation.pipeline import Generation, GuidanceInputs, Sampl
 from ditfleet.model.generation.sampling import euler_step, true_cfg
 from ditfleet.model.generation.scheduler import SchedulerConfig
 from ditfleet.model.generation.step_cache_config import PRESETS, StepCacheConfig
-from ditfleet.model.memory import GB, ModelMemory, Runtime, plan_memory
+from ditfleet.model.memory import GB, ModelMemory, Runtime, plan_memory, vae_decode_activation_bytes
 from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
 from ditfleet.model.networks.vae import QwenImageVAE
 from ditfleet.workers.selftest.compile_check import compile_config
@@ -205,8 +205,6 @@ def vae_decode(ctx: Context) -> None:
             )
         ctx.check("compiled decode")
         line["compiled_ms"] = timed_ms(ctx, lambda: vae.decode(z), repeat=ctx.args.repeat)
-    from ditfleet.model.memory import vae_decode_activation_bytes
-
     e = torch.finfo(ctx.dtype).bits // 8
     line["plan_activations_gb"] = round(
         vae_decode_activation_bytes(vae_config(ctx), 1, size, size, e) / GB, 3
