@@ -172,12 +172,9 @@ def _is_oom(e: BaseException) -> bool:
 class BatchGenerator:
     """Runs batches through the pipeline; a CUDA OOM halves the batch and retries it."""
 
-    def __init__(self, pipe: TextToImagePipeline, max_sequence_length: int | None = None) -> None:
+    def __init__(self, pipe: TextToImagePipeline) -> None:
         self.pipe = pipe
-        # None: the pipeline's own setting (model.settings.PipelineSettings.max_sequence_length).
-        self.max_sequence_length = (
-            pipe.settings.max_sequence_length if max_sequence_length is None else max_sequence_length
-        )
+        self.max_sequence_length = pipe.settings.max_sequence_length
         self.oom_splits = 0
 
     def count_tokens(self, prompts: list[str]) -> list[int] | None:
