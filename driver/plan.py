@@ -35,7 +35,7 @@ from ditfleet.driver.input.row_errors import file_error
 from ditfleet.driver.input.scan import ScanOptions, scan_input
 from ditfleet.driver.input.validate import DEFAULT_MAX_ERRORS, valid_sizes
 from ditfleet.model.settings import field_default, setting, settings_fields
-from ditfleet.workers.content_digest import RangeDigest, combine, hex_digest, prepare
+from ditfleet.workers.content_digest import Prepared, RangeDigest, combine, hex_digest
 from ditfleet.workers.rows import MAX_SIDE, RowConfig, ShardSpec, content_columns
 from ditfleet.workers.storage.input_files import InputFileError, footer_sha256, largest_row_group
 
@@ -190,7 +190,7 @@ class ShardCutter:
             self._start, self._position = first_row, first_position
         images = self._images_of(batch)
         bucket_ids = self._bucket_ids_of(batch)
-        content = prepare(batch, content_columns(batch.schema.names))
+        content = Prepared(batch, content_columns(batch.schema.names))
         single = pc.unique(bucket_ids).to_pylist() if bucket_ids is not None else [0]
         self._count_bucket_images(images, bucket_ids, single, batch.num_rows)
         size, n, at = self.config.shard_size, batch.num_rows, 0

@@ -32,7 +32,6 @@ from ditfleet.model.settings import setting
 
 log = logging.getLogger(__name__)
 
-DEFAULT_KEY_ENV = COMPILE_CACHE_KEY_ENV
 # Variables every process has, or whose values anyone on the node can guess or read: a key
 # named by one of them is no secret.
 WELL_KNOWN_ENV = frozenset(
@@ -49,7 +48,7 @@ class CacheSecretSource:
     """Where an actor finds the key: a file (a mounted Kubernetes secret, say) wins over `env`."""
 
     env: str | None = setting(
-        DEFAULT_KEY_ENV,
+        COMPILE_CACHE_KEY_ENV,
         description="Environment variable, on every actor's node, holding the secret key (at least 16 "
         "bytes, e.g. `openssl rand -hex 32`) that authenticates shared compile artifacts. Never put "
         "the key itself in the job file or the bucket.",

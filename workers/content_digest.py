@@ -35,12 +35,24 @@ import pyarrow as pa
 _NAN_BITS = np.float64("nan").view(np.uint64)
 
 
-def _plain(values: pa.Array | pa.ChunkedArray) -> pa.Array:
+def plain_array(values: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """One array of the values themselves: chunks combined, a dictionary decoded."""
     if isinstance(values, pa.ChunkedArray):
         values = values.combine_chunks()
     if isinstance(values, pa.DictionaryArray):
         values = values.dictionary_decode()
     return values
+
+
+def string_offsets(values: pa.Array) -> np.ndarray:
+    """The len + 1 value offsets of a string or binary array (large or not) into its data
+    buffer, as int64."""
+    wide = pa.types.is_large_string(values.type) or pa.types.is_large_binary(values.type)
+    dtype = np.dtype(np.int64 if wide else np.int32)
+    raw = np.frombuffer(
+        values.buffers()[1], dtype, count=len(values) + 1, offset=values.offset * dtype.itemsize
+    )
+    return raw.astype(np.int64)
 
 
 def _is_bytes(t: pa.DataType) -> bool:
@@ -83,7 +95,7 @@ class _Column:
     its elements' fixed values and streams are streams over the element range of the rows."""
 
     def __init__(self, values: pa.Array | pa.ChunkedArray) -> None:
-        values = _plain(values)
+        values = plain_array(values)
         t = values.type
         self.values = values
         self.fixed: list[np.ndarray] = []
@@ -132,20 +144,14 @@ class _Column:
             values = values.cast(pa.large_binary())
         elif pa.types.is_string_view(t):
             values = values.cast(pa.large_string())
-        wide = pa.types.is_large_string(values.type) or pa.types.is_large_binary(values.type)
-        buffers = values.buffers()
-        n = len(values)
-        width = 8 if wide else 4
-        offsets = np.frombuffer(
-            buffers[1], np.int64 if wide else np.int32, count=n + 1, offset=values.offset * width
-        ).astype(np.int64)
+        offsets = string_offsets(values)
         lengths = offsets[1:] - offsets[:-1]
         if values.null_count:
             lengths = np.where(_validity(values).astype(bool), lengths, -1)
         self.fixed = [lengths.view(np.uint64)]
         self.offsets = offsets
-        if buffers[2] is not None:
-            self.data = memoryview(buffers[2])
+        if values.buffers()[2] is not None:
+            self.data = memoryview(values.buffers()[2])
 
     def _fixed(self, values: pa.Array, kind: str) -> None:
         filled = values.fill_null(False if kind == "b" else 0) if values.null_count else values
@@ -205,9 +211,10 @@ def _kind_name(t: pa.DataType) -> str:
 
 
 class Prepared:
-    """A batch's columns in the form RangeDigest.add reads: every fixed-width value in one
-    row-major uint64 matrix (so a row range of them is one contiguous slice, one hash update),
-    and the byte streams of strings and nested values apart."""
+    """A batch's columns in the form RangeDigest.add reads (made once per batch, whatever number
+    of ranges it is cut into): every fixed-width value in one row-major uint64 matrix (so a row
+    range of them is one contiguous slice, one hash update), and the byte streams of strings and
+    nested values apart."""
 
     def __init__(self, batch: pa.RecordBatch | pa.Table, columns: Iterable[str]) -> None:
         self.columns = [_Column(batch.column(name)) for name in sorted(columns)]
@@ -248,12 +255,6 @@ class RangeDigest:
         for s in self._hashers:
             h.update(s.digest())
         return int.from_bytes(h.digest()[:8], "little")
-
-
-def prepare(batch: pa.RecordBatch | pa.Table, columns: Iterable[str]) -> Prepared:
-    """`columns` of `batch` in the form RangeDigest.add reads (once per batch, whatever number
-    of ranges it is cut into)."""
-    return Prepared(batch, columns)
 
 
 def combine(digests: Iterable[int]) -> int:

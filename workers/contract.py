@@ -8,7 +8,7 @@ and `ShardAbandoned` back; none of them needs the model, so the driver, `ditflee
 from __future__ import annotations
 
 import typing
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Literal
 
 from ditfleet.compile.config import CompileConfig
@@ -180,9 +180,6 @@ class ShardResult:
     # Images per batch this actor ran with: workers.batch_size, or less where its GPU fits less
     # (workers.batch_fit); 0 from an older actor.
     batch_size: int = 0
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 class ShardAbandoned(RuntimeError):

@@ -20,6 +20,7 @@ import torch
 from ditfleet.model import TextToImagePipeline
 from ditfleet.model.generation.guidance import cfg_on, negative_text
 from ditfleet.model.generation.pipeline import GuidanceInputs, Sampling
+from ditfleet.model.memory.activations import image_tokens
 from ditfleet.workers.rows import MAX_SEED, PromptRow
 
 
@@ -152,14 +153,9 @@ def shard_prompts(requests: Sequence[ImageRequest]) -> list[str]:
     return out
 
 
-def image_tokens(req: ImageRequest) -> int:
-    """The DiT's image tokens for a request's bucket: (H/16) * (W/16)."""
-    return (req.row.width // 16) * (req.row.height // 16)
-
-
 def padded_share(batch: Sequence[ImageRequest], lengths: dict[tuple[str, int], tuple[int, int]]) -> float:
     """Padded text tokens / all tokens of the batch's DiT passes (each branch padded to its longest)."""
-    n = image_tokens(batch[0])
+    n = image_tokens(batch[0].row.height, batch[0].row.width)
     cond = [lengths[_key(r)][0] for r in batch]
     padded, total = sum(max(cond) - c for c in cond), len(batch) * (n + max(cond))
     if batch[0].uses_cfg:
@@ -176,12 +172,9 @@ def _is_oom(e: BaseException) -> bool:
 class BatchGenerator:
     """Runs batches through the pipeline; a CUDA OOM halves the batch and retries it."""
 
-    def __init__(self, pipe: TextToImagePipeline, max_sequence_length: int | None = None) -> None:
+    def __init__(self, pipe: TextToImagePipeline) -> None:
         self.pipe = pipe
-        # None: the pipeline's own setting (model.settings.PipelineSettings.max_sequence_length).
-        self.max_sequence_length = (
-            pipe.settings.max_sequence_length if max_sequence_length is None else max_sequence_length
-        )
+        self.max_sequence_length = pipe.settings.max_sequence_length
         self.oom_splits = 0
 
     def count_tokens(self, prompts: list[str]) -> list[int] | None:

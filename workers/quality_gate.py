@@ -7,15 +7,14 @@ scores too low (quality.scorers, quality.gate).
 Every image is scored from the uint8 pixels that will be stored (model.quality: a score depends on
 the image and its prompt alone), and the image that comes out gets its perceptual hash, whatever
 the job's scorers: the near-duplicate counts of `ditfleet status` and `ditfleet report` read it.
-It is cheap next to the image's DiT work (measured on one CPU thread: 0.1 ms at 64x64, 26 ms at
-1024x1024, 65 ms at 1328x1328), and only the kept try is hashed. Without a gate each image comes out as it is made. With one, the
-tries go in rounds: round t makes try t (workers.generate.try_seed) of every image that has not
-passed yet, batched like any other work; an image comes out when a try passes (score >= min), when
-the scorer cannot judge it (NaN: kept as made), when its generation failed on the first try (a
-failure is not a quality question), or after `max_tries` with its best try. Only the kept try's
-pixels ever leave this module, so a try that lost is never stored and leaves nothing behind; the
-rounds, the seeds and the decisions depend only on the shard's rows, so a rerun of the shard makes
-exactly the same tries.
+The hash is cheap next to the image's DiT work (26 ms at 1024x1024 on one CPU thread), and only
+the kept try is hashed. Without a gate each image comes out as it is made. With one, the tries go
+in rounds: round t makes try t (workers.generate.try_seed) of every image that has not passed yet,
+batched like any other work; an image comes out when a try passes (score >= min), when the scorer
+cannot judge it (NaN: kept as made), when its generation failed on the first try (a failure is not
+a quality question), or after `max_tries` with its best try. Only the kept try's pixels ever leave
+this module, so a try that lost is never stored and leaves nothing behind; the rounds, the seeds
+and the decisions depend only on the shard's rows, so a rerun of the shard makes the same tries.
 
 Memory: an image under the gate holds its best try's pixels (uint8) until it comes out.
 """
@@ -159,10 +158,9 @@ def _kept_tries(
             judged = None if score is None or math.isnan(score) else score
             record = tries.setdefault(key, _Tries())
             record.record(made, judged)
-            if image.pixels is None and t == 0:
-                yield record.finish(passed=None)  # generation failed: not a quality question
-            elif score is not None and math.isnan(score):
-                yield record.finish(passed=None)  # the scorer cannot judge it: kept as made
+            if (image.pixels is None and t == 0) or (score is not None and math.isnan(score)):
+                # Generation failed (not a quality question), or the scorer cannot judge it: as made.
+                yield record.finish(passed=None)
             elif judged is not None and judged >= gate.min:
                 yield record.finish(passed=True)
             elif t + 1 < gate.max_tries:

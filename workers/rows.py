@@ -37,7 +37,7 @@ from ditfleet.compile.buckets import BucketSet, ResolutionBucket, default_bucket
 from ditfleet.model.family import DEFAULT_FAMILY
 from ditfleet.model.generation.guidance import DEFAULT_NEGATIVE_PROMPT
 from ditfleet.model.settings import check_settings, setting
-from ditfleet.workers.content_digest import RangeDigest, prepare
+from ditfleet.workers.content_digest import Prepared, RangeDigest
 from ditfleet.workers.storage.input_files import InputFileError, open_parquet
 
 # Columns with a meaning; every other column is passed through to the manifest.
@@ -384,7 +384,7 @@ def read_shard_rows(
         columns = content_columns(parts[0][1].schema.names)
         digest = RangeDigest()
         for _, part in parts:
-            digest.add(prepare(part, columns), 0, part.num_rows)
+            digest.add(Prepared(part, columns), 0, part.num_rows)
         check_content(shard, digest.value())
     rows: list[PromptRow] = []
     for first, part in parts:

@@ -24,17 +24,9 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ditfleet.workers.startup_phase import current_actor_id
+
 EXIT_AFTER_S = 0.5  # after the abandoned call returns: time for Ray to send its result
-
-
-def in_ray_actor() -> bool:
-    """True in the process of a Ray actor (not in a driver, not without Ray)."""
-    try:
-        import ray
-
-        return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
-    except Exception:  # noqa: BLE001 - no Ray, or no runtime context: not an actor
-        return False
 
 
 class StopOnSigterm:
@@ -52,7 +44,7 @@ class StopOnSigterm:
     def install(self) -> StopOnSigterm:
         """Install the handler if this is a Ray actor's main thread; a no-op elsewhere (a worker
         used in-process by tests or benchmarks keeps the default behaviour)."""
-        if threading.current_thread() is threading.main_thread() and in_ray_actor():
+        if threading.current_thread() is threading.main_thread() and current_actor_id() is not None:
             self._previous = signal.signal(signal.SIGTERM, self._handle)
             self.installed = True
         return self

@@ -74,13 +74,8 @@ def read_phase(actor_id: str) -> dict | None:
     """The phase an actor last published (None: nothing yet, or the store is unreachable)."""
     try:
         raw = _kv()._internal_kv_get(phase_key(actor_id), namespace=NAMESPACE)
+        value = json.loads(raw) if raw else None
     except Exception:  # noqa: BLE001 - unknown phase; the caller shows what Ray says instead
-        return None
-    if not raw:
-        return None
-    try:
-        value = json.loads(raw)
-    except ValueError:
         return None
     return value if isinstance(value, dict) and value.get("phase") in PHASES else None
 

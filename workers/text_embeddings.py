@@ -164,30 +164,27 @@ class PlacedTextEncoder:
         placements simply fill the cache. Returns the number of prompts encoded (misses).
         """
         todo = [p for p in dict.fromkeys(prompts) if (p, max_length) not in self._pinned]
-        hits = {}
-        for p in todo:
-            value = self.cache.get((p, max_length))
-            if value is not None:
-                hits[(p, max_length)] = value
+        hits = {(p, max_length): v for p in todo if (v := self.cache.get((p, max_length))) is not None}
         self._pinned.update(hits)
         misses = [p for p in todo if (p, max_length) not in hits]
         if not misses:
             return 0
-        if self.placement != "offload":
-            for p in misses:
-                self._pinned[(p, max_length)] = self._embedding(p, max_length, keep=True, force=True)
-            return len(misses)
-        swap = self._needs_swap()
+        offload = self.placement == "offload"
+        swap = offload and self._needs_swap()
         if swap:
-            self._to_host(self.transformer)
+            assert self.transformer is not None
+            self.transformer.to("cpu")
+            _empty_cache(self.device)
             self.dit_swaps += 1
         try:
-            _move(self.encoder, self.device)
+            if offload:
+                _move(self.encoder, self.device)
             for p in misses:
                 self._pinned[(p, max_length)] = self._embedding(p, max_length, keep=True, force=True)
         finally:
-            _move(self.encoder, torch.device("cpu"))
-            _empty_cache(self.device)
+            if offload:
+                _move(self.encoder, torch.device("cpu"))
+                _empty_cache(self.device)
             if swap:
                 assert self.transformer is not None
                 self.transformer.to(self.device)
@@ -235,11 +232,6 @@ class PlacedTextEncoder:
         free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         need = _module_bytes(self.encoder) + _ENCODE_HEADROOM
         return free < need
-
-    def _to_host(self, module: torch.nn.Module | None) -> None:
-        if module is not None:
-            module.to("cpu")
-            _empty_cache(self.device)
 
 
 def _module_bytes(encoder: Any) -> int:

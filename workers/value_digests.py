@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+from ditfleet.workers.content_digest import plain_array, string_offsets
+
 _MASK64 = (1 << 64) - 1
 _SEED = np.uint64(0x9E3779B97F4A7C15)
 _MUL = np.uint64(0xFF51AFD7ED558CCD)
@@ -21,8 +23,9 @@ _NULL_SALT = np.uint64(0xD6E8FEB86659FD93)
 _S33 = np.uint64(33)
 
 
-def _fmix(h: np.ndarray) -> np.ndarray:
-    """MurmurHash3's 64-bit finaliser: every input bit affects every output bit."""
+def mix(h: np.ndarray) -> np.ndarray:
+    """MurmurHash3's 64-bit finaliser: every input bit affects every output bit (also for callers
+    that combine digests, e.g. of a row's columns)."""
     h = h ^ (h >> _S33)
     h = h * _MUL
     h = h ^ (h >> _S33)
@@ -31,10 +34,7 @@ def _fmix(h: np.ndarray) -> np.ndarray:
 
 
 def _as_string(values: pa.Array) -> pa.Array:
-    if isinstance(values, pa.ChunkedArray):
-        values = values.combine_chunks()
-    if isinstance(values, pa.DictionaryArray):
-        values = values.dictionary_decode()
+    values = plain_array(values)
     if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
         return values
     if pa.types.is_string_view(values.type):
@@ -51,10 +51,7 @@ def digests(values: pa.Array, bits: int = 64, positions: np.ndarray | None = Non
     values = _as_string(values)
     if len(values) == 0:
         return np.empty(0, np.uint64)
-    offset_type = np.int64 if pa.types.is_large_string(values.type) else np.int32
-    at = values.offset * np.dtype(offset_type).itemsize
-    raw_offsets = np.frombuffer(values.buffers()[1], offset_type, count=len(values) + 1, offset=at)
-    offsets = raw_offsets.astype(np.int64)
+    offsets = string_offsets(values)
     base, end = int(offsets[0]), int(offsets[-1])
     data = np.zeros(0, np.uint8)  # strings all empty: there may be no data buffer
     if end > base:
@@ -75,7 +72,7 @@ def _mix_one_length(h: np.ndarray, data: np.ndarray, length: int) -> np.ndarray:
     block = np.zeros((len(h), -(-length // 8) * 8), np.uint8)
     block[:, :length] = data.reshape(len(h), length)
     for column in block.view("<u8").T:
-        h = _fmix((h * _STEP) ^ column)
+        h = mix((h * _STEP) ^ column)
     return h
 
 
@@ -103,19 +100,19 @@ def _mix_ragged(h: np.ndarray, data: np.ndarray, starts: np.ndarray, lengths: np
             shift == 64, np.uint64(_MASK64), (np.uint64(1) << (shift & np.uint64(63))) - np.uint64(1)
         )
         if dense:
-            mixed = _fmix((h * _STEP) ^ ((lo | hi) & keep))
+            mixed = mix((h * _STEP) ^ ((lo | hi) & keep))
             h = np.where(live, mixed, h)
         else:
-            h[idx] = _fmix((h[idx] * _STEP) ^ ((lo | hi) & keep))
+            h[idx] = mix((h[idx] * _STEP) ^ ((lo | hi) & keep))
     return h
 
 
 def _finish(values: pa.Array, h: np.ndarray, bits: int, positions: np.ndarray | None) -> np.ndarray:
-    out = _fmix(h)
+    out = mix(h)
     if values.null_count:
         nulls = np.asarray(values.is_null().to_numpy(zero_copy_only=False))
         where = positions[nulls] if positions is not None else np.flatnonzero(nulls)
-        out[nulls] = _fmix(where.astype(np.uint64) ^ _NULL_SALT)
+        out[nulls] = mix(where.astype(np.uint64) ^ _NULL_SALT)
     if bits < 64:
         out &= np.uint64((1 << bits) - 1)
     return out
@@ -125,8 +122,3 @@ def position_digests(first_position: int, n: int, bits: int = 64) -> np.ndarray:
     """Digests of the ids of rows without an id column: their positions, in decimal."""
     as_text = pa.array(np.arange(first_position, first_position + n, dtype=np.int64)).cast(pa.string())
     return digests(as_text, bits)
-
-
-def mix(h: np.ndarray) -> np.ndarray:
-    """The 64-bit finaliser, for callers that combine digests (e.g. of a row's columns)."""
-    return _fmix(h)

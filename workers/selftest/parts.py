@@ -96,13 +96,12 @@ def make_transformer(
     return init_on_device(model, seed).eval().requires_grad_(False)
 
 
-def make_vae(
-    cfg: VAEConfig, device: torch.device, dtype: torch.dtype, with_encoder: bool, seed: int = 0
-) -> QwenImageVAE:
+def make_vae(ctx: Context) -> QwenImageVAE:
+    """The run's VAE without its encoder, made like `make_transformer`."""
     with on_meta():
-        vae = QwenImageVAE(cfg, with_encoder=with_encoder)
-    vae = vae.to(dtype).to_empty(device=device)
-    return init_on_device(vae, seed).eval().requires_grad_(False)
+        vae = QwenImageVAE(vae_config(ctx), with_encoder=False)
+    vae = vae.to(ctx.dtype).to_empty(device=ctx.device)
+    return init_on_device(vae, 0).eval().requires_grad_(False)
 
 
 SHARD_STEM = "diffusion_pytorch_model"
@@ -159,22 +158,18 @@ def write_sharded(
     return [out_dir / name for name in names]
 
 
-def transformer_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Every tensor name and shape of the transformer a config describes (built on meta)."""
-    with on_meta():
-        model = QwenImageTransformer(TransformerConfig.from_dict(config))
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
-
-
 def write_random_transformer(
     out_dir: Path, config: dict, shard_bytes: int, seed: int = 0, dtype: torch.dtype = torch.bfloat16
 ) -> list[Path]:
     """The DiT of `config` with random weights in the hub's shards + index, and its config.json.
     Tensors are drawn one by one (PyTorch's default Linear range) and written shard by shard, so
     even a full-depth layout never holds the whole model in memory."""
-    shapes = transformer_shapes(config)
+    with on_meta():
+        shapes = QwenImageTransformer(TransformerConfig.from_dict(config)).state_dict()
     files = write_sharded(
-        ((k, _random_tensor(k, s, seed).to(dtype)) for k, s in shapes.items()), out_dir, shard_bytes
+        ((k, _random_tensor(k, tuple(t.shape), seed).to(dtype)) for k, t in shapes.items()),
+        out_dir,
+        shard_bytes,
     )
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     return files

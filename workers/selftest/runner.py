@@ -184,29 +184,14 @@ def _summary(ctx: Context, stopped: str | None = None) -> dict[str, Any]:
     return out
 
 
-class Watchdog:
-    """Ends the run, with its lines, when one call blocks past the budget (plus a grace)."""
-
-    def __init__(self, ctx: Context, grace_s: float) -> None:
-        self.ctx, self.grace_s = ctx, grace_s
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._watch, name="selftest-watchdog", daemon=True)
-
-    def start(self) -> Watchdog:
-        self.thread.start()
-        return self
-
-    def _watch(self) -> None:
-        ctx = self.ctx
-        if self.done.wait(timeout=max(1.0, ctx.budget_s + self.grace_s)):
-            return
-        ctx.emit({"status": "deadline", "reason": f"still running past the {ctx.budget_s:.0f} s budget"})
-        log_file = ctx.out / "selftest.log"
-        with open(log_file, "a") as f:
-            faulthandler.dump_traceback(file=f, all_threads=True)
-        ctx.emit(_summary(ctx, stopped=f"watchdog in stage {ctx.current}"), stage_name="summary")
-        ctx.remove_scratch()
-        os._exit(3)
+def _end_overdue_run(ctx: Context) -> None:
+    """The watchdog: ends the run, with its lines, when one call blocks past the budget."""
+    ctx.emit({"status": "deadline", "reason": f"still running past the {ctx.budget_s:.0f} s budget"})
+    with open(ctx.out / "selftest.log", "a") as f:
+        faulthandler.dump_traceback(file=f, all_threads=True)
+    ctx.emit(_summary(ctx, stopped=f"watchdog in stage {ctx.current}"), stage_name="summary")
+    ctx.remove_scratch()
+    os._exit(3)
 
 
 def run_stages(
@@ -214,7 +199,10 @@ def run_stages(
 ) -> dict[str, Any]:
     """Every registered stage in order (an optional one only when named in `only` or `extra`),
     under the budget; the summary line last."""
-    watchdog = Watchdog(ctx, grace_s=30.0).start()
+    watchdog = threading.Timer(max(1.0, ctx.budget_s + 30.0), _end_overdue_run, (ctx,))
+    watchdog.name = "selftest-watchdog"
+    watchdog.daemon = True
+    watchdog.start()
     try:
         for entry in list(STAGES):
             ctx.current = entry.name
@@ -240,7 +228,7 @@ def run_stages(
             if entry.adopt is not None:
                 _adopt(ctx, entry, ctx.lines[first:])
     finally:
-        watchdog.done.set()
+        watchdog.cancel()
     ctx.current = "summary"
     return ctx.emit(_summary(ctx))
 

@@ -20,7 +20,7 @@ from ditfleet.model.generation.pipeline import Generation, GuidanceInputs, Sampl
 from ditfleet.model.generation.sampling import euler_step, true_cfg
 from ditfleet.model.generation.scheduler import SchedulerConfig
 from ditfleet.model.generation.step_cache_config import PRESETS, StepCacheConfig
-from ditfleet.model.memory import GB, ModelMemory, Runtime, plan_memory
+from ditfleet.model.memory import GB, ModelMemory, Runtime, plan_memory, vae_decode_activation_bytes
 from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
 from ditfleet.model.networks.vae import QwenImageVAE
 from ditfleet.workers.selftest.compile_check import compile_config
@@ -131,7 +131,7 @@ def dit_compiled(ctx: Context) -> None:
             "stopped at this stage's deadline"
         )
     model = full_model(ctx)
-    vae = ctx.state.get("vae") or make_vae(vae_config(ctx), ctx.device, ctx.dtype, False)
+    vae = ctx.state.get("vae") or make_vae(ctx)
     pipe = pipeline_to_compile(model, vae)
     # The compile stage's settings with the DiT on: its compiled VAE decode stays installed
     # (apply_compile keeps a target compiled with the same settings, and would uninstall it
@@ -205,8 +205,6 @@ def vae_decode(ctx: Context) -> None:
             )
         ctx.check("compiled decode")
         line["compiled_ms"] = timed_ms(ctx, lambda: vae.decode(z), repeat=ctx.args.repeat)
-    from ditfleet.model.memory import vae_decode_activation_bytes
-
     e = torch.finfo(ctx.dtype).bits // 8
     line["plan_activations_gb"] = round(
         vae_decode_activation_bytes(vae_config(ctx), 1, size, size, e) / GB, 3
@@ -317,7 +315,7 @@ def pipeline_to_compile(model: QwenImageTransformer, vae: QwenImageVAE) -> TextT
 
 def compile_dit(ctx: Context, model: QwenImageTransformer) -> CompileReport:
     """`model` compiled as the worker compiles the DiT, in a pipeline whose fresh VAE stays eager."""
-    vae = make_vae(vae_config(ctx), ctx.device, ctx.dtype, False)
+    vae = make_vae(ctx)
     return apply_compile(pipeline_to_compile(model, vae), compile_config(ctx, dit=True, vae=False))
 
 

@@ -9,11 +9,7 @@ nothing multi-GB goes through the disk; the hub-layout loading path is covered b
 
 from __future__ import annotations
 
-from ditfleet.model.networks.attention_backend import BACKEND_NAMES
-
 # Importing registers the stages. The run order follows from the modules' own imports, not from
 # this line's: a module registers after those it imports, and a stage that slots in after another
 # (`after=`) imports the module that registers that one.
 from ditfleet.workers.selftest import checks, compile_check, fp8_speed, speed, vqa, worker_path  # noqa: F401
-
-__all__ = ["BACKEND_NAMES"]

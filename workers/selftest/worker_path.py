@@ -15,7 +15,7 @@ import torch
 from ditfleet.model.generation.pipeline import TextToImagePipeline
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH, PipelineSettings
 from ditfleet.workers.selftest import vqa  # noqa: F401 - registers vqa, which this line follows
-from ditfleet.workers.selftest.parts import make_vae, sizes, vae_config
+from ditfleet.workers.selftest.parts import make_vae, sizes
 from ditfleet.workers.selftest.runner import Context, StageSkipped, stage
 from ditfleet.workers.selftest.speed import full_model
 
@@ -74,7 +74,7 @@ def batch_generator(ctx: Context) -> None:
     from ditfleet.workers.generate import BatchGenerator, image_requests, plan_batches
 
     model = full_model(ctx)
-    vae = ctx.state.get("vae") or make_vae(vae_config(ctx), ctx.device, ctx.dtype, False)
+    vae = ctx.state.get("vae") or make_vae(ctx)
     scheduler = ctx.state.get("scheduler")
     if scheduler is None:
         raise StageSkipped("needs the scheduler of the correctness stage")

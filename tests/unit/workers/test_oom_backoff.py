@@ -37,7 +37,7 @@ def _rows(n: int) -> list[PromptRow]:
 
 @pytest.fixture(scope="module")
 def pipe(random_model_dir):
-    return load_pipeline(random_model_dir)
+    return load_pipeline(random_model_dir, max_sequence_length=64)
 
 
 @pytest.mark.slow
@@ -55,13 +55,11 @@ def test_the_failed_batch_is_freed_before_the_retry_and_images_match(pipe):
         alive_at_retry.append(sum(ref() is not None for ref in failed_tensors))
         return real_run(inputs, sampling)
 
-    expected = BatchGenerator(pipe, max_sequence_length=64).run(requests[:1]) + BatchGenerator(
-        pipe, max_sequence_length=64
-    ).run(requests[1:2])
+    expected = BatchGenerator(pipe).run(requests[:1]) + BatchGenerator(pipe).run(requests[1:2])
     gc.disable()  # refcounting alone must free them: no reliance on a collection
     try:
         pipe.run = run_that_runs_out_of_memory
-        generator = BatchGenerator(pipe, max_sequence_length=64)
+        generator = BatchGenerator(pipe)
         (batch,) = plan_batches(requests, 4)
         images = generator.run(batch)
     finally:

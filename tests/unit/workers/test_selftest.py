@@ -261,7 +261,7 @@ def test_dit_compiled_keeps_the_compiled_vae_and_compiles_the_main_size_only(tmp
     ctx.args.repeat = 1
     # as the compile stage leaves it on a GPU: its settings, the VAE decode compiled
     config = compile_check.compile_config(ctx, dit=True, vae=True)
-    vae = parts.make_vae(parts.vae_config(ctx), ctx.device, ctx.dtype, False)
+    vae = parts.make_vae(ctx)
     dit = parts.make_transformer(parts.transformer_config(ctx, 1), ctx.device, ctx.dtype)
     apply_compile(speed.pipeline_to_compile(dit, vae), config)
     decode = speed.compiled_decode(vae)
