@@ -90,7 +90,12 @@ def fetch_model(
     if scheme == "hf":
         from ditfleet.workers.weights.hub import fetch_hub_snapshot
 
-        return fetch_hub_snapshot(source, Path(cache_dir), config.lock_timeout_s, layout)
+        t0 = time.perf_counter()
+        snap = fetch_hub_snapshot(source, Path(cache_dir), config.lock_timeout_s, layout)
+        got, seconds = snap.downloaded_bytes, time.perf_counter() - t0
+        return FetchedModel(
+            snap.path, source, snap.revision, got > 0, got, seconds, snap.files, snap.lock_wait_s
+        )
     if scheme in ("", "file"):
         return _local(source, layout)
     raise ModelFetchError(

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from ditfleet.workers.weights.fetch import FetchedModel
 from ditfleet.workers.weights.node_cache import (
     REQUIRED_FILES,
     Layout,
@@ -31,6 +30,15 @@ _ALLOW = ["model_index.json", *[f"{folder}/*" for folder in _FOLDERS]]
 _IGNORE = ["*.bin", "*.pt", "*.pth", "*.ckpt", "*.msgpack", "*.h5", "*.onnx", "*.onnx_data"]
 
 
+@dataclass(frozen=True)
+class HubSnapshot:
+    path: Path  # the snapshot folder (files are links into the hub cache's blobs)
+    revision: str  # the commit the revision resolved to
+    downloaded_bytes: int  # bytes that arrived during this call
+    files: int
+    lock_wait_s: float
+
+
 def parse_hub_source(source: str) -> tuple[str, str]:
     """'hf://org/name@revision' -> ('org/name', 'revision'); the revision defaults to 'main'."""
     rest = source.removeprefix("hf://")
@@ -44,11 +52,9 @@ def parse_hub_source(source: str) -> tuple[str, str]:
 
 def fetch_hub_snapshot(
     source: str, cache_dir: Path, lock_timeout_s: float, layout: Layout | None = None
-) -> FetchedModel:
+) -> HubSnapshot:
     """The snapshot of `source` in the node's hub cache: a diffusers-layout model, or a folder
-    of `layout` (a scorer's model). Its revision is the commit the revision resolved to; its path
-    is the snapshot folder, whose files are links into the hub cache's blobs."""
-    t0 = time.perf_counter()
+    of `layout` (a scorer's model)."""
     repo_id, revision = parse_hub_source(source)
     try:
         import huggingface_hub
@@ -85,8 +91,7 @@ def fetch_hub_snapshot(
     files = sorted(relative_files(path))
     hint = f"point at a repository or revision in the diffusers layout (folders {', '.join(_FOLDERS)})"
     check_layout(set(files), f"{source} ({path})", hint, layout)
-    seconds = time.perf_counter() - t0
-    return FetchedModel(path, source, path.name, downloaded > 0, downloaded, seconds, len(files), waited)
+    return HubSnapshot(path, path.name, downloaded, len(files), waited)
 
 
 def _hub_error(e: Exception, source: str, repo_id: str, revision: str, hub_cache: Path) -> ModelFetchError:
