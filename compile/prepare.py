@@ -70,7 +70,6 @@ def prepare_worker_pipeline(
     cache_secret: bytes | None = None,
     *,
     runs: WarmupRuns = WarmupRuns(),
-    length_buckets: Sequence[int] = PROMPT_LENGTH_BUCKETS,
     expected_images: int | None = None,
     on_bucket: Callable[[int, int, str, bool], None] | None = None,
 ) -> PreparedPipeline:
@@ -81,7 +80,6 @@ def prepare_worker_pipeline(
     expected_images: images this actor is expected to make; decides compile.dit "auto".
     on_bucket: called as (i, n, 'WxH', first) before warm-up of bucket i of n starts (progress;
     first: not compiled on this machine before, compile.warmup).
-    length_buckets: part of the shared cache key only (requests are not padded to them).
     """
     start = time.perf_counter()
     device_type = torch.device(pipe.device).type
@@ -92,7 +90,8 @@ def prepare_worker_pipeline(
     if not report.methods:
         return PreparedPipeline(report, None, None, None, time.perf_counter() - start)
     share = config.shared_cache and artifact_store is not None and cache_secret is not None
-    key = cache_key(pipe, config, buckets, prompt_lengths=length_buckets, batch_sizes=runs.batch_sizes)
+    # The prompt-length buckets are part of the key only: requests are not padded to them.
+    key = cache_key(pipe, config, buckets, PROMPT_LENGTH_BUCKETS, runs.batch_sizes)
     loaded = None
     if share and artifact_store is not None and cache_secret is not None:
         loaded = load_shared_cache(artifact_store, key, cache_secret)

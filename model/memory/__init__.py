@@ -23,20 +23,15 @@ from __future__ import annotations
 
 from .activations import (
     dit_activation_bytes,
-    text_encode_activation_bytes,
     vae_decode_activation_bytes,
     vqa_activation_bytes,
 )
 from .disk import CheckpointSize, checkpoint_size
 from .params import text_encoder_params, transformer_params, vae_params
 from .plan import (
-    CUDA_RESERVE,
     DTYPE_BYTES,
-    FRAGMENTATION,
     GB,
-    QWEN_TEMPLATE_TOKENS,
     TEXT_ENCODER_PLACEMENTS,
-    GiB,
     MemoryPlan,
     ModelMemory,
     Runtime,
@@ -45,14 +40,10 @@ from .plan import (
 )
 
 __all__ = [
-    "CUDA_RESERVE",
     "DTYPE_BYTES",
-    "FRAGMENTATION",
     "GB",
-    "QWEN_TEMPLATE_TOKENS",
     "TEXT_ENCODER_PLACEMENTS",
     "CheckpointSize",
-    "GiB",
     "MemoryPlan",
     "ModelMemory",
     "Runtime",
@@ -60,7 +51,6 @@ __all__ = [
     "dit_activation_bytes",
     "largest_batch",
     "plan_memory",
-    "text_encode_activation_bytes",
     "text_encoder_params",
     "transformer_params",
     "vae_decode_activation_bytes",

@@ -224,11 +224,9 @@ class TransformerBlock(nn.Module):
         temb: torch.Tensor,  # (B or 1, D)
         padding: TextPadding,
         rope: tuple[Rotation, Rotation],
-        mod_key: ModulationKey | None = None,
-        mod_cache: ModulationCache | None = None,
         stats: AttentionStats | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        img_mod, txt_mod = self.modulation(temb, mod_key, mod_cache)
+        img_mod, txt_mod = self.modulation(temb, None, None)
         return self.body(img, txt, img_mod, txt_mod, padding, rope, stats)
 
     def body(
