@@ -21,8 +21,7 @@ import torch
 
 from .buckets import BucketSet
 from .cache import DirectoryArtifactStore
-from .config import COMPILE_CACHE_KEY_ENV, OnOffAuto
-from .policy import CompileConfig
+from .config import COMPILE_CACHE_KEY_ENV, CompileConfig, OnOffAuto
 from .prepare import prepare_worker_pipeline
 from .warmup import WarmupRuns
 
