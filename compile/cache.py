@@ -365,10 +365,9 @@ class CacheSaveResult:
 def load_shared_cache(store: ArtifactStore, key: CacheKey, secret: bytes) -> CacheLoadResult:
     """Load the blob under `key` into this process's compile caches, before warm-up.
 
-    secret: the fleet's compile cache key; a blob whose HMAC tag does not verify with it is
-    never unpacked (status "unauthenticated"). Never raises: a bad blob gives a
-    CompileCacheWarning and status "unauthenticated" or "corrupt", a failing store one with
-    status "error"; the warm-up then compiles normally.
+    Never raises: a blob that fails its HMAC check with `secret` (never unpacked), a corrupt one
+    or a failing store give a CompileCacheWarning and status "unauthenticated", "corrupt" or
+    "error"; the warm-up then compiles normally.
     """
     _check_secret(secret)
     start = time.perf_counter()

@@ -4,10 +4,8 @@
 
 Order matters: the shared artifacts must be loaded before anything compiles, and saved only
 after the warm-up compiled every bucket. With nothing to compile (vae=False, dit=False) there is
-nothing to warm or share, and it returns at once. The shared cache is used only with both a store
-and the fleet's secret key (compile.cache: blobs are authenticated with it); without the key
-nothing is loaded from or saved to the store. Warm-up claims each bucket on this machine first
-(`compile.claims`), so actors starting together compile each bucket once between them.
+nothing to warm or share, and it returns at once. Without the fleet's secret key nothing is
+loaded from or saved to the store (compile.cache authenticates every blob with it).
 """
 
 from __future__ import annotations

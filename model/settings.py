@@ -63,13 +63,9 @@ def setting(
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
 
 
-def is_setting(f: dataclasses.Field) -> bool:
-    return "description" in f.metadata
-
-
 def settings_fields(cls: type) -> dict[str, dataclasses.Field]:
     """The knobs of a settings dataclass (fields written with `setting`), by name, in order."""
-    return {f.name: f for f in dataclasses.fields(cls) if is_setting(f)}
+    return {f.name: f for f in dataclasses.fields(cls) if "description" in f.metadata}
 
 
 def field_default(f: dataclasses.Field) -> Any:
