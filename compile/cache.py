@@ -13,20 +13,16 @@ were built during the warm-up (`KernelSnapshot`), written back under the same na
 kernels an actor's local cache already held are not in its blob (a fleet node starts with an
 empty cache, so this matters only on a developer's machine).
 
-The compiled DiT is covered the same way: its graphs have dynamic batch and text-length
-dimensions, so the artifacts of one warm-up serve every prompt length and batch size, and the
-CFG mode (serial or batched: only the batch size differs) does not change them. What a loading
-actor still does itself: Dynamo traces each graph again (seconds), and on CPU Inductor
-preprocesses and precompiles its C++ prefix header once per node (outside the cache directory,
-tens of seconds on a fresh node) before it loads the first kernel library.
+The compiled DiT's graphs have dynamic batch and text-length dimensions, so one warm-up's
+artifacts serve every prompt length, batch size and CFG mode. A loading actor still has Dynamo
+trace each graph (seconds) and, on CPU, Inductor precompile its C++ prefix header once per node
+(outside the cache directory, tens of seconds on a fresh node).
 
-Storage goes through a two-method interface (`ArtifactStore`), so this module does not know S3;
-the worker's object stores fit it as they are (a `get` that raises FileNotFoundError for a missing
-key counts as missing). Writes are create-only (the first writer
-wins; a concurrent second one is refused and keeps nothing), and every blob starts with a header
-carrying its key, its length and a SHA-256 of its content, so a torn, truncated or foreign blob
-is detected and ignored with a warning. A missing blob, or one for another key (a new torch, a
-new bucket set), simply means a normal compile.
+Storage goes through a two-method interface (`ArtifactStore`), so this module does not know S3.
+Writes are create-only (the first writer wins), and every blob's header carries its key, its
+length and a SHA-256 of its content, so a torn, truncated or foreign blob is detected and ignored
+with a warning. A missing blob, or one for another key (a new torch, a new bucket set), simply
+means a normal compile.
 
 Trust. What a blob holds is executable: torch unpickles the artifacts, and the kernel libraries
 are loaded with dlopen. Anyone who can write to the job's storage could plant one, and a
@@ -60,8 +56,7 @@ from typing import Any, Protocol
 import torch
 
 from .buckets import ResolutionBucket
-from .config import MIN_SECRET_BYTES
-from .policy import CompileConfig
+from .config import MIN_SECRET_BYTES, CompileConfig
 
 FORMAT = 1
 CACHE_PREFIX = "_compile_cache"  # next to the job's output: {out}/_compile_cache/<key>.bin
@@ -370,10 +365,9 @@ class CacheSaveResult:
 def load_shared_cache(store: ArtifactStore, key: CacheKey, secret: bytes) -> CacheLoadResult:
     """Load the blob under `key` into this process's compile caches, before warm-up.
 
-    secret: the fleet's compile cache key; a blob whose HMAC tag does not verify with it is
-    never unpacked (status "unauthenticated"). Never raises: a bad blob gives a
-    CompileCacheWarning and status "unauthenticated" or "corrupt", a failing store one with
-    status "error"; the warm-up then compiles normally.
+    Never raises: a blob that fails its HMAC check with `secret` (never unpacked), a corrupt one
+    or a failing store give a CompileCacheWarning and status "unauthenticated", "corrupt" or
+    "error"; the warm-up then compiles normally.
     """
     _check_secret(secret)
     start = time.perf_counter()

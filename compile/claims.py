@@ -16,11 +16,8 @@ by the bucket and the compile cache key, in the machine's Inductor cache directo
   waiter gives up after `timeout_s`, says so loudly (CompileClaimWarning), and compiles anyway.
 
 Across nodes the locks do not reach: an actor on another node loads what the first finisher
-saved to the shared compile cache (compile.cache) when it starts after that, and compiles
-itself when it starts alongside. Splitting a fleet's first start across nodes would need a
-claim in the shared store and a per-bucket blob; not done here.
-
-The lock files stay (empty, a few bytes of name); they are reused by every later start.
+saved to the shared compile cache (compile.cache), or compiles itself when it starts alongside.
+The lock files stay (empty); every later start reuses them.
 """
 
 from __future__ import annotations

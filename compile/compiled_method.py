@@ -86,9 +86,6 @@ class CompiledMethod:
         """The object this compiles for, or None once it has been garbage-collected."""
         return self._target()
 
-    def is_for(self, target: object) -> bool:
-        return self._target() is target
-
     @property
     def status(self) -> str:
         """'pending' (never run), 'compiled', or 'eager' (fell back; see fallback_reason)."""
@@ -247,7 +244,7 @@ def compiled_method(
     existing = vars(target).get(name)
     if (
         isinstance(existing, CompiledMethod)
-        and existing.is_for(target)
+        and existing.target is target
         and existing.compile_kwargs == compile_kwargs
         and existing.split_batch == split_batch
         and existing.dynamic_dims == dynamic_dims

@@ -77,12 +77,8 @@ class CompileConfig:
     DiT's quantization; `resolve_auto` sets it).
     vae_batch: the VAE decodes this many images per compiled call (the last chunk zero-padded),
     so a partial batch never adds a shape; 1 also makes decoding independent of the batch.
-    shared_cache: load compiled artifacts from the job's storage before warm-up and save them
-    after it (the worker does this with `compile.cache`).
-    claim_timeout_s: actors on one machine claim buckets before compiling them, so each bucket
-    compiles once (`compile.claims`); a waiter compiles a bucket itself after this long. 0 turns
-    the coordination off (every actor compiles every bucket). Not part of the compiled code, so
-    not part of the cache key.
+    The knobs written with `setting` say what they do in their descriptions. claim_timeout_s is
+    not part of the compiled code, so not part of the cache key.
     """
 
     vae: OnOffAuto = setting(

@@ -3,11 +3,7 @@
 Compile is applied from outside the model. What is compiled is the model family's to say
 (`model.family`: its compile regions, each a few methods of some objects of one pipeline
 component with their dynamic dimensions); this module installs each compiled callable as the
-object's own attribute, so the pipeline calls it in place of the method. For Qwen-Image that is
-the VAE's `decode` (what the pipeline calls) and, optionally, two tensor functions of every DiT
-block around its attention kernel, with the batch size and the text length dynamic: one graph per
-function serves every prompt length and batch size of a resolution bucket, and all blocks share
-one code object, so it is one graph per bucket, not per block.
+object's own attribute, so the pipeline calls it in place of the method.
 """
 
 from __future__ import annotations
@@ -22,9 +18,8 @@ from ditfleet.model.loading.fp8 import runs_scaled_gemms
 
 from .compiled_method import CompiledMethod, compiled_method, uninstall
 
-# The config lives in the torch-free compile.config (the job spec builds it without torch);
-# re-exported here, where it is applied.
-from .config import AUTO_DIT_IMAGES_PER_BUCKET, COMPILE_MODES, Backend, CompileConfig, default_dit_mode  # noqa: F401
+# The config lives in the torch-free compile.config (the job spec builds it without torch).
+from .config import CompileConfig, default_dit_mode
 from .counting import ensure_counting
 from .cpu_linear import restore_linears, use_onednn_linears
 
@@ -121,11 +116,8 @@ def resolve_auto(
     buckets: int,
     scaled_gemms: bool = False,
 ) -> CompileConfig:
-    """The config with "auto" decided: compile.vae on for CUDA (CompileConfig.vae_on), compile.dit
-    on for CUDA when the images each actor is expected to make (None: unknown, taken as many) reach
-    AUTO_DIT_IMAGES_PER_BUCKET per bucket (CompileConfig.dit_on), and the DiT's mode, when not set,
-    by the device and whether the DiT runs FP8 GEMMs (`scaled_gemms`: model.loading.fp8.runs_scaled_gemms
-    of the pipeline's transformer; default_dit_mode)."""
+    """The config with "auto" decided (CompileConfig.vae_on, dit_on) and the DiT's mode, when not
+    set, by the device and whether the DiT runs FP8 GEMMs (default_dit_mode)."""
     dit_mode = config.dit_mode
     if dit_mode is None:
         dit_mode = default_dit_mode(device_type, scaled_gemms)

@@ -4,10 +4,8 @@
 
 Order matters: the shared artifacts must be loaded before anything compiles, and saved only
 after the warm-up compiled every bucket. With nothing to compile (vae=False, dit=False) there is
-nothing to warm or share, and it returns at once. The shared cache is used only with both a store
-and the fleet's secret key (compile.cache: blobs are authenticated with it); without the key
-nothing is loaded from or saved to the store. Warm-up claims each bucket on this machine first
-(`compile.claims`), so actors starting together compile each bucket once between them.
+nothing to warm or share, and it returns at once. Without the fleet's secret key nothing is
+loaded from or saved to the store (compile.cache authenticates every blob with it).
 """
 
 from __future__ import annotations
@@ -70,7 +68,6 @@ def prepare_worker_pipeline(
     cache_secret: bytes | None = None,
     *,
     runs: WarmupRuns = WarmupRuns(),
-    length_buckets: Sequence[int] = PROMPT_LENGTH_BUCKETS,
     expected_images: int | None = None,
     on_bucket: Callable[[int, int, str, bool], None] | None = None,
 ) -> PreparedPipeline:
@@ -81,7 +78,6 @@ def prepare_worker_pipeline(
     expected_images: images this actor is expected to make; decides compile.dit "auto".
     on_bucket: called as (i, n, 'WxH', first) before warm-up of bucket i of n starts (progress;
     first: not compiled on this machine before, compile.warmup).
-    length_buckets: part of the shared cache key only (requests are not padded to them).
     """
     start = time.perf_counter()
     device_type = torch.device(pipe.device).type
@@ -92,7 +88,8 @@ def prepare_worker_pipeline(
     if not report.methods:
         return PreparedPipeline(report, None, None, None, time.perf_counter() - start)
     share = config.shared_cache and artifact_store is not None and cache_secret is not None
-    key = cache_key(pipe, config, buckets, prompt_lengths=length_buckets, batch_sizes=runs.batch_sizes)
+    # The prompt-length buckets are part of the key only: requests are not padded to them.
+    key = cache_key(pipe, config, buckets, PROMPT_LENGTH_BUCKETS, runs.batch_sizes)
     loaded = None
     if share and artifact_store is not None and cache_secret is not None:
         loaded = load_shared_cache(artifact_store, key, cache_secret)

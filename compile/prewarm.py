@@ -21,12 +21,10 @@ import torch
 
 from .buckets import BucketSet
 from .cache import DirectoryArtifactStore
-from .config import COMPILE_CACHE_KEY_ENV, OnOffAuto
-from .policy import CompileConfig
+from .config import COMPILE_CACHE_KEY_ENV, CompileConfig, OnOffAuto
 from .prepare import prepare_worker_pipeline
 from .warmup import WarmupRuns
 
-DEFAULT_KEY_ENV = COMPILE_CACHE_KEY_ENV
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -101,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--key-env",
-        default=DEFAULT_KEY_ENV,
+        default=COMPILE_CACHE_KEY_ENV,
         help="environment variable holding the compile cache key (without it nothing is shared)",
     )
     args = parser.parse_args(argv)

@@ -5,10 +5,9 @@ encode -> denoise with true CFG -> decode, exactly as a request does (the pipeli
 Compiled graphs are specialised to input shapes, and the shapes do not depend on the number of
 steps, so 2 steps are enough.
 
-The VAE decode sees only the resolution. A compiled DiT takes the batch size and the text length
-as dynamic dimensions (the model family's compile regions, `model.family`), so it too compiles
-once per resolution: no prompt-length bucket, batch size or padding adds a graph. Before running,
-it raises the recompile limit of every compiled target to the number of shapes it is about to trace.
+The VAE decode sees only the resolution; a compiled DiT takes the batch size and the text length
+as dynamic dimensions (`model.family`), so it too compiles once per resolution. Before running, it
+raises the recompile limit of every compiled target to the number of shapes it is about to trace.
 
 With `claims` (compile.claims), actors on one machine warm the buckets they can claim first and
 then the ones others were compiling, which by then come from the local Inductor cache: each

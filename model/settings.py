@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from ditfleet.model.generation.step_cache_config import StepCacheConfig, parse_s
 MAX_SEQUENCE_LENGTH = 512
 MAX_SEQUENCE_LENGTH_LIMIT = 1024
 
-# The metadata keys `setting` understands; bounds as pydantic names them, so the spec copies them.
+# The metadata keys `setting` understands; bounds as pydantic (and `operator`) name them.
 BOUNDS = ("ge", "gt", "le", "lt")
 
 
@@ -62,13 +63,9 @@ def setting(
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
 
 
-def is_setting(f: dataclasses.Field) -> bool:
-    return "description" in f.metadata
-
-
 def settings_fields(cls: type) -> dict[str, dataclasses.Field]:
     """The knobs of a settings dataclass (fields written with `setting`), by name, in order."""
-    return {f.name: f for f in dataclasses.fields(cls) if is_setting(f)}
+    return {f.name: f for f in dataclasses.fields(cls) if "description" in f.metadata}
 
 
 def field_default(f: dataclasses.Field) -> Any:
@@ -93,13 +90,8 @@ def check_settings(obj: Any) -> None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ValueError(f"{name}.{f.name} must be a finite number, got {value!r}")
-        for bound, ok in (
-            ("ge", lambda v, b: v >= b),
-            ("gt", lambda v, b: v > b),
-            ("le", lambda v, b: v <= b),
-            ("lt", lambda v, b: v < b),
-        ):
-            if bound in f.metadata and not ok(value, f.metadata[bound]):
+        for bound in BOUNDS:
+            if bound in f.metadata and not getattr(operator, bound)(value, f.metadata[bound]):
                 raise ValueError(f"{name}.{f.name} must be {bound} {f.metadata[bound]}, got {value!r}")
 
 

@@ -110,7 +110,7 @@ def encode_padded(
         text["negative_prompt_embeds"],
         text["negative_prompt_embeds_mask"],
         length_buckets,
-        same_length=bool(pipe.cfg_batched),
+        same_length=pipe.cfg_mode == "batched",  # both branches in one forward
     )
 
 

@@ -102,11 +102,6 @@ class TextToImagePipeline:
         self.cfg_mode = settings.cfg_mode
         self.timestep_bank = TimestepBank()
 
-    @property
-    def cfg_batched(self) -> bool:
-        """Whether CFG always runs batched (pads both branches to one text length)."""
-        return self.cfg_mode == "batched"
-
     def batch_cfg(self, batch: int, image_tokens: int, cond_len: int, uncond_len: int) -> bool:
         """Whether this request's two CFG passes run as one forward (see cfg_batched_for)."""
         return cfg_batched_for(self.cfg_mode, self.device.type, batch, image_tokens, cond_len, uncond_len)

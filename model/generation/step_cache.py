@@ -9,13 +9,8 @@ signal for every row of the batch (one image in one CFG branch), then decides pe
   the kept residual (or, with TaylorSeer, the residual extrapolated to this step), and the
   remaining blocks never run for it.
 
-The signal depends on the method (settings and sources: model.generation.step_cache_config):
-- dbcache: the first Fn blocks run for every row; the signal is their residual H(Fn) - H(0),
-  compared with its value at the row's last computed step (reused steps do not move that
-  reference, as in cache-dit), mean|R_t - R_last| / mean|R_last| < threshold;
-- teacache: no block runs first; the signal is the first block's modulated input, compared with
-  its value at the previous step, rescaled by the model's polynomial and summed since the row
-  last computed; below the threshold it reuses the residual of every block.
+The signal depends on the method (dbcache: the first Fn blocks' residual; teacache: the first
+block's modulated input), as model.generation.step_cache_config describes with its sources.
 
 Only the rows that compute go through the remaining blocks (the transformer's `run_blocks` on a
 subset of rows, then scattered back), so an image's result and decisions do not depend on its
@@ -33,8 +28,6 @@ nothing cached yet, a row at its limit of consecutive reused steps. A schedule s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from ditfleet.model.generation.step_cache_config import StepCacheConfig
@@ -44,39 +37,25 @@ from ditfleet.model.networks.transformer import BlockInputs, QwenImageTransforme
 _EPS = 1e-12
 
 
-@dataclass
 class BranchState:
-    """What one CFG branch keeps for the images of a batch.
+    """What one CFG branch keeps for the images of a batch; the lists hold one entry per image.
 
     Tensors (B, N, D), rows by image: "signal" (dbcache: at the row's last computed step;
     teacache: at the previous step), "d0" the kept residual and, with TaylorSeer, "d1".. its
     finite-difference derivatives over steps."""
 
-    batch: int
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    has_cache: list[bool] = field(default_factory=list)
-    consecutive: list[int] = field(default_factory=list)  # reused steps in a row, per image
-    accumulated: list[float] = field(default_factory=list)  # teacache: rescaled change since computing
-    computed_at: list[int] = field(default_factory=list)  # step of the last computed residual
-    computes: list[int] = field(default_factory=list)  # computed residuals so far
-    blocks_computed: list[int] = field(default_factory=list)
-    blocks_reused: list[int] = field(default_factory=list)
-    reused_steps: list[list[int]] = field(default_factory=list)  # per image, the steps it reused
-    changes: list[list[tuple[int, float]]] = field(
-        default_factory=list
-    )  # per image: (step, what was compared)
-
-    def __post_init__(self) -> None:
-        B = self.batch
+    def __init__(self, batch: int) -> None:
+        B = self.batch = batch
+        self.tensors: dict[str, torch.Tensor] = {}
         self.has_cache = [False] * B
-        self.consecutive = [0] * B
-        self.accumulated = [0.0] * B
-        self.computed_at = [-1] * B
-        self.computes = [0] * B
+        self.consecutive = [0] * B  # reused steps in a row
+        self.accumulated = [0.0] * B  # teacache: rescaled change since computing
+        self.computed_at = [-1] * B  # step of the last computed residual
+        self.computes = [0] * B  # computed residuals so far
         self.blocks_computed = [0] * B
         self.blocks_reused = [0] * B
-        self.reused_steps = [[] for _ in range(B)]
-        self.changes = [[] for _ in range(B)]
+        self.reused_steps: list[list[int]] = [[] for _ in range(B)]  # the steps it reused
+        self.changes: list[list[tuple[int, float]]] = [[] for _ in range(B)]  # (step, what was compared)
 
     def keep(self, name: str, rows: list[int], values: torch.Tensor) -> None:
         """Store `values` (len(rows), N, D) as rows `rows` of tensor `name`."""
@@ -136,15 +115,13 @@ class StepCache:
     def per_image(self) -> list[dict[str, int]]:
         """Per image of the last run, both CFG branches together: DiT block evaluations computed
         and reused."""
-        out = []
-        for i in range(self.batch):
-            out.append(
-                {
-                    "blocks_computed": sum(b.blocks_computed[i] for b in self.branches),
-                    "blocks_reused": sum(b.blocks_reused[i] for b in self.branches),
-                }
-            )
-        return out
+        return [
+            {
+                "blocks_computed": sum(b.blocks_computed[i] for b in self.branches),
+                "blocks_reused": sum(b.blocks_reused[i] for b in self.branches),
+            }
+            for i in range(self.batch)
+        ]
 
     def reused_steps(self, branch: int, image: int) -> list[int]:
         """The steps at which image `image` of branch `branch` (0 conditional) reused the rest."""

@@ -10,6 +10,7 @@ tensor.
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 from collections.abc import Iterator
@@ -63,11 +64,8 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
     for name, meta in header.items():
         start, end = meta["data_offsets"]
         shape = tuple(int(s) for s in meta["shape"])
-        numel = 1
-        for s in shape:
-            numel *= s
         dtype = _TORCH_DTYPES.get(meta["dtype"])
-        if dtype is not None and end - start != numel * dtype.itemsize:
+        if dtype is not None and end - start != math.prod(shape) * dtype.itemsize:
             raise WeightsError(f"{path}: tensor {name!r} has inconsistent offsets. Re-download this file.")
         data_end = max(data_end, end)
         entries[name] = TensorEntry(path, meta["dtype"], shape, 8 + n + start, 8 + n + end)
@@ -135,13 +133,10 @@ class Checkpoint:
     def largest_file_bytes(self) -> int:
         return max(f.stat().st_size for f in self.files)
 
-    def check_matches(
-        self, module: torch.nn.Module, where: str, ignore_prefixes: tuple[str, ...] = ()
-    ) -> None:
+    def check_matches(self, module: torch.nn.Module, where: str) -> None:
         """Every key of `module` present with its shape, and nothing else (names the keys)."""
         expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
-        got = {k: tuple(e.shape) for k, e in self.tensors.items() if not k.startswith(ignore_prefixes)}
-        check_state_matches(expected, got, where)
+        check_state_matches(expected, {k: tuple(e.shape) for k, e in self.tensors.items()}, where)
 
     def iter_shards(self) -> Iterator[tuple[Path, Iterator[tuple[str, torch.Tensor]]]]:
         """(file, an iterator of its tensors on the CPU), one file at a time.
@@ -188,7 +183,6 @@ def load_streaming(
     where: str,
     dtype: torch.dtype,
     device: str | torch.device,
-    keep_fp32: tuple[str, ...] = (),
     transform: TensorTransform | None = None,
 ) -> torch.nn.Module:
     """Fill a meta-device `module` from `checkpoint`, one shard at a time, strictly.
@@ -207,8 +201,7 @@ def load_streaming(
     for _, tensors in checkpoint.iter_shards():
         cast = {}
         for k, v in tensors:
-            target = torch.float32 if any(m in k for m in keep_fp32) else dtype
-            t = v.to(device=device, dtype=target) if v.is_floating_point() else v.to(device=device)
+            t = v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device=device)
             del v  # the read buffer goes as soon as its cast copy exists
             if transform is None:
                 cast[k] = t

@@ -189,7 +189,6 @@ class Fp8Linear(nn.Module):
         bias: bool = True,
         mode: Quantization = "fp8",
         device: torch.device | str | None = None,
-        bias_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if check_quantization(mode) == "none":
@@ -206,8 +205,7 @@ class Fp8Linear(nn.Module):
         self.weight = nn.Parameter(w, requires_grad=False)
         self.register_buffer("weight_scale", torch.empty(out_features, dtype=torch.float32, device=device))
         if bias:
-            b = torch.empty(out_features, dtype=bias_dtype, device=device)
-            self.bias = nn.Parameter(b, requires_grad=False)
+            self.bias = nn.Parameter(torch.empty(out_features, device=device), requires_grad=False)
         else:
             self.register_parameter("bias", None)
 

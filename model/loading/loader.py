@@ -33,7 +33,7 @@ from ditfleet.model.loading.lora import (
     adapters_revision,
     merge_updates,
     plan_updates,
-    read_loras,
+    read_lora,
 )
 from ditfleet.model.loading.quantization import check_quantization, quantized_revision
 from ditfleet.model.loading.weights import WeightsError, on_meta, read_config
@@ -86,13 +86,9 @@ def fill_transformer(
 ) -> QwenImageTransformer:
     """Stream the weights in and merge the LoRA updates; with a quantization, each Linear weight
     is merged and then quantized as it arrives, so the full-precision DiT is never held."""
-    if check_quantization(quantization) == "none":
-        load_streaming(model, checkpoint, where, dtype, device)
-        merge_updates(model, updates)
-        return model
-    quantizer = Fp8Quantizer(quantization, updates)
+    quantizer = None if check_quantization(quantization) == "none" else Fp8Quantizer(quantization, updates)
     load_streaming(model, checkpoint, where, dtype, device, transform=quantizer)
-    merge_updates(model, quantizer.unmerged)  # the layers kept in the load dtype
+    merge_updates(model, updates if quantizer is None else quantizer.unmerged)  # unquantized layers
     return model
 
 
@@ -149,7 +145,7 @@ def load_pipeline(
     # Everything that can be wrong with the files (a bad adapter or schedule, configs, shard
     # headers and keys of the transformer) fails here, before any weight is read or any device
     # memory is used; the (small) VAE is loaded on the CPU first for the same reason.
-    adapters = read_loras(loras)
+    adapters = [read_lora(spec) for spec in loras]
     scheduler = load_scheduler(Path(scheduler_config) if scheduler_config else root / "scheduler")
     revision = model_revision(root)
     if scheduler_config:

@@ -134,10 +134,6 @@ def read_lora(spec: LoraSpec) -> LoraFile:
     return LoraFile(path, float(spec.scale), digest.hexdigest(), layers, _peft_config(path, header))
 
 
-def read_loras(specs: Sequence[LoraSpec]) -> list[LoraFile]:
-    return [read_lora(s) for s in specs]
-
-
 def _group_keys(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[dict, list[str]]:
     layers: dict[tuple[str, bool], _Factors] = {}
     unknown: list[str] = []

@@ -88,25 +88,22 @@ def assign_state_dict(
     dtype: torch.dtype,
     device: str | torch.device,
     ignore_prefixes: Iterable[str] = (),
-    keep_fp32: Iterable[str] = (),
 ) -> torch.nn.Module:
-    """Fill a meta-device `module` from `state`, strictly.
+    """Fill a meta-device `module` from `state`, strictly, floating tensors cast to `dtype`.
 
     `ignore_prefixes` names checkpoint keys this module deliberately does not hold (e.g. the VAE
-    encoder when only decoding). Floating tensors are cast to `dtype` except those whose key
-    contains one of `keep_fp32`.
+    encoder when only decoding).
     """
     ignore = tuple(ignore_prefixes)
-    fp32_markers = tuple(keep_fp32)
     state = {k: v for k, v in state.items() if not k.startswith(ignore)} if ignore else state
     check_state_matches(
         {k: tuple(v.shape) for k, v in module.state_dict().items()},
         {k: tuple(v.shape) for k, v in state.items()},
         where,
     )
-    cast = {}
-    for k, v in state.items():
-        target = torch.float32 if any(m in k for m in fp32_markers) else dtype
-        cast[k] = v.to(device=device, dtype=target) if v.is_floating_point() else v.to(device=device)
+    cast = {
+        k: v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device=device)
+        for k, v in state.items()
+    }
     module.load_state_dict(cast, strict=True, assign=True)
     return module

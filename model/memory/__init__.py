@@ -1,10 +1,5 @@
-"""The memory plan of a model, from its configs alone: weights per component, activation peaks
-per image size and batch, and whether it all fits a GPU.
-
-Nothing here allocates a tensor: parameter counts are arithmetic on the config values (checked
-against the modules built on the meta device in the tests), and activation peaks follow the
-lifetimes of the tensors in this package's forward passes (`transformer.py`, `vae_blocks.py`),
-checked against the CPU allocator's own peak on a real-width slice.
+"""The memory plan of a model, from its configs alone (nothing here allocates a tensor): weights
+per component, activation peaks per image size and batch, and whether it all fits a GPU.
 
 Units: bytes. `e` is the activation element size (2 for bf16, 4 for fp32). Shapes: B batch,
 N image tokens ((H/16) * (W/16)), L text tokens, S = L + N, D the DiT width.
@@ -23,20 +18,15 @@ from __future__ import annotations
 
 from .activations import (
     dit_activation_bytes,
-    text_encode_activation_bytes,
     vae_decode_activation_bytes,
     vqa_activation_bytes,
 )
 from .disk import CheckpointSize, checkpoint_size
 from .params import text_encoder_params, transformer_params, vae_params
 from .plan import (
-    CUDA_RESERVE,
     DTYPE_BYTES,
-    FRAGMENTATION,
     GB,
-    QWEN_TEMPLATE_TOKENS,
     TEXT_ENCODER_PLACEMENTS,
-    GiB,
     MemoryPlan,
     ModelMemory,
     Runtime,
@@ -45,14 +35,10 @@ from .plan import (
 )
 
 __all__ = [
-    "CUDA_RESERVE",
     "DTYPE_BYTES",
-    "FRAGMENTATION",
     "GB",
-    "QWEN_TEMPLATE_TOKENS",
     "TEXT_ENCODER_PLACEMENTS",
     "CheckpointSize",
-    "GiB",
     "MemoryPlan",
     "ModelMemory",
     "Runtime",
@@ -60,7 +46,6 @@ __all__ = [
     "dit_activation_bytes",
     "largest_batch",
     "plan_memory",
-    "text_encode_activation_bytes",
     "text_encoder_params",
     "transformer_params",
     "vae_decode_activation_bytes",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,9 +57,7 @@ def checkpoint_size(component_dir: str | Path) -> CheckpointSize:
         for name, info in header.items():
             if name == "__metadata__":
                 continue
-            count = 1
-            for d in info["shape"]:
-                count *= int(d)
+            count = math.prod(int(d) for d in info["shape"])
             tensors += 1
             params += count
             nbytes += count * _SAFETENSORS_BYTES.get(info["dtype"], 0)

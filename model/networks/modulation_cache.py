@@ -71,13 +71,9 @@ class ModulationKey:
 
 
 def caching_allowed(module: torch.nn.Module) -> bool:
-    if torch.is_grad_enabled() or module.training:
+    if torch.is_grad_enabled() or module.training or torch.compiler.is_compiling():
         return False
-    if torch.compiler.is_compiling():
-        return False
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        return False
-    return True
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def make_key(

@@ -4,17 +4,12 @@ The pipeline only needs `encode(prompts, max_length) -> (embeds (B, L, D), mask 
 is the longest prompt in tokens and mask is 1 for real tokens. The real encoder is Qwen2.5-VL-7B
 through `transformers` (the `qwen` extra); the bundled tiny model has its own small encoder.
 
-Which hidden state Qwen-Image reads: the reference pipeline (diffusers `QwenImagePipeline.
-_get_qwen_prompt_embeds`, `hidden_states = encoder_hidden_states.hidden_states[-1]`) runs
-Qwen2.5-VL with `output_hidden_states=True`. In the transformers the published text encoder was
-saved with (its config.json records 4.53.1; 4.57.1 is the same), `Qwen2_5_VLTextModel.forward`
-applies the final RMSNorm and then appends that normalised tensor as the last entry
-(`hidden_states = self.norm(hidden_states)`; "add hidden states from the last decoder layer").
-So the model was trained on the language model's last hidden state AFTER the final norm. In
-transformers 5 the entry is whatever output capturing records: by default tied to
-`last_hidden_state` (after the norm), but with `tie_last_hidden_states=False` in a config it is
-the last decoder layer's output before the norm (Qwen3-VL based pipelines rely on exactly that).
-We therefore never read `hidden_states[-1]`: a forward hook captures the final norm's output.
+Which hidden state Qwen-Image reads: the reference pipeline takes `hidden_states[-1]` of
+Qwen2.5-VL, which in the transformers the published encoder was saved with (4.53.1) is the
+language model's last hidden state AFTER the final RMSNorm. In transformers 5 that entry is
+whatever output capturing records, and with `tie_last_hidden_states=False` in a config it is the
+last decoder layer's output before the norm. So we never read `hidden_states[-1]`: a forward
+hook captures the final norm's output.
 """
 
 from __future__ import annotations

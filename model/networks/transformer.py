@@ -21,7 +21,7 @@ from torch import nn
 from ditfleet.model.networks.attention import AttentionStats, TextPadding, joint_attention
 from ditfleet.model.networks.modulation_cache import ModulationCache, ModulationKey, make_key
 from ditfleet.model.networks.rope import RotaryTables, Rotation, apply_rotary
-from ditfleet.model.networks.transformer_config import DIFFUSERS_CLASS, IGNORED_KEYS, TransformerConfig  # noqa: F401 - re-exported
+from ditfleet.model.networks.transformer_config import TransformerConfig  # noqa: F401 - re-exported
 from ditfleet.model.settings import DEFAULT_PIPELINE
 
 
@@ -224,11 +224,9 @@ class TransformerBlock(nn.Module):
         temb: torch.Tensor,  # (B or 1, D)
         padding: TextPadding,
         rope: tuple[Rotation, Rotation],
-        mod_key: ModulationKey | None = None,
-        mod_cache: ModulationCache | None = None,
         stats: AttentionStats | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        img_mod, txt_mod = self.modulation(temb, mod_key, mod_cache)
+        img_mod, txt_mod = self.modulation(temb, None, None)
         return self.body(img, txt, img_mod, txt_mod, padding, rope, stats)
 
     def body(
@@ -242,13 +240,9 @@ class TransformerBlock(nn.Module):
         stats: AttentionStats | None = None,
         img_in: torch.Tensor | None = None,  # modulated_input(img, img_mod) when already made
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention and MLP given the modulation.
-
-        `attention_inputs` and `attention_outputs` are pure tensor functions (what a compiler
-        takes); the attention kernel between them depends on the batch's padding, decided per
-        forward. The modulation cache lookup (Python state keyed by tensor identity) stays in
-        `forward`.
-        """
+        """Attention and MLP given the modulation: `attention_inputs` and `attention_outputs`
+        are pure tensor functions (what a compiler takes) around the attention kernel, which
+        depends on the batch's padding."""
         if img_in is None:
             q, k, v = self.attention_inputs(img, txt, img_mod, txt_mod, rope)
         else:  # TeaCache's block 0: its signal is this input, made once (model.generation.step_cache)

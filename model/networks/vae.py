@@ -37,32 +37,14 @@ class QwenImageVAE(nn.Module):
 
     def __init__(self, config: VAEConfig, with_encoder: bool = True) -> None:
         super().__init__()
-        c = config
         self.config = config
         self.encoder: Encoder | None = None
         self.quant_conv: CausalConv2d | None = None
         if with_encoder:
-            self.encoder = Encoder(
-                c.base_dim,
-                c.z_dim * 2,
-                c.dim_mult,
-                c.num_res_blocks,
-                c.attn_scales,
-                c.temperal_downsample,
-                c.dropout,
-                c.input_channels,
-            )
-            self.quant_conv = CausalConv2d(c.z_dim * 2, c.z_dim * 2, 1)
-        self.post_quant_conv = CausalConv2d(c.z_dim, c.z_dim, 1)
-        self.decoder = Decoder(
-            c.base_dim,
-            c.z_dim,
-            c.dim_mult,
-            c.num_res_blocks,
-            c.temperal_downsample[::-1],
-            c.dropout,
-            c.input_channels,
-        )
+            self.encoder = Encoder(config)
+            self.quant_conv = CausalConv2d(config.z_dim * 2, config.z_dim * 2, 1)
+        self.post_quant_conv = CausalConv2d(config.z_dim, config.z_dim, 1)
+        self.decoder = Decoder(config)
 
     def decode(self, z: Tensor) -> Tensor:
         """(B, z_dim, h, w) de-normalised latents -> (B, 3, s*h, s*w) image clamped to [-1, 1]."""

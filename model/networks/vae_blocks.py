@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ditfleet.model.networks.vae_config import VAEConfig
+
 
 class CausalConv2d(nn.Conv2d):
     """The single-frame slice of a causal `k x k x k` Conv3d: same spatial kernel, zero padding k // 2.
@@ -187,35 +189,27 @@ class Encoder(nn.Module):
     in diffusers, so that the indices in the keys match.
     """
 
-    def __init__(
-        self,
-        dim: int,
-        out_channels: int,
-        dim_mult: tuple[int, ...],
-        num_res_blocks: int,
-        attn_scales: tuple[float, ...],
-        temporal_downsample: tuple[bool, ...],
-        dropout: float,
-        input_channels: int,
-    ) -> None:
+    def __init__(self, c: VAEConfig) -> None:
         super().__init__()
-        dims = [dim * u for u in (1, *dim_mult)]
-        self.conv_in = CausalConv2d(input_channels, dims[0], 3)
+        dims = [c.base_dim * u for u in (1, *c.dim_mult)]
+        self.conv_in = CausalConv2d(c.input_channels, dims[0], 3)
         blocks: list[nn.Module] = []
         scale = 1.0
         for i, (in_dim, out_dim) in enumerate(zip(dims[:-1], dims[1:])):
-            for _ in range(num_res_blocks):
-                blocks.append(ResidualBlock(in_dim, out_dim, dropout))
-                if scale in attn_scales:
+            for _ in range(c.num_res_blocks):
+                blocks.append(ResidualBlock(in_dim, out_dim, c.dropout))
+                if scale in c.attn_scales:
                     blocks.append(AttentionBlock(out_dim))
                 in_dim = out_dim
-            if i != len(dim_mult) - 1:
-                blocks.append(Resample(out_dim, "downsample3d" if temporal_downsample[i] else "downsample2d"))
+            if i != len(c.dim_mult) - 1:
+                blocks.append(
+                    Resample(out_dim, "downsample3d" if c.temperal_downsample[i] else "downsample2d")
+                )
                 scale /= 2.0
         self.down_blocks = nn.ModuleList(blocks)
-        self.mid_block = MidBlock(dims[-1], dropout)
+        self.mid_block = MidBlock(dims[-1], c.dropout)
         self.norm_out = RMSNorm(dims[-1], video_gamma=True)
-        self.conv_out = CausalConv2d(dims[-1], out_channels, 3)
+        self.conv_out = CausalConv2d(dims[-1], 2 * c.z_dim, 3)  # the posterior's mean and logvar
 
     def forward(self, x: Tensor) -> Tensor:
         x = self.conv_in(x)
@@ -226,33 +220,25 @@ class Encoder(nn.Module):
 
 
 class Decoder(nn.Module):
-    """(B, z_dim, h, w) -> (B, out_ch, h * 2**n, w * 2**n), n = len(dim_mult) - 1; not clamped."""
+    """(B, z_dim, h, w) -> (B, input_channels, h * 2**n, w * 2**n), n = len(dim_mult) - 1; not clamped."""
 
-    def __init__(
-        self,
-        dim: int,
-        z_dim: int,
-        dim_mult: tuple[int, ...],
-        num_res_blocks: int,
-        temporal_upsample: tuple[bool, ...],
-        dropout: float,
-        out_channels: int,
-    ) -> None:
+    def __init__(self, c: VAEConfig) -> None:
         super().__init__()
-        dims = [dim * u for u in (dim_mult[-1], *dim_mult[::-1])]
-        self.conv_in = CausalConv2d(z_dim, dims[0], 3)
-        self.mid_block = MidBlock(dims[0], dropout)
+        dims = [c.base_dim * u for u in (c.dim_mult[-1], *c.dim_mult[::-1])]
+        temporal_upsample = c.temperal_downsample[::-1]
+        self.conv_in = CausalConv2d(c.z_dim, dims[0], 3)
+        self.mid_block = MidBlock(dims[0], c.dropout)
         blocks = []
         for i, (in_dim, out_dim) in enumerate(zip(dims[:-1], dims[1:])):
             # Every block after the first follows an upsampler, whose conv halves the channels.
             in_dim = in_dim // 2 if i > 0 else in_dim
             mode = None
-            if i != len(dim_mult) - 1:
+            if i != len(c.dim_mult) - 1:
                 mode = "upsample3d" if temporal_upsample[i] else "upsample2d"
-            blocks.append(UpBlock(in_dim, out_dim, num_res_blocks, dropout, mode))
+            blocks.append(UpBlock(in_dim, out_dim, c.num_res_blocks, c.dropout, mode))
         self.up_blocks = nn.ModuleList(blocks)
         self.norm_out = RMSNorm(dims[-1], video_gamma=True)
-        self.conv_out = CausalConv2d(dims[-1], out_channels, 3)
+        self.conv_out = CausalConv2d(dims[-1], c.input_channels, 3)
 
     def forward(self, x: Tensor) -> Tensor:
         x = self.mid_block(self.conv_in(x))

@@ -34,11 +34,8 @@ def phash_one(y: torch.Tensor) -> int:
     """The 64-bit pHash of one (H, W) float64 luma image."""
     small = F.interpolate(y[None, None], size=(_SIDE, _SIDE), mode="area")[0, 0]  # (32, 32)
     low = (_DCT @ small @ _DCT.T)[:_LOW, :_LOW].flatten()  # (64,)
-    median = low[1:].median()
-    value = 0
-    for bit in (low > median).tolist():
-        value = (value << 1) | int(bit)
-    return value
+    bits = (low > low[1:].median()).tolist()  # bit 63 first
+    return int("".join("1" if b else "0" for b in bits), 2)
 
 
 def perceptual_hashes(pixels: torch.Tensor) -> list[int]:

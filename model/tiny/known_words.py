@@ -15,7 +15,7 @@ from pathlib import Path
 
 # The tokenizer's word rule: lower-cased alphanumeric runs (model/tiny/text_encoder.py uses it).
 WORD_RE = re.compile(r"[a-z0-9]+")
-_SPECIAL = ("<pad>", "<unk>", "<bos>")
+SPECIAL_TOKENS = ("<pad>", "<unk>", "<bos>")  # ids 0, 1, 2
 EXAMPLE_CAPTION = "a small red circle in the centre on a blue background"
 
 
@@ -27,7 +27,7 @@ def vocabulary(model_dir: str) -> frozenset[str]:
 
 def known_of(vocab: Iterable[str]) -> frozenset[str]:
     """A tokenizer vocabulary's words, specials left out."""
-    return frozenset(w for w in vocab if w not in _SPECIAL)
+    return frozenset(w for w in vocab if w not in SPECIAL_TOKENS)
 
 
 def unknown_words(prompts: Iterable[str], known: frozenset[str]) -> list[str]:

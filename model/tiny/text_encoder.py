@@ -29,10 +29,9 @@ from ditfleet.model.loading.weights import (
     read_state_dict,
 )
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH
-from ditfleet.model.tiny.known_words import WORD_RE
+from ditfleet.model.tiny.known_words import SPECIAL_TOKENS, WORD_RE
 
-PAD, UNK, BOS = "<pad>", "<unk>", "<bos>"
-_WORD_RE = WORD_RE
+PAD, UNK, BOS = SPECIAL_TOKENS
 
 
 class WordTokenizer:
@@ -60,7 +59,7 @@ class WordTokenizer:
 
     def tokenize(self, text: str, max_length: int) -> list[int]:
         """<bos> + word ids, truncated to `max_length` tokens (>= 1)."""
-        ids = [self.vocab[BOS]] + [self.vocab.get(w, self.vocab[UNK]) for w in _WORD_RE.findall(text.lower())]
+        ids = [self.vocab[BOS]] + [self.vocab.get(w, self.vocab[UNK]) for w in WORD_RE.findall(text.lower())]
         return ids[:max_length]
 
     def save(self, directory: Path) -> None:

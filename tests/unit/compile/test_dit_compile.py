@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from ditfleet.compile import CompileConfig, WarmupRuns, apply_compile, count_compiles, warm_up
-from ditfleet.compile.policy import AUTO_DIT_IMAGES_PER_BUCKET, resolve_auto
+from ditfleet.compile.config import AUTO_DIT_IMAGES_PER_BUCKET
+from ditfleet.compile.policy import resolve_auto
 from ditfleet.model import load_pipeline
 from tests.support.compile_helpers import SMALL_BUCKETS, generate, random_embeds
 from tests.support.paths import REPO

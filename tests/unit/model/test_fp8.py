@@ -21,7 +21,7 @@ from ditfleet.model.loading.fp8 import (
     quantize_rows,
     quantize_weight,
 )
-from ditfleet.model.loading.lora import LoraSpec, read_loras
+from ditfleet.model.loading.lora import LoraSpec, read_lora
 from ditfleet.model.loading.quantization import (
     KEEP_IN_LOAD_DTYPE,
     QuantizationError,
@@ -167,7 +167,7 @@ def test_quantizer_hands_back_the_updates_of_kept_layers(tmp_path, random_model_
 
     lora = write_diffusers_lora(tmp_path / "a.safetensors", seed=1)
     model, _ = prepare_transformer(random_model_dir / "transformer")
-    updates = plan_updates(read_loras([LoraSpec(str(lora))]), model)
+    updates = plan_updates([read_lora(LoraSpec(str(lora)))], model)
     quantizer = Fp8Quantizer("fp8", updates)
     quantizer.prepare(model)
     assert {u.module for u in quantizer.unmerged} == {"img_in", "txt_in", "proj_out"}
