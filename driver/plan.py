@@ -30,13 +30,14 @@ import pyarrow.compute as pc
 from ditfleet.compile.buckets import BucketError
 from ditfleet.driver.input.arrays import plain
 from ditfleet.driver.input.duplicate_ids import DIGEST_BITS
-from ditfleet.driver.input.prompts import DEFAULT_BATCH_ROWS, InputFile, PromptSource, read_each
+from ditfleet.driver.input.prompts import DEFAULT_BATCH_ROWS, InputFile, PromptSource
 from ditfleet.driver.input.row_errors import file_error
 from ditfleet.driver.input.scan import ScanOptions, scan_input
 from ditfleet.driver.input.validate import DEFAULT_MAX_ERRORS, valid_sizes
 from ditfleet.model.settings import field_default, setting, settings_fields
 from ditfleet.workers.content_digest import Prepared, RangeDigest, combine, hex_digest
 from ditfleet.workers.rows import MAX_SIDE, RowConfig, ShardSpec, content_columns
+from ditfleet.workers.storage.base import read_each
 from ditfleet.workers.storage.input_files import InputFileError, footer_sha256, largest_row_group
 
 FINGERPRINT_VERSION = 1

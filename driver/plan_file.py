@@ -25,11 +25,12 @@ from collections.abc import Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ditfleet.driver.input.prompts import InputFile, PromptSource, read_each
+from ditfleet.driver.input.prompts import InputFile, PromptSource
 from ditfleet.driver.input.row_errors import InputError
 from ditfleet.driver.plan import InputIdentity, JobPlan, PlanConfig, fingerprint_of, settings_doc
 from ditfleet.workers.rows import ShardSpec
 from ditfleet.workers.storage import ObjectStore
+from ditfleet.workers.storage.base import read_each
 from ditfleet.workers.storage.input_files import InputFileError, footer_sha256
 from ditfleet.workers.storage.parquet_bytes import read_parquet
 

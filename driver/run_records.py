@@ -29,10 +29,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ditfleet.driver.input.prompts import read_each
 from ditfleet.workers.output.layout import RUNS_PREFIX, run_ids_key, run_key, run_of_key
 from ditfleet.workers.rows import ShardSpec
 from ditfleet.workers.storage import ObjectNotFound, ObjectStore
+from ditfleet.workers.storage.base import read_each
 from ditfleet.workers.storage.parquet_bytes import read_parquet
 
 RUN_RECORD_VERSION = 1

@@ -150,8 +150,9 @@ class _Column:
             lengths = np.where(_validity(values).astype(bool), lengths, -1)
         self.fixed = [lengths.view(np.uint64)]
         self.offsets = offsets
-        if values.buffers()[2] is not None:
-            self.data = memoryview(values.buffers()[2])
+        data = values.buffers()[2]
+        if data is not None:
+            self.data = memoryview(data)
 
     def _fixed(self, values: pa.Array, kind: str) -> None:
         filled = values.fill_null(False if kind == "b" else 0) if values.null_count else values

@@ -8,17 +8,14 @@ path (plain string order) and rows are counted through them in that order.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from ditfleet.driver.input.row_errors import RowError, file_error
-from ditfleet.workers.storage.base import READ_THREADS
 from ditfleet.workers.storage.input_files import (
     InputFileError,
     filesystem_for,
@@ -32,19 +29,6 @@ PARQUET_SUFFIX = ".parquet"
 _GLOB_CHARS = frozenset("*?[")
 # Rows per read batch: bounds memory per batch whatever the row group size.
 DEFAULT_BATCH_ROWS = 65536
-
-
-_T = TypeVar("_T")
-_R = TypeVar("_R")
-
-
-def read_each(read: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
-    """read(item) for each item, in order, up to READ_THREADS at a time: each is a small read
-    that mostly waits on storage (one item is read on this thread)."""
-    if len(items) <= 1:
-        return [read(item) for item in items]
-    with ThreadPoolExecutor(max_workers=min(READ_THREADS, len(items))) as pool:
-        return list(pool.map(read, items))
 
 
 @dataclass(frozen=True)

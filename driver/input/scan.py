@@ -19,11 +19,11 @@ from ditfleet.driver.input.prompts import (
     RowCountMismatch,
     footer_row_count_error,
     iter_batches,
-    read_each,
 )
 from ditfleet.driver.input.row_errors import InputError, RowError
 from ditfleet.driver.input.validate import DEFAULT_MAX_ERRORS, RowValidator, ValidationReport, job_schema
 from ditfleet.workers.rows import RowConfig, content_columns
+from ditfleet.workers.storage.base import read_each
 
 
 @dataclass(frozen=True)

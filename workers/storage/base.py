@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import abc
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import IO, Literal
+from typing import IO, Literal, TypeVar
 
 from ditfleet.model.settings import setting
 
@@ -27,6 +28,18 @@ STALE_TEMP_AGE_S = 600.0
 # Reads of a remote store (manifests, footers, small objects) wait on the network, not on
 # bandwidth or CPU: this many go at once.
 READ_THREADS = 16
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+
+def read_each(read: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
+    """read(item) for each item, in order, up to READ_THREADS at a time: each is a small read
+    that mostly waits on storage (one item is read on this thread)."""
+    if len(items) <= 1:
+        return [read(item) for item in items]
+    with ThreadPoolExecutor(max_workers=min(READ_THREADS, len(items))) as pool:
+        return list(pool.map(read, items))
 
 
 class StoreError(RuntimeError):
