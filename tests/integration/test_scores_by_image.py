@@ -237,7 +237,9 @@ def test_a_redo_leaves_score_tables_behind_and_every_reader_says_so(made, tmp_pa
     rows = ds.dataset(str(root / "manifests")).to_table(columns=keys)
     joined = rows.join(ds.dataset(str(root / "scores" / "sharpness")).to_table(), keys).to_pylist()
     assert len(joined) == ROWS  # pyarrow's join is a left outer one: the redo's rows with a null
-    assert sorted(r["id"] for r in joined if r["score"] is not None) == [f"p{i:05d}" for i in range(SHARD_SIZE)]
+    assert sorted(r["id"] for r in joined if r["score"] is not None) == [
+        f"p{i:05d}" for i in range(SHARD_SIZE)
+    ]
 
     # `ditfleet score` makes the redo's table; every reader is current again
     assert main(["score", str(root), "--scorer", "sharpness"]) == 0
