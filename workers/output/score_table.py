@@ -143,15 +143,16 @@ def all_score_tables(store: ObjectStore, current: Mapping[int, str]) -> list[Sco
 
 def _tables_of(scorer: str, keys: Iterable[str], current: Mapping[int, str]) -> ScoreTables:
     newest: dict[int, int] = {}  # shard -> the highest generation it has a table of
-    made = set()
+    made: set[str] = set()
     for key in keys:
         manifest = manifest_of_score_table(scorer, key)
         parsed = manifest_of_key(manifest) if manifest else None
-        if parsed is None:
+        if manifest is None or parsed is None:
             continue  # not a table of ours
         made.add(manifest)
         newest[parsed[0]] = max(parsed[1], newest.get(parsed[0], -1))
-    stale, unscored = {}, []
+    stale: dict[int, tuple[int, int]] = {}
+    unscored: list[int] = []
     for shard, key in sorted(current.items()):
         if key in made:
             continue
