@@ -176,12 +176,12 @@ def test_a_compaction_paused_after_its_lease_check_never_shows_readers_a_superse
     assert "rebuilt the compacted set" in done.err, done
     late.cont()
     refused = late.finish()
-    assert refused.rc == 2 and "was written by another writer while this compaction ran" in refused.err, (
-        refused
-    )
     for rows in compacted_rows(out):
         assert_each_row_once_naming_what_is_there(out, rows)
         assert {r["id"]: r["uri"] for r in rows} == current_uris(out)
+    assert refused.rc == 2 and "was written by another writer while this compaction ran" in refused.err, (
+        refused
+    )
     got = status(procs, out)
     assert got["compacted"] == "current" and got["complete"], got
 
