@@ -212,7 +212,7 @@ def _plain_work(run: _Execution, started: float) -> _Work | JobSummary:
     store.check_writable()
     run.hold(store)
     run.refuse_ids_that_fold(store)
-    claim_output(store, plan, json.loads(config.resolved_spec), run.model)
+    claim_output(store, plan, json.loads(config.resolved_spec), run.model, prompt_source(config))
     done = committed_shards(store) & {s.index for s in plan.shards}
     redo = redo_generations(store, plan.shards, done, config.redo_shards)  # refused: nothing written
     if stored is None:
