@@ -121,7 +121,9 @@ def close_output(
         # A compacted set the user made is kept the union of the current manifests (a redo), and
         # one a compaction this driver took the output from may still write is fenced.
         if refresh_compacted(store, lease) is not None:
-            print(f"rebuilt the compacted set {store.uri(COMPACTED_KEY)} from the current manifests", file=out)
+            print(
+                f"rebuilt the compacted set {store.uri(COMPACTED_KEY)} from the current manifests", file=out
+            )
         put_success(store, success.to_dict(), lease.generation if lease is not None else None)
     if lease is not None:
         lease.mark_settled()
