@@ -68,9 +68,15 @@ def prompts(tmp_path: Path) -> Path:
     return path
 
 
-def run(tmp_path: Path, out: Path, monkeypatch, output_format: str = "files"):
+def run(tmp_path: Path, out: Path, monkeypatch, output_format: str = "files", incremental: bool = False):
     monkeypatch.setattr(run_job_module, "run_shards", in_process)
-    spec = {"input": str(prompts(tmp_path)), "output": str(out), "format": output_format, "shard_size": 6}
+    spec = {
+        "input": str(prompts(tmp_path)),
+        "output": str(out),
+        "format": output_format,
+        "shard_size": 6,
+        "incremental": incremental,
+    }
     return run_job_module.run_job(
         driver_config(spec),
         worker_config(spec),
@@ -97,9 +103,12 @@ def test_the_probe_tells_a_folding_store_from_one_that_keeps_case(tmp_path, fold
     assert list(open_store(str(folding_output)).list()) == [] and list(plain.list()) == []
 
 
-def test_ids_differing_only_in_case_are_refused_on_a_folding_output(tmp_path, folding_output, monkeypatch):
+@pytest.mark.parametrize("incremental", [False, True], ids=["plain", "incremental"])
+def test_ids_differing_only_in_case_are_refused_on_a_folding_output(
+    tmp_path, folding_output, monkeypatch, incremental
+):
     try:
-        run(tmp_path, folding_output, monkeypatch)
+        run(tmp_path, folding_output, monkeypatch, incremental=incremental)
         refused = None
     except InputError as e:
         refused = e
@@ -113,6 +122,7 @@ def test_ids_differing_only_in_case_are_refused_on_a_folding_output(tmp_path, fo
     # Refused before the output was claimed: no _job.json, no lease left held, no object.
     store = open_store(str(folding_output))
     assert not store.exists("_job.json") and not list(store.list("images/")), sorted(store.list())
+    assert not list(store.list("_runs/")), sorted(store.list())
 
 
 def test_the_same_ids_run_where_case_is_kept_or_no_object_is_named_by_an_id(
