@@ -234,8 +234,8 @@ def _footer_changes(
     """What changed in a file whose footer differs, as far as its `input_columns` and the content
     digests tell (same_values: whether the rows' values are the same; None: not known)."""
     same = {True: ["the rows' values are the same"], False: [], None: []}[same_values]
-    if not then or not now:
-        return ["its footer differs", *same]
+    if not then or not now:  # an output made before columns were recorded
+        return ["its footer differs", *same] if same_values else ["content differs"]
     out = [f"column {c!r} was added" for c in now["order"] if c not in then["columns"]]
     out += [f"column {c!r} was removed" for c in then["order"] if c not in now["columns"]]
     edited = [c for c in now["order"] if c in then["columns"] and then["columns"][c] != now["columns"][c]]
