@@ -200,6 +200,14 @@ def compacted_state(store: ObjectStore, current: Mapping[int, str] | None = None
         index = read_json(store, INDEX_KEY)
     except ValueError:
         index = None
+    if (
+        isinstance(index, dict)
+        and isinstance(index.get("version"), int)
+        and index["version"] < COMPACT_VERSION
+    ):
+        return CompactedState(
+            True, False, f"{store.uri(INDEX_KEY)} is of an earlier version (its digest is not sha256)"
+        )
     if not isinstance(index, dict) or index.get("version") != COMPACT_VERSION:
         return CompactedState(True, False, f"{store.uri(INDEX_KEY)} is missing or unreadable")
     then = index.get("made_from") or {}
