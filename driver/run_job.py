@@ -39,6 +39,7 @@ from ditfleet.driver.input.scan import validate_input
 from ditfleet.driver.input.validate import ValidationReport
 from ditfleet.driver.locations import check_locations
 from ditfleet.driver.metrics import FanOut
+from ditfleet.driver.output.case_fold import refuse_ids_that_fold
 from ditfleet.driver.output.claim import OutputMismatch, claim_incremental_output, claim_output
 from ditfleet.driver.output.finish import close_output, finish_run
 from ditfleet.driver.output.lease import OutputLease, acquire_lease
@@ -210,7 +211,8 @@ def _plain_work(run: _Execution, started: float) -> _Work | JobSummary:
         print(f"warning: {warning}", file=out)
     store.check_writable()
     run.hold(store)
-    claim_output(store, plan, json.loads(config.resolved_spec), run.model)
+    run.refuse_ids_that_fold(store)
+    claim_output(store, plan, json.loads(config.resolved_spec), run.model, prompt_source(config))
     done = committed_shards(store) & {s.index for s in plan.shards}
     redo = redo_generations(store, plan.shards, done, config.redo_shards)  # refused: nothing written
     if stored is None:
@@ -257,7 +259,12 @@ def _incremental_work(run: _Execution, started: float) -> _Work | JobSummary:
     nothing new to run."""
     config, out = run.config, run.out
     store = open_store(config.output_uri, config.s3)
-    plan = _plan_increment(config, store, run.model, lambda: run.hold(store))
+
+    def hold() -> None:  # before the run's first write
+        run.hold(store)
+        run.refuse_ids_that_fold(store)
+
+    plan = _plan_increment(config, store, run.model, hold)
     plan_s = time.monotonic() - started
     for line in plan.describe():
         print(line, file=out)
@@ -331,6 +338,13 @@ class _Execution:
         if self.lease is None:
             self.lease = acquire_lease(store)
             self.settled = settle_older(store, self.lease.generation)
+
+    def refuse_ids_that_fold(self, store: ObjectStore) -> None:
+        """Before the output is claimed: on a store that folds case, refuse ids that differ only
+        in case where they would name one object (InputError; driver.output.case_fold)."""
+        refuse_ids_that_fold(
+            store, prompt_source(self.config), self.config.plan.rows, self.worker_config.writer.output_format
+        )
 
     def record(self, todo: Sequence[ShardSpec]) -> None:
         """Write into the lease document the shards this run dispatches and its redo

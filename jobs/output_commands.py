@@ -151,7 +151,7 @@ def cmd_compact(args: argparse.Namespace) -> int:
     store = _open_output(args)
     # A writer like a driver: one at a time, and it stops if another takes the output; it leaves a
     # complete output complete, so its lease does not make _SUCCESS stale.
-    with usage_errors(CompactionError), acquire_lease(store, keeps_complete=True) as lease:
+    with usage_errors(CompactionError), acquire_lease(store, keeps_complete=True, compacts=True) as lease:
         report = compact_output(store, row_group_rows=args.row_group_rows, lease=lease)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_text())
     return EXIT_OK

@@ -124,11 +124,11 @@ def close_output(
     pause_point("before_success")
     if success is not None:
         _check(lease)
-        # A compacted set the user made is kept the union of the current manifests (a redo).
+        # A compacted set the user made is kept the union of the current manifests (a redo), and
+        # one a compaction this driver took the output from may still write is fenced.
         if refresh_compacted(store, lease) is not None:
             print(
-                f"rebuilt the compacted set {store.uri(COMPACTED_KEY)} (a redo changed its manifests)",
-                file=out,
+                f"rebuilt the compacted set {store.uri(COMPACTED_KEY)} from the current manifests", file=out
             )
         put_success(store, success.to_dict(), lease.generation if lease is not None else None)
     if lease is not None:

@@ -8,6 +8,7 @@ local.py (a directory) and s3.py (S3 and S3-compatible endpoints); open.py picks
 from __future__ import annotations
 
 import abc
+import hashlib
 import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -163,6 +164,27 @@ class ObjectStore(abc.ABC):
         False when another writer's different bytes are there: that writer won. Raises
         StoreError when the write was refused but no object is there: nobody won, retry.
         """
+
+    def version(self, key: str) -> str | None:
+        """An identity of the object's current bytes that a write of other bytes changes (an S3
+        ETag; a local file's inode, mtime and size, which any write changes); None when there is
+        no object. What `put_file_if` compares. This fallback digests the bytes."""
+        try:
+            return hashlib.sha256(self.get(key)).hexdigest()
+        except ObjectNotFound:
+            return None
+
+    def put_file_if(
+        self, key: str, f: IO[bytes], expected: str | None, content_type: str | None = None
+    ) -> bool:
+        """`put_file`, only while the key's `version` is still `expected` (None: only while there
+        is no object): True when written; False when another writer wrote or removed it since,
+        and nothing was written. The stores here decide it atomically with the write (S3
+        If-Match / If-None-Match, a lock on the local directory); this fallback does not."""
+        if self.version(key) != expected:
+            return False
+        self.put_file(key, f, content_type)
+        return True
 
     @abc.abstractmethod
     def get(self, key: str) -> bytes:

@@ -254,3 +254,25 @@ def test_local_temp_files_of_killed_writers_are_removed_young_ones_kept(tmp_path
     assert sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()) == [
         "images/00000/a.png"
     ]
+
+
+def test_a_conditional_replace_writes_only_over_the_version_it_read(store: ObjectStore) -> None:
+    # Issue 48, item 3: what fences a derived set (the compacted set) against a late writer. A
+    # writer that read version v writes only while the key is still at v (None: still absent);
+    # another write in between makes it write nothing.
+    key = "compacted/manifests.parquet"
+    assert store.version(key) is None
+    assert store.put_file_if(key, io.BytesIO(b"first"), None) is True
+    v1 = store.version(key)
+    assert v1 is not None and store.put_file_if(key, io.BytesIO(b"late"), None) is False
+    assert store.put_file_if(key, io.BytesIO(b"second"), v1) is True
+    assert store.get(key) == b"second" and store.version(key) != v1
+    # The writer still holding v1 (it read it before the second write) is refused, and so is one
+    # that read v2 before a plain write of other bytes.
+    assert store.put_file_if(key, io.BytesIO(b"stale"), v1) is False
+    v2 = store.version(key)
+    store.put(key, b"third")
+    assert store.put_file_if(key, io.BytesIO(b"stale"), v2) is False
+    assert store.get(key) == b"third"
+    store.delete(key)
+    assert store.put_file_if(key, io.BytesIO(b"x"), store.version(key)) is True
