@@ -7,8 +7,13 @@ scores too low (quality.scorers, quality.gate).
 Every image is scored from the uint8 pixels that will be stored (model.quality: a score depends on
 the image and its prompt alone), and the image that comes out gets its perceptual hash, whatever
 the job's scorers: the near-duplicate counts of `ditfleet status` and `ditfleet report` read it.
-The hash is cheap next to the image's DiT work (26 ms at 1024x1024 on one CPU thread), and only
-the kept try is hashed. Without a gate each image comes out as it is made. With one, the tries go
+
+Only what the gate decides on is scored on the generator thread: the gate's own scorer, and the
+model-based scorers (their models run on the actor's device, which that thread drives). The
+weight-free scorers and the hash are host work (26-97 ms an image at 1024-1328 px on one core,
+2-9% of a few-step image's DiT time): `ScoredImage.host_work` hands them, for the kept try only,
+to the writer's threads, so the GPU is not kept waiting for them between batches. Same functions
+on the same pixels: the same values. Without a gate each image comes out as it is made. With one, the tries go
 in rounds: round t makes try t (workers.generate.try_seed) of every image that has not passed yet,
 batched like any other work; an image comes out when a try passes (score >= min), when the scorer
 cannot judge it (NaN: kept as made), when its generation failed on the first try (a failure is not
@@ -24,9 +29,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from ditfleet.model.quality.base import ImageScorer
 from ditfleet.model.quality.perceptual_hash import perceptual_hashes
@@ -40,7 +47,7 @@ from ditfleet.workers.generate import (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GateRecord:
     """Every try of one image under the gate, in try order, and which one was kept."""
 
@@ -50,12 +57,34 @@ class GateRecord:
     passed: bool | None  # None: the scorer could not judge the image
 
 
+def runs_on_host(scorer: ImageScorer) -> bool:
+    """A scorer that holds no model (the weight-free ones: sharpness, tiny) is plain CPU work on
+    the stored pixels, which any thread can do; a model-based one runs its model on the device."""
+    return getattr(scorer, "model", None) is None
+
+
 @dataclass
 class ScoredImage:
     image: GeneratedImage  # the kept try; its request carries the try's index and seed
     scores: dict[str, float] = field(default_factory=dict)  # the kept try's, by scorer name
     gate: GateRecord | None = None
     phash: int | None = None  # the kept image's 64-bit perceptual hash, unsigned (None: it failed)
+    # Scored by `host_work`, not on the generator thread (see the module).
+    host_scorers: tuple[ImageScorer, ...] = ()
+
+    def host_work(self) -> Callable[[], None]:
+        """The image's host work as a call for another thread: the scores of `host_scorers` and
+        the pHash, from the pixels it holds now (the caller may drop them after). `scores` and
+        `phash` are complete once the call returned; nothing to do for a failed image."""
+        pixels, prompt, scorers = self.image.pixels, self.image.request.row.prompt, self.host_scorers
+
+        def run() -> None:
+            if pixels is None:
+                return
+            self.scores.update(score_pixels(pixels, prompt, scorers))
+            self.phash = perceptual_hashes(pixels[None])[0]
+
+        return run
 
     def manifest_columns(self, stored_ok: bool) -> dict[str, Any]:
         """Its manifest columns (workers.output.manifest): score_{name} of each scorer (null
@@ -101,16 +130,15 @@ class _Tries:
         assert self.best is not None
         kept = self.best.image.request.try_index
         self.best.image.generate_s = self.generate_s
-        self.best.gate = GateRecord(tuple(self.scores), tuple(self.seeds), kept, passed)
+        self.best.gate = GateRecord(
+            scores=tuple(self.scores), seeds=tuple(self.seeds), kept=kept, passed=passed
+        )
         return self.best
 
 
-def score_image(image: GeneratedImage, scorers: Sequence[ImageScorer]) -> dict[str, float]:
-    """Each scorer's score of the image's stored pixels ({} for a failed image)."""
-    if image.pixels is None:
-        return {}
-    pixels = image.pixels[None]  # (1, 3, H, W) uint8, as stored
-    return {s.name: s.score(pixels, [image.request.row.prompt])[0] for s in scorers}
+def score_pixels(pixels: torch.Tensor, prompt: str, scorers: Sequence[ImageScorer]) -> dict[str, float]:
+    """Each scorer's score of one image's stored pixels ((3, H, W) uint8) and its prompt."""
+    return {s.name: s.score(pixels[None], [prompt])[0] for s in scorers}
 
 
 def scored_images(
@@ -120,11 +148,16 @@ def scored_images(
     scorers: Sequence[ImageScorer],
     gate: GateConfig | None = None,
 ) -> Iterator[ScoredImage]:
-    """The shard's images, each once, scored and hashed, and with a gate its kept try (see the
-    module)."""
-    for made in _kept_tries(generator, requests, batch_size, scorers, gate):
-        if made.image.pixels is not None:
-            made.phash = perceptual_hashes(made.image.pixels[None])[0]
+    """The shard's images, each once, and with a gate its kept try, scored by what the gate needs;
+    each one's `host_work` scores the rest and hashes it (see the module)."""
+    if gate is not None and gate.scorer not in {s.name for s in scorers}:
+        raise ValueError(
+            f"quality.gate.scorer {gate.scorer!r} is not among the scorers {[s.name for s in scorers]}"
+        )
+    later = tuple(s for s in scorers if runs_on_host(s) and (gate is None or s.name != gate.scorer))
+    now = [s for s in scorers if s not in later]
+    for made in _kept_tries(generator, requests, batch_size, now, gate):
+        made.host_scorers = later
         yield made
 
 
@@ -135,11 +168,7 @@ def _kept_tries(
     scorers: Sequence[ImageScorer],
     gate: GateConfig | None,
 ) -> Iterator[ScoredImage]:
-    """The shard's images, each once, scored, and with a gate its kept try."""
-    if gate is not None and gate.scorer not in {s.name for s in scorers}:
-        raise ValueError(
-            f"quality.gate.scorer {gate.scorer!r} is not among the scorers {[s.name for s in scorers]}"
-        )
+    """The shard's images, each once, scored by `scorers`, and with a gate its kept try."""
     tries: dict[tuple[str, int], _Tries] = {}
     todo = list(requests)
     for t in range(gate.max_tries if gate is not None else 1):
@@ -148,7 +177,10 @@ def _kept_tries(
             [dataclasses.replace(r, try_index=t) for r in todo], batch_size, generator.count_tokens
         )
         for image in iter_generated(generator, batches):
-            made = ScoredImage(image, score_image(image, scorers))
+            scores = (
+                {} if image.pixels is None else score_pixels(image.pixels, image.request.row.prompt, scorers)
+            )
+            made = ScoredImage(image, scores)
             if gate is None:
                 yield made
                 continue
