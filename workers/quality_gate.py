@@ -8,12 +8,14 @@ Every image is scored from the uint8 pixels that will be stored (model.quality: 
 the image and its prompt alone), and the image that comes out gets its perceptual hash, whatever
 the job's scorers: the near-duplicate counts of `ditfleet status` and `ditfleet report` read it.
 
-Only what the gate decides on is scored on the generator thread: the gate's own scorer, and the
-model-based scorers (their models run on the actor's device, which that thread drives). The
-weight-free scorers and the hash are host work (26-97 ms an image at 1024-1328 px on one core,
-2-9% of a few-step image's DiT time): `ScoredImage.host_work` hands them, for the kept try only,
-to the writer's threads, so the GPU is not kept waiting for them between batches. Same functions
-on the same pixels: the same values. Without a gate each image comes out as it is made. With one, the tries go
+No host work stands between the device's batches. The model-based scorers run on the generator
+thread (their models run on the actor's device, which that thread drives). The weight-free ones
+and the hash are host work (26-97 ms an image at 1024-1328 px on one core, 2-9% of a few-step
+image's DiT time): a weight-free gate scorer scores each try on a thread of its own while the
+next batch is made (the gate needs the scores only to plan its next round), and the other
+scorers and the hash go with the kept try to the writer's threads (`ScoredImage.host_work`).
+Same functions on the same pixels, tries judged in the order made: the same values and the same
+images in the same order. Without a gate each image comes out as it is made. With one, the tries go
 in rounds: round t makes try t (workers.generate.try_seed) of every image that has not passed yet,
 batched like any other work; an image comes out when a try passes (score >= min), when the scorer
 cannot judge it (NaN: kept as made), when its generation failed on the first try (a failure is not
@@ -26,10 +28,12 @@ Memory: an image under the gate holds its best try's pixels (uint8) until it com
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,17 +152,29 @@ def scored_images(
     scorers: Sequence[ImageScorer],
     gate: GateConfig | None = None,
 ) -> Iterator[ScoredImage]:
-    """The shard's images, each once, and with a gate its kept try, scored by what the gate needs;
-    each one's `host_work` scores the rest and hashes it (see the module)."""
+    """The shard's images, each once, and with a gate its kept try, scored by the model-based
+    scorers and the gate's; each one's `host_work` scores the rest and hashes it (see the module)."""
     if gate is not None and gate.scorer not in {s.name for s in scorers}:
         raise ValueError(
             f"quality.gate.scorer {gate.scorer!r} is not among the scorers {[s.name for s in scorers]}"
         )
     later = tuple(s for s in scorers if runs_on_host(s) and (gate is None or s.name != gate.scorer))
     now = [s for s in scorers if s not in later]
-    for made in _kept_tries(generator, requests, batch_size, now, gate):
-        made.host_scorers = later
-        yield made
+    if gate is None:
+        batches = plan_batches(requests, batch_size, generator.count_tokens)
+        made: Iterator[ScoredImage] = (
+            ScoredImage(i, _scores(i, now)) for i in iter_generated(generator, batches)
+        )
+    else:
+        made = _kept_tries(generator, requests, batch_size, now, gate)
+    for image in made:
+        image.host_scorers = later
+        yield image
+
+
+def _scores(image: GeneratedImage, scorers: Sequence[ImageScorer]) -> dict[str, float]:
+    """The scorers' scores of a made image ({} for a failed one)."""
+    return {} if image.pixels is None else score_pixels(image.pixels, image.request.row.prompt, scorers)
 
 
 def _kept_tries(
@@ -166,39 +182,61 @@ def _kept_tries(
     requests: Sequence[ImageRequest],
     batch_size: int,
     scorers: Sequence[ImageScorer],
-    gate: GateConfig | None,
+    gate: GateConfig,
 ) -> Iterator[ScoredImage]:
-    """The shard's images, each once, scored by `scorers`, and with a gate its kept try."""
+    """Each image's kept try, scored by `scorers`, in rounds (see the module).
+
+    A round's retries are planned when the round is over, so an image's gate score is not needed
+    before then: a weight-free gate scorer scores each try on a thread of its own while the
+    device makes the next batch, and the tries are judged in the order they were made, as soon
+    as their score is in (the images come out in the same order as if scored here)."""
+    judge = [s for s in scorers if s.name == gate.scorer]
+    now = [s for s in scorers if s.name != gate.scorer or not runs_on_host(s)]
+    judged_later = [s for s in judge if s not in now]
     tries: dict[tuple[str, int], _Tries] = {}
     todo = list(requests)
-    for t in range(gate.max_tries if gate is not None else 1):
-        again: list[ImageRequest] = []
-        batches = plan_batches(
-            [dataclasses.replace(r, try_index=t) for r in todo], batch_size, generator.count_tokens
-        )
-        for image in iter_generated(generator, batches):
-            scores = (
-                {} if image.pixels is None else score_pixels(image.pixels, image.request.row.prompt, scorers)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="gate-score") as pool:
+        for t in range(gate.max_tries):
+            again: list[ImageRequest] = []
+            waiting: collections.deque[tuple[ScoredImage, Future[dict[str, float]]]] = collections.deque()
+            batches = plan_batches(
+                [dataclasses.replace(r, try_index=t) for r in todo], batch_size, generator.count_tokens
             )
-            made = ScoredImage(image, scores)
-            if gate is None:
-                yield made
-                continue
-            req = image.request
-            key = (req.row.id, req.k)
-            score = made.scores.get(gate.scorer)
-            judged = None if score is None or math.isnan(score) else score
-            record = tries.setdefault(key, _Tries())
-            record.record(made, judged)
-            if (image.pixels is None and t == 0) or (score is not None and math.isnan(score)):
-                # Generation failed (not a quality question), or the scorer cannot judge it: as made.
-                yield record.finish(passed=None)
-            elif judged is not None and judged >= gate.min:
-                yield record.finish(passed=True)
-            elif t + 1 < gate.max_tries:
-                again.append(dataclasses.replace(req, try_index=0))
-            else:
-                yield record.finish(passed=False)
-        todo = again
-        if not todo:
-            return
+            for image in iter_generated(generator, batches):
+                waiting.append(
+                    (ScoredImage(image, _scores(image, now)), pool.submit(_scores, image, judged_later))
+                )
+                while waiting and waiting[0][1].done():
+                    yield from _judge(*waiting.popleft(), tries, t, gate, again)
+            while waiting:  # the round's last scores: the next round is planned from them
+                yield from _judge(*waiting.popleft(), tries, t, gate, again)
+            todo = again
+            if not todo:
+                return
+
+
+def _judge(
+    made: ScoredImage,
+    scoring: Future[dict[str, float]],
+    tries: dict[tuple[str, int], _Tries],
+    t: int,
+    gate: GateConfig,
+    again: list[ImageRequest],
+) -> Iterator[ScoredImage]:
+    """Record try `t` of an image and yield its kept try when it is decided; else it goes `again`."""
+    made.scores.update(scoring.result())
+    image = made.image
+    req = image.request
+    score = made.scores.get(gate.scorer)
+    judged = None if score is None or math.isnan(score) else score
+    record = tries.setdefault((req.row.id, req.k), _Tries())
+    record.record(made, judged)
+    if (image.pixels is None and t == 0) or (score is not None and math.isnan(score)):
+        # Generation failed (not a quality question), or the scorer cannot judge it: as made.
+        yield record.finish(passed=None)
+    elif judged is not None and judged >= gate.min:
+        yield record.finish(passed=True)
+    elif t + 1 < gate.max_tries:
+        again.append(dataclasses.replace(req, try_index=0))
+    else:
+        yield record.finish(passed=False)
