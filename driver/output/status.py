@@ -29,7 +29,7 @@ from ditfleet.workers.storage import ObjectStore
 from ditfleet.workers.storage.base import READ_THREADS
 from ditfleet.workers.storage.parquet_bytes import read_parquet
 
-_COLUMNS = ["id", "status", "error"]
+_COLUMNS = ["id", "status", "error", "bucket", "generate_s"]
 # The step cache's counts; absent from manifests written before it existed.
 _STEP_CACHE_COLUMNS = ["dit_blocks_computed", "dit_blocks_reused"]
 # The quality gate's record (quality.gate); absent from manifests written before it existed.
@@ -54,11 +54,15 @@ class OutputCounts:
     gate_images: int = 0
     gate_passed: int = 0
     gate_tries: int = 0
+    # Images and their summed generate_s (every try's) by bucket: what an image costs (driver.output.cost).
+    images_by_bucket: Counter = field(default_factory=Counter)
+    generate_s_by_bucket: Counter = field(default_factory=Counter)
 
     def add(self, other: OutputCounts) -> None:
         for f in fields(self):
-            if f.name == "errors":
-                self.errors.update(other.errors)
+            mine = getattr(self, f.name)
+            if isinstance(mine, Counter):
+                mine.update(getattr(other, f.name))
             else:
                 setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
@@ -97,9 +101,20 @@ def shard_counts(store: ObjectStore, key: str) -> OutputCounts:
         images_ok=images_ok,
         images_failed=table.num_rows - images_ok,
         errors=errors,
+        **_by_bucket(table),
         **blocks,
         **(gate_counts(table) if "gate_passed" in present else {}),
     )
+
+
+def _by_bucket(table: pa.Table) -> dict[str, Counter]:
+    """A manifest's images and generate_s (null: 0) by bucket."""
+    images: Counter = Counter()
+    seconds: Counter = Counter()
+    for bucket, s in zip(table.column("bucket").to_pylist(), table.column("generate_s").to_pylist()):
+        images[bucket] += 1
+        seconds[bucket] += s or 0.0
+    return {"images_by_bucket": images, "generate_s_by_bucket": seconds}
 
 
 def gate_counts(table: pa.Table) -> dict[str, int]:
