@@ -128,9 +128,11 @@ def estimate_cost(
             ms / 1000 * (gpus or 1.0), price, step_from=step_from, decode_from=f"vae_decode {decode['size']}"
         )
     env = next((x for x in lines if x.get("stage") == "env"), {})
+    device = env.get("gpu") or env.get("device")
     return {
         "source": source,
-        "device": env.get("gpu") or env.get("device"),
+        # A --tiny run measures a model of a few blocks: its figures are no real model's.
+        "device": f"{device}, a --tiny self-test" if env.get("tiny") else device,
         "unit": "GPU" if gpus else "actor",
         "gpu_hour_usd": spec.cost.gpu_hour_usd,
         "steps": sampling.steps,

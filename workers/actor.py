@@ -282,11 +282,12 @@ class GenerationWorker:
         manifest = ManifestWriter(shard.index, expected_rows=len(requests), generation=shard.generation)
         # The writer's results come in the order of its adds, which is the order `made` says.
         results = iter(stored.results)
-        rows_written: list[ManifestRow | None] = [None] * len(requests)
+        slots: list[ManifestRow | None] = [None] * len(requests)
         for scored, handed in made:
             row = self._manifest_row(scored, next(results) if handed else None, extras, result)
-            rows_written[scored.image.request.index] = row
-        assert next(results, None) is None and None not in rows_written, "one result per image handed over"
+            slots[scored.image.request.index] = row
+        rows_written = [row for row in slots if row is not None]
+        assert next(results, None) is None and len(rows_written) == len(requests), "one row per image"
         for row in rows_written:
             manifest.add(row)
             _count(result, row)

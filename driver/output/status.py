@@ -55,14 +55,15 @@ class OutputCounts:
     gate_passed: int = 0
     gate_tries: int = 0
     # Images and their summed generate_s (every try's) by bucket: what an image costs (driver.output.cost).
-    images_by_bucket: Counter = field(default_factory=Counter)
-    generate_s_by_bucket: Counter = field(default_factory=Counter)
+    images_by_bucket: dict[str, int] = field(default_factory=dict)
+    generate_s_by_bucket: dict[str, float] = field(default_factory=dict)
 
     def add(self, other: OutputCounts) -> None:
         for f in fields(self):
             mine = getattr(self, f.name)
-            if isinstance(mine, Counter):
-                mine.update(getattr(other, f.name))
+            if isinstance(mine, dict):  # errors, and the by-bucket sums
+                for key, value in getattr(other, f.name).items():
+                    mine[key] = mine.get(key, 0) + value
             else:
                 setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
@@ -94,6 +95,7 @@ def shard_counts(store: ObjectStore, key: str) -> OutputCounts:
     failed_ids = pc.unique(pc.filter(table.column("id"), pc.invert(ok)))
     all_ids = pc.count_distinct(table.column("id")).as_py()
     errors = Counter(e for e in pc.filter(table.column("error"), pc.invert(ok)).to_pylist() if e)
+    images, seconds = _by_bucket(table)
     return OutputCounts(
         shards=1,
         rows_ok=all_ids - len(failed_ids),
@@ -101,20 +103,21 @@ def shard_counts(store: ObjectStore, key: str) -> OutputCounts:
         images_ok=images_ok,
         images_failed=table.num_rows - images_ok,
         errors=errors,
-        **_by_bucket(table),
+        images_by_bucket=images,
+        generate_s_by_bucket=seconds,
         **blocks,
         **(gate_counts(table) if "gate_passed" in present else {}),
     )
 
 
-def _by_bucket(table: pa.Table) -> dict[str, Counter]:
-    """A manifest's images and generate_s (null: 0) by bucket."""
-    images: Counter = Counter()
-    seconds: Counter = Counter()
+def _by_bucket(table: pa.Table) -> tuple[dict[str, int], dict[str, float]]:
+    """A manifest's images and their generate_s (null: 0) by bucket."""
+    images: dict[str, int] = {}
+    seconds: dict[str, float] = {}
     for bucket, s in zip(table.column("bucket").to_pylist(), table.column("generate_s").to_pylist()):
-        images[bucket] += 1
-        seconds[bucket] += s or 0.0
-    return {"images_by_bucket": images, "generate_s_by_bucket": seconds}
+        images[bucket] = images.get(bucket, 0) + 1
+        seconds[bucket] = seconds.get(bucket, 0.0) + (s or 0.0)
+    return images, seconds
 
 
 def gate_counts(table: pa.Table) -> dict[str, int]:
