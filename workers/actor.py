@@ -389,16 +389,12 @@ class GenerationWorker:
 def image_task(req: ImageRequest, extra: str | None) -> ImageTask:
     """What the writer stores of one image next to its pixels; extra: the row's pass-through JSON."""
     row = req.row
+    as_given = {
+        name: getattr(row, name) for name in ("id", "num_images", "prompt", "negative_prompt", "steps")
+    }
+    # The image's own: its index, the seed it was made from (its try's), the row's JSON.
     return ImageTask(
-        id=row.id,
-        k=req.k,
-        num_images=row.num_images,
-        prompt=row.prompt,
-        negative_prompt=row.negative_prompt,
-        seed=req.seed,
-        extra=extra,
-        steps=row.steps,
-        true_cfg_scale=float(row.true_cfg_scale),
+        **as_given, k=req.k, seed=req.seed, extra=extra, true_cfg_scale=float(row.true_cfg_scale)
     )
 
 
