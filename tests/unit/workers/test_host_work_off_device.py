@@ -150,3 +150,44 @@ def test_the_generator_loop_keeps_a_fixed_time_dit_busy_with_the_gate_and_every_
         assert scored.phash == perceptual_hashes(pixels[None])[0]
         assert scored.gate is not None
         assert scored.gate.passed == (max(scored.gate.scores) >= GATE.min)
+
+
+@pytest.mark.slow
+def test_a_failed_image_keeps_its_row_in_input_order_between_stored_ones(tmp_path):
+    """The actor zips the writer's results with the images it handed over; an image whose
+    generation failed was not handed over and still gets its row, in input order."""
+    import dataclasses
+
+    from ditfleet.workers.actor import GenerationWorker
+    from ditfleet.workers.output.manifest import read_manifests
+    from ditfleet.workers.rows import read_shard_rows
+    from ditfleet.workers.storage.input_files import filesystem_for
+    from tests.support.worker_fixtures import row_config, shard_of, worker_config, write_prompts
+
+    buckets = ("64x64",)
+    prompts = write_prompts(tmp_path / "prompts.parquet", 5, sizes=False)
+    config = worker_config(
+        "tiny", str(tmp_path / "out"), rows=row_config(steps=1, buckets=buckets), batch_size=2
+    )
+    worker = GenerationWorker(dataclasses.replace(config, scorers=("sharpness",)))
+    real_run = worker.pipe.run
+    shard = shard_of(prompts, 0, 0, 5, buckets=buckets)
+    bad_seed = read_shard_rows(shard, filesystem_for(str(prompts)), config.rows)[2].seed  # row p00002
+
+    def one_image_not_finite(inputs, sampling):
+        out = real_run(inputs, sampling)
+        for i, seed in enumerate(sampling.seeds):
+            if seed == bad_seed:
+                out.images[i] = float("nan")
+        return out
+
+    worker.pipe.run = one_image_not_finite
+    assert worker.run_shard(shard).images_failed == 1
+    rows = read_manifests(worker.store).to_pylist()
+    assert [r["id"] for r in rows] == [f"p{i:05d}" for i in range(5)]
+    failed = [r for r in rows if r["status"] == "failed"]
+    assert [r["seed"] for r in failed] == [bad_seed] and "non-finite" in failed[0]["error"]
+    assert failed[0]["uri"] is None and failed[0]["score_sharpness"] is None and failed[0]["phash"] is None
+    for r in rows:
+        if r["status"] == "ok":
+            assert r["uri"].endswith(f"{r['id']}.png") and r["score_sharpness"] > 0 and r["phash"] is not None
