@@ -85,8 +85,15 @@ class ScoredImage:
         def run() -> None:
             if pixels is None:
                 return
-            self.scores.update(score_pixels(pixels, prompt, scorers))
-            self.phash = perceptual_hashes(pixels[None])[0]
+            try:
+                self.scores.update(score_pixels(pixels, prompt, scorers))
+                self.phash = perceptual_hashes(pixels[None])[0]
+            except Exception as e:  # on the writer's thread: say which image and what failed
+                req = self.image.request
+                names = [s.name for s in scorers] + ["phash"]
+                raise RuntimeError(
+                    f"scoring image id={req.row.id!r} k={req.k} ({', '.join(names)}) failed: {type(e).__name__}: {e}"
+                ) from e
 
         return run
 

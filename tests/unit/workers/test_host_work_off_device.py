@@ -191,3 +191,28 @@ def test_a_failed_image_keeps_its_row_in_input_order_between_stored_ones(tmp_pat
     for r in rows:
         if r["status"] == "ok":
             assert r["uri"].endswith(f"{r['id']}.png") and r["score_sharpness"] > 0 and r["phash"] is not None
+
+
+def test_a_scorer_that_fails_on_the_writers_thread_fails_the_shard_naming_the_image(tmp_path):
+    from ditfleet.workers.generate import GeneratedImage
+    from ditfleet.workers.output.upload_pool import ShardStoreError
+    from ditfleet.workers.quality_gate import ScoredImage
+
+    class Broken:
+        name, higher_is_better = "sharpness", True
+
+        def score(self, pixels, prompts):
+            raise ValueError("no luma in this image")
+
+    (request,) = image_requests(_rows()[:1])
+    pixels = torch.zeros(3, 16, 16, dtype=torch.uint8)
+    made = ScoredImage(GeneratedImage(request, pixels, None, 0.1), host_scorers=(Broken(),))
+    writer = make_shard_writer(
+        open_store(str(tmp_path / "out")), 0, ShardWriterConfig(), new_attempt_token(0)
+    )
+    handed = hand_over([made], writer, [None], threading.Event(), 0)
+    assert handed == [(made, True)]
+    with pytest.raises(
+        ShardStoreError, match=r"scoring image id='r0' k=0 \(sharpness, phash\) failed: ValueError: no luma"
+    ):
+        writer.finish()
