@@ -41,6 +41,7 @@ from ditfleet.driver.locations import check_locations
 from ditfleet.driver.metrics import FanOut
 from ditfleet.driver.output.case_fold import refuse_ids_that_fold
 from ditfleet.driver.output.claim import OutputMismatch, claim_incremental_output, claim_output
+from ditfleet.driver.output.cost import CostConfig
 from ditfleet.driver.output.finish import close_output, finish_run
 from ditfleet.driver.output.lease import OutputLease, acquire_lease
 from ditfleet.driver.output.pause_points import pause_point
@@ -85,6 +86,7 @@ class DriverConfig:
     # Committed shards to run again under new attempts, each committing its next manifest
     # generation (workers.output.layout.manifest_key); the other shards are left as they are.
     redo_shards: tuple[int, ...] = ()
+    cost: CostConfig = field(default_factory=CostConfig)  # the price the summary and report use
 
     def __post_init__(self) -> None:
         if not self.input_uri or not self.output_uri:
@@ -188,7 +190,15 @@ def _run(run: _Execution) -> JobSummary:
     return finish_run(
         work.store,
         RunOutcome(
-            work.shards, work.committed_before, work.fingerprint, work.planned, result, progress, timings
+            work.shards,
+            work.committed_before,
+            work.fingerprint,
+            work.planned,
+            result,
+            progress,
+            timings,
+            gpus_per_actor=config.dispatch.num_gpus,
+            cost=config.cost,
         ),
         started=started,
         out=out,

@@ -155,6 +155,11 @@ def _add_job_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="what a run would do: rows, shards, buckets, images")
     p.add_argument("job")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument(
+        "--selftest",
+        metavar="SELFTEST_JSONL",
+        help="a node self-test's selftest.jsonl: estimate GPU-seconds and dollars per image from its measured lines",
+    )
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("run", help="run or resume the job")

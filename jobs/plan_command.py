@@ -14,6 +14,7 @@ from typing import Any
 from ditfleet.driver.memory_plan import JobMemoryPlan
 from ditfleet.driver.run_job import plan_input, preview_increment
 from ditfleet.jobs.exit_codes import EXIT_OK
+from ditfleet.jobs.plan_cost import cost_plan_line, estimate_cost, read_selftest
 from ditfleet.jobs.run import check_memory, memory_plan_of
 from ditfleet.jobs.spec import JobSpec, load_spec
 
@@ -50,6 +51,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     info["compile_dit"] = _dit_compile_plan(spec, plan.total_images, len(plan.bucket_usage))
     info["step_cache"] = _step_cache_plan(spec, args.job)
     info["quality_gate"] = _gate_plan(spec, plan.total_images)
+    if args.selftest:
+        lines = read_selftest(args.selftest)
+        info["cost"] = estimate_cost(
+            spec,
+            lines,
+            args.selftest,
+            compiled_dit=info["compile_dit"]["on"],
+            compiled_vae=info["compile_vae"]["on"],
+        )
     memory = memory_plan_of(spec)
     info["memory"] = memory.to_dict() if memory is not None else None
     if args.json:
@@ -60,6 +70,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"step cache: {info['step_cache']['line']}")
         if info["quality_gate"]:
             print(f"quality gate: {info['quality_gate']['line']}")
+        if "cost" in info:
+            print(f"cost:    {cost_plan_line(info['cost'])}")
         _print_memory(memory, spec)
     if memory is not None and spec.workers.gpu_memory_gb is not None:
         memory.check(args.job)

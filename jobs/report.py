@@ -18,6 +18,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from ditfleet.driver.output.cost import cost_line
 from ditfleet.driver.output.job_file import read_job_file
 from ditfleet.driver.output.near_duplicate_counts import near_duplicate_line, near_duplicates_of
 from ditfleet.driver.output.status import gate_counts
@@ -229,6 +230,7 @@ def _summary_rows(data: ReportData, failed: int) -> list[list[Any]]:
         ["job wall time", _seconds(wall)],
         ["workers", len({r["worker"] for r in rows})],
         *_fleet_rows(s),
+        *_cost_rows(s),
         *_step_cache_rows(s),
         *([["near duplicates", near_duplicate_line(data.near_duplicates)]] if data.near_duplicates else []),
     ]  # fmt: skip
@@ -240,6 +242,12 @@ def _fleet_rows(s: dict[str, Any] | None) -> list[list[Any]]:
     if not fleet.get("actor_hours"):
         return []
     return [["fleet cost", fleet_line(fleet)]]
+
+
+def _cost_rows(s: dict[str, Any] | None) -> list[list[Any]]:
+    """What an image cost (from _SUCCESS): seconds per image by bucket, dollars per million."""
+    cost = (s or {}).get("cost") or {}
+    return [["cost per image", cost_line(cost)]] if cost.get("by_bucket") else []
 
 
 def _step_cache_rows(s: dict[str, Any] | None) -> list[list[Any]]:

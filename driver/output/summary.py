@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
 from ditfleet.driver.dispatch.types import DispatchResult
+from ditfleet.driver.output.cost import CostConfig, cost_line, cost_summary
 from ditfleet.driver.output.near_duplicate_counts import near_duplicate_line
 from ditfleet.driver.output.status import OutputCounts, gate_line
 from ditfleet.driver.output.success import success_file
@@ -80,6 +81,9 @@ class JobSummary:
     # What this run's fleet cost (DispatchResult.fleet): GPU hours split into start-up,
     # generating and idle, and images per GPU hour; empty when nothing was dispatched.
     fleet: dict[str, Any] = field(default_factory=dict)
+    # What an image cost (driver.output.cost): GPU-seconds per image by bucket over the committed
+    # images, this run's fleet per image, and dollars per million at cost.gpu_hour_usd.
+    cost: dict[str, Any] = field(default_factory=dict)
     version: int = SUMMARY_VERSION
     lease: int | None = None  # the lease generation of the driver that wrote `_SUCCESS`
 
@@ -118,6 +122,8 @@ class JobSummary:
             )
         if self.fleet:
             lines.append(f"  fleet:  {fleet_line(self.fleet)}")
+        if self.cost:
+            lines.append(f"  cost:   {cost_line(self.cost)}")
         for worker, w in sorted(self.workers.items()):
             lines.append(
                 f"  worker {worker}: {w['shards']} shards, {w['images_ok']} images, "
@@ -233,6 +239,8 @@ class RunOutcome:
     dispatch: DispatchResult | None
     progress: JobProgress
     timings: Mapping[str, float]
+    gpus_per_actor: float = 0.0  # workers.gpus as dispatch resolved it
+    cost: CostConfig = field(default_factory=CostConfig)
 
 
 def build_summary(
@@ -247,7 +255,8 @@ def build_summary(
     ]
     planned, committed, before = run.planned, counts.shards, len(run.committed_before)
     reports = run.progress.startup_costs()
-    fleet = dispatch.fleet(sum(w.images_ok for w in workers)) if dispatch else {}
+    made = sum(w.images_ok for w in workers)
+    fleet = dispatch.fleet(made) if dispatch else {}
     return JobSummary(
         status=_status(bool(failed), committed < planned["shards"], counts),
         output=output,
@@ -276,6 +285,14 @@ def build_summary(
         quality_gate=gate_with_cost(counts.gate(), fleet),
         near_duplicates=near_duplicates or {},
         fleet=fleet,
+        cost=cost_summary(
+            counts.images_by_bucket,
+            counts.generate_s_by_bucket,
+            fleet,
+            made,
+            run.gpus_per_actor,
+            run.cost.gpu_hour_usd,
+        ),
     )
 
 

@@ -17,6 +17,7 @@ from ditfleet.compile.buckets import BucketSet, default_buckets
 from ditfleet.compile.config import CompileConfig
 from ditfleet.driver.dispatch import DispatchConfig
 from ditfleet.driver.memory_plan import MemoryRequest
+from ditfleet.driver.output.cost import CostConfig
 from ditfleet.driver.plan import PlanConfig
 from ditfleet.driver.run_job import DriverConfig
 from ditfleet.model.family import model_family
@@ -33,6 +34,7 @@ from .problems import validated
 from .sections import (
     BucketsSpec,
     CompileSpec,
+    CostSpec,
     InputSpec,
     ModelSpec,
     OutputSpec,
@@ -61,6 +63,7 @@ class JobSpec(Section):
     shards: ShardsSpec = Field(default_factory=ShardsSpec, description="Units of work.")
     quality: QualitySpec = Field(default_factory=QualitySpec, description="Image scores in the manifests.")
     s3: S3Spec = Field(default_factory=S3Spec, description="Client settings for s3:// input and output.")
+    cost: CostSpec = Field(default_factory=CostSpec, description="The price the cost per image is given at.")
 
     @model_validator(mode="after")
     def _whole_gpus_for_a_gpu_model(self) -> JobSpec:
@@ -244,6 +247,7 @@ class JobSpec(Section):
             resolved_spec=json.dumps(self.resolved(), sort_keys=True),
             incremental=self.input.incremental,
             shared_filesystem=self.output.shared_filesystem,
+            cost=settings_from(CostConfig, self.cost),
         )
 
     def compile_config(self) -> CompileConfig:

@@ -1,5 +1,5 @@
 """The sections of a job file (input, output, model, sampling, buckets, compile, workers, shards,
-s3): one pydantic model each, every field saying why it exists.
+s3, cost): one pydantic model each, every field saying why it exists.
 
 A knob field is `key: <its dataclass field's type> = knob(Dataclass, "field")` (jobs/spec/derive.py):
 default, bounds and description come from the dataclass, and a test checks the type is the same.
@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from ditfleet.compile.buckets import BucketSet
 from ditfleet.compile.config import CompileConfig, OnOffAuto
 from ditfleet.driver.dispatch import DispatchConfig
+from ditfleet.driver.output.cost import CostConfig
 from ditfleet.driver.plan import PlanConfig
 from ditfleet.model.generation.step_cache_config import StepCacheConfig, check_schedule
 from ditfleet.model.loading.folder import TINY_MODEL
@@ -302,6 +303,11 @@ class QualitySpec(Section):
 class ShardsSpec(Section):
     size: int = knob(PlanConfig, "shard_size")
     max_attempts: int = knob(DispatchConfig, "max_attempts")
+
+
+# What an image costs, in the summary, the report and `ditfleet plan` (driver.output.cost).
+class CostSpec(Section):
+    gpu_hour_usd: float | None = knob(CostConfig, "gpu_hour_usd")
 
 
 # Client settings for s3:// input and output: the store's own knobs (workers.storage.S3Config).

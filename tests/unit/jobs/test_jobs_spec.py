@@ -299,7 +299,7 @@ def test_preview_reads_every_output_format(tmp_path, output_format, capsys):
         store, 0, ShardWriterConfig(output_format=output_format, threads=2), new_attempt_token(0)
     )
     for row_id, colour in colours.items():
-        writer.add(ImageTask(row_id, 0, 1, f"a {row_id} square"), np.full((32, 48, 3), colour, np.uint8))
+        writer.add(ImageTask(id=row_id, prompt=f"a {row_id} square"), np.full((32, 48, 3), colour, np.uint8))
     stored = writer.finish()
     manifest = ManifestWriter(0, expected_rows=3)
     for r in stored.results:

@@ -49,7 +49,7 @@ def _write_shard(root, output_format: str):
     for id_, n in ROWS:
         for k in range(n):
             pixels[(id_, k)] = _pixels(len(pixels))
-            writer.add(ImageTask(id_, k, n, f"prompt {id_}"), pixels[(id_, k)])
+            writer.add(ImageTask(id=id_, k=k, num_images=n, prompt=f"prompt {id_}"), pixels[(id_, k)])
     stored = writer.finish()
     per_id = dict(ROWS)
     rows = [

@@ -25,7 +25,16 @@ T = "a0-0123456789abcdef"  # an attempt token
 PROMPT = "un café à Paris, 東京"
 NEGATIVE = "flou, « bruit »"
 JOB = JobProvenance("tiny", "3f0c1a2b4d5e6f70", "démo-1")
-TASK = ImageTask("p17", 0, 1, PROMPT, NEGATIVE, 4242, None, 28, 4.0)
+TASK = ImageTask(
+    id="p17",
+    k=0,
+    num_images=1,
+    prompt=PROMPT,
+    negative_prompt=NEGATIVE,
+    seed=4242,
+    steps=28,
+    true_cfg_scale=4.0,
+)
 FORMATS = ["png", "jpeg", "webp"]
 RDF = "{http://www.w3.org/1999/02/22-rdf-syntax-ns#}"
 DC = "{http://purl.org/dc/elements/1.1/}"
@@ -265,7 +274,14 @@ def test_every_output_format_stores_images_that_carry_their_row(
     store = open_store(str(tmp_path / "out"))
     cfg = ShardWriterConfig(output_format=output_format, image_format=image_format, threads=2, job=JOB)  # type: ignore[arg-type]
     tasks = [
-        ImageTask(f"r{i}", 0, 1, f"{PROMPT} n°{i}", None if i else NEGATIVE, 100 + i, None, 20 + i, 3.5)
+        ImageTask(
+            id=f"r{i}",
+            prompt=f"{PROMPT} n°{i}",
+            negative_prompt=None if i else NEGATIVE,
+            seed=100 + i,
+            steps=20 + i,
+            true_cfg_scale=3.5,
+        )
         for i in range(3)
     ]
     writer = make_shard_writer(store, 0, cfg, T)

@@ -3,8 +3,9 @@ the writer protocol and the encode step; and, for reading an output back, the ma
 reader looks for (ManifestImage), what one read of a stored object gives (StoredImages) and the
 reader protocol.
 
-Each writer takes images one at a time (`add`), encodes and stores them on a bounded UploadPool,
-and `finish` returns one ImageResult per image, in the order added. Nothing here writes the
+Each writer takes images one at a time (`add`), encodes and stores them on a bounded UploadPool
+(running the caller's host work for the image there too), and `finish` returns one ImageResult
+per image, in the order added: the caller zips them with what it added. Nothing here writes the
 manifest: the caller turns results into manifest rows and commits them after `finish`
 returned, i.e. after every image is durably stored.
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -83,7 +84,7 @@ class ShardWriterConfig:
                 raise ValueError(f"ShardWriterConfig.{name} must be >= 1, got {value}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ImageTask:
     """One image to store and what the "parquet" format keeps next to it."""
 
@@ -129,8 +130,10 @@ class StoredShard:
 
 
 class ShardWriter(Protocol):
-    def add(self, task: ImageTask, image: Any) -> None:
-        """Hand over one image ((3, H, W) float in [0, 1] or (H, W, 3) uint8); may block."""
+    def add(self, task: ImageTask, image: Any, host_work: Callable[[], None] | None = None) -> None:
+        """Hand over one image ((3, H, W) float in [0, 1] or (H, W, 3) uint8); may block.
+        host_work: the caller's CPU work on this image (scores, hash), run on the pool's thread
+        before the encode; if it raises, the shard fails as an upload does."""
 
     def finish(self) -> StoredShard:
         """Wait until every image is stored; raises ShardStoreError if one could not be."""

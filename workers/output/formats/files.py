@@ -4,7 +4,7 @@ its writer and its reader."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ditfleet.workers.output.codec import content_type, extension, sha256_hex
@@ -30,22 +30,32 @@ class FilesShardWriter:
         self._pool = UploadPool(config.max_in_flight, config.threads)
         self._keys: list[str] = []  # appended by the pool's threads (list.append is atomic)
 
-    def add(self, task: ImageTask, image: Any) -> None:
+    def add(self, task: ImageTask, image: Any, host_work: Callable[[], None] | None = None) -> None:
         key = image_key(
             self.shard, self.attempt, task.id, image_index_in_key(task.k, task.num_images), self._ext
         )
-        self._pool.submit(self.store.uri(key), lambda: self._store_one(key, task, image))
+        self._pool.submit(self.store.uri(key), lambda: self._store_one(key, task, image, host_work))
 
-    def _store_one(self, key: str, task: ImageTask, image: Any) -> ImageResult:
+    def _store_one(
+        self, key: str, task: ImageTask, image: Any, host_work: Callable[[], None] | None
+    ) -> ImageResult:
+        if host_work is not None:
+            host_work()
         data, encode_s, error, _, _ = encode_task_image(self.config, task, image)
         if data is None:
-            return ImageResult(task.id, task.k, encode_s=encode_s, error=error)
+            return ImageResult(id=task.id, k=task.k, encode_s=encode_s, error=error)
         start = time.perf_counter()
         self.store.put(key, data, self._mime)  # raises after the store's retries: shard fails
         self._keys.append(key)
         upload_s = time.perf_counter() - start
         return ImageResult(
-            task.id, task.k, self.store.uri(key), sha256_hex(data), len(data), encode_s, upload_s
+            id=task.id,
+            k=task.k,
+            uri=self.store.uri(key),
+            sha256=sha256_hex(data),
+            bytes=len(data),
+            encode_s=encode_s,
+            upload_s=upload_s,
         )
 
     def finish(self) -> StoredShard:
