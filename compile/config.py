@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ditfleet.model.settings import setting
+from ditfleet.model.knobs import setting
 
 # The shortest key that authenticates the shared compile cache (compile.cache); the worker's
 # key reader checks it without importing torch.

@@ -34,7 +34,7 @@ from ditfleet.driver.input.prompts import DEFAULT_BATCH_ROWS, InputFile, PromptS
 from ditfleet.driver.input.row_errors import file_error
 from ditfleet.driver.input.scan import ScanOptions, scan_input
 from ditfleet.driver.input.validate import DEFAULT_MAX_ERRORS, valid_sizes
-from ditfleet.model.settings import field_default, setting, settings_fields
+from ditfleet.model.knobs import field_default, setting, settings_fields
 from ditfleet.workers.content_digest import Prepared, RangeDigest, combine, hex_digest
 from ditfleet.workers.rows import MAX_SIDE, RowConfig, ShardSpec, content_columns
 from ditfleet.workers.storage.base import read_each

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ditfleet.compile.config import CompileConfig
+from ditfleet.model.knobs import check_settings, setting
 from ditfleet.model.loading.lora_spec import LoraSpec  # noqa: F401 - re-exported for the job spec
-from ditfleet.model.settings import PipelineSettings, ScorerName, check_settings, setting
+from ditfleet.model.settings import PipelineSettings, ScorerName
 from ditfleet.workers.cache_secret import CacheSecretSource
 from ditfleet.workers.output.formats import ShardWriterConfig
 from ditfleet.workers.rows import RowConfig

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ditfleet.driver.actor_phases import ActorPhase
-from ditfleet.model.settings import setting
+from ditfleet.model.knobs import setting
 
 if TYPE_CHECKING:
     from ditfleet.workers.contract import ShardResult

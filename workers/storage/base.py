@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import IO, Literal, TypeVar
 
-from ditfleet.model.settings import setting
+from ditfleet.model.knobs import setting
 
 _MiB = 1024 * 1024
 

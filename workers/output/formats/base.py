@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, Protocol
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ditfleet.model.settings import setting
+from ditfleet.model.knobs import setting
 from ditfleet.workers.output.codec import encode_image, extension, sha256_hex, to_uint8_hwc
 from ditfleet.workers.output.layout import FORMAT_NAMES, FormatName, ImageFormat
 from ditfleet.workers.output.provenance import JobProvenance, Provenance
