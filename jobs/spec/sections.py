@@ -32,8 +32,8 @@ from ditfleet.model.settings import (
 )
 from ditfleet.workers.cache_secret import WELL_KNOWN_ENV, CacheSecretSource
 from ditfleet.workers.contract import Device, Dtype, GateConfig, ModelPlacement, Placement, WorkerConfig
-from ditfleet.workers.output.formats import ShardWriterConfig
-from ditfleet.workers.output.layout import FormatName, ImageFormat
+from ditfleet.workers.output.formats import FormatName, ShardWriterConfig
+from ditfleet.workers.output.layout import ImageFormat
 from ditfleet.workers.rows import RowConfig
 from ditfleet.workers.storage import S3Config
 from ditfleet.workers.storage.base import AddressingStyle

@@ -143,6 +143,15 @@ def check_key(key: str) -> str:
     return key
 
 
+def write_check_key(token: str) -> str:
+    """Key of the probe object `check_writable` writes and deletes again: _tmp/write-check-{token}
+    (token: hex digits, a uuid4's). `_`-prefixed like the output's other internal keys, which the
+    readers the docs show skip, so a probe a crash left behind is never read as data."""
+    if not token or any(c not in "0123456789abcdef" for c in token):
+        raise ValueError(f"a write-check token is lower-case hex digits, got {token!r}")
+    return f"_tmp/write-check-{token}"
+
+
 class ObjectStore(abc.ABC):
     """A flat key -> bytes store rooted at one location; keys are '/'-separated and relative."""
 

@@ -35,7 +35,6 @@ from botocore.exceptions import (
     PartialCredentialsError,
 )
 
-from ditfleet.workers.output.layout import write_check_key
 from ditfleet.workers.storage.base import (
     _COPY_CHUNK,
     ObjectNotFound,
@@ -44,6 +43,7 @@ from ditfleet.workers.storage.base import (
     StoreConfigError,
     StoreError,
     check_key,
+    write_check_key,
 )
 
 log = logging.getLogger(__name__)

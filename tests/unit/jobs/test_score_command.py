@@ -21,7 +21,8 @@ from ditfleet.jobs.score import score_output, scorer_source
 from ditfleet.model.quality import ScorerInputs, scorer
 from ditfleet.model.tiny.scenes import Scene, render
 from ditfleet.testing.outputs import manifest_row, put_image
-from ditfleet.workers.output.layout import image_key, manifest_key, new_attempt_token, score_table_key
+from ditfleet.workers.output.formats.files import image_key
+from ditfleet.workers.output.layout import manifest_key, new_attempt_token, score_table_key
 from ditfleet.workers.output.manifest import ManifestWriter
 from ditfleet.workers.storage import open_store
 

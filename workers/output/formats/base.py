@@ -1,5 +1,5 @@
-"""What every output format shares: the writer's config, the image task, the stored-shard result,
-the writer protocol and the encode step; and, for reading an output back, the manifest row a
+"""What every output format shares: the image task, the stored-shard result, the writer protocol,
+the encode step and the record a format module declares itself with (OutputFormat); and, for reading an output back, the manifest row a
 reader looks for (ManifestImage), what one read of a stored object gives (StoredImages) and the
 reader protocol.
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -24,8 +24,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ditfleet.model.knobs import setting
-from ditfleet.workers.output.codec import encode_image, extension, sha256_hex, to_uint8_hwc
-from ditfleet.workers.output.layout import FORMAT_NAMES, FormatName, ImageFormat
+from ditfleet.workers.output.codec import encode_image, sha256_hex, to_uint8_hwc
+from ditfleet.workers.output.layout import ImageFormat, ShardObjects
 from ditfleet.workers.output.provenance import JobProvenance, Provenance
 from ditfleet.workers.output.upload_pool import ImageResult
 from ditfleet.workers.storage.base import ObjectStore
@@ -34,17 +34,11 @@ _MiB = 1024 * 1024
 
 
 @dataclass(frozen=True)
-class ShardWriterConfig:
-    """How a worker stores images. Sizes in bytes. The plan's fingerprint records the knobs marked
-    `fingerprint`, and embed_metadata with the job's name when it is on (JobSpec.image_settings)."""
+class WriterSettings:
+    """How a writer stores images, whatever the format (ShardWriterConfig adds which format).
+    Sizes in bytes. The plan's fingerprint records the knobs marked `fingerprint`, and
+    embed_metadata with the job's name when it is on (JobSpec.image_settings)."""
 
-    output_format: FormatName = setting(
-        "files",
-        fingerprint="always",
-        description="'files': one image object per image; 'parquet': images embedded in one Parquet "
-        "file per shard (Hugging Face datasets image struct); 'webdataset': one tar per shard "
-        "({key}.{ext} + {key}.json).",
-    )
     image_format: ImageFormat = setting(
         "png",
         fingerprint="always",
@@ -73,14 +67,6 @@ class ShardWriterConfig:
     row_group_bytes: int = 64 * _MiB  # ... or this many image bytes, whichever comes first
     spool_max_bytes: int = 256 * _MiB  # "parquet"/"webdataset": the file spills to a temp file above this
     tmp_dir: str | None = None  # where it spills (None = the system's temp dir)
-
-    def __post_init__(self) -> None:
-        if self.output_format not in FORMAT_NAMES:
-            raise ValueError(f"output format {self.output_format!r} is not one of {list(FORMAT_NAMES)}")
-        extension(self.image_format)  # validates
-        for name in ("max_in_flight", "threads", "row_group_rows", "row_group_bytes"):
-            if (value := getattr(self, name)) < 1:
-                raise ValueError(f"ShardWriterConfig.{name} must be >= 1, got {value}")
 
 
 @dataclass(frozen=True)
@@ -140,7 +126,7 @@ class ShardWriter(Protocol):
 
 
 def encode_task_image(
-    cfg: ShardWriterConfig, task: ImageTask, image: Any
+    cfg: WriterSettings, task: ImageTask, image: Any
 ) -> tuple[bytes | None, float, str | None, int, int]:
     """(encoded bytes or None, encode seconds, error, width, height): the task's image, with its
     provenance in the file's metadata unless cfg.embed_metadata is off. Encode problems fail the
@@ -252,9 +238,21 @@ class StoredImages:
 class ShardReader(Protocol):
     """Reads the objects of one output format back (each format module has one)."""
 
-    area: str  # every object of the format has a key under this prefix (layout.*_PREFIX)
-
     def read(self, store: ObjectStore, key: str, rows: Sequence[ManifestImage]) -> StoredImages:
         """Read the object at `key` once, for the ok manifest rows that name it. Raises
         ObjectNotFound when it is absent and StoredImageError when it cannot be read."""
         ...
+
+
+@dataclass(frozen=True)
+class OutputFormat:
+    """One output format, as its module declares it: the name a job gives (`output.format`), what
+    the job file says of it, where its objects lie (`objects`: its area and key shape, which the
+    registry reads orphans, supersession and verification by), its writer (made per run of a shard:
+    store, shard, config, attempt token) and its reader."""
+
+    name: str
+    description: str
+    objects: ShardObjects
+    writer: Callable[[ObjectStore, int, WriterSettings, str], ShardWriter]
+    reader: ShardReader
