@@ -22,13 +22,13 @@ from ditfleet.driver.dispatch import DispatchConfig
 from ditfleet.driver.plan import PlanConfig
 from ditfleet.model.generation.step_cache_config import StepCacheConfig, check_schedule
 from ditfleet.model.loading.folder import TINY_MODEL
+from ditfleet.model.quality.table import ScorerName
 from ditfleet.model.settings import (
     AttentionBackend,
     CfgMode,
     ModulationCache,
     PipelineSettings,
     Quantization,
-    ScorerName,
 )
 from ditfleet.workers.cache_secret import WELL_KNOWN_ENV, CacheSecretSource
 from ditfleet.workers.contract import Device, Dtype, GateConfig, ModelPlacement, Placement, WorkerConfig

@@ -49,7 +49,7 @@ def _write_output(out) -> set[str]:
             1,
             stored,
             prompt=scene.caption,
-            score_sharpness=sharp,
+            scores={"sharpness": sharp},
             gate_passed=i < 2,
             gate_tries=1,
             phash=i,

@@ -210,5 +210,5 @@ def test_score_with_clip_writes_its_table_from_the_given_model(tmp_path, capsys)
     table = pq.read_table(root / score_table_key("clip", manifest_key(0))).to_pylist()
     assert [t["uri"] for t in table] == uris
     assert all(0.0 <= t["score"] <= 100.0 for t in table)
-    clip = scorer("clip", ScorerInputs(clip_model=clip_dir))
+    clip = scorer("clip", ScorerInputs(models={"clip": clip_dir}))
     assert [t["score"] for t in table] == [clip.score(_uint8(s)[None], [s.caption])[0] for s in SCENES]
