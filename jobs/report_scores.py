@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import html
 import io
-import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar

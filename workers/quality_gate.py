@@ -62,7 +62,9 @@ class ScoredImage:
         stored or NaN: the scorer cannot judge it), phash (null when not stored) and, under a
         gate, gate_*."""
         columns: dict[str, Any] = {
-            "scores": {name: v if stored_ok and not math.isnan(v) else None for name, v in self.scores.items()}
+            "scores": {
+                name: v if stored_ok and not math.isnan(v) else None for name, v in self.scores.items()
+            }
         }
         if stored_ok and self.phash is not None:
             # The manifest's int64 holds the 64 bits: the top bit becomes the sign.

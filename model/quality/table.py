@@ -22,12 +22,22 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
-NOTHING = "nothing"
-PIPELINE_QWEN_VL = "pipeline_qwen_vl"
-MODEL = "model"
 Needs = Literal["nothing", "pipeline_qwen_vl", "model"]
+NOTHING: Needs = "nothing"
+PIPELINE_QWEN_VL: Needs = "pipeline_qwen_vl"
+MODEL: Needs = "model"
+
+
+class ScorerOffers(Protocol):
+    """What a model family says to the scorers (model.family.ModelFamily has both)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def scorer_inputs(self) -> frozenset[str]: ...
 
 
 @dataclass(frozen=True)
@@ -125,13 +135,17 @@ def needing(names: Iterable[str], needs: Needs) -> tuple[ScorerRow, ...]:
     return tuple(row for row in map(scorer_row, dict.fromkeys(names)) if row.needs == needs)
 
 
-def check_scorers_supported(offers: object, names: Iterable[str], model: str = "") -> None:
+def check_scorers_supported(
+    offers: ScorerOffers | Collection[str], names: Iterable[str], model: str = ""
+) -> None:
     """ValueError, before any work, naming the scorer and why, when a scorer among `names` needs
     what the model does not offer. offers: a model family (model.family: its `scorer_inputs`) or
     that collection itself; model: what the message says of the model (e.g. "model.path 'tiny'
     has a tiny text encoder"; default: the family's name)."""
-    provides: Collection[str] = getattr(offers, "scorer_inputs", offers)  # type: ignore[assignment]
-    said = model or f"the {getattr(offers, 'name', 'given')} model family has none"
+    if isinstance(offers, Collection):
+        provides, said = offers, model or "the model offers none"
+    else:
+        provides, said = offers.scorer_inputs, model or f"the {offers.name} model family has none"
     for row in needing(names, PIPELINE_QWEN_VL):
         if PIPELINE_QWEN_VL not in provides:
             raise ValueError(

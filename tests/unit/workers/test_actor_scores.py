@@ -6,7 +6,6 @@ manifest has one column for every scorer model.quality knows."""
 from __future__ import annotations
 
 import dataclasses
-import typing
 
 import numpy as np
 import pyarrow.parquet as pq
