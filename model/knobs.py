@@ -56,6 +56,15 @@ def setting(
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
 
 
+def bounded(default: Any, **bounds: float) -> Any:
+    """A dataclass field that is no user-facing knob but has limits: ge / gt / le / lt, checked
+    by `check_settings` like a knob's (a None value passes: "no limit")."""
+    unknown = set(bounds) - set(BOUNDS)
+    if unknown or not bounds:
+        raise TypeError(f"bounded(): give bounds among {BOUNDS}, got {sorted(bounds)}")
+    return dataclasses.field(default=default, metadata=bounds)
+
+
 def settings_fields(cls: type) -> dict[str, dataclasses.Field]:
     """The knobs of a settings dataclass (fields written with `setting`), by name, in order."""
     return {f.name: f for f in dataclasses.fields(cls) if "description" in f.metadata}
@@ -69,15 +78,21 @@ def field_default(f: dataclasses.Field) -> Any:
     return dataclasses.MISSING
 
 
+_SAYS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+
+
 def check_settings(obj: Any) -> None:
-    """Check every knob of a settings dataclass against its Literal type and bounds (the same
-    ones the job spec checks), so that code building the dataclass directly gets the same limits."""
+    """Check every field of a settings dataclass against its Literal type and bounds (a knob's
+    are the ones the job spec checks; `bounded` gives a plain field some), so that code building
+    the dataclass directly gets the same limits. The one check: a config adds by hand only what
+    relates two fields."""
     hints = typing.get_type_hints(type(obj))
     name = type(obj).__name__
-    for f in settings_fields(type(obj)).values():
+    for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         allowed = literal_values(hints[f.name])
-        if allowed is not None and value not in allowed:
+        # By type too: 1 is not True, and True is not 1.
+        if allowed is not None and not any(type(value) is type(a) and value == a for a in allowed):
             raise ValueError(f"{name}.{f.name} must be one of {allowed}, got {value!r}")
         if value is None or not any(b in f.metadata for b in BOUNDS):
             continue
@@ -85,7 +100,7 @@ def check_settings(obj: Any) -> None:
             raise ValueError(f"{name}.{f.name} must be a finite number, got {value!r}")
         for bound in BOUNDS:
             if bound in f.metadata and not getattr(operator, bound)(value, f.metadata[bound]):
-                raise ValueError(f"{name}.{f.name} must be {bound} {f.metadata[bound]}, got {value!r}")
+                raise ValueError(f"{name}.{f.name} must be {_SAYS[bound]} {f.metadata[bound]}, got {value!r}")
 
 
 def literal_values(tp: Any) -> tuple | None:

@@ -92,10 +92,7 @@ class ShardWriterConfig(WriterSettings):
     )
 
     def __post_init__(self) -> None:
-        check_settings(self)  # output_format among FORMATS, image_format, quality's bounds
-        for name in ("max_in_flight", "threads", "row_group_rows", "row_group_bytes"):
-            if (value := getattr(self, name)) < 1:
-                raise ValueError(f"ShardWriterConfig.{name} must be >= 1, got {value}")
+        check_settings(self)  # output_format among FORMATS, image_format, every field's bounds
 
 
 def attempt_object(key: str) -> AttemptObject | None:

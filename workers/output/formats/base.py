@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, Protocol
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ditfleet.model.knobs import setting
+from ditfleet.model.knobs import bounded, setting
 from ditfleet.workers.output.codec import encode_image, sha256_hex, to_uint8_hwc
 from ditfleet.workers.output.layout import ImageFormat, ShardObjects
 from ditfleet.workers.output.provenance import JobProvenance, Provenance
@@ -61,10 +61,10 @@ class WriterSettings:
     # The model and job every image's metadata names (the actor fills in the model it loaded).
     job: JobProvenance = field(default_factory=JobProvenance)
     png_compress_level: int = 6
-    max_in_flight: int = 32  # images held by the pool at once: the memory bound
-    threads: int = 8  # encode+upload threads
-    row_group_rows: int = 64  # "parquet": a row group closes at this many images ...
-    row_group_bytes: int = 64 * _MiB  # ... or this many image bytes, whichever comes first
+    max_in_flight: int = bounded(32, ge=1)  # images held by the pool at once: the memory bound
+    threads: int = bounded(8, ge=1)  # encode+upload threads
+    row_group_rows: int = bounded(64, ge=1)  # "parquet": a row group closes at this many images ...
+    row_group_bytes: int = bounded(64 * _MiB, ge=1)  # ... or this many image bytes, whichever comes first
     spool_max_bytes: int = 256 * _MiB  # "parquet"/"webdataset": the file spills to a temp file above this
     tmp_dir: str | None = None  # where it spills (None = the system's temp dir)
 
