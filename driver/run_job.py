@@ -42,6 +42,7 @@ from ditfleet.driver.metrics import FanOut
 from ditfleet.driver.output.case_fold import refuse_ids_that_fold
 from ditfleet.driver.output.claim import OutputMismatch, claim_incremental_output, claim_output
 from ditfleet.driver.output.cost import CostConfig
+from ditfleet.driver.output.fence import wait_actors_gone
 from ditfleet.driver.output.finish import close_output, finish_run
 from ditfleet.driver.output.lease import OutputLease, acquire_lease
 from ditfleet.driver.output.pause_points import pause_point
@@ -395,9 +396,12 @@ class _Execution:
             events = FanOut(progress, _PauseOnFirstStart(), self.events)
             # No per-shard result is kept to the end (400,000 of them): progress and metrics
             # take each as it comes, and the summary counts the manifests.
-            return run_shards(
+            result = run_shards(
                 todo, worker_cls, (worker_config,), self.config.dispatch, events, keep_results=False
             )
+            # Every actor is killed; wait until none can still write before anything is closed.
+            result.unfenced_actors = wait_actors_gone(result.actors, self.config.dispatch.fence_timeout_s)
+            return result
         finally:
             progress.close()
             if self.events is not None:

@@ -178,7 +178,9 @@ def cmd_score(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.output}: no manifests: not a ditfleet output with committed shards (yet)")
     with _ray_if_asked(args), usage_errors(ValueError):
         s3 = store_config(args)
-        source = scorer_source(store, args.scorer, model_path=args.model, clip_model=args.clip_model, s3=s3)
+        source = scorer_source(
+            store, args.scorer, model_path=args.model, scorer_model=args.scorer_model, s3=s3
+        )
         report = score_output(store, source, workers=args.workers, use_ray=args.ray, ray_s3=s3)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_text(store.uri()))
     return EXIT_OK
@@ -199,7 +201,11 @@ def _add_score(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", default=None, help="vqa: the Qwen-Image model (default: the output's job's)")
     p.add_argument(
-        "--clip-model", default=None, help="clip: the CLIP model (default: the job's quality.clip_model)"
+        "--scorer-model",
+        "--clip-model",
+        dest="scorer_model",
+        default=None,
+        help="clip (a scorer with a model of its own): its model (default: the job's quality.clip_model)",
     )
     p.add_argument("--workers", type=int, default=2, help="threads scoring shards here (default 2)")
     _add_ray_options(p, "score shards in Ray tasks over the cluster")

@@ -17,6 +17,7 @@ from ditfleet.jobs.exit_codes import EXIT_OK
 from ditfleet.jobs.plan_cost import cost_plan_line, estimate_cost, read_selftest
 from ditfleet.jobs.run import check_memory, memory_plan_of
 from ditfleet.jobs.spec import JobSpec, load_spec
+from ditfleet.model.family import model_family
 
 
 def _print_memory(memory: JobMemoryPlan | None, spec: JobSpec) -> None:
@@ -152,12 +153,10 @@ def _step_cache_plan(spec: JobSpec, job: str) -> dict:
 
 def _dit_layers(spec: JobSpec) -> int | None:
     """The DiT's block count from its config.json, for a local (or the bundled) model."""
-    from ditfleet.model.loading.folder import TINY_MODEL_DIR
-
     path = spec.model_path()
     if "://" in path:
         return None
-    root = TINY_MODEL_DIR if path == "tiny" else Path(path)
+    root = model_family(path).bundled_dir or Path(path)
     try:
         return int(json.loads((root / "transformer" / "config.json").read_text())["num_layers"])
     except (OSError, ValueError, KeyError):

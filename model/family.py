@@ -7,6 +7,8 @@
     family.text_conditioning(pipe)           # (embedding width, longest prompt in tokens)
     family.attention_counters(pipe)          # counters of the DiT's attention calls
     family.memory                            # the memory formula (model.memory) from configs
+    family.bundled_dir                       # the folder of a model that ships with ditfleet, else None
+    family.scorer_inputs                     # what it offers the image scorers (model.quality.table)
 
 compile/, workers/, driver/ and jobs/ ask the family and never name a submodule, method or
 constant of the Qwen-Image DiT themselves (tests/unit/test_model_face.py parses them): a second
@@ -26,8 +28,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
-from ditfleet.model.loading.folder import TINY_MODEL
+from ditfleet.model.loading.folder import TINY_MODEL, TINY_MODEL_DIR
 from ditfleet.model.memory import MemoryPlan, ModelMemory, dit_activation_bytes, largest_batch, plan_memory
+from ditfleet.model.quality.table import PIPELINE_QWEN_VL
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH_LIMIT
 
 Size = tuple[int, int]  # (width, height) in pixels
@@ -152,6 +155,12 @@ class ModelFamily(Protocol):
     @property
     def memory(self) -> MemoryFormula: ...
 
+    @property
+    def bundled_dir(self) -> Path | None: ...  # a bundled model's folder (its path is a name, kept as is)
+
+    @property
+    def scorer_inputs(self) -> frozenset[str]: ...  # model.quality.table needs it meets (PIPELINE_QWEN_VL)
+
     def text_conditioning(self, pipe: Any) -> TextConditioning: ...
 
     def attention_counters(self, pipe: Any) -> AttentionCounters: ...
@@ -204,6 +213,9 @@ class QwenImageFamily:
     memory: MemoryFormula = field(default_factory=MemoryFormula)
     # The longest prompt the text path embeds, in tokens (what a job may ask for at most).
     max_text_tokens: int = MAX_SEQUENCE_LENGTH_LIMIT
+    bundled_dir: Path | None = None
+    # Its text encoder is a Qwen2.5-VL, which a scorer such as vqa asks (check_scorers_supported).
+    scorer_inputs: frozenset[str] = frozenset({PIPELINE_QWEN_VL})
 
     def text_conditioning(self, pipe: Any) -> TextConditioning:
         return TextConditioning(pipe.transformer.config.joint_attention_dim, self.max_text_tokens)
@@ -213,7 +225,15 @@ class QwenImageFamily:
 
 
 QWEN_IMAGE = QwenImageFamily()
-TINY = replace(QWEN_IMAGE, name="tiny", default_buckets=TINY_BUCKETS, runs_on_cpu=True)
+# The tiny model's text encoder is its own small one (model.tiny), no Qwen2.5-VL.
+TINY = replace(
+    QWEN_IMAGE,
+    name="tiny",
+    default_buckets=TINY_BUCKETS,
+    runs_on_cpu=True,
+    bundled_dir=TINY_MODEL_DIR,
+    scorer_inputs=frozenset(),
+)
 # The family of every model path but "tiny", and of configs built without naming a model.
 DEFAULT_FAMILY: ModelFamily = QWEN_IMAGE
 

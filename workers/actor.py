@@ -144,7 +144,7 @@ class GenerationWorker:
         self.scorers = build_scorers(
             config.scorer_names,
             text_encoder=self.text.encoder if self.text is not None else None,
-            clip_model=config.clip_model,
+            models=config.scorer_models(),
             cache_dir=config.model_cache_dir,
             s3=config.s3,
             fetch=config.model_fetch,

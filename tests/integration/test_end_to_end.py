@@ -34,7 +34,6 @@ from tests.support.paths import REPO
 from tests.support.worker_fixtures import write_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
-REPO = REPO
 
 
 def write_job(path: Path, model_dir: Path, prompts: Path, output: str, **sections: str) -> Path:

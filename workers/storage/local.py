@@ -13,7 +13,6 @@ import uuid
 from collections.abc import Iterator
 from typing import IO
 
-from ditfleet.workers.output.layout import write_check_key
 from ditfleet.workers.storage.base import (
     _COPY_CHUNK,
     _TMP_MARK,
@@ -25,6 +24,7 @@ from ditfleet.workers.storage.base import (
     StoreError,
     check_key,
     fsync_dir,
+    write_check_key,
 )
 
 

@@ -37,6 +37,8 @@ TORCH_FREE_MODEL = {
     "ditfleet.model.memory.plan",
     "ditfleet.model.networks.transformer_config",
     "ditfleet.model.networks.vae_config",
+    "ditfleet.model.quality",  # names load on first use: the table alone is read
+    "ditfleet.model.quality.table",  # the scorers, one row each (the spec's checks and choices)
 }
 
 REPORT = """

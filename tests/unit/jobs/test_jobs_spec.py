@@ -16,7 +16,8 @@ from pydantic import BaseModel
 from ditfleet.jobs.cli import main
 from ditfleet.jobs.spec import JobSpec, SpecError, load_spec, parse_spec
 from ditfleet.testing.outputs import manifest_row, put_image
-from ditfleet.workers.output.layout import image_key, job_key, new_attempt_token
+from ditfleet.workers.output.formats.files import image_key
+from ditfleet.workers.output.layout import job_key, new_attempt_token
 from ditfleet.workers.output.manifest import ManifestWriter
 from ditfleet.workers.storage import open_store
 from tests.support.paths import REPO

@@ -194,7 +194,7 @@ def test_open_store_forms(tmp_path) -> None:
 
 
 def test_s3_config_is_checked() -> None:
-    with pytest.raises(ValueError, match="multipart_chunksize must be >= 5 MiB"):
+    with pytest.raises(ValueError, match="multipart_chunksize must be >= 5242880"):
         S3Config(multipart_chunksize=1024)
     with pytest.raises(ValueError, match="request_checksum_calculation"):
         S3Config(request_checksum_calculation="always")
