@@ -222,6 +222,12 @@ class ShardObjects:
         pattern = re.compile(rf"^{re.escape(self.area)}{start}(\d{{5,}}){sep}({_ATTEMPT}){rest}$")
         object.__setattr__(self, "_pattern", pattern)
 
+    @property
+    def per_image(self) -> bool:
+        """Whether each image is an object of its own, named after its row's id (a folder per run):
+        ids that a store folds to one name would then name one object (driver.output.case_fold)."""
+        return self.suffix is None
+
     def key(self, shard: int, attempt: str, name: str | None = None) -> str:
         """Key of the object run `attempt` of `shard` writes; `name`: the object's file name in a
         folder per run (image_file_name), None for the one object per run."""

@@ -128,13 +128,17 @@ def check_key(key: str) -> str:
     return key
 
 
+# Where a store's probe objects go: `_`-prefixed like the output's other internal keys, which the
+# readers the docs show skip, so a probe a crash left behind is never read as data.
+PROBE_PREFIX = "_tmp/"
+
+
 def write_check_key(token: str) -> str:
     """Key of the probe object `check_writable` writes and deletes again: _tmp/write-check-{token}
-    (token: hex digits, a uuid4's). `_`-prefixed like the output's other internal keys, which the
-    readers the docs show skip, so a probe a crash left behind is never read as data."""
+    (token: hex digits, a uuid4's)."""
     if not token or any(c not in "0123456789abcdef" for c in token):
         raise ValueError(f"a write-check token is lower-case hex digits, got {token!r}")
-    return f"_tmp/write-check-{token}"
+    return f"{PROBE_PREFIX}write-check-{token}"
 
 
 class ObjectStore(abc.ABC):
