@@ -35,7 +35,7 @@ from typing import TextIO
 from ditfleet.driver.dispatch import DispatchConfig, DispatchEvents, DispatchResult, run_shards
 from ditfleet.driver.increment import IncrementPlan, commit_increment, plan_increment
 from ditfleet.driver.input.prompts import PromptSource
-from ditfleet.driver.input.scan import validate_input
+from ditfleet.driver.input.scan import check_schemas, validate_input
 from ditfleet.driver.input.validate import ValidationReport
 from ditfleet.driver.locations import check_locations
 from ditfleet.driver.metrics import FanOut
@@ -109,6 +109,12 @@ def prompt_source(config: DriverConfig) -> PromptSource:
 def validate_job_input(config: DriverConfig) -> ValidationReport:
     """Every problem of the input (up to the plan's max_errors); reads the input, nothing else."""
     return validate_input(prompt_source(config), config.plan.rows, config.plan.max_errors)
+
+
+def check_job_input(config: DriverConfig) -> None:
+    """Where input and output are, and the input's files and schemas (no row read): raises
+    LocationError or InputError. Every command that takes a job file calls it first."""
+    check_schemas(prompt_source(config), config.plan.rows, config.plan.max_errors)
 
 
 def plan_input(config: DriverConfig) -> JobPlan:

@@ -31,22 +31,25 @@ import shlex
 import sys
 import typing
 from collections.abc import Sequence
+from pathlib import Path
 
 from ditfleet.driver.dispatch import DispatchError
+from ditfleet.driver.input.prompts import glob_start
 from ditfleet.driver.input.row_errors import InputError
 from ditfleet.driver.locations import LocationError
 from ditfleet.driver.memory_plan import GPU_SIZES_GB, MemoryPlanError, MemoryRequest
-from ditfleet.driver.run_job import OutputMismatch, validate_job_input
+from ditfleet.driver.run_job import OutputMismatch, check_job_input, validate_job_input
 from ditfleet.jobs.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, UsageError, usage_errors
 from ditfleet.jobs.output_commands import add_output_commands, add_s3_options, store_config
 from ditfleet.jobs.plan_command import cmd_plan
 from ditfleet.jobs.prompt_words import tiny_words_warning
 from ditfleet.jobs.ray_auth import ClusterAuthError
-from ditfleet.jobs.run import check_memory, run, say
-from ditfleet.jobs.spec import SpecError, load_spec
+from ditfleet.jobs.run import check_memory, checked_spec, run, say
+from ditfleet.jobs.spec import JobSpec, SpecError, load_spec
 from ditfleet.jobs.submit import SubmitError, submit_slot
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH, Quantization
 from ditfleet.workers.storage import StoreConfigError, StoreError
+from ditfleet.workers.storage.input_files import is_s3
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -85,6 +88,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     spec = load_spec(args.job)  # a bad job file fails here, not on the cluster
+    _check_input_for_submit(spec)
     if not spec.name:
         raise UsageError(
             f"{args.job}: the job has no `name`; submit derives the Ray submission id from the name "
@@ -103,10 +107,23 @@ def cmd_submit(args: argparse.Namespace) -> int:
     )
 
 
+def _check_input_for_submit(spec: JobSpec) -> None:
+    """The input checked as `run` would, when this machine can read it: s3://, or a local path
+    that is here (a path only the cluster's nodes mount is checked there, by `ditfleet run`)."""
+    uri = spec.input_uri()
+    parts = Path(uri).parts
+    first_glob = glob_start(parts)
+    here = Path(*parts[:first_glob]) if first_glob else Path(uri)
+    if is_s3(uri) or here.exists():
+        check_job_input(spec.to_driver_config())
+    else:
+        say(f"input not checked here: {uri} is not on this machine (the cluster's `ditfleet run` checks it)")
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from ditfleet.jobs.calibrate import calibrate, format_calibration
 
-    spec = load_spec(args.job)
+    spec = checked_spec(args.job)
     with usage_errors(ValueError):
         result = calibrate(
             spec,

@@ -14,8 +14,8 @@ from typing import Any
 from ditfleet.driver.memory_plan import JobMemoryPlan
 from ditfleet.driver.run_job import plan_input, preview_increment
 from ditfleet.jobs.exit_codes import EXIT_OK
-from ditfleet.jobs.run import check_memory, memory_plan_of
-from ditfleet.jobs.spec import JobSpec, load_spec
+from ditfleet.jobs.run import check_memory, checked_spec, memory_plan_of
+from ditfleet.jobs.spec import JobSpec
 
 
 def _print_memory(memory: JobMemoryPlan | None, spec: JobSpec) -> None:
@@ -27,7 +27,7 @@ def _print_memory(memory: JobMemoryPlan | None, spec: JobSpec) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    spec = load_spec(args.job)
+    spec = checked_spec(args.job)
     if spec.input.incremental:
         code = _plan_incremental(spec, args.json)
         check_memory(spec, args.job)

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from ditfleet.driver.locations import check_local_output_nodes
 from ditfleet.driver.memory_plan import JobMemoryPlan, job_memory_plan
 from ditfleet.driver.output.summary import JobSummary
-from ditfleet.driver.run_job import run_job
+from ditfleet.driver.run_job import check_job_input, run_job
 from ditfleet.jobs.prompt_words import tiny_words_warning
 from ditfleet.jobs.ray_auth import check_gcs_token, refused
 from ditfleet.jobs.spec import JobSpec, load_spec
@@ -119,6 +119,15 @@ def alive_ray_nodes() -> int:
     return sum(1 for node in ray.nodes() if node.get("Alive"))
 
 
+def checked_spec(job: str | os.PathLike[str] | JobSpec) -> JobSpec:
+    """The job's spec with its input's files and schemas checked (a missing prompt column, a file
+    that is not Parquet: InputError naming file and column), before anything else reads the
+    input: every command that takes a job file starts here, so each says the same thing."""
+    spec = job if isinstance(job, JobSpec) else load_spec(job)
+    check_job_input(spec.to_driver_config())
+    return spec
+
+
 def memory_plan_of(spec: JobSpec) -> JobMemoryPlan | None:
     """The job's memory plan; None when the model cannot be read at plan time (hf://).
 
@@ -151,7 +160,7 @@ def run(
     """Run or resume `job` (a job file or a JobSpec) and return its summary (`exit_code` says how
     it ended). `address`: a Ray cluster (else RAY_ADDRESS, else a local one on loopback).
     redo_shards: committed shards to run again under new attempts (docs/reliability.md, Redo)."""
-    spec = job if isinstance(job, JobSpec) else load_spec(job)
+    spec = checked_spec(job)
     check_memory(spec, str(job) if not isinstance(job, JobSpec) else (spec.name or "the job"))
     driver, worker = spec.to_driver_config(), spec.to_worker_config()
     if (words := tiny_words_warning(spec)) is not None:
