@@ -46,7 +46,7 @@ from ditfleet.driver.output.pause_points import pause_point
 from ditfleet.driver.output.settle import Settled, settle_older
 from ditfleet.driver.output.status import OutputCounts
 from ditfleet.driver.output.summary import FAILED, JobSummary, RunOutcome, build_summary, read_success
-from ditfleet.driver.plan import JobPlan, PlanConfig, plan_job
+from ditfleet.driver.plan import JobPlan, PlanConfig, idle_actors_warning, plan_job
 from ditfleet.driver.plan_file import load_plan, save_plan
 from ditfleet.driver.progress import JobProgress
 from ditfleet.driver.rerun import complete_already, redo_generations
@@ -234,6 +234,11 @@ def _plain_work(run: _Execution, started: float) -> _Work | JobSummary:
             )
         return summary
     _prepare_to_write(store, out)
+    idle = idle_actors_warning(
+        len(plan.shards), plan.total_rows, config.plan.shard_size, config.dispatch.max_actors
+    )
+    if idle is not None:
+        print(f"warning: {idle}", file=out)
     shards: Sequence[ShardSpec] = plan.shards
     if redo:
         shards = tuple(

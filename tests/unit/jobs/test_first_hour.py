@@ -3,6 +3,7 @@ columns, the CLI's own help. Each test holds one promise the README or the CLI m
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pyarrow as pa
@@ -46,3 +47,21 @@ def test_a_missing_prompt_column_is_the_same_clear_error_through_every_command(t
     assert "input.prompt_column" in err
     assert "Traceback" not in err and "KeyError" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_plan_says_when_fewer_shards_than_actors_and_names_shards_size(tmp_path, capsys):
+    # 200 rows at the default 256 rows a shard: one shard, so one of two actors would sit idle.
+    job = job_with(tmp_path, rows=200, extra="workers:\n  min: 1\n  max: 2\n")
+    assert main(["plan", str(job)]) == 0
+    out = capsys.readouterr().out
+    assert "in 1 shard of up to 256 rows" in out
+    assert (
+        "warning: 1 shard for up to 2 actors: 1 actor has nothing to run (a shard runs on one actor). "
+        "shards.size is 256 rows; shards.size: 100 (or less) gives every actor a shard."
+    ) in out
+    assert main(["plan", str(job), "--json"]) == 0
+    assert any("shards.size: 100" in w for w in json.loads(capsys.readouterr().out)["warnings"])
+    # Enough shards: no warning.
+    job = job_with(tmp_path, rows=200, extra="workers:\n  min: 1\n  max: 2\nshards:\n  size: 100\n")
+    assert main(["plan", str(job)]) == 0
+    assert "warning" not in capsys.readouterr().out
