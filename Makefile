@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup browser run test test-fast coverage check lint format-check deadcode typecheck bench selftest-rehearsal
+.PHONY: setup browser run docs test test-fast coverage check lint format-check deadcode typecheck bench selftest-rehearsal
 
 # Headless Chromium (Debian's package) renders the job report in one test,
 # tests/integration/test_report.py::test_report_page_draws_plot_and_images (skipped without it).
@@ -20,6 +20,10 @@ setup:
 
 run:
 	$(VENV)/bin/ditfleet run jobs/examples/tiny.yaml
+
+# Pages written from the code (a test fails when one is stale): the job file's reference.
+docs:
+	$(PY) -m ditfleet.jobs.spec.reference > docs/job-file.md
 
 # Two workers (pytest-xdist): much of the suite waits (Ray start-up, child processes, leases), and
 # the other worker uses that time. Each worker has its own session fixtures (Ray cluster, S3

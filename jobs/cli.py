@@ -46,6 +46,7 @@ from ditfleet.jobs.prompt_words import tiny_words_warning
 from ditfleet.jobs.ray_auth import ClusterAuthError
 from ditfleet.jobs.run import check_memory, checked_spec, run, say
 from ditfleet.jobs.spec import JobSpec, SpecError, load_spec
+from ditfleet.jobs.spec.reference import REFERENCE_PATH
 from ditfleet.jobs.submit import SubmitError, submit_slot
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH, Quantization
 from ditfleet.workers.storage import StoreConfigError, StoreError
@@ -165,7 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_job_commands(sub: argparse._SubParsersAction) -> None:
     """validate, plan, run, submit, calibrate: commands that take a job file."""
-    p = sub.add_parser("validate", help="check the job file and every input row (no cluster, no GPU)")
+    p = sub.add_parser(
+        "validate",
+        help="check the job file and every input row (no cluster, no GPU)",
+        description="Check the job file and every input row (no cluster, no GPU). Every key a job "
+        f"file may hold, with its type, default and bounds: {REFERENCE_PATH}.",
+    )
     p.add_argument("job", help="job file (YAML or JSON)")
     p.set_defaults(func=cmd_validate)
 
