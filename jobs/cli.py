@@ -43,8 +43,8 @@ from ditfleet.jobs.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, Usage
 from ditfleet.jobs.output_commands import add_output_commands, add_s3_options, store_config
 from ditfleet.jobs.plan_command import cmd_plan
 from ditfleet.jobs.prompt_words import tiny_words_warning
-from ditfleet.jobs.ray_auth import ClusterAuthError
-from ditfleet.jobs.run import check_memory, checked_spec, run, say
+from ditfleet.jobs.ray_auth import CONNECT_DEADLINE_S, ClusterAuthError, NoRayCluster
+from ditfleet.jobs.run import check_memory, checked_spec, interrupted_note, run, say
 from ditfleet.jobs.spec import JobSpec, SpecError, load_spec
 from ditfleet.jobs.spec.reference import REFERENCE_PATH
 from ditfleet.jobs.submit import SubmitError, submit_slot
@@ -80,7 +80,12 @@ def _shard_list(text: str) -> tuple[int, ...]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    summary = run(args.job, address=args.address, redo_shards=args.redo_shards or ())
+    summary = run(
+        args.job,
+        address=args.address,
+        redo_shards=args.redo_shards or (),
+        connect_deadline_s=args.connect_timeout,
+    )
     if summary.shards.get("committed"):  # how to get the job's report page
         output = shlex.quote(summary.output)
         print(f"report: ditfleet report {output} --html report.html  (one HTML page; open it in a browser)")
@@ -182,7 +187,18 @@ def _add_job_commands(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("run", help="run or resume the job")
     p.add_argument("job")
-    p.add_argument("--address", help="Ray cluster to use (default: RAY_ADDRESS, else a local Ray)")
+    p.add_argument(
+        "--address",
+        help="Ray cluster to use: HOST:PORT of its head (GCS, 6379 by default), ray://HOST:10001, or auto "
+        "(default: RAY_ADDRESS, else a local Ray)",
+    )
+    p.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=CONNECT_DEADLINE_S,
+        metavar="S",
+        help=f"give up, exit 2, when nothing answers at the address for S seconds (default {CONNECT_DEADLINE_S:g})",
+    )
     p.add_argument(
         "--redo-shards",
         type=_shard_list,
@@ -278,6 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         LocationError,
         MemoryPlanError,
         ClusterAuthError,
+        NoRayCluster,
     ) as e:
         say(str(e))
         return EXIT_BAD_INPUT
@@ -302,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         say(str(e))
         return EXIT_FAILED
     except KeyboardInterrupt:
-        say("interrupted; run the same command again to resume (committed shards are kept)")
+        say(interrupted_note(args.job) if args.command == "run" else "interrupted")
         return 130
 
 

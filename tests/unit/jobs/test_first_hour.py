@@ -4,13 +4,19 @@ columns, the CLI's own help. Each test holds one promise the README or the CLI m
 from __future__ import annotations
 
 import json
+import socket
+import time
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from ray._private import services as ray_services
 
 from ditfleet.jobs.cli import main
+from ditfleet.jobs.run import interrupted_note
+from ditfleet.workers.output.layout import manifest_key
+from ditfleet.workers.storage import open_store
 
 TINY_CAPTION = "a small red circle at the top left on a blue background"
 
@@ -65,3 +71,53 @@ def test_plan_says_when_fewer_shards_than_actors_and_names_shards_size(tmp_path,
     job = job_with(tmp_path, rows=200, extra="workers:\n  min: 1\n  max: 2\nshards:\n  size: 100\n")
     assert main(["plan", str(job)]) == 0
     assert "warning" not in capsys.readouterr().out
+
+
+def free_port() -> int:
+    """A port nothing listens on: bound, then released (never listened on)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_address_where_nothing_answers_ends_at_the_deadline_with_exit_2(tmp_path, capsys):
+    # Before: ray.init at a dead address retried with no end a user could see.
+    job = job_with(tmp_path)
+    address = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    assert main(["run", str(job), "--address", address, "--connect-timeout", "1.5"]) == 2
+    took = time.monotonic() - started
+    err = capsys.readouterr().err
+    assert f"no Ray cluster at {address}: nothing answered for 1.5 s" in err
+    assert "Check that the head is running" in err and "Nothing was written" in err
+    assert "Traceback" not in err
+    assert 1.5 <= took < 30
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_stale_ray_current_cluster_file_behind_address_auto_is_named(tmp_path, capsys, monkeypatch):
+    # A head stopped without `ray stop` leaves its address in <ray temp>/ray_current_cluster.
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{free_port()}")
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    # `auto` also takes any GCS process Ray finds running on this machine over the file (another
+    # engineer's cluster on a shared machine): the user's machine here runs none.
+    monkeypatch.setattr(ray_services, "find_gcs_addresses", frozenset)
+    job = job_with(tmp_path)
+    assert main(["run", str(job), "--address", "auto", "--connect-timeout", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "no Ray cluster at auto (127.0.0.1:" in err
+    assert "ray_current_cluster" in err and "`ray stop` removes it" in err
+
+
+def test_ctrl_c_speaks_of_committed_shards_only_when_there_are_some(tmp_path):
+    job = job_with(tmp_path)
+    assert interrupted_note(str(job)) == (
+        f"interrupted before any shard was committed to {tmp_path / 'out'}; run the same command again to start"
+    )
+    store = open_store(str(tmp_path / "out"))
+    store.put(manifest_key(0), b"")  # a committed shard: its manifest exists (the commit)
+    assert interrupted_note(str(job)) == (
+        f"interrupted; the 1 shard committed to {tmp_path / 'out'} are kept: run the same command again to resume"
+    )
