@@ -160,9 +160,24 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ditfleet")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ditfleet", description="Generate image datasets on a Ray cluster.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser = argparse.ArgumentParser(
+        prog="ditfleet",
+        description="Generate image datasets on a Ray cluster. `ditfleet COMMAND --help` says more "
+        f"about each; every key of a job file: {REFERENCE_PATH}.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    # Not required: `ditfleet` alone prints these commands (main), not only an error.
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_job_commands(sub)
     _add_inspect(sub)
     add_output_commands(sub)
@@ -177,16 +192,16 @@ def _add_job_commands(sub: argparse._SubParsersAction) -> None:
         description="Check the job file and every input row (no cluster, no GPU). Every key a job "
         f"file may hold, with its type, default and bounds: {REFERENCE_PATH}.",
     )
-    p.add_argument("job", help="job file (YAML or JSON)")
+    p.add_argument("job", help=f"job file (YAML or JSON; its keys: {REFERENCE_PATH})")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("plan", help="what a run would do: rows, shards, buckets, images")
-    p.add_argument("job")
+    p.add_argument("job", help=f"job file (YAML or JSON; its keys: {REFERENCE_PATH})")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("run", help="run or resume the job")
-    p.add_argument("job")
+    p.add_argument("job", help=f"job file (YAML or JSON; its keys: {REFERENCE_PATH})")
     p.add_argument(
         "--address",
         help="Ray cluster to use: HOST:PORT of its head (GCS, 6379 by default), ray://HOST:10001, or auto "
@@ -283,7 +298,11 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `ditfleet` console script; returns the exit code."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_OK
     try:
         return args.func(args)
     except (

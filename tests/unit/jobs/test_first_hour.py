@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 import pyarrow as pa
@@ -17,6 +18,7 @@ from ditfleet.jobs.cli import main
 from ditfleet.jobs.run import interrupted_note
 from ditfleet.workers.output.layout import manifest_key
 from ditfleet.workers.storage import open_store
+from tests.support.paths import REPO
 
 TINY_CAPTION = "a small red circle at the top left on a blue background"
 
@@ -121,3 +123,31 @@ def test_ctrl_c_speaks_of_committed_shards_only_when_there_are_some(tmp_path):
     assert interrupted_note(str(job)) == (
         f"interrupted; the 1 shard committed to {tmp_path / 'out'} are kept: run the same command again to resume"
     )
+
+
+def test_ditfleet_alone_prints_the_commands_and_version_says_the_version(capsys):
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    for command in ("validate", "plan", "run", "submit", "status", "verify", "preview", "report"):
+        assert f"    {command}" in out
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"ditfleet {version('ditfleet')}"
+
+
+@pytest.mark.parametrize("command", ["validate", "plan", "run"])
+def test_the_job_commands_help_describes_their_argument(capsys, command):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    assert "job file (YAML or JSON; its keys: docs/job-file.md)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_verify_workers_default_is_the_same_in_help_and_docs(capsys):
+    with pytest.raises(SystemExit):
+        main(["verify", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    default = "default: one per CPU core for a local output, 16 for S3"
+    assert default in help_text
+    assert default in " ".join((REPO / "docs" / "reliability.md").read_text().split())
+    assert "(default 16)" not in (REPO / "docs" / "reliability.md").read_text()
