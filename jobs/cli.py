@@ -54,7 +54,7 @@ from ditfleet.workers.storage.input_files import is_s3
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    spec = load_spec(args.job)
+    spec = checked_spec(args.job)  # files and schemas, as every command checks them first
     report = validate_job_input(spec.to_driver_config())
     if not report.ok:
         raise InputError(report.errors, report.total)

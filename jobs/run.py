@@ -17,6 +17,7 @@ import os
 import sys
 from collections.abc import Iterator, Sequence
 
+from ditfleet.driver.input.row_errors import InputError
 from ditfleet.driver.locations import check_local_output_nodes
 from ditfleet.driver.memory_plan import JobMemoryPlan, job_memory_plan
 from ditfleet.driver.output.summary import JobSummary
@@ -135,8 +136,30 @@ def checked_spec(job: str | os.PathLike[str] | JobSpec) -> JobSpec:
     that is not Parquet: InputError naming file and column), before anything else reads the
     input: every command that takes a job file starts here, so each says the same thing."""
     spec = job if isinstance(job, JobSpec) else load_spec(job)
-    check_job_input(spec.to_driver_config())
+    try:
+        check_job_input(spec.to_driver_config())
+    except InputError as e:
+        raise _relative_path_said(e, spec) from None
     return spec
+
+
+def _relative_path_said(error: InputError, spec: JobSpec) -> InputError:
+    """A problem with a relative input path itself (not found, no Parquet in it) says where such
+    a path starts: users expect the job file's folder."""
+    path = spec.input.path
+    if is_s3(path) or os.path.isabs(path):
+        return error
+    note = (
+        f"input.path {path!r} is relative, and relative paths start at the current directory "
+        f"({os.getcwd()}), not at the job file's folder"
+    )
+    errors = [
+        dataclasses.replace(e, hint=f"{e.hint}; {note}")
+        if e.file == spec.input_uri() and e.row is None
+        else e
+        for e in error.errors
+    ]
+    return InputError(errors, error.total)
 
 
 def interrupted_note(job: str) -> str:

@@ -16,6 +16,7 @@ from ray._private import services as ray_services
 
 from ditfleet.jobs.cli import main
 from ditfleet.jobs.run import interrupted_note
+from ditfleet.model.tiny.known_words import unknown_words_warning
 from ditfleet.workers.output.layout import manifest_key
 from ditfleet.workers.storage import open_store
 from tests.support.paths import REPO
@@ -151,3 +152,27 @@ def test_verify_workers_default_is_the_same_in_help_and_docs(capsys):
     assert default in help_text
     assert default in " ".join((REPO / "docs" / "reliability.md").read_text().split())
     assert "(default 16)" not in (REPO / "docs" / "reliability.md").read_text()
+
+
+def test_a_relative_input_path_that_is_not_there_says_where_relative_paths_start(
+    tmp_path, capsys, monkeypatch
+):
+    (tmp_path / "jobs").mkdir()
+    job = tmp_path / "jobs" / "job.yaml"
+    job.write_text("input:\n  path: prompts.parquet\noutput:\n  uri: out\n")  # beside the job file: not found
+    pq.write_table(pa.table({"prompt": [TINY_CAPTION]}), tmp_path / "jobs" / "prompts.parquet")
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", str(job)]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'prompts.parquet'}: no such file or directory" in err
+    assert (
+        f"input.path 'prompts.parquet' is relative, and relative paths start at the current directory "
+        f"({tmp_path}), not at the job file's folder"
+    ) in err
+
+
+def test_the_unknown_words_line_agrees_in_number():
+    assert unknown_words_warning(["cat"], 1, 1).startswith(
+        "1 of 1 prompt uses words the tiny model does not know"
+    )
+    assert unknown_words_warning(["cat"], 2, 3).startswith("2 of 3 prompts use words")
