@@ -88,7 +88,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
     if summary.shards.get("committed"):  # how to get the job's report page
         output = shlex.quote(summary.output)
-        print(f"report: ditfleet report {output} --html report.html  (one HTML page; open it in a browser)")
+        print(f"report: ditfleet report {output}  (one HTML page, report.html; open it in a browser)")
     return summary.exit_code
 
 
