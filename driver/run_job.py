@@ -84,6 +84,8 @@ class DriverConfig:
     # Committed shards to run again under new attempts, each committing its next manifest
     # generation (workers.output.layout.manifest_key); the other shards are left as they are.
     redo_shards: tuple[int, ...] = ()
+    # The summary prints the model's internals too (the DiT attention counters); _SUCCESS keeps them.
+    verbose: bool = False
 
     def __post_init__(self) -> None:
         if not self.input_uri or not self.output_uri:
@@ -199,6 +201,7 @@ def _run(run: _Execution) -> JobSummary:
         out=out,
         lease=run.lease,
         settled=run.settled,
+        verbose=config.verbose,
     )
 
 

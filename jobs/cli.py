@@ -85,6 +85,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         address=args.address,
         redo_shards=args.redo_shards or (),
         connect_deadline_s=args.connect_timeout,
+        verbose=args.verbose,
     )
     if summary.shards.get("committed"):  # how to get the job's report page
         output = shlex.quote(summary.output)
@@ -213,6 +214,9 @@ def _add_job_commands(sub: argparse._SubParsersAction) -> None:
         default=CONNECT_DEADLINE_S,
         metavar="S",
         help=f"give up, exit 2, when nothing answers at the address for S seconds (default {CONNECT_DEADLINE_S:g})",
+    )
+    p.add_argument(
+        "--verbose", action="store_true", help="the summary also prints the DiT's attention counters"
     )
     p.add_argument(
         "--redo-shards",

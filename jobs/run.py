@@ -209,19 +209,20 @@ def run(
     address: str | None = None,
     redo_shards: Sequence[int] = (),
     connect_deadline_s: float = CONNECT_DEADLINE_S,
+    verbose: bool = False,
 ) -> JobSummary:
     """Run or resume `job` (a job file or a JobSpec) and return its summary (`exit_code` says how
     it ended). `address`: a Ray cluster (else RAY_ADDRESS, else a local one on loopback); nothing
     answering there for `connect_deadline_s` seconds raises NoRayCluster (a ValueError), before
     anything is written. redo_shards: committed shards to run again under new attempts
-    (docs/reliability.md, Redo)."""
+    (docs/reliability.md, Redo). verbose: the summary also prints the model's internals."""
     spec = checked_spec(job)
     check_memory(spec, str(job) if not isinstance(job, JobSpec) else (spec.name or "the job"))
     driver, worker = spec.to_driver_config(), spec.to_worker_config()
     if (words := tiny_words_warning(spec)) is not None:
         say(f"warning: {words}")
-    if redo_shards:
-        driver = dataclasses.replace(driver, redo_shards=tuple(redo_shards))
+    if redo_shards or verbose:
+        driver = dataclasses.replace(driver, redo_shards=tuple(redo_shards), verbose=verbose)
     started = False
 
     def connect() -> None:

@@ -9,12 +9,15 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from PIL import Image, ImageDraw
 from ray._private import services as ray_services
 
 from ditfleet.jobs.cli import main
+from ditfleet.jobs.preview import caption_font
 from ditfleet.jobs.run import interrupted_note
 from ditfleet.model.tiny.known_words import unknown_words_warning
 from ditfleet.workers.output.layout import manifest_key
@@ -176,3 +179,22 @@ def test_the_unknown_words_line_agrees_in_number():
         "1 of 1 prompt uses words the tiny model does not know"
     )
     assert unknown_words_warning(["cat"], 2, 3).startswith("2 of 3 prompts use words")
+
+
+def test_the_contact_sheet_caption_font_keeps_every_word_space_wider_than_any_letter_gap():
+    # Before: Pillow's default 10 px font squeezed some spaces to a pixel ("smallyellow").
+    caption = "a small yellow triangle at the top left"
+    image = Image.new("L", (400, 24), 255)
+    ImageDraw.Draw(image).text((2, 2), caption, fill=0, font=caption_font())
+    inked = (np.asarray(image) < 160).any(axis=0)
+    gaps, run, seen_ink = [], 0, False
+    for column in inked:
+        if column:
+            if seen_ink and run:
+                gaps.append(run)
+            seen_ink, run = True, 0
+        else:
+            run += 1
+    spaces = caption.count(" ")
+    word_gaps, letter_gaps = sorted(gaps)[-spaces:], sorted(gaps)[:-spaces]
+    assert min(word_gaps) > max(letter_gaps), gaps
