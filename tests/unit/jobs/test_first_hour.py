@@ -91,13 +91,13 @@ def test_an_address_where_nothing_answers_ends_at_the_deadline_with_exit_2(tmp_p
     job = job_with(tmp_path)
     address = f"127.0.0.1:{free_port()}"
     started = time.monotonic()
-    assert main(["run", str(job), "--address", address, "--connect-timeout", "1.5"]) == 2
+    assert main(["run", str(job), "--address", address, "--connect-timeout", "1"]) == 2
     took = time.monotonic() - started
     err = capsys.readouterr().err
-    assert f"no Ray cluster at {address}: nothing answered for 1.5 s" in err
+    assert f"no Ray cluster at {address}: nothing answered for 1 s" in err
     assert "Check that the head is running" in err and "Nothing was written" in err
     assert "Traceback" not in err
-    assert 1.5 <= took < 30
+    assert 1 <= took < 30
     assert not (tmp_path / "out").exists()
 
 
@@ -111,7 +111,7 @@ def test_a_stale_ray_current_cluster_file_behind_address_auto_is_named(tmp_path,
     # engineer's cluster on a shared machine): the user's machine here runs none.
     monkeypatch.setattr(ray_services, "find_gcs_addresses", frozenset)
     job = job_with(tmp_path)
-    assert main(["run", str(job), "--address", "auto", "--connect-timeout", "1"]) == 2
+    assert main(["run", str(job), "--address", "auto", "--connect-timeout", "0.5"]) == 2
     err = capsys.readouterr().err
     assert "no Ray cluster at auto (127.0.0.1:" in err
     assert "ray_current_cluster" in err and "`ray stop` removes it" in err
