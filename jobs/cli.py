@@ -19,7 +19,9 @@ written.
 
 `run` connects to an existing cluster when --address or RAY_ADDRESS is given (that is how it
 runs as the entrypoint of `ray job submit --working-dir . -- ditfleet run job.yaml`), else it
-starts a local Ray on 127.0.0.1 without a dashboard.
+starts a local Ray on 127.0.0.1 without a dashboard. An address where nothing answers for
+--connect-timeout seconds (30) is exit 2, "no Ray cluster at ADDRESS", before anything is written.
+`ditfleet` alone prints the commands; `ditfleet COMMAND --help` says more about each.
 """
 
 from __future__ import annotations

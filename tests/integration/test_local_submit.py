@@ -40,9 +40,9 @@ def test_the_local_submit_walkthrough_runs_as_written(tmp_path):
     assert "--port=6390" in script and "127.0.0.1:8266" in script and "--dashboard-port=8266" in script
     # The walkthrough's own ports, and the agents' ports Ray picks by itself, free ones here: a
     # shared test machine runs other heads (a head whose agent cannot bind has no job server).
-    for port in ("6390", "8266", "52366", "10002"):
-        assert f"={port}" in script or f":{port}" in script
-        script = script.replace(port, str(_free_port()))
+    free = {port: str(_free_port()) for port in ("6390", "8266", "52366", "6391")}
+    assert all(re.search(rf"[=:]{port}\b", script) for port in free)
+    script = re.sub(r"(?<=[=:])(6390|8266|52366|6391)\b", lambda m: free[m.group(1)], script)
     agent_ports = " ".join(
         f"--{flag}={_free_port()}"
         for flag in ("dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port")
