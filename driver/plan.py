@@ -374,6 +374,22 @@ def input_identities(
     )
 
 
+def idle_actors_warning(shards: int, rows: int, shard_size: int, actors: int) -> str | None:
+    """When a plan has fewer shards than the job's actors: those left over get nothing to do (a
+    shard runs on one actor). The plan is not adapted to the fleet: the shard size is in the
+    fingerprint, so a default that moved with workers.max would make a resume refuse its output."""
+    if shards >= actors or rows == 0:
+        return None
+    fits = max(1, -(-rows // actors))  # rows per shard that gives each actor one
+    idle = actors - shards
+    return (
+        f"{shards} shard{'s' if shards != 1 else ''} for up to {actors} actors: {idle} actor"
+        f"{' has' if idle == 1 else 's have'} nothing to run (a shard runs on one actor). shards.size is "
+        f"{shard_size} rows; shards.size: {fits} (or less) gives every actor a shard. The size is part of "
+        "the plan: an output started with one size resumes only with it"
+    )
+
+
 # A row group this many times a shard makes each actor read and decode up to that many times the
 # rows it needs (a shard's rows are read from its row group's start).
 ROW_GROUP_WARN_RATIO = 4

@@ -252,6 +252,16 @@ def scan_input(
     return report(rows)
 
 
+def check_schemas(source: PromptSource, config: RowConfig, max_errors: int = DEFAULT_MAX_ERRORS) -> None:
+    """The input's files, footers and schemas (the columns a job names, their types), no row
+    read; raises InputError with every problem found. The first thing each command does with a
+    job's input, so a missing column is the same message everywhere, before anything reads it."""
+    validator = RowValidator(config, max_errors)
+    _valid_files(source, config, source.files(), validator)
+    if validator.total:
+        raise InputError(validator.sorted_errors(), validator.total)
+
+
 def validate_input(
     source: PromptSource, config: RowConfig, max_errors: int = DEFAULT_MAX_ERRORS
 ) -> ValidationReport:

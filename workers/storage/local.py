@@ -228,6 +228,10 @@ class LocalStore(ObjectStore):
                 f"cannot write under {self.root} ({e.strerror or e}): check the path and its "
                 "permissions, or choose another output"
             ) from e
+        # The probe's folder (_tmp/) holds nothing else: leave no empty folder in the output. A
+        # folder another driver's probe is in right now is not empty, and stays.
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(self._path(probe)))
 
 
 @contextlib.contextmanager

@@ -169,6 +169,17 @@ def test_local_temp_files_are_invisible(tmp_path) -> None:
     assert list(store.list("manifests/")) == ["manifests/shard-00000.parquet"]
 
 
+def test_local_check_writable_leaves_no_empty_tmp_folder(tmp_path) -> None:
+    # Before: every finished output kept an empty _tmp/ from the write check.
+    LocalStore(str(tmp_path / "out")).check_writable()
+    assert os.listdir(tmp_path / "out") == []
+    # A probe of another driver in flight: its folder stays.
+    (tmp_path / "out" / "_tmp").mkdir()
+    (tmp_path / "out" / "_tmp" / "write-check-other").write_bytes(b"ok")
+    LocalStore(str(tmp_path / "out")).check_writable()
+    assert os.listdir(tmp_path / "out" / "_tmp") == ["write-check-other"]
+
+
 def test_local_check_writable_names_the_problem(tmp_path) -> None:
     (tmp_path / "file").write_bytes(b"")
     with pytest.raises(StoreError, match="not a directory"):
