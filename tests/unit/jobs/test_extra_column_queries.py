@@ -13,7 +13,8 @@ import duckdb
 import pytest
 
 from ditfleet.testing.outputs import manifest_row, put_image
-from ditfleet.workers.output.layout import image_key, new_attempt_token
+from ditfleet.workers.output.formats.files import image_key
+from ditfleet.workers.output.layout import new_attempt_token
 from ditfleet.workers.output.manifest import ManifestWriter, passthrough_json
 from ditfleet.workers.storage import open_store
 from tests.support.paths import REPO
