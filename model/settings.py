@@ -20,7 +20,9 @@ MAX_SEQUENCE_LENGTH_LIMIT = 1024
 ModulationCache = Literal["off", "cfg", "table"]
 CfgMode = Literal["serial", "batched", "auto"]
 Quantization = Literal["none", "fp8", "fp8-weight-only"]  # model.quantization names these
-AttentionBackend = Literal["auto", "cudnn", "flash", "efficient", "math"]  # model.networks.attention_backend
+AttentionBackend = Literal[
+    "auto", "cudnn", "flash", "efficient", "math"
+]  # model.generation.attention_backend
 
 
 @dataclass(frozen=True)

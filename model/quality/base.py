@@ -32,7 +32,7 @@ class ScorerInputs:
     scorers take nothing; the model-based ones read their part, and say which setting to fix
     when it is missing."""
 
-    #: The pipeline's loaded text encoder: `vqa` asks its Qwen2.5-VL (model.networks.text_encoder).
+    #: The pipeline's loaded text encoder: `vqa` asks its Qwen2.5-VL (model.qwen_image.text_encoder).
     text_encoder: Any = None
     #: The local model folder of each scorer whose row needs a model of its own (model.quality.table
     #: MODEL), by scorer name: `clip`'s holds a transformers CLIPModel (a remote one is fetched first).
