@@ -47,6 +47,7 @@ from ditfleet.jobs.spec import SpecError, load_spec
 from ditfleet.jobs.submit import SubmitError, submit_slot
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH, Quantization
 from ditfleet.workers.storage import StoreConfigError, StoreError
+from ditfleet.workers.weights.licence import LicenceRefused
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -56,6 +57,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         raise InputError(report.errors, report.total)
     memory = check_memory(spec, args.job)
     print(f"{args.job}: ok: {report.rows} rows in {len(report.files)} file(s) under {spec.input_uri()}")
+    print(f"licence: {spec.model_licence.describe()}")
     if (words := tiny_words_warning(spec)) is not None:
         print(f"warning: {words}")
     if memory is not None:
@@ -255,6 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         LocationError,
         MemoryPlanError,
         ClusterAuthError,
+        LicenceRefused,
     ) as e:
         say(str(e))
         return EXIT_BAD_INPUT

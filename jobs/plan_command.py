@@ -50,6 +50,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     info["compile_dit"] = _dit_compile_plan(spec, plan.total_images, len(plan.bucket_usage))
     info["step_cache"] = _step_cache_plan(spec, args.job)
     info["quality_gate"] = _gate_plan(spec, plan.total_images)
+    info["licence"] = spec.model_licence.to_dict()
     memory = memory_plan_of(spec)
     info["memory"] = memory.to_dict() if memory is not None else None
     if args.json:
@@ -60,6 +61,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"step cache: {info['step_cache']['line']}")
         if info["quality_gate"]:
             print(f"quality gate: {info['quality_gate']['line']}")
+        print(f"licence: {spec.model_licence.describe()}")
         _print_memory(memory, spec)
     if memory is not None and spec.workers.gpu_memory_gb is not None:
         memory.check(args.job)

@@ -9,6 +9,8 @@ import dataclasses
 import json
 import os
 from collections.abc import Mapping
+from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 from pydantic import Field, model_validator
@@ -20,13 +22,20 @@ from ditfleet.driver.memory_plan import MemoryRequest
 from ditfleet.driver.plan import PlanConfig
 from ditfleet.driver.run_job import DriverConfig
 from ditfleet.model.family import model_family
-from ditfleet.model.loading.folder import TINY_MODEL, WeightsError, resolve_model_dir, text_encoder_kind
+from ditfleet.model.loading.folder import (
+    TINY_MODEL,
+    TINY_MODEL_DIR,
+    WeightsError,
+    resolve_model_dir,
+    text_encoder_kind,
+)
 from ditfleet.model.settings import PipelineSettings
 from ditfleet.workers.cache_secret import CacheSecretSource
 from ditfleet.workers.contract import GateConfig, LoraSpec, ModelPlacement, WorkerConfig
 from ditfleet.workers.output.formats import ShardWriterConfig
 from ditfleet.workers.rows import RowConfig
 from ditfleet.workers.storage import S3Config
+from ditfleet.workers.weights.licence import JOB_SOURCE, ModelLicence, read_model_licence
 
 from .derive import fingerprint_entries, settings_from
 from .problems import validated
@@ -142,9 +151,33 @@ class JobSpec(Section):
     def model_scheduler_config(self) -> str | None:
         return _absolute(self.model.scheduler_config) if self.model.scheduler_config else None
 
+    @cached_property
+    def model_licence(self) -> ModelLicence:
+        """The model's licence: model.license, else what its model card names (read once per spec;
+        for s3:// from the store, so validate, plan and run read it before any work)."""
+        if self.model.license is not None:
+            return ModelLicence(self.model.license, JOB_SOURCE)
+        path = self.model_path()
+        local = (
+            None if "://" in path and not path.startswith("file://") else Path(path.removeprefix("file://"))
+        )
+        return read_model_licence(path, TINY_MODEL_DIR if path == TINY_MODEL else local, self.s3_config())
+
+    def check_licence(self) -> None:
+        """Under model.require_commercial_licence, LicenceRefused unless the model's licence is
+        known to permit commercial use."""
+        if self.model.require_commercial_licence:
+            self.model_licence.check_commercial()
+
     def resolved(self) -> dict[str, Any]:
-        """The spec with every default and path filled in (JSON-safe): what `_job.json` stores."""
+        """The spec with every default and path filled in (JSON-safe): what `_job.json` stores,
+        the model's licence as resolved (model.license) with where it came from and whether it
+        permits commercial use (model.license_source, model.license_commercial_use)."""
         doc = self.model_dump(mode="json")
+        licence = self.model_licence
+        doc["model"].update(
+            license=licence.id, license_source=licence.source, license_commercial_use=licence.commercial_use
+        )
         doc["input"]["path"] = self.input_uri()
         doc["output"]["uri"] = self.output_uri()
         doc["model"]["path"] = self.model_path()
@@ -188,6 +221,8 @@ class JobSpec(Section):
         settings["model"] = worker.model_path
         if worker.writer.embed_metadata:
             settings.update(embed_metadata=True, job_name=worker.job_name)
+            if worker.model_license is not None:  # the files name it
+                settings["model_license"] = worker.model_license
         if worker.gate is not None:  # which try is stored
             settings["quality_gate"] = dataclasses.asdict(worker.gate)
             if worker.gate.scorer == "clip":
@@ -230,6 +265,9 @@ class JobSpec(Section):
         return settings_from(S3Config, self.s3)
 
     def to_driver_config(self) -> DriverConfig:
+        """The driver's config; refuses (LicenceRefused) a licence the job does not accept, so
+        validate, plan and run all refuse it before any work."""
+        self.check_licence()
         w = self.workers
         return DriverConfig(
             input_uri=self.input_uri(),
@@ -267,6 +305,7 @@ class JobSpec(Section):
             compile_cache_key=settings_from(CacheSecretSource, *sections),
             writer=settings_from(ShardWriterConfig, self.output),
             job_name=self.name,
+            model_license=self.model_licence.id,
             gate=self.gate_config(),
             clip_model=_absolute(self.quality.clip_model) if self.quality.clip_model else None,
             s3=self.s3_config(),

@@ -1,5 +1,5 @@
 """The reference side of the model tests: diffusers' own pipeline over the same weights, and stand-in
-prompt embeddings. The random model folders themselves are built by `ditfleet.testing.models`
+prompt embeddings, the tiny model's files under a folder with a model card. The random model folders themselves are built by `ditfleet.testing.models`
 (bench/ uses them too)."""
 
 from __future__ import annotations
@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
+from ditfleet.model.loading.folder import TINY_MODEL_DIR
 
 
 def text_mask(lens: list[int]) -> torch.Tensor:
@@ -71,3 +73,14 @@ def diffusers_images(ref, *, steps: int, seeds: list[int], output_type: str = "p
         generator=[torch.Generator().manual_seed(s) for s in seeds],
         output_type=output_type,
     ).images
+
+
+def model_with_card(tmp_path: Path, card: str | None) -> Path:
+    """The bundled tiny model's files under a folder of our own, with `card` as its README.md."""
+    root = tmp_path / "model"
+    root.mkdir()
+    for entry in TINY_MODEL_DIR.iterdir():
+        (root / entry.name).symlink_to(entry)
+    if card is not None:
+        (root / "README.md").write_text(card)
+    return root

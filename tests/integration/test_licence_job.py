@@ -1,0 +1,46 @@
+"""The licence travels with the images, in a whole `ditfleet run` of the bundled tiny model on a
+real local Ray: the model card's licence in `_job.json`, in every manifest row and in every PNG's
+own metadata (its `parameters` and `ditfleet` text chunks)."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from PIL import Image
+
+from ditfleet.jobs.cli import main
+from ditfleet.workers.output.layout import job_key
+from ditfleet.workers.output.manifest import read_manifests
+from ditfleet.workers.storage import open_store
+from tests.support.model_fixtures import model_with_card
+from tests.support.worker_fixtures import write_prompts
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
+
+
+def test_a_tiny_job_records_the_model_cards_licence_everywhere(tmp_path):
+    model = model_with_card(tmp_path, "---\nlicense: apache-2.0\ntags: [tiny]\n---\n# tiny\n")
+    prompts = write_prompts(tmp_path / "prompts.parquet", 6)
+    out = tmp_path / "out"
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        f"name: licence\ninput: {{path: {prompts}}}\noutput: {{uri: '{out}'}}\n"
+        f"model: {{path: {model}, require_commercial_licence: true}}\n"
+        "sampling: {steps: 2, seed: 7}\nbuckets: {names: [32x32]}\ncompile: {vae: false}\n"
+        "workers: {min: 1, max: 1, gpus: 0, cpus: 1, batch_size: 8}\nshards: {size: 3}\n"
+    )
+    assert main(["run", str(job)]) == 0
+
+    store = open_store(str(out))
+    spec = json.loads(store.get(job_key()))["spec"]
+    assert spec["model"]["license"] == "apache-2.0" and spec["model"]["license_commercial_use"] is True
+    assert spec["model"]["license_source"] == f"{model / 'README.md'} front matter"
+    table = read_manifests(store)
+    assert table.num_rows == 6 and set(table.column("model_license").to_pylist()) == {"apache-2.0"}
+    root = store.uri()
+    for uri in table.column("uri").to_pylist():
+        image = Image.open(io.BytesIO(store.get(uri[len(root) :].lstrip("/"))))
+        assert json.loads(image.text["ditfleet"])["model_license"] == "apache-2.0"
+        assert "License: apache-2.0" in image.text["parameters"]
