@@ -135,7 +135,7 @@ def calibrate(
 ) -> dict[str, Any]:
     """Run the calibration for a JobSpec; returns {"exact": {...}, "presets": [...], ...}."""
     is_tiny = spec.model.path == TINY_MODEL
-    run = _Run.of(spec, _prompts(spec, n, is_tiny)[:n], int(steps or spec.sampling.steps))
+    run = _Run.of(spec, _prompts(spec, n, is_tiny)[:n], int(steps or spec.sampling_defaults.values["steps"]))
     names = list(buckets or spec.bucket_names())
     configs = _configs(presets, spec.sampling.step_cache, run.steps)
     pipe = _load(spec)
@@ -196,8 +196,8 @@ class _Run:
             captions=captions,
             seeds=[int(spec.sampling.seed) + i for i in range(len(captions))],
             steps=steps,
-            cfg=float(spec.sampling.true_cfg_scale),
-            negative=spec.sampling.negative_prompt,
+            cfg=float(spec.sampling_defaults.values["true_cfg_scale"]),
+            negative=spec.sampling_defaults.values["negative_prompt"],
             batch=int(spec.workers.batch_size),
             max_sequence_length=spec.pipeline_settings().max_sequence_length,
         )

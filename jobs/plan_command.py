@@ -51,6 +51,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     info["step_cache"] = _step_cache_plan(spec, args.job)
     info["quality_gate"] = _gate_plan(spec, plan.total_images)
     info["licence"] = spec.model_licence.to_dict()
+    info["sampling"] = spec.sampling_defaults.to_dict()
     memory = memory_plan_of(spec)
     info["memory"] = memory.to_dict() if memory is not None else None
     if args.json:
@@ -62,6 +63,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if info["quality_gate"]:
             print(f"quality gate: {info['quality_gate']['line']}")
         print(f"licence: {spec.model_licence.describe()}")
+        print(f"sampling: {spec.sampling_defaults.line()}")
+        for note in spec.sampling_defaults.notes:
+            print(f"note: {note}")
         _print_memory(memory, spec)
     if memory is not None and spec.workers.gpu_memory_gb is not None:
         memory.check(args.job)
@@ -128,7 +132,7 @@ def _step_cache_plan(spec: JobSpec, job: str) -> dict:
     config = spec.sampling.step_cache
     if config is None:
         return {"setting": "off", "most_work_saved": 0.0, "line": "off (exact)"}
-    steps, layers = spec.sampling.steps, _dit_layers(spec)
+    steps, layers = spec.sampling_defaults.values["steps"], _dit_layers(spec)
     if layers is None:
         line = f"{config.method}: the model's depth is not read here; measure with `ditfleet calibrate {job}`"
         return {"setting": config.to_dict(), "most_work_saved": None, "line": line}

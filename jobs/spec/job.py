@@ -22,6 +22,7 @@ from ditfleet.driver.memory_plan import MemoryRequest
 from ditfleet.driver.plan import PlanConfig
 from ditfleet.driver.run_job import DriverConfig
 from ditfleet.model.family import model_family
+from ditfleet.model.generation.step_cache_config import check_schedule
 from ditfleet.model.loading.folder import (
     TINY_MODEL,
     TINY_MODEL_DIR,
@@ -39,6 +40,7 @@ from ditfleet.workers.weights.licence import JOB_SOURCE, ModelLicence, read_mode
 
 from .derive import fingerprint_entries, settings_from
 from .problems import validated
+from .sampling_defaults import SAMPLING_KEYS, SamplingDefaults, recognise, resolve
 from .sections import (
     BucketsSpec,
     CompileSpec,
@@ -149,7 +151,22 @@ class JobSpec(Section):
         return tuple(LoraSpec(_absolute(a.path), a.scale) for a in self.model.loras)
 
     def model_scheduler_config(self) -> str | None:
-        return _absolute(self.model.scheduler_config) if self.model.scheduler_config else None
+        """The scheduler replacing the checkpoint's: model.scheduler_config, else a recognised
+        LoRA's published one (sampling_defaults); None: the checkpoint's own."""
+        return self.sampling_defaults.scheduler_config
+
+    @cached_property
+    def sampling_defaults(self) -> SamplingDefaults:
+        """steps, true_cfg_scale and negative_prompt for rows that give none, each with where it
+        came from: the job's sampling section where it sets them, else the recognised checkpoint's
+        published schedule (model/published/schedules.py), else ditfleet's defaults."""
+        given_scheduler = _absolute(self.model.scheduler_config) if self.model.scheduler_config else None
+        loras = tuple(a.path for a in self.model_loras())
+        found, notes = recognise(self.model_path(), loras, given_scheduler, self.s3_config())
+        fields = type(self.sampling).model_fields
+        given = {k: getattr(self.sampling, k) for k in SAMPLING_KEYS if k in self.sampling.model_fields_set}
+        ours = {k: fields[k].default for k in SAMPLING_KEYS}
+        return resolve(given, ours, found, given_scheduler, notes)
 
     @cached_property
     def model_licence(self) -> ModelLicence:
@@ -184,6 +201,8 @@ class JobSpec(Section):
         doc["model"]["cache_dir"] = self.model_cache_dir()
         doc["model"]["loras"] = [{"path": a.path, "scale": a.scale} for a in self.model_loras()]
         doc["model"]["scheduler_config"] = self.model_scheduler_config()
+        defaults = self.sampling_defaults
+        doc["sampling"].update(defaults.values, defaults_from=defaults.sources)
         doc["buckets"]["names"] = self.bucket_names()
         doc["workers"]["max"] = self.workers.max or self.workers.min
         doc["workers"]["gpus"] = self.gpus_per_actor()
@@ -191,7 +210,9 @@ class JobSpec(Section):
 
     def row_config(self) -> RowConfig:
         buckets = BucketSet.from_names(self.bucket_names(), strict=self.buckets.strict)
-        return settings_from(RowConfig, self.input, self.sampling, buckets=buckets)
+        return settings_from(
+            RowConfig, self.input, self.sampling, buckets=buckets, **self.sampling_defaults.values
+        )
 
     def pipeline_settings(self) -> PipelineSettings:
         """The pipeline's knobs, from whichever sections show them (model, sampling)."""
@@ -253,7 +274,7 @@ class JobSpec(Section):
             cfg="serial",  # rows may turn CFG on whatever the default; serial passes hold one output more
             vae_batch=1 if self.compile_config().vae_on(self.actor_device()) else None,
             max_sequence_length=self.model.max_sequence_length,
-            table_steps=(self.sampling.steps,) if table else (),
+            table_steps=(self.sampling_defaults.values["steps"],) if table else (),
             s3=self.s3_config(),
             device=self.actor_device(),
             quantization=self.pipeline_settings().quantization,
@@ -268,6 +289,7 @@ class JobSpec(Section):
         """The driver's config; refuses (LicenceRefused) a licence the job does not accept, so
         validate, plan and run all refuse it before any work."""
         self.check_licence()
+        check_schedule(self.sampling.step_cache, self.sampling_defaults.values["steps"])
         w = self.workers
         return DriverConfig(
             input_uri=self.input_uri(),
