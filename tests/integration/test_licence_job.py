@@ -14,23 +14,21 @@ from ditfleet.jobs.cli import main
 from ditfleet.workers.output.layout import job_key
 from ditfleet.workers.output.manifest import read_manifests
 from ditfleet.workers.storage import open_store
-from tests.support.model_fixtures import model_with_card
-from tests.support.worker_fixtures import write_prompts
+from tests.support.model_fixtures import job_with_model, tiny_model_copy
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 
 
 def test_a_tiny_job_records_the_model_cards_licence_everywhere(tmp_path):
-    model = model_with_card(tmp_path, "---\nlicense: apache-2.0\ntags: [tiny]\n---\n# tiny\n")
-    prompts = write_prompts(tmp_path / "prompts.parquet", 6)
-    out = tmp_path / "out"
-    job = tmp_path / "job.yaml"
-    job.write_text(
-        f"name: licence\ninput: {{path: {prompts}}}\noutput: {{uri: '{out}'}}\n"
-        f"model: {{path: {model}, require_commercial_licence: true}}\n"
+    model = tiny_model_copy(tmp_path, "---\nlicense: apache-2.0\ntags: [tiny]\n---\n# tiny\n")
+    job = job_with_model(
+        tmp_path,
+        model,
+        "  require_commercial_licence: true\n",
         "sampling: {steps: 2, seed: 7}\nbuckets: {names: [32x32]}\ncompile: {vae: false}\n"
-        "workers: {min: 1, max: 1, gpus: 0, cpus: 1, batch_size: 8}\nshards: {size: 3}\n"
+        "workers: {min: 1, max: 1, gpus: 0, cpus: 1, batch_size: 8}\nshards: {size: 2}\n",
     )
+    out = tmp_path / "out"
     assert main(["run", str(job)]) == 0
 
     store = open_store(str(out))
@@ -38,7 +36,7 @@ def test_a_tiny_job_records_the_model_cards_licence_everywhere(tmp_path):
     assert spec["model"]["license"] == "apache-2.0" and spec["model"]["license_commercial_use"] is True
     assert spec["model"]["license_source"] == f"{model / 'README.md'} front matter"
     table = read_manifests(store)
-    assert table.num_rows == 6 and set(table.column("model_license").to_pylist()) == {"apache-2.0"}
+    assert table.num_rows == 3 and set(table.column("model_license").to_pylist()) == {"apache-2.0"}
     root = store.uri()
     for uri in table.column("uri").to_pylist():
         image = Image.open(io.BytesIO(store.get(uri[len(root) :].lstrip("/"))))

@@ -6,45 +6,20 @@ job's values win; `plan` and `inspect` say which value came from where; `_job.js
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from ditfleet.jobs.cli import main
 from ditfleet.jobs.spec import load_spec
 from ditfleet.jobs.spec.sampling_defaults import DITFLEET, JOB
-from ditfleet.model.loading.folder import TINY_MODEL_DIR
 from ditfleet.model.published.schedules import FLASH, LIGHTNING, LIGHTNING_LORAS, by_lora, schedule_key
-
-
-def checkpoint(tmp_path: Path, scheduler: str | None, name: str = "model") -> Path:
-    """The bundled tiny model's files with `scheduler` (a published scheduler_config.json) as its own."""
-    root = tmp_path / name
-    root.mkdir()
-    for entry in TINY_MODEL_DIR.iterdir():
-        if entry.name != "scheduler" or scheduler is None:
-            (root / entry.name).symlink_to(entry)
-    if scheduler is not None:
-        (root / "scheduler").mkdir()
-        shutil.copy(scheduler, root / "scheduler" / "scheduler_config.json")
-    return root
-
-
-def job(tmp_path: Path, model: str | Path, extra: str = "") -> Path:
-    pq.write_table(pa.table({"prompt": ["a small red circle"] * 2}), tmp_path / "p.parquet")
-    path = tmp_path / "job.yaml"
-    path.write_text(
-        f"input: {{path: {tmp_path / 'p.parquet'}}}\noutput: {{uri: {tmp_path / 'out'}}}\n"
-        f"model:\n  path: {model}\n{extra}"
-    )
-    return path
+from tests.support.model_fixtures import job_with_model as job
+from tests.support.model_fixtures import tiny_model_copy
 
 
 def test_flash_is_recognised_by_its_scheduler_and_runs_its_schedule(tmp_path, capsys):
-    path = job(tmp_path, checkpoint(tmp_path, FLASH.scheduler_path()))
+    path = job(tmp_path, tiny_model_copy(tmp_path, scheduler=FLASH.scheduler_path()))
     spec = load_spec(path)
     rows = spec.row_config()
     assert (rows.steps, rows.true_cfg_scale, rows.negative_prompt) == (4, 1.0, None)
@@ -65,7 +40,7 @@ def test_flash_is_recognised_by_its_scheduler_and_runs_its_schedule(tmp_path, ca
 
 
 def test_the_jobs_values_win_key_by_key(tmp_path, capsys):
-    model = checkpoint(tmp_path, FLASH.scheduler_path())
+    model = tiny_model_copy(tmp_path, scheduler=FLASH.scheduler_path())
     path = job(tmp_path, model, "sampling:\n  steps: 6\n")
     spec = load_spec(path)
     rows = spec.row_config()
@@ -91,7 +66,7 @@ def test_an_unrecognised_checkpoint_keeps_ditfleets_defaults(tmp_path):
 
 
 def test_a_merged_lightning_checkpoint_defaults_to_its_8_steps(tmp_path):
-    spec = load_spec(job(tmp_path, checkpoint(tmp_path, LIGHTNING.scheduler_path())))
+    spec = load_spec(job(tmp_path, tiny_model_copy(tmp_path, scheduler=LIGHTNING.scheduler_path())))
     assert spec.row_config().steps == 8 and spec.row_config().negative_prompt is None
 
 
@@ -141,7 +116,7 @@ def test_the_same_schedule_spelled_with_other_keys_is_recognised_and_a_bad_file_
 
 
 def test_inspect_says_which_defaults_the_checkpoint_gives(tmp_path, capsys):
-    model = checkpoint(tmp_path, FLASH.scheduler_path())
+    model = tiny_model_copy(tmp_path, scheduler=FLASH.scheduler_path())
     assert main(["inspect", str(model)]) == 0
     out = capsys.readouterr().out
     assert (

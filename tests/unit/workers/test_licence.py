@@ -6,10 +6,8 @@ in _job.json's spec, the fingerprint (where the files embed it) and every image'
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from ditfleet.jobs.cli import main
@@ -25,7 +23,8 @@ from ditfleet.workers.weights.licence import (
     card_licence,
     read_model_licence,
 )
-from tests.support.model_fixtures import model_with_card
+from tests.support.model_fixtures import job_with_model as job
+from tests.support.model_fixtures import tiny_model_copy
 
 FLUX_DEV_CARD = """---
 language:
@@ -142,19 +141,9 @@ def test_the_table_decides_commercial_use():
 # -- the job -------------------------------------------------------------------------------------
 
 
-def job(tmp_path: Path, model: Path | str, model_extra: str = "", extra: str = "") -> Path:
-    pq.write_table(pa.table({"prompt": ["a small red circle"] * 3}), tmp_path / "p.parquet")
-    path = tmp_path / "job.yaml"
-    path.write_text(
-        f"name: lic\ninput: {{path: {tmp_path / 'p.parquet'}}}\noutput: {{uri: {tmp_path / 'out'}}}\n"
-        f"model:\n  path: {model}\n{model_extra}{extra}"
-    )
-    return path
-
-
 @pytest.mark.parametrize("command", ["validate", "plan", "run"])
 def test_a_non_commercial_licence_is_refused_before_any_work(tmp_path, capsys, command):
-    path = job(tmp_path, model_with_card(tmp_path, FLUX_DEV_CARD), "  require_commercial_licence: true\n")
+    path = job(tmp_path, tiny_model_copy(tmp_path, FLUX_DEV_CARD), "  require_commercial_licence: true\n")
     assert main([command, str(path)]) == 2
     err = capsys.readouterr().err
     assert (
@@ -165,7 +154,7 @@ def test_a_non_commercial_licence_is_refused_before_any_work(tmp_path, capsys, c
 
 
 def test_an_unknown_licence_is_refused_with_what_to_do_and_the_job_may_name_it(tmp_path, capsys):
-    path = job(tmp_path, model_with_card(tmp_path, None), "  require_commercial_licence: true\n")
+    path = job(tmp_path, tiny_model_copy(tmp_path), "  require_commercial_licence: true\n")
     assert main(["plan", str(path)]) == 2
     assert "give its id as model.license (e.g. model.license: apache-2.0)" in capsys.readouterr().err
     named = job(tmp_path, tmp_path / "model", "  require_commercial_licence: true\n  license: Apache-2.0\n")
@@ -176,7 +165,7 @@ def test_an_unknown_licence_is_refused_with_what_to_do_and_the_job_may_name_it(t
 
 
 def test_without_require_a_non_commercial_licence_is_recorded_not_refused(tmp_path, capsys):
-    path = job(tmp_path, model_with_card(tmp_path, FLUX_DEV_CARD))
+    path = job(tmp_path, tiny_model_copy(tmp_path, FLUX_DEV_CARD))
     assert main(["plan", str(path), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["licence"]["id"] == "flux-1-dev-non-commercial-license"
@@ -191,7 +180,7 @@ def test_without_require_a_non_commercial_licence_is_recorded_not_refused(tmp_pa
 
 
 def test_the_licence_enters_the_fingerprint_only_where_the_files_carry_it(tmp_path):
-    card = model_with_card(tmp_path, "---\nlicense: apache-2.0\n---\n")
+    card = tiny_model_copy(tmp_path, "---\nlicense: apache-2.0\n---\n")
     spec = load_spec(job(tmp_path, card))
     assert spec.image_settings()["model_license"] == "apache-2.0"
     off = spec.with_changes(output={"embed_metadata": False})
