@@ -238,8 +238,15 @@ def _load(spec: Any) -> Any:
         dtype=dtype,
         settings=dataclasses.replace(spec.pipeline_settings(), step_cache=None),
         loras=spec.model_loras(),
-        scheduler_config=spec.model_scheduler_config(),
+        scheduler_config=_local_scheduler(spec.model_scheduler_config()),
     )
+
+
+def _local_scheduler(config: str | None) -> str | None:
+    """A published scheduler (`published:...`, a recognised LoRA's) as this machine's file."""
+    from ditfleet.model.published.schedules import PUBLISHED_SCHEME, published_file
+
+    return str(published_file(config)) if config and config.startswith(f"{PUBLISHED_SCHEME}:") else config
 
 
 def _measure_bucket(

@@ -133,7 +133,7 @@ def resolve(
     if scheduler_config is not None:
         sources["scheduler"] = JOB
     elif found is not None and found.schedule.lora_name is not None:
-        scheduler_config, sources["scheduler"] = found.schedule.scheduler_path(), checkpoint_label(found)
+        scheduler_config, sources["scheduler"] = found.schedule.scheduler_uri(), checkpoint_label(found)
     else:
         sources["scheduler"] = "the checkpoint's scheduler/"
     return SamplingDefaults(values, sources, scheduler_config, found, notes)

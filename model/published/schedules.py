@@ -17,11 +17,25 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ditfleet.model.published import PUBLISHED
 
 SCHEDULER_FILE = "scheduler/scheduler_config.json"
+PUBLISHED_SCHEME = "published"  # published:<folder>/<file>: a file of this folder, on any node
+
+
+def published_file(uri: str) -> Path:
+    """The file a `published:<folder>/<file>` URI names, in this node's installed package;
+    ValueError for a name outside the published folder."""
+    rel = uri.removeprefix(f"{PUBLISHED_SCHEME}:")
+    path = (PUBLISHED / rel).resolve()
+    if rel == uri or not path.is_relative_to(PUBLISHED.resolve()) or not path.is_file():
+        raise ValueError(
+            f"{uri!r}: not a published config file (published:<folder>/<file> under {PUBLISHED})"
+        )
+    return path
 
 
 @dataclass(frozen=True)
@@ -37,9 +51,13 @@ class PublishedSchedule:
     lora_name: str | None = None  # a regular expression its LoRA files' names match
 
     def scheduler_path(self) -> str:
-        """The published scheduler_config.json of this checkpoint (in the installed package, so
-        on every node)."""
+        """The published scheduler_config.json of this checkpoint, on this machine."""
         return str(PUBLISHED / self.folder / SCHEDULER_FILE)
+
+    def scheduler_uri(self) -> str:
+        """The same file as a job hands it to its actors: `published:<folder>/...`, which each
+        node resolves in its own installed package (published_file), wherever that is."""
+        return f"{PUBLISHED_SCHEME}:{self.folder}/{SCHEDULER_FILE}"
 
     def defaults(self) -> dict[str, Any]:
         return {

@@ -440,7 +440,7 @@ def test_lightning_lora_form_in_the_header_validates(tmp_path):
     assert [(a.path, a.scale) for a in worker.loras] == [
         ("s3://your-bucket/loras/Qwen-Image-Lightning-8steps-V2.0.safetensors", 1.0)
     ]
-    assert worker.scheduler_config == str(LIGHTNING_SCHEDULER / "scheduler_config.json")
+    assert worker.scheduler_config == "published:qwen-image-lightning/scheduler/scheduler_config.json"
     assert (worker.rows.steps, worker.rows.true_cfg_scale, worker.rows.negative_prompt) == (8, 1.0, None)
     assert worker.model_path == "s3://your-bucket/models/qwen-image"
     # Adapters change the images, so they are part of the output's fingerprint.

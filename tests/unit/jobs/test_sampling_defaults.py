@@ -5,6 +5,7 @@ job's values win; `plan` and `inspect` say which value came from where; `_job.js
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -14,6 +15,9 @@ from ditfleet.jobs.cli import main
 from ditfleet.jobs.spec import load_spec
 from ditfleet.jobs.spec.sampling_defaults import DITFLEET, JOB
 from ditfleet.model.published.schedules import FLASH, LIGHTNING, LIGHTNING_LORAS, by_lora, schedule_key
+from ditfleet.workers.storage import S3Config
+from ditfleet.workers.weights.digest import job_file_identities
+from ditfleet.workers.weights.fetch import fetch_file
 from tests.support.model_fixtures import job_with_model as job
 from tests.support.model_fixtures import tiny_model_copy
 
@@ -81,8 +85,14 @@ def test_a_lightning_lora_brings_its_steps_and_scheduler(tmp_path, lora):
         1.0,
         None,
     )
-    assert worker.scheduler_config == lora.scheduler_path()
-    assert spec.image_settings()["scheduler_config"] == lora.scheduler_path()  # in the fingerprint
+    # As each node finds it in its own installed package, identified by its bytes.
+    assert worker.scheduler_config == "published:qwen-image-lightning/scheduler/scheduler_config.json"
+    assert str(fetch_file(worker.scheduler_config, tmp_path, S3Config())) == lora.scheduler_path()
+    digest = hashlib.sha256(Path(lora.scheduler_path()).read_bytes()).hexdigest()
+    assert job_file_identities((), worker.scheduler_config, None) == {
+        f"scheduler config {worker.scheduler_config}": f"sha256:{digest}"
+    }
+    assert spec.image_settings()["scheduler_config"] == worker.scheduler_config  # in the fingerprint
     assert (
         spec.sampling_defaults.sources["scheduler"]
         == f"checkpoint: {lora.name}, recognised by its LoRA file {name}"
@@ -91,6 +101,18 @@ def test_a_lightning_lora_brings_its_steps_and_scheduler(tmp_path, lora):
     own = load_spec(job(tmp_path, "tiny", extra + f"  scheduler_config: {FLASH.scheduler_path()}\n"))
     assert own.to_worker_config().scheduler_config == FLASH.scheduler_path()
     assert own.sampling_defaults.sources["scheduler"] == JOB
+
+
+def test_a_published_uri_names_only_published_files(tmp_path):
+    from ditfleet.model.published.schedules import published_file
+
+    for bad in (
+        "published:../schedules.py",
+        "published:qwen-image-lightning/nope.json",
+        "published:/etc/passwd",
+    ):
+        with pytest.raises(ValueError, match="not a published config file"):
+            published_file(bad)
 
 
 def test_recognition_by_hub_id_and_by_name_only_where_published():
