@@ -56,12 +56,14 @@ class SamplingDefaults:
         return out
 
     def line(self) -> str:
-        """One line for `plan`: "steps 4 (checkpoint ...), true_cfg_scale 1.0 (...), ..."."""
-        parts = [f"{k} {self.values[k]!r} ({self.sources[k]})" for k in SAMPLING_KEYS]
-        parts.append(
-            f"scheduler {self.scheduler_config or 'the checkpoint’s own'} ({self.sources['scheduler']})"
-        )
-        return ", ".join(parts)
+        """One line for `plan`, the keys grouped by where they came from: "steps 4, true_cfg_scale
+        1.0, negative_prompt None (checkpoint: ...); scheduler: the checkpoint's own"."""
+        by_source: dict[str, list[str]] = {}
+        for key in SAMPLING_KEYS:
+            by_source.setdefault(self.sources[key], []).append(f"{key} {self.values[key]!r}")
+        parts = [f"{', '.join(keys)} ({source})" for source, keys in by_source.items()]
+        scheduler = self.scheduler_config or "the checkpoint's own"
+        return "; ".join(parts) + f"; scheduler: {scheduler} ({self.sources['scheduler']})"
 
 
 def checkpoint_label(found: Recognised) -> str:
@@ -135,5 +137,5 @@ def resolve(
     elif found is not None and found.schedule.lora_name is not None:
         scheduler_config, sources["scheduler"] = found.schedule.scheduler_uri(), checkpoint_label(found)
     else:
-        sources["scheduler"] = "the checkpoint's scheduler/"
+        sources["scheduler"] = "its scheduler/ folder"
     return SamplingDefaults(values, sources, scheduler_config, found, notes)

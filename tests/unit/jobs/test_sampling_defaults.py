@@ -35,9 +35,11 @@ def test_flash_is_recognised_by_its_scheduler_and_runs_its_schedule(tmp_path, ca
     assert spec.to_worker_config().scheduler_config is None  # the checkpoint's own scheduler
     assert main(["plan", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "sampling: steps 4 (checkpoint: nvidia/Qwen-Image-Flash" in out
-    assert "true_cfg_scale 1.0 (checkpoint: nvidia/Qwen-Image-Flash" in out
-    assert "negative_prompt None (checkpoint: nvidia/Qwen-Image-Flash" in out
+    assert (
+        "sampling: steps 4, true_cfg_scale 1.0, negative_prompt None (checkpoint: nvidia/Qwen-Image-Flash"
+        in out
+    )
+    assert "; scheduler: the checkpoint's own (its scheduler/ folder)" in out
     resolved = spec.resolved()["sampling"]  # what _job.json stores
     assert resolved["steps"] == 4 and resolved["negative_prompt"] is None
     assert resolved["defaults_from"]["steps"].startswith("checkpoint: nvidia/Qwen-Image-Flash")
@@ -65,7 +67,7 @@ def test_an_unrecognised_checkpoint_keeps_ditfleets_defaults(tmp_path):
     spec = load_spec(job(tmp_path, "tiny"))
     rows = spec.row_config()
     assert (rows.steps, rows.true_cfg_scale) == (50, 4.0)
-    assert set(spec.sampling_defaults.sources.values()) == {DITFLEET, "the checkpoint's scheduler/"}
+    assert set(spec.sampling_defaults.sources.values()) == {DITFLEET, "its scheduler/ folder"}
     assert spec.sampling_defaults.checkpoint is None
 
 
