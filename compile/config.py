@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ditfleet.model.settings import setting
+from ditfleet.model.settings import check_settings, setting
 
 # The shortest key that authenticates the shared compile cache (compile.cache); the worker's
 # key reader checks it without importing torch.
@@ -121,6 +121,7 @@ class CompileConfig:
     )
 
     def __post_init__(self) -> None:
+        check_settings(self)  # the knobs' bounds, and every float finite
         for name in ("vae_mode", "dit_mode"):
             mode = getattr(self, name)
             if mode is not None and mode not in COMPILE_MODES:

@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import json
 import os
+import sys
 from collections.abc import Callable, Iterator
 
 from ditfleet.driver.output.compact import ROW_GROUP_ROWS
@@ -210,8 +211,10 @@ def cmd_preview(args: argparse.Namespace) -> int:
 
     store = _open_output(args)
     with usage_errors(ValueError):
-        shown = write_preview(store, args.out, args.max, args.columns, sort=args.sort, best=args.best)
-    print(f"wrote {args.out}: {shown} images from {store.uri()}")
+        written = write_preview(store, args.out, args.max, args.columns, sort=args.sort, best=args.best)
+    print(f"wrote {args.out}: {written.shown} images from {store.uri()}")
+    if written.note:
+        print(f"note: {written.note}", file=sys.stderr)
     return EXIT_OK
 
 
@@ -240,6 +243,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     print(
         f"wrote {args.html}: report of {store.uri()} ({len(data.rows)} images, {len(data.samples)} samples)"
     )
+    for section in data.scores:
+        if section.behind:
+            print(f"note: {section.behind}", file=sys.stderr)
     return EXIT_OK
 
 

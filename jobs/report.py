@@ -204,7 +204,7 @@ _CSS = """
 body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width:1100px}
 h1{font-size:20px}h2{font-size:16px;margin-top:28px;border-bottom:1px solid #ccc}
 table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}
-.ok{color:#1a7f37}.bad{color:#b42318}.legend{font-size:12px}.note{font-size:12px;color:#555}
+.ok{color:#1a7f37}.bad{color:#b42318}.legend{font-size:12px}.note{font-size:12px;color:#555}.stale{color:#b42318}
 .grid{display:flex;flex-wrap:wrap;gap:10px}.cell{width:150px;font-size:11px}
 .cell img{display:block;border:1px solid #ccc;image-rendering:pixelated}
 .strip .divider{width:3px;background:#d62728}

@@ -74,6 +74,7 @@ class ScoreSection:
     scorer: str
     values: list[float]  # every scored ok image's score
     unscored: int  # ok images without this score (null: not asked for, or the scorer cannot judge)
+    behind: str | None = None  # the shards `ditfleet score` has not scored since a redo (ScoredImages)
     threshold: float | None = None  # quality.gate.min, when the gate judged by this scorer
     gate: dict[str, Any] = field(default_factory=dict)  # OutputCounts.gate(): pass rate, tries
     below: list[Thumbnail] = field(default_factory=list)  # nearest under the threshold, rising
@@ -96,10 +97,11 @@ def load_score_sections(
     gate = ((spec or {}).get("quality") or {}).get("gate") or {}
     sections = []
     for name in typing.get_args(ScorerName):
-        scored = [(value, (row, prompt)) for value, row, prompt in scored_rows(store, name)]
+        found = scored_rows(store, name)
+        scored = [(value, (row, prompt)) for value, row, prompt in found.rows]
         if not scored:
             continue
-        section = ScoreSection(name, [v for v, _ in scored], images_ok - len(scored))
+        section = ScoreSection(name, [v for v, _ in scored], images_ok - len(scored), found.behind)
         if gate.get("scorer") == name and isinstance(gate.get("min"), (int, float)):
             section.threshold = float(gate["min"])
             section.gate = OutputCounts(
@@ -155,7 +157,8 @@ def scores_html(sections: list[ScoreSection]) -> str:
         out.append(
             f"<h3>score_{html.escape(s.scorer)}</h3>"
             f'<p class="note">{len(s.values)} images scored, {s.unscored} ok images without a score (null)</p>'
-            f"{histogram_svg(s)}"
+            + (f'<p class="stale" id="stale-{s.scorer}">{html.escape(s.behind)}</p>' if s.behind else "")
+            + f"{histogram_svg(s)}"
         )
         if s.threshold is not None:
             passed = gate_line(s.gate) if s.gate else "no image was judged"

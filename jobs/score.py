@@ -4,7 +4,10 @@ readers join, never touching a committed manifest or image.
 One table per current shard manifest (workers.output.score_table), made in threads here or in Ray
 tasks over a cluster (`--ray`). Resumable: a manifest whose table exists is skipped, so a killed
 run goes on where it stopped. Never silently stale: a table is named after the manifest
-generation it was made from and joins on the image's uri, which a redo changes; a table whose
+generation it was made from and joins on the image's id, k and uri (the uri is the generation's
+object, which a redo changes; the id and k tell apart the images of a "parquet" or "webdataset"
+shard, which share one uri); a redo does not rescore, and `ditfleet status`, `preview` and
+`report` name the shards it left without a current table (score_table.ScoreTables); a table whose
 manifest is no longer current (a redo committed a higher generation since) is one this command
 wrote and can prove superseded, so it is deleted before the missing tables are made. Reading
 the scores next to the manifests (DuckDB, pyarrow): docs/quality.md.
@@ -56,7 +59,7 @@ class ScoreReport:
             f"scores {self.scorer}: {self.already + len(self.scored)}/{self.manifests} shard manifests "
             f"scored ({len(self.scored)} now, {self.images} images, {self.seconds:.1f} s; "
             f"{self.already} before)",
-            f"tables: {root.rstrip('/')}/{SCORES_PREFIX}{self.scorer}/ (join on uri with the manifests)",
+            f"tables: {root.rstrip('/')}/{SCORES_PREFIX}{self.scorer}/ (join on id, k and uri with the manifests: docs/quality.md)",
         ]
         if self.stale_deleted:
             lines.append(

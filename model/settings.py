@@ -78,7 +78,11 @@ def field_default(f: dataclasses.Field) -> Any:
 
 def check_settings(obj: Any) -> None:
     """Check every knob of a settings dataclass against its Literal type and bounds (the same
-    ones the job spec checks), so that code building the dataclass directly gets the same limits."""
+    ones the job spec checks), so that code building the dataclass directly gets the same limits.
+
+    A float knob is finite, bounded or not: no knob means anything by infinity (a knob without a
+    limit says so with null), and a NaN passes every comparison (a gate's `min: .nan` would fail
+    every image) and is not JSON (`_job.json`). The job spec refuses the same (jobs.spec.sections)."""
     hints = typing.get_type_hints(type(obj))
     name = type(obj).__name__
     for f in settings_fields(type(obj)).values():
@@ -86,6 +90,8 @@ def check_settings(obj: Any) -> None:
         allowed = literal_values(hints[f.name])
         if allowed is not None and value not in allowed:
             raise ValueError(f"{name}.{f.name} must be one of {allowed}, got {value!r}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{name}.{f.name} must be a finite number, got {value!r}")
         if value is None or not any(b in f.metadata for b in BOUNDS):
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):

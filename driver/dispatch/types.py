@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ditfleet.driver.actor_phases import ActorPhase
-from ditfleet.model.settings import setting
+from ditfleet.model.settings import check_settings, setting
 
 if TYPE_CHECKING:
     from ditfleet.workers.contract import ShardResult
@@ -55,6 +55,7 @@ class DispatchConfig:
     fence_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
+        check_settings(self)  # the knobs' bounds, and every float finite
         checks = [
             (self.min_actors >= 1, "min_actors must be >= 1"),
             (self.max_actors >= self.min_actors, "max_actors must be >= min_actors"),

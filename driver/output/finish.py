@@ -7,6 +7,7 @@ driver then counts rows and images from the manifests of the run's shards and cl
 1. seal its own redo generations that did not commit (a straggler of them can never commit);
 2. supersede every shard whose lower generation still has rows or objects in the
    reader-visible folders (driver.output.supersede: its own redos, and any a crashed run left);
+   a redo names the `ditfleet score` tables it left without its generation (it does not rescore);
 3. delete what the one rule proves lost (driver.output.orphans) in its own shards and in the
    shards of every older lease document it settled (driver.output.settle), so a crashed run's
    leftovers are cleaned too;
@@ -36,7 +37,8 @@ from ditfleet.driver.output.status import count_shards
 from ditfleet.driver.output.success import put_success
 from ditfleet.driver.output.summary import JobSummary, RunOutcome, build_summary
 from ditfleet.driver.output.supersede import supersede_pending
-from ditfleet.workers.output.manifest import committed_shards
+from ditfleet.workers.output.manifest import committed_shards, current_manifest_keys
+from ditfleet.workers.output.score_table import all_score_tables
 from ditfleet.workers.storage import ObjectStore
 
 _TIMINGS = ("plan_s", "dispatch_s", "count_s", "wall_s")
@@ -109,6 +111,10 @@ def close_output(
             f"{superseded.moved} objects under {store.uri('_superseded')}",
             file=out,
         )
+    if redo:  # a redo does not rescore: say which `ditfleet score` tables it left behind
+        for tables in all_score_tables(store, current_manifest_keys(store)):
+            if note := tables.note(store.uri(), redo):
+                print(f"note: {note}", file=out)
     _check(lease)
     pause_point("after_lease_check")
     shards = None if settled.shards is None else set(own) | settled.shards

@@ -25,6 +25,7 @@ from ditfleet.driver.output.near_duplicate_counts import near_duplicate_line, ou
 from ditfleet.driver.output.success import success_file
 from ditfleet.driver.run_records import RecordedPlan, read_run_records
 from ditfleet.workers.output.manifest import current_manifest_keys
+from ditfleet.workers.output.score_table import ScoreTables, all_score_tables
 from ditfleet.workers.storage import ObjectStore
 from ditfleet.workers.storage.base import READ_THREADS
 from ditfleet.workers.storage.parquet_bytes import read_parquet
@@ -146,6 +147,8 @@ class OutputStatus:
     # Near duplicates among the committed images (driver.output.near_duplicate_counts); {}
     # when no manifest has a phash (an output older than the column).
     near_duplicates: dict[str, Any] = field(default_factory=dict)
+    # `ditfleet score`'s tables, per scorer that has any: a redo leaves its shards behind.
+    score_tables: list[ScoreTables] = field(default_factory=list)
 
     @property
     def plan(self) -> dict[str, Any]:
@@ -171,6 +174,15 @@ class OutputStatus:
             "shards_left": _ranges(self.missing),
             "stale_success": self.stale_success,
             "compacted": self.compacted.describe(),
+            "score_tables": {
+                t.scorer: {
+                    "scored": len(t.made),
+                    "manifests": len(self.committed),
+                    "stale": {str(shard): list(gens) for shard, gens in sorted(t.stale.items())},
+                    "unscored": list(t.unscored),
+                }
+                for t in self.score_tables
+            },
             **({"runs": self.recorded["runs"]} if self.recorded is not None else {}),
         }
 
@@ -196,6 +208,12 @@ class OutputStatus:
         lines.extend(f"  failed x{n}: {message}" for message, n in d["failures_by_error"].items())
         if self.compacted.present:
             lines.append(f"  compacted set: {d['compacted']}")
+        for t in self.score_tables:
+            note = t.note(self.uri)
+            lines.append(
+                f"  scores/{t.scorer}/: {len(t.made)} of {len(self.committed)} shard manifests scored"
+                + (f"; STALE: {note}" if note else " (current)")
+            )
         if self.job is None:
             lines.append("  (no _job.json: not a ditfleet output, or no run got past planning)")
         return "\n".join(lines)
@@ -260,4 +278,5 @@ def output_status(store: ObjectStore) -> OutputStatus:
         recorded=recorded,
         compacted=compacted_state(store, current),
         near_duplicates=output_near_duplicates(store, committed),
+        score_tables=all_score_tables(store, current),
     )

@@ -44,7 +44,9 @@ from .derive import knob
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan: every float of the job file is finite (.nan, .inf refused naming the key), as
+    # model.settings.check_settings holds every knob below the spec.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Frozen: a spec is validated as a whole, once. Pydantic's own refusal says only
