@@ -9,7 +9,7 @@ A checkpoint is recognised, in this order, by
   `model.scheduler_config`): the schedule-shaping keys (`schedule_key`) equal to a published one;
 - its hub id (`hf://nvidia/Qwen-Image-Flash@...`).
 Qwen/Qwen-Image and Qwen/Qwen-Image-2512 publish 50 steps at true CFG scale 4.0, which are
-ditfleet's own defaults (workers.rows.RowConfig), so they need no entry.
+ditfleet's own defaults (workers.rows.RowConfig); they are named by their hub id only.
 """
 
 from __future__ import annotations
@@ -85,6 +85,13 @@ LIGHTNING_LORAS = (
 )  # fmt: skip
 # Recognised by their scheduler config, in this order.
 BY_SCHEDULER = (FLASH, LIGHTNING)
+# Qwen-Image and its December 2025 retrain publish 50 steps at true CFG scale 4.0 with a blank
+# negative prompt (their cards' example), which are ditfleet's own defaults; their scheduler is
+# the same file, so only the hub id tells them apart (plan then names the checkpoint).
+QWEN_IMAGE = PublishedSchedule("Qwen/Qwen-Image", 50, 4.0, " ", "qwen-image", hub_ids=("Qwen/Qwen-Image",))
+QWEN_IMAGE_2512 = PublishedSchedule(
+    "Qwen/Qwen-Image-2512", 50, 4.0, " ", "qwen-image-2512", hub_ids=("Qwen/Qwen-Image-2512",)
+)
 
 # The keys of a FlowMatchEulerDiscreteScheduler config that shape the schedule (model.generation.
 # scheduler computes them); with a static shift the dynamic keys do not count.
@@ -118,4 +125,5 @@ def by_lora(file_name: str) -> PublishedSchedule | None:
 
 
 def by_hub_id(repo_id: str) -> PublishedSchedule | None:
-    return next((s for s in BY_SCHEDULER if repo_id.lower() in (h.lower() for h in s.hub_ids)), None)
+    every = (*BY_SCHEDULER, QWEN_IMAGE, QWEN_IMAGE_2512)
+    return next((s for s in every if repo_id.lower() in (h.lower() for h in s.hub_ids)), None)

@@ -124,7 +124,13 @@ def test_recognition_by_hub_id_and_by_name_only_where_published():
 
     found, _ = recognise("hf://nvidia/Qwen-Image-Flash@main", (), None, None)
     assert found is not None and found.schedule is FLASH and found.how == "its hub id nvidia/Qwen-Image-Flash"
-    assert recognise("hf://Qwen/Qwen-Image@main", (), None, None)[0] is None
+    base, _ = recognise("hf://Qwen/Qwen-Image-2512@main", (), None, None)
+    assert base is not None and base.schedule.defaults() == {
+        "steps": 50,
+        "true_cfg_scale": 4.0,
+        "negative_prompt": " ",
+    }
+    assert recognise("hf://someone/Qwen-Image-Flash-fork@main", (), None, None)[0] is None
 
 
 def test_the_same_schedule_spelled_with_other_keys_is_recognised_and_a_bad_file_is_a_note(tmp_path):
