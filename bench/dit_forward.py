@@ -30,14 +30,14 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-import ditfleet.model.networks.transformer as transformer_module
+import ditfleet.model.qwen_image.transformer as transformer_module
 from ditfleet.compile import CompileConfig
 from ditfleet.compile.compiled_method import compiled_method
 from ditfleet.compile.policy import dit_linears
 from ditfleet.model.family import QWEN_IMAGE
 from ditfleet.model.generation.sampling import latent_grid
-from ditfleet.model.networks.attention import TextPadding, joint_attention
-from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
+from ditfleet.model.qwen_image.attention import TextPadding, joint_attention
+from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
 
 # Dense bf16 tensor-core peak, TFLOP/s, by device name (vendor data sheets, SXM parts).
 BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0}
@@ -177,9 +177,9 @@ def _unfused_rms_rotary(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor
 
 def elementwise(cfg: TransformerConfig, tokens: int, device, dtype, clock: Clock, rounds: int) -> dict:
     """ms of each elementwise group of a block on `tokens` tokens: the reference's separate ops
-    ("unfused") against ours (model.networks.transformer's helpers), eager."""
-    from ditfleet.model.networks.rope import Rotation
-    from ditfleet.model.networks.transformer import RMSNorm, _gated_residual, _norm_modulate, _rms_rotary
+    ("unfused") against ours (model.qwen_image.transformer's helpers), eager."""
+    from ditfleet.model.qwen_image.rope import Rotation
+    from ditfleet.model.qwen_image.transformer import RMSNorm, _gated_residual, _norm_modulate, _rms_rotary
 
     D, H, hd = cfg.inner_dim, cfg.num_attention_heads, cfg.attention_head_dim
     g = torch.Generator().manual_seed(1)

@@ -18,7 +18,7 @@ import time
 import torch
 
 from ditfleet.model.generation.sampling import Conditioning, TimestepBank, latent_grid, true_cfg
-from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
+from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
 
 
 def forward_flops(cfg: TransformerConfig, img_tokens: int, txt_tokens: int) -> dict[str, float]:

@@ -26,7 +26,7 @@ from ditfleet.model.memory import (
     ModelMemory,
     checkpoint_size,
 )
-from ditfleet.model.memory.params import transformer_weight_bytes
+from ditfleet.model.qwen_image.memory_params import transformer_weight_bytes
 
 
 def inspect_model(request: MemoryRequest, gpus_gb: Sequence[float] = GPU_SIZES_GB) -> dict[str, Any]:

@@ -11,12 +11,12 @@ from ditfleet.model.lazy_exports import lazy_exports
 
 # name -> the submodule that defines it
 _WHERE = {
-    "LoraError": "loading.lora",
+    "LoraError": "qwen_image.lora",
     "ModelFamily": "family",
     "LoraSpec": "loading.lora_spec",
-    "QwenImageTransformer": "networks.transformer",
+    "QwenImageTransformer": "qwen_image.transformer",
     "TextToImagePipeline": "generation.pipeline",
-    "TransformerConfig": "networks.transformer",
+    "TransformerConfig": "qwen_image.transformer",
     "WeightsError": "loading.weights",
     "load_pipeline": "loading.loader",
     "model_family": "family",

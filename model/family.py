@@ -93,7 +93,7 @@ class TextConditioning:
 
 @runtime_checkable
 class AttentionCounters(Protocol):
-    """Counters of the DiT's attention calls (model.networks.attention.AttentionStats)."""
+    """Counters of the DiT's attention calls (model.qwen_image.attention.AttentionStats)."""
 
     def to_dict(self) -> dict[str, int]: ...
 

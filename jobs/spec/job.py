@@ -159,7 +159,7 @@ class JobSpec(Section):
     def sampling_defaults(self) -> SamplingDefaults:
         """steps, true_cfg_scale and negative_prompt for rows that give none, each with where it
         came from: the job's sampling section where it sets them, else the recognised checkpoint's
-        published schedule (model/published/schedules.py), else ditfleet's defaults."""
+        published schedule (model/qwen_image/published/schedules.py), else ditfleet's defaults."""
         given_scheduler = _absolute(self.model.scheduler_config) if self.model.scheduler_config else None
         loras = tuple(a.path for a in self.model_loras())
         found, notes = recognise(self.model_path(), loras, given_scheduler, self.s3_config())

@@ -1,5 +1,5 @@
 """A job's sampling defaults, each with where it came from: the job, the checkpoint's publisher
-(model/published/schedules.py: nvidia/Qwen-Image-Flash, the Qwen-Image-Lightning LoRAs, ...), or
+(model/qwen_image/published/schedules.py: nvidia/Qwen-Image-Flash, the Qwen-Image-Lightning LoRAs, ...), or
 ditfleet's own. The job's values win; where it says nothing a recognised checkpoint's published
 schedule (steps, CFG off, its scheduler) is the default; `ditfleet plan` and `_job.json` say which.
 
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ditfleet.model.loading.folder import TINY_MODEL, TINY_MODEL_DIR
-from ditfleet.model.published.schedules import (
+from ditfleet.model.qwen_image.published.schedules import (
     SCHEDULER_FILE,
     PublishedSchedule,
     by_hub_id,
@@ -73,7 +73,7 @@ def checkpoint_label(found: Recognised) -> str:
 def recognise(
     model_path: str, lora_paths: tuple[str, ...], scheduler_config: str | None, s3: S3Config | None
 ) -> tuple[Recognised | None, tuple[str, ...]]:
-    """The published checkpoint a job's model is, if any (model/published/schedules.py says the
+    """The published checkpoint a job's model is, if any (model/qwen_image/published/schedules.py says the
     order), and notes on what could not be read."""
     for path in lora_paths:
         if (schedule := by_lora(path)) is not None:

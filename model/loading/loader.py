@@ -28,18 +28,18 @@ from ditfleet.model.loading.folder import (  # noqa: F401 - re-exported: the fol
     text_encoder_kind,
 )
 from ditfleet.model.loading.fp8 import Fp8Quantizer, check_checkpoint_dtypes, check_device
-from ditfleet.model.loading.lora import (
+from ditfleet.model.loading.quantization import check_quantization, quantized_revision
+from ditfleet.model.loading.weights import WeightsError, on_meta, read_config
+from ditfleet.model.qwen_image.lora import (
     LoraSpec,
     adapters_revision,
     merge_updates,
     plan_updates,
     read_lora,
 )
-from ditfleet.model.loading.quantization import check_quantization, quantized_revision
-from ditfleet.model.loading.weights import WeightsError, on_meta, read_config
-from ditfleet.model.networks.text_encoder import QwenVLTextEncoder, TextEncoder
-from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
-from ditfleet.model.networks.vae import load_vae
+from ditfleet.model.qwen_image.text_encoder import QwenVLTextEncoder, TextEncoder
+from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
+from ditfleet.model.qwen_image.vae import load_vae
 from ditfleet.model.settings import DEFAULT_PIPELINE, PipelineSettings, Quantization
 
 

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from ditfleet.jobs.cli import main
-from ditfleet.model.published.schedules import FLASH
+from ditfleet.model.qwen_image.published.schedules import FLASH
 from ditfleet.workers.output.layout import job_key
 from ditfleet.workers.output.manifest import read_manifests
 from ditfleet.workers.storage import open_store

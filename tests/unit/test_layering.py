@@ -36,7 +36,7 @@ MODEL_MAY_IMPORT = {"torch", "safetensors", "model"}
 MODEL_OPTIONAL_IMPORTS = {
     # The published Qwen2.5-VL text encoder is transformers' model (the `qwen` extra); the
     # tiny model's own text encoder needs nothing.
-    ("model/networks/text_encoder.py", "transformers"),
+    ("model/qwen_image/text_encoder.py", "transformers"),
     # The clip scorer loads transformers' CLIPModel (quality.clip_model), only when asked for.
     ("model/quality/clip_score.py", "transformers"),
 }
@@ -338,7 +338,7 @@ def test_installed_code_imports_nothing_that_is_not_installed():
 @pytest.mark.slow
 def test_the_layers_import_nothing_from_ditfleet_testing():
     """ditfleet.testing holds the builders tests/ and bench/ share: what a job or the node
-    self-test runs never imports it (the published configs it reads are `model.published`)."""
+    self-test runs never imports it (the published configs it reads are `model.qwen_image.published`)."""
     testing = f"{PACKAGE}.testing"
     bad = [
         f"{path.relative_to(ROOT).as_posix()}:{line}: imports {module}"

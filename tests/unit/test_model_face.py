@@ -8,7 +8,7 @@ string constant (docstrings aside: prose may describe the model) that is Qwen-Im
   tree of a `QwenImageTransformer` built on the meta device (`transformer_blocks`, `img_mod`,
   `attn.to_q`, ...), the attributes its transformer, blocks and attention set, the methods those
   classes define (`attention_inputs`, ...) and the transformer config's keys;
-- the classes model/networks/transformer.py defines;
+- the classes model/qwen_image/transformer.py defines;
 - the family constants of model/family.py (`QWEN_IMAGE_BUCKETS`, `TINY_BUCKETS`, `QWEN_IMAGE`,
   ...), which only model/ names; above it a family is reached through `model_family(...)`.
 
@@ -27,8 +27,8 @@ import pytest
 import torch
 
 import ditfleet.model.family as family_module
-import ditfleet.model.networks.transformer as transformer_module
-from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
+import ditfleet.model.qwen_image.transformer as transformer_module
+from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
 from tests.support.paths import REPO
 
 ABOVE_MODEL = ("compile", "workers", "driver", "jobs", "ditfleet")

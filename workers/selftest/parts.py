@@ -1,5 +1,5 @@
 """What the self-test's stages share: the model's configs at the run's widths (the published ones,
-model/published), weights made on the device or written as the hub's shards, timing and FLOP
+model/qwen_image/published), weights made on the device or written as the hub's shards, timing and FLOP
 counts."""
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from ditfleet.model.generation.sampling import LATENT_CHANNELS, latent_grid
 from ditfleet.model.loading.fp8 import check_device, quantize_model
 from ditfleet.model.loading.quantization import QuantizationError
 from ditfleet.model.loading.weights import on_meta
-from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
-from ditfleet.model.networks.vae import QwenImageVAE
-from ditfleet.model.networks.vae_config import VAEConfig
-from ditfleet.model.published import published_config
+from ditfleet.model.qwen_image.published import published_config
+from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
+from ditfleet.model.qwen_image.vae import QwenImageVAE
+from ditfleet.model.qwen_image.vae_config import VAEConfig
 from ditfleet.model.settings import Quantization
 from ditfleet.workers.selftest.runner import Context
 

@@ -14,7 +14,13 @@ import pytest
 from ditfleet.jobs.cli import main
 from ditfleet.jobs.spec import load_spec
 from ditfleet.jobs.spec.sampling_defaults import DITFLEET, JOB
-from ditfleet.model.published.schedules import FLASH, LIGHTNING, LIGHTNING_LORAS, by_lora, schedule_key
+from ditfleet.model.qwen_image.published.schedules import (
+    FLASH,
+    LIGHTNING,
+    LIGHTNING_LORAS,
+    by_lora,
+    schedule_key,
+)
 from ditfleet.workers.storage import S3Config
 from ditfleet.workers.weights.digest import job_file_identities
 from ditfleet.workers.weights.fetch import fetch_file
@@ -106,7 +112,7 @@ def test_a_lightning_lora_brings_its_steps_and_scheduler(tmp_path, lora):
 
 
 def test_a_published_uri_names_only_published_files(tmp_path):
-    from ditfleet.model.published.schedules import published_file
+    from ditfleet.model.qwen_image.published.schedules import published_file
 
     for bad in (
         "published:../schedules.py",

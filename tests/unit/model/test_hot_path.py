@@ -7,15 +7,15 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ditfleet.model.networks.attention import TextPadding
-from ditfleet.model.networks.attention_backend import (
+from ditfleet.model.generation.attention_backend import (
     ATTENTION_BACKENDS,
     attention_backend,
     backend_order,
     sdpa_choice,
 )
-from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
-from ditfleet.model.networks.vae_blocks import AttentionBlock
+from ditfleet.model.qwen_image.attention import TextPadding
+from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
+from ditfleet.model.qwen_image.vae_blocks import AttentionBlock
 
 
 def test_vae_attention_hands_sdpa_dense_qkv_and_computes_what_the_strided_form_did():

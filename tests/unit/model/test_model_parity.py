@@ -62,7 +62,7 @@ def test_transformer_matches_diffusers(tmp_path, grid, text_lens, overrides):
 def test_module_tree_mirrors_diffusers_keys(tmp_path):
     ref = _reference_transformer()
     ours = TransformerConfig.from_dict(dict(ref.config))
-    from ditfleet.model.networks.transformer import QwenImageTransformer
+    from ditfleet.model.qwen_image.transformer import QwenImageTransformer
 
     assert set(QwenImageTransformer(ours).state_dict()) == set(ref.state_dict())
     block = QwenImageTransformer(ours).transformer_blocks[0]

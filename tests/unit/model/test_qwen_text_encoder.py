@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 pytest.importorskip("diffusers")
 
-from ditfleet.model.networks.text_encoder import (  # noqa: E402
+from ditfleet.model.qwen_image.text_encoder import (  # noqa: E402
     QWEN_IMAGE_DROP_TOKENS,
     QWEN_IMAGE_TEMPLATE,
     QwenVLTextEncoder,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ditfleet.compile.counting import count_compiles
-from ditfleet.model.networks.rope import RotaryTables, apply_rotary, rotate_pairs
+from ditfleet.model.qwen_image.rope import RotaryTables, apply_rotary, rotate_pairs
 
 
 def _stacked(xf: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

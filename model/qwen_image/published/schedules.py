@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ditfleet.model.published import PUBLISHED
+from ditfleet.model.qwen_image.published import PUBLISHED
 
 SCHEDULER_FILE = "scheduler/scheduler_config.json"
 PUBLISHED_SCHEME = "published"  # published:<folder>/<file>: a file of this folder, on any node
@@ -46,7 +46,7 @@ class PublishedSchedule:
     steps: int
     true_cfg_scale: float  # 1.0: CFG distilled in, one DiT pass per step
     negative_prompt: str | None  # None: no negative prompt, so CFG stays off even for a row's scale
-    folder: str  # its published folder here (model/published/<folder>/scheduler/)
+    folder: str  # its published folder here (model/qwen_image/published/<folder>/scheduler/)
     hub_ids: tuple[str, ...] = ()  # hf://<id> names it
     lora_name: str | None = None  # a regular expression its LoRA files' names match
 
