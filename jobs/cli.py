@@ -58,6 +58,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     memory = check_memory(spec, args.job)
     print(f"{args.job}: ok: {report.rows} rows in {len(report.files)} file(s) under {spec.input_uri()}")
     print(f"licence: {spec.model_licence.describe()}")
+    print(f"sampling: {spec.sampling_defaults.line()}")
+    for note in spec.sampling_defaults.notes:
+        print(f"note: {note}")
     if (words := tiny_words_warning(spec)) is not None:
         print(f"warning: {words}")
     if memory is not None:

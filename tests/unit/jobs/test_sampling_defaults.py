@@ -46,6 +46,10 @@ def test_flash_is_recognised_by_its_scheduler_and_runs_its_schedule(tmp_path, ca
         in out
     )
     assert "; scheduler: the checkpoint's own (its scheduler/ folder)" in out
+    assert main(["validate", str(path)]) == 0
+    assert (
+        "sampling: steps 4, true_cfg_scale 1.0, negative_prompt None (checkpoint" in capsys.readouterr().out
+    )
     resolved = spec.resolved()["sampling"]  # what _job.json stores
     assert resolved["steps"] == 4 and resolved["negative_prompt"] is None
     assert resolved["defaults_from"]["steps"].startswith("checkpoint: nvidia/Qwen-Image-Flash")
