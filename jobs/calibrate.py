@@ -135,7 +135,7 @@ def calibrate(
 ) -> dict[str, Any]:
     """Run the calibration for a JobSpec; returns {"exact": {...}, "presets": [...], ...}."""
     is_tiny = spec.model.path == TINY_MODEL
-    run = _Run.of(spec, _prompts(spec, n, is_tiny)[:n], int(steps or spec.sampling.steps))
+    run = _Run.of(spec, _prompts(spec, n, is_tiny)[:n], int(steps or spec.sampling_defaults.values["steps"]))
     names = list(buckets or spec.bucket_names())
     configs = _configs(presets, spec.sampling.step_cache, run.steps)
     pipe = _load(spec)
@@ -196,8 +196,8 @@ class _Run:
             captions=captions,
             seeds=[int(spec.sampling.seed) + i for i in range(len(captions))],
             steps=steps,
-            cfg=float(spec.sampling.true_cfg_scale),
-            negative=spec.sampling.negative_prompt,
+            cfg=float(spec.sampling_defaults.values["true_cfg_scale"]),
+            negative=spec.sampling_defaults.values["negative_prompt"],
             batch=int(spec.workers.batch_size),
             max_sequence_length=spec.pipeline_settings().max_sequence_length,
         )
@@ -238,8 +238,15 @@ def _load(spec: Any) -> Any:
         dtype=dtype,
         settings=dataclasses.replace(spec.pipeline_settings(), step_cache=None),
         loras=spec.model_loras(),
-        scheduler_config=spec.model_scheduler_config(),
+        scheduler_config=_local_scheduler(spec.model_scheduler_config()),
     )
+
+
+def _local_scheduler(config: str | None) -> str | None:
+    """A published scheduler (`published:...`, a recognised LoRA's) as this machine's file."""
+    from ditfleet.model.qwen_image.published.schedules import PUBLISHED_SCHEME, published_file
+
+    return str(published_file(config)) if config and config.startswith(f"{PUBLISHED_SCHEME}:") else config
 
 
 def _measure_bucket(

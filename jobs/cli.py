@@ -53,6 +53,7 @@ from ditfleet.jobs.submit import SubmitError, submit_slot
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH, Quantization
 from ditfleet.workers.storage import StoreConfigError, StoreError
 from ditfleet.workers.storage.input_files import is_s3
+from ditfleet.workers.weights.licence import LicenceRefused
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -62,6 +63,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
         raise InputError(report.errors, report.total)
     memory = check_memory(spec, args.job)
     print(f"{args.job}: ok: {report.rows} rows in {len(report.files)} file(s) under {spec.input_uri()}")
+    print(f"licence: {spec.model_licence.describe()}")
+    print(f"sampling: {spec.sampling_defaults.line()}")
+    for note in spec.sampling_defaults.notes:
+        print(f"note: {note}")
     if (words := tiny_words_warning(spec)) is not None:
         print(f"warning: {words}")
     if memory is not None:
@@ -325,6 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         MemoryPlanError,
         ClusterAuthError,
         NoRayCluster,
+        LicenceRefused,
     ) as e:
         say(str(e))
         return EXIT_BAD_INPUT

@@ -13,6 +13,7 @@ from typing import Any
 
 from ditfleet.compile.buckets import default_buckets
 from ditfleet.driver.memory_plan import GPU_SIZES_GB, MemoryRequest, plan_kwargs, read_model_memory
+from ditfleet.jobs.spec.sampling_defaults import checkpoint_label, recognise
 from ditfleet.model.family import MemoryFormula, model_family
 from ditfleet.model.loading.loader import resolve_model_dir
 from ditfleet.model.loading.quantization import check_quantization
@@ -42,6 +43,7 @@ def inspect_model(request: MemoryRequest, gpus_gb: Sequence[float] = GPU_SIZES_G
     request = replace(request, buckets=request.buckets or (largest,))
     return {
         "model": request.model_path,
+        "sampling_defaults": _sampling_defaults(request),
         "dtype": request.dtype,
         "quantization": request.quantization,
         "text_len": request.text_len,
@@ -49,6 +51,15 @@ def inspect_model(request: MemoryRequest, gpus_gb: Sequence[float] = GPU_SIZES_G
         "plans": _plans(memory, model, request, gpus_gb),
         "math_attention_extra_gb": _math_attention_extra(memory, model, request),
     }
+
+
+def _sampling_defaults(request: MemoryRequest) -> dict[str, Any]:
+    """The published schedule the checkpoint is recognised by (jobs.spec.sampling_defaults), the
+    defaults a job that says nothing runs it with; {} when it is none of them."""
+    found, notes = recognise(request.model_path, (), None, request.s3)
+    if found is None:
+        return {"notes": list(notes)} if notes else {}
+    return {**found.schedule.defaults(), "from": checkpoint_label(found)}
 
 
 def _components(model: ModelMemory, request: MemoryRequest) -> dict[str, Any]:
@@ -124,6 +135,19 @@ def _math_attention_extra(
 
 def format_inspection(info: dict[str, Any]) -> str:
     lines = [f"model: {info['model']}"]
+    published = info["sampling_defaults"]
+    if "steps" in published:
+        cfg = (
+            "CFG off"
+            if published["negative_prompt"] is None or published["true_cfg_scale"] <= 1
+            else "true CFG"
+        )
+        lines.append(
+            f"sampling defaults: {published['steps']} steps, true_cfg_scale {published['true_cfg_scale']:g} "
+            f"({cfg}), negative_prompt {published['negative_prompt']!r} ({published['from']}); a job's values win"
+        )
+    else:
+        lines.append("sampling defaults: ditfleet's (no published few-step schedule recognised)")
     dtype, quantization = info["dtype"], info["quantization"]
     for name, c in info["components"].items():
         line = f"  {name:<13} {c['params'] / 1e9:7.3f} B params, {c[f'{dtype}_gb']:7.2f} GB in {dtype}"

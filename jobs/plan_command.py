@@ -57,6 +57,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     info["compile_dit"] = _dit_compile_plan(spec, plan.total_images, len(plan.bucket_usage))
     info["step_cache"] = _step_cache_plan(spec, args.job)
     info["quality_gate"] = _gate_plan(spec, plan.total_images)
+    info["licence"] = spec.model_licence.to_dict()
+    info["sampling"] = spec.sampling_defaults.to_dict()
     if args.selftest:
         lines = read_selftest(args.selftest)
         info["cost"] = estimate_cost(
@@ -76,6 +78,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"step cache: {info['step_cache']['line']}")
         if info["quality_gate"]:
             print(f"quality gate: {info['quality_gate']['line']}")
+        print(f"licence: {spec.model_licence.describe()}")
+        print(f"sampling: {spec.sampling_defaults.line()}")
+        for note in spec.sampling_defaults.notes:
+            print(f"note: {note}")
         if "cost" in info:
             print(f"cost:    {cost_plan_line(info['cost'])}")
         _print_memory(memory, spec)
@@ -144,7 +150,7 @@ def _step_cache_plan(spec: JobSpec, job: str) -> dict:
     config = spec.sampling.step_cache
     if config is None:
         return {"setting": "off", "most_work_saved": 0.0, "line": "off (exact)"}
-    steps, layers = spec.sampling.steps, _dit_layers(spec)
+    steps, layers = spec.sampling_defaults.values["steps"], _dit_layers(spec)
     if layers is None:
         line = f"{config.method}: the model's depth is not read here; measure with `ditfleet calibrate {job}`"
         return {"setting": config.to_dict(), "most_work_saved": None, "line": line}

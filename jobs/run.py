@@ -221,6 +221,8 @@ def run(
     driver, worker = spec.to_driver_config(), spec.to_worker_config()
     if (words := tiny_words_warning(spec)) is not None:
         say(f"warning: {words}")
+    for note in spec.sampling_defaults.notes:  # e.g. a scheduler this machine could not read
+        say(f"note: {note}")
     if redo_shards or verbose:
         driver = dataclasses.replace(driver, redo_shards=tuple(redo_shards), verbose=verbose)
     started = False

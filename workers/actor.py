@@ -307,7 +307,9 @@ class GenerationWorker:
     def writer_config(self) -> ShardWriterConfig:
         """The job's writer settings and what every image's metadata names: the model loaded here
         and the job (made from `config` at each shard, so a changed config is followed)."""
-        job = JobProvenance(self.pipe.model_id, self.pipe.model_revision, self.config.job_name)
+        job = JobProvenance(
+            self.pipe.model_id, self.pipe.model_revision, self.config.job_name, self.config.model_license
+        )
         return dataclasses.replace(self.config.writer, job=job)
 
     def _generate_and_store(
@@ -363,6 +365,7 @@ class GenerationWorker:
             true_cfg_scale=float(row.true_cfg_scale),
             model_id=self.pipe.model_id,
             model_revision=self.pipe.model_revision,
+            model_license=self.config.model_license,
             status="ok" if ok else "failed",
             error=None if ok else error,
             uri=stored.uri if ok and stored else None,

@@ -142,6 +142,9 @@ class WorkerConfig:
     compile_cache_key: CacheSecretSource = field(default_factory=CacheSecretSource)
     writer: ShardWriterConfig = field(default_factory=ShardWriterConfig)
     job_name: str | None = None  # the job spec's name: each image's metadata names it
+    # The model's licence id as the driver resolved it (workers.weights.licence): each image's
+    # metadata and manifest row name it. None: not known.
+    model_license: str | None = None
     s3: S3Config = field(default_factory=S3Config)
 
     def __post_init__(self) -> None:

@@ -9,6 +9,8 @@ import dataclasses
 import json
 import os
 from collections.abc import Mapping
+from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 from pydantic import Field, model_validator
@@ -21,7 +23,12 @@ from ditfleet.driver.output.cost import CostConfig
 from ditfleet.driver.plan import PlanConfig
 from ditfleet.driver.run_job import DriverConfig
 from ditfleet.model.family import model_family
-from ditfleet.model.loading.folder import WeightsError, resolve_model_dir, text_encoder_kind
+from ditfleet.model.generation.step_cache_config import check_schedule
+from ditfleet.model.loading.folder import (
+    WeightsError,
+    resolve_model_dir,
+    text_encoder_kind,
+)
 from ditfleet.model.quality.table import MODEL, PIPELINE_QWEN_VL, check_scorers_supported, needing
 from ditfleet.model.settings import PipelineSettings
 from ditfleet.workers.cache_secret import CacheSecretSource
@@ -29,9 +36,11 @@ from ditfleet.workers.contract import GateConfig, LoraSpec, ModelPlacement, Work
 from ditfleet.workers.output.formats import ShardWriterConfig
 from ditfleet.workers.rows import RowConfig
 from ditfleet.workers.storage import S3Config
+from ditfleet.workers.weights.licence import JOB_SOURCE, ModelLicence, read_model_licence
 
 from .derive import fingerprint_entries, settings_from
 from .problems import validated
+from .sampling_defaults import SAMPLING_KEYS, SamplingDefaults, recognise, resolve
 from .sections import (
     BucketsSpec,
     CompileSpec,
@@ -165,17 +174,58 @@ class JobSpec(Section):
         return tuple(LoraSpec(_absolute(a.path), a.scale) for a in self.model.loras)
 
     def model_scheduler_config(self) -> str | None:
-        return _absolute(self.model.scheduler_config) if self.model.scheduler_config else None
+        """The scheduler replacing the checkpoint's: model.scheduler_config, else a recognised
+        LoRA's published one (sampling_defaults); None: the checkpoint's own."""
+        return self.sampling_defaults.scheduler_config
+
+    @cached_property
+    def sampling_defaults(self) -> SamplingDefaults:
+        """steps, true_cfg_scale and negative_prompt for rows that give none, each with where it
+        came from: the job's sampling section where it sets them, else the recognised checkpoint's
+        published schedule (model/qwen_image/published/schedules.py), else ditfleet's defaults."""
+        given_scheduler = _absolute(self.model.scheduler_config) if self.model.scheduler_config else None
+        loras = tuple(a.path for a in self.model_loras())
+        found, notes = recognise(self.model_path(), loras, given_scheduler, self.s3_config())
+        fields = type(self.sampling).model_fields
+        given = {k: getattr(self.sampling, k) for k in SAMPLING_KEYS if k in self.sampling.model_fields_set}
+        ours = {k: fields[k].default for k in SAMPLING_KEYS}
+        return resolve(given, ours, found, given_scheduler, notes)
+
+    @cached_property
+    def model_licence(self) -> ModelLicence:
+        """The model's licence: model.license, else what its model card names (read once per spec;
+        for s3:// from the store, so validate, plan and run read it before any work)."""
+        if self.model.license is not None:
+            return ModelLicence(self.model.license, JOB_SOURCE)
+        path = self.model_path()
+        local = (
+            None if "://" in path and not path.startswith("file://") else Path(path.removeprefix("file://"))
+        )
+        return read_model_licence(path, model_family(path).bundled_dir or local, self.s3_config())
+
+    def check_licence(self) -> None:
+        """Under model.require_commercial_licence, LicenceRefused unless the model's licence is
+        known to permit commercial use."""
+        if self.model.require_commercial_licence:
+            self.model_licence.check_commercial()
 
     def resolved(self) -> dict[str, Any]:
-        """The spec with every default and path filled in (JSON-safe): what `_job.json` stores."""
+        """The spec with every default and path filled in (JSON-safe): what `_job.json` stores,
+        the model's licence as resolved (model.license) with where it came from and whether it
+        permits commercial use (model.license_source, model.license_commercial_use)."""
         doc = self.model_dump(mode="json")
+        licence = self.model_licence
+        doc["model"].update(
+            license=licence.id, license_source=licence.source, license_commercial_use=licence.commercial_use
+        )
         doc["input"]["path"] = self.input_uri()
         doc["output"]["uri"] = self.output_uri()
         doc["model"]["path"] = self.model_path()
         doc["model"]["cache_dir"] = self.model_cache_dir()
         doc["model"]["loras"] = [{"path": a.path, "scale": a.scale} for a in self.model_loras()]
         doc["model"]["scheduler_config"] = self.model_scheduler_config()
+        defaults = self.sampling_defaults
+        doc["sampling"].update(defaults.values, defaults_from=defaults.sources)
         doc["buckets"]["names"] = self.bucket_names()
         doc["workers"]["max"] = self.workers.max or self.workers.min
         doc["workers"]["gpus"] = self.gpus_per_actor()
@@ -183,7 +233,9 @@ class JobSpec(Section):
 
     def row_config(self) -> RowConfig:
         buckets = BucketSet.from_names(self.bucket_names(), strict=self.buckets.strict)
-        return settings_from(RowConfig, self.input, self.sampling, buckets=buckets)
+        return settings_from(
+            RowConfig, self.input, self.sampling, buckets=buckets, **self.sampling_defaults.values
+        )
 
     def pipeline_settings(self) -> PipelineSettings:
         """The pipeline's knobs, from whichever sections show them (model, sampling)."""
@@ -213,6 +265,8 @@ class JobSpec(Section):
         settings["model"] = worker.model_path
         if worker.writer.embed_metadata:
             settings.update(embed_metadata=True, job_name=worker.job_name)
+            if worker.model_license is not None:  # the files name it
+                settings["model_license"] = worker.model_license
         if worker.gate is not None:  # which try is stored
             settings["quality_gate"] = dataclasses.asdict(worker.gate)
             for row in needing((worker.gate.scorer,), MODEL):  # the gate's judge is a model of its own
@@ -243,7 +297,7 @@ class JobSpec(Section):
             cfg="serial",  # rows may turn CFG on whatever the default; serial passes hold one output more
             vae_batch=1 if self.compile_config().vae_on(self.actor_device()) else None,
             max_sequence_length=self.model.max_sequence_length,
-            table_steps=(self.sampling.steps,) if table else (),
+            table_steps=(self.sampling_defaults.values["steps"],) if table else (),
             s3=self.s3_config(),
             device=self.actor_device(),
             quantization=self.pipeline_settings().quantization,
@@ -255,6 +309,10 @@ class JobSpec(Section):
         return settings_from(S3Config, self.s3)
 
     def to_driver_config(self) -> DriverConfig:
+        """The driver's config; refuses (LicenceRefused) a licence the job does not accept, so
+        validate, plan and run all refuse it before any work."""
+        self.check_licence()
+        check_schedule(self.sampling.step_cache, self.sampling_defaults.values["steps"])
         w = self.workers
         return DriverConfig(
             input_uri=self.input_uri(),
@@ -293,6 +351,7 @@ class JobSpec(Section):
             compile_cache_key=settings_from(CacheSecretSource, *sections),
             writer=settings_from(ShardWriterConfig, self.output),
             job_name=self.name,
+            model_license=self.model_licence.id,
             gate=self.gate_config(),
             clip_model=_absolute(self.quality.clip_model) if self.quality.clip_model else None,
             s3=self.s3_config(),

@@ -39,6 +39,7 @@ from ditfleet.workers.rows import RowConfig
 from ditfleet.workers.storage import S3Config
 from ditfleet.workers.storage.base import AddressingStyle
 from ditfleet.workers.storage.input_files import check_s3_uri
+from ditfleet.workers.weights.licence import check_licence_id
 
 from .derive import knob
 
@@ -173,8 +174,22 @@ class ModelSpec(Section):
     )
     text_encoder: Placement = knob(ModelPlacement, "text_encoder")
     embedding_cache_mb: int = knob(ModelPlacement, "embedding_cache_mb")
+    license: str | None = Field(
+        default=None,
+        description="The model's licence id as model cards write it (apache-2.0, "
+        "flux-1-dev-non-commercial-license, ...), recorded in _job.json, every image's metadata and the "
+        "manifests' model_license column. null: the one the model card names (README.md front matter "
+        "`license:`, or `license_name:` under `license: other`); an hf:// model's card is not read to plan.",
+    )
+    require_commercial_licence: bool = Field(
+        default=False,
+        description="Refuse, before any work, a model whose licence is not known to permit commercial use "
+        "(FLUX.1-dev, FLUX.2-dev and other non-commercial licences; an unknown licence too). The ids "
+        "ditfleet knows: ditfleet/workers/weights/licence.py, KNOWN_LICENCES.",
+    )
 
     _path_ok = field_validator("path")(_plain_s3_uri)
+    _license_ok = field_validator("license")(lambda v: None if v is None else check_licence_id(v))
     _scheduler_ok = field_validator("scheduler_config")(lambda v: None if v is None else _node_file(v))
 
 

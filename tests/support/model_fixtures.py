@@ -1,12 +1,17 @@
 """The reference side of the model tests: diffusers' own pipeline over the same weights, and stand-in
-prompt embeddings. The random model folders themselves are built by `ditfleet.testing.models`
+prompt embeddings, the tiny model's files under a folder with a model card. The random model folders themselves are built by `ditfleet.testing.models`
 (bench/ uses them too)."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
+
+from ditfleet.model.loading.folder import TINY_MODEL_DIR
 
 
 def text_mask(lens: list[int]) -> torch.Tensor:
@@ -71,3 +76,31 @@ def diffusers_images(ref, *, steps: int, seeds: list[int], output_type: str = "p
         generator=[torch.Generator().manual_seed(s) for s in seeds],
         output_type=output_type,
     ).images
+
+
+def tiny_model_copy(tmp_path: Path, card: str | None = None, scheduler: str | None = None) -> Path:
+    """The bundled tiny model's files under a folder of our own (tmp_path/model), with `card` as its
+    README.md and `scheduler` (a scheduler_config.json) as its scheduler's config where given."""
+    root = tmp_path / "model"
+    root.mkdir()
+    for entry in TINY_MODEL_DIR.iterdir():
+        if entry.name != "scheduler" or scheduler is None:
+            (root / entry.name).symlink_to(entry)
+    if card is not None:
+        (root / "README.md").write_text(card)
+    if scheduler is not None:
+        (root / "scheduler").mkdir()
+        shutil.copy(scheduler, root / "scheduler" / "scheduler_config.json")
+    return root
+
+
+def job_with_model(tmp_path: Path, model: Path | str, model_lines: str = "", rest: str = "") -> Path:
+    """tmp_path/job.yaml: three prompts in tmp_path/p.parquet, output tmp_path/out, `model` as
+    model.path with `model_lines` (indented keys) under it, then `rest` (more sections)."""
+    pq.write_table(pa.table({"prompt": ["a small red circle"] * 3}), tmp_path / "p.parquet")
+    path = tmp_path / "job.yaml"
+    path.write_text(
+        f"name: job\ninput: {{path: {tmp_path / 'p.parquet'}}}\noutput: {{uri: '{tmp_path / 'out'}'}}\n"
+        f"model:\n  path: {model}\n{model_lines}{rest}"
+    )
+    return path

@@ -136,6 +136,14 @@ class ManifestRow:
     phash: int | None = _col(
         pa.int64(), "64-bit perceptual hash of the stored image, as int64 (near duplicates)", None
     )
+    # The licence the model is used under (model.license, else its model card's: workers.weights.
+    # licence), so a row says what its image may be used for wherever it is copied; null when not
+    # known, and in older manifests.
+    model_license: str | None = _col(
+        pa.string(),
+        "licence id of the model that generated the image (e.g. apache-2.0); null = not known",
+        None,
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.extra, Mapping):

@@ -1,7 +1,7 @@
 """Provenance in an image file's own metadata: what made it, as other tools read it.
 
-An image carries its row's prompt, negative prompt, seed, steps, CFG scale, size, the model's id
-and revision and the job's name (`output.embed_metadata`, on by default):
+An image carries its row's prompt, negative prompt, seed, steps, CFG scale, size, the model's id,
+revision and licence (where known: workers.weights.licence) and the job's name (`output.embed_metadata`, on by default):
 
 - PNG: a `parameters` text chunk in the AUTOMATIC1111/Forge form that dataset tools parse,
   and a `ditfleet` chunk with the same facts as JSON; tEXt where the text is Latin-1, iTXt
@@ -42,11 +42,12 @@ _NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
 
 @dataclass(frozen=True)
 class JobProvenance:
-    """What every image of a job carries: the model it came from and the job's name."""
+    """What every image of a job carries: the model it came from, its licence and the job's name."""
 
     model_id: str = ""
     model_revision: str = ""
     job_name: str | None = None
+    model_license: str | None = None  # the licence id; None: not known, left out
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class Provenance:
             "height": self.height,
             "model_id": self.job.model_id or None,
             "model_revision": self.job.model_revision or None,
+            "model_license": self.job.model_license,
             "job_name": self.job.job_name,
             "id": self.id,
             "k": self.k,
@@ -92,7 +94,7 @@ class Provenance:
 
             a red circle on a blue square
             Negative prompt: blurry
-            Steps: 28, CFG scale: 4.0, Seed: 42, Size: 64x64, Model: tiny, Model hash: 3f0c..., Job: demo
+            Steps: 28, CFG scale: 4.0, Seed: 42, Size: 64x64, Model: tiny, Model hash: 3f0c..., License: apache-2.0, Job: demo
 
         A prompt or negative prompt that the form cannot hold as it is (`_infotext_block`) is
         written as one JSON string instead, so a reader never takes part of a prompt for the
@@ -104,6 +106,7 @@ class Provenance:
             ("Size", f"{self.width}x{self.height}" if self.width and self.height else None),
             ("Model", self.job.model_id or None),
             ("Model hash", self.job.model_revision or None),
+            ("License", self.job.model_license),
             ("Job", self.job.job_name),
         ]
         lines = [_infotext_block(self.prompt)]

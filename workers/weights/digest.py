@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from ditfleet.model.qwen_image.published.schedules import PUBLISHED_SCHEME, published_file
+
 _CHUNK = 8 * 1024 * 1024
 _CACHE_VERSION = 1
 
@@ -185,6 +187,8 @@ def _job_file_identity(source: str, s3: Any) -> str:
 
         head = make_s3_client(s3).head_object(Bucket=parsed.netloc, Key=parsed.path.lstrip("/"))
         return f"etag:{str(head['ETag']).strip(chr(34))}:{head['ContentLength']}"
+    if parsed.scheme == PUBLISHED_SCHEME:  # the same bytes on every node of one ditfleet version
+        return f"sha256:{_sha256_file(published_file(source))}"
     path = Path(parsed.path if parsed.scheme == "file" else source)
     if path.is_dir():  # a scheduler folder: its scheduler_config.json is what is read
         path = path / "scheduler_config.json"

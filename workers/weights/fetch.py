@@ -30,6 +30,7 @@ from urllib.parse import urlparse
 
 from botocore.exceptions import BotoCoreError, ClientError
 
+from ditfleet.model.qwen_image.published.schedules import PUBLISHED_SCHEME, published_file
 from ditfleet.workers.storage import S3Config
 from ditfleet.workers.storage.s3 import http_status, make_s3_client
 from ditfleet.workers.weights.digest import ModelIdentity, etag_identity
@@ -228,6 +229,11 @@ def _check_disk(entry: CacheEntry, todo: list[RemoteFile], config: FetchConfig) 
 def fetch_file(source: str, cache_dir: str | Path, s3: S3Config, config: FetchConfig | None = None) -> Path:
     """A local path holding the single file `source` names. Raises ModelFetchError naming it."""
     parsed = urlparse(source)
+    if parsed.scheme == PUBLISHED_SCHEME:  # a published config of this node's own package
+        try:
+            return published_file(source)
+        except ValueError as e:
+            raise ModelFetchError(str(e)) from None
     if parsed.scheme in ("", "file"):
         if parsed.scheme == "file" and parsed.netloc not in ("", "localhost"):
             raise ModelFetchError(f"{source!r}: a file:// URI must name a local path (file:///path)")

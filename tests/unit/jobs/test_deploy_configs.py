@@ -16,6 +16,7 @@ import io
 import json
 import re
 import shlex
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -400,21 +401,27 @@ LIGHTNING_JOB = DEPLOY / "qwen-image-lightning.yaml"
 LIGHTNING_SCHEDULER = PUBLISHED / "qwen-image-lightning" / "scheduler"
 
 
-def test_lightning_job_validates_with_jobspec():
-    """The few-step distilled model: 4-8 steps, CFG off, its checkpoint's own scheduler."""
+def test_lightning_job_validates_with_jobspec(tmp_path):
+    """The few-step distilled model: its sampling defaults (8 steps, CFG off) are the checkpoint's
+    published ones, recognised by its scheduler config; the job gives none of them."""
     spec = load_spec(LIGHTNING_JOB)
-    assert 4 <= spec.sampling.steps <= 8
-    assert spec.sampling.true_cfg_scale == 1.0 and spec.sampling.negative_prompt is None
+    assert not {"steps", "true_cfg_scale", "negative_prompt"} & spec.sampling.model_fields_set
     assert spec.model.path.startswith("s3://") and spec.model.dtype == "bf16"
     assert spec.model.loras == [] and spec.model.scheduler_config is None  # the merged checkpoint's own
-    worker = spec.to_worker_config()
-    assert worker.rows.steps == spec.sampling.steps and worker.rows.true_cfg_scale == 1.0
-    assert worker.loras == () and worker.scheduler_config is None
     assert spec.output.uri != _job_spec().output.uri, "its own output: other images, other dataset"
+    # The bucket is not reachable here; a copy of the merged checkpoint's scheduler folder is.
+    (tmp_path / "scheduler").mkdir()
+    shutil.copy(LIGHTNING_SCHEDULER / "scheduler_config.json", tmp_path / "scheduler")
+    local = spec.with_changes(model={"path": str(tmp_path)})
+    worker = local.to_worker_config()
+    assert (worker.rows.steps, worker.rows.true_cfg_scale, worker.rows.negative_prompt) == (8, 1.0, None)
+    assert worker.loras == () and worker.scheduler_config is None
+    assert local.sampling_defaults.sources["steps"].startswith("checkpoint: Qwen-Image-Lightning (8 steps)")
 
 
 def test_lightning_lora_form_in_the_header_validates(tmp_path):
-    """The LoRA form the header comment shows, spliced into the job, parses and reaches the worker."""
+    """The LoRA form the header comment shows, spliced into the job, parses and reaches the worker
+    with the LoRA's published schedule: 8 steps, CFG off, Lightning's scheduler."""
     text = LIGHTNING_JOB.read_text(encoding="utf-8")
     lines = text.splitlines()
     start = lines.index("#   model:")
@@ -433,7 +440,8 @@ def test_lightning_lora_form_in_the_header_validates(tmp_path):
     assert [(a.path, a.scale) for a in worker.loras] == [
         ("s3://your-bucket/loras/Qwen-Image-Lightning-8steps-V2.0.safetensors", 1.0)
     ]
-    assert worker.scheduler_config == "s3://your-bucket/loras/qwen-image-lightning/scheduler_config.json"
+    assert worker.scheduler_config == "published:qwen-image-lightning/scheduler/scheduler_config.json"
+    assert (worker.rows.steps, worker.rows.true_cfg_scale, worker.rows.negative_prompt) == (8, 1.0, None)
     assert worker.model_path == "s3://your-bucket/models/qwen-image"
     # Adapters change the images, so they are part of the output's fingerprint.
     settings = spec.image_settings()

@@ -67,6 +67,7 @@ EXPECTED_COLUMNS = [
     ("gate_scores", pa.string(), True),
     ("gate_seeds", pa.string(), True),
     ("phash", pa.int64(), True),
+    ("model_license", pa.string(), True),
 ]
 DESIGN_COLUMNS = {name for name, _, _ in EXPECTED_COLUMNS}
 
@@ -232,6 +233,7 @@ def test_a_manifest_written_before_the_step_cache_columns_still_reads(tmp_path) 
         "gate_scores",
         "gate_seeds",
         "phash",
+        "model_license",
     ]
     old = MANIFEST_SCHEMA.empty_table().drop_columns(
         ["step_cache", "dit_blocks_computed", "dit_blocks_reused", "batch_size", *scores]
@@ -244,8 +246,11 @@ def test_a_manifest_written_before_the_step_cache_columns_still_reads(tmp_path) 
     no_scores = with_later_columns(MANIFEST_SCHEMA.empty_table().drop_columns(scores))
     assert no_scores.schema.equals(MANIFEST_SCHEMA, check_metadata=False)
     # ... and those of the scores and gate, before the perceptual hash.
-    no_phash = with_later_columns(MANIFEST_SCHEMA.empty_table().drop_columns(["phash"]))
+    no_phash = with_later_columns(MANIFEST_SCHEMA.empty_table().drop_columns(["phash", "model_license"]))
     assert no_phash.schema.equals(MANIFEST_SCHEMA, check_metadata=False)
+    # ... and those before the model's licence (workers.weights.licence).
+    no_licence = with_later_columns(MANIFEST_SCHEMA.empty_table().drop_columns(["model_license"]))
+    assert no_licence.schema.equals(MANIFEST_SCHEMA, check_metadata=False)
     # Anything else that differs is still refused by the readers.
     other = MANIFEST_SCHEMA.empty_table().drop_columns(["shard"])
     assert not with_later_columns(other).schema.equals(MANIFEST_SCHEMA, check_metadata=False)

@@ -1,0 +1,140 @@
+"""A job's sampling defaults, each with where it came from: the job, the checkpoint's publisher
+(model/qwen_image/published/schedules.py: nvidia/Qwen-Image-Flash, the Qwen-Image-Lightning LoRAs, ...), or
+ditfleet's own. The job's values win; where it says nothing a recognised checkpoint's published
+schedule (steps, CFG off, its scheduler) is the default; `ditfleet plan` and `_job.json` say which.
+
+Read at plan time without torch and without weights: the checkpoint's scheduler config (a local
+folder, the bundled model, or s3://), the LoRA file names and an hf:// id.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ditfleet.model.family import model_family
+from ditfleet.model.qwen_image.published.schedules import (
+    SCHEDULER_FILE,
+    PublishedSchedule,
+    by_hub_id,
+    by_lora,
+    by_scheduler,
+)
+from ditfleet.workers.storage import S3Config, StoreError, open_store
+
+# The sampling keys a checkpoint may give defaults for (workers.rows.RowConfig's names).
+SAMPLING_KEYS = ("steps", "true_cfg_scale", "negative_prompt")
+JOB = "job"
+DITFLEET = "ditfleet default"
+
+
+@dataclass(frozen=True)
+class Recognised:
+    schedule: PublishedSchedule
+    how: str  # "its LoRA file X", "its scheduler config P", "its hub id"
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """The sampling values a job runs with where rows say nothing, and where each came from."""
+
+    values: dict[str, Any]  # SAMPLING_KEYS -> value
+    sources: dict[str, str]  # SAMPLING_KEYS and "scheduler" -> JOB, DITFLEET or the checkpoint's line
+    scheduler_config: str | None  # the scheduler replacing the checkpoint's (the job's or a LoRA's)
+    checkpoint: Recognised | None = None
+    notes: tuple[str, ...] = field(default=())  # what could not be read, and why
+
+    def to_dict(self) -> dict[str, Any]:
+        """What `plan --json` prints and `_job.json` records."""
+        out: dict[str, Any] = {k: {"value": self.values[k], "from": self.sources[k]} for k in SAMPLING_KEYS}
+        out["scheduler"] = {"value": self.scheduler_config, "from": self.sources["scheduler"]}
+        out["checkpoint"] = self.checkpoint.schedule.name if self.checkpoint else None
+        if self.notes:
+            out["notes"] = list(self.notes)
+        return out
+
+    def line(self) -> str:
+        """One line for `plan`, the keys grouped by where they came from: "steps 4, true_cfg_scale
+        1.0, negative_prompt None (checkpoint: ...); scheduler: the checkpoint's own"."""
+        by_source: dict[str, list[str]] = {}
+        for key in SAMPLING_KEYS:
+            by_source.setdefault(self.sources[key], []).append(f"{key} {self.values[key]!r}")
+        parts = [f"{', '.join(keys)} ({source})" for source, keys in by_source.items()]
+        scheduler = self.scheduler_config or "the checkpoint's own"
+        return "; ".join(parts) + f"; scheduler: {scheduler} ({self.sources['scheduler']})"
+
+
+def checkpoint_label(found: Recognised) -> str:
+    return f"checkpoint: {found.schedule.name}, recognised by {found.how}"
+
+
+def recognise(
+    model_path: str, lora_paths: tuple[str, ...], scheduler_config: str | None, s3: S3Config | None
+) -> tuple[Recognised | None, tuple[str, ...]]:
+    """The published checkpoint a job's model is, if any (model/qwen_image/published/schedules.py says the
+    order), and notes on what could not be read."""
+    for path in lora_paths:
+        if (schedule := by_lora(path)) is not None:
+            return Recognised(schedule, f"its LoRA file {path.rsplit('/', 1)[-1]}"), ()
+    config, where, note = _scheduler_config(model_path, scheduler_config, s3)
+    if (schedule := by_scheduler(config)) is not None:
+        return Recognised(schedule, f"its scheduler config {where}"), ()
+    if model_path.startswith("hf://"):
+        repo = model_path.removeprefix("hf://").split("@", 1)[0]
+        if (schedule := by_hub_id(repo)) is not None:
+            return Recognised(schedule, f"its hub id {repo}"), ()
+    return None, (note,) if note else ()
+
+
+def _scheduler_config(
+    model_path: str, override: str | None, s3: S3Config | None
+) -> tuple[Any, str, str | None]:
+    """(the scheduler config the model runs with, where it is, a note if it could not be read)."""
+    bundled = model_family(model_path).bundled_dir
+    where = override or (str(bundled / SCHEDULER_FILE) if bundled else f"{model_path}/{SCHEDULER_FILE}")
+    try:
+        if where.startswith("s3://"):
+            if override:  # a file, or a folder holding one
+                store = open_store(where.rsplit("/", 1)[0] if where.endswith(".json") else where, s3)
+                key = where.rsplit("/", 1)[-1] if where.endswith(".json") else "scheduler_config.json"
+            else:
+                store, key = open_store(model_path, s3), SCHEDULER_FILE
+            return json.loads(store.get(key)), where, None
+        if "://" in where and not where.startswith("file://"):
+            return None, where, None  # hf://: not fetched to plan a job; the hub id may name it
+        path = Path(where.removeprefix("file://"))
+        if path.is_dir():
+            path = path / "scheduler_config.json"
+        return json.loads(path.read_text()), str(path), None
+    except (StoreError, OSError, ValueError) as e:
+        return None, where, f"{where} not read ({type(e).__name__}: {e}); no published schedule recognised"
+
+
+def resolve(
+    given: dict[str, Any],
+    ditfleet_defaults: dict[str, Any],
+    found: Recognised | None,
+    scheduler_config: str | None,
+    notes: tuple[str, ...] = (),
+) -> SamplingDefaults:
+    """`given`: the sampling keys the job sets; each other key takes the checkpoint's published
+    default, else ditfleet's. The scheduler: the job's model.scheduler_config, else a recognised
+    LoRA's published one, else the checkpoint's own."""
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for key in SAMPLING_KEYS:
+        if key in given:
+            values[key], sources[key] = given[key], JOB
+        elif found is not None:
+            values[key], sources[key] = found.schedule.defaults()[key], checkpoint_label(found)
+        else:
+            values[key], sources[key] = ditfleet_defaults[key], DITFLEET
+    if scheduler_config is not None:
+        sources["scheduler"] = JOB
+    elif found is not None and found.schedule.lora_name is not None:
+        scheduler_config, sources["scheduler"] = found.schedule.scheduler_uri(), checkpoint_label(found)
+    else:
+        sources["scheduler"] = "its scheduler/ folder"
+    return SamplingDefaults(values, sources, scheduler_config, found, notes)
