@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ditfleet.driver.output.json_objects import read_json
-from ditfleet.driver.output.lease import OutputBusy, lease_generations, read_lease_document
+from ditfleet.driver.output.lease import OutputBusy, OutputLease, lease_generations, read_lease_document
+from ditfleet.driver.output.pause_points import pause_point
 from ditfleet.workers.output.layout import success_key
 from ditfleet.workers.storage import ObjectStore
 
@@ -57,6 +58,26 @@ def put_success(store: ObjectStore, doc: dict[str, Any], lease: int | None) -> N
             f"{lease}: another driver took the output"
         )
     store.put(success_key(), data, "application/json")
+
+
+def remove_success(store: ObjectStore, lease: OutputLease | None) -> bool:
+    """Remove `_SUCCESS` before this driver (holding `lease`; None: tests without a driver)
+    changes the output; True when it did. Raises OutputBusy once the driver lost the output: it
+    then removes nothing. A `_SUCCESS` of this driver's generation or a later one is kept."""
+    pause_point("before_success_removal")
+    if lease is not None:
+        lease.check()
+    try:
+        doc = read_json(store, success_key())
+    except ValueError:
+        doc = {}  # not JSON: not a `_SUCCESS` of ours, nothing to keep
+    if doc is None:
+        return False
+    wrote = _lease_of(doc)
+    if lease is not None and wrote is not None and wrote >= lease.generation:
+        return False
+    store.delete(success_key())
+    return True
 
 
 @dataclass(frozen=True)
