@@ -125,3 +125,13 @@ def test_success_is_removed_only_under_a_current_lease_and_a_later_generations_i
     assert success_file(store).doc is not None
     # A `_SUCCESS` written under this driver's generation or a later one is never removed.
     assert not remove_success(store, b) and store.exists(success_key())
+
+
+def test_a_stale_view_never_replaces_a_later_generations_success(tmp_path):
+    store = LocalStore(str(tmp_path / "out"))
+    put_success(store, {"status": "ok"}, 0)
+    put_success(store, {"status": "ok"}, 2)  # a lower generation's is replaced
+    assert json.loads(store.get(success_key()))["lease"] == 2
+    with pytest.raises(OutputBusy):
+        put_success(store, {"status": "ok"}, 1)  # a later one is never replaced
+    assert json.loads(store.get(success_key()))["lease"] == 2
