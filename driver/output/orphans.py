@@ -140,11 +140,13 @@ def read_shard_record(store: ObjectStore, shard: int, keys: Mapping[int, str]) -
     gone: set[int] = set()
     unaccounted: dict[int, str] = {}
     for generation, key in sorted(keys.items()):
+        named: list[str] = []
+        why: str | None = None
         try:
             data = store.get(key)
             kind = manifest_kind(data)
             if kind.kind == SEALED:
-                named, why = [], None
+                pass
             elif kind.kind == SUPERSEDED and kind.objects is not None:
                 named, why = _tombstone_keys(shard, kind.objects)
             elif kind.kind == SUPERSEDED:
