@@ -21,7 +21,7 @@ from ditfleet.driver.output.supersede import supersede_pending
 from ditfleet.workers.output.layout import manifest_key, new_attempt_token, success_key, superseded_key
 from ditfleet.workers.output.manifest import MANIFEST_SCHEMA, SUPERSEDED, manifest_kind, read_manifests
 from ditfleet.workers.storage import LocalStore
-from tests.unit.driver.test_integrity_rules import Crash, CrashingStore, _redone_output, commit, straggler
+from tests.unit.driver.test_integrity_rules import _redone_output, commit, crashed_supersessions, straggler
 
 
 def _rows_once(store) -> None:
@@ -48,16 +48,7 @@ def test_a_second_redo_after_superseded_was_deleted_supersedes_from_its_own_mani
 
 
 def test_a_supersession_stopped_at_any_step_is_finished_after_its_history_is_deleted(tmp_path):
-    steps = 0
-    while True:
-        root = tmp_path / f"crash-{steps}"
-        store, old, new = _redone_output(root)
-        other = sorted(store.list("images/00001/"))
-        try:
-            supersede_pending(CrashingStore(str(root), steps))
-            finished = True
-        except Crash:
-            finished = False
+    for steps, root, store, old, new, other, _ in crashed_supersessions(tmp_path):
         shutil.rmtree(root / "_superseded", ignore_errors=True)
         done = supersede_pending(LocalStore(str(root)))
         assert not done.blocked, (steps, done.blocked)
@@ -65,9 +56,6 @@ def test_a_supersession_stopped_at_any_step_is_finished_after_its_history_is_del
         # Whatever the step, the tombstone lists generation 0's objects: none is left behind.
         assert manifest_kind(store.get(manifest_key(0))).objects == tuple(sorted(old)), steps
         _rows_once(store)
-        if finished:
-            break
-        steps += 1
     assert steps > 3
 
 

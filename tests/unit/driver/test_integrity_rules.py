@@ -240,7 +240,10 @@ def test_supersession_moves_the_lower_generation_under_superseded_and_is_idempot
     assert supersede_pending(store).generations == [] and _state(store) == after
 
 
-def test_supersession_crashed_at_every_step_is_finished_by_the_next_one(tmp_path):
+def crashed_supersessions(tmp_path):
+    """A supersession of `_redone_output` crashed at each of its writes in turn, then one that
+    was not: yields (steps, root, store, old, new, other, first) after each, where other is shard
+    1's objects and first generation 0's manifest bytes."""
     steps = 0
     while True:
         root = tmp_path / f"crash-{steps}"
@@ -252,6 +255,14 @@ def test_supersession_crashed_at_every_step_is_finished_by_the_next_one(tmp_path
             finished = True
         except Crash:
             finished = False
+        yield steps, root, store, old, new, other, first
+        if finished:
+            return
+        steps += 1
+
+
+def test_supersession_crashed_at_every_step_is_finished_by_the_next_one(tmp_path):
+    for steps, root, store, old, new, other, first in crashed_supersessions(tmp_path):
         # At any crash point every object is in the data areas or kept under _superseded/.
         for key in old + new:
             assert store.exists(key) or store.exists(superseded_key(key)), (steps, key)
@@ -263,9 +274,6 @@ def test_supersession_crashed_at_every_step_is_finished_by_the_next_one(tmp_path
         assert store.get(superseded_key(manifest_key(0))) == first
         assert manifest_kind(store.get(manifest_key(0))) == ManifestKind(SUPERSEDED, 1, tuple(sorted(old)))
         _readers_see_each_row_once_with_its_object(store)
-        if finished:
-            break
-        steps += 1
     assert steps >= 6  # 1 manifest copy, 2 object copies, the tombstone, 2 deletions
 
 
