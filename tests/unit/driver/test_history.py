@@ -123,3 +123,29 @@ def test_a_stale_view_never_replaces_a_later_generations_success(tmp_path):
     with pytest.raises(OutputBusy):
         put_success(store, {"status": "ok"}, 1)  # a later one is never replaced
     assert json.loads(store.get(success_key()))["lease"] == 2
+
+
+def test_verify_names_an_old_tombstones_leftovers_precisely_and_clean_moves_them(tmp_path):
+    from ditfleet.driver.output.verify import verify_output
+
+    store = LocalStore(str(tmp_path / "out"))
+    old = commit(store, 0, 0, new_attempt_token(0), ids=("a0", "a1"))
+    commit(store, 0, 1, new_attempt_token(0, 1), ids=("a0", "a1"))
+    commit(store, 1, 0, new_attempt_token(0), ids=("b0", "b1"))
+    store.put(manifest_key(0), _old_tombstone(1))  # stopped before deleting; then _superseded/ deleted
+    store.put(
+        "_job.json", json.dumps({"fingerprint": "t", "plan": {"shards": 2, "rows": 4, "images": 4}}).encode()
+    )
+    run = acquire_lease(store, ttl_s=60, renew=False)
+    put_success(store, {"status": "succeeded", "images": {"ok": 4, "failed": 0}}, run.generation)
+    run.mark_settled()
+    run.release()
+    report = verify_output(store)
+    assert report.exit_code == 1 and report.pending == 0, report.format_text()
+    [line] = [p for p in report.problems if "generation 0 is superseded by generation 1" in p]
+    assert "copy under _superseded/ was deleted" in line and "verify --clean" in line, line
+    assert any(store.uri(k) in line for k in old), line
+    cleaned = verify_output(store, clean=True)
+    assert cleaned.superseded == 1 and cleaned.exit_code == 0, cleaned.format_text()
+    assert all(not store.exists(k) and store.exists(superseded_key(k)) for k in old)
+    assert verify_output(store).exit_code == 0
