@@ -29,7 +29,8 @@ import pyarrow.compute as pc
 from ditfleet.driver.input.arrays import plain
 from ditfleet.driver.input.prompts import InputFile, PromptSource
 from ditfleet.driver.input.scan import ScanOptions, scan_input
-from ditfleet.driver.output.lease import shard_ranges
+from ditfleet.driver.output.lease import OutputLease, shard_ranges
+from ditfleet.driver.output.success import remove_success
 from ditfleet.driver.plan import PlanConfig, ShardCutter, footer_hashes, row_group_warnings
 from ditfleet.driver.run_records import (
     FileEntry,
@@ -40,7 +41,6 @@ from ditfleet.driver.run_records import (
     recorded_ids,
     write_ids,
 )
-from ditfleet.workers.output.layout import success_key
 from ditfleet.workers.rows import ShardSpec
 from ditfleet.workers.storage import ObjectStore
 
@@ -248,13 +248,16 @@ def _files_to_read(
     return [f for f in files if needs_reading(f)]
 
 
-def commit_increment(store: ObjectStore, plan: IncrementPlan) -> IncrementPlan | None:
+def commit_increment(
+    store: ObjectStore, plan: IncrementPlan, lease: OutputLease | None = None
+) -> IncrementPlan | None:
     """Write the plan's ids and then its run record (create-only); returns the plan as written
     (its record names its ids), or None when another driver took this run number first (plan
     again). A plan without a record writes nothing.
 
     `_SUCCESS` goes before the record: the record plans shards that are not committed, and
-    `_SUCCESS` must never stand next to those, whenever the driver is killed.
+    `_SUCCESS` must never stand next to those, whenever the driver is killed. Its removal is
+    fenced by `lease` (driver.output.success.remove_success; None: tests without a driver).
     """
     record = plan.record
     if record is None:
@@ -262,7 +265,7 @@ def commit_increment(store: ObjectStore, plan: IncrementPlan) -> IncrementPlan |
     if record.shards:
         record = dataclasses.replace(record, ids_key=write_ids(store, record.run, plan.token, plan.ids))
     if record.shards or record.superseded:
-        store.delete(success_key())
+        remove_success(store, lease)
     if not claim_run(store, record):
         return None
     return dataclasses.replace(plan, record=record)

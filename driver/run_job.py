@@ -48,13 +48,13 @@ from ditfleet.driver.output.lease import OutputLease, acquire_lease
 from ditfleet.driver.output.pause_points import pause_point
 from ditfleet.driver.output.settle import Settled, settle_older
 from ditfleet.driver.output.status import OutputCounts
+from ditfleet.driver.output.success import remove_success
 from ditfleet.driver.output.summary import FAILED, JobSummary, RunOutcome, build_summary, read_success
 from ditfleet.driver.plan import JobPlan, PlanConfig, idle_actors_warning, plan_job
 from ditfleet.driver.plan_file import load_plan, save_plan
 from ditfleet.driver.progress import JobProgress
 from ditfleet.driver.rerun import complete_already, redo_generations
 from ditfleet.workers.contract import WorkerConfig
-from ditfleet.workers.output.layout import success_key
 from ditfleet.workers.output.manifest import committed_shards
 from ditfleet.workers.rows import ShardSpec
 from ditfleet.workers.storage import ObjectStore, S3Config, open_store
@@ -249,7 +249,7 @@ def _plain_work(run: _Execution, started: float) -> _Work | JobSummary:
                 store, lease=run.lease, settled=run.settled, own=(), redo={}, success=previous, out=out
             )
         return summary
-    _prepare_to_write(store, out)
+    _prepare_to_write(store, run.lease, out)
     idle = idle_actors_warning(
         len(plan.shards), plan.total_rows, config.plan.shard_size, config.dispatch.max_actors
     )
@@ -319,7 +319,7 @@ def _incremental_work(run: _Execution, started: float) -> _Work | JobSummary:
     run.hold(store)
     # commit_increment removed `_SUCCESS` before writing a new record; this catches shards
     # carried over from a run that left it behind.
-    _prepare_to_write(store, out)
+    _prepare_to_write(store, run.lease, out)
     order = config.plan.rows.buckets.names
     return _Work(store, plan.fingerprint, todo, frozenset(), planned, order, plan_s)
 
@@ -357,12 +357,14 @@ class _Execution:
             self.worker_config = dataclasses.replace(wc, model_identity=identity.to_dict())
         return identity
 
-    def hold(self, store: ObjectStore) -> None:
+    def hold(self, store: ObjectStore) -> OutputLease | None:
         """Own the output for this run (one driver at a time; raises OutputBusy), then settle
-        what earlier drivers left open (driver.output.settle), before anything is planned."""
+        what earlier drivers left open (driver.output.settle), before anything is planned.
+        Returns the lease."""
         if self.lease is None:
             self.lease = acquire_lease(store)
             self.settled = settle_older(store, self.lease.generation)
+        return self.lease
 
     def refuse_ids_that_fold(self, store: ObjectStore) -> None:
         """Before the output is claimed: on a store that folds case, refuse ids that differ only
@@ -473,12 +475,15 @@ def preview_increment(config: DriverConfig) -> IncrementPlan:
 
 
 def _plan_increment(
-    config: DriverConfig, store: ObjectStore, model: ModelIdentity | None, hold: Callable[[], None]
+    config: DriverConfig,
+    store: ObjectStore,
+    model: ModelIdentity | None,
+    hold: Callable[[], OutputLease | None],
 ) -> IncrementPlan:
     """Plan the next run and write its record; plans again if another driver took the number.
 
     Nothing is written before the new files passed validation, and nothing at all when there
-    is nothing new; `hold` (taking the lease) is called before the first write.
+    is nothing new; `hold` (taking the lease, returned) is called before the first write.
     """
     source = prompt_source(config)
     spec = json.loads(config.resolved_spec)
@@ -491,9 +496,9 @@ def _plan_increment(
         if plan.record is None:
             return plan
         store.check_writable()
-        hold()
+        lease = hold()
         claim_incremental_output(store, config.plan, config.input_uri, spec, model=model)
-        written = commit_increment(store, plan)
+        written = commit_increment(store, plan, lease)
         if written is not None:
             return written
     raise OutputMismatch(
@@ -502,12 +507,12 @@ def _plan_increment(
     )
 
 
-def _prepare_to_write(store: ObjectStore, out: TextIO) -> None:
-    """Before a run writes to an output that is not complete: `_SUCCESS` goes, so that no reader
-    takes the output for finished while it changes, and the temp files of writers killed
-    mid-write (local outputs), which would stay forever, are removed."""
-    if store.exists(success_key()):
-        store.delete(success_key())
+def _prepare_to_write(store: ObjectStore, lease: OutputLease | None, out: TextIO) -> None:
+    """Before a run writes to an output that is not complete: `_SUCCESS` goes (fenced by the
+    lease: driver.output.success), so that no reader takes the output for finished while it
+    changes, and the temp files of writers killed mid-write (local outputs), which would stay
+    forever, are removed."""
+    remove_success(store, lease)
     removed = store.remove_stale_temp_files()
     if removed:
         print(f"{store.uri()}: removed {removed} temporary file(s) left by killed writers", file=out)

@@ -7,6 +7,8 @@ driver then counts rows and images from the manifests of the run's shards and cl
 1. seal its own redo generations that did not commit (a straggler of them can never commit);
 2. supersede every shard whose lower generation still has rows or objects in the
    reader-visible folders (driver.output.supersede: its own redos, and any a crashed run left);
+   a lower generation that cannot be superseded (a manifest that cannot be read) means no
+   `_SUCCESS`: the run ends with SupersedeError naming it;
    a redo names the `ditfleet score` tables it left without its generation (it does not rescore);
 3. delete what the one rule proves lost (driver.output.orphans) in its own shards and in the
    shards of every older lease document it settled (driver.output.settle), so a crashed run's
@@ -36,7 +38,7 @@ from ditfleet.driver.output.settle import Settled, delete_settled, seal_generati
 from ditfleet.driver.output.status import count_shards
 from ditfleet.driver.output.success import put_success
 from ditfleet.driver.output.summary import JobSummary, RunOutcome, build_summary
-from ditfleet.driver.output.supersede import supersede_pending
+from ditfleet.driver.output.supersede import SupersedeError, supersede_pending
 from ditfleet.workers.output.manifest import committed_shards, current_manifest_keys
 from ditfleet.workers.output.score_table import all_score_tables
 from ditfleet.workers.storage import ObjectStore
@@ -123,6 +125,13 @@ def close_output(
     cleaned = delete_lost(store, shards, before_delete=lambda: pause_point("in_cleanup"))
     if cleaned:
         print(f"removed {cleaned} objects of losing or killed runs (no manifest names them)", file=out)
+    if superseded.blocked:
+        # Readers would see those generations next to the current ones: no `_SUCCESS` over
+        # them, and this run's document stays unsettled, so the next driver tries again.
+        raise SupersedeError(
+            f"output {store.uri()}: _SUCCESS is not written, {len(superseded.blocked)} superseded "
+            "generation(s) cannot leave the reader folders: " + "; ".join(superseded.blocked)
+        )
     pause_point("before_success")
     if success is not None:
         _check(lease)

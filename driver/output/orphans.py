@@ -4,8 +4,11 @@ anything in the data areas is deleted.
 The rule (lock-free): an attempt object of shard S, generation g (its key says which,
 workers.output.layout), token T, is *provably lost* iff the manifest key of (S, g) exists and was
 read, and no ok row of any manifest of S that was read names T. That key holds a manifest, a
-tombstone (a superseded generation, whose rows are read from its copy under `_superseded/`) or
-a seal (an abandoned generation: no rows). A manifest key, once written, is never freed and its
+tombstone (a superseded generation: it lists the object keys its rows named; one written before
+it did has its rows read from its copy under `_superseded/`) or a seal (an abandoned
+generation: no rows). An old tombstone whose copy was deleted (its history) names nothing we can
+read: no object of its generation, nor of generation 0 (whose plain tokens the redos of earlier
+versions shared), is then provably lost. A manifest key, once written, is never freed and its
 rows never change (a superseded manifest's rows are kept whole), and a run of generation g can
 commit only at (S, g): so a verdict "lost" stays true forever, and a process paused for any
 length of time between reading and deleting cannot delete anything that was not already lost.
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pyarrow.compute as pc
 
@@ -36,7 +39,7 @@ from ditfleet.workers.output.manifest import (
     manifest_generations,
     manifest_kind,
 )
-from ditfleet.workers.storage import ObjectStore
+from ditfleet.workers.storage import ObjectNotFound, ObjectStore
 from ditfleet.workers.storage.base import READ_THREADS, check_key
 from ditfleet.workers.storage.parquet_bytes import read_parquet
 
@@ -71,6 +74,12 @@ class ShardRecord:
     accounted: bool
     areas: frozenset[str]  # the data areas ok rows name objects in ("images/", ...)
     named_by: Mapping[int, tuple[str, ...]]  # generation -> the object keys its ok rows name
+    # Tombstoned generations whose objects are unknown: written before tombstones listed them,
+    # and their copy under `_superseded/` was deleted.
+    history_gone: frozenset[int] = frozenset()
+    # generation -> why the shard is not accounted for, naming its key: a manifest that cannot
+    # be read, or one that names something outside the layout.
+    unaccounted: Mapping[int, str] = field(default_factory=dict)
 
     def is_lost(self, key: str) -> bool:
         """The one rule (module docstring) for the object at `key`."""
@@ -81,6 +90,8 @@ class ShardRecord:
             and obj.shard == self.shard
             and obj.generation in self.kinds
             and obj.attempt not in self.named
+            and obj.generation not in self.history_gone
+            and (obj.generation > 0 or not self.history_gone)
         )
 
 
@@ -90,44 +101,76 @@ def _ok_uris(manifest: bytes) -> list:
     return pc.filter(table.column("uri"), pc.equal(table.column("status"), "ok")).to_pylist()
 
 
-def _ok_keys(root: str, shard: int, data: bytes) -> tuple[list[str], bool]:
+def _ok_keys(root: str, shard: int, data: bytes) -> tuple[list[str], str | None]:
+    """The object keys of a manifest's ok rows, and None, or why they cannot all be trusted."""
     keys: list[str] = []
     for uri in _ok_uris(data):
-        key, _ = manifest_object_key(root, shard, uri)
+        key, why = manifest_object_key(root, shard, uri)
         if key is None:
-            return keys, False
+            return keys, why
         keys.append(key)
-    return keys, True
+    return keys, None
+
+
+def _tombstone_keys(shard: int, keys: tuple[str, ...]) -> tuple[list[str], str | None]:
+    """A tombstone's listed object keys, and None, or why they cannot be trusted."""
+    for key in keys:
+        try:
+            check_key(key)
+        except ValueError:
+            return [], f"it lists {key!r}, which is not a plain key under the output"
+        obj = attempt_object(key)
+        if obj is None or obj.shard != shard:
+            return [], f"it lists {key!r}, which is not an object of shard {shard} in the output layout"
+    return list(keys), None
 
 
 def read_shard_record(store: ObjectStore, shard: int, keys: Mapping[int, str]) -> ShardRecord:
     """Read every generation's manifest key of `shard` (`keys`: generation -> key, as listed);
-    a tombstone's rows are read from its copy under `_superseded/`."""
+    a tombstone's objects are read from the tombstone (an old one's from its copy under
+    `_superseded/`)."""
     root = store.uri()
     kinds: dict[int, str] = {}
     named_by: dict[int, tuple[str, ...]] = {}
-    accounted = True
+    gone: set[int] = set()
+    unaccounted: dict[int, str] = {}
     for generation, key in sorted(keys.items()):
+        named: list[str] = []
+        why: str | None = None
         try:
             data = store.get(key)
-            kind = manifest_kind(data).kind
-            if kind == SUPERSEDED:
-                data = store.get(superseded_key(key))
-            named, readable = ([], True) if kind == SEALED else _ok_keys(root, shard, data)
-        except Exception:  # noqa: BLE001 - absent meanwhile or unreadable: nothing of the shard is proved lost
-            accounted = False
+            kind = manifest_kind(data)
+            if kind.kind == SEALED:
+                pass
+            elif kind.kind == SUPERSEDED and kind.objects is not None:
+                named, why = _tombstone_keys(shard, kind.objects)
+            elif kind.kind == SUPERSEDED:
+                try:
+                    data = store.get(superseded_key(key))
+                except ObjectNotFound:
+                    kinds[generation] = kind.kind
+                    gone.add(generation)
+                    continue
+                named, why = _ok_keys(root, shard, data)
+            else:
+                named, why = _ok_keys(root, shard, data)
+        except Exception as e:  # noqa: BLE001 - absent meanwhile or unreadable: nothing of the shard is proved lost
+            unaccounted[generation] = f"{store.uri(key)} cannot be read ({type(e).__name__}: {e})"
             continue
-        kinds[generation] = kind
+        kinds[generation] = kind.kind
         named_by[generation] = tuple(named)
-        accounted = accounted and readable
+        if why is not None:
+            unaccounted[generation] = f"{store.uri(key)}: {why}"
     every = [k for keys_ in named_by.values() for k in keys_]
     return ShardRecord(
         shard,
         kinds,
         frozenset(attempt_object(k).attempt for k in every),  # type: ignore[union-attr]  # checked above
-        accounted,
+        not unaccounted,
         frozenset(k.split("/", 1)[0] + "/" for k in every),
         named_by,
+        frozenset(gone),
+        unaccounted,
     )
 
 

@@ -23,6 +23,10 @@ POINTS = {
     "in_cleanup": "driver finish: manifests read and lost objects computed, before deleting",
     "before_success": "driver finish: clean-up done, before `_SUCCESS` is written",
     "after_redo_commit": "driver finish: dispatch returned (redo generations committed), before supersession",
+    "before_success_removal": "driver: the lease is held and the output claimed, before the `_SUCCESS` of an "
+    "earlier run is removed",
+    "supersede_before_delete": "supersession: the tombstone is written, before the superseded objects are "
+    "deleted from the data areas",
     "verify_before_delete": "`verify --clean`: manifests read, before deleting",
     "after_dispatch_start": "driver: the lease document with its shards and redo generations is written "
     "and the first shard was handed to an actor",

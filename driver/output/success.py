@@ -20,9 +20,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ditfleet.driver.output.json_objects import read_json
-from ditfleet.driver.output.lease import OutputBusy, lease_generations, read_lease_document
+from ditfleet.driver.output.lease import OutputBusy, OutputLease, lease_generations, read_lease_document
+from ditfleet.driver.output.pause_points import pause_point
 from ditfleet.workers.output.layout import success_key
-from ditfleet.workers.storage import ObjectStore
+from ditfleet.workers.storage import ObjectNotFound, ObjectStore
+
+_TRIES = 5  # replacements of `_SUCCESS` lost to other writers before giving up
 
 
 class SuccessStale(OutputBusy):
@@ -41,22 +44,60 @@ def _keeps_complete(store: ObjectStore, generation: int) -> bool:
     return bool(doc and doc.get("keeps_complete") is True)
 
 
+def _read_success(store: ObjectStore) -> tuple[bytes, int | None] | None:
+    """`_SUCCESS`'s bytes and the lease generation they were written under; None when absent."""
+    try:
+        data = store.get(success_key())
+    except ObjectNotFound:
+        return None
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        doc = None  # not JSON: nothing to keep
+    return data, _lease_of(doc if isinstance(doc, dict) else None)
+
+
 def put_success(store: ObjectStore, doc: dict[str, Any], lease: int | None) -> None:
     """Write `doc` as `_SUCCESS`, stamped "lease": `lease`, create-only; one of a lower (or no)
-    generation there is replaced. Raises SuccessStale when one of a higher generation is there."""
+    generation there is removed first, only if it is still the one read (delete_if_holds), so a
+    driver paused in between never replaces a later generation's. Raises SuccessStale when one
+    of a higher generation is there."""
     data = (json.dumps({**doc, "lease": lease}, indent=2, default=str) + "\n").encode()
-    if store.put_if_absent(success_key(), data, "application/json"):
-        return
-    try:
-        there = _lease_of(read_json(store, success_key()))
-    except ValueError:
-        there = None  # not JSON: nothing to keep
-    if there is not None and lease is not None and there > lease:
-        raise SuccessStale(
-            f"{store.uri(success_key())} was written by lease generation {there}, this driver holds "
-            f"{lease}: another driver took the output"
-        )
-    store.put(success_key(), data, "application/json")
+    for _ in range(_TRIES):
+        if store.put_if_absent(success_key(), data, "application/json"):
+            return
+        found = _read_success(store)
+        if found is None:
+            continue  # removed meanwhile: create it
+        there, wrote = found
+        if wrote is not None and lease is not None and wrote > lease:
+            raise SuccessStale(
+                f"{store.uri(success_key())} was written by lease generation {wrote}, this driver holds "
+                f"{lease}: another driver took the output"
+            )
+        store.delete_if_holds(success_key(), there)
+    raise SuccessStale(
+        f"{store.uri(success_key())} changed under this driver {_TRIES} times in a row: another driver "
+        "writes the output"
+    )
+
+
+def remove_success(store: ObjectStore, lease: OutputLease | None) -> bool:
+    """Remove `_SUCCESS` before this driver (holding `lease`; None: tests without a driver)
+    changes the output; True when it did. Raises OutputBusy once the driver lost the output: it
+    then removes nothing. A `_SUCCESS` of this driver's generation or a later one is kept, and
+    the removal is conditional on the bytes read (delete_if_holds), so one written after the
+    read stays."""
+    pause_point("before_success_removal")
+    if lease is not None:
+        lease.check()
+    found = _read_success(store)
+    if found is None:
+        return False
+    there, wrote = found
+    if lease is not None and wrote is not None and wrote >= lease.generation:
+        return False
+    return store.delete_if_holds(success_key(), there)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from ditfleet.driver.output.orphans import (
 from ditfleet.driver.output.pause_points import pause_point
 from ditfleet.driver.output.settle import settle_older
 from ditfleet.driver.output.success import success_file
-from ditfleet.driver.output.supersede import supersede_pending
+from ditfleet.driver.output.supersede import left_in_data_areas, supersede_pending
 from ditfleet.driver.output.verify_report import MAX_LISTED, VerifyReport
 from ditfleet.driver.output.verify_shards import (
     CommittedShard,
@@ -45,7 +45,13 @@ from ditfleet.driver.output.verify_shards import (
     read_manifest_group,
     read_plan,
 )
-from ditfleet.workers.output.formats import FORMAT_AREAS, ManifestImage, attempt_object, object_key
+from ditfleet.workers.output.formats import (
+    FORMAT_AREAS,
+    ManifestImage,
+    attempt_object,
+    attempt_prefixes,
+    object_key,
+)
 from ditfleet.workers.output.layout import (
     MANIFESTS_PREFIX,
     SUPERSEDED_PREFIX,
@@ -102,6 +108,7 @@ def verify_output(
         superseded = supersede_pending(store)
         report = _verify(store, partial, True, hash_objects, workers, checks, lease.generation)
         report.sealed, report.superseded = len(settled.sealed), len(superseded.generations)
+        report.problems.extend(f"--clean could not finish a supersession: {b}" for b in superseded.blocked)
         # The older lease documents stay (a driver deletes those it settled): a `_SUCCESS` that
         # one of them made stale must stay stale, and this lease, which keeps a complete output
         # complete, does not count for that (driver.output.success).
@@ -277,8 +284,14 @@ def _check_superseded(
         current = max((g for g, k in record.kinds.items() if k == MANIFEST), default=None)
         if current is None:
             continue
-        for g in sorted(g for g, k in record.kinds.items() if g < current and k in (MANIFEST, SUPERSEDED)):
-            left = [k for k in record.named_by.get(g, ()) if k in listed]
+        lower = [g for g, k in record.kinds.items() if g < current and k in (MANIFEST, SUPERSEDED)]
+        shard_keys = (
+            {k for k in listed if k.startswith(attempt_prefixes(record.shard))}
+            if record.history_gone
+            else listed
+        )
+        for g in sorted(lower):
+            left = [] if record.kinds[g] == MANIFEST else left_in_data_areas(record, g, shard_keys)
             if done and (record.kinds[g] == MANIFEST or left):
                 report.problems.append(
                     f"shard {record.shard}: generation {g} is superseded by generation {current} but "
@@ -286,6 +299,12 @@ def _check_superseded(
                         "its manifest still holds rows in manifests/"
                         if record.kinds[g] == MANIFEST
                         else f"{len(left)} of its objects still lie in the data areas (e.g. {store.uri(left[0])})"
+                        + (
+                            " (its tombstone does not list them and its copy under _superseded/ was "
+                            "deleted: they are the objects of its generation no manifest names)"
+                            if g in record.history_gone
+                            else ""
+                        )
                     )
                     + ": readers see it next to the current one; `ditfleet verify --clean` finishes its supersession"
                 )
@@ -293,6 +312,9 @@ def _check_superseded(
                 continue
             if history is None:
                 history = set(store.list(SUPERSEDED_PREFIX))
+            if g in record.history_gone or superseded_key(manifest_key(record.shard, g)) not in history:
+                report.history_deleted += 1  # nothing reads it: history only
+                continue
             gone = [
                 k for k in record.named_by.get(g, ()) if superseded_key(k) not in history and k not in listed
             ]
@@ -337,6 +359,7 @@ def _judge_unnamed(
     (the one rule proves it lost), left to _check_superseded, pending, or a stray."""
     by_shard = {s.shard: s for s in manifests.shards}
     kept: Counter = Counter()  # shard -> objects kept because its manifests cannot be accounted for
+    why: dict[int, str] = {}  # shard -> which manifest could not be accounted for, and why
     listed: set[str] = set()
     for prefix in FORMAT_AREAS:
         for key in store.list(prefix):
@@ -352,6 +375,8 @@ def _judge_unnamed(
                 and (read is None or not read.accounted or record is None or not record.accounted)
             ):
                 kept[obj.shard] += 1
+                if record is not None and record.unaccounted and obj.shard not in why:
+                    why[obj.shard] = next(iter(record.unaccounted.values()))
             elif read is not None and obj is not None and obj.attempt in read.tokens:
                 report.problems.append(
                     f"{store.uri(key)}: no manifest names it, but it lies under the committed run's "
@@ -361,6 +386,17 @@ def _judge_unnamed(
                 report.orphans.append(key)
             elif record is not None and obj is not None and obj.attempt in record.named:
                 continue  # named by a superseded generation, not moved yet: _check_superseded says so
+            elif (
+                record is not None
+                and obj is not None
+                and record.history_gone
+                and obj.generation
+                in (
+                    *record.history_gone,
+                    0,
+                )
+            ):
+                continue  # of a superseded generation whose history is gone: _check_superseded says so
             elif obj is not None and obj.shard in plan.shards:
                 report.pending += 1
             else:
@@ -369,10 +405,13 @@ def _judge_unnamed(
                     "object of a planned shard)"
                 )
     for shard, n in sorted(kept.items()):
+        reason = why.get(shard) or (
+            f"the shard's manifest {store.uri(current_manifest_key(store, shard) or manifest_key(shard))} "
+            "cannot be fully read"
+        )
         report.problems.append(
-            f"shard {shard}: {n} objects no readable manifest row names are kept untouched: the "
-            f"shard's manifest {store.uri(current_manifest_key(store, shard) or manifest_key(shard))} cannot be fully read, so which of "
-            "them it commits is unknown (restore the manifest, then verify again)"
+            f"shard {shard}: {n} objects no readable manifest row names are kept untouched: {reason}; "
+            "so which of them a manifest commits is unknown (restore that manifest, then verify again)"
         )
     return listed
 

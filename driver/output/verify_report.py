@@ -32,6 +32,9 @@ class VerifyReport:
     # Objects superseded generations name that their history under _superseded/ lacks: lost
     # before the redo that replaced them (usually why it ran); history, not the current output.
     history_missing: list[str] = field(default_factory=list)
+    # Superseded generations whose copy under _superseded/ was deleted (by hand or a lifecycle
+    # rule): nothing reads it, so this is a note, not a problem.
+    history_deleted: int = 0
 
     @property
     def complete(self) -> bool:
@@ -64,6 +67,7 @@ class VerifyReport:
             "superseded_now": self.superseded,
             "sealed_now": self.sealed,
             "history_missing": len(self.history_missing),
+            "history_deleted": self.history_deleted,
         }
 
     def format_text(self) -> str:
@@ -87,6 +91,11 @@ class VerifyReport:
             lines.append(
                 f"  history: {len(self.history_missing)} objects of superseded generations are not "
                 f"under _superseded/ (lost before the redo that replaced them; e.g. {self.history_missing[0]})"
+            )
+        if self.history_deleted:
+            lines.append(
+                f"  history: {self.history_deleted} superseded generation(s) have no copy under "
+                "_superseded/ (deleted; nothing needs it)"
             )
         if self.moved_from:
             lines.append(

@@ -359,3 +359,59 @@ def test_10_compaction_paused_after_its_lease_check_writes_nothing_over_a_redo(c
         refused
     )
     assert compacted_state(case.store).current
+
+
+# -- issue 48, item 1: `_superseded/` is history that no rule reads --------------------------------
+
+
+def delete_history(store: ObjectStore) -> None:
+    """What docs/reliability.md allows, and a bucket lifecycle rule does: `_superseded/` goes."""
+    for key in list(store.list("_superseded/")):
+        store.delete(key)
+
+
+def test_48_1_history_deleted_then_a_second_redo_leaves_each_row_once(case):
+    finished(case)
+    first = case.procs.run("redo-1", redo=[1])
+    assert first.rc == 0, first
+    delete_history(case.store)
+    second = case.procs.run("redo-2", redo=[1])
+    assert second.rc == 0, second
+    assert_readers_see_each_row_once(case.store, IDS, FORMAT)  # the old code: p00002, p00003 twice
+    assert manifest_file(case.store, manifest_key(1, 2)).rows
+    for g in (0, 1):
+        assert manifest_file(case.store, manifest_key(1, g)).tombstone == "superseded", g
+    assert_superseded(case.store, 1, 1, by=2)
+    assert_intact(case)
+
+
+def test_48_1_supersession_killed_before_deleting_then_history_deleted_is_repaired_by_verify_clean(case):
+    finished(case)
+    a = case.procs.start("A-redo", redo=[1], pause_at=["supersede_before_delete"])
+    a.wait_paused("supersede_before_delete")  # generation 0's key is a tombstone; its objects still in data/
+    a.kill()
+    delete_history(case.store)
+    clean = case.procs.run(
+        "verify-clean", mode="cli", argv=["verify", case.uri, "--clean", "--partial", *case.cli]
+    )
+    assert clean.rc == 0, clean
+    assert_readers_see_each_row_once(case.store, IDS, FORMAT)  # no _SUCCESS yet: the redo removed it
+    b = case.procs.run("B-rerun")
+    assert b.rc == 0, b
+    assert_intact(case)
+
+
+# -- issue 48, item 5: a driver removes `_SUCCESS` only while its lease is current ---------------
+
+
+def test_48_5_driver_paused_before_removing_success_keeps_the_next_drivers(case):
+    finished(case)
+    a = case.procs.start("A-redo", redo=[1], pause_at=["before_success_removal"])
+    a.wait_paused("before_success_removal")  # A holds the lease; the old _SUCCESS is still there
+    lapse_lease(case.store)
+    b = case.procs.run("B-rerun")
+    assert b.rc == 0 and case.store.exists(success_key()), b
+    a.cont()
+    a_done = a.finish()
+    assert a_done.rc != 0, f"A, which lost the output while paused, must not go on: {a_done}"
+    assert_intact(case)  # B's _SUCCESS is still there and current

@@ -436,7 +436,6 @@ def test_a_redo_commits_a_new_generation_and_touches_no_other_shard(
     from ditfleet.workers.output.layout import superseded_key
     from ditfleet.workers.output.manifest import (
         SUPERSEDED,
-        ManifestKind,
         current_manifest_keys,
         manifest_kind,
         read_manifests,
@@ -461,7 +460,10 @@ def test_a_redo_commits_a_new_generation_and_touches_no_other_shard(
         k for k, v in kept.items() if after.get(k) != v
     )
     assert after[superseded_key(manifest_key(2))] == before[manifest_key(2)]
-    assert manifest_kind(case.store.get(manifest_key(2))) == ManifestKind(SUPERSEDED, 1)
+    # The tombstone lists the objects the superseded rows named, so nothing needs _superseded/.
+    tomb = manifest_kind(case.store.get(manifest_key(2)))
+    assert (tomb.kind, tomb.superseded_by) == (SUPERSEDED, 1), tomb
+    assert tomb.objects and all(case.tokens[2] in k for k in tomb.objects), tomb
     assert manifest_key(2, 1) in after and current_manifest_keys(case.store)[2] == manifest_key(2, 1)
     # The superseded generation's objects (under its token) left the data areas for _superseded/;
     # readers see one row each.

@@ -10,6 +10,7 @@ from tests.unit.workers.test_stores import (  # noqa: F401  (collected here, aga
     test_a_conditional_replace_writes_only_over_the_version_it_read,
     test_check_writable_passes_and_leaves_nothing,
     test_copy_and_move_are_create_only_and_resumable,
+    test_delete_if_holds_deletes_only_the_bytes_read,
     test_list_is_paginated_and_complete,
     test_put_file_streams_from_the_current_position,
     test_put_get_exists_list_delete,

@@ -4,9 +4,11 @@ A shard's manifest is written last, create-only; its existence is the shard's co
 
 A manifest key, once written, is never freed. Two zero-row files with exactly MANIFEST_SCHEMA
 may occupy one instead of rows (a reader of the union reads nothing from them):
-- a tombstone (`ditfleet.tombstone = superseded`, `ditfleet.superseded_by = g`): the
+- a tombstone (`ditfleet.tombstone = superseded`, `ditfleet.superseded_by = g`,
+  `ditfleet.superseded_objects` = the JSON list of the object keys its ok rows named): the
   generation was superseded by a redo's generation g; its rows are kept whole under
-  `_superseded/` (driver.output.supersede);
+  `_superseded/` (driver.output.supersede), but nothing needs that copy: the tombstone alone says
+  which objects were the generation's, so deleting `_superseded/` loses only history;
 - a seal (`ditfleet.tombstone = sealed`), only at a redo key: the generation was abandoned
   before it committed; no straggler of it can ever commit.
 `MANIFEST_SCHEMA` is derived from `ManifestRow`, so the row type and the Parquet schema cannot
@@ -23,7 +25,7 @@ import decimal
 import io
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +51,7 @@ SUPERSEDED = "superseded"
 SEALED = "sealed"
 _TOMBSTONE_KEY = b"ditfleet.tombstone"
 _SUPERSEDED_BY_KEY = b"ditfleet.superseded_by"
+_SUPERSEDED_OBJECTS_KEY = b"ditfleet.superseded_objects"
 
 
 def _col(arrow_type: pa.DataType, doc: str, default: Any = dataclasses.MISSING) -> Any:
@@ -315,14 +318,19 @@ def _marker_bytes(metadata: dict[bytes, bytes]) -> bytes:
     return buf.getvalue()
 
 
-def tombstone_bytes(superseded_by: int) -> bytes:
+def tombstone_bytes(superseded_by: int, objects: Iterable[str]) -> bytes:
     """The tombstone written over a superseded generation's manifest key: zero rows, exactly
-    MANIFEST_SCHEMA, saying which generation superseded it. Deterministic bytes, so two
-    supersessions of one generation write the same object."""
+    MANIFEST_SCHEMA, saying which generation superseded it and which object keys the
+    generation's ok rows named (so no rule needs its copy under `_superseded/`). Deterministic
+    bytes, so two supersessions of one generation write the same object."""
     if isinstance(superseded_by, bool) or not isinstance(superseded_by, int) or superseded_by < 1:
         raise ValueError(f"a superseding generation is an int >= 1, got {superseded_by!r}")
     return _marker_bytes(
-        {_TOMBSTONE_KEY: SUPERSEDED.encode(), _SUPERSEDED_BY_KEY: str(superseded_by).encode()}
+        {
+            _TOMBSTONE_KEY: SUPERSEDED.encode(),
+            _SUPERSEDED_BY_KEY: str(superseded_by).encode(),
+            _SUPERSEDED_OBJECTS_KEY: json.dumps(sorted(set(objects))).encode(),
+        }
     )
 
 
@@ -334,10 +342,13 @@ def seal_bytes() -> bytes:
 @dataclass(frozen=True)
 class ManifestKind:
     """What occupies a manifest key: MANIFEST (rows), SUPERSEDED (a tombstone, with the
-    generation that superseded it) or SEALED."""
+    generation that superseded it and the object keys its rows named) or SEALED."""
 
     kind: str
     superseded_by: int | None = None
+    # A tombstone's object keys; None when it was written before they were recorded (its
+    # rows are then known only from its copy under `_superseded/`).
+    objects: tuple[str, ...] | None = None
 
 
 def manifest_kind(data: bytes) -> ManifestKind:
@@ -348,7 +359,13 @@ def manifest_kind(data: bytes) -> ManifestKind:
         return ManifestKind(SEALED)
     if marker == SUPERSEDED.encode():
         by = metadata.get(_SUPERSEDED_BY_KEY, b"")
-        return ManifestKind(SUPERSEDED, int(by) if by.isdigit() else None)
+        objects = metadata.get(_SUPERSEDED_OBJECTS_KEY)
+        keys = None if objects is None else json.loads(objects)
+        if keys is not None and not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)):
+            raise ValueError(f"a tombstone's {_SUPERSEDED_OBJECTS_KEY.decode()} is not a list of keys")
+        return ManifestKind(
+            SUPERSEDED, int(by) if by.isdigit() else None, None if keys is None else tuple(keys)
+        )
     return ManifestKind(MANIFEST)
 
 

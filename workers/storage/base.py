@@ -203,6 +203,19 @@ class ObjectStore(abc.ABC):
     def delete(self, key: str) -> None:
         """Remove the object; deleting a missing key is not an error."""
 
+    def delete_if_holds(self, key: str, data: bytes) -> bool:
+        """Delete the object only if it holds exactly `data` (what the caller read and judged);
+        True when this call deleted it. Another writer's object that replaced it is kept.
+        Stores override this with an atomic form (a local rename-and-check, S3's conditional
+        DELETE); this fallback reads, compares and then deletes."""
+        try:
+            if self.get(key) != data:
+                return False
+        except ObjectNotFound:
+            return False
+        self.delete(key)
+        return True
+
     def copy(self, src: str, dst: str) -> bool:
         """Copy object `src` to `dst` unless `dst` exists. True: this call made the copy; False:
         `dst` was there already (a copy made before counts as done). Raises ObjectNotFound when

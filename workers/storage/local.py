@@ -176,6 +176,28 @@ class LocalStore(ObjectStore):
     def delete(self, key: str) -> None:
         _unlink_quietly(self._path(key))
 
+    def delete_if_holds(self, key: str, data: bytes) -> bool:
+        """Take the file out of its name (rename, atomic), then look at what was taken: ours to
+        delete when it holds `data`; else another writer's, linked back (create-only; a file
+        written into the name meanwhile is newer still and stays)."""
+        path = self._path(key)
+        taken = os.path.join(os.path.dirname(path), f"{_TMP_MARK}{uuid.uuid4().hex}")
+        try:
+            os.rename(path, taken)
+        except FileNotFoundError:
+            return False
+        try:
+            if self._holds(taken, data):
+                return True
+            try:
+                os.link(taken, path)
+            except FileExistsError:
+                pass
+            return False
+        finally:
+            _unlink_quietly(taken)
+            fsync_dir(os.path.dirname(path))
+
     def copy(self, src: str, dst: str) -> bool:
         """A hard link (no bytes copied; the source's later deletion leaves the copy), else, on
         a filesystem without links, a copy through a temp file; create-only either way."""

@@ -437,6 +437,28 @@ class S3Store(ObjectStore):
     def delete(self, key: str) -> None:
         self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
 
+    @_names_the_object("DELETE")
+    def delete_if_holds(self, key: str, data: bytes) -> bool:
+        """Read the object and its ETag; when it holds `data`, DELETE with `If-Match: <ETag>`
+        (a conditional delete: S3 refuses it with 412 if the object was replaced since). A store
+        that ignores If-Match on DELETE deletes after the check, as ObjectStore's fallback."""
+        try:
+            reply = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
+        except ClientError as e:
+            if error_code(e) in ("NoSuchKey", "404") or http_status(e) == 404:
+                return False
+            raise
+        with reply["Body"] as body:
+            if body.read() != data:
+                return False
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=self._key(key), IfMatch=reply["ETag"])
+        except ClientError as e:
+            if http_status(e) in (404, 412):
+                return False
+            raise
+        return True
+
     # -- fail fast -----------------------------------------------------------------------
 
     def check_writable(self) -> None:

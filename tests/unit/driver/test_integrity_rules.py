@@ -78,7 +78,10 @@ def test_the_token_says_its_generation_and_plain_tokens_are_generation_0():
 
 def test_tombstones_and_seals_are_zero_row_manifests_that_say_what_they_are(tmp_path):
     for data, kind in (
-        (tombstone_bytes(3), ManifestKind(SUPERSEDED, 3)),
+        (
+            tombstone_bytes(3, ["data/shard-00000-a0-x.parquet"]),
+            ManifestKind(SUPERSEDED, 3, ("data/shard-00000-a0-x.parquet",)),
+        ),
         (seal_bytes(), ManifestKind(SEALED)),
     ):
         assert manifest_kind(data) == kind
@@ -89,7 +92,7 @@ def test_tombstones_and_seals_are_zero_row_manifests_that_say_what_they_are(tmp_
     assert manifest_kind(store.get(manifest_key(0))) == ManifestKind(MANIFEST)
     # pyarrow.dataset over manifests/ reads nothing from either marker.
     store.put(manifest_key(0, 1), seal_bytes())
-    store.put(manifest_key(5), tombstone_bytes(1))
+    store.put(manifest_key(5), tombstone_bytes(1, []))
     assert ds.dataset(str(tmp_path / "out" / "manifests"), format="parquet").to_table().num_rows == 2
 
 
@@ -103,7 +106,7 @@ def test_current_manifest_keys_skip_seals_and_read_only_redo_footers(tmp_path):
     store.put(manifest_key(2, 2), seal_bytes())
     assert current_manifest_keys(store) == {0: manifest_key(0), 1: manifest_key(1), 2: manifest_key(2, 1)}
     assert committed_shards(store) == {0, 1, 2}
-    store.put(manifest_key(2), tombstone_bytes(1))  # superseded: readers read generation 1 alone
+    store.put(manifest_key(2), tombstone_bytes(1, []))  # superseded: readers read generation 1 alone
     assert read_manifests(store).num_rows == 6
 
 
@@ -223,7 +226,7 @@ def test_supersession_moves_the_lower_generation_under_superseded_and_is_idempot
     first = store.get(manifest_key(0))
     done = supersede_pending(store)
     assert done.generations == [(0, 0)] and done.moved == 2 and not done.missing
-    assert manifest_kind(store.get(manifest_key(0))) == ManifestKind(SUPERSEDED, 1)
+    assert manifest_kind(store.get(manifest_key(0))) == ManifestKind(SUPERSEDED, 1, tuple(sorted(old)))
     assert store.get(superseded_key(manifest_key(0))) == first
     assert all(not store.exists(k) and store.exists(superseded_key(k)) for k in old)
     assert all(store.exists(k) for k in new)
@@ -232,7 +235,10 @@ def test_supersession_moves_the_lower_generation_under_superseded_and_is_idempot
     assert supersede_pending(store).generations == [] and _state(store) == after
 
 
-def test_supersession_crashed_at_every_step_is_finished_by_the_next_one(tmp_path):
+def crashed_supersessions(tmp_path):
+    """A supersession of `_redone_output` crashed at each of its writes in turn, then one that
+    was not: yields (steps, root, store, old, new, other, first) after each, where other is shard
+    1's objects and first generation 0's manifest bytes."""
     steps = 0
     while True:
         root = tmp_path / f"crash-{steps}"
@@ -244,6 +250,14 @@ def test_supersession_crashed_at_every_step_is_finished_by_the_next_one(tmp_path
             finished = True
         except Crash:
             finished = False
+        yield steps, root, store, old, new, other, first
+        if finished:
+            return
+        steps += 1
+
+
+def test_supersession_crashed_at_every_step_is_finished_by_the_next_one(tmp_path):
+    for steps, root, store, old, new, other, first in crashed_supersessions(tmp_path):
         # At any crash point every object is in the data areas or kept under _superseded/.
         for key in old + new:
             assert store.exists(key) or store.exists(superseded_key(key)), (steps, key)
@@ -253,11 +267,8 @@ def test_supersession_crashed_at_every_step_is_finished_by_the_next_one(tmp_path
             superseded_key(k) for k in old
         }
         assert store.get(superseded_key(manifest_key(0))) == first
-        assert manifest_kind(store.get(manifest_key(0))) == ManifestKind(SUPERSEDED, 1)
+        assert manifest_kind(store.get(manifest_key(0))) == ManifestKind(SUPERSEDED, 1, tuple(sorted(old)))
         _readers_see_each_row_once_with_its_object(store)
-        if finished:
-            break
-        steps += 1
     assert steps >= 6  # 1 manifest copy, 2 object copies, the tombstone, 2 deletions
 
 
@@ -379,7 +390,7 @@ def test_verify_says_a_stale_success_and_clean_seals_supersedes_and_deletes_by_t
     cleaned = verify_output(store, clean=True)
     assert cleaned.superseded == 1 and cleaned.sealed == 1
     assert manifest_kind(store.get(manifest_key(1, 1))) == ManifestKind(SEALED)
-    assert manifest_kind(store.get(manifest_key(0))) == ManifestKind(SUPERSEDED, 1)
+    assert manifest_kind(store.get(manifest_key(0))) == ManifestKind(SUPERSEDED, 1, tuple(sorted(old)))
     assert not store.exists(late)  # sealed: provably lost, deleted in the same pass
     assert all(store.exists(superseded_key(k)) and not store.exists(k) for k in old)
     assert all(store.exists(k) for k in new)

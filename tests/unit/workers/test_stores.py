@@ -90,6 +90,16 @@ def _move(store: ObjectStore, src: str, dst: str) -> bool:
     return made
 
 
+def test_delete_if_holds_deletes_only_the_bytes_read(store: ObjectStore) -> None:
+    # What fences `_SUCCESS` (driver.output.success): a remover whose view is stale keeps
+    # whatever another writer put there since it read.
+    store.put("_SUCCESS", b"old")
+    assert not store.delete_if_holds("_SUCCESS", b"other") and store.get("_SUCCESS") == b"old"
+    assert store.delete_if_holds("_SUCCESS", b"old") and not store.exists("_SUCCESS")
+    assert not store.delete_if_holds("_SUCCESS", b"old")
+    assert list(store.list()) == []  # nothing taken is left behind
+
+
 def test_copy_and_move_are_create_only_and_resumable(store: ObjectStore) -> None:
     store.put("images/00001/a0-x/p.png", b"pixels")
     assert store.copy("images/00001/a0-x/p.png", "_superseded/images/00001/a0-x/p.png") is True
