@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from ditfleet.model.loading.fp8 import check_device
-from ditfleet.model.loading.loader import fill_transformer, prepare_transformer
 from ditfleet.model.loading.quantization import check_quantization
+from ditfleet.model.qwen_image.loader import fill_transformer, prepare_transformer
 from ditfleet.model.qwen_image.lora import LoraFile, plan_updates
 from ditfleet.model.qwen_image.published import PUBLISHED
 from ditfleet.model.qwen_image.transformer import QwenImageTransformer

@@ -67,7 +67,7 @@ class Import:
 
 
 def module_name(path: Path) -> str:
-    """The import name of one of our files: model/loading/loader.py is ditfleet.model.loading.loader."""
+    """The import name of one of our files: model/qwen_image/loader.py is ditfleet.model.qwen_image.loader."""
     parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join((PACKAGE, *(parts[:-1] if parts[-1] == "__init__" else parts)))
 

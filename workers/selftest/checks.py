@@ -117,7 +117,7 @@ def slice_pipe(ctx: Context) -> TextToImagePipeline:
     pipe = ctx.state.get("slice_pipe")
     if pipe is not None:
         return pipe
-    from ditfleet.model.loading.loader import load_pipeline
+    from ditfleet.model.qwen_image.loader import load_pipeline
 
     root = slice_root(ctx)
     if not (root / "model_index.json").exists():

@@ -162,7 +162,7 @@ def test_lora_is_merged_before_quantizing(tmp_path, random_model_dir, mode):
 
 
 def test_quantizer_hands_back_the_updates_of_kept_layers(tmp_path, random_model_dir):
-    from ditfleet.model.loading.loader import prepare_transformer
+    from ditfleet.model.qwen_image.loader import prepare_transformer
     from ditfleet.model.qwen_image.lora import plan_updates
 
     lora = write_diffusers_lora(tmp_path / "a.safetensors", seed=1)
