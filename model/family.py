@@ -81,7 +81,7 @@ class ModelFamily(Protocol):
         """FLOPs of one DiT forward, one image of width x height, from the transformer's config.json."""
         ...
 
-    def load_pipeline(self, path: str | Path, **kwargs: Any) -> Any: ...
+    def load_pipeline(self, path: str | Path, *args: Any, **kwargs: Any) -> Any: ...
 
 
 # The one table: a checkpoint's model_index.json `_class_name` -> its family.
@@ -148,9 +148,9 @@ def model_family(source: Any) -> ModelFamily:
     return check_model_index(source) if Path(source).is_dir() else DEFAULT_FAMILY
 
 
-def load_pipeline(path: str | Path, **kwargs: Any) -> Any:
+def load_pipeline(path: str | Path, *args: Any, **kwargs: Any) -> Any:
     """The checkpoint at `path` ("tiny" or a local folder) loaded by its family (see
     `model.qwen_image.loader.load_pipeline` for the arguments)."""
     return model_family(resolve_model_dir(path) if str(path) != TINY_MODEL else path).load_pipeline(
-        path, **kwargs
+        path, *args, **kwargs
     )

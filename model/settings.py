@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ditfleet.model.generation.step_cache_config import StepCacheConfig, parse_step_cache, step_cache_value
+from ditfleet.model.step_cache_config import StepCacheConfig, parse_step_cache, step_cache_value
 
 # The longest prompt, in text tokens, that a job embeds by default, and the most it may ask for
 # (the largest prompt-length bucket a compiled region is warmed for, compile.buckets).

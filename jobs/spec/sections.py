@@ -20,7 +20,6 @@ from ditfleet.compile.buckets import BucketSet
 from ditfleet.compile.config import CompileConfig, OnOffAuto
 from ditfleet.driver.dispatch import DispatchConfig
 from ditfleet.driver.plan import PlanConfig
-from ditfleet.model.generation.step_cache_config import StepCacheConfig, check_schedule
 from ditfleet.model.loading.folder import TINY_MODEL
 from ditfleet.model.settings import (
     AttentionBackend,
@@ -30,6 +29,7 @@ from ditfleet.model.settings import (
     Quantization,
     ScorerName,
 )
+from ditfleet.model.step_cache_config import StepCacheConfig, check_schedule
 from ditfleet.workers.cache_secret import WELL_KNOWN_ENV, CacheSecretSource
 from ditfleet.workers.contract import Device, Dtype, GateConfig, ModelPlacement, Placement, WorkerConfig
 from ditfleet.workers.output.formats import ShardWriterConfig

@@ -146,11 +146,11 @@ class QwenImageFamily:
         tokens = (height // PIXELS_PER_TOKEN) * (width // PIXELS_PER_TOKEN)
         return forward_flops(config, tokens, text_tokens)["total"]
 
-    def load_pipeline(self, path: str | Path, **kwargs: Any) -> TextToImagePipeline:
+    def load_pipeline(self, path: str | Path, *args: Any, **kwargs: Any) -> TextToImagePipeline:
         """`model.qwen_image.loader.load_pipeline`: the checkpoint at `path` as a pipeline."""
         from ditfleet.model.qwen_image.loader import load_pipeline
 
-        return load_pipeline(path, **kwargs)
+        return load_pipeline(path, *args, **kwargs)
 
 
 QWEN_IMAGE = QwenImageFamily()

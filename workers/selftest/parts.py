@@ -21,9 +21,9 @@ from safetensors.torch import save_file
 
 from ditfleet.model.family import DEFAULT_FAMILY
 from ditfleet.model.generation.sampling import LATENT_CHANNELS, latent_grid
-from ditfleet.model.loading.fp8 import check_device, quantize_model
 from ditfleet.model.loading.quantization import QuantizationError
 from ditfleet.model.loading.weights import on_meta
+from ditfleet.model.qwen_image.fp8 import check_device, quantize_model
 from ditfleet.model.qwen_image.published import published_config
 from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
 from ditfleet.model.qwen_image.vae import QwenImageVAE
