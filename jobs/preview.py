@@ -2,7 +2,9 @@
 
 Reads manifests shard by shard until it has enough ok images, then reads those images through
 their format's reader (workers.output.formats), each stored object once. Sorted by a score
-(`--sort tiny`), it reads every manifest's uri and score columns first, then only the images shown.
+(`--sort tiny`), it reads every manifest's id, k, uri and score columns first (an image's score is
+found by its id and k: a "parquet" or "webdataset" shard's rows share one uri), then only the
+images shown.
 """
 
 from __future__ import annotations
@@ -11,18 +13,21 @@ import io
 import math
 import textwrap
 from dataclasses import dataclass
+from typing import NamedTuple
 
+import pyarrow as pa
 from PIL import Image, ImageDraw, ImageFont
 
 from ditfleet.workers.output.formats import MANIFEST_IMAGE_COLUMNS, ManifestImage, ok_images, read_images
 from ditfleet.workers.output.layout import score_table_key
 from ditfleet.workers.output.manifest import current_manifest_keys
+from ditfleet.workers.output.score_table import score_tables
 from ditfleet.workers.storage import ObjectStore
 from ditfleet.workers.storage.parquet_bytes import read_parquet
 
 _COLUMNS = [*MANIFEST_IMAGE_COLUMNS, "prompt"]
 THUMB = 160  # longest side of a thumbnail, pixels
-_CAPTION_CHARS = 26  # per caption line, at the default font
+_CAPTION_CHARS = 26  # per caption line, at the caption font (about 140 of THUMB's 160 px)
 _CAPTION_LINES = 4
 _PAD = 8
 
@@ -36,29 +41,56 @@ class PreviewImage:
     score: float | None = None  # with --sort: the score it was sorted by
 
 
-def scored_rows(store: ObjectStore, scorer: str) -> list[tuple[float, ManifestImage, str]]:
-    """(score, row, prompt) of every ok image with a `scorer` score: the manifest's score_{name}
-    column (quality.scorers), else the side table `ditfleet score` wrote for that manifest."""
+@dataclass(frozen=True)
+class ScoredImages:
+    """What `scored_rows` found: (score, row, prompt) of every ok image with a score, in shard
+    order, and a line naming the shards whose images have none because `ditfleet score` has not
+    scored their current generation (a redo since), or None."""
+
+    rows: list[tuple[float, ManifestImage, str]]
+    behind: str | None = None
+
+
+def _by_image(table: pa.Table, column: str) -> dict[tuple[str, int, str], float | None]:
+    """(id, k, uri) -> the row's `column`: an image is its (id, k), and the uri its generation's
+    object (every row of a "parquet" or "webdataset" shard shares one, so it is no key alone)."""
+    return dict(zip(zip(*(table[c].to_pylist() for c in ("id", "k", "uri"))), table[column].to_pylist()))
+
+
+def scored_rows(store: ObjectStore, scorer: str) -> ScoredImages:
+    """Every ok image with a `scorer` score: the manifest's score_{name} column (quality.scorers),
+    else the side table `ditfleet score` made from that manifest's generation."""
     found = []
     column = f"score_{scorer}"
-    for _, key in sorted(current_manifest_keys(store).items()):
+    current = current_manifest_keys(store)
+    tables = score_tables(store, scorer, current)  # one listing: which manifests have a table
+    without = []  # shards whose images got a score from neither place
+    for shard, key in sorted(current.items()):
         table = read_parquet(store.get(key), _COLUMNS, if_present=[column])
-        has_column = column in table.column_names
-        scores = dict(zip(table["uri"].to_pylist(), table[column].to_pylist())) if has_column else {}
-        side = score_table_key(scorer, key)
-        if not any(v is not None for v in scores.values()) and store.exists(side):
-            side_table = read_parquet(store.get(side), ["uri", "score"])
-            scores = dict(zip(side_table["uri"].to_pylist(), side_table["score"].to_pylist()))
+        scores = _by_image(table, column) if column in table.column_names else {}
+        if not any(v is not None for v in scores.values()):
+            if key in tables.made:
+                side = read_parquet(store.get(score_table_key(scorer, key)), ["id", "k", "uri", "score"])
+                scores = _by_image(side, "score")
+            else:
+                without.append(shard)
         prompts = {(r["id"], r["k"]): r["prompt"] for r in table.select(["id", "k", "prompt"]).to_pylist()}
         for row in ok_images(table):
-            if (value := scores.get(row.uri)) is not None:
+            if (value := scores.get((row.id, row.k, row.uri))) is not None:
                 found.append((value, row, prompts[(row.id, row.k)]))
-    return found
+    # Only where side tables are what this scorer's scores come from: a job's own scorer can
+    # leave images unscored (null) without any table being behind.
+    behind = tables.note(store.uri(), without) if (tables.made or tables.stale) else None
+    return ScoredImages(found, behind)
 
 
 def collect_sorted(store: ObjectStore, limit: int, scorer: str, best: bool = False) -> list[PreviewImage]:
     """Up to `limit` scored images, lowest score first (best: highest first); ties in shard order."""
-    ranked = sorted(scored_rows(store, scorer), key=lambda t: -t[0] if best else t[0])[:limit]
+    return _sorted_images(store, scored_rows(store, scorer), limit, best)
+
+
+def _sorted_images(store: ObjectStore, scored: ScoredImages, limit: int, best: bool) -> list[PreviewImage]:
+    ranked = sorted(scored.rows, key=lambda t: -t[0] if best else t[0])[:limit]
     blobs = read_images(store, [row for _, row, _ in ranked])
     return [
         PreviewImage(row.id, row.k, prompt, Image.open(io.BytesIO(blob)).convert("RGB"), value)
@@ -82,14 +114,20 @@ def collect(store: ObjectStore, limit: int) -> list[PreviewImage]:
     return picked
 
 
+def caption_font() -> ImageFont.FreeTypeFont | ImageFont.ImageFont:
+    """Pillow's bundled font at 12 px: at its default 10 px whole-pixel advances squeeze some word
+    spaces to a pixel ("smallyellow"), so captions read unevenly. The same font on every machine."""
+    return ImageFont.load_default(size=12)
+
+
 def contact_sheet(images: list[PreviewImage], columns: int | None = None) -> Image.Image:
     """A grid: each cell the image (fit into THUMB x THUMB) over its id and wrapped prompt."""
     if not images:
         raise ValueError("no images to show")
     cols = columns or min(len(images), max(1, math.ceil(math.sqrt(len(images)))))
     rows = math.ceil(len(images) / cols)
-    font = ImageFont.load_default()
-    line_h = 12
+    font = caption_font()
+    line_h = 15
     cell_w, cell_h = THUMB + 2 * _PAD, THUMB + 2 * _PAD + line_h * (_CAPTION_LINES + 1)
     sheet = Image.new("RGB", (cols * cell_w, rows * cell_h), "white")
     draw = ImageDraw.Draw(sheet)
@@ -106,6 +144,11 @@ def contact_sheet(images: list[PreviewImage], columns: int | None = None) -> Ima
     return sheet
 
 
+class PreviewWritten(NamedTuple):
+    shown: int  # images on the sheet
+    note: str | None = None  # with sort: the shards whose images have no score (ScoredImages.behind)
+
+
 def write_preview(
     store: ObjectStore,
     out_path: str,
@@ -113,10 +156,11 @@ def write_preview(
     columns: int | None = None,
     sort: str | None = None,
     best: bool = False,
-) -> int:
-    """Write a contact sheet PNG of up to `limit` images to `out_path`; returns how many it shows.
+) -> PreviewWritten:
+    """Write a contact sheet PNG of up to `limit` images to `out_path`.
     sort: a scorer's name: the images with that score, lowest first (best: highest first)."""
-    images = collect(store, limit) if sort is None else collect_sorted(store, limit, sort, best)
+    scored = scored_rows(store, sort) if sort is not None else None
+    images = collect(store, limit) if scored is None else _sorted_images(store, scored, limit, best)
     if not images and sort is not None:
         raise ValueError(
             f"{store.uri()} has no image with a {sort!r} score: run the job with quality.scorers: "
@@ -125,4 +169,4 @@ def write_preview(
     if not images:
         raise ValueError(f"{store.uri()} has no committed ok images yet; run the job first")
     contact_sheet(images, columns).save(out_path, format="PNG")
-    return len(images)
+    return PreviewWritten(len(images), scored.behind if scored is not None else None)

@@ -18,6 +18,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from ditfleet.driver.output.cost import cost_line
 from ditfleet.driver.output.job_file import read_job_file
 from ditfleet.driver.output.near_duplicate_counts import near_duplicate_line, near_duplicates_of
 from ditfleet.driver.output.status import gate_counts
@@ -26,7 +27,7 @@ from ditfleet.driver.output.summary import RATE_NAME, fleet_line, generation_rat
 from ditfleet.jobs.preview import collect
 from ditfleet.jobs.report_images import Thumbnail, image_cells, thumbnail
 from ditfleet.jobs.report_scores import ScoreSection, load_score_sections, scores_html
-from ditfleet.jobs.svg_axes import MARGIN, PLOT_H, PLOT_W, axes, round_top, svg
+from ditfleet.jobs.svg_axes import MARGIN, PLOT_H, PLOT_W, TEXT_CHAR_W, axes, round_top, svg
 from ditfleet.workers.output.manifest import read_manifests
 from ditfleet.workers.storage import ObjectStore
 
@@ -136,12 +137,18 @@ def worker_bars_svg(per_worker: dict[str, tuple[int, float]]) -> str:
     items = sorted(per_worker.items())
     rates = {wk: generation_rate(n, s) for wk, (n, s) in items}
     top = max(rates.values(), default=0.0) or 1.0
+    values = {wk: f"{rates[wk]:.2f} {RATE_NAME} ({n} images)" for wk, (n, _busy) in items}
+    # The longest bar ends where the longest value label still fits inside the plot (a label past
+    # the SVG's width is cut off): room for it at TEXT_CHAR_W per character, plus the gap.
+    value_w = 12 + TEXT_CHAR_W * max((len(v) for v in values.values()), default=0)
     bar_h, label_w, w = 22, 260, PLOT_W
+    bar_room = max(w - label_w - value_w, 120)
+    w = max(w, int(label_w + bar_room + value_w))
     h = bar_h * len(items) + 10
     parts = []
-    for i, (worker, (n, _busy)) in enumerate(items):
+    for i, worker in enumerate(rates):
         y = 5 + i * bar_h
-        length = rates[worker] / top * (w - label_w - 170)
+        length = rates[worker] / top * bar_room
         parts.append(
             f'<text x="{label_w - 6}" y="{y + 15}" text-anchor="end">{html.escape(worker[-36:])}</text>'
         )
@@ -150,7 +157,7 @@ def worker_bars_svg(per_worker: dict[str, tuple[int, float]]) -> str:
             f'fill="{_COLOURS[i % len(_COLOURS)]}"/>'
         )
         parts.append(
-            f'<text x="{label_w + length + 6:.1f}" y="{y + 15}">{rates[worker]:.2f} {RATE_NAME} ({n} images)</text>'
+            f'<text x="{label_w + length + 6:.1f}" y="{y + 15}">{html.escape(values[worker])}</text>'
         )
     return svg('id="worker-bars"', w, h, parts)
 
@@ -204,7 +211,7 @@ _CSS = """
 body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width:1100px}
 h1{font-size:20px}h2{font-size:16px;margin-top:28px;border-bottom:1px solid #ccc}
 table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}
-.ok{color:#1a7f37}.bad{color:#b42318}.legend{font-size:12px}.note{font-size:12px;color:#555}
+.ok{color:#1a7f37}.bad{color:#b42318}.legend{font-size:12px}.note{font-size:12px;color:#555}.stale{color:#b42318}
 .grid{display:flex;flex-wrap:wrap;gap:10px}.cell{width:150px;font-size:11px}
 .cell img{display:block;border:1px solid #ccc;image-rendering:pixelated}
 .strip .divider{width:3px;background:#d62728}
@@ -229,6 +236,7 @@ def _summary_rows(data: ReportData, failed: int) -> list[list[Any]]:
         ["job wall time", _seconds(wall)],
         ["workers", len({r["worker"] for r in rows})],
         *_fleet_rows(s),
+        *_cost_rows(s),
         *_step_cache_rows(s),
         *([["near duplicates", near_duplicate_line(data.near_duplicates)]] if data.near_duplicates else []),
     ]  # fmt: skip
@@ -240,6 +248,12 @@ def _fleet_rows(s: dict[str, Any] | None) -> list[list[Any]]:
     if not fleet.get("actor_hours"):
         return []
     return [["fleet cost", fleet_line(fleet)]]
+
+
+def _cost_rows(s: dict[str, Any] | None) -> list[list[Any]]:
+    """What an image cost (from _SUCCESS): seconds per image by bucket, dollars per million."""
+    cost = (s or {}).get("cost") or {}
+    return [["cost per image", cost_line(cost)]] if cost.get("by_bucket") else []
 
 
 def _step_cache_rows(s: dict[str, Any] | None) -> list[list[Any]]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import html
 import io
-import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -23,7 +22,7 @@ from ditfleet.driver.output.status import OutputCounts, gate_line
 from ditfleet.jobs.preview import scored_rows
 from ditfleet.jobs.report_images import Thumbnail, image_cells, thumbnail
 from ditfleet.jobs.svg_axes import MARGIN, PLOT_H, PLOT_W, axes, round_span, round_top, svg
-from ditfleet.model.settings import ScorerName
+from ditfleet.model.quality.table import SCORER_NAMES
 from ditfleet.workers.output.formats import read_images
 from ditfleet.workers.storage import ObjectStore
 
@@ -74,6 +73,7 @@ class ScoreSection:
     scorer: str
     values: list[float]  # every scored ok image's score
     unscored: int  # ok images without this score (null: not asked for, or the scorer cannot judge)
+    behind: str | None = None  # the shards `ditfleet score` has not scored since a redo (ScoredImages)
     threshold: float | None = None  # quality.gate.min, when the gate judged by this scorer
     gate: dict[str, Any] = field(default_factory=dict)  # OutputCounts.gate(): pass rate, tries
     below: list[Thumbnail] = field(default_factory=list)  # nearest under the threshold, rising
@@ -95,11 +95,12 @@ def load_score_sections(
     images of the current manifests; gate_counts: their gate_* counts (status.gate_counts)."""
     gate = ((spec or {}).get("quality") or {}).get("gate") or {}
     sections = []
-    for name in typing.get_args(ScorerName):
-        scored = [(value, (row, prompt)) for value, row, prompt in scored_rows(store, name)]
+    for name in SCORER_NAMES:
+        found = scored_rows(store, name)
+        scored = [(value, (row, prompt)) for value, row, prompt in found.rows]
         if not scored:
             continue
-        section = ScoreSection(name, [v for v, _ in scored], images_ok - len(scored))
+        section = ScoreSection(name, [v for v, _ in scored], images_ok - len(scored), found.behind)
         if gate.get("scorer") == name and isinstance(gate.get("min"), (int, float)):
             section.threshold = float(gate["min"])
             section.gate = OutputCounts(
@@ -155,7 +156,8 @@ def scores_html(sections: list[ScoreSection]) -> str:
         out.append(
             f"<h3>score_{html.escape(s.scorer)}</h3>"
             f'<p class="note">{len(s.values)} images scored, {s.unscored} ok images without a score (null)</p>'
-            f"{histogram_svg(s)}"
+            + (f'<p class="stale" id="stale-{s.scorer}">{html.escape(s.behind)}</p>' if s.behind else "")
+            + f"{histogram_svg(s)}"
         )
         if s.threshold is not None:
             passed = gate_line(s.gate) if s.gate else "no image was judged"

@@ -4,7 +4,10 @@ readers join, never touching a committed manifest or image.
 One table per current shard manifest (workers.output.score_table), made in threads here or in Ray
 tasks over a cluster (`--ray`). Resumable: a manifest whose table exists is skipped, so a killed
 run goes on where it stopped. Never silently stale: a table is named after the manifest
-generation it was made from and joins on the image's uri, which a redo changes; a table whose
+generation it was made from and joins on the image's id, k and uri (the uri is the generation's
+object, which a redo changes; the id and k tell apart the images of a "parquet" or "webdataset"
+shard, which share one uri); a redo does not rescore, and `ditfleet status`, `preview` and
+`report` name the shards it left without a current table (score_table.ScoreTables); a table whose
 manifest is no longer current (a redo committed a higher generation since) is one this command
 wrote and can prove superseded, so it is deleted before the missing tables are made. Reading
 the scores next to the manifests (DuckDB, pyarrow): docs/quality.md.
@@ -18,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ditfleet.driver.output.job_file import read_job_file
+from ditfleet.model.quality.table import SCORER_NAMES, scorer_row
 from ditfleet.workers.contract import MODEL_CACHE_DIR
 from ditfleet.workers.output.layout import SCORES_PREFIX, manifest_of_key, manifest_of_score_table
 from ditfleet.workers.output.manifest import current_manifest_keys
@@ -56,7 +60,7 @@ class ScoreReport:
             f"scores {self.scorer}: {self.already + len(self.scored)}/{self.manifests} shard manifests "
             f"scored ({len(self.scored)} now, {self.images} images, {self.seconds:.1f} s; "
             f"{self.already} before)",
-            f"tables: {root.rstrip('/')}/{SCORES_PREFIX}{self.scorer}/ (join on uri with the manifests)",
+            f"tables: {root.rstrip('/')}/{SCORES_PREFIX}{self.scorer}/ (join on id, k and uri with the manifests: docs/quality.md)",
         ]
         if self.stale_deleted:
             lines.append(
@@ -78,20 +82,21 @@ def scorer_source(
     scorer: str,
     *,
     model_path: str | None = None,
-    clip_model: str | None = None,
+    scorer_model: str | None = None,
     s3: S3Config | None = None,
 ) -> ScorerSource:
     """`scorer` with its models: model_path, the model whose text encoder `vqa` asks (default: the
-    one the output's job used); clip_model, the CLIP model of `clip` (default: the job's
-    quality.clip_model). Either, when remote, is fetched through `s3` into the job's
+    one the output's job used); scorer_model, the model of a scorer with a model of its own, as
+    `clip` (default: the job's setting its row names, quality.clip_model). Either, when remote, is fetched through `s3` into the job's
     model.cache_dir (without a `_job.json`, the default one)."""
     from ditfleet.workers.scorers import ScorerSource
 
     job = (read_job_file(store) or {}).get("spec", {})
+    setting = scorer_row(scorer).setting if scorer in SCORER_NAMES else None
     return ScorerSource(
         scorer,
         model_path=model_path or job.get("model", {}).get("path"),
-        clip_model=clip_model or job.get("quality", {}).get("clip_model"),
+        scorer_model=scorer_model or (job.get("quality", {}).get(setting) if setting else None),
         # A remote model lands where the job's actors put theirs: on a node that ran the job, the
         # copy is there already and nothing is fetched again.
         cache_dir=job.get("model", {}).get("cache_dir") or MODEL_CACHE_DIR,

@@ -8,6 +8,8 @@
     family.attention_counters(pipe)          # counters of the DiT's attention calls
     family.memory                            # the memory formula (model.memory) from configs
     family.forward_flops(config, w, h, L)    # FLOPs of one DiT forward: "% of peak" one way
+    family.bundled_dir                       # the folder of a model that ships with ditfleet, else None
+    family.scorer_inputs                     # what it offers the image scorers (model.quality.table)
 
 compile/, workers/, driver/ and jobs/ ask the family and never name a submodule, method or
 constant of a family's DiT themselves (tests/unit/test_model_face.py parses them).
@@ -72,6 +74,12 @@ class ModelFamily(Protocol):
 
     @property
     def memory(self) -> MemoryFormula: ...
+
+    @property
+    def bundled_dir(self) -> Path | None: ...  # a bundled model's folder (its path is a name, kept as is)
+
+    @property
+    def scorer_inputs(self) -> frozenset[str]: ...  # model.quality.table needs it meets (PIPELINE_QWEN_VL)
 
     def text_conditioning(self, pipe: Any) -> TextConditioning: ...
 

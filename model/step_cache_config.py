@@ -46,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,7 +169,7 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(StepCacheConfig))
 def parse_step_cache(value: Any, key: str = SPEC_KEY) -> StepCacheConfig | None:
     """A preset name, a mapping ({preset?, method?, threshold?, ...} over the preset, default
     "safe"), a StepCacheConfig, or None/False/"off" -> the config, or None for off. The job
-    spec calls it once (model.settings: the knob's `parse`); below it the value is typed.
+    spec calls it once (model.knobs: the knob's `parse`); below it the value is typed.
 
     Raises StepCacheError naming `key` (and the field) for an unknown preset, method or field, or
     a value out of range.
@@ -221,9 +222,9 @@ def _check_types(fields: dict[str, Any], key: str) -> None:
     for name, v in fields.items():
         if name == "coefficients":
             if not isinstance(v, (list, tuple)) or not all(
-                isinstance(c, (int, float)) and not isinstance(c, bool) for c in v
+                isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) for c in v
             ):
-                raise StepCacheError(f"{key}.{name}: expected a list of numbers, got {v!r}")
+                raise StepCacheError(f"{key}.{name}: expected a list of finite numbers, got {v!r}")
             fields[name] = tuple(float(c) for c in v)
             continue
         want = wants.get(name, int)

@@ -18,6 +18,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -45,6 +46,7 @@ from ditfleet.workers.output.formats import (
     StoredShard,
     make_shard_writer,
 )
+from ditfleet.workers.output.formats.base import ShardWriter
 from ditfleet.workers.output.layout import manifest_key, new_attempt_token
 from ditfleet.workers.output.manifest import ManifestRow, ManifestWriter, passthrough_json
 from ditfleet.workers.output.provenance import JobProvenance
@@ -142,7 +144,7 @@ class GenerationWorker:
         self.scorers = build_scorers(
             config.scorer_names,
             text_encoder=self.text.encoder if self.text is not None else None,
-            clip_model=config.clip_model,
+            models=config.scorer_models(),
             cache_dir=config.model_cache_dir,
             s3=config.s3,
             fetch=config.model_fetch,
@@ -272,22 +274,24 @@ class GenerationWorker:
         compiles_before, oom_splits_before = compile_count(), self.generator.oom_splits
         attention = model_family(self.pipe).attention_counters(self.pipe)
         attention_before = attention.to_dict()
-        generated, stored = self._generate_and_store(shard.index, requests, token)
+        extras = [passthrough_json(req.row.extra) for req in requests]  # by ImageRequest.index
+        made, stored = self._generate_and_store(shard.index, requests, extras, token)
         result.recompiles = compile_count() - compiles_before
         result.oom_splits = self.generator.oom_splits - oom_splits_before
         result.attention = attention.since(attention_before)
         manifest = ManifestWriter(shard.index, expected_rows=len(requests), generation=shard.generation)
-        stored_by_key = {(r.id, r.k): r for r in stored.results}
-        rows_written = [
-            self._manifest_row(
-                req, generated[(req.row.id, req.k)], stored_by_key.get((req.row.id, req.k)), result
-            )
-            for req in requests
-        ]
+        # The writer's results come in the order of its adds, which is the order `made` says.
+        results = iter(stored.results)
+        slots: list[ManifestRow | None] = [None] * len(requests)
+        for scored, handed in made:
+            row = self._manifest_row(scored, next(results) if handed else None, extras, result)
+            slots[scored.image.request.index] = row
+        rows_written = [row for row in slots if row is not None]
+        assert next(results, None) is None and len(rows_written) == len(requests), "one row per image"
         for row in rows_written:
             manifest.add(row)
             _count(result, row)
-        result.generate_s = sum(generated[(r.row.id, r.k)].image.generate_s for r in requests)
+        result.generate_s = sum(scored.image.generate_s for scored, _ in made)
         result.upload_s += stored.data_upload_s
         if not manifest.commit(self.store):
             # Another run committed first and its manifest names its own objects: ours are
@@ -307,36 +311,17 @@ class GenerationWorker:
         return dataclasses.replace(self.config.writer, job=job)
 
     def _generate_and_store(
-        self, shard: int, requests: list[ImageRequest], token: str
-    ) -> tuple[dict[tuple[str, int], ScoredImage], StoredShard]:
+        self, shard: int, requests: list[ImageRequest], extras: list[str | None], token: str
+    ) -> tuple[list[tuple[ScoredImage, bool]], StoredShard]:
         """Generate every image of the shard, score it (quality.scorers; with quality.gate, its
-        kept try: workers.quality_gate) and hand it to the shard writer as it comes; the writer's
-        objects are all durably stored when this returns (aborted on any error)."""
-        generated: dict[tuple[str, int], ScoredImage] = {}
+        kept try: workers.quality_gate) and hand it to the shard writer as it comes (see
+        `hand_over`); the writer's objects are all durably stored, and every score taken, when
+        this returns (aborted on any error)."""
         writer = make_shard_writer(self.store, shard, self.writer_config, token)
         try:
             made = scored_images(self.generator, requests, self.batch_size, self.scorers, self.config.gate)
-            for scored in made:
-                if self._stop.is_set():
-                    raise ShardAbandoned(f"shard {shard}: worker asked to stop; nothing committed")
-                image = scored.image
-                req = image.request
-                generated[(req.row.id, req.k)] = scored
-                if image.pixels is not None:
-                    task = ImageTask(
-                        req.row.id,
-                        req.k,
-                        req.row.num_images,
-                        req.row.prompt,
-                        req.row.negative_prompt,
-                        req.seed,
-                        passthrough_json(req.row.extra),
-                        req.row.steps,
-                        float(req.row.true_cfg_scale),
-                    )
-                    writer.add(task, image.pixels.permute(1, 2, 0).numpy())  # (H, W, 3) uint8
-                    image.pixels = None  # the writer holds it now; keep shard memory flat
-            return generated, writer.finish()
+            handed = hand_over(made, writer, extras, self._stop, shard)
+            return handed, writer.finish()
         except BaseException:
             writer.abort()
             raise
@@ -356,10 +341,13 @@ class GenerationWorker:
                 return
 
     def _manifest_row(
-        self, req: ImageRequest, scored: ScoredImage, stored: ImageResult | None, result: ShardResult
+        self, scored: ScoredImage, stored: ImageResult | None, extras: list[str | None], result: ShardResult
     ) -> ManifestRow:
-        """The manifest row of one requested image, failures included."""
-        row, k, gen = req.row, req.k, scored.image
+        """The manifest row of one requested image, failures included; stored: the writer's result
+        for it (None: not handed over, its generation failed)."""
+        gen = scored.image
+        req = gen.request
+        row, k = req.row, req.k
         error = gen.error or (stored.error if stored is not None else "image was not stored")
         ok = gen.error is None and stored is not None and stored.ok
         return ManifestRow(
@@ -389,13 +377,49 @@ class GenerationWorker:
             shard=result.shard,
             compile_fallback=bool(self.compile_report.fallbacks),
             recompiles=result.recompiles,
-            extra=passthrough_json(row.extra),
+            extra=extras[req.index],
             step_cache=gen.step_cache,
             dit_blocks_computed=gen.blocks_computed,
             dit_blocks_reused=gen.blocks_reused,
             batch_size=self.batch_size,
             **scored.manifest_columns(stored_ok=ok),
         )
+
+
+def image_task(req: ImageRequest, extra: str | None) -> ImageTask:
+    """What the writer stores of one image next to its pixels; extra: the row's pass-through JSON."""
+    row = req.row
+    as_given = {
+        name: getattr(row, name) for name in ("id", "num_images", "prompt", "negative_prompt", "steps")
+    }
+    # The image's own: its index, the seed it was made from (its try's), the row's JSON.
+    return ImageTask(
+        **as_given, k=req.k, seed=req.seed, extra=extra, true_cfg_scale=float(row.true_cfg_scale)
+    )
+
+
+def hand_over(
+    made: Iterable[ScoredImage],
+    writer: ShardWriter,
+    extras: Sequence[str | None],
+    stop: threading.Event,
+    shard: int,
+) -> list[tuple[ScoredImage, bool]]:
+    """The generator loop's side of the writer: each image as it comes out, with its host work
+    (ScoredImage.host_work: scores and hash for the writer's threads), so that this thread goes
+    straight back to the device. Returns every image in the order made, with whether it was
+    handed over (a failed generation is not): the writer's results follow that order."""
+    out: list[tuple[ScoredImage, bool]] = []
+    for scored in made:
+        if stop.is_set():
+            raise ShardAbandoned(f"shard {shard}: worker asked to stop; nothing committed")
+        image, pixels = scored.image, scored.image.pixels
+        if pixels is not None:
+            task = image_task(image.request, extras[image.request.index])
+            writer.add(task, pixels.permute(1, 2, 0).numpy(), scored.host_work())  # (H, W, 3) uint8
+            image.pixels = None  # the writer holds it now; keep shard memory flat
+        out.append((scored, pixels is not None))
+    return out
 
 
 def _count(result: ShardResult, row: ManifestRow) -> None:

@@ -50,6 +50,7 @@ class ImageRequest:
     row: PromptRow
     k: int
     try_index: int = 0  # quality.gate: 0 the first try, 1.. the tries after an image under the gate
+    index: int = 0  # its place among the shard's requests (image_requests): its manifest row's
 
     @property
     def seed(self) -> int:
@@ -75,7 +76,9 @@ class GeneratedImage:
 
 
 def image_requests(rows: Sequence[PromptRow]) -> list[ImageRequest]:
-    return [ImageRequest(r, k) for r in rows for k in range(r.num_images)]
+    """Every image of the rows, in row order, each knowing its place (`index`)."""
+    pairs = [(r, k) for r in rows for k in range(r.num_images)]
+    return [ImageRequest(r, k, index=i) for i, (r, k) in enumerate(pairs)]
 
 
 # A batch stops growing when one more prompt would make padding more than this share of the

@@ -7,8 +7,15 @@ scores too low (quality.scorers, quality.gate).
 Every image is scored from the uint8 pixels that will be stored (model.quality: a score depends on
 the image and its prompt alone), and the image that comes out gets its perceptual hash, whatever
 the job's scorers: the near-duplicate counts of `ditfleet status` and `ditfleet report` read it.
-The hash is cheap next to the image's DiT work (26 ms at 1024x1024 on one CPU thread), and only
-the kept try is hashed. Without a gate each image comes out as it is made. With one, the tries go
+
+No host work stands between the device's batches. The model-based scorers run on the generator
+thread (their models run on the actor's device, which that thread drives). The weight-free ones
+and the hash are host work (26-97 ms an image at 1024-1328 px on one core, 2-9% of a few-step
+image's DiT time): a weight-free gate scorer scores each try on a thread of its own while the
+next batch is made (the gate needs the scores only to plan its next round), and the other
+scorers and the hash go with the kept try to the writer's threads (`ScoredImage.host_work`).
+Same functions on the same pixels, tries judged in the order made: the same values and the same
+images in the same order. Without a gate each image comes out as it is made. With one, the tries go
 in rounds: round t makes try t (workers.generate.try_seed) of every image that has not passed yet,
 batched like any other work; an image comes out when a try passes (score >= min), when the scorer
 cannot judge it (NaN: kept as made), when its generation failed on the first try (a failure is not
@@ -21,12 +28,16 @@ Memory: an image under the gate holds its best try's pixels (uint8) until it com
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from ditfleet.model.quality.base import ImageScorer
 from ditfleet.model.quality.perceptual_hash import perceptual_hashes
@@ -40,7 +51,7 @@ from ditfleet.workers.generate import (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GateRecord:
     """Every try of one image under the gate, in try order, and which one was kept."""
 
@@ -50,19 +61,50 @@ class GateRecord:
     passed: bool | None  # None: the scorer could not judge the image
 
 
+def runs_on_host(scorer: ImageScorer) -> bool:
+    """A scorer that holds no model (the weight-free ones: sharpness, tiny) is plain CPU work on
+    the stored pixels, which any thread can do; a model-based one runs its model on the device."""
+    return getattr(scorer, "model", None) is None
+
+
 @dataclass
 class ScoredImage:
     image: GeneratedImage  # the kept try; its request carries the try's index and seed
     scores: dict[str, float] = field(default_factory=dict)  # the kept try's, by scorer name
     gate: GateRecord | None = None
     phash: int | None = None  # the kept image's 64-bit perceptual hash, unsigned (None: it failed)
+    # Scored by `host_work`, not on the generator thread (see the module).
+    host_scorers: tuple[ImageScorer, ...] = ()
+
+    def host_work(self) -> Callable[[], None]:
+        """The image's host work as a call for another thread: the scores of `host_scorers` and
+        the pHash, from the pixels it holds now (the caller may drop them after). `scores` and
+        `phash` are complete once the call returned; nothing to do for a failed image."""
+        pixels, prompt, scorers = self.image.pixels, self.image.request.row.prompt, self.host_scorers
+
+        def run() -> None:
+            if pixels is None:
+                return
+            try:
+                self.scores.update(score_pixels(pixels, prompt, scorers))
+                self.phash = perceptual_hashes(pixels[None])[0]
+            except Exception as e:  # on the writer's thread: say which image and what failed
+                req = self.image.request
+                names = [s.name for s in scorers] + ["phash"]
+                raise RuntimeError(
+                    f"scoring image id={req.row.id!r} k={req.k} ({', '.join(names)}) failed: {type(e).__name__}: {e}"
+                ) from e
+
+        return run
 
     def manifest_columns(self, stored_ok: bool) -> dict[str, Any]:
-        """Its manifest columns (workers.output.manifest): score_{name} of each scorer (null
-        when not stored or NaN: the scorer cannot judge it), phash (null when not stored) and,
-        under a gate, gate_*."""
+        """Its manifest columns (workers.output.manifest): the score of each scorer (null when not
+        stored or NaN: the scorer cannot judge it), phash (null when not stored) and, under a
+        gate, gate_*."""
         columns: dict[str, Any] = {
-            f"score_{name}": v if stored_ok and not math.isnan(v) else None for name, v in self.scores.items()
+            "scores": {
+                name: v if stored_ok and not math.isnan(v) else None for name, v in self.scores.items()
+            }
         }
         if stored_ok and self.phash is not None:
             # The manifest's int64 holds the 64 bits: the top bit becomes the sign.
@@ -101,16 +143,15 @@ class _Tries:
         assert self.best is not None
         kept = self.best.image.request.try_index
         self.best.image.generate_s = self.generate_s
-        self.best.gate = GateRecord(tuple(self.scores), tuple(self.seeds), kept, passed)
+        self.best.gate = GateRecord(
+            scores=tuple(self.scores), seeds=tuple(self.seeds), kept=kept, passed=passed
+        )
         return self.best
 
 
-def score_image(image: GeneratedImage, scorers: Sequence[ImageScorer]) -> dict[str, float]:
-    """Each scorer's score of the image's stored pixels ({} for a failed image)."""
-    if image.pixels is None:
-        return {}
-    pixels = image.pixels[None]  # (1, 3, H, W) uint8, as stored
-    return {s.name: s.score(pixels, [image.request.row.prompt])[0] for s in scorers}
+def score_pixels(pixels: torch.Tensor, prompt: str, scorers: Sequence[ImageScorer]) -> dict[str, float]:
+    """Each scorer's score of one image's stored pixels ((3, H, W) uint8) and its prompt."""
+    return {s.name: s.score(pixels[None], [prompt])[0] for s in scorers}
 
 
 def scored_images(
@@ -120,12 +161,29 @@ def scored_images(
     scorers: Sequence[ImageScorer],
     gate: GateConfig | None = None,
 ) -> Iterator[ScoredImage]:
-    """The shard's images, each once, scored and hashed, and with a gate its kept try (see the
-    module)."""
-    for made in _kept_tries(generator, requests, batch_size, scorers, gate):
-        if made.image.pixels is not None:
-            made.phash = perceptual_hashes(made.image.pixels[None])[0]
-        yield made
+    """The shard's images, each once, and with a gate its kept try, scored by the model-based
+    scorers and the gate's; each one's `host_work` scores the rest and hashes it (see the module)."""
+    if gate is not None and gate.scorer not in {s.name for s in scorers}:
+        raise ValueError(
+            f"quality.gate.scorer {gate.scorer!r} is not among the scorers {[s.name for s in scorers]}"
+        )
+    later = tuple(s for s in scorers if runs_on_host(s) and (gate is None or s.name != gate.scorer))
+    now = [s for s in scorers if s not in later]
+    if gate is None:
+        batches = plan_batches(requests, batch_size, generator.count_tokens)
+        made: Iterator[ScoredImage] = (
+            ScoredImage(i, _scores(i, now)) for i in iter_generated(generator, batches)
+        )
+    else:
+        made = _kept_tries(generator, requests, batch_size, now, gate)
+    for image in made:
+        image.host_scorers = later
+        yield image
+
+
+def _scores(image: GeneratedImage, scorers: Sequence[ImageScorer]) -> dict[str, float]:
+    """The scorers' scores of a made image ({} for a failed one)."""
+    return {} if image.pixels is None else score_pixels(image.pixels, image.request.row.prompt, scorers)
 
 
 def _kept_tries(
@@ -133,40 +191,61 @@ def _kept_tries(
     requests: Sequence[ImageRequest],
     batch_size: int,
     scorers: Sequence[ImageScorer],
-    gate: GateConfig | None,
+    gate: GateConfig,
 ) -> Iterator[ScoredImage]:
-    """The shard's images, each once, scored, and with a gate its kept try."""
-    if gate is not None and gate.scorer not in {s.name for s in scorers}:
-        raise ValueError(
-            f"quality.gate.scorer {gate.scorer!r} is not among the scorers {[s.name for s in scorers]}"
-        )
+    """Each image's kept try, scored by `scorers`, in rounds (see the module).
+
+    A round's retries are planned when the round is over, so an image's gate score is not needed
+    before then: a weight-free gate scorer scores each try on a thread of its own while the
+    device makes the next batch, and the tries are judged in the order they were made, as soon
+    as their score is in (the images come out in the same order as if scored here)."""
+    judge = [s for s in scorers if s.name == gate.scorer]
+    now = [s for s in scorers if s.name != gate.scorer or not runs_on_host(s)]
+    judged_later = [s for s in judge if s not in now]
     tries: dict[tuple[str, int], _Tries] = {}
     todo = list(requests)
-    for t in range(gate.max_tries if gate is not None else 1):
-        again: list[ImageRequest] = []
-        batches = plan_batches(
-            [dataclasses.replace(r, try_index=t) for r in todo], batch_size, generator.count_tokens
-        )
-        for image in iter_generated(generator, batches):
-            made = ScoredImage(image, score_image(image, scorers))
-            if gate is None:
-                yield made
-                continue
-            req = image.request
-            key = (req.row.id, req.k)
-            score = made.scores.get(gate.scorer)
-            judged = None if score is None or math.isnan(score) else score
-            record = tries.setdefault(key, _Tries())
-            record.record(made, judged)
-            if (image.pixels is None and t == 0) or (score is not None and math.isnan(score)):
-                # Generation failed (not a quality question), or the scorer cannot judge it: as made.
-                yield record.finish(passed=None)
-            elif judged is not None and judged >= gate.min:
-                yield record.finish(passed=True)
-            elif t + 1 < gate.max_tries:
-                again.append(dataclasses.replace(req, try_index=0))
-            else:
-                yield record.finish(passed=False)
-        todo = again
-        if not todo:
-            return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="gate-score") as pool:
+        for t in range(gate.max_tries):
+            again: list[ImageRequest] = []
+            waiting: collections.deque[tuple[ScoredImage, Future[dict[str, float]]]] = collections.deque()
+            batches = plan_batches(
+                [dataclasses.replace(r, try_index=t) for r in todo], batch_size, generator.count_tokens
+            )
+            for image in iter_generated(generator, batches):
+                waiting.append(
+                    (ScoredImage(image, _scores(image, now)), pool.submit(_scores, image, judged_later))
+                )
+                while waiting and waiting[0][1].done():
+                    yield from _judge(*waiting.popleft(), tries, t, gate, again)
+            while waiting:  # the round's last scores: the next round is planned from them
+                yield from _judge(*waiting.popleft(), tries, t, gate, again)
+            todo = again
+            if not todo:
+                return
+
+
+def _judge(
+    made: ScoredImage,
+    scoring: Future[dict[str, float]],
+    tries: dict[tuple[str, int], _Tries],
+    t: int,
+    gate: GateConfig,
+    again: list[ImageRequest],
+) -> Iterator[ScoredImage]:
+    """Record try `t` of an image and yield its kept try when it is decided; else it goes `again`."""
+    made.scores.update(scoring.result())
+    image = made.image
+    req = image.request
+    score = made.scores.get(gate.scorer)
+    judged = None if score is None or math.isnan(score) else score
+    record = tries.setdefault((req.row.id, req.k), _Tries())
+    record.record(made, judged)
+    if (image.pixels is None and t == 0) or (score is not None and math.isnan(score)):
+        # Generation failed (not a quality question), or the scorer cannot judge it: as made.
+        yield record.finish(passed=None)
+    elif judged is not None and judged >= gate.min:
+        yield record.finish(passed=True)
+    elif t + 1 < gate.max_tries:
+        again.append(dataclasses.replace(req, try_index=0))
+    else:
+        yield record.finish(passed=False)

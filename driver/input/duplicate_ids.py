@@ -46,8 +46,13 @@ class DuplicateIds:
     is allocated once. bits: digest width; below 64 only to force collisions in tests.
     """
 
-    def __init__(self, total_rows: int, bits: int = DIGEST_BITS, id_column: str = "id") -> None:
+    def __init__(
+        self, total_rows: int, bits: int = DIGEST_BITS, id_column: str = "id", fold_case: bool = False
+    ) -> None:
         self.id_column = id_column  # the input's name of the id column (RowConfig.id_column)
+        # Ids equal once ASCII letters are lowered count as one (an output on a store that folds
+        # case, driver.output.case_fold); only ASCII: an object key escapes every other byte.
+        self.fold_case = fold_case
         if not 1 <= bits <= 64:
             raise ValueError(f"digest bits must be in [1, 64], got {bits}")
         self.bits = bits
@@ -67,7 +72,17 @@ class DuplicateIds:
         """`ids`: string or integer array (integers count in decimal: 7 and "7" are one id)."""
         n = len(ids)
         positions = np.arange(first_position, first_position + n, dtype=np.int64)
-        self._digests[first_position : first_position + n] = digests(ids, self.bits, positions)
+        self._digests[first_position : first_position + n] = digests(self._key(ids), self.bits, positions)
+
+    def _key(self, ids: pa.Array) -> pa.Array:
+        """What makes two ids one: the id, or with fold_case its ASCII letters lowered."""
+        if not self.fold_case:
+            return ids
+        if isinstance(ids, pa.DictionaryArray):
+            ids = ids.dictionary_decode()
+        return (
+            pc.ascii_lower(ids) if pa.types.is_string(ids.type) or pa.types.is_large_string(ids.type) else ids
+        )
 
     def _repeated(self) -> np.ndarray:
         """The digests that occur more than once, sorted (the digest array is sorted in place:
@@ -89,6 +104,7 @@ class DuplicateIds:
         """(position, id) of every non-null row whose digest repeats, read again from the files."""
         positions: list[pa.Array] = []
         ids: list[pa.Array] = []
+        keys: list[pa.Array] = []
         for span in self._spans:
             if not span.has_ids:
                 for at in range(0, span.rows, 1 << 20):
@@ -98,13 +114,14 @@ class DuplicateIds:
                         where = pa.array(hit + span.start + at, pa.int64())
                         positions.append(where)
                         ids.append(where.cast(pa.large_string()))
+                        keys.append(ids[-1])
                 continue
             with source.open(span.uri) as pf:
                 for first_row, batch in iter_batches(pf, [self.id_column]):
                     column = batch.column(self.id_column)
                     start = span.start + first_row
                     where = np.arange(start, start + batch.num_rows, dtype=np.int64)
-                    hit = _hits(digests(column, self.bits, where), repeated)
+                    hit = _hits(digests(self._key(column), self.bits, where), repeated)
                     if not len(hit):
                         continue
                     taken = column.take(pa.array(hit))
@@ -114,9 +131,17 @@ class DuplicateIds:
                         values = values.dictionary_decode()
                     positions.append(pa.array(hit + start, pa.int64()).filter(valid))
                     ids.append(values.cast(pa.large_string()))
+                    keys.append(self._key(values).cast(pa.large_string()))
         if not positions:
-            return pa.table({"position": pa.array([], pa.int64()), "id": pa.array([], pa.large_string())})
-        return pa.table({"position": pa.concat_arrays(positions), "id": pa.concat_arrays(ids)})
+            empty = pa.array([], pa.large_string())
+            return pa.table({"position": pa.array([], pa.int64()), "id": empty, "key": empty})
+        return pa.table(
+            {
+                "position": pa.concat_arrays(positions),
+                "id": pa.concat_arrays(ids),
+                "key": pa.concat_arrays(keys),
+            }
+        )
 
     def count_and_errors(self, source: PromptSource, max_errors: int) -> tuple[int, list[RowError]]:
         """(rows whose id an earlier row has, errors for the first `max_errors` of them in input
@@ -127,9 +152,9 @@ class DuplicateIds:
         table = self._candidates(source, repeated)
         if table.num_rows < 2:
             return 0, []
-        table = table.sort_by([("id", "ascending"), ("position", "ascending")])
+        table = table.sort_by([("key", "ascending"), ("position", "ascending")])
         same_as_previous = np.zeros(table.num_rows, bool)
-        column = table.column("id").combine_chunks()
+        column = table.column("key").combine_chunks()
         same_as_previous[1:] = np.asarray(
             pc.equal(column.slice(1), column.slice(0, len(column) - 1)).to_numpy(zero_copy_only=False)
         )
@@ -143,10 +168,22 @@ class DuplicateIds:
         out = []
         for i in shown.tolist():
             first, dup = self._locate(int(positions[group_first[i]])), self._locate(int(positions[i]))
-            row_id = column[i].as_py()
+            row_id = table.column("id")[i].as_py()
             where = f"{first[0].uri} row {first[1]}"
             if not first[0].has_ids:
                 where += " (a file without an id column: its rows' ids are their input positions)"
+            first_id = table.column("id")[int(group_first[i])].as_py()
+            if self.fold_case and first_id != row_id:
+                message = (
+                    f"id {row_id!r} differs only in case from id {first_id!r} of {where}, and the "
+                    "output's store does not tell case apart (a macOS or Windows volume, an SMB "
+                    "share): their images would be one file, the second replacing the first"
+                )
+                hint = "Make these ids differ by more than case, or write to an output that tells case apart (s3://, a Linux filesystem)"
+                out.append(
+                    RowError(dup[0].uri, dup[1], self.id_column, describe_value(row_id), message, hint)
+                )
+                continue
             if dup[0].has_ids:
                 message = f"id {row_id!r} is already used by {where}"
             else:

@@ -14,11 +14,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ditfleet.driver.input.prompts import PromptSource
 from ditfleet.driver.output.job_file import (
     OutputMismatch,
     check_job_file,
     fingerprint_differences,
     incremental_job_document,
+    input_columns,
     job_document,
     read_job_file,
     write_job_file,
@@ -30,19 +32,27 @@ from ditfleet.workers.weights.digest import ModelIdentity, changed_files
 
 
 def claim_output(
-    store: ObjectStore, plan: JobPlan, resolved_spec: dict[str, Any], model: ModelIdentity | None = None
+    store: ObjectStore,
+    plan: JobPlan,
+    resolved_spec: dict[str, Any],
+    model: ModelIdentity | None = None,
+    source: PromptSource | None = None,
 ) -> bool:
     """Make `store` this plan's output: write `_job.json` create-only, or check the one there.
 
     Returns True when the output already belonged to this plan (a resume). Raises OutputMismatch
     naming what differs when it belongs to another job. model: the identity of the model's bytes.
+    source: the plan's input, whose footers `_job.json` records per column (job_file.input_columns)
+    so that a refusal says what changed in a file whose footer differs.
     """
+    uris = [i.uri for i in plan.inputs]
     return _claim(
         store,
         plan.fingerprint_doc(),
-        lambda: job_document(plan, resolved_spec),
+        lambda: job_document(plan, resolved_spec, columns=input_columns(source, uris) if source else None),
         "run with the settings and input it was made with",
         model=model,
+        columns_now=(lambda changed: input_columns(source, changed)) if source else None,
     )
 
 
@@ -93,8 +103,10 @@ def _claim(
     or_else: str,
     write: bool = True,
     model: ModelIdentity | None = None,
+    columns_now: Callable[[list[str]], dict[str, Any]] | None = None,
 ) -> bool:
-    """claim_output's work; `fingerprint_doc` and `job_doc()` get the model's identity here."""
+    """claim_output's work; `fingerprint_doc` and `job_doc()` get the model's identity here.
+    columns_now(uris): `input_columns` of those input files now (those whose footer changed)."""
     where = store.uri()
     fingerprint_doc = _with_model(fingerprint_doc, model)
     existing = read_job_file(store)
@@ -123,7 +135,19 @@ def _claim(
         # An output planned before input content was digested: compared by footers, as then
         # (its _job.json has no digest to compare with).
         fingerprint_doc = _without_content(fingerprint_doc)
-    differences = fingerprint_differences(existing, fingerprint_of(fingerprint_doc), fingerprint_doc)
+    fingerprint = fingerprint_of(fingerprint_doc)
+    if existing.get("fingerprint") == fingerprint:
+        return True
+    now = {}
+    if columns_now is not None and existing.get("input_columns"):
+        footers = {i["uri"]: i.get("footer_sha256") for i in existing["fingerprint_doc"].get("inputs") or []}
+        changed = [
+            i["uri"]
+            for i in fingerprint_doc.get("inputs") or []
+            if i["uri"] in footers and footers[i["uri"]] != i.get("footer_sha256")
+        ]
+        now = columns_now(changed)
+    differences = fingerprint_differences(existing, fingerprint, fingerprint_doc, now)
     if not differences:
         return True
     differences = _name_changed_files(existing, model, differences)

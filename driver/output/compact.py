@@ -9,7 +9,7 @@ never changes them.
 The set is one object on purpose: a single whole-object write (a local rename, an S3 PUT or
 completed multipart upload) replaces it atomically, so a compaction killed at any point leaves
 the old set or the new one, never a mix of both. `compacted/_index.json`, written after it, says
-what it was made from: the rows, an order-free digest of them, and `made_from`, the (shard,
+what it was made from: the rows, a sha256 digest of them (`UnionDigest`), and `made_from`, the (shard,
 generation) of every current manifest. A redo changes a shard's current generation, so the set
 is then *stale*, which `compacted_state` tells from the listing alone (status, verify, the
 driver's finish, which rebuilds it). A compaction killed between its file and its index leaves
@@ -24,13 +24,16 @@ Compaction is a writer like a driver: it runs under the output's lease.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -39,7 +42,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ditfleet.driver.output.json_objects import read_json
-from ditfleet.driver.output.lease import OutputLease
+from ditfleet.driver.output.lease import (
+    OutputLease,
+    holder_is_gone,
+    lease_generations,
+    read_lease_document,
+    this_process,
+)
 from ditfleet.driver.output.pause_points import pause_point
 from ditfleet.driver.output.success import success_file
 from ditfleet.workers.output.layout import manifest_of_key
@@ -47,12 +56,12 @@ from ditfleet.workers.output.manifest import MANIFEST_SCHEMA, current_manifest_k
 from ditfleet.workers.storage import ObjectStore
 from ditfleet.workers.storage.base import READ_THREADS
 from ditfleet.workers.storage.parquet_bytes import read_parquet
-from ditfleet.workers.value_digests import digests, mix
 
 COMPACTED_PREFIX = "compacted/"
 COMPACTED_KEY = COMPACTED_PREFIX + "manifests.parquet"
 INDEX_KEY = COMPACTED_PREFIX + "_index.json"
-COMPACT_VERSION = 2
+# 3: the digest is sha256 (UnionDigest); an index of version 2 reads as missing: rebuilt.
+COMPACT_VERSION = 3
 ROW_GROUP_ROWS = 131_072
 # Rows sorted in memory at once (one id range); bounds compaction's memory, not the file's size.
 RANGE_ROWS = 2_000_000
@@ -60,6 +69,8 @@ _WINDOW = 256  # manifests read ahead at a time
 _SAMPLE_SHARDS = 64
 _SPILL_ROWS = 65_536
 _SORT = [("id", "ascending"), ("k", "ascending")]
+SPILL_PREFIX = "ditfleet-compact-"
+_OWNER = "owner.json"
 
 
 class CompactionError(RuntimeError):
@@ -68,39 +79,59 @@ class CompactionError(RuntimeError):
 
 @dataclass
 class UnionDigest:
-    """An order-free digest of a set of manifest rows: their count and two power sums of their
-    per-row digests (mod 2^64)."""
+    """A digest of a set of manifest rows that does not depend on how they are split into files
+    or ordered across shards, and that nobody can match without the same rows: sha256 over every
+    shard's digest in shard order, where a shard's digest is sha256 over its rows in (id, k)
+    order, each row encoded without ambiguity (`row_texts`).
+
+    `add` takes tables in any grouping, provided every shard's rows come in (id, k) order across
+    calls: a shard manifest (sorted here, stably) or the compacted set's row groups in file order
+    (sorted by (id, k) already). Memory: one running sha256 per shard (about 200 bytes each).
+    """
 
     rows: int = 0
-    sum1: int = 0
-    sum2: int = 0
+    shards: dict[int, Any] = field(default_factory=dict)
 
     def add(self, table: pa.Table) -> None:
         if not table.num_rows:
             return
-        d = row_digests(table)
         self.rows += table.num_rows
-        with np.errstate(over="ignore"):
-            self.sum1 = (self.sum1 + int(d.sum(dtype=np.uint64))) % (1 << 64)
-            self.sum2 = (self.sum2 + int((d * d).sum(dtype=np.uint64))) % (1 << 64)
+        # Stable: rows of one shard keep their (id, k) order, ties in the order they came.
+        order = pc.sort_indices(table, [("shard", "ascending"), *_SORT])
+        shard = table.column("shard").combine_chunks().take(order).to_numpy(zero_copy_only=False)
+        texts = row_texts(table).take(order)
+        offsets = np.frombuffer(texts.buffers()[1], np.int64)[texts.offset : texts.offset + len(texts) + 1]
+        data = memoryview(texts.buffers()[2] or b"")
+        cuts = [0, *(np.flatnonzero(shard[1:] != shard[:-1]) + 1).tolist(), len(shard)]
+        for lo, hi in zip(cuts[:-1], cuts[1:]):
+            s = int(shard[lo])
+            if s not in self.shards:
+                self.shards[s] = hashlib.sha256()
+            self.shards[s].update(data[int(offsets[lo]) : int(offsets[hi])])
+
+    def sha256(self) -> str:
+        whole = hashlib.sha256()
+        for s in sorted(self.shards):
+            whole.update(f"{s}:{self.shards[s].hexdigest()}\n".encode())
+        return whole.hexdigest()
 
     def to_dict(self) -> dict[str, object]:
-        return {"rows": self.rows, "sum1": f"{self.sum1:016x}", "sum2": f"{self.sum2:016x}"}
+        return {"rows": self.rows, "sha256": self.sha256()}
 
 
-def row_digests(table: pa.Table) -> np.ndarray:
-    """One 64-bit digest per row over every manifest column (values as text, nulls as one
-    constant): equal rows, equal digests, wherever they sit."""
-    n = table.num_rows
-    zeros = np.zeros(n, np.int64)
-    h = np.full(n, np.uint64(len(MANIFEST_SCHEMA)), np.uint64)
+def row_texts(table: pa.Table) -> pa.Array:
+    """Each row of `table` as one string over every manifest column, in schema order: a null as
+    "-", a value as its UTF-8 length in bytes, ":", and its text (numbers in decimal), so that no
+    two different rows give the same string and rows can be concatenated without a separator."""
+    colon, empty, null = (pa.scalar(v, pa.large_string()) for v in (":", "", "-"))
+    parts = []
     for name in MANIFEST_SCHEMA.names:
         column = table.column(name).combine_chunks()
-        if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
-            column = column.cast(pa.string())
-        with np.errstate(over="ignore"):
-            h = mix(h * np.uint64(0x100000001B3) ^ digests(column, positions=zeros))
-    return h
+        if not pa.types.is_large_string(column.type):
+            column = column.cast(pa.large_string())
+        length = pc.binary_length(column).cast(pa.large_string())
+        parts.append(pc.coalesce(pc.binary_join_element_wise(length, colon, column, empty), null))
+    return pc.binary_join_element_wise(*parts, empty)
 
 
 def made_from(current: Mapping[int, str]) -> dict[str, Any]:
@@ -128,8 +159,12 @@ class CompactionReport:
         return {
             "version": COMPACT_VERSION,
             "file": COMPACTED_KEY,
-            **asdict(self),
+            "output": self.output,
+            "shards": self.shards,
+            "rows": self.rows,
+            "bytes": self.bytes,
             "union": self.union.to_dict(),
+            "made_from": self.made_from,
         }
 
     def format_text(self) -> str:
@@ -165,6 +200,14 @@ def compacted_state(store: ObjectStore, current: Mapping[int, str] | None = None
         index = read_json(store, INDEX_KEY)
     except ValueError:
         index = None
+    if (
+        isinstance(index, dict)
+        and isinstance(index.get("version"), int)
+        and index["version"] < COMPACT_VERSION
+    ):
+        return CompactedState(
+            True, False, f"{store.uri(INDEX_KEY)} is of an earlier version (its digest is not sha256)"
+        )
     if not isinstance(index, dict) or index.get("version") != COMPACT_VERSION:
         return CompactedState(True, False, f"{store.uri(INDEX_KEY)} is missing or unreadable")
     then = index.get("made_from") or {}
@@ -256,11 +299,15 @@ def compact_output(
         raise CompactionError(
             f"{store.uri()}: no valid _SUCCESS. Compact a finished output: the manifests are still changing"
         )
+    # The fence: the versions of the set and its index before the view is read. They are written
+    # only over these versions, so a writer that made a set from a newer view in between (a redo's
+    # finish) wins, and this one, paused however long, writes nothing.
+    set_was, index_was = store.version(COMPACTED_KEY), store.version(INDEX_KEY)
     current = current_manifest_keys(store)
     keys = [current[s] for s in sorted(current)]
     cuts = _split_points(store, keys, range_rows)
     report = CompactionReport(store.uri(), len(keys), made_from=made_from(current))
-    with tempfile.TemporaryDirectory(prefix="ditfleet-compact-") as tmp:
+    with spill_directory() as tmp:
         spills = _spill_by_id_range(store, keys, cuts, tmp, report.union)
         report.rows = report.union.rows
         local = os.path.join(tmp, "manifests.parquet")
@@ -269,15 +316,65 @@ def compact_output(
         pause_point("compact_before_write")
         if lease is not None:
             lease.check()
+        pause_point("compact_after_lease_check")
         # Files of the earlier layout (compacted/part-NNNNN.parquet) would be read with the new
         # set: the old set goes first, so a kill in between leaves too little, never a mix.
         for key in _strays(store):
             store.delete(key)
         with open(local, "rb") as f:
-            store.put_file(COMPACTED_KEY, f, "application/vnd.apache.parquet")
+            if not store.put_file_if(COMPACTED_KEY, f, set_was, "application/vnd.apache.parquet"):
+                raise _overtaken(store, COMPACTED_KEY)
     pause_point("compact_before_index")
-    store.put(INDEX_KEY, (json.dumps(report.to_dict(), indent=2) + "\n").encode(), "application/json")
+    index = (json.dumps(report.to_dict(), indent=2) + "\n").encode()
+    if not store.put_file_if(INDEX_KEY, io.BytesIO(index), index_was, "application/json"):
+        raise _overtaken(store, INDEX_KEY)
     return report
+
+
+def _overtaken(store: ObjectStore, key: str) -> CompactionError:
+    return CompactionError(
+        f"{store.uri(key)} was written by another writer while this compaction ran (a driver that "
+        "took the output, e.g. a redo, rebuilt the set from newer manifests): this compaction's "
+        "set, made from the manifests it read before, is not written. Run `ditfleet status`; "
+        "compact again if it says the compacted set is stale"
+    )
+
+
+@contextlib.contextmanager
+def spill_directory() -> Iterator[str]:
+    """A local temporary directory for compaction's spill files (a full copy of the manifests),
+    removed at the end. It records its owner (pid, process space), so that the next compaction
+    on this machine removes those of killed ones first (`remove_abandoned_spills`)."""
+    remove_abandoned_spills()
+    tmp = tempfile.mkdtemp(prefix=SPILL_PREFIX)
+    try:
+        with open(os.path.join(tmp, _OWNER), "w") as f:
+            json.dump(this_process(), f)
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def remove_abandoned_spills(folder: str | None = None) -> list[str]:
+    """Remove the spill directories of compactions whose process is gone (killed: no `finally`
+    ran), in `folder` (the temporary folder); returns them. Only provably abandoned ones go: the
+    owner recorded, in this process space, and exited. One without an owner file (killed within
+    microseconds of its creation) or of another machine or container is left."""
+    folder = folder or tempfile.gettempdir()
+    removed = []
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if not name.startswith(SPILL_PREFIX) or not os.path.isdir(path):
+            continue
+        try:
+            with open(os.path.join(path, _OWNER)) as f:
+                owner = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(owner, dict) and holder_is_gone(owner):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 def _spill_by_id_range(
@@ -318,13 +415,27 @@ def _strays(store: ObjectStore) -> list[str]:
 
 def refresh_compacted(store: ObjectStore, lease: OutputLease | None) -> CompactionReport | None:
     """At a driver's finish (every shard committed): rebuild an existing compacted set that is not
-    the union of the current manifests (a redo changed a generation). None when there is none or
-    it is current. A run that never compacted is not made to: only a set the user asked for is
-    kept current."""
+    the union of the current manifests (a redo changed a generation), and build one where none is
+    but a `ditfleet compact` that this driver took the output from never released it: that one may
+    be paused with a set of older manifests in hand, and writes it only while the set is as it
+    found it (absent), which this build ends. None when nothing was built. A run that never
+    compacted is not made to: only a set the user asked for is kept current."""
     state = compacted_state(store)
-    if not state.present or state.current:
+    if state.present and state.current:
+        return None
+    if not state.present and not _unreleased_compaction(store, lease):
         return None
     return compact_output(store, lease=lease, finished=True)
+
+
+def _unreleased_compaction(store: ObjectStore, lease: OutputLease | None) -> bool:
+    """Whether a lease document below `lease` (all, without one) is a compaction's, not released."""
+    below = [g for g in lease_generations(store) if lease is None or g < lease.generation]
+    for generation in below:
+        doc = read_lease_document(store, generation)
+        if doc is not None and doc.get("compacts") and not doc.get("released"):
+            return True
+    return False
 
 
 def check_compacted(store: ObjectStore) -> list[str]:
@@ -371,7 +482,7 @@ def _read_compacted(store: ObjectStore) -> tuple[UnionDigest, bool]:
     """The compacted set's digest and whether its ids are in order, read row group by row group
     (it can be far larger than memory). CompactionError: unreadable, or not the manifest schema."""
     digest, in_order, last_id = UnionDigest(), True, ""
-    with tempfile.NamedTemporaryFile(prefix="ditfleet-compacted-") as f:
+    with spill_directory() as tmp, open(os.path.join(tmp, "compacted.parquet"), "w+b") as f:
         try:
             store.get_file(COMPACTED_KEY, f)
             f.flush()

@@ -7,6 +7,7 @@ driver then counts rows and images from the manifests of the run's shards and cl
 1. seal its own redo generations that did not commit (a straggler of them can never commit);
 2. supersede every shard whose lower generation still has rows or objects in the
    reader-visible folders (driver.output.supersede: its own redos, and any a crashed run left);
+   a redo names the `ditfleet score` tables it left without its generation (it does not rescore);
 3. delete what the one rule proves lost (driver.output.orphans) in its own shards and in the
    shards of every older lease document it settled (driver.output.settle), so a crashed run's
    leftovers are cleaned too;
@@ -36,7 +37,8 @@ from ditfleet.driver.output.status import count_shards
 from ditfleet.driver.output.success import put_success
 from ditfleet.driver.output.summary import JobSummary, RunOutcome, build_summary
 from ditfleet.driver.output.supersede import supersede_pending
-from ditfleet.workers.output.manifest import committed_shards
+from ditfleet.workers.output.manifest import committed_shards, current_manifest_keys
+from ditfleet.workers.output.score_table import all_score_tables
 from ditfleet.workers.storage import ObjectStore
 
 _TIMINGS = ("plan_s", "dispatch_s", "count_s", "wall_s")
@@ -50,8 +52,10 @@ def finish_run(
     out: TextIO,
     lease: OutputLease | None = None,
     settled: Settled | None = None,
+    verbose: bool = False,
 ) -> JobSummary:
-    """Count `run.shards`, close the output and print the summary; returns it.
+    """Count `run.shards`, close the output and print the summary (`verbose`: with the model's
+    internals, JobSummary.format_text); returns it.
 
     run.timings: plan_s and dispatch_s (count_s and wall_s are added, from `started`, a
     time.monotonic() value); lease: the driver's (None: tests that run shards without a driver);
@@ -81,7 +85,7 @@ def finish_run(
         success=summary if summary.shards["left"] == 0 else None,
         out=out,
     )
-    print(summary.format_text(), file=out)
+    print(summary.format_text(verbose), file=out)
     return summary
 
 
@@ -109,6 +113,10 @@ def close_output(
             f"{superseded.moved} objects under {store.uri('_superseded')}",
             file=out,
         )
+    if redo:  # a redo does not rescore: say which `ditfleet score` tables it left behind
+        for tables in all_score_tables(store, current_manifest_keys(store)):
+            if note := tables.note(store.uri(), redo):
+                print(f"note: {note}", file=out)
     _check(lease)
     pause_point("after_lease_check")
     shards = None if settled.shards is None else set(own) | settled.shards
@@ -118,11 +126,11 @@ def close_output(
     pause_point("before_success")
     if success is not None:
         _check(lease)
-        # A compacted set the user made is kept the union of the current manifests (a redo).
+        # A compacted set the user made is kept the union of the current manifests (a redo), and
+        # one a compaction this driver took the output from may still write is fenced.
         if refresh_compacted(store, lease) is not None:
             print(
-                f"rebuilt the compacted set {store.uri(COMPACTED_KEY)} (a redo changed its manifests)",
-                file=out,
+                f"rebuilt the compacted set {store.uri(COMPACTED_KEY)} from the current manifests", file=out
             )
         put_success(store, success.to_dict(), lease.generation if lease is not None else None)
     if lease is not None:

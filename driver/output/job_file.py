@@ -11,6 +11,9 @@ What it holds (one version for plain and incremental jobs):
     plan             totals of a plain job's plan; an incremental job's source and shard size
     versions         python, ditfleet, torch, pyarrow
     created_at       when the output was claimed (UTC, ISO 8601)
+    input_columns    per input file of a plain job, its columns in file order and a digest of each
+                     one's record in the footer (`input_columns`): outside the fingerprint, only
+                     to say what changed when a file's footer differs (column order, or a column)
 
 It is written once, create-only (`write_job_file`): of two drivers claiming the same output, one
 wins and the other reads what won. `read_job_file` reads it back, `fingerprint_differences` says in
@@ -21,16 +24,19 @@ is driver.output.claim's.
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import platform
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from importlib import metadata
 from typing import Any
 
+from ditfleet.driver.input.prompts import PromptSource
 from ditfleet.driver.output.json_objects import read_json
 from ditfleet.driver.plan import JobPlan, PlanConfig, fingerprint_of, settings_doc
 from ditfleet.workers.output.layout import job_key
 from ditfleet.workers.storage import ObjectStore
+from ditfleet.workers.storage.base import read_each
 
 JOB_FILE_VERSION = 1
 _RESTORE = "Restore it from a backup, or write to a new output"
@@ -71,8 +77,10 @@ def job_document(
     plan: JobPlan,
     resolved_spec: Mapping[str, Any],
     versions: Mapping[str, str] | None = None,
+    columns: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The `_job.json` of a plain job: its spec, the plan's fingerprint and totals, versions."""
+    """The `_job.json` of a plain job: its spec, the plan's fingerprint and totals, versions;
+    columns: its input files' `input_columns`."""
     totals = {
         "source": plan.source,
         "files": len(plan.inputs),
@@ -83,7 +91,40 @@ def job_document(
         "buckets_used": list(plan.buckets_used),
         "empty_files": list(plan.empty_files),
     }
-    return _document(resolved_spec, plan.fingerprint_doc(), totals, versions)
+    doc = _document(resolved_spec, plan.fingerprint_doc(), totals, versions)
+    return doc if columns is None else {**doc, "input_columns": dict(columns)}
+
+
+def input_columns(source: PromptSource, uris: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Per input file (footers only): "order", its columns in file order, and "columns", per
+    column a digest of what the footer records of it in every row group (type, values, nulls,
+    min and max, uncompressed size): a column rewritten with other values mostly changes it, a
+    reordered one does not. A file that cannot be read is left out."""
+
+    def of(uri: str) -> tuple[str, dict[str, Any] | None]:
+        try:
+            meta = source.open(uri).metadata
+        except (OSError, ValueError):
+            return uri, None
+        columns: dict[str, Any] = {}
+        for i in range(meta.num_columns):
+            parts = []
+            for g in range(meta.num_row_groups):
+                chunk = meta.row_group(g).column(i)
+                stats = chunk.statistics
+                seen = (
+                    (stats.null_count, stats.min, stats.max)
+                    if stats is not None and stats.has_min_max
+                    else ()
+                )
+                parts.append(
+                    repr((chunk.physical_type, chunk.num_values, chunk.total_uncompressed_size, seen))
+                )
+            name = meta.schema.column(i).path
+            columns[name] = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+        return uri, {"order": list(columns), "columns": columns}
+
+    return {uri: doc for uri, doc in read_each(of, list(uris)) if doc is not None}
 
 
 def incremental_job_document(
@@ -136,20 +177,29 @@ def check_job_file(store: ObjectStore, doc: Mapping[str, Any]) -> None:
 
 
 def fingerprint_differences(
-    existing: Mapping[str, Any], fingerprint: str, fingerprint_doc: Mapping[str, Any]
+    existing: Mapping[str, Any],
+    fingerprint: str,
+    fingerprint_doc: Mapping[str, Any],
+    columns_now: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """Why an existing (checked) `_job.json` does not belong to the job with this fingerprint, in
-    words; empty when it does."""
+    words; empty when it does. columns_now: `input_columns` of the input files now, to say what
+    changed in a file whose footer differs (the existing file's `input_columns` are the then)."""
     if existing.get("fingerprint") == fingerprint:
         return []
-    return describe_differences(existing["fingerprint_doc"], fingerprint_doc) or [
+    columns = (existing.get("input_columns") or {}, columns_now or {})
+    return describe_differences(existing["fingerprint_doc"], fingerprint_doc, columns) or [
         "the fingerprint differs, but no listed setting does (fingerprint format changed)"
     ]
 
 
-def describe_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+def describe_differences(
+    old: Mapping[str, Any],
+    new: Mapping[str, Any],
+    columns: tuple[Mapping[str, Any], Mapping[str, Any]] = ({}, {}),
+) -> list[str]:
     """'job_seed: 1 in the existing output, 2 now', 'input file ... was added', ... between two
-    fingerprint docs."""
+    fingerprint docs. columns: the files' `input_columns` then and now, where known."""
     out = _setting_differences(old, new)
     old_in = {i["uri"]: i for i in old.get("inputs") or []}
     new_in = {i["uri"]: i for i in new.get("inputs") or []}
@@ -163,7 +213,9 @@ def describe_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list
         a, b = old_in[uri], new_in[uri]
         changes = [f"{k} {a.get(k)} -> {b.get(k)}" for k in ("size", "rows") if a.get(k) != b.get(k)]
         if a.get("footer_sha256") != b.get("footer_sha256"):
-            changes.append("content differs")
+            digests = a.get("content_digest"), b.get("content_digest")
+            same_values = None if not same_cut or None in digests else digests[0] == digests[1]
+            changes.extend(_footer_changes(columns[0].get(uri), columns[1].get(uri), same_values))
         elif a.get("content_digest") != b.get("content_digest") and same_cut:
             changes.append(
                 f"rows edited in place: content digest {a.get('content_digest')} -> {b.get('content_digest')}, "
@@ -174,6 +226,28 @@ def describe_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list
     if old_in.keys() == new_in.keys() and list(old_in) != list(new_in):
         out.append("input files are in a different order (rows without an id would get other ids)")
     return out
+
+
+def _footer_changes(
+    then: Mapping[str, Any] | None, now: Mapping[str, Any] | None, same_values: bool | None
+) -> list[str]:
+    """What changed in a file whose footer differs, as far as its `input_columns` and the content
+    digests tell (same_values: whether the rows' values are the same; None: not known)."""
+    same = {True: ["the rows' values are the same"], False: [], None: []}[same_values]
+    if not then or not now:  # an output made before columns were recorded
+        return ["its footer differs", *same] if same_values else ["content differs"]
+    out = [f"column {c!r} was added" for c in now["order"] if c not in then["columns"]]
+    out += [f"column {c!r} was removed" for c in then["order"] if c not in now["columns"]]
+    edited = [c for c in now["order"] if c in then["columns"] and then["columns"][c] != now["columns"][c]]
+    if not same_values:
+        out += [f"values of column {c!r} changed" for c in edited]
+    kept_then = [c for c in then["order"] if c in now["columns"]]
+    kept_now = [c for c in now["order"] if c in then["columns"]]
+    if kept_then != kept_now:
+        out.append(f"column order changed: {kept_then} -> {kept_now}")
+    if same_values is False and not out:
+        out.append("values changed in place, in a column its footer does not tell apart")
+    return (out or ["its footer differs"]) + same
 
 
 def _setting_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:

@@ -193,7 +193,12 @@ def _process_space() -> str | None:
         return None  # not Linux: only expiry frees a lease
 
 
-def _holder_is_gone(doc: dict[str, Any]) -> bool:
+def this_process() -> dict[str, Any]:
+    """This process as a lease document names its holder: what `holder_is_gone` reads."""
+    return {"pid": os.getpid(), "process_space": _process_space()}
+
+
+def holder_is_gone(doc: dict[str, Any]) -> bool:
     """The lease's driver ran in this process space and its process has exited (it crashed, or
     was killed): its lease need not be waited out. A reused pid only makes us wait out the lease."""
     space, pid = doc.get("process_space"), doc.get("pid")
@@ -214,7 +219,7 @@ def _current(store: ObjectStore, generation: int, now: float) -> dict[str, Any] 
             return None
     except (TypeError, ValueError):
         return None
-    return None if _holder_is_gone(doc) else doc
+    return None if holder_is_gone(doc) else doc
 
 
 def acquire_lease(
@@ -224,11 +229,14 @@ def acquire_lease(
     renew: bool = True,
     clock: Callable[[], float] = time.time,
     keeps_complete: bool = False,
+    compacts: bool = False,
 ) -> OutputLease:
     """Take the output for this driver, or raise OutputBusy naming the driver that has it.
     renew: keep the lease alive from a background thread until `release`. keeps_complete: the
     holder is a tool that leaves a complete output complete (`ditfleet compact`, `verify
-    --clean`): its lease does not make the output's `_SUCCESS` stale (driver.output.success)."""
+    --clean`): its lease does not make the output's `_SUCCESS` stale (driver.output.success).
+    compacts: the holder writes the compacted set (`ditfleet compact`): a driver that takes the
+    output from it while it is not released fences its set (driver.output.compact)."""
     for _ in range(_TRIES):
         generations = lease_generations(store)
         now = clock()
@@ -247,8 +255,7 @@ def acquire_lease(
         doc = {
             "owner": uuid.uuid4().hex,
             "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "process_space": _process_space(),
+            **this_process(),
             "acquired_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
             "expires_at": now + ttl_s,
             "released": False,
@@ -256,6 +263,7 @@ def acquire_lease(
             "redo": {},
             "settled": False,
             "keeps_complete": keeps_complete,
+            "compacts": compacts,
         }
         if store.put_if_absent(lease_key(generation), _encode(doc), "application/json"):
             lease = OutputLease(store, generation, doc, ttl_s, clock)

@@ -27,6 +27,7 @@ POINTS = {
     "after_dispatch_start": "driver: the lease document with its shards and redo generations is written "
     "and the first shard was handed to an actor",
     "compact_before_write": "compaction: the new set is built locally, before anything is written",
+    "compact_after_lease_check": "compaction: the new set is built and the lease was just checked, before it is written",
     "compact_before_index": "compaction: the new set is written, before its index",
 }
 

@@ -25,11 +25,12 @@ from ditfleet.driver.output.near_duplicate_counts import near_duplicate_line, ou
 from ditfleet.driver.output.success import success_file
 from ditfleet.driver.run_records import RecordedPlan, read_run_records
 from ditfleet.workers.output.manifest import current_manifest_keys
+from ditfleet.workers.output.score_table import ScoreTables, all_score_tables
 from ditfleet.workers.storage import ObjectStore
 from ditfleet.workers.storage.base import READ_THREADS
 from ditfleet.workers.storage.parquet_bytes import read_parquet
 
-_COLUMNS = ["id", "status", "error"]
+_COLUMNS = ["id", "status", "error", "bucket", "generate_s"]
 # The step cache's counts; absent from manifests written before it existed.
 _STEP_CACHE_COLUMNS = ["dit_blocks_computed", "dit_blocks_reused"]
 # The quality gate's record (quality.gate); absent from manifests written before it existed.
@@ -54,11 +55,16 @@ class OutputCounts:
     gate_images: int = 0
     gate_passed: int = 0
     gate_tries: int = 0
+    # Images and their summed generate_s (every try's) by bucket: what an image costs (driver.output.cost).
+    images_by_bucket: dict[str, int] = field(default_factory=dict)
+    generate_s_by_bucket: dict[str, float] = field(default_factory=dict)
 
     def add(self, other: OutputCounts) -> None:
         for f in fields(self):
-            if f.name == "errors":
-                self.errors.update(other.errors)
+            mine = getattr(self, f.name)
+            if isinstance(mine, dict):  # errors, and the by-bucket sums
+                for key, value in getattr(other, f.name).items():
+                    mine[key] = mine.get(key, 0) + value
             else:
                 setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
@@ -90,6 +96,7 @@ def shard_counts(store: ObjectStore, key: str) -> OutputCounts:
     failed_ids = pc.unique(pc.filter(table.column("id"), pc.invert(ok)))
     all_ids = pc.count_distinct(table.column("id")).as_py()
     errors = Counter(e for e in pc.filter(table.column("error"), pc.invert(ok)).to_pylist() if e)
+    images, seconds = _by_bucket(table)
     return OutputCounts(
         shards=1,
         rows_ok=all_ids - len(failed_ids),
@@ -97,9 +104,21 @@ def shard_counts(store: ObjectStore, key: str) -> OutputCounts:
         images_ok=images_ok,
         images_failed=table.num_rows - images_ok,
         errors=errors,
+        images_by_bucket=images,
+        generate_s_by_bucket=seconds,
         **blocks,
         **(gate_counts(table) if "gate_passed" in present else {}),
     )
+
+
+def _by_bucket(table: pa.Table) -> tuple[dict[str, int], dict[str, float]]:
+    """A manifest's images and their generate_s (null: 0) by bucket."""
+    images: dict[str, int] = {}
+    seconds: dict[str, float] = {}
+    for bucket, s in zip(table.column("bucket").to_pylist(), table.column("generate_s").to_pylist()):
+        images[bucket] = images.get(bucket, 0) + 1
+        seconds[bucket] = seconds.get(bucket, 0.0) + (s or 0.0)
+    return images, seconds
 
 
 def gate_counts(table: pa.Table) -> dict[str, int]:
@@ -146,6 +165,8 @@ class OutputStatus:
     # Near duplicates among the committed images (driver.output.near_duplicate_counts); {}
     # when no manifest has a phash (an output older than the column).
     near_duplicates: dict[str, Any] = field(default_factory=dict)
+    # `ditfleet score`'s tables, per scorer that has any: a redo leaves its shards behind.
+    score_tables: list[ScoreTables] = field(default_factory=list)
 
     @property
     def plan(self) -> dict[str, Any]:
@@ -171,6 +192,15 @@ class OutputStatus:
             "shards_left": _ranges(self.missing),
             "stale_success": self.stale_success,
             "compacted": self.compacted.describe(),
+            "score_tables": {
+                t.scorer: {
+                    "scored": len(t.made),
+                    "manifests": len(self.committed),
+                    "stale": {str(shard): list(gens) for shard, gens in sorted(t.stale.items())},
+                    "unscored": list(t.unscored),
+                }
+                for t in self.score_tables
+            },
             **({"runs": self.recorded["runs"]} if self.recorded is not None else {}),
         }
 
@@ -196,6 +226,12 @@ class OutputStatus:
         lines.extend(f"  failed x{n}: {message}" for message, n in d["failures_by_error"].items())
         if self.compacted.present:
             lines.append(f"  compacted set: {d['compacted']}")
+        for t in self.score_tables:
+            note = t.note(self.uri)
+            lines.append(
+                f"  scores/{t.scorer}/: {len(t.made)} of {len(self.committed)} shard manifests scored"
+                + (f"; STALE: {note}" if note else " (current)")
+            )
         if self.job is None:
             lines.append("  (no _job.json: not a ditfleet output, or no run got past planning)")
         return "\n".join(lines)
@@ -260,4 +296,5 @@ def output_status(store: ObjectStore) -> OutputStatus:
         recorded=recorded,
         compacted=compacted_state(store, current),
         near_duplicates=output_near_duplicates(store, committed),
+        score_tables=all_score_tables(store, current),
     )

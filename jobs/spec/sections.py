@@ -1,5 +1,5 @@
 """The sections of a job file (input, output, model, sampling, buckets, compile, workers, shards,
-s3): one pydantic model each, every field saying why it exists.
+s3, cost): one pydantic model each, every field saying why it exists.
 
 A knob field is `key: <its dataclass field's type> = knob(Dataclass, "field")` (jobs/spec/derive.py):
 default, bounds and description come from the dataclass, and a test checks the type is the same.
@@ -19,21 +19,22 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from ditfleet.compile.buckets import BucketSet
 from ditfleet.compile.config import CompileConfig, OnOffAuto
 from ditfleet.driver.dispatch import DispatchConfig
+from ditfleet.driver.output.cost import CostConfig
 from ditfleet.driver.plan import PlanConfig
 from ditfleet.model.loading.folder import TINY_MODEL
+from ditfleet.model.quality.table import ScorerName
 from ditfleet.model.settings import (
     AttentionBackend,
     CfgMode,
     ModulationCache,
     PipelineSettings,
     Quantization,
-    ScorerName,
 )
 from ditfleet.model.step_cache_config import StepCacheConfig, check_schedule
 from ditfleet.workers.cache_secret import WELL_KNOWN_ENV, CacheSecretSource
 from ditfleet.workers.contract import Device, Dtype, GateConfig, ModelPlacement, Placement, WorkerConfig
-from ditfleet.workers.output.formats import ShardWriterConfig
-from ditfleet.workers.output.layout import FormatName, ImageFormat
+from ditfleet.workers.output.formats import FormatName, ShardWriterConfig
+from ditfleet.workers.output.layout import ImageFormat
 from ditfleet.workers.rows import RowConfig
 from ditfleet.workers.storage import S3Config
 from ditfleet.workers.storage.base import AddressingStyle
@@ -43,7 +44,9 @@ from .derive import knob
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan: every float of the job file is finite (.nan, .inf refused naming the key), as
+    # model.settings.check_settings holds every knob below the spec.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Frozen: a spec is validated as a whole, once. Pydantic's own refusal says only
@@ -300,6 +303,11 @@ class QualitySpec(Section):
 class ShardsSpec(Section):
     size: int = knob(PlanConfig, "shard_size")
     max_attempts: int = knob(DispatchConfig, "max_attempts")
+
+
+# What an image costs, in the summary, the report and `ditfleet plan` (driver.output.cost).
+class CostSpec(Section):
+    gpu_hour_usd: float | None = knob(CostConfig, "gpu_hour_usd")
 
 
 # Client settings for s3:// input and output: the store's own knobs (workers.storage.S3Config).

@@ -15,7 +15,9 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from ditfleet.model.family_types import AttentionCounters, CompileRegion, Size, TextConditioning
+from ditfleet.model.loading.folder import TINY_MODEL_DIR
 from ditfleet.model.memory import MemoryPlan, ModelMemory, dit_activation_bytes, largest_batch, plan_memory
+from ditfleet.model.quality.table import PIPELINE_QWEN_VL
 from ditfleet.model.qwen_image.transformer_config import TransformerConfig
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH_LIMIT
 from ditfleet.model.tiny.sizes import TINY_BUCKETS
@@ -132,6 +134,9 @@ class QwenImageFamily:
     memory: MemoryFormula = field(default_factory=MemoryFormula)
     # The longest prompt the text path embeds, in tokens (what a job may ask for at most).
     max_text_tokens: int = MAX_SEQUENCE_LENGTH_LIMIT
+    bundled_dir: Path | None = None
+    # Its text encoder is a Qwen2.5-VL, which a scorer such as vqa asks (check_scorers_supported).
+    scorer_inputs: frozenset[str] = frozenset({PIPELINE_QWEN_VL})
 
     def text_conditioning(self, pipe: Any) -> TextConditioning:
         return TextConditioning(pipe.transformer.config.joint_attention_dim, self.max_text_tokens)
@@ -154,4 +159,12 @@ class QwenImageFamily:
 
 
 QWEN_IMAGE = QwenImageFamily()
-TINY = replace(QWEN_IMAGE, name="tiny", default_buckets=TINY_BUCKETS, runs_on_cpu=True)
+# The tiny model's text encoder is its own small one (model.tiny), no Qwen2.5-VL.
+TINY = replace(
+    QWEN_IMAGE,
+    name="tiny",
+    default_buckets=TINY_BUCKETS,
+    runs_on_cpu=True,
+    bundled_dir=TINY_MODEL_DIR,
+    scorer_inputs=frozenset(),
+)

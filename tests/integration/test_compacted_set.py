@@ -22,10 +22,16 @@ from pathlib import Path
 
 import pytest
 
-from ditfleet.driver.output.compact import COMPACTED_KEY, compacted_state
+from ditfleet.driver.output.compact import (
+    COMPACTED_KEY,
+    SPILL_PREFIX,
+    compacted_state,
+    remove_abandoned_spills,
+)
 from ditfleet.workers.output.formats import object_key
 from ditfleet.workers.output.manifest import read_manifests
 from ditfleet.workers.storage import open_store
+from tests.integration.test_fenced_writers import lapse_lease
 from tests.support.paused_process import Processes
 from tests.support.worker_fixtures import write_prompts
 
@@ -141,3 +147,63 @@ def test_compaction_is_refused_while_a_driver_owns_the_output(output):
     assert driver.finish().rc == 0
     for rows in compacted_rows(out):
         assert_each_row_once_naming_what_is_there(out, rows)
+
+
+def current_uris(out: Path) -> dict[str, str]:
+    return {r["id"]: r["uri"] for r in read_manifests(open_store(str(out))).to_pylist()}
+
+
+@pytest.mark.parametrize("had_set", [True, False], ids=["over-a-set", "no-set-before"])
+def test_a_compaction_paused_after_its_lease_check_never_shows_readers_a_superseded_row(output, had_set):
+    # Issue 48, item 3: a `ditfleet compact` stopped right after its lease check, its lease run out,
+    # a redo of shard 1 taking the output and finishing (`_SUCCESS`), then the compaction going on.
+    # Before the fence it wrote its set, made from the manifests before the redo, after the redo's
+    # `_SUCCESS`: status and verify called it stale, but readers of compacted/ got the superseded
+    # row. Now it writes only over the set it found (absent: only while none is there); the redo's
+    # finish rebuilt that set (or, with none there, built one, since the compaction it took the
+    # output from never released it), so the late writer writes nothing and says why.
+    out, procs = output
+    if not had_set:
+        for name in os.listdir(out / "compacted"):
+            os.remove(out / "compacted" / name)
+        os.rmdir(out / "compacted")
+    late = procs.start(
+        "compact", mode="cli", argv=["compact", str(out)], pause_at=["compact_after_lease_check"]
+    )
+    late.wait_paused("compact_after_lease_check")
+    lapse_lease(open_store(str(out)))
+    assert (done := procs.run("redo", redo=[1])).rc == 0, done
+    assert "rebuilt the compacted set" in done.err, done
+    late.cont()
+    refused = late.finish()
+    for rows in compacted_rows(out):
+        assert_each_row_once_naming_what_is_there(out, rows)
+        assert {r["id"]: r["uri"] for r in rows} == current_uris(out)
+    assert refused.rc == 2 and "was written by another writer while this compaction ran" in refused.err, (
+        refused
+    )
+    got = status(procs, out)
+    assert got["compacted"] == "current" and got["complete"], got
+
+
+def test_a_killed_compactions_spill_directory_is_removed_by_the_next_one(output, tmp_path):
+    # Also seen in issue 48: every killed compaction left its spill directory (a full copy of the
+    # manifests) in the temporary folder. A killed one cannot clean up after itself; the next
+    # compaction on the machine removes the directories whose owner process is gone, and only those.
+    out, procs = output
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    killed = procs.start(
+        "compact",
+        mode="cli",
+        argv=["compact", str(out)],
+        pause_at=["compact_before_write"],
+        env={"TMPDIR": str(tmp)},
+    )
+    killed.wait_paused("compact_before_write")
+    spills = [p for p in tmp.iterdir() if p.name.startswith(SPILL_PREFIX)]
+    assert len(spills) == 1 and (spills[0] / "manifests.parquet").exists(), spills
+    assert remove_abandoned_spills(str(tmp)) == [] and spills[0].exists()  # its owner is alive: kept
+    killed.kill()
+    assert (done := compact(procs, out, env={"TMPDIR": str(tmp)})).rc == 0, done
+    assert not list(tmp.iterdir()), list(tmp.iterdir())

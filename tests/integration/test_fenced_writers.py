@@ -1,4 +1,4 @@
-"""Issue 32, scenarios 1-4 and 9: drivers, `verify --clean` and stragglers as real processes,
+"""Issue 32, scenarios 1-4 and 9, and issue 48's paused compaction (10): drivers, `verify --clean` and stragglers as real processes,
 stopped at the pause points of INTEGRITY.md section 8 (SIGSTOP, then SIGCONT or SIGKILL), on a
 local folder and on S3 at the moto loopback endpoint.
 
@@ -25,9 +25,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from ditfleet.driver.output.compact import COMPACTED_KEY, compacted_state
 from ditfleet.driver.output.verify import verify_output
 from ditfleet.workers.output.layout import lease_key, manifest_key, success_key
+from ditfleet.workers.output.manifest import read_manifests
 from ditfleet.workers.storage import ObjectStore, S3Config, open_store
+from ditfleet.workers.storage.parquet_bytes import read_parquet
 from tests.support.format_worker import HOLD_BEFORE_COMMIT, STOP_BEFORE_COMMIT
 from tests.support.output_checks import (
     assert_readers_see_each_row_once,
@@ -324,3 +327,35 @@ def test_9_incremental_run_refused_the_lease_changes_nothing(case, tmp_path):
     assert second.rc == 0, second
     assert_readers_see_each_row_once(case.store, ["a0", "a1", "a2", "a3", "b0", "b1", "b2"], FORMAT)
     assert verify_output(case.store).exit_code == 0
+
+
+@pytest.mark.parametrize("had_set", [True, False], ids=["over-a-set", "no-set-before"])
+def test_10_compaction_paused_after_its_lease_check_writes_nothing_over_a_redo(case, had_set):
+    # Issue 48, item 3, on a local folder and on S3: a `ditfleet compact` stopped right after its
+    # lease check, its lease run out, a redo of shard 1 that finishes (`_SUCCESS`), then the
+    # compaction going on. Its set, made from the manifests before the redo, is written only over
+    # the version of the set it read before them (S3 If-Match / If-None-Match), which the redo's
+    # finish changed: the compacted set stays the union of the current manifests.
+    finished(case)
+    if had_set:
+        assert (
+            done := case.procs.run("compact", mode="cli", argv=["compact", case.uri, *case.cli])
+        ).rc == 0, done
+    late = case.procs.start(
+        "late-compact",
+        mode="cli",
+        argv=["compact", case.uri, *case.cli],
+        pause_at=["compact_after_lease_check"],
+    )
+    late.wait_paused("compact_after_lease_check")
+    lapse_lease(case.store)
+    assert (done := case.procs.run("redo", redo=[1])).rc == 0, done
+    late.cont()
+    refused = late.finish()
+    compacted = read_parquet(case.store.get(COMPACTED_KEY)).select(["id", "uri"]).to_pylist()
+    current = read_manifests(case.store).select(["id", "uri"]).to_pylist()
+    assert sorted(compacted, key=str) == sorted(current, key=str), (compacted, current)
+    assert refused.rc == 2 and "was written by another writer while this compaction ran" in refused.err, (
+        refused
+    )
+    assert compacted_state(case.store).current

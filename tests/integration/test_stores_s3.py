@@ -7,6 +7,7 @@ import pytest
 
 from ditfleet.workers.storage import ObjectStore, open_store
 from tests.unit.workers.test_stores import (  # noqa: F401  (collected here, against S3)
+    test_a_conditional_replace_writes_only_over_the_version_it_read,
     test_check_writable_passes_and_leaves_nothing,
     test_copy_and_move_are_create_only_and_resumable,
     test_list_is_paginated_and_complete,

@@ -6,7 +6,7 @@ import hashlib
 
 from ditfleet.workers.actor import GenerationWorker
 from ditfleet.workers.output.formats import ImageTask, ShardWriterConfig, make_shard_writer
-from ditfleet.workers.output.layout import webdataset_key
+from ditfleet.workers.output.formats.webdataset import webdataset_key
 from ditfleet.workers.storage import open_store
 from tests.support.worker_fixtures import shard_of, worker_config
 from tests.unit.workers.test_webdataset_writer import (
@@ -45,7 +45,7 @@ def test_big_tar_goes_up_in_parts_through_the_spool_on_disk(s3_server, s3_bucket
     writer = make_shard_writer(store, 7, cfg, T)
     images = [_noise(i, 800) for i in range(4)]  # ~1.9 MB each, ~7.7 MB of tar
     for i, image in enumerate(images):
-        writer.add(ImageTask(f"big-{i}", prompt=f"noise {i}", seed=i), image)
+        writer.add(ImageTask(id=f"big-{i}", prompt=f"noise {i}", seed=i), image)
     stored = writer.finish()
     assert stored.data_uri == store.uri(webdataset_key(7, T)) and stored.data_bytes > 5 * _MiB
     head = s3_server.admin.head_object(Bucket=s3_bucket, Key=f"big/{webdataset_key(7, T)}")

@@ -69,7 +69,7 @@ class FormatWorker:
         shade = int(hashlib.sha256(token.encode()).hexdigest()[:2], 16)  # each run its own bytes
         try:
             for r in rows:
-                task = ImageTask(r.id, 0, 1, r.prompt, r.negative_prompt, r.seed)
+                task = ImageTask(id=r.id, prompt=r.prompt, negative_prompt=r.negative_prompt, seed=r.seed)
                 writer.add(task, np.full((r.height, r.width, 3), shade, dtype=np.uint8))
             stored = writer.finish()
         except BaseException:

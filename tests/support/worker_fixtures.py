@@ -91,12 +91,12 @@ def worker_config(
     )
 
 
-def finish_like_driver(store: Any, plan: Any) -> None:
+def finish_like_driver(store: Any, plan: Any, out: Any = None) -> None:
     """The driver's end of a run, as `run_job` does it (driver.output.finish): count the shards, clean
-    up, write `_SUCCESS`.
+    up, write `_SUCCESS`; what it prints goes to `out` (a text stream; None: nowhere).
 
     For tests that run shards on the real worker without a Ray cluster; every planned shard must
-    be committed.
+    be committed (a shard of `plan` with a generation >= 1 is a redo's).
     """
     import io
     import time
@@ -111,5 +111,5 @@ def finish_like_driver(store: Any, plan: Any) -> None:
         total_shards=n, total_images=plan.total_images, stream=io.StringIO(), interactive=False
     )
     run = RunOutcome(plan.shards, frozenset(), plan.fingerprint(), planned, None, progress, {})
-    summary = finish_run(store, run, started=time.monotonic(), out=io.StringIO())
+    summary = finish_run(store, run, started=time.monotonic(), out=out or io.StringIO())
     assert summary.shards["left"] == 0, f"finish_like_driver: {summary.shards['left']} shards not committed"

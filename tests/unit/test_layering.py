@@ -66,7 +66,7 @@ DEFERRED_CYCLES: set[frozenset[str]] = set()
 # map, FP8 and memory formula below the shared machinery (memory plan, sampling loop, scorers),
 # its face and assembly (FAMILY_FACE) above it, where the face's table (model/family.py) reads them.
 MODEL_ORDER: tuple[tuple[str, ...], ...] = (
-    ("lazy_exports", "family_types", "step_cache_config"),
+    ("lazy_exports", "family_types", "knobs", "step_cache_config"),
     ("settings",),
     ("loading",),
     ("tiny",),

@@ -28,6 +28,7 @@ from PIL.PngImagePlugin import PngInfo
 XMP_NAMESPACE = "urn:ditfleet:provenance:1/"
 JSON_KEY = "ditfleet"  # the PNG text chunk that holds the facts as JSON
 PARAMETERS_KEY = "parameters"  # the PNG text chunk AUTOMATIC1111, Forge and their readers use
+NEGATIVE_PROMPT_LABEL = "Negative prompt:"  # the infotext line that starts the negative prompt
 
 _EXIF_IFD = 0x8769
 _IMAGE_DESCRIPTION = 0x010E
@@ -87,12 +88,15 @@ class Provenance:
 
     def parameters(self) -> str:
         """The AUTOMATIC1111 "infotext": the prompt, a `Negative prompt:` line, then one line of
-        `Key: value` pairs, values quoted as JSON where they hold a comma, colon or newline.
+        `Key: value` pairs, values quoted as JSON where they hold a comma, colon, quote or newline.
 
             a red circle on a blue square
             Negative prompt: blurry
             Steps: 28, CFG scale: 4.0, Seed: 42, Size: 64x64, Model: tiny, Model hash: 3f0c..., Job: demo
-        """
+
+        A prompt or negative prompt that the form cannot hold as it is (`_infotext_block`) is
+        written as one JSON string instead, so a reader never takes part of a prompt for the
+        negative prompt or the settings."""
         pairs: list[tuple[str, Any]] = [
             ("Steps", self.steps),
             ("CFG scale", None if self.true_cfg_scale is None else float(self.true_cfg_scale)),
@@ -102,9 +106,9 @@ class Provenance:
             ("Model hash", self.job.model_revision or None),
             ("Job", self.job.job_name),
         ]
-        lines = [self.prompt]
+        lines = [_infotext_block(self.prompt)]
         if self.negative_prompt and self.negative_prompt.strip():  # not the blank default " "
-            lines.append(f"Negative prompt: {self.negative_prompt}")
+            lines.append(f"{NEGATIVE_PROMPT_LABEL} {_infotext_block(self.negative_prompt)}")
         lines.append(", ".join(f"{key}: {_quoted(value)}" for key, value in pairs if value is not None))
         return "\n".join(lines)
 
@@ -155,12 +159,34 @@ class Provenance:
         return packet.encode("utf-8")
 
 
+def _infotext_block(text: str) -> str:
+    """`text` as the infotext's prompt (or negative prompt) lines: as it is where AUTOMATIC1111's
+    reader (`parse_generation_parameters`) gives it back unchanged, else as one JSON string.
+
+    That reader strips the whole text and each line, splits lines at "\n" only, ends the prompt
+    at a line starting "Negative prompt:" and drops that label from every negative line. So a
+    text is held as it is when neither it nor any line has whitespace at either end (a "\r"
+    included), no line starts with the label and it holds no NUL (PNG text cannot). A text that
+    starts with a quote is escaped too, so that a block starting with a quote is always an
+    escape: `json.loads` of it gives the exact text back (docs/quality.md)."""
+    lines = text.split("\n")
+    held = (
+        "\x00" not in text
+        and not text.startswith('"')
+        and text == text.strip()
+        and all(line == line.strip() and not line.startswith(NEGATIVE_PROMPT_LABEL) for line in lines)
+    )
+    return text if held else json.dumps(text, ensure_ascii=False)
+
+
 def _quoted(value: Any) -> str:
-    """A value of the infotext's last line as AUTOMATIC1111 writes it (its `quote`)."""
+    """A value of the infotext's last line as AUTOMATIC1111 writes it (its `quote`), and quoted
+    too where its reader would change it unquoted: a quote (it unquotes a value that starts and
+    ends with one), whitespace at either end (it strips), a carriage return."""
     if isinstance(value, float):
         return repr(value)
     text = str(value)
-    if "," in text or ":" in text or "\n" in text:
+    if any(c in text for c in ',:\n\r"\x00') or text != text.strip():
         return json.dumps(text, ensure_ascii=False)
     return text
 

@@ -22,7 +22,7 @@ class ShardStoreError(RuntimeError):
     """Some image of the shard could not be stored; the shard must not be committed."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ImageResult:
     """What happened to one image. Times in seconds; `bytes` is the encoded size.
 

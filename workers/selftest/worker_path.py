@@ -146,7 +146,13 @@ def _generate_into(
         req = image.request
         assert image.pixels is not None, image.error
         writer.add(
-            ImageTask(req.row.id, req.k, 1, req.row.prompt, req.row.negative_prompt, req.seed),
+            ImageTask(
+                id=req.row.id,
+                k=req.k,
+                prompt=req.row.prompt,
+                negative_prompt=req.row.negative_prompt,
+                seed=req.seed,
+            ),
             image.pixels.permute(1, 2, 0).numpy(),
         )
     return generate_s

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import io
 import os
 import shutil
@@ -11,7 +13,6 @@ import uuid
 from collections.abc import Iterator
 from typing import IO
 
-from ditfleet.workers.output.layout import write_check_key
 from ditfleet.workers.storage.base import (
     _COPY_CHUNK,
     _TMP_MARK,
@@ -23,6 +24,7 @@ from ditfleet.workers.storage.base import (
     StoreError,
     check_key,
     fsync_dir,
+    write_check_key,
 )
 
 
@@ -73,6 +75,32 @@ class LocalStore(ObjectStore):
             _unlink_quietly(tmp)
             raise
         fsync_dir(os.path.dirname(path))
+
+    def version(self, key: str) -> str | None:
+        try:
+            st = os.stat(self._path(key))
+        except FileNotFoundError:
+            return None
+        # Every put renames a new file into place: a new inode, whatever the bytes.
+        return f"{st.st_ino}:{st.st_mtime_ns}:{st.st_size}"
+
+    def put_file_if(
+        self, key: str, f: IO[bytes], expected: str | None, content_type: str | None = None
+    ) -> bool:
+        path = self._path(key)
+        tmp = self._write_temp(path, f)
+        try:
+            # The check and the rename under one lock on the object's directory, which every
+            # conditional writer of a key there takes: no other conditional write comes between.
+            # The kernel drops the lock of a killed holder.
+            with _directory_lock(os.path.dirname(path)):
+                if self.version(key) != expected:
+                    return False
+                os.replace(tmp, path)
+        finally:
+            _unlink_quietly(tmp)
+        fsync_dir(os.path.dirname(path))
+        return True
 
     def put_if_absent(self, key: str, data: bytes, content_type: str | None = None) -> bool:
         path = self._path(key)
@@ -200,6 +228,33 @@ class LocalStore(ObjectStore):
                 f"cannot write under {self.root} ({e.strerror or e}): check the path and its "
                 "permissions, or choose another output"
             ) from e
+        # The probe's folder (_tmp/) holds nothing else: leave no empty folder in the output. A
+        # folder another driver's probe is in right now is not empty, and stays.
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(self._path(probe)))
+
+
+@contextlib.contextmanager
+def _directory_lock(directory: str, timeout_s: float = 60.0) -> Iterator[None]:
+    """An exclusive flock on `directory` (held for a check and a rename, milliseconds), waited
+    for up to `timeout_s`: a holder frozen inside it makes the other writer fail, never wait forever."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise StoreError(
+                        f"{directory}: another writer has held its lock for {timeout_s:.0f} s "
+                        "(a frozen process?); nothing was written, try again"
+                    ) from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _unlink_quietly(path: str) -> None:

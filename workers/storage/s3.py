@@ -35,7 +35,6 @@ from botocore.exceptions import (
     PartialCredentialsError,
 )
 
-from ditfleet.workers.output.layout import write_check_key
 from ditfleet.workers.storage.base import (
     _COPY_CHUNK,
     ObjectNotFound,
@@ -44,6 +43,7 @@ from ditfleet.workers.storage.base import (
     StoreConfigError,
     StoreError,
     check_key,
+    write_check_key,
 )
 
 log = logging.getLogger(__name__)
@@ -165,7 +165,16 @@ class S3Store(ObjectStore):
             args["ContentType"] = content_type
         self.client.put_object(**args, **extra)
 
-    def _multipart(self, key: str, f: IO[bytes], size: int, content_type: str | None) -> None:
+    def _multipart(
+        self, key: str, f: IO[bytes], size: int, content_type: str | None, **complete: Any
+    ) -> None:
+        """Upload `size` bytes of `f` as one object in parts, by hand rather than through boto3's
+        managed transfer (upload_fileobj), which `copy` does use: the managed upload sends no
+        Content-MD5 with its parts (at most a CRC checksum, and none under
+        request_checksum_calculation: when_required, which S3-compatible stores without CRC
+        support need), so a part damaged on the way could be stored; here every part carries
+        one, as every PUT does. And the upload is aborted on any error, the caller's
+        KeyboardInterrupt included, with at most `multipart_concurrency` parts in memory."""
         full = self._key(key)
         create: dict[str, Any] = {"Bucket": self.bucket, "Key": full}
         if content_type:
@@ -199,7 +208,7 @@ class S3Store(ObjectStore):
                         queued.cancel()  # leaving the pool waits only for parts already sent
                     raise
             self.client.complete_multipart_upload(
-                Bucket=self.bucket, Key=full, UploadId=upload_id, MultipartUpload={"Parts": parts}
+                Bucket=self.bucket, Key=full, UploadId=upload_id, MultipartUpload={"Parts": parts}, **complete
             )
         except BaseException:
             self._abort(full, upload_id)
@@ -228,6 +237,45 @@ class S3Store(ObjectStore):
                 full,
                 e,
             )
+
+    # -- conditional replace -------------------------------------------------------------
+
+    @_names_the_object("HEAD")
+    def version(self, key: str) -> str | None:
+        head = self._head(key)
+        return None if head is None else str(head["ETag"])
+
+    @_names_the_object("conditional PUT")
+    def put_file_if(
+        self, key: str, f: IO[bytes], expected: str | None, content_type: str | None = None
+    ) -> bool:
+        if self._conditional_writes is False:  # single_writer, checked when it was found out
+            return super().put_file_if(key, f, expected, content_type)
+        condition = {"IfNoneMatch": "*"} if expected is None else {"IfMatch": expected}
+        start = f.tell()
+        size = f.seek(0, io.SEEK_END) - start
+        f.seek(start)
+        try:
+            if size >= self.config.multipart_threshold:
+                self._multipart(key, f, size, content_type, **condition)
+            else:
+                self._put_object(key, f.read(), content_type, **condition)
+        except ClientError as e:
+            code, status = error_code(e), http_status(e)
+            # 412: the version changed; 409: another conditional write of the key is under way,
+            # so it is changing; 404 (If-Match on a key gone meanwhile): changed too.
+            if code in ("PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey") or status in (
+                404,
+                409,
+                412,
+            ):
+                return False
+            if code in _NO_CONDITIONAL_WRITE or status == 501:
+                self._no_conditional_writes(code or str(status))
+                f.seek(start)
+                return super().put_file_if(key, f, expected, content_type)
+            raise
+        return True
 
     # -- create-only write ---------------------------------------------------------------
 

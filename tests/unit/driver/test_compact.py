@@ -7,9 +7,11 @@ Synthetic manifests with the real schema, in a local store."""
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
@@ -179,17 +181,17 @@ def test_a_compaction_stopped_at_any_write_leaves_the_old_set_or_the_new_never_a
     def stop() -> None:
         raise _Stop
 
-    put_file, put = store.put_file, store.put
+    put_file_if = store.put_file_if
     if where == "put_file":
-        store.put_file = lambda *a, **k: stop()  # type: ignore[method-assign]
+        store.put_file_if = lambda *a, **k: stop()  # type: ignore[method-assign]
     if where == "index":
-        store.put = lambda key, *a, **k: stop() if key == INDEX_KEY else put(key, *a, **k)  # type: ignore[method-assign]
+        store.put_file_if = lambda key, *a, **k: stop() if key == INDEX_KEY else put_file_if(key, *a, **k)  # type: ignore[method-assign]
     lease = acquire_lease(store, renew=False)
     if where == "lease_check":  # another process took the output meanwhile
         acquire_lease(store, ttl_s=60, renew=False, clock=lambda: lease.expires_at + 1)
     with pytest.raises(OutputBusy if where == "lease_check" else _Stop):
         compact_output(store, row_group_rows=16, lease=lease, finished=True)
-    store.put_file, store.put = put_file, put  # type: ignore[method-assign]
+    store.put_file_if = put_file_if  # type: ignore[method-assign]
     for seen in _readers_see(tmp_path / "out"):
         assert _sorted(seen).equals(old if where != "index" else new)
     # Never believed current when it is not: the old set reads as stale; the new one without its
@@ -253,3 +255,62 @@ def test_a_compaction_that_lost_its_lease_writes_nothing(tmp_path: Path):
     with pytest.raises(OutputBusy):
         compact_output(store, lease=lease, finished=True)
     assert not list(store.list(COMPACTED_PREFIX))
+
+
+def _forge_same_digest(value: str) -> str:
+    """Another printable string of the same length whose 64-bit `value_digests` digest equals
+    `value`'s: its first two words chosen so that the hash chain meets again (every step of the
+    chain is invertible), about 3,000 candidates for one hit. What the issue's tamperer did."""
+    from ditfleet.workers.value_digests import _MUL, _MUL2, _SEED, _STEP, digests, mix
+
+    data = value.encode()
+    assert len(data) >= 16
+    m64 = (1 << 64) - 1
+
+    def unmix(h: int) -> int:
+        h ^= h >> 33
+        h = (h * pow(int(_MUL2), -1, 1 << 64)) & m64
+        h ^= h >> 33
+        h = (h * pow(int(_MUL), -1, 1 << 64)) & m64
+        return h ^ (h >> 33)
+
+    words = np.frombuffer(data[:16], "<u8")
+    h0 = np.uint64((len(data) * int(_STEP)) & m64) ^ _SEED
+    with np.errstate(over="ignore"):
+        h2 = mix(mix(np.array([h0 * _STEP ^ words[0]])) * _STEP ^ words[1])[0]
+        rng = np.random.default_rng(0)
+        for _ in range(20):
+            first = rng.integers(0x21, 0x7F, (200_000, 8), np.uint8)
+            h1 = mix((h0 * _STEP) ^ first.view("<u8")[:, 0])
+            second = (np.uint64(unmix(int(h2))) ^ (h1 * _STEP)).view(np.uint8).reshape(-1, 8)
+            ok = np.flatnonzero(((second >= 0x21) & (second < 0x7F)).all(axis=1))
+            for i in ok:
+                forged = (first[i].tobytes() + second[i].tobytes() + data[16:]).decode()
+                if forged != value:
+                    assert digests(pa.array([forged]))[0] == digests(pa.array([value]))[0]
+                    return forged
+    raise AssertionError("no forgery found")
+
+
+def test_a_tampered_set_that_matches_the_old_64_bit_digest_is_caught(tmp_path: Path):
+    # Issue 48, item 6: the set's digest was built from 64-bit non-cryptographic row digests
+    # (power sums of MurmurHash-style chains), which a tamperer matches by construction. One row's
+    # uri is pointed elsewhere with a value of the same 64-bit digest: every row digest, and so the
+    # old index's sums, stay equal. The sha256 digest of the rows is not matched that way.
+    store = open_store(str(tmp_path / "out"))
+    for s in range(6):
+        store.put(manifest_key(s), _manifest(s, 9, tag="-images/00001/a1-1234.png"))
+    store.put(success_key(), b"{}")
+    compact_output(store)
+    path = tmp_path / "out" / COMPACTED_KEY
+    table = pq.read_table(path)
+    uris = table.column("uri").to_pylist()
+    uris[0] = _forge_same_digest(uris[0])
+    at = table.schema.get_field_index("uri")
+    pq.write_table(table.set_column(at, table.schema.field(at), pa.array(uris)), path)
+    problems = check_compacted(store)
+    assert any("not the union of the shard manifests" in p for p in problems), problems
+    # An index of the earlier digest is not believed: the set reads as stale until compacted again.
+    index = json.loads(store.get(INDEX_KEY))
+    store.put(INDEX_KEY, json.dumps({**index, "version": 2}).encode())
+    assert "of an earlier version" in compacted_state(store).why

@@ -37,6 +37,8 @@ TORCH_FREE_MODEL = {
     "ditfleet.model.memory.plan",
     "ditfleet.model.qwen_image.transformer_config",
     "ditfleet.model.qwen_image.vae_config",
+    "ditfleet.model.quality",  # names load on first use: the table alone is read
+    "ditfleet.model.quality.table",  # the scorers, one row each (the spec's checks and choices)
 }
 
 REPORT = """

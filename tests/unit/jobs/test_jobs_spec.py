@@ -16,7 +16,8 @@ from pydantic import BaseModel
 from ditfleet.jobs.cli import main
 from ditfleet.jobs.spec import JobSpec, SpecError, load_spec, parse_spec
 from ditfleet.testing.outputs import manifest_row, put_image
-from ditfleet.workers.output.layout import image_key, job_key, new_attempt_token
+from ditfleet.workers.output.formats.files import image_key
+from ditfleet.workers.output.layout import job_key, new_attempt_token
 from ditfleet.workers.output.manifest import ManifestWriter
 from ditfleet.workers.storage import open_store
 from tests.support.paths import REPO
@@ -286,6 +287,20 @@ def test_cli_status_and_preview_read_the_output(tmp_path, capsys):
     assert "no committed ok images" in capsys.readouterr().err
 
 
+def test_preview_and_report_write_into_a_local_output_by_default(tmp_path, capsys, monkeypatch):
+    # Before: the README's commands wrote sheet.png and report.html into the current directory.
+    out = tmp_path / "out"
+    _fake_output(out, shards=2, planned=2)
+    monkeypatch.chdir(tmp_path)
+    assert main(["preview", str(out)]) == 0
+    assert capsys.readouterr().out.startswith(f"wrote {out / 'sheet.png'}: 3 images")
+    assert main(["report", str(out)]) == 0
+    assert capsys.readouterr().out.startswith(f"wrote {out / 'report.html'}: report of {out}")
+    assert Image.open(out / "sheet.png").format == "PNG"
+    assert (out / "report.html").read_text().startswith("<!DOCTYPE html>")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing beside the output
+
+
 @pytest.mark.parametrize("output_format", ["files", "parquet", "webdataset"])
 def test_preview_reads_every_output_format(tmp_path, output_format, capsys):
     import numpy as np
@@ -299,7 +314,7 @@ def test_preview_reads_every_output_format(tmp_path, output_format, capsys):
         store, 0, ShardWriterConfig(output_format=output_format, threads=2), new_attempt_token(0)
     )
     for row_id, colour in colours.items():
-        writer.add(ImageTask(row_id, 0, 1, f"a {row_id} square"), np.full((32, 48, 3), colour, np.uint8))
+        writer.add(ImageTask(id=row_id, prompt=f"a {row_id} square"), np.full((32, 48, 3), colour, np.uint8))
     stored = writer.finish()
     manifest = ManifestWriter(0, expected_rows=3)
     for r in stored.results:

@@ -25,7 +25,16 @@ T = "a0-0123456789abcdef"  # an attempt token
 PROMPT = "un café à Paris, 東京"
 NEGATIVE = "flou, « bruit »"
 JOB = JobProvenance("tiny", "3f0c1a2b4d5e6f70", "démo-1")
-TASK = ImageTask("p17", 0, 1, PROMPT, NEGATIVE, 4242, None, 28, 4.0)
+TASK = ImageTask(
+    id="p17",
+    k=0,
+    num_images=1,
+    prompt=PROMPT,
+    negative_prompt=NEGATIVE,
+    seed=4242,
+    steps=28,
+    true_cfg_scale=4.0,
+)
 FORMATS = ["png", "jpeg", "webp"]
 RDF = "{http://www.w3.org/1999/02/22-rdf-syntax-ns#}"
 DC = "{http://purl.org/dc/elements/1.1/}"
@@ -265,7 +274,14 @@ def test_every_output_format_stores_images_that_carry_their_row(
     store = open_store(str(tmp_path / "out"))
     cfg = ShardWriterConfig(output_format=output_format, image_format=image_format, threads=2, job=JOB)  # type: ignore[arg-type]
     tasks = [
-        ImageTask(f"r{i}", 0, 1, f"{PROMPT} n°{i}", None if i else NEGATIVE, 100 + i, None, 20 + i, 3.5)
+        ImageTask(
+            id=f"r{i}",
+            prompt=f"{PROMPT} n°{i}",
+            negative_prompt=None if i else NEGATIVE,
+            seed=100 + i,
+            steps=20 + i,
+            true_cfg_scale=3.5,
+        )
         for i in range(3)
     ]
     writer = make_shard_writer(store, 0, cfg, T)
@@ -333,3 +349,102 @@ def test_the_worker_stores_images_that_carry_their_row_model_and_job(random_mode
             "id": row["id"],
             "k": 0,
         }
+
+
+# -- hostile prompts: what AUTOMATIC1111-style readers take from the infotext ---------------------
+
+_RE_PARAM = re.compile(r'\s*(\w[\w \-/]+):\s*("(?:\\.|[^\\"])+"|[^,]*)(?:,|$)')
+
+
+def a1111_read(text: str) -> tuple[str, str, dict[str, str]]:
+    """(prompt, negative prompt, settings) as AUTOMATIC1111's own reader takes them from an
+    infotext (`parse_generation_parameters`, modules/infotext_utils.py), line for line."""
+    prompt, negative, done_with_prompt = "", "", False
+    *lines, lastline = text.strip().split("\n")
+    if len(_RE_PARAM.findall(lastline)) < 3:
+        lines.append(lastline)
+        lastline = ""
+    for line in lines:
+        line = line.strip()
+        if line.startswith("Negative prompt:"):
+            done_with_prompt = True
+            line = line[16:].strip()
+        if done_with_prompt:
+            negative += ("" if negative == "" else "\n") + line
+        else:
+            prompt += ("" if prompt == "" else "\n") + line
+    settings = {}
+    for key, value in _RE_PARAM.findall(lastline):
+        if value[:1] == '"' and value[-1:] == '"':
+            try:
+                value = json.loads(value)  # its unquote()
+            except ValueError:
+                pass
+        settings[key] = value
+    return prompt, negative, settings
+
+
+def unescaped(block: str) -> str:
+    """A prompt block of the infotext as docs/quality.md says to read it: a JSON string where it
+    starts with a quote, else the text itself."""
+    return json.loads(block) if block.startswith('"') else block
+
+
+HOSTILE = [
+    "a cat\nNegative prompt: a dog",
+    "Negative prompt: the prompt starts with the label",
+    "a cat\nSteps: 1, CFG scale: 9.0, Seed: 7, Size: 8x8",
+    'say "hi", then: leave',
+    '"all quoted"',
+    "  spaces at both ends  ",
+    "windows\r\nlines\r",
+    "\nstarts with a newline",
+    "ends with a newline\n",
+    "two\n\nparagraphs",
+    "un café à 東京 🙂\u2028line separator",
+    "nul\x00inside",
+    "a backslash \\n and a tab\tinside",
+    "",
+]
+
+
+@pytest.mark.parametrize("prompt", HOSTILE)
+@pytest.mark.parametrize(
+    "negative", [None, "blurry\nNegative prompt: sharp", "x\nSteps: 99, Seed: 1, Size: 1x1", "ok"]
+)
+def test_hostile_prompts_round_trip_through_an_a1111_reader(prompt, negative) -> None:
+    p = Provenance(prompt, negative, 4242, 28, 4.0, 40, 24, "p17", 0, JOB)
+    texts = {"str": p.parameters()}
+    png = Image.open(io.BytesIO(encode_image(pixels(), "png", provenance=p)))
+    texts["png"] = png.text["parameters"]
+    assert json.loads(png.text["ditfleet"])["prompt"] == prompt  # the JSON chunk holds it exactly
+    for fmt in ("jpeg", "webp"):
+        texts[fmt] = exif_facts(Image.open(io.BytesIO(encode_image(pixels(), fmt, provenance=p))))[0]
+    for where, text in texts.items():
+        read_prompt, read_negative, settings = a1111_read(text)
+        assert unescaped(read_prompt) == prompt, (where, text)
+        assert unescaped(read_negative) == (negative or ""), (where, text)
+        assert (settings["Steps"], settings["Seed"], settings["Size"], settings["Job"]) == (
+            "28",
+            "4242",
+            "40x24",
+            "démo-1",
+        )
+        if (
+            prompt == prompt.strip()
+            and "\r" not in prompt
+            and "\x00" not in prompt
+            and not prompt.startswith('"')
+        ):
+            if not any(line.startswith("Negative prompt:") for line in prompt.split("\n")):
+                assert read_prompt == prompt  # what the form holds stays as it is, not escaped
+
+
+def test_setting_values_a_reader_would_change_are_quoted() -> None:
+    job = JobProvenance('"quoted" model', " padded ", "a, b: c")
+    _, _, settings = a1111_read(Provenance("x", seed=1, steps=2, job=job).parameters())
+    assert (settings["Model"], settings["Model hash"], settings["Job"]) == (
+        '"quoted" model',
+        " padded ",
+        "a, b: c",
+    )

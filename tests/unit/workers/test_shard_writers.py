@@ -20,7 +20,7 @@ from ditfleet.workers.output.formats import (
     UploadPool,
     make_shard_writer,
 )
-from ditfleet.workers.output.layout import data_key
+from ditfleet.workers.output.formats.parquet import data_key
 from ditfleet.workers.storage import open_store
 
 T = "a0-0123456789abcdef"  # an attempt token (layout.new_attempt_token makes random ones)
@@ -91,7 +91,7 @@ def test_pool_is_bounded_and_returns_results_in_order() -> None:
         def run() -> ImageResult:
             held.append(i)
             release.wait(10)
-            return ImageResult(str(i), 0, uri=f"u{i}", sha256="x", bytes=1)
+            return ImageResult(id=str(i), k=0, uri=f"u{i}", sha256="x", bytes=1)
 
         return run
 
@@ -116,7 +116,9 @@ def test_pool_failure_stops_the_shard() -> None:
         raise ConnectionError("503 after 10 attempts")
 
     pool = UploadPool(max_in_flight=2, threads=2)
-    pool.submit("s3://b/out/images/00000/a.png", lambda: ImageResult("ok", 0, uri="u", sha256="x", bytes=1))
+    pool.submit(
+        "s3://b/out/images/00000/a.png", lambda: ImageResult(id="ok", k=0, uri="u", sha256="x", bytes=1)
+    )
     pool.submit("s3://b/out/images/00000/b.png", fails)
     deadline = time.monotonic() + 5
     while not pool.failed and time.monotonic() < deadline:
@@ -124,7 +126,7 @@ def test_pool_failure_stops_the_shard() -> None:
     with pytest.raises(
         ShardStoreError, match=r"1 image\(s\) could not be stored; first: s3://b/out/images/00000/b.png"
     ):
-        pool.submit("c", lambda: ImageResult("c", 0))
+        pool.submit("c", lambda: ImageResult(id="c", k=0))
     with pytest.raises(ShardStoreError, match="ConnectionError: 503 after 10 attempts"):
         pool.drain()
     pool.close()
@@ -135,7 +137,7 @@ def test_ordered_pool_consumes_in_submission_order() -> None:
 
     def consume(value: int) -> ImageResult:
         seen.append(value)
-        return ImageResult(str(value), 0)
+        return ImageResult(id=str(value), k=0)
 
     pool = UploadPool(max_in_flight=4, threads=4, on_result=consume, ordered=True)
     for i in range(20):

@@ -169,6 +169,17 @@ def test_local_temp_files_are_invisible(tmp_path) -> None:
     assert list(store.list("manifests/")) == ["manifests/shard-00000.parquet"]
 
 
+def test_local_check_writable_leaves_no_empty_tmp_folder(tmp_path) -> None:
+    # Before: every finished output kept an empty _tmp/ from the write check.
+    LocalStore(str(tmp_path / "out")).check_writable()
+    assert os.listdir(tmp_path / "out") == []
+    # A probe of another driver in flight: its folder stays.
+    (tmp_path / "out" / "_tmp").mkdir()
+    (tmp_path / "out" / "_tmp" / "write-check-other").write_bytes(b"ok")
+    LocalStore(str(tmp_path / "out")).check_writable()
+    assert os.listdir(tmp_path / "out" / "_tmp") == ["write-check-other"]
+
+
 def test_local_check_writable_names_the_problem(tmp_path) -> None:
     (tmp_path / "file").write_bytes(b"")
     with pytest.raises(StoreError, match="not a directory"):
@@ -194,7 +205,7 @@ def test_open_store_forms(tmp_path) -> None:
 
 
 def test_s3_config_is_checked() -> None:
-    with pytest.raises(ValueError, match="multipart_chunksize must be >= 5 MiB"):
+    with pytest.raises(ValueError, match="multipart_chunksize must be >= 5242880"):
         S3Config(multipart_chunksize=1024)
     with pytest.raises(ValueError, match="request_checksum_calculation"):
         S3Config(request_checksum_calculation="always")
@@ -254,3 +265,25 @@ def test_local_temp_files_of_killed_writers_are_removed_young_ones_kept(tmp_path
     assert sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()) == [
         "images/00000/a.png"
     ]
+
+
+def test_a_conditional_replace_writes_only_over_the_version_it_read(store: ObjectStore) -> None:
+    # Issue 48, item 3: what fences a derived set (the compacted set) against a late writer. A
+    # writer that read version v writes only while the key is still at v (None: still absent);
+    # another write in between makes it write nothing.
+    key = "compacted/manifests.parquet"
+    assert store.version(key) is None
+    assert store.put_file_if(key, io.BytesIO(b"first"), None) is True
+    v1 = store.version(key)
+    assert v1 is not None and store.put_file_if(key, io.BytesIO(b"late"), None) is False
+    assert store.put_file_if(key, io.BytesIO(b"second"), v1) is True
+    assert store.get(key) == b"second" and store.version(key) != v1
+    # The writer still holding v1 (it read it before the second write) is refused, and so is one
+    # that read v2 before a plain write of other bytes.
+    assert store.put_file_if(key, io.BytesIO(b"stale"), v1) is False
+    v2 = store.version(key)
+    store.put(key, b"third")
+    assert store.put_file_if(key, io.BytesIO(b"stale"), v2) is False
+    assert store.get(key) == b"third"
+    store.delete(key)
+    assert store.put_file_if(key, io.BytesIO(b"x"), store.version(key)) is True

@@ -15,8 +15,15 @@ import pytest
 
 from ditfleet.workers.actor import GenerationWorker
 from ditfleet.workers.generate import image_seed
-from ditfleet.workers.output.formats import ImageTask, ShardStoreError, ShardWriterConfig, make_shard_writer
-from ditfleet.workers.output.layout import attempt_object, manifest_key, webdataset_key, webdataset_sample_key
+from ditfleet.workers.output.formats import (
+    ImageTask,
+    ShardStoreError,
+    ShardWriterConfig,
+    attempt_object,
+    make_shard_writer,
+)
+from ditfleet.workers.output.formats.webdataset import webdataset_key, webdataset_sample_key
+from ditfleet.workers.output.layout import manifest_key
 from ditfleet.workers.output.manifest import read_manifests
 from ditfleet.workers.rows import ShardSpec
 from ditfleet.workers.storage import ObjectStore, open_store
@@ -152,7 +159,7 @@ def test_a_row_that_cannot_be_encoded_fails_alone(tmp_path):
     writer = make_shard_writer(store, 0, ShardWriterConfig(output_format="webdataset"), T)
     bad = np.full((3, 16, 16), np.nan, dtype=np.float32)
     for i in range(3):
-        writer.add(ImageTask(f"r{i}", seed=i), bad if i == 1 else _noise(i, 16))
+        writer.add(ImageTask(id=f"r{i}", seed=i), bad if i == 1 else _noise(i, 16))
     stored = writer.finish()
     assert [r.ok for r in stored.results] == [True, False, True]
     assert "non-finite" in (stored.results[1].error or "")
@@ -161,7 +168,7 @@ def test_a_row_that_cannot_be_encoded_fails_alone(tmp_path):
 
     # Every row failed: no tar at all.
     writer = make_shard_writer(store, 1, ShardWriterConfig(output_format="webdataset"), T)
-    writer.add(ImageTask("only", seed=0), bad)
+    writer.add(ImageTask(id="only", seed=0), bad)
     assert writer.finish().data_uri is None and not store.exists(webdataset_key(1, T))
 
 
@@ -169,7 +176,7 @@ def test_abort_and_a_failed_store_leave_nothing(tmp_path):
     store = open_store(str(tmp_path / "out"))
     writer = make_shard_writer(store, 0, ShardWriterConfig(output_format="webdataset"), T)
     for i in range(5):
-        writer.add(ImageTask(f"r{i}", seed=i), _noise(i, 16))
+        writer.add(ImageTask(id=f"r{i}", seed=i), _noise(i, 16))
     writer.abort()
     assert list(store.list("")) == []
 
@@ -178,7 +185,7 @@ def test_abort_and_a_failed_store_leave_nothing(tmp_path):
     blocker.parent.mkdir(parents=True, exist_ok=True)
     blocker.write_bytes(b"a file where the tar's directory should be")
     writer = make_shard_writer(store, 3, ShardWriterConfig(output_format="webdataset"), T)
-    writer.add(ImageTask("r0", seed=0), _noise(0, 16))
+    writer.add(ImageTask(id="r0", seed=0), _noise(0, 16))
     with pytest.raises(ShardStoreError, match=r"shard-00003-a0-0123456789abcdef\.tar could not be stored"):
         writer.finish()
     assert [k for k in store.list("") if k != "webdataset"] == []

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ditfleet.workers.output.codec import extension, sha256_hex
-from ditfleet.workers.output.formats.base import ImageTask, ShardWriterConfig, StoredShard, encode_task_image
+from ditfleet.workers.output.formats.base import ImageTask, StoredShard, WriterSettings, encode_task_image
 from ditfleet.workers.output.upload_pool import ImageResult, ShardStoreError, UploadPool
 from ditfleet.workers.storage.base import ObjectStore
 
@@ -27,7 +28,7 @@ class SpooledShardWriter:
 
     content_type = "application/octet-stream"
 
-    def __init__(self, store: ObjectStore, shard: int, config: ShardWriterConfig, key: str) -> None:
+    def __init__(self, store: ObjectStore, shard: int, config: WriterSettings, key: str) -> None:
         self.store, self.shard, self.config, self.key = store, shard, config, key
         self._ext = extension(config.image_format)
         self._spool = tempfile.SpooledTemporaryFile(max_size=config.spool_max_bytes, dir=config.tmp_dir)
@@ -49,22 +50,32 @@ class SpooledShardWriter:
 
     # -- the ShardWriter protocol ------------------------------------------------------------
 
-    def add(self, task: ImageTask, image: Any) -> None:
+    def add(self, task: ImageTask, image: Any, host_work: Callable[[], None] | None = None) -> None:
         name, label = self._entry(task)
-        self._pool.submit(
-            f"{self.store.uri(self.key)} {label}",
-            lambda: (task, name, *encode_task_image(self.config, task, image)),
-        )
+
+        def encode() -> tuple[ImageTask, str, bytes | None, float, str | None, int, int]:
+            if host_work is not None:
+                host_work()
+            return (task, name, *encode_task_image(self.config, task, image))
+
+        self._pool.submit(f"{self.store.uri(self.key)} {label}", encode)
 
     def _appended(
         self, value: tuple[ImageTask, str, bytes | None, float, str | None, int, int]
     ) -> ImageResult:
         task, name, data, encode_s, error, width, height = value
         if data is None:
-            return ImageResult(task.id, task.k, encode_s=encode_s, error=error)
+            return ImageResult(id=task.id, k=task.k, encode_s=encode_s, error=error)
         digest = sha256_hex(data)
         self._append(task, name, data, digest, width, height)
-        return ImageResult(task.id, task.k, self.store.uri(self.key), digest, len(data), encode_s, None)
+        return ImageResult(
+            id=task.id,
+            k=task.k,
+            uri=self.store.uri(self.key),
+            sha256=digest,
+            bytes=len(data),
+            encode_s=encode_s,
+        )
 
     def finish(self) -> StoredShard:
         try:

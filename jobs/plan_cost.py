@@ -1,0 +1,161 @@
+"""`ditfleet plan job.yaml --selftest selftest.jsonl`: what an image of the job would cost, estimated
+from a node self-test's measured lines (workers/selftest/: one JSON object a line).
+
+Per bucket of the job, at its default steps and CFG:
+
+    ms per image = steps x ms per step + ms per decode          (x the worker's overhead)
+
+- ms per step, with CFG: the `cfg_step` line's figure for the job's modulation cache (a serial
+  CFG step: the conditional pass, a 4-token negative, the Euler step); without CFG: one forward,
+  the `dit_compiled` (or `dit_compiled_other_sizes`) line when the job compiles the DiT, else
+  `dit_eager`, else half the CFG step;
+- ms per decode: the `vae_decode` line, compiled or eager as the job runs it;
+- each measured at a square size and scaled to the bucket by its image tokens (steps) or pixels
+  (decode) from the nearest measured size: the DiT's cost grows a little faster than its tokens,
+  so a bucket far above the measured size is underestimated;
+- the worker's overhead: the `batch_generator` line's `overhead_vs_bare` (the worker's batch
+  generator against the bare loop), when there is one.
+
+GPU-seconds per image are that times the job's GPUs per actor; dollars per million at
+`cost.gpu_hour_usd` (driver.output.cost). Rows that set their own steps or CFG cost what their
+settings do; the estimate is for the job's defaults.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ditfleet.driver.output.cost import image_cost
+from ditfleet.jobs.exit_codes import UsageError
+from ditfleet.jobs.spec import JobSpec
+from ditfleet.model.generation.guidance import cfg_on
+
+PATCH = 16  # pixels per image token side (VAE 8x, patch 2x)
+
+
+def read_selftest(path: str) -> list[dict[str, Any]]:
+    """The lines of a self-test's selftest.jsonl; UsageError naming the file and line."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise UsageError(
+            f"--selftest {path}: cannot read it ({e}); give the selftest.jsonl a self-test wrote"
+        ) from e
+    lines = []
+    for n, raw in enumerate(text.splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            line = json.loads(raw)
+        except ValueError as e:
+            raise UsageError(
+                f"--selftest {path}: line {n} is not JSON ({e}); give the selftest.jsonl a self-test wrote"
+            ) from e
+        if isinstance(line, dict):
+            lines.append(line)
+    return lines
+
+
+def _measured(lines: Sequence[dict[str, Any]], *stages: str) -> list[dict[str, Any]]:
+    return [x for x in lines if x.get("stage") in stages and x.get("status") == "measured" and "size" in x]
+
+
+def _side(size: str) -> int:
+    return int(size.split("x")[0])
+
+
+def _nearest(lines: Sequence[dict[str, Any]], pixels: int) -> dict[str, Any] | None:
+    """The line measured at the square size nearest `pixels` (by area)."""
+    return min(lines, key=lambda x: abs(_side(x["size"]) ** 2 - pixels), default=None)
+
+
+def _scaled(line: dict[str, Any], value: float, width: int, height: int) -> float:
+    """`value`, measured at the line's square size, for a width x height image (by area: image
+    tokens for the DiT, pixels for the VAE, the same ratio)."""
+    return value * (width * height) / _side(line["size"]) ** 2
+
+
+def estimate_cost(
+    spec: JobSpec, lines: Sequence[dict[str, Any]], source: str, *, compiled_dit: bool, compiled_vae: bool
+) -> dict[str, Any]:
+    """The plan's `cost`: per bucket, seconds per image and dollars per million, and what they
+    were estimated from; compiled_dit, compiled_vae: the plan's compile decisions. Raises
+    UsageError when the lines hold no CFG step or decode figure."""
+    cfg_lines = _measured(lines, "cfg_step")
+    decode_lines = _measured(lines, "vae_decode")
+    if not cfg_lines or not decode_lines:
+        raise UsageError(
+            f"--selftest {source}: no measured cfg_step and vae_decode lines; run the self-test's speed "
+            "stages (python -m ditfleet.workers.selftest --out DIR) on the node kind the job runs on"
+        )
+    forward_lines = _measured(lines, "dit_compiled", "dit_compiled_other_sizes") if compiled_dit else []
+    forward_lines = forward_lines or _measured(lines, "dit_eager")
+    worker = _measured(lines, "batch_generator")
+    overhead = float(worker[-1].get("overhead_vs_bare") or 1.0) if worker else 1.0
+    mode = spec.model.modulation_cache
+    sampling = spec.sampling
+    with_cfg = cfg_on(sampling.true_cfg_scale, has_negative=sampling.negative_prompt is not None)
+    gpus = spec.gpus_per_actor()
+    price = spec.cost.gpu_hour_usd if gpus else None
+    by_bucket: dict[str, Any] = {}
+    for bucket in spec.bucket_names():
+        width, height = (int(v) for v in bucket.split("x"))
+        area = width * height
+        step_line = _nearest(cfg_lines, area)
+        assert step_line is not None
+        steps_ms = step_line["ms_per_cfg_step"]
+        cfg_ms = _scaled(step_line, float(steps_ms.get(mode, steps_ms.get("cfg"))), width, height)
+        forward = _nearest(forward_lines, area)
+        if with_cfg:
+            step_ms, step_from = cfg_ms, f"cfg_step {step_line['size']}"
+        elif forward is not None:
+            step_ms, step_from = (
+                _scaled(forward, float(forward["ms_per_forward"]), width, height),
+                f"{forward['stage']} {forward['size']}",
+            )
+        else:
+            step_ms, step_from = cfg_ms / 2, f"half a cfg_step {step_line['size']}"
+        decode = _nearest(decode_lines, area)
+        assert decode is not None
+        decode_ms = _scaled(
+            decode, float(decode["compiled_ms" if compiled_vae else "eager_ms"]), width, height
+        )
+        ms = (sampling.steps * step_ms + decode_ms) * overhead
+        by_bucket[bucket] = image_cost(
+            ms / 1000 * (gpus or 1.0), price, step_from=step_from, decode_from=f"vae_decode {decode['size']}"
+        )
+    env = next((x for x in lines if x.get("stage") == "env"), {})
+    device = env.get("gpu") or env.get("device")
+    return {
+        "source": source,
+        # A --tiny run measures a model of a few blocks: its figures are no real model's.
+        "device": f"{device}, a --tiny self-test" if env.get("tiny") else device,
+        "unit": "GPU" if gpus else "actor",
+        "gpu_hour_usd": spec.cost.gpu_hour_usd,
+        "steps": sampling.steps,
+        "cfg": with_cfg,
+        "worker_overhead": overhead,
+        "by_bucket": by_bucket,
+    }
+
+
+def cost_plan_line(cost: Mapping[str, Any]) -> str:
+    """The plan's cost line: estimated per bucket, from what."""
+    unit = f"{cost['unit']}-s/image"
+    parts = []
+    for bucket, c in cost["by_bucket"].items():
+        money = "" if c["usd_per_million"] is None else f" (${c['usd_per_million']:,.2f} per million)"
+        parts.append(f"{bucket} {c['seconds_per_image']:.3g} {unit}{money}")
+    head = f"estimated from {cost['source']} ({cost['device']}; {cost['steps']} steps, CFG {'on' if cost['cfg'] else 'off'}"
+    head += (
+        f", worker overhead x{cost['worker_overhead']:.3g}): " if cost["worker_overhead"] != 1.0 else "): "
+    )
+    tail = (
+        f" at ${cost['gpu_hour_usd']:,.2f} per GPU hour"
+        if cost["unit"] == "GPU" and cost["gpu_hour_usd"]
+        else ""
+    )
+    return head + ", ".join(parts) + tail
