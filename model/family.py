@@ -8,6 +8,7 @@
     family.attention_counters(pipe)          # counters of the DiT's attention calls
     family.memory                            # the memory formula (model.memory) from configs
     family.forward_flops(config, w, h, L)    # FLOPs of one DiT forward: "% of peak" one way
+    family.published_config(rel, layers)     # its model at the published widths (the self-test's)
     family.bundled_dir                       # the folder of a model that ships with ditfleet, else None
     family.scorer_inputs                     # what it offers the image scorers (model.quality.table)
 
@@ -87,6 +88,13 @@ class ModelFamily(Protocol):
 
     def forward_flops(self, transformer_config: dict, width: int, height: int, text_tokens: int) -> float:
         """FLOPs of one DiT forward, one image of width x height, from the transformer's config.json."""
+        ...
+
+    @property
+    def published_dir(self) -> Path: ...  # the published checkpoint's config files
+
+    def published_config(self, rel: str, num_layers: int | None = None) -> dict:
+        """A published config file; with num_layers, the transformer's cut to that depth."""
         ...
 
     def load_pipeline(self, path: str | Path, *args: Any, **kwargs: Any) -> Any: ...
