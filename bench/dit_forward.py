@@ -34,9 +34,9 @@ import ditfleet.model.qwen_image.transformer as transformer_module
 from ditfleet.compile import CompileConfig
 from ditfleet.compile.compiled_method import compiled_method
 from ditfleet.compile.policy import dit_linears
-from ditfleet.model.family import QWEN_IMAGE
 from ditfleet.model.generation.sampling import latent_grid
 from ditfleet.model.qwen_image.attention import TextPadding, joint_attention
+from ditfleet.model.qwen_image.family import QWEN_IMAGE, forward_flops
 from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
 
 # Dense bf16 tensor-core peak, TFLOP/s, by device name (vendor data sheets, SXM parts).
@@ -53,16 +53,6 @@ def published_config(layers: int, heads: int = 24) -> TransformerConfig:
         joint_attention_dim=3584 * heads // 24,
         axes_dims_rope=(16, 56, 56),
     )
-
-
-def forward_flops(cfg: TransformerConfig, img_tokens: int, txt_tokens: int) -> float:
-    """Multiply-add FLOPs (x2) of one forward at batch 1."""
-    D, T = cfg.inner_dim, img_tokens + txt_tokens
-    linear = 2 * T * (4 * D * D + 2 * 4 * D * D)  # q, k, v, out + MLP 4x, both streams together
-    attention = 2 * 2 * T * T * D
-    modulation = 2 * 2 * D * 6 * D
-    embed = 2 * (img_tokens * cfg.in_channels * D + txt_tokens * cfg.joint_attention_dim * D)
-    return float(cfg.num_layers * (linear + attention + modulation) + embed)
 
 
 class Clock:
@@ -261,7 +251,7 @@ def bench_size(size, args, cfg, ours, compiled, compiled_aten, ref, device, dtyp
         total, in_attention = attention_ms(ours, runs["ours_eager"], clock)
         kernels = padded_kernels(cfg, N, L, device, dtype, clock, args.rounds)
 
-    flops = forward_flops(cfg, N, L)
+    flops = forward_flops(cfg, N, L)["total"]
     row = {
         "image_tokens": N,
         "text_tokens": L,

@@ -22,7 +22,7 @@ _WHERE = {
     "JobSpec": "jobs.spec",
     "NoRayCluster": "jobs.ray_auth",
     "SpecError": "jobs.spec",
-    "load_pipeline": "model.loading.loader",
+    "load_pipeline": "model.qwen_image.loader",
     "load_spec": "jobs.spec",
     "run": "jobs.run",
     "to_pil": "workers.output.codec",

@@ -14,8 +14,7 @@ from typing import Any
 from ditfleet.compile.buckets import default_buckets
 from ditfleet.driver.memory_plan import GPU_SIZES_GB, MemoryRequest, plan_kwargs, read_model_memory
 from ditfleet.jobs.spec.sampling_defaults import checkpoint_label, recognise
-from ditfleet.model.family import MemoryFormula, model_family
-from ditfleet.model.loading.loader import resolve_model_dir
+from ditfleet.model.family import MemoryFormula, model_family, resolve_model_dir
 from ditfleet.model.loading.quantization import check_quantization
 from ditfleet.model.loading.weights import WeightsError
 from ditfleet.model.memory import (

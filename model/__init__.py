@@ -18,10 +18,10 @@ _WHERE = {
     "TextToImagePipeline": "generation.pipeline",
     "TransformerConfig": "qwen_image.transformer",
     "WeightsError": "loading.weights",
-    "load_pipeline": "loading.loader",
+    "load_pipeline": "family",
     "model_family": "family",
-    "model_revision": "loading.loader",
-    "resolve_model_dir": "loading.loader",
+    "model_revision": "qwen_image.loader",
+    "resolve_model_dir": "family",
 }
 
 __all__ = sorted(_WHERE)

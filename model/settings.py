@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from ditfleet.model.generation.step_cache_config import StepCacheConfig, parse_step_cache, step_cache_value
 from ditfleet.model.knobs import check_settings, setting
+from ditfleet.model.step_cache_config import StepCacheConfig, parse_step_cache, step_cache_value
 
 # The longest prompt, in text tokens, that a job embeds by default, and the most it may ask for
 # (the largest prompt-length bucket a compiled region is warmed for, compile.buckets).

@@ -22,15 +22,11 @@ from ditfleet.driver.memory_plan import MemoryRequest
 from ditfleet.driver.output.cost import CostConfig
 from ditfleet.driver.plan import PlanConfig
 from ditfleet.driver.run_job import DriverConfig
-from ditfleet.model.family import model_family
-from ditfleet.model.generation.step_cache_config import check_schedule
-from ditfleet.model.loading.folder import (
-    WeightsError,
-    resolve_model_dir,
-    text_encoder_kind,
-)
+from ditfleet.model.family import model_family, resolve_model_dir
+from ditfleet.model.loading.folder import WeightsError, text_encoder_kind
 from ditfleet.model.quality.table import MODEL, PIPELINE_QWEN_VL, check_scorers_supported, needing
 from ditfleet.model.settings import PipelineSettings
+from ditfleet.model.step_cache_config import check_schedule
 from ditfleet.workers.cache_secret import CacheSecretSource
 from ditfleet.workers.contract import GateConfig, LoraSpec, ModelPlacement, WorkerConfig
 from ditfleet.workers.output.formats import ShardWriterConfig

@@ -21,7 +21,6 @@ from ditfleet.compile.config import CompileConfig, OnOffAuto
 from ditfleet.driver.dispatch import DispatchConfig
 from ditfleet.driver.output.cost import CostConfig
 from ditfleet.driver.plan import PlanConfig
-from ditfleet.model.generation.step_cache_config import StepCacheConfig, check_schedule
 from ditfleet.model.loading.folder import TINY_MODEL
 from ditfleet.model.quality.table import ScorerName
 from ditfleet.model.settings import (
@@ -31,6 +30,7 @@ from ditfleet.model.settings import (
     PipelineSettings,
     Quantization,
 )
+from ditfleet.model.step_cache_config import StepCacheConfig, check_schedule
 from ditfleet.workers.cache_secret import WELL_KNOWN_ENV, CacheSecretSource
 from ditfleet.workers.contract import Device, Dtype, GateConfig, ModelPlacement, Placement, WorkerConfig
 from ditfleet.workers.output.formats import FormatName, ShardWriterConfig

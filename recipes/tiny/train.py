@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import save_file
 
 from ditfleet.model.generation.scheduler import SchedulerConfig
-from ditfleet.model.loading.loader import load_pipeline
+from ditfleet.model.qwen_image.loader import load_pipeline
 from ditfleet.model.qwen_image.transformer import QwenImageTransformer
 from ditfleet.model.qwen_image.vae import QwenImageVAE, load_vae, vae_state_dict_3d
 from ditfleet.model.tiny.scenes import all_scenes, split_scenes

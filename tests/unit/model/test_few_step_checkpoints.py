@@ -13,7 +13,7 @@ import torch
 
 from ditfleet.model import load_pipeline
 from ditfleet.model.generation.scheduler import sigma_schedule
-from ditfleet.model.loading.loader import load_scheduler
+from ditfleet.model.qwen_image.loader import load_scheduler
 from ditfleet.model.qwen_image.published.schedules import FLASH, LIGHTNING, LIGHTNING_LORAS, by_scheduler
 from ditfleet.testing.models import make_diffusers_model_dir
 from tests.support.model_fixtures import diffusers_images, diffusers_pipeline, padded_embeds

@@ -125,7 +125,7 @@ def test_the_pipeline_applies_its_attention_backend(monkeypatch):
     assert PipelineSettings().attention_backend == "auto"
     with pytest.raises(ValueError):
         PipelineSettings(attention_backend="fast")
-    from ditfleet.model.loading.loader import load_pipeline
+    from ditfleet.model.qwen_image.loader import load_pipeline
 
     pipe = load_pipeline("tiny", attention_backend="cudnn", load_text_encoder_too=False)
     embeds = torch.randn(1, 3, pipe.transformer.config.joint_attention_dim)

@@ -83,7 +83,7 @@ def test_scheduler_matches_diffusers(random_model_dir):
     from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
     from ditfleet.model.generation.scheduler import sigma_schedule
-    from ditfleet.model.loading.loader import load_scheduler
+    from ditfleet.model.qwen_image.loader import load_scheduler
 
     ref = FlowMatchEulerDiscreteScheduler.from_pretrained(random_model_dir / "scheduler")
     ours = load_scheduler(random_model_dir / "scheduler")

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import ditfleet.model.qwen_image.attention as attention
-from ditfleet.model.loading.loader import load_pipeline
 from ditfleet.model.qwen_image.attention import padding_facts
+from ditfleet.model.qwen_image.loader import load_pipeline
 
 ATTENTION_FILE = str(Path(attention.__file__).resolve())
 

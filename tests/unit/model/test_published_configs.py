@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 import torch
 
+from ditfleet.model.family import check_model_index
 from ditfleet.model.generation.scheduler import SchedulerConfig, sigma_schedule
 from ditfleet.model.loading import folder
-from ditfleet.model.loading.loader import check_model_index, load_scheduler
 from ditfleet.model.loading.weights import WeightsError
+from ditfleet.model.qwen_image.loader import load_scheduler
 from ditfleet.model.qwen_image.published import PUBLISHED
 from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
 from ditfleet.model.qwen_image.vae import VAEConfig, load_vae

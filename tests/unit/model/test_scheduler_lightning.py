@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ditfleet.model.generation.scheduler import SchedulerConfig, sigma_schedule
-from ditfleet.model.loading.loader import load_scheduler
+from ditfleet.model.qwen_image.loader import load_scheduler
 from ditfleet.model.qwen_image.published import PUBLISHED
 
 LIGHTNING = PUBLISHED / "qwen-image-lightning" / "scheduler"

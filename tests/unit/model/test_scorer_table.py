@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 
 from ditfleet.jobs.spec import JobSpec, SpecError, parse_spec
-from ditfleet.model.family import QWEN_IMAGE, TINY, model_family
+from ditfleet.model.family import model_family
 from ditfleet.model.quality.table import (
     MODEL,
     NOTHING,
@@ -24,6 +24,7 @@ from ditfleet.model.quality.table import (
     needing,
     scorer_row,
 )
+from ditfleet.model.qwen_image.family import QWEN_IMAGE, TINY
 from ditfleet.workers.contract import WorkerConfig
 from ditfleet.workers.output.manifest import MANIFEST_SCHEMA, ManifestRow, manifest_table
 
