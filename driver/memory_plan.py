@@ -197,11 +197,14 @@ class JobMemoryPlan:
 
 
 def read_model_memory(model_path: str, s3: S3Config | None = None) -> ModelMemory | None:
-    """The model's configs, read without weights; None for hf:// (not readable at plan time)."""
+    """The model's configs, read without weights; None for hf:// (not readable at plan time) and
+    for a family whose memory is not a formula of its configs."""
     scheme = urlparse(model_path).scheme
     if scheme == "hf":
         return None
     memory = model_family(model_path).memory
+    if not getattr(memory, "plans_from_configs", True):
+        return None  # measured at warm-up on the actor (a diffusers pipeline: model.diffusers_pipeline)
     if scheme == "s3":
         store = open_store(model_path, s3)
 

@@ -20,17 +20,22 @@ the job spec and the driver's planning read the defaults without loading torch.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
+from ditfleet.model.diffusers_pipeline.family import DiffusersFamily
+from ditfleet.model.diffusers_pipeline.index import is_native, read_index
+from ditfleet.model.family_types import (  # the face's types, shared with the family folders
+    AttentionCounters,
+    CompileRegion,
+    MemoryFormula,
+    Size,
+    TextConditioning,
+)
 from ditfleet.model.loading.folder import TINY_MODEL
-from ditfleet.model.memory import MemoryPlan, ModelMemory, dit_activation_bytes, largest_batch, plan_memory
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH_LIMIT
-
-Size = tuple[int, int]  # (width, height) in pixels
 
 # Qwen-Image's recommended sizes per aspect ratio. Its 4:3 and 3:4 sizes are 1472x1140 and
 # 1140x1472; 1140 is not a multiple of 16, so they are replaced by the nearest multiple, 1136
@@ -49,85 +54,6 @@ QWEN_IMAGE_BUCKETS: tuple[Size, ...] = (
 # For the bundled tiny model: square, landscape 5:3 and portrait 3:5. Latent grids 16x16, 12x20
 # and 20x12 are even, as packing needs; small enough for CPU tests.
 TINY_BUCKETS: tuple[Size, ...] = ((128, 128), (160, 96), (96, 160))
-
-
-# ---------------------------------------------------------------------------------------------
-# What the face is made of
-
-
-@dataclass(frozen=True)
-class CompileRegion:
-    """Methods compiled on some objects of one pipeline component.
-
-    part: the compile setting that turns the region on ("vae" or "dit": `CompileConfig.vae` /
-      `.dit`, and `compile_kwargs(part, ...)`).
-    component: the pipeline attribute that holds the objects ("vae", "transformer").
-    methods: method name -> its dynamic dimensions by argument position (as
-      `compile.compiled_method` takes them: {position: dims}, nested for tuples and dicts);
-      empty: every dimension static.
-    owners: component -> the (label prefix, object) pairs whose methods are compiled, in order;
-      a compiled method's label is "<prefix>.<method>".
-    """
-
-    part: str
-    component: str
-    methods: Mapping[str, Mapping[int, Any]]
-    owners: Callable[[Any], Sequence[tuple[str, Any]]]
-
-    def targets(self, pipe: Any) -> list[tuple[str, Any, str, Mapping[int, Any]]]:
-        """(label, object, method, dynamic dims) of every compiled method in `pipe`, in order."""
-        return [
-            (f"{prefix}.{method}", owner, method, dims)
-            for prefix, owner in self.owners(getattr(pipe, self.component))
-            for method, dims in self.methods.items()
-        ]
-
-
-@dataclass(frozen=True)
-class TextConditioning:
-    """The shape of the text the DiT is conditioned on: embeddings (B, L, width), L <= max_length."""
-
-    width: int
-    max_length: int
-
-
-@runtime_checkable
-class AttentionCounters(Protocol):
-    """Counters of the DiT's attention calls (model.networks.attention.AttentionStats)."""
-
-    def to_dict(self) -> dict[str, int]: ...
-
-    def since(self, before: dict[str, int]) -> dict[str, int]: ...
-
-
-@dataclass(frozen=True)
-class MemoryFormula:
-    """How much memory a model of the family needs, from its configs alone (model.memory)."""
-
-    def from_dir(self, root: str | Path, name: str | None = None) -> ModelMemory:
-        """The configs of a local model folder (transformer/, vae/, text_encoder/)."""
-        return ModelMemory.from_dir(root, name=name)
-
-    def from_configs(
-        self, transformer: dict, vae: dict, text_encoder: dict | None, name: str = "", where: str = ""
-    ) -> ModelMemory:
-        """The same from config.json contents read elsewhere (an object store)."""
-        return ModelMemory.from_configs(transformer, vae, text_encoder, name=name, where=where)
-
-    def plan(self, model: ModelMemory, **kwargs: Any) -> MemoryPlan:
-        """`model.memory.plan_memory`: one image size and batch, phase by phase."""
-        return plan_memory(model, **kwargs)
-
-    def largest_batch(self, model: ModelMemory, gpu_memory_gb: float, **kwargs: Any) -> int:
-        """`model.memory.largest_batch`: the largest batch that fits; 0 when not even 1 does."""
-        return largest_batch(model, gpu_memory_gb, **kwargs)
-
-    def math_attention_extra(
-        self, model: ModelMemory, height: int, width: int, text_len: int, element_bytes: int
-    ) -> int:
-        """Bytes per image that attention without a fused kernel (the masked math path) adds."""
-        args = (model.transformer, 1, height, width, text_len, element_bytes)
-        return dit_activation_bytes(*args, "math") - dit_activation_bytes(*args, "fused")
 
 
 @runtime_checkable
@@ -220,18 +146,36 @@ DEFAULT_FAMILY: ModelFamily = QWEN_IMAGE
 
 def model_family(source: Any) -> ModelFamily:
     """The family of a model path as a job names it ("tiny", a folder, s3://..., hf://...), of a
-    loaded pipeline (by the model id it was loaded as), or a family itself.
+    loaded pipeline (its own `family`, or by the model id it was loaded as), or a family itself.
 
-    Only the path "tiny" is the tiny model; every other path is Qwen-Image (the one family here:
-    the transformer's config refuses any other when it is read).
+    The path "tiny" is the tiny model; a local folder whose model_index.json names a pipeline
+    class without a native family runs through diffusers (model.diffusers_pipeline); every other
+    path is Qwen-Image (a remote checkpoint's index is read where it is fetched, on the actor).
     """
     if isinstance(source, ModelFamily):
         return source
     if not isinstance(source, (str, os.PathLike)):
+        family = getattr(source, "family", None)
+        if isinstance(family, ModelFamily):
+            return family
         model_id = getattr(source, "model_id", None)
         if model_id is None:
             raise TypeError(
                 f"model_family takes a model path or a loaded pipeline, got {type(source).__name__}"
             )
         source = model_id
-    return TINY if str(source) == TINY_MODEL else DEFAULT_FAMILY
+    if str(source) == TINY_MODEL:
+        return TINY
+    return folder_family(source) or DEFAULT_FAMILY
+
+
+def folder_family(source: str | os.PathLike) -> ModelFamily | None:
+    """The diffusers family of a local folder whose model_index.json names a pipeline class with
+    no native family; None for anything else (a remote path, a native or index-less folder)."""
+    path = str(source).removeprefix("file://")
+    if "://" in path or not os.path.isdir(path):
+        return None
+    info = read_index(path)
+    if info is None or is_native(info.class_name):
+        return None
+    return DiffusersFamily(info.class_name)

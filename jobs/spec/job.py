@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from pydantic import Field, model_validator
@@ -21,7 +22,13 @@ from ditfleet.driver.output.cost import CostConfig
 from ditfleet.driver.plan import PlanConfig
 from ditfleet.driver.run_job import DriverConfig
 from ditfleet.model.family import model_family
-from ditfleet.model.loading.folder import TINY_MODEL, WeightsError, resolve_model_dir, text_encoder_kind
+from ditfleet.model.loading.folder import (
+    TINY_MODEL,
+    WeightsError,
+    check_model_index,
+    resolve_model_dir,
+    text_encoder_kind,
+)
 from ditfleet.model.settings import PipelineSettings
 from ditfleet.workers.cache_secret import CacheSecretSource
 from ditfleet.workers.contract import GateConfig, LoraSpec, ModelPlacement, WorkerConfig
@@ -97,6 +104,11 @@ class JobSpec(Section):
             )
         if "vqa" in names:
             check_vqa_model(self.model.path)
+        return self
+
+    @model_validator(mode="after")
+    def _model_folder_runs_here(self) -> JobSpec:
+        check_model_folder(self.model.path)
         return self
 
     def scorer_names(self) -> tuple[str, ...]:
@@ -293,6 +305,20 @@ def _merged(base: dict[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def check_model_folder(model_path: str) -> None:
+    """ValueError for a local model folder whose model_index.json names a pipeline that cannot run
+    here (a diffusers class diffusers lacks, one that is not text-to-image, a missing package):
+    validate, plan and run refuse it before any work. A folder that is not there yet, the tiny
+    model and remote checkpoints are checked where they are fetched."""
+    path = model_path.removeprefix("file://")
+    if path == TINY_MODEL or "://" in path or not os.path.isdir(_absolute(path)):
+        return
+    try:
+        check_model_index(Path(_absolute(path)))
+    except WeightsError as e:
+        raise ValueError(f"model.path: {e}") from None
+
+
 def check_vqa_model(model_path: str) -> None:
     """ValueError unless the model's text encoder is a Qwen2.5-VL, which 'vqa' asks. Read here
     for the bundled tiny model and local folders; a remote model's is checked when an actor
@@ -300,6 +326,13 @@ def check_vqa_model(model_path: str) -> None:
     if "://" in model_path and not model_path.startswith("file://"):
         return
     path = model_path.removeprefix("file://")
+    family = model_family(path if path == TINY_MODEL else _absolute(path))
+    if family.name.startswith("diffusers:"):
+        raise ValueError(
+            f"quality.scorers: 'vqa' asks the pipeline's own Qwen2.5-VL, which only the native Qwen-Image "
+            f"family hands over; model.path {model_path!r} runs through diffusers ({family.name}). Leave 'vqa' "
+            "out (luma, sharpness and clip need nothing of the pipeline)"
+        )
     try:
         kind = text_encoder_kind(
             resolve_model_dir(path if path == TINY_MODEL else _absolute(path)) / "text_encoder"

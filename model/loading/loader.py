@@ -24,6 +24,7 @@ from ditfleet.model.loading.folder import (  # noqa: F401 - re-exported: the fol
     SUPPORTED_PIPELINES,
     TINY_MODEL_DIR,
     check_model_index,
+    check_native_index,
     resolve_model_dir,
     text_encoder_kind,
 )
@@ -142,6 +143,7 @@ def load_pipeline(
         raise TypeError(f"load_pipeline: settings must be a PipelineSettings, got {settings!r}")
     settings = dataclasses.replace(settings, **overrides) if overrides else settings
     root = resolve_model_dir(path)
+    check_native_index(root)
     # Everything that can be wrong with the files (a bad adapter or schedule, configs, shard
     # headers and keys of the transformer) fails here, before any weight is read or any device
     # memory is used; the (small) VAE is loaded on the CPU first for the same reason.
