@@ -282,8 +282,8 @@ def gpu_forward(
     everywhere."""
     from ditfleet.model.loading.fp8 import check_device
     from ditfleet.model.loading.quantization import QuantizationError
-    from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
-    from ditfleet.model.published import published_config
+    from ditfleet.model.qwen_image.published import published_config
+    from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
 
     config = TransformerConfig.from_dict(
         {**published_config("qwen-image", "transformer/config.json"), "num_layers": layers}

@@ -24,9 +24,9 @@ from collections.abc import Callable
 
 import torch
 
-from ditfleet.model.networks.transformer import TransformerConfig
-from ditfleet.model.published import published_config
 from ditfleet.model.quality.vqa import VQAScore
+from ditfleet.model.qwen_image.published import published_config
+from ditfleet.model.qwen_image.transformer import TransformerConfig
 from ditfleet.workers.selftest.parts import PUBLISHED_MODEL, dit_inputs, make_transformer
 from ditfleet.workers.selftest.vqa import PROMPT, encoder_config, make_encoder
 

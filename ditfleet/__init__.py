@@ -20,7 +20,7 @@ from ditfleet.model.lazy_exports import lazy_exports
 _WHERE = {
     "JobSpec": "jobs.spec",
     "SpecError": "jobs.spec",
-    "load_pipeline": "model.loading.loader",
+    "load_pipeline": "model.qwen_image.loader",
     "load_spec": "jobs.spec",
     "run": "jobs.run",
 }

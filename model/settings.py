@@ -124,7 +124,9 @@ def literal_values(tp: Any) -> tuple | None:
 ModulationCache = Literal["off", "cfg", "table"]
 CfgMode = Literal["serial", "batched", "auto"]
 Quantization = Literal["none", "fp8", "fp8-weight-only"]  # model.quantization names these
-AttentionBackend = Literal["auto", "cudnn", "flash", "efficient", "math"]  # model.networks.attention_backend
+AttentionBackend = Literal[
+    "auto", "cudnn", "flash", "efficient", "math"
+]  # model.generation.attention_backend
 # The image scorers (model.quality's registry, which checks it holds exactly these); each has its
 # manifest column, score_{name} (workers.output.manifest).
 ScorerName = Literal["sharpness", "tiny", "vqa", "clip"]

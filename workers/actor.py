@@ -26,11 +26,9 @@ from ditfleet.compile import PreparedPipeline, WarmupRuns, compile_count, prepar
 from ditfleet.compile.config import first_compile_estimate_s
 from ditfleet.compile.policy import resolve_auto
 from ditfleet.model import LoraSpec, TextToImagePipeline, load_pipeline, resolve_model_dir
-from ditfleet.model.diffusers_pipeline.family import DiffusersFamily
-from ditfleet.model.diffusers_pipeline.pipeline import load_diffusers_pipeline
 from ditfleet.model.family import model_family
 from ditfleet.model.loading.fp8 import runs_scaled_gemms
-from ditfleet.model.loading.loader import load_text_encoder
+from ditfleet.model.qwen_image.loader import load_text_encoder
 from ditfleet.workers.batch_fit import fit_batch_size
 from ditfleet.workers.cache_secret import read_cache_secret
 from ditfleet.workers.contract import ShardAbandoned, ShardResult, WorkerConfig
@@ -170,13 +168,13 @@ class GenerationWorker:
         # Adapters and a schedule on S3 come to the node's cache like the weights.
         local = lambda src: str(fetch_file(src, config.model_cache_dir, config.s3, config.model_fetch))  # noqa: E731
         family = model_family(local_path)
-        if isinstance(family, DiffusersFamily):
+        if family.name.startswith("diffusers:"):
             # diffusers' own pipeline class; its LoRA loader; every batch at the actor's size.
-            return load_diffusers_pipeline(  # type: ignore[return-value]
+            return family.load_pipeline(
                 local_path,
-                self.device,
-                self.dtype,
-                config.pipeline,
+                device=self.device,
+                dtype=self.dtype,
+                settings=config.pipeline,
                 model_id=config.model_path,
                 model_revision=self.model.revision,
                 batch_size=self.batch_size,
@@ -456,7 +454,7 @@ def place_text_encoder(pipe, local_path, config: WorkerConfig) -> PlacedTextEnco
     its weights never sit on the GPU next to the DiT's at start-up. None for a model without one.
     """
     placement = config.placement
-    if isinstance(getattr(pipe, "family", None), DiffusersFamily):
+    if getattr(pipe, "family", None) is not None:
         return None  # a diffusers pipeline encodes its own text, placed when it was loaded
     if placement.text_encoder != "gpu":
         pipe.text_encoder = load_text_encoder(resolve_model_dir(local_path), "cpu", pipe.dtype)

@@ -173,7 +173,7 @@ class ShardResult:
     # Batches halved after a CUDA out-of-memory error and run again (workers.generate). Their
     # images differ at rounding level from an unsplit run's: a lower batch_size avoids them.
     oom_splits: int = 0
-    # DiT attention over this shard (model.networks.attention.AttentionStats): calls, masked_calls (a
+    # DiT attention over this shard (model.qwen_image.attention.AttentionStats): calls, masked_calls (a
     # dense mask), split_calls (padded, run unmasked per text length), image/text/padded tokens.
     attention: dict[str, int] = field(default_factory=dict)
     attempt_token: str = ""  # the key component of this run's objects (layout.new_attempt_token)

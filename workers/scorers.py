@@ -90,8 +90,8 @@ class ScorerSource:
 
     def build(self) -> ImageScorer:
         """The scorer, on this process's GPU when it has one (bf16), else on the CPU (fp32)."""
-        from ditfleet.model.loading.folder import resolve_model_dir
-        from ditfleet.model.loading.loader import load_text_encoder
+        from ditfleet.model.family import resolve_model_dir
+        from ditfleet.model.qwen_image.loader import load_text_encoder
 
         self.check()
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -21,14 +21,8 @@ from ditfleet.driver.memory_plan import MemoryRequest
 from ditfleet.driver.output.cost import CostConfig
 from ditfleet.driver.plan import PlanConfig
 from ditfleet.driver.run_job import DriverConfig
-from ditfleet.model.family import model_family
-from ditfleet.model.loading.folder import (
-    TINY_MODEL,
-    WeightsError,
-    check_model_index,
-    resolve_model_dir,
-    text_encoder_kind,
-)
+from ditfleet.model.family import check_model_index, model_family, resolve_model_dir
+from ditfleet.model.loading.folder import TINY_MODEL, WeightsError, text_encoder_kind
 from ditfleet.model.settings import PipelineSettings
 from ditfleet.workers.cache_secret import CacheSecretSource
 from ditfleet.workers.contract import GateConfig, LoraSpec, ModelPlacement, WorkerConfig

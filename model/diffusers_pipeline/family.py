@@ -16,8 +16,9 @@ from types import MappingProxyType
 from typing import Any
 
 from ditfleet.model.diffusers_pipeline.index import PipelineIndex, read_index
-from ditfleet.model.family_types import CompileRegion, MemoryFormula, Size, TextConditioning
+from ditfleet.model.family_types import CompileRegion, Size, TextConditioning
 from ditfleet.model.memory.disk import checkpoint_size
+from ditfleet.model.qwen_image.family import MemoryFormula
 
 # Sizes near one megapixel, multiples of 64 (every pipeline here packs latents of 8x or 16x
 # downsampling into 2x2 patches): what FLUX, SD3.5, Z-Image and FLUX.2 are trained around.
@@ -126,6 +127,17 @@ class DiffusersFamily:
 
     def attention_counters(self, pipe: Any) -> NoAttentionCounters:
         return NoAttentionCounters()
+
+    def forward_flops(self, transformer_config: dict, width: int, height: int, text_tokens: int) -> float:
+        # No formula per pipeline class here: "% of peak" is not stated for this family (0: unknown).
+        return 0.0
+
+    def load_pipeline(self, path: str | Path, **kwargs: Any) -> Any:
+        """The checkpoint through its own diffusers class (pipeline.load_diffusers_pipeline's
+        arguments); imported here: it needs torch, which this module does not."""
+        from ditfleet.model.diffusers_pipeline.pipeline import load_diffusers_pipeline
+
+        return load_diffusers_pipeline(path, **kwargs)
 
 
 def parameter_bytes(root: str | Path, info: PipelineIndex | None = None) -> dict[str, int]:

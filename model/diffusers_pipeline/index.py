@@ -21,8 +21,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-# The pipeline classes with a native family (model.family): everything else goes to diffusers.
-NATIVE_PIPELINES = ("QwenImagePipeline",)
 # What `__call__` must take for ditfleet to drive it as text-to-image with one generator per image.
 REQUIRED_CALL_PARAMETERS = ("prompt", "height", "width", "num_inference_steps", "generator")
 INSTALL_HINT = "pip install 'ditfleet[diffusers]'"
@@ -68,8 +66,13 @@ def read_index(root: str | Path) -> PipelineIndex | None:
     return PipelineIndex(str(path), cls, components)
 
 
-def is_native(class_name: str) -> bool:
-    return class_name in NATIVE_PIPELINES
+def read_components(index_path: str) -> dict[str, tuple[str | None, str | None]]:
+    """The components a model_index.json names (empty when it cannot be read)."""
+    try:
+        info = read_index(Path(index_path).parent)
+    except DiffusersPipelineError:
+        return {}
+    return info.components if info is not None else {}
 
 
 def diffusers_version() -> str | None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from ditfleet.model.generation.step_cache_config import StepCacheConfig
-from ditfleet.model.networks.transformer import BlockInputs, QwenImageTransformer, take_rows
+from ditfleet.model.qwen_image.transformer import BlockInputs, QwenImageTransformer, take_rows
 
 # Relative change of a row whose kept signal is all zeros: infinite (compute).
 _EPS = 1e-12

@@ -2,7 +2,7 @@
 and the list of its safetensors files.
 
 `model.memory` plans from these alone, so `ditfleet plan` reads a model without loading torch;
-`model.loading.weights` and `model.loading.loader` load the tensors.
+`model.loading.weights` and `model.qwen_image.loader` load the tensors.
 """
 
 from __future__ import annotations
@@ -11,14 +11,6 @@ import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-
-from ditfleet.model.diffusers_pipeline.index import (
-    NATIVE_PIPELINES,
-    DiffusersPipelineError,
-    check_runnable,
-    is_native,
-    read_index,
-)
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -90,19 +82,14 @@ def safetensors_files(component_dir: Path) -> list[Path]:
 TINY_MODEL = "tiny"
 TINY_MODEL_DIR = Path(__file__).parents[1] / "tiny" / "weights"  # model/tiny/weights
 REQUIRED_COMPONENTS = ("transformer", "vae", "scheduler")
-# model_index.json pipeline classes whose transformer/vae/scheduler this loader computes exactly.
-SUPPORTED_PIPELINES = NATIVE_PIPELINES
 
 
-def resolve_model_dir(path: str | Path) -> Path:
-    """ "tiny" -> the bundled model; else a local directory in the diffusers layout. A folder
-    whose model_index.json names a pipeline without a native family is checked as diffusers
-    would run it (model.diffusers_pipeline.index), not for the native components."""
+def model_dir_layout(path: str | Path) -> Path:
+    """ "tiny" -> the bundled model; else a local directory in the diffusers layout (which family
+    its model_index.json names is model.family.resolve_model_dir's check)."""
     root = TINY_MODEL_DIR if str(path) == TINY_MODEL else Path(path)
     if not root.is_dir():
         raise WeightsError(f"model path {root}: not a directory. Give a diffusers-layout folder or 'tiny'.")
-    if check_model_index(root) not in (None, *SUPPORTED_PIPELINES):
-        return root
     missing = [c for c in REQUIRED_COMPONENTS if not (root / c).is_dir()]
     if missing:
         raise WeightsError(
@@ -110,34 +97,6 @@ def resolve_model_dir(path: str | Path) -> Path:
             "(the diffusers layout)."
         )
     return root
-
-
-def check_model_index(root: Path) -> str | None:
-    """The pipeline class the folder's model_index.json names (None without one: a hand-assembled
-    folder may lack it). A class without a native family must be one diffusers can run here as
-    text-to-image (refused up front otherwise, naming what to do)."""
-    try:
-        info = read_index(root)
-    except DiffusersPipelineError as e:
-        raise WeightsError(str(e)) from None
-    if info is None:
-        return None
-    if not is_native(info.class_name):
-        try:
-            check_runnable(info)
-        except DiffusersPipelineError as e:
-            raise WeightsError(str(e)) from None
-    return info.class_name
-
-
-def check_native_index(root: Path) -> None:
-    """Refuse a checkpoint of another pipeline where only the native loader can read it."""
-    cls = check_model_index(root)
-    if cls is not None and cls not in SUPPORTED_PIPELINES:
-        raise WeightsError(
-            f"{root / 'model_index.json'}: _class_name is {cls!r}; the native loader runs "
-            f"{list(SUPPORTED_PIPELINES)} checkpoints. Load it through its model family (model.family)."
-        )
 
 
 def text_encoder_kind(te_dir: Path) -> str:

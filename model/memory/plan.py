@@ -10,18 +10,22 @@ from typing import Any
 
 from ditfleet.model.loading.folder import read_config
 from ditfleet.model.loading.quantization import check_quantization
-from ditfleet.model.networks.transformer_config import TransformerConfig
-from ditfleet.model.networks.vae_config import VAEConfig
-from ditfleet.model.settings import MAX_SEQUENCE_LENGTH, Quantization
-
-from .activations import (
+from ditfleet.model.qwen_image.memory_activations import (
     dit_activation_bytes,
     image_tokens,
     text_encode_activation_bytes,
     vae_decode_activation_bytes,
     vqa_activation_bytes,
 )
-from .params import text_encoder_params, transformer_params, transformer_weight_bytes, vae_params
+from ditfleet.model.qwen_image.memory_params import (
+    text_encoder_params,
+    transformer_params,
+    transformer_weight_bytes,
+    vae_params,
+)
+from ditfleet.model.qwen_image.transformer_config import TransformerConfig
+from ditfleet.model.qwen_image.vae_config import VAEConfig
+from ditfleet.model.settings import MAX_SEQUENCE_LENGTH, Quantization
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 GB = 10**9  # GPU memory is quoted in decimal GB (an "80 GB" card holds at least 80e9 bytes)

@@ -32,7 +32,7 @@ class ScorerInputs:
     scorers take nothing; the model-based ones read their part, and say which setting to fix
     when it is missing."""
 
-    #: The pipeline's loaded text encoder: `vqa` asks its Qwen2.5-VL (model.networks.text_encoder).
+    #: The pipeline's loaded text encoder: `vqa` asks its Qwen2.5-VL (model.qwen_image.text_encoder).
     text_encoder: Any = None
     #: A local folder holding a transformers CLIPModel: `clip` (a remote one is fetched first).
     clip_model: Path | None = None

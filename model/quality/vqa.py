@@ -59,7 +59,7 @@ class VQAScore:
 
     @classmethod
     def from_text_encoder(cls, encoder: Any) -> VQAScore:
-        """The scorer over a loaded `QwenVLTextEncoder` (model.networks.text_encoder); ValueError for an
+        """The scorer over a loaded `QwenVLTextEncoder` (model.qwen_image.text_encoder); ValueError for an
         encoder that is not a Qwen2.5-VL with its vision tower."""
         model = getattr(encoder, "model", None)
         if model is None or not hasattr(getattr(model, "config", None), "vision_config"):

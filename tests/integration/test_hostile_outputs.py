@@ -368,7 +368,7 @@ def test_a_resume_with_a_lora_or_scheduler_config_replaced_at_the_same_path_is_r
     bytes at the same path are refused by the driver's claim and by the actor, naming the file."""
     import dataclasses
 
-    from ditfleet.model.loading.lora import LoraSpec
+    from ditfleet.model.qwen_image.lora import LoraSpec
     from ditfleet.workers.actor import GenerationWorker
     from ditfleet.workers.storage import S3Config
     from ditfleet.workers.weights.digest import model_identity

@@ -407,7 +407,7 @@ def test_the_verifier_rejects_a_damaged_copy(random_model_dir, tmp_path):
 
 def test_a_local_directory_passes_through(random_model_dir, tmp_path, s3_config):
     from ditfleet.model import model_revision
-    from ditfleet.model.loading.loader import REQUIRED_COMPONENTS
+    from ditfleet.model.qwen_image.loader import REQUIRED_COMPONENTS
 
     assert set(REQUIRED_FILES) == set(REQUIRED_COMPONENTS)
     for src in (str(random_model_dir), f"file://{random_model_dir}"):

@@ -17,9 +17,9 @@ from ditfleet.model.generation.pipeline import TextToImagePipeline
 from ditfleet.model.generation.sampling import latent_grid, model_timestep
 from ditfleet.model.generation.scheduler import sigma_schedule
 from ditfleet.model.memory import GB
-from ditfleet.model.networks.transformer import QwenImageTransformer
-from ditfleet.model.networks.vae import QwenImageVAE, save_vae
-from ditfleet.model.published import PUBLISHED
+from ditfleet.model.qwen_image.published import PUBLISHED
+from ditfleet.model.qwen_image.transformer import QwenImageTransformer
+from ditfleet.model.qwen_image.vae import QwenImageVAE, save_vae
 from ditfleet.workers.selftest.parts import (
     PUBLISHED_MODEL,
     diffusers_version,
@@ -117,7 +117,7 @@ def slice_pipe(ctx: Context) -> TextToImagePipeline:
     pipe = ctx.state.get("slice_pipe")
     if pipe is not None:
         return pipe
-    from ditfleet.model.loading.loader import load_pipeline
+    from ditfleet.model.qwen_image.loader import load_pipeline
 
     root = slice_root(ctx)
     if not (root / "model_index.json").exists():
@@ -336,7 +336,7 @@ def sdpa_speed(ctx: Context) -> None:
         raise StageSkipped("not on CPU: the fused SDPA kernels are CUDA's")
     from torch.nn.attention import sdpa_kernel
 
-    from ditfleet.model.networks.attention_backend import _backend
+    from ditfleet.model.generation.attention_backend import _backend
 
     cfg = transformer_config(ctx, 1)
     h, w = latent_grid(sizes(ctx)[0], sizes(ctx)[0])

@@ -27,9 +27,9 @@ from ditfleet.model.memory import (
     vae_decode_activation_bytes,
     vae_params,
 )
-from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
-from ditfleet.model.networks.vae import QwenImageVAE, VAEConfig
-from ditfleet.model.published import PUBLISHED as ALL_PUBLISHED
+from ditfleet.model.qwen_image.published import PUBLISHED as ALL_PUBLISHED
+from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
+from ditfleet.model.qwen_image.vae import QwenImageVAE, VAEConfig
 from tests.support.memory_measure import peak_allocated_bytes
 from tests.support.paths import REPO
 

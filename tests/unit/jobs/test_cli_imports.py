@@ -31,12 +31,12 @@ TORCH_FREE_MODEL = {
     "ditfleet.model.loading.lora_spec",
     "ditfleet.model.generation.step_cache_config",  # step-cache presets and checks (the spec validates them)
     "ditfleet.model.memory",
-    "ditfleet.model.memory.activations",
+    "ditfleet.model.qwen_image.memory_activations",
     "ditfleet.model.memory.disk",
-    "ditfleet.model.memory.params",
+    "ditfleet.model.qwen_image.memory_params",
     "ditfleet.model.memory.plan",
-    "ditfleet.model.networks.transformer_config",
-    "ditfleet.model.networks.vae_config",
+    "ditfleet.model.qwen_image.transformer_config",
+    "ditfleet.model.qwen_image.vae_config",
 }
 
 REPORT = """

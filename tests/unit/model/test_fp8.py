@@ -21,7 +21,6 @@ from ditfleet.model.loading.fp8 import (
     quantize_rows,
     quantize_weight,
 )
-from ditfleet.model.loading.lora import LoraSpec, read_lora
 from ditfleet.model.loading.quantization import (
     KEEP_IN_LOAD_DTYPE,
     QuantizationError,
@@ -29,6 +28,7 @@ from ditfleet.model.loading.quantization import (
     keeps_load_dtype,
 )
 from ditfleet.model.loading.weights import WeightsError
+from ditfleet.model.qwen_image.lora import LoraSpec, read_lora
 from ditfleet.model.tiny.adherence import measure
 from ditfleet.testing.models import load_transformer
 from ditfleet.testing.outliers import cast_inputs, forward_inputs, outlier_transformer, relative_error
@@ -162,8 +162,8 @@ def test_lora_is_merged_before_quantizing(tmp_path, random_model_dir, mode):
 
 
 def test_quantizer_hands_back_the_updates_of_kept_layers(tmp_path, random_model_dir):
-    from ditfleet.model.loading.loader import prepare_transformer
-    from ditfleet.model.loading.lora import plan_updates
+    from ditfleet.model.qwen_image.loader import prepare_transformer
+    from ditfleet.model.qwen_image.lora import plan_updates
 
     lora = write_diffusers_lora(tmp_path / "a.safetensors", seed=1)
     model, _ = prepare_transformer(random_model_dir / "transformer")
@@ -274,8 +274,8 @@ def test_fp8_checkpoint_without_scales_is_refused(tmp_path, random_model_dir):
 
 
 def test_keep_list_names_only_real_layers():
-    from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
-    from ditfleet.model.published import published_config
+    from ditfleet.model.qwen_image.published import published_config
+    from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
 
     with torch.device("meta"):
         model = QwenImageTransformer(

@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from ditfleet.model.loading.quantization import KEEP_IN_LOAD_DTYPE, check_quantization, keeps_load_dtype
-from ditfleet.model.networks.transformer_config import TransformerConfig
-from ditfleet.model.networks.vae_config import VAEConfig
+from ditfleet.model.qwen_image.transformer_config import TransformerConfig
+from ditfleet.model.qwen_image.vae_config import VAEConfig
 from ditfleet.model.settings import Quantization
 
 
