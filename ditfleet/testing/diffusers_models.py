@@ -92,6 +92,7 @@ def make_flux_dir(root: Path, seed: int = 0) -> Path:
     transformer = FluxTransformer2DModel(
         patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=8,
         num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=16, axes_dims_rope=(2, 2, 4),
+        guidance_embeds=True,  # as FLUX.1-dev: the guidance scale is an input, so a test sees it
     )  # fmt: skip
     pipe = FluxPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(), vae=_vae(seed + 3, 4), text_encoder=clip,

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from ditfleet.jobs.cli import main
-from ditfleet.model.generation.guidance import cfg_on
+from ditfleet.model.generation.guidance import DEFAULT_NEGATIVE_PROMPT
 from ditfleet.testing.diffusers_models import make_flux_dir
 from ditfleet.workers.output.manifest import read_manifests
 from ditfleet.workers.storage import open_store
@@ -41,10 +41,12 @@ def reference(flux_dir):
     return pipe
 
 
-def _expected(pipe, prompt: str, seed: int, width: int, height: int, scale: float) -> np.ndarray:
-    """diffusers' own call at the actor's batch shape (each image its own generator)."""
+def _expected(pipe, prompt: str, seed: int, width: int, height: int) -> np.ndarray:
+    """diffusers' own call at the actor's batch shape (each image its own generator), with the
+    job's defaults: CFG 4.0 against the negative " " (guidance_scale for FLUX)."""
     images = pipe(
-        prompt=[prompt] * BATCH, height=height, width=width, num_inference_steps=2, guidance_scale=scale,
+        prompt=[prompt] * BATCH, negative_prompt=[DEFAULT_NEGATIVE_PROMPT] * BATCH, height=height, width=width,
+        num_inference_steps=2, guidance_scale=4.0,
         generator=[torch.Generator().manual_seed(seed) for _ in range(BATCH)], output_type="pt",
     ).images  # fmt: skip
     return (images[0] * 255).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).numpy()
@@ -57,9 +59,8 @@ def _check_images(out: Path, prompts: Path, pipe) -> None:
     assert sorted(r["id"] for r in table) == sorted(source), "every row exactly once"
     for row in table:
         assert row["status"] == "ok"
-        scale = 4.0 if cfg_on(4.0, has_negative=False) else 1.0
         got = np.asarray(Image.open(io.BytesIO(store.get(row["uri"][len(store.uri()) :].lstrip("/")))))
-        want = _expected(pipe, source[row["id"]]["prompt"], row["seed"], row["width"], row["height"], scale)
+        want = _expected(pipe, source[row["id"]]["prompt"], row["seed"], row["width"], row["height"])
         assert np.array_equal(got, want), f"row {row['id']}: not diffusers' image"
 
 
