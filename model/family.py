@@ -8,6 +8,9 @@
     family.attention_counters(pipe)          # counters of the DiT's attention calls
     family.memory                            # the memory formula (model.memory) from configs
     family.forward_flops(config, w, h, L)    # FLOPs of one DiT forward: "% of peak" one way
+    family.published_config(rel, layers)     # its model at the published widths (the self-test's)
+    family.bundled_dir                       # the folder of a model that ships with ditfleet, else None
+    family.scorer_inputs                     # what it offers the image scorers (model.quality.table)
 
 compile/, workers/, driver/ and jobs/ ask the family and never name a submodule, method or
 constant of a family's DiT themselves (tests/unit/test_model_face.py parses them).
@@ -80,6 +83,12 @@ class ModelFamily(Protocol):
     @property
     def memory(self) -> MemoryFormula: ...
 
+    @property
+    def bundled_dir(self) -> Path | None: ...  # a bundled model's folder (its path is a name, kept as is)
+
+    @property
+    def scorer_inputs(self) -> frozenset[str]: ...  # model.quality.table needs it meets (PIPELINE_QWEN_VL)
+
     def text_conditioning(self, pipe: Any) -> TextConditioning: ...
 
     def attention_counters(self, pipe: Any) -> AttentionCounters: ...
@@ -88,7 +97,14 @@ class ModelFamily(Protocol):
         """FLOPs of one DiT forward, one image of width x height, from the transformer's config.json."""
         ...
 
-    def load_pipeline(self, path: str | Path, **kwargs: Any) -> Any: ...
+    @property
+    def published_dir(self) -> Path: ...  # the published checkpoint's config files
+
+    def published_config(self, rel: str, num_layers: int | None = None) -> dict:
+        """A published config file; with num_layers, the transformer's cut to that depth."""
+        ...
+
+    def load_pipeline(self, path: str | Path, *args: Any, **kwargs: Any) -> Any: ...
 
 
 # The one table: a checkpoint's model_index.json `_class_name` -> its family.
@@ -166,9 +182,9 @@ def model_family(source: Any) -> ModelFamily:
     return check_model_index(source) if Path(source).is_dir() else DEFAULT_FAMILY
 
 
-def load_pipeline(path: str | Path, **kwargs: Any) -> Any:
+def load_pipeline(path: str | Path, *args: Any, **kwargs: Any) -> Any:
     """The checkpoint at `path` ("tiny" or a local folder) loaded by its family (see
     `model.qwen_image.loader.load_pipeline` for the arguments)."""
     return model_family(resolve_model_dir(path) if str(path) != TINY_MODEL else path).load_pipeline(
-        path, **kwargs
+        path, *args, **kwargs
     )

@@ -24,6 +24,7 @@ import torch
 from ditfleet.compile.buckets import PROMPT_LENGTH_BUCKETS, prompt_length_bucket
 from ditfleet.model.family import model_family
 from ditfleet.model.memory import GB, Runtime
+from ditfleet.model.quality.table import PIPELINE_QWEN_VL, needing
 from ditfleet.workers.contract import WorkerConfig
 
 
@@ -63,7 +64,7 @@ def plan_runtime(config: WorkerConfig, dtype: torch.dtype) -> Runtime:
         modulation_table_steps=(config.rows.steps,) if config.pipeline.modulation_cache == "table" else (),
         device="cuda",
         quantization=config.pipeline.quantization,
-        vqa="vqa" in config.scorer_names,
+        vqa=bool(needing(config.scorer_names, PIPELINE_QWEN_VL)),  # its forward on the text encoder
     )
 
 

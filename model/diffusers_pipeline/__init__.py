@@ -3,5 +3,5 @@
 
 index.py (standard library only: the driver refuses what cannot run before any work),
 family.py (the family: buckets, compile regions, memory from the safetensors headers) and
-pipeline.py (torch and diffusers: the loaded pipeline behind the interface the actor drives).
+loader.py (torch and diffusers: the loaded pipeline behind the interface the actor drives).
 """

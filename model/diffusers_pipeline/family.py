@@ -4,7 +4,7 @@ diffusers' own pipeline class (model.family's face, for `_class_name`s with no n
 Standard library only (the driver reads the default buckets and refuses what cannot run without
 torch). The memory plan cannot come from configs here (every pipeline has its own networks): the
 weights' bytes come from the safetensors headers (index.parameter_bytes) and the activations are
-measured at warm-up on the actor (pipeline.py), which checks them before each batch.
+measured at warm-up on the actor (loader.py), which checks them before each batch.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def _block_owners(transformer: Any) -> list[tuple[str, Any]]:
     return out
 
 
-# Static shapes: the pipeline runs every batch at the actor's batch size (pipeline.py pads the
+# Static shapes: the pipeline runs every batch at the actor's batch size (loader.py pads the
 # last one), and text is padded by the pipelines' tokenizers to a fixed length, so one graph per
 # bucket is all a request ever needs.
 DIFFUSERS_COMPILE_REGIONS: tuple[CompileRegion, ...] = (
@@ -73,7 +73,7 @@ class NoConfigFormula(ValueError):
 class MeasuredMemory(MemoryFormula):
     """No formula from configs: the driver plans no batch (`plans_from_configs` False) and an
     actor runs the job's batch size, checking the weights' bytes plus the activations measured
-    at warm-up against its GPU before each batch (pipeline.py)."""
+    at warm-up against its GPU before each batch (loader.py)."""
 
     plans_from_configs: bool = False
 
@@ -86,6 +86,10 @@ class MeasuredMemory(MemoryFormula):
         raise NoConfigFormula(
             "a diffusers pipeline's memory is measured at warm-up, not planned from configs"
         )
+
+
+class NoPublishedConfigs(ValueError):
+    """The self-test and the benches' published widths are the native family's."""
 
 
 class NoAttentionCounters:
@@ -114,9 +118,21 @@ class DiffusersFamily:
         )
     )
 
+    # A checkpoint folder, never a bundled model; the scorers get nothing of the pipeline (the
+    # native family's Qwen2.5-VL is what `vqa` reads: model.quality.table).
+    bundled_dir: Path | None = None
+    scorer_inputs: frozenset[str] = frozenset()
+
     @property
     def name(self) -> str:
         return f"diffusers:{self.class_name}"
+
+    @property
+    def published_dir(self) -> Path:
+        raise NoPublishedConfigs(f"{self.name}: ditfleet bundles no published configs of diffusers pipelines")
+
+    def published_config(self, rel: str, num_layers: int | None = None) -> dict:
+        raise NoPublishedConfigs(f"{self.name}: ditfleet bundles no published configs of diffusers pipelines")
 
     def text_conditioning(self, pipe: Any) -> TextConditioning:
         # The pipeline encodes its own prompts (no embeddings cross the actor's interface); the
@@ -132,12 +148,12 @@ class DiffusersFamily:
         # No formula per pipeline class here: "% of peak" is not stated for this family (0: unknown).
         return 0.0
 
-    def load_pipeline(self, path: str | Path, **kwargs: Any) -> Any:
+    def load_pipeline(self, path: str | Path, *args: Any, **kwargs: Any) -> Any:
         """The checkpoint through its own diffusers class (pipeline.load_diffusers_pipeline's
         arguments); imported here: it needs torch, which this module does not."""
-        from ditfleet.model.diffusers_pipeline.pipeline import load_diffusers_pipeline
+        from ditfleet.model.diffusers_pipeline.loader import load_diffusers_pipeline
 
-        return load_diffusers_pipeline(path, **kwargs)
+        return load_diffusers_pipeline(path, *args, **kwargs)
 
 
 def parameter_bytes(root: str | Path, info: PipelineIndex | None = None) -> dict[str, int]:

@@ -23,11 +23,11 @@ from ditfleet.model.generation.sampling import (
 )
 from ditfleet.model.generation.scheduler import SchedulerConfig
 from ditfleet.model.generation.step_cache import StepCache
-from ditfleet.model.generation.step_cache_config import StepCacheConfig
 from ditfleet.model.qwen_image.text_encoder import TextEncoder
-from ditfleet.model.qwen_image.transformer import QwenImageTransformer
+from ditfleet.model.qwen_image.transformer import QwenImageTransformer, prepare_inputs
 from ditfleet.model.qwen_image.vae import QwenImageVAE
 from ditfleet.model.settings import DEFAULT_PIPELINE, MAX_SEQUENCE_LENGTH, CfgMode, PipelineSettings
+from ditfleet.model.step_cache_config import StepCacheConfig
 from ditfleet.model.tiny.known_words import known_of, unknown_words, unknown_words_warning
 from ditfleet.model.tiny.text_encoder import WordTokenizer
 
@@ -258,6 +258,7 @@ class TextToImagePipeline:
         with attention_backend(self.settings.attention_backend, self.device.type):
             latents = denoise(
                 self.transformer,
+                prepare_inputs,
                 latents,
                 cond,
                 uncond,

@@ -220,7 +220,7 @@ def plan_memory(
     """The memory plan of generating `batch` images of height x width, run as `run` says.
 
     step_cache_tensors: image-stream tensors (N x D per image) a step cache keeps per CFG branch
-      through the whole schedule (model.generation.step_cache_config.StepCacheConfig.kept_tensors); 0: none.
+      through the whole schedule (model.step_cache_config.StepCacheConfig.kept_tensors); 0: none.
     """
     run.check()
     if batch < 1 or height % 16 or width % 16 or height < 16 or width < 16:
@@ -293,7 +293,7 @@ def _phases(
 
 
 def _fp8_transient(model: ModelMemory, run: Runtime, dit_batch: int, height: int, width: int, e: int) -> int:
-    """What the FP8 GEMMs (model.loading.fp8) hold beyond the bf16 forward's tensors at its peak (the MLP
+    """What the FP8 GEMMs (model.qwen_image.fp8) hold beyond the bf16 forward's tensors at its peak (the MLP
     down-projection): `fp8` the scaled copy's FP8 codes of its 4D-wide input, one byte per element
     (the scaled copy itself takes the freed up-projection's place); `fp8-weight-only` the largest
     weight dequantized, and its cast, for the duration of one GEMM."""

@@ -8,6 +8,7 @@ the job spec and the driver's planning read the defaults without loading torch.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -15,7 +16,10 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from ditfleet.model.family_types import AttentionCounters, CompileRegion, Size, TextConditioning
+from ditfleet.model.loading.folder import TINY_MODEL_DIR
 from ditfleet.model.memory import MemoryPlan, ModelMemory, dit_activation_bytes, largest_batch, plan_memory
+from ditfleet.model.quality.table import PIPELINE_QWEN_VL
+from ditfleet.model.qwen_image.published import PUBLISHED
 from ditfleet.model.qwen_image.transformer_config import TransformerConfig
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH_LIMIT
 from ditfleet.model.tiny.sizes import TINY_BUCKETS
@@ -132,6 +136,12 @@ class QwenImageFamily:
     memory: MemoryFormula = field(default_factory=MemoryFormula)
     # The longest prompt the text path embeds, in tokens (what a job may ask for at most).
     max_text_tokens: int = MAX_SEQUENCE_LENGTH_LIMIT
+    bundled_dir: Path | None = None
+    # The published checkpoint's config files (published/): the family's model at its published
+    # widths, which the node self-test builds with random weights.
+    published_dir: Path = PUBLISHED / "qwen-image"
+    # Its text encoder is a Qwen2.5-VL, which a scorer such as vqa asks (check_scorers_supported).
+    scorer_inputs: frozenset[str] = frozenset({PIPELINE_QWEN_VL})
 
     def text_conditioning(self, pipe: Any) -> TextConditioning:
         return TextConditioning(pipe.transformer.config.joint_attention_dim, self.max_text_tokens)
@@ -146,12 +156,26 @@ class QwenImageFamily:
         tokens = (height // PIXELS_PER_TOKEN) * (width // PIXELS_PER_TOKEN)
         return forward_flops(config, tokens, text_tokens)["total"]
 
-    def load_pipeline(self, path: str | Path, **kwargs: Any) -> TextToImagePipeline:
+    def published_config(self, rel: str, num_layers: int | None = None) -> dict:
+        """The published checkpoint's config file `rel` ("transformer/config.json"); with
+        `num_layers`, the transformer's cut to that depth (published widths, fewer blocks)."""
+        config = json.loads((self.published_dir / rel).read_text())
+        return config if num_layers is None else {**config, "num_layers": num_layers}
+
+    def load_pipeline(self, path: str | Path, *args: Any, **kwargs: Any) -> TextToImagePipeline:
         """`model.qwen_image.loader.load_pipeline`: the checkpoint at `path` as a pipeline."""
         from ditfleet.model.qwen_image.loader import load_pipeline
 
-        return load_pipeline(path, **kwargs)
+        return load_pipeline(path, *args, **kwargs)
 
 
 QWEN_IMAGE = QwenImageFamily()
-TINY = replace(QWEN_IMAGE, name="tiny", default_buckets=TINY_BUCKETS, runs_on_cpu=True)
+# The tiny model's text encoder is its own small one (model.tiny), no Qwen2.5-VL.
+TINY = replace(
+    QWEN_IMAGE,
+    name="tiny",
+    default_buckets=TINY_BUCKETS,
+    runs_on_cpu=True,
+    bundled_dir=TINY_MODEL_DIR,
+    scorer_inputs=frozenset(),
+)

@@ -26,9 +26,9 @@ from ditfleet.model.loading.folder import (  # noqa: F401 - re-exported: the fol
     model_dir_layout,
     text_encoder_kind,
 )
-from ditfleet.model.loading.fp8 import Fp8Quantizer, check_checkpoint_dtypes, check_device
 from ditfleet.model.loading.quantization import check_quantization, quantized_revision
 from ditfleet.model.loading.weights import WeightsError, on_meta, read_config
+from ditfleet.model.qwen_image.fp8 import Fp8Quantizer, check_checkpoint_dtypes, check_device
 from ditfleet.model.qwen_image.lora import (
     LoraSpec,
     adapters_revision,

@@ -70,7 +70,7 @@ def transformer_weight_bytes(
     keep: tuple[str, ...] = KEEP_IN_LOAD_DTYPE,
 ) -> int:
     """Bytes of the DiT's weights as loaded: every parameter in `e`-byte elements, or under an
-    FP8 quantization (model.loading.fp8) each quantized Linear's weight in 1 byte plus one fp32 scale per
+    FP8 quantization (model.qwen_image.fp8) each quantized Linear's weight in 1 byte plus one fp32 scale per
     output channel (its bias and every kept layer, norm and embedding still `e` bytes)."""
     total = transformer_params(cfg) * e
     if check_quantization(quantization) == "none":

@@ -49,8 +49,6 @@ from ditfleet.model.tiny.text_encoder import TinyTextEncoder
 from recipes.tiny.data_parallel import SINGLE_PROCESS, Shard
 from recipes.tiny.train_vae import lr_at
 
-NEGATIVE_PROMPT = " "
-
 
 @dataclass(frozen=True)
 class DiTTrainConfig:

@@ -34,7 +34,6 @@ from ditfleet.workers.weights.node_cache import MARKER, REQUIRED_FILES, file_dig
 from tests.support.fault_proxy import FaultPlan, Rule
 from tests.support.paths import REPO
 
-REPO = REPO
 PREFIX = "models/tiny-v1"
 VAE = "vae/diffusion_pytorch_model.safetensors"
 CHECKSUMS = {

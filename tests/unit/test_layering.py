@@ -5,6 +5,8 @@ Every module of the five packages is parsed with `ast` (nothing is imported). A 
   written: at module level, under `if TYPE_CHECKING:` or inside a function (a lazy import is
   still a dependency);
 - an import in model/ of anything but torch, safetensors, the standard library and model itself;
+- an import inside model/ against model/'s own order (MODEL_ORDER: settings, loading, the
+  families' networks, the shared machinery, the families' faces, the face's table);
 - an import cycle between our modules. Only imports that run when a module is loaded count
   here: module level, including `try`/`if` blocks, but not `if TYPE_CHECKING:` and not imports
   inside functions or methods (they run after both modules are loaded, so they cannot meet a
@@ -41,7 +43,7 @@ MODEL_OPTIONAL_IMPORTS = {
     ("model/quality/clip_score.py", "transformers"),
     # A checkpoint without a native family runs through diffusers' own pipeline class (the
     # `diffusers` extra), imported only where such a checkpoint is loaded.
-    ("model/diffusers_pipeline/pipeline.py", "diffusers"),
+    ("model/diffusers_pipeline/loader.py", "diffusers"),
 }
 
 # The repository's folders besides the layers (the layers are what `LAYERS` checks):
@@ -61,8 +63,52 @@ NOT_INSTALLED = ("recipes", "bench", "tests")
 DEFERRED_CYCLES: set[frozenset[str]] = {
     # The diffusers family's face is torch-free (the driver reads it); its load_pipeline imports
     # the torch side, which names the family it loaded.
-    frozenset({"ditfleet.model.diffusers_pipeline.family", "ditfleet.model.diffusers_pipeline.pipeline"}),
+    frozenset({"ditfleet.model.diffusers_pipeline.family", "ditfleet.model.diffusers_pipeline.loader"}),
 }
+
+
+# model/'s own order, lowest first: a module imports only modules of its own unit or of a unit
+# before it (function-level and TYPE_CHECKING imports too). A unit is a sub-folder or a top-level
+# module of model/. A family folder (one with a family.py) is two units: its networks, LoRA key
+# map, FP8 and memory formula below the shared machinery (memory plan, sampling loop, scorers),
+# its face and assembly (FAMILY_FACE) above it, where the face's table (model/family.py) reads them.
+MODEL_ORDER: tuple[tuple[str, ...], ...] = (
+    ("lazy_exports", "family_types", "knobs", "step_cache_config"),
+    ("settings",),
+    ("loading",),
+    ("tiny",),
+    ("<family>",),
+    ("memory",),
+    ("generation",),
+    ("quality",),
+    ("<family face>",),
+    ("family",),
+    ("__init__",),
+)
+FAMILY_FACE = ("family", "loader")
+
+
+def family_folders() -> set[str]:
+    return {p.parent.name for p in (ROOT / "model").glob("*/family.py")}
+
+
+def model_unit(module: str) -> str:
+    """The unit of MODEL_ORDER a module of model/ belongs to ("generation", "<family>", ...)."""
+    rest = module.split(".")[2:]
+    if not rest:
+        return "__init__"
+    if rest[0] in family_folders():
+        return "<family face>" if len(rest) > 1 and rest[1] in FAMILY_FACE else "<family>"
+    return rest[0]
+
+
+def model_rank(module: str) -> int:
+    unit = model_unit(module)
+    ranks = [i for i, units in enumerate(MODEL_ORDER) if unit in units]
+    assert ranks, (
+        f"{module}: its unit {unit!r} has no place in MODEL_ORDER (tests/unit/test_layering.py); add it"
+    )
+    return ranks[0]
 
 
 @dataclass(frozen=True)
@@ -220,6 +266,44 @@ def test_no_upward_import():
         if _layer(e.target) > _layer(e.source)
     ]
     assert not upward, "upward imports:\n" + "\n".join(upward)
+
+
+def model_back_imports(edges: list[Import]) -> list[str]:
+    return [
+        f"{e.where}: {e.source} ({model_unit(e.source)}) imports {e.target} ({model_unit(e.target)}), "
+        "which comes after it in MODEL_ORDER"
+        for e in edges
+        if top_name(e.source) == top_name(e.target) == "model" and model_rank(e.target) > model_rank(e.source)
+    ]
+
+
+def test_no_model_import_runs_back_up_model_order():
+    edges, _ = all_imports()
+    for module in our_modules():
+        if top_name(module) == "model":
+            model_rank(module)  # every module of model/ has its place
+    back = model_back_imports(edges)
+    assert not back, "imports inside model/ against its order:\n" + "\n".join(back)
+
+
+def test_the_model_order_check_sees_a_back_import():
+    def edge(a: str, b: str) -> Import:
+        return Import(a, b, f"{a}.py:1", False)
+
+    assert model_unit("ditfleet.model.qwen_image.transformer") == "<family>"
+    assert model_unit("ditfleet.model.qwen_image.family") == "<family face>"
+    assert (
+        model_back_imports([edge("ditfleet.model.generation.pipeline", "ditfleet.model.memory.plan")]) == []
+    )
+    back = model_back_imports(
+        [
+            edge("ditfleet.model.loading.folder", "ditfleet.model.qwen_image.loader"),  # loading <-> networks
+            edge("ditfleet.model.tiny.scenes", "ditfleet.model.family"),  # tiny -> family
+            edge("ditfleet.model.settings", "ditfleet.model.generation.pipeline"),  # settings <-> generation
+            edge("ditfleet.model.qwen_image.vae", "ditfleet.model.generation.scheduler"),
+        ]
+    )
+    assert len(back) == 4 and "(loading) imports ditfleet.model.qwen_image.loader (<family face>)" in back[0]
 
 
 @pytest.mark.slow

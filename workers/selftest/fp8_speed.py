@@ -57,7 +57,7 @@ def fp8_forward(ctx: Context) -> None:
 
 
 def _gemm_scales(model: torch.nn.Module, device: torch.device) -> dict[str, int]:
-    """How many of the FP8 model's layers run each way here (model.loading.fp8: rowwise, tensorwise
+    """How many of the FP8 model's layers run each way here (model.qwen_image.fp8: rowwise, tensorwise
     where the kernel refuses row-wise scales, weight-only)."""
     counts: dict[str, int] = {}
     for m in model.modules():
@@ -89,7 +89,7 @@ def fp8_compiled(ctx: Context) -> None:
     budget's plan."""
     if not ctx.cuda:
         raise StageSkipped("not on CPU: the compiled FP8 GEMMs are timed on a GPU")
-    from ditfleet.model.loading.fp8 import set_fast_accum
+    from ditfleet.model.qwen_image.fp8 import set_fast_accum
 
     fp8 = fp8_copy(full_model(ctx), "fp8")
     if fp8 is None:

@@ -21,10 +21,9 @@ from safetensors.torch import save_file
 
 from ditfleet.model.family import DEFAULT_FAMILY
 from ditfleet.model.generation.sampling import LATENT_CHANNELS, latent_grid
-from ditfleet.model.loading.fp8 import check_device, quantize_model
 from ditfleet.model.loading.quantization import QuantizationError
 from ditfleet.model.loading.weights import on_meta
-from ditfleet.model.qwen_image.published import published_config
+from ditfleet.model.qwen_image.fp8 import check_device, quantize_model
 from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
 from ditfleet.model.qwen_image.vae import QwenImageVAE
 from ditfleet.model.qwen_image.vae_config import VAEConfig
@@ -33,8 +32,7 @@ from ditfleet.workers.selftest.runner import Context
 
 log = logging.getLogger("ditfleet.selftest")
 
-PUBLISHED_MODEL = "qwen-image"
-# The family whose published widths the self-test measures: its costs are the family's to state.
+# The family whose published widths the self-test measures: its configs and costs are the family's.
 FAMILY = DEFAULT_FAMILY
 TINY_TRANSFORMER = TransformerConfig(
     num_layers=4,
@@ -52,15 +50,13 @@ TINY_VAE = VAEConfig(base_dim=16, z_dim=16, dim_mult=(1, 2, 4, 4), num_res_block
 def transformer_config(ctx: Context, layers: int) -> TransformerConfig:
     if ctx.tiny:
         return dataclasses.replace(TINY_TRANSFORMER, num_layers=layers)
-    return TransformerConfig.from_dict(
-        {**published_config(PUBLISHED_MODEL, "transformer/config.json"), "num_layers": layers}
-    )
+    return TransformerConfig.from_dict(FAMILY.published_config("transformer/config.json", layers))
 
 
 def vae_config(ctx: Context) -> VAEConfig:
     if ctx.tiny:
         return TINY_VAE
-    return VAEConfig.from_dict(published_config(PUBLISHED_MODEL, "vae/config.json"))
+    return VAEConfig.from_dict(FAMILY.published_config("vae/config.json"))
 
 
 def sizes(ctx: Context) -> list[int]:

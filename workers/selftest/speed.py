@@ -19,10 +19,10 @@ from ditfleet.compile.policy import CompileReport, apply_compile
 from ditfleet.model.generation.pipeline import Generation, GuidanceInputs, Sampling, TextToImagePipeline
 from ditfleet.model.generation.sampling import euler_step, true_cfg
 from ditfleet.model.generation.scheduler import SchedulerConfig
-from ditfleet.model.generation.step_cache_config import PRESETS, StepCacheConfig
 from ditfleet.model.memory import GB, ModelMemory, Runtime, plan_memory, vae_decode_activation_bytes
 from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
 from ditfleet.model.qwen_image.vae import QwenImageVAE
+from ditfleet.model.step_cache_config import PRESETS, StepCacheConfig
 from ditfleet.workers.selftest.compile_check import compile_config
 from ditfleet.workers.selftest.parts import (
     dit_inputs,

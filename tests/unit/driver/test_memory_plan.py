@@ -34,7 +34,6 @@ from tests.support.memory_measure import peak_allocated_bytes
 from tests.support.paths import REPO
 
 PUBLISHED = ALL_PUBLISHED / "qwen-image"
-REPO = REPO
 # Measured peaks must be within this of the estimate (the estimate follows tensor lifetimes in
 # our forward passes; what is left is allocator rounding and small temporaries).
 TOLERANCE = 0.10

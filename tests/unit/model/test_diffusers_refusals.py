@@ -61,7 +61,7 @@ def test_validate_refuses_what_cannot_run(tmp_path, capsys, class_name, componen
         check_runnable(read_index(root))  # type: ignore[arg-type]
     assert main(["validate", str(_job(tmp_path, root))]) == 2
     err = capsys.readouterr().err
-    assert "model.path" in err and "model_index.json" in err, err
+    assert "model_index.json" in err, err
 
 
 def test_vqa_is_refused_for_a_diffusers_pipeline(tmp_path, capsys):
@@ -69,4 +69,4 @@ def test_vqa_is_refused_for_a_diffusers_pipeline(tmp_path, capsys):
     job = _job(tmp_path, root)
     job.write_text(job.read_text() + "quality: {scorers: [vqa]}\n")
     assert main(["validate", str(job)]) == 2
-    assert "runs through diffusers (diffusers:FluxPipeline)" in capsys.readouterr().err
+    assert "leave 'vqa' out" in capsys.readouterr().err

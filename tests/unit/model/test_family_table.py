@@ -59,7 +59,7 @@ def test_a_folder_without_model_index_is_the_default_family(tmp_path):
     root = _folder_of_class(tmp_path, "QwenImagePipeline")
     (root / "model_index.json").unlink()
     assert model_family(root) is QWEN_IMAGE
-    assert load_pipeline(root).transformer.config.num_layers > 0
+    assert load_pipeline(root, "cpu").transformer.config.num_layers > 0  # arguments pass through
 
 
 def test_the_family_states_its_forward_flops():

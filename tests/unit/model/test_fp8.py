@@ -1,4 +1,4 @@
-"""FP8 DiT weights (model.loading.fp8, model.loading.quantization): the arithmetic, quantize-while-loading, LoRA
+"""FP8 DiT weights (model.qwen_image.fp8, model.loading.quantization): the arithmetic, quantize-while-loading, LoRA
 merged before quantizing, the per-forward error at published widths, host memory while loading,
 and every bad input refused by name before any weight is read."""
 
@@ -13,14 +13,6 @@ import torch
 from safetensors.torch import save_file
 
 from ditfleet.model import load_pipeline
-from ditfleet.model.loading.fp8 import (
-    FP8_DTYPE,
-    Fp8Linear,
-    Fp8Quantizer,
-    quantize_model,
-    quantize_rows,
-    quantize_weight,
-)
 from ditfleet.model.loading.quantization import (
     KEEP_IN_LOAD_DTYPE,
     QuantizationError,
@@ -28,6 +20,14 @@ from ditfleet.model.loading.quantization import (
     keeps_load_dtype,
 )
 from ditfleet.model.loading.weights import WeightsError
+from ditfleet.model.qwen_image.fp8 import (
+    FP8_DTYPE,
+    Fp8Linear,
+    Fp8Quantizer,
+    quantize_model,
+    quantize_rows,
+    quantize_weight,
+)
 from ditfleet.model.qwen_image.lora import LoraSpec, read_lora
 from ditfleet.model.tiny.adherence import measure
 from ditfleet.testing.models import load_transformer

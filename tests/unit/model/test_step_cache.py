@@ -13,7 +13,7 @@ from ditfleet.compile import CompileConfig, WarmupRuns, apply_compile, count_com
 from ditfleet.model import load_pipeline
 from ditfleet.model.generation.pipeline import Sampling
 from ditfleet.model.generation.step_cache import StepCache
-from ditfleet.model.generation.step_cache_config import (
+from ditfleet.model.step_cache_config import (
     PRESETS,
     StepCacheConfig,
     StepCacheError,

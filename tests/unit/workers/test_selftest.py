@@ -289,3 +289,24 @@ def test_an_isolated_stage_whose_child_dies_while_starting_is_an_error_at_once(t
     run_isolated(ctx, next(s for s in STAGES if s.isolated))
     (line,) = ctx.lines
     assert line["status"] == "error" and "exited with 3 without a line" in line["error"], line
+
+
+def test_the_published_widths_and_the_forward_cost_come_from_the_family(tmp_path):
+    """The self-test asks the family: its configs at the published widths, its FLOPs per forward."""
+    import dataclasses
+
+    from ditfleet.model.qwen_image.transformer_config import TransformerConfig
+    from ditfleet.model.qwen_image.vae_config import VAEConfig
+    from ditfleet.workers.selftest import parts
+
+    ctx = dataclasses.replace(_tiny_context(tmp_path), tiny=False)
+    config = parts.transformer_config(ctx, 2)
+    published = parts.FAMILY.published_config("transformer/config.json")
+    assert config == TransformerConfig.from_dict({**published, "num_layers": 2})
+    assert published["num_layers"] == 60 and config.inner_dim == 3072
+    assert parts.vae_config(ctx) == VAEConfig.from_dict(parts.FAMILY.published_config("vae/config.json"))
+    assert parts.forward_flops(config, 1024, 64) == parts.FAMILY.forward_flops(
+        config.to_dict(), 1024, 1024, 64
+    )
+    # 2 blocks at 1024x1024 with 64 text tokens (4,160 tokens): about 2.3 TFLOP
+    assert 2.2e12 < parts.forward_flops(config, 1024, 64) < 2.4e12
