@@ -129,7 +129,9 @@ class DiffusersFamily:
 
     @property
     def published_dir(self) -> Path:
-        raise NoPublishedConfigs(f"{self.name}: ditfleet bundles no published configs of diffusers pipelines")
+        # None bundled: a folder that does not exist (a property must not raise: isinstance against
+        # the runtime-checkable protocol reads it); published_config says why.
+        return Path(__file__).parent / "published"
 
     def published_config(self, rel: str, num_layers: int | None = None) -> dict:
         raise NoPublishedConfigs(f"{self.name}: ditfleet bundles no published configs of diffusers pipelines")
