@@ -52,14 +52,8 @@ def _t5(seed: int):
 
     torch.manual_seed(seed)
     config = T5Config(
-        vocab_size=64,
-        d_model=16,
-        d_kv=8,
-        d_ff=32,
-        num_layers=1,
-        num_heads=2,
-        relative_attention_num_buckets=8,
-    )
+        vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2, relative_attention_num_buckets=8
+    )  # fmt: skip
     tokenizer = _word_tokenizer(
         ["<pad>", "</s>", "<unk>"],
         unk_token="<unk>",
