@@ -223,7 +223,7 @@ def read_model_memory(model_path: str, s3: S3Config | None = None) -> ModelMemor
         if isinstance(index, dict):
             # The checkpoint's own family (one a pipeline without a native family runs through
             # diffusers: refused here, before any work, when it cannot run; measured, not planned).
-            family = family_of_class(index.get("_class_name"), store.uri("model_index.json"))
+            family = family_of_class(index.get("_class_name"), store.uri("model_index.json"), index)
             memory = family.memory
             if not getattr(memory, "plans_from_configs", True):
                 return None

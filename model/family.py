@@ -38,6 +38,7 @@ from ditfleet.model.diffusers_pipeline.index import (
     DiffusersPipelineError,
     PipelineIndex,
     check_runnable,
+    components_of,
     read_components,
 )
 from ditfleet.model.family_types import AttentionCounters, CompileRegion, Size, TextConditioning
@@ -114,16 +115,19 @@ FAMILIES: Mapping[str, ModelFamily] = MappingProxyType({QWEN_IMAGE_PIPELINE_CLAS
 DEFAULT_FAMILY: ModelFamily = QWEN_IMAGE
 
 
-def family_of_class(class_name: Any, where: str) -> ModelFamily:
+def family_of_class(class_name: Any, where: str, index: dict | None = None) -> ModelFamily:
     """The family of a checkpoint whose model_index.json (`where`) names `class_name`.
 
-    The one lookup of `FAMILIES`: a family for classes without a native one hooks in here."""
+    The one lookup of `FAMILIES`: a family for classes without a native one hooks in here.
+    index: the model_index.json's contents when read elsewhere (an object store); else read
+    from `where` when a class without a native family needs its components."""
     family = FAMILIES.get(class_name) if isinstance(class_name, str) else None
     if family is None and isinstance(class_name, str) and class_name:
         # No native family: diffusers' own pipeline class, when it can run here as text-to-image
         # (refused otherwise, naming what to do: model.diffusers_pipeline.index).
         try:
-            check_runnable(PipelineIndex(where, class_name, read_components(where)))
+            components = components_of(index) if index is not None else read_components(where)
+            check_runnable(PipelineIndex(where, class_name, components))
         except DiffusersPipelineError as e:
             raise WeightsError(str(e)) from None
         return DiffusersFamily(class_name)

@@ -58,12 +58,16 @@ def read_index(root: str | Path) -> PipelineIndex | None:
         raise DiffusersPipelineError(
             f"{path}: no _class_name; a diffusers checkpoint names its pipeline class."
         )
-    components: dict[str, tuple[str | None, str | None]] = {}
-    for name, value in index.items():
-        if name.startswith("_") or not isinstance(value, list) or len(value) != 2:
-            continue
-        components[name] = (value[0], value[1])
-    return PipelineIndex(str(path), cls, components)
+    return PipelineIndex(str(path), cls, components_of(index))
+
+
+def components_of(index: dict) -> dict[str, tuple[str | None, str | None]]:
+    """The components a model_index.json's contents name: name -> (library, class)."""
+    return {
+        name: (value[0], value[1])
+        for name, value in index.items()
+        if not name.startswith("_") and isinstance(value, list) and len(value) == 2
+    }
 
 
 def read_components(index_path: str) -> dict[str, tuple[str | None, str | None]]:
@@ -102,6 +106,11 @@ def check_runnable(info: PipelineIndex) -> tuple[str, ...]:
         raise DiffusersPipelineError(
             f"{info.where}: its components need {missing}, not installed here. Install them "
             f"(pip install {' '.join(missing)}) on the driver and the workers' image."
+        )
+    if not info.components:
+        raise DiffusersPipelineError(
+            f"{info.where}: _class_name {info.class_name!r} but no components listed; a diffusers checkpoint's "
+            "model_index.json names each component's library and class. Point model.path at the whole checkpoint."
         )
     params = call_parameters(info.class_name)
     if params is None:

@@ -28,7 +28,8 @@ from ditfleet.model.diffusers_pipeline.index import check_runnable, read_index
 from ditfleet.model.generation.pipeline import Generation, Sampling
 from ditfleet.model.loading.folder import WeightsError
 from ditfleet.model.loading.lora_spec import LoraSpec
-from ditfleet.model.settings import PipelineSettings
+from ditfleet.model.qwen_image.loader import model_revision as content_revision
+from ditfleet.model.settings import DEFAULT_PIPELINE, PipelineSettings
 
 
 class DiffusersMemoryError(RuntimeError):
@@ -187,12 +188,12 @@ class DiffusersTextToImage:
 
 def load_diffusers_pipeline(
     path: str | Path,
-    device: torch.device | str,
-    dtype: torch.dtype,
-    settings: PipelineSettings,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    settings: PipelineSettings = DEFAULT_PIPELINE,
     *,
     model_id: str | None = None,
-    model_revision: str,
+    model_revision: str | None = None,
     batch_size: int = 1,
     loras: Sequence[LoraSpec] = (),
     text_encoder: str = "gpu",
@@ -210,6 +211,14 @@ def load_diffusers_pipeline(
             f"{root}: no model_index.json; a diffusers checkpoint names its pipeline class there"
         )
     params = check_runnable(info)
+    absent = [
+        name for name, (lib, cls) in info.components.items() if lib and cls and not (root / name).is_dir()
+    ]
+    if absent:
+        raise WeightsError(
+            f"{info.where}: {info.class_name} names components {absent}, which {root} lacks. "
+            "Point model.path at the whole checkpoint (every folder its model_index.json names)."
+        )
     import diffusers
 
     cls = getattr(diffusers, info.class_name)
@@ -231,7 +240,7 @@ def load_diffusers_pipeline(
         pipeline=pipeline,
         family=DiffusersFamily(info.class_name),
         model_id=model_id or str(path),
-        model_revision=model_revision,
+        model_revision=model_revision or content_revision(root),
         device=device,
         dtype=dtype,
         settings=settings,

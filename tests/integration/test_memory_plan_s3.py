@@ -41,11 +41,15 @@ def test_a_diffusers_checkpoint_in_a_bucket_is_measured_not_planned_and_refused_
 
     uri = f"s3://{s3_bucket}/models/flux"
     store = open_store(uri, s3_server.config())
-    store.put("model_index.json", json.dumps({"_class_name": "FluxPipeline"}).encode())
+    components = {
+        "transformer": ["diffusers", "FluxTransformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKL"],
+    }
+    store.put("model_index.json", json.dumps({"_class_name": "FluxPipeline", **components}).encode())
     request = MemoryRequest(model_path=uri, buckets=("1024x1024",), batch_size=2, s3=s3_server.config())
     assert job_memory_plan(request) is None
     store.delete("model_index.json")
-    store.put("model_index.json", json.dumps({"_class_name": "FluxImg2ImgPipeline"}).encode())
+    store.put("model_index.json", json.dumps({"_class_name": "FluxImg2ImgPipeline", **components}).encode())
     with pytest.raises(
         WeightsError, match=r"models/flux/model_index.json: FluxImg2ImgPipeline conditions on an input image"
     ):
