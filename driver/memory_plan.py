@@ -17,7 +17,7 @@ from ditfleet.compile.buckets import PROMPT_LENGTH_BUCKETS, ResolutionBucket, pr
 
 # model.loading.folder and model.memory read configs and safetensors headers without torch: planning a
 # job (`ditfleet plan`) does not load it.
-from ditfleet.model.family import model_family, resolve_model_dir
+from ditfleet.model.family import family_of_class, model_family, resolve_model_dir
 from ditfleet.model.memory import GB, TEXT_ENCODER_PLACEMENTS, MemoryPlan, ModelMemory, Runtime
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH, Quantization
 from ditfleet.workers.storage import ObjectNotFound, S3Config, StoreError, open_store
@@ -196,11 +196,14 @@ class JobMemoryPlan:
 
 
 def read_model_memory(model_path: str, s3: S3Config | None = None) -> ModelMemory | None:
-    """The model's configs, read without weights; None for hf:// (not readable at plan time)."""
+    """The model's configs, read without weights; None for hf:// (not readable at plan time) and
+    for a family whose memory is not a formula of its configs."""
     scheme = urlparse(model_path).scheme
     if scheme == "hf":
         return None
     memory = model_family(model_path).memory
+    if not getattr(memory, "plans_from_configs", True):
+        return None  # measured at warm-up on the actor (a diffusers pipeline: model.diffusers_pipeline)
     if scheme == "s3":
         store = open_store(model_path, s3)
 
@@ -216,6 +219,14 @@ def read_model_memory(model_path: str, s3: S3Config | None = None) -> ModelMemor
             except json.JSONDecodeError as e:
                 raise ValueError(f"{store.uri(key)}: not valid JSON ({e})") from e
 
+        index = get("model_index.json", required=False)
+        if isinstance(index, dict):
+            # The checkpoint's own family (one a pipeline without a native family runs through
+            # diffusers: refused here, before any work, when it cannot run; measured, not planned).
+            family = family_of_class(index.get("_class_name"), store.uri("model_index.json"), index)
+            memory = family.memory
+            if not getattr(memory, "plans_from_configs", True):
+                return None
         return memory.from_configs(
             get("transformer/config.json"),  # type: ignore[arg-type]
             get("vae/config.json"),  # type: ignore[arg-type]

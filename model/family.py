@@ -33,6 +33,14 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
+from ditfleet.model.diffusers_pipeline.family import DiffusersFamily
+from ditfleet.model.diffusers_pipeline.index import (
+    DiffusersPipelineError,
+    PipelineIndex,
+    check_runnable,
+    components_of,
+    read_components,
+)
 from ditfleet.model.family_types import AttentionCounters, CompileRegion, Size, TextConditioning
 from ditfleet.model.loading.folder import TINY_MODEL, WeightsError, model_dir_layout
 from ditfleet.model.qwen_image.family import QWEN_IMAGE, QWEN_IMAGE_PIPELINE_CLASS, TINY, MemoryFormula
@@ -107,11 +115,22 @@ FAMILIES: Mapping[str, ModelFamily] = MappingProxyType({QWEN_IMAGE_PIPELINE_CLAS
 DEFAULT_FAMILY: ModelFamily = QWEN_IMAGE
 
 
-def family_of_class(class_name: Any, where: str) -> ModelFamily:
+def family_of_class(class_name: Any, where: str, index: dict | None = None) -> ModelFamily:
     """The family of a checkpoint whose model_index.json (`where`) names `class_name`.
 
-    The one lookup of `FAMILIES`: a family for classes without a native one hooks in here."""
+    The one lookup of `FAMILIES`: a family for classes without a native one hooks in here.
+    index: the model_index.json's contents when read elsewhere (an object store); else read
+    from `where` when a class without a native family needs its components."""
     family = FAMILIES.get(class_name) if isinstance(class_name, str) else None
+    if family is None and isinstance(class_name, str) and class_name:
+        # No native family: diffusers' own pipeline class, when it can run here as text-to-image
+        # (refused otherwise, naming what to do: model.diffusers_pipeline.index).
+        try:
+            components = components_of(index) if index is not None else read_components(where)
+            check_runnable(PipelineIndex(where, class_name, components))
+        except DiffusersPipelineError as e:
+            raise WeightsError(str(e)) from None
+        return DiffusersFamily(class_name)
     if family is None:
         raise WeightsError(
             f"{where}: _class_name is {class_name!r}; ditfleet runs {sorted(FAMILIES)} checkpoints "
@@ -153,6 +172,9 @@ def model_family(source: Any) -> ModelFamily:
     if isinstance(source, ModelFamily):
         return source
     if not isinstance(source, (str, os.PathLike)):
+        own = getattr(source, "family", None)  # a pipeline that knows its family (diffusers')
+        if isinstance(own, ModelFamily):
+            return own
         model_id = getattr(source, "model_id", None)
         if model_id is None:
             raise TypeError(

@@ -167,6 +167,20 @@ class GenerationWorker:
         config = self.config
         # Adapters and a schedule on S3 come to the node's cache like the weights.
         local = lambda src: str(fetch_file(src, config.model_cache_dir, config.s3, config.model_fetch))  # noqa: E731
+        family = model_family(local_path)
+        if family.name.startswith("diffusers:"):
+            # diffusers' own pipeline class; its LoRA loader; every batch at the actor's size.
+            return family.load_pipeline(
+                local_path,
+                device=self.device,
+                dtype=self.dtype,
+                settings=config.pipeline,
+                model_id=config.model_path,
+                model_revision=self.model.revision,
+                batch_size=self.batch_size,
+                loras=tuple(LoraSpec(local(a.path), a.scale) for a in config.loras),
+                text_encoder=config.placement.text_encoder,
+            )
         return load_pipeline(
             local_path,
             self.device,
@@ -443,6 +457,8 @@ def place_text_encoder(pipe, local_path, config: WorkerConfig) -> PlacedTextEnco
     its weights never sit on the GPU next to the DiT's at start-up. None for a model without one.
     """
     placement = config.placement
+    if getattr(pipe, "family", None) is not None:
+        return None  # a diffusers pipeline encodes its own text, placed when it was loaded
     if placement.text_encoder != "gpu":
         pipe.text_encoder = load_text_encoder(resolve_model_dir(local_path), "cpu", pipe.dtype)
     if pipe.text_encoder is None:

@@ -22,7 +22,7 @@ from ditfleet.driver.memory_plan import MemoryRequest
 from ditfleet.driver.output.cost import CostConfig
 from ditfleet.driver.plan import PlanConfig
 from ditfleet.driver.run_job import DriverConfig
-from ditfleet.model.family import model_family, resolve_model_dir
+from ditfleet.model.family import check_model_index, model_family, resolve_model_dir
 from ditfleet.model.loading.folder import WeightsError, text_encoder_kind
 from ditfleet.model.quality.table import MODEL, PIPELINE_QWEN_VL, check_scorers_supported, needing
 from ditfleet.model.settings import PipelineSettings
@@ -107,6 +107,11 @@ class JobSpec(Section):
         if needing(names, PIPELINE_QWEN_VL):
             offers, said = self._scorer_inputs()
             check_scorers_supported(offers, names, said)
+        return self
+
+    @model_validator(mode="after")
+    def _model_folder_runs_here(self) -> JobSpec:
+        check_model_folder(self.model.path)
         return self
 
     def _scorer_inputs(self) -> tuple[frozenset[str], str]:
@@ -368,6 +373,20 @@ def _merged(base: dict[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
         else:
             out[key] = value
     return out
+
+
+def check_model_folder(model_path: str) -> None:
+    """ValueError for a local model folder whose model_index.json names a pipeline that cannot run
+    here (a diffusers class diffusers lacks, one that is not text-to-image, a missing package):
+    validate, plan and run refuse it before any work. A folder that is not there yet, a bundled
+    model and remote checkpoints are checked where they are fetched."""
+    path = _absolute(model_path.removeprefix("file://"), model_path)
+    if "://" in path or not os.path.isdir(path):
+        return
+    try:
+        check_model_index(path)
+    except WeightsError as e:
+        raise ValueError(f"model.path: {e}") from None
 
 
 def _absolute(path: str, model: str | None = None) -> str:

@@ -26,3 +26,31 @@ def test_a_model_in_a_bucket_is_planned_from_its_config_files(s3_server, s3_buck
     store.delete("vae/config.json")
     with pytest.raises(StoreError, match=rf"s3://{s3_bucket}/models/qwen-image/vae/config.json: missing"):
         job_memory_plan(request)
+
+
+def test_a_diffusers_checkpoint_in_a_bucket_is_measured_not_planned_and_refused_when_it_cannot_run(
+    s3_server, s3_bucket
+):
+    """model_index.json names the family: a FluxPipeline runs through diffusers (no plan from
+    configs: its memory is measured at warm-up); an image-conditioned one is refused at plan time."""
+    import json
+
+    from ditfleet.driver.memory_plan import MemoryRequest, job_memory_plan
+    from ditfleet.model.loading.folder import WeightsError
+    from ditfleet.workers.storage import open_store
+
+    uri = f"s3://{s3_bucket}/models/flux"
+    store = open_store(uri, s3_server.config())
+    components = {
+        "transformer": ["diffusers", "FluxTransformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKL"],
+    }
+    store.put("model_index.json", json.dumps({"_class_name": "FluxPipeline", **components}).encode())
+    request = MemoryRequest(model_path=uri, buckets=("1024x1024",), batch_size=2, s3=s3_server.config())
+    assert job_memory_plan(request) is None
+    store.delete("model_index.json")
+    store.put("model_index.json", json.dumps({"_class_name": "FluxImg2ImgPipeline", **components}).encode())
+    with pytest.raises(
+        WeightsError, match=r"models/flux/model_index.json: FluxImg2ImgPipeline conditions on an input image"
+    ):
+        job_memory_plan(request)

@@ -1,0 +1,181 @@
+"""What a diffusers checkpoint folder is, read without torch or diffusers being imported.
+
+    info = read_index(folder)              # its model_index.json: pipeline class, components
+    check_runnable(info)                   # refuses (DiffusersPipelineError) what cannot run here
+
+The driver (validate, plan, run) calls these before any work: importing diffusers would import
+torch, which the driver never does (tests/unit/jobs/test_cli_imports.py). So the pipeline class
+is looked up in diffusers' installed source with `ast`: it must exist, and its `__call__` must
+take a `prompt`, the size, the step count and generators (a text-to-image call). Each component's
+library (transformers, ...) must be installed.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import importlib.util
+import json
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+# What `__call__` must take for ditfleet to drive it as text-to-image with one generator per image.
+REQUIRED_CALL_PARAMETERS = ("prompt", "height", "width", "num_inference_steps", "generator")
+INSTALL_HINT = "pip install 'ditfleet[diffusers]'"
+# Pipelines that condition on an input image (their `__call__` takes a prompt too, but an image
+# is what they are for): refused by name, as diffusers names them.
+IMAGE_CONDITIONED = re.compile(
+    r"Img2Img|Inpaint|Edit|ControlNet|Upscale|Kontext|Redux|Fill|Depth|Canny|Video"
+)
+
+
+class DiffusersPipelineError(ValueError):
+    """A checkpoint ditfleet cannot run through diffusers; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class PipelineIndex:
+    """A checkpoint's model_index.json: its pipeline class and components (name -> [library, class])."""
+
+    where: str  # the model_index.json path, for messages
+    class_name: str
+    components: dict[str, tuple[str | None, str | None]]
+
+
+def read_index(root: str | Path) -> PipelineIndex | None:
+    """The folder's model_index.json, or None when it has none (a hand-assembled native folder)."""
+    path = Path(root) / "model_index.json"
+    if not path.is_file():
+        return None
+    try:
+        index = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DiffusersPipelineError(f"{path}: not readable JSON ({e}).") from e
+    cls = index.get("_class_name") if isinstance(index, dict) else None
+    if not isinstance(cls, str) or not cls:
+        raise DiffusersPipelineError(
+            f"{path}: no _class_name; a diffusers checkpoint names its pipeline class."
+        )
+    return PipelineIndex(str(path), cls, components_of(index))
+
+
+def components_of(index: dict) -> dict[str, tuple[str | None, str | None]]:
+    """The components a model_index.json's contents name: name -> (library, class)."""
+    return {
+        name: (value[0], value[1])
+        for name, value in index.items()
+        if not name.startswith("_") and isinstance(value, list) and len(value) == 2
+    }
+
+
+def read_components(index_path: str) -> dict[str, tuple[str | None, str | None]]:
+    """The components a model_index.json names (empty when it cannot be read)."""
+    try:
+        info = read_index(Path(index_path).parent)
+    except DiffusersPipelineError:
+        return {}
+    return info.components if info is not None else {}
+
+
+def diffusers_version() -> str | None:
+    """The installed diffusers' version, None when it is not installed (the optional extra)."""
+    if importlib.util.find_spec("diffusers") is None:
+        return None
+    return importlib.metadata.version("diffusers")
+
+
+def check_runnable(info: PipelineIndex) -> tuple[str, ...]:
+    """Refuse a checkpoint this machine cannot run as text-to-image through diffusers; return its
+    `__call__`'s parameter names. Raises DiffusersPipelineError naming what to do."""
+    version = diffusers_version()
+    if version is None:
+        raise DiffusersPipelineError(
+            f"{info.where}: _class_name {info.class_name!r} runs through diffusers, which is not "
+            f"installed. Install the optional extra: {INSTALL_HINT}."
+        )
+    missing = sorted(
+        {
+            lib
+            for lib, cls in info.components.values()
+            if lib and cls and importlib.util.find_spec(lib) is None
+        }
+    )
+    if missing:
+        raise DiffusersPipelineError(
+            f"{info.where}: its components need {missing}, not installed here. Install them "
+            f"(pip install {' '.join(missing)}) on the driver and the workers' image."
+        )
+    if not info.components:
+        raise DiffusersPipelineError(
+            f"{info.where}: _class_name {info.class_name!r} but no components listed; a diffusers checkpoint's "
+            "model_index.json names each component's library and class. Point model.path at the whole checkpoint."
+        )
+    params = call_parameters(info.class_name)
+    if params is None:
+        raise DiffusersPipelineError(
+            f"{info.where}: diffusers {version} has no pipeline class {info.class_name!r}. Upgrade diffusers "
+            "(pip install -U diffusers) or point model.path at a checkpoint of a pipeline it has."
+        )
+    if IMAGE_CONDITIONED.search(info.class_name):
+        raise DiffusersPipelineError(
+            f"{info.where}: {info.class_name} conditions on an input image, not text alone; ditfleet makes "
+            "images from prompts. Point model.path at the text-to-image checkpoint of that model."
+        )
+    lacking = [p for p in REQUIRED_CALL_PARAMETERS if p not in params]
+    if lacking:
+        raise DiffusersPipelineError(
+            f"{info.where}: {info.class_name}.__call__ takes no {lacking}: it is not a text-to-image "
+            "pipeline ditfleet can drive (a prompt in, one generator per image). Point model.path at a "
+            "text-to-image checkpoint (e.g. FluxPipeline, StableDiffusion3Pipeline, ZImagePipeline)."
+        )
+    return params
+
+
+@lru_cache(maxsize=64)
+def call_parameters(class_name: str) -> tuple[str, ...] | None:
+    """The parameter names of `diffusers.<class_name>.__call__` from diffusers' source (its own or
+    a base class's, by name); None when diffusers has no such pipeline class."""
+    spec = importlib.util.find_spec("diffusers")
+    if spec is None or spec.origin is None:
+        return None
+    sources = _pipeline_sources(str(Path(spec.origin).parent / "pipelines"))
+    seen: set[str] = set()
+    name: str | None = class_name
+    while name is not None and name not in seen:
+        seen.add(name)
+        node = _class_node(sources, name)
+        if node is None:
+            return None if name == class_name else ()
+        for item in node.body:
+            if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name == "__call__":
+                args = item.args
+                return tuple(
+                    a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs) if a.arg != "self"
+                )
+        bases = [b.id for b in node.bases if isinstance(b, ast.Name) and b.id.endswith("Pipeline")]
+        name = bases[0] if bases else None
+    return ()
+
+
+@lru_cache(maxsize=1)
+def _pipeline_sources(pipelines_dir: str) -> tuple[tuple[Path, str], ...]:
+    """Every module of diffusers/pipelines as text (read once per process)."""
+    return tuple(
+        (path, path.read_text(encoding="utf-8", errors="replace"))
+        for path in sorted(Path(pipelines_dir).rglob("*.py"))
+    )
+
+
+def _class_node(sources: tuple[tuple[Path, str], ...], name: str) -> ast.ClassDef | None:
+    """The class `name` defined at the top of a pipelines module: found as text, then only that
+    module parsed (parsing all of them takes seconds)."""
+    pattern = re.compile(rf"^class {re.escape(name)}\(", re.MULTILINE)
+    for _path, text in sources:
+        if pattern.search(text) is None:
+            continue
+        for node in ast.parse(text).body:
+            if isinstance(node, ast.ClassDef) and node.name == name:
+                return node
+    return None
