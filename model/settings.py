@@ -35,8 +35,9 @@ def setting(
     *,
     description: str,
     default_factory: Any = dataclasses.MISSING,
-    fingerprint: Literal["always", "when_set"] | None = None,
+    fingerprint: Literal["always", "when_set", "when"] | None = None,
     fingerprint_key: str | None = None,
+    fingerprint_when: Callable[[Any], bool] | None = None,
     parse: Callable[[Any], Any] | None = None,
     dump: Callable[[Any], Any] | None = None,
     **bounds: float,
@@ -48,7 +49,8 @@ def setting(
     fingerprint: the knob changes the stored bytes of an image, so the plan's fingerprint records
       it (jobs.spec.derive.fingerprint_entries), under `fingerprint_key` or its name: "always", or
       "when_set": only when it differs from its default, so that outputs planned before the knob
-      existed keep their fingerprint.
+      existed keep their fingerprint; "when": whenever `fingerprint_when(settings)` holds for the
+      settings object that owns the knob (a knob that matters only beside another one).
     parse, dump: for a knob whose value is a typed object: what the job file's value becomes (the
       spec calls it, once) and the JSON form written back (the resolved spec, the fingerprint).
     """
@@ -56,8 +58,12 @@ def setting(
     if unknown:
         raise TypeError(f"setting(): unknown bounds {sorted(unknown)}; use {BOUNDS}")
     metadata: dict[str, Any] = {"description": description, **bounds}
+    if (fingerprint == "when") != (fingerprint_when is not None):
+        raise TypeError('setting(): fingerprint="when" goes with fingerprint_when, and only it')
     if fingerprint is not None:
-        metadata.update(fingerprint=fingerprint, fingerprint_key=fingerprint_key)
+        metadata.update(
+            fingerprint=fingerprint, fingerprint_key=fingerprint_key, fingerprint_when=fingerprint_when
+        )
     if parse is not None:
         metadata.update(parse=parse, dump=dump)
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
@@ -124,6 +130,7 @@ def literal_values(tp: Any) -> tuple | None:
 ModulationCache = Literal["off", "cfg", "table"]
 CfgMode = Literal["serial", "batched", "auto"]
 Quantization = Literal["none", "fp8", "fp8-weight-only"]  # model.quantization names these
+Fp8Layers = Literal["safe", "all"]  # model.loading.quantization.FP8_LAYER_SETS: which Linears are FP8
 AttentionBackend = Literal["auto", "cudnn", "flash", "efficient", "math"]  # model.networks.attention_backend
 # The image scorers (model.quality's registry, which checks it holds exactly these); each has its
 # manifest column, score_{name} (workers.output.manifest).
@@ -161,6 +168,17 @@ class PipelineSettings:
         "'fp8': FP8 weights and activations, the GEMMs on FP8 matrix units (GPUs of compute capability "
         "8.9+: L4, L40S, H100, H200; or the CPU); 'fp8-weight-only': FP8 weights computed in bf16 (any GPU, "
         "e.g. A100); 'none': the exact weights. Changes pixels: see docs/real-model.md for the measured cost.",
+    )
+    fp8_layers: Fp8Layers = setting(
+        "safe",
+        fingerprint="when",
+        # "all" is the set every FP8 output planned before this knob used: such outputs keep their
+        # fingerprint when they name it, and one resumed with another set is refused.
+        fingerprint_when=lambda s: s.quantization != "none" and s.fp8_layers != "all",
+        description="Which DiT Linears a quantization stores in FP8 (model.loading.quantization): 'safe' "
+        "keeps each block's image MLP down-projection (img_mlp.net.2) in the load dtype, as SGLang's "
+        "ModelOpt recipe does, for 2.3 GB more at Qwen-Image size; 'all' quantizes it too (faster, "
+        "measurably worse images). No effect without a quantization.",
     )
 
     step_cache: StepCacheConfig | None = setting(

@@ -63,6 +63,7 @@ def plan_runtime(config: WorkerConfig, dtype: torch.dtype) -> Runtime:
         modulation_table_steps=(config.rows.steps,) if config.pipeline.modulation_cache == "table" else (),
         device="cuda",
         quantization=config.pipeline.quantization,
+        fp8_layers=config.pipeline.fp8_layers,
         vqa="vqa" in config.scorer_names,
     )
 

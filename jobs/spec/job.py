@@ -225,6 +225,7 @@ class JobSpec(Section):
             s3=self.s3_config(),
             device=self.actor_device(),
             quantization=self.pipeline_settings().quantization,
+            fp8_layers=self.pipeline_settings().fp8_layers,
             step_cache_tensors=step_cache.kept_tensors() if step_cache is not None else 0,
             vqa="vqa" in self.scorer_names(),
         )

@@ -12,7 +12,7 @@ from ditfleet.model.loading.folder import read_config
 from ditfleet.model.loading.quantization import check_quantization
 from ditfleet.model.networks.transformer_config import TransformerConfig
 from ditfleet.model.networks.vae_config import VAEConfig
-from ditfleet.model.settings import MAX_SEQUENCE_LENGTH, Quantization
+from ditfleet.model.settings import DEFAULT_PIPELINE, MAX_SEQUENCE_LENGTH, Fp8Layers, Quantization
 
 from .activations import (
     dit_activation_bytes,
@@ -190,6 +190,7 @@ class Runtime:
     attention: str = "fused"
     device: str = "cuda"
     quantization: Quantization = "none"
+    fp8_layers: Fp8Layers = DEFAULT_PIPELINE.fp8_layers  # which Linears the quantization stores in FP8
     vqa: bool = False
 
     def check(self) -> None:
@@ -226,7 +227,7 @@ def plan_memory(
     e = DTYPE_BYTES[run.dtype]
     weights = {k: v * e for k, v in model.params().items()}
     weights["transformer"] = transformer_weight_bytes(
-        model.transformer, e, check_quantization(run.quantization)
+        model.transformer, e, check_quantization(run.quantization), run.fp8_layers
     )
     acts = _activations(model, run, batch, height, width, e)
     extra: dict[str, int] = {}
