@@ -60,10 +60,22 @@ def _pct(ctx: Context, flops: float, ms: float) -> float | None:
 
 
 def dit_call(ctx: Context, cfg: TransformerConfig, size: int) -> tuple[Callable[[Any], torch.Tensor], int]:
-    """One DiT forward of batch 1 at `size` on random inputs, as call(model), and its image tokens."""
+    """One DiT forward of batch 1 at `size` on random inputs, as call(model), and its image tokens.
+
+    Each call passes a timestep tensor of its own, so every forward computes the blocks'
+    modulation (MODULATION below): reusing one tensor would make the modulation cache serve every
+    other call ('cfg') or all of them ('table'), and the line would time less than a request's
+    forward does. The modulation's own share: the cfg_step line, per cache mode."""
     x, txt, shapes = dit_inputs(cfg, size, ctx.args.text_len, 1, ctx.device, ctx.dtype)
-    t = torch.full((1,), 0.5, device=ctx.device, dtype=ctx.dtype)
-    return (lambda model: model(x, txt, None, t, shapes)), x.shape[1]
+
+    def call(model):
+        return model(x, txt, None, torch.full((1,), 0.5, device=ctx.device, dtype=ctx.dtype), shapes)
+
+    return call, x.shape[1]
+
+
+# What the DiT lines' "modulation" field says: their forwards include the blocks' modulation.
+MODULATION = "computed each forward"
 
 
 @stage("dit_eager", estimate_s=20, limit_s=60)
@@ -88,6 +100,7 @@ def dit_eager(ctx: Context) -> None:
             "size": f"{size}x{size}",
             "blocks": cfg.num_layers,
             "text_len": text_len,
+            "modulation": MODULATION,
             "ms_per_forward": ms,
             "tflop_per_forward": round(flops / 1e12, 2),
             "pct_of_matmul_ceiling": _pct(ctx, flops, ms),
@@ -347,6 +360,7 @@ def compiled_forward_line(ctx: Context, model, size: int, report, compiles_befor
         "status": "fail" if report.fallbacks else "measured",
         "size": f"{size}x{size}",
         "blocks": cfg.num_layers,
+        "modulation": MODULATION,
         "settings": report.config.describe(ctx.device.type),
         "ms_per_forward": ms,
         "pct_of_matmul_ceiling": _pct(ctx, flops, ms),
