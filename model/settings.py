@@ -127,7 +127,7 @@ def literal_values(tp: Any) -> tuple | None:
     return None
 
 
-ModulationCache = Literal["off", "cfg", "table"]
+ModulationCache = Literal["off", "cfg", "table", "auto"]
 CfgMode = Literal["serial", "batched", "auto"]
 Quantization = Literal["none", "fp8", "fp8-weight-only"]  # model.quantization names these
 Fp8Layers = Literal["safe", "all"]  # model.loading.quantization.FP8_LAYER_SETS: which Linears are FP8
@@ -137,14 +137,26 @@ AttentionBackend = Literal["auto", "cudnn", "flash", "efficient", "math"]  # mod
 ScorerName = Literal["sharpness", "tiny", "vqa", "clip"]
 
 
+def resolve_modulation_cache(mode: str, device_type: str) -> str:
+    """The modulation-cache mode that runs on a device of `device_type` ("cuda", "cpu"): 'auto'
+    is 'table' on a GPU, where the per-step modulation GEMVs (13.6 GB of weights read a step at
+    Qwen-Image size) cost milliseconds a step and the table's memory is small beside the DiT, and
+    'cfg' on the CPU; any other mode is itself."""
+    if mode != "auto":
+        return mode
+    return "table" if device_type == "cuda" else "cfg"
+
+
 @dataclass(frozen=True)
 class PipelineSettings:
     """How the pipeline computes, beyond which weights, device and dtype (`load_pipeline`)."""
 
     modulation_cache: ModulationCache = setting(
-        "cfg",
+        "auto",
         description="Reuse block modulations: 'cfg' computes them once per step for both CFG passes, "
-        "'table' once per bucket schedule per actor (more memory). Outputs are identical.",
+        "'table' once per bucket schedule per actor (about 220 MB per 50-step bucket at Qwen-Image "
+        "size; jobs without CFG gain too), 'auto' 'table' on a GPU and 'cfg' on the CPU. Outputs are "
+        "identical.",
     )
     max_sequence_length: int = setting(
         MAX_SEQUENCE_LENGTH,

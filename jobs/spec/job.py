@@ -22,7 +22,7 @@ from ditfleet.driver.plan import PlanConfig
 from ditfleet.driver.run_job import DriverConfig
 from ditfleet.model.family import model_family
 from ditfleet.model.loading.folder import TINY_MODEL, WeightsError, resolve_model_dir, text_encoder_kind
-from ditfleet.model.settings import PipelineSettings
+from ditfleet.model.settings import PipelineSettings, resolve_modulation_cache
 from ditfleet.workers.cache_secret import CacheSecretSource
 from ditfleet.workers.contract import GateConfig, LoraSpec, ModelPlacement, WorkerConfig
 from ditfleet.workers.output.formats import ShardWriterConfig
@@ -207,7 +207,7 @@ class JobSpec(Section):
 
     def memory_request(self) -> MemoryRequest:
         """What one actor asks of its GPU, for the memory plan (every bucket of the job)."""
-        table = self.model.modulation_cache == "table"
+        table = resolve_modulation_cache(self.model.modulation_cache, self.actor_device()) == "table"
         on_cpu = self.actor_device() == "cpu"
         step_cache = self.sampling.step_cache
         return MemoryRequest(
