@@ -14,7 +14,7 @@ LAYERS = ("model", "compile", "workers", "driver", "jobs")
 # the example job. Each folder is declared a (data-only) package with its files as
 # package data: setuptools warns about, and stops including in a later release, data in folders
 # that look like packages but are not declared as ones.
-DATA = (("model", "tiny/weights"), ("model", "published"), ("jobs", "examples"))
+DATA = (("model", "tiny/weights"), ("model", "qwen_image/published"), ("jobs", "examples"))
 
 package_dir = {"ditfleet": "ditfleet"}
 # ditfleet.testing: the builders tests/ and bench/ share (random checkpoints, model folders, outputs).

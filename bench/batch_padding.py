@@ -3,7 +3,7 @@
 Prompts of 10-300 tokens (counted with the bundled tiny model's tokenizer) are cut into shards
 and planned exactly as the worker plans them (`workers.generate.plan_batches`); every DiT
 attention call the plan would make is then counted the way the DiT counts it
-(`model.networks.attention`): calls with a dense mask, padded calls (run unmasked per text length), and
+(`model.qwen_image.attention`): calls with a dense mask, padded calls (run unmasked per text length), and
 padded tokens over all tokens computed. No images are generated. The README job's own prompts
 (jobs/examples/prompts.parquet) are planned the same way.
 

@@ -30,14 +30,14 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-import ditfleet.model.networks.transformer as transformer_module
+import ditfleet.model.qwen_image.transformer as transformer_module
 from ditfleet.compile import CompileConfig
 from ditfleet.compile.compiled_method import compiled_method
 from ditfleet.compile.policy import dit_linears
-from ditfleet.model.family import QWEN_IMAGE
 from ditfleet.model.generation.sampling import latent_grid
-from ditfleet.model.networks.attention import TextPadding, joint_attention
-from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
+from ditfleet.model.qwen_image.attention import TextPadding, joint_attention
+from ditfleet.model.qwen_image.family import QWEN_IMAGE, forward_flops
+from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
 
 # Dense bf16 tensor-core peak, TFLOP/s, by device name (vendor data sheets, SXM parts).
 BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0}
@@ -53,16 +53,6 @@ def published_config(layers: int, heads: int = 24) -> TransformerConfig:
         joint_attention_dim=3584 * heads // 24,
         axes_dims_rope=(16, 56, 56),
     )
-
-
-def forward_flops(cfg: TransformerConfig, img_tokens: int, txt_tokens: int) -> float:
-    """Multiply-add FLOPs (x2) of one forward at batch 1."""
-    D, T = cfg.inner_dim, img_tokens + txt_tokens
-    linear = 2 * T * (4 * D * D + 2 * 4 * D * D)  # q, k, v, out + MLP 4x, both streams together
-    attention = 2 * 2 * T * T * D
-    modulation = 2 * 2 * D * 6 * D
-    embed = 2 * (img_tokens * cfg.in_channels * D + txt_tokens * cfg.joint_attention_dim * D)
-    return float(cfg.num_layers * (linear + attention + modulation) + embed)
 
 
 class Clock:
@@ -177,9 +167,9 @@ def _unfused_rms_rotary(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor
 
 def elementwise(cfg: TransformerConfig, tokens: int, device, dtype, clock: Clock, rounds: int) -> dict:
     """ms of each elementwise group of a block on `tokens` tokens: the reference's separate ops
-    ("unfused") against ours (model.networks.transformer's helpers), eager."""
-    from ditfleet.model.networks.rope import Rotation
-    from ditfleet.model.networks.transformer import RMSNorm, _gated_residual, _norm_modulate, _rms_rotary
+    ("unfused") against ours (model.qwen_image.transformer's helpers), eager."""
+    from ditfleet.model.qwen_image.rope import Rotation
+    from ditfleet.model.qwen_image.transformer import RMSNorm, _gated_residual, _norm_modulate, _rms_rotary
 
     D, H, hd = cfg.inner_dim, cfg.num_attention_heads, cfg.attention_head_dim
     g = torch.Generator().manual_seed(1)
@@ -261,7 +251,7 @@ def bench_size(size, args, cfg, ours, compiled, compiled_aten, ref, device, dtyp
         total, in_attention = attention_ms(ours, runs["ours_eager"], clock)
         kernels = padded_kernels(cfg, N, L, device, dtype, clock, args.rounds)
 
-    flops = forward_flops(cfg, N, L)
+    flops = forward_flops(cfg, N, L)["total"]
     row = {
         "image_tokens": N,
         "text_tokens": L,

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ditfleet.compile.buckets import default_buckets  # noqa: E402
 from ditfleet.driver.input.prompts import PromptSource  # noqa: E402
 from ditfleet.driver.plan import PLAN_WORKERS, PlanConfig, plan_job  # noqa: E402
-from ditfleet.model.family import QWEN_IMAGE  # noqa: E402
+from ditfleet.model.qwen_image.family import QWEN_IMAGE  # noqa: E402
 from ditfleet.workers.rows import RowConfig  # noqa: E402
 
 _WORDS = (

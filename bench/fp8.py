@@ -32,8 +32,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ditfleet.model.loading.fp8 import quantize_model, quantize_rows, quantize_weight  # noqa: E402
 from ditfleet.model.loading.quantization import KEEP_IN_LOAD_DTYPE  # noqa: E402
+from ditfleet.model.qwen_image.fp8 import quantize_model, quantize_rows, quantize_weight  # noqa: E402
 from ditfleet.testing.outliers import (  # noqa: E402
     cast_inputs,
     forward_inputs,
@@ -278,12 +278,12 @@ def gpu_forward(
     weights built on the device (no checkpoint). Prints and returns one JSON row per variant.
 
     The node self-test measures the same on its loaded DiT (workers/selftest/parts.fp8_copy). fp8
-    runs only where the device has FP8 matrix units (model.loading.fp8.check_device), fp8-weight-only
+    runs only where the device has FP8 matrix units (model.qwen_image.fp8.check_device), fp8-weight-only
     everywhere."""
-    from ditfleet.model.loading.fp8 import check_device
     from ditfleet.model.loading.quantization import QuantizationError
-    from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
-    from ditfleet.model.published import published_config
+    from ditfleet.model.qwen_image.fp8 import check_device
+    from ditfleet.model.qwen_image.published import published_config
+    from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
 
     config = TransformerConfig.from_dict(
         {**published_config("qwen-image", "transformer/config.json"), "num_layers": layers}

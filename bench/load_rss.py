@@ -45,8 +45,8 @@ def measure(model_dir: Path, method: str, dtype_name: str, device: str, quantiza
     import torch
 
     from ditfleet.model.loading.checkpoint import Checkpoint, load_streaming
-    from ditfleet.model.loading.loader import prepare_transformer
     from ditfleet.model.loading.weights import assign_state_dict, read_state_dict
+    from ditfleet.model.qwen_image.loader import prepare_transformer
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
     tdir = model_dir / "transformer"
@@ -65,8 +65,8 @@ def measure(model_dir: Path, method: str, dtype_name: str, device: str, quantiza
     sampler.start()
     t0 = time.perf_counter()
     if method == "streaming" and quantization != "none":
-        # quantized as it streams in (model.loading.fp8): the bf16 DiT never exists as a whole
-        from ditfleet.model.loading.fp8 import Fp8Quantizer
+        # quantized as it streams in (model.qwen_image.fp8): the bf16 DiT never exists as a whole
+        from ditfleet.model.qwen_image.fp8 import Fp8Quantizer
 
         load_streaming(model, checkpoint, str(tdir), dtype, device, transform=Fp8Quantizer(quantization))
     elif method == "streaming":

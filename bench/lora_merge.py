@@ -2,7 +2,7 @@
 
     python bench/lora_merge.py [--layers 1] [--rank 64] [--dtype bf16] [--device cpu]
 
-Builds the published Qwen-Image transformer config (model/published/qwen-image) with
+Builds the published Qwen-Image transformer config (model/qwen_image/published/qwen-image) with
 `--layers` blocks (weights zeroed: their values do not change the cost), writes a LoRA of `--rank` over every linear layer of the
 blocks (the layers the Lightning LoRAs adapt: 14 per block) in the diffusers layout, then times
 read_lora + plan_updates + merge_updates where the weights live. Prints the time per block and
@@ -24,9 +24,9 @@ from safetensors.torch import save_file
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ditfleet.model.loading.lora import LoraSpec, merge_updates, plan_updates, read_lora  # noqa: E402
-from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig  # noqa: E402
-from ditfleet.model.published import published_config  # noqa: E402
+from ditfleet.model.qwen_image.lora import LoraSpec, merge_updates, plan_updates, read_lora  # noqa: E402
+from ditfleet.model.qwen_image.published import published_config  # noqa: E402
+from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig  # noqa: E402
 
 FULL_DEPTH = 60
 

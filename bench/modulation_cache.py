@@ -18,18 +18,8 @@ import time
 import torch
 
 from ditfleet.model.generation.sampling import Conditioning, TimestepBank, latent_grid, true_cfg
-from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
-
-
-def forward_flops(cfg: TransformerConfig, img_tokens: int, txt_tokens: int) -> dict[str, float]:
-    """Multiply-add FLOPs (x2) of one forward, batch 1, split into modulation and the rest."""
-    D, T = cfg.inner_dim, img_tokens + txt_tokens
-    per_block_linear = 2 * T * (4 * D * D + 2 * 4 * D * D)  # q,k,v,out + MLP (4x), both streams
-    attention = 2 * 2 * T * T * D
-    modulation = 2 * 2 * D * 6 * D  # img_mod + txt_mod, one timestep row
-    embed = 2 * (img_tokens * cfg.in_channels * D + txt_tokens * cfg.joint_attention_dim * D)
-    total = cfg.num_layers * (per_block_linear + attention + modulation) + embed
-    return {"total": float(total), "modulation": float(cfg.num_layers * modulation)}
+from ditfleet.model.qwen_image.family import forward_flops
+from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
 
 
 def main() -> None:

@@ -25,9 +25,9 @@ import torch
 from ditfleet.model import load_pipeline
 from ditfleet.model.generation.pipeline import Sampling
 from ditfleet.model.generation.step_cache import StepCache
-from ditfleet.model.generation.step_cache_config import PRESETS
-from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
-from ditfleet.model.published import published_config
+from ditfleet.model.qwen_image.published import published_config
+from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
+from ditfleet.model.step_cache_config import PRESETS
 from ditfleet.model.tiny.scenes import held_out_captions
 
 PRESET_NAMES = ("safe", "fast")

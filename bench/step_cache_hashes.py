@@ -18,7 +18,7 @@ import sys
 import torch
 
 from ditfleet import load_pipeline
-from ditfleet.model.generation.step_cache_config import parse_step_cache
+from ditfleet.model.step_cache_config import parse_step_cache
 
 PROMPTS = [
     "a large blue square in the centre on a yellow background",

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 # The recipe is a folder of the repository (not installed): importable from its root.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ditfleet.model.networks.vae import QwenImageVAE  # noqa: E402
-from ditfleet.model.networks.vae_blocks import RMSNorm  # noqa: E402
+from ditfleet.model.qwen_image.vae import QwenImageVAE  # noqa: E402
+from ditfleet.model.qwen_image.vae_blocks import RMSNorm  # noqa: E402
 from recipes.tiny.train_vae import VAETrainConfig, reconstruct, reconstruction_loss  # noqa: E402
 
 SHAPES = ((8, 16, 64, 64), (8, 32, 32, 32), (8, 64, 16, 16))

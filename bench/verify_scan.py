@@ -29,7 +29,8 @@ from ditfleet.driver.output.orphans import delete_lost
 from ditfleet.driver.output.verify import verify_output
 from ditfleet.driver.output.verify_report import VerifyReport
 from ditfleet.testing.outputs import manifest_row, put_image
-from ditfleet.workers.output.layout import image_key, job_key, new_attempt_token
+from ditfleet.workers.output.formats.files import image_key
+from ditfleet.workers.output.layout import job_key, new_attempt_token
 from ditfleet.workers.output.manifest import ManifestWriter
 from ditfleet.workers.storage import ObjectStore, open_store
 

@@ -24,10 +24,9 @@ from collections.abc import Callable
 
 import torch
 
-from ditfleet.model.networks.transformer import TransformerConfig
-from ditfleet.model.published import published_config
 from ditfleet.model.quality.vqa import VQAScore
-from ditfleet.workers.selftest.parts import PUBLISHED_MODEL, dit_inputs, make_transformer
+from ditfleet.model.qwen_image.transformer import TransformerConfig
+from ditfleet.workers.selftest.parts import FAMILY, dit_inputs, make_transformer
 from ditfleet.workers.selftest.vqa import PROMPT, encoder_config, make_encoder
 
 LLM_FULL, VISION_FULL, DIT_FULL = 28, 32, 60
@@ -53,9 +52,7 @@ def vqa_ms(size: int, llm: int, vision: int, repeat: int) -> float:
 
 
 def dit_ms(size: int, blocks: int, text_len: int, repeat: int) -> float:
-    cfg = TransformerConfig.from_dict(
-        {**published_config(PUBLISHED_MODEL, "transformer/config.json"), "num_layers": blocks}
-    )
+    cfg = TransformerConfig.from_dict(FAMILY.published_config("transformer/config.json", blocks))
     model = make_transformer(cfg, torch.device("cpu"), torch.float32)
     x, txt, shapes = dit_inputs(cfg, size, text_len, 1, "cpu", torch.float32)
     t = torch.full((1,), 0.5)

@@ -125,6 +125,10 @@ def ditfleet_job(args: argparse.Namespace, ctx: dict[str, Any], prefix: str) -> 
             "uri": f"s3://{BENCH_BUCKET}/{prefix}",
             "format": args.ditfleet_format,
             "image_format": "png",
+            # No provenance in the files: it names each round's job (bench-<prefix>), so rounds
+            # would differ in bytes where their pixels agree, and the baseline writes none. Off,
+            # "same PNG bytes in every round" compares what it says.
+            "embed_metadata": False,
         },
         "model": {
             "path": str(ctx["model_dir"]),

@@ -32,7 +32,7 @@ _PLACES = ("at the centre", "at the top left", "at the bottom right", "on the le
 
 def prepare_model(arg: str, tmp: Path) -> tuple[Path, str]:
     """(diffusers-layout folder with a tiny text encoder, a name for the report)."""
-    from ditfleet.model.loading.loader import TINY_MODEL_DIR
+    from ditfleet.model.qwen_image.loader import TINY_MODEL_DIR
 
     if arg == "auto" and all((TINY_MODEL_DIR / c).is_dir() for c in ("transformer", "vae", "text_encoder")):
         return TINY_MODEL_DIR, "bundled tiny"

@@ -22,9 +22,7 @@ The lock files stay (empty); every later start reuses them.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
-import os
 import time
 import warnings
 from collections.abc import Iterator
@@ -32,8 +30,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from filelock import FileLock, Timeout
+
 CLAIMS_DIR = "ditfleet_claims"  # under the Inductor cache directory
-POLL_S = 0.1
 
 
 class CompileClaimWarning(RuntimeWarning):
@@ -65,50 +64,42 @@ class BucketClaims:
         then warm-up finds the bucket in the local compile cache and takes seconds, not a compile."""
         return self.path(bucket).exists()
 
-    def _open(self, bucket: str) -> int:
+    def _lock(self, bucket: str) -> FileLock:
+        # filelock's FileLock is a flock on Unix: released when the holder's process ends.
         self.dir.mkdir(parents=True, exist_ok=True)
-        return os.open(self.path(bucket), os.O_RDWR | os.O_CREAT, 0o644)
+        return FileLock(str(self.path(bucket)))
 
-    def try_claim(self, bucket: str) -> int | None:
-        """A held lock's descriptor if the bucket was free; None if another process holds it."""
-        fd = self._open(bucket)
+    def try_claim(self, bucket: str) -> FileLock | None:
+        """The bucket's lock, held, if the bucket was free; None if another process holds it."""
+        lock = self._lock(bucket)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+            lock.acquire(timeout=0)
+        except Timeout:
             return None
-        return fd
+        return lock
 
     @contextmanager
-    def hold(self, bucket: str, fd: int | None = None) -> Iterator[ClaimOutcome]:
-        """Hold the bucket's lock for the block: `fd` from try_claim, or wait for it (bounded)."""
+    def hold(self, bucket: str, lock: FileLock | None = None) -> Iterator[ClaimOutcome]:
+        """Hold the bucket's lock for the block: `lock` from try_claim, or wait for it (bounded)."""
         start = time.monotonic()
-        how = "claimed" if fd is not None else "waited"
-        if fd is None:
-            fd = self._open(bucket)
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() - start >= self.timeout_s:
-                        os.close(fd)
-                        fd = None
-                        how = "timeout"
-                        warnings.warn(
-                            CompileClaimWarning(
-                                f"bucket {bucket}: another process on this machine has been "
-                                f"compiling it for {self.timeout_s:.0f} s (lock {self.path(bucket)}); "
-                                "compiling it here as well. If that process is stuck, end it; "
-                                "raise compile.claim_timeout_s if compiles are this slow."
-                            ),
-                            stacklevel=3,
-                        )
-                        break
-                    time.sleep(POLL_S)
+        how = "claimed" if lock is not None else "waited"
+        if lock is None:
+            lock = self._lock(bucket)
+            try:
+                lock.acquire(timeout=self.timeout_s)
+            except Timeout:
+                lock, how = None, "timeout"
+                warnings.warn(
+                    CompileClaimWarning(
+                        f"bucket {bucket}: another process on this machine has been "
+                        f"compiling it for {self.timeout_s:.0f} s (lock {self.path(bucket)}); "
+                        "compiling it here as well. If that process is stuck, end it; "
+                        "raise compile.claim_timeout_s if compiles are this slow."
+                    ),
+                    stacklevel=3,
+                )
         try:
             yield ClaimOutcome(how, round(time.monotonic() - start, 3))
         finally:
-            if fd is not None:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-                os.close(fd)
+            if lock is not None:
+                lock.release()

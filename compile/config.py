@@ -6,11 +6,12 @@ applies it.
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ditfleet.model.settings import check_settings, setting
+from ditfleet.model.knobs import bounded, check_settings, setting
 
 # The shortest key that authenticates the shared compile cache (compile.cache); the worker's
 # key reader checks it without importing torch.
@@ -19,7 +20,8 @@ MIN_SECRET_BYTES = 16
 # The environment variable that holds that key on every actor's node, unless the job names another.
 COMPILE_CACHE_KEY_ENV = "DITFLEET_COMPILE_CACHE_KEY"
 
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+COMPILE_MODES: tuple[CompileMode, ...] = typing.get_args(CompileMode)
 
 # compile.dit "auto": compile on CUDA when each actor is expected to make at least this many
 # images per resolution bucket it warms. Measured on an H200 (node self-test, 60 blocks, bf16):
@@ -40,7 +42,7 @@ DIT_WARMUP_S_PER_BUCKET = (60, 120)
 # compile ran past 4 minutes), and cuBLAS won both large shapes timed (0.100 vs 0.173 ms and
 # 0.388 vs 0.697 ms for the best Triton kernel); Triton won only the 129-row text-stream shape,
 # about 2% of the FLOPs. Elsewhere "default": max-autotune on CPU costs minutes for nothing.
-def default_dit_mode(device_type: str, scaled_gemms: bool = False) -> str:
+def default_dit_mode(device_type: str, scaled_gemms: bool = False) -> CompileMode:
     """The DiT's compile mode when compile.dit_mode is not set; `scaled_gemms`: the DiT runs FP8
     GEMMs (model.quantization 'fp8')."""
     if device_type != "cuda":
@@ -89,9 +91,9 @@ class CompileConfig:
         "GPU actors; off on CPU actors, where a bucket's compile (30-75 s on 2 cores) is repaid only after "
         "thousands of images of that bucket.",
     )  # "auto": see vae_on
-    vae_mode: str = "default"
+    vae_mode: CompileMode = "default"
     vae_backend: Backend = "inductor"
-    vae_batch: int | None = 1
+    vae_batch: int | None = bounded(1, ge=1)
     dit: OnOffAuto = setting(
         "auto",
         fingerprint="always",  # as the job plans it: off on CPU actors, else as given
@@ -100,7 +102,7 @@ class CompileConfig:
         "prompt length are dynamic), longer start-up, faster steps on GPUs. 'auto': on for CUDA "
         "actors expected to make enough images per bucket to repay the warm-up.",
     )  # "auto": see dit_on
-    dit_mode: str | None = None
+    dit_mode: CompileMode | None = None
     dit_backend: Backend = "inductor"
     dynamic: bool = False
     fullgraph: bool = True
@@ -121,11 +123,7 @@ class CompileConfig:
     )
 
     def __post_init__(self) -> None:
-        check_settings(self)  # the knobs' bounds, and every float finite
-        for name in ("vae_mode", "dit_mode"):
-            mode = getattr(self, name)
-            if mode is not None and mode not in COMPILE_MODES:
-                raise ValueError(f"CompileConfig.{name} is {mode!r}; use one of {COMPILE_MODES}")
+        check_settings(self)  # the knobs' bounds and Literal types (the modes), every float knob finite
         for name in ("vae_backend", "dit_backend"):
             backend = getattr(self, name)
             if not (isinstance(backend, str) and backend) and not callable(backend):
@@ -133,15 +131,6 @@ class CompileConfig:
                     f"CompileConfig.{name} must be a backend name such as 'inductor' or a callable, "
                     f"got {backend!r}"
                 )
-        for name in ("vae", "dit"):
-            if not isinstance(getattr(self, name), bool) and getattr(self, name) != "auto":
-                raise ValueError(
-                    f"CompileConfig.{name} must be true, false or 'auto', got {getattr(self, name)!r}"
-                )
-        if not self.claim_timeout_s >= 0:
-            raise ValueError(f"CompileConfig.claim_timeout_s must be >= 0, got {self.claim_timeout_s}")
-        if self.vae_batch is not None and self.vae_batch < 1:
-            raise ValueError(f"CompileConfig.vae_batch must be >= 1 or None, got {self.vae_batch}")
 
     def vae_on(self, device_type: str) -> bool:
         """Whether the VAE decode compiles: compile.vae, with "auto" decided by the device alone (on

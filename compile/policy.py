@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ditfleet.model.family import CompileRegion, model_family
-from ditfleet.model.loading.fp8 import runs_scaled_gemms
+from ditfleet.model.qwen_image.fp8 import runs_scaled_gemms
 
 from .compiled_method import CompiledMethod, compiled_method, uninstall
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ditfleet.model.loading.fp8 import runs_scaled_gemms
+from ditfleet.model.qwen_image.fp8 import runs_scaled_gemms
 
 from .buckets import PROMPT_LENGTH_BUCKETS, ResolutionBucket
 from .cache import (

@@ -166,12 +166,12 @@ def _each_bucket(
         return
     held_elsewhere = []
     for bucket in buckets:
-        fd = claims.try_claim(bucket.name)
-        if fd is None:
+        lock = claims.try_claim(bucket.name)
+        if lock is None:
             held_elsewhere.append(bucket)
             continue
         announce(bucket)
-        with claims.hold(bucket.name, fd) as outcome:
+        with claims.hold(bucket.name, lock) as outcome:
             warm(bucket, outcome)
     for bucket in held_elsewhere:
         announce(bucket)

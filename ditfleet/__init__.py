@@ -6,6 +6,7 @@ The face for users who drive it from Python (the `ditfleet` command does the sam
     summary = ditfleet.run("job.yaml")              # plan, generate, commit; resumes a rerun
     spec = ditfleet.load_spec("job.yaml")           # the validated JobSpec (SpecError names the key)
     pipe = ditfleet.load_pipeline("tiny")           # the model alone: prompts -> images
+    ditfleet.to_pil(pipe.generate(...))              # those images as PIL images
 
 The layers install under this name (ditfleet.model, ditfleet.compile, ditfleet.workers,
 ditfleet.driver, ditfleet.jobs), so a user's own `model/` or `jobs/` package cannot shadow
@@ -19,10 +20,12 @@ from ditfleet.model.lazy_exports import lazy_exports
 # name -> the module that defines it
 _WHERE = {
     "JobSpec": "jobs.spec",
+    "NoRayCluster": "jobs.ray_auth",
     "SpecError": "jobs.spec",
-    "load_pipeline": "model.loading.loader",
+    "load_pipeline": "model.qwen_image.loader",
     "load_spec": "jobs.spec",
     "run": "jobs.run",
+    "to_pil": "workers.output.codec",
 }
 
 __all__ = sorted(_WHERE)

@@ -181,6 +181,7 @@ def plan_increment(
     covered = recorded_ids(store, recorded.records, gone) if to_read else pa.array([], pa.string())
     cutter = ShardCutter(config, first_index=recorded.next_shard, id_prefixes=prefixes)
     selector = _NewRowSelector(cutter, covered, prefixes)
+    warnings: list[str] = []
     if to_read:
         report = scan_input(
             PromptSource(source.uri, source.filesystem, files=to_read),
@@ -190,6 +191,7 @@ def plan_increment(
         )
         cutter.finish_file()
         report.raise_if_errors()
+        warnings = row_group_warnings(report.largest_row_groups, config.shard_size)
     record = RunRecord(
         run=recorded.next_run,
         created_at=created_at or dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -207,7 +209,7 @@ def plan_increment(
         record,
         selector.shard_ids(cutter.shards),
         secrets.token_hex(8),
-        tuple(row_group_warnings(source, to_read, config.shard_size)),
+        tuple(warnings),
     )
 
 

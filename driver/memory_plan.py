@@ -17,8 +17,7 @@ from ditfleet.compile.buckets import PROMPT_LENGTH_BUCKETS, ResolutionBucket, pr
 
 # model.loading.folder and model.memory read configs and safetensors headers without torch: planning a
 # job (`ditfleet plan`) does not load it.
-from ditfleet.model.family import model_family
-from ditfleet.model.loading.folder import resolve_model_dir
+from ditfleet.model.family import model_family, resolve_model_dir
 from ditfleet.model.memory import GB, TEXT_ENCODER_PLACEMENTS, MemoryPlan, ModelMemory, Runtime
 from ditfleet.model.settings import DEFAULT_PIPELINE, MAX_SEQUENCE_LENGTH, Fp8Layers, Quantization
 from ditfleet.workers.storage import ObjectNotFound, S3Config, StoreError, open_store

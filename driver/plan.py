@@ -33,12 +33,12 @@ from ditfleet.driver.input.duplicate_ids import DIGEST_BITS
 from ditfleet.driver.input.prompts import DEFAULT_BATCH_ROWS, InputFile, PromptSource
 from ditfleet.driver.input.row_errors import file_error
 from ditfleet.driver.input.scan import ScanOptions, scan_input
-from ditfleet.driver.input.validate import DEFAULT_MAX_ERRORS, valid_sizes
-from ditfleet.model.settings import field_default, setting, settings_fields
+from ditfleet.driver.input.validate import DEFAULT_MAX_ERRORS, ValidationReport, valid_sizes
+from ditfleet.model.knobs import bounded, check_settings, field_default, setting, settings_fields
 from ditfleet.workers.content_digest import Prepared, RangeDigest, combine, hex_digest
 from ditfleet.workers.rows import MAX_SIDE, RowConfig, ShardSpec, content_columns
 from ditfleet.workers.storage.base import read_each
-from ditfleet.workers.storage.input_files import InputFileError, footer_sha256, largest_row_group
+from ditfleet.workers.storage.input_files import InputFileError, footer_sha256
 
 FINGERPRINT_VERSION = 1
 
@@ -58,14 +58,13 @@ class PlanConfig:
         256, ge=1, description="Input rows per shard: the unit of work, retry and commit."
     )
     image_settings: Mapping[str, Any] = field(default_factory=dict)
-    max_errors: int = DEFAULT_MAX_ERRORS
-    read_batch_rows: int = DEFAULT_BATCH_ROWS
+    max_errors: int = bounded(DEFAULT_MAX_ERRORS, ge=1)
+    read_batch_rows: int = bounded(DEFAULT_BATCH_ROWS, ge=1)
 
     def __post_init__(self) -> None:
-        if isinstance(self.shard_size, bool) or not isinstance(self.shard_size, int) or self.shard_size < 1:
-            raise ValueError(f"shard_size must be a positive number of rows, got {self.shard_size!r}")
-        if self.max_errors < 1 or self.read_batch_rows < 1:
-            raise ValueError("max_errors and read_batch_rows must be >= 1")
+        check_settings(self)  # every field's bounds
+        if not isinstance(self.shard_size, int):  # a float would cut fractional shards
+            raise ValueError(f"PlanConfig.shard_size must be a whole number of rows, got {self.shard_size!r}")
         try:
             json.dumps(dict(self.image_settings), sort_keys=True)
         except (TypeError, ValueError) as e:
@@ -327,7 +326,7 @@ def plan_job(
         rows_per_file[s.file] = rows_per_file.get(s.file, 0) + s.num_rows
         shard_digests.setdefault(s.file, []).append(s.content_digest or 0)
     digest_per_file = {uri: combine(d) for uri, d in shard_digests.items()}
-    inputs = input_identities(source, report.files, rows_per_file, digest_per_file)
+    inputs = input_identities(report, rows_per_file, digest_per_file)
     buckets = config.rows.buckets
     per_bucket: Counter[int] = sum((c.bucket_images for c in cutters), Counter())
     return JobPlan(
@@ -339,7 +338,7 @@ def plan_job(
         total_images=sum(s.num_images for s in shards),
         buckets_used=tuple(b.name for i, b in enumerate(buckets) if i in used),
         empty_files=report.empty_files,
-        warnings=tuple(row_group_warnings(source, report.files, config.shard_size)),
+        warnings=tuple(row_group_warnings(report.largest_row_groups, config.shard_size)),
         images_per_bucket={b.name: per_bucket[i] for i, b in enumerate(buckets) if i in used},
     )
 
@@ -358,23 +357,36 @@ def footer_hashes(source: PromptSource, files: Sequence[InputFile]) -> dict[str,
 
 
 def input_identities(
-    source: PromptSource,
-    files: Sequence[InputFile],
-    rows_per_file: Mapping[str, int],
-    digest_per_file: Mapping[str, int],
+    report: ValidationReport, rows_per_file: Mapping[str, int], digest_per_file: Mapping[str, int]
 ) -> tuple[InputIdentity, ...]:
-    """Each file's identity (its footer's sha256 read again: a file replaced since the pass
-    changes it) with the content digest the pass computed."""
-    sha = footer_hashes(source, files)
+    """Each file's identity: its size when listed and its footer's sha256 as the pass read it
+    (the footer the rows were read with, not read again), with the content digest the pass
+    computed. A file replaced later changes its footer, which a resume compares."""
     return tuple(
         InputIdentity(
             f.uri,
             f.size,
             rows_per_file.get(f.uri, 0),
-            sha[f.uri],
+            report.footer_sha256[f.uri],
             hex_digest(digest_per_file.get(f.uri, combine(()))),
         )
-        for f in files
+        for f in report.files
+    )
+
+
+def idle_actors_warning(shards: int, rows: int, shard_size: int, actors: int) -> str | None:
+    """When a plan has fewer shards than the job's actors: those left over get nothing to do (a
+    shard runs on one actor). The plan is not adapted to the fleet: the shard size is in the
+    fingerprint, so a default that moved with workers.max would make a resume refuse its output."""
+    if shards >= actors or rows == 0:
+        return None
+    fits = max(1, -(-rows // actors))  # rows per shard that gives each actor one
+    idle = actors - shards
+    return (
+        f"{shards} shard{'s' if shards != 1 else ''} for up to {actors} actors: {idle} actor"
+        f"{' has' if idle == 1 else 's have'} nothing to run (a shard runs on one actor). shards.size is "
+        f"{shard_size} rows; shards.size: {fits} (or less) gives every actor a shard. The size is part of "
+        "the plan: an output started with one size resumes only with it"
     )
 
 
@@ -385,18 +397,12 @@ ROW_GROUP_WARN_MIN_ROWS = 10_000  # below this a whole row group is read in no t
 _ROW_GROUP_WARN_FILES = 3
 
 
-def row_group_warnings(source: PromptSource, files: Sequence[InputFile], shard_size: int) -> list[str]:
+def row_group_warnings(largest_row_groups: Mapping[str, int], shard_size: int) -> list[str]:
     """Files whose row groups are large next to the shards: each actor decodes whole stretches of
-    a row group it mostly does not need. One footer read per file."""
+    a row group it mostly does not need. largest_row_groups: by file, as the scan's footers say
+    (ValidationReport.largest_row_groups), in input order."""
     limit = max(ROW_GROUP_WARN_RATIO * shard_size, ROW_GROUP_WARN_MIN_ROWS)
-    large: list[tuple[str, int]] = []
-    for f in files:
-        try:
-            rows = largest_row_group(source.filesystem, f.uri)
-        except InputFileError:  # reported by validation
-            continue
-        if rows > limit:
-            large.append((f.uri, rows))
+    large = [(uri, rows) for uri, rows in largest_row_groups.items() if rows > limit]
     if not large:
         return []
     shown = ", ".join(f"{uri} ({rows} rows)" for uri, rows in large[:_ROW_GROUP_WARN_FILES])

@@ -35,20 +35,21 @@ from typing import TextIO
 from ditfleet.driver.dispatch import DispatchConfig, DispatchEvents, DispatchResult, run_shards
 from ditfleet.driver.increment import IncrementPlan, commit_increment, plan_increment
 from ditfleet.driver.input.prompts import PromptSource
-from ditfleet.driver.input.scan import validate_input
+from ditfleet.driver.input.scan import check_schemas, validate_input
 from ditfleet.driver.input.validate import ValidationReport
 from ditfleet.driver.locations import check_locations
 from ditfleet.driver.metrics import FanOut
 from ditfleet.driver.output.case_fold import refuse_ids_that_fold
 from ditfleet.driver.output.claim import OutputMismatch, claim_incremental_output, claim_output
 from ditfleet.driver.output.cost import CostConfig
+from ditfleet.driver.output.fence import wait_actors_gone
 from ditfleet.driver.output.finish import close_output, finish_run
 from ditfleet.driver.output.lease import OutputLease, acquire_lease
 from ditfleet.driver.output.pause_points import pause_point
 from ditfleet.driver.output.settle import Settled, settle_older
 from ditfleet.driver.output.status import OutputCounts
 from ditfleet.driver.output.summary import FAILED, JobSummary, RunOutcome, build_summary, read_success
-from ditfleet.driver.plan import JobPlan, PlanConfig, plan_job
+from ditfleet.driver.plan import JobPlan, PlanConfig, idle_actors_warning, plan_job
 from ditfleet.driver.plan_file import load_plan, save_plan
 from ditfleet.driver.progress import JobProgress
 from ditfleet.driver.rerun import complete_already, redo_generations
@@ -87,6 +88,8 @@ class DriverConfig:
     # generation (workers.output.layout.manifest_key); the other shards are left as they are.
     redo_shards: tuple[int, ...] = ()
     cost: CostConfig = field(default_factory=CostConfig)  # the price the summary and report use
+    # The summary prints the model's internals too (the DiT attention counters); _SUCCESS keeps them.
+    verbose: bool = False
 
     def __post_init__(self) -> None:
         if not self.input_uri or not self.output_uri:
@@ -112,6 +115,12 @@ def prompt_source(config: DriverConfig) -> PromptSource:
 def validate_job_input(config: DriverConfig) -> ValidationReport:
     """Every problem of the input (up to the plan's max_errors); reads the input, nothing else."""
     return validate_input(prompt_source(config), config.plan.rows, config.plan.max_errors)
+
+
+def check_job_input(config: DriverConfig) -> None:
+    """Where input and output are, and the input's files and schemas (no row read): raises
+    LocationError or InputError. Every command that takes a job file calls it first."""
+    check_schemas(prompt_source(config), config.plan.rows, config.plan.max_errors)
 
 
 def plan_input(config: DriverConfig) -> JobPlan:
@@ -204,6 +213,7 @@ def _run(run: _Execution) -> JobSummary:
         out=out,
         lease=run.lease,
         settled=run.settled,
+        verbose=config.verbose,
     )
 
 
@@ -240,6 +250,11 @@ def _plain_work(run: _Execution, started: float) -> _Work | JobSummary:
             )
         return summary
     _prepare_to_write(store, out)
+    idle = idle_actors_warning(
+        len(plan.shards), plan.total_rows, config.plan.shard_size, config.dispatch.max_actors
+    )
+    if idle is not None:
+        print(f"warning: {idle}", file=out)
     shards: Sequence[ShardSpec] = plan.shards
     if redo:
         shards = tuple(
@@ -395,9 +410,12 @@ class _Execution:
             events = FanOut(progress, _PauseOnFirstStart(), self.events)
             # No per-shard result is kept to the end (400,000 of them): progress and metrics
             # take each as it comes, and the summary counts the manifests.
-            return run_shards(
+            result = run_shards(
                 todo, worker_cls, (worker_config,), self.config.dispatch, events, keep_results=False
             )
+            # Every actor is killed; wait until none can still write before anything is closed.
+            result.unfenced_actors = wait_actors_gone(result.actors, self.config.dispatch.fence_timeout_s)
+            return result
         finally:
             progress.close()
             if self.events is not None:

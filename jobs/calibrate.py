@@ -22,8 +22,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ditfleet.model.generation.step_cache_config import PRESETS, StepCacheConfig, parse_step_cache
 from ditfleet.model.loading.folder import TINY_MODEL
+from ditfleet.model.step_cache_config import PRESETS, StepCacheConfig, parse_step_cache
 
 
 @dataclass

@@ -19,7 +19,9 @@ written.
 
 `run` connects to an existing cluster when --address or RAY_ADDRESS is given (that is how it
 runs as the entrypoint of `ray job submit --working-dir . -- ditfleet run job.yaml`), else it
-starts a local Ray on 127.0.0.1 without a dashboard.
+starts a local Ray on 127.0.0.1 without a dashboard. An address where nothing answers for
+--connect-timeout seconds (30) is exit 2, "no Ray cluster at ADDRESS", before anything is written.
+`ditfleet` alone prints the commands; `ditfleet COMMAND --help` says more about each.
 """
 
 from __future__ import annotations
@@ -31,26 +33,30 @@ import shlex
 import sys
 import typing
 from collections.abc import Sequence
+from pathlib import Path
 
 from ditfleet.driver.dispatch import DispatchError
+from ditfleet.driver.input.prompts import glob_start
 from ditfleet.driver.input.row_errors import InputError
 from ditfleet.driver.locations import LocationError
 from ditfleet.driver.memory_plan import GPU_SIZES_GB, MemoryPlanError, MemoryRequest
-from ditfleet.driver.run_job import OutputMismatch, validate_job_input
+from ditfleet.driver.run_job import OutputMismatch, check_job_input, validate_job_input
 from ditfleet.jobs.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, UsageError, usage_errors
 from ditfleet.jobs.output_commands import add_output_commands, add_s3_options, store_config
 from ditfleet.jobs.plan_command import cmd_plan
 from ditfleet.jobs.prompt_words import tiny_words_warning
-from ditfleet.jobs.ray_auth import ClusterAuthError
-from ditfleet.jobs.run import check_memory, run, say
-from ditfleet.jobs.spec import SpecError, load_spec
+from ditfleet.jobs.ray_auth import CONNECT_DEADLINE_S, ClusterAuthError, NoRayCluster
+from ditfleet.jobs.run import check_memory, checked_spec, interrupted_note, run, say
+from ditfleet.jobs.spec import JobSpec, SpecError, load_spec
+from ditfleet.jobs.spec.reference import REFERENCE_PATH
 from ditfleet.jobs.submit import SubmitError, submit_slot
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH, Quantization
 from ditfleet.workers.storage import StoreConfigError, StoreError
+from ditfleet.workers.storage.input_files import is_s3
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    spec = load_spec(args.job)
+    spec = checked_spec(args.job)  # files and schemas, as every command checks them first
     report = validate_job_input(spec.to_driver_config())
     if not report.ok:
         raise InputError(report.errors, report.total)
@@ -76,15 +82,22 @@ def _shard_list(text: str) -> tuple[int, ...]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    summary = run(args.job, address=args.address, redo_shards=args.redo_shards or ())
+    summary = run(
+        args.job,
+        address=args.address,
+        redo_shards=args.redo_shards or (),
+        connect_deadline_s=args.connect_timeout,
+        verbose=args.verbose,
+    )
     if summary.shards.get("committed"):  # how to get the job's report page
         output = shlex.quote(summary.output)
-        print(f"report: ditfleet report {output} --html report.html  (one HTML page; open it in a browser)")
+        print(f"report: ditfleet report {output}  (one HTML page, report.html; open it in a browser)")
     return summary.exit_code
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
     spec = load_spec(args.job)  # a bad job file fails here, not on the cluster
+    _check_input_for_submit(spec)
     if not spec.name:
         raise UsageError(
             f"{args.job}: the job has no `name`; submit derives the Ray submission id from the name "
@@ -103,10 +116,23 @@ def cmd_submit(args: argparse.Namespace) -> int:
     )
 
 
+def _check_input_for_submit(spec: JobSpec) -> None:
+    """The input checked as `run` would, when this machine can read it: s3://, or a local path
+    that is here (a path only the cluster's nodes mount is checked there, by `ditfleet run`)."""
+    uri = spec.input_uri()
+    parts = Path(uri).parts
+    first_glob = glob_start(parts)
+    here = Path(*parts[:first_glob]) if first_glob else Path(uri)
+    if is_s3(uri) or here.exists():
+        check_job_input(spec.to_driver_config())
+    else:
+        say(f"input not checked here: {uri} is not on this machine (the cluster's `ditfleet run` checks it)")
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from ditfleet.jobs.calibrate import calibrate, format_calibration
 
-    spec = load_spec(args.job)
+    spec = checked_spec(args.job)
     with usage_errors(ValueError):
         result = calibrate(
             spec,
@@ -137,9 +163,24 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ditfleet")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ditfleet", description="Generate image datasets on a Ray cluster.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser = argparse.ArgumentParser(
+        prog="ditfleet",
+        description="Generate image datasets on a Ray cluster. `ditfleet COMMAND --help` says more "
+        f"about each; every key of a job file: {REFERENCE_PATH}.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    # Not required: `ditfleet` alone prints these commands (main), not only an error.
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_job_commands(sub)
     _add_inspect(sub)
     add_output_commands(sub)
@@ -148,12 +189,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_job_commands(sub: argparse._SubParsersAction) -> None:
     """validate, plan, run, submit, calibrate: commands that take a job file."""
-    p = sub.add_parser("validate", help="check the job file and every input row (no cluster, no GPU)")
-    p.add_argument("job", help="job file (YAML or JSON)")
+    p = sub.add_parser(
+        "validate",
+        help="check the job file and every input row (no cluster, no GPU)",
+        description="Check the job file and every input row (no cluster, no GPU). Every key a job "
+        f"file may hold, with its type, default and bounds: {REFERENCE_PATH}.",
+    )
+    p.add_argument("job", help=f"job file (YAML or JSON; its keys: {REFERENCE_PATH})")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("plan", help="what a run would do: rows, shards, buckets, images")
-    p.add_argument("job")
+    p.add_argument("job", help=f"job file (YAML or JSON; its keys: {REFERENCE_PATH})")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument(
         "--selftest",
@@ -163,8 +209,22 @@ def _add_job_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("run", help="run or resume the job")
-    p.add_argument("job")
-    p.add_argument("--address", help="Ray cluster to use (default: RAY_ADDRESS, else a local Ray)")
+    p.add_argument("job", help=f"job file (YAML or JSON; its keys: {REFERENCE_PATH})")
+    p.add_argument(
+        "--address",
+        help="Ray cluster to use: HOST:PORT of its head (GCS, 6379 by default), ray://HOST:10001, or auto "
+        "(default: RAY_ADDRESS, else a local Ray)",
+    )
+    p.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=CONNECT_DEADLINE_S,
+        metavar="S",
+        help=f"give up, exit 2, when nothing answers at the address for S seconds (default {CONNECT_DEADLINE_S:g})",
+    )
+    p.add_argument(
+        "--verbose", action="store_true", help="the summary also prints the DiT's attention counters"
+    )
     p.add_argument(
         "--redo-shards",
         type=_shard_list,
@@ -249,7 +309,11 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `ditfleet` console script; returns the exit code."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_OK
     try:
         return args.func(args)
     except (
@@ -260,6 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         LocationError,
         MemoryPlanError,
         ClusterAuthError,
+        NoRayCluster,
     ) as e:
         say(str(e))
         return EXIT_BAD_INPUT
@@ -284,7 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         say(str(e))
         return EXIT_FAILED
     except KeyboardInterrupt:
-        say("interrupted; run the same command again to resume (committed shards are kept)")
+        say(interrupted_note(args.job) if args.command == "run" else "interrupted")
         return 130
 
 

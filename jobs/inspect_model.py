@@ -13,8 +13,7 @@ from typing import Any
 
 from ditfleet.compile.buckets import default_buckets
 from ditfleet.driver.memory_plan import GPU_SIZES_GB, MemoryRequest, plan_kwargs, read_model_memory
-from ditfleet.model.family import MemoryFormula, model_family
-from ditfleet.model.loading.loader import resolve_model_dir
+from ditfleet.model.family import MemoryFormula, model_family, resolve_model_dir
 from ditfleet.model.loading.quantization import check_quantization
 from ditfleet.model.loading.weights import WeightsError
 from ditfleet.model.memory import (
@@ -25,7 +24,7 @@ from ditfleet.model.memory import (
     ModelMemory,
     checkpoint_size,
 )
-from ditfleet.model.memory.params import transformer_weight_bytes
+from ditfleet.model.qwen_image.memory_params import transformer_weight_bytes
 
 
 def inspect_model(request: MemoryRequest, gpus_gb: Sequence[float] = GPU_SIZES_GB) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from ditfleet.driver.output.status import output_status
 from ditfleet.jobs.exit_codes import EXIT_FAILED, EXIT_OK, UsageError, usage_errors
 from ditfleet.workers.output.layout import MANIFESTS_PREFIX
 from ditfleet.workers.storage import ObjectStore, S3Config, open_store
+from ditfleet.workers.storage.input_files import is_s3
 
 
 def store_config(args: argparse.Namespace) -> S3Config:
@@ -178,7 +179,9 @@ def cmd_score(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.output}: no manifests: not a ditfleet output with committed shards (yet)")
     with _ray_if_asked(args), usage_errors(ValueError):
         s3 = store_config(args)
-        source = scorer_source(store, args.scorer, model_path=args.model, clip_model=args.clip_model, s3=s3)
+        source = scorer_source(
+            store, args.scorer, model_path=args.model, scorer_model=args.scorer_model, s3=s3
+        )
         report = score_output(store, source, workers=args.workers, use_ray=args.ray, ray_s3=s3)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_text(store.uri()))
     return EXIT_OK
@@ -199,20 +202,32 @@ def _add_score(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", default=None, help="vqa: the Qwen-Image model (default: the output's job's)")
     p.add_argument(
-        "--clip-model", default=None, help="clip: the CLIP model (default: the job's quality.clip_model)"
+        "--scorer-model",
+        "--clip-model",
+        dest="scorer_model",
+        default=None,
+        help="clip (a scorer with a model of its own): its model (default: the job's quality.clip_model)",
     )
     p.add_argument("--workers", type=int, default=2, help="threads scoring shards here (default 2)")
     _add_ray_options(p, "score shards in Ray tasks over the cluster")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
+def beside_output(store: ObjectStore, name: str) -> str:
+    """Where a command writes its file by default: in a local output's folder (readers and verify
+    look only at the output's own keys), else, for s3://, in the current directory."""
+    root = store.uri()
+    return name if is_s3(root) else os.path.join(root, name)
+
+
 def cmd_preview(args: argparse.Namespace) -> int:
     from ditfleet.jobs.preview import write_preview
 
     store = _open_output(args)
+    out = args.out or beside_output(store, "sheet.png")
     with usage_errors(ValueError):
-        written = write_preview(store, args.out, args.max, args.columns, sort=args.sort, best=args.best)
-    print(f"wrote {args.out}: {written.shown} images from {store.uri()}")
+        written = write_preview(store, out, args.max, args.columns, sort=args.sort, best=args.best)
+    print(f"wrote {out}: {written.shown} images from {store.uri()}")
     if written.note:
         print(f"note: {written.note}", file=sys.stderr)
     return EXIT_OK
@@ -222,7 +237,10 @@ def _add_preview(sub: argparse._SubParsersAction) -> None:
     p = _output_parser(
         sub, "preview", cmd_preview, "contact sheet PNG of generated images with their prompts"
     )
-    p.add_argument("--out", required=True, help="PNG file to write")
+    p.add_argument(
+        "--out",
+        help="PNG file to write (default: sheet.png in a local OUTPUT, else in the current directory)",
+    )
     p.add_argument("--max", type=int, default=24, help="images on the sheet (default 24)")
     p.add_argument("--columns", type=int, help="images per row (default: about square)")
     p.add_argument(
@@ -238,11 +256,10 @@ def cmd_report(args: argparse.Namespace) -> int:
     from ditfleet.jobs.report import write_report
 
     store = _open_output(args)
+    html = args.html or beside_output(store, "report.html")
     with usage_errors(ValueError):
-        data = write_report(store, args.html, samples=args.max)
-    print(
-        f"wrote {args.html}: report of {store.uri()} ({len(data.rows)} images, {len(data.samples)} samples)"
-    )
+        data = write_report(store, html, samples=args.max)
+    print(f"wrote {html}: report of {store.uri()} ({len(data.rows)} images, {len(data.samples)} samples)")
     for section in data.scores:
         if section.behind:
             print(f"note: {section.behind}", file=sys.stderr)
@@ -256,7 +273,10 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
         cmd_report,
         "one self-contained HTML page: summary, rates, start-up costs, failures, samples",
     )
-    p.add_argument("--html", default="report.html", help="HTML file to write (default report.html)")
+    p.add_argument(
+        "--html",
+        help="HTML file to write (default: report.html in a local OUTPUT, else in the current directory)",
+    )
     p.add_argument("--max", type=int, default=24, help="sample images on the page (default 24)")
 
 

@@ -12,11 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from ditfleet.driver.memory_plan import JobMemoryPlan
+from ditfleet.driver.plan import idle_actors_warning
 from ditfleet.driver.run_job import plan_input, preview_increment
 from ditfleet.jobs.exit_codes import EXIT_OK
 from ditfleet.jobs.plan_cost import cost_plan_line, estimate_cost, read_selftest
-from ditfleet.jobs.run import check_memory, memory_plan_of
-from ditfleet.jobs.spec import JobSpec, load_spec
+from ditfleet.jobs.run import check_memory, checked_spec, memory_plan_of
+from ditfleet.jobs.spec import JobSpec
+from ditfleet.model.family import model_family
 
 
 def _print_memory(memory: JobMemoryPlan | None, spec: JobSpec) -> None:
@@ -28,7 +30,7 @@ def _print_memory(memory: JobMemoryPlan | None, spec: JobSpec) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    spec = load_spec(args.job)
+    spec = checked_spec(args.job)
     if spec.input.incremental:
         code = _plan_incremental(spec, args.json)
         check_memory(spec, args.job)
@@ -46,6 +48,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         "actors": {"min": spec.workers.min, "max": spec.workers.max or spec.workers.min},
         "fingerprint": plan.fingerprint(),
     }
+    idle = idle_actors_warning(
+        len(plan.shards), plan.total_rows, plan.config.shard_size, info["actors"]["max"]
+    )
+    info["warnings"] = [*plan.warnings, *([idle] if idle else [])]
     info["images_per_bucket"] = dict(plan.images_per_bucket)
     info["compile_vae"] = _vae_compile_plan(spec)
     info["compile_dit"] = _dit_compile_plan(spec, plan.total_images, len(plan.bucket_usage))
@@ -65,7 +71,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=2))
     else:
-        _print_plan_text(info, plan.images_per_bucket, plan.warnings)
+        _print_plan_text(info, plan.images_per_bucket, info["warnings"])
         print(f"compile: {info['compile_vae']['line']}; {info['compile_dit']['line']}")
         print(f"step cache: {info['step_cache']['line']}")
         if info["quality_gate"]:
@@ -152,12 +158,10 @@ def _step_cache_plan(spec: JobSpec, job: str) -> dict:
 
 def _dit_layers(spec: JobSpec) -> int | None:
     """The DiT's block count from its config.json, for a local (or the bundled) model."""
-    from ditfleet.model.loading.folder import TINY_MODEL_DIR
-
     path = spec.model_path()
     if "://" in path:
         return None
-    root = TINY_MODEL_DIR if path == "tiny" else Path(path)
+    root = model_family(path).bundled_dir or Path(path)
     try:
         return int(json.loads((root / "transformer" / "config.json").read_text())["num_layers"])
     except (OSError, ValueError, KeyError):
@@ -167,7 +171,7 @@ def _dit_layers(spec: JobSpec) -> int | None:
 def _print_plan_text(info: dict, images_per_bucket: Mapping[str, int], warnings: Sequence[str] = ()) -> None:
     print(f"input:   {info['input']} ({info['files']} file(s))")
     print(
-        f"rows:    {info['rows']}, images: {info['images']}, in {info['shards']} shards of up to {info['shard_size']} rows"
+        f"rows:    {info['rows']}, images: {info['images']}, in {info['shards']} shard{'s' if info['shards'] != 1 else ''} of up to {info['shard_size']} rows"
     )
     print("buckets: " + ", ".join(f"{b} {n} images" for b, n in images_per_bucket.items()))
     print(f"output:  {info['output']}")

@@ -27,7 +27,7 @@ from ditfleet.workers.storage.parquet_bytes import read_parquet
 
 _COLUMNS = [*MANIFEST_IMAGE_COLUMNS, "prompt"]
 THUMB = 160  # longest side of a thumbnail, pixels
-_CAPTION_CHARS = 26  # per caption line, at the default font
+_CAPTION_CHARS = 26  # per caption line, at the caption font (about 140 of THUMB's 160 px)
 _CAPTION_LINES = 4
 _PAD = 8
 
@@ -114,14 +114,20 @@ def collect(store: ObjectStore, limit: int) -> list[PreviewImage]:
     return picked
 
 
+def caption_font() -> ImageFont.FreeTypeFont | ImageFont.ImageFont:
+    """Pillow's bundled font at 12 px: at its default 10 px whole-pixel advances squeeze some word
+    spaces to a pixel ("smallyellow"), so captions read unevenly. The same font on every machine."""
+    return ImageFont.load_default(size=12)
+
+
 def contact_sheet(images: list[PreviewImage], columns: int | None = None) -> Image.Image:
     """A grid: each cell the image (fit into THUMB x THUMB) over its id and wrapped prompt."""
     if not images:
         raise ValueError("no images to show")
     cols = columns or min(len(images), max(1, math.ceil(math.sqrt(len(images)))))
     rows = math.ceil(len(images) / cols)
-    font = ImageFont.load_default()
-    line_h = 12
+    font = caption_font()
+    line_h = 15
     cell_w, cell_h = THUMB + 2 * _PAD, THUMB + 2 * _PAD + line_h * (_CAPTION_LINES + 1)
     sheet = Image.new("RGB", (cols * cell_w, rows * cell_h), "white")
     draw = ImageDraw.Draw(sheet)

@@ -1,4 +1,10 @@
-"""Ray's token authentication, checked before a driver connects to (or submits to) a cluster.
+"""Before a driver connects to (or submits to) a cluster: that something answers at the address
+(`wait_for_cluster`, with a deadline), and Ray's token authentication.
+
+`ray.init` at an address where nothing listens (a stopped head, a stale `ray_current_cluster`
+file behind `--address auto`) retries with no end a user sees and lets ctrl-C through late;
+`wait_for_cluster` opens the GCS port itself until a deadline, then raises `NoRayCluster`, which
+the CLI turns into exit 2 with what to check.
 
 A cluster started with `RAY_AUTH_MODE=token` (Ray turns it on by itself for `ray start --head`
 once `~/.ray/auth_token` exists, which any local `ray.init` creates) refuses a client without
@@ -11,8 +17,81 @@ gRPC call (no retries) before anything is written.
 from __future__ import annotations
 
 import os
+import socket
+import sys
+import time
 
 PROBE_TIMEOUT_S = 10.0
+CONNECT_DEADLINE_S = 30.0  # how long a cluster may take to answer (a head still starting)
+_RETRY_S = 0.5
+RAY_CLIENT_PORT = 10001  # ray://HEAD with no port
+
+
+class NoRayCluster(ValueError):
+    """Nothing answered at the cluster address before the deadline: a setting to check."""
+
+
+def cluster_endpoint(address: str) -> tuple[str, int]:
+    """The (host, port) a driver connects to for `address`: host:port (the GCS), ray://host[:port]
+    (Ray Client), or auto (RAY_ADDRESS, else the last head this machine started, from Ray's
+    ray_current_cluster file). NoRayCluster when auto finds none."""
+    if address.startswith("ray://"):
+        host, _, port = address.removeprefix("ray://").partition(":")
+        return host, int(port or RAY_CLIENT_PORT)
+    from ray._private.services import get_ray_address_from_environment
+
+    try:
+        resolved = get_ray_address_from_environment(address, None)
+    except ConnectionError as e:  # auto, and no cluster recorded on this machine
+        raise NoRayCluster(f"no Ray cluster at {address}: {e}") from None
+    host, _, port = (resolved or "").rpartition(":")
+    if not host or not port.isdigit():
+        raise NoRayCluster(
+            f"no Ray cluster at {address}: give HOST:PORT (the head's GCS port, 6379 by default)"
+        )
+    return host, int(port)
+
+
+def wait_for_cluster(address: str, deadline_s: float = CONNECT_DEADLINE_S) -> None:
+    """Return once something accepts a connection at `address`'s port; NoRayCluster after
+    `deadline_s` seconds of refusals, one line a try on stderr after the first."""
+    host, port = cluster_endpoint(address)
+    end = time.monotonic() + deadline_s
+    tries = 0
+    while True:
+        tries += 1
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(2.0, end - time.monotonic()))):
+                return
+        except OSError as e:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise NoRayCluster(_no_cluster(address, host, port, deadline_s, e)) from None
+            if tries == 1:
+                shown = address if address == f"{host}:{port}" else f"{address} ({host}:{port})"
+                print(
+                    f"ditfleet: waiting up to {deadline_s:g} s for the Ray cluster at {shown}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            time.sleep(min(_RETRY_S * tries, 5.0, left))
+
+
+def _no_cluster(address: str, host: str, port: int, deadline_s: float, error: OSError) -> str:
+    where = f"{address} ({host}:{port})" if address != f"{host}:{port}" else address
+    stale = (
+        " With --address auto (or none), Ray took the address from the last head started on this "
+        "machine (/tmp/ray/ray_current_cluster): a head stopped without `ray stop` leaves it behind; "
+        "`ray stop` removes it, or name the address."
+        if address == "auto"
+        else ""
+    )
+    return (
+        f"no Ray cluster at {where}: nothing answered for {deadline_s:g} s ({error.strerror or error}). "
+        "Check that the head is running (`ray status --address HOST:PORT` on it) and that the address "
+        "is its GCS port (6379 by default; ray://HEAD:10001 for Ray Client; not the dashboard's "
+        f"http://HEAD:8265, which `ditfleet submit` takes).{stale} Nothing was written"
+    )
 
 
 class ClusterAuthError(ValueError):

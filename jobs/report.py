@@ -27,7 +27,7 @@ from ditfleet.driver.output.summary import RATE_NAME, fleet_line, generation_rat
 from ditfleet.jobs.preview import collect
 from ditfleet.jobs.report_images import Thumbnail, image_cells, thumbnail
 from ditfleet.jobs.report_scores import ScoreSection, load_score_sections, scores_html
-from ditfleet.jobs.svg_axes import MARGIN, PLOT_H, PLOT_W, axes, round_top, svg
+from ditfleet.jobs.svg_axes import MARGIN, PLOT_H, PLOT_W, TEXT_CHAR_W, axes, round_top, svg
 from ditfleet.workers.output.manifest import read_manifests
 from ditfleet.workers.storage import ObjectStore
 
@@ -137,12 +137,18 @@ def worker_bars_svg(per_worker: dict[str, tuple[int, float]]) -> str:
     items = sorted(per_worker.items())
     rates = {wk: generation_rate(n, s) for wk, (n, s) in items}
     top = max(rates.values(), default=0.0) or 1.0
+    values = {wk: f"{rates[wk]:.2f} {RATE_NAME} ({n} images)" for wk, (n, _busy) in items}
+    # The longest bar ends where the longest value label still fits inside the plot (a label past
+    # the SVG's width is cut off): room for it at TEXT_CHAR_W per character, plus the gap.
+    value_w = 12 + TEXT_CHAR_W * max((len(v) for v in values.values()), default=0)
     bar_h, label_w, w = 22, 260, PLOT_W
+    bar_room = max(w - label_w - value_w, 120)
+    w = max(w, int(label_w + bar_room + value_w))
     h = bar_h * len(items) + 10
     parts = []
-    for i, (worker, (n, _busy)) in enumerate(items):
+    for i, worker in enumerate(rates):
         y = 5 + i * bar_h
-        length = rates[worker] / top * (w - label_w - 170)
+        length = rates[worker] / top * bar_room
         parts.append(
             f'<text x="{label_w - 6}" y="{y + 15}" text-anchor="end">{html.escape(worker[-36:])}</text>'
         )
@@ -151,7 +157,7 @@ def worker_bars_svg(per_worker: dict[str, tuple[int, float]]) -> str:
             f'fill="{_COLOURS[i % len(_COLOURS)]}"/>'
         )
         parts.append(
-            f'<text x="{label_w + length + 6:.1f}" y="{y + 15}">{rates[worker]:.2f} {RATE_NAME} ({n} images)</text>'
+            f'<text x="{label_w + length + 6:.1f}" y="{y + 15}">{html.escape(values[worker])}</text>'
         )
     return svg('id="worker-bars"', w, h, parts)
 

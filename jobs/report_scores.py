@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import html
 import io
-import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -23,7 +22,7 @@ from ditfleet.driver.output.status import OutputCounts, gate_line
 from ditfleet.jobs.preview import scored_rows
 from ditfleet.jobs.report_images import Thumbnail, image_cells, thumbnail
 from ditfleet.jobs.svg_axes import MARGIN, PLOT_H, PLOT_W, axes, round_span, round_top, svg
-from ditfleet.model.settings import ScorerName
+from ditfleet.model.quality.table import SCORER_NAMES
 from ditfleet.workers.output.formats import read_images
 from ditfleet.workers.storage import ObjectStore
 
@@ -96,7 +95,7 @@ def load_score_sections(
     images of the current manifests; gate_counts: their gate_* counts (status.gate_counts)."""
     gate = ((spec or {}).get("quality") or {}).get("gate") or {}
     sections = []
-    for name in typing.get_args(ScorerName):
+    for name in SCORER_NAMES:
         found = scored_rows(store, name)
         scored = [(value, (row, prompt)) for value, row, prompt in found.rows]
         if not scored:

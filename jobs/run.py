@@ -17,14 +17,22 @@ import os
 import sys
 from collections.abc import Iterator, Sequence
 
+from ditfleet.driver.input.row_errors import InputError
 from ditfleet.driver.locations import check_local_output_nodes
 from ditfleet.driver.memory_plan import JobMemoryPlan, job_memory_plan
 from ditfleet.driver.output.summary import JobSummary
-from ditfleet.driver.run_job import run_job
+from ditfleet.driver.run_job import check_job_input, run_job
 from ditfleet.jobs.prompt_words import tiny_words_warning
-from ditfleet.jobs.ray_auth import check_gcs_token, refused
-from ditfleet.jobs.spec import JobSpec, load_spec
-from ditfleet.workers.storage import StoreError
+from ditfleet.jobs.ray_auth import (
+    CONNECT_DEADLINE_S,
+    NoRayCluster,
+    check_gcs_token,
+    refused,
+    wait_for_cluster,
+)
+from ditfleet.jobs.spec import JobSpec, SpecError, load_spec
+from ditfleet.workers.output.manifest import committed_shards
+from ditfleet.workers.storage import StoreError, open_store
 from ditfleet.workers.storage.input_files import is_s3
 
 
@@ -32,9 +40,10 @@ def say(message: str) -> None:
     print(f"ditfleet: {message}", file=sys.stderr)
 
 
-def connect_ray(address: str | None) -> bool:
+def connect_ray(address: str | None, deadline_s: float = CONNECT_DEADLINE_S) -> bool:
     """Connect to the cluster at `address` (or RAY_ADDRESS), or start a local one on loopback
-    (every server it starts listens on 127.0.0.1 only).
+    (every server it starts listens on 127.0.0.1 only). NoRayCluster when nothing answers there
+    within `deadline_s` seconds.
     Returns False when this process was connected already (then the caller must not shut down)."""
     import ray
 
@@ -42,12 +51,15 @@ def connect_ray(address: str | None) -> bool:
         return False
     target = address or os.environ.get("RAY_ADDRESS")
     if target:
+        wait_for_cluster(target, deadline_s)
         check_gcs_token(target)
         try:
             ray.init(address=address, logging_level=logging.WARNING)  # None: Ray reads RAY_ADDRESS
         except Exception as e:
             if any(words in str(e).lower() for words in _TOKEN_REFUSALS):
                 raise refused(target) from e
+            if isinstance(e, ConnectionError):  # the port answered, but not as a Ray head
+                raise NoRayCluster(f"no Ray cluster at {target}: {e}") from e
             raise
         return True
     quiet_local_ray()
@@ -119,6 +131,53 @@ def alive_ray_nodes() -> int:
     return sum(1 for node in ray.nodes() if node.get("Alive"))
 
 
+def checked_spec(job: str | os.PathLike[str] | JobSpec) -> JobSpec:
+    """The job's spec with its input's files and schemas checked (a missing prompt column, a file
+    that is not Parquet: InputError naming file and column), before anything else reads the
+    input: every command that takes a job file starts here, so each says the same thing."""
+    spec = job if isinstance(job, JobSpec) else load_spec(job)
+    try:
+        check_job_input(spec.to_driver_config())
+    except InputError as e:
+        raise _relative_path_said(e, spec) from None
+    return spec
+
+
+def _relative_path_said(error: InputError, spec: JobSpec) -> InputError:
+    """A problem with a relative input path itself (not found, no Parquet in it) says where such
+    a path starts: users expect the job file's folder."""
+    path = spec.input.path
+    if is_s3(path) or os.path.isabs(path):
+        return error
+    note = (
+        f"input.path {path!r} is relative, and relative paths start at the current directory "
+        f"({os.getcwd()}), not at the job file's folder"
+    )
+    errors = [
+        dataclasses.replace(e, hint=f"{e.hint}; {note}")
+        if e.file == spec.input_uri() and e.row is None
+        else e
+        for e in error.errors
+    ]
+    return InputError(errors, error.total)
+
+
+def interrupted_note(job: str) -> str:
+    """What ctrl-C leaves of `job`'s output, said only about shards that exist."""
+    try:
+        spec = load_spec(job)
+        store = open_store(spec.output_uri(), spec.s3_config())
+        done = len(committed_shards(store))
+    except (SpecError, StoreError, OSError, ValueError):
+        return "interrupted"
+    if not done:
+        return f"interrupted before any shard was committed to {spec.output_uri()}; run the same command again to start"
+    return (
+        f"interrupted; the {done} shard{'s' if done != 1 else ''} committed to {spec.output_uri()} "
+        "are kept: run the same command again to resume"
+    )
+
+
 def memory_plan_of(spec: JobSpec) -> JobMemoryPlan | None:
     """The job's memory plan; None when the model cannot be read at plan time (hf://).
 
@@ -146,29 +205,36 @@ def check_memory(spec: JobSpec, job: str) -> JobMemoryPlan | None:
 
 
 def run(
-    job: str | os.PathLike[str] | JobSpec, address: str | None = None, redo_shards: Sequence[int] = ()
+    job: str | os.PathLike[str] | JobSpec,
+    address: str | None = None,
+    redo_shards: Sequence[int] = (),
+    connect_deadline_s: float = CONNECT_DEADLINE_S,
+    verbose: bool = False,
 ) -> JobSummary:
     """Run or resume `job` (a job file or a JobSpec) and return its summary (`exit_code` says how
-    it ended). `address`: a Ray cluster (else RAY_ADDRESS, else a local one on loopback).
-    redo_shards: committed shards to run again under new attempts (docs/reliability.md, Redo)."""
-    spec = job if isinstance(job, JobSpec) else load_spec(job)
+    it ended). `address`: a Ray cluster (else RAY_ADDRESS, else a local one on loopback); nothing
+    answering there for `connect_deadline_s` seconds raises NoRayCluster (a ValueError), before
+    anything is written. redo_shards: committed shards to run again under new attempts
+    (docs/reliability.md, Redo). verbose: the summary also prints the model's internals."""
+    spec = checked_spec(job)
     check_memory(spec, str(job) if not isinstance(job, JobSpec) else (spec.name or "the job"))
     driver, worker = spec.to_driver_config(), spec.to_worker_config()
     if (words := tiny_words_warning(spec)) is not None:
         say(f"warning: {words}")
-    if redo_shards:
-        driver = dataclasses.replace(driver, redo_shards=tuple(redo_shards))
+    if redo_shards or verbose:
+        driver = dataclasses.replace(driver, redo_shards=tuple(redo_shards), verbose=verbose)
     started = False
 
     def connect() -> None:
         nonlocal started
-        started = connect_ray(address) or started
+        started = connect_ray(address, connect_deadline_s) or started
 
     from ditfleet.driver.metrics import DriverMetrics
 
     try:
         cluster = address or os.environ.get("RAY_ADDRESS")
-        if cluster:  # a cluster that wants a token refuses the job now, before anything is written
+        if cluster:  # a cluster that is not there, or wants a token, refuses the job before any write
+            wait_for_cluster(cluster, connect_deadline_s)
             check_gcs_token(cluster)
         if cluster and not is_s3(driver.output_uri) and not spec.output.shared_filesystem:
             connect()  # before anything is written: a local output needs a one-node cluster

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ditfleet.driver.output.job_file import read_job_file
+from ditfleet.model.quality.table import SCORER_NAMES, scorer_row
 from ditfleet.workers.contract import MODEL_CACHE_DIR
 from ditfleet.workers.output.layout import SCORES_PREFIX, manifest_of_key, manifest_of_score_table
 from ditfleet.workers.output.manifest import current_manifest_keys
@@ -81,20 +82,21 @@ def scorer_source(
     scorer: str,
     *,
     model_path: str | None = None,
-    clip_model: str | None = None,
+    scorer_model: str | None = None,
     s3: S3Config | None = None,
 ) -> ScorerSource:
     """`scorer` with its models: model_path, the model whose text encoder `vqa` asks (default: the
-    one the output's job used); clip_model, the CLIP model of `clip` (default: the job's
-    quality.clip_model). Either, when remote, is fetched through `s3` into the job's
+    one the output's job used); scorer_model, the model of a scorer with a model of its own, as
+    `clip` (default: the job's setting its row names, quality.clip_model). Either, when remote, is fetched through `s3` into the job's
     model.cache_dir (without a `_job.json`, the default one)."""
     from ditfleet.workers.scorers import ScorerSource
 
     job = (read_job_file(store) or {}).get("spec", {})
+    setting = scorer_row(scorer).setting if scorer in SCORER_NAMES else None
     return ScorerSource(
         scorer,
         model_path=model_path or job.get("model", {}).get("path"),
-        clip_model=clip_model or job.get("quality", {}).get("clip_model"),
+        scorer_model=scorer_model or (job.get("quality", {}).get(setting) if setting else None),
         # A remote model lands where the job's actors put theirs: on a node that ran the job, the
         # copy is there already and nothing is fetched again.
         cache_dir=job.get("model", {}).get("cache_dir") or MODEL_CACHE_DIR,

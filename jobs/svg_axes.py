@@ -6,6 +6,9 @@ import html
 import math
 
 PLOT_W, PLOT_H, MARGIN = 640, 260, 48  # a plot's size and the room left of and below it, pixels
+# The widest a character of the plots' 11 px sans-serif text runs (digits and lower case are
+# 5.5-6.5 px in DejaVu Sans and Arial): what a label's room is planned with.
+TEXT_CHAR_W = 7.0
 
 
 def svg(attributes: str, width: int, height: int, parts: list[str]) -> str:

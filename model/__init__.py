@@ -11,17 +11,17 @@ from ditfleet.model.lazy_exports import lazy_exports
 
 # name -> the submodule that defines it
 _WHERE = {
-    "LoraError": "loading.lora",
+    "LoraError": "qwen_image.lora",
     "ModelFamily": "family",
     "LoraSpec": "loading.lora_spec",
-    "QwenImageTransformer": "networks.transformer",
+    "QwenImageTransformer": "qwen_image.transformer",
     "TextToImagePipeline": "generation.pipeline",
-    "TransformerConfig": "networks.transformer",
+    "TransformerConfig": "qwen_image.transformer",
     "WeightsError": "loading.weights",
-    "load_pipeline": "loading.loader",
+    "load_pipeline": "family",
     "model_family": "family",
-    "model_revision": "loading.loader",
-    "resolve_model_dir": "loading.loader",
+    "model_revision": "qwen_image.loader",
+    "resolve_model_dir": "family",
 }
 
 __all__ = sorted(_WHERE)

@@ -27,8 +27,8 @@ from ditfleet.compile.config import first_compile_estimate_s
 from ditfleet.compile.policy import resolve_auto
 from ditfleet.model import LoraSpec, TextToImagePipeline, load_pipeline, resolve_model_dir
 from ditfleet.model.family import model_family
-from ditfleet.model.loading.fp8 import runs_scaled_gemms
-from ditfleet.model.loading.loader import load_text_encoder
+from ditfleet.model.qwen_image.fp8 import runs_scaled_gemms
+from ditfleet.model.qwen_image.loader import load_text_encoder
 from ditfleet.workers.batch_fit import fit_batch_size
 from ditfleet.workers.cache_secret import read_cache_secret
 from ditfleet.workers.contract import ShardAbandoned, ShardResult, WorkerConfig
@@ -144,7 +144,7 @@ class GenerationWorker:
         self.scorers = build_scorers(
             config.scorer_names,
             text_encoder=self.text.encoder if self.text is not None else None,
-            clip_model=config.clip_model,
+            models=config.scorer_models(),
             cache_dir=config.model_cache_dir,
             s3=config.s3,
             fetch=config.model_fetch,

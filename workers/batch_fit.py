@@ -24,6 +24,7 @@ import torch
 from ditfleet.compile.buckets import PROMPT_LENGTH_BUCKETS, prompt_length_bucket
 from ditfleet.model.family import model_family
 from ditfleet.model.memory import GB, Runtime
+from ditfleet.model.quality.table import PIPELINE_QWEN_VL, needing
 from ditfleet.model.settings import resolve_modulation_cache
 from ditfleet.workers.contract import WorkerConfig
 
@@ -67,7 +68,7 @@ def plan_runtime(config: WorkerConfig, dtype: torch.dtype) -> Runtime:
         device="cuda",
         quantization=config.pipeline.quantization,
         fp8_layers=config.pipeline.fp8_layers,
-        vqa="vqa" in config.scorer_names,
+        vqa=bool(needing(config.scorer_names, PIPELINE_QWEN_VL)),  # its forward on the text encoder
     )
 
 

@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass
 
 from ditfleet.compile.config import COMPILE_CACHE_KEY_ENV, MIN_SECRET_BYTES
-from ditfleet.model.settings import setting
+from ditfleet.model.knobs import setting
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ditfleet.compile.config import CompileConfig
+from ditfleet.model.knobs import check_settings, setting
 from ditfleet.model.loading.lora_spec import LoraSpec  # noqa: F401 - re-exported for the job spec
-from ditfleet.model.settings import PipelineSettings, ScorerName, check_settings, setting
+from ditfleet.model.quality.table import MODEL, SCORERS, ScorerName, needing
+from ditfleet.model.settings import PipelineSettings
 from ditfleet.workers.cache_secret import CacheSecretSource
 from ditfleet.workers.output.formats import ShardWriterConfig
 from ditfleet.workers.rows import RowConfig
@@ -114,12 +116,9 @@ class WorkerConfig:
     scorers: tuple[ScorerName, ...] = setting(
         (),
         description="Image scorers run on each image right after it is made, each filling its manifest "
-        "column score_{name}: 'tiny' (the tiny model's adherence check: the share of the caption's "
-        "colour, background, position, shape and size it reads back; null off its caption template), "
-        "'sharpness' (variance of the Laplacian of the luma), 'vqa' (VQAScore: the model's own Qwen2.5-VL "
-        "text encoder's probability of 'Yes' to 'Does this figure show \"PROMPT\"?', in [0, 1]; a Qwen-Image "
-        "model only), 'clip' (CLIP score: 100 x the cosine of quality.clip_model's image and text "
-        "embeddings, clipped at 0). For an existing output: `ditfleet score`.",
+        "column score_{name}: "
+        + ", ".join(f"'{row.name}' ({row.doc})" for row in SCORERS)
+        + ". For an existing output: `ditfleet score`.",
     )
     clip_model: str | None = setting(
         None,
@@ -154,6 +153,11 @@ class WorkerConfig:
         list it."""
         return tuple(dict.fromkeys((*self.scorers, *((self.gate.scorer,) if self.gate else ()))))
 
+    def scorer_models(self) -> dict[str, str | None]:
+        """The model source each scorer that needs a model of its own names (its row's setting:
+        `clip` -> clip_model), by scorer name; None where the job gives none."""
+        return {row.name: getattr(self, row.setting or "") for row in needing(self.scorer_names, MODEL)}
+
 
 @dataclass
 class ShardResult:
@@ -173,7 +177,7 @@ class ShardResult:
     # Batches halved after a CUDA out-of-memory error and run again (workers.generate). Their
     # images differ at rounding level from an unsplit run's: a lower batch_size avoids them.
     oom_splits: int = 0
-    # DiT attention over this shard (model.networks.attention.AttentionStats): calls, masked_calls (a
+    # DiT attention over this shard (model.qwen_image.attention.AttentionStats): calls, masked_calls (a
     # dense mask), split_calls (padded, run unmasked per text length), image/text/padded tokens.
     attention: dict[str, int] = field(default_factory=dict)
     attempt_token: str = ""  # the key component of this run's objects (layout.new_attempt_token)

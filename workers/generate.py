@@ -20,7 +20,7 @@ import torch
 from ditfleet.model import TextToImagePipeline
 from ditfleet.model.generation.guidance import cfg_on, negative_text
 from ditfleet.model.generation.pipeline import GuidanceInputs, Sampling
-from ditfleet.model.memory.activations import image_tokens
+from ditfleet.model.qwen_image.memory_activations import image_tokens
 from ditfleet.workers.rows import MAX_SEED, PromptRow
 
 

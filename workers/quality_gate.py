@@ -98,11 +98,13 @@ class ScoredImage:
         return run
 
     def manifest_columns(self, stored_ok: bool) -> dict[str, Any]:
-        """Its manifest columns (workers.output.manifest): score_{name} of each scorer (null
-        when not stored or NaN: the scorer cannot judge it), phash (null when not stored) and,
-        under a gate, gate_*."""
+        """Its manifest columns (workers.output.manifest): the score of each scorer (null when not
+        stored or NaN: the scorer cannot judge it), phash (null when not stored) and, under a
+        gate, gate_*."""
         columns: dict[str, Any] = {
-            f"score_{name}": v if stored_ok and not math.isnan(v) else None for name, v in self.scores.items()
+            "scores": {
+                name: v if stored_ok and not math.isnan(v) else None for name, v in self.scores.items()
+            }
         }
         if stored_ok and self.phash is not None:
             # The manifest's int64 holds the 64 bits: the top bit becomes the sign.

@@ -36,7 +36,7 @@ import pyarrow.fs as pafs
 from ditfleet.compile.buckets import BucketSet, ResolutionBucket, default_buckets
 from ditfleet.model.family import DEFAULT_FAMILY
 from ditfleet.model.generation.guidance import DEFAULT_NEGATIVE_PROMPT
-from ditfleet.model.settings import check_settings, setting
+from ditfleet.model.knobs import check_settings, setting
 from ditfleet.workers.content_digest import Prepared, RangeDigest
 from ditfleet.workers.storage.input_files import InputFileError, open_parquet
 

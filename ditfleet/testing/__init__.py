@@ -4,5 +4,5 @@ layout (`models`), and hand-written outputs with their manifest rows (`outputs`)
 
 Installed with the package so that bench/ and tests/ import the same code; nothing here is used by
 a job. `models` needs diffusers (the `test` extra), imported inside the functions that use it.
-The published checkpoints' configs are a model fact: `ditfleet.model.published`.
+The published checkpoints' configs are a model fact: `ditfleet.model.qwen_image.published`.
 """

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import torch
 
-from ditfleet.model.loading.fp8 import check_device
-from ditfleet.model.loading.loader import fill_transformer, prepare_transformer
-from ditfleet.model.loading.lora import LoraFile, plan_updates
 from ditfleet.model.loading.quantization import check_quantization
-from ditfleet.model.networks.transformer import QwenImageTransformer
-from ditfleet.model.published import PUBLISHED
+from ditfleet.model.qwen_image.fp8 import check_device
+from ditfleet.model.qwen_image.loader import fill_transformer, prepare_transformer
+from ditfleet.model.qwen_image.lora import LoraFile, plan_updates
+from ditfleet.model.qwen_image.published import PUBLISHED
+from ditfleet.model.qwen_image.transformer import QwenImageTransformer
 from ditfleet.model.settings import DEFAULT_PIPELINE, Quantization
 
 TINY_TRANSFORMER = dict(
@@ -79,7 +79,7 @@ def load_transformer(
     quantization: Quantization = DEFAULT_PIPELINE.quantization,
 ) -> QwenImageTransformer:
     """The transformer alone from its folder, as load_pipeline loads it: `loras` are merged into
-    the weights as they load (see model/loading/lora.py), before any quantization (model.loading.fp8)."""
+    the weights as they load (see model/qwen_image/lora.py), before any quantization (model.qwen_image.fp8)."""
     check_device(check_quantization(quantization), device)
     model, checkpoint = prepare_transformer(component_dir, modulation_cache)
     updates = plan_updates(loras, model)  # every adapter key checked before any weight is read

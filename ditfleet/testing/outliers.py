@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ditfleet.model.published import published_config
+from ditfleet.model.qwen_image.published import published_config
 
 OUTLIER_CHANNELS = (7, 301, 1500, 2900)  # of the 3072 residual channels
 CHANNEL_GAIN = 25.0
@@ -37,7 +37,7 @@ def _outlier_weight(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
 def outlier_transformer(num_layers: int = 1, seed: int = 0, model: str = "qwen-image"):
     """QwenImageTransformer at the published widths, `num_layers` deep, fp32 on the CPU."""
     from ditfleet.model.loading.weights import on_meta
-    from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
+    from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
 
     config = TransformerConfig.from_dict(
         {**published_config(model, "transformer/config.json"), "num_layers": num_layers}

@@ -1,6 +1,6 @@
 """Checkpoints at Qwen-Image's published widths with random weights, stored the way the hub does.
 
-The published configs (model/published) with `num_layers` cut down: hidden 3072 (24 heads of
+The published configs (model/qwen_image/published) with `num_layers` cut down: hidden 3072 (24 heads of
 128), text dim 3584, the full VAE. Weights are random, in bf16, the transformer in several
 `diffusion_pytorch_model-0000i-of-0000n.safetensors` shards plus the `.index.json` that maps every
 tensor to its shard, like the hub's 9 x 5 GB, written by the node self-test's own writer
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ditfleet.model.published import PUBLISHED, published_config
+from ditfleet.model.qwen_image.published import PUBLISHED, published_config
 from ditfleet.workers.selftest.parts import SHARD_STEM, write_random_transformer
 
 

@@ -15,8 +15,9 @@ actor move to an idle actor (the queued call is cancelled), and shards that have
 than the median get a second, speculative run. The first commit wins: the worker's create-only
 manifest write guarantees at most one manifest per shard, and only the first result is counted.
 Each run writes its objects under its own attempt token, so a twin never touches what the
-winner's manifest names. When the last shard settled, every actor is killed and `run_shards`
-waits until their processes are gone (driver.output.fence) before it returns.
+winner's manifest names. When the last shard settled, every actor is killed; the result names
+every actor started (`DispatchResult.actors`), so that the caller can wait until their processes
+are gone (driver.run_job, with driver.output.fence) before it writes `_SUCCESS`.
 
 Cost per event is O(in-flight runs) (the actors with room are tracked, not scanned; retirement
 scans the actors only when one can be due); driver memory is O(shards), about 15 bytes a shard in
@@ -71,15 +72,16 @@ def run_shards(
     `run_shard(shard, attempt) -> workers.contract.ShardResult` (see workers.actor.GenerationWorker);
     it runs as a Ray actor with `config`'s resources. Ray must be initialised. Raises
     DispatchError when the job cannot go on (actors keep failing to start, or none can be placed).
+    Every actor is killed when it returns; `result.actors` holds them all for the caller's fence
+    (killing is asynchronous: a process may still write for a moment).
     keep_results=False keeps no per-shard result (a job's 400,000 shards): `events` sees each.
     """
     # Ray loads here, not with the package: `ditfleet validate` and `plan` import the types.
     from ditfleet.driver.dispatch.policy import Dispatcher
     from ditfleet.driver.dispatch.ray_pool import RayActorPool
-    from ditfleet.driver.output.fence import wait_actors_gone
 
     pool = RayActorPool(worker_cls, worker_args, config)
-    # The loop kills every actor when it ends, on an error too; then wait until none can write.
+    # The loop kills every actor when it ends, on an error too.
     result = Dispatcher(shards, pool, config, events or DispatchEvents(), keep_results=keep_results).run()
-    result.unfenced_actors = wait_actors_gone(pool.handles, config.fence_timeout_s)
+    result.actors = pool.handles
     return result

@@ -7,10 +7,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ditfleet.driver.actor_phases import ActorPhase
-from ditfleet.model.settings import check_settings, setting
+from ditfleet.model.knobs import bounded, check_settings, setting
 
 if TYPE_CHECKING:
     from ditfleet.workers.contract import ShardResult
@@ -27,7 +27,7 @@ class DispatchConfig:
 
     min_actors: int = setting(1, ge=1, description="Actors started at once and kept while shards wait.")
     max_actors: int = 1  # grown to while shards wait; actors Ray cannot place yet just pend
-    num_gpus: float = 0.0  # per actor
+    num_gpus: float = bounded(0.0, ge=0)  # per actor
     num_cpus: float = setting(1.0, ge=0, description="CPUs per actor (encode/upload threads run on them).")
     resources: tuple[tuple[str, float], ...] = ()  # custom Ray resources per actor
     # 1 running + queued ones
@@ -40,42 +40,30 @@ class DispatchConfig:
     speculative_tail: bool = setting(
         True, description="Near the end, rerun slow shards on idle actors; the first commit wins."
     )
-    speculative_after: float = 1.5  # a running shard is duplicated after this x the median shard time
+    speculative_after: float = bounded(
+        1.5, gt=0
+    )  # a running shard is duplicated after this x the median shard time
     idle_retire_s: float = setting(
         10.0, ge=0, description="Stop an actor idle this long once nothing is queued."
     )
-    shard_timeout_s: float | None = None  # a run longer than this kills its actor (None: no limit)
+    shard_timeout_s: float | None = bounded(
+        None, gt=0
+    )  # a run longer than this kills its actor (None: no limit)
     placement_timeout_s: float | None = setting(
         1800.0, gt=0, description="Give up when no actor can be placed for this long; null: wait forever."
     )
-    max_start_failures: int = 3  # actors failing to start in a row (none ready between): stop
-    tick_s: float = 0.5  # longest wait between checks of timers (retirement, tail, progress)
+    max_start_failures: int = bounded(3, ge=1)  # actors failing to start in a row (none ready between): stop
+    tick_s: float = bounded(0.5, gt=0)  # longest wait between checks of timers (retirement, tail, progress)
     # After the last shard settled, wait this long at most for every actor's process to be gone
     # (driver.output.fence), so that no run can still write when the driver writes _SUCCESS.
-    fence_timeout_s: float = 60.0
+    fence_timeout_s: float = bounded(60.0, ge=0)
 
     def __post_init__(self) -> None:
-        check_settings(self)  # the knobs' bounds, and every float finite
-        checks = [
-            (self.min_actors >= 1, "min_actors must be >= 1"),
-            (self.max_actors >= self.min_actors, "max_actors must be >= min_actors"),
-            (self.num_gpus >= 0 and self.num_cpus >= 0, "num_gpus and num_cpus must be >= 0"),
-            (self.shards_in_flight_per_actor >= 1, "shards_in_flight_per_actor must be >= 1"),
-            (self.max_attempts >= 1, "max_attempts must be >= 1"),
-            (self.speculative_after > 0, "speculative_after must be > 0"),
-            (self.idle_retire_s >= 0, "idle_retire_s must be >= 0"),
-            (self.shard_timeout_s is None or self.shard_timeout_s > 0, "shard_timeout_s must be > 0"),
-            (
-                self.placement_timeout_s is None or self.placement_timeout_s > 0,
-                "placement_timeout_s must be > 0",
-            ),
-            (self.max_start_failures >= 1, "max_start_failures must be >= 1"),
-            (self.tick_s > 0, "tick_s must be > 0"),
-            (self.fence_timeout_s >= 0, "fence_timeout_s must be >= 0"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(f"DispatchConfig: {message} (got {self!r})")
+        check_settings(self)  # every field's bounds
+        if self.max_actors < self.min_actors:
+            raise ValueError(
+                f"DispatchConfig.max_actors must be >= min_actors, got {self.max_actors} < {self.min_actors}"
+            )
 
     @property
     def resource_request(self) -> dict[str, float]:
@@ -151,7 +139,9 @@ class DispatchResult:
         out["images_per_actor_hour"] = round(images * hour / lifetime, 2) if lifetime else 0.0
         return out
 
-    # Ids of the actors whose process outlived the fence wait (driver.output.fence).
+    # Every actor the dispatch started (Ray handles, all killed by now), for the caller's fence.
+    actors: list[Any] = field(default_factory=list, repr=False, compare=False)
+    # Ids of the actors whose process outlived the fence wait (driver.output.fence, driver.run_job).
     unfenced_actors: list[str] = field(default_factory=list)
 
 

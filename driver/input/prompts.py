@@ -18,10 +18,12 @@ import pyarrow.parquet as pq
 from ditfleet.driver.input.row_errors import RowError, file_error
 from ditfleet.workers.storage.input_files import (
     InputFileError,
+    ParquetFooter,
     filesystem_for,
     fs_path,
     is_s3,
     open_parquet,
+    read_footer,
     to_uri,
 )
 
@@ -149,13 +151,21 @@ class PromptSource:
     def _sorted(self, infos: list[pafs.FileInfo]) -> tuple[InputFile, ...]:
         return tuple(InputFile(to_uri(i.path, self._s3), i.size) for i in sorted(infos, key=lambda i: i.path))
 
-    def open(self, file: InputFile | str) -> pq.ParquetFile:
-        """Open one file's footer; an InputError naming it if it is missing or not Parquet."""
+    def open(self, file: InputFile | str, metadata: pq.FileMetaData | None = None) -> pq.ParquetFile:
+        """Open one file (its footer is read unless `metadata` is it, from `footer`); an
+        InputError naming it if it is missing or not Parquet."""
         uri = file.uri if isinstance(file, InputFile) else file
         try:
-            return open_parquet(self.filesystem, uri)
+            return open_parquet(self.filesystem, uri, metadata=metadata)
         except InputFileError as e:
             raise file_error(uri, e.problem, e.hint) from e
+
+    def footer(self, file: InputFile) -> ParquetFooter:
+        """One file's footer and its sha256, from one read; an InputError as `open` gives."""
+        try:
+            return read_footer(self.filesystem, file.uri)
+        except InputFileError as e:
+            raise file_error(file.uri, e.problem, e.hint) from e
 
 
 _REWRITE_HINT = (

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from ditfleet.driver.input.arrays import plain
 from ditfleet.driver.input.duplicate_ids import DIGEST_BITS, DuplicateIds
@@ -24,6 +25,7 @@ from ditfleet.driver.input.row_errors import InputError, RowError
 from ditfleet.driver.input.validate import DEFAULT_MAX_ERRORS, RowValidator, ValidationReport, job_schema
 from ditfleet.workers.rows import RowConfig, content_columns
 from ditfleet.workers.storage.base import read_each
+from ditfleet.workers.storage.input_files import largest_row_group
 
 
 @dataclass(frozen=True)
@@ -52,8 +54,13 @@ PerFile = Callable[[InputFile, int, int], FileScan]
 
 
 class _Footer(NamedTuple):
+    """What a file's footer says, read once: its schema and row count, the footer itself (the
+    row pass opens the file with it), its sha256 and its largest row group (for the plan)."""
+
     schema: pa.Schema
     rows: int
+    metadata: pq.FileMetaData
+    sha256: str
 
 
 class _File(NamedTuple):
@@ -73,13 +80,13 @@ def _read_footers(
 
     def one(file: InputFile) -> _Footer | InputError:
         try:
-            with source.open(file) as pf:
-                lie = footer_row_count_error(file.uri, pf.metadata)
-                if lie is not None:
-                    return InputError([lie])
-                return _Footer(pf.schema_arrow, pf.metadata.num_rows)
+            metadata, sha256 = source.footer(file)
         except InputError as e:
             return e
+        lie = footer_row_count_error(file.uri, metadata)
+        if lie is not None:
+            return InputError([lie])
+        return _Footer(metadata.schema.to_arrow_schema(), metadata.num_rows, metadata, sha256)
 
     footers: list[_Footer | None] = []
     for file, got in zip(files, read_each(one, files)):
@@ -168,7 +175,7 @@ class _Reader:
         has_ids = "id" in footer.schema.names
         if duplicates is not None:
             duplicates.add_file(start, footer.rows, file.uri, has_ids)
-        with self.source.open(file) as pf:
+        with self.source.open(file, footer.metadata) as pf:
             read = [config.input_name(c) for c in content_columns(footer.schema.names)]
             for first_row, in_file in iter_batches(pf, read, self.batch_rows):
                 batch = config.as_job_columns(in_file)
@@ -205,7 +212,15 @@ def scan_input(
     empty = tuple(v.file.uri for v in valid if v.footer.rows == 0)
 
     def report(rows: int) -> ValidationReport:
-        return ValidationReport(validator.sorted_errors(), validator.total, rows, files, empty)
+        return ValidationReport(
+            validator.sorted_errors(),
+            validator.total,
+            rows,
+            files,
+            empty,
+            footer_sha256={v.file.uri: v.footer.sha256 for v in valid},
+            largest_row_groups={v.file.uri: largest_row_group(v.footer.metadata) for v in valid},
+        )
 
     if options.fail_fast and validator.total:
         return report(0)
@@ -235,6 +250,16 @@ def scan_input(
         hint = "Check that the prompts were written to the file(s)"
         validator.add(RowError(where, None, None, None, problem, hint))
     return report(rows)
+
+
+def check_schemas(source: PromptSource, config: RowConfig, max_errors: int = DEFAULT_MAX_ERRORS) -> None:
+    """The input's files, footers and schemas (the columns a job names, their types), no row
+    read; raises InputError with every problem found. The first thing each command does with a
+    job's input, so a missing column is the same message everywhere, before anything reads it."""
+    validator = RowValidator(config, max_errors)
+    _valid_files(source, config, source.files(), validator)
+    if validator.total:
+        raise InputError(validator.sorted_errors(), validator.total)
 
 
 def validate_input(

@@ -7,8 +7,8 @@ A column of the wrong type is one schema-level problem for its file, not one per
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -115,6 +115,10 @@ class ValidationReport:
     rows: int
     files: tuple[InputFile, ...]
     empty_files: tuple[str, ...]
+    # What the footers of the files with a valid schema say, read once by the scan (the plan's
+    # input identities and row-group warnings): sha256 and largest row group, by uri.
+    footer_sha256: Mapping[str, str] = field(default_factory=dict)
+    largest_row_groups: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

@@ -11,7 +11,7 @@ letters are lowered (exit 2). Any two such rows are refused, not only two of one
 rows share a shard depends on `shards.size`, and a later run with another size must not collide.
 
 Cost: the probe is one write, one existence check and one delete (a store that does not fold
-pays only this); a folding store also reads the id columns once more (bench/case_fold.py).
+pays only this); a folding store also reads the id columns once more (bench/derived_checks.py).
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ import uuid
 from ditfleet.driver.input.duplicate_ids import DuplicateIds
 from ditfleet.driver.input.prompts import PromptSource, iter_batches
 from ditfleet.driver.input.row_errors import InputError
-from ditfleet.workers.output.layout import write_check_key
+from ditfleet.workers.output.formats import FORMATS
 from ditfleet.workers.rows import RowConfig
 from ditfleet.workers.storage import ObjectStore
+from ditfleet.workers.storage.base import PROBE_PREFIX
 
 # The output formats whose objects are named by ids; the others hold many images per object.
-ID_NAMED_FORMATS = ("files",)
+ID_NAMED_FORMATS = tuple(f.name for f in FORMATS if f.objects.per_image)
 _MAX_ERRORS = 20
 
 
@@ -34,10 +35,10 @@ def store_folds_case(store: ObjectStore) -> bool:
     """Whether `store` resolves a key in another case to the same object: a probe object is
     written under a mixed-case key, the lower-case key looked up, and the probe deleted."""
     token = uuid.uuid4().hex
-    probe = write_check_key(f"CaseProbe-{token}")
+    probe = f"{PROBE_PREFIX}case-probe-{token}-ABC"
     store.put(probe, b"case probe")
     try:
-        return store.exists(write_check_key(f"caseprobe-{token}"))
+        return store.exists(probe.lower())
     finally:
         store.delete(probe)
 

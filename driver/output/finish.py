@@ -52,8 +52,10 @@ def finish_run(
     out: TextIO,
     lease: OutputLease | None = None,
     settled: Settled | None = None,
+    verbose: bool = False,
 ) -> JobSummary:
-    """Count `run.shards`, close the output and print the summary; returns it.
+    """Count `run.shards`, close the output and print the summary (`verbose`: with the model's
+    internals, JobSummary.format_text); returns it.
 
     run.timings: plan_s and dispatch_s (count_s and wall_s are added, from `started`, a
     time.monotonic() value); lease: the driver's (None: tests that run shards without a driver);
@@ -83,7 +85,7 @@ def finish_run(
         success=summary if summary.shards["left"] == 0 else None,
         out=out,
     )
-    print(summary.format_text(), file=out)
+    print(summary.format_text(verbose), file=out)
     return summary
 
 

@@ -27,13 +27,8 @@ from dataclasses import dataclass
 
 import pyarrow.compute as pc
 
-from ditfleet.workers.output.formats import FORMAT_AREAS, object_key
-from ditfleet.workers.output.layout import (
-    MANIFESTS_PREFIX,
-    attempt_object,
-    attempt_prefixes,
-    superseded_key,
-)
+from ditfleet.workers.output.formats import FORMAT_AREAS, attempt_object, attempt_prefixes, object_key
+from ditfleet.workers.output.layout import MANIFESTS_PREFIX, superseded_key
 from ditfleet.workers.output.manifest import (
     SEALED,
     SUPERSEDED,

@@ -95,8 +95,10 @@ class JobSummary:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def format_text(self) -> str:
-        return "\n".join([*self._count_lines(), *self._run_lines(), *self._problem_lines()])
+    def format_text(self, verbose: bool = False) -> str:
+        """The summary as printed; `verbose` adds the model's internals (the attention counters),
+        which _SUCCESS and --json keep either way."""
+        return "\n".join([*self._count_lines(), *self._run_lines(verbose), *self._problem_lines()])
 
     def _count_lines(self) -> list[str]:
         s, r, i, t = self.shards, self.rows, self.images, self.timings
@@ -110,7 +112,7 @@ class JobSummary:
             f"{format_duration(t['dispatch_s'])})",
         ]
 
-    def _run_lines(self) -> list[str]:
+    def _run_lines(self, verbose: bool = False) -> list[str]:
         """What this run's fleet did, and what the committed images say (each line when known)."""
         lines = []
         st, a, sc = self.startup, self.attention, self.step_cache
@@ -129,7 +131,7 @@ class JobSummary:
                 f"  worker {worker}: {w['shards']} shards, {w['images_ok']} images, "
                 f"{generation_rate(w['images_ok'] + w['images_failed'], w['generate_s']):.2f} {RATE_NAME}"
             )
-        if a.get("calls"):
+        if verbose and a.get("calls"):
             lines.append(
                 f"  DiT attention: {a['calls']} calls, {a['masked_call_share']:.1%} with a dense mask, "
                 f"{a['padded_call_share']:.1%} padded; padding {a['padded_token_share']:.2%} of tokens"
@@ -331,7 +333,8 @@ def gate_with_cost(gate: dict[str, Any], fleet: dict[str, Any]) -> dict[str, Any
 
 
 def fleet_line(fleet: dict[str, Any]) -> str:
-    """'12.5 GPU hours (start-up 1.2, generating 10.9, idle 0.4), 118.3 images per GPU hour'."""
+    """'12.5 GPU hours (start-up 1.2, generating 10.9, idle 0.4), 118.3 images per GPU hour'; under
+    an hour in minutes and seconds: '1m52s of actor time (start-up 40s, generating 1m05s, idle 7s)'."""
     unit = "gpu" if "gpu_hours" in fleet else "actor"
     label = "GPU" if unit == "gpu" else "actor"
     total = fleet.get(f"{unit}_hours", 0.0)
@@ -339,8 +342,16 @@ def fleet_line(fleet: dict[str, Any]) -> str:
         f"{k} {fleet.get(f'{k}_{unit}_hours', 0.0):.1f}" for k in ("startup", "generating", "idle")
     )
     rate = fleet.get(f"images_per_{unit}_hour", 0.0)
+    if total < 1.0:  # a small job: "0.0 actor hours (0.0, 0.0, 0.0)" says nothing; in time instead
+        parts = ", ".join(
+            f"{k} {format_duration(fleet.get(f'{k}_{unit}_hours', 0.0) * 3600)}"
+            for k in ("startup", "generating", "idle")
+        )
+        spent = f"{format_duration(total * 3600)} of {label} time"
+    else:
+        spent = f"{total:.1f} {label} hours"
     return (
-        f"{total:.1f} {label} hours over {fleet.get('actors', 0)} actors ({parts.replace('startup', 'start-up')}), "
+        f"{spent} over {fleet.get('actors', 0)} actors ({parts.replace('startup', 'start-up')}), "
         f"{rate:.1f} images per {label} hour"
     )
 

@@ -19,7 +19,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ditfleet.driver.output.orphans import ShardRecord, read_shard_record
-from ditfleet.workers.output.layout import MANIFESTS_PREFIX, attempt_prefixes, manifest_key, superseded_key
+from ditfleet.workers.output.formats import attempt_prefixes
+from ditfleet.workers.output.layout import MANIFESTS_PREFIX, manifest_key, superseded_key
 from ditfleet.workers.output.manifest import (
     MANIFEST,
     SEALED,

@@ -45,11 +45,10 @@ from ditfleet.driver.output.verify_shards import (
     read_manifest_group,
     read_plan,
 )
-from ditfleet.workers.output.formats import FORMAT_AREAS, ManifestImage, object_key
+from ditfleet.workers.output.formats import FORMAT_AREAS, ManifestImage, attempt_object, object_key
 from ditfleet.workers.output.layout import (
     MANIFESTS_PREFIX,
     SUPERSEDED_PREFIX,
-    attempt_object,
     job_key,
     manifest_key,
     manifest_of_key,

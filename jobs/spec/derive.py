@@ -1,6 +1,6 @@
 """Spec fields derived from the lower layers' settings dataclasses.
 
-A knob is defined once, on the dataclass of the layer that uses it (`model.settings.setting`:
+A knob is defined once, on the dataclass of the layer that uses it (`model.knobs.setting`:
 default, type, bounds, description). A section of the job file is an ordinary pydantic class
 whose knob fields say which knob they show, under their own key:
 
@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, Field, PlainSerializer, PlainValidator
 
-from ditfleet.model.settings import BOUNDS, field_default, settings_fields
+from ditfleet.model.knobs import BOUNDS, field_default, settings_fields
 
 T = TypeVar("T")
 
@@ -40,7 +40,7 @@ class Knob:
             return settings_fields(self.source)[self.name]
         except KeyError:
             raise TypeError(
-                f"{self.source.__name__}.{self.name} is not a setting (write it with model.settings.setting)"
+                f"{self.source.__name__}.{self.name} is not a setting (write it with model.knobs.setting)"
             ) from None
 
 
@@ -67,7 +67,7 @@ def section_knobs(section_cls: type[BaseModel]) -> dict[str, Knob]:
 
 def fingerprint_entries(config: Any, out: dict[str, Any] | None = None) -> dict[str, Any]:
     """The knobs of `config` and of the settings dataclasses it holds that are marked `fingerprint`
-    (model.settings.setting), as the plan's fingerprint records them: by key, in their JSON form."""
+    (model.knobs.setting), as the plan's fingerprint records them: by key, in their JSON form."""
     out = {} if out is None else out
     for f in dataclasses.fields(config):
         value, mode = getattr(config, f.name), f.metadata.get("fingerprint")

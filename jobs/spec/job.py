@@ -20,8 +20,9 @@ from ditfleet.driver.memory_plan import MemoryRequest
 from ditfleet.driver.output.cost import CostConfig
 from ditfleet.driver.plan import PlanConfig
 from ditfleet.driver.run_job import DriverConfig
-from ditfleet.model.family import model_family
-from ditfleet.model.loading.folder import TINY_MODEL, WeightsError, resolve_model_dir, text_encoder_kind
+from ditfleet.model.family import model_family, resolve_model_dir
+from ditfleet.model.loading.folder import WeightsError, text_encoder_kind
+from ditfleet.model.quality.table import MODEL, PIPELINE_QWEN_VL, check_scorers_supported, needing
 from ditfleet.model.settings import PipelineSettings, resolve_modulation_cache
 from ditfleet.workers.cache_secret import CacheSecretSource
 from ditfleet.workers.contract import GateConfig, LoraSpec, ModelPlacement, WorkerConfig
@@ -87,17 +88,38 @@ class JobSpec(Section):
         return self
 
     @model_validator(mode="after")
-    def _model_based_scorers_have_their_model(self) -> JobSpec:
+    def _scorers_have_what_they_need(self) -> JobSpec:
+        """Each scorer's row (model.quality.table) says what it needs: the model a setting names,
+        or what the model family offers (a Qwen2.5-VL text encoder)."""
         names = self.scorer_names()
-        if "clip" in names and not self.quality.clip_model:
-            raise ValueError(
-                "quality: the 'clip' scorer (in quality.scorers or quality.gate.scorer) needs "
-                "quality.clip_model: a folder holding a transformers CLIPModel, s3://bucket/prefix or "
-                "hf://org/name[@revision]"
-            )
-        if "vqa" in names:
-            check_vqa_model(self.model.path)
+        for row in needing(names, MODEL):
+            if not getattr(self.quality, row.setting or ""):
+                raise ValueError(
+                    f"quality: the '{row.name}' scorer (in quality.scorers or quality.gate.scorer) needs "
+                    f"{row.setting_key}: a folder holding {row.model}, s3://bucket/prefix or "
+                    "hf://org/name[@revision]"
+                )
+        if needing(names, PIPELINE_QWEN_VL):
+            offers, said = self._scorer_inputs()
+            check_scorers_supported(offers, names, said)
         return self
+
+    def _scorer_inputs(self) -> tuple[frozenset[str], str]:
+        """What the job's model offers the scorers, and what an error says of it: its family's
+        offer, and for the bundled model or a local folder none unless its text encoder, read
+        here, is a Qwen2.5-VL (a remote model's is checked when an actor builds the scorer: its
+        configs are not fetched to validate a job)."""
+        path, offers = self.model.path, model_family(self.model.path).scorer_inputs
+        if "://" in path and not path.startswith("file://"):
+            return offers, ""
+        try:
+            kind = text_encoder_kind(
+                resolve_model_dir(_absolute(path.removeprefix("file://"), path)) / "text_encoder"
+            )
+        except WeightsError as e:
+            kind = f"unreadable ({e})"
+        said = f"model.path {path!r} has a {kind} text encoder"
+        return (offers if kind == "qwen2.5-vl" else frozenset()), said
 
     def scorer_names(self) -> tuple[str, ...]:
         """quality.scorers and the gate's scorer (the actor runs both)."""
@@ -137,7 +159,7 @@ class JobSpec(Section):
         return _absolute(self.model.cache_dir)
 
     def model_path(self) -> str:
-        return self.model.path if self.model.path == TINY_MODEL else _absolute(self.model.path)
+        return _absolute(self.model.path, self.model.path)
 
     def model_loras(self) -> tuple[LoraSpec, ...]:
         return tuple(LoraSpec(_absolute(a.path), a.scale) for a in self.model.loras)
@@ -193,8 +215,8 @@ class JobSpec(Section):
             settings.update(embed_metadata=True, job_name=worker.job_name)
         if worker.gate is not None:  # which try is stored
             settings["quality_gate"] = dataclasses.asdict(worker.gate)
-            if worker.gate.scorer == "clip":
-                settings["clip_model"] = worker.clip_model
+            for row in needing((worker.gate.scorer,), MODEL):  # the gate's judge is a model of its own
+                settings[row.setting or ""] = getattr(worker, row.setting or "")
         if worker.loras:
             settings["loras"] = [dataclasses.asdict(a) for a in worker.loras]
         if worker.scheduler_config:
@@ -227,7 +249,7 @@ class JobSpec(Section):
             quantization=self.pipeline_settings().quantization,
             fp8_layers=self.pipeline_settings().fp8_layers,
             step_cache_tensors=step_cache.kept_tensors() if step_cache is not None else 0,
-            vqa="vqa" in self.scorer_names(),
+            vqa=bool(needing(self.scorer_names(), PIPELINE_QWEN_VL)),
         )
 
     def s3_config(self) -> S3Config:
@@ -294,29 +316,10 @@ def _merged(base: dict[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def check_vqa_model(model_path: str) -> None:
-    """ValueError unless the model's text encoder is a Qwen2.5-VL, which 'vqa' asks. Read here
-    for the bundled tiny model and local folders; a remote model's is checked when an actor
-    builds the scorer (its configs are not fetched to validate a job)."""
-    if "://" in model_path and not model_path.startswith("file://"):
-        return
-    path = model_path.removeprefix("file://")
-    try:
-        kind = text_encoder_kind(
-            resolve_model_dir(path if path == TINY_MODEL else _absolute(path)) / "text_encoder"
-        )
-    except WeightsError as e:
-        kind = f"unreadable ({e})"
-    if kind != "qwen2.5-vl":
-        raise ValueError(
-            f"quality.scorers: 'vqa' asks the model's own Qwen2.5-VL text encoder, but model.path "
-            f"{model_path!r} has a {kind} text encoder. Use a Qwen-Image checkpoint as model.path, or "
-            "leave 'vqa' out (the tiny model's own check is the 'tiny' scorer)"
-        )
-
-
-def _absolute(path: str) -> str:
-    """s3:// and file:// URIs as given; a local path made absolute (against the current dir)."""
-    if "://" in path:
+def _absolute(path: str, model: str | None = None) -> str:
+    """s3:// and file:// URIs as given; a local path made absolute (against the current dir).
+    model: the job's model.path, when `path` is it: a bundled model's (its family says) is a
+    name, kept as given."""
+    if "://" in path or (model is not None and model_family(model).bundled_dir is not None):
         return path
     return os.path.abspath(os.path.expanduser(path))

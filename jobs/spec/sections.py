@@ -21,8 +21,8 @@ from ditfleet.compile.config import CompileConfig, OnOffAuto
 from ditfleet.driver.dispatch import DispatchConfig
 from ditfleet.driver.output.cost import CostConfig
 from ditfleet.driver.plan import PlanConfig
-from ditfleet.model.generation.step_cache_config import StepCacheConfig, check_schedule
 from ditfleet.model.loading.folder import TINY_MODEL
+from ditfleet.model.quality.table import ScorerName
 from ditfleet.model.settings import (
     AttentionBackend,
     CfgMode,
@@ -30,12 +30,12 @@ from ditfleet.model.settings import (
     ModulationCache,
     PipelineSettings,
     Quantization,
-    ScorerName,
 )
+from ditfleet.model.step_cache_config import StepCacheConfig, check_schedule
 from ditfleet.workers.cache_secret import WELL_KNOWN_ENV, CacheSecretSource
 from ditfleet.workers.contract import Device, Dtype, GateConfig, ModelPlacement, Placement, WorkerConfig
-from ditfleet.workers.output.formats import ShardWriterConfig
-from ditfleet.workers.output.layout import FormatName, ImageFormat
+from ditfleet.workers.output.formats import FormatName, ShardWriterConfig
+from ditfleet.workers.output.layout import ImageFormat
 from ditfleet.workers.rows import RowConfig
 from ditfleet.workers.storage import S3Config
 from ditfleet.workers.storage.base import AddressingStyle

@@ -1,3 +1,3 @@
 """Making images: the pipeline, the sampling loop, the scheduler, guidance, the step cache.
 
-Empty on purpose: the torch-free modules (step_cache_config, scheduler config) must import without torch."""
+Empty on purpose: the torch-free scheduler config must import without torch."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ditfleet.model.generation.attention_backend import attention_backend
 from ditfleet.model.generation.guidance import cfg_on, negative_texts
 from ditfleet.model.generation.sampling import (
     Conditioning,
@@ -22,12 +23,11 @@ from ditfleet.model.generation.sampling import (
 )
 from ditfleet.model.generation.scheduler import SchedulerConfig, sigma_schedule
 from ditfleet.model.generation.step_cache import StepCache
-from ditfleet.model.generation.step_cache_config import StepCacheConfig
-from ditfleet.model.networks.attention_backend import attention_backend
-from ditfleet.model.networks.text_encoder import TextEncoder
-from ditfleet.model.networks.transformer import QwenImageTransformer
-from ditfleet.model.networks.vae import QwenImageVAE
+from ditfleet.model.qwen_image.text_encoder import TextEncoder
+from ditfleet.model.qwen_image.transformer import QwenImageTransformer
+from ditfleet.model.qwen_image.vae import QwenImageVAE
 from ditfleet.model.settings import DEFAULT_PIPELINE, MAX_SEQUENCE_LENGTH, CfgMode, PipelineSettings
+from ditfleet.model.step_cache_config import StepCacheConfig
 from ditfleet.model.tiny.known_words import known_of, unknown_words, unknown_words_warning
 from ditfleet.model.tiny.text_encoder import WordTokenizer
 

@@ -140,7 +140,7 @@ def denoise(
     if step_cache is not None:
         step_cache.start(steps, latents.shape[0])
     # One joined batch for every step: the same mask tensor each step, so the DiT reads its
-    # padding from the device once per batch (model.networks.attention.padding_facts), not per step.
+    # padding from the device once per batch (model.qwen_image.attention.padding_facts), not per step.
     both_text = _cat_branches(cond, uncond) if uncond is not None and cfg_batched else None
     for i in range(steps):
         # The same tensor object goes to both CFG passes of this step: that is the cache key.

@@ -10,7 +10,7 @@ signal for every row of the batch (one image in one CFG branch), then decides pe
   remaining blocks never run for it.
 
 The signal depends on the method (dbcache: the first Fn blocks' residual; teacache: the first
-block's modulated input), as model.generation.step_cache_config describes with its sources.
+block's modulated input), as model.step_cache_config describes with its sources.
 
 Only the rows that compute go through the remaining blocks (the transformer's `run_blocks` on a
 subset of rows, then scattered back), so an image's result and decisions do not depend on its
@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import torch
 
-from ditfleet.model.generation.step_cache_config import StepCacheConfig
-from ditfleet.model.networks.transformer import BlockInputs, QwenImageTransformer, take_rows
+from ditfleet.model.qwen_image.transformer import BlockInputs, QwenImageTransformer, take_rows
+from ditfleet.model.step_cache_config import StepCacheConfig
 
 # Relative change of a row whose kept signal is all zeros: infinite (compute).
 _EPS = 1e-12

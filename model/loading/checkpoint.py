@@ -192,7 +192,7 @@ def load_streaming(
     itself is not in host memory at all).
 
     transform: reshapes the module after its keys are checked (`prepare`) and turns each cast
-    tensor into the entries to assign (model.loading.fp8.Fp8Quantizer: a weight into FP8 and its scales),
+    tensor into the entries to assign (model.qwen_image.fp8.Fp8Quantizer: a weight into FP8 and its scales),
     so that a converted model never exists in the load dtype as a whole.
     """
     checkpoint.check_matches(module, where)

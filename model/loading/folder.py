@@ -2,7 +2,7 @@
 and the list of its safetensors files.
 
 `model.memory` plans from these alone, so `ditfleet plan` reads a model without loading torch;
-`model.loading.weights` and `model.loading.loader` load the tensors.
+`model.loading.weights` and `model.qwen_image.loader` load the tensors.
 """
 
 from __future__ import annotations
@@ -82,12 +82,11 @@ def safetensors_files(component_dir: Path) -> list[Path]:
 TINY_MODEL = "tiny"
 TINY_MODEL_DIR = Path(__file__).parents[1] / "tiny" / "weights"  # model/tiny/weights
 REQUIRED_COMPONENTS = ("transformer", "vae", "scheduler")
-# model_index.json pipeline classes whose transformer/vae/scheduler this loader computes exactly.
-SUPPORTED_PIPELINES = ("QwenImagePipeline",)
 
 
-def resolve_model_dir(path: str | Path) -> Path:
-    """ "tiny" -> the bundled model; else a local directory in the diffusers layout."""
+def model_dir_layout(path: str | Path) -> Path:
+    """ "tiny" -> the bundled model; else a local directory in the diffusers layout (which family
+    its model_index.json names is model.family.resolve_model_dir's check)."""
     root = TINY_MODEL_DIR if str(path) == TINY_MODEL else Path(path)
     if not root.is_dir():
         raise WeightsError(f"model path {root}: not a directory. Give a diffusers-layout folder or 'tiny'.")
@@ -97,29 +96,7 @@ def resolve_model_dir(path: str | Path) -> Path:
             f"model path {root}: missing {missing}. A model folder needs transformer/, vae/ and scheduler/ "
             "(the diffusers layout)."
         )
-    check_model_index(root)
     return root
-
-
-def check_model_index(root: Path) -> None:
-    """Refuse a checkpoint of another pipeline (an edit or layered model, Flux, ...) up front.
-
-    model_index.json is optional (a hand-assembled folder may lack it); when present it names the
-    pipeline the weights were trained for.
-    """
-    path = root / "model_index.json"
-    if not path.is_file():
-        return
-    try:
-        index = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise WeightsError(f"{path}: not valid JSON ({e}).") from e
-    cls = index.get("_class_name") if isinstance(index, dict) else None
-    if cls not in SUPPORTED_PIPELINES:
-        raise WeightsError(
-            f"{path}: _class_name is {cls!r}; ditfleet runs {list(SUPPORTED_PIPELINES)} checkpoints "
-            "(text-to-image Qwen-Image). Point the model path at one of those."
-        )
 
 
 def text_encoder_kind(te_dir: Path) -> str:

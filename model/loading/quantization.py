@@ -12,7 +12,7 @@ Both halve the DiT's weight memory (40.9 -> 20.5 GB at Qwen-Image size) and chan
 job names the mode, the plan fingerprint carries it, and each manifest row records it.
 
 Torch-free so that the job spec and `ditfleet plan` (model.memory) use the same rules as the
-loader (model.loading.fp8).
+loader (model.qwen_image.fp8).
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def check_fp8_device(
     device_kind: "cuda", "cpu", ...; capability: the CUDA compute capability (None elsewhere)."""
     check_quantization(name)
     if name != "fp8" or device_kind == "cpu":
-        return  # torch._scaled_mm has a CPU kernel (which scales it takes: model.loading.fp8.gemm_support)
+        return  # torch._scaled_mm has a CPU kernel (which scales it takes: model.qwen_image.fp8.gemm_support)
     if device_kind == "cuda" and capability is not None and tuple(capability) >= FP8_MIN_CAPABILITY:
         return
     what = f"{device_name or device_kind}" + (

@@ -4,9 +4,9 @@ per component, activation peaks per image size and batch, and whether it all fit
 Units: bytes. `e` is the activation element size (2 for bf16, 4 for fp32). Shapes: B batch,
 N image tokens ((H/16) * (W/16)), L text tokens, S = L + N, D the DiT width.
 
-- `params`: parameter counts per component;
-- `activations`: activation peaks of the DiT forward, the VAE decode, the prompt encode and
-  the vqa score;
+- `model.qwen_image.memory_params`: parameter counts per component (the Qwen-Image family's);
+- `model.qwen_image.memory_activations`: activation peaks of the DiT forward, the VAE decode,
+  the prompt encode and the vqa score (the Qwen-Image family's);
 - `plan`: `ModelMemory` (the configs), `Runtime` (how a batch runs), `MemoryPlan` and
   `plan_memory` / `largest_batch`;
 - `disk`: what a checkpoint holds on disk, from its safetensors headers.
@@ -16,13 +16,14 @@ Standard library only: `ditfleet plan` sizes a job without loading torch.
 
 from __future__ import annotations
 
-from .activations import (
+from ditfleet.model.qwen_image.memory_activations import (
     dit_activation_bytes,
     vae_decode_activation_bytes,
     vqa_activation_bytes,
 )
+from ditfleet.model.qwen_image.memory_params import text_encoder_params, transformer_params, vae_params
+
 from .disk import CheckpointSize, checkpoint_size
-from .params import text_encoder_params, transformer_params, vae_params
 from .plan import (
     DTYPE_BYTES,
     GB,

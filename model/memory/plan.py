@@ -10,18 +10,22 @@ from typing import Any
 
 from ditfleet.model.loading.folder import read_config
 from ditfleet.model.loading.quantization import check_quantization
-from ditfleet.model.networks.transformer_config import TransformerConfig
-from ditfleet.model.networks.vae_config import VAEConfig
-from ditfleet.model.settings import DEFAULT_PIPELINE, MAX_SEQUENCE_LENGTH, Fp8Layers, Quantization
-
-from .activations import (
+from ditfleet.model.qwen_image.memory_activations import (
     dit_activation_bytes,
     image_tokens,
     text_encode_activation_bytes,
     vae_decode_activation_bytes,
     vqa_activation_bytes,
 )
-from .params import text_encoder_params, transformer_params, transformer_weight_bytes, vae_params
+from ditfleet.model.qwen_image.memory_params import (
+    text_encoder_params,
+    transformer_params,
+    transformer_weight_bytes,
+    vae_params,
+)
+from ditfleet.model.qwen_image.transformer_config import TransformerConfig
+from ditfleet.model.qwen_image.vae_config import VAEConfig
+from ditfleet.model.settings import DEFAULT_PIPELINE, MAX_SEQUENCE_LENGTH, Fp8Layers, Quantization
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 GB = 10**9  # GPU memory is quoted in decimal GB (an "80 GB" card holds at least 80e9 bytes)
@@ -217,7 +221,7 @@ def plan_memory(
     """The memory plan of generating `batch` images of height x width, run as `run` says.
 
     step_cache_tensors: image-stream tensors (N x D per image) a step cache keeps per CFG branch
-      through the whole schedule (model.generation.step_cache_config.StepCacheConfig.kept_tensors); 0: none.
+      through the whole schedule (model.step_cache_config.StepCacheConfig.kept_tensors); 0: none.
     """
     run.check()
     if batch < 1 or height % 16 or width % 16 or height < 16 or width < 16:
@@ -290,7 +294,7 @@ def _phases(
 
 
 def _fp8_transient(model: ModelMemory, run: Runtime, dit_batch: int, height: int, width: int, e: int) -> int:
-    """What the FP8 GEMMs (model.loading.fp8) hold beyond the bf16 forward's tensors at its peak (the MLP
+    """What the FP8 GEMMs (model.qwen_image.fp8) hold beyond the bf16 forward's tensors at its peak (the MLP
     down-projection): `fp8` the scaled copy's FP8 codes of its 4D-wide input, one byte per element
     (the scaled copy itself takes the freed up-projection's place); `fp8-weight-only` the largest
     weight dequantized, and its cast, for the duration of one GEMM."""

@@ -7,8 +7,8 @@ deterministic and batch-independent: an image scores the same alone or in any ba
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -32,10 +32,11 @@ class ScorerInputs:
     scorers take nothing; the model-based ones read their part, and say which setting to fix
     when it is missing."""
 
-    #: The pipeline's loaded text encoder: `vqa` asks its Qwen2.5-VL (model.networks.text_encoder).
+    #: The pipeline's loaded text encoder: `vqa` asks its Qwen2.5-VL (model.qwen_image.text_encoder).
     text_encoder: Any = None
-    #: A local folder holding a transformers CLIPModel: `clip` (a remote one is fetched first).
-    clip_model: Path | None = None
+    #: The local model folder of each scorer whose row needs a model of its own (model.quality.table
+    #: MODEL), by scorer name: `clip`'s holds a transformers CLIPModel (a remote one is fetched first).
+    models: Mapping[str, Path] = field(default_factory=dict)
     #: Where a scorer that loads its own weights (`clip`) puts them, and in what dtype.
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype = torch.float32

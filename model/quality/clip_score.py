@@ -18,16 +18,14 @@ from typing import Any
 import torch
 
 from .luma import score_each
-
-#: The job-file key that names the model, for errors.
-SETTING = "quality.clip_model"
+from .table import scorer_row
 
 
 class CLIPScore:
     """max(100 * cos(image, text), 0) per image, from a transformers CLIPModel."""
 
     name = "clip"
-    higher_is_better = True
+    higher_is_better = scorer_row(name).higher_is_better
 
     def __init__(self, model: Any, processor: Any) -> None:
         self.model, self.processor = model, processor
@@ -41,7 +39,7 @@ class CLIPScore:
             raise ImportError("the clip scorer needs `transformers`: pip install 'ditfleet[qwen]'") from e
         if not (Path(folder) / "config.json").is_file():
             raise ValueError(
-                f"{SETTING}: {folder} holds no config.json; give a folder with a transformers CLIPModel "
+                f"{scorer_row(cls.name).setting_key}: {folder} holds no config.json; give a folder with a transformers CLIPModel "
                 "(config.json, weights, tokenizer and preprocessor files), an s3:// prefix holding one, "
                 "or hf://org/name[@revision]"
             )
@@ -50,7 +48,7 @@ class CLIPScore:
             processor = CLIPProcessor.from_pretrained(str(folder), local_files_only=True)
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(
-                f"{SETTING}: cannot load a CLIP model and processor from {folder}: {e}. Give a folder "
+                f"{scorer_row(cls.name).setting_key}: cannot load a CLIP model and processor from {folder}: {e}. Give a folder "
                 "saved by CLIPModel and CLIPProcessor save_pretrained (or a hub snapshot of one)"
             ) from e
         return cls(model.to(device).eval(), processor)

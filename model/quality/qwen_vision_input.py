@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ditfleet.model.networks.qwen_vision_size import MAX_PIXELS, smart_resize
+from ditfleet.model.qwen_image.qwen_vision_size import MAX_PIXELS, smart_resize
 
 # Qwen2.5-VL's published preprocessor_config.json (Qwen/Qwen2.5-VL-7B-Instruct): OpenAI CLIP's
-# mean and std (the area bounds: model.networks.qwen_vision_size).
+# mean and std (the area bounds: model.qwen_image.qwen_vision_size).
 IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)
 IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
 

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from .luma import luma, score_each
+from .table import scorer_row
 
 
 def laplacian_variance(y: torch.Tensor) -> float:
@@ -26,7 +27,7 @@ class Sharpness:
     """Laplacian variance of the BT.601 luma in [0, 1] units, per image."""
 
     name = "sharpness"
-    higher_is_better = True
+    higher_is_better = scorer_row(name).higher_is_better
 
     def score(self, pixels: torch.Tensor, prompts: Sequence[str]) -> list[float]:
         return score_each(self.name, pixels, prompts, lambda image, _: laplacian_variance(luma(image)))

@@ -16,6 +16,7 @@ from ditfleet.model.tiny.adherence import measure
 from ditfleet.model.tiny.scenes import parse_caption
 
 from .luma import score_each
+from .table import scorer_row
 
 #: The attributes a caption states, as (the caption's field, the measurement's field).
 ATTRIBUTES = (("color", "color"), ("background", "background"), ("position", "position"),
@@ -26,7 +27,7 @@ class TinyAdherence:
     """Share of the caption's attributes measured in the image, in [0, 1] (NaN: not a caption)."""
 
     name = "tiny"
-    higher_is_better = True
+    higher_is_better = scorer_row(name).higher_is_better
 
     def score(self, pixels: torch.Tensor, prompts: Sequence[str]) -> list[float]:
         return score_each(self.name, pixels, prompts, self._one)

@@ -25,6 +25,7 @@ import torch
 
 from .luma import score_each
 from .qwen_vision_input import MAX_PIXELS, VisionLayout, vision_input
+from .table import scorer_row
 
 # The paper's question and answer (t2v_metrics' default templates), in Qwen2.5-VL's chat template
 # with its default system message.
@@ -38,7 +39,7 @@ class VQAScore:
     """P("Yes") from a transformers Qwen2_5_VLForConditionalGeneration, per image, in [0, 1]."""
 
     name = "vqa"
-    higher_is_better = True
+    higher_is_better = scorer_row(name).higher_is_better
 
     def __init__(self, model: Any, tokenizer: Any, max_pixels: int = MAX_PIXELS) -> None:
         config = model.config
@@ -59,7 +60,7 @@ class VQAScore:
 
     @classmethod
     def from_text_encoder(cls, encoder: Any) -> VQAScore:
-        """The scorer over a loaded `QwenVLTextEncoder` (model.networks.text_encoder); ValueError for an
+        """The scorer over a loaded `QwenVLTextEncoder` (model.qwen_image.text_encoder); ValueError for an
         encoder that is not a Qwen2.5-VL with its vision tower."""
         model = getattr(encoder, "model", None)
         if model is None or not hasattr(getattr(model, "config", None), "vision_config"):

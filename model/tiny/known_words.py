@@ -44,6 +44,7 @@ def unknown_words_warning(words: list[str], prompts: int, total: int) -> str:
     """One line: which words, in how many prompts, and what the model does draw."""
     shown = ", ".join(repr(w) for w in words[:8]) + (f" and {len(words) - 8} more" if len(words) > 8 else "")
     return (
-        f"{prompts} of {total} prompt{'s' if total != 1 else ''} use words the tiny model does not know "
+        f"{prompts} of {total} prompt{'s' if total != 1 else ''} {'uses' if prompts == 1 else 'use'} words "
+        "the tiny model does not know "
         f"({shown}): it draws only captions like {EXAMPLE_CAPTION!r} (docs/tiny-model.md)"
     )

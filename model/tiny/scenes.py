@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 # The resolution buckets the tiny model is trained for, as (width, height): its family's defaults.
-from ditfleet.model.family import TINY_BUCKETS  # noqa: F401 - re-exported for the recipe and the tests
+from ditfleet.model.tiny.sizes import TINY_BUCKETS  # noqa: F401 - re-exported for the recipe and the tests
 
 # Palette: far apart in RGB so that plain nearest-colour analysis tells them apart even after a
 # lossy VAE round trip. Values in [0, 1].

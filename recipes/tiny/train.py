@@ -31,9 +31,9 @@ import torch
 from safetensors.torch import save_file
 
 from ditfleet.model.generation.scheduler import SchedulerConfig
-from ditfleet.model.loading.loader import load_pipeline
-from ditfleet.model.networks.transformer import QwenImageTransformer
-from ditfleet.model.networks.vae import QwenImageVAE, load_vae, vae_state_dict_3d
+from ditfleet.model.qwen_image.loader import load_pipeline
+from ditfleet.model.qwen_image.transformer import QwenImageTransformer
+from ditfleet.model.qwen_image.vae import QwenImageVAE, load_vae, vae_state_dict_3d
 from ditfleet.model.tiny.scenes import all_scenes, split_scenes
 from ditfleet.model.tiny.text_encoder import TextEncoderConfig, TinyTextEncoder, WordTokenizer
 from recipes.tiny.data_parallel import Shard, run_data_parallel

@@ -29,7 +29,7 @@ import torch
 
 from ditfleet.model.generation.pipeline import TextToImagePipeline
 from ditfleet.model.generation.sampling import latent_grid, unpack_latents
-from ditfleet.model.networks.vae import QwenImageVAE
+from ditfleet.model.qwen_image.vae import QwenImageVAE
 from ditfleet.model.tiny.scenes import TINY_BUCKETS, Scene, render_batch, shape_geometry
 from recipes.tiny.data_parallel import SINGLE_PROCESS, Shard
 from recipes.tiny.train_vae import reconstruction_loss

@@ -42,14 +42,12 @@ import torch
 
 from ditfleet.model.generation.sampling import pack_latents
 from ditfleet.model.generation.scheduler import SchedulerConfig, shift_mu
-from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
-from ditfleet.model.networks.vae import QwenImageVAE
+from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
+from ditfleet.model.qwen_image.vae import QwenImageVAE
 from ditfleet.model.tiny.scenes import TINY_BUCKETS, Scene, render_batch, sample_batch
 from ditfleet.model.tiny.text_encoder import TinyTextEncoder
 from recipes.tiny.data_parallel import SINGLE_PROCESS, Shard
 from recipes.tiny.train_vae import lr_at
-
-NEGATIVE_PROMPT = " "
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ditfleet.model.networks.vae import QwenImageVAE, VAEConfig
+from ditfleet.model.qwen_image.vae import QwenImageVAE, VAEConfig
 from ditfleet.model.tiny.scenes import TINY_BUCKETS, Scene, render_batch, sample_batch, shape_geometry
 from recipes.tiny.data_parallel import SINGLE_PROCESS, Shard
 

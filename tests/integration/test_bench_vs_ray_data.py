@@ -18,7 +18,6 @@ from tests.support.fixtures_ray import run_own_cluster
 from tests.support.paths import REPO
 
 pytestmark = pytest.mark.slow
-REPO = REPO
 IMAGES = 8
 
 

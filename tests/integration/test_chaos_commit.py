@@ -34,7 +34,8 @@ from ditfleet.driver.plan import PlanConfig
 from ditfleet.driver.run_job import DriverConfig, claim_output, plan_input
 from ditfleet.jobs.cli import main
 from ditfleet.workers.actor import GenerationWorker
-from ditfleet.workers.output.layout import MANIFESTS_PREFIX, attempt_object, manifest_key, success_key
+from ditfleet.workers.output.formats import attempt_object
+from ditfleet.workers.output.layout import MANIFESTS_PREFIX, manifest_key, success_key
 from ditfleet.workers.storage import ObjectStore, open_store
 from ditfleet.workers.storage.parquet_bytes import read_parquet
 from tests.support.worker_fixtures import finish_like_driver, row_config, worker_config, write_prompts

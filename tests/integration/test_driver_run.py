@@ -190,3 +190,16 @@ def test_progress_bar_on_a_terminal_and_status_lines_without_one(tmp_path):
     progress = JobProgress(10, 50, stream=plain, interactive=False, status_every_s=0)
     progress.tick(DispatchSnapshot(3, 2, 5, 0, 1, 0.0))
     assert "\r" not in plain.getvalue() and "progress: [" in plain.getvalue()
+
+
+def test_fewer_shards_than_actors_is_said_naming_shards_size(tmp_path):
+    """4 rows in shards of 5 for 2 actors: one shard, one actor with nothing to run, said once."""
+    write_prompts(tmp_path / "prompts.parquet", 4)
+    driver, worker = configs(tmp_path)
+    log = io.StringIO()
+    summary = run_job(driver, worker, worker_cls=SleepingWorker, stream=log, interactive=False)
+    assert summary.exit_code == 0
+    assert (
+        "warning: 1 shard for up to 2 actors: 1 actor has nothing to run (a shard runs on one actor). "
+        "shards.size is 5 rows; shards.size: 2 (or less) gives every actor a shard."
+    ) in log.getvalue()

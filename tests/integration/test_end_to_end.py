@@ -34,7 +34,6 @@ from tests.support.paths import REPO
 from tests.support.worker_fixtures import write_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
-REPO = REPO
 
 
 def write_job(path: Path, model_dir: Path, prompts: Path, output: str, **sections: str) -> Path:
@@ -73,7 +72,7 @@ def test_200_rows_to_s3_every_row_once_with_status(random_model_dir, s3_server, 
     assert main(["run", str(job)]) == 0
     printed = capsys.readouterr()
     assert "job succeeded" in printed.err
-    assert f"report: ditfleet report {uri} --html report.html" in printed.out
+    assert f"report: ditfleet report {uri}  (one HTML page, report.html" in printed.out
 
     # The report reads an s3:// output through the same store.
     page = tmp_path / "report.html"

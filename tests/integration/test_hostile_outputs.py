@@ -33,14 +33,10 @@ from ditfleet.driver.plan import PlanConfig
 from ditfleet.driver.run_job import DriverConfig, plan_input, run_job
 from ditfleet.jobs.cli import main
 from ditfleet.model.loading.folder import TINY_MODEL_DIR
-from ditfleet.workers.output.layout import (
-    data_key,
-    image_key,
-    manifest_key,
-    new_attempt_token,
-    success_key,
-    webdataset_key,
-)
+from ditfleet.workers.output.formats.files import image_key
+from ditfleet.workers.output.formats.parquet import data_key
+from ditfleet.workers.output.formats.webdataset import webdataset_key
+from ditfleet.workers.output.layout import manifest_key, new_attempt_token, success_key
 from ditfleet.workers.output.manifest import MANIFEST_SCHEMA
 from ditfleet.workers.storage import open_store
 from ditfleet.workers.storage.parquet_bytes import read_parquet
@@ -368,7 +364,7 @@ def test_a_resume_with_a_lora_or_scheduler_config_replaced_at_the_same_path_is_r
     bytes at the same path are refused by the driver's claim and by the actor, naming the file."""
     import dataclasses
 
-    from ditfleet.model.loading.lora import LoraSpec
+    from ditfleet.model.qwen_image.lora import LoraSpec
     from ditfleet.workers.actor import GenerationWorker
     from ditfleet.workers.storage import S3Config
     from ditfleet.workers.weights.digest import model_identity

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ditfleet.model import load_pipeline
-from ditfleet.model.loading.lora import LoraError, LoraSpec
+from ditfleet.model.qwen_image.lora import LoraError, LoraSpec
 from tests.unit.model.test_lora import LIGHTNING_SCHEDULER, _bad, write_kohya_lora
 
 

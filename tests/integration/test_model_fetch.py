@@ -34,7 +34,6 @@ from ditfleet.workers.weights.node_cache import MARKER, REQUIRED_FILES, file_dig
 from tests.support.fault_proxy import FaultPlan, Rule
 from tests.support.paths import REPO
 
-REPO = REPO
 PREFIX = "models/tiny-v1"
 VAE = "vae/diffusion_pytorch_model.safetensors"
 CHECKSUMS = {
@@ -407,7 +406,7 @@ def test_the_verifier_rejects_a_damaged_copy(random_model_dir, tmp_path):
 
 def test_a_local_directory_passes_through(random_model_dir, tmp_path, s3_config):
     from ditfleet.model import model_revision
-    from ditfleet.model.loading.loader import REQUIRED_COMPONENTS
+    from ditfleet.model.qwen_image.loader import REQUIRED_COMPONENTS
 
     assert set(REQUIRED_FILES) == set(REQUIRED_COMPONENTS)
     for src in (str(random_model_dir), f"file://{random_model_dir}"):

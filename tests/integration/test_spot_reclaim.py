@@ -18,7 +18,8 @@ import pytest
 from ditfleet.driver.dispatch import DispatchConfig
 from ditfleet.driver.plan import PlanConfig
 from ditfleet.driver.run_job import DriverConfig, run_job
-from ditfleet.workers.output.layout import IMAGES_PREFIX, MANIFESTS_PREFIX, manifest_key
+from ditfleet.workers.output.formats.files import OBJECTS as IMAGES
+from ditfleet.workers.output.layout import MANIFESTS_PREFIX, manifest_key
 from ditfleet.workers.output.manifest import read_manifests
 from ditfleet.workers.storage import open_store
 from ditfleet.workers.storage.parquet_bytes import read_parquet
@@ -52,14 +53,14 @@ def _sigterm_mid_shard(out: Path, found: dict, deadline_s: float = 240) -> None:
             pid = int(table.column("worker")[0].as_py().split(":")[1])  # host:pid:actor
         if pid is not None:
             committed = {k for k in store.list(MANIFESTS_PREFIX)}
-            for key in store.list(IMAGES_PREFIX):
+            for key in store.list(IMAGES.area):
                 shard = int(key.split("/")[1])
                 if shard > 0 and manifest_key(shard) not in committed:
                     os.kill(pid, signal.SIGTERM)
                     found.update(
                         pid=pid,
                         shard=shard,
-                        images_before=len(list(store.list(f"{IMAGES_PREFIX}{shard:05d}/"))),
+                        images_before=len(list(store.list(IMAGES.prefix(shard)))),
                     )
                     return
         time.sleep(0.02)

@@ -6,7 +6,7 @@ import hashlib
 
 from ditfleet.workers.actor import GenerationWorker
 from ditfleet.workers.output.formats import ImageTask, ShardWriterConfig, make_shard_writer
-from ditfleet.workers.output.layout import webdataset_key
+from ditfleet.workers.output.formats.webdataset import webdataset_key
 from ditfleet.workers.storage import open_store
 from tests.support.worker_fixtures import shard_of, worker_config
 from tests.unit.workers.test_webdataset_writer import (

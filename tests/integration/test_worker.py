@@ -10,7 +10,8 @@ import pytest
 
 from ditfleet.workers.actor import GenerationWorker
 from ditfleet.workers.output.formats import ShardStoreError
-from ditfleet.workers.output.layout import data_key, manifest_key
+from ditfleet.workers.output.formats.parquet import data_key
+from ditfleet.workers.output.layout import manifest_key
 from ditfleet.workers.output.manifest import read_manifests
 from ditfleet.workers.storage import StoreError, open_store
 from ditfleet.workers.storage.parquet_bytes import read_parquet

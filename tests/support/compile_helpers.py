@@ -42,7 +42,7 @@ def velocity(
 
 def perturbed_vae(model_dir: Path, seed: int = 1):
     """The model's VAE loaded again as a new object, with every weight nudged (other outputs)."""
-    from ditfleet.model.networks.vae import load_vae
+    from ditfleet.model.qwen_image.vae import load_vae
 
     vae = load_vae(Path(model_dir) / "vae")
     g = torch.Generator().manual_seed(seed)

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import pyarrow.fs as pafs
 
 from ditfleet.workers.contract import ShardAbandoned, ShardResult, WorkerConfig
-from ditfleet.workers.output.layout import image_key, manifest_key, new_attempt_token
+from ditfleet.workers.output.formats.files import image_key
+from ditfleet.workers.output.layout import manifest_key, new_attempt_token
 from ditfleet.workers.output.manifest import ManifestRow, ManifestWriter
 from ditfleet.workers.rows import read_shard_rows
 from ditfleet.workers.storage import open_store

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import time
 from typing import Any
 
 ROWS_SEED = 7
@@ -70,11 +71,16 @@ def in_process(todo, worker_cls, args, config, events, keep_results=False):
     """The driver's dispatch, in this process: each shard once, attempt 0, reported to the
     driver's dispatch events as an actor's would be (the driver's `after_dispatch_start` pause
     point is one of them)."""
+    from ditfleet.driver.dispatch.types import DispatchResult, DispatchStats
+
     worker = worker_cls(*args)
+    started = time.monotonic()
     for shard in todo:
         events.shard_started(shard, 0, worker.worker_id, False)
         events.shard_committed(shard, worker.run_shard(shard, 0))
-    return None
+    wall_s = time.monotonic() - started
+    # No actor was started (this process ran the shards), so the driver's fence has none to wait for.
+    return DispatchResult([], [], DispatchStats(), wall_s, wall_s, wall_s, committed=len(todo), actors=[])
 
 
 def run(spec: dict[str, Any]) -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ditfleet.model.networks.text_encoder import QWEN_IMAGE_TEMPLATE
+from ditfleet.model.qwen_image.text_encoder import QWEN_IMAGE_TEMPLATE
 from tests.support.paths import DATA
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -5,6 +5,8 @@ Every module of the five packages is parsed with `ast` (nothing is imported). A 
   written: at module level, under `if TYPE_CHECKING:` or inside a function (a lazy import is
   still a dependency);
 - an import in model/ of anything but torch, safetensors, the standard library and model itself;
+- an import inside model/ against model/'s own order (MODEL_ORDER: settings, loading, the
+  families' networks, the shared machinery, the families' faces, the face's table);
 - an import cycle between our modules. Only imports that run when a module is loaded count
   here: module level, including `try`/`if` blocks, but not `if TYPE_CHECKING:` and not imports
   inside functions or methods (they run after both modules are loaded, so they cannot meet a
@@ -36,7 +38,7 @@ MODEL_MAY_IMPORT = {"torch", "safetensors", "model"}
 MODEL_OPTIONAL_IMPORTS = {
     # The published Qwen2.5-VL text encoder is transformers' model (the `qwen` extra); the
     # tiny model's own text encoder needs nothing.
-    ("model/networks/text_encoder.py", "transformers"),
+    ("model/qwen_image/text_encoder.py", "transformers"),
     # The clip scorer loads transformers' CLIPModel (quality.clip_model), only when asked for.
     ("model/quality/clip_score.py", "transformers"),
 }
@@ -58,6 +60,50 @@ NOT_INSTALLED = ("recipes", "bench", "tests")
 DEFERRED_CYCLES: set[frozenset[str]] = set()
 
 
+# model/'s own order, lowest first: a module imports only modules of its own unit or of a unit
+# before it (function-level and TYPE_CHECKING imports too). A unit is a sub-folder or a top-level
+# module of model/. A family folder (one with a family.py) is two units: its networks, LoRA key
+# map, FP8 and memory formula below the shared machinery (memory plan, sampling loop, scorers),
+# its face and assembly (FAMILY_FACE) above it, where the face's table (model/family.py) reads them.
+MODEL_ORDER: tuple[tuple[str, ...], ...] = (
+    ("lazy_exports", "family_types", "knobs", "step_cache_config"),
+    ("settings",),
+    ("loading",),
+    ("tiny",),
+    ("<family>",),
+    ("memory",),
+    ("generation",),
+    ("quality",),
+    ("<family face>",),
+    ("family",),
+    ("__init__",),
+)
+FAMILY_FACE = ("family", "loader")
+
+
+def family_folders() -> set[str]:
+    return {p.parent.name for p in (ROOT / "model").glob("*/family.py")}
+
+
+def model_unit(module: str) -> str:
+    """The unit of MODEL_ORDER a module of model/ belongs to ("generation", "<family>", ...)."""
+    rest = module.split(".")[2:]
+    if not rest:
+        return "__init__"
+    if rest[0] in family_folders():
+        return "<family face>" if len(rest) > 1 and rest[1] in FAMILY_FACE else "<family>"
+    return rest[0]
+
+
+def model_rank(module: str) -> int:
+    unit = model_unit(module)
+    ranks = [i for i, units in enumerate(MODEL_ORDER) if unit in units]
+    assert ranks, (
+        f"{module}: its unit {unit!r} has no place in MODEL_ORDER (tests/unit/test_layering.py); add it"
+    )
+    return ranks[0]
+
+
 @dataclass(frozen=True)
 class Import:
     source: str  # the importing module, e.g. "ditfleet.driver.plan"
@@ -67,7 +113,7 @@ class Import:
 
 
 def module_name(path: Path) -> str:
-    """The import name of one of our files: model/loading/loader.py is ditfleet.model.loading.loader."""
+    """The import name of one of our files: model/qwen_image/loader.py is ditfleet.model.qwen_image.loader."""
     parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join((PACKAGE, *(parts[:-1] if parts[-1] == "__init__" else parts)))
 
@@ -215,6 +261,44 @@ def test_no_upward_import():
     assert not upward, "upward imports:\n" + "\n".join(upward)
 
 
+def model_back_imports(edges: list[Import]) -> list[str]:
+    return [
+        f"{e.where}: {e.source} ({model_unit(e.source)}) imports {e.target} ({model_unit(e.target)}), "
+        "which comes after it in MODEL_ORDER"
+        for e in edges
+        if top_name(e.source) == top_name(e.target) == "model" and model_rank(e.target) > model_rank(e.source)
+    ]
+
+
+def test_no_model_import_runs_back_up_model_order():
+    edges, _ = all_imports()
+    for module in our_modules():
+        if top_name(module) == "model":
+            model_rank(module)  # every module of model/ has its place
+    back = model_back_imports(edges)
+    assert not back, "imports inside model/ against its order:\n" + "\n".join(back)
+
+
+def test_the_model_order_check_sees_a_back_import():
+    def edge(a: str, b: str) -> Import:
+        return Import(a, b, f"{a}.py:1", False)
+
+    assert model_unit("ditfleet.model.qwen_image.transformer") == "<family>"
+    assert model_unit("ditfleet.model.qwen_image.family") == "<family face>"
+    assert (
+        model_back_imports([edge("ditfleet.model.generation.pipeline", "ditfleet.model.memory.plan")]) == []
+    )
+    back = model_back_imports(
+        [
+            edge("ditfleet.model.loading.folder", "ditfleet.model.qwen_image.loader"),  # loading <-> networks
+            edge("ditfleet.model.tiny.scenes", "ditfleet.model.family"),  # tiny -> family
+            edge("ditfleet.model.settings", "ditfleet.model.generation.pipeline"),  # settings <-> generation
+            edge("ditfleet.model.qwen_image.vae", "ditfleet.model.generation.scheduler"),
+        ]
+    )
+    assert len(back) == 4 and "(loading) imports ditfleet.model.qwen_image.loader (<family face>)" in back[0]
+
+
 @pytest.mark.slow
 def test_model_imports_only_torch_safetensors_and_the_standard_library():
     _, every = all_imports()
@@ -338,7 +422,7 @@ def test_installed_code_imports_nothing_that_is_not_installed():
 @pytest.mark.slow
 def test_the_layers_import_nothing_from_ditfleet_testing():
     """ditfleet.testing holds the builders tests/ and bench/ share: what a job or the node
-    self-test runs never imports it (the published configs it reads are `model.published`)."""
+    self-test runs never imports it (the published configs it reads are `model.qwen_image.published`)."""
     testing = f"{PACKAGE}.testing"
     bad = [
         f"{path.relative_to(ROOT).as_posix()}:{line}: imports {module}"

@@ -8,9 +8,10 @@ string constant (docstrings aside: prose may describe the model) that is Qwen-Im
   tree of a `QwenImageTransformer` built on the meta device (`transformer_blocks`, `img_mod`,
   `attn.to_q`, ...), the attributes its transformer, blocks and attention set, the methods those
   classes define (`attention_inputs`, ...) and the transformer config's keys;
-- the classes model/networks/transformer.py defines;
-- the family constants of model/family.py (`QWEN_IMAGE_BUCKETS`, `TINY_BUCKETS`, `QWEN_IMAGE`,
-  ...), which only model/ names; above it a family is reached through `model_family(...)`.
+- the classes model/qwen_image/transformer.py defines;
+- the constants of every family module, model/<family>/family.py (`QWEN_IMAGE_BUCKETS`,
+  `TINY_BUCKETS`, `QWEN_IMAGE`, `QwenImageFamily`, ...), which only model/ names; above it a family
+  is reached through `model_family(...)`.
 
 A string constant counts when it holds such a name as a word ("transformer_blocks.{index}" or a
 getattr name), so a name cannot come back disguised as text.
@@ -26,9 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import ditfleet.model.family as family_module
-import ditfleet.model.networks.transformer as transformer_module
-from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
+import ditfleet.model.qwen_image.transformer as transformer_module
+from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
 from tests.support.paths import REPO
 
 ABOVE_MODEL = ("compile", "workers", "driver", "jobs", "ditfleet")
@@ -94,22 +94,28 @@ def _defined_classes(module) -> set[str]:
     return {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
 
 
+def family_modules() -> list[Path]:
+    """Every family's module: model/<family>/family.py (one folder per family)."""
+    return sorted((REPO / "model").glob("*/family.py"))
+
+
 def _family_constants() -> set[str]:
-    """Module-level constants of model/family.py that are one family's (not the face's types)."""
-    tree = ast.parse(Path(family_module.__file__).read_text())
+    """Module-level constants of each family module (model/<family>/family.py, the names it defines
+    or imports) that are one family's, not the face's types; and its family classes."""
     names = set()
-    for node in tree.body:
-        targets = (
-            node.targets
-            if isinstance(node, ast.Assign)
-            else [node.target]
-            if isinstance(node, ast.AnnAssign)
-            else []
-        )
-        names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    for path in family_modules():
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if isinstance(node, ast.Assign):
+                names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names.add(node.target.id)
+            elif isinstance(node, ast.ImportFrom):
+                names |= {a.asname or a.name for a in node.names}
+            elif isinstance(node, ast.ClassDef) and node.name.endswith("Family"):
+                names.add(node.name)
     # A bare TINY is left out: "tiny" is a model path the spec names (and a common local name).
-    qwen = {n for n in names if n.startswith(("QWEN_", "_")) or n.endswith("_BUCKETS")}
-    return qwen | {"QwenImageFamily"}
+    return {n for n in names if n.startswith(("QWEN_", "_")) or n.endswith(("_BUCKETS", "Family"))}
 
 
 FORBIDDEN = frozenset(_dit_names() | _defined_classes(transformer_module) | _family_constants())
@@ -173,6 +179,12 @@ def test_the_forbidden_list_is_read_off_the_model():
     assert {"attention_outputs", "attention_stats", "joint_attention_dim"} <= FORBIDDEN
     assert {"QWEN_IMAGE_BUCKETS", "TINY_BUCKETS", "QwenImageTransformer"} <= FORBIDDEN
     assert not FORBIDDEN & set(GENERIC)
+
+
+def test_every_family_folder_has_a_family_module_read_here():
+    """A family is a folder of model/ with its family.py; each one's constants are forbidden above."""
+    assert "qwen_image" in [p.parent.name for p in family_modules()]
+    assert {"QWEN_IMAGE", "QWEN_IMAGE_COMPILE_REGIONS", "QwenImageFamily", "TINY_BUCKETS"} <= FORBIDDEN
 
 
 def test_the_check_catches_each_way_of_naming():

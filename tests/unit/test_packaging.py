@@ -46,6 +46,6 @@ def test_the_wheel_builds_quietly_and_carries_the_data(tmp_path):
         "ditfleet/model/tiny/weights/tokenizer/vocab.json",
         "ditfleet/jobs/examples/prompts.parquet",
         "ditfleet/jobs/examples/tiny.yaml",
-        "ditfleet/model/published/qwen-image/transformer/config.json",
+        "ditfleet/model/qwen_image/published/qwen-image/transformer/config.json",
     ):
         assert data in names, data

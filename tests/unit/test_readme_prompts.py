@@ -77,7 +77,7 @@ def test_a_prompt_with_unknown_words_gets_one_line_naming_them(caplog):
         )
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "\n" not in lines[0], lines
-    assert lines[0].startswith("1 of 2 prompts use words the tiny model does not know ('purple', 'dragon')")
+    assert lines[0].startswith("1 of 2 prompts uses words the tiny model does not know ('purple', 'dragon')")
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="ditfleet.model.generation.pipeline"):
         pipe.generate(
@@ -105,4 +105,4 @@ def test_validate_names_unknown_words_of_a_tiny_job(tmp_path, capsys, job):
     path.write_text(f"input: {{path: {tmp_path / 'p.parquet'}}}\noutput: {{uri: {tmp_path / 'out'}}}\n")
     assert main(["validate", str(path)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[-1].startswith("warning: 1 of 2 prompts use words the tiny model does not know ('cat')"), out
+    assert out[-1].startswith("warning: 1 of 2 prompts uses words the tiny model does not know ('cat')"), out

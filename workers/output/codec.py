@@ -74,6 +74,13 @@ def to_uint8_hwc(image: Any) -> np.ndarray:
     raise ImageEncodeError(f"cannot encode an image of dtype {array.dtype}")
 
 
+def to_pil(images: Any) -> list[Image.Image]:
+    """Pipeline output as PIL images: (B, 3, H, W) or (3, H, W) in [0, 1] -> one RGB image each,
+    the pixels a job stores (the conversion above)."""
+    batch = images if len(images.shape) == 4 else images[None]
+    return [Image.fromarray(to_uint8_hwc(image), "RGB") for image in batch]
+
+
 def encode_image(
     image: Any,
     fmt: str = "png",

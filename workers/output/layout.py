@@ -3,10 +3,8 @@
 ```
 {out}/_job.json                                     job_key()
 {out}/_SUCCESS                                      success_key()
-{out}/images/{shard:05d}/{attempt}/{id}[_{k}].{ext} image_key(shard, attempt, id, k, ext)
-{out}/data/shard-{shard:05d}-{attempt}.parquet      data_key(shard, attempt)
-{out}/webdataset/shard-{shard:05d}-{attempt}.tar    webdataset_key(shard, attempt)
-    members {key}.{ext} and {key}.json              webdataset_sample_key(id, k)
+{out}/{area}shard-{shard:05d}-{attempt}{suffix}    ShardObjects(area, suffix).key(shard, attempt)
+{out}/{area}{shard:05d}/{attempt}/{name}           ShardObjects(area).key(shard, attempt, name)
 {out}/manifests/shard-{shard:05d}.parquet           manifest_key(shard)
 {out}/manifests/shard-{shard:05d}.redo-{g}.parquet  manifest_key(shard, g)  (a redo: supersedes the lower generations)
 {out}/_runs/{run:05d}.json                          run_key(run)  (incremental jobs: one per run)
@@ -14,6 +12,11 @@
 {out}/_lease/{generation:08d}.json                  lease_key(generation)  (the driver that owns the output)
 {out}/_superseded/{key}                             superseded_key(key)  (a superseded generation's manifest and objects)
 ```
+
+The two ShardObjects lines are the shapes an output format's objects take: each format module
+(workers/output/formats/) declares its area and suffix (e.g. "files": images/{shard}/{attempt}/
+{id}[_{k}].{ext}, one object per image named by `image_file_name`; "parquet": data/shard-...
+.parquet), and the registry there finds any format's objects by them.
 
 Keys are relative to the output root and always use "/" as separator; stores join them to
 their root. Ids from the input go through `safe_key_component`, so no input can address an
@@ -23,14 +26,14 @@ Attempt-scoped objects. `{attempt}` is an attempt token, "a{n}-{16 hex}" for a s
 generation and "r{g}-a{n}-{16 hex}" for a redo's generation g (`new_attempt_token`): the
 generation the run commits, the attempt number and 64 random bits drawn by the worker each time
 it starts a shard. So every object's key says which manifest key decides its fate
-(`attempt_object(key).generation`, `manifest_key(shard, generation)`). Every
+(`ShardObjects.match(key).generation`, `manifest_key(shard, generation)`). Every
 object a run of a shard writes (images, data file, tar) has its run's token in its key, so two
 runs of a shard never write the same key, whatever they generate: a speculative twin, a
 straggler after a kill, or a retry after an OOM split (whose pixels differ at rounding level)
 writes next to the others, never over them. Only the manifest key is shared, and it is written
 create-only: the first run to commit names its own objects, and no later write can change them.
 The objects of every other run of a committed shard are orphans no manifest names
-(`attempt_object`, `attempt_prefixes` find them; driver.output.orphans holds the one rule that
+(workers.output.formats `attempt_object`, `attempt_prefixes` find them; driver.output.orphans holds the one rule that
 deletes them).
 
 A superseded generation (a redo committed a higher one) is moved, manifest and objects, under
@@ -47,14 +50,10 @@ import math
 import re
 import secrets
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
-IMAGES_PREFIX = "images/"
-DATA_PREFIX = "data/"
-WEBDATASET_PREFIX = "webdataset/"
 MANIFESTS_PREFIX = "manifests/"
-TMP_PREFIX = "_tmp/"
 RUNS_PREFIX = "_runs/"
 LEASE_PREFIX = "_lease/"
 SUPERSEDED_PREFIX = "_superseded/"
@@ -64,10 +63,6 @@ SCORES_PREFIX = "scores/"
 ImageFormat = Literal["png", "webp", "jpeg"]
 IMAGE_FORMATS: tuple[ImageFormat, ...] = typing.get_args(ImageFormat)
 IMAGE_EXTENSIONS = {"png": "png", "webp": "webp", "jpeg": "jpg"}
-# The output formats a job may name, each with its own area of keys (below); the registry in
-# workers.output.formats maps each to its writer and reader.
-FormatName = Literal["files", "parquet", "webdataset"]
-FORMAT_NAMES: tuple[FormatName, ...] = typing.get_args(FormatName)
 
 # A component plus "_{k}.{ext}" must fit a file name (255 bytes on common filesystems) and
 # leave room in S3's 1024-byte key for the output prefix.
@@ -83,9 +78,9 @@ _TOKEN = re.compile(r"^[0-9a-f]{1,64}$")
 _ATTEMPT = r"(?:r[1-9]\d{0,8}-)?a\d{1,6}-[0-9a-f]{16}"
 _ATTEMPT_TOKEN = re.compile(f"^{_ATTEMPT}$")
 _TOKEN_GENERATION = re.compile(r"^r([1-9]\d{0,8})-")
-_IMAGE_OBJECT = re.compile(rf"^{IMAGES_PREFIX}(\d{{5,}})/({_ATTEMPT})/[^/]+$")
-_DATA_OBJECT = re.compile(rf"^{DATA_PREFIX}shard-(\d{{5,}})-({_ATTEMPT})\.parquet$")
-_WEBDATASET_OBJECT = re.compile(rf"^{WEBDATASET_PREFIX}shard-(\d{{5,}})-({_ATTEMPT})\.tar$")
+# An output format's area ("images/") and its one object's suffix (".parquet"): ShardObjects.
+_AREA = re.compile(r"^[a-z][a-z0-9_-]*/$")
+_SUFFIX = re.compile(r"^\.[a-z0-9]+(?:\.[a-z0-9]+)*$")
 # Kept as is: ASCII letters, digits, "-" and "." (a leading "." is escaped so that no component
 # is "." or "..", or a hidden file). Everything else, "_" (the k separator) and "~" (the escape
 # character) included, becomes "~XX" per UTF-8 byte.
@@ -140,7 +135,8 @@ def _shard(shard: int) -> str:
     return f"{_whole(shard, 'a shard index must be an int >= 0'):05d}"
 
 
-def _k_suffix(k: int | None) -> str:
+def k_suffix(k: int | None) -> str:
+    """ "_{k}" for an image index k, "" for None (a row's only image): the tail of its names."""
     return "" if k is None else f"_{_whole(k, 'image index k must be an int >= 0 or None')}"
 
 
@@ -172,20 +168,9 @@ def _attempt(token: str) -> str:
     return token
 
 
-def image_key(shard: int, attempt: str, id_: str | int, k: int | None, ext: str) -> str:
-    """Key of one image in the "files" format: images/{shard:05d}/{attempt}/{id}[_{k}].{ext}.
-
-    attempt: the run's token (`new_attempt_token`). k is the image's index within its row; pass
-    k=None when the row asks for one image (the common case) so that the file name is just the
-    id, see `image_index_in_key`.
-    """
-    if ext not in IMAGE_EXTENSIONS.values():
-        raise ValueError(f"image extension {ext!r} is not one of {sorted(IMAGE_EXTENSIONS.values())}")
-    return f"{IMAGES_PREFIX}{_shard(shard)}/{_attempt(attempt)}/{safe_key_component(id_)}{_k_suffix(k)}.{ext}"
-
-
 def image_index_in_key(k: int, num_images: int) -> int | None:
-    """The k that goes into `image_key`: None for a row's only image, else k itself.
+    """The k that goes into an image's file name (`image_file_name`): None for a row's only
+    image, else k itself.
 
     Collision-free because `safe_key_component` escapes "_": "{id}_{k}" of one row can never
     equal the escaped id of another.
@@ -194,18 +179,12 @@ def image_index_in_key(k: int, num_images: int) -> int | None:
 
 
 def image_file_name(id_: str | int, k: int | None, ext: str) -> str:
-    """The last component of `image_key` (used as the `path` of an embedded image)."""
-    return image_key(0, "a0-0000000000000000", id_, k, ext).rsplit("/", 1)[1]
-
-
-def data_key(shard: int, attempt: str) -> str:
-    """Key of a shard's data file in the "parquet" format, written by the run `attempt`."""
-    return f"{DATA_PREFIX}shard-{_shard(shard)}-{_attempt(attempt)}.parquet"
-
-
-def webdataset_key(shard: int, attempt: str) -> str:
-    """Key of a shard's tar in the "webdataset" format, written by the run `attempt`."""
-    return f"{WEBDATASET_PREFIX}shard-{_shard(shard)}-{_attempt(attempt)}.tar"
+    """An image's file name, {id}[_{k}].{ext}: its object's last key component in the "files"
+    format, the `path` of an embedded image in the "parquet" format. k as `image_index_in_key`
+    gives it (None for a row's only image)."""
+    if ext not in IMAGE_EXTENSIONS.values():
+        raise ValueError(f"image extension {ext!r} is not one of {sorted(IMAGE_EXTENSIONS.values())}")
+    return f"{safe_key_component(id_)}{k_suffix(k)}.{ext}"
 
 
 @dataclass(frozen=True)
@@ -218,34 +197,60 @@ class AttemptObject:
     generation: int = 0
 
 
-def attempt_object(key: str) -> AttemptObject | None:
-    """The shard, attempt token and generation of an image, data file or tar key made by this
-    layout; None for any other key (outputs of earlier versions had keys without a token)."""
-    for pattern in (_IMAGE_OBJECT, _DATA_OBJECT, _WEBDATASET_OBJECT):
-        match = pattern.match(key)
-        if match:
-            token = match.group(2)
-            return AttemptObject(int(match.group(1)), token, token_generation(token))
-    return None
+@dataclass(frozen=True)
+class ShardObjects:
+    """Where an output format keeps the objects one run of a shard writes, as its module declares
+    it: under `area` (a folder of its own, e.g. "data/"), either one object per run,
+    {area}shard-{shard:05d}-{attempt}{suffix}, or with no suffix a folder per run holding one
+    object per image, {area}{shard:05d}/{attempt}/{name}. Either way every key carries the run's
+    attempt token, and `match` reads shard, token and generation back from it."""
 
+    area: str
+    suffix: str | None = None
+    _pattern: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
-def attempt_prefixes(shard: int) -> tuple[str, ...]:
-    """Key prefixes under which every run of `shard` writes its objects, for every format."""
-    s = _shard(shard)
-    return (f"{IMAGES_PREFIX}{s}/", f"{DATA_PREFIX}shard-{s}-", f"{WEBDATASET_PREFIX}shard-{s}-")
+    def __post_init__(self) -> None:
+        if not _AREA.match(self.area) or self.area.startswith("_") or self.area == MANIFESTS_PREFIX:
+            raise ValueError(
+                f"an output format's area is a lower-case folder such as 'data/', got {self.area!r}"
+            )
+        if self.suffix is not None and not _SUFFIX.match(self.suffix):
+            raise ValueError(f"an output format's object suffix looks like '.parquet', got {self.suffix!r}")
+        rest = "/[^/]+" if self.suffix is None else re.escape(self.suffix)
+        sep = "/" if self.suffix is None else "-"
+        start = "" if self.suffix is None else "shard-"
+        pattern = re.compile(rf"^{re.escape(self.area)}{start}(\d{{5,}}){sep}({_ATTEMPT}){rest}$")
+        object.__setattr__(self, "_pattern", pattern)
 
+    @property
+    def per_image(self) -> bool:
+        """Whether each image is an object of its own, named after its row's id (a folder per run):
+        ids that a store folds to one name would then name one object (driver.output.case_fold)."""
+        return self.suffix is None
 
-def webdataset_sample_key(id_: str | int, k: int | None) -> str:
-    """The sample key of one image inside a WebDataset tar: members are "{key}.{ext}" and
-    "{key}.json". k as in `image_key` (None for a row's only image).
+    def key(self, shard: int, attempt: str, name: str | None = None) -> str:
+        """Key of the object run `attempt` of `shard` writes; `name`: the object's file name in a
+        folder per run (image_file_name), None for the one object per run."""
+        if (name is None) != (self.suffix is not None) or (name is not None and "/" in name):
+            raise ValueError(
+                f"{self.area}: a folder per run takes an object name without '/', one object per run none"
+            )
+        if self.suffix is not None:
+            return f"{self.prefix(shard)}{_attempt(attempt)}{self.suffix}"
+        return f"{self.prefix(shard)}{_attempt(attempt)}/{name}"
 
-    WebDataset readers split a member name into key and extension at the *first* dot of its
-    base name, so the key must contain none: "." is escaped as "~2E", the same escape
-    `safe_key_component` gives a leading dot. Every byte outside [A-Za-z0-9-] is then escaped,
-    so distinct ids still give distinct keys; "_" is escaped too, so the "_{k}" suffix cannot
-    make one row's key equal another's. A shortened (hashed) component stays unique by its hash.
-    """
-    return safe_key_component(id_).replace(".", "~2E") + _k_suffix(k)
+    def prefix(self, shard: int) -> str:
+        """The prefix every run of `shard` writes its objects under (no other shard's objects)."""
+        return f"{self.area}{_shard(shard)}/" if self.suffix is None else f"{self.area}shard-{_shard(shard)}-"
+
+    def match(self, key: str) -> AttemptObject | None:
+        """Shard, attempt token and generation of an object key of this format; None for any
+        other key (outputs of earlier versions had keys without a token)."""
+        found = self._pattern.match(key)
+        if found is None:
+            return None
+        token = found.group(2)
+        return AttemptObject(int(found.group(1)), token, token_generation(token))
 
 
 def manifest_key(shard: int, generation: int = 0) -> str:
@@ -351,8 +356,3 @@ def job_key() -> str:
 
 def success_key() -> str:
     return "_SUCCESS"
-
-
-def write_check_key(token: str) -> str:
-    """Key of the probe object `check_writable` writes and deletes again."""
-    return f"{TMP_PREFIX}write-check-{safe_key_component(token)}"

@@ -30,6 +30,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ditfleet.model.quality.table import SCORER_NAMES, SCORERS
 from ditfleet.workers.output.layout import (
     MANIFESTS_PREFIX,
     manifest_key,
@@ -110,28 +111,11 @@ class ManifestRow:
     batch_size: int | None = _col(
         pa.int32(), "images per batch of the actor that made this image (its GPU's fit)", None
     )
-    # The scores of workers.scorers (one column per scorer of model.quality, score_{name}), taken on
-    # the actor from the stored pixels; null when the job did not ask for that scorer, when the
-    # image failed, or when the scorer cannot judge it (tiny off its caption template).
-    score_sharpness: float | None = _col(
-        pa.float64(), "variance of the Laplacian of the image's luma (quality.scorers: sharpness)", None
-    )
-    score_tiny: float | None = _col(
-        pa.float64(),
-        "share of the caption's attributes the tiny model's check reads back (quality.scorers: tiny)",
-        None,
-    )
-    score_vqa: float | None = _col(
-        pa.float64(),
-        "probability the model's Qwen2.5-VL answers Yes to 'does this figure show the prompt' "
-        "(quality.scorers: vqa)",
-        None,
-    )
-    score_clip: float | None = _col(
-        pa.float64(),
-        "CLIP score: 100 x cosine of the image and prompt embeddings, at least 0 (quality.scorers: clip)",
-        None,
-    )
+    # The scores of workers.scorers, by scorer name: one column score_{name} per scorer of
+    # model.quality.table, in its order, taken on the actor from the stored pixels; null when the job
+    # did not ask for that scorer, when the image failed, or when the scorer cannot judge it (tiny
+    # off its caption template).
+    scores: Mapping[str, float | None] = field(default_factory=dict, metadata={"scores": True})
     # quality.gate (workers.quality_gate); null without a gate. The tries' scores and seeds are
     # JSON lists in try order (a null score: that try failed or could not be judged), text rather
     # than list columns so every reader and the compacted set's digests take them as they are;
@@ -163,7 +147,10 @@ class ManifestRow:
             problems.append("an ok row needs uri, sha256 and bytes")
         elif self.status == "failed" and not self.error:
             problems.append("a failed row needs an error message")
+        problems += _score_problems(self.scores)
         for f in dataclasses.fields(self):
+            if f.metadata.get("scores"):
+                continue
             value = getattr(self, f.name)
             if value is None:
                 if not f.metadata["nullable"]:
@@ -184,12 +171,45 @@ class ManifestRow:
             raise ValueError(f"manifest row id={self.id!r} k={self.k!r}: " + "; ".join(problems))
 
 
+def _score_problems(scores: Mapping[str, Any]) -> list[str]:
+    problems = [
+        f"scores: {name!r} is no scorer of model.quality.table" for name in scores if name not in SCORER_NAMES
+    ]
+    return problems + [
+        f"score_{name} must be a number, got {v!r}"
+        for name, v in scores.items()
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)))
+    ]
+
+
+def _columns() -> list[tuple[str, pa.DataType, bool, str, Any]]:
+    """(name, type, nullable, doc, value of a row) of every manifest column, in order: a field of
+    ManifestRow each, and its `scores` one score_{name} per scorer of the table."""
+    out: list[tuple[str, pa.DataType, bool, str, Any]] = []
+    for f in dataclasses.fields(ManifestRow):
+        if f.metadata.get("scores"):
+            out += [
+                (s.manifest_column, pa.float64(), True, s.column_doc, lambda r, n=s.name: r.scores.get(n))
+                for s in SCORERS
+            ]
+        else:
+            out.append(
+                (
+                    f.name,
+                    f.metadata["arrow"],
+                    f.metadata["nullable"],
+                    f.metadata["doc"],
+                    lambda r, n=f.name: getattr(r, n),
+                )
+            )
+    return out
+
+
+_COLUMNS = _columns()
 MANIFEST_SCHEMA = pa.schema(
     [
-        pa.field(
-            f.name, f.metadata["arrow"], nullable=f.metadata["nullable"], metadata={"doc": f.metadata["doc"]}
-        )
-        for f in dataclasses.fields(ManifestRow)
+        pa.field(name, kind, nullable=nullable, metadata={"doc": doc})
+        for name, kind, nullable, doc, _ in _COLUMNS
     ],
     metadata={"ditfleet.manifest_version": MANIFEST_VERSION},
 )
@@ -235,7 +255,7 @@ def passthrough_json(values: Mapping[str, Any]) -> str | None:
 
 def manifest_table(rows: list[ManifestRow]) -> pa.Table:
     """Rows -> a table with exactly MANIFEST_SCHEMA (also when every value of a column is null)."""
-    columns = {f.name: [getattr(r, f.name) for r in rows] for f in dataclasses.fields(ManifestRow)}
+    columns = {name: [value(r) for r in rows] for name, _, _, _, value in _COLUMNS}
     return pa.Table.from_pydict(columns, schema=MANIFEST_SCHEMA)
 
 

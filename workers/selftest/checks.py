@@ -17,11 +17,10 @@ from ditfleet.model.generation.pipeline import TextToImagePipeline
 from ditfleet.model.generation.sampling import latent_grid, model_timestep
 from ditfleet.model.generation.scheduler import sigma_schedule
 from ditfleet.model.memory import GB
-from ditfleet.model.networks.transformer import QwenImageTransformer
-from ditfleet.model.networks.vae import QwenImageVAE, save_vae
-from ditfleet.model.published import PUBLISHED
+from ditfleet.model.qwen_image.transformer import QwenImageTransformer
+from ditfleet.model.qwen_image.vae import QwenImageVAE, save_vae
 from ditfleet.workers.selftest.parts import (
-    PUBLISHED_MODEL,
+    FAMILY,
     diffusers_version,
     dit_inputs,
     free,
@@ -95,9 +94,9 @@ def write_slice(ctx: Context, root: Path) -> Path:
     """The hub layout at the slice's depth: transformer shards + index, the VAE in diffusers' 3D
     layout, the published scheduler; random weights, no text encoder."""
     root.mkdir(parents=True, exist_ok=True)
-    shutil.copy(PUBLISHED / PUBLISHED_MODEL / "model_index.json", root / "model_index.json")
+    shutil.copy(FAMILY.published_dir / "model_index.json", root / "model_index.json")
     (root / "scheduler").mkdir(exist_ok=True)
-    shutil.copy(PUBLISHED / PUBLISHED_MODEL / "scheduler" / "scheduler_config.json", root / "scheduler")
+    shutil.copy(FAMILY.published_dir / "scheduler" / "scheduler_config.json", root / "scheduler")
     cfg = transformer_config(ctx, ctx.args.slice_blocks)
     shard_bytes = 2**20 if ctx.tiny else 512 * 2**20
     write_random_transformer(root / "transformer", cfg.to_dict(), shard_bytes)
@@ -117,7 +116,7 @@ def slice_pipe(ctx: Context) -> TextToImagePipeline:
     pipe = ctx.state.get("slice_pipe")
     if pipe is not None:
         return pipe
-    from ditfleet.model.loading.loader import load_pipeline
+    from ditfleet.model.qwen_image.loader import load_pipeline
 
     root = slice_root(ctx)
     if not (root / "model_index.json").exists():
@@ -336,7 +335,7 @@ def sdpa_speed(ctx: Context) -> None:
         raise StageSkipped("not on CPU: the fused SDPA kernels are CUDA's")
     from torch.nn.attention import sdpa_kernel
 
-    from ditfleet.model.networks.attention_backend import _backend
+    from ditfleet.model.generation.attention_backend import _backend
 
     cfg = transformer_config(ctx, 1)
     h, w = latent_grid(sizes(ctx)[0], sizes(ctx)[0])

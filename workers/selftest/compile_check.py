@@ -13,8 +13,8 @@ from ditfleet.compile.config import CompileConfig
 from ditfleet.compile.counting import compile_count
 from ditfleet.compile.policy import CompileReport, apply_compile
 from ditfleet.model.generation.sampling import latent_grid
-from ditfleet.model.networks.transformer import QwenImageTransformer
-from ditfleet.model.networks.vae import QwenImageVAE
+from ditfleet.model.qwen_image.transformer import QwenImageTransformer
+from ditfleet.model.qwen_image.vae import QwenImageVAE
 from ditfleet.workers.selftest.checks import slice_pipe
 from ditfleet.workers.selftest.parts import free, sizes, sync
 from ditfleet.workers.selftest.runner import Context, stage

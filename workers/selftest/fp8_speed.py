@@ -67,7 +67,7 @@ def fp8_forward(ctx: Context) -> None:
 
 
 def _gemm_scales(model: torch.nn.Module, device: torch.device) -> dict[str, int]:
-    """How many of the FP8 model's layers run each way here (model.loading.fp8: rowwise, tensorwise
+    """How many of the FP8 model's layers run each way here (model.qwen_image.fp8: rowwise, tensorwise
     where the kernel refuses row-wise scales, weight-only)."""
     counts: dict[str, int] = {}
     for m in model.modules():

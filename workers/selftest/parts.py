@@ -1,5 +1,5 @@
 """What the self-test's stages share: the model's configs at the run's widths (the published ones,
-model/published), weights made on the device or written as the hub's shards, timing and FLOP
+model/qwen_image/published), weights made on the device or written as the hub's shards, timing and FLOP
 counts."""
 
 from __future__ import annotations
@@ -19,20 +19,21 @@ from typing import TypeVar
 import torch
 from safetensors.torch import save_file
 
+from ditfleet.model.family import DEFAULT_FAMILY
 from ditfleet.model.generation.sampling import LATENT_CHANNELS, latent_grid
-from ditfleet.model.loading.fp8 import check_device, quantize_model
 from ditfleet.model.loading.quantization import QuantizationError, fp8_keep
 from ditfleet.model.loading.weights import on_meta
-from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
-from ditfleet.model.networks.vae import QwenImageVAE
-from ditfleet.model.networks.vae_config import VAEConfig
-from ditfleet.model.published import published_config
+from ditfleet.model.qwen_image.fp8 import check_device, quantize_model
+from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
+from ditfleet.model.qwen_image.vae import QwenImageVAE
+from ditfleet.model.qwen_image.vae_config import VAEConfig
 from ditfleet.model.settings import DEFAULT_PIPELINE, Fp8Layers, Quantization
 from ditfleet.workers.selftest.runner import Context
 
 log = logging.getLogger("ditfleet.selftest")
 
-PUBLISHED_MODEL = "qwen-image"
+# The family whose published widths the self-test measures: its configs and costs are the family's.
+FAMILY = DEFAULT_FAMILY
 TINY_TRANSFORMER = TransformerConfig(
     num_layers=4,
     num_attention_heads=2,
@@ -49,15 +50,13 @@ TINY_VAE = VAEConfig(base_dim=16, z_dim=16, dim_mult=(1, 2, 4, 4), num_res_block
 def transformer_config(ctx: Context, layers: int) -> TransformerConfig:
     if ctx.tiny:
         return dataclasses.replace(TINY_TRANSFORMER, num_layers=layers)
-    return TransformerConfig.from_dict(
-        {**published_config(PUBLISHED_MODEL, "transformer/config.json"), "num_layers": layers}
-    )
+    return TransformerConfig.from_dict(FAMILY.published_config("transformer/config.json", layers))
 
 
 def vae_config(ctx: Context) -> VAEConfig:
     if ctx.tiny:
         return TINY_VAE
-    return VAEConfig.from_dict(published_config(PUBLISHED_MODEL, "vae/config.json"))
+    return VAEConfig.from_dict(FAMILY.published_config("vae/config.json"))
 
 
 def sizes(ctx: Context) -> list[int]:
@@ -200,14 +199,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
-def forward_flops(cfg: TransformerConfig, batch: int, img_tokens: int, txt_tokens: int) -> float:
-    """FLOPs (2 per multiply-add) of one DiT forward: block linears, attention, modulation, embeds."""
-    D, T = cfg.inner_dim, img_tokens + txt_tokens
-    linear = 2 * T * (4 * D * D + 2 * 4 * D * D)  # q, k, v, out + the 4x MLP, both streams together
-    attention = 2 * 2 * T * T * D
-    modulation = 2 * 2 * D * 6 * D
-    embed = 2 * (img_tokens * cfg.in_channels * D + txt_tokens * cfg.joint_attention_dim * D)
-    return float(batch * (cfg.num_layers * (linear + attention + modulation) + embed))
+def forward_flops(cfg: TransformerConfig, size: int, text_len: int) -> float:
+    """FLOPs of one DiT forward of one size x size image, as the family states its cost."""
+    return FAMILY.forward_flops(cfg.to_dict(), size, size, text_len)
 
 
 def dit_inputs(cfg: TransformerConfig, size: int, text_len: int, batch: int, device, dtype, seed: int = 0):

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch.nn.functional as F
 
-from ditfleet.model.networks.attention_backend import sdpa_choice
+from ditfleet.model.generation.attention_backend import sdpa_choice
 
 
 class SdpaRecorder:

@@ -19,10 +19,10 @@ from ditfleet.compile.policy import CompileReport, apply_compile
 from ditfleet.model.generation.pipeline import Generation, GuidanceInputs, Sampling, TextToImagePipeline
 from ditfleet.model.generation.sampling import euler_step, true_cfg
 from ditfleet.model.generation.scheduler import SchedulerConfig
-from ditfleet.model.generation.step_cache_config import PRESETS, StepCacheConfig
 from ditfleet.model.memory import GB, ModelMemory, Runtime, plan_memory, vae_decode_activation_bytes
-from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
-from ditfleet.model.networks.vae import QwenImageVAE
+from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
+from ditfleet.model.qwen_image.vae import QwenImageVAE
+from ditfleet.model.step_cache_config import PRESETS, StepCacheConfig
 from ditfleet.workers.selftest.compile_check import compile_config
 from ditfleet.workers.selftest.parts import (
     dit_inputs,
@@ -94,7 +94,7 @@ def dit_eager(ctx: Context) -> None:
             base = torch.cuda.memory_allocated(ctx.device)
         with torch.no_grad():
             ms = timed_ms(ctx, functools.partial(call, model), repeat=ctx.args.repeat)
-        flops = forward_flops(cfg, 1, N, text_len)
+        flops = forward_flops(cfg, size, text_len)
         line: dict[str, Any] = {
             "status": "measured",
             "size": f"{size}x{size}",
@@ -424,7 +424,7 @@ def compiled_forward_line(ctx: Context, model, size: int, report, compiles_befor
         first_s = time.perf_counter() - t0
         cache = {k: v - cache_before.get(k, 0) for k, v in _fx_cache_counts().items()}
         ms = timed_ms(ctx, lambda: call(model), repeat=ctx.args.repeat, warm=0)
-    flops = forward_flops(cfg, 1, N, ctx.args.text_len)
+    flops = forward_flops(cfg, size, ctx.args.text_len)
     eager = ctx.state.get("eager_ms", {}).get(size)
     ctx.state.setdefault("compiled_ms", {})[size] = ms
     line = {

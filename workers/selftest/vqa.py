@@ -1,7 +1,7 @@
 """The self-test's `vqa` line: the VQAScore of one image at the main size (model.quality.vqa) on a
 Qwen2.5-VL of the published layout cut to a few layers, against one DiT step at the same size.
 
-The published text encoder config (model/published) with its language model cut to
+The published text encoder config (model/qwen_image/published) with its language model cut to
 `LLM_LAYERS` decoder layers and its vision tower to `VISION_DEPTH` blocks (the last a
 full-attention one, as every eighth block of the published 32 is); `--tiny`: toy widths with the
 published patching (patch 14, merge 2, two frames). Random weights, made on the device. The
@@ -16,11 +16,10 @@ from typing import Any
 
 import torch
 
-from ditfleet.model.networks.text_encoder import QwenVLTextEncoder
-from ditfleet.model.published import published_config
 from ditfleet.model.quality.vqa import QUESTION, VQAScore
+from ditfleet.model.qwen_image.text_encoder import QwenVLTextEncoder
 from ditfleet.workers.selftest import speed  # noqa: F401 - registers images_per_hour, which this line follows
-from ditfleet.workers.selftest.parts import PUBLISHED_MODEL, sizes, sync, timed_ms
+from ditfleet.workers.selftest.parts import FAMILY, sizes, sync, timed_ms
 from ditfleet.workers.selftest.runner import Context, StageSkipped, stage
 
 LLM_LAYERS = 2
@@ -46,7 +45,7 @@ def encoder_config(
     """Qwen2.5-VL's config: the published one cut to `llm_layers` and `vision_depth`, or toy widths."""
     if tiny:
         return {"text_config": TINY_TEXT, "vision_config": TINY_VISION, **TINY_TOKENS}
-    config = published_config(PUBLISHED_MODEL, "text_encoder/config.json")
+    config = FAMILY.published_config("text_encoder/config.json")
     text = {**config["text_config"], "num_hidden_layers": llm_layers}
     text["layer_types"] = text["layer_types"][:llm_layers]
     vision = {**config["vision_config"], "depth": vision_depth, "fullatt_block_indexes": [vision_depth - 1]}

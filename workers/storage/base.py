@@ -15,11 +15,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import IO, Literal, TypeVar
 
-from ditfleet.model.settings import setting
+from ditfleet.model.knobs import bounded, check_settings, setting
 
 _MiB = 1024 * 1024
 
 AddressingStyle = Literal["auto", "path", "virtual"]
+# botocore's request_checksum_calculation and response_checksum_validation values.
+ChecksumWhen = Literal["when_required", "when_supported"]
 
 # Temporary files of the local store start with this; `list` hides them and keys may not use it.
 _TMP_MARK = ".ditfleet-tmp-"
@@ -72,18 +74,21 @@ class S3Config:
     )
     # "when_required": do not add the CRC checksums newer botocore sends by default, which many
     # S3-compatible servers reject. Content-MD5 is sent on every upload instead.
-    request_checksum_calculation: str = "when_required"
-    response_checksum_validation: str = "when_required"
+    request_checksum_calculation: ChecksumWhen = "when_required"
+    response_checksum_validation: ChecksumWhen = "when_required"
     multipart_threshold: int = 64 * _MiB  # objects of at least this size go up in parts
-    multipart_chunksize: int = 16 * _MiB  # part size (S3 requires >= 5 MiB for all but the last)
-    multipart_concurrency: int = 4  # parts of one object in flight at once
-    connect_timeout_s: float = 10.0
-    read_timeout_s: float = 60.0
-    max_pool_connections: int = 32  # >= the upload threads that share one client
+    # Part size: S3 requires >= 5 MiB for every part but the last.
+    multipart_chunksize: int = bounded(16 * _MiB, ge=5 * _MiB)
+    multipart_concurrency: int = bounded(4, ge=1)  # parts of one object in flight at once
+    connect_timeout_s: float = bounded(10.0, gt=0)
+    read_timeout_s: float = bounded(60.0, gt=0)
+    max_pool_connections: int = bounded(32, ge=1)  # >= the upload threads that share one client
     addressing_style: AddressingStyle = setting(
         "auto", description="'path' for most S3-compatible servers (bucket in the path, not the host name)."
     )
-    list_page_size: int = 1000  # keys per LIST request (S3's maximum; some servers allow fewer)
+    list_page_size: int = bounded(
+        1000, ge=1, le=1000
+    )  # keys per LIST request (S3's maximum; some servers allow fewer)
     # A store without conditional writes (501 to If-None-Match) is refused unless the user vouches
     # that one writer at a time uses the output: create-only writes then fall back to HEAD + PUT.
     single_writer: bool = setting(
@@ -95,33 +100,12 @@ class S3Config:
     )
 
     def __post_init__(self) -> None:
-        checks = [
-            (self.max_attempts >= 1, "max_attempts must be >= 1"),
-            (
-                self.request_checksum_calculation in ("when_required", "when_supported"),
-                "request_checksum_calculation must be 'when_required' or 'when_supported'",
-            ),
-            (
-                self.response_checksum_validation in ("when_required", "when_supported"),
-                "response_checksum_validation must be 'when_required' or 'when_supported'",
-            ),
-            (self.multipart_chunksize >= 5 * _MiB, "multipart_chunksize must be >= 5 MiB (an S3 rule)"),
-            (
-                self.multipart_threshold >= self.multipart_chunksize,
-                "multipart_threshold must be >= multipart_chunksize",
-            ),
-            (self.multipart_concurrency >= 1, "multipart_concurrency must be >= 1"),
-            (self.connect_timeout_s > 0 and self.read_timeout_s > 0, "timeouts must be > 0"),
-            (self.max_pool_connections >= 1, "max_pool_connections must be >= 1"),
-            (1 <= self.list_page_size <= 1000, "list_page_size must be in 1..1000"),
-            (
-                self.addressing_style in ("auto", "path", "virtual"),
-                "addressing_style must be 'auto', 'path' or 'virtual'",
-            ),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(f"S3Config: {message} (got {self!r})")
+        check_settings(self)  # every field's type and bounds
+        if self.multipart_threshold < self.multipart_chunksize:
+            raise ValueError(
+                f"S3Config.multipart_threshold must be >= multipart_chunksize, got {self.multipart_threshold} "
+                f"< {self.multipart_chunksize}"
+            )
 
 
 def check_key(key: str) -> str:
@@ -142,6 +126,19 @@ def check_key(key: str) -> str:
     if bad:
         raise ValueError(f"object key {key!r} {bad}; build keys with workers.output.layout")
     return key
+
+
+# Where a store's probe objects go: `_`-prefixed like the output's other internal keys, which the
+# readers the docs show skip, so a probe a crash left behind is never read as data.
+PROBE_PREFIX = "_tmp/"
+
+
+def write_check_key(token: str) -> str:
+    """Key of the probe object `check_writable` writes and deletes again: _tmp/write-check-{token}
+    (token: hex digits, a uuid4's)."""
+    if not token or any(c not in "0123456789abcdef" for c in token):
+        raise ValueError(f"a write-check token is lower-case hex digits, got {token!r}")
+    return f"{PROBE_PREFIX}write-check-{token}"
 
 
 class ObjectStore(abc.ABC):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+from typing import NamedTuple
 from urllib.parse import urlparse
 
 import pyarrow as pa
@@ -91,15 +92,18 @@ _NOT_PARQUET_HINT = (
 STREAM_BUFFER_BYTES = 4 * 1024 * 1024
 
 
-def open_parquet(filesystem: pafs.FileSystem, uri: str, stream: bool = False) -> pq.ParquetFile:
+def open_parquet(
+    filesystem: pafs.FileSystem, uri: str, stream: bool = False, metadata: pq.FileMetaData | None = None
+) -> pq.ParquetFile:
     """Open `uri` for reading its footer and row groups. Call .close() (or use `with`) when done.
 
     stream: fetch column data as it is decoded (STREAM_BUFFER_BYTES at a time) instead of whole
     column chunks up front; for reading a part of a row group.
+    metadata: the footer, read before (read_footer): not read again.
     """
     buffering = {"pre_buffer": False, "buffer_size": STREAM_BUFFER_BYTES} if stream else {}
     try:
-        return pq.ParquetFile(fs_path(uri), filesystem=filesystem, **buffering)
+        return pq.ParquetFile(fs_path(uri), filesystem=filesystem, metadata=metadata, **buffering)
     except FileNotFoundError as e:
         raise InputFileError(
             uri, "file not found", "Check the input path, and that the file was not moved"
@@ -115,11 +119,27 @@ def open_parquet(filesystem: pafs.FileSystem, uri: str, stream: bool = False) ->
         ) from e
 
 
-def largest_row_group(filesystem: pafs.FileSystem, uri: str) -> int:
-    """Rows in the file's largest row group (0 for an empty file); reads the footer only."""
-    with open_parquet(filesystem, uri) as pf:
-        meta = pf.metadata
-        return max((meta.row_group(g).num_rows for g in range(meta.num_row_groups)), default=0)
+def largest_row_group(metadata: pq.FileMetaData) -> int:
+    """Rows in the largest row group a footer lists (0 for an empty file)."""
+    return max((metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)), default=0)
+
+
+class ParquetFooter(NamedTuple):
+    """A file's footer, read once: what it says and the sha256 of its bytes (`footer_sha256`)."""
+
+    metadata: pq.FileMetaData
+    sha256: str
+
+
+def read_footer(filesystem: pafs.FileSystem, uri: str) -> ParquetFooter:
+    """The file's footer, parsed, with its sha256, from one or two small reads."""
+    footer = _footer_bytes(filesystem, uri)
+    framed = _PARQUET_MAGIC + footer + struct.pack("<I", len(footer)) + _PARQUET_MAGIC
+    try:
+        metadata = pq.read_metadata(pa.BufferReader(framed))
+    except (pa.ArrowInvalid, OSError) as e:
+        raise InputFileError(uri, f"not a Parquet file ({str(e).strip()})", _NOT_PARQUET_HINT) from e
+    return ParquetFooter(metadata, hashlib.sha256(footer).hexdigest())
 
 
 def footer_sha256(filesystem: pafs.FileSystem, uri: str) -> str:
@@ -128,7 +148,17 @@ def footer_sha256(filesystem: pafs.FileSystem, uri: str) -> str:
     The footer changes whenever the data is rewritten, so with the file size it identifies the
     content without reading all of it.
     """
-    with filesystem.open_input_file(fs_path(uri)) as f:
+    return hashlib.sha256(_footer_bytes(filesystem, uri)).hexdigest()
+
+
+def _footer_bytes(filesystem: pafs.FileSystem, uri: str) -> bytes:
+    try:
+        f = filesystem.open_input_file(fs_path(uri))
+    except FileNotFoundError as e:
+        raise InputFileError(
+            uri, "file not found", "Check the input path, and that the file was not moved"
+        ) from e
+    with f:
         size = f.size()
         if size < 12:
             raise InputFileError(uri, f"not a Parquet file (only {size} bytes)", _NOT_PARQUET_HINT)
@@ -140,5 +170,4 @@ def footer_sha256(filesystem: pafs.FileSystem, uri: str) -> str:
         (footer_len,) = struct.unpack("<I", tail[:4])
         if footer_len > size - 12:
             raise InputFileError(uri, "not a Parquet file (footer length past the start)", _NOT_PARQUET_HINT)
-        footer = f.read_at(footer_len, size - 8 - footer_len)
-    return hashlib.sha256(footer).hexdigest()
+        return f.read_at(footer_len, size - 8 - footer_len)

@@ -13,7 +13,6 @@ import uuid
 from collections.abc import Iterator
 from typing import IO
 
-from ditfleet.workers.output.layout import write_check_key
 from ditfleet.workers.storage.base import (
     _COPY_CHUNK,
     _TMP_MARK,
@@ -25,6 +24,7 @@ from ditfleet.workers.storage.base import (
     StoreError,
     check_key,
     fsync_dir,
+    write_check_key,
 )
 
 
@@ -228,6 +228,10 @@ class LocalStore(ObjectStore):
                 f"cannot write under {self.root} ({e.strerror or e}): check the path and its "
                 "permissions, or choose another output"
             ) from e
+        # The probe's folder (_tmp/) holds nothing else: leave no empty folder in the output. A
+        # folder another driver's probe is in right now is not empty, and stays.
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(self._path(probe)))
 
 
 @contextlib.contextmanager

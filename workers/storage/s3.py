@@ -35,7 +35,6 @@ from botocore.exceptions import (
     PartialCredentialsError,
 )
 
-from ditfleet.workers.output.layout import write_check_key
 from ditfleet.workers.storage.base import (
     _COPY_CHUNK,
     ObjectNotFound,
@@ -44,6 +43,7 @@ from ditfleet.workers.storage.base import (
     StoreConfigError,
     StoreError,
     check_key,
+    write_check_key,
 )
 
 log = logging.getLogger(__name__)
@@ -168,6 +168,13 @@ class S3Store(ObjectStore):
     def _multipart(
         self, key: str, f: IO[bytes], size: int, content_type: str | None, **complete: Any
     ) -> None:
+        """Upload `size` bytes of `f` as one object in parts, by hand rather than through boto3's
+        managed transfer (upload_fileobj), which `copy` does use: the managed upload sends no
+        Content-MD5 with its parts (at most a CRC checksum, and none under
+        request_checksum_calculation: when_required, which S3-compatible stores without CRC
+        support need), so a part damaged on the way could be stored; here every part carries
+        one, as every PUT does. And the upload is aborted on any error, the caller's
+        KeyboardInterrupt included, with at most `multipart_concurrency` parts in memory."""
         full = self._key(key)
         create: dict[str, Any] = {"Bucket": self.bucket, "Key": full}
         if content_type:

@@ -230,7 +230,7 @@ def _base_identity(source: str, cache_dir: str | Path | None, s3: Any) -> ModelI
         client = make_s3_client(s3)
         endpoint = s3.endpoint_url or str(client.meta.endpoint_url)
         return etag_identity(list_s3_model(client, bucket, prefix, uri, endpoint, s3.list_page_size))
-    from ditfleet.model.loading.folder import resolve_model_dir
+    from ditfleet.model.family import resolve_model_dir
 
     path = parsed.path if parsed.scheme == "file" else source
     return local_identity(resolve_model_dir(path), cache_dir)

@@ -42,7 +42,7 @@ MARKER = ".complete"
 _MARKER_FORMAT = 1
 _HASH_CHUNK = 8 * 1024 * 1024
 # What a model folder must hold before anything is downloaded. The component names are
-# model.loading.loader.REQUIRED_COMPONENTS (a test keeps the two equal); not imported from there because
+# model.qwen_image.loader.REQUIRED_COMPONENTS (a test keeps the two equal); not imported from there because
 # that would pull torch into every fetch process.
 REQUIRED_FILES: dict[str, tuple[str, ...]] = {
     "transformer": ("config.json",),

@@ -113,7 +113,7 @@ def test_dit_mode_by_device_and_fp8_gemms():
 
 @pytest.mark.parametrize(("mode", "scaled"), [("fp8", True), ("fp8-weight-only", False)])
 def test_runs_scaled_gemms_reads_the_quantized_dit(random_model_dir, mode, scaled):
-    from ditfleet.model.loading.fp8 import quantize_model, runs_scaled_gemms
+    from ditfleet.model.qwen_image.fp8 import quantize_model, runs_scaled_gemms
 
     pipe = load_pipeline(random_model_dir, load_text_encoder_too=False)
     assert runs_scaled_gemms(pipe.transformer) is False

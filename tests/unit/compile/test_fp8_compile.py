@@ -10,7 +10,7 @@ import torch
 
 from ditfleet.compile import CompileConfig, WarmupRuns, apply_compile, count_compiles, warm_up
 from ditfleet.model import load_pipeline
-from ditfleet.model.loading.fp8 import Fp8Linear
+from ditfleet.model.qwen_image.fp8 import Fp8Linear
 from tests.support.compile_helpers import SMALL_BUCKETS, generate
 from tests.unit.compile.test_dit_compile import _inputs
 

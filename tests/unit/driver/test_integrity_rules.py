@@ -16,14 +16,9 @@ from ditfleet.driver.output.settle import settle_older
 from ditfleet.driver.output.success import SuccessStale, put_success, success_file
 from ditfleet.driver.output.supersede import supersede_pending
 from ditfleet.testing.outputs import manifest_row, put_image
-from ditfleet.workers.output.layout import (
-    attempt_object,
-    image_key,
-    manifest_key,
-    new_attempt_token,
-    superseded_key,
-    token_generation,
-)
+from ditfleet.workers.output.formats import attempt_object
+from ditfleet.workers.output.formats.files import image_key
+from ditfleet.workers.output.layout import manifest_key, new_attempt_token, superseded_key, token_generation
 from ditfleet.workers.output.manifest import (
     MANIFEST,
     MANIFEST_SCHEMA,

@@ -27,14 +27,13 @@ from ditfleet.model.memory import (
     vae_decode_activation_bytes,
     vae_params,
 )
-from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
-from ditfleet.model.networks.vae import QwenImageVAE, VAEConfig
-from ditfleet.model.published import PUBLISHED as ALL_PUBLISHED
+from ditfleet.model.qwen_image.published import PUBLISHED as ALL_PUBLISHED
+from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
+from ditfleet.model.qwen_image.vae import QwenImageVAE, VAEConfig
 from tests.support.memory_measure import peak_allocated_bytes
 from tests.support.paths import REPO
 
 PUBLISHED = ALL_PUBLISHED / "qwen-image"
-REPO = REPO
 # Measured peaks must be within this of the estimate (the estimate follows tensor lifetimes in
 # our forward passes; what is left is allocator rounding and small temporaries).
 TOLERANCE = 0.10

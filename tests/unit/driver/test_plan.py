@@ -35,7 +35,6 @@ from ditfleet.workers.rows import (
 from ditfleet.workers.storage.input_files import InputFileError, filesystem_for
 from tests.support.paths import REPO
 
-REPO = REPO
 ROWS = RowConfig(job_seed=1234, buckets=default_buckets("tiny"), steps=4, true_cfg_scale=3.0)
 LOCAL = filesystem_for("/")
 
@@ -413,3 +412,36 @@ def test_bench_script_prints_one_json_line(tmp_path: Path):
     result = json.loads(lines[0])
     assert result["bench"] == "driver_plan" and result["rows"] == 20000 and result["shards"] == 40
     assert result["plan_s"] > 0 and result["plan_peak_rss_mb"] >= result["rss_before_plan_mb"] > 0
+
+
+def test_planning_reads_each_footer_once(tmp_path: Path, monkeypatch):
+    """The scan's one footer read gives the plan the files' identities (footer sha256) and their
+    row groups' sizes, and the row pass opens each file with it: no footer is read again."""
+    from ditfleet.workers.storage import input_files
+
+    for name in ("a", "b", "c"):
+        write(
+            tmp_path / "in" / f"{name}.parquet",
+            {"prompt": [f"{name}{i}" for i in range(40)]},
+            row_group_size=40,
+        )
+    reads: list[str] = []
+    footer_bytes, parquet_file = input_files._footer_bytes, pq.ParquetFile
+
+    def counted_footer(filesystem, uri):
+        reads.append(uri)
+        return footer_bytes(filesystem, uri)
+
+    def counted_open(source, *args, metadata=None, **kwargs):
+        if metadata is None:  # pyarrow reads the footer itself
+            reads.append(str(source))
+        return parquet_file(source, *args, metadata=metadata, **kwargs)
+
+    monkeypatch.setattr(input_files, "_footer_bytes", counted_footer)
+    monkeypatch.setattr(pq, "ParquetFile", counted_open)
+    plan = plan_of(tmp_path / "in", shard_size=4)
+    assert sorted(reads) == sorted(str(tmp_path / "in" / f"{n}.parquet") for n in "abc")
+    monkeypatch.undo()
+    for identity in plan.inputs:  # what reading the footer on its own gives
+        assert identity.footer_sha256 == input_files.footer_sha256(LOCAL, identity.uri)
+    assert plan.warnings == () and plan.total_rows == 120

@@ -19,14 +19,10 @@ from ditfleet.driver.plan import PlanConfig
 from ditfleet.driver.run_job import DriverConfig, claim_output, plan_input
 from ditfleet.jobs.cli import main
 from ditfleet.workers.actor import GenerationWorker
-from ditfleet.workers.output.layout import (
-    data_key,
-    image_key,
-    manifest_key,
-    new_attempt_token,
-    success_key,
-    webdataset_key,
-)
+from ditfleet.workers.output.formats.files import image_key
+from ditfleet.workers.output.formats.parquet import data_key
+from ditfleet.workers.output.formats.webdataset import webdataset_key
+from ditfleet.workers.output.layout import manifest_key, new_attempt_token, success_key
 from ditfleet.workers.output.manifest import MANIFEST_SCHEMA
 from ditfleet.workers.storage import open_store
 from ditfleet.workers.storage.parquet_bytes import read_parquet

@@ -1,4 +1,4 @@
-"""The memory plan of the vqa scorer (model.memory.activations.vqa_activation_bytes): its forward
+"""The memory plan of the vqa scorer (model.qwen_image.memory_activations.vqa_activation_bytes): its forward
 against the CPU allocator's measured peak on a Qwen2.5-VL of the published widths (one decoder
 layer, one vision block, the vocabulary cut), the number it adds at Qwen-Image's size, the
 "score" phase only where the text encoder sits on the GPU, and `ditfleet plan` saying it."""
@@ -12,7 +12,7 @@ import torch
 
 from ditfleet.jobs.cli import main
 from ditfleet.model.memory import ModelMemory, Runtime, plan_memory, vqa_activation_bytes
-from ditfleet.model.memory.activations import VQA_TEMPLATE_TOKENS
+from ditfleet.model.qwen_image.memory_activations import VQA_TEMPLATE_TOKENS
 from tests.support.memory_measure import peak_allocated_bytes
 from tests.unit.driver.test_memory_plan import (
     DTYPES,

@@ -29,14 +29,16 @@ TORCH_FREE_MODEL = {
     "ditfleet.model.generation.guidance",  # the CFG rule and the default negative prompt (the spec's default)
     "ditfleet.model.lazy_exports",  # the packages' load-on-first-use attributes
     "ditfleet.model.loading.lora_spec",
-    "ditfleet.model.generation.step_cache_config",  # step-cache presets and checks (the spec validates them)
+    "ditfleet.model.step_cache_config",  # step-cache presets and checks (the spec validates them)
     "ditfleet.model.memory",
-    "ditfleet.model.memory.activations",
+    "ditfleet.model.qwen_image.memory_activations",
     "ditfleet.model.memory.disk",
-    "ditfleet.model.memory.params",
+    "ditfleet.model.qwen_image.memory_params",
     "ditfleet.model.memory.plan",
-    "ditfleet.model.networks.transformer_config",
-    "ditfleet.model.networks.vae_config",
+    "ditfleet.model.qwen_image.transformer_config",
+    "ditfleet.model.qwen_image.vae_config",
+    "ditfleet.model.quality",  # names load on first use: the table alone is read
+    "ditfleet.model.quality.table",  # the scorers, one row each (the spec's checks and choices)
 }
 
 REPORT = """

@@ -27,7 +27,7 @@ from packaging.requirements import Requirement
 
 from ditfleet.jobs.cli import build_parser
 from ditfleet.jobs.spec import load_spec
-from ditfleet.model.published import PUBLISHED
+from ditfleet.model.qwen_image.published import PUBLISHED
 from tests.support.paths import REPO
 
 ROOT = REPO

@@ -16,7 +16,7 @@ import pytest
 
 from ditfleet.jobs.spec import JobSpec, load_spec
 from ditfleet.jobs.spec.derive import fingerprint_entries
-from ditfleet.model.settings import setting
+from ditfleet.model.knobs import setting
 
 TINY_JOB = Path(__file__).resolve().parents[3] / "jobs" / "examples" / "tiny.yaml"
 

@@ -35,6 +35,7 @@ FLOAT_KEYS = {
     "workers.placement_timeout_s": "workers:\n  placement_timeout_s: {value}\n",
     "compile.claim_timeout_s": "compile:\n  claim_timeout_s: {value}\n",
     "model.loras.0.scale": "model:\n  loras:\n    - path: a.safetensors\n      scale: {value}\n",
+    "cost.gpu_hour_usd": "cost:\n  gpu_hour_usd: {value}\n",
 }
 
 

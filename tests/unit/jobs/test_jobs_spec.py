@@ -16,7 +16,8 @@ from pydantic import BaseModel
 from ditfleet.jobs.cli import main
 from ditfleet.jobs.spec import JobSpec, SpecError, load_spec, parse_spec
 from ditfleet.testing.outputs import manifest_row, put_image
-from ditfleet.workers.output.layout import image_key, job_key, new_attempt_token
+from ditfleet.workers.output.formats.files import image_key
+from ditfleet.workers.output.layout import job_key, new_attempt_token
 from ditfleet.workers.output.manifest import ManifestWriter
 from ditfleet.workers.storage import open_store
 from tests.support.paths import REPO
@@ -284,6 +285,20 @@ def test_cli_status_and_preview_read_the_output(tmp_path, capsys):
 
     assert main(["preview", str(tmp_path / "empty"), "--out", str(sheet)]) == 2
     assert "no committed ok images" in capsys.readouterr().err
+
+
+def test_preview_and_report_write_into_a_local_output_by_default(tmp_path, capsys, monkeypatch):
+    # Before: the README's commands wrote sheet.png and report.html into the current directory.
+    out = tmp_path / "out"
+    _fake_output(out, shards=2, planned=2)
+    monkeypatch.chdir(tmp_path)
+    assert main(["preview", str(out)]) == 0
+    assert capsys.readouterr().out.startswith(f"wrote {out / 'sheet.png'}: 3 images")
+    assert main(["report", str(out)]) == 0
+    assert capsys.readouterr().out.startswith(f"wrote {out / 'report.html'}: report of {out}")
+    assert Image.open(out / "sheet.png").format == "PNG"
+    assert (out / "report.html").read_text().startswith("<!DOCTYPE html>")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing beside the output
 
 
 @pytest.mark.parametrize("output_format", ["files", "parquet", "webdataset"])

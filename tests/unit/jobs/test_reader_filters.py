@@ -12,7 +12,8 @@ import pyarrow.parquet as pq
 from ditfleet.jobs.cli import main
 from ditfleet.model.quality import scorer
 from ditfleet.testing.outputs import manifest_row, put_image
-from ditfleet.workers.output.layout import image_key, manifest_key, new_attempt_token
+from ditfleet.workers.output.formats.files import image_key
+from ditfleet.workers.output.layout import manifest_key, new_attempt_token
 from ditfleet.workers.output.manifest import ManifestWriter
 from ditfleet.workers.storage import open_store
 from tests.support.paths import REPO
@@ -48,7 +49,7 @@ def _write_output(out) -> set[str]:
             1,
             stored,
             prompt=scene.caption,
-            score_sharpness=sharp,
+            scores={"sharpness": sharp},
             gate_passed=i < 2,
             gate_tries=1,
             phash=i,

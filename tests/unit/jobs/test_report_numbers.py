@@ -58,3 +58,18 @@ def test_the_header_names_name_model_steps_cfg_seed_and_step_cache():
                                                                          "seed": 0, "step_cache": "safe"}}  # fmt: skip
     assert job_header(spec) == "job tiny-shapes · model tiny · 20 steps · CFG 2 · seed 0 · step cache safe"
     assert "no _job.json" in job_header(None)
+
+
+def test_worker_bar_labels_end_inside_the_plot():
+    # Before: the longest bar left 170 px for a label of about 40 characters (some 250 px at 11 px),
+    # so the fastest worker's speed was cut off at the SVG's edge.
+    import re
+
+    from ditfleet.jobs.svg_axes import TEXT_CHAR_W
+
+    bars = worker_bars_svg({"vm:13389:b1ebc32c4766": (24, 17.6), "vm:13390:2b7a98e05bf2": (1200, 850.0)})
+    width = float(re.search(r'<svg [^>]*width="(\d+)"', bars).group(1))
+    labels = re.findall(r'<text x="([\d.]+)" y="[\d.]+">([^<]+)</text>', bars)
+    assert len(labels) == 2
+    for x, text in labels:
+        assert float(x) + TEXT_CHAR_W * len(text) <= width, (text, x, width)

@@ -21,7 +21,8 @@ from ditfleet.jobs.score import score_output, scorer_source
 from ditfleet.model.quality import ScorerInputs, scorer
 from ditfleet.model.tiny.scenes import Scene, render
 from ditfleet.testing.outputs import manifest_row, put_image
-from ditfleet.workers.output.layout import image_key, manifest_key, new_attempt_token, score_table_key
+from ditfleet.workers.output.formats.files import image_key
+from ditfleet.workers.output.layout import manifest_key, new_attempt_token, score_table_key
 from ditfleet.workers.output.manifest import ManifestWriter
 from ditfleet.workers.storage import open_store
 
@@ -209,5 +210,5 @@ def test_score_with_clip_writes_its_table_from_the_given_model(tmp_path, capsys)
     table = pq.read_table(root / score_table_key("clip", manifest_key(0))).to_pylist()
     assert [t["uri"] for t in table] == uris
     assert all(0.0 <= t["score"] <= 100.0 for t in table)
-    clip = scorer("clip", ScorerInputs(clip_model=clip_dir))
+    clip = scorer("clip", ScorerInputs(models={"clip": clip_dir}))
     assert [t["score"] for t in table] == [clip.score(_uint8(s)[None], [s.caption])[0] for s in SCENES]

@@ -19,13 +19,8 @@ from pydantic import BaseModel
 
 from ditfleet.jobs.spec import JobSpec
 from ditfleet.jobs.spec.derive import section_knobs
-from ditfleet.model.settings import (
-    BOUNDS,
-    MAX_SEQUENCE_LENGTH,
-    MAX_SEQUENCE_LENGTH_LIMIT,
-    field_default,
-    settings_fields,
-)
+from ditfleet.model.knobs import BOUNDS, field_default, settings_fields
+from ditfleet.model.settings import MAX_SEQUENCE_LENGTH, MAX_SEQUENCE_LENGTH_LIMIT
 
 
 def _sections(model: type[BaseModel] = JobSpec, prefix: str = "") -> dict[str, type[BaseModel]]:

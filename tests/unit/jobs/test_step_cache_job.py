@@ -12,7 +12,7 @@ from ditfleet.jobs.calibrate import format_calibration, wall_lag_reason
 from ditfleet.jobs.cli import main
 from ditfleet.jobs.spec import SpecError
 from ditfleet.jobs.spec.file import parse_spec
-from ditfleet.model.generation.step_cache_config import PRESETS
+from ditfleet.model.step_cache_config import PRESETS
 from tests.support.paths import REPO
 
 BASE = (REPO / "jobs" / "examples" / "tiny.yaml").read_text()

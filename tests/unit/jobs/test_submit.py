@@ -7,9 +7,6 @@ from pathlib import Path
 
 from ditfleet.jobs.cli import main
 from ditfleet.jobs.submit import MAX_ID_CHARS, entrypoint, exit_code, submission_id
-from tests.support.paths import REPO
-
-REPO = REPO
 
 
 def test_submission_ids_are_stable_safe_and_distinct():

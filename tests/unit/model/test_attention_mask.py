@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from ditfleet.model import load_pipeline
-from ditfleet.model.networks.attention import AttentionStats, TextPadding, joint_attention
-from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
+from ditfleet.model.qwen_image.attention import AttentionStats, TextPadding, joint_attention
+from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
 from ditfleet.testing.models import TINY_TRANSFORMER
 
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from ditfleet.model import load_pipeline
 from ditfleet.model.loading.weights import WeightsError
-from ditfleet.model.published import published_config
+from ditfleet.model.qwen_image.published import published_config
 from ditfleet.workers.selftest.parts import write_sharded
 
 INDEX = "diffusion_pytorch_model.safetensors.index.json"

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("transformers")
 
 from ditfleet.model.quality import ScorerInputs, scorer  # noqa: E402
-from ditfleet.workers.scorers import build_scorers, fetch_clip_model  # noqa: E402
+from ditfleet.workers.scorers import build_scorers, fetch_scorer_model  # noqa: E402
 from ditfleet.workers.storage import S3Config  # noqa: E402
 from ditfleet.workers.weights.fetch import ModelFetchError  # noqa: E402
 from tests.support.clip_model import write_clip_model  # noqa: E402
@@ -31,7 +31,7 @@ def _images(n: int, seed: int = 1) -> torch.Tensor:
 
 @pytest.mark.slow
 def test_scores_are_in_range_deterministic_and_batch_independent(clip_dir):
-    clip = scorer("clip", ScorerInputs(clip_model=clip_dir))
+    clip = scorer("clip", ScorerInputs(models={"clip": clip_dir}))
     images = _images(len(PROMPTS))
     batch = clip.score(images, PROMPTS)
     assert all(0.0 <= s <= 100.0 for s in batch)
@@ -47,7 +47,7 @@ def test_the_score_is_100_times_the_clipped_cosine(clip_dir):
 
     model = CLIPModel.from_pretrained(str(clip_dir)).eval()
     processor = CLIPProcessor.from_pretrained(str(clip_dir))
-    clip = scorer("clip", ScorerInputs(clip_model=clip_dir))
+    clip = scorer("clip", ScorerInputs(models={"clip": clip_dir}))
     images = _images(len(PROMPTS))
     for image, prompt, got in zip(images, PROMPTS, clip.score(images, PROMPTS)):
         inputs = processor(text=[prompt], images=[image], return_tensors="pt", padding=True)
@@ -61,15 +61,15 @@ def test_a_bad_model_path_names_the_setting_and_the_path(tmp_path, clip_dir):
     empty = tmp_path / "not-clip"
     empty.mkdir()
     with pytest.raises(ValueError, match=rf"quality\.clip_model: {empty} holds no config\.json"):
-        scorer("clip", ScorerInputs(clip_model=empty))
+        scorer("clip", ScorerInputs(models={"clip": empty}))
     (empty / "config.json").write_text("{}")
     with pytest.raises(ValueError, match=rf"quality\.clip_model: cannot load .* from {empty}"):
-        scorer("clip", ScorerInputs(clip_model=empty))
+        scorer("clip", ScorerInputs(models={"clip": empty}))
     with pytest.raises(ValueError, match=r"'clip' needs quality\.clip_model"):
         scorer("clip")
     # fetched as a job gives it: the folder's listing is checked before anything loads
     with pytest.raises(ModelFetchError, match=rf"quality\.clip_model: {empty} lacks \*\.safetensors"):
-        fetch_clip_model(str(empty), str(tmp_path / "cache"), S3Config())
-    assert fetch_clip_model(str(clip_dir), str(tmp_path / "cache"), S3Config()) == clip_dir
-    [built] = build_scorers(["clip"], clip_model=str(clip_dir), cache_dir=str(tmp_path / "cache"))
+        fetch_scorer_model("clip", str(empty), str(tmp_path / "cache"), S3Config())
+    assert fetch_scorer_model("clip", str(clip_dir), str(tmp_path / "cache"), S3Config()) == clip_dir
+    [built] = build_scorers(["clip"], models={"clip": str(clip_dir)}, cache_dir=str(tmp_path / "cache"))
     assert built.name == "clip"

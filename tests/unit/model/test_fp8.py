@@ -1,4 +1,4 @@
-"""FP8 DiT weights (model.loading.fp8, model.loading.quantization): the arithmetic, quantize-while-loading, LoRA
+"""FP8 DiT weights (model.qwen_image.fp8, model.loading.quantization): the arithmetic, quantize-while-loading, LoRA
 merged before quantizing, the per-forward error at published widths, host memory while loading,
 and every bad input refused by name before any weight is read."""
 
@@ -13,15 +13,6 @@ import torch
 from safetensors.torch import save_file
 
 from ditfleet.model import load_pipeline
-from ditfleet.model.loading.fp8 import (
-    FP8_DTYPE,
-    Fp8Linear,
-    Fp8Quantizer,
-    quantize_model,
-    quantize_rows,
-    quantize_weight,
-)
-from ditfleet.model.loading.lora import LoraSpec, read_lora
 from ditfleet.model.loading.quantization import (
     KEEP_IN_LOAD_DTYPE,
     QuantizationError,
@@ -30,6 +21,15 @@ from ditfleet.model.loading.quantization import (
     keeps_load_dtype,
 )
 from ditfleet.model.loading.weights import WeightsError
+from ditfleet.model.qwen_image.fp8 import (
+    FP8_DTYPE,
+    Fp8Linear,
+    Fp8Quantizer,
+    quantize_model,
+    quantize_rows,
+    quantize_weight,
+)
+from ditfleet.model.qwen_image.lora import LoraSpec, read_lora
 from ditfleet.model.tiny.adherence import measure
 from ditfleet.testing.models import load_transformer
 from ditfleet.testing.outliers import cast_inputs, forward_inputs, outlier_transformer, relative_error
@@ -165,8 +165,8 @@ def test_lora_is_merged_before_quantizing(tmp_path, random_model_dir, mode):
 
 
 def test_quantizer_hands_back_the_updates_of_kept_layers(tmp_path, random_model_dir):
-    from ditfleet.model.loading.loader import prepare_transformer
-    from ditfleet.model.loading.lora import plan_updates
+    from ditfleet.model.qwen_image.loader import prepare_transformer
+    from ditfleet.model.qwen_image.lora import plan_updates
 
     lora = write_diffusers_lora(tmp_path / "a.safetensors", seed=1)
     model, _ = prepare_transformer(random_model_dir / "transformer")
@@ -278,8 +278,8 @@ def test_fp8_checkpoint_without_scales_is_refused(tmp_path, random_model_dir):
 
 
 def test_keep_list_names_only_real_layers():
-    from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
-    from ditfleet.model.published import published_config
+    from ditfleet.model.qwen_image.published import published_config
+    from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
 
     with torch.device("meta"):
         model = QwenImageTransformer(

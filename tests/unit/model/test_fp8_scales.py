@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ditfleet.model.loading import fp8
-from ditfleet.model.loading.fp8 import Fp8Linear, gemm_support, probe_scaled_mm
 from ditfleet.model.loading.quantization import ROWWISE_MAX_K_BEFORE_CUDA13, layer_scale_kind, rowwise_max_k
+from ditfleet.model.qwen_image import fp8
+from ditfleet.model.qwen_image.fp8 import Fp8Linear, gemm_support, probe_scaled_mm
 
 REAL_KERNEL = torch._scaled_mm
 

@@ -7,15 +7,15 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ditfleet.model.networks.attention import TextPadding
-from ditfleet.model.networks.attention_backend import (
+from ditfleet.model.generation.attention_backend import (
     ATTENTION_BACKENDS,
     attention_backend,
     backend_order,
     sdpa_choice,
 )
-from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
-from ditfleet.model.networks.vae_blocks import AttentionBlock
+from ditfleet.model.qwen_image.attention import TextPadding
+from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
+from ditfleet.model.qwen_image.vae_blocks import AttentionBlock
 
 
 def test_vae_attention_hands_sdpa_dense_qkv_and_computes_what_the_strided_form_did():
@@ -125,7 +125,7 @@ def test_the_pipeline_applies_its_attention_backend(monkeypatch):
     assert PipelineSettings().attention_backend == "auto"
     with pytest.raises(ValueError):
         PipelineSettings(attention_backend="fast")
-    from ditfleet.model.loading.loader import load_pipeline
+    from ditfleet.model.qwen_image.loader import load_pipeline
 
     pipe = load_pipeline("tiny", attention_backend="cudnn", load_text_encoder_too=False)
     embeds = torch.randn(1, 3, pipe.transformer.config.joint_attention_dim)

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import save_file
 
 from ditfleet.model import load_pipeline
-from ditfleet.model.loading.lora import LoraError, LoraSpec
-from ditfleet.model.published import PUBLISHED
+from ditfleet.model.qwen_image.lora import LoraError, LoraSpec
+from ditfleet.model.qwen_image.published import PUBLISHED
 from tests.support.model_fixtures import diffusers_images, diffusers_pipeline, padded_embeds
 from tests.support.paths import REPO
 
@@ -320,8 +320,8 @@ def test_lightning_style_keys_match_the_published_full_depth_model(tmp_path):
     """Every linear layer of the 60 blocks of the published Qwen-Image transformer (built on the
     meta device), named the way the Lightning LoRA files name them (bare module names,
     lora_down/lora_up, an alpha each) and in the kohya spelling: all matched, none left over."""
-    from ditfleet.model.loading.lora import plan_updates, read_lora
-    from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
+    from ditfleet.model.qwen_image.lora import plan_updates, read_lora
+    from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
 
     published = PUBLISHED / "qwen-image" / "transformer" / "config.json"
     config = TransformerConfig.from_dict(json.loads(published.read_text()), where=str(published))

@@ -62,7 +62,7 @@ def test_transformer_matches_diffusers(tmp_path, grid, text_lens, overrides):
 def test_module_tree_mirrors_diffusers_keys(tmp_path):
     ref = _reference_transformer()
     ours = TransformerConfig.from_dict(dict(ref.config))
-    from ditfleet.model.networks.transformer import QwenImageTransformer
+    from ditfleet.model.qwen_image.transformer import QwenImageTransformer
 
     assert set(QwenImageTransformer(ours).state_dict()) == set(ref.state_dict())
     block = QwenImageTransformer(ours).transformer_blocks[0]
@@ -83,7 +83,7 @@ def test_scheduler_matches_diffusers(random_model_dir):
     from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
     from ditfleet.model.generation.scheduler import sigma_schedule
-    from ditfleet.model.loading.loader import load_scheduler
+    from ditfleet.model.qwen_image.loader import load_scheduler
 
     ref = FlowMatchEulerDiscreteScheduler.from_pretrained(random_model_dir / "scheduler")
     ours = load_scheduler(random_model_dir / "scheduler")

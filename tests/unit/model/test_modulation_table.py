@@ -10,7 +10,7 @@ import torch
 
 from ditfleet.jobs.spec import JobSpec
 from ditfleet.model import load_pipeline
-from ditfleet.model.networks.modulation_cache import ModulationCache
+from ditfleet.model.qwen_image.modulation_cache import ModulationCache
 from ditfleet.model.settings import PipelineSettings, resolve_modulation_cache
 from tests.unit.model.test_modulation_cache import ModCallCounter
 

@@ -1,7 +1,7 @@
 """The DiT reads a batch's text padding from the device once per mask, not once per forward: a
-padded batch's steps and CFG passes reuse the facts (model.networks.attention.padding_facts).
+padded batch's steps and CFG passes reuse the facts (model.qwen_image.attention.padding_facts).
 
-On the CPU the proxy for a host sync is a device-to-host read made by model/networks/attention.py
+On the CPU the proxy for a host sync is a device-to-host read made by model/qwen_image/attention.py
 (`.tolist()`, `.item()`, `bool()` of a tensor), counted as tests/unit/workers/test_batch_syncs.py
 counts the batch generator's.
 """
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import ditfleet.model.networks.attention as attention
-from ditfleet.model.loading.loader import load_pipeline
-from ditfleet.model.networks.attention import padding_facts
+import ditfleet.model.qwen_image.attention as attention
+from ditfleet.model.qwen_image.attention import padding_facts
+from ditfleet.model.qwen_image.loader import load_pipeline
 
 ATTENTION_FILE = str(Path(attention.__file__).resolve())
 

@@ -1,4 +1,4 @@
-"""The config files of the published Qwen-Image checkpoints load as shipped (model/published).
+"""The config files of the published Qwen-Image checkpoints load as shipped (model/qwen_image/published).
 
 Keys that do not change the computation are ignored (once, at debug level), keys that would are
 refused, and the full-depth transformer built from the published config has the published size.
@@ -14,13 +14,14 @@ import numpy as np
 import pytest
 import torch
 
+from ditfleet.model.family import check_model_index
 from ditfleet.model.generation.scheduler import SchedulerConfig, sigma_schedule
 from ditfleet.model.loading import folder
-from ditfleet.model.loading.loader import check_model_index, load_scheduler
 from ditfleet.model.loading.weights import WeightsError
-from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
-from ditfleet.model.networks.vae import VAEConfig, load_vae
-from ditfleet.model.published import PUBLISHED
+from ditfleet.model.qwen_image.loader import load_scheduler
+from ditfleet.model.qwen_image.published import PUBLISHED
+from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
+from ditfleet.model.qwen_image.vae import VAEConfig, load_vae
 
 MODELS = ["qwen-image", "qwen-image-2512"]
 # Parameters of the published 60-layer transformer: its nine bf16 shards hold 40,860,802,176 bytes

@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 pytest.importorskip("diffusers")
 
-from ditfleet.model.networks.text_encoder import (  # noqa: E402
+from ditfleet.model.qwen_image.text_encoder import (  # noqa: E402
     QWEN_IMAGE_DROP_TOKENS,
     QWEN_IMAGE_TEMPLATE,
     QwenVLTextEncoder,
@@ -93,7 +93,7 @@ def test_matches_diffusers_encode_prompt(qwen_dirs):
 def test_load_pipeline_picks_qwen_text_encoder(qwen_dirs, tmp_path):
     import shutil
 
-    from ditfleet.model.loading.loader import load_pipeline
+    from ditfleet.model.qwen_image.loader import load_pipeline
     from ditfleet.testing.models import make_diffusers_model_dir
 
     src, _, _ = qwen_dirs

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from ditfleet.model import load_pipeline
 from ditfleet.model.generation.sampling import model_timestep
 from ditfleet.model.generation.scheduler import SchedulerConfig, sigma_schedule
-from ditfleet.model.published import PUBLISHED
+from ditfleet.model.qwen_image.published import PUBLISHED
 from ditfleet.testing.models import load_transformer
 from tests.support.model_fixtures import (
     diffusers_images,

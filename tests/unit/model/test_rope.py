@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ditfleet.compile.counting import count_compiles
-from ditfleet.model.networks.rope import RotaryTables, apply_rotary, rotate_pairs
+from ditfleet.model.qwen_image.rope import RotaryTables, apply_rotary, rotate_pairs
 
 
 def _stacked(xf: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -45,7 +45,7 @@ def test_inductor_compiles_the_dit_block_once_for_every_batch_and_prompt_length(
     from ditfleet.compile.config import CompileConfig
     from ditfleet.compile.policy import apply_compile
     from ditfleet.model.generation.sampling import latent_grid
-    from ditfleet.model.loading.loader import load_pipeline
+    from ditfleet.model.qwen_image.loader import load_pipeline
 
     pipe = load_pipeline("tiny", dtype=torch.bfloat16, load_text_encoder_too=False)
     config = CompileConfig(

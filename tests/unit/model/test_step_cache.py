@@ -13,7 +13,7 @@ from ditfleet.compile import CompileConfig, WarmupRuns, apply_compile, count_com
 from ditfleet.model import load_pipeline
 from ditfleet.model.generation.pipeline import Sampling
 from ditfleet.model.generation.step_cache import StepCache
-from ditfleet.model.generation.step_cache_config import (
+from ditfleet.model.step_cache_config import (
     PRESETS,
     StepCacheConfig,
     StepCacheError,
@@ -291,7 +291,7 @@ def test_compiled_dit_skips_without_recompiling(random_model_dir, serial, method
 def test_teacache_normalises_block_0s_input_once_per_pass(serial, monkeypatch):
     """TeaCache's signal is block 0's modulated input; the rows that compute run block 0 on it
     (`run_blocks(start=...)`) instead of normalising and modulating the image stream again."""
-    import ditfleet.model.networks.transformer as transformer
+    import ditfleet.model.qwen_image.transformer as transformer
 
     real, image_norms = transformer._norm_modulate, []
     tokens = (32 // 16) * (48 // 16)

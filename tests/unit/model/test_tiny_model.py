@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from ditfleet.model import load_pipeline
-from ditfleet.model.loading.loader import TINY_MODEL_DIR
+from ditfleet.model.qwen_image.loader import TINY_MODEL_DIR
 from ditfleet.model.tiny.adherence import generate_held_out, score
 from ditfleet.model.tiny.scenes import TINY_BUCKETS, held_out_captions
 from tests.support.model_fixtures import diffusers_images, diffusers_pipeline, guided_inputs

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from ditfleet.model.loading.weights import WeightsError
-from ditfleet.model.networks.vae import QwenImageVAE, VAEConfig, load_vae, save_vae, vae_state_dict_3d
-from ditfleet.model.networks.vae_blocks import RMSNorm
+from ditfleet.model.qwen_image.vae import QwenImageVAE, VAEConfig, load_vae, save_vae, vae_state_dict_3d
+from ditfleet.model.qwen_image.vae_blocks import RMSNorm
 
 diffusers = pytest.importorskip("diffusers")
 AutoencoderKLQwenImage = diffusers.AutoencoderKLQwenImage

@@ -12,8 +12,6 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from ditfleet.model.networks.qwen_vision_size import MAX_PIXELS, MIN_PIXELS  # noqa: E402
-from ditfleet.model.networks.text_encoder import QwenVLTextEncoder  # noqa: E402
 from ditfleet.model.quality import ScorerInputs, scorer  # noqa: E402
 from ditfleet.model.quality.qwen_vision_input import (  # noqa: E402
     IMAGE_MEAN,
@@ -22,6 +20,8 @@ from ditfleet.model.quality.qwen_vision_input import (  # noqa: E402
     vision_input,
 )
 from ditfleet.model.quality.vqa import VQAScore  # noqa: E402
+from ditfleet.model.qwen_image.qwen_vision_size import MAX_PIXELS, MIN_PIXELS  # noqa: E402
+from ditfleet.model.qwen_image.text_encoder import QwenVLTextEncoder  # noqa: E402
 from tests.support.qwen_text_encoder import make_text_encoder, make_tokenizer  # noqa: E402
 
 PROMPTS = ["a red cube", "a photograph of a small wooden boat", ""]

@@ -10,7 +10,7 @@ import torch
 
 from ditfleet.model import load_pipeline
 from ditfleet.model.generation.sampling import pack_latents
-from ditfleet.model.networks.vae import QwenImageVAE, VAEConfig
+from ditfleet.model.qwen_image.vae import QwenImageVAE, VAEConfig
 from ditfleet.model.tiny.scenes import Scene, render_batch, split_scenes
 from ditfleet.model.tiny.text_encoder import TextEncoderConfig, TinyTextEncoder, WordTokenizer
 from recipes.tiny.data_parallel import Shard, run_data_parallel

@@ -6,7 +6,6 @@ manifest has one column for every scorer model.quality knows."""
 from __future__ import annotations
 
 import dataclasses
-import typing
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -16,7 +15,7 @@ from PIL import Image
 
 from ditfleet.jobs.score import score_output, scorer_source
 from ditfleet.model.quality.perceptual_hash import perceptual_hashes
-from ditfleet.model.settings import ScorerName
+from ditfleet.model.quality.table import SCORER_NAMES
 from ditfleet.workers.output.layout import manifest_key, score_table_key
 from ditfleet.workers.output.manifest import MANIFEST_SCHEMA, read_manifests
 from ditfleet.workers.storage import open_store
@@ -27,7 +26,7 @@ BUCKETS = ("64x64",)
 
 def test_every_scorer_has_its_manifest_column():
     columns = {f.name for f in MANIFEST_SCHEMA if f.name.startswith("score_")}
-    assert columns == {f"score_{name}" for name in typing.get_args(ScorerName)}
+    assert columns == {f"score_{name}" for name in SCORER_NAMES}
 
 
 @pytest.mark.slow

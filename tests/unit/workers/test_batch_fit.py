@@ -13,7 +13,7 @@ import torch
 from ditfleet.driver.memory_plan import job_memory_plan
 from ditfleet.jobs.spec import load_spec
 from ditfleet.model.memory import GB
-from ditfleet.model.published import PUBLISHED
+from ditfleet.model.qwen_image.published import PUBLISHED
 from ditfleet.workers import batch_fit
 from ditfleet.workers.batch_fit import BatchFit, BatchFitError, fit_batch_size
 from tests.support.paths import REPO

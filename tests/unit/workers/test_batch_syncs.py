@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ditfleet.workers.generate as generate
-from ditfleet.model.loading.loader import load_pipeline
+from ditfleet.model.qwen_image.loader import load_pipeline
 from ditfleet.workers.generate import BatchGenerator, image_requests, iter_generated, plan_batches
 from ditfleet.workers.rows import PromptRow
 

@@ -7,12 +7,14 @@ import itertools
 import pytest
 
 from ditfleet.workers.output import layout
+from ditfleet.workers.output.formats import attempt_object, attempt_prefixes
+from ditfleet.workers.output.formats.files import image_key
+from ditfleet.workers.output.formats.parquet import data_key
+from ditfleet.workers.output.formats.webdataset import webdataset_key
 from ditfleet.workers.output.layout import (
     MAX_COMPONENT_BYTES,
-    data_key,
     image_file_name,
     image_index_in_key,
-    image_key,
     manifest_key,
     manifest_of_key,
     safe_key_component,
@@ -96,7 +98,7 @@ def test_layout_keys() -> None:
     assert image_file_name("x", 1, "png") == "x_1.png"
     assert manifest_key(7) == "manifests/shard-00007.parquet"
     assert data_key(7, T) == f"data/shard-00007-{T}.parquet"
-    assert layout.webdataset_key(7, T) == f"webdataset/shard-00007-{T}.tar"
+    assert webdataset_key(7, T) == f"webdataset/shard-00007-{T}.tar"
     assert layout.job_key() == "_job.json" and layout.success_key() == "_SUCCESS"
     assert manifest_of_key(manifest_key(42)) == (42, 0)
     assert manifest_of_key(manifest_key(1_234_567)) == (1_234_567, 0)
@@ -123,11 +125,11 @@ def test_stores_refuse_unsafe_keys(key: str) -> None:
 def test_attempt_tokens_and_attempt_objects() -> None:
     tokens = {layout.new_attempt_token(3) for _ in range(100)}
     assert len(tokens) == 100 and all(t.startswith("a3-") and len(t) == 19 for t in tokens)
-    for key in (image_key(12, T, "x", None, "png"), data_key(12, T), layout.webdataset_key(12, T)):
-        assert layout.attempt_object(key) == layout.AttemptObject(12, T)
-        assert any(key.startswith(p) for p in layout.attempt_prefixes(12))
-        assert not any(key.startswith(p) for p in layout.attempt_prefixes(1))
+    for key in (image_key(12, T, "x", None, "png"), data_key(12, T), webdataset_key(12, T)):
+        assert attempt_object(key) == layout.AttemptObject(12, T)
+        assert any(key.startswith(p) for p in attempt_prefixes(12))
+        assert not any(key.startswith(p) for p in attempt_prefixes(1))
     for other in ("images/00012/x.png", "data/shard-00012.parquet", manifest_key(12), "_SUCCESS"):
-        assert layout.attempt_object(other) is None
+        assert attempt_object(other) is None
     with pytest.raises(ValueError, match="attempt number"):
         layout.new_attempt_token(-1)

@@ -304,3 +304,24 @@ def test_cfg_modes_rehearsal_measures_each_mode_and_serial_against_batched(tmp_p
             m = x["cfg_serial_vs_batched_ms"][batch]
             assert m["serial"] > 0 and m["batched"] > 0
             assert m["faster"] == ("batched" if m["batched"] < m["serial"] else "serial")
+
+
+def test_the_published_widths_and_the_forward_cost_come_from_the_family(tmp_path):
+    """The self-test asks the family: its configs at the published widths, its FLOPs per forward."""
+    import dataclasses
+
+    from ditfleet.model.qwen_image.transformer_config import TransformerConfig
+    from ditfleet.model.qwen_image.vae_config import VAEConfig
+    from ditfleet.workers.selftest import parts
+
+    ctx = dataclasses.replace(_tiny_context(tmp_path), tiny=False)
+    config = parts.transformer_config(ctx, 2)
+    published = parts.FAMILY.published_config("transformer/config.json")
+    assert config == TransformerConfig.from_dict({**published, "num_layers": 2})
+    assert published["num_layers"] == 60 and config.inner_dim == 3072
+    assert parts.vae_config(ctx) == VAEConfig.from_dict(parts.FAMILY.published_config("vae/config.json"))
+    assert parts.forward_flops(config, 1024, 64) == parts.FAMILY.forward_flops(
+        config.to_dict(), 1024, 1024, 64
+    )
+    # 2 blocks at 1024x1024 with 64 text tokens (4,160 tokens): about 2.3 TFLOP
+    assert 2.2e12 < parts.forward_flops(config, 1024, 64) < 2.4e12

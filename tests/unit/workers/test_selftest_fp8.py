@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from ditfleet.model import load_pipeline
-from ditfleet.model.loading.fp8 import Fp8Linear, quantize_model
 from ditfleet.model.loading.quantization import QuantizationError
+from ditfleet.model.qwen_image.fp8 import Fp8Linear, quantize_model
 from ditfleet.testing.outliers import forward_inputs, relative_error
 from ditfleet.workers.selftest import parts
 from ditfleet.workers.selftest.parts import fp8_copy

@@ -20,7 +20,7 @@ from ditfleet.workers.output.formats import (
     UploadPool,
     make_shard_writer,
 )
-from ditfleet.workers.output.layout import data_key
+from ditfleet.workers.output.formats.parquet import data_key
 from ditfleet.workers.storage import open_store
 
 T = "a0-0123456789abcdef"  # an attempt token (layout.new_attempt_token makes random ones)

@@ -169,6 +169,17 @@ def test_local_temp_files_are_invisible(tmp_path) -> None:
     assert list(store.list("manifests/")) == ["manifests/shard-00000.parquet"]
 
 
+def test_local_check_writable_leaves_no_empty_tmp_folder(tmp_path) -> None:
+    # Before: every finished output kept an empty _tmp/ from the write check.
+    LocalStore(str(tmp_path / "out")).check_writable()
+    assert os.listdir(tmp_path / "out") == []
+    # A probe of another driver in flight: its folder stays.
+    (tmp_path / "out" / "_tmp").mkdir()
+    (tmp_path / "out" / "_tmp" / "write-check-other").write_bytes(b"ok")
+    LocalStore(str(tmp_path / "out")).check_writable()
+    assert os.listdir(tmp_path / "out" / "_tmp") == ["write-check-other"]
+
+
 def test_local_check_writable_names_the_problem(tmp_path) -> None:
     (tmp_path / "file").write_bytes(b"")
     with pytest.raises(StoreError, match="not a directory"):
@@ -194,7 +205,7 @@ def test_open_store_forms(tmp_path) -> None:
 
 
 def test_s3_config_is_checked() -> None:
-    with pytest.raises(ValueError, match="multipart_chunksize must be >= 5 MiB"):
+    with pytest.raises(ValueError, match="multipart_chunksize must be >= 5242880"):
         S3Config(multipart_chunksize=1024)
     with pytest.raises(ValueError, match="request_checksum_calculation"):
         S3Config(request_checksum_calculation="always")

@@ -153,7 +153,7 @@ def test_offloaded_qwen_encoder_gives_each_prompt_its_own_encoding(tmp_path):
     """A small random Qwen2.5-VL through the real QwenVLTextEncoder: offload moves it (`.to`), a
     batch's embeddings are each prompt's own, token counts come from its tokenizer."""
     pytest.importorskip("transformers")
-    from ditfleet.model.networks.text_encoder import QwenVLTextEncoder
+    from ditfleet.model.qwen_image.text_encoder import QwenVLTextEncoder
     from tests.support.qwen_text_encoder import make_text_encoder, make_tokenizer
 
     make_tokenizer(tmp_path / "tokenizer")

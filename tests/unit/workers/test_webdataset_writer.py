@@ -15,8 +15,15 @@ import pytest
 
 from ditfleet.workers.actor import GenerationWorker
 from ditfleet.workers.generate import image_seed
-from ditfleet.workers.output.formats import ImageTask, ShardStoreError, ShardWriterConfig, make_shard_writer
-from ditfleet.workers.output.layout import attempt_object, manifest_key, webdataset_key, webdataset_sample_key
+from ditfleet.workers.output.formats import (
+    ImageTask,
+    ShardStoreError,
+    ShardWriterConfig,
+    attempt_object,
+    make_shard_writer,
+)
+from ditfleet.workers.output.formats.webdataset import webdataset_key, webdataset_sample_key
+from ditfleet.workers.output.layout import manifest_key
 from ditfleet.workers.output.manifest import read_manifests
 from ditfleet.workers.rows import ShardSpec
 from ditfleet.workers.storage import ObjectStore, open_store

@@ -1,47 +1,59 @@
-"""Output formats: one module per format (files, parquet, webdataset), each holding its writer
-and its reader, and the registry that picks them: the writer by a job's `output.format`, the
-reader by the format's name or by the key area an object lies in (a manifest row's uri says
-which). A new format is one module with a writer (`add`/`finish`/`abort`) and a reader (`area`,
-`read`), an entry in each table here, and in workers/output/layout.py (every key is built
-there) its name in FORMAT_NAMES, which the job spec's `output.format` choices come from, and its
-key function. Nothing that reads an output (verify, preview, report) changes.
+"""Output formats: one module per format (files, parquet, webdataset), each holding its writer,
+its reader and the keys its objects have (its FORMAT, an OutputFormat), and the registry that
+picks them: the writer by a job's `output.format`, the reader by the format's name or by the key
+area an object lies in (a manifest row's uri says which), and every format's objects of a shard
+by their keys (`attempt_object`, `attempt_prefixes`: orphans, supersession, verification).
+
+A new format is one module that declares its FORMAT (name, description, ShardObjects, a writer
+with `add`/`finish`/`abort`, a reader with `read`) and its row in FORMATS below; the job spec's
+`output.format` choices and the knob's description come from FORMATS. Nothing that reads an
+output (verify, preview, report) changes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
+from ditfleet.model.knobs import check_settings, setting
+from ditfleet.workers.output.formats import files, parquet, webdataset
 from ditfleet.workers.output.formats.base import (
     MANIFEST_IMAGE_COLUMNS,
     ImageTask,
     ManifestImage,
+    OutputFormat,
     ShardReader,
     ShardWriter,
-    ShardWriterConfig,
     StoredImageError,
     StoredShard,
+    WriterSettings,
     ok_images,
 )
-from ditfleet.workers.output.formats.files import FilesShardReader, FilesShardWriter
-from ditfleet.workers.output.formats.parquet import ParquetShardReader, ParquetShardWriter
-from ditfleet.workers.output.formats.webdataset import WebDatasetShardReader, WebDatasetShardWriter
-from ditfleet.workers.output.layout import FORMAT_NAMES
+from ditfleet.workers.output.layout import AttemptObject
 from ditfleet.workers.output.upload_pool import ImageResult, ShardStoreError, UploadPool
 from ditfleet.workers.storage.base import ObjectStore
 
 __all__ = [
+    "FORMATS",
     "FORMAT_AREAS",
     "FORMAT_NAMES",
     "MANIFEST_IMAGE_COLUMNS",
     "READERS",
+    "AttemptObject",
+    "FormatName",
     "ImageResult",
     "ImageTask",
     "ManifestImage",
+    "OutputFormat",
     "ShardStoreError",
     "ShardWriterConfig",
     "StoredImageError",
     "StoredShard",
     "UploadPool",
+    "WriterSettings",
+    "attempt_object",
+    "attempt_prefixes",
     "make_shard_writer",
     "object_key",
     "ok_images",
@@ -49,31 +61,68 @@ __all__ = [
     "reader_for_key",
 ]
 
-OUTPUT_FORMATS: dict[str, Callable[[ObjectStore, int, ShardWriterConfig, str], ShardWriter]] = {
-    "files": FilesShardWriter,
-    "parquet": ParquetShardWriter,
-    "webdataset": WebDatasetShardWriter,
-}
-READERS: dict[str, ShardReader] = {
-    "files": FilesShardReader(),
-    "parquet": ParquetShardReader(),
-    "webdataset": WebDatasetShardReader(),
-}
-assert tuple(OUTPUT_FORMATS) == tuple(READERS) == FORMAT_NAMES, "a format needs a name, a writer and a reader"
+# The output formats, one row each.
+FORMATS: tuple[OutputFormat, ...] = (files.FORMAT, parquet.FORMAT, webdataset.FORMAT)
+
+FORMAT_NAMES: tuple[str, ...] = tuple(f.name for f in FORMATS)
+_BY_NAME = {f.name: f for f in FORMATS}
+READERS: dict[str, ShardReader] = {f.name: f.reader for f in FORMATS}
 # The key areas the formats store shard objects under (images/, data/, webdataset/).
-FORMAT_AREAS = tuple(reader.area for reader in READERS.values())
+FORMAT_AREAS: tuple[str, ...] = tuple(f.objects.area for f in FORMATS)
+assert len(_BY_NAME) == len(FORMATS), f"two output formats share a name: {FORMAT_NAMES}"
+assert not any(a.startswith(b) for a in FORMAT_AREAS for b in FORMAT_AREAS if a != b), "areas must not nest"
+assert len(set(FORMAT_AREAS)) == len(FORMATS), f"two output formats share an area: {FORMAT_AREAS}"
+
+# The names a job may give `output.format`: a Literal built from FORMATS, so the job spec offers
+# and checks exactly the registered formats (type checkers see a str).
+if TYPE_CHECKING:
+    FormatName = str
+else:
+    FormatName = Literal[FORMAT_NAMES]
+
+
+@dataclass(frozen=True)
+class ShardWriterConfig(WriterSettings):
+    """How a worker stores images: the format (one of FORMATS) and the writer's settings."""
+
+    output_format: FormatName = setting(
+        "files",
+        fingerprint="always",
+        description="; ".join(f"'{f.name}': {f.description}" for f in FORMATS) + ".",
+    )
+
+    def __post_init__(self) -> None:
+        check_settings(self)  # output_format among FORMATS, image_format, every field's bounds
+
+
+def attempt_object(key: str) -> AttemptObject | None:
+    """The shard, attempt token and generation of an object key of any format (an image, data
+    file or tar); None for any other key (outputs of earlier versions had keys without a token)."""
+    for f in FORMATS:
+        found = f.objects.match(key)
+        if found is not None:
+            return found
+    return None
+
+
+def attempt_prefixes(shard: int) -> tuple[str, ...]:
+    """Key prefixes under which every run of `shard` writes its objects, for every format."""
+    return tuple(f.objects.prefix(shard) for f in FORMATS)
 
 
 def make_shard_writer(store: ObjectStore, shard: int, config: ShardWriterConfig, attempt: str) -> ShardWriter:
     """The writer of one run of `shard`; attempt: the run's token (layout.new_attempt_token)."""
-    return OUTPUT_FORMATS[config.output_format](store, shard, config, attempt)
+    fmt = _BY_NAME.get(config.output_format)
+    if fmt is None:
+        raise ValueError(f"output format {config.output_format!r} is not one of {list(FORMAT_NAMES)}")
+    return fmt.writer(store, shard, config, attempt)
 
 
 def reader_for_key(key: str) -> ShardReader:
     """The reader of the format whose area `key` lies in."""
-    for reader in READERS.values():
-        if key.startswith(reader.area):
-            return reader
+    for f in FORMATS:
+        if key.startswith(f.objects.area):
+            return f.reader
     raise StoredImageError(f"{key} is in no output format's area {list(FORMAT_AREAS)}")
 
 

@@ -1,5 +1,5 @@
-"""What every output format shares: the writer's config, the image task, the stored-shard result,
-the writer protocol and the encode step; and, for reading an output back, the manifest row a
+"""What every output format shares: the image task, the stored-shard result, the writer protocol,
+the encode step and the record a format module declares itself with (OutputFormat); and, for reading an output back, the manifest row a
 reader looks for (ManifestImage), what one read of a stored object gives (StoredImages) and the
 reader protocol.
 
@@ -24,9 +24,9 @@ from typing import Any, NamedTuple, Protocol
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ditfleet.model.settings import setting
-from ditfleet.workers.output.codec import encode_image, extension, sha256_hex, to_uint8_hwc
-from ditfleet.workers.output.layout import FORMAT_NAMES, FormatName, ImageFormat
+from ditfleet.model.knobs import bounded, setting
+from ditfleet.workers.output.codec import encode_image, sha256_hex, to_uint8_hwc
+from ditfleet.workers.output.layout import ImageFormat, ShardObjects
 from ditfleet.workers.output.provenance import JobProvenance, Provenance
 from ditfleet.workers.output.upload_pool import ImageResult
 from ditfleet.workers.storage.base import ObjectStore
@@ -35,17 +35,11 @@ _MiB = 1024 * 1024
 
 
 @dataclass(frozen=True)
-class ShardWriterConfig:
-    """How a worker stores images. Sizes in bytes. The plan's fingerprint records the knobs marked
-    `fingerprint`, and embed_metadata with the job's name when it is on (JobSpec.image_settings)."""
+class WriterSettings:
+    """How a writer stores images, whatever the format (ShardWriterConfig adds which format).
+    Sizes in bytes. The plan's fingerprint records the knobs marked `fingerprint`, and
+    embed_metadata with the job's name when it is on (JobSpec.image_settings)."""
 
-    output_format: FormatName = setting(
-        "files",
-        fingerprint="always",
-        description="'files': one image object per image; 'parquet': images embedded in one Parquet "
-        "file per shard (Hugging Face datasets image struct); 'webdataset': one tar per shard "
-        "({key}.{ext} + {key}.json).",
-    )
     image_format: ImageFormat = setting(
         "png",
         fingerprint="always",
@@ -68,20 +62,12 @@ class ShardWriterConfig:
     # The model and job every image's metadata names (the actor fills in the model it loaded).
     job: JobProvenance = field(default_factory=JobProvenance)
     png_compress_level: int = 6
-    max_in_flight: int = 32  # images held by the pool at once: the memory bound
-    threads: int = 8  # encode+upload threads
-    row_group_rows: int = 64  # "parquet": a row group closes at this many images ...
-    row_group_bytes: int = 64 * _MiB  # ... or this many image bytes, whichever comes first
+    max_in_flight: int = bounded(32, ge=1)  # images held by the pool at once: the memory bound
+    threads: int = bounded(8, ge=1)  # encode+upload threads
+    row_group_rows: int = bounded(64, ge=1)  # "parquet": a row group closes at this many images ...
+    row_group_bytes: int = bounded(64 * _MiB, ge=1)  # ... or this many image bytes, whichever comes first
     spool_max_bytes: int = 256 * _MiB  # "parquet"/"webdataset": the file spills to a temp file above this
     tmp_dir: str | None = None  # where it spills (None = the system's temp dir)
-
-    def __post_init__(self) -> None:
-        if self.output_format not in FORMAT_NAMES:
-            raise ValueError(f"output format {self.output_format!r} is not one of {list(FORMAT_NAMES)}")
-        extension(self.image_format)  # validates
-        for name in ("max_in_flight", "threads", "row_group_rows", "row_group_bytes"):
-            if (value := getattr(self, name)) < 1:
-                raise ValueError(f"ShardWriterConfig.{name} must be >= 1, got {value}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,7 +129,7 @@ class ShardWriter(Protocol):
 
 
 def encode_task_image(
-    cfg: ShardWriterConfig, task: ImageTask, image: Any
+    cfg: WriterSettings, task: ImageTask, image: Any
 ) -> tuple[bytes | None, float, str | None, int, int]:
     """(encoded bytes or None, encode seconds, error, width, height): the task's image, with its
     provenance in the file's metadata unless cfg.embed_metadata is off. Encode problems fail the
@@ -255,9 +241,21 @@ class StoredImages:
 class ShardReader(Protocol):
     """Reads the objects of one output format back (each format module has one)."""
 
-    area: str  # every object of the format has a key under this prefix (layout.*_PREFIX)
-
     def read(self, store: ObjectStore, key: str, rows: Sequence[ManifestImage]) -> StoredImages:
         """Read the object at `key` once, for the ok manifest rows that name it. Raises
         ObjectNotFound when it is absent and StoredImageError when it cannot be read."""
         ...
+
+
+@dataclass(frozen=True)
+class OutputFormat:
+    """One output format, as its module declares it: the name a job gives (`output.format`), what
+    the job file says of it, where its objects lie (`objects`: its area and key shape, which the
+    registry reads orphans, supersession and verification by), its writer (made per run of a shard:
+    store, shard, config, attempt token) and its reader."""
+
+    name: str
+    description: str
+    objects: ShardObjects
+    writer: Callable[[ObjectStore, int, WriterSettings, str], ShardWriter]
+    reader: ShardReader

@@ -1,5 +1,5 @@
-"""Output format "files": one object per image at layout.image_key(shard, attempt, id, k, ext);
-its writer and its reader."""
+"""Output format "files": one object per image at images/{shard:05d}/{attempt}/{id}[_{k}].{ext}
+(`image_key`); its writer, its reader and its registry row (FORMAT)."""
 
 from __future__ import annotations
 
@@ -11,19 +11,29 @@ from ditfleet.workers.output.codec import content_type, extension, sha256_hex
 from ditfleet.workers.output.formats.base import (
     ImageTask,
     ManifestImage,
-    ShardWriterConfig,
+    OutputFormat,
     StoredImageError,
     StoredImages,
     StoredShard,
+    WriterSettings,
     encode_task_image,
 )
-from ditfleet.workers.output.layout import IMAGES_PREFIX, image_index_in_key, image_key
+from ditfleet.workers.output.layout import ShardObjects, image_file_name, image_index_in_key
 from ditfleet.workers.output.upload_pool import ImageResult, UploadPool
 from ditfleet.workers.storage.base import ObjectStore
 
+# A folder per run of a shard, one object per image in it.
+OBJECTS = ShardObjects("images/")
+
+
+def image_key(shard: int, attempt: str, id_: str | int, k: int | None, ext: str) -> str:
+    """Key of one image: images/{shard:05d}/{attempt}/{id}[_{k}].{ext}. attempt: the run's token
+    (layout.new_attempt_token); k: None for a row's only image (layout.image_index_in_key)."""
+    return OBJECTS.key(shard, attempt, image_file_name(id_, k, ext))
+
 
 class FilesShardWriter:
-    def __init__(self, store: ObjectStore, shard: int, config: ShardWriterConfig, attempt: str) -> None:
+    def __init__(self, store: ObjectStore, shard: int, config: WriterSettings, attempt: str) -> None:
         self.store, self.shard, self.config, self.attempt = store, shard, config, attempt
         self._ext = extension(config.image_format)
         self._mime = content_type(config.image_format)
@@ -75,8 +85,6 @@ class FilesShardWriter:
 class FilesShardReader:
     """Reads an image object: the object is the image of the one row that names it."""
 
-    area = IMAGES_PREFIX
-
     def read(self, store: ObjectStore, key: str, rows: Sequence[ManifestImage]) -> StoredImages:
         data = store.get(key)  # ObjectNotFound when absent
         if len(rows) != 1:
@@ -84,3 +92,12 @@ class FilesShardReader:
                 f"{store.uri(key)}: named by {len(rows)} manifest rows; an image object belongs to one"
             )
         return StoredImages(store.uri(key), {(rows[0].id, rows[0].k): data}, whole_object=True)
+
+
+FORMAT = OutputFormat(
+    "files",
+    "one image object per image",
+    OBJECTS,
+    FilesShardWriter,
+    FilesShardReader(),
+)

@@ -1,5 +1,6 @@
 """Output format "parquet": one data file per run of a shard, images embedded as the Hugging Face
-datasets Image struct (load_dataset yields PIL images without a cast); its writer and its reader."""
+datasets Image struct (load_dataset yields PIL images without a cast), at
+data/shard-{shard:05d}-{attempt}.parquet (`data_key`); its writer, its reader and its registry row."""
 
 from __future__ import annotations
 
@@ -15,14 +16,24 @@ import pyarrow.parquet as pq
 from ditfleet.workers.output.formats.base import (
     ImageTask,
     ManifestImage,
-    ShardWriterConfig,
+    OutputFormat,
     StoredImageError,
     StoredImages,
+    WriterSettings,
 )
 from ditfleet.workers.output.formats.spool import SpooledShardWriter
-from ditfleet.workers.output.layout import DATA_PREFIX, data_key, image_file_name, image_index_in_key
+from ditfleet.workers.output.layout import ShardObjects, image_file_name, image_index_in_key
 from ditfleet.workers.storage.base import ObjectStore
 from ditfleet.workers.storage.parquet_bytes import read_parquet
+
+# One data file per run of a shard.
+OBJECTS = ShardObjects("data/", ".parquet")
+
+
+def data_key(shard: int, attempt: str) -> str:
+    """Key of a shard's data file, written by the run `attempt` (its token)."""
+    return OBJECTS.key(shard, attempt)
+
 
 IMAGE_STRUCT = pa.struct([pa.field("bytes", pa.binary()), pa.field("path", pa.string())])
 
@@ -51,7 +62,7 @@ _NOT_IMAGE = [f.name for f in DATA_SCHEMA if f.name != "image"]
 
 
 class ParquetShardWriter(SpooledShardWriter):
-    """One Parquet file per run of a shard at layout.data_key(shard, attempt), rows in the order added.
+    """One Parquet file per run of a shard at data_key(shard, attempt), rows in the order added.
 
     Row groups are streamed into the spool (spool.SpooledShardWriter) as they fill. Failed rows
     are not in the data file (the manifest has them).
@@ -59,7 +70,7 @@ class ParquetShardWriter(SpooledShardWriter):
 
     content_type = "application/vnd.apache.parquet"
 
-    def __init__(self, store: ObjectStore, shard: int, config: ShardWriterConfig, attempt: str) -> None:
+    def __init__(self, store: ObjectStore, shard: int, config: WriterSettings, attempt: str) -> None:
         super().__init__(store, shard, config, data_key(shard, attempt))
         self._writer: pq.ParquetWriter | None = None
         self._rows: list[dict[str, Any]] = []
@@ -115,8 +126,6 @@ class ParquetShardReader:
     a row the manifest does not name (also one without image bytes), an (id, k) held twice, or a
     schema other than DATA_SCHEMA is a finding."""
 
-    area = DATA_PREFIX
-
     def read(self, store: ObjectStore, key: str, rows: Sequence[ManifestImage]) -> StoredImages:
         uri = store.uri(key)
         blob = store.get(key)  # ObjectNotFound when absent
@@ -142,3 +151,12 @@ class ParquetShardReader:
             if (data := held.pop((r.id, r.k), None)) is not None  # no image bytes: no image found
         }
         return StoredImages(uri, found, tuple(held), findings=tuple(findings))
+
+
+FORMAT = OutputFormat(
+    "parquet",
+    "images embedded in one Parquet file per shard (Hugging Face datasets image struct)",
+    OBJECTS,
+    ParquetShardWriter,
+    ParquetShardReader(),
+)

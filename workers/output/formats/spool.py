@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ditfleet.workers.output.codec import extension, sha256_hex
-from ditfleet.workers.output.formats.base import ImageTask, ShardWriterConfig, StoredShard, encode_task_image
+from ditfleet.workers.output.formats.base import ImageTask, StoredShard, WriterSettings, encode_task_image
 from ditfleet.workers.output.upload_pool import ImageResult, ShardStoreError, UploadPool
 from ditfleet.workers.storage.base import ObjectStore
 
@@ -28,7 +28,7 @@ class SpooledShardWriter:
 
     content_type = "application/octet-stream"
 
-    def __init__(self, store: ObjectStore, shard: int, config: ShardWriterConfig, key: str) -> None:
+    def __init__(self, store: ObjectStore, shard: int, config: WriterSettings, key: str) -> None:
         self.store, self.shard, self.config, self.key = store, shard, config, key
         self._ext = extension(config.image_format)
         self._spool = tempfile.SpooledTemporaryFile(max_size=config.spool_max_bytes, dir=config.tmp_dir)

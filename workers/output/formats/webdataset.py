@@ -1,4 +1,5 @@
-"""Output format "webdataset": one tar per shard, two members per image; its writer and its reader.
+"""Output format "webdataset": one tar per shard, two members per image; its writer, its reader and
+its registry row (FORMAT).
 
 ```
 {out}/webdataset/shard-{shard:05d}-{attempt}.tar
@@ -6,7 +7,7 @@
     {key}.json              {"id", "k", "prompt", "negative_prompt", "seed", "width", "height", "extra"}
 ```
 
-`key` is `layout.webdataset_sample_key(id, k)` (free of dots: see there). The two members of a
+`key` is `webdataset_sample_key(id, k)` (free of dots: see there). The two members of a
 sample are adjacent, as WebDataset readers require.
 
 Given the same images, the tar is the same bytes on every run of the shard: members are appended
@@ -28,19 +29,41 @@ from collections.abc import Sequence
 from ditfleet.workers.output.formats.base import (
     ImageTask,
     ManifestImage,
-    ShardWriterConfig,
+    OutputFormat,
     StoredImageError,
     StoredImages,
+    WriterSettings,
 )
 from ditfleet.workers.output.formats.spool import SpooledShardWriter
 from ditfleet.workers.output.layout import (
     IMAGE_EXTENSIONS,
-    WEBDATASET_PREFIX,
+    ShardObjects,
     image_index_in_key,
-    webdataset_key,
-    webdataset_sample_key,
+    k_suffix,
+    safe_key_component,
 )
 from ditfleet.workers.storage.base import ObjectStore
+
+# One tar per run of a shard.
+OBJECTS = ShardObjects("webdataset/", ".tar")
+
+
+def webdataset_key(shard: int, attempt: str) -> str:
+    """Key of a shard's tar, written by the run `attempt` (its token)."""
+    return OBJECTS.key(shard, attempt)
+
+
+def webdataset_sample_key(id_: str | int, k: int | None) -> str:
+    """The sample key of one image inside a WebDataset tar: members are "{key}.{ext}" and
+    "{key}.json". k as layout.image_index_in_key gives it (None for a row's only image).
+
+    WebDataset readers split a member name into key and extension at the *first* dot of its
+    base name, so the key must contain none: "." is escaped as "~2E", the same escape
+    `safe_key_component` gives a leading dot. Every byte outside [A-Za-z0-9-] is then escaped,
+    so distinct ids still give distinct keys; "_" is escaped too, so the "_{k}" suffix cannot
+    make one row's key equal another's. A shortened (hashed) component stays unique by its hash.
+    """
+    return safe_key_component(id_).replace(".", "~2E") + k_suffix(k)
 
 
 def sample_metadata(task: ImageTask, width: int, height: int) -> bytes:
@@ -73,7 +96,7 @@ def _sample_key(id_: str, k: int, num_images: int) -> str:
 class WebDatasetShardWriter(SpooledShardWriter):
     content_type = "application/x-tar"
 
-    def __init__(self, store: ObjectStore, shard: int, config: ShardWriterConfig, attempt: str) -> None:
+    def __init__(self, store: ObjectStore, shard: int, config: WriterSettings, attempt: str) -> None:
         super().__init__(store, shard, config, webdataset_key(shard, attempt))
         # PAX: member names longer than ustar's 100 bytes (long ids) are stored whole.
         self._tar = tarfile.open(fileobj=self._spool, mode="w", format=tarfile.PAX_FORMAT)
@@ -104,8 +127,6 @@ class WebDatasetShardReader:
     manifest does not name; a member twice, a member of no sample, a named sample without its
     metadata (or metadata of another row), a non-file member or bytes after the end of the
     archive are findings: WebDataset readers iterate every member."""
-
-    area = WEBDATASET_PREFIX
 
     def read(self, store: ObjectStore, key: str, rows: Sequence[ManifestImage]) -> StoredImages:
         uri = store.uri(key)
@@ -207,3 +228,12 @@ def _row_of_metadata(data: bytes, uri: str, name: str) -> tuple[str, int]:
         raise StoredImageError(
             f"{uri}: member {name} is not a sample's metadata ({type(e).__name__}: {e})"
         ) from e
+
+
+FORMAT = OutputFormat(
+    "webdataset",
+    "one tar per shard ({key}.{ext} + {key}.json)",
+    OBJECTS,
+    WebDatasetShardWriter,
+    WebDatasetShardReader(),
+)

@@ -307,7 +307,7 @@ def merge_updates(model: torch.nn.Module, updates: Sequence[LayerUpdate]) -> Non
 def merge_into(weight: torch.Tensor | None, bias: torch.Tensor | None, u: LayerUpdate) -> None:
     """Add one update into a layer's weight and/or bias tensors (either may be None), in place.
 
-    The FP8 loader (model.loading.fp8) calls this on each weight as it streams in, before quantizing."""
+    The FP8 loader (model.qwen_image.fp8) calls this on each weight as it streams in, before quantizing."""
     if weight is not None:
         w = weight
         down = u.down.to(device=w.device, dtype=w.dtype)

@@ -169,7 +169,7 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(StepCacheConfig))
 def parse_step_cache(value: Any, key: str = SPEC_KEY) -> StepCacheConfig | None:
     """A preset name, a mapping ({preset?, method?, threshold?, ...} over the preset, default
     "safe"), a StepCacheConfig, or None/False/"off" -> the config, or None for off. The job
-    spec calls it once (model.settings: the knob's `parse`); below it the value is typed.
+    spec calls it once (model.knobs: the knob's `parse`); below it the value is typed.
 
     Raises StepCacheError naming `key` (and the field) for an unknown preset, method or field, or
     a value out of range.

@@ -1,6 +1,6 @@
 """The size Qwen2.5-VL's preprocessing takes an image to (Qwen2-VL's `smart_resize`), torch-free:
 the vqa scorer resizes by it (model.quality.qwen_vision_input) and the memory plan counts the
-vision tower's patches by it (model.memory.activations) without loading torch."""
+vision tower's patches by it (model.qwen_image.memory_activations) without loading torch."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The Qwen-Image VAE as a 2D image model, loading diffusers' `AutoencoderKLQwenImage` weights.
 
 The checkpoint is a causal 3D video VAE; for one frame only the last temporal slice of each conv
-kernel sees data (see `model/networks/vae_blocks.py`), so the 2D model computes what diffusers computes
+kernel sees data (see `model/qwen_image/vae_blocks.py`), so the 2D model computes what diffusers computes
 for `z[:, :, None]` with a third of the conv weights and none of the per-frame cache logic.
 `load_vae` slices the 5-D weights; `vae_state_dict_3d` writes them back in the diffusers layout.
 """
@@ -23,8 +23,8 @@ from ditfleet.model.loading.weights import (
     read_config,
     read_state_dict,
 )
-from ditfleet.model.networks.vae_blocks import CausalConv2d, Decoder, Encoder, Resample, RMSNorm
-from ditfleet.model.networks.vae_config import DIFFUSERS_CLASS, VAEConfig  # noqa: F401 - re-exported
+from ditfleet.model.qwen_image.vae_blocks import CausalConv2d, Decoder, Encoder, Resample, RMSNorm
+from ditfleet.model.qwen_image.vae_config import DIFFUSERS_CLASS, VAEConfig  # noqa: F401 - re-exported
 
 ENCODER_PREFIXES = ("encoder.", "quant_conv.")
 

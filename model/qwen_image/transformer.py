@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ditfleet.model.networks.attention import AttentionStats, TextPadding, joint_attention
-from ditfleet.model.networks.modulation_cache import ModulationCache, ModulationKey, make_key
-from ditfleet.model.networks.rope import RotaryTables, Rotation, apply_rotary
-from ditfleet.model.networks.transformer_config import TransformerConfig  # noqa: F401 - re-exported
+from ditfleet.model.qwen_image.attention import AttentionStats, TextPadding, joint_attention
+from ditfleet.model.qwen_image.modulation_cache import ModulationCache, ModulationKey, make_key
+from ditfleet.model.qwen_image.rope import RotaryTables, Rotation, apply_rotary
+from ditfleet.model.qwen_image.transformer_config import TransformerConfig  # noqa: F401 - re-exported
 from ditfleet.model.settings import DEFAULT_PIPELINE
 
 
@@ -110,7 +110,7 @@ class JointAttention(nn.Module):
     """Attention over [image, text] with per-head RMS q/k norms and interleaved RoPE.
 
     Split in two tensor functions around the attention kernel, so that a compiler can take the
-    elementwise-heavy parts while the kernel choice (`model.networks.attention`) stays a runtime decision.
+    elementwise-heavy parts while the kernel choice (`model.qwen_image.attention`) stays a runtime decision.
     """
 
     def __init__(self, dim: int, heads: int, head_dim: int) -> None:
@@ -326,7 +326,7 @@ class QwenImageTransformer(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
-        # How a batch with padded prompts attends (see model.networks.attention); "mask" is the reference.
+        # How a batch with padded prompts attends (see model.qwen_image.attention); "mask" is the reference.
         self.padded_attention = padded_attention
         self.attention_stats = AttentionStats()
         D = config.inner_dim

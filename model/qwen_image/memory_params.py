@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from ditfleet.model.loading.quantization import check_quantization, fp8_keep, keeps_load_dtype
-from ditfleet.model.networks.transformer_config import TransformerConfig
-from ditfleet.model.networks.vae_config import VAEConfig
+from ditfleet.model.qwen_image.transformer_config import TransformerConfig
+from ditfleet.model.qwen_image.vae_config import VAEConfig
 from ditfleet.model.settings import DEFAULT_PIPELINE, Fp8Layers, Quantization
 
 
@@ -70,7 +70,7 @@ def transformer_weight_bytes(
     fp8_layers: Fp8Layers = DEFAULT_PIPELINE.fp8_layers,
 ) -> int:
     """Bytes of the DiT's weights as loaded: every parameter in `e`-byte elements, or under an
-    FP8 quantization (model.loading.fp8) each quantized Linear's weight in 1 byte plus one fp32 scale per
+    FP8 quantization (model.qwen_image.fp8) each quantized Linear's weight in 1 byte plus one fp32 scale per
     output channel (its bias, every layer the set `fp8_layers` keeps, norms and embeddings still
     `e` bytes)."""
     total = transformer_params(cfg) * e

@@ -1,4 +1,5 @@
-"""`load_pipeline`: a diffusers-layout model directory (or "tiny") -> TextToImagePipeline.
+"""The Qwen-Image family's `load_pipeline`: a diffusers-layout model directory (or "tiny") ->
+TextToImagePipeline (model.family.load_pipeline picks the family, then calls this).
 
 The directory holds `transformer/`, `vae/`, `scheduler/` and optionally `text_encoder/` and
 `tokenizer/`, each with its config and safetensors. Nothing is ever downloaded here: remote
@@ -21,25 +22,23 @@ from ditfleet.model.generation.scheduler import SchedulerConfig
 from ditfleet.model.loading.checkpoint import Checkpoint, load_streaming
 from ditfleet.model.loading.folder import (  # noqa: F401 - re-exported: the folder checks are torch-free
     REQUIRED_COMPONENTS,
-    SUPPORTED_PIPELINES,
     TINY_MODEL_DIR,
-    check_model_index,
-    resolve_model_dir,
+    model_dir_layout,
     text_encoder_kind,
 )
-from ditfleet.model.loading.fp8 import Fp8Quantizer, check_checkpoint_dtypes, check_device
-from ditfleet.model.loading.lora import (
+from ditfleet.model.loading.quantization import check_quantization, fp8_keep, quantized_revision
+from ditfleet.model.loading.weights import WeightsError, on_meta, read_config
+from ditfleet.model.qwen_image.fp8 import Fp8Quantizer, check_checkpoint_dtypes, check_device
+from ditfleet.model.qwen_image.lora import (
     LoraSpec,
     adapters_revision,
     merge_updates,
     plan_updates,
     read_lora,
 )
-from ditfleet.model.loading.quantization import check_quantization, fp8_keep, quantized_revision
-from ditfleet.model.loading.weights import WeightsError, on_meta, read_config
-from ditfleet.model.networks.text_encoder import QwenVLTextEncoder, TextEncoder
-from ditfleet.model.networks.transformer import QwenImageTransformer, TransformerConfig
-from ditfleet.model.networks.vae import load_vae
+from ditfleet.model.qwen_image.text_encoder import QwenVLTextEncoder, TextEncoder
+from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
+from ditfleet.model.qwen_image.vae import load_vae
 from ditfleet.model.settings import DEFAULT_PIPELINE, Fp8Layers, PipelineSettings, Quantization
 
 
@@ -145,7 +144,7 @@ def load_pipeline(
     if not isinstance(settings, PipelineSettings):
         raise TypeError(f"load_pipeline: settings must be a PipelineSettings, got {settings!r}")
     settings = dataclasses.replace(settings, **overrides) if overrides else settings
-    root = resolve_model_dir(path)
+    root = model_dir_layout(path)  # its class is model.family.load_pipeline's check
     # Everything that can be wrong with the files (a bad adapter or schedule, configs, shard
     # headers and keys of the transformer) fails here, before any weight is read or any device
     # memory is used; the (small) VAE is loaded on the CPU first for the same reason.

@@ -7,7 +7,7 @@ resampling convs (`time_conv`) do not run at all for the first frame of a clip (
 its cache "Rep" and the encoder only stores the frame), so these blocks do not hold them.
 
 Module names mirror diffusers' `AutoencoderKLQwenImage` so that state-dict keys are diffusers'
-keys; `model/networks/vae.py` does the 5-D -> 4-D weight mapping. Shapes below: B batch, C channels,
+keys; `model/qwen_image/vae.py` does the 5-D -> 4-D weight mapping. Shapes below: B batch, C channels,
 H x W spatial size.
 """
 
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ditfleet.model.networks.vae_config import VAEConfig
+from ditfleet.model.qwen_image.vae_config import VAEConfig
 
 
 class CausalConv2d(nn.Conv2d):

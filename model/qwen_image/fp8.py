@@ -356,8 +356,8 @@ class Fp8Quantizer:
       the load dtype on the load device: a quantized layer's weight becomes `weight` (fp8) and
       `weight_scale`, after the layer's LoRA updates are merged into it (merge, then quantize);
       every other tensor passes through.
-    updates: LoRA layer updates (model.loading.lora.LayerUpdate); those of quantized layers are merged
-      here, `unmerged` holds the rest for model.loading.lora.merge_updates afterwards.
+    updates: LoRA layer updates (model.qwen_image.lora.LayerUpdate); those of quantized layers are merged
+      here, `unmerged` holds the rest for model.qwen_image.lora.merge_updates afterwards.
     """
 
     def __init__(
@@ -382,7 +382,7 @@ class Fp8Quantizer:
         module, _, param = key.rpartition(".")
         if module not in self.names:
             return [(key, tensor)]
-        from ditfleet.model.loading.lora import (
+        from ditfleet.model.qwen_image.lora import (
             merge_into,  # the same arithmetic as merging into a loaded model
         )
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ditfleet.model.networks.qwen_vision_size import smart_resize
-from ditfleet.model.networks.transformer_config import TransformerConfig
-from ditfleet.model.networks.vae_config import VAEConfig
+from ditfleet.model.qwen_image.qwen_vision_size import smart_resize
+from ditfleet.model.qwen_image.transformer_config import TransformerConfig
+from ditfleet.model.qwen_image.vae_config import VAEConfig
 
-from .params import qwen_text_config
+from .memory_params import qwen_text_config
 
 # The question around the prompt and the image (model.quality.vqa: system turn, question, turn
 # markers, vision start and end): 34 tokens with Qwen's tokenizer, about one a word, rounded up.
@@ -139,7 +139,7 @@ def vqa_activation_bytes(config: dict[str, Any], height: int, width: int, text_l
     """Peak bytes above the weights of scoring one height x width image with vqa
     (model.quality.vqa): one forward of the Qwen2.5-VL text encoder, the image alone.
 
-    P patches (the image resized as Qwen2.5-VL's preprocessing does, model.networks.qwen_vision_size) go
+    P patches (the image resized as Qwen2.5-VL's preprocessing does, model.qwen_image.qwen_vision_size) go
     through the vision tower, then T = P / merge^2 image tokens, the prompt (counted at the DiT's
     text length `text_len`; vqa asks a longer one whole) and the question through the language
     model. Held throughout: the patches, in fp32 and in the weights' dtype, and the question's
