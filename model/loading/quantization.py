@@ -59,7 +59,7 @@ KEEP_IN_LOAD_DTYPE: tuple[str, ...] = (
 #   modulation cache it runs once per bucket per actor, so its speed does not matter and FP8
 #   saves 6.8 GB.
 # The self-test measures every set's speed and relative error against bf16 (stage fp8_layers).
-FP8_LAYER_SETS: dict[str, tuple[str, ...]] = {
+FP8_LAYER_SETS: dict[Fp8Layers, tuple[str, ...]] = {
     "all": KEEP_IN_LOAD_DTYPE,
     "safe": (*KEEP_IN_LOAD_DTYPE, r"transformer_blocks\.\d+\.img_mlp\.net\.2"),
 }

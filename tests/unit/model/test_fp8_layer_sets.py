@@ -15,13 +15,13 @@ from pydantic import ValidationError
 from ditfleet.compile.compiled_method import _symbolic_sizes
 from ditfleet.jobs.spec import JobSpec
 from ditfleet.model import load_pipeline
-from ditfleet.model.qwen_image.fp8 import Fp8Linear, quantize_model
 from ditfleet.model.loading.quantization import (
     FP8_LAYER_SETS,
     QuantizationError,
     fp8_keep,
     quantized_revision,
 )
+from ditfleet.model.qwen_image.fp8 import Fp8Linear, quantize_model
 from ditfleet.model.qwen_image.memory_params import transformer_weight_bytes
 from ditfleet.model.qwen_image.transformer_config import TransformerConfig
 from ditfleet.model.settings import PipelineSettings
