@@ -1,4 +1,4 @@
-"""The modulation table built once per bucket (model.networks.transformer.fill_modulation_table,
+"""The modulation table built once per bucket (model.qwen_image.transformer.fill_modulation_table,
 TextToImagePipeline.prefill_modulation) and the 'auto' mode that makes it a GPU's default:
 per-step values bit for bit, no modulation computed by any request after the warm-up, with CFG
 or without, and images identical to the uncached path."""
