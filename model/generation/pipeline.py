@@ -24,7 +24,7 @@ from ditfleet.model.generation.sampling import (
 from ditfleet.model.generation.scheduler import SchedulerConfig, sigma_schedule
 from ditfleet.model.generation.step_cache import StepCache
 from ditfleet.model.qwen_image.text_encoder import TextEncoder
-from ditfleet.model.qwen_image.transformer import QwenImageTransformer
+from ditfleet.model.qwen_image.transformer import QwenImageTransformer, prepare_inputs
 from ditfleet.model.qwen_image.vae import QwenImageVAE
 from ditfleet.model.settings import DEFAULT_PIPELINE, MAX_SEQUENCE_LENGTH, CfgMode, PipelineSettings
 from ditfleet.model.step_cache_config import StepCacheConfig
@@ -268,6 +268,7 @@ class TextToImagePipeline:
         with attention_backend(self.settings.attention_backend, self.device.type):
             latents = denoise(
                 self.transformer,
+                prepare_inputs,
                 latents,
                 cond,
                 uncond,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -106,8 +106,23 @@ class TimestepBank:
         self._bank.clear()
 
 
+class PrepareInputs(Protocol):
+    """A family's DiT inputs for one call of the shared loop, as the keyword arguments its
+    denoiser takes (flux's `prepare`): the loop never names them."""
+
+    def __call__(
+        self,
+        latents: torch.Tensor,  # (B, N, 64) packed
+        embeds: torch.Tensor,  # (B, L, D) the text
+        mask: torch.Tensor | None,  # (B, L), 1 = real token; None: no padding
+        timestep: torch.Tensor,  # what the model takes, t / 1000 (model_timestep)
+        grid: tuple[int, int],  # the latent grid (h, w) in packed tokens
+    ) -> dict[str, Any]: ...
+
+
 def denoise(
     transformer: torch.nn.Module,
+    prepare: PrepareInputs,
     latents: torch.Tensor,  # (B, N, 64)
     cond: Conditioning,
     uncond: Conditioning | None,
@@ -121,6 +136,9 @@ def denoise(
 ) -> torch.Tensor:
     """Run the flow-match Euler loop; returns latents (B, N, 64) in the input dtype.
 
+    prepare: the family's DiT inputs for each call (model.qwen_image.transformer.prepare_inputs);
+    the loop hands the denoiser what it returns, by name, and knows none of its arguments.
+
     cfg_batched: the conditional and unconditional passes of a step run as one forward of 2B
     (text padded to the longer branch); else as two forwards of B. Either way the step's
     modulation is computed once: one forward, or a cache hit in the second.
@@ -131,7 +149,6 @@ def denoise(
     image_seq_len = h * w
     sigmas = sigma_schedule(scheduler, steps, image_seq_len).to(latents.device)
     ts = sigmas[:-1] * 1000.0  # the scheduler's t in [0, 1000]; the model takes t / 1000
-    img_shapes = [[(1, h, w)]] * latents.shape[0]
     bank_steps = None
     if timestep_bank is not None:
         bank_steps = timestep_bank.get(
@@ -150,27 +167,31 @@ def denoise(
             timestep = model_timestep(ts[i : i + 1], latents.dtype)
         forward = partial(_forward, transformer, step_cache, i)
         if uncond is None:
-            velocity = forward((0,), latents, cond.embeds, cond.mask, timestep, img_shapes)
+            velocity = forward((0,), prepare(latents, cond.embeds, cond.mask, timestep, grid))
         elif both_text is not None:
             embeds, mask = both_text
-            both = forward((0, 1), torch.cat([latents, latents]), embeds, mask, timestep, img_shapes * 2)
+            both = forward((0, 1), prepare(torch.cat([latents, latents]), embeds, mask, timestep, grid))
             c, u = both.chunk(2)
             velocity = true_cfg(c, u, true_cfg_scale)
         else:
-            c = forward((0,), latents, cond.embeds, cond.mask, timestep, img_shapes)
-            u = forward((1,), latents, uncond.embeds, uncond.mask, timestep, img_shapes)
+            c = forward((0,), prepare(latents, cond.embeds, cond.mask, timestep, grid))
+            u = forward((1,), prepare(latents, uncond.embeds, uncond.mask, timestep, grid))
             velocity = true_cfg(c, u, true_cfg_scale)
         latents = euler_step(latents, velocity, sigmas[i], sigmas[i + 1])
     return latents
 
 
 def _forward(
-    transformer: torch.nn.Module, step_cache: StepCache | None, step: int, branches: tuple[int, ...], *args
+    transformer: torch.nn.Module,
+    step_cache: StepCache | None,
+    step: int,
+    branches: tuple[int, ...],
+    inputs: dict[str, Any],
 ) -> torch.Tensor:
     """One transformer call of step `step` carrying the CFG branches `branches` (0 conditional,
-    1 unconditional), served by the step cache when one is active."""
+    1 unconditional) with the inputs the family prepared, served by the step cache when one is active."""
     rows = None if step_cache is None else step_cache.call(step, branches)
-    return transformer(*args) if rows is None else transformer(*args, step_cache=rows)
+    return transformer(**inputs) if rows is None else transformer(**inputs, step_cache=rows)
 
 
 def _cat_branches(a: Conditioning, b: Conditioning) -> tuple[torch.Tensor, torch.Tensor | None]:

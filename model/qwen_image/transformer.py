@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -469,6 +469,25 @@ def take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     if len(rows) == x.shape[0]:
         return x
     return x.index_select(0, torch.tensor(rows, device=x.device))
+
+
+def prepare_inputs(
+    latents: torch.Tensor,
+    embeds: torch.Tensor,
+    mask: torch.Tensor | None,
+    timestep: torch.Tensor,
+    grid: tuple[int, int],
+) -> dict[str, Any]:
+    """The Qwen-Image DiT's inputs for one call of the shared denoise loop
+    (model.generation.sampling.PrepareInputs): `forward`'s keyword arguments."""
+    h, w = grid
+    return {
+        "hidden_states": latents,
+        "encoder_hidden_states": embeds,
+        "encoder_hidden_states_mask": mask,
+        "timestep": timestep,
+        "img_shapes": [[(1, h, w)]] * latents.shape[0],
+    }
 
 
 def _first_shape(img_shapes: list) -> tuple[int, int, int]:
