@@ -19,7 +19,7 @@ from ditfleet.compile.buckets import PROMPT_LENGTH_BUCKETS, ResolutionBucket, pr
 # job (`ditfleet plan`) does not load it.
 from ditfleet.model.family import family_of_class, model_family, resolve_model_dir
 from ditfleet.model.memory import GB, TEXT_ENCODER_PLACEMENTS, MemoryPlan, ModelMemory, Runtime
-from ditfleet.model.settings import MAX_SEQUENCE_LENGTH, Quantization
+from ditfleet.model.settings import DEFAULT_PIPELINE, MAX_SEQUENCE_LENGTH, Fp8Layers, Quantization
 from ditfleet.workers.storage import ObjectNotFound, S3Config, StoreError, open_store
 
 # The GPU sizes the plan shows the largest batch for: 80 GB (A100/H100), 48 GB (L40S, A6000),
@@ -48,6 +48,7 @@ class MemoryRequest:
     s3: S3Config | None = None
     device: str = "cuda"  # cuda | cpu (an actor without a GPU: the plan is of host memory)
     quantization: Quantization = "none"  # the DiT's weights
+    fp8_layers: Fp8Layers = DEFAULT_PIPELINE.fp8_layers  # which of its Linears are FP8
     step_cache_tensors: int = 0  # image-stream tensors a step cache keeps per CFG branch
     vqa: bool = False  # quality.scorers (or the gate) asks vqa of the text encoder
 
@@ -250,6 +251,7 @@ def plan_kwargs(request: MemoryRequest, **overrides: Any) -> dict[str, Any]:
         modulation_table_steps=request.table_steps,
         device=request.device,
         quantization=request.quantization,
+        fp8_layers=request.fp8_layers,
         vqa=request.vqa,
     )
     return dict(run=replace(run, **overrides), step_cache_tensors=request.step_cache_tensors)

@@ -32,6 +32,7 @@ from ditfleet.driver.output.cost import image_cost
 from ditfleet.jobs.exit_codes import UsageError
 from ditfleet.jobs.spec import JobSpec
 from ditfleet.model.generation.guidance import cfg_on
+from ditfleet.model.settings import resolve_modulation_cache
 
 PATCH = 16  # pixels per image token side (VAE 8x, patch 2x)
 
@@ -95,7 +96,7 @@ def estimate_cost(
     forward_lines = forward_lines or _measured(lines, "dit_eager")
     worker = _measured(lines, "batch_generator")
     overhead = float(worker[-1].get("overhead_vs_bare") or 1.0) if worker else 1.0
-    mode = spec.model.modulation_cache
+    mode = resolve_modulation_cache(spec.model.modulation_cache, spec.actor_device())
     sampling = spec.sampling
     with_cfg = cfg_on(sampling.true_cfg_scale, has_negative=sampling.negative_prompt is not None)
     gpus = spec.gpus_per_actor()

@@ -28,8 +28,9 @@ def setting(
     *,
     description: str,
     default_factory: Any = dataclasses.MISSING,
-    fingerprint: Literal["always", "when_set"] | None = None,
+    fingerprint: Literal["always", "when_set", "when"] | None = None,
     fingerprint_key: str | None = None,
+    fingerprint_when: Callable[[Any], bool] | None = None,
     parse: Callable[[Any], Any] | None = None,
     dump: Callable[[Any], Any] | None = None,
     **bounds: float,
@@ -41,7 +42,8 @@ def setting(
     fingerprint: the knob changes the stored bytes of an image, so the plan's fingerprint records
       it (jobs.spec.derive.fingerprint_entries), under `fingerprint_key` or its name: "always", or
       "when_set": only when it differs from its default, so that outputs planned before the knob
-      existed keep their fingerprint.
+      existed keep their fingerprint; "when": whenever `fingerprint_when(settings)` holds for the
+      settings object that owns the knob (a knob that matters only beside another one).
     parse, dump: for a knob whose value is a typed object: what the job file's value becomes (the
       spec calls it, once) and the JSON form written back (the resolved spec, the fingerprint).
     """
@@ -49,8 +51,12 @@ def setting(
     if unknown:
         raise TypeError(f"setting(): unknown bounds {sorted(unknown)}; use {BOUNDS}")
     metadata: dict[str, Any] = {"description": description, **bounds}
+    if (fingerprint == "when") != (fingerprint_when is not None):
+        raise TypeError('setting(): fingerprint="when" goes with fingerprint_when, and only it')
     if fingerprint is not None:
-        metadata.update(fingerprint=fingerprint, fingerprint_key=fingerprint_key)
+        metadata.update(
+            fingerprint=fingerprint, fingerprint_key=fingerprint_key, fingerprint_when=fingerprint_when
+        )
     if parse is not None:
         metadata.update(parse=parse, dump=dump)
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)

@@ -204,7 +204,7 @@ class GenerationWorker:
             runs_scaled_gemms(self.pipe.transformer),
         )
         estimate_s = first_compile_estimate_s(self.device.type, bool(compile_config.dit))
-        return prepare_worker_pipeline(
+        prepared = prepare_worker_pipeline(
             self.pipe,
             compile_config,
             [config.rows.buckets.get(b) for b in buckets],
@@ -221,6 +221,12 @@ class GenerationWorker:
                 COMPILING, bucket=i, buckets=n, name=name, first=first, estimate_s=estimate_s
             ),
         )
+        # Under the 'table' modulation cache (a GPU's default) each bucket's schedule gets its
+        # modulation now, once per actor, so no request computes any, with CFG or without.
+        for b in buckets:
+            bucket = config.rows.buckets.get(b)
+            self.pipe.prefill_modulation(bucket.height, bucket.width, config.rows.steps)
+        return prepared
 
     def _startup_report(self, load_s: float, shared_cache: str, startup_s: float) -> dict:
         """What the driver shows and sums about this actor's start-up."""

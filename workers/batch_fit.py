@@ -25,6 +25,7 @@ from ditfleet.compile.buckets import PROMPT_LENGTH_BUCKETS, prompt_length_bucket
 from ditfleet.model.family import model_family
 from ditfleet.model.memory import GB, Runtime
 from ditfleet.model.quality.table import PIPELINE_QWEN_VL, needing
+from ditfleet.model.settings import resolve_modulation_cache
 from ditfleet.workers.contract import WorkerConfig
 
 
@@ -61,9 +62,12 @@ def plan_runtime(config: WorkerConfig, dtype: torch.dtype) -> Runtime:
         cfg="serial",  # rows may turn CFG on; serial passes hold one output more
         vae_batch=1 if config.compile.vae_on("cuda") else None,
         text_len=prompt_length_bucket(config.pipeline.max_sequence_length, PROMPT_LENGTH_BUCKETS),
-        modulation_table_steps=(config.rows.steps,) if config.pipeline.modulation_cache == "table" else (),
+        modulation_table_steps=(config.rows.steps,)
+        if resolve_modulation_cache(config.pipeline.modulation_cache, "cuda") == "table"
+        else (),
         device="cuda",
         quantization=config.pipeline.quantization,
+        fp8_layers=config.pipeline.fp8_layers,
         vqa=bool(needing(config.scorer_names, PIPELINE_QWEN_VL)),  # its forward on the text encoder
     )
 

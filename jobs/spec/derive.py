@@ -73,7 +73,11 @@ def fingerprint_entries(config: Any, out: dict[str, Any] | None = None) -> dict[
         value, mode = getattr(config, f.name), f.metadata.get("fingerprint")
         if mode is None and dataclasses.is_dataclass(value):
             fingerprint_entries(value, out)
-        elif mode == "always" or (mode == "when_set" and value != field_default(f)):
+        elif (
+            mode == "always"
+            or (mode == "when_set" and value != field_default(f))
+            or (mode == "when" and f.metadata["fingerprint_when"](config))
+        ):
             key = f.metadata["fingerprint_key"] or f.name
             if key in out:
                 raise TypeError(

@@ -25,7 +25,7 @@ from ditfleet.driver.run_job import DriverConfig
 from ditfleet.model.family import check_model_index, model_family, resolve_model_dir
 from ditfleet.model.loading.folder import WeightsError, text_encoder_kind
 from ditfleet.model.quality.table import MODEL, PIPELINE_QWEN_VL, check_scorers_supported, needing
-from ditfleet.model.settings import PipelineSettings
+from ditfleet.model.settings import PipelineSettings, resolve_modulation_cache
 from ditfleet.model.step_cache_config import check_schedule
 from ditfleet.workers.cache_secret import CacheSecretSource
 from ditfleet.workers.contract import GateConfig, LoraSpec, ModelPlacement, WorkerConfig
@@ -284,7 +284,7 @@ class JobSpec(Section):
 
     def memory_request(self) -> MemoryRequest:
         """What one actor asks of its GPU, for the memory plan (every bucket of the job)."""
-        table = self.model.modulation_cache == "table"
+        table = resolve_modulation_cache(self.model.modulation_cache, self.actor_device()) == "table"
         on_cpu = self.actor_device() == "cpu"
         step_cache = self.sampling.step_cache
         return MemoryRequest(
@@ -302,6 +302,7 @@ class JobSpec(Section):
             s3=self.s3_config(),
             device=self.actor_device(),
             quantization=self.pipeline_settings().quantization,
+            fp8_layers=self.pipeline_settings().fp8_layers,
             step_cache_tensors=step_cache.kept_tensors() if step_cache is not None else 0,
             vqa=bool(needing(self.scorer_names(), PIPELINE_QWEN_VL)),
         )

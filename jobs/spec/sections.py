@@ -26,6 +26,7 @@ from ditfleet.model.quality.table import ScorerName
 from ditfleet.model.settings import (
     AttentionBackend,
     CfgMode,
+    Fp8Layers,
     ModulationCache,
     PipelineSettings,
     Quantization,
@@ -159,6 +160,7 @@ class ModelSpec(Section):
     modulation_cache: ModulationCache = knob(PipelineSettings, "modulation_cache")
     max_sequence_length: int = knob(PipelineSettings, "max_sequence_length")
     quantization: Quantization = knob(PipelineSettings, "quantization")
+    fp8_layers: Fp8Layers = knob(PipelineSettings, "fp8_layers")
     attention_backend: AttentionBackend = knob(PipelineSettings, "attention_backend")
     loras: list[LoraAdapterSpec] = Field(
         default_factory=list,

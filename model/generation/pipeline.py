@@ -21,7 +21,7 @@ from ditfleet.model.generation.sampling import (
     latent_grid,
     unpack_latents,
 )
-from ditfleet.model.generation.scheduler import SchedulerConfig
+from ditfleet.model.generation.scheduler import SchedulerConfig, sigma_schedule
 from ditfleet.model.generation.step_cache import StepCache
 from ditfleet.model.qwen_image.text_encoder import TextEncoder
 from ditfleet.model.qwen_image.transformer import QwenImageTransformer, prepare_inputs
@@ -119,6 +119,16 @@ class TextToImagePipeline:
         other = copy.copy(self)
         other.settings = dataclasses.replace(self.settings, step_cache=config)
         return other
+
+    def prefill_modulation(self, height: int, width: int, steps: int) -> int:
+        """Under the 'table' modulation cache, build the whole schedule's modulation of one
+        resolution bucket now (the actor's warm-up), with the very timestep tensors `denoise`
+        will pass, so that no request, with CFG or without, computes any. Returns the block
+        entries filled (0 in another mode)."""
+        h, w = latent_grid(height, width)
+        sigmas = sigma_schedule(self.scheduler, steps, h * w).to(self.device)
+        timesteps = self.timestep_bank.get(sigmas, (steps, h * w, self.scheduler), self.device, self.dtype)
+        return self.transformer.fill_modulation_table(timesteps, self.dtype)
 
     def set_modulation_cache(self, mode: str) -> None:
         self.transformer.modulation_cache.set_mode(mode)
@@ -269,7 +279,7 @@ class TextToImagePipeline:
                 cfg_batched=uncond is not None
                 and self.batch_cfg(B, latents.shape[1], cond.embeds.shape[1], uncond.embeds.shape[1]),
                 timestep_bank=self.timestep_bank
-                if self.transformer.modulation_cache.mode == "table"
+                if self.transformer.modulation_cache.mode_on(self.device.type) == "table"
                 else None,
                 step_cache=cache,
             )

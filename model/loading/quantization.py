@@ -21,17 +21,17 @@ import hashlib
 import re
 import typing
 
-from ditfleet.model.settings import Quantization  # the knob (PipelineSettings.quantization) names the modes
+from ditfleet.model.settings import (
+    Fp8Layers,
+    Quantization,
+)  # the knob (PipelineSettings.quantization) names the modes
 
 QUANTIZATIONS: tuple[Quantization, ...] = typing.get_args(Quantization)
 
-# The Linear layers that stay in the load dtype, as full-match patterns on diffusers' module
-# names. Measured (bench/fp8.py, docs/real-model.md): these hold ~0.2% of the DiT's parameters,
-# so keeping them costs 80 MB; the embedders see raw latents / text features, and the final
-# layer writes the velocity directly, with no residual stream to dilute its error. The
-# modulation projections (img_mod.1 / txt_mod.1, a third of all weights) and every attention and
-# MLP projection, img_mlp.net.2 included, are quantized: the measurement puts each of them at a
-# small share of the per-forward error, and keeping the modulations alone would cost 6.8 GB.
+# The Linear layers that stay in the load dtype under every layer set, as full-match patterns on
+# diffusers' module names: ~0.2% of the DiT's parameters (80 MB). The embedders see raw latents /
+# text features, and the final layer writes the velocity directly, with no residual stream to
+# dilute its error (bench/fp8.py, docs/real-model.md).
 KEEP_IN_LOAD_DTYPE: tuple[str, ...] = (
     r"img_in",
     r"txt_in",
@@ -39,6 +39,41 @@ KEEP_IN_LOAD_DTYPE: tuple[str, ...] = (
     r"norm_out\.linear",
     r"proj_out",
 )
+
+# The named layer sets (model.fp8_layers): which patterns each keeps in the load dtype.
+#
+# "all": every other Linear in FP8, the set ditfleet used before the choice existed (chosen on a
+#   one-block random-weight measurement).
+# "safe" (the default): "all" less each block's image MLP down-projection, following the published
+#   evidence on real Qwen-Image images: SGLang's ModelOpt FP8 recipe keeps `img_mlp.net.2` in bf16,
+#   and vLLM-Omni's all-layer FP8 measured LPIPS 0.30 against 0.17 with more layers kept. Its input
+#   is the GELU output, the widest-ranging activation of the block (K = 4D), whose per-token FP8
+#   scale loses the most. Costs 4 D^2 per block in the load dtype (2.3 GB at Qwen-Image size).
+#
+# Per stream, both sets decide alike (docs/real-model.md "FP8 layer sets"):
+# - image stream (to_q/k/v, to_out.0, img_mlp): M = batch x image tokens (4096 at 1024x1024),
+#   compute-bound GEMMs where FP8 matrix units pay (about 1.75x bf16 on Hopper).
+# - text stream (add_q/k/v_proj, to_add_out, txt_mlp): M = batch x text length (<= 1024), GEMMs
+#   bound by reading the weight, which FP8 halves; kept in bf16 it would cost 6.8 GB.
+# - modulation (img_mod.1, txt_mod.1): a third of all weights, M = batch; under the `table`
+#   modulation cache it runs once per bucket per actor, so its speed does not matter and FP8
+#   saves 6.8 GB.
+# The self-test measures every set's speed and relative error against bf16 (stage fp8_layers).
+FP8_LAYER_SETS: dict[Fp8Layers, tuple[str, ...]] = {
+    "all": KEEP_IN_LOAD_DTYPE,
+    "safe": (*KEEP_IN_LOAD_DTYPE, r"transformer_blocks\.\d+\.img_mlp\.net\.2"),
+}
+
+
+def fp8_keep(layers: str, where: str = "model.fp8_layers") -> tuple[str, ...]:
+    """The patterns layer set `layers` keeps in the load dtype, or a QuantizationError naming
+    `where` and the sets."""
+    if layers not in FP8_LAYER_SETS:
+        raise QuantizationError(
+            f"{where}: unknown FP8 layer set {layers!r}; use one of {', '.join(FP8_LAYER_SETS)}"
+        )
+    return FP8_LAYER_SETS[layers]
+
 
 # torch._scaled_mm wants both GEMM dims in multiples of 16; a layer that is not runs weight-only.
 FP8_GEMM_MULTIPLE = 16
@@ -59,12 +94,15 @@ def check_quantization(name: str, where: str = "model.quantization") -> Quantiza
     return name
 
 
-def quantized_revision(revision: str, name: Quantization) -> str:
+def quantized_revision(revision: str, name: Quantization, layers: Fp8Layers = "all") -> str:
     """The model revision a manifest records: FP8 weights are another model's numbers, so the
-    quantization is part of it (unchanged for "none", so existing outputs keep theirs)."""
+    quantization and its layer set are part of it (unchanged for "none", so existing outputs keep
+    theirs; the layer set enters unless it is "all", the set those outputs were made with)."""
     if check_quantization(name) == "none":
         return revision
-    return hashlib.sha256(f"{revision}:quantization:{name}".encode()).hexdigest()[:16]
+    fp8_keep(layers)
+    named = f"{revision}:quantization:{name}" + (f":layers:{layers}" if layers != "all" else "")
+    return hashlib.sha256(named.encode()).hexdigest()[:16]
 
 
 def keeps_load_dtype(module_name: str, keep: tuple[str, ...] = KEEP_IN_LOAD_DTYPE) -> bool:

@@ -25,7 +25,7 @@ from ditfleet.model.qwen_image.memory_params import (
 )
 from ditfleet.model.qwen_image.transformer_config import TransformerConfig
 from ditfleet.model.qwen_image.vae_config import VAEConfig
-from ditfleet.model.settings import MAX_SEQUENCE_LENGTH, Quantization
+from ditfleet.model.settings import DEFAULT_PIPELINE, MAX_SEQUENCE_LENGTH, Fp8Layers, Quantization
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 GB = 10**9  # GPU memory is quoted in decimal GB (an "80 GB" card holds at least 80e9 bytes)
@@ -194,6 +194,7 @@ class Runtime:
     attention: str = "fused"
     device: str = "cuda"
     quantization: Quantization = "none"
+    fp8_layers: Fp8Layers = DEFAULT_PIPELINE.fp8_layers  # which Linears the quantization stores in FP8
     vqa: bool = False
 
     def check(self) -> None:
@@ -230,7 +231,7 @@ def plan_memory(
     e = DTYPE_BYTES[run.dtype]
     weights = {k: v * e for k, v in model.params().items()}
     weights["transformer"] = transformer_weight_bytes(
-        model.transformer, e, check_quantization(run.quantization)
+        model.transformer, e, check_quantization(run.quantization), run.fp8_layers
     )
     acts = _activations(model, run, batch, height, width, e)
     extra: dict[str, int] = {}

@@ -29,14 +29,14 @@ from torch import nn
 from ditfleet.model.loading.folder import WeightsError
 from ditfleet.model.loading.quantization import (
     FP8_GEMM_MULTIPLE,
-    KEEP_IN_LOAD_DTYPE,
     check_fp8_device,
     check_quantization,
+    fp8_keep,
     keeps_load_dtype,
     layer_scale_kind,
     rowwise_max_k,
 )
-from ditfleet.model.settings import Quantization
+from ditfleet.model.settings import DEFAULT_PIPELINE, Quantization
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -44,6 +44,8 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 # loading holds little beyond the one checkpoint tensor in flight (host RSS, bench/load_rss.py).
 _ROWS_PER_CHUNK = 256
 _TINY = 1e-12  # an all-zero row keeps a finite scale
+# The layers a quantization keeps in the load dtype unless told otherwise: the default layer set's.
+DEFAULT_KEEP = fp8_keep(DEFAULT_PIPELINE.fp8_layers)
 
 
 def check_device(mode: Quantization, device: torch.device | str) -> None:
@@ -112,6 +114,14 @@ def gemm_support(device: torch.device | str, kernel=None) -> tuple[str, int | No
             found = (probe_scaled_mm(dev, kernel), None)
         _GEMM_SUPPORT[key] = found
     return found
+
+
+def _known_above_one(rows: int | torch.SymInt) -> bool:
+    """Whether a GEMM's row count is >= 2 from the shapes alone, without a guard (a static size,
+    or a symbolic one times a static size >= 2)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(rows >= 2))
 
 
 def _refused(error: RuntimeError) -> bool:
@@ -242,11 +252,13 @@ class Fp8Linear(nn.Module):
         lead = x.shape[:-1]
         x8, x_scale = quantize_rows(x.reshape(-1, self.in_features))
         rows = x8.shape[0]
-        if torch.compiler.is_compiling():
-            # _scaled_mm's shape check treats M == 1 apart (a (1, 1) scale reads as one scale
-            # for the tensor), so a graph traced at batch x text length > 1 would guard on it
-            # and recompile for a one-token prompt at batch 1. One spare row makes M >= 2
-            # provably; rows are quantized and multiplied independently, so it changes nothing.
+        if torch.compiler.is_compiling() and not _known_above_one(rows):
+            # _scaled_mm's shape check asks whether the (M, 1) activation scale is one value; for
+            # an M that may be 1 (batch x text length: a one-token prompt at batch 1) that guard
+            # would recompile the graph for it. One spare row makes M >= 2 provably; rows are
+            # quantized and multiplied independently, so it changes nothing. The image stream
+            # needs none: its M is batch x a static image length >= 2, the shape hint that
+            # settles the check without a guard, so its (large) activation is not copied.
             x8, x_scale = torch.cat([x8, x8[:1]]), torch.cat([x_scale, x_scale[:1]])
         if kind == "rowwise":
             try:
@@ -349,7 +361,7 @@ class Fp8Quantizer:
     """
 
     def __init__(
-        self, mode: Quantization, updates: Iterable = (), keep: Sequence[str] = KEEP_IN_LOAD_DTYPE
+        self, mode: Quantization, updates: Iterable = (), keep: Sequence[str] = DEFAULT_KEEP
     ) -> None:
         if check_quantization(mode) == "none":
             raise ValueError("Fp8Quantizer: mode 'none' quantizes nothing; load without a quantizer")
@@ -386,11 +398,10 @@ class Fp8Quantizer:
 
 
 @torch.no_grad()
-def quantize_model(
-    model: nn.Module, mode: Quantization, keep: Sequence[str] = KEEP_IN_LOAD_DTYPE
-) -> nn.Module:
+def quantize_model(model: nn.Module, mode: Quantization, keep: Sequence[str] = DEFAULT_KEEP) -> nn.Module:
     """Quantize an already loaded model in place (the self-test, tests, benches; loading quantizes
-    while streaming instead, without a full-precision copy)."""
+    while streaming instead, without a full-precision copy). keep: the patterns of the layers left
+    as they are (model.loading.quantization.fp8_keep of a layer set; the default set's)."""
     for name, linear in _quantized_linears(model, keep):
         _set_module(model, name, Fp8Linear.from_linear(linear, mode))
     return model

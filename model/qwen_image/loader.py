@@ -26,7 +26,7 @@ from ditfleet.model.loading.folder import (  # noqa: F401 - re-exported: the fol
     model_dir_layout,
     text_encoder_kind,
 )
-from ditfleet.model.loading.quantization import check_quantization, quantized_revision
+from ditfleet.model.loading.quantization import check_quantization, fp8_keep, quantized_revision
 from ditfleet.model.loading.weights import WeightsError, on_meta, read_config
 from ditfleet.model.qwen_image.fp8 import Fp8Quantizer, check_checkpoint_dtypes, check_device
 from ditfleet.model.qwen_image.lora import (
@@ -39,7 +39,7 @@ from ditfleet.model.qwen_image.lora import (
 from ditfleet.model.qwen_image.text_encoder import QwenVLTextEncoder, TextEncoder
 from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
 from ditfleet.model.qwen_image.vae import load_vae
-from ditfleet.model.settings import DEFAULT_PIPELINE, PipelineSettings, Quantization
+from ditfleet.model.settings import DEFAULT_PIPELINE, Fp8Layers, PipelineSettings, Quantization
 
 
 def model_revision(root: Path) -> str:
@@ -82,10 +82,14 @@ def fill_transformer(
     device,
     updates: Sequence,
     quantization: Quantization = DEFAULT_PIPELINE.quantization,
+    fp8_layers: Fp8Layers = DEFAULT_PIPELINE.fp8_layers,
 ) -> QwenImageTransformer:
     """Stream the weights in and merge the LoRA updates; with a quantization, each Linear weight
-    is merged and then quantized as it arrives, so the full-precision DiT is never held."""
-    quantizer = None if check_quantization(quantization) == "none" else Fp8Quantizer(quantization, updates)
+    of the layer set `fp8_layers` is merged and then quantized as it arrives, so the
+    full-precision DiT is never held."""
+    quantizer = None
+    if check_quantization(quantization) != "none":
+        quantizer = Fp8Quantizer(quantization, updates, keep=fp8_keep(fp8_layers))
     load_streaming(model, checkpoint, where, dtype, device, transform=quantizer)
     merge_updates(model, updates if quantizer is None else quantizer.unmerged)  # unquantized layers
     return model
@@ -150,7 +154,9 @@ def load_pipeline(
     if scheduler_config:
         override = json.dumps(scheduler.to_dict(), sort_keys=True)
         revision = hashlib.sha256(f"{revision}:scheduler:{override}".encode()).hexdigest()[:16]
-    revision = quantized_revision(adapters_revision(revision, adapters), settings.quantization)
+    revision = quantized_revision(
+        adapters_revision(revision, adapters), settings.quantization, settings.fp8_layers
+    )
     check_device(settings.quantization, device)  # fp8 on a GPU without FP8 units: before any GPU work
     transformer, checkpoint = prepare_transformer(root / "transformer", settings.modulation_cache)
     updates = plan_updates(adapters, transformer)
@@ -159,7 +165,14 @@ def load_pipeline(
         Checkpoint(root / "text_encoder")  # before the DiT takes device memory
     vae = load_vae(root / "vae", device="cpu", dtype=dtype)
     fill_transformer(
-        transformer, checkpoint, str(root / "transformer"), dtype, device, updates, settings.quantization
+        transformer,
+        checkpoint,
+        str(root / "transformer"),
+        dtype,
+        device,
+        updates,
+        settings.quantization,
+        settings.fp8_layers,
     )
     transformer = transformer.eval().requires_grad_(False)
     vae = vae.to(device)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ditfleet.model.loading.quantization import KEEP_IN_LOAD_DTYPE, check_quantization, keeps_load_dtype
+from ditfleet.model.loading.quantization import check_quantization, fp8_keep, keeps_load_dtype
 from ditfleet.model.qwen_image.transformer_config import TransformerConfig
 from ditfleet.model.qwen_image.vae_config import VAEConfig
-from ditfleet.model.settings import Quantization
+from ditfleet.model.settings import DEFAULT_PIPELINE, Fp8Layers, Quantization
 
 
 def _linear(i: int, o: int, bias: bool = True) -> int:
@@ -67,14 +67,16 @@ def transformer_weight_bytes(
     cfg: TransformerConfig,
     e: int,
     quantization: Quantization = "none",
-    keep: tuple[str, ...] = KEEP_IN_LOAD_DTYPE,
+    fp8_layers: Fp8Layers = DEFAULT_PIPELINE.fp8_layers,
 ) -> int:
     """Bytes of the DiT's weights as loaded: every parameter in `e`-byte elements, or under an
     FP8 quantization (model.qwen_image.fp8) each quantized Linear's weight in 1 byte plus one fp32 scale per
-    output channel (its bias and every kept layer, norm and embedding still `e` bytes)."""
+    output channel (its bias, every layer the set `fp8_layers` keeps, norms and embeddings still
+    `e` bytes)."""
     total = transformer_params(cfg) * e
     if check_quantization(quantization) == "none":
         return total
+    keep = fp8_keep(fp8_layers)
     for name, i, o in transformer_linears(cfg):
         if not keeps_load_dtype(name, keep):
             total -= i * o * e - (i * o + 4 * o)

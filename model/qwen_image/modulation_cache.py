@@ -14,6 +14,8 @@ Modes:
 - "off":   compute every time.
 - "cfg":   one slot per block; a miss computes and stores, a hit returns and empties the slot
            (consume once); a different key overwrites the slot.
+- "auto":  "table" where the activations are on a GPU, "cfg" elsewhere (decided per forward from
+           the key's device: model.settings.resolve_modulation_cache).
 - "table": per block, every step's modulation is kept for as long as the timestep tensor lives.
            The pipeline reuses one timestep tensor per (schedule, step) across requests, so after
            the first request of a bucket no request computes any modulation. Memory is the price:
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ditfleet.model.settings import ModulationCache as ModulationCacheMode
+from ditfleet.model.settings import resolve_modulation_cache
 
 MODES = typing.get_args(ModulationCacheMode)
 
@@ -175,19 +178,28 @@ class ModulationCache:
             s.clear()
         self.table.clear()
 
+    def mode_on(self, device_type: str) -> str:
+        """The mode that runs on `device_type` ("auto" resolved)."""
+        return resolve_modulation_cache(self.mode, device_type)
+
     def lookup(self, key: ModulationKey | None, block: int) -> Modulation | None:
-        if key is None or self.mode == "off":
-            if key is None:
-                self.slots[block].clear()
+        if key is None:
+            self.slots[block].clear()
             return None
-        if self.mode == "table":
+        mode = self.mode_on(key.device.type)
+        if mode == "off":
+            return None
+        if mode == "table":
             return self.table.get(key, block)
         return self.slots[block].take(key)
 
     def store(self, key: ModulationKey | None, block: int, value: Modulation) -> None:
-        if key is None or self.mode == "off":
+        if key is None:
             return
-        if self.mode == "table":
+        mode = self.mode_on(key.device.type)
+        if mode == "off":
+            return
+        if mode == "table":
             self.table.put(key, block, value)
         else:
             self.slots[block].put(key, value)

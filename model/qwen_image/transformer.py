@@ -10,7 +10,7 @@ head_dim, C = 64 packed latent channels.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
@@ -376,6 +376,29 @@ class QwenImageTransformer(nn.Module):
         else:
             img, _ = self.run_blocks(img, txt, inputs)
         return self.proj_out(self.norm_out(img, temb))
+
+    @torch.no_grad()
+    def fill_modulation_table(self, timesteps: Sequence[torch.Tensor], dtype: torch.dtype) -> int:
+        """Compute and keep every block's modulation for each of `timesteps` (a schedule's
+        timestep tensors, each (1,), as the pipeline's TimestepBank hands them to `forward`), so
+        that no forward of that schedule computes any: the 'table' mode filled once, at warm-up.
+        Each step is computed exactly as `forward` computes it (its own temb, one row per
+        projection), so the values are those of per-step modulation bit for bit; one batched GEMM
+        over all steps rounds differently (docs/performance.md "The modulation table"). Returns
+        the entries filled; 0 where the mode on this device is not 'table' or caching is off."""
+        device = self.img_in.weight.device
+        if self.modulation_cache.mode_on(device.type) != "table":
+            return 0
+        filled = 0
+        for t in timesteps:
+            key = make_key(self, t, None, dtype, device)
+            if key is None:
+                return filled
+            temb = self.time_text_embed(t.to(dtype), dtype, None)
+            for block in cast("Iterable[TransformerBlock]", self.transformer_blocks):
+                block.modulation(temb, key, self.modulation_cache)  # a miss computes and stores
+                filled += 1
+        return filled
 
     def first_block_input(self, img: torch.Tensor, inputs: BlockInputs) -> BlockStart:
         """Block 0's modulation and the image stream as its attention sees it (TeaCache's

@@ -1,6 +1,6 @@
 """The self-test's FP8 lines: the full-depth DiT copied as an FP8 DiT of each mode
-(parts.fp8_copy), eager next to the bf16 line (`fp8_forward`) and, beyond the budget's plan,
-compiled (`fp8_compiled`)."""
+(parts.fp8_copy), eager next to the bf16 line (`fp8_forward`, the default layer set) and, beyond
+the budget's plan, compiled per layer set (`fp8_compiled`: model.loading.quantization.FP8_LAYER_SETS)."""
 
 from __future__ import annotations
 
@@ -10,17 +10,25 @@ from functools import partial
 import torch
 
 from ditfleet.compile.counting import compile_count
+from ditfleet.model.loading.quantization import FP8_LAYER_SETS
+from ditfleet.model.settings import DEFAULT_PIPELINE
 from ditfleet.workers.selftest import worker_path  # noqa: F401 - registers batch_generator, which fp8 follows
-from ditfleet.workers.selftest.parts import fp8_copy, free, rel_err, sizes, sync, timed_ms
+from ditfleet.workers.selftest.parts import fp8_copy, rel_err, sizes, sync, timed_ms
 from ditfleet.workers.selftest.runner import Context, StageSkipped, stage
-from ditfleet.workers.selftest.speed import compile_dit, compiled_forward_line, dit_call, full_model
+from ditfleet.workers.selftest.speed import (
+    MODULATION,
+    compile_dit,
+    compiled_forward_line,
+    dit_call,
+    full_model,
+)
 
 
 @stage("fp8_forward", estimate_s=30, limit_s=90, after="batch_generator")
 def fp8_forward(ctx: Context) -> None:
     """The FP8 line: the full-depth DiT copied as an FP8 DiT of each mode ('fp8',
-    'fp8-weight-only'; parts.fp8_copy), timed like the eager line, its error against the bf16
-    output; a mode this GPU cannot run is skipped."""
+    'fp8-weight-only'; parts.fp8_copy, the default layer set), timed like the eager line, its
+    error against the bf16 output; a mode this GPU cannot run is skipped."""
     model = full_model(ctx)
     size = sizes(ctx)[0]
     call, _ = dit_call(ctx, model.config, size)
@@ -42,6 +50,8 @@ def fp8_forward(ctx: Context) -> None:
                 {
                     "status": "measured",
                     "mode": mode,
+                    "fp8_layers": DEFAULT_PIPELINE.fp8_layers,
+                    "modulation": MODULATION,
                     "gemm_scales": _gemm_scales(fp8, ctx.device),
                     "size": f"{size}x{size}",
                     "ms_per_forward": ms,
@@ -81,24 +91,44 @@ def _forward_peak_gb(ctx: Context, fn: Callable[[], object]) -> float | None:
 
 
 # Beyond the budget's plan: run with --extra fp8_compiled.
-@stage("fp8_compiled", estimate_s=90, limit_s=240, isolated=True, frees=("dit60",), optional=True)
+@stage("fp8_compiled", estimate_s=120, limit_s=300, isolated=True, frees=("dit60",), optional=True)
 def fp8_compiled(ctx: Context) -> None:
-    """The FP8 DiT as a job runs it, compiled, at the main bucket: ms per forward with
-    _scaled_mm's fast accumulation off and on (one compile each), against the bf16 eager line.
-    In a child process (a fresh compile); optional (`--extra fp8_compiled`): it does not fit the
-    budget's plan."""
-    if not ctx.cuda:
+    """The FP8 DiT as a job runs it, compiled, at the main bucket, once per layer set ('safe',
+    the default, and 'all'; model.fp8_layers): ms per forward against the bf16 eager and compiled
+    lines, and the relative error of its output against the bf16 eager output. In a child process
+    (a fresh compile each); optional (`--extra fp8_compiled`): it does not fit the budget's plan.
+    On the CPU only the `--tiny` rehearsal runs it (Dynamo's eager backend)."""
+    if not ctx.cuda and not ctx.tiny:
         raise StageSkipped("not on CPU: the compiled FP8 GEMMs are timed on a GPU")
-    from ditfleet.model.qwen_image.fp8 import set_fast_accum
-
-    fp8 = fp8_copy(full_model(ctx), "fp8")
-    if fp8 is None:
-        raise StageSkipped("this GPU cannot run fp8 (no FP8 matrix units)")
-    free(ctx, "dit60")  # the copy keeps the tensors it shares; the bf16 weights it replaced go
-    report = compile_dit(ctx, fp8)
-    for fast in (False, True):
-        set_fast_accum(fp8, fast)
-        line = compiled_forward_line(ctx, fp8, sizes(ctx)[0], report, compiles_before=compile_count())
+    model = full_model(ctx)
+    size = sizes(ctx)[0]
+    call, _ = dit_call(ctx, model.config, size)
+    with torch.no_grad():
+        exact = call(model)
+    # The bf16 compiled figure, read before compiled_forward_line records the FP8 one in its place.
+    bf16_compiled = ctx.state.get("compiled_ms", {}).get(size)
+    for layers in FP8_LAYER_SETS:
+        ctx.check(f"fp8 {layers}")
+        fp8 = fp8_copy(model, "fp8", layers)
+        if fp8 is None:
+            raise StageSkipped("this GPU cannot run fp8 (no FP8 matrix units)")
+        report = compile_dit(ctx, fp8)
+        line = compiled_forward_line(ctx, fp8, size, report, compiles_before=compile_count())
+        with torch.no_grad():
+            got = call(fp8)
+        ctx.state["compiled_ms"].pop(size)  # the bf16 line's figure stays the only one kept
+        if bf16_compiled:
+            ctx.state["compiled_ms"][size] = bf16_compiled
         ctx.emit(
-            {**line, "mode": "fp8", "use_fast_accum": fast, "gemm_scales": _gemm_scales(fp8, ctx.device)}
+            {
+                **line,
+                "mode": "fp8",
+                "fp8_layers": layers,
+                "speedup_vs_bf16_compiled": round(bf16_compiled / line["ms_per_forward"], 3)
+                if bf16_compiled
+                else None,
+                "rel_err_vs_bf16": round(rel_err(got, exact), 4),
+                "gemm_scales": _gemm_scales(fp8, ctx.device),
+            }
         )
+        del fp8, got

@@ -21,13 +21,13 @@ from safetensors.torch import save_file
 
 from ditfleet.model.family import DEFAULT_FAMILY
 from ditfleet.model.generation.sampling import LATENT_CHANNELS, latent_grid
-from ditfleet.model.loading.quantization import QuantizationError
+from ditfleet.model.loading.quantization import QuantizationError, fp8_keep
 from ditfleet.model.loading.weights import on_meta
 from ditfleet.model.qwen_image.fp8 import check_device, quantize_model
 from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
 from ditfleet.model.qwen_image.vae import QwenImageVAE
 from ditfleet.model.qwen_image.vae_config import VAEConfig
-from ditfleet.model.settings import Quantization
+from ditfleet.model.settings import DEFAULT_PIPELINE, Fp8Layers, Quantization
 from ditfleet.workers.selftest.runner import Context
 
 log = logging.getLogger("ditfleet.selftest")
@@ -228,9 +228,12 @@ def free(ctx: Context, *names: str) -> None:
 
 
 @torch.no_grad()
-def fp8_copy(transformer: QwenImageTransformer, mode: Quantization) -> QwenImageTransformer | None:
-    """The loaded `transformer` as an FP8 DiT of `mode` on its own device, the original untouched,
-    or None when that device cannot run `mode` (fp8 on a GPU without FP8 units).
+def fp8_copy(
+    transformer: QwenImageTransformer, mode: Quantization, layers: Fp8Layers = DEFAULT_PIPELINE.fp8_layers
+) -> QwenImageTransformer | None:
+    """The loaded `transformer` as an FP8 DiT of `mode` with the layer set `layers` on its own
+    device, the original untouched, or None when that device cannot run `mode` (fp8 on a GPU
+    without FP8 units).
 
     Every tensor that stays in the load dtype (kept layers, norms) is shared with the original, not
     copied, so the copy costs only the FP8 weights and scales (20.5 GB beside a 40.9 GB bf16 DiT at
@@ -247,5 +250,5 @@ def fp8_copy(transformer: QwenImageTransformer, mode: Quantization) -> QwenImage
         # copy runs its own class methods, eager.
         for name in [k for k in vars(m) if callable(getattr(type(m), k, None)) and k != "training"]:
             del m.__dict__[name]
-    quantize_model(twin, mode)  # in place
+    quantize_model(twin, mode, fp8_keep(layers))  # in place
     return twin.eval().requires_grad_(False)

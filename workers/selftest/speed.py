@@ -60,10 +60,22 @@ def _pct(ctx: Context, flops: float, ms: float) -> float | None:
 
 
 def dit_call(ctx: Context, cfg: TransformerConfig, size: int) -> tuple[Callable[[Any], torch.Tensor], int]:
-    """One DiT forward of batch 1 at `size` on random inputs, as call(model), and its image tokens."""
+    """One DiT forward of batch 1 at `size` on random inputs, as call(model), and its image tokens.
+
+    Each call passes a timestep tensor of its own, so every forward computes the blocks'
+    modulation (MODULATION below): reusing one tensor would make the modulation cache serve every
+    other call ('cfg') or all of them ('table'), and the line would time less than a request's
+    forward does. The modulation's own share: the cfg_step line, per cache mode."""
     x, txt, shapes = dit_inputs(cfg, size, ctx.args.text_len, 1, ctx.device, ctx.dtype)
-    t = torch.full((1,), 0.5, device=ctx.device, dtype=ctx.dtype)
-    return (lambda model: model(x, txt, None, t, shapes)), x.shape[1]
+
+    def call(model):
+        return model(x, txt, None, torch.full((1,), 0.5, device=ctx.device, dtype=ctx.dtype), shapes)
+
+    return call, x.shape[1]
+
+
+# What the DiT lines' "modulation" field says: their forwards include the blocks' modulation.
+MODULATION = "computed each forward"
 
 
 @stage("dit_eager", estimate_s=20, limit_s=60)
@@ -88,6 +100,7 @@ def dit_eager(ctx: Context) -> None:
             "size": f"{size}x{size}",
             "blocks": cfg.num_layers,
             "text_len": text_len,
+            "modulation": MODULATION,
             "ms_per_forward": ms,
             "tflop_per_forward": round(flops / 1e12, 2),
             "pct_of_matmul_ceiling": _pct(ctx, flops, ms),
@@ -180,6 +193,77 @@ def cfg_step(ctx: Context) -> None:
             "speedup_table_vs_off": round(out["off"] / out["table"], 3),
         }
     )
+
+
+# Beyond the budget's plan: run with --extra cfg_modes.
+@stage("cfg_modes", estimate_s=25, limit_s=90, after="cfg_step", optional=True)
+def cfg_modes(ctx: Context) -> None:
+    """What issue 50's levers 2 and 3 are decided on, at each size: ms per step without CFG per
+    modulation-cache mode (a few-step checkpoint's step: one forward, the Euler step), and ms per
+    CFG step serial (two forwards of the batch) against batched (one forward of twice the batch,
+    the 4-token negative padded to the prompt's length) at batch 1 and 4, under the GPU's default
+    cache ('table'). Optional (`--extra cfg_modes`): it does not fit the budget's plan."""
+    model = full_model(ctx)
+    cfg, text_len = model.config, ctx.args.text_len
+    sig = torch.tensor([0.25, 0.2], device=ctx.device)
+    step_t = torch.full((1,), 0.25, device=ctx.device, dtype=ctx.dtype)
+    for size in sizes(ctx):
+        x, txt, shapes = dit_inputs(cfg, size, text_len, 1, ctx.device, ctx.dtype)
+        no_cfg: dict[str, float] = {}
+        with torch.no_grad():
+            for mode in ("off", "cfg", "table"):
+                ctx.check(f"{size} no cfg {mode}")
+                model.modulation_cache.set_mode(mode)
+
+                def step(mode: str = mode, x=x, txt=txt, shapes=shapes) -> torch.Tensor:
+                    # a schedule passes one tensor per step: the table's key; 'cfg' sees a new
+                    # step every call, as a job without CFG does
+                    t = step_t if mode == "table" else torch.full_like(step_t, 0.25)
+                    return euler_step(x, model(x, txt, None, t, shapes), sig[0], sig[1])
+
+                step()  # a table's entry for this step, as the warm-up builds it
+                no_cfg[mode] = timed_ms(ctx, step, repeat=ctx.args.repeat)
+            model.modulation_cache.set_mode("table")
+            by_batch = {}
+            for batch in (1, 4):
+                ctx.check(f"{size} batch {batch} serial vs batched")
+                by_batch[str(batch)] = _serial_vs_batched(ctx, model, size, batch, step_t, sig)
+            model.modulation_cache.set_mode("cfg")
+        ctx.emit(
+            {
+                "status": "measured",
+                "size": f"{size}x{size}",
+                "modulation": "per mode (table: built before timing)",
+                "ms_per_step_without_cfg": no_cfg,
+                "speedup_table_vs_cfg_without_cfg": round(no_cfg["cfg"] / no_cfg["table"], 3),
+                "cfg_serial_vs_batched_ms": by_batch,
+            }
+        )
+
+
+def _serial_vs_batched(ctx: Context, model, size: int, batch: int, step_t, sig) -> dict:
+    """ms per CFG step of `batch` images, serial and batched, and which is faster."""
+    cfg, text_len = model.config, ctx.args.text_len
+    x, txt, shapes = dit_inputs(cfg, size, text_len, batch, ctx.device, ctx.dtype)
+    neg = torch.randn(batch, 4, cfg.joint_attention_dim).to(ctx.device, ctx.dtype)
+    both_txt = torch.cat([txt, torch.cat([neg, neg.new_zeros(batch, text_len - 4, neg.shape[2])], 1)])
+    mask = torch.ones(2 * batch, text_len, device=ctx.device, dtype=torch.long)
+    mask[batch:, 4:] = 0
+    both_x = torch.cat([x, x])
+
+    def serial() -> torch.Tensor:
+        c, u = model(x, txt, None, step_t, shapes), model(x, neg, None, step_t, shapes)
+        return euler_step(x, true_cfg(c, u, 4.0), sig[0], sig[1])
+
+    def batched() -> torch.Tensor:
+        c, u = model(both_x, both_txt, mask, step_t, shapes * 2).chunk(2)
+        return euler_step(x, true_cfg(c, u, 4.0), sig[0], sig[1])
+
+    serial()
+    out = {"serial": timed_ms(ctx, serial, repeat=ctx.args.repeat)}
+    batched()
+    out["batched"] = timed_ms(ctx, batched, repeat=ctx.args.repeat)
+    return {**out, "faster": "batched" if out["batched"] < out["serial"] else "serial"}
 
 
 @stage("vae_decode", estimate_s=20, limit_s=90)
@@ -347,6 +431,7 @@ def compiled_forward_line(ctx: Context, model, size: int, report, compiles_befor
         "status": "fail" if report.fallbacks else "measured",
         "size": f"{size}x{size}",
         "blocks": cfg.num_layers,
+        "modulation": MODULATION,
         "settings": report.config.describe(ctx.device.type),
         "ms_per_forward": ms,
         "pct_of_matmul_ceiling": _pct(ctx, flops, ms),

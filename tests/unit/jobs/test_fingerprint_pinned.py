@@ -31,7 +31,12 @@ CASES: dict[str, dict] = {
     "embed_metadata_off": {"output": {"embed_metadata": False}},
     "unnamed": {"name": None},
     "lossy": {"output": {"image_format": "webp", "quality": 90, "format": "parquet"}},
-    "quantization": {"model": {"quantization": "fp8-weight-only"}},
+    # Outputs planned before model.fp8_layers existed quantized every layer: naming "all" keeps
+    # their fingerprint; the default set ("safe") makes other images, so it enters and such an
+    # output resumed with it is refused (quantization_safe_layers).
+    "quantization": {"model": {"quantization": "fp8-weight-only", "fp8_layers": "all"}},
+    "quantization_safe_layers": {"model": {"quantization": "fp8-weight-only"}},
+    "fp8_layers_without_quantization": {"model": {"fp8_layers": "safe"}},
     "attention_backend": {"model": {"attention_backend": "math"}},
     "pixel_knobs_at_default": {"model": {"quantization": "none", "attention_backend": "auto"}},
     "step_cache_safe": {"sampling": {"step_cache": "safe"}},
@@ -64,6 +69,8 @@ PINNED = {
     "not_pixels": "5ccb9784503ed8430ce5c94e83770b2003d1cdcfcf754d676e85dafe9b8c4e9d",
     "pixel_knobs_at_default": "5ccb9784503ed8430ce5c94e83770b2003d1cdcfcf754d676e85dafe9b8c4e9d",
     "quantization": "1d2c41dce6c4bc576deab38bbe4126f96f620a9cd8d987a952fb5ea8d8b702dd",
+    "quantization_safe_layers": "7e78b1f267b91952df38e0c7b275b2741ebe0c76bf6cc08dc12b4013b521cdf4",
+    "fp8_layers_without_quantization": "5ccb9784503ed8430ce5c94e83770b2003d1cdcfcf754d676e85dafe9b8c4e9d",
     "readme_job": "5ccb9784503ed8430ce5c94e83770b2003d1cdcfcf754d676e85dafe9b8c4e9d",
     "scheduler_config": "50800a42767d2915a257055bcdfd0c898ed110da065b2d0a2030e0bf28e772fe",
     "step_cache_mapping": "a3bfa6f54ce92ec92dcbb43a6b8c81bbe7ae76cfcac26b99ba0ff688ce866536",

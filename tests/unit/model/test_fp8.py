@@ -17,6 +17,7 @@ from ditfleet.model.loading.quantization import (
     KEEP_IN_LOAD_DTYPE,
     QuantizationError,
     check_fp8_device,
+    fp8_keep,
     keeps_load_dtype,
 )
 from ditfleet.model.loading.weights import WeightsError
@@ -114,18 +115,19 @@ def _kept_to_bf16(model):
 @pytest.mark.parametrize("mode", MODES)
 def test_streamed_quantization_equals_quantizing_the_loaded_weights(real_widths_dir, mode):
     """Quantized tensor by tensor while streaming == the bf16 model loaded, then quantized; the
-    kept layers stay bf16 and every diffusers key is still there."""
+    kept layers (the default layer set's) stay bf16 and every diffusers key is still there."""
+    keep = fp8_keep("safe")
     tdir = real_widths_dir / "transformer"
     exact = load_transformer(tdir, "cpu", torch.bfloat16)
     names = {k for k, v in exact.named_modules() if isinstance(v, torch.nn.Linear)}
     quantized = load_transformer(tdir, "cpu", torch.bfloat16, quantization=mode)
     state = quantized.state_dict()
     assert set(state) - set(exact.state_dict()) == {
-        f"{n}.weight_scale" for n in names if not keeps_load_dtype(n)
+        f"{n}.weight_scale" for n in names if not keeps_load_dtype(n, keep)
     }
     for n in names:
         layer = quantized.get_submodule(n)
-        if keeps_load_dtype(n):
+        if keeps_load_dtype(n, keep):
             assert type(layer) is torch.nn.Linear and torch.equal(layer.weight, exact.get_submodule(n).weight)
             continue
         assert isinstance(layer, Fp8Linear) and layer.mode == mode
@@ -134,10 +136,11 @@ def test_streamed_quantization_equals_quantizing_the_loaded_weights(real_widths_
         assert torch.equal(layer.weight_scale, scale), n
         assert torch.equal(layer.bias, exact.get_submodule(n).bias)
     assert quantized.dtype == torch.bfloat16  # the kept embedders carry the activation dtype
-    kept = [n for n in names if keeps_load_dtype(n)]
+    kept = [n for n in names if keeps_load_dtype(n, keep)]
     assert sorted(kept) == sorted(
         ["img_in", "txt_in", "norm_out.linear", "proj_out"]
         + [f"time_text_embed.timestep_embedder.linear_{i}" for i in (1, 2)]
+        + [f"transformer_blocks.{i}.img_mlp.net.2" for i in range(len(exact.transformer_blocks))]
     ), kept
 
 
@@ -212,8 +215,9 @@ def test_streaming_quantized_load_holds_less_than_one_shard_beyond_the_model(rea
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["shards"] >= 3 and r["quantization"] == "fp8"
     assert r["streaming_ratio"] < 1.3, r
-    # the loaded model is FP8: about half of the bf16 checkpoint
-    assert r["streaming_model_mb"] < 0.6 * r["total_mb"], r
+    # the loaded model is FP8 but for the default set's img_mlp.net.2 (1/9 of each block's
+    # weights): about 0.56 of the bf16 checkpoint
+    assert r["streaming_model_mb"] < 0.62 * r["total_mb"], r
 
 
 # -- bad input -------------------------------------------------------------------------------------

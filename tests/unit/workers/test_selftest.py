@@ -231,7 +231,7 @@ def test_the_stage_estimates_fit_the_budget_with_margin():
     assert all(s.limit_s >= s.estimate_s for s in STAGES)
     # the stages that compile from scratch run where their deadline can end them
     assert {s.name for s in STAGES if s.isolated} == {"compile", "dit_compiled_other_sizes", "fp8_compiled"}
-    assert {s.name for s in STAGES if s.optional} == {"fp8_compiled"}
+    assert {s.name for s in STAGES if s.optional} == {"fp8_compiled", "cfg_modes"}
 
 
 def _tiny_context(out: Path, *options: str, **fields):
@@ -289,6 +289,21 @@ def test_an_isolated_stage_whose_child_dies_while_starting_is_an_error_at_once(t
     run_isolated(ctx, next(s for s in STAGES if s.isolated))
     (line,) = ctx.lines
     assert line["status"] == "error" and "exited with 3 without a line" in line["error"], line
+
+
+@pytest.mark.slow
+def test_cfg_modes_rehearsal_measures_each_mode_and_serial_against_batched(tmp_path):
+    """--extra cfg_modes on the CPU: per size, a step without CFG per modulation-cache mode and
+    a CFG step serial against batched at batch 1 and 4, each with the faster one named."""
+    code, lines = run_selftest(tmp_path / "out", "--only", "cfg_modes", "--extra", "cfg_modes", timeout=200)
+    got = [x for x in lines if x["stage"] == "cfg_modes"]
+    assert code == 0 and [x["size"] for x in got] == ["64x64", "96x96"], lines
+    for x in got:
+        assert x["status"] == "measured" and set(x["ms_per_step_without_cfg"]) == {"off", "cfg", "table"}
+        for batch in ("1", "4"):
+            m = x["cfg_serial_vs_batched_ms"][batch]
+            assert m["serial"] > 0 and m["batched"] > 0
+            assert m["faster"] == ("batched" if m["batched"] < m["serial"] else "serial")
 
 
 def test_the_published_widths_and_the_forward_cost_come_from_the_family(tmp_path):

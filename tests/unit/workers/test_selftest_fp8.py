@@ -50,3 +50,58 @@ def test_fp8_copy_is_none_where_the_device_cannot_run_the_mode(monkeypatch):
     monkeypatch.setattr(parts, "check_device", check_device)
     assert fp8_copy(dit, "fp8") is None
     assert fp8_copy(dit, "fp8-weight-only") is not None
+
+
+def test_fp8_copy_takes_the_layer_set():
+    """The default set keeps every block's img_mlp.net.2 in the load dtype (shared with the
+    original); 'all' quantizes it."""
+    dit = load_pipeline("tiny").transformer
+    safe, every = fp8_copy(dit, "fp8"), fp8_copy(dit, "fp8", "all")
+    for i, block in enumerate(dit.transformer_blocks):
+        assert safe.transformer_blocks[i].img_mlp.net[2].weight is block.img_mlp.net[2].weight
+        assert isinstance(every.transformer_blocks[i].img_mlp.net[2], Fp8Linear)
+        assert isinstance(safe.transformer_blocks[i].txt_mlp.net[2], Fp8Linear)
+
+
+def test_the_dit_lines_forwards_compute_the_modulation_every_call(tmp_path):
+    """Each timed call passes its own timestep: the modulation cache serves none of them, so the
+    DiT lines ('modulation': 'computed each forward') time what a request's forward computes."""
+    from ditfleet.workers.selftest.speed import MODULATION, dit_call
+    from tests.unit.workers.test_selftest import _tiny_context
+
+    ctx = _tiny_context(tmp_path, "--text-len", "8")
+    dit = load_pipeline("tiny").transformer.to(ctx.dtype)
+    call, _ = dit_call(ctx, dit.config, 64)
+    computed = []
+    hooks = [
+        b.img_mod[1].register_forward_hook(lambda *_: computed.append(1)) for b in dit.transformer_blocks
+    ]
+    for mode in ("cfg", "table"):
+        dit.modulation_cache.set_mode(mode)
+        computed.clear()
+        with torch.no_grad():
+            for _ in range(3):
+                call(dit)
+        assert len(computed) == 3 * len(dit.transformer_blocks), mode
+    for h in hooks:
+        h.remove()
+    assert MODULATION == "computed each forward"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_tiny_rehearsal_compiles_each_fp8_layer_set(tmp_path):
+    """fp8_compiled (--extra) rehearsed on the CPU: one measured line per layer set, each with its
+    error against the bf16 output and the bf16 compiled figure it is compared with left as it was."""
+    from tests.unit.workers.test_selftest import run_selftest
+
+    code, lines = run_selftest(
+        tmp_path / "out", "--only", "dit_compiled,fp8_compiled", "--extra", "fp8_compiled", timeout=380
+    )
+    fp8 = [x for x in lines if x["stage"] == "fp8_compiled"]
+    assert code == 0 and {x["fp8_layers"] for x in fp8} == {"safe", "all"}, lines
+    for x in fp8:
+        assert x["status"] == "measured" and x["modulation"] == "computed each forward", x
+        assert 0 < x["rel_err_vs_bf16"] < 0.2 and x["ms_per_forward"] > 0, x
+    scales = {x["fp8_layers"]: sum(x["gemm_scales"].values()) for x in fp8}
+    assert scales["all"] - scales["safe"] == 4  # the tiny DiT's 4 blocks: img_mlp.net.2 each
