@@ -12,8 +12,14 @@
     family.bundled_dir                       # the folder of a model that ships with ditfleet, else None
     family.scorer_inputs                     # what it offers the image scorers (model.quality.table)
 
+The published checkpoints' sampling defaults (a family's `published/schedules.py`), which the job
+spec reads at plan time: `schedule_by_lora(file)`, `schedule_by_scheduler(config)`,
+`schedule_by_hub_id(repo)` -> PublishedSchedule | None; `published_file("published:<folder>/<file>")`
+(PUBLISHED_SCHEME) is such a file in this node's installed package.
+
 compile/, workers/, driver/ and jobs/ ask the family and never name a submodule, method or
-constant of a family's DiT themselves (tests/unit/test_model_face.py parses them).
+constant of a family's DiT themselves, nor import a family's folder (ditfleet.model.qwen_image...):
+tests/unit/test_model_face.py parses them.
 
 A family is a folder of model/ (model/qwen_image/: Qwen-Image; the bundled tiny model is a
 configuration of it) and one row of `FAMILIES`, keyed by the `_class_name` a checkpoint's
@@ -36,6 +42,15 @@ from typing import Any, Protocol, runtime_checkable
 from ditfleet.model.family_types import AttentionCounters, CompileRegion, Size, TextConditioning
 from ditfleet.model.loading.folder import TINY_MODEL, WeightsError, model_dir_layout
 from ditfleet.model.qwen_image.family import QWEN_IMAGE, QWEN_IMAGE_PIPELINE_CLASS, TINY, MemoryFormula
+from ditfleet.model.qwen_image.published.schedules import (
+    PUBLISHED_SCHEME,
+    SCHEDULER_FILE,
+    PublishedSchedule,
+    published_file,
+)
+from ditfleet.model.qwen_image.published.schedules import by_hub_id as schedule_by_hub_id
+from ditfleet.model.qwen_image.published.schedules import by_lora as schedule_by_lora
+from ditfleet.model.qwen_image.published.schedules import by_scheduler as schedule_by_scheduler
 
 __all__ = [
     "AttentionCounters",
@@ -44,13 +59,20 @@ __all__ = [
     "FAMILIES",
     "MemoryFormula",
     "ModelFamily",
+    "PUBLISHED_SCHEME",
+    "PublishedSchedule",
+    "SCHEDULER_FILE",
     "Size",
     "TextConditioning",
     "check_model_index",
     "family_of_class",
     "load_pipeline",
     "model_family",
+    "published_file",
     "resolve_model_dir",
+    "schedule_by_hub_id",
+    "schedule_by_lora",
+    "schedule_by_scheduler",
 ]
 
 
