@@ -9,6 +9,9 @@
     family.memory                            # the memory formula (model.memory) from configs
     family.forward_flops(config, w, h, L)    # FLOPs of one DiT forward: "% of peak" one way
     family.published_config(rel, layers)     # its model at the published widths (the self-test's)
+    family.toy_config(rel, layers)           # ... and at toy widths (the self-test's --tiny)
+    family.empty_transformer(config)         # its DiT / VAE of a config, on the meta device
+    family.text_width(config)                # the DiT's prompt-embedding width; attention_shape
     family.bundled_dir                       # the folder of a model that ships with ditfleet, else None
     family.scorer_inputs                     # what it offers the image scorers (model.quality.table)
 
@@ -118,6 +121,31 @@ class ModelFamily(Protocol):
     def published_config(self, rel: str, num_layers: int | None = None) -> dict:
         """A published config file; with num_layers, the transformer's cut to that depth."""
         ...
+
+    # The family's model with random weights, as the node self-test builds it (workers/selftest/).
+    def toy_config(self, rel: str, num_layers: int | None = None) -> dict:
+        """`published_config` at toy widths (the self-test's --tiny)."""
+        ...
+
+    def empty_transformer(self, config: dict) -> Any:
+        """The DiT of a transformer config.json's contents, on the meta device."""
+        ...
+
+    def empty_vae(self, config: dict, with_encoder: bool = True) -> Any:
+        """The VAE of a vae config.json's contents, on the meta device."""
+        ...
+
+    def write_random_vae(self, out_dir: Path, config: dict, seed: int = 0) -> None:
+        """A VAE of `config` with random weights, written in the hub's layout."""
+        ...
+
+    def reference_transformer(self, ours: Any, dtype: Any) -> Any:
+        """The reference implementation's (diffusers') DiT on the weights of `ours`, in `dtype`."""
+        ...
+
+    def text_width(self, transformer_config: dict) -> int: ...  # the prompt embeddings' width
+
+    def attention_shape(self, transformer_config: dict) -> tuple[int, int]: ...  # (heads, head dim)
 
     def load_pipeline(self, path: str | Path, *args: Any, **kwargs: Any) -> Any: ...
 
