@@ -40,11 +40,14 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ditfleet.model.family_types import AttentionCounters, CompileRegion, Size, TextConditioning
 from ditfleet.model.loading.folder import TINY_MODEL, WeightsError, model_dir_layout
 from ditfleet.model.qwen_image.family import QWEN_IMAGE, QWEN_IMAGE_PIPELINE_CLASS, TINY, MemoryFormula
+
+if TYPE_CHECKING:  # the pipeline needs torch; this module is read without it
+    from ditfleet.model.generation.pipeline import TextToImagePipeline
 from ditfleet.model.qwen_image.published.schedules import (
     PUBLISHED_SCHEME,
     SCHEDULER_FILE,
@@ -147,7 +150,7 @@ class ModelFamily(Protocol):
 
     def attention_shape(self, transformer_config: dict) -> tuple[int, int]: ...  # (heads, head dim)
 
-    def load_pipeline(self, path: str | Path, *args: Any, **kwargs: Any) -> Any: ...
+    def load_pipeline(self, path: str | Path, *args: Any, **kwargs: Any) -> TextToImagePipeline: ...
 
 
 # The one table: a checkpoint's model_index.json `_class_name` -> its family.
@@ -214,7 +217,7 @@ def model_family(source: Any) -> ModelFamily:
     return check_model_index(source) if Path(source).is_dir() else DEFAULT_FAMILY
 
 
-def load_pipeline(path: str | Path, *args: Any, **kwargs: Any) -> Any:
+def load_pipeline(path: str | Path, *args: Any, **kwargs: Any) -> TextToImagePipeline:
     """The checkpoint at `path` ("tiny" or a local folder) loaded by its family (see
     `model.qwen_image.loader.load_pipeline` for the arguments)."""
     return model_family(resolve_model_dir(path) if str(path) != TINY_MODEL else path).load_pipeline(

@@ -14,7 +14,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from safetensors.torch import save_file
@@ -81,7 +81,7 @@ def make_transformer(
     return init_on_device(model, seed).eval().requires_grad_(False)
 
 
-def make_vae(ctx: Context) -> torch.nn.Module:
+def make_vae(ctx: Context) -> Any:
     """The run's VAE without its encoder, made like `make_transformer`."""
     vae_dict = dataclasses.asdict(vae_config(ctx))
     vae = FAMILY.empty_vae(vae_dict, with_encoder=False).to(ctx.dtype).to_empty(device=ctx.device)
