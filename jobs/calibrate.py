@@ -244,7 +244,7 @@ def _load(spec: Any) -> Any:
 
 def _local_scheduler(config: str | None) -> str | None:
     """A published scheduler (`published:...`, a recognised LoRA's) as this machine's file."""
-    from ditfleet.model.qwen_image.published.schedules import PUBLISHED_SCHEME, published_file
+    from ditfleet.model.family import PUBLISHED_SCHEME, published_file
 
     return str(published_file(config)) if config and config.startswith(f"{PUBLISHED_SCHEME}:") else config
 

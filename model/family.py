@@ -9,11 +9,20 @@
     family.memory                            # the memory formula (model.memory) from configs
     family.forward_flops(config, w, h, L)    # FLOPs of one DiT forward: "% of peak" one way
     family.published_config(rel, layers)     # its model at the published widths (the self-test's)
+    family.toy_config(rel, layers)           # ... and at toy widths (the self-test's --tiny)
+    family.empty_transformer(config)         # its DiT / VAE of a config, on the meta device
+    family.text_width(config)                # the DiT's prompt-embedding width; attention_shape
     family.bundled_dir                       # the folder of a model that ships with ditfleet, else None
     family.scorer_inputs                     # what it offers the image scorers (model.quality.table)
 
+The published checkpoints' sampling defaults (a family's `published/schedules.py`), which the job
+spec reads at plan time: `schedule_by_lora(file)`, `schedule_by_scheduler(config)`,
+`schedule_by_hub_id(repo)` -> PublishedSchedule | None; `published_file("published:<folder>/<file>")`
+(PUBLISHED_SCHEME) is such a file in this node's installed package.
+
 compile/, workers/, driver/ and jobs/ ask the family and never name a submodule, method or
-constant of a family's DiT themselves (tests/unit/test_model_face.py parses them).
+constant of a family's DiT themselves, nor import a family's folder (ditfleet.model.qwen_image...):
+tests/unit/test_model_face.py parses them.
 
 A family is a folder of model/ (model/qwen_image/: Qwen-Image; the bundled tiny model is a
 configuration of it) and one row of `FAMILIES`, keyed by the `_class_name` a checkpoint's
@@ -31,7 +40,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ditfleet.model.diffusers_pipeline.family import DiffusersFamily
 from ditfleet.model.diffusers_pipeline.index import (
@@ -45,6 +54,18 @@ from ditfleet.model.family_types import AttentionCounters, CompileRegion, Size, 
 from ditfleet.model.loading.folder import TINY_MODEL, WeightsError, model_dir_layout
 from ditfleet.model.qwen_image.family import QWEN_IMAGE, QWEN_IMAGE_PIPELINE_CLASS, TINY, MemoryFormula
 
+if TYPE_CHECKING:  # the pipeline needs torch; this module is read without it
+    from ditfleet.model.generation.pipeline import TextToImagePipeline
+from ditfleet.model.qwen_image.published.schedules import (
+    PUBLISHED_SCHEME,
+    SCHEDULER_FILE,
+    PublishedSchedule,
+    published_file,
+)
+from ditfleet.model.qwen_image.published.schedules import by_hub_id as schedule_by_hub_id
+from ditfleet.model.qwen_image.published.schedules import by_lora as schedule_by_lora
+from ditfleet.model.qwen_image.published.schedules import by_scheduler as schedule_by_scheduler
+
 __all__ = [
     "AttentionCounters",
     "CompileRegion",
@@ -52,13 +73,20 @@ __all__ = [
     "FAMILIES",
     "MemoryFormula",
     "ModelFamily",
+    "PUBLISHED_SCHEME",
+    "PublishedSchedule",
+    "SCHEDULER_FILE",
     "Size",
     "TextConditioning",
     "check_model_index",
     "family_of_class",
     "load_pipeline",
     "model_family",
+    "published_file",
     "resolve_model_dir",
+    "schedule_by_hub_id",
+    "schedule_by_lora",
+    "schedule_by_scheduler",
 ]
 
 
@@ -105,7 +133,32 @@ class ModelFamily(Protocol):
         """A published config file; with num_layers, the transformer's cut to that depth."""
         ...
 
-    def load_pipeline(self, path: str | Path, *args: Any, **kwargs: Any) -> Any: ...
+    # The family's model with random weights, as the node self-test builds it (workers/selftest/).
+    def toy_config(self, rel: str, num_layers: int | None = None) -> dict:
+        """`published_config` at toy widths (the self-test's --tiny)."""
+        ...
+
+    def empty_transformer(self, config: dict) -> Any:
+        """The DiT of a transformer config.json's contents, on the meta device."""
+        ...
+
+    def empty_vae(self, config: dict, with_encoder: bool = True) -> Any:
+        """The VAE of a vae config.json's contents, on the meta device."""
+        ...
+
+    def write_random_vae(self, out_dir: Path, config: dict, seed: int = 0) -> None:
+        """A VAE of `config` with random weights, written in the hub's layout."""
+        ...
+
+    def reference_transformer(self, ours: Any, dtype: Any) -> Any:
+        """The reference implementation's (diffusers') DiT on the weights of `ours`, in `dtype`."""
+        ...
+
+    def text_width(self, transformer_config: dict) -> int: ...  # the prompt embeddings' width
+
+    def attention_shape(self, transformer_config: dict) -> tuple[int, int]: ...  # (heads, head dim)
+
+    def load_pipeline(self, path: str | Path, *args: Any, **kwargs: Any) -> TextToImagePipeline: ...
 
 
 # The one table: a checkpoint's model_index.json `_class_name` -> its family.
@@ -186,7 +239,7 @@ def model_family(source: Any) -> ModelFamily:
     return check_model_index(source) if Path(source).is_dir() else DEFAULT_FAMILY
 
 
-def load_pipeline(path: str | Path, *args: Any, **kwargs: Any) -> Any:
+def load_pipeline(path: str | Path, *args: Any, **kwargs: Any) -> TextToImagePipeline:
     """The checkpoint at `path` ("tiny" or a local folder) loaded by its family (see
     `model.qwen_image.loader.load_pipeline` for the arguments)."""
     return model_family(resolve_model_dir(path) if str(path) != TINY_MODEL else path).load_pipeline(

@@ -1,6 +1,6 @@
 """Checkpoints at Qwen-Image's published widths with random weights, stored the way the hub does.
 
-The published configs (model/qwen_image/published) with `num_layers` cut down: hidden 3072 (24 heads of
+The family's published configs (`ModelFamily.published_config`) with `num_layers` cut down: hidden 3072 (24 heads of
 128), text dim 3584, the full VAE. Weights are random, in bf16, the transformer in several
 `diffusion_pytorch_model-0000i-of-0000n.safetensors` shards plus the `.index.json` that maps every
 tensor to its shard, like the hub's 9 x 5 GB, written by the node self-test's own writer
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ditfleet.model.qwen_image.published import PUBLISHED, published_config
+from ditfleet.model.family import DEFAULT_FAMILY, ModelFamily
 from ditfleet.workers.selftest.parts import SHARD_STEM, write_random_transformer
 
 
@@ -36,15 +36,15 @@ def write_real_widths_checkpoint(
     root: Path,
     num_layers: int = 1,
     shard_bytes: int = 256 * 2**20,
-    model: str = "qwen-image",
     seed: int = 0,
+    family: ModelFamily = DEFAULT_FAMILY,
 ) -> Path:
-    """A Qwen-Image checkpoint folder (no text encoder) at the published widths, `num_layers` deep."""
+    """A checkpoint folder of `family` (no text encoder) at its published widths, `num_layers` deep."""
     root.mkdir(parents=True, exist_ok=True)
-    shutil.copy(PUBLISHED / model / "model_index.json", root / "model_index.json")
+    shutil.copy(family.published_dir / "model_index.json", root / "model_index.json")
     (root / "scheduler").mkdir(exist_ok=True)
-    shutil.copy(PUBLISHED / model / "scheduler" / "scheduler_config.json", root / "scheduler")
-    config = {**published_config(model, "transformer/config.json"), "num_layers": num_layers}
+    shutil.copy(family.published_dir / "scheduler" / "scheduler_config.json", root / "scheduler")
+    config = family.published_config("transformer/config.json", num_layers)
     write_random_transformer(root / "transformer", config, shard_bytes, seed)
-    write_random_vae(root / "vae", published_config(model, "vae/config.json"), seed)
+    write_random_vae(root / "vae", family.published_config("vae/config.json"), seed)
     return root

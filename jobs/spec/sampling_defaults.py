@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ditfleet.model.family import model_family
-from ditfleet.model.qwen_image.published.schedules import (
+from ditfleet.model.family import (
     SCHEDULER_FILE,
     PublishedSchedule,
-    by_hub_id,
-    by_lora,
-    by_scheduler,
+    model_family,
+    schedule_by_hub_id,
+    schedule_by_lora,
+    schedule_by_scheduler,
 )
 from ditfleet.workers.storage import S3Config, StoreError, open_store
 
@@ -76,14 +76,14 @@ def recognise(
     """The published checkpoint a job's model is, if any (model/qwen_image/published/schedules.py says the
     order), and notes on what could not be read."""
     for path in lora_paths:
-        if (schedule := by_lora(path)) is not None:
+        if (schedule := schedule_by_lora(path)) is not None:
             return Recognised(schedule, f"its LoRA file {path.rsplit('/', 1)[-1]}"), ()
     config, where, note = _scheduler_config(model_path, scheduler_config, s3)
-    if (schedule := by_scheduler(config)) is not None:
+    if (schedule := schedule_by_scheduler(config)) is not None:
         return Recognised(schedule, f"its scheduler config {where}"), ()
     if model_path.startswith("hf://"):
         repo = model_path.removeprefix("hf://").split("@", 1)[0]
-        if (schedule := by_hub_id(repo)) is not None:
+        if (schedule := schedule_by_hub_id(repo)) is not None:
             return Recognised(schedule, f"its hub id {repo}"), ()
     return None, (note,) if note else ()
 

@@ -8,6 +8,8 @@ the job spec and the driver's planning read the defaults without loading torch.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -125,6 +127,58 @@ def forward_flops(
     return {"total": float(batch * total), "modulation": float(batch * config.num_layers * modulation)}
 
 
+# The family's model at toy widths (the node self-test's --tiny): the published architecture, every
+# width small, by config file; `toy_config` fills in the rest from the config classes' defaults.
+_TOY_CONFIGS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
+    {
+        "transformer/config.json": MappingProxyType(
+            {
+                "num_layers": 4,
+                "num_attention_heads": 2,
+                "attention_head_dim": 32,
+                "joint_attention_dim": 32,
+                "axes_dims_rope": (8, 12, 12),
+            }
+        ),
+        "vae/config.json": MappingProxyType(
+            {"base_dim": 16, "z_dim": 16, "dim_mult": (1, 2, 4, 4), "num_res_blocks": 1}
+        ),
+        # Qwen2.5-VL (the vqa scorer's): the published patching (patch 14, merge 2, two frames), the
+        # vision tokens' ids at the top of the small vocabulary.
+        "text_encoder/config.json": MappingProxyType(
+            {
+                "text_config": {
+                    "vocab_size": 512,
+                    "hidden_size": 32,
+                    "intermediate_size": 64,
+                    "num_hidden_layers": 2,
+                    "num_attention_heads": 4,
+                    "num_key_value_heads": 2,
+                    "max_position_embeddings": 4096,
+                    "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]},
+                },
+                "vision_config": {
+                    "depth": 2,
+                    "hidden_size": 16,
+                    "intermediate_size": 32,
+                    "num_heads": 2,
+                    "out_hidden_size": 32,
+                    "patch_size": 14,
+                    "spatial_merge_size": 2,
+                    "temporal_patch_size": 2,
+                    "window_size": 112,
+                    "fullatt_block_indexes": [1],
+                },
+                "image_token_id": 508,
+                "video_token_id": 509,
+                "vision_start_token_id": 510,
+                "vision_end_token_id": 511,
+            }
+        ),  # fmt: skip
+    }
+)
+
+
 @dataclass(frozen=True)
 class QwenImageFamily:
     """Qwen-Image (model.qwen_image); the tiny model is `TINY`, a configuration of it."""
@@ -161,6 +215,79 @@ class QwenImageFamily:
         `num_layers`, the transformer's cut to that depth (published widths, fewer blocks)."""
         config = json.loads((self.published_dir / rel).read_text())
         return config if num_layers is None else {**config, "num_layers": num_layers}
+
+    def toy_config(self, rel: str, num_layers: int | None = None) -> dict:
+        """`published_config`'s file `rel` at toy widths (the self-test's --tiny): same keys."""
+        from ditfleet.model.qwen_image.vae_config import VAEConfig
+
+        if rel == "transformer/config.json":
+            config = TransformerConfig(**_TOY_CONFIGS[rel]).to_dict()
+            return config if num_layers is None else {**config, "num_layers": num_layers}
+        if rel == "vae/config.json":
+            return dataclasses.asdict(VAEConfig(**_TOY_CONFIGS[rel]))
+        if rel == "text_encoder/config.json":
+            return copy.deepcopy(dict(_TOY_CONFIGS[rel]))
+        raise KeyError(f"{rel!r}: no toy config; the family has {sorted(_TOY_CONFIGS)}")
+
+    def empty_transformer(self, config: dict) -> Any:
+        """The DiT of `config` (a transformer config.json's contents) on the meta device: shapes,
+        no storage; `to_empty(device=...)` allocates it, uninitialised."""
+        from ditfleet.model.loading.weights import on_meta
+        from ditfleet.model.qwen_image.transformer import QwenImageTransformer
+
+        with on_meta():
+            return QwenImageTransformer(TransformerConfig.from_dict(config))
+
+    def empty_vae(self, config: dict, with_encoder: bool = True) -> Any:
+        """The VAE of `config` on the meta device, like `empty_transformer`; without its encoder
+        when only decoding."""
+        from ditfleet.model.loading.weights import on_meta
+        from ditfleet.model.qwen_image.vae import QwenImageVAE
+        from ditfleet.model.qwen_image.vae_config import VAEConfig
+
+        with on_meta():
+            return QwenImageVAE(VAEConfig.from_dict(config), with_encoder=with_encoder)
+
+    def write_random_vae(self, out_dir: Path, config: dict, seed: int = 0) -> None:
+        """The VAE of `config` (with its encoder) with its own random init, seeded, saved in bf16 in
+        diffusers' layout (model.qwen_image.vae.save_vae)."""
+        import torch
+
+        from ditfleet.model.qwen_image.vae import QwenImageVAE, save_vae
+        from ditfleet.model.qwen_image.vae_config import VAEConfig
+
+        torch.manual_seed(seed)
+        save_vae(QwenImageVAE(VAEConfig.from_dict(config), with_encoder=True).to(torch.bfloat16), out_dir)
+
+    def reference_transformer(self, ours: Any, dtype: Any) -> Any:
+        """diffusers' transformer on `ours`' weights (cast to `dtype`; shared when the dtype is the
+        same), what the self-test checks ours against. `from_config` drops keys an older release does
+        not know, so its constructor never sees arguments it lacks."""
+        import inspect
+
+        import torch
+        from diffusers import QwenImageTransformer2DModel
+
+        config = {k: v for k, v in ours.config.to_dict().items() if not k.startswith("_")}
+        with torch.device("meta"):
+            ref = QwenImageTransformer2DModel.from_config(config)
+        state = {k: v.to(dtype) for k, v in ours.state_dict().items()}
+        ref.load_state_dict(state, assign=True, strict=True)
+        # Its RoPE tables are computed at construction (on meta here): build them again for real.
+        pos = ref.pos_embed
+        params = inspect.signature(type(pos)).parameters
+        kwargs = {"theta": 10000, "axes_dim": list(ours.config.axes_dims_rope), "scale_rope": True}
+        ref.pos_embed = type(pos)(**{k: v for k, v in kwargs.items() if k in params})
+        return ref.to(ours.img_in.weight.device).eval().requires_grad_(False)
+
+    def text_width(self, transformer_config: dict) -> int:
+        """The width of the prompt embeddings the DiT of `transformer_config` takes."""
+        return TransformerConfig.from_dict(transformer_config).joint_attention_dim
+
+    def attention_shape(self, transformer_config: dict) -> tuple[int, int]:
+        """(heads, head dim) of the DiT's joint attention."""
+        config = TransformerConfig.from_dict(transformer_config)
+        return config.num_attention_heads, config.attention_head_dim
 
     def load_pipeline(self, path: str | Path, *args: Any, **kwargs: Any) -> TextToImagePipeline:
         """`model.qwen_image.loader.load_pipeline`: the checkpoint at `path` as a pipeline."""

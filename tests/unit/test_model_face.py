@@ -15,6 +15,9 @@ string constant (docstrings aside: prose may describe the model) that is Qwen-Im
 
 A string constant counts when it holds such a name as a word ("transformer_blocks.{index}" or a
 getattr name), so a name cannot come back disguised as text.
+
+Nor does any module above model/ import a family's folder (`ditfleet.model.qwen_image...`, module-level,
+in a function or under TYPE_CHECKING): what it needs of a family comes through model/family.py.
 """
 
 from __future__ import annotations
@@ -37,8 +40,23 @@ ABOVE_MODEL = ("compile", "workers", "driver", "jobs", "ditfleet")
 # delete its line), so the list only shrinks.
 EXEMPT = {
     "ditfleet/testing/": "test scaffolding that writes published-width Qwen-Image checkpoints on purpose",
-    "workers/selftest/": "the node self-test builds synthetic Qwen-Image models at published widths "
-    "itself; it should ask the family for them",
+}
+
+# Modules above model/ that still import a family's folder, each with what it takes from there.
+# Each is a debt to move behind the face (model/family.py); a listed path that no longer imports one
+# fails the test (then delete its line), so the list only shrinks.
+IMPORT_EXEMPT = {
+    "compile/policy.py": "qwen_image.fp8.runs_scaled_gemms",
+    "compile/prepare.py": "qwen_image.fp8.runs_scaled_gemms",
+    "workers/actor.py": "qwen_image.fp8.runs_scaled_gemms, qwen_image.loader.load_text_encoder",
+    "workers/generate.py": "qwen_image.memory_activations.image_tokens",
+    "workers/scorers.py": "qwen_image.loader.load_text_encoder",
+    "jobs/inspect_model.py": "qwen_image.memory_params.transformer_weight_bytes",
+    "workers/selftest/parts.py": "qwen_image.fp8 (quantize_model, check_device), the config classes",
+    "workers/selftest/speed.py": "qwen_image.transformer_config.TransformerConfig (a type)",
+    "workers/selftest/fp8_speed.py": "qwen_image.fp8.set_fast_accum",
+    "workers/selftest/vqa.py": "qwen_image.text_encoder.QwenVLTextEncoder (the vqa scorer's encoder)",
+    # And all of EXEMPT's paths: the test scaffolding builds Qwen-Image models.
 }
 
 # Names the DiT uses that are ordinary words or settings elsewhere too; each is allowed above
@@ -217,5 +235,66 @@ def test_no_module_above_model_names_qwen_image_specifics(layer):
     assert not problems, (
         "Qwen-Image specifics above model/; ask the model's face (model/family.py: "
         "model_family(...).compile_regions, .default_buckets, .memory, .attention_counters, ...) instead:\n"
+        + "\n".join(problems)
+    )
+
+
+def family_folders() -> set[str]:
+    return {p.parent.name for p in family_modules()}
+
+
+def family_imports(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, module) of every import of a family's folder, `ditfleet.model.<family>...`."""
+    folders = family_folders()
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            modules = [node.module]
+        elif isinstance(node, ast.Import):
+            modules = [a.name for a in node.names]
+        else:
+            continue
+        for module in modules:
+            parts = module.split(".")
+            if parts[:2] == ["ditfleet", "model"] and len(parts) > 2 and parts[2] in folders:
+                found.append((node.lineno, module))
+    return found
+
+
+def test_the_import_check_catches_each_way_of_importing():
+    source = (
+        "from ditfleet.model.qwen_image.published.schedules import by_lora\n"
+        "import ditfleet.model.qwen_image.fp8\n"
+        "def f():\n"
+        "    from ditfleet.model.qwen_image import loader\n"
+        "from ditfleet.model.family import model_family\n"
+        "from ditfleet.model.generation.pipeline import TextToImagePipeline\n"
+    )
+    assert family_imports(ast.parse(source)) == [
+        (1, "ditfleet.model.qwen_image.published.schedules"),
+        (2, "ditfleet.model.qwen_image.fp8"),
+        (4, "ditfleet.model.qwen_image"),
+    ]
+
+
+@pytest.mark.parametrize("rel", sorted(IMPORT_EXEMPT))
+def test_every_import_exemption_is_still_needed(rel):
+    assert family_imports(ast.parse((REPO / rel).read_text())), (
+        f"{rel} imports no family folder any more: drop it from IMPORT_EXEMPT"
+    )
+
+
+@pytest.mark.parametrize("layer", ABOVE_MODEL)
+def test_no_module_above_model_imports_a_family_folder(layer):
+    problems = [
+        f"{path.relative_to(REPO).as_posix()}:{line}: imports {module}"
+        for path in modules_above_model()
+        if path.relative_to(REPO).as_posix().startswith(f"{layer}/")
+        and path.relative_to(REPO).as_posix() not in IMPORT_EXEMPT
+        for line, module in family_imports(ast.parse(path.read_text()))
+    ]
+    assert not problems, (
+        "a family's folder imported above model/; expose what is needed through model/family.py "
+        "(as PUBLISHED_SCHEME, published_file, schedule_by_lora, ...) and import it from there:\n"
         + "\n".join(problems)
     )

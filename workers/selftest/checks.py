@@ -3,6 +3,7 @@ each a pass/fail line before any speed number (the compile stage, next, is compi
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import platform
@@ -17,8 +18,6 @@ from ditfleet.model.generation.pipeline import TextToImagePipeline
 from ditfleet.model.generation.sampling import latent_grid, model_timestep
 from ditfleet.model.generation.scheduler import sigma_schedule
 from ditfleet.model.memory import GB
-from ditfleet.model.qwen_image.transformer import QwenImageTransformer
-from ditfleet.model.qwen_image.vae import QwenImageVAE, save_vae
 from ditfleet.workers.selftest.parts import (
     FAMILY,
     diffusers_version,
@@ -100,8 +99,7 @@ def write_slice(ctx: Context, root: Path) -> Path:
     cfg = transformer_config(ctx, ctx.args.slice_blocks)
     shard_bytes = 2**20 if ctx.tiny else 512 * 2**20
     write_random_transformer(root / "transformer", cfg.to_dict(), shard_bytes)
-    torch.manual_seed(0)
-    save_vae(QwenImageVAE(vae_config(ctx), with_encoder=True).to(torch.bfloat16), root / "vae")
+    FAMILY.write_random_vae(root / "vae", dataclasses.asdict(vae_config(ctx)))
     return root
 
 
@@ -116,7 +114,7 @@ def slice_pipe(ctx: Context) -> TextToImagePipeline:
     pipe = ctx.state.get("slice_pipe")
     if pipe is not None:
         return pipe
-    from ditfleet.model.qwen_image.loader import load_pipeline
+    from ditfleet.model.family import load_pipeline
 
     root = slice_root(ctx)
     if not (root / "model_index.json").exists():
@@ -126,25 +124,6 @@ def slice_pipe(ctx: Context) -> TextToImagePipeline:
     )
     ctx.state["slice_pipe"] = pipe
     return pipe
-
-
-def _diffusers_transformer(ours: QwenImageTransformer, dtype: torch.dtype):
-    """diffusers' transformer on `ours`' weights (cast to `dtype`; shared when the dtype is the
-    same). `from_config` drops keys an older release does not know, so its constructor never
-    sees arguments it lacks."""
-    from diffusers import QwenImageTransformer2DModel
-
-    config = {k: v for k, v in ours.config.to_dict().items() if not k.startswith("_")}
-    with torch.device("meta"):
-        ref = QwenImageTransformer2DModel.from_config(config)
-    state = {k: v.to(dtype) for k, v in ours.state_dict().items()}
-    ref.load_state_dict(state, assign=True, strict=True)
-    # Its RoPE tables are computed at construction (on meta here): build them again for real.
-    pos = ref.pos_embed
-    params = inspect.signature(type(pos)).parameters
-    kwargs = {"theta": 10000, "axes_dim": list(ours.config.axes_dims_rope), "scale_rope": True}
-    ref.pos_embed = type(pos)(**{k: v for k, v in kwargs.items() if k in params})
-    return ref.to(ours.img_in.weight.device).eval().requires_grad_(False)
 
 
 def _diffusers_forward(ref, x, txt, t, shapes):
@@ -215,10 +194,10 @@ def correctness(ctx: Context) -> None:
     t = torch.full((1,), 0.7, device=ctx.device, dtype=ctx.dtype)
     with torch.no_grad():
         got = ours(x, txt, None, t, shapes)
-        ref = _diffusers_transformer(ours, ctx.dtype)
+        ref = FAMILY.reference_transformer(ours, ctx.dtype)
         want = _diffusers_forward(ref, x, txt, t, shapes)
         del ref
-        ref32 = _diffusers_transformer(ours, torch.float32)
+        ref32 = FAMILY.reference_transformer(ours, torch.float32)
         exact = _diffusers_forward(ref32, x.float(), txt.float(), t.float(), shapes)
         del ref32
     ctx.emit(_side_by_side("dit_vs_diffusers", version, got, want, exact, size=size, text_len=text_len))
@@ -297,13 +276,13 @@ def sdpa_backends(ctx: Context) -> None:
     each; zero calls may take the math path."""
     pipe = slice_pipe(ctx)
     size = 64 if ctx.tiny else 512
-    cfg = pipe.transformer.config
+    width = FAMILY.text_conditioning(pipe).width
     g = torch.Generator().manual_seed(5)
     long, short = (8, 5) if ctx.tiny else (64, 40)
-    embeds = torch.randn(2, long, cfg.joint_attention_dim, generator=g)
+    embeds = torch.randn(2, long, width, generator=g)
     mask = torch.ones(2, long, dtype=torch.long)
     mask[1, short:] = 0
-    neg = torch.randn(1, 3, cfg.joint_attention_dim, generator=g).expand(2, -1, -1)
+    neg = torch.randn(1, 3, width, generator=g).expand(2, -1, -1)
     recorder = SdpaRecorder(fused_only=ctx.cuda)
     with recorder.active(), torch.no_grad():
         pipe.generate(
@@ -341,7 +320,8 @@ def sdpa_speed(ctx: Context) -> None:
     h, w = latent_grid(sizes(ctx)[0], sizes(ctx)[0])
     tokens = h * w + ctx.args.text_len
     g = torch.Generator(device=ctx.device).manual_seed(11)
-    shape = (1, cfg.num_attention_heads, tokens, cfg.attention_head_dim)
+    heads, head_dim = FAMILY.attention_shape(cfg.to_dict())
+    shape = (1, heads, tokens, head_dim)
     q, k, v = (torch.randn(shape, generator=g, device=ctx.device, dtype=ctx.dtype) for _ in range(3))
     ms: dict[str, float | None] = {}
     errors: dict[str, str] = {}

@@ -13,10 +13,8 @@ from ditfleet.compile.config import CompileConfig
 from ditfleet.compile.counting import compile_count
 from ditfleet.compile.policy import CompileReport, apply_compile
 from ditfleet.model.generation.sampling import latent_grid
-from ditfleet.model.qwen_image.transformer import QwenImageTransformer
-from ditfleet.model.qwen_image.vae import QwenImageVAE
 from ditfleet.workers.selftest.checks import slice_pipe
-from ditfleet.workers.selftest.parts import free, sizes, sync
+from ditfleet.workers.selftest.parts import FAMILY, free, sizes, sync
 from ditfleet.workers.selftest.runner import Context, stage
 
 BATCHES = (1, 2, 3, 4)
@@ -106,7 +104,7 @@ def compile_stage(ctx: Context) -> None:
     size = sizes(ctx)[0]
     report = apply_compile(pipe, stage_compile_config(ctx))
     dit, vae = pipe.transformer, pipe.vae
-    inputs = CompileInputs(ctx, dit.config.joint_attention_dim, size)
+    inputs = CompileInputs(ctx, FAMILY.text_conditioning(pipe).width, size)
     t0 = time.perf_counter()
     with torch.no_grad():
         dit(inputs.x4, inputs.warm_text, None, inputs.t, inputs.shapes(4))
@@ -129,7 +127,7 @@ def compile_stage(ctx: Context) -> None:
 
 
 def _recompile_sweep(
-    ctx: Context, dit: QwenImageTransformer, vae: QwenImageVAE, report: CompileReport, inputs: CompileInputs
+    ctx: Context, dit: Any, vae: Any, report: CompileReport, inputs: CompileInputs
 ) -> dict[str, Any]:
     """The `recompiles` line: the compiled DiT over batches 1..4 x the prompt lengths (padded
     batches included) and the VAE decode over batches 1..4, after the warm-up; any compile fails."""

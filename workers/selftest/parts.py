@@ -1,5 +1,5 @@
-"""What the self-test's stages share: the model's configs at the run's widths (the published ones,
-model/qwen_image/published), weights made on the device or written as the hub's shards, timing and FLOP
+"""What the self-test's stages share: the model's configs at the run's widths (the family's published
+ones, or its toy ones with --tiny), weights made on the device or written as the hub's shards, timing and FLOP
 counts."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from safetensors.torch import save_file
@@ -22,10 +22,8 @@ from safetensors.torch import save_file
 from ditfleet.model.family import DEFAULT_FAMILY
 from ditfleet.model.generation.sampling import LATENT_CHANNELS, latent_grid
 from ditfleet.model.loading.quantization import QuantizationError, fp8_keep
-from ditfleet.model.loading.weights import on_meta
 from ditfleet.model.qwen_image.fp8 import check_device, quantize_model
-from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
-from ditfleet.model.qwen_image.vae import QwenImageVAE
+from ditfleet.model.qwen_image.transformer_config import TransformerConfig
 from ditfleet.model.qwen_image.vae_config import VAEConfig
 from ditfleet.model.settings import DEFAULT_PIPELINE, Fp8Layers, Quantization
 from ditfleet.workers.selftest.runner import Context
@@ -34,29 +32,19 @@ log = logging.getLogger("ditfleet.selftest")
 
 # The family whose published widths the self-test measures: its configs and costs are the family's.
 FAMILY = DEFAULT_FAMILY
-TINY_TRANSFORMER = TransformerConfig(
-    num_layers=4,
-    num_attention_heads=2,
-    attention_head_dim=32,
-    joint_attention_dim=32,
-    axes_dims_rope=(8, 12, 12),
-)
-TINY_VAE = VAEConfig(base_dim=16, z_dim=16, dim_mult=(1, 2, 4, 4), num_res_blocks=1)
 
 
 # -- configs, weights, timing ----------------------------------------------------------------------
 
 
 def transformer_config(ctx: Context, layers: int) -> TransformerConfig:
-    if ctx.tiny:
-        return dataclasses.replace(TINY_TRANSFORMER, num_layers=layers)
-    return TransformerConfig.from_dict(FAMILY.published_config("transformer/config.json", layers))
+    widths = FAMILY.toy_config if ctx.tiny else FAMILY.published_config
+    return TransformerConfig.from_dict(widths("transformer/config.json", layers))
 
 
 def vae_config(ctx: Context) -> VAEConfig:
-    if ctx.tiny:
-        return TINY_VAE
-    return VAEConfig.from_dict(FAMILY.published_config("vae/config.json"))
+    widths = FAMILY.toy_config if ctx.tiny else FAMILY.published_config
+    return VAEConfig.from_dict(widths("vae/config.json"))
 
 
 def sizes(ctx: Context) -> list[int]:
@@ -87,19 +75,16 @@ def init_on_device(module: ModuleT, seed: int) -> ModuleT:
 
 def make_transformer(
     cfg: TransformerConfig, device: torch.device, dtype: torch.dtype, seed: int = 0
-) -> QwenImageTransformer:
-    """The DiT straight on the device in `dtype`: built on meta, allocated there, filled there."""
-    with on_meta():
-        model = QwenImageTransformer(cfg)
-    model = model.to(dtype).to_empty(device=device)
+) -> torch.nn.Module:
+    """The family's DiT straight on the device in `dtype`: built on meta, allocated there, filled there."""
+    model = FAMILY.empty_transformer(cfg.to_dict()).to(dtype).to_empty(device=device)
     return init_on_device(model, seed).eval().requires_grad_(False)
 
 
-def make_vae(ctx: Context) -> QwenImageVAE:
+def make_vae(ctx: Context) -> Any:
     """The run's VAE without its encoder, made like `make_transformer`."""
-    with on_meta():
-        vae = QwenImageVAE(vae_config(ctx), with_encoder=False)
-    vae = vae.to(ctx.dtype).to_empty(device=ctx.device)
+    vae_dict = dataclasses.asdict(vae_config(ctx))
+    vae = FAMILY.empty_vae(vae_dict, with_encoder=False).to(ctx.dtype).to_empty(device=ctx.device)
     return init_on_device(vae, 0).eval().requires_grad_(False)
 
 
@@ -163,8 +148,7 @@ def write_random_transformer(
     """The DiT of `config` with random weights in the hub's shards + index, and its config.json.
     Tensors are drawn one by one (PyTorch's default Linear range) and written shard by shard, so
     even a full-depth layout never holds the whole model in memory."""
-    with on_meta():
-        shapes = QwenImageTransformer(TransformerConfig.from_dict(config)).state_dict()
+    shapes = FAMILY.empty_transformer(config).state_dict()
     files = write_sharded(
         ((k, _random_tensor(k, tuple(t.shape), seed).to(dtype)) for k, t in shapes.items()),
         out_dir,
@@ -208,7 +192,7 @@ def dit_inputs(cfg: TransformerConfig, size: int, text_len: int, batch: int, dev
     h, w = latent_grid(size, size)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, h * w, 4 * LATENT_CHANNELS, generator=g).to(device, dtype)
-    txt = torch.randn(batch, text_len, cfg.joint_attention_dim, generator=g).to(device, dtype)
+    txt = torch.randn(batch, text_len, FAMILY.text_width(cfg.to_dict()), generator=g).to(device, dtype)
     return x, txt, [[(1, h, w)]] * batch
 
 
@@ -229,8 +213,8 @@ def free(ctx: Context, *names: str) -> None:
 
 @torch.no_grad()
 def fp8_copy(
-    transformer: QwenImageTransformer, mode: Quantization, layers: Fp8Layers = DEFAULT_PIPELINE.fp8_layers
-) -> QwenImageTransformer | None:
+    transformer: torch.nn.Module, mode: Quantization, layers: Fp8Layers = DEFAULT_PIPELINE.fp8_layers
+) -> torch.nn.Module | None:
     """The loaded `transformer` as an FP8 DiT of `mode` with the layer set `layers` on its own
     device, the original untouched, or None when that device cannot run `mode` (fp8 on a GPU
     without FP8 units).

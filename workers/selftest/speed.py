@@ -20,11 +20,11 @@ from ditfleet.model.generation.pipeline import Generation, GuidanceInputs, Sampl
 from ditfleet.model.generation.sampling import euler_step, true_cfg
 from ditfleet.model.generation.scheduler import SchedulerConfig
 from ditfleet.model.memory import GB, ModelMemory, Runtime, plan_memory, vae_decode_activation_bytes
-from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
-from ditfleet.model.qwen_image.vae import QwenImageVAE
+from ditfleet.model.qwen_image.transformer_config import TransformerConfig
 from ditfleet.model.step_cache_config import PRESETS, StepCacheConfig
 from ditfleet.workers.selftest.compile_check import compile_config
 from ditfleet.workers.selftest.parts import (
+    FAMILY,
     dit_inputs,
     forward_flops,
     make_transformer,
@@ -40,7 +40,7 @@ from ditfleet.workers.selftest.runner import Context, StageSkipped, stage
 # -- speed at full depth ------------------------------------------------------------------------------
 
 
-def full_model(ctx: Context) -> QwenImageTransformer:
+def full_model(ctx: Context) -> Any:
     model = ctx.state.get("dit60")
     if model is None:
         cfg = transformer_config(ctx, ctx.args.layers)
@@ -163,7 +163,7 @@ def cfg_step(ctx: Context) -> None:
     size, text_len = sizes(ctx)[0], ctx.args.text_len
     cfg = model.config
     x, txt, shapes = dit_inputs(cfg, size, text_len, 1, ctx.device, ctx.dtype)
-    neg = torch.randn(1, 4, cfg.joint_attention_dim).to(ctx.device, ctx.dtype)
+    neg = torch.randn(1, 4, FAMILY.text_width(cfg.to_dict())).to(ctx.device, ctx.dtype)
     step_t = torch.full((1,), 0.25, device=ctx.device, dtype=ctx.dtype)
     sig = torch.tensor([0.25, 0.2], device=ctx.device)
 
@@ -338,7 +338,7 @@ def step_cache(ctx: Context) -> None:
     wall-time speed-up next to the work speed-up shows what the decisions, the batch subsets and
     the kept residuals cost on the device."""
     pipe = TextToImagePipeline(full_model(ctx), ctx.state["vae"], ctx.state["scheduler"])
-    size, steps, text, width = sizes(ctx)[0], 20, 64, pipe.transformer.config.joint_attention_dim
+    size, steps, text, width = sizes(ctx)[0], 20, 64, FAMILY.text_conditioning(pipe).width
     g = torch.Generator().manual_seed(3)
     inputs: GuidanceInputs = {
         "prompt_embeds": torch.randn(1, text, width, generator=g),
@@ -391,13 +391,13 @@ def dit_compiled_other_sizes(ctx: Context) -> None:
         ctx.emit(compiled_forward_line(ctx, model, size, report))
 
 
-def pipeline_to_compile(model: QwenImageTransformer, vae: QwenImageVAE) -> TextToImagePipeline:
+def pipeline_to_compile(model: Any, vae: Any) -> TextToImagePipeline:
     """`model` and `vae` in a pipeline for apply_compile, which compiles its modules and never
     samples: the schedule (the default, Qwen-Image's) is never read."""
     return TextToImagePipeline(model, vae, SchedulerConfig())
 
 
-def compile_dit(ctx: Context, model: QwenImageTransformer) -> CompileReport:
+def compile_dit(ctx: Context, model: Any) -> CompileReport:
     """`model` compiled as the worker compiles the DiT, in a pipeline whose fresh VAE stays eager."""
     vae = make_vae(ctx)
     return apply_compile(pipeline_to_compile(model, vae), compile_config(ctx, dit=True, vae=False))

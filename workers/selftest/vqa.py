@@ -24,18 +24,6 @@ from ditfleet.workers.selftest.runner import Context, StageSkipped, stage
 
 LLM_LAYERS = 2
 VISION_DEPTH = 4
-# Toy widths for --tiny: the published patching, every width small; the vision tokens' ids at the
-# top of the small vocabulary.
-TINY_TEXT = dict(
-    vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=4096,
-    rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]},
-)  # fmt: skip
-TINY_VISION = dict(
-    depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=14,
-    spatial_merge_size=2, temporal_patch_size=2, window_size=112, fullatt_block_indexes=[1],
-)  # fmt: skip
-TINY_TOKENS = dict(image_token_id=508, video_token_id=509, vision_start_token_id=510, vision_end_token_id=511)
 PROMPT = "a photograph of a small wooden boat drifting on a calm lake at sunrise, mist over the water"
 
 
@@ -44,7 +32,7 @@ def encoder_config(
 ) -> dict[str, Any]:
     """Qwen2.5-VL's config: the published one cut to `llm_layers` and `vision_depth`, or toy widths."""
     if tiny:
-        return {"text_config": TINY_TEXT, "vision_config": TINY_VISION, **TINY_TOKENS}
+        return FAMILY.toy_config("text_encoder/config.json")
     config = FAMILY.published_config("text_encoder/config.json")
     text = {**config["text_config"], "num_hidden_layers": llm_layers}
     text["layer_types"] = text["layer_types"][:llm_layers]

@@ -15,7 +15,7 @@ import torch
 from ditfleet.model.generation.pipeline import TextToImagePipeline
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH, PipelineSettings
 from ditfleet.workers.selftest import vqa  # noqa: F401 - registers vqa, which this line follows
-from ditfleet.workers.selftest.parts import make_vae, sizes
+from ditfleet.workers.selftest.parts import FAMILY, make_vae, sizes
 from ditfleet.workers.selftest.runner import Context, StageSkipped, stage
 from ditfleet.workers.selftest.speed import full_model
 
@@ -78,7 +78,7 @@ def batch_generator(ctx: Context) -> None:
     scheduler = ctx.state.get("scheduler")
     if scheduler is None:
         raise StageSkipped("needs the scheduler of the correctness stage")
-    encoder = RandomTextEncoder(model.config.joint_attention_dim)
+    encoder = RandomTextEncoder(FAMILY.text_width(model.config.to_dict()))
     pipe = TextToImagePipeline(
         model, vae, scheduler, encoder, model_id="selftest", settings=PipelineSettings()
     )

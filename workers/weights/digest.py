@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from ditfleet.model.qwen_image.published.schedules import PUBLISHED_SCHEME, published_file
+from ditfleet.model.family import PUBLISHED_SCHEME, published_file
 
 _CHUNK = 8 * 1024 * 1024
 _CACHE_VERSION = 1

@@ -30,7 +30,7 @@ from urllib.parse import urlparse
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from ditfleet.model.qwen_image.published.schedules import PUBLISHED_SCHEME, published_file
+from ditfleet.model.family import PUBLISHED_SCHEME, published_file
 from ditfleet.workers.storage import S3Config
 from ditfleet.workers.storage.s3 import http_status, make_s3_client
 from ditfleet.workers.weights.digest import ModelIdentity, etag_identity

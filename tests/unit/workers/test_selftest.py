@@ -325,3 +325,39 @@ def test_the_published_widths_and_the_forward_cost_come_from_the_family(tmp_path
     )
     # 2 blocks at 1024x1024 with 64 text tokens (4,160 tokens): about 2.3 TFLOP
     assert 2.2e12 < parts.forward_flops(config, 1024, 64) < 2.4e12
+
+
+def test_the_self_test_builds_the_family_model_at_toy_and_published_widths(tmp_path):
+    """The self-test's random models are the family's (empty_transformer / empty_vae on the run's
+    configs): --tiny at the family's toy widths (the sizes the self-test had as its own constants),
+    and the DiT's text width and attention shape come from the family, not from the DiT's fields."""
+    import dataclasses
+
+    import torch
+
+    from ditfleet.workers.selftest import parts, vqa
+
+    ctx = _tiny_context(tmp_path)
+    toy = parts.FAMILY.toy_config("transformer/config.json", 3)
+    assert {k: toy[k] for k in ("num_layers", "num_attention_heads", "attention_head_dim")} == {
+        "num_layers": 3,
+        "num_attention_heads": 2,
+        "attention_head_dim": 32,
+    }
+    assert parts.transformer_config(ctx, 3).to_dict() == toy
+    assert dataclasses.asdict(parts.vae_config(ctx)) == parts.FAMILY.toy_config("vae/config.json")
+    dit = parts.make_transformer(parts.transformer_config(ctx, 1), ctx.device, ctx.dtype)
+    assert type(dit) is type(parts.FAMILY.empty_transformer(toy))
+    assert not any(p.is_meta for p in dit.parameters())
+    assert parts.FAMILY.text_width(toy) == 32 and parts.FAMILY.attention_shape(toy) == (2, 32)
+    x, txt, shapes = parts.dit_inputs(parts.transformer_config(ctx, 1), 64, 5, 2, ctx.device, ctx.dtype)
+    assert tuple(txt.shape) == (2, 5, 32)
+    with torch.no_grad():
+        assert dit(x, txt, None, torch.full((1,), 0.5, dtype=ctx.dtype), shapes).shape == x.shape
+    vae = parts.make_vae(ctx)
+    assert type(vae) is type(parts.FAMILY.empty_vae(parts.FAMILY.toy_config("vae/config.json"), False))
+    # a config the family has no toy widths for is refused, naming the ones it has
+    with pytest.raises(KeyError, match="scheduler.*no toy config"):
+        parts.FAMILY.toy_config("scheduler/scheduler_config.json")
+    assert vqa.encoder_config(tiny=True)["text_config"]["hidden_size"] == 32
+    assert vqa.encoder_config(tiny=True) is not vqa.encoder_config(tiny=True)  # a fresh copy each time
