@@ -44,6 +44,9 @@ MODEL_OPTIONAL_IMPORTS = {
     # A checkpoint without a native family runs through diffusers' own pipeline class (the
     # `diffusers` extra), imported only where such a checkpoint is loaded.
     ("model/diffusers_pipeline/loader.py", "diffusers"),
+    # The self-test checks the Qwen-Image DiT against diffusers' on the same weights
+    # (QwenImageFamily.reference_transformer), only when that check runs.
+    ("model/qwen_image/family.py", "diffusers"),
 }
 
 # The repository's folders besides the layers (the layers are what `LAYERS` checks):

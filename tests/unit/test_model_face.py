@@ -54,7 +54,6 @@ IMPORT_EXEMPT = {
     "jobs/inspect_model.py": "qwen_image.memory_params.transformer_weight_bytes",
     "workers/selftest/parts.py": "qwen_image.fp8 (quantize_model, check_device), the config classes",
     "workers/selftest/speed.py": "qwen_image.transformer_config.TransformerConfig (a type)",
-    "workers/selftest/fp8_speed.py": "qwen_image.fp8.set_fast_accum",
     "workers/selftest/vqa.py": "qwen_image.text_encoder.QwenVLTextEncoder (the vqa scorer's encoder)",
     # And all of EXEMPT's paths: the test scaffolding builds Qwen-Image models.
 }

@@ -245,7 +245,7 @@ def _serial_vs_batched(ctx: Context, model, size: int, batch: int, step_t, sig) 
     """ms per CFG step of `batch` images, serial and batched, and which is faster."""
     cfg, text_len = model.config, ctx.args.text_len
     x, txt, shapes = dit_inputs(cfg, size, text_len, batch, ctx.device, ctx.dtype)
-    neg = torch.randn(batch, 4, cfg.joint_attention_dim).to(ctx.device, ctx.dtype)
+    neg = torch.randn(batch, 4, txt.shape[2]).to(ctx.device, ctx.dtype)  # txt: (B, L, text width)
     both_txt = torch.cat([txt, torch.cat([neg, neg.new_zeros(batch, text_len - 4, neg.shape[2])], 1)])
     mask = torch.ones(2 * batch, text_len, device=ctx.device, dtype=torch.long)
     mask[batch:, 4:] = 0
