@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import json
 import shutil
+import socket
 import tarfile
 import uuid
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from ditfleet.workers.output.manifest import MANIFEST_SCHEMA
 from ditfleet.workers.storage import open_store
 from ditfleet.workers.storage.parquet_bytes import read_parquet
 from ditfleet.workers.weights.digest import WeightsChanged, local_identity
+from tests.support.fence_entry import dispatched
 from tests.support.worker_fixtures import finish_like_driver, row_config, worker_config, write_prompts
 
 ROWS, SHARD_SIZE = 3, 1  # one row per shard: shard i holds p0000i
@@ -419,7 +421,7 @@ def _redo(case: Case, prompts: Path, model: Path, monkeypatch, shards: tuple[int
         worker = GenerationWorker(args[0])
         for shard in todo:
             ran.append((shard.index, shard.generation, worker.run_shard(shard, 0).status))
-        return None
+        return dispatched(len(todo))
 
     monkeypatch.setattr(run_job_module, "run_shards", in_process)
     log = io.StringIO()
@@ -574,7 +576,11 @@ def test_a_cluster_wanting_a_token_is_exit_2_naming_the_token(monkeypatch, tmp_p
     write_prompts(tmp_path / "p.parquet", 4)  # a valid input: the run gets as far as connecting
     job = tmp_path / "job.yaml"
     job.write_text(f"input: {{path: {tmp_path}/p.parquet}}\noutput: {{uri: {tmp_path}/out}}\n")
-    assert main(["run", str(job), "--address", "ray://127.0.0.1:1"]) == 2
+    # Something answers at the address (the connect deadline's probe sees a listener), and the
+    # cluster behind it refuses the client for want of a token.
+    with socket.create_server(("127.0.0.1", 0)) as head:
+        address = f"ray://127.0.0.1:{head.getsockname()[1]}"
+        assert main(["run", str(job), "--address", address]) == 2
     err = capsys.readouterr().err
     assert "RAY_AUTH_MODE=token" in err and "auth_token" in err and "store error" not in err, err
     assert not (tmp_path / "out").exists()  # nothing written

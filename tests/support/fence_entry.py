@@ -67,20 +67,24 @@ def worker_config(spec: dict[str, Any]):
     )
 
 
+def dispatched(committed: int, wall_s: float = 0.0):
+    """What the driver's dispatch returns when the shards ran in this process: `committed` shards,
+    no actor started (so the driver's fence has none to wait for)."""
+    from ditfleet.driver.dispatch.types import DispatchResult, DispatchStats
+
+    return DispatchResult([], [], DispatchStats(), wall_s, wall_s, wall_s, committed=committed, actors=[])
+
+
 def in_process(todo, worker_cls, args, config, events, keep_results=False):
     """The driver's dispatch, in this process: each shard once, attempt 0, reported to the
     driver's dispatch events as an actor's would be (the driver's `after_dispatch_start` pause
     point is one of them)."""
-    from ditfleet.driver.dispatch.types import DispatchResult, DispatchStats
-
     worker = worker_cls(*args)
     started = time.monotonic()
     for shard in todo:
         events.shard_started(shard, 0, worker.worker_id, False)
         events.shard_committed(shard, worker.run_shard(shard, 0))
-    wall_s = time.monotonic() - started
-    # No actor was started (this process ran the shards), so the driver's fence has none to wait for.
-    return DispatchResult([], [], DispatchStats(), wall_s, wall_s, wall_s, committed=len(todo), actors=[])
+    return dispatched(len(todo), time.monotonic() - started)
 
 
 def run(spec: dict[str, Any]) -> int:
