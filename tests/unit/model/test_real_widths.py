@@ -130,8 +130,10 @@ class _Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def ours(self, module, args, output):
-        self.calls.append((args[3].detach().clone(), output.detach().float().clone()))
+    def ours(self, module, args, kwargs, output):
+        # The shared denoise loop calls the DiT with the family's prepared inputs, by keyword.
+        timestep = kwargs["timestep"] if "timestep" in kwargs else args[3]
+        self.calls.append((timestep.detach().clone(), output.detach().float().clone()))
 
     def reference(self, module, args, kwargs, output):
         out = output[0] if isinstance(output, tuple) else output.sample
@@ -147,7 +149,7 @@ def test_bf16_trajectory_follows_diffusers_step_by_step(real_widths_dir):
     for height, width, steps in [(256, 256, 8), (128, 256, 5), (128, 128, 4)]:
         rec_ref, rec_ours = _Recorder(), _Recorder()
         h1 = ref.transformer.register_forward_hook(rec_ref.reference, with_kwargs=True)
-        h2 = pipe.transformer.register_forward_hook(rec_ours.ours)
+        h2 = pipe.transformer.register_forward_hook(rec_ours.ours, with_kwargs=True)
         size = dict(height=height, width=width, steps=steps, true_cfg_scale=1.0, seeds=[2])
         diffusers_images(
             ref,
