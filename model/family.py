@@ -72,6 +72,7 @@ __all__ = [
     "DEFAULT_FAMILY",
     "FAMILIES",
     "MemoryFormula",
+    "NativeFamily",
     "ModelFamily",
     "PUBLISHED_SCHEME",
     "PublishedSchedule",
@@ -133,7 +134,16 @@ class ModelFamily(Protocol):
         """A published config file; with num_layers, the transformer's cut to that depth."""
         ...
 
-    # The family's model with random weights, as the node self-test builds it (workers/selftest/).
+    def load_pipeline(self, path: str | Path, *args: Any, **kwargs: Any) -> TextToImagePipeline: ...
+
+
+@runtime_checkable
+class NativeFamily(ModelFamily, Protocol):
+    """A family implemented in model/ (its own folder), whose model the node self-test builds
+    with random weights at toy and published widths (workers/selftest/) and checks against the
+    reference implementation. A family run through another library's pipeline
+    (model.diffusers_pipeline) is a ModelFamily only."""
+
     def toy_config(self, rel: str, num_layers: int | None = None) -> dict:
         """`published_config` at toy widths (the self-test's --tiny)."""
         ...
@@ -158,14 +168,12 @@ class ModelFamily(Protocol):
 
     def attention_shape(self, transformer_config: dict) -> tuple[int, int]: ...  # (heads, head dim)
 
-    def load_pipeline(self, path: str | Path, *args: Any, **kwargs: Any) -> TextToImagePipeline: ...
-
 
 # The one table: a checkpoint's model_index.json `_class_name` -> its family.
-FAMILIES: Mapping[str, ModelFamily] = MappingProxyType({QWEN_IMAGE_PIPELINE_CLASS: QWEN_IMAGE})
+FAMILIES: Mapping[str, NativeFamily] = MappingProxyType({QWEN_IMAGE_PIPELINE_CLASS: QWEN_IMAGE})
 # The family of a model folder without model_index.json, of a remote path (not read on the
 # driver) and of configs built without naming a model.
-DEFAULT_FAMILY: ModelFamily = QWEN_IMAGE
+DEFAULT_FAMILY: NativeFamily = QWEN_IMAGE
 
 
 def family_of_class(class_name: Any, where: str, index: dict | None = None) -> ModelFamily:
