@@ -72,6 +72,12 @@ class DiffusersTextToImage:
         # Never None: warm-up then hands prompts to encode_guidance, as requests do.
         return getattr(self.pipeline, "text_encoder", None) or self.pipeline
 
+    def prefill_modulation(self, height: int, width: int, steps: int) -> int:
+        """The blocks' modulation table the actor fills per bucket at warm-up: a diffusers-run
+        transformer has no modulation cache (docs/performance.md, what each family gets), so
+        there is nothing to build: 0 entries, as a native pipeline in another cache mode."""
+        return 0
+
     # -- the request path --------------------------------------------------------------------------
 
     def count_tokens(self, prompts: list[str], max_sequence_length: int) -> list[int] | None:

@@ -236,7 +236,8 @@ def _job(tmp_path: Path, model: Path, **workers) -> Path:
         f"input: {{path: {REPO / 'jobs' / 'examples' / 'prompts.parquet'}}}",
         f"output: {{uri: {tmp_path / 'out'}}}",
         f"model: {{path: {model}, text_encoder: {workers.pop('text_encoder', 'gpu')}, "
-        f"quantization: {workers.pop('quantization', 'none')}}}",
+        f"quantization: {workers.pop('quantization', 'none')}, fp8_layers: {workers.pop('fp8_layers', 'safe')}, "
+        f"modulation_cache: {workers.pop('modulation_cache', 'auto')}}}",
         "buckets: {names: [1328x1328, 1024x1024]}",
         "workers: {" + ", ".join(f"{k}: {v}" for k, v in workers.items()) + "}",
     ]
@@ -314,7 +315,11 @@ def test_inspect_reads_headers_and_prints_the_plan(qwen_configs_dir, capsys):
 def test_fp8_halves_the_dit_in_plan_and_inspect_and_a_batch_too_large_is_refused(
     tmp_path, qwen_configs_dir, capsys
 ):
-    job = _job(tmp_path, qwen_configs_dir, batch_size=9, gpu_memory_gb=48, quantization="fp8")
+    # Every linear in FP8 (`all`): the DiT exactly halved; the default set keeps img_mlp.net.2 in
+    # bf16 (tests/unit/model/test_fp8_layer_sets.py has its figures). The per-step modulation
+    # cache: the GPU default's tables (`auto` -> table) take a little more (test_batch_fit.py).
+    fp8 = {"quantization": "fp8", "fp8_layers": "all", "modulation_cache": "cfg"}
+    job = _job(tmp_path, qwen_configs_dir, batch_size=9, gpu_memory_gb=48, **fp8)
     assert main(["plan", str(job), "--json"]) == 0
     mem = json.loads(capsys.readouterr().out)["memory"]
     first = mem["buckets"][0]
@@ -331,21 +336,23 @@ def test_fp8_halves_the_dit_in_plan_and_inspect_and_a_batch_too_large_is_refused
     assert "largest batch per GPU size (text encoder gpu / cpu / offload):" in out
     assert "1328x1328: 80 GB 40/56/56, 48 GB 9/25/25, 24 GB 0/0/0" in out
     # One more image than fits is refused before any actor, naming the largest that does.
-    job = _job(tmp_path, qwen_configs_dir, batch_size=10, gpu_memory_gb=48, quantization="fp8")
+    job = _job(tmp_path, qwen_configs_dir, batch_size=10, gpu_memory_gb=48, **fp8)
     assert main(["plan", str(job)]) == 2
     assert "the largest batch that fits 48 GB is 9" in capsys.readouterr().err
     # bf16 with the text encoder on a 48 GB GPU: not even batch 1; the refusal says FP8 would fit.
     job = _job(tmp_path, qwen_configs_dir, batch_size=1, gpu_memory_gb=48)
     assert main(["validate", str(job)]) == 2
     assert "model.quantization: fp8" in capsys.readouterr().err
+    # inspect plans the defaults: the `safe` layer set (img_mlp.net.2 kept in bf16: 2.3 GB more)
+    # and a GPU's modulation tables.
     assert main(["inspect", str(qwen_configs_dir), "--quantization", "fp8"]) == 0
     out = capsys.readouterr().out
-    assert "40.86 GB in bf16, 20.50 GB as fp8" in out and "DiT fp8" in out
-    assert "text encoder gpu" in out and "48 GB: fits (max batch 9)" in out
-    assert "text encoder cpu" in out and "80 GB: fits (max batch 56)" in out
+    assert "40.86 GB in bf16, 22.76 GB as fp8" in out and "DiT fp8" in out
+    assert "text encoder gpu" in out and "48 GB: fits (max batch 6)" in out
+    assert "text encoder cpu" in out and "80 GB: fits (max batch 54)" in out
     assert main(["inspect", str(qwen_configs_dir), "--quantization", "fp8-weight-only", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert round(info["components"]["transformer"]["fp8-weight-only_gb"], 1) == 20.5
+    assert round(info["components"]["transformer"]["fp8-weight-only_gb"], 1) == 22.8
 
 
 def test_qwen_plan_numbers_for_the_readme(qwen):
