@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ditfleet.driver.output.cost import image_cost
+from ditfleet.driver.output.cost import image_cost, money_phrase
 from ditfleet.jobs.exit_codes import UsageError
 from ditfleet.jobs.spec import JobSpec
 from ditfleet.model.generation.guidance import cfg_on
@@ -148,8 +148,7 @@ def cost_plan_line(cost: Mapping[str, Any]) -> str:
     unit = f"{cost['unit']}-s/image"
     parts = []
     for bucket, c in cost["by_bucket"].items():
-        money = "" if c["usd_per_million"] is None else f" (${c['usd_per_million']:,.2f} per million)"
-        parts.append(f"{bucket} {c['seconds_per_image']:.3g} {unit}{money}")
+        parts.append(f"{bucket} {c['seconds_per_image']:.3g} {unit}{money_phrase(c['usd_per_million'])}")
     head = f"estimated from {cost['source']} ({cost['device']}; {cost['steps']} steps, CFG {'on' if cost['cfg'] else 'off'}"
     head += (
         f", worker overhead x{cost['worker_overhead']:.3g}): " if cost["worker_overhead"] != 1.0 else "): "

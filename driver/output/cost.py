@@ -83,7 +83,8 @@ def cost_summary(
     return out
 
 
-def _money(usd: float | None) -> str:
+def money_phrase(usd: float | None) -> str:
+    """ " ($X per million)" for a cost line; empty without a price."""
     return "" if usd is None else f" (${usd:,.2f} per million)"
 
 
@@ -91,7 +92,7 @@ def cost_line(cost: Mapping[str, Any]) -> str:
     """'1024x1024 1.10 GPU-s/image ($763.89 per million), ... at $2.50 per GPU hour; the fleet's ...'."""
     unit = f"{cost['unit']}-s/image"
     parts = [
-        f"{bucket} {c['seconds_per_image']:.2f} {unit}{_money(c['usd_per_million'])}"
+        f"{bucket} {c['seconds_per_image']:.2f} {unit}{money_phrase(c['usd_per_million'])}"
         for bucket, c in cost["by_bucket"].items()
     ]
     line = ", ".join(parts) + " generating"
@@ -99,7 +100,7 @@ def cost_line(cost: Mapping[str, Any]) -> str:
         line += f" at ${cost['gpu_hour_usd']:,.2f} per GPU hour"
     fleet = cost.get("fleet")
     if fleet:
-        line += f"; this run's fleet {fleet['seconds_per_image']:.2f} {unit}{_money(fleet['usd_per_million'])} with start-up and idle"
+        line += f"; this run's fleet {fleet['seconds_per_image']:.2f} {unit}{money_phrase(fleet['usd_per_million'])} with start-up and idle"
     if cost["unit"] == "GPU" and cost.get("gpu_hour_usd") is None:
         line += " (cost.gpu_hour_usd: dollars per million)"
     elif cost["unit"] == "actor":
