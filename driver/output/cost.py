@@ -84,7 +84,7 @@ def cost_summary(
 
 
 def money_phrase(usd: float | None) -> str:
-    """ " ($X per million)" for a cost line; empty without a price."""
+    """The phrase ' ($X per million)' of a cost line; empty without a price."""
     return "" if usd is None else f" (${usd:,.2f} per million)"
 
 
