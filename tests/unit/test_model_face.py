@@ -49,7 +49,6 @@ IMPORT_EXEMPT = {
     "compile/policy.py": "qwen_image.fp8.runs_scaled_gemms",
     "compile/prepare.py": "qwen_image.fp8.runs_scaled_gemms",
     "workers/actor.py": "qwen_image.fp8.runs_scaled_gemms, qwen_image.loader.load_text_encoder",
-    "workers/generate.py": "qwen_image.memory_activations.image_tokens",
     "workers/scorers.py": "qwen_image.loader.load_text_encoder",
     "jobs/inspect_model.py": "qwen_image.memory_params.transformer_weight_bytes",
     "workers/selftest/parts.py": "qwen_image.fp8 (quantize_model, check_device), the config classes",
