@@ -25,7 +25,6 @@ from ditfleet.model.memory import (
     ModelMemory,
     checkpoint_size,
 )
-from ditfleet.model.qwen_image.memory_params import transformer_weight_bytes
 
 
 def inspect_model(request: MemoryRequest, gpus_gb: Sequence[float] = GPU_SIZES_GB) -> dict[str, Any]:
@@ -78,7 +77,7 @@ def _components(model: ModelMemory, request: MemoryRequest) -> dict[str, Any]:
             }  # fmt: skip
         components[name] = entry
     if request.quantization != "none":
-        loaded = transformer_weight_bytes(model.transformer, e, check_quantization(request.quantization))
+        loaded = model.dit_weight_bytes(e, check_quantization(request.quantization))
         components["transformer"][f"{request.quantization}_gb"] = round(loaded / GB, 3)
     return components
 

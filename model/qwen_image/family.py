@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 from ditfleet.model.family_types import AttentionCounters, CompileRegion, Size, TextConditioning
 from ditfleet.model.loading.folder import TINY_MODEL_DIR
-from ditfleet.model.memory import MemoryPlan, ModelMemory, dit_activation_bytes, largest_batch, plan_memory
+from ditfleet.model.memory import MemoryPlan, ModelMemory, largest_batch, plan_memory
 from ditfleet.model.quality.table import PIPELINE_QWEN_VL
+from ditfleet.model.qwen_image.memory_model import QwenImageMemory
 from ditfleet.model.qwen_image.published import PUBLISHED
 from ditfleet.model.qwen_image.transformer_config import TransformerConfig
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH_LIMIT
@@ -54,13 +55,13 @@ class MemoryFormula:
 
     def from_dir(self, root: str | Path, name: str | None = None) -> ModelMemory:
         """The configs of a local model folder (transformer/, vae/, text_encoder/)."""
-        return ModelMemory.from_dir(root, name=name)
+        return QwenImageMemory.from_dir(root, name=name)
 
     def from_configs(
         self, transformer: dict, vae: dict, text_encoder: dict | None, name: str = "", where: str = ""
     ) -> ModelMemory:
         """The same from config.json contents read elsewhere (an object store)."""
-        return ModelMemory.from_configs(transformer, vae, text_encoder, name=name, where=where)
+        return QwenImageMemory.from_configs(transformer, vae, text_encoder, name=name, where=where)
 
     def plan(self, model: ModelMemory, **kwargs: Any) -> MemoryPlan:
         """`model.memory.plan_memory`: one image size and batch, phase by phase."""
@@ -74,8 +75,8 @@ class MemoryFormula:
         self, model: ModelMemory, height: int, width: int, text_len: int, element_bytes: int
     ) -> int:
         """Bytes per image that attention without a fused kernel (the masked math path) adds."""
-        args = (model.transformer, 1, height, width, text_len, element_bytes)
-        return dit_activation_bytes(*args, "math") - dit_activation_bytes(*args, "fused")
+        args = (1, height, width, text_len, element_bytes)
+        return model.dit_activation_bytes(*args, "math") - model.dit_activation_bytes(*args, "fused")
 
 
 def _vae_owners(vae: Any) -> list[tuple[str, Any]]:
