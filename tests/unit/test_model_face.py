@@ -50,9 +50,7 @@ IMPORT_EXEMPT = {
     "compile/prepare.py": "qwen_image.fp8.runs_scaled_gemms",
     "workers/actor.py": "qwen_image.fp8.runs_scaled_gemms, qwen_image.loader.load_text_encoder",
     "workers/scorers.py": "qwen_image.loader.load_text_encoder",
-    "jobs/inspect_model.py": "qwen_image.memory_params.transformer_weight_bytes",
     "workers/selftest/parts.py": "qwen_image.fp8 (quantize_model, check_device), the config classes",
-    "workers/selftest/speed.py": "qwen_image.transformer_config.TransformerConfig (a type)",
     "workers/selftest/vqa.py": "qwen_image.text_encoder.QwenVLTextEncoder (the vqa scorer's encoder)",
     # And all of EXEMPT's paths: the test scaffolding builds Qwen-Image models.
 }
@@ -273,6 +271,14 @@ def test_the_import_check_catches_each_way_of_importing():
         (2, "ditfleet.model.qwen_image.fp8"),
         (4, "ditfleet.model.qwen_image"),
     ]
+
+
+def test_the_memory_plan_holds_no_family():
+    """model/memory/plan.py is every family's: the shapes (parameters, activation peaks, the FP8
+    GEMMs' transients, the modulation table) come from the family's ModelMemory, not from a
+    family's configs and formulas imported here."""
+    plan = REPO / "model" / "memory" / "plan.py"
+    assert family_imports(ast.parse(plan.read_text())) == []
 
 
 @pytest.mark.parametrize("rel", sorted(IMPORT_EXEMPT))
