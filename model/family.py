@@ -82,9 +82,11 @@ __all__ = [
     "check_model_index",
     "family_of_class",
     "load_pipeline",
+    "load_text_encoder",
     "model_family",
     "published_file",
     "resolve_model_dir",
+    "runs_scaled_gemms",
     "schedule_by_hub_id",
     "schedule_by_lora",
     "schedule_by_scheduler",
@@ -167,6 +169,14 @@ class NativeFamily(ModelFamily, Protocol):
     def text_width(self, transformer_config: dict) -> int: ...  # the prompt embeddings' width
 
     def attention_shape(self, transformer_config: dict) -> tuple[int, int]: ...  # (heads, head dim)
+
+    def load_text_encoder(self, root: Path, device: Any, dtype: Any) -> Any:
+        """The text encoder of the model folder `root` on `device`; None when it has none."""
+        ...
+
+    def runs_scaled_gemms(self, pipe: Any) -> bool:
+        """Whether the pipeline's DiT runs FP8 GEMMs through torch._scaled_mm (compile.policy)."""
+        ...
 
 
 # The one table: a checkpoint's model_index.json `_class_name` -> its family.
@@ -253,3 +263,24 @@ def load_pipeline(path: str | Path, *args: Any, **kwargs: Any) -> TextToImagePip
     return model_family(resolve_model_dir(path) if str(path) != TINY_MODEL else path).load_pipeline(
         path, *args, **kwargs
     )
+
+
+def load_text_encoder(path: str | Path, device: Any, dtype: Any) -> Any:
+    """The text encoder of the natively run model at `path` ("tiny" or a local folder) on
+    `device`, by its family; None when the model has none. What an actor places away from the
+    DiT and the vqa scorer's Qwen2.5-VL are loaded here."""
+    family = model_family(path)
+    if not isinstance(family, NativeFamily):
+        raise WeightsError(
+            f"{path}: a {family.name} model runs through its library's own pipeline, which loads its "
+            "own text encoder; ditfleet loads one separately only for a native family's model."
+        )
+    return family.load_text_encoder(resolve_model_dir(path), device, dtype)
+
+
+def runs_scaled_gemms(pipe: Any) -> bool:
+    """Whether the pipeline's DiT runs FP8 GEMMs through torch._scaled_mm, which decides
+    compile.dit "auto" (compile.policy.resolve_auto). A native family's answer; a pipeline run
+    through another library has none of ours."""
+    family = model_family(pipe)
+    return isinstance(family, NativeFamily) and family.runs_scaled_gemms(pipe)

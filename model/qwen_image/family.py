@@ -290,6 +290,18 @@ class QwenImageFamily:
         config = TransformerConfig.from_dict(transformer_config)
         return config.num_attention_heads, config.attention_head_dim
 
+    def load_text_encoder(self, root: Path, device: Any, dtype: Any) -> Any:
+        """`model.qwen_image.loader.load_text_encoder`: Qwen2.5-VL, or the tiny model's own encoder."""
+        from ditfleet.model.qwen_image.loader import load_text_encoder
+
+        return load_text_encoder(root, device, dtype)
+
+    def runs_scaled_gemms(self, pipe: Any) -> bool:
+        """`model.qwen_image.fp8.runs_scaled_gemms` of the pipeline's DiT."""
+        from ditfleet.model.qwen_image.fp8 import runs_scaled_gemms
+
+        return runs_scaled_gemms(pipe.transformer)
+
     def load_pipeline(self, path: str | Path, *args: Any, **kwargs: Any) -> TextToImagePipeline:
         """`model.qwen_image.loader.load_pipeline`: the checkpoint at `path` as a pipeline."""
         from ditfleet.model.qwen_image.loader import load_pipeline

@@ -46,10 +46,6 @@ EXEMPT = {
 # Each is a debt to move behind the face (model/family.py); a listed path that no longer imports one
 # fails the test (then delete its line), so the list only shrinks.
 IMPORT_EXEMPT = {
-    "compile/policy.py": "qwen_image.fp8.runs_scaled_gemms",
-    "compile/prepare.py": "qwen_image.fp8.runs_scaled_gemms",
-    "workers/actor.py": "qwen_image.fp8.runs_scaled_gemms, qwen_image.loader.load_text_encoder",
-    "workers/scorers.py": "qwen_image.loader.load_text_encoder",
     "workers/selftest/parts.py": "qwen_image.fp8 (quantize_model, check_device), the config classes",
     "workers/selftest/vqa.py": "qwen_image.text_encoder.QwenVLTextEncoder (the vqa scorer's encoder)",
     # And all of EXEMPT's paths: the test scaffolding builds Qwen-Image models.
