@@ -174,6 +174,12 @@ class NativeFamily(ModelFamily, Protocol):
         """The text encoder of the model folder `root` on `device`; None when it has none."""
         ...
 
+    def random_text_encoder(
+        self, config: dict, tokenizer: Any, device: Any, dtype: Any, seed: int = 0
+    ) -> Any:
+        """Its text encoder of a text_encoder config.json's contents, random weights, with `tokenizer`."""
+        ...
+
     def runs_scaled_gemms(self, pipe: Any) -> bool:
         """Whether the pipeline's DiT runs FP8 GEMMs through torch._scaled_mm (compile.policy)."""
         ...

@@ -296,6 +296,14 @@ class QwenImageFamily:
 
         return load_text_encoder(root, device, dtype)
 
+    def random_text_encoder(
+        self, config: dict, tokenizer: Any, device: Any, dtype: Any, seed: int = 0
+    ) -> Any:
+        """`QwenVLTextEncoder.random`: a Qwen2.5-VL of `config`, random weights made on `device`."""
+        from ditfleet.model.qwen_image.text_encoder import QwenVLTextEncoder
+
+        return QwenVLTextEncoder.random(config, tokenizer, device, dtype, seed)
+
     def runs_scaled_gemms(self, pipe: Any) -> bool:
         """`model.qwen_image.fp8.runs_scaled_gemms` of the pipeline's DiT."""
         from ditfleet.model.qwen_image.fp8 import runs_scaled_gemms

@@ -70,6 +70,20 @@ class QwenVLTextEncoder:
         )
         return cls(model.to(device).eval(), tok, device, dtype)
 
+    @classmethod
+    def random(
+        cls, config: dict, tokenizer, device: torch.device, dtype: torch.dtype, seed: int = 0
+    ) -> QwenVLTextEncoder:
+        """A Qwen2.5-VL of `config` (a text_encoder config.json's contents) with random weights made
+        on `device` (transformers' own init: its rotary buffers are computed, not drawn), behind
+        this wrapper with `tokenizer`: the node self-test's vqa line."""
+        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**config))
+        return cls(model.to(dtype).eval().requires_grad_(False), tokenizer, device, dtype)
+
     def count_tokens(self, prompts: list[str], max_length: int = MAX_SEQUENCE_LENGTH) -> list[int]:
         """Each prompt's embedding length as `encode` makes it (tokenizer only, no model)."""
         texts = [QWEN_IMAGE_TEMPLATE.format(p) for p in prompts]

@@ -47,7 +47,6 @@ EXEMPT = {
 # fails the test (then delete its line), so the list only shrinks.
 IMPORT_EXEMPT = {
     "workers/selftest/parts.py": "qwen_image.fp8 (quantize_model, check_device), the config classes",
-    "workers/selftest/vqa.py": "qwen_image.text_encoder.QwenVLTextEncoder (the vqa scorer's encoder)",
     # And all of EXEMPT's paths: the test scaffolding builds Qwen-Image models.
 }
 
