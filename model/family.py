@@ -56,6 +56,7 @@ from ditfleet.model.qwen_image.family import QWEN_IMAGE, QWEN_IMAGE_PIPELINE_CLA
 
 if TYPE_CHECKING:  # the pipeline needs torch; this module is read without it
     from ditfleet.model.generation.pipeline import TextToImagePipeline
+    from ditfleet.model.generation.sampling import PrepareInputs
 from ditfleet.model.qwen_image.published.schedules import (
     PUBLISHED_SCHEME,
     SCHEDULER_FILE,
@@ -169,6 +170,9 @@ class NativeFamily(ModelFamily, Protocol):
     def text_width(self, transformer_config: dict) -> int: ...  # the prompt embeddings' width
 
     def attention_shape(self, transformer_config: dict) -> tuple[int, int]: ...  # (heads, head dim)
+
+    @property
+    def prepare_inputs(self) -> PrepareInputs: ...  # its DiT's keyword arguments for one call of the loop
 
     def load_text_encoder(self, root: Path, device: Any, dtype: Any) -> Any:
         """The text encoder of the model folder `root` on `device`; None when it has none."""

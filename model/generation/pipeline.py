@@ -12,9 +12,11 @@ from dataclasses import dataclass
 import torch
 
 from ditfleet.model.generation.attention_backend import attention_backend
+from ditfleet.model.generation.components import Denoiser, TextEncoder, Vae
 from ditfleet.model.generation.guidance import cfg_on, negative_texts
 from ditfleet.model.generation.sampling import (
     Conditioning,
+    PrepareInputs,
     TimestepBank,
     denoise,
     initial_noise,
@@ -23,9 +25,6 @@ from ditfleet.model.generation.sampling import (
 )
 from ditfleet.model.generation.scheduler import SchedulerConfig, sigma_schedule
 from ditfleet.model.generation.step_cache import StepCache
-from ditfleet.model.qwen_image.text_encoder import TextEncoder
-from ditfleet.model.qwen_image.transformer import QwenImageTransformer, prepare_inputs
-from ditfleet.model.qwen_image.vae import QwenImageVAE
 from ditfleet.model.settings import DEFAULT_PIPELINE, MAX_SEQUENCE_LENGTH, CfgMode, PipelineSettings
 from ditfleet.model.step_cache_config import StepCacheConfig
 from ditfleet.model.tiny.known_words import known_of, unknown_words, unknown_words_warning
@@ -83,17 +82,23 @@ def cfg_batched_for(
 
 
 class TextToImagePipeline:
+    """A family's modules (model.generation.components) run by the shared loop: `prepare_inputs`
+    is the family's (what its denoiser takes for one call, model.generation.sampling.PrepareInputs)."""
+
     def __init__(
         self,
-        transformer: QwenImageTransformer,
-        vae: QwenImageVAE,
+        transformer: Denoiser,
+        vae: Vae,
         scheduler: SchedulerConfig,
         text_encoder: TextEncoder | None = None,
         model_id: str = "",
         model_revision: str = "",
         settings: PipelineSettings = DEFAULT_PIPELINE,
+        *,
+        prepare_inputs: PrepareInputs,
     ) -> None:
         self.transformer = transformer
+        self.prepare_inputs = prepare_inputs
         self.vae = vae
         self.scheduler = scheduler
         self.text_encoder = text_encoder
@@ -108,11 +113,11 @@ class TextToImagePipeline:
 
     @property
     def device(self) -> torch.device:
-        return self.transformer.img_in.weight.device
+        return self.transformer.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.transformer.img_in.weight.dtype
+        return self.transformer.dtype
 
     def with_step_cache(self, config: StepCacheConfig | None) -> TextToImagePipeline:
         """This pipeline (the same modules) with another step cache: what calibration compares."""
@@ -268,7 +273,7 @@ class TextToImagePipeline:
         with attention_backend(self.settings.attention_backend, self.device.type):
             latents = denoise(
                 self.transformer,
-                prepare_inputs,
+                self.prepare_inputs,
                 latents,
                 cond,
                 uncond,

@@ -29,6 +29,7 @@ from ditfleet.model.tiny.sizes import TINY_BUCKETS
 
 if TYPE_CHECKING:
     from ditfleet.model.generation.pipeline import TextToImagePipeline
+    from ditfleet.model.generation.sampling import PrepareInputs
 
 # Qwen-Image's recommended sizes per aspect ratio. Its 4:3 and 3:4 sizes are 1472x1140 and
 # 1140x1472; 1140 is not a multiple of 16, so they are replaced by the nearest multiple, 1136
@@ -289,6 +290,13 @@ class QwenImageFamily:
         """(heads, head dim) of the DiT's joint attention."""
         config = TransformerConfig.from_dict(transformer_config)
         return config.num_attention_heads, config.attention_head_dim
+
+    @property
+    def prepare_inputs(self) -> PrepareInputs:
+        """`model.qwen_image.transformer.prepare_inputs`: what the shared loop hands its DiT."""
+        from ditfleet.model.qwen_image.transformer import prepare_inputs
+
+        return prepare_inputs
 
     def load_text_encoder(self, root: Path, device: Any, dtype: Any) -> Any:
         """`model.qwen_image.loader.load_text_encoder`: Qwen2.5-VL, or the tiny model's own encoder."""

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ditfleet.model.generation.components import TextEncoder
 from ditfleet.model.generation.pipeline import TextToImagePipeline
 from ditfleet.model.generation.scheduler import SchedulerConfig
 from ditfleet.model.loading.checkpoint import Checkpoint, load_streaming
@@ -36,8 +37,8 @@ from ditfleet.model.qwen_image.lora import (
     plan_updates,
     read_lora,
 )
-from ditfleet.model.qwen_image.text_encoder import QwenVLTextEncoder, TextEncoder
-from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
+from ditfleet.model.qwen_image.text_encoder import QwenVLTextEncoder
+from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig, prepare_inputs
 from ditfleet.model.qwen_image.vae import load_vae
 from ditfleet.model.settings import DEFAULT_PIPELINE, Fp8Layers, PipelineSettings, Quantization
 
@@ -166,4 +167,5 @@ def load_pipeline(
         model_id=model_id or str(path),
         model_revision=revision,
         settings=settings,
+        prepare_inputs=prepare_inputs,
     )

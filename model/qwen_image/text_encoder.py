@@ -15,7 +15,7 @@ hook captures the final norm's output.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Any
 
 import torch
 
@@ -29,19 +29,6 @@ QWEN_IMAGE_TEMPLATE = (
 )
 QWEN_IMAGE_DROP_TOKENS = 34
 QWEN_TOKENIZER_MAX = 1024
-
-
-class TextEncoder(Protocol):
-    # Read-only: an encoder may hold it as an attribute or compute it (a property).
-    @property
-    def hidden_size(self) -> int: ...
-
-    def encode(
-        self, prompts: list[str], max_length: int = MAX_SEQUENCE_LENGTH
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    # Optional: `count_tokens(prompts, max_length) -> list[int]`, the L of each prompt's
-    # embedding without running the model; the worker batches prompts of like length with it.
 
 
 class QwenVLTextEncoder:
@@ -81,7 +68,7 @@ class QwenVLTextEncoder:
 
         torch.manual_seed(seed)
         with torch.device(device):
-            model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**config))
+            model: Any = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**config))
         return cls(model.to(dtype).eval().requires_grad_(False), tokenizer, device, dtype)
 
     def count_tokens(self, prompts: list[str], max_length: int = MAX_SEQUENCE_LENGTH) -> list[int]:

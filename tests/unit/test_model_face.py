@@ -56,6 +56,7 @@ GENERIC = {
     "act": "an activation, anywhere",
     "body": "an HTTP body, a report's body",
     "config": "every layer's config object",
+    "device": "a tensor's, a module's, a pipeline's or a job's device",
     "dtype": "a tensor's or a setting's dtype",
     "eps": "an epsilon",
     "forward": "nn.Module's own method",
@@ -268,12 +269,25 @@ def test_the_import_check_catches_each_way_of_importing():
     ]
 
 
-def test_the_memory_plan_holds_no_family():
-    """model/memory/plan.py is every family's: the shapes (parameters, activation peaks, the FP8
-    GEMMs' transients, the modulation table) come from the family's ModelMemory, not from a
-    family's configs and formulas imported here."""
-    plan = REPO / "model" / "memory" / "plan.py"
-    assert family_imports(ast.parse(plan.read_text())) == []
+# model/'s shared machinery, which every family runs through: it asks the family (a Protocol it
+# defines, or what the family hands it) and imports no family's folder.
+FAMILY_FREE = {
+    "model/memory/plan.py": "the shapes come from the family's ModelMemory (parameters, activation peaks, "
+    "the FP8 GEMMs' transients, the modulation table)",
+    "model/generation/pipeline.py": "typed with model.generation.components' Protocols; the family's "
+    "loader hands its DiT, VAE, text encoder and prepare_inputs",
+    "model/generation/sampling.py": "the loop calls the family's denoiser with what its prepare_inputs made",
+    "model/generation/components.py": "the Protocols a family's modules meet",
+}
+
+
+@pytest.mark.parametrize("rel", sorted(FAMILY_FREE))
+def test_the_shared_machinery_imports_no_family(rel):
+    problems = [
+        f"{rel}:{line}: imports {module}"
+        for line, module in family_imports(ast.parse((REPO / rel).read_text()))
+    ]
+    assert not problems, f"{FAMILY_FREE[rel]}:\n" + "\n".join(problems)
 
 
 @pytest.mark.parametrize("rel", sorted(IMPORT_EXEMPT))

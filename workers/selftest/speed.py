@@ -337,7 +337,9 @@ def step_cache(ctx: Context) -> None:
     the distance says nothing of a real model's quality (`ditfleet calibrate` measures that); the
     wall-time speed-up next to the work speed-up shows what the decisions, the batch subsets and
     the kept residuals cost on the device."""
-    pipe = TextToImagePipeline(full_model(ctx), ctx.state["vae"], ctx.state["scheduler"])
+    pipe = TextToImagePipeline(
+        full_model(ctx), ctx.state["vae"], ctx.state["scheduler"], prepare_inputs=FAMILY.prepare_inputs
+    )
     size, steps, text, width = sizes(ctx)[0], 20, 64, FAMILY.text_conditioning(pipe).width
     g = torch.Generator().manual_seed(3)
     inputs: GuidanceInputs = {
@@ -394,7 +396,7 @@ def dit_compiled_other_sizes(ctx: Context) -> None:
 def pipeline_to_compile(model: Any, vae: Any) -> TextToImagePipeline:
     """`model` and `vae` in a pipeline for apply_compile, which compiles its modules and never
     samples: the schedule (the default, Qwen-Image's) is never read."""
-    return TextToImagePipeline(model, vae, SchedulerConfig())
+    return TextToImagePipeline(model, vae, SchedulerConfig(), prepare_inputs=FAMILY.prepare_inputs)
 
 
 def compile_dit(ctx: Context, model: Any) -> CompileReport:
