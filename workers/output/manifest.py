@@ -25,7 +25,8 @@ import decimal
 import io
 import json
 import math
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -293,6 +294,22 @@ def _finite(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_finite(v) for v in value]
     return value
+
+
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+
+def failure_reason(error: str | None, source_uris: Sequence[str] | None = None) -> str:
+    """A failed row's `error` as the reason its kind of failure is counted under (status, the
+    summary, the report). An edit row's error names its source (its place, URI, size), so every
+    row's differs; with the row's source URIs as "…" and the numbers as "N" such errors count
+    together ("source N (…) is missing"). Any other error is its own reason, as it is."""
+    if not error:
+        return "?"
+    text = error
+    for uri in sorted({u for u in source_uris or () if u}, key=len, reverse=True):
+        text = text.replace(uri, "…")
+    return error if text == error else _NUMBER.sub("N", text)
 
 
 def passthrough_json(values: Mapping[str, Any]) -> str | None:
