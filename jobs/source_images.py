@@ -106,8 +106,9 @@ def source_reader(output: ObjectStore, s3: S3Config | None = None) -> SourceImag
         job = read_job_file(output) or {}
     except ValueError:  # a damaged _job.json: the sheet is still drawn, embedded sources blank
         job = {}
-    spec = job.get("spec") if isinstance(job.get("spec"), dict) else {}
-    column = (spec.get("input") or {}).get("image_column") if isinstance(spec.get("input"), dict) else None
+    spec = job.get("spec")
+    section = spec.get("input") if isinstance(spec, dict) else None
+    column = section.get("image_column") if isinstance(section, dict) else None
     return SourceImages(s3 or S3Config(), column if isinstance(column, str) else None)
 
 
