@@ -160,18 +160,9 @@ def _edit_success(out: ObjectStore, rows: int, errors: list[tuple[str, list[str]
         "status": "completed_with_failures" if errors else "succeeded",
         "output": out.uri(),
         "fingerprint": "edit-test",
-        "shards": {
-            "planned": 1,
-            "committed": 1,
-            "committed_before": 0,
-            "committed_now": 1,
-            "failed": 0,
-            "left": 0,
-        },
-        "rows": counts,
-        "images": counts,
-        "failures_by_error": reasons,
-    }
+        "shards": dict(planned=1, committed=1, committed_before=0, committed_now=1, failed=0, left=0),
+        "rows": counts, "images": counts, "failures_by_error": reasons,
+    }  # fmt: skip
 
 
 def _read(store: ObjectStore, uri: str) -> bytes | None:

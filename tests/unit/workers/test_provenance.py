@@ -36,6 +36,7 @@ TASK = ImageTask(
     true_cfg_scale=4.0,
 )
 FORMATS = ["png", "jpeg", "webp"]
+OUTPUT_FORMATS = [("files", "png"), ("parquet", "jpeg"), ("webdataset", "webp")]  # each with an image format
 RDF = "{http://www.w3.org/1999/02/22-rdf-syntax-ns#}"
 DC = "{http://purl.org/dc/elements/1.1/}"
 
@@ -265,14 +266,22 @@ def _stored_images(store, fmt: str, stored) -> dict[str, bytes]:
         }
 
 
-@pytest.mark.parametrize(
-    ("output_format", "image_format"), [("files", "png"), ("parquet", "jpeg"), ("webdataset", "webp")]
-)
+def _store(tmp_path, output_format: str, image_format: str, tasks: list[ImageTask]):
+    """`tasks` stored by the real shard writer of `output_format` (image i: pixels(i)); returns
+    what it stored and id -> the stored image bytes, read back from the objects."""
+    store = open_store(str(tmp_path / "out"))
+    cfg = ShardWriterConfig(output_format=output_format, image_format=image_format, threads=2, job=JOB)  # type: ignore[arg-type]
+    writer = make_shard_writer(store, 0, cfg, T)
+    for i, task in enumerate(tasks):
+        writer.add(task, pixels(i))
+    stored = writer.finish()
+    return stored, _stored_images(store, output_format, stored)
+
+
+@pytest.mark.parametrize(("output_format", "image_format"), OUTPUT_FORMATS)
 def test_every_output_format_stores_images_that_carry_their_row(
     tmp_path, output_format, image_format
 ) -> None:
-    store = open_store(str(tmp_path / "out"))
-    cfg = ShardWriterConfig(output_format=output_format, image_format=image_format, threads=2, job=JOB)  # type: ignore[arg-type]
     tasks = [
         ImageTask(
             id=f"r{i}",
@@ -284,11 +293,7 @@ def test_every_output_format_stores_images_that_carry_their_row(
         )
         for i in range(3)
     ]
-    writer = make_shard_writer(store, 0, cfg, T)
-    for i, task in enumerate(tasks):
-        writer.add(task, pixels(i))
-    stored = writer.finish()
-    images = _stored_images(store, output_format, stored)
+    stored, images = _store(tmp_path, output_format, image_format, tasks)
     for task, result in zip(tasks, stored.results):
         data = images[task.id]
         assert sha256_hex(data) == result.sha256 and len(data) == result.bytes  # the manifest's facts
@@ -529,19 +534,12 @@ def test_a_source_is_a_pair_of_strings() -> None:
         _edit((("s3://in/a.png", None),))
 
 
-@pytest.mark.parametrize(
-    ("output_format", "image_format"), [("files", "png"), ("parquet", "jpeg"), ("webdataset", "webp")]
-)
+@pytest.mark.parametrize(("output_format", "image_format"), OUTPUT_FORMATS)
 def test_every_output_format_stores_edits_that_name_their_sources(
     tmp_path, output_format, image_format
 ) -> None:
-    store = open_store(str(tmp_path / "out"))
-    cfg = ShardWriterConfig(output_format=output_format, image_format=image_format, threads=2, job=JOB)  # type: ignore[arg-type]
     tasks = [ImageTask(id=f"r{i}", prompt="make it blue", seed=i, sources=SOURCES[: i + 1]) for i in range(2)]
-    writer = make_shard_writer(store, 0, cfg, T)
-    for i, task in enumerate(tasks):
-        writer.add(task, pixels(i))
-    images = _stored_images(store, output_format, writer.finish())
+    _, images = _store(tmp_path, output_format, image_format, tasks)
     for task in tasks:
         image = Image.open(io.BytesIO(images[task.id]))
         if image_format == "png":
