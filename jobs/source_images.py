@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import re
+import shutil
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ class SourceImages:
 
     s3: S3Config = field(default_factory=S3Config)
     image_column: str | None = None
+    max_bytes: int = MAX_SOURCE_BYTES
     _stores: dict[str, ObjectStore] = field(default_factory=dict)
 
     def read(self, uris: Sequence[str]) -> tuple[SourceImage, ...]:
@@ -75,14 +77,15 @@ class SourceImages:
             store = self._stores.get(bucket)
             if store is None:
                 store = self._stores[bucket] = open_store(f"{S3_SCHEME}{bucket}", self.s3)
-            return store.get(key)
+            capped = _Capped(self.max_bytes)
+            store.get_file(key, capped)  # type: ignore[arg-type]  # streamed: stops at the cap
+            return capped.getvalue()
         if not uri.startswith("/"):
             raise _NotShown("embedded in the input, named by its path only")
         with open(uri, "rb") as f:
-            data = f.read(MAX_SOURCE_BYTES + 1)
-        if len(data) > MAX_SOURCE_BYTES:
-            raise _NotShown(f"over {MAX_SOURCE_BYTES // 2**20} MiB")
-        return data
+            capped = _Capped(self.max_bytes)
+            shutil.copyfileobj(f, capped)
+        return capped.getvalue()
 
     def _embedded(self, input_file: str, row: int, image: int) -> bytes:
         if not self.image_column:
@@ -114,6 +117,20 @@ def source_reader(output: ObjectStore, s3: S3Config | None = None) -> SourceImag
 
 class _NotShown(Exception):
     """A source this reader does not draw, and why (the message)."""
+
+
+class _Capped(io.BytesIO):
+    """A file to stream a source into that refuses more than `limit` bytes, so a huge source is
+    not read whole to draw a thumbnail."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def write(self, data) -> int:  # type: ignore[no-untyped-def, override]
+        if self.tell() + len(data) > self.limit:
+            raise _NotShown(f"over {self.limit / 2**20:g} MiB, not drawn")
+        return super().write(data)
 
 
 def _struct_bytes(value: Any, image: int) -> bytes:

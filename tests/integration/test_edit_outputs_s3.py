@@ -4,6 +4,7 @@ the stores (an embedded one from its row of the input Parquet on S3), a gone one
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import numpy as np
@@ -40,6 +41,10 @@ def test_an_edit_output_on_s3_previews_its_sources_from_s3(s3_server, s3_bucket,
     assert np.array_equal(
         np.asarray(embedded.image), np.asarray(Image.open(io.BytesIO(source_png(2))).convert("RGB"))
     )
+
+    # Streamed from S3 and stopped at the cap: a huge source is never read whole for a thumbnail.
+    small = dataclasses.replace(source_reader(out, s3), max_bytes=100)
+    assert small.read_one(made.sources["e0"][0][0]).problem == f"over {100 / 2**20:g} MiB, not drawn"
 
     sheet = tmp_path / "sheet.png"
     args = [

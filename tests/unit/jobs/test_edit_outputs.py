@@ -7,6 +7,7 @@ the images' metadata names the sources; preview and the report draw each edit be
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import re
@@ -25,7 +26,8 @@ from ditfleet.driver.output.status import output_status
 from ditfleet.driver.output.verify import verify_output
 from ditfleet.jobs.cli import main
 from ditfleet.jobs.preview import THUMB, collect
-from ditfleet.jobs.source_images import source_reader
+from ditfleet.jobs.report_images import image_cells, thumbnail
+from ditfleet.jobs.source_images import SourceImage, source_reader
 from ditfleet.testing.outputs import EditOutput, write_edit_output
 from ditfleet.workers.output.formats import ok_images, read_images
 from ditfleet.workers.output.manifest import failure_reason, read_manifests
@@ -163,3 +165,17 @@ def test_the_documented_join_back_to_the_sources_runs_as_written(tmp_path, monke
         (r[columns.index("id")], r[columns.index("source_index")], r[columns.index("caption")]) for r in rows
     )
     assert got == [("e1", 1, captions[0][1]), ("e1", 2, captions[1][1])]
+
+
+def test_a_source_over_the_cap_is_not_read_whole_and_odd_uris_are_escaped(tmp_path):
+    out, made = _edit_output(tmp_path)
+    size = (tmp_path / "in" / "sources/s0.png").stat().st_size
+    small = dataclasses.replace(source_reader(out), max_bytes=size - 1)
+    [over] = small.read([made.sources["e0"][0][0]])
+    assert over.image is None and over.problem == f"over {(size - 1) / 2**20:g} MiB, not drawn"
+    # A URI is text on the page, whatever it holds.
+    hostile = '"><script>alert(1)</script>'
+    cells = image_cells(
+        [thumbnail(Image.new("RGB", (8, 8)), "r<1>", 0, "p&q", [SourceImage(hostile, None, "missing")])]
+    )
+    assert "<script>" not in cells and "&lt;script&gt;" in cells and "r&lt;1&gt;" in cells
