@@ -78,7 +78,7 @@ class SourceImages:
             if store is None:
                 store = self._stores[bucket] = open_store(f"{S3_SCHEME}{bucket}", self.s3)
             capped = _Capped(self.max_bytes)
-            store.get_file(key, capped)  # type: ignore[arg-type]  # streamed: stops at the cap
+            store.get_file(key, capped)  # streamed: stops at the cap
             return capped.getvalue()
         if not uri.startswith("/"):
             raise _NotShown("embedded in the input, named by its path only")
@@ -127,7 +127,7 @@ class _Capped(io.BytesIO):
         super().__init__()
         self.limit = limit
 
-    def write(self, data) -> int:  # type: ignore[no-untyped-def, override]
+    def write(self, data: Any) -> int:
         if self.tell() + len(data) > self.limit:
             raise _NotShown(f"over {self.limit / 2**20:g} MiB, not drawn")
         return super().write(data)
