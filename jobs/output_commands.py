@@ -222,11 +222,15 @@ def beside_output(store: ObjectStore, name: str) -> str:
 
 def cmd_preview(args: argparse.Namespace) -> int:
     from ditfleet.jobs.preview import write_preview
+    from ditfleet.jobs.source_images import source_reader
 
     store = _open_output(args)
     out = args.out or beside_output(store, "sheet.png")
     with usage_errors(ValueError):
-        written = write_preview(store, out, args.max, args.columns, sort=args.sort, best=args.best)
+        sources = source_reader(store, store_config(args))  # an edit job's sources: the same S3 options
+        written = write_preview(
+            store, out, args.max, args.columns, sort=args.sort, best=args.best, sources=sources
+        )
     print(f"wrote {out}: {written.shown} images from {store.uri()}")
     if written.note:
         print(f"note: {written.note}", file=sys.stderr)
@@ -254,11 +258,12 @@ def _add_preview(sub: argparse._SubParsersAction) -> None:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from ditfleet.jobs.report import write_report
+    from ditfleet.jobs.source_images import source_reader
 
     store = _open_output(args)
     html = args.html or beside_output(store, "report.html")
     with usage_errors(ValueError):
-        data = write_report(store, html, samples=args.max)
+        data = write_report(store, html, samples=args.max, sources=source_reader(store, store_config(args)))
     print(f"wrote {html}: report of {store.uri()} ({len(data.rows)} images, {len(data.samples)} samples)")
     for section in data.scores:
         if section.behind:

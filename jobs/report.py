@@ -27,8 +27,9 @@ from ditfleet.driver.output.summary import RATE_NAME, fleet_line, generation_rat
 from ditfleet.jobs.preview import collect
 from ditfleet.jobs.report_images import Thumbnail, image_cells, thumbnail
 from ditfleet.jobs.report_scores import ScoreSection, load_score_sections, scores_html
+from ditfleet.jobs.source_images import SourceImages, source_reader
 from ditfleet.jobs.svg_axes import MARGIN, PLOT_H, PLOT_W, TEXT_CHAR_W, axes, round_top, svg
-from ditfleet.workers.output.manifest import read_manifests
+from ditfleet.workers.output.manifest import failure_reason, read_manifests
 from ditfleet.workers.storage import ObjectStore
 
 SAMPLES = 24
@@ -48,8 +49,11 @@ class ReportData:
     near_duplicates: dict[str, Any] = field(default_factory=dict)
 
 
-def load_report_data(store: ObjectStore, samples: int = SAMPLES) -> ReportData:
-    """Read what the page shows from the output (raises ValueError if it has no manifests)."""
+def load_report_data(
+    store: ObjectStore, samples: int = SAMPLES, sources: SourceImages | None = None
+) -> ReportData:
+    """Read what the page shows from the output (raises ValueError if it has no manifests).
+    sources: reads an edit job's source images for the samples (jobs.source_images)."""
     summary = success_file(store).doc  # None: not finished yet (or a stale _SUCCESS)
     table = read_manifests(store)
     if table.num_rows == 0:
@@ -57,8 +61,11 @@ def load_report_data(store: ObjectStore, samples: int = SAMPLES) -> ReportData:
             f"{store.uri()} has no committed manifests yet: nothing to report; run the job first"
         )
     columns = ["id", "k", "prompt", "status", "error", "worker", "shard", "attempt", "bucket", "generate_s"]
-    rows = table.select(columns).to_pylist()
-    thumbs = [thumbnail(image.image, image.id, image.k, image.prompt) for image in collect(store, samples)]
+    rows = table.select([*columns, "source_uris"]).to_pylist()
+    thumbs = [
+        thumbnail(image.image, image.id, image.k, image.prompt, image.sources)
+        for image in collect(store, samples, sources or source_reader(store))
+    ]
     job = read_job_file(store) or {}
     spec = job.get("spec") if isinstance(job.get("spec"), dict) else None
     images_ok = sum(1 for r in rows if r["status"] == "ok")
@@ -215,6 +222,9 @@ table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ccc;paddin
 .grid{display:flex;flex-wrap:wrap;gap:10px}.cell{width:150px;font-size:11px}
 .cell img{display:block;border:1px solid #ccc;image-rendering:pixelated}
 .strip .divider{width:3px;background:#d62728}
+.cell.edit{width:auto;max-width:100%}.pair{display:flex;gap:4px;align-items:center}
+.blank{background:#e6e6e6;border:1px solid #b0b0b0;color:#b42318;padding:4px;box-sizing:border-box;overflow:hidden}
+.blank .uri{color:#444;word-break:break-all}
 """
 
 
@@ -304,7 +314,7 @@ def _startup_html(s: dict[str, Any] | None) -> str:
 def render_html(data: ReportData) -> str:
     s = data.summary
     failed = [r for r in data.rows if r["status"] != "ok"]
-    errors = Counter(r["error"] or "?" for r in failed)
+    errors = Counter(failure_reason(r["error"], r["source_uris"]) for r in failed)
     if s:
         errors = Counter(s.get("failures_by_error") or {}) or errors
     failures_by_error = _table(["error", "count"], [[e, c] for e, c in errors.most_common()], "errors")
@@ -340,8 +350,10 @@ times in the manifests (they record durations, not clock times); start-up and wa
 """
 
 
-def write_report(store: ObjectStore, html_path: str, samples: int = SAMPLES) -> ReportData:
-    data = load_report_data(store, samples)
+def write_report(
+    store: ObjectStore, html_path: str, samples: int = SAMPLES, sources: SourceImages | None = None
+) -> ReportData:
+    data = load_report_data(store, samples, sources)
     with open(html_path, "w", encoding="utf-8") as f:
         f.write(render_html(data))
     return data

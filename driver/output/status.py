@@ -24,7 +24,7 @@ from ditfleet.driver.output.lease import shard_ranges
 from ditfleet.driver.output.near_duplicate_counts import near_duplicate_line, output_near_duplicates
 from ditfleet.driver.output.success import success_file
 from ditfleet.driver.run_records import RecordedPlan, read_run_records
-from ditfleet.workers.output.manifest import current_manifest_keys
+from ditfleet.workers.output.manifest import current_manifest_keys, failure_reason
 from ditfleet.workers.output.score_table import ScoreTables, all_score_tables
 from ditfleet.workers.storage import ObjectStore
 from ditfleet.workers.storage.base import READ_THREADS
@@ -35,6 +35,8 @@ _COLUMNS = ["id", "status", "error", "bucket", "generate_s"]
 _STEP_CACHE_COLUMNS = ["dit_blocks_computed", "dit_blocks_reused"]
 # The quality gate's record (quality.gate); absent from manifests written before it existed.
 _GATE_COLUMNS = ["gate_passed", "gate_tries"]
+# An edit job's sources (failure_reason takes them out of errors); absent from older manifests.
+_SOURCE_COLUMNS = ["source_uris"]
 MAX_ERROR_KINDS = 20  # distinct error messages kept in counts; the rest are summed as "other"
 
 
@@ -47,7 +49,7 @@ class OutputCounts:
     rows_failed: int = 0
     images_ok: int = 0
     images_failed: int = 0
-    errors: Counter = field(default_factory=Counter)  # error message -> images
+    errors: Counter = field(default_factory=Counter)  # failure_reason of the error -> images
     # DiT block evaluations of the images a step cache served (sampling.step_cache), summed.
     dit_blocks_computed: int = 0
     dit_blocks_reused: int = 0
@@ -87,7 +89,9 @@ class OutputCounts:
 
 def shard_counts(store: ObjectStore, key: str) -> OutputCounts:
     """Counts of one committed shard from its current manifest at `key` (3 columns read)."""
-    table = read_parquet(store.get(key), _COLUMNS, if_present=_STEP_CACHE_COLUMNS + _GATE_COLUMNS)
+    table = read_parquet(
+        store.get(key), _COLUMNS, if_present=_STEP_CACHE_COLUMNS + _GATE_COLUMNS + _SOURCE_COLUMNS
+    )
     present = table.column_names
     blocks = {c: (pc.sum(table.column(c)).as_py() or 0) if c in present else 0 for c in _STEP_CACHE_COLUMNS}
     ok = pc.equal(table.column("status"), "ok")
@@ -95,7 +99,9 @@ def shard_counts(store: ObjectStore, key: str) -> OutputCounts:
     # A row is failed when any of its images failed: group the failed images by id.
     failed_ids = pc.unique(pc.filter(table.column("id"), pc.invert(ok)))
     all_ids = pc.count_distinct(table.column("id")).as_py()
-    errors = Counter(e for e in pc.filter(table.column("error"), pc.invert(ok)).to_pylist() if e)
+    failed = table.filter(pc.invert(ok))
+    sources = failed.column("source_uris").to_pylist() if "source_uris" in present else [None] * len(failed)
+    errors = Counter(failure_reason(e, u) for e, u in zip(failed.column("error").to_pylist(), sources) if e)
     images, seconds = _by_bucket(table)
     return OutputCounts(
         shards=1,
