@@ -157,7 +157,10 @@ class PlacedTextEncoder:
         cached (or prefetched) embeddings, encoding what is missing."""
         count = getattr(self.encoder, "count_tokens", None)
         if count is not None:
-            return list(count(list(prompts), max_length))
+            # Under the lock: a fast tokenizer called from two threads at once (the prefetch's
+            # and an encode's) can fail with "Already borrowed" (it sets its truncation per call).
+            with self._lock:
+                return list(count(list(prompts), max_length))
         keep = self.placement != "offload"
         return [self._embedding(p, max_length, keep).shape[0] for p in prompts]
 
