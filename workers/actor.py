@@ -10,7 +10,7 @@ Every run of a shard draws its own attempt token and writes its objects only und
 carry it (workers.output.layout), so a run never touches what another run stored: the committed
 manifest's objects stay as they were, whatever a losing or late run does afterwards.
 
-The shard queued behind the running one is prepared ahead (`prefetch`, on a thread of its own:
+The shard queued behind the running one is prepared ahead (`prepare_ahead`, on a thread of its own:
 workers.prefetch): its rows read, its per-shard inputs fetched and its first batch's prompts
 encoded while this shard generates.
 """
@@ -267,7 +267,7 @@ class GenerationWorker:
     def request_stop(self) -> None:
         self._stop.set()
 
-    def prefetch(self, shard: ShardSpec) -> bool:
+    def prepare_ahead(self, shard: ShardSpec) -> bool:
         """Prepare `shard`, queued behind the running one, now (the driver calls this in the
         actor's `prefetch` concurrency group, so it runs beside run_shard); see workers.prefetch.
         False when it was not prepared: held already, running, or the worker is stopping."""

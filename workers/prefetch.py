@@ -2,7 +2,7 @@
 batch encoded, so that the GPU does not wait for them between two shards.
 
 The dispatcher announces the run it queued right behind an actor's executing shard
-(`driver.dispatch.policy`, `ActorPool.prefetch`); the actor's `prefetch` method runs on a thread
+(`driver.dispatch.policy`, `ActorPool.prefetch`); the actor's `prepare_ahead` method runs on a thread
 of its own (a Ray concurrency group) and prepares that shard here while `run_shard` generates.
 When `run_shard` comes to that shard it takes what was prepared, waiting for it if the
 preparation is still under way (the work is half done: redoing it would only be later), instead

@@ -33,7 +33,7 @@ from ditfleet.workers.contract import ShardAbandoned, ShardResult
 from ditfleet.workers.rows import ShardSpec
 from ditfleet.workers.startup_phase import forget_phase
 
-PREFETCH_GROUP = "prefetch"  # the actor's concurrency group for `prefetch` calls
+PREFETCH_GROUP = "prefetch"  # the actor's concurrency group for its `prepare_ahead` calls
 
 
 def _remote_cause(error: BaseException) -> BaseException:
@@ -91,10 +91,10 @@ class RayActorPool(ActorPool):
         # max_restarts=0 and no task retries: a dead actor is replaced by the dispatcher, which
         # knows which shard it held and requeues it; Ray retrying behind its back would run the
         # shard again without the attempt count.
-        # A worker that prepares its next shard ahead (workers.prefetch) takes `prefetch` calls
+        # A worker that prepares its next shard ahead (workers.prefetch) takes `prepare_ahead` calls
         # on a thread of their own, beside the run_shard it is executing; run_shard calls still
         # run one at a time, in order (the default group).
-        self._prefetches = config.prefetch and callable(getattr(worker_cls, "prefetch", None))
+        self._prefetches = config.prefetch and callable(getattr(worker_cls, "prepare_ahead", None))
         groups: dict[str, Any] = {"concurrency_groups": {PREFETCH_GROUP: 1}} if self._prefetches else {}
         # (Ray's stubs name no concurrency_groups, a documented ray.remote option: passed as **.)
         remote = ray.remote(**groups) if groups else ray.remote
@@ -129,7 +129,7 @@ class RayActorPool(ActorPool):
         if self._prefetches:
             # Not waited on: the worker's prefetch never raises, and if the actor dies meanwhile
             # its queued run_shard reports that.
-            slot.handle.prefetch.options(concurrency_group=PREFETCH_GROUP).remote(shard)
+            slot.handle.prepare_ahead.options(concurrency_group=PREFETCH_GROUP).remote(shard)
 
     def cancel(self, ref: Hashable) -> None:
         ray.cancel(ref)
