@@ -127,6 +127,7 @@ class GenerationWorker:
         self.config = config
         self.worker_id = worker_identity()
         self._stop = threading.Event()
+        self.ahead = ShardPrefetch(self.prepare_shard)  # the next shard, prepared while one runs
         # Under Ray: SIGTERM (spot reclaim) abandons the running shard uncommitted, then exits.
         self._sigterm = StopOnSigterm(self.request_stop).install()
         self.metrics = WorkerMetrics(config.output_uri)
@@ -164,7 +165,6 @@ class GenerationWorker:
         secret = read_cache_secret(config.compile_cache_key) if config.compile.shared_cache else None
         self.compile_report = self._compile(secret.key if secret is not None else None)
         self.generator = BatchGenerator(self.pipe)  # its prompt length: the pipeline's settings
-        self.ahead = ShardPrefetch(self.prepare_shard)  # the next shard, prepared while one runs
         shared_cache = "off"
         if secret is not None and (secret.key or self.compile_report.compile.methods):
             shared_cache = "on" if secret.key else f"off: {secret.off_reason}"
