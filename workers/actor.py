@@ -9,10 +9,15 @@ attempt of a committed shard sees it and discards its work.
 Every run of a shard draws its own attempt token and writes its objects only under keys that
 carry it (workers.output.layout), so a run never touches what another run stored: the committed
 manifest's objects stay as they were, whatever a losing or late run does afterwards.
+
+The shard queued behind the running one is prepared ahead (`prepare_ahead`, on a thread of its own:
+workers.prefetch): its rows read, its per-shard inputs fetched and its first batch's prompts
+encoded while this shard generates.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import socket
@@ -33,7 +38,9 @@ from ditfleet.workers.contract import ShardAbandoned, ShardResult, WorkerConfig
 from ditfleet.workers.generate import (
     BatchGenerator,
     ImageRequest,
+    encode_stream,
     image_requests,
+    plan_batches,
     shard_prompts,
 )
 from ditfleet.workers.metrics import WorkerMetrics
@@ -48,8 +55,9 @@ from ditfleet.workers.output.formats.base import ShardWriter
 from ditfleet.workers.output.layout import manifest_key, new_attempt_token
 from ditfleet.workers.output.manifest import ManifestRow, ManifestWriter, passthrough_json
 from ditfleet.workers.output.provenance import JobProvenance
+from ditfleet.workers.prefetch import PreparedShard, ShardPrefetch
 from ditfleet.workers.quality_gate import ScoredImage, scored_images
-from ditfleet.workers.rows import ShardSpec, read_shard_rows
+from ditfleet.workers.rows import PromptRow, ShardSpec, read_shard_rows
 from ditfleet.workers.scorers import build_scorers
 from ditfleet.workers.spot import StopOnSigterm
 from ditfleet.workers.startup_phase import COMPILING, LOADING, READY, publish_phase
@@ -117,6 +125,7 @@ class GenerationWorker:
         self.config = config
         self.worker_id = worker_identity()
         self._stop = threading.Event()
+        self.ahead = ShardPrefetch(self.prepare_shard)  # the next shard, prepared while one runs
         # Under Ray: SIGTERM (spot reclaim) abandons the running shard uncommitted, then exits.
         self._sigterm = StopOnSigterm(self.request_stop).install()
         self.metrics = WorkerMetrics(config.output_uri)
@@ -256,6 +265,47 @@ class GenerationWorker:
     def request_stop(self) -> None:
         self._stop.set()
 
+    def prepare_ahead(self, shard: ShardSpec) -> bool:
+        """Prepare `shard`, queued behind the running one, now (the driver calls this in the
+        actor's `prefetch` concurrency group, so it runs beside run_shard); see workers.prefetch.
+        False when it was not prepared: held already, running, or the worker is stopping."""
+        if self._stop.is_set():
+            return False
+        return self.ahead.prefetch(shard)
+
+    def prepare_shard(self, shard: ShardSpec) -> PreparedShard:
+        """What a shard needs before its first batch: its rows and requests, its per-shard
+        inputs (`prepare_inputs`), and, where the text encoder is free to (workers.text_embeddings
+        `encode_ahead`), its first batch's prompts in the embedding cache. The same whether it runs
+        ahead, on the prefetch thread, or at the start of run_shard."""
+        t0 = time.perf_counter()
+        rows = self.read_rows(shard)
+        requests = image_requests(rows)
+        inputs = self.prepare_inputs(shard, rows, requests)
+        encoded = 0
+        if self.text is not None and requests:
+            first = plan_batches(requests, self.batch_size, self.generator.count_tokens)[0]
+            stream = encode_stream(self.device)  # on CUDA, beside the denoising, not behind it
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                encoded = self.text.encode_ahead(
+                    shard_prompts(first), self.config.pipeline.max_sequence_length
+                )
+        return PreparedShard(rows, requests, inputs, time.perf_counter() - t0, encoded)
+
+    def read_rows(self, shard: ShardSpec) -> list[PromptRow]:
+        """The shard's rows from its input file (only the row groups that hold them)."""
+        fs = filesystem_for(
+            shard.file, endpoint_url=self.config.s3.endpoint_url, region=self.config.s3.region
+        )
+        return read_shard_rows(shard, fs, self.config.rows)
+
+    def prepare_inputs(
+        self, shard: ShardSpec, rows: list[PromptRow], requests: list[ImageRequest]
+    ) -> dict[str, object]:
+        """The hook for per-shard inputs other than the rows (fetched ahead like them): none for
+        a text-to-image job."""
+        return {}
+
     def run_shard(self, shard: ShardSpec, attempt: int = 0) -> ShardResult:
         with self._sigterm.busy():
             try:
@@ -282,12 +332,20 @@ class GenerationWorker:
         if self.store.exists(manifest_key(shard.index, shard.generation)):
             result.status = "already_committed"
             return result
-        fs = filesystem_for(
-            shard.file, endpoint_url=self.config.s3.endpoint_url, region=self.config.s3.region
-        )
-        rows = read_shard_rows(shard, fs, self.config.rows)
-        requests = image_requests(rows)
-        if self.text is not None:  # offload: the encoder visits the GPU once per shard, here
+        try:
+            prepared, result.input_wait_s, result.prefetched = self.ahead.take(shard)
+            return self._run_prepared(shard, prepared, result, token, t0)
+        finally:
+            self.ahead.finished(shard)
+
+    def _run_prepared(
+        self, shard: ShardSpec, prepared: PreparedShard, result: ShardResult, token: str, t0: float
+    ) -> ShardResult:
+        rows, requests = prepared.rows, prepared.requests
+        if self.text is not None and self.text.placement == "offload":
+            # The encoder visits the GPU once per shard, here. Elsewhere each batch's prompts are
+            # encoded on the generator's encode-next thread while the batch before runs, and the
+            # first batch's were encoded ahead (prepare_shard): the device does not wait for them.
             self.text.prefetch(shard_prompts(requests), self.config.pipeline.max_sequence_length)
         compiles_before, oom_splits_before = compile_count(), self.generator.oom_splits
         attention = model_family(self.pipe).attention_counters(self.pipe)

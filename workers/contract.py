@@ -187,6 +187,11 @@ class ShardResult:
     # Images per batch this actor ran with: workers.batch_size, or less where its GPU fits less
     # (workers.batch_fit); 0 from an older actor.
     batch_size: int = 0
+    # Whether the shard's rows (and per-shard inputs) were prepared ahead, while the shard before
+    # it ran (workers.prefetch), and how long the run waited for them (all of the reading when
+    # not prefetched, what was left of it when the prefetch was still under way).
+    prefetched: bool = False
+    input_wait_s: float = 0.0
 
 
 class ShardAbandoned(RuntimeError):

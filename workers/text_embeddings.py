@@ -15,11 +15,15 @@ it unchanged.
   time also makes a prompt's embedding independent of the other prompts of its batch, so a
   cache hit gives exactly what a miss would have, and every placement gives the same images
   on the same device (an encoder on the CPU rounds differently from one on a GPU, though).
+- Ahead. `encode_ahead` fills the cache with the next shard's first batch from the actor's
+  prefetch thread (workers.prefetch) while the current shard generates; one prompt is encoded
+  at a time under a lock, so the generator's own encodes wait at most one prompt for it.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -123,6 +127,8 @@ class PlacedTextEncoder:
         self.encoder_calls = 0  # prompts the wrapped encoder actually encoded
         self.dit_swaps = 0
         self._pinned: dict[Key, torch.Tensor] = {}  # the current shard's prefetched prompts
+        # One encode at a time: the generator's (and its encode-next thread's) and encode_ahead's.
+        self._lock = threading.RLock()
 
     # -- the TextEncoder contract --------------------------------------------------------------
 
@@ -151,7 +157,10 @@ class PlacedTextEncoder:
         cached (or prefetched) embeddings, encoding what is missing."""
         count = getattr(self.encoder, "count_tokens", None)
         if count is not None:
-            return list(count(list(prompts), max_length))
+            # Under the lock: a fast tokenizer called from two threads at once (the prefetch's
+            # and an encode's) can fail with "Already borrowed" (it sets its truncation per call).
+            with self._lock:
+                return list(count(list(prompts), max_length))
         keep = self.placement != "offload"
         return [self._embedding(p, max_length, keep).shape[0] for p in prompts]
 
@@ -190,6 +199,18 @@ class PlacedTextEncoder:
                 self.transformer.to(self.device)
         return len(misses)
 
+    def encode_ahead(self, prompts: Sequence[str], max_length: int = MAX_SEQUENCE_LENGTH) -> int:
+        """Encode into the cache, from another thread while the device works, the prompts a
+        coming shard starts with; returns how many were encoded (misses). Nothing for `offload`:
+        its encoder waits on the host and would take device memory from the running DiT; it
+        encodes a shard's prompts in `prefetch` at the shard's start."""
+        if self.placement == "offload":
+            return 0
+        before = self.encoder_calls
+        for p in dict.fromkeys(prompts):
+            self._embedding(p, max_length, keep=True)
+        return self.encoder_calls - before
+
     def release(self) -> None:
         """The shard is done: its prefetched prompts are only kept as the cache's budget allows."""
         self._pinned.clear()
@@ -205,6 +226,10 @@ class PlacedTextEncoder:
     # -- helpers ---------------------------------------------------------------------------------
 
     def _embedding(self, prompt: str, max_length: int, keep: bool, force: bool = False) -> torch.Tensor:
+        with self._lock:
+            return self._embedding_locked(prompt, max_length, keep, force)
+
+    def _embedding_locked(self, prompt: str, max_length: int, keep: bool, force: bool) -> torch.Tensor:
         key = (prompt, max_length)
         if not force:
             pinned = self._pinned.get(key)

@@ -6,6 +6,8 @@ of the fleet per hour): with notice the running shard is given up (the worker's 
 `ShardAbandoned`), without it the actor just dies; and sometimes just after its manifest was written
 but before the result came back, so the retry finds the shard committed. Its `manifests` are the
 store's create-only commit: the first commit of a shard wins, later ones read "already_committed".
+With `prepare_s`, a run first waits that long for its rows (the device idle) unless the dispatcher
+announced it (`prefetch`) at least that long before it started; `input_wait_s` sums the waits.
 
 Events sit in a heap, so a wait costs O(log events) whatever the fleet size; with
 `charge_driver` the driver's own CPU time between waits is added to the virtual clock, so a slow
@@ -39,6 +41,8 @@ class _Run:
     attempt: int
     seconds: float
     started_at: float | None = None
+    announced_at: float | None = None  # when the dispatcher announced it (prefetch)
+    wait_s: float = 0.0  # for its rows, before its device work
 
 
 @dataclass
@@ -77,6 +81,7 @@ class FleetSim(ActorPool):
         lost_result_share: float = 0.05,
         seed: int = 0,
         charge_driver: bool = True,
+        prepare_s: float = 0.0,
     ) -> None:
         super().__init__()
         self.now = 0.0
@@ -85,6 +90,8 @@ class FleetSim(ActorPool):
         self.notice_share, self.lost_result_share = notice_share, lost_result_share
         self.random = random.Random(seed)
         self.charge_driver = charge_driver
+        self.prepare_s = prepare_s
+        self.input_wait_s = 0.0
         self._cpu_mark = time.process_time()
         self.driver_cpu_s = 0.0
         self.actors: dict[int, _Actor] = {}
@@ -145,6 +152,11 @@ class FleetSim(ActorPool):
             self._start(actor, run)
         return run.ref
 
+    def prefetch(self, slot: Slot, shard: Any) -> None:
+        for run in self.actors[slot.handle].queue:
+            if run.shard is shard and run.announced_at is None:
+                run.announced_at = self.now
+
     def cancel(self, ref: Hashable) -> None:
         run = self.runs.get(ref)  # type: ignore[call-overload]
         actor = self.actors[run.actor] if run is not None else None
@@ -191,7 +203,10 @@ class FleetSim(ActorPool):
 
     def _start(self, actor: _Actor, run: _Run) -> None:
         run.started_at = self.now
-        self._push(self.now + run.seconds, _END, actor.id, run.ref)
+        ahead = self.now - run.announced_at if run.announced_at is not None else 0.0
+        run.wait_s = max(0.0, self.prepare_s - ahead)
+        self.input_wait_s += run.wait_s
+        self._push(self.now + run.wait_s + run.seconds, _END, actor.id, run.ref)
 
     def _commit(self, run: _Run) -> str:
         self.commit_attempts += 1
@@ -215,7 +230,7 @@ class FleetSim(ActorPool):
             rows=getattr(run.shard, "num_rows", 1),
             images_ok=images if status == "committed" else 0,
             generate_s=run.seconds,
-            wall_s=run.seconds,
+            wall_s=run.wait_s + run.seconds,
             worker_id=f"sim-{actor.id}",
         )
         if actor.queue:
@@ -225,7 +240,7 @@ class FleetSim(ActorPool):
         self.reclaimed += 1
         head = actor.queue[0] if actor.queue else None
         if head is not None and head.started_at is not None:
-            actor.busy_s += self.now - head.started_at
+            actor.busy_s += max(0.0, self.now - head.started_at - head.wait_s)
             draw = self.random.random()
             if draw < self.lost_result_share:
                 self._commit(head)  # the manifest was written; the result never came back
@@ -238,8 +253,9 @@ class FleetSim(ActorPool):
 
     def _die(self, actor: _Actor, report: bool) -> None:
         actor.dead_at = self.now
-        if actor.queue and actor.queue[0].started_at is not None and report is False:
-            actor.busy_s += self.now - actor.queue[0].started_at
+        head = actor.queue[0] if actor.queue else None
+        if head is not None and head.started_at is not None and report is False:
+            actor.busy_s += max(0.0, self.now - head.started_at - head.wait_s)
         if report:
             for run in actor.queue:
                 self.done[run.ref] = RunError(ACTOR_DIED, "actor_died", "ActorDiedError: spot node reclaimed")

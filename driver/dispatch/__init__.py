@@ -2,7 +2,11 @@
 
 Pull, not a static split: an actor gets a shard when it has room, so an actor that joins late
 or runs fast simply does more. Each ready actor holds up to `shards_in_flight_per_actor` runs
-(one executing, the rest queued on the actor) so its GPU never waits for a round trip.
+(one executing, the rest queued on the actor) so its GPU never waits for a round trip. The run
+queued right behind the executing one is announced to its actor (`ActorPool.prefetch`, one ahead
+at most, `DispatchConfig.prefetch`), which prepares that shard meanwhile (workers.prefetch: its
+rows, inputs and first batch); only a hint: the queued run is what runs the shard, and a run that
+never starts there is settled as any queued run.
 
 Failures: a shard whose run raises, or whose actor dies, goes back to the front of the queue;
 after `max_attempts` failed runs it is reported failed and the job goes on. A dead actor is

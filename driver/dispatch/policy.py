@@ -316,7 +316,21 @@ class Dispatcher:
         slot.idle_since = None
         self.book.add(ref, run)
         self.events.shard_started(shard, run.attempt, slot.worker_id, speculative)
+        self._announce_next(slot)
         return run
+
+    def _announce_next(self, slot: Slot) -> None:
+        """Let the actor prepare the run queued right behind its executing one (one ahead at
+        most: runs further back are announced when they move up). Only a head start: a run
+        that never starts there (moved, cancelled, its actor lost) is settled as any queued run."""
+        if not self.config.prefetch or len(slot.runs) < 2:
+            return
+        run = self.book.runs.get(slot.runs[1])
+        if run is None or run.prefetched or run.cancelled:
+            return
+        run.prefetched = True
+        self.stats.prefetches += 1
+        self.pool.prefetch(slot, self.book.shards[run.pos])
 
     def _forget(self, ref: Hashable) -> Run | None:
         """Drop a finished (or abandoned) run from every index; the next run on its actor starts."""
@@ -339,6 +353,7 @@ class Dispatcher:
                 self._retire_at = min(self._retire_at, now + self.config.idle_retire_s)
             if slot.state is SlotState.READY:
                 self._room[slot.id] = None
+                self._announce_next(slot)
         return run
 
     def _handle_run(self, ref: Hashable) -> None:

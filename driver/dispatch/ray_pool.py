@@ -33,6 +33,8 @@ from ditfleet.workers.contract import ShardAbandoned, ShardResult
 from ditfleet.workers.rows import ShardSpec
 from ditfleet.workers.startup_phase import forget_phase
 
+PREFETCH_GROUP = "prefetch"  # the actor's concurrency group for its `prepare_ahead` calls
+
 
 def _remote_cause(error: BaseException) -> BaseException:
     """The exception the actor raised, for an error that Ray wrapped; else the error itself."""
@@ -89,7 +91,14 @@ class RayActorPool(ActorPool):
         # max_restarts=0 and no task retries: a dead actor is replaced by the dispatcher, which
         # knows which shard it held and requeues it; Ray retrying behind its back would run the
         # shard again without the attempt count.
-        self._actor_cls: ActorClass[Any] = ray.remote(worker_cls).options(
+        # A worker that prepares its next shard ahead (workers.prefetch) takes `prepare_ahead` calls
+        # on a thread of their own, beside the run_shard it is executing; run_shard calls still
+        # run one at a time, in order (the default group).
+        self._prefetches = config.prefetch and callable(getattr(worker_cls, "prepare_ahead", None))
+        groups: dict[str, Any] = {"concurrency_groups": {PREFETCH_GROUP: 1}} if self._prefetches else {}
+        # (Ray's stubs name no concurrency_groups, a documented ray.remote option: passed as **.)
+        remote = ray.remote(**groups) if groups else ray.remote
+        self._actor_cls: ActorClass[Any] = remote(worker_cls).options(
             num_cpus=config.num_cpus,
             num_gpus=config.num_gpus,
             resources=dict(config.resources),
@@ -115,6 +124,12 @@ class RayActorPool(ActorPool):
 
     def submit(self, slot: Slot, shard: ShardSpec, attempt: int) -> Hashable:
         return slot.handle.run_shard.remote(shard, attempt)
+
+    def prefetch(self, slot: Slot, shard: ShardSpec) -> None:
+        if self._prefetches:
+            # Not waited on: the worker's prefetch never raises, and if the actor dies meanwhile
+            # its queued run_shard reports that.
+            slot.handle.prepare_ahead.options(concurrency_group=PREFETCH_GROUP).remote(shard)
 
     def cancel(self, ref: Hashable) -> None:
         ray.cancel(ref)

@@ -42,6 +42,7 @@ class Run:
     started_at: float | None = None  # when it reached the head of its actor's queue (estimate)
     speculative: bool = False
     cancelled: bool = False  # we cancelled it (a queued copy whose twin committed or moved)
+    prefetched: bool = False  # announced to its actor to prepare ahead (ActorPool.prefetch)
 
 
 @dataclass
@@ -128,6 +129,12 @@ class ActorPool(ABC):
     @abstractmethod
     def submit(self, slot: Slot, shard: ShardSpec, attempt: int) -> Hashable:
         """Queue run_shard(shard, attempt) on the actor; return a ref to wait on."""
+
+    def prefetch(self, slot: Slot, shard: ShardSpec) -> None:
+        """Tell the actor that `shard` is queued right behind its running call, so that it
+        prepares it meanwhile (workers.prefetch). Only a hint, answered by nothing: the queued
+        run is what runs it. A pool whose actors cannot prepare ahead does nothing."""
+        return None
 
     @abstractmethod
     def cancel(self, ref: Hashable) -> None:

@@ -52,6 +52,10 @@ class DispatchConfig:
     placement_timeout_s: float | None = setting(
         1800.0, gt=0, description="Give up when no actor can be placed for this long; null: wait forever."
     )
+    # Announce to an actor the run queued right behind its executing one, so that it reads
+    # that shard's rows and encodes its first batch while the current shard generates
+    # (workers.prefetch). Needs shards_in_flight_per_actor >= 2 (a run queued behind another).
+    prefetch: bool = True
     max_start_failures: int = bounded(3, ge=1)  # actors failing to start in a row (none ready between): stop
     tick_s: float = bounded(0.5, gt=0)  # longest wait between checks of timers (retirement, tail, progress)
     # After the last shard settled, wait this long at most for every actor's process to be gone
@@ -94,6 +98,7 @@ class DispatchStats:
     speculative_runs: int = 0  # second runs of slow shards
     speculative_wins: int = 0  # shards whose speculative run committed first
     duplicate_results: int = 0  # results of a shard already committed (counted once)
+    prefetches: int = 0  # queued runs announced to their actor to prepare ahead (workers.prefetch)
 
 
 @dataclass

@@ -77,6 +77,8 @@ class SimPool(ActorPool):
         self.committed: set[int] = set()  # the manifests
         self.log: list[tuple[int, int, int, str]] = []  # (shard, attempt, actor, outcome) of ended runs
         self.startups: dict[Hashable, int] = {}
+        # (actor, shard, time, its place in the actor's queue then) of each announced prefetch
+        self.prefetched: list[tuple[int, int, float, int]] = []
 
     def clock(self) -> float:
         return self.now
@@ -103,6 +105,11 @@ class SimPool(ActorPool):
         actor.queue.append(run)
         self._start_head(actor, self.now)
         return run.ref
+
+    def prefetch(self, slot: Slot, shard: ShardSpec) -> None:
+        actor = self.actors[slot.handle]
+        place = next(i for i, run in enumerate(actor.queue) if run.shard.index == shard.index)
+        self.prefetched.append((actor.id, shard.index, self.now, place))
 
     def cancel(self, ref: Hashable) -> None:
         for actor in self.actors.values():
@@ -309,6 +316,49 @@ def test_a_run_queued_behind_a_straggler_moves_to_an_idle_actor_keeping_its_atte
     assert [r.attempt for r in result.results if r.shard == 2] == [0]
     assert [r.worker_id for r in result.results if r.shard == 2] == ["w1"]
     assert (2, 0, 0, "ok") not in pool.log, "the queued original was cancelled before it started"
+
+
+def test_the_run_queued_behind_the_executing_one_is_announced_one_ahead():
+    pool = SimPool(lambda shard, attempt: (1.0 + shard % 3, "ok"))
+    result = dispatch(pool, 12, shards_in_flight_per_actor=3)
+    assert counted_once(result, 12) and not result.failed
+    # Every announcement is of the run right behind the executing one, never further back...
+    assert pool.prefetched and {place for *_, place in pool.prefetched} == {1}
+    # ...once per run, and every shard that waited behind another on its actor was announced
+    # while the one before it ran: all but the first two (each actor's first run starts at once).
+    announced = [shard for _, shard, _, _ in pool.prefetched]
+    assert len(announced) == len(set(announced)) == result.stats.prefetches == 10
+    assert sorted(announced) == list(range(2, 12))
+    pool = SimPool(lambda shard, attempt: (1.0 + shard % 3, "ok"))
+    unannounced = dispatch(pool, 12, shards_in_flight_per_actor=3, prefetch=False)
+    assert counted_once(unannounced, 12) and not pool.prefetched and unannounced.stats.prefetches == 0
+    # One run per actor at a time: nothing is queued behind, nothing to announce.
+    pool = SimPool(steady())
+    assert dispatch(pool, 6, shards_in_flight_per_actor=1).stats.prefetches == 0 and not pool.prefetched
+
+
+def test_a_prefetched_shard_of_a_lost_actor_is_reassigned_keeping_its_attempt():
+    # Shard 0 kills actor 0, where shard 2 was queued and announced (its rows read ahead there).
+    pool = SimPool(lambda shard, attempt: (1.0, "die" if shard == 0 and attempt == 0 else "ok"))
+    events = Recorder()
+    result = dispatch(pool, 8, events)
+    assert (0, 2, 1) in [(a, s, place) for a, s, _, place in pool.prefetched], "announced to actor 0"
+    assert counted_once(result, 8) and not result.failed
+    [two] = [r for r in result.results if r.shard == 2]
+    assert two.attempt == 0 and two.worker_id != "w0", "never started there: reassigned as it was"
+    assert [(s, a) for s, a, *_ in pool.log if s == 2] == [(2, 0)], "run once, by another actor"
+    # Announced again on its new actor, where it queued behind another run.
+    assert [actor for actor, shard, *_ in pool.prefetched if shard == 2] == [0, 1]
+
+
+def test_a_prefetched_run_moved_to_an_idle_actor_runs_once_there():
+    # Shard 2 is queued (and announced) behind a 50 s shard 0 on actor 0; actor 1 runs dry.
+    pool = SimPool(lambda shard, attempt: (50.0 if shard == 0 else 1.0, "ok"))
+    result = dispatch(pool, 4, speculative_tail=True, speculative_after=1000.0, idle_retire_s=1000)
+    assert (0, 2, 1) in [(a, s, place) for a, s, _, place in pool.prefetched]
+    assert counted_once(result, 4) and result.stats.tail_moves == 1
+    assert [(r.attempt, r.worker_id) for r in result.results if r.shard == 2] == [(0, "w1")]
+    assert [(s, actor) for s, _, actor, _ in pool.log if s == 2] == [(2, 1)]
 
 
 def test_a_shard_over_its_timeout_stops_its_actor_and_counts_an_attempt():

@@ -108,3 +108,24 @@ def test_the_fleet_cost_is_stated_in_gpu_hours_in_the_summary_and_the_report():
     assert "images per GPU hour" in line
     assert _fleet_rows({"fleet": fleet}) == [["fleet cost", line]]
     assert _fleet_rows({}) == []
+
+
+def test_prefetch_hides_the_row_reads_under_churn_and_commits_exactly_once():
+    # Each shard needs 10 s of reads before its 60 s of device work, unless announced ahead.
+    waits, gpu_share = {}, {}
+    for prefetch in (False, True):
+        pool = FleetSim(
+            shard_s=60, startup_s=120, reclaim_per_hour=0.4, seed=5, charge_driver=False, prepare_s=10
+        )
+        events = Counts()
+        config = DispatchConfig(min_actors=20, max_actors=20, idle_retire_s=60, tick_s=5.0, prefetch=prefetch)
+        result = Dispatcher(_shards(1500), pool, config, events, pool.clock, keep_results=False).run()
+        assert pool.reclaimed > 5 and result.committed == 1500 and not result.failed
+        assert sorted(pool.manifests) == list(range(1500)) and set(pool.manifests.values()) == {1}
+        assert events.committed == dict.fromkeys(range(1500), 1)
+        assert (result.stats.prefetches > 0) is prefetch
+        cost = pool.cost()
+        waits[prefetch], gpu_share[prefetch] = pool.input_wait_s, cost.generating_s / cost.lifetime_s
+    # Only each actor's first shard (and a reassigned one that starts at once) still waits.
+    assert waits[True] < 0.1 * waits[False], waits
+    assert gpu_share[True] > gpu_share[False] + 0.05, gpu_share

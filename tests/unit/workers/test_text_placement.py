@@ -170,3 +170,20 @@ def test_offloaded_qwen_encoder_gives_each_prompt_its_own_encoding(tmp_path):
         assert not embeds[i, n:].any()
     assert placed.count_tokens(texts, 64) == [int(m.sum()) for m in mask]
     assert placed.encoder_calls == 2 and raw.device == torch.device("cpu")
+
+
+@pytest.mark.slow
+def test_encoding_ahead_on_another_thread_gives_the_same_images(reference):
+    import threading
+
+    pipe, placed = _placed("cpu")
+    # The next shard's first batch, encoded on the prefetch thread while nothing else encodes.
+    thread = threading.Thread(target=lambda: placed.encode_ahead([*PROMPTS, " "], 64))
+    thread.start()
+    thread.join()
+    assert placed.encoder_calls == 3
+    assert torch.equal(_generate(pipe), reference)
+    assert placed.encoder_calls == 3, "generation found every text encoded ahead"
+    # offload's encoder waits on the host: it is not brought onto the device beside the DiT.
+    _, offloaded = _placed("offload")
+    assert offloaded.encode_ahead(PROMPTS, 64) == 0 and offloaded.encoder_calls == 0
