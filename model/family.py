@@ -50,6 +50,8 @@ from ditfleet.model.diffusers_pipeline.index import (
     components_of,
     read_components,
 )
+from ditfleet.model.diffusers_pipeline.published import PublishedDefaults
+from ditfleet.model.diffusers_pipeline.published import for_checkpoint as _diffusers_defaults
 from ditfleet.model.family_types import AttentionCounters, CompileRegion, Size, TextConditioning
 from ditfleet.model.loading.folder import TINY_MODEL, WeightsError, model_dir_layout
 from ditfleet.model.qwen_image.family import QWEN_IMAGE, QWEN_IMAGE_PIPELINE_CLASS, TINY, MemoryFormula
@@ -75,6 +77,7 @@ __all__ = [
     "NativeFamily",
     "ModelFamily",
     "PUBLISHED_SCHEME",
+    "PublishedDefaults",
     "PublishedSchedule",
     "SCHEDULER_FILE",
     "Size",
@@ -85,6 +88,7 @@ __all__ = [
     "model_family",
     "published_file",
     "resolve_model_dir",
+    "schedule_by_checkpoint",
     "schedule_by_hub_id",
     "schedule_by_lora",
     "schedule_by_scheduler",
@@ -245,6 +249,14 @@ def model_family(source: Any) -> ModelFamily:
     if str(source) == TINY_MODEL:
         return TINY
     return check_model_index(source) if Path(source).is_dir() else DEFAULT_FAMILY
+
+
+def schedule_by_checkpoint(model_path: str, family: ModelFamily) -> tuple[PublishedDefaults, str] | None:
+    """The sampling defaults of a checkpoint run through diffusers (a hub id in
+    model.diffusers_pipeline.published's table, else its pipeline class's `__call__` defaults),
+    with how it was recognised; None for a native family's checkpoint."""
+    class_name = family.class_name if isinstance(family, DiffusersFamily) else None
+    return _diffusers_defaults(model_path, class_name)
 
 
 def load_pipeline(path: str | Path, *args: Any, **kwargs: Any) -> TextToImagePipeline:

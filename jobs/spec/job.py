@@ -190,7 +190,8 @@ class JobSpec(Section):
         fields = type(self.sampling).model_fields
         given = {k: getattr(self.sampling, k) for k in SAMPLING_KEYS if k in self.sampling.model_fields_set}
         ours = {k: fields[k].default for k in SAMPLING_KEYS}
-        return resolve(given, ours, found, given_scheduler, notes)
+        text_length_given = "max_sequence_length" in self.model.model_fields_set
+        return resolve(given, ours, found, given_scheduler, notes, text_length_given)
 
     @cached_property
     def model_licence(self) -> ModelLicence:
@@ -239,8 +240,15 @@ class JobSpec(Section):
         )
 
     def pipeline_settings(self) -> PipelineSettings:
-        """The pipeline's knobs, from whichever sections show them (model, sampling)."""
-        return settings_from(PipelineSettings, *self._sections())
+        """The pipeline's knobs, from whichever sections show them (model, sampling); the text
+        length a diffusers checkpoint publishes where the job sets none (sampling_defaults)."""
+        settings = settings_from(PipelineSettings, *self._sections())
+        text_length = self.sampling_defaults.max_sequence_length
+        return (
+            settings
+            if text_length is None
+            else dataclasses.replace(settings, max_sequence_length=text_length[0])
+        )
 
     def _sections(self) -> tuple[Section, ...]:
         return tuple(
