@@ -83,6 +83,8 @@ __all__ = [
     "Size",
     "TextConditioning",
     "check_model_index",
+    "components_of",
+    "remember_remote_index",
     "family_of_class",
     "load_pipeline",
     "model_family",
@@ -204,6 +206,20 @@ def family_of_class(class_name: Any, where: str, index: dict | None = None) -> M
     return family
 
 
+# The model_index.json of remote checkpoints (hf://) as read on this machine before any work
+# (jobs.spec reads it from a hub cache or the hub): the family of such a path is its class's.
+_REMOTE_INDEX: dict[str, dict] = {}
+
+
+def remember_remote_index(model_path: str, index: dict) -> ModelFamily:
+    """The family of the remote checkpoint `model_path` whose model_index.json is `index`
+    (refused, WeightsError, when it cannot run here); model_family(model_path) answers it from
+    now on in this process."""
+    family = family_of_class(index.get("_class_name"), f"{model_path} (model_index.json)", index)
+    _REMOTE_INDEX[model_path] = index
+    return family
+
+
 def check_model_index(root: str | Path) -> ModelFamily:
     """The family of a local model folder from its model_index.json; refuses a checkpoint of a
     pipeline no family runs (an edit or layered model, Flux, ...) up front.
@@ -231,8 +247,9 @@ def model_family(source: Any) -> ModelFamily:
     """The family of a model path as a job names it ("tiny", a folder, s3://..., hf://...), of a
     loaded pipeline (by the model id it was loaded as), or a family itself.
 
-    "tiny" is the tiny model; a local folder's family is its model_index.json's class; any other
-    path (remote, not read here) is `DEFAULT_FAMILY`, whose configs refuse another model when read.
+    "tiny" is the tiny model; a local folder's family is its model_index.json's class, and so is
+    a remote one's whose index was read (remember_remote_index); any other path (remote, not read
+    here) is `DEFAULT_FAMILY`, whose configs refuse another model when read.
     """
     if isinstance(source, ModelFamily):
         return source
@@ -248,6 +265,8 @@ def model_family(source: Any) -> ModelFamily:
         source = model_id
     if str(source) == TINY_MODEL:
         return TINY
+    if (index := _REMOTE_INDEX.get(str(source))) is not None:
+        return family_of_class(index.get("_class_name"), f"{source} (model_index.json)", index)
     return check_model_index(source) if Path(source).is_dir() else DEFAULT_FAMILY
 
 

@@ -9,7 +9,7 @@ import dataclasses
 import json
 import os
 from collections.abc import Mapping
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from ditfleet.driver.memory_plan import MemoryRequest
 from ditfleet.driver.output.cost import CostConfig
 from ditfleet.driver.plan import PlanConfig
 from ditfleet.driver.run_job import DriverConfig
-from ditfleet.model.family import check_model_index, model_family, resolve_model_dir
+from ditfleet.model.family import check_model_index, model_family, remember_remote_index, resolve_model_dir
 from ditfleet.model.loading.folder import WeightsError, text_encoder_kind
 from ditfleet.model.quality.table import MODEL, PIPELINE_QWEN_VL, check_scorers_supported, needing
 from ditfleet.model.settings import PipelineSettings, resolve_modulation_cache
@@ -32,7 +32,9 @@ from ditfleet.workers.contract import GateConfig, LoraSpec, ModelPlacement, Work
 from ditfleet.workers.output.formats import ShardWriterConfig
 from ditfleet.workers.rows import RowConfig
 from ditfleet.workers.storage import S3Config
+from ditfleet.workers.weights.hub import read_hub_index
 from ditfleet.workers.weights.licence import JOB_SOURCE, ModelLicence, read_model_licence
+from ditfleet.workers.weights.node_cache import ModelFetchError
 
 from .derive import fingerprint_entries, settings_from
 from .problems import validated
@@ -112,6 +114,8 @@ class JobSpec(Section):
     @model_validator(mode="after")
     def _model_folder_runs_here(self) -> JobSpec:
         check_model_folder(self.model.path)
+        if self.model.path.startswith("hf://"):
+            check_hub_model(self.model.path, self.model_cache_dir())
         return self
 
     def _scorer_inputs(self) -> tuple[frozenset[str], str]:
@@ -187,6 +191,10 @@ class JobSpec(Section):
         given_scheduler = _absolute(self.model.scheduler_config) if self.model.scheduler_config else None
         loras = tuple(a.path for a in self.model_loras())
         found, notes = recognise(self.model_path(), loras, given_scheduler, self.s3_config())
+        if self.model.path.startswith("hf://") and (
+            why := check_hub_model(self.model.path, self.model_cache_dir())
+        ):
+            notes = (*notes, f"{why}; its pipeline class is checked when an actor fetches it")
         fields = type(self.sampling).model_fields
         given = {k: getattr(self.sampling, k) for k in SAMPLING_KEYS if k in self.sampling.model_fields_set}
         ours = {k: fields[k].default for k in SAMPLING_KEYS}
@@ -396,6 +404,26 @@ def check_model_folder(model_path: str) -> None:
         check_model_index(path)
     except WeightsError as e:
         raise ValueError(f"model.path: {e}") from None
+
+
+@lru_cache(maxsize=16)
+def check_hub_model(model_path: str, cache_dir: str) -> str | None:
+    """An hf:// checkpoint's model_index.json read before any work (workers.weights.hub: a hub
+    cache, else that one file from the hub), so its family is known on the driver
+    (model.family.remember_remote_index) and one that cannot run here is refused (ValueError,
+    naming what to do). Returns why it could not be read (the actor then checks it; `plan` says
+    so), else None. Read once per process and path."""
+    try:
+        index, why = read_hub_index(model_path, [Path(cache_dir)] if "://" not in cache_dir else [])
+    except ModelFetchError as e:  # a malformed hf:// path
+        raise ValueError(f"model.path: {e}") from None
+    if index is None:
+        return why
+    try:
+        remember_remote_index(model_path, index)
+    except WeightsError as e:
+        raise ValueError(f"model.path: {e}") from None
+    return None
 
 
 def _absolute(path: str, model: str | None = None) -> str:

@@ -15,7 +15,6 @@ import torch
 from PIL import Image
 
 from ditfleet.jobs.cli import main
-from ditfleet.model.generation.guidance import DEFAULT_NEGATIVE_PROMPT
 from ditfleet.testing.diffusers_models import make_flux_dir
 from ditfleet.workers.output.manifest import read_manifests
 from ditfleet.workers.storage import open_store
@@ -43,10 +42,11 @@ def reference(flux_dir):
 
 def _expected(pipe, prompt: str, seed: int, width: int, height: int) -> np.ndarray:
     """diffusers' own call at the actor's batch shape (each image its own generator), with the
-    job's defaults: CFG 4.0 against the negative " " (guidance_scale for FLUX)."""
+    defaults the job resolves where it sets none: FluxPipeline.__call__'s (guidance_scale 3.5,
+    distilled guidance, no negative; 512 text tokens), the job's 2 steps."""
     images = pipe(
-        prompt=[prompt] * BATCH, negative_prompt=[DEFAULT_NEGATIVE_PROMPT] * BATCH, height=height, width=width,
-        num_inference_steps=2, guidance_scale=4.0,
+        prompt=[prompt] * BATCH, height=height, width=width, num_inference_steps=2, guidance_scale=3.5,
+        max_sequence_length=512,
         generator=[torch.Generator().manual_seed(seed) for _ in range(BATCH)], output_type="pt",
     ).images  # fmt: skip
     return (images[0] * 255).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).numpy()

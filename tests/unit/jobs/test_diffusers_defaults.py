@@ -84,7 +84,9 @@ def test_a_checkpoint_in_a_hub_cache_is_recognised_by_its_hub_id_and_the_job_win
         ("black-forest-labs/FLUX.1-dev", (50, 3.5, ""), DISTILLED, 512),
     ],
 )
-def test_an_hf_path_is_recognised_by_its_hub_id(tmp_path, hub_id, want, guidance, text_length):
+def test_an_hf_path_is_recognised_by_its_hub_id(tmp_path, monkeypatch, hub_id, want, guidance, text_length):
+    constants = pytest.importorskip("huggingface_hub.constants")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # its model_index.json is not read here
     spec = load_spec(job(tmp_path, f"hf://{hub_id}@main"))
     defaults = spec.sampling_defaults
     assert tuple(defaults.values.values()) == want and defaults.guidance == guidance
