@@ -33,9 +33,9 @@ INSTALL_HINT = "pip install 'ditfleet[diffusers]'"
 NEEDS_OTHER_INPUT = ("mask_image", "control_image", "image_reference")
 NOT_IMAGES = re.compile(r"Video|Wan|Animate|I2V|T2V")
 # `__call__` takes an `image`, but also makes images from text alone (its image is optional):
-# the FLUX.2 pipelines (issue 49 names FLUX.2-klein as a text-to-image model). Their task is
-# text-to-image; sources given to them still go to `image`.
-IMAGE_OPTIONAL = frozenset({"Flux2Pipeline", "Flux2KleinPipeline"})
+# the FLUX.2 pipelines and Qwen-Image 2.1 (issue 49 names them as text-to-image models). Their
+# task is text-to-image; sources given to them still go to `image`.
+IMAGE_OPTIONAL = frozenset({"Flux2Pipeline", "Flux2KleinPipeline", "QwenImage21Pipeline"})
 TEXT_TO_IMAGE_TASK = "text-to-image"
 EDIT_TASK = "edit"
 

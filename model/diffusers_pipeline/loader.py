@@ -169,12 +169,14 @@ class DiffusersTextToImage:
         steps: int,
         true_cfg_scale: float | Sequence[float] = 1.0,
         seeds: Sequence[int],
+        max_sequence_length: int | None = None,
         sources: Sequence[Sequence[SourceImage]] | None = None,
     ) -> torch.Tensor:
-        """What compile.warmup calls: `run` with the sampling spelled out."""
-        inputs = self.encode_guidance(
-            prompt, negative_prompt, true_cfg_scale, self.settings.max_sequence_length, sources
+        """What compile.warmup calls (with encode_guidance's inputs spelled out): `run`."""
+        text_length = (
+            self.settings.max_sequence_length if max_sequence_length is None else max_sequence_length
         )
+        inputs = self.encode_guidance(prompt, negative_prompt, true_cfg_scale, text_length, sources)
         return self.run(inputs, Sampling(height, width, steps, list(seeds), true_cfg_scale)).images
 
     def _call(
@@ -198,12 +200,20 @@ class DiffusersTextToImage:
             "generator": [torch.Generator("cpu").manual_seed(int(s)) for s in call.seeds],
             "output_type": "pt",
         }
-        if "guidance_scale" in self.call_parameters:
-            kwargs["guidance_scale"] = guidance
+        negatives = call.negatives if "negative_prompt" in self.call_parameters else None
+        if "guidance_scale" not in self.call_parameters and "true_cfg_scale" in self.call_parameters:
+            # A pipeline whose only scale is true CFG (Qwen-Image 2.1): on with a negative text,
+            # which it needs present (" " where the row's is empty), as in the native family.
+            kwargs["true_cfg_scale"] = guidance
+            if negatives is not None:
+                kwargs["negative_prompt"] = [x or " " for x in negatives]
+        else:
+            if "guidance_scale" in self.call_parameters:
+                kwargs["guidance_scale"] = guidance
+            if negatives is not None and any(negatives):
+                kwargs["negative_prompt"] = [x or "" for x in negatives]
         if max_sequence_length is not None and "max_sequence_length" in self.call_parameters:
             kwargs["max_sequence_length"] = max_sequence_length
-        if call.negatives is not None and "negative_prompt" in self.call_parameters and any(call.negatives):
-            kwargs["negative_prompt"] = [x or "" for x in call.negatives]
         if call.sources is not None:
             # One image per prompt as a batch; a row's several references as one list (run alone).
             kwargs["image"] = [s[0] for s in call.sources] if pad else call.sources[0]

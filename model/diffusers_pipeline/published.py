@@ -26,7 +26,7 @@ from ditfleet.model.diffusers_pipeline.index import call_defaults, call_paramete
 # How a pipeline's `guidance_scale` acts (what `sampling.true_cfg_scale` becomes for it):
 DISTILLED = "distilled guidance (an input of the transformer, one pass per step)"
 CFG = "classifier-free guidance (two passes per step while > 1)"
-OFF = "off (guidance distilled away: one pass per step)"
+OFF = "off (one pass per step)"
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,7 @@ CHECKPOINTS: tuple[PublishedDefaults, ...] = (
     PublishedDefaults("stabilityai/stable-diffusion-3.5-large", "StableDiffusion3Pipeline", 28, 3.5, CFG, None, "stabilityai-ai-community"),
     PublishedDefaults("stabilityai/stable-diffusion-3.5-large-turbo", "StableDiffusion3Pipeline", 4, 0.0, OFF, None, "stabilityai-ai-community"),
     PublishedDefaults("stabilityai/stable-diffusion-3.5-medium", "StableDiffusion3Pipeline", 40, 4.5, CFG, None, "stabilityai-ai-community"),
+    PublishedDefaults("Qwen/Qwen-Image-2.1", "QwenImage21Pipeline", 40, 1.0, OFF, None, "qwen-research"),
 )  # fmt: skip
 
 # A folder of a hub cache: <cache>/models--<org>--<name>/snapshots/<revision>[/...]
@@ -99,11 +100,13 @@ def by_pipeline_class(class_name: str, guidance_embeds: bool | None = None) -> P
     `guidance_scale` is distilled guidance, an input of the transformer, which a transformer
     without `guidance_embeds` (its config.json; FLUX.1-schnell) ignores."""
     found = call_defaults(class_name)
-    steps, scale = found.get("num_inference_steps"), found.get("guidance_scale")
+    # The pipeline's scale: guidance_scale, else (a pipeline with true CFG only) true_cfg_scale.
+    steps, scale = found.get("num_inference_steps"), found.get("guidance_scale", found.get("true_cfg_scale"))
     if not isinstance(steps, int):
         return None
     scale = float(scale) if isinstance(scale, (int, float)) else 1.0
-    distilled = "true_cfg_scale" in (call_parameters(class_name) or ())
+    params = call_parameters(class_name) or ()
+    distilled = "true_cfg_scale" in params and "guidance_scale" in params
     if scale <= 1 or (distilled and guidance_embeds is False):
         guidance = OFF
     else:

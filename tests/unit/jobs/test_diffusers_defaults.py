@@ -14,8 +14,10 @@ import pytest
 from ditfleet.jobs.cli import main
 from ditfleet.jobs.spec import load_spec
 from ditfleet.jobs.spec.sampling_defaults import JOB
-from ditfleet.model.diffusers_pipeline.published import CFG, DISTILLED, OFF
+from ditfleet.model.diffusers_pipeline.published import CFG, CHECKPOINTS, DISTILLED, OFF
+from ditfleet.workers.weights.licence import KNOWN_LICENCES
 from tests.support.model_fixtures import job_with_model as job
+from tests.support.paths import REPO
 
 FLUX_INDEX = {
     "_class_name": "FluxPipeline",
@@ -82,6 +84,7 @@ def test_a_checkpoint_in_a_hub_cache_is_recognised_by_its_hub_id_and_the_job_win
         ("stabilityai/stable-diffusion-3.5-large", (28, 3.5, ""), CFG, 256),  # SD3's __call__: 256 tokens
         ("Tongyi-MAI/Z-Image-Turbo", (9, 0.0, None), OFF, 512),
         ("black-forest-labs/FLUX.1-dev", (50, 3.5, ""), DISTILLED, 512),
+        ("Qwen/Qwen-Image-2.1", (40, 1.0, None), OFF, None),  # its __call__ takes no text length
     ],
 )
 def test_an_hf_path_is_recognised_by_its_hub_id(tmp_path, monkeypatch, hub_id, want, guidance, text_length):
@@ -90,13 +93,30 @@ def test_an_hf_path_is_recognised_by_its_hub_id(tmp_path, monkeypatch, hub_id, w
     spec = load_spec(job(tmp_path, f"hf://{hub_id}@main"))
     defaults = spec.sampling_defaults
     assert tuple(defaults.values.values()) == want and defaults.guidance == guidance
-    assert defaults.max_sequence_length == (
-        text_length,
-        f"checkpoint: {hub_id}, recognised by its hub id {hub_id}",
-    )
+    label = f"checkpoint: {hub_id}, recognised by its hub id {hub_id}"
+    assert defaults.max_sequence_length == (None if text_length is None else (text_length, label))
 
 
 def test_a_native_checkpoint_keeps_its_text_length(tmp_path):
     spec = load_spec(job(tmp_path, "tiny"))
     assert spec.sampling_defaults.max_sequence_length is None
     assert spec.to_worker_config().pipeline.max_sequence_length == 512
+
+
+def test_the_docs_table_is_the_code_table():
+    """docs/real-model.md's table of named diffusers checkpoints says what CHECKPOINTS holds
+    (hub id, class, steps, guidance, licence), row for row, and each licence is one ditfleet knows."""
+    text = (REPO / "docs" / "real-model.md").read_text()
+    rows = [
+        line.split(" | ")
+        for line in text.splitlines()
+        if line.startswith("| ") and "/" in line.split(" | ")[0]
+    ]
+    documented = {r[0].removeprefix("| "): r for r in rows if len(r) == 7}
+    assert set(documented) == {c.name for c in CHECKPOINTS}
+    for c in CHECKPOINTS:
+        _, class_name, steps, guidance, _, licence, _ = documented[c.name]
+        assert (class_name, int(steps), float(guidance.split()[0]), licence) == (
+            c.class_name, c.steps, c.true_cfg_scale, c.licence,
+        ), c.name  # fmt: skip
+        assert c.licence in KNOWN_LICENCES

@@ -52,8 +52,10 @@ def test_a_text_to_image_pipeline_is_its_own_family(tmp_path):
     [
         ("FluxPipeline", "text-to-image"),
         ("StableDiffusion3Pipeline", "text-to-image"),
-        # Its image is optional (FLUX.2 makes images from text alone too): text-to-image.
+        # Their image is optional (they make images from text alone too): text-to-image.
         ("Flux2KleinPipeline", "text-to-image"),
+        ("QwenImage21Pipeline", "text-to-image"),
+        ("QwenImage21Pipeline", "text-to-image"),
         ("FluxKontextPipeline", "edit"),
         ("StableDiffusion3Img2ImgPipeline", "edit"),
         ("QwenImageEditPlusPipeline", "edit"),
