@@ -147,8 +147,8 @@ class DiffusersFamily:
         return NoAttentionCounters()
 
     def task(self, model_index: dict) -> str:
-        """ "edit" when the pipeline's `__call__` takes an `image` (image-to-image, Kontext,
-        Qwen-Image-Edit: the job's sources go there), else "text-to-image" (index.pipeline_task)."""
+        """ "edit" when the pipeline's `__call__` takes an `image` (image-to-image,
+        Kontext: the job's sources go there), else "text-to-image" (index.pipeline_task)."""
         name = model_index.get("_class_name") if isinstance(model_index, dict) else None
         return pipeline_task(name if isinstance(name, str) and name else self.class_name)
 

@@ -7,7 +7,7 @@ The driver (validate, plan, run) calls these before any work: importing diffuser
 torch, which the driver never does (tests/unit/jobs/test_cli_imports.py). So the pipeline class
 is looked up in diffusers' installed source with `ast`: it must exist, and its `__call__` must
 take a `prompt`, the size, the step count and generators. A `__call__` that also takes an `image`
-is an edit (image-to-image, Kontext, Qwen-Image-Edit): its task is "edit" (`pipeline_task`), the
+is an edit (image-to-image, Kontext): its task is "edit" (`pipeline_task`), the
 job's source images go there. Each component's library (transformers, ...) must be installed.
 The `__call__`'s published defaults (`call_defaults`: its steps, guidance, text length) are read
 from the same source.
@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from ditfleet.model.family_types import EDIT, TEXT_TO_IMAGE
+
 # What `__call__` must take for ditfleet to drive it as text-to-image with one generator per image.
 REQUIRED_CALL_PARAMETERS = ("prompt", "height", "width", "num_inference_steps", "generator")
 INSTALL_HINT = "pip install 'ditfleet[diffusers]'"
@@ -36,8 +38,6 @@ NOT_IMAGES = re.compile(r"Video|Wan|Animate|I2V|T2V")
 # the FLUX.2 pipelines and Qwen-Image 2.1 (issue 49 names them as text-to-image models). Their
 # task is text-to-image; sources given to them still go to `image`.
 IMAGE_OPTIONAL = frozenset({"Flux2Pipeline", "Flux2KleinPipeline", "QwenImage21Pipeline"})
-TEXT_TO_IMAGE_TASK = "text-to-image"
-EDIT_TASK = "edit"
 
 
 class DiffusersPipelineError(ValueError):
@@ -149,7 +149,7 @@ def pipeline_task(class_name: str, params: tuple[str, ...] | None = None) -> str
     """ "edit" for a pipeline whose `__call__` takes an `image` (and needs it), else "text-to-image"."""
     params = call_parameters(class_name) if params is None else params
     takes_image = params is not None and "image" in params
-    return EDIT_TASK if takes_image and class_name not in IMAGE_OPTIONAL else TEXT_TO_IMAGE_TASK
+    return EDIT if takes_image and class_name not in IMAGE_OPTIONAL else TEXT_TO_IMAGE
 
 
 def call_parameters(class_name: str) -> tuple[str, ...] | None:

@@ -14,7 +14,7 @@ import pytest
 
 from ditfleet.jobs.cli import main
 from ditfleet.jobs.spec import load_spec
-from ditfleet.model.family import model_family
+from ditfleet.model.family import model_family, model_task
 from ditfleet.workers.weights.hub import _allow_for_index
 from tests.support.model_fixtures import job_with_model as job
 from tests.unit.jobs.test_diffusers_defaults import FLUX_INDEX
@@ -46,6 +46,7 @@ def test_an_hf_checkpoint_in_the_jobs_hub_cache_is_its_classs_family(tmp_path, c
     path = _hub_job(tmp_path, "acme/flux-toy")
     spec = load_spec(path)
     assert model_family("hf://acme/flux-toy@main").name == "diffusers:FluxPipeline"
+    assert model_task("hf://acme/flux-toy@main") == "text-to-image"
     assert spec.bucket_names()[0] == "1024x1024"  # the diffusers family's buckets, not Qwen-Image's
     defaults = spec.sampling_defaults
     assert defaults.values["steps"] == 28 and defaults.notes == ()
@@ -54,6 +55,12 @@ def test_an_hf_checkpoint_in_the_jobs_hub_cache_is_its_classs_family(tmp_path, c
     assert "(checkpoint: FluxPipeline.__call__, recognised by diffusers' FluxPipeline.__call__ defaults)" in (
         capsys.readouterr().out
     )
+
+
+def test_an_hf_edit_checkpoint_is_an_edit_model_on_the_driver(tmp_path):
+    _cached(tmp_path / "cache", "acme/kontext", {**FLUX_INDEX, "_class_name": "FluxKontextPipeline"})
+    load_spec(_hub_job(tmp_path, "acme/kontext"))
+    assert model_task("hf://acme/kontext@main") == "edit"
 
 
 def test_an_hf_checkpoint_that_cannot_run_is_refused_before_any_work(tmp_path, capsys):

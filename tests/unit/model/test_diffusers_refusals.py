@@ -58,7 +58,6 @@ def test_a_text_to_image_pipeline_is_its_own_family(tmp_path):
         ("QwenImage21Pipeline", "text-to-image"),
         ("FluxKontextPipeline", "edit"),
         ("StableDiffusion3Img2ImgPipeline", "edit"),
-        ("QwenImageEditPlusPipeline", "edit"),
     ],
 )
 def test_a_pipeline_whose_call_takes_an_image_is_an_edit_family(tmp_path, class_name, task):
