@@ -50,8 +50,11 @@ class _Call:
         pad = size - len(self.prompts)
         if pad <= 0:
             return self
-        more = lambda xs: None if xs is None else xs + xs[-1:] * pad  # noqa: E731
-        return _Call(more(self.prompts), more(self.negatives), more(self.seeds), more(self.sources))
+        negatives = None if self.negatives is None else self.negatives + self.negatives[-1:] * pad
+        sources = None if self.sources is None else self.sources + self.sources[-1:] * pad
+        return _Call(
+            self.prompts + self.prompts[-1:] * pad, negatives, self.seeds + self.seeds[-1:] * pad, sources
+        )
 
 
 class DiffusersMemoryError(RuntimeError):
@@ -139,8 +142,8 @@ class DiffusersTextToImage:
         # Calls group by scale, and a row with several sources is its own group.
         groups: dict[tuple[float, int], list[int]] = {}
         for i in range(n):
-            alone = sources is not None and len(sources[i]) > 1
-            groups.setdefault((scale_list[i], i if alone else -1), []).append(i)
+            several = sources is not None and len(sources[i]) > 1
+            groups.setdefault((scale_list[i], i if several else -1), []).append(i)
         images: list[torch.Tensor | None] = [None] * n
         for (scale, alone), idx in groups.items():
             for start in range(0, len(idx), self.batch_size):
