@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from ditfleet.model.diffusers_pipeline.family import DiffusersFamily, parameter_bytes
-from ditfleet.model.diffusers_pipeline.index import check_runnable, read_index
+from ditfleet.model.diffusers_pipeline.index import check_runnable, pipeline_task, read_index
+from ditfleet.model.family_types import EDIT
 from ditfleet.model.generation.pipeline import Generation, Sampling
 from ditfleet.model.loading.folder import WeightsError
 from ditfleet.model.loading.lora_spec import LoraSpec
@@ -175,10 +176,16 @@ class DiffusersTextToImage:
         max_sequence_length: int | None = None,
         sources: Sequence[Sequence[SourceImage]] | None = None,
     ) -> torch.Tensor:
-        """What compile.warmup calls (with encode_guidance's inputs spelled out): `run`."""
+        """What compile.warmup calls (with encode_guidance's inputs spelled out): `run`. An edit
+        pipeline warmed without sources gets a mid-grey one per prompt at the bucket's size (a
+        tensor in [0, 1], which diffusers' image processors take): the pipeline resizes every
+        source to the output size, so a request's shapes are the warm-up's."""
         text_length = (
             self.settings.max_sequence_length if max_sequence_length is None else max_sequence_length
         )
+        if sources is None and pipeline_task(self.family.class_name, self.call_parameters) == EDIT:
+            grey = torch.full((3, height, width), 0.5)
+            sources = [[grey] for _ in prompt]
         inputs = self.encode_guidance(prompt, negative_prompt, true_cfg_scale, text_length, sources)
         return self.run(inputs, Sampling(height, width, steps, list(seeds), true_cfg_scale)).images
 

@@ -136,6 +136,10 @@ def test_an_edit_pipeline_gets_each_rows_source_bitwise_as_diffusers_per_image(t
     assert torch.equal(batched[:2], theirs([0, 1]))
     assert torch.equal(batched[2:], theirs([2, 2])[:1])  # the last batch padded with its own copy
     assert torch.equal(ours(2, [2]), batched[2:]), "a row's bytes depend on which rows share its batch"
+    # Warm-up (compile.warmup) calls without sources: an edit pipeline gets a grey one per prompt.
+    pipe = family.load_pipeline(root, device="cpu", dtype=torch.float32, model_revision="r", batch_size=2)
+    warm = pipe.generate(["a red circle"], height=32, width=48, steps=2, seeds=[1], max_sequence_length=256)
+    assert warm.shape == (1, 3, 32, 48)
     assert not torch.equal(batched[0], batched[1])
 
 
