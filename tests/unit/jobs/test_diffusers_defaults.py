@@ -120,3 +120,12 @@ def test_the_docs_table_is_the_code_table():
             c.class_name, c.steps, c.true_cfg_scale, c.licence,
         ), c.name  # fmt: skip
         assert c.licence in KNOWN_LICENCES
+
+
+def test_inspect_says_a_diffusers_checkpoints_defaults_and_that_its_memory_is_measured(tmp_path, capsys):
+    root = _flux_folder(tmp_path / "flux", guidance_embeds=True)
+    assert main(["inspect", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "sampling defaults: 28 steps, true_cfg_scale 3.5 (distilled guidance" in out
+    assert "text length: 512 tokens (checkpoint: FluxPipeline.__call__" in out
+    assert "memory: measured at warm-up on each actor" in out
