@@ -125,7 +125,7 @@ def check_job_input(config: DriverConfig) -> None:
 
 def plan_input(config: DriverConfig) -> JobPlan:
     """Validate and plan; raises driver.input.row_errors.InputError (all problems, up to the cap)."""
-    return plan_job(prompt_source(config), config.plan)
+    return plan_job(prompt_source(config), config.plan, s3=config.s3)
 
 
 @dataclass(frozen=True)

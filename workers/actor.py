@@ -53,6 +53,8 @@ from ditfleet.workers.output.provenance import JobProvenance
 from ditfleet.workers.quality_gate import ScoredImage, scored_images
 from ditfleet.workers.rows import ShardSpec, read_shard_rows
 from ditfleet.workers.scorers import build_scorers
+from ditfleet.workers.source_prefetch import SourcePrefetch
+from ditfleet.workers.sources import SourceReader
 from ditfleet.workers.spot import StopOnSigterm
 from ditfleet.workers.startup_phase import COMPILING, LOADING, READY, publish_phase
 from ditfleet.workers.storage import StoreConfigError, open_store
@@ -126,6 +128,12 @@ class GenerationWorker:
         check_output_node(config.output_uri, config.local_output_node, current_node_id())
         self.store = open_store(config.output_uri, config.s3)
         self.store.check_writable()
+        # An edit job's sources: one reader (its stores, its clients) for every shard.
+        self.source_reader = (
+            SourceReader(config.rows.source_limits, config.s3)
+            if config.rows.image_column is not None
+            else None
+        )
         self.device, self.dtype = resolve_device(config.placement.device, config.placement.dtype)
         t_load = time.perf_counter()
         self.model = fetch_model(config.model_path, config.model_cache_dir, config.s3, config.model_fetch)
@@ -156,6 +164,7 @@ class GenerationWorker:
         secret = read_cache_secret(config.compile_cache_key) if config.compile.shared_cache else None
         self.compile_report = self._compile(secret.key if secret is not None else None)
         self.generator = BatchGenerator(self.pipe)  # its prompt length: the pipeline's settings
+        self.prefetch: SourcePrefetch | None = None  # the running edit shard's sources
         shared_cache = "off"
         if secret is not None and (secret.key or self.compile_report.compile.methods):
             shared_cache = "on" if secret.key else f"off: {secret.off_reason}"
@@ -287,7 +296,7 @@ class GenerationWorker:
         fs = filesystem_for(
             shard.file, endpoint_url=self.config.s3.endpoint_url, region=self.config.s3.region
         )
-        rows = read_shard_rows(shard, fs, self.config.rows)
+        rows = read_shard_rows(shard, fs, self.config.rows, sources=self.source_reader)
         requests = image_requests(rows)
         if self.text is not None:  # offload: the encoder visits the GPU once per shard, here
             self.text.prefetch(shard_prompts(requests), self.config.pipeline.max_sequence_length)
@@ -340,6 +349,8 @@ class GenerationWorker:
         `hand_over`); the writer's objects are all durably stored, and every score taken, when
         this returns (aborted on any error)."""
         writer = make_shard_writer(self.store, shard, self.writer_config, token)
+        if self.source_reader is not None:  # read ahead of the device, per shard
+            self.generator.sources = self.prefetch = SourcePrefetch(self.source_reader)
         try:
             made = scored_images(self.generator, requests, self.batch_size, self.scorers, self.config.gate)
             handed = hand_over(made, writer, extras, self._stop, shard)
@@ -350,6 +361,9 @@ class GenerationWorker:
         finally:
             if self.text is not None:
                 self.text.release()
+            if self.prefetch is not None:
+                self.prefetch.close()
+                self.generator.sources = None
 
     # -- helpers ---------------------------------------------------------------------------------
 
