@@ -18,7 +18,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -51,7 +51,7 @@ from ditfleet.workers.output.layout import manifest_key, new_attempt_token
 from ditfleet.workers.output.manifest import ManifestRow, ManifestWriter, passthrough_json
 from ditfleet.workers.output.provenance import JobProvenance
 from ditfleet.workers.quality_gate import ScoredImage, scored_images
-from ditfleet.workers.rows import ShardSpec, read_shard_rows
+from ditfleet.workers.rows import PromptRow, ShardSpec, read_shard_rows
 from ditfleet.workers.scorers import build_scorers
 from ditfleet.workers.source_prefetch import SourcePrefetch
 from ditfleet.workers.sources import SourceReader
@@ -353,7 +353,7 @@ class GenerationWorker:
             self.generator.sources = self.prefetch = SourcePrefetch(self.source_reader)
         try:
             made = scored_images(self.generator, requests, self.batch_size, self.scorers, self.config.gate)
-            handed = hand_over(made, writer, extras, self._stop, shard)
+            handed = hand_over(made, writer, extras, self._stop, shard, self._image_sources)
             return handed, writer.finish()
         except BaseException:
             writer.abort()
@@ -366,6 +366,20 @@ class GenerationWorker:
                 self.generator.sources = None
 
     # -- helpers ---------------------------------------------------------------------------------
+
+    def _source_columns(self, row: PromptRow) -> tuple[tuple[str, ...] | None, tuple[str | None, ...] | None]:
+        """An edit row's sources by URI and by the sha256 of the bytes read (None where one was
+        not read: its row failed), for the manifest; (None, None) for a text job's row."""
+        if self.prefetch is None or not row.sources:
+            return None, None
+        return tuple(s.uri for s in row.sources), self.prefetch.digests.of(row)
+
+    def _image_sources(self, row: PromptRow) -> tuple[tuple[str, str], ...] | None:
+        """What a made image's metadata names as its sources (each one was read to make it)."""
+        uris, digests = self._source_columns(row)
+        if uris is None or digests is None:
+            return None
+        return tuple((uri, digest or "") for uri, digest in zip(uris, digests))
 
     def _drop(self, keys: tuple[str, ...]) -> None:
         """Best-effort removal of a losing run's objects; what is left, the driver's cleanup or
@@ -386,6 +400,7 @@ class GenerationWorker:
         row, k = req.row, req.k
         error = gen.error or (stored.error if stored is not None else "image was not stored")
         ok = gen.error is None and stored is not None and stored.ok
+        source_uris, source_sha256 = self._source_columns(row)
         return ManifestRow(
             id=row.id,
             k=k,
@@ -419,19 +434,29 @@ class GenerationWorker:
             dit_blocks_computed=gen.blocks_computed,
             dit_blocks_reused=gen.blocks_reused,
             batch_size=self.batch_size,
+            source_uris=source_uris,
+            source_sha256=source_sha256,
             **scored.manifest_columns(stored_ok=ok),
         )
 
 
-def image_task(req: ImageRequest, extra: str | None) -> ImageTask:
-    """What the writer stores of one image next to its pixels; extra: the row's pass-through JSON."""
+def image_task(
+    req: ImageRequest, extra: str | None, sources: tuple[tuple[str, str], ...] | None = None
+) -> ImageTask:
+    """What the writer stores of one image next to its pixels; extra: the row's pass-through JSON;
+    sources: an edit row's (uri, sha256) each, for the image's metadata."""
     row = req.row
     as_given = {
         name: getattr(row, name) for name in ("id", "num_images", "prompt", "negative_prompt", "steps")
     }
     # The image's own: its index, the seed it was made from (its try's), the row's JSON.
     return ImageTask(
-        **as_given, k=req.k, seed=req.seed, extra=extra, true_cfg_scale=float(row.true_cfg_scale)
+        **as_given,
+        k=req.k,
+        seed=req.seed,
+        extra=extra,
+        true_cfg_scale=float(row.true_cfg_scale),
+        sources=sources,
     )
 
 
@@ -441,6 +466,7 @@ def hand_over(
     extras: Sequence[str | None],
     stop: threading.Event,
     shard: int,
+    sources: Callable[[PromptRow], tuple[tuple[str, str], ...] | None] | None = None,
 ) -> list[tuple[ScoredImage, bool]]:
     """The generator loop's side of the writer: each image as it comes out, with its host work
     (ScoredImage.host_work: scores and hash for the writer's threads), so that this thread goes
@@ -452,7 +478,8 @@ def hand_over(
             raise ShardAbandoned(f"shard {shard}: worker asked to stop; nothing committed")
         image, pixels = scored.image, scored.image.pixels
         if pixels is not None:
-            task = image_task(image.request, extras[image.request.index])
+            row = image.request.row
+            task = image_task(image.request, extras[image.request.index], sources(row) if sources else None)
             writer.add(task, pixels.permute(1, 2, 0).numpy(), scored.host_work())  # (H, W, 3) uint8
             image.pixels = None  # the writer holds it now; keep shard memory flat
         out.append((scored, pixels is not None))
