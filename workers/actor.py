@@ -298,7 +298,9 @@ class GenerationWorker:
         )
         rows = read_shard_rows(shard, fs, self.config.rows, sources=self.source_reader)
         requests = image_requests(rows)
-        if self.text is not None:  # offload: the encoder visits the GPU once per shard, here
+        # offload: the encoder visits the GPU once per shard, here. Not for an edit shard: its
+        # prompts are encoded with their source images, which are read while the shard runs.
+        if self.text is not None and self.source_reader is None:
             self.text.prefetch(shard_prompts(requests), self.config.pipeline.max_sequence_length)
         compiles_before, oom_splits_before = compile_count(), self.generator.oom_splits
         attention = model_family(self.pipe).attention_counters(self.pipe)
