@@ -226,10 +226,10 @@ class RowValidator:
             )
             self.add(RowError(file, None, column, None, problem, hint))
             return False
-        problem = column_problem(schema.field(column).type)
-        if problem is not None:
+        wrong = column_problem(schema.field(column).type)
+        if wrong is not None:
             hint = "Write the column as one of those forms (docs/edit-jobs.md)"
-            self.add(RowError(file, None, column, None, problem, hint))
+            self.add(RowError(file, None, column, None, wrong, hint))
             return False
         return True
 
