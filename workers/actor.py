@@ -26,7 +26,7 @@ from ditfleet.compile import PreparedPipeline, WarmupRuns, compile_count, prepar
 from ditfleet.compile.config import first_compile_estimate_s
 from ditfleet.compile.policy import resolve_auto
 from ditfleet.model import LoraSpec, TextToImagePipeline, load_pipeline, resolve_model_dir
-from ditfleet.model.family import model_family
+from ditfleet.model.family import model_family, model_task
 from ditfleet.model.qwen_image.fp8 import runs_scaled_gemms
 from ditfleet.model.qwen_image.loader import load_text_encoder
 from ditfleet.workers.batch_fit import fit_batch_size
@@ -54,7 +54,7 @@ from ditfleet.workers.quality_gate import ScoredImage, scored_images
 from ditfleet.workers.rows import PromptRow, ShardSpec, read_shard_rows
 from ditfleet.workers.scorers import build_scorers
 from ditfleet.workers.source_prefetch import SourcePrefetch
-from ditfleet.workers.sources import SourceReader
+from ditfleet.workers.sources import SourceReader, task_problem
 from ditfleet.workers.spot import StopOnSigterm
 from ditfleet.workers.startup_phase import COMPILING, LOADING, READY, publish_phase
 from ditfleet.workers.storage import StoreConfigError, open_store
@@ -141,6 +141,11 @@ class GenerationWorker:
             found = self.model.identity or local_identity(self.model.local_path, config.model_cache_dir)
             job_files = job_file_identities(config.loras, config.scheduler_config, config.s3)
             check_identity(config.model_identity, with_job_files(found, job_files), config.model_path)
+        # Before loading: an edit job on a text-to-image model (or the other way round) whose
+        # model_index.json only this node has read (a remote model) ends here, saying what to do.
+        problem = task_problem(config.model_path, model_task(self.model.local_path), config.rows.image_column)
+        if problem is not None:
+            raise ValueError(problem)
         # Before loading: a GPU that fits no batch of the job's buckets fails here, not at batch 1.
         self.batch_fit = fit_batch_size(config, self.model.local_path, self.device, self.dtype)
         self.batch_size = self.batch_fit.batch_size

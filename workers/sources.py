@@ -37,6 +37,7 @@ from typing import Any
 import pyarrow as pa
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from ditfleet.model.family import EDIT
 from ditfleet.workers.storage.base import (
     ObjectNotFound,
     ObjectRead,
@@ -346,3 +347,21 @@ class SourceReader:
             out.append(tuple(read[at : at + len(row)]))
             at += len(row)
         return out
+
+
+def task_problem(model_path: str, task: str, image_column: str | None) -> str | None:
+    """Why a model of `task` cannot run a job with (or without) an image column; None: it can.
+    An edit model edits source images, a text-to-image model has none to take."""
+    if image_column is not None and task != EDIT:
+        return (
+            f"input.image_column is set ({image_column!r}: an edit job), but model.path {model_path!r} is a "
+            f"{task} model. Point model.path at an edit model (Qwen-Image-Edit-2509, or a diffusers "
+            "pipeline whose __call__ takes an image), or remove input.image_column for a text-to-image job"
+        )
+    if image_column is None and task == EDIT:
+        return (
+            f"model.path {model_path!r} is an edit model: it edits source images, which a row names. Set "
+            "input.image_column to the input column that holds them (docs/edit-jobs.md), or point "
+            "model.path at a text-to-image model"
+        )
+    return None
