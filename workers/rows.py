@@ -331,15 +331,21 @@ def with_sources(rows_digest: int, identities: IdentityDigest) -> int:
     return combine([rows_digest, identities.value()])
 
 
-def check_content(shard: ShardSpec, found: int) -> None:
-    """Refuse (InputContentChanged) rows whose digest is not the planned one."""
+def check_content(shard: ShardSpec, found: int, sources: bool = False) -> None:
+    """Refuse (InputContentChanged) rows whose digest is not the planned one; sources: an edit
+    shard's digest, which covers its rows' source images too."""
     if shard.content_digest is None or found == shard.content_digest:
         return
+    what = (
+        "their content digest differs"
+        if not sources
+        else "the digest of their content or their source images differs"
+    )
     raise InputContentChanged(
         shard.file,
         f"rows {shard.row_start}..{shard.row_stop - 1} (shard {shard.index}) changed since the output was "
-        "planned (their content digest differs)",
-        "Point the job at a new output, or restore the file",
+        f"planned ({what})",
+        "Point the job at a new output, or restore the file" + (" and its sources" if sources else ""),
     )
 
 
@@ -505,13 +511,13 @@ def read_shard_rows(
                 refs = batch_sources(part, config, shard.file, first)
             except RowResolutionError:
                 # A row that names no source was refused when planned: the rows changed since.
-                check_content(shard, found or 0)
+                check_content(shard, found or 0, sources=True)
                 raise
             headers = reader.batch_headers(refs)
             for row_headers in headers:
                 identities.add_row(h.identity for h in row_headers)
             per_part[p] = list(zip(refs, headers))
-        check_content(shard, with_sources(found or 0, identities))
+        check_content(shard, with_sources(found or 0, identities), sources=True)
     rows: list[PromptRow] = []
     for (first, part), part_sources in zip(parts, per_part):
         rows += resolve_rows(part, config, shard, first, part_sources)
