@@ -22,7 +22,13 @@ from ditfleet.driver.memory_plan import MemoryRequest
 from ditfleet.driver.output.cost import CostConfig
 from ditfleet.driver.plan import PlanConfig
 from ditfleet.driver.run_job import DriverConfig
-from ditfleet.model.family import check_model_index, model_family, remember_remote_index, resolve_model_dir
+from ditfleet.model.family import (
+    check_model_index,
+    model_family,
+    model_task,
+    remember_remote_index,
+    resolve_model_dir,
+)
 from ditfleet.model.loading.folder import WeightsError, text_encoder_kind
 from ditfleet.model.quality.table import MODEL, PIPELINE_QWEN_VL, check_scorers_supported, needing
 from ditfleet.model.settings import PipelineSettings, resolve_modulation_cache
@@ -31,6 +37,7 @@ from ditfleet.workers.cache_secret import CacheSecretSource
 from ditfleet.workers.contract import GateConfig, LoraSpec, ModelPlacement, WorkerConfig
 from ditfleet.workers.output.formats import ShardWriterConfig
 from ditfleet.workers.rows import RowConfig
+from ditfleet.workers.sources import task_problem
 from ditfleet.workers.storage import S3Config
 from ditfleet.workers.weights.hub import read_hub_index
 from ditfleet.workers.weights.licence import JOB_SOURCE, ModelLicence, read_model_licence
@@ -115,7 +122,12 @@ class JobSpec(Section):
     def _model_folder_runs_here(self) -> JobSpec:
         check_model_folder(self.model.path)
         if self.model.path.startswith("hf://"):
-            check_hub_model(self.model.path, self.model_cache_dir())
+            # Its model_index.json read here (when it can be): its family and task are known.
+            index, _ = check_hub_model(self.model.path, self.model_cache_dir())
+            task = model_task(self.model.path, index) if index is not None else None
+            if task is not None and (problem := task_problem(self.model.path, task, self.input.image_column)):
+                raise ValueError(problem)
+        check_model_task(self.model.path, self.input.image_column)
         return self
 
     def _scorer_inputs(self) -> tuple[frozenset[str], str]:
@@ -192,7 +204,7 @@ class JobSpec(Section):
         loras = tuple(a.path for a in self.model_loras())
         found, notes = recognise(self.model_path(), loras, given_scheduler, self.s3_config())
         if self.model.path.startswith("hf://") and (
-            why := check_hub_model(self.model.path, self.model_cache_dir())
+            why := check_hub_model(self.model.path, self.model_cache_dir())[1]
         ):
             notes = (*notes, f"{why}; its pipeline class is checked when an actor fetches it")
         fields = type(self.sampling).model_fields
@@ -407,23 +419,39 @@ def check_model_folder(model_path: str) -> None:
 
 
 @lru_cache(maxsize=16)
-def check_hub_model(model_path: str, cache_dir: str) -> str | None:
+def check_hub_model(model_path: str, cache_dir: str) -> tuple[dict | None, str | None]:
     """An hf:// checkpoint's model_index.json read before any work (workers.weights.hub: a hub
     cache, else that one file from the hub), so its family is known on the driver
     (model.family.remember_remote_index) and one that cannot run here is refused (ValueError,
-    naming what to do). Returns why it could not be read (the actor then checks it; `plan` says
-    so), else None. Read once per process and path."""
+    naming what to do). Returns (the index, None), or (None, why it could not be read: the actor
+    then checks it; `plan` says so). Read once per process and path."""
     try:
         index, why = read_hub_index(model_path, [Path(cache_dir)] if "://" not in cache_dir else [])
     except ModelFetchError as e:  # a malformed hf:// path
         raise ValueError(f"model.path: {e}") from None
     if index is None:
-        return why
+        return None, why
     try:
         remember_remote_index(model_path, index)
     except WeightsError as e:
         raise ValueError(f"model.path: {e}") from None
-    return None
+    return index, None
+
+
+def check_model_task(model_path: str, image_column: str | None) -> None:
+    """ValueError for an edit job on a text-to-image model or a text job on an edit model, for a
+    bundled model or a local folder (validate, plan and run refuse it before any work); a remote
+    model's model_index.json is read where it is fetched, and each actor checks it there."""
+    path = _absolute(model_path.removeprefix("file://"), model_path)
+    if "://" in path or not (os.path.isdir(path) or model_family(model_path).bundled_dir is not None):
+        return
+    try:
+        task = model_task(path)
+    except WeightsError:
+        return  # check_model_folder says what is wrong with the folder
+    problem = task_problem(model_path, task, image_column)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def _absolute(path: str, model: str | None = None) -> str:

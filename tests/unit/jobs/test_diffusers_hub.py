@@ -57,9 +57,12 @@ def test_an_hf_checkpoint_in_the_jobs_hub_cache_is_its_classs_family(tmp_path, c
     )
 
 
-def test_an_hf_edit_checkpoint_is_an_edit_model_on_the_driver(tmp_path):
+def test_an_hf_edit_checkpoint_is_an_edit_model_on_the_driver(tmp_path, capsys):
+    """A Kontext checkpoint on the hub is an edit model before any work: a text job on it is
+    refused by validate (issue 51: an edit model runs edit jobs), not by each actor."""
     _cached(tmp_path / "cache", "acme/kontext", {**FLUX_INDEX, "_class_name": "FluxKontextPipeline"})
-    load_spec(_hub_job(tmp_path, "acme/kontext"))
+    assert main(["validate", str(_hub_job(tmp_path, "acme/kontext"))]) == 2
+    assert "image_column" in capsys.readouterr().err
     assert model_task("hf://acme/kontext@main") == "edit"
 
 
