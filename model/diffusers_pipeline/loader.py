@@ -305,11 +305,12 @@ def load_diffusers_pipeline(
         pipeline.set_adapters(names, adapter_weights=[spec.scale for spec in loras])
         pipeline.fuse_lora(adapter_names=names)
         pipeline.unload_lora_weights()
+    on_cpu = text_encoder == "cpu" and device.type != "cpu"
     if text_encoder == "offload" and device.type == "cuda" and hasattr(pipeline, "enable_model_cpu_offload"):
         pipeline.enable_model_cpu_offload(device=device)
     else:
         pipeline.to(device)
-        if text_encoder == "cpu" and device.type != "cpu":
+        if on_cpu:
             text_encoders_on_cpu(pipeline, device)
     return DiffusersTextToImage(
         pipeline=pipeline,
@@ -321,7 +322,12 @@ def load_diffusers_pipeline(
         settings=settings,
         call_parameters=params,
         batch_size=max(1, batch_size),
-        weight_bytes=sum(parameter_bytes(root, info).values()),
+        # On the GPU: every component's weights, but the text encoders' where they stay on the CPU.
+        weight_bytes=sum(
+            size
+            for name, size in parameter_bytes(root, info).items()
+            if not (on_cpu and name.startswith("text_encoder"))
+        ),
     )
 
 
