@@ -216,14 +216,24 @@ class JobSpec(Section):
     @cached_property
     def model_licence(self) -> ModelLicence:
         """The model's licence: model.license, else what its model card names (read once per spec;
-        for s3:// from the store, so validate, plan and run read it before any work)."""
+        for s3:// from the store, so validate, plan and run read it before any work), else for a
+        named diffusers checkpoint (an hf:// one: its card is not read) its card's as ditfleet lists it."""
         if self.model.license is not None:
             return ModelLicence(self.model.license, JOB_SOURCE)
         path = self.model_path()
         local = (
             None if "://" in path and not path.startswith("file://") else Path(path.removeprefix("file://"))
         )
-        return read_model_licence(path, model_family(path).bundled_dir or local, self.s3_config())
+        found = read_model_licence(path, model_family(path).bundled_dir or local, self.s3_config())
+        # A named diffusers checkpoint whose card is not read here (hf://): the licence its card
+        # names, from the table of named checkpoints (model/diffusers_pipeline/published.py).
+        named = self.sampling_defaults.checkpoint
+        licence = getattr(named.schedule, "licence", None) if named is not None else None
+        if found.id is None and licence is not None and named is not None:
+            return ModelLicence(
+                licence, f"{named.schedule.name}'s model card (ditfleet's table, {named.how})"
+            )
+        return found
 
     def check_licence(self) -> None:
         """Under model.require_commercial_licence, LicenceRefused unless the model's licence is

@@ -97,3 +97,20 @@ def test_a_snapshot_fetches_every_component_folder_its_index_names(tmp_path):
     _cached(tmp_path / "cache", "acme/flux-full", index)
     allowed = _allow_for_index("acme/flux-full", "main", tmp_path / "cache" / "hub")
     assert {"model_index.json", "transformer/*", "text_encoder_2/*", "tokenizer_2/*"} <= set(allowed)
+
+
+def test_a_named_hf_checkpoints_licence_is_its_cards_and_a_commercial_job_refuses_flux_dev(tmp_path, capsys):
+    """issue 49 section 4 on the hub: FLUX.1-dev's card is not read to plan, but its licence is
+    known (the table of named checkpoints), so model.require_commercial_licence refuses it before
+    any work; FLUX.1-schnell's (apache-2.0) passes."""
+    dev = job(tmp_path, "hf://black-forest-labs/FLUX.1-dev", "  require_commercial_licence: true\n")
+    licence = load_spec(dev).model_licence
+    assert licence.id == "flux-1-dev-non-commercial-license" and licence.commercial_use is False
+    assert "black-forest-labs/FLUX.1-dev's model card" in licence.source
+    assert main(["validate", str(dev)]) == 2
+    assert "flux-1-dev-non-commercial-license" in capsys.readouterr().err
+    (tmp_path / "s").mkdir()
+    schnell = job(
+        tmp_path / "s", "hf://black-forest-labs/FLUX.1-schnell", "  require_commercial_licence: true\n"
+    )
+    assert main(["validate", str(schnell)]) == 0, capsys.readouterr().err
