@@ -14,7 +14,7 @@ from typing import Any
 from ditfleet.compile.buckets import default_buckets
 from ditfleet.driver.memory_plan import GPU_SIZES_GB, MemoryRequest, plan_kwargs, read_model_memory
 from ditfleet.jobs.spec.sampling_defaults import checkpoint_label, recognise
-from ditfleet.model.family import MemoryFormula, model_family, resolve_model_dir
+from ditfleet.model.family import MemoryFormula, PublishedDefaults, model_family, resolve_model_dir
 from ditfleet.model.loading.quantization import check_quantization
 from ditfleet.model.loading.weights import WeightsError
 from ditfleet.model.memory import (
@@ -32,11 +32,18 @@ def inspect_model(request: MemoryRequest, gpus_gb: Sequence[float] = GPU_SIZES_G
     (default: the largest), the peak and the largest batch for every text-encoder placement on
     every GPU size (so the request's own text_encoder and gpu_memory_gb are not read)."""
     model = read_model_memory(request.model_path, request.s3)
+    memory = model_family(request.model_path).memory
+    if model is None and not getattr(memory, "plans_from_configs", True):
+        # A family whose memory is measured at warm-up (a diffusers pipeline): no table to show.
+        return {
+            "model": request.model_path,
+            "sampling_defaults": _sampling_defaults(request),
+            "memory": "measured at warm-up on each actor (weights from the safetensors headers), not planned from configs",
+        }
     if model is None:
         raise ValueError(
             f"{request.model_path}: hf:// models are not read here; inspect a local copy of the folder"
         )
-    memory = model_family(request.model_path).memory
     largest = max(default_buckets(request.model_path), key=lambda b: b.pixels).name
     request = replace(request, buckets=request.buckets or (largest,))
     return {
@@ -57,7 +64,12 @@ def _sampling_defaults(request: MemoryRequest) -> dict[str, Any]:
     found, notes = recognise(request.model_path, (), None, request.s3)
     if found is None:
         return {"notes": list(notes)} if notes else {}
-    return {**found.schedule.defaults(), "from": checkpoint_label(found)}
+    out = {**found.schedule.defaults(), "from": checkpoint_label(found)}
+    if isinstance(
+        found.schedule, PublishedDefaults
+    ):  # a diffusers checkpoint's: how guidance acts, its text length
+        out.update(guidance=found.schedule.guidance, max_sequence_length=found.schedule.text_length())
+    return out
 
 
 def _components(model: ModelMemory, request: MemoryRequest) -> dict[str, Any]:
@@ -140,12 +152,17 @@ def format_inspection(info: dict[str, Any]) -> str:
             if published["negative_prompt"] is None or published["true_cfg_scale"] <= 1
             else "true CFG"
         )
+        cfg = published.get("guidance", cfg)
         lines.append(
             f"sampling defaults: {published['steps']} steps, true_cfg_scale {published['true_cfg_scale']:g} "
             f"({cfg}), negative_prompt {published['negative_prompt']!r} ({published['from']}); a job's values win"
         )
     else:
         lines.append("sampling defaults: ditfleet's (no published few-step schedule recognised)")
+    if "max_sequence_length" in published:
+        lines.append(f"text length: {published['max_sequence_length']} tokens ({published['from']})")
+    if "memory" in info:
+        return "\n".join([*lines, f"memory: {info['memory']}"])
     dtype, quantization = info["dtype"], info["quantization"]
     for name, c in info["components"].items():
         line = f"  {name:<13} {c['params'] / 1e9:7.3f} B params, {c[f'{dtype}_gb']:7.2f} GB in {dtype}"

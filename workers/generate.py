@@ -14,14 +14,17 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+from PIL import Image
 
 from ditfleet.model import TextToImagePipeline
 from ditfleet.model.generation.guidance import cfg_on, negative_text
 from ditfleet.model.generation.pipeline import GuidanceInputs, Sampling
 from ditfleet.model.generation.sampling import latent_grid
 from ditfleet.workers.rows import MAX_SEED, PromptRow
+from ditfleet.workers.source_prefetch import SourceFailed
 
 
 def _derived_seed(seed: int, index: int, person: bytes) -> int:
@@ -169,6 +172,16 @@ def padded_share(batch: Sequence[ImageRequest], lengths: dict[tuple[str, int], t
     return padded / total
 
 
+class SourceImages(Protocol):
+    """An edit shard's source images (workers.source_prefetch.SourcePrefetch): told the order
+    rows will be asked for, then asked; `images` raises SourceFailed for a row that cannot be
+    edited."""
+
+    def expect(self, rows: Iterable[PromptRow]) -> None: ...
+
+    def images(self, row: PromptRow) -> list[Image.Image]: ...
+
+
 def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
@@ -180,6 +193,29 @@ class BatchGenerator:
         self.pipe = pipe
         self.max_sequence_length = pipe.settings.max_sequence_length
         self.oom_splits = 0
+        # An edit shard's sources (the actor sets them per shard); None: a text job.
+        self.sources: SourceImages | None = None
+
+    def expect(self, batches: Sequence[Sequence[ImageRequest]]) -> None:
+        """Tell the sources (if any) the order the batches will ask for rows in."""
+        if self.sources is not None:
+            self.sources.expect(r.row for batch in batches for r in batch)
+
+    def split_failed(self, batch: list[ImageRequest]) -> tuple[list[ImageRequest], list[GeneratedImage]]:
+        """An edit batch's requests whose sources can be used, and a failed image, with the
+        reason, for each of the others (a text batch is returned as it is)."""
+        if self.sources is None:
+            return batch, []
+        ok: list[ImageRequest] = []
+        failed: list[GeneratedImage] = []
+        for req in batch:
+            try:
+                self.sources.images(req.row)
+            except SourceFailed as e:
+                failed.append(GeneratedImage(req, None, str(e), 0.0))
+                continue
+            ok.append(req)
+        return ok, failed
 
     def count_tokens(self, prompts: list[str]) -> list[int] | None:
         """Embedding lengths from the text encoder's tokenizer (None: batch in input order)."""
@@ -189,12 +225,15 @@ class BatchGenerator:
         """The batch's prompt (and negative) embeddings, on the device, as `generate` takes them."""
         rows = [r.row for r in batch]
         scales = [r.true_cfg_scale for r in rows] if batch[0].uses_cfg else 1.0
+        # An edit batch's sources, decoded, one list per prompt (the pipeline encodes them).
+        edit = {} if self.sources is None else {"sources": [self.sources.images(r) for r in rows]}
         # Each branch padded only to its longest prompt; a shared negative is encoded once.
         return self.pipe.encode_guidance(
             [r.prompt for r in rows],
             [r.negative_prompt for r in rows] if batch[0].uses_cfg else None,
             scales,
             self.max_sequence_length,
+            **edit,
         )
 
     def run(self, batch: list[ImageRequest], inputs: GuidanceInputs | None = None) -> list[GeneratedImage]:
@@ -290,15 +329,19 @@ def iter_generated(generator: BatchGenerator, batches: list[list[ImageRequest]])
     """
     if not batches:
         return
+    generator.expect(batches)  # an edit shard's sources are read ahead in this order
     stream = encode_stream(torch.device(generator.pipe.device))
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode-next") as pool:
         pending = pool.submit(_encode, generator, batches[0], stream)
-        for i, batch in enumerate(batches):
-            inputs, done = pending.result()
-            _use_on_current_stream(inputs, done)
+        for i in range(len(batches)):
+            batch, failed, inputs, done = pending.result()
+            if inputs is not None:
+                _use_on_current_stream(inputs, done)
             if i + 1 < len(batches):
                 pending = pool.submit(_encode, generator, batches[i + 1], stream)
-            yield from generator.run(batch, inputs)
+            yield from failed  # rows whose sources cannot be edited: failed, with the reason
+            if batch and inputs is not None:
+                yield from generator.run(batch, inputs)
 
 
 def encode_stream(device: torch.device) -> torch.cuda.Stream | None:
@@ -309,14 +352,20 @@ def encode_stream(device: torch.device) -> torch.cuda.Stream | None:
 
 def _encode(
     generator: BatchGenerator, batch: list[ImageRequest], stream: torch.cuda.Stream | None
-) -> tuple[GuidanceInputs, torch.cuda.Event | None]:
+) -> tuple[list[ImageRequest], list[GeneratedImage], GuidanceInputs | None, torch.cuda.Event | None]:
+    """The batch's requests that can run, the failed images of the others (an edit batch's rows
+    whose sources cannot be used: waiting for their fetch happens here, off the device's
+    thread) and the runnable ones' embeddings."""
+    batch, failed = generator.split_failed(batch)
+    if not batch:
+        return batch, failed, None, None
     if stream is None:
-        return generator.encode(batch), None
+        return batch, failed, generator.encode(batch), None
     with torch.cuda.stream(stream):
         inputs = generator.encode(batch)
         done = torch.cuda.Event()
         done.record(stream)
-    return inputs, done
+    return batch, failed, inputs, done
 
 
 def _use_on_current_stream(inputs: GuidanceInputs, done: torch.cuda.Event | None) -> None:

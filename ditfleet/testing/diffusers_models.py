@@ -96,10 +96,12 @@ def make_flux_dir(root: Path, seed: int = 0) -> Path:
     return root
 
 
-def make_sd3_dir(root: Path, seed: int = 0) -> Path:
+def make_sd3_dir(root: Path, seed: int = 0, img2img: bool = False) -> Path:
     """A StableDiffusion3Pipeline checkpoint (SD3.5's classes at toy widths): two CLIPs with
-    projections + T5, one joint block."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    projections + T5, one joint block. img2img: the same components as a
+    StableDiffusion3Img2ImgPipeline (an edit checkpoint: its `__call__` takes an image)."""
+    import diffusers
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
     from transformers import CLIPTextModelWithProjection
 
     encoders = []
@@ -114,7 +116,8 @@ def make_sd3_dir(root: Path, seed: int = 0) -> Path:
         sample_size=32, patch_size=1, in_channels=4, num_layers=1, attention_head_dim=8, num_attention_heads=2,
         caption_projection_dim=16, joint_attention_dim=16, pooled_projection_dim=32, out_channels=4,
     )  # fmt: skip
-    pipe = StableDiffusion3Pipeline(
+    cls = diffusers.StableDiffusion3Img2ImgPipeline if img2img else diffusers.StableDiffusion3Pipeline
+    pipe = cls(
         scheduler=FlowMatchEulerDiscreteScheduler(), vae=_vae(seed + 4, 4),
         text_encoder=encoders[0][0], tokenizer=encoders[0][1], text_encoder_2=encoders[1][0],
         tokenizer_2=encoders[1][1], text_encoder_3=t5, tokenizer_3=t5_tokenizer, transformer=transformer,

@@ -9,7 +9,7 @@ import dataclasses
 import json
 import os
 from collections.abc import Mapping
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,13 @@ from ditfleet.driver.memory_plan import MemoryRequest
 from ditfleet.driver.output.cost import CostConfig
 from ditfleet.driver.plan import PlanConfig
 from ditfleet.driver.run_job import DriverConfig
-from ditfleet.model.family import check_model_index, model_family, resolve_model_dir
+from ditfleet.model.family import (
+    check_model_index,
+    model_family,
+    model_task,
+    remember_remote_index,
+    resolve_model_dir,
+)
 from ditfleet.model.loading.folder import WeightsError, text_encoder_kind
 from ditfleet.model.quality.table import MODEL, PIPELINE_QWEN_VL, check_scorers_supported, needing
 from ditfleet.model.settings import PipelineSettings, resolve_modulation_cache
@@ -31,8 +37,11 @@ from ditfleet.workers.cache_secret import CacheSecretSource
 from ditfleet.workers.contract import GateConfig, LoraSpec, ModelPlacement, WorkerConfig
 from ditfleet.workers.output.formats import ShardWriterConfig
 from ditfleet.workers.rows import RowConfig
+from ditfleet.workers.sources import task_problem
 from ditfleet.workers.storage import S3Config
+from ditfleet.workers.weights.hub import read_hub_index
 from ditfleet.workers.weights.licence import JOB_SOURCE, ModelLicence, read_model_licence
+from ditfleet.workers.weights.node_cache import ModelFetchError
 
 from .derive import fingerprint_entries, settings_from
 from .problems import validated
@@ -112,6 +121,13 @@ class JobSpec(Section):
     @model_validator(mode="after")
     def _model_folder_runs_here(self) -> JobSpec:
         check_model_folder(self.model.path)
+        if self.model.path.startswith("hf://"):
+            # Its model_index.json read here (when it can be): its family and task are known.
+            index, _ = check_hub_model(self.model.path, self.model_cache_dir())
+            task = model_task(self.model.path, index) if index is not None else None
+            if task is not None and (problem := task_problem(self.model.path, task, self.input.image_column)):
+                raise ValueError(problem)
+        check_model_task(self.model.path, self.input.image_column)
         return self
 
     def _scorer_inputs(self) -> tuple[frozenset[str], str]:
@@ -187,22 +203,37 @@ class JobSpec(Section):
         given_scheduler = _absolute(self.model.scheduler_config) if self.model.scheduler_config else None
         loras = tuple(a.path for a in self.model_loras())
         found, notes = recognise(self.model_path(), loras, given_scheduler, self.s3_config())
+        if self.model.path.startswith("hf://") and (
+            why := check_hub_model(self.model.path, self.model_cache_dir())[1]
+        ):
+            notes = (*notes, f"{why}; its pipeline class is checked when an actor fetches it")
         fields = type(self.sampling).model_fields
         given = {k: getattr(self.sampling, k) for k in SAMPLING_KEYS if k in self.sampling.model_fields_set}
         ours = {k: fields[k].default for k in SAMPLING_KEYS}
-        return resolve(given, ours, found, given_scheduler, notes)
+        text_length_given = "max_sequence_length" in self.model.model_fields_set
+        return resolve(given, ours, found, given_scheduler, notes, text_length_given)
 
     @cached_property
     def model_licence(self) -> ModelLicence:
         """The model's licence: model.license, else what its model card names (read once per spec;
-        for s3:// from the store, so validate, plan and run read it before any work)."""
+        for s3:// from the store, so validate, plan and run read it before any work), else for a
+        named diffusers checkpoint (an hf:// one: its card is not read) its card's as ditfleet lists it."""
         if self.model.license is not None:
             return ModelLicence(self.model.license, JOB_SOURCE)
         path = self.model_path()
         local = (
             None if "://" in path and not path.startswith("file://") else Path(path.removeprefix("file://"))
         )
-        return read_model_licence(path, model_family(path).bundled_dir or local, self.s3_config())
+        found = read_model_licence(path, model_family(path).bundled_dir or local, self.s3_config())
+        # A named diffusers checkpoint whose card is not read here (hf://): the licence its card
+        # names, from the table of named checkpoints (model/diffusers_pipeline/published.py).
+        named = self.sampling_defaults.checkpoint
+        licence = getattr(named.schedule, "licence", None) if named is not None else None
+        if found.id is None and licence is not None and named is not None:
+            return ModelLicence(
+                licence, f"{named.schedule.name}'s model card (ditfleet's table, {named.how})"
+            )
+        return found
 
     def check_licence(self) -> None:
         """Under model.require_commercial_licence, LicenceRefused unless the model's licence is
@@ -239,8 +270,15 @@ class JobSpec(Section):
         )
 
     def pipeline_settings(self) -> PipelineSettings:
-        """The pipeline's knobs, from whichever sections show them (model, sampling)."""
-        return settings_from(PipelineSettings, *self._sections())
+        """The pipeline's knobs, from whichever sections show them (model, sampling); the text
+        length a diffusers checkpoint publishes where the job sets none (sampling_defaults)."""
+        settings = settings_from(PipelineSettings, *self._sections())
+        text_length = self.sampling_defaults.max_sequence_length
+        return (
+            settings
+            if text_length is None
+            else dataclasses.replace(settings, max_sequence_length=text_length[0])
+        )
 
     def _sections(self) -> tuple[Section, ...]:
         return tuple(
@@ -388,6 +426,42 @@ def check_model_folder(model_path: str) -> None:
         check_model_index(path)
     except WeightsError as e:
         raise ValueError(f"model.path: {e}") from None
+
+
+@lru_cache(maxsize=16)
+def check_hub_model(model_path: str, cache_dir: str) -> tuple[dict | None, str | None]:
+    """An hf:// checkpoint's model_index.json read before any work (workers.weights.hub: a hub
+    cache, else that one file from the hub), so its family is known on the driver
+    (model.family.remember_remote_index) and one that cannot run here is refused (ValueError,
+    naming what to do). Returns (the index, None), or (None, why it could not be read: the actor
+    then checks it; `plan` says so). Read once per process and path."""
+    try:
+        index, why = read_hub_index(model_path, [Path(cache_dir)] if "://" not in cache_dir else [])
+    except ModelFetchError as e:  # a malformed hf:// path
+        raise ValueError(f"model.path: {e}") from None
+    if index is None:
+        return None, why
+    try:
+        remember_remote_index(model_path, index)
+    except WeightsError as e:
+        raise ValueError(f"model.path: {e}") from None
+    return index, None
+
+
+def check_model_task(model_path: str, image_column: str | None) -> None:
+    """ValueError for an edit job on a text-to-image model or a text job on an edit model, for a
+    bundled model or a local folder (validate, plan and run refuse it before any work); a remote
+    model's model_index.json is read where it is fetched, and each actor checks it there."""
+    path = _absolute(model_path.removeprefix("file://"), model_path)
+    if "://" in path or not (os.path.isdir(path) or model_family(model_path).bundled_dir is not None):
+        return
+    try:
+        task = model_task(path)
+    except WeightsError:
+        return  # check_model_folder says what is wrong with the folder
+    problem = task_problem(model_path, task, image_column)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def _absolute(path: str, model: str | None = None) -> str:

@@ -1,6 +1,7 @@
 """A job's sampling defaults, each with where it came from: the job, the checkpoint's publisher
-(model/qwen_image/published/schedules.py: nvidia/Qwen-Image-Flash, the Qwen-Image-Lightning LoRAs, ...), or
-ditfleet's own. The job's values win; where it says nothing a recognised checkpoint's published
+(model/qwen_image/published/schedules.py: nvidia/Qwen-Image-Flash, the Qwen-Image-Lightning LoRAs, ...;
+model/diffusers_pipeline/published.py: FLUX.1, FLUX.2-klein, Z-Image-Turbo, SD3.5, else the
+diffusers pipeline class's own `__call__` defaults, with its text length), or ditfleet's own. The job's values win; where it says nothing a recognised checkpoint's published
 schedule (steps, CFG off, its scheduler) is the default; `ditfleet plan` and `_job.json` say which.
 
 Read at plan time without torch and without weights: the checkpoint's scheduler config (a local
@@ -16,8 +17,10 @@ from typing import Any
 
 from ditfleet.model.family import (
     SCHEDULER_FILE,
+    PublishedDefaults,
     PublishedSchedule,
     model_family,
+    schedule_by_checkpoint,
     schedule_by_hub_id,
     schedule_by_lora,
     schedule_by_scheduler,
@@ -32,8 +35,8 @@ DITFLEET = "ditfleet default"
 
 @dataclass(frozen=True)
 class Recognised:
-    schedule: PublishedSchedule
-    how: str  # "its LoRA file X", "its scheduler config P", "its hub id"
+    schedule: PublishedSchedule | PublishedDefaults
+    how: str  # "its LoRA file X", "its scheduler config P", "its hub id", "diffusers' X.__call__ defaults"
 
 
 @dataclass(frozen=True)
@@ -45,12 +48,20 @@ class SamplingDefaults:
     scheduler_config: str | None  # the scheduler replacing the checkpoint's (the job's or a LoRA's)
     checkpoint: Recognised | None = None
     notes: tuple[str, ...] = field(default=())  # what could not be read, and why
+    # A diffusers checkpoint's text length (model.max_sequence_length where the job sets none)
+    # and where it came from; None: the job's setting or ditfleet's default applies.
+    max_sequence_length: tuple[int, str] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """What `plan --json` prints and `_job.json` records."""
         out: dict[str, Any] = {k: {"value": self.values[k], "from": self.sources[k]} for k in SAMPLING_KEYS}
         out["scheduler"] = {"value": self.scheduler_config, "from": self.sources["scheduler"]}
         out["checkpoint"] = self.checkpoint.schedule.name if self.checkpoint else None
+        if self.max_sequence_length is not None:
+            value, source = self.max_sequence_length
+            out["max_sequence_length"] = {"value": value, "from": source}
+        if self.guidance is not None:
+            out["guidance"] = self.guidance
         if self.notes:
             out["notes"] = list(self.notes)
         return out
@@ -63,7 +74,19 @@ class SamplingDefaults:
             by_source.setdefault(self.sources[key], []).append(f"{key} {self.values[key]!r}")
         parts = [f"{', '.join(keys)} ({source})" for source, keys in by_source.items()]
         scheduler = self.scheduler_config or "the checkpoint's own"
-        return "; ".join(parts) + f"; scheduler: {scheduler} ({self.sources['scheduler']})"
+        line = "; ".join(parts) + f"; scheduler: {scheduler} ({self.sources['scheduler']})"
+        if self.max_sequence_length is not None:
+            value, source = self.max_sequence_length
+            line += f"; max_sequence_length {value} ({source})"
+        if self.guidance is not None:
+            line += f"; guidance_scale: {self.guidance}"
+        return line
+
+    @property
+    def guidance(self) -> str | None:
+        """How a diffusers pipeline's guidance_scale (true_cfg_scale here) acts, when known."""
+        schedule = self.checkpoint.schedule if self.checkpoint else None
+        return schedule.guidance if isinstance(schedule, PublishedDefaults) else None
 
 
 def checkpoint_label(found: Recognised) -> str:
@@ -74,7 +97,10 @@ def recognise(
     model_path: str, lora_paths: tuple[str, ...], scheduler_config: str | None, s3: S3Config | None
 ) -> tuple[Recognised | None, tuple[str, ...]]:
     """The published checkpoint a job's model is, if any (model/qwen_image/published/schedules.py says the
-    order), and notes on what could not be read."""
+    order; a checkpoint run through diffusers: model/diffusers_pipeline/published.py), and notes on
+    what could not be read."""
+    if (diffusers := schedule_by_checkpoint(model_path, model_family(model_path))) is not None:
+        return Recognised(*diffusers), ()
     for path in lora_paths:
         if (schedule := schedule_by_lora(path)) is not None:
             return Recognised(schedule, f"its LoRA file {path.rsplit('/', 1)[-1]}"), ()
@@ -118,10 +144,12 @@ def resolve(
     found: Recognised | None,
     scheduler_config: str | None,
     notes: tuple[str, ...] = (),
+    text_length_given: bool = False,
 ) -> SamplingDefaults:
     """`given`: the sampling keys the job sets; each other key takes the checkpoint's published
     default, else ditfleet's. The scheduler: the job's model.scheduler_config, else a recognised
-    LoRA's published one, else the checkpoint's own."""
+    LoRA's published one, else the checkpoint's own. The text length (text_length_given: the job
+    sets model.max_sequence_length): a diffusers checkpoint's published one, else the job's."""
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for key in SAMPLING_KEYS:
@@ -137,4 +165,9 @@ def resolve(
         scheduler_config, sources["scheduler"] = found.schedule.scheduler_uri(), checkpoint_label(found)
     else:
         sources["scheduler"] = "its scheduler/ folder"
-    return SamplingDefaults(values, sources, scheduler_config, found, notes)
+    text_length = None
+    schedule = found.schedule if found is not None else None
+    if not text_length_given and isinstance(schedule, PublishedDefaults):
+        value = schedule.text_length()
+        text_length = (value, checkpoint_label(found)) if value is not None and found is not None else None
+    return SamplingDefaults(values, sources, scheduler_config, found, notes, text_length)

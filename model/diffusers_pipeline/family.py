@@ -15,7 +15,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from ditfleet.model.diffusers_pipeline.index import PipelineIndex, read_index
+from ditfleet.model.diffusers_pipeline.index import PipelineIndex, pipeline_task, read_index
 from ditfleet.model.family_types import CompileRegion, Size, TextConditioning
 from ditfleet.model.memory.disk import checkpoint_size
 from ditfleet.model.qwen_image.family import MemoryFormula
@@ -145,6 +145,12 @@ class DiffusersFamily:
 
     def attention_counters(self, pipe: Any) -> NoAttentionCounters:
         return NoAttentionCounters()
+
+    def task(self, model_index: dict) -> str:
+        """ "edit" when the pipeline's `__call__` takes an `image` (image-to-image,
+        Kontext: the job's sources go there), else "text-to-image" (index.pipeline_task)."""
+        name = model_index.get("_class_name") if isinstance(model_index, dict) else None
+        return pipeline_task(name if isinstance(name, str) and name else self.class_name)
 
     def forward_flops(self, transformer_config: dict, width: int, height: int, text_tokens: int) -> float:
         # No formula per pipeline class here: "% of peak" is not stated for this family (0: unknown).

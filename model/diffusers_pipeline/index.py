@@ -6,8 +6,11 @@
 The driver (validate, plan, run) calls these before any work: importing diffusers would import
 torch, which the driver never does (tests/unit/jobs/test_cli_imports.py). So the pipeline class
 is looked up in diffusers' installed source with `ast`: it must exist, and its `__call__` must
-take a `prompt`, the size, the step count and generators (a text-to-image call). Each component's
-library (transformers, ...) must be installed.
+take a `prompt`, the size, the step count and generators. A `__call__` that also takes an `image`
+is an edit (image-to-image, Kontext): its task is "edit" (`pipeline_task`), the
+job's source images go there. Each component's library (transformers, ...) must be installed.
+The `__call__`'s published defaults (`call_defaults`: its steps, guidance, text length) are read
+from the same source.
 """
 
 from __future__ import annotations
@@ -21,14 +24,20 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from ditfleet.model.family_types import EDIT, TEXT_TO_IMAGE
+
 # What `__call__` must take for ditfleet to drive it as text-to-image with one generator per image.
 REQUIRED_CALL_PARAMETERS = ("prompt", "height", "width", "num_inference_steps", "generator")
 INSTALL_HINT = "pip install 'ditfleet[diffusers]'"
-# Pipelines that condition on an input image (their `__call__` takes a prompt too, but an image
-# is what they are for): refused by name, as diffusers names them.
-IMAGE_CONDITIONED = re.compile(
-    r"Img2Img|Inpaint|Edit|ControlNet|Upscale|Kontext|Redux|Fill|Depth|Canny|Video"
-)
+# What an edit job gives a pipeline: prompts and source images. A `__call__` that needs another
+# input ditfleet has no column for (a mask, a control image) cannot run; nor can a pipeline that
+# makes video (refused by name, as diffusers names them).
+NEEDS_OTHER_INPUT = ("mask_image", "control_image", "image_reference")
+NOT_IMAGES = re.compile(r"Video|Wan|Animate|I2V|T2V")
+# `__call__` takes an `image`, but also makes images from text alone (its image is optional):
+# the FLUX.2 pipelines and Qwen-Image 2.1 (issue 49 names them as text-to-image models). Their
+# task is text-to-image; sources given to them still go to `image`.
+IMAGE_OPTIONAL = frozenset({"Flux2Pipeline", "Flux2KleinPipeline", "QwenImage21Pipeline"})
 
 
 class DiffusersPipelineError(ValueError):
@@ -118,25 +127,53 @@ def check_runnable(info: PipelineIndex) -> tuple[str, ...]:
             f"{info.where}: diffusers {version} has no pipeline class {info.class_name!r}. Upgrade diffusers "
             "(pip install -U diffusers) or point model.path at a checkpoint of a pipeline it has."
         )
-    if IMAGE_CONDITIONED.search(info.class_name):
+    other = [p for p in NEEDS_OTHER_INPUT if p in params]
+    if other or NOT_IMAGES.search(info.class_name):
+        what = f"needs {other}, an input" if other else "makes video, an output"
         raise DiffusersPipelineError(
-            f"{info.where}: {info.class_name} conditions on an input image, not text alone; ditfleet makes "
-            "images from prompts. Point model.path at the text-to-image checkpoint of that model."
+            f"{info.where}: {info.class_name} {what} ditfleet's jobs do not have (a job gives prompts, and an "
+            "edit job source images: input.image_column). Point model.path at a text-to-image or edit checkpoint "
+            "(e.g. FluxPipeline, FluxKontextPipeline, StableDiffusion3Img2ImgPipeline)."
         )
     lacking = [p for p in REQUIRED_CALL_PARAMETERS if p not in params]
     if lacking:
         raise DiffusersPipelineError(
-            f"{info.where}: {info.class_name}.__call__ takes no {lacking}: it is not a text-to-image "
-            "pipeline ditfleet can drive (a prompt in, one generator per image). Point model.path at a "
-            "text-to-image checkpoint (e.g. FluxPipeline, StableDiffusion3Pipeline, ZImagePipeline)."
+            f"{info.where}: {info.class_name}.__call__ takes no {lacking}: it is not a text-to-image or edit "
+            "pipeline ditfleet can drive (a prompt and an output size in, one generator per image). Point "
+            "model.path at one (e.g. FluxPipeline, StableDiffusion3Pipeline, ZImagePipeline, FluxKontextPipeline)."
         )
     return params
 
 
-@lru_cache(maxsize=64)
+def pipeline_task(class_name: str, params: tuple[str, ...] | None = None) -> str:
+    """ "edit" for a pipeline whose `__call__` takes an `image` (and needs it), else "text-to-image"."""
+    params = call_parameters(class_name) if params is None else params
+    takes_image = params is not None and "image" in params
+    return EDIT if takes_image and class_name not in IMAGE_OPTIONAL else TEXT_TO_IMAGE
+
+
 def call_parameters(class_name: str) -> tuple[str, ...] | None:
     """The parameter names of `diffusers.<class_name>.__call__` from diffusers' source (its own or
     a base class's, by name); None when diffusers has no such pipeline class."""
+    signature = call_signature(class_name)
+    return None if signature is None else tuple(signature)
+
+
+# A default the source does not spell as a literal (a constant's name, an expression).
+NOT_LITERAL = object()
+
+
+def call_defaults(class_name: str) -> dict[str, object]:
+    """The literal defaults of `diffusers.<class_name>.__call__` (num_inference_steps 28,
+    guidance_scale 3.5, max_sequence_length 512, ...), by parameter name; {} for an unknown class."""
+    return {k: v for k, v in (call_signature(class_name) or {}).items() if v is not NOT_LITERAL}
+
+
+@lru_cache(maxsize=64)
+def call_signature(class_name: str) -> dict[str, object] | None:
+    """`diffusers.<class_name>.__call__`'s parameters in order, each with its default as a
+    literal (None where it has none, NOT_LITERAL where the source spells it otherwise), read from
+    diffusers' source (its own or a base class's, by name); None when diffusers has no such class."""
     spec = importlib.util.find_spec("diffusers")
     if spec is None or spec.origin is None:
         return None
@@ -147,16 +184,29 @@ def call_parameters(class_name: str) -> tuple[str, ...] | None:
         seen.add(name)
         node = _class_node(sources, name)
         if node is None:
-            return None if name == class_name else ()
+            return None if name == class_name else {}
         for item in node.body:
             if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name == "__call__":
-                args = item.args
-                return tuple(
-                    a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs) if a.arg != "self"
-                )
+                return _signature(item.args)
         bases = [b.id for b in node.bases if isinstance(b, ast.Name) and b.id.endswith("Pipeline")]
         name = bases[0] if bases else None
-    return ()
+    return {}
+
+
+def _signature(args: ast.arguments) -> dict[str, object]:
+    positional = [*args.posonlyargs, *args.args]
+    # Defaults align with the last positional parameters; keyword-only ones carry their own.
+    defaults: list[ast.expr | None] = [None] * (len(positional) - len(args.defaults)) + list(args.defaults)
+    pairs = [*zip(positional, defaults), *zip(args.kwonlyargs, args.kw_defaults)]
+    out: dict[str, object] = {}
+    for arg, default in pairs:
+        if arg.arg == "self":
+            continue
+        try:
+            out[arg.arg] = None if default is None else ast.literal_eval(default)
+        except ValueError:
+            out[arg.arg] = NOT_LITERAL
+    return out
 
 
 @lru_cache(maxsize=1)

@@ -24,12 +24,38 @@ from typing import Any
 import torch
 
 from ditfleet.model.diffusers_pipeline.family import DiffusersFamily, parameter_bytes
-from ditfleet.model.diffusers_pipeline.index import check_runnable, read_index
+from ditfleet.model.diffusers_pipeline.index import check_runnable, pipeline_task, read_index
+from ditfleet.model.family_types import EDIT
 from ditfleet.model.generation.pipeline import Generation, Sampling
 from ditfleet.model.loading.folder import WeightsError
 from ditfleet.model.loading.folder import model_revision as content_revision
 from ditfleet.model.loading.lora_spec import LoraSpec
 from ditfleet.model.settings import DEFAULT_PIPELINE, PipelineSettings
+
+# A source image as the worker hands it: a decoded RGB PIL.Image.Image (PIL is diffusers' own
+# dependency; model/ does not import it).
+SourceImage = Any
+
+
+@dataclass(frozen=True)
+class _Call:
+    """The requests of one pipeline call, in order."""
+
+    prompts: list[str]
+    negatives: list[str | None] | None
+    seeds: list[int]
+    sources: list[list[SourceImage]] | None
+
+    def padded(self, size: int) -> _Call:
+        """Padded to `size` with copies of the last request (its images are dropped)."""
+        pad = size - len(self.prompts)
+        if pad <= 0:
+            return self
+        negatives = None if self.negatives is None else self.negatives + self.negatives[-1:] * pad
+        sources = None if self.sources is None else self.sources + self.sources[-1:] * pad
+        return _Call(
+            self.prompts + self.prompts[-1:] * pad, negatives, self.seeds + self.seeds[-1:] * pad, sources
+        )
 
 
 class DiffusersMemoryError(RuntimeError):
@@ -89,35 +115,50 @@ class DiffusersTextToImage:
         negative_prompts: Sequence[str | None] | None,
         true_cfg_scale: float | Sequence[float],
         max_sequence_length: int,
+        sources: Sequence[Sequence[SourceImage]] | None = None,
     ) -> dict[str, Any]:
-        """The pipeline encodes its own text inside its call: this only carries the texts there."""
+        """The pipeline encodes its own text (and sees its own source images) inside its call:
+        this only carries the texts, the text length and an edit's sources (one list per prompt,
+        decoded RGB, in the row's column order) there; resizing them is the pipeline's own."""
+        if sources is not None and len(sources) != len(prompts):
+            raise ValueError(f"{len(sources)} source lists for {len(prompts)} prompts: one list per prompt")
         return {
             "prompt": list(prompts),
             "negative_prompt": None if negative_prompts is None else list(negative_prompts),
+            "max_sequence_length": max_sequence_length,
+            "sources": None if sources is None else [list(s) for s in sources],
         }
 
     @torch.no_grad()
     def run(self, inputs: dict[str, Any], sampling: Sampling) -> Generation:
         """One batch: images (B, 3, H, W) in [0, 1], in the order of `sampling.seeds`. Images
-        with different guidance scales run as separate calls (the pipelines take one scale)."""
+        with different guidance scales run as separate calls (the pipelines take one scale); an
+        edit whose row has several sources runs alone (the pipeline takes them as one list of
+        references), so each row's call is the same whichever rows share its batch."""
         prompts, negatives = inputs["prompt"], inputs.get("negative_prompt")
+        sources: list[list[SourceImage]] | None = inputs.get("sources")
         n = len(prompts)
         scales = sampling.true_cfg_scale
         scale_list = list(scales) if isinstance(scales, Sequence) else [float(scales)] * n
+        # Calls group by scale, and a row with several sources is its own group.
+        groups: dict[tuple[float, int], list[int]] = {}
+        for i in range(n):
+            several = sources is not None and len(sources[i]) > 1
+            groups.setdefault((scale_list[i], i if several else -1), []).append(i)
         images: list[torch.Tensor | None] = [None] * n
-        for scale in dict.fromkeys(scale_list):
-            idx = [i for i in range(n) if scale_list[i] == scale]
+        for (scale, alone), idx in groups.items():
             for start in range(0, len(idx), self.batch_size):
                 part = idx[start : start + self.batch_size]
-                out = self._call(
+                call = _Call(
                     [prompts[i] for i in part],
                     None if negatives is None else [negatives[i] for i in part],
                     [sampling.seeds[i] for i in part],
-                    sampling.height,
-                    sampling.width,
-                    sampling.steps,
-                    scale,
+                    None if sources is None else [sources[i] for i in part],
                 )
+                out = self._call(
+                    call, sampling.height, sampling.width, sampling.steps, scale,
+                    inputs.get("max_sequence_length"), pad=alone < 0,
+                )  # fmt: skip
                 for i, image in zip(part, out):
                     images[i] = image
         return Generation(torch.stack([im for im in images if im is not None]))
@@ -132,36 +173,60 @@ class DiffusersTextToImage:
         steps: int,
         true_cfg_scale: float | Sequence[float] = 1.0,
         seeds: Sequence[int],
+        max_sequence_length: int | None = None,
+        sources: Sequence[Sequence[SourceImage]] | None = None,
     ) -> torch.Tensor:
-        """What compile.warmup calls: `run` with the sampling spelled out."""
-        inputs = {"prompt": list(prompt), "negative_prompt": negative_prompt}
+        """What compile.warmup calls (with encode_guidance's inputs spelled out): `run`. An edit
+        pipeline warmed without sources gets a mid-grey one per prompt at the bucket's size (a
+        tensor in [0, 1], which diffusers' image processors take): the pipeline resizes every
+        source to the output size, so a request's shapes are the warm-up's."""
+        text_length = (
+            self.settings.max_sequence_length if max_sequence_length is None else max_sequence_length
+        )
+        if sources is None and pipeline_task(self.family.class_name, self.call_parameters) == EDIT:
+            grey = torch.full((3, height, width), 0.5)
+            sources = [[grey] for _ in prompt]
+        inputs = self.encode_guidance(prompt, negative_prompt, true_cfg_scale, text_length, sources)
         return self.run(inputs, Sampling(height, width, steps, list(seeds), true_cfg_scale)).images
 
     def _call(
         self,
-        prompts: list[str],
-        negatives: list[str | None] | None,
-        seeds: list[int],
+        call: _Call,
         height: int,
         width: int,
         steps: int,
         guidance: float,
+        max_sequence_length: int | None,
+        pad: bool = True,
     ) -> torch.Tensor:
-        real = len(prompts)
-        pad = self.batch_size - real
-        prompts, seeds = prompts + prompts[-1:] * pad, seeds + seeds[-1:] * pad
+        real = len(call.prompts)
+        # Padded to the actor's batch size with copies of the last request (see the module doc).
+        call = call.padded(self.batch_size) if pad else call
         kwargs: dict[str, Any] = {
-            "prompt": prompts,
+            "prompt": call.prompts,
             "height": height,
             "width": width,
             "num_inference_steps": steps,
-            "generator": [torch.Generator("cpu").manual_seed(int(s)) for s in seeds],
+            "generator": [torch.Generator("cpu").manual_seed(int(s)) for s in call.seeds],
             "output_type": "pt",
         }
-        if "guidance_scale" in self.call_parameters:
-            kwargs["guidance_scale"] = guidance
-        if negatives is not None and "negative_prompt" in self.call_parameters and any(negatives):
-            kwargs["negative_prompt"] = [x or "" for x in negatives + negatives[-1:] * pad]
+        negatives = call.negatives if "negative_prompt" in self.call_parameters else None
+        if "guidance_scale" not in self.call_parameters and "true_cfg_scale" in self.call_parameters:
+            # A pipeline whose only scale is true CFG (Qwen-Image 2.1): on with a negative text,
+            # which it needs present (" " where the row's is empty), as in the native family.
+            kwargs["true_cfg_scale"] = guidance
+            if negatives is not None:
+                kwargs["negative_prompt"] = [x or " " for x in negatives]
+        else:
+            if "guidance_scale" in self.call_parameters:
+                kwargs["guidance_scale"] = guidance
+            if negatives is not None and any(negatives):
+                kwargs["negative_prompt"] = [x or "" for x in negatives]
+        if max_sequence_length is not None and "max_sequence_length" in self.call_parameters:
+            kwargs["max_sequence_length"] = max_sequence_length
+        if call.sources is not None:
+            # One image per prompt as a batch; a row's several references as one list (run alone).
+            kwargs["image"] = [s[0] for s in call.sources] if pad else call.sources[0]
         self.check_fits(height, width)
         measuring = self.device.type == "cuda"
         if measuring:
@@ -169,7 +234,7 @@ class DiffusersTextToImage:
             base = torch.cuda.memory_allocated(self.device)
         images = self.pipeline(**kwargs).images  # (B, 3, H, W) float in [0, 1]
         if measuring:
-            per_image = math.ceil((torch.cuda.max_memory_allocated(self.device) - base) / self.batch_size)
+            per_image = math.ceil((torch.cuda.max_memory_allocated(self.device) - base) / len(call.prompts))
             key = (height, width)
             self.activations[key] = max(self.activations.get(key, 0), per_image)
         return images[:real]
@@ -208,8 +273,10 @@ def load_diffusers_pipeline(
 
     loras: through diffusers' loader (`load_lora_weights`), fused at their scales.
     text_encoder: "offload" on CUDA uses the pipeline's `enable_model_cpu_offload` (each model on
-    the GPU only while it runs); "gpu" and "cpu" keep the whole pipeline on `device` (the text
-    encoders are the pipeline's own and run where it runs)."""
+    the GPU only while it runs: the least GPU memory, the transformer's weights cross the bus every
+    batch); "cpu" keeps the text encoders on the CPU and runs them there, their embeddings moved to
+    `device` (text_encoders_on_cpu: the transformer and VAE stay put, for 24/48 GB GPUs beside a
+    T5-XXL); "gpu" keeps the whole pipeline on `device`."""
     root = Path(path)
     info = read_index(root)
     if info is None:
@@ -238,10 +305,13 @@ def load_diffusers_pipeline(
         pipeline.set_adapters(names, adapter_weights=[spec.scale for spec in loras])
         pipeline.fuse_lora(adapter_names=names)
         pipeline.unload_lora_weights()
+    on_cpu = text_encoder == "cpu" and device.type != "cpu"
     if text_encoder == "offload" and device.type == "cuda" and hasattr(pipeline, "enable_model_cpu_offload"):
         pipeline.enable_model_cpu_offload(device=device)
     else:
         pipeline.to(device)
+        if on_cpu:
+            text_encoders_on_cpu(pipeline, device)
     return DiffusersTextToImage(
         pipeline=pipeline,
         family=DiffusersFamily(info.class_name),
@@ -252,5 +322,39 @@ def load_diffusers_pipeline(
         settings=settings,
         call_parameters=params,
         batch_size=max(1, batch_size),
-        weight_bytes=sum(parameter_bytes(root, info).values()),
+        # On the GPU: every component's weights, but the text encoders' where they stay on the CPU.
+        weight_bytes=sum(
+            size
+            for name, size in parameter_bytes(root, info).items()
+            if not (on_cpu and name.startswith("text_encoder"))
+        ),
     )
+
+
+def text_encoders_on_cpu(pipeline: Any, device: torch.device) -> None:
+    """The pipeline's text encoders (its components named text_encoder*) on the CPU, run there:
+    their inputs come to the CPU and their outputs go to `device`, where the pipeline's own code
+    (which hands them token ids on its execution device) expects them. diffusers reports the
+    pipeline's device as the accelerator its other components are on (DiffusionPipeline.device)."""
+    for name, module in pipeline.components.items():
+        if name.startswith("text_encoder") and isinstance(module, torch.nn.Module):
+            module.to("cpu")
+            module.register_forward_pre_hook(
+                lambda _m, args, kwargs: _moved((args, kwargs), "cpu"), with_kwargs=True
+            )
+            module.register_forward_hook(lambda _m, _args, out: _moved(out, device))
+
+
+def _moved(value: Any, device: torch.device | str) -> Any:
+    """Every tensor in `value` (tuples, lists, dicts and transformers' ModelOutput) on `device`."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_moved(v, device) for v in value)
+    if isinstance(value, list):
+        return [_moved(v, device) for v in value]
+    if isinstance(value, dict):  # ModelOutput is an OrderedDict whose items are its attributes too
+        for key in list(value):
+            value[key] = _moved(value[key], device)
+        return value
+    return value

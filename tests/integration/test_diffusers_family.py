@@ -1,6 +1,7 @@
 """A whole `ditfleet run` of a toy FLUX checkpoint (built here with diffusers' own classes, nothing
 downloaded) under a real local Ray: every image bitwise what diffusers' FluxPipeline makes with
-the same seed, `verify` clean, and an actor killed mid-job gives every row exactly once."""
+the same seed, `verify` clean, and an actor killed mid-job gives every row exactly once; and a
+whole edit job on a toy SD3 image-to-image checkpoint, every image bitwise diffusers' own."""
 
 from __future__ import annotations
 
@@ -9,14 +10,14 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 from PIL import Image
 
 from ditfleet.jobs.cli import main
-from ditfleet.model.generation.guidance import DEFAULT_NEGATIVE_PROMPT
-from ditfleet.testing.diffusers_models import make_flux_dir
+from ditfleet.testing.diffusers_models import make_flux_dir, make_sd3_dir
 from ditfleet.workers.output.manifest import read_manifests
 from ditfleet.workers.storage import open_store
 from tests.integration.test_end_to_end import _kill_writers_of_new_manifests, write_job
@@ -43,10 +44,11 @@ def reference(flux_dir):
 
 def _expected(pipe, prompt: str, seed: int, width: int, height: int) -> np.ndarray:
     """diffusers' own call at the actor's batch shape (each image its own generator), with the
-    job's defaults: CFG 4.0 against the negative " " (guidance_scale for FLUX)."""
+    defaults the job resolves where it sets none: FluxPipeline.__call__'s (guidance_scale 3.5,
+    distilled guidance, no negative; 512 text tokens), the job's 2 steps."""
     images = pipe(
-        prompt=[prompt] * BATCH, negative_prompt=[DEFAULT_NEGATIVE_PROMPT] * BATCH, height=height, width=width,
-        num_inference_steps=2, guidance_scale=4.0,
+        prompt=[prompt] * BATCH, height=height, width=width, num_inference_steps=2, guidance_scale=3.5,
+        max_sequence_length=512,
         generator=[torch.Generator().manual_seed(seed) for _ in range(BATCH)], output_type="pt",
     ).images  # fmt: skip
     return (images[0] * 255).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).numpy()
@@ -92,4 +94,70 @@ def test_flux_actor_killed_mid_job_rerun_exactly_once(flux_dir, reference, tmp_p
     assert len(killed) == 1 and code == 0, err
     assert "lost (actor_died)" in err
     _check_images(out, prompts, reference)
+    assert main(["verify", str(out)]) == 0, capsys.readouterr().err
+
+
+@pytest.fixture(scope="session")
+def img2img_dir(tmp_path_factory) -> Path:
+    return make_sd3_dir(tmp_path_factory.mktemp("sd3-img2img") / "model", img2img=True)
+
+
+def _edit_input(folder: Path, n: int) -> Path:
+    """n rows, each naming one PNG source by a path relative to the Parquet (landscape and
+    portrait, random pixels), the instruction as the prompt."""
+    (folder / "img").mkdir(parents=True)
+    for i in range(n):
+        w, h = (48, 32) if i % 2 else (32, 48)
+        pixels = np.random.default_rng(i).integers(0, 256, (h, w, 3), dtype=np.uint8)
+        Image.fromarray(pixels, "RGB").save(folder / "img" / f"{i}.png")
+    colours = ("red", "green", "blue", "yellow")
+    pq.write_table(
+        pa.table(
+            {
+                "id": [f"e{i:03d}" for i in range(n)],
+                "prompt": [f"make the shape {colours[i % 4]}" for i in range(n)],
+                "image": [f"img/{i}.png" for i in range(n)],
+            }
+        ),
+        folder / "edits.parquet",
+    )
+    return folder / "edits.parquet"
+
+
+def test_an_image_to_image_edit_job_is_diffusers_bitwise_per_row(img2img_dir, tmp_path, capsys):
+    """Issue 51 through the diffusers family: a whole edit job on a toy StableDiffusion3Img2ImgPipeline
+    (its __call__ takes an image: an edit model), each row's source read by the worker and handed
+    to the pipeline's `image`: every image bitwise diffusers' own call on that row (batch size 1,
+    the pipeline's own defaults but the job's steps), its manifest row naming its source, `verify` clean."""
+    from diffusers import StableDiffusion3Img2ImgPipeline
+
+    edits = _edit_input(tmp_path / "in", 6)
+    out = tmp_path / "out"
+    job = write_job(
+        tmp_path / "job.yaml", img2img_dir, edits, str(out),
+        input=f"{{path: {edits}, image_column: image}}", sampling="{steps: 4, seed: 7}",
+        buckets="{names: [48x32, 32x48]}", compile="{vae: false, dit: false}",
+        workers="{min: 1, max: 1, gpus: 0, cpus: 1, batch_size: 1, idle_retire_s: 2}", shards="{size: 3}",
+    )  # fmt: skip
+    assert main(["run", str(job)]) == 0, capsys.readouterr().err
+    reference = StableDiffusion3Img2ImgPipeline.from_pretrained(img2img_dir)
+    reference.set_progress_bar_config(disable=True)
+    store = open_store(str(out))
+    rows = read_manifests(store).to_pylist()
+    assert sorted(r["id"] for r in rows) == [f"e{i:03d}" for i in range(6)]
+    for row in rows:
+        i = int(row["id"][1:])
+        assert row["status"] == "ok" and row["source_uris"] == [str(tmp_path / "in" / "img" / f"{i}.png")], (
+            row
+        )
+        source = Image.open(tmp_path / "in" / "img" / f"{i}.png").convert("RGB")
+        # Its own defaults where the job says none: guidance_scale 7.0 (CFG), 256 text tokens, strength 0.6.
+        want = reference(
+            prompt=[row["prompt"]], image=[source], height=row["height"], width=row["width"], num_inference_steps=4,
+            generator=[torch.Generator().manual_seed(row["seed"])], output_type="pt",
+        ).images[0]  # fmt: skip
+        want_u8 = (want * 255).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).numpy()
+        got = np.asarray(Image.open(io.BytesIO(store.get(row["uri"][len(store.uri()) :].lstrip("/")))))
+        assert (row["width"], row["height"]) == source.size, "a source keeps its aspect ratio's bucket"
+        assert np.array_equal(got, want_u8), f"row {row['id']}: not diffusers' image"
     assert main(["verify", str(out)]) == 0, capsys.readouterr().err

@@ -10,10 +10,13 @@ say what to do instead of a traceback from inside the HTTP client.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ditfleet.model.family import components_of
 from ditfleet.workers.weights.node_cache import (
     REQUIRED_FILES,
     Layout,
@@ -73,12 +76,13 @@ def fetch_hub_snapshot(
     try:
         with node_lock(lock_path, lock_timeout_s, f"{source} into {hub_cache}") as waited:
             before = _blob_bytes(storage)
+            allowed = _ALLOW if layout is not None else _allow_for_index(repo_id, revision, hub_cache)
             path = Path(
                 huggingface_hub.snapshot_download(
                     repo_id,
                     revision=revision,
                     cache_dir=hub_cache,
-                    allow_patterns=list(layout.allow) if layout is not None else _ALLOW,
+                    allow_patterns=list(layout.allow) if layout is not None else allowed,
                     ignore_patterns=_IGNORE,
                 )
             )
@@ -92,6 +96,77 @@ def fetch_hub_snapshot(
     hint = f"point at a repository or revision in the diffusers layout (folders {', '.join(_FOLDERS)})"
     check_layout(set(files), f"{source} ({path})", hint, layout)
     return HubSnapshot(path, path.name, downloaded, len(files), waited)
+
+
+def _allow_for_index(repo_id: str, revision: str, hub_cache: Path) -> list[str]:
+    """What a snapshot of a diffusers-layout repository fetches: model_index.json and the folders
+    the loader reads, plus every component folder model_index.json names (text_encoder_2,
+    tokenizer_3, ... of a pipeline run through diffusers)."""
+    import huggingface_hub
+    import huggingface_hub.errors
+
+    try:
+        index_path = huggingface_hub.hf_hub_download(
+            repo_id, "model_index.json", revision=revision, cache_dir=hub_cache
+        )
+    except huggingface_hub.errors.EntryNotFoundError:
+        return _ALLOW  # a hand-assembled folder without one: the loader's own folders
+    try:
+        index = json.loads(Path(index_path).read_text())
+    except (OSError, ValueError):
+        return _ALLOW  # the loader says what is wrong with it
+    extra = [f"{name}/*" for name in sorted(components_of(index) if isinstance(index, dict) else {})]
+    return list(dict.fromkeys([*_ALLOW, *extra]))
+
+
+def read_hub_index(source: str, cache_dirs: Sequence[Path] = ()) -> tuple[dict | None, str | None]:
+    """(the model_index.json of the hub model `source`, None and why not): from a hub cache (the
+    user's default one, then each of `cache_dirs`' hub/ folder, as the nodes fill it), else that
+    one small file fetched from the hub (not under HF_HUB_OFFLINE). The driver reads it before
+    any work (jobs.spec), so the checkpoint's family is known and an unrunnable one refused there."""
+    repo_id, revision = parse_hub_source(source)
+    try:
+        import huggingface_hub
+    except ImportError:
+        return (
+            None,
+            f"{source}: huggingface_hub is not installed here (pip install 'ditfleet[hub]'), so model_index.json was not read",
+        )
+    caches = [None, *(Path(c).absolute() / "hub" for c in cache_dirs)]
+    for cache in caches:
+        try:
+            found = huggingface_hub.try_to_load_from_cache(
+                repo_id, "model_index.json", cache_dir=cache, revision=revision
+            )
+        except Exception:  # noqa: BLE001 - a malformed cache is one without the file
+            found = None
+        if isinstance(found, str):
+            return _json_index(Path(found), source)
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        return None, f"{source}: HF_HUB_OFFLINE is set and model_index.json is in no hub cache here"
+    try:
+        path = huggingface_hub.hf_hub_download(
+            repo_id, "model_index.json", revision=revision, etag_timeout=10
+        )
+    except Exception as e:  # noqa: BLE001 - every failure becomes a note or an error saying what to do
+        error = _hub_error(e, source, repo_id, revision, Path(huggingface_hub.constants.HF_HUB_CACHE))
+        if isinstance(e, huggingface_hub.errors.EntryNotFoundError):
+            return (
+                None,
+                f"{source}: has no model_index.json (a diffusers checkpoint names its pipeline class there)",
+            )
+        return None, str(error)
+    return _json_index(Path(path), source)
+
+
+def _json_index(path: Path, source: str) -> tuple[dict | None, str | None]:
+    try:
+        index = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        return None, f"{source}: model_index.json is not readable JSON ({e})"
+    return (
+        (index, None) if isinstance(index, dict) else (None, f"{source}: model_index.json is not an object")
+    )
 
 
 def _hub_error(e: Exception, source: str, repo_id: str, revision: str, hub_cache: Path) -> ModelFetchError:

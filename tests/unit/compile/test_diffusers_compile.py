@@ -17,6 +17,8 @@ from ditfleet.model.settings import PipelineSettings
 from ditfleet.testing.diffusers_models import make_flux_dir
 
 BUCKETS = ["32x32", "48x32"]
+# Requests run at the text length warm-up ran (the actor passes both its pipeline setting).
+TEXT_LENGTH = WarmupRuns().max_sequence_length
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +60,7 @@ def test_blocks_and_decoder_compile_once_per_bucket_and_requests_never_compile(f
 
     before = compile_count()
     for prompts, (w, h) in ((["a red circle"], (32, 32)), (["a fox", "blue square", "snow"], (48, 32))):
-        inputs = pipe.encode_guidance(prompts, None, 1.0, 64)
+        inputs = pipe.encode_guidance(prompts, None, 1.0, TEXT_LENGTH)
         images = pipe.run(inputs, Sampling(h, w, 2, list(range(len(prompts))), 1.0)).images
         assert images.shape == (len(prompts), 3, h, w)
     assert compile_count() == before, "a request compiled: warm-up missed a shape"
@@ -70,9 +72,9 @@ def test_an_image_is_the_same_whichever_rows_share_its_batch(flux_dir):
     pipe = _pipe(flux_dir)
 
     def image(prompts: list[str], seeds: list[int]) -> torch.Tensor:
-        return pipe.run(pipe.encode_guidance(prompts, None, 1.0, 64), Sampling(32, 32, 2, seeds, 1.0)).images[
-            0
-        ]
+        return pipe.run(
+            pipe.encode_guidance(prompts, None, 1.0, TEXT_LENGTH), Sampling(32, 32, 2, seeds, 1.0)
+        ).images[0]
 
     alone = image(["a red circle"], [5])
     assert torch.equal(alone, image(["a red circle", "a blue square"], [5, 9]))

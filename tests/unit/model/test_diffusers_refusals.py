@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 
 from ditfleet.jobs.cli import main
-from ditfleet.model.diffusers_pipeline.index import DiffusersPipelineError, check_runnable, read_index
+from ditfleet.model.diffusers_pipeline.index import (
+    DiffusersPipelineError,
+    call_defaults,
+    check_runnable,
+    read_index,
+)
 from ditfleet.model.family import model_family
 
 FLUX_COMPONENTS = {
@@ -43,11 +48,49 @@ def test_a_text_to_image_pipeline_is_its_own_family(tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("class_name", "task"),
+    [
+        ("FluxPipeline", "text-to-image"),
+        ("StableDiffusion3Pipeline", "text-to-image"),
+        # Their image is optional (they make images from text alone too): text-to-image.
+        ("Flux2KleinPipeline", "text-to-image"),
+        ("QwenImage21Pipeline", "text-to-image"),
+        ("QwenImage21Pipeline", "text-to-image"),
+        ("FluxKontextPipeline", "edit"),
+        ("StableDiffusion3Img2ImgPipeline", "edit"),
+    ],
+)
+def test_a_pipeline_whose_call_takes_an_image_is_an_edit_family(tmp_path, class_name, task):
+    root = _folder(tmp_path, class_name)
+    family = model_family(str(root))
+    assert family.name == f"diffusers:{class_name}"
+    assert family.task({"_class_name": class_name}) == task  # type: ignore[attr-defined]
+
+
+def test_call_defaults_are_read_from_diffusers_source():
+    flux = call_defaults("FluxPipeline")
+    assert (flux["num_inference_steps"], flux["guidance_scale"], flux["max_sequence_length"]) == (
+        28,
+        3.5,
+        512,
+    )
+    assert call_defaults("StableDiffusion3Img2ImgPipeline")["strength"] == 0.6
+    assert call_defaults("NoSuchPipeline") == {}
+
+
+@pytest.mark.parametrize(
     ("class_name", "components", "says"),
     [
         ("NoSuchPipeline", {}, r"has no pipeline class 'NoSuchPipeline'.*Upgrade diffusers"),
         ("DDPMPipeline", {}, r"DDPMPipeline.__call__ takes no \['prompt'.*text-to-image"),
-        ("StableDiffusionImg2ImgPipeline", {}, r"conditions on an input image"),
+        ("StableDiffusionImg2ImgPipeline", {}, r"takes no \['height', 'width'\].*text-to-image or edit"),
+        (
+            "StableDiffusion3InpaintPipeline",
+            {},
+            r"needs \['mask_image'\], an input ditfleet's jobs do not have",
+        ),
+        ("FluxControlPipeline", {}, r"needs \['control_image'\]"),
+        ("WanPipeline", {}, r"makes video"),
         (
             "FluxPipeline",
             {"text_encoder_2": ["no_such_package_x", "Encoder"]},
