@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -146,8 +146,16 @@ class ModelFamily(Protocol):
 
     def attention_counters(self, pipe: Any) -> AttentionCounters: ...
 
-    def forward_flops(self, transformer_config: dict, width: int, height: int, text_tokens: int) -> float:
-        """FLOPs of one DiT forward, one image of width x height, from the transformer's config.json."""
+    def forward_flops(
+        self,
+        transformer_config: dict,
+        width: int,
+        height: int,
+        text_tokens: int,
+        sources: Sequence[Size] = (),
+    ) -> float:
+        """FLOPs of one DiT forward, one image of width x height, from the transformer's config.json;
+        an edit's `sources` (each source image's (width, height)) add the tokens the family gives them."""
         ...
 
     @property

@@ -9,7 +9,7 @@ measured at warm-up on the actor (loader.py), which checks them before each batc
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -150,7 +150,14 @@ class DiffusersFamily:
         # Text-to-image until this family runs a pipeline whose __call__ takes an image (issue 51).
         return TEXT_TO_IMAGE
 
-    def forward_flops(self, transformer_config: dict, width: int, height: int, text_tokens: int) -> float:
+    def forward_flops(
+        self,
+        transformer_config: dict,
+        width: int,
+        height: int,
+        text_tokens: int,
+        sources: Sequence[Size] = (),
+    ) -> float:
         # No formula per pipeline class here: "% of peak" is not stated for this family (0: unknown).
         return 0.0
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
@@ -21,7 +21,7 @@ from ditfleet.model.family_types import AttentionCounters, CompileRegion, Size, 
 from ditfleet.model.loading.folder import TINY_MODEL_DIR
 from ditfleet.model.memory import MemoryPlan, ModelMemory, dit_activation_bytes, largest_batch, plan_memory
 from ditfleet.model.quality.table import PIPELINE_QWEN_VL
-from ditfleet.model.qwen_image.edit import EDIT_STYLES, task_of_class
+from ditfleet.model.qwen_image.edit import EDIT_STYLES, source_tokens, task_of_class
 from ditfleet.model.qwen_image.published import PUBLISHED
 from ditfleet.model.qwen_image.transformer_config import TransformerConfig
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH_LIMIT
@@ -211,11 +211,20 @@ class QwenImageFamily:
     def attention_counters(self, pipe: Any) -> AttentionCounters:
         return pipe.transformer.attention_stats
 
-    def forward_flops(self, transformer_config: dict, width: int, height: int, text_tokens: int) -> float:
+    def forward_flops(
+        self,
+        transformer_config: dict,
+        width: int,
+        height: int,
+        text_tokens: int,
+        sources: Sequence[Size] = (),
+    ) -> float:
         """FLOPs of one DiT forward for one image of width x height pixels with `text_tokens`
-        prompt tokens; `transformer_config` is the transformer's config.json contents."""
+        prompt tokens; `transformer_config` is the transformer's config.json contents. An edit's
+        `sources` ((width, height) of each source image, as read) add their tokens at the size the
+        VAE encodes them (model.qwen_image.edit.source_tokens) to the image stream."""
         config = TransformerConfig.from_dict(transformer_config)
-        tokens = (height // PIXELS_PER_TOKEN) * (width // PIXELS_PER_TOKEN)
+        tokens = (height // PIXELS_PER_TOKEN) * (width // PIXELS_PER_TOKEN) + source_tokens(sources)
         return forward_flops(config, tokens, text_tokens)["total"]
 
     def published_config(self, rel: str, num_layers: int | None = None) -> dict:
