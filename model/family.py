@@ -17,7 +17,8 @@
 
 The published checkpoints' sampling defaults (a family's `published/schedules.py`), which the job
 spec reads at plan time: `schedule_by_lora(file)`, `schedule_by_scheduler(config)`,
-`schedule_by_hub_id(repo)` -> PublishedSchedule | None; `published_file("published:<folder>/<file>")`
+`schedule_by_hub_id(repo)` -> PublishedSchedule | None, `schedule_twins(schedule)` (the published
+checkpoints a scheduler config cannot tell it from); `published_file("published:<folder>/<file>")`
 (PUBLISHED_SCHEME) is such a file in this node's installed package.
 
 compile/, workers/, driver/ and jobs/ ask the family and never name a submodule, method or
@@ -66,6 +67,7 @@ from ditfleet.model.qwen_image.published.schedules import (
 from ditfleet.model.qwen_image.published.schedules import by_hub_id as schedule_by_hub_id
 from ditfleet.model.qwen_image.published.schedules import by_lora as schedule_by_lora
 from ditfleet.model.qwen_image.published.schedules import by_scheduler as schedule_by_scheduler
+from ditfleet.model.qwen_image.published.schedules import trajectory_twins as schedule_twins
 
 __all__ = [
     "AttentionCounters",
@@ -91,6 +93,7 @@ __all__ = [
     "schedule_by_hub_id",
     "schedule_by_lora",
     "schedule_by_scheduler",
+    "schedule_twins",
 ]
 
 
