@@ -14,6 +14,9 @@
     family.text_width(config)                # the DiT's prompt-embedding width; attention_shape
     family.bundled_dir                       # the folder of a model that ships with ditfleet, else None
     family.scorer_inputs                     # what it offers the image scorers (model.quality.table)
+    family.load_text_encoder(root, dev, dt)  # a native family's: its text encoder apart from the DiT
+    family.runs_scaled_gemms(pipe)           # ... whether its DiT runs FP8 GEMMs (compile policy)
+    family.prepare_inputs                    # ... its DiT's inputs for one call of the shared loop
 
 The published checkpoints' sampling defaults (a family's `published/schedules.py`), which the job
 spec reads at plan time: `schedule_by_lora(file)`, `schedule_by_scheduler(config)`,

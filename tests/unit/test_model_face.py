@@ -281,6 +281,27 @@ FAMILY_FREE = {
 }
 
 
+def test_the_pipeline_is_typed_with_protocols_and_run_on_the_familys_prepare_inputs():
+    """TextToImagePipeline's modules are typed with model.generation.components' Protocols, not a
+    family's classes, and the loop calls the DiT with what the family's prepare_inputs makes."""
+    import inspect
+
+    from ditfleet.model import load_pipeline
+    from ditfleet.model.family import model_family
+    from ditfleet.model.generation.pipeline import TextToImagePipeline
+
+    params = inspect.signature(TextToImagePipeline.__init__).parameters
+    assert {k: params[k].annotation for k in ("transformer", "vae", "text_encoder")} == {
+        "transformer": "Denoiser",
+        "vae": "Vae",
+        "text_encoder": "TextEncoder | None",
+    }
+    assert params["prepare_inputs"].kind is inspect.Parameter.KEYWORD_ONLY
+    pipe = load_pipeline("tiny")
+    assert pipe.prepare_inputs is model_family(pipe).prepare_inputs
+    assert (pipe.device, pipe.dtype) == (pipe.transformer.device, pipe.transformer.dtype)
+
+
 @pytest.mark.parametrize("rel", sorted(FAMILY_FREE))
 def test_the_shared_machinery_imports_no_family(rel):
     problems = [
