@@ -43,14 +43,7 @@ class ModelMemory(Protocol):
         ...
 
     def dit_activation_bytes(
-        self,
-        batch: int,
-        height: int,
-        width: int,
-        text_len: int,
-        e: int,
-        attention: str = "fused",
-        device: str = "cpu",
+        self, batch: int, height: int, width: int, text_len: int, e: int, *, attention: str, device: str
     ) -> int:
         """Peak above the weights of one DiT forward of `batch` sequences ("fused" or "math" attention)."""
         ...
@@ -297,7 +290,7 @@ def _activations(
     vae_batch = min(run.vae_batch or batch, batch)
     args = (dit_batch, height, width, run.text_len, e)
     acts = {
-        "denoise": model.dit_activation_bytes(*args, run.attention, run.device)
+        "denoise": model.dit_activation_bytes(*args, attention=run.attention, device=run.device)
         + model.fp8_transient_bytes(run.quantization, *args),
         "decode": model.vae_decode_activation_bytes(vae_batch, height, width, e),
     }

@@ -77,7 +77,10 @@ class MemoryFormula:
     ) -> int:
         """Bytes per image that attention without a fused kernel (the masked math path) adds."""
         args = (1, height, width, text_len, element_bytes)
-        return model.dit_activation_bytes(*args, "math") - model.dit_activation_bytes(*args, "fused")
+        math, fused = (
+            model.dit_activation_bytes(*args, attention=a, device="cpu") for a in ("math", "fused")
+        )
+        return math - fused
 
 
 def _vae_owners(vae: Any) -> list[tuple[str, Any]]:

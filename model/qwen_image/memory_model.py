@@ -88,18 +88,9 @@ class QwenImageMemory:
         """The DiT's weights as loaded (memory_params.transformer_weight_bytes)."""
         return transformer_weight_bytes(self.transformer, e, quantization, fp8_layers)
 
-    def dit_activation_bytes(
-        self,
-        batch: int,
-        height: int,
-        width: int,
-        text_len: int,
-        e: int,
-        attention: str = "fused",
-        device: str = "cpu",
-    ) -> int:
-        """memory_activations.dit_activation_bytes: one DiT forward of `batch` sequences."""
-        return dit_activation_bytes(self.transformer, batch, height, width, text_len, e, attention, device)
+    def dit_activation_bytes(self, *args: Any, **kwargs: Any) -> int:
+        """memory_activations.dit_activation_bytes of this DiT (the arguments after its config)."""
+        return dit_activation_bytes(self.transformer, *args, **kwargs)
 
     def fp8_transient_bytes(
         self, quantization: Quantization, batch: int, height: int, width: int, text_len: int, e: int
