@@ -13,8 +13,7 @@ from typing import Any
 
 import torch
 
-from ditfleet.model.family import CompileRegion, model_family
-from ditfleet.model.qwen_image.fp8 import runs_scaled_gemms
+from ditfleet.model.family import CompileRegion, model_family, runs_scaled_gemms
 
 from .compiled_method import CompiledMethod, compiled_method, uninstall
 
@@ -69,7 +68,7 @@ def apply_compile(pipe: Any, config: CompileConfig) -> CompileReport:
     device_type = torch.device(pipe.device).type
     # "auto" (the default) decided here for a caller that did not: the image count unknown, so
     # on for CUDA and off elsewhere; a worker resolves it itself from the images it expects.
-    config = resolve_auto(config, device_type, None, 1, runs_scaled_gemms(pipe.transformer))
+    config = resolve_auto(config, device_type, None, 1, runs_scaled_gemms(pipe))
     report = CompileReport(config, device_type)
     for region in model_family(pipe).compile_regions:
         if region.part == "dit":

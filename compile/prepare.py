@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ditfleet.model.qwen_image.fp8 import runs_scaled_gemms
+from ditfleet.model.family import runs_scaled_gemms
 
 from .buckets import PROMPT_LENGTH_BUCKETS, ResolutionBucket
 from .cache import (
@@ -81,9 +81,7 @@ def prepare_worker_pipeline(
     """
     start = time.perf_counter()
     device_type = torch.device(pipe.device).type
-    config = resolve_auto(
-        config, device_type, expected_images, len(buckets), runs_scaled_gemms(pipe.transformer)
-    )
+    config = resolve_auto(config, device_type, expected_images, len(buckets), runs_scaled_gemms(pipe))
     report = apply_compile(pipe, config)
     if not report.methods:
         return PreparedPipeline(report, None, None, None, time.perf_counter() - start)

@@ -76,7 +76,7 @@ class JobMemoryPlan:
     def placements(self) -> tuple[str, ...]:
         """The text-encoder placements that mean something for this model (one without a text
         encoder has only the DiT and the VAE on the GPU)."""
-        return TEXT_ENCODER_PLACEMENTS if self.model.text_encoder is not None else ("gpu",)
+        return TEXT_ENCODER_PLACEMENTS if "text_encoder" in self.model.params() else ("gpu",)
 
     def largest_by_gpu(
         self, sizes_gb: tuple[float, ...] = GPU_SIZES_GB

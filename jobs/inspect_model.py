@@ -25,7 +25,6 @@ from ditfleet.model.memory import (
     ModelMemory,
     checkpoint_size,
 )
-from ditfleet.model.qwen_image.memory_params import transformer_weight_bytes
 
 
 def inspect_model(request: MemoryRequest, gpus_gb: Sequence[float] = GPU_SIZES_GB) -> dict[str, Any]:
@@ -58,7 +57,8 @@ def _sampling_defaults(request: MemoryRequest) -> dict[str, Any]:
     found, notes = recognise(request.model_path, (), None, request.s3)
     if found is None:
         return {"notes": list(notes)} if notes else {}
-    return {**found.schedule.defaults(), "from": checkpoint_label(found)}
+    out = {**found.schedule.defaults(), "from": checkpoint_label(found)}
+    return {**out, "notes": list(notes)} if notes else out
 
 
 def _components(model: ModelMemory, request: MemoryRequest) -> dict[str, Any]:
@@ -78,7 +78,7 @@ def _components(model: ModelMemory, request: MemoryRequest) -> dict[str, Any]:
             }  # fmt: skip
         components[name] = entry
     if request.quantization != "none":
-        loaded = transformer_weight_bytes(model.transformer, e, check_quantization(request.quantization))
+        loaded = model.dit_weight_bytes(e, check_quantization(request.quantization))
         components["transformer"][f"{request.quantization}_gb"] = round(loaded / GB, 3)
     return components
 
@@ -147,6 +147,7 @@ def format_inspection(info: dict[str, Any]) -> str:
         )
     else:
         lines.append("sampling defaults: ditfleet's (no published few-step schedule recognised)")
+    lines += [f"  note: {note}" for note in published.get("notes", ())]
     dtype, quantization = info["dtype"], info["quantization"]
     for name, c in info["components"].items():
         line = f"  {name:<13} {c['params'] / 1e9:7.3f} B params, {c[f'{dtype}_gb']:7.2f} GB in {dtype}"

@@ -20,7 +20,7 @@ _WHERE = {
     "WeightsError": "loading.weights",
     "load_pipeline": "family",
     "model_family": "family",
-    "model_revision": "qwen_image.loader",
+    "model_revision": "loading.folder",
     "resolve_model_dir": "family",
 }
 

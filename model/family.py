@@ -17,10 +17,14 @@
     family.task(model_index)                 # "text-to-image" or "edit" (from its `_class_name`)
     model_task(model_path)                   # the same for a model path ("tiny", a folder, ...)
     source_size(w, h)                        # an edit model's VAE size for a w x h source (its tokens: /16)
+    family.load_text_encoder(root, dev, dt)  # a native family's: its text encoder apart from the DiT
+    family.runs_scaled_gemms(pipe)           # ... whether its DiT runs FP8 GEMMs (compile policy)
+    family.prepare_inputs                    # ... its DiT's inputs for one call of the shared loop
 
 The published checkpoints' sampling defaults (a family's `published/schedules.py`), which the job
 spec reads at plan time: `schedule_by_lora(file)`, `schedule_by_scheduler(config)`,
-`schedule_by_hub_id(repo)` -> PublishedSchedule | None; `published_file("published:<folder>/<file>")`
+`schedule_by_hub_id(repo)` -> PublishedSchedule | None, `schedule_twins(schedule)` (the published
+checkpoints a scheduler config cannot tell it from); `published_file("published:<folder>/<file>")`
 (PUBLISHED_SCHEME) is such a file in this node's installed package.
 
 compile/, workers/, driver/ and jobs/ ask the family and never name a submodule, method or
@@ -68,6 +72,7 @@ from ditfleet.model.qwen_image.family import QWEN_IMAGE, QWEN_IMAGE_CLASSES, TIN
 
 if TYPE_CHECKING:  # the pipeline needs torch; this module is read without it
     from ditfleet.model.generation.pipeline import TextToImagePipeline
+    from ditfleet.model.generation.sampling import PrepareInputs
 from ditfleet.model.qwen_image.published.schedules import (
     PUBLISHED_SCHEME,
     SCHEDULER_FILE,
@@ -77,6 +82,7 @@ from ditfleet.model.qwen_image.published.schedules import (
 from ditfleet.model.qwen_image.published.schedules import by_hub_id as schedule_by_hub_id
 from ditfleet.model.qwen_image.published.schedules import by_lora as schedule_by_lora
 from ditfleet.model.qwen_image.published.schedules import by_scheduler as schedule_by_scheduler
+from ditfleet.model.qwen_image.published.schedules import trajectory_twins as schedule_twins
 
 __all__ = [
     "AttentionCounters",
@@ -97,13 +103,16 @@ __all__ = [
     "check_model_index",
     "family_of_class",
     "load_pipeline",
+    "load_text_encoder",
     "model_family",
     "model_task",
     "published_file",
     "resolve_model_dir",
+    "runs_scaled_gemms",
     "schedule_by_hub_id",
     "schedule_by_lora",
     "schedule_by_scheduler",
+    "schedule_twins",
     "source_size",
 ]
 
@@ -198,6 +207,23 @@ class NativeFamily(ModelFamily, Protocol):
     def text_width(self, transformer_config: dict) -> int: ...  # the prompt embeddings' width
 
     def attention_shape(self, transformer_config: dict) -> tuple[int, int]: ...  # (heads, head dim)
+
+    @property
+    def prepare_inputs(self) -> PrepareInputs: ...  # its DiT's keyword arguments for one call of the loop
+
+    def load_text_encoder(self, root: Path, device: Any, dtype: Any) -> Any:
+        """The text encoder of the model folder `root` on `device`; None when it has none."""
+        ...
+
+    def random_text_encoder(
+        self, config: dict, tokenizer: Any, device: Any, dtype: Any, seed: int = 0
+    ) -> Any:
+        """Its text encoder of a text_encoder config.json's contents, random weights, with `tokenizer`."""
+        ...
+
+    def runs_scaled_gemms(self, pipe: Any) -> bool:
+        """Whether the pipeline's DiT runs FP8 GEMMs through torch._scaled_mm (compile.policy)."""
+        ...
 
 
 # The one table: a checkpoint's model_index.json `_class_name` -> its family.
@@ -306,3 +332,24 @@ def load_pipeline(path: str | Path, *args: Any, **kwargs: Any) -> TextToImagePip
     return model_family(resolve_model_dir(path) if str(path) != TINY_MODEL else path).load_pipeline(
         path, *args, **kwargs
     )
+
+
+def load_text_encoder(path: str | Path, device: Any, dtype: Any) -> Any:
+    """The text encoder of the natively run model at `path` ("tiny" or a local folder) on
+    `device`, by its family; None when the model has none. What an actor places away from the
+    DiT and the vqa scorer's Qwen2.5-VL are loaded here."""
+    family = model_family(path)
+    if not isinstance(family, NativeFamily):
+        raise WeightsError(
+            f"{path}: a {family.name} model runs through its library's own pipeline, which loads its "
+            "own text encoder; ditfleet loads one separately only for a native family's model."
+        )
+    return family.load_text_encoder(resolve_model_dir(path), device, dtype)
+
+
+def runs_scaled_gemms(pipe: Any) -> bool:
+    """Whether the pipeline's DiT runs FP8 GEMMs through torch._scaled_mm, which decides
+    compile.dit "auto" (compile.policy.resolve_auto). A native family's answer; a pipeline run
+    through another library has none of ours."""
+    family = model_family(pipe)
+    return isinstance(family, NativeFamily) and family.runs_scaled_gemms(pipe)

@@ -25,10 +25,8 @@ import torch
 from ditfleet.compile import PreparedPipeline, WarmupRuns, compile_count, prepare_worker_pipeline
 from ditfleet.compile.config import first_compile_estimate_s
 from ditfleet.compile.policy import resolve_auto
-from ditfleet.model import LoraSpec, TextToImagePipeline, load_pipeline, resolve_model_dir
-from ditfleet.model.family import model_family
-from ditfleet.model.qwen_image.fp8 import runs_scaled_gemms
-from ditfleet.model.qwen_image.loader import load_text_encoder
+from ditfleet.model import LoraSpec, TextToImagePipeline, load_pipeline
+from ditfleet.model.family import load_text_encoder, model_family, runs_scaled_gemms
 from ditfleet.workers.batch_fit import fit_batch_size
 from ditfleet.workers.cache_secret import read_cache_secret
 from ditfleet.workers.contract import ShardAbandoned, ShardResult, WorkerConfig
@@ -201,7 +199,7 @@ class GenerationWorker:
             self.device.type,
             config.expected_images,
             len(buckets),
-            runs_scaled_gemms(self.pipe.transformer),
+            runs_scaled_gemms(self.pipe),
         )
         estimate_s = first_compile_estimate_s(self.device.type, bool(compile_config.dit))
         prepared = prepare_worker_pipeline(
@@ -466,7 +464,7 @@ def place_text_encoder(pipe, local_path, config: WorkerConfig) -> PlacedTextEnco
     if getattr(pipe, "family", None) is not None:
         return None  # a diffusers pipeline encodes its own text, placed when it was loaded
     if placement.text_encoder != "gpu":
-        pipe.text_encoder = load_text_encoder(resolve_model_dir(local_path), "cpu", pipe.dtype)
+        pipe.text_encoder = load_text_encoder(local_path, "cpu", pipe.dtype)
     if pipe.text_encoder is None:
         return None
     placed = PlacedTextEncoder(

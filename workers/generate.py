@@ -20,7 +20,7 @@ import torch
 from ditfleet.model import TextToImagePipeline
 from ditfleet.model.generation.guidance import cfg_on, negative_text
 from ditfleet.model.generation.pipeline import GuidanceInputs, Sampling
-from ditfleet.model.qwen_image.memory_activations import image_tokens
+from ditfleet.model.generation.sampling import latent_grid
 from ditfleet.workers.rows import MAX_SEED, PromptRow
 
 
@@ -158,7 +158,8 @@ def shard_prompts(requests: Sequence[ImageRequest]) -> list[str]:
 
 def padded_share(batch: Sequence[ImageRequest], lengths: dict[tuple[str, int], tuple[int, int]]) -> float:
     """Padded text tokens / all tokens of the batch's DiT passes (each branch padded to its longest)."""
-    n = image_tokens(batch[0].row.height, batch[0].row.width)
+    h, w = latent_grid(batch[0].row.height, batch[0].row.width)  # the shared sampler's token grid
+    n = h * w
     cond = [lengths[_key(r)][0] for r in batch]
     padded, total = sum(max(cond) - c for c in cond), len(batch) * (n + max(cond))
     if batch[0].uses_cfg:

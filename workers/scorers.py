@@ -97,8 +97,7 @@ class ScorerSource:
 
     def build(self) -> ImageScorer:
         """The scorer, on this process's GPU when it has one (bf16), else on the CPU (fp32)."""
-        from ditfleet.model.family import resolve_model_dir
-        from ditfleet.model.qwen_image.loader import load_text_encoder
+        from ditfleet.model.family import load_text_encoder
 
         self.check()
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -107,7 +106,7 @@ class ScorerSource:
         if scorer_row(self.name).needs == PIPELINE_QWEN_VL:
             assert self.model_path is not None
             local = fetch_model(self.model_path, self.cache_dir, self.s3 or S3Config()).local_path
-            text_encoder = load_text_encoder(resolve_model_dir(local), device, dtype)
+            text_encoder = load_text_encoder(local, device, dtype)
         [built] = build_scorers(
             [self.name],
             text_encoder=text_encoder,

@@ -27,8 +27,8 @@ from ditfleet.model.diffusers_pipeline.family import DiffusersFamily, parameter_
 from ditfleet.model.diffusers_pipeline.index import check_runnable, read_index
 from ditfleet.model.generation.pipeline import Generation, Sampling
 from ditfleet.model.loading.folder import WeightsError
+from ditfleet.model.loading.folder import model_revision as content_revision
 from ditfleet.model.loading.lora_spec import LoraSpec
-from ditfleet.model.qwen_image.loader import model_revision as content_revision
 from ditfleet.model.settings import DEFAULT_PIPELINE, PipelineSettings
 
 

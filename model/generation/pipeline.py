@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ditfleet.model.generation.attention_backend import attention_backend
+from ditfleet.model.generation.components import Denoiser, TextEncoder, Vae
 from ditfleet.model.generation.guidance import cfg_on, negative_texts
 from ditfleet.model.generation.sampling import (
     Conditioning,
@@ -27,9 +28,7 @@ from ditfleet.model.generation.scheduler import SchedulerConfig, sigma_schedule
 from ditfleet.model.generation.step_cache import StepCache
 from ditfleet.model.qwen_image.edit import EditStyle
 from ditfleet.model.qwen_image.edit_sources import encode_sources
-from ditfleet.model.qwen_image.text_encoder import TextEncoder
-from ditfleet.model.qwen_image.transformer import EditInputs, QwenImageTransformer, prepare_inputs
-from ditfleet.model.qwen_image.vae import QwenImageVAE
+from ditfleet.model.qwen_image.transformer import EditInputs
 from ditfleet.model.settings import DEFAULT_PIPELINE, MAX_SEQUENCE_LENGTH, CfgMode, PipelineSettings
 from ditfleet.model.step_cache_config import StepCacheConfig
 from ditfleet.model.tiny.known_words import known_of, unknown_words, unknown_words_warning
@@ -94,18 +93,24 @@ def cfg_batched_for(
 
 
 class TextToImagePipeline:
+    """A family's modules (model.generation.components) run by the shared loop: `prepare_inputs`
+    is the family's (what its denoiser takes for one call, model.generation.sampling.PrepareInputs)."""
+
     def __init__(
         self,
-        transformer: QwenImageTransformer,
-        vae: QwenImageVAE,
+        transformer: Denoiser,
+        vae: Vae,
         scheduler: SchedulerConfig,
         text_encoder: TextEncoder | None = None,
         model_id: str = "",
         model_revision: str = "",
         settings: PipelineSettings = DEFAULT_PIPELINE,
         edit: EditStyle | None = None,
+        *,
+        prepare_inputs: PrepareInputs,
     ) -> None:
         self.transformer = transformer
+        self.prepare_inputs = prepare_inputs
         # An edit model's conditioning on its sources (model.qwen_image.edit); None: text-to-image.
         self.edit = edit
         self.vae = vae
@@ -122,11 +127,11 @@ class TextToImagePipeline:
 
     @property
     def device(self) -> torch.device:
-        return self.transformer.img_in.weight.device
+        return self.transformer.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.transformer.img_in.weight.dtype
+        return self.transformer.dtype
 
     def with_step_cache(self, config: StepCacheConfig | None) -> TextToImagePipeline:
         """This pipeline (the same modules) with another step cache: what calibration compares."""
@@ -378,7 +383,7 @@ class TextToImagePipeline:
                 "sources=...)); a text-to-image model with neither"
             )
         if sources is None or grids is None:
-            return prepare_inputs, 0
+            return self.prepare_inputs, 0
         if sources.shape[0] != batch:
             raise ValueError(f"source_latents has {sources.shape[0]} rows for {batch} prompts")
         hw = tuple((int(h), int(w)) for h, w in grids.tolist())

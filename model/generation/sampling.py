@@ -15,6 +15,7 @@ import torch
 from ditfleet.model.generation.scheduler import SchedulerConfig, euler_step, sigma_schedule
 
 if TYPE_CHECKING:
+    from ditfleet.model.generation.components import Denoiser
     from ditfleet.model.generation.step_cache import StepCache
 
 LATENT_CHANNELS = 16
@@ -121,7 +122,7 @@ class PrepareInputs(Protocol):
 
 
 def denoise(
-    transformer: torch.nn.Module,
+    transformer: Denoiser,
     prepare: PrepareInputs,
     latents: torch.Tensor,  # (B, N, 64)
     cond: Conditioning,
@@ -182,7 +183,7 @@ def denoise(
 
 
 def _forward(
-    transformer: torch.nn.Module,
+    transformer: Denoiser,
     step_cache: StepCache | None,
     step: int,
     branches: tuple[int, ...],

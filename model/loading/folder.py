@@ -1,5 +1,6 @@
 """A model folder on disk, read without torch: the diffusers layout, each component's config.json
-and the list of its safetensors files.
+the list of its safetensors files and its content fingerprint (`model_revision`, which every
+family's loader records, the native one and diffusers' alike).
 
 `model.memory` plans from these alone, so `ditfleet plan` reads a model without loading torch;
 `model.loading.weights` and `model.qwen_image.loader` load the tensors.
@@ -7,8 +8,10 @@ and the list of its safetensors files.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import struct
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -112,3 +115,22 @@ def text_encoder_kind(te_dir: Path) -> str:
         f"{te_dir / 'config.json'}: text encoder {cls!r} is not Qwen2.5-VL (Qwen-Image's encoder). "
         "Point the model path at a Qwen-Image checkpoint."
     )
+
+
+def model_revision(root: Path) -> str:
+    """A cheap content fingerprint: configs plus each safetensors file's size and header.
+
+    The header lists every tensor's name, dtype, shape and byte offsets, so any change in
+    architecture or any re-save is seen, without hashing tens of gigabytes.
+    """
+    h = hashlib.sha256()
+    for comp in sorted(p for p in root.iterdir() if p.is_dir()):
+        for cfg in sorted(comp.glob("*.json")):
+            h.update(f"{comp.name}/{cfg.name}".encode())
+            h.update(cfg.read_bytes())
+        for st in sorted(comp.glob("*.safetensors")):
+            with st.open("rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                h.update(f"{comp.name}/{st.name}:{st.stat().st_size}".encode())
+                h.update(f.read(n))
+    return h.hexdigest()[:16]

@@ -4,24 +4,15 @@ per component, activation peaks per image size and batch, and whether it all fit
 Units: bytes. `e` is the activation element size (2 for bf16, 4 for fp32). Shapes: B batch,
 N image tokens ((H/16) * (W/16)), L text tokens, S = L + N, D the DiT width.
 
-- `model.qwen_image.memory_params`: parameter counts per component (the Qwen-Image family's);
-- `model.qwen_image.memory_activations`: activation peaks of the DiT forward, the VAE decode,
-  the prompt encode and the vqa score (the Qwen-Image family's);
-- `plan`: `ModelMemory` (the configs), `Runtime` (how a batch runs), `MemoryPlan` and
-  `plan_memory` / `largest_batch`;
+- `plan`: `ModelMemory` (what the plan asks of a model's shapes: a protocol each family's memory
+  formula meets, e.g. model.qwen_image.memory_model from memory_params and memory_activations),
+  `Runtime` (how a batch runs), `MemoryPlan` and `plan_memory` / `largest_batch`;
 - `disk`: what a checkpoint holds on disk, from its safetensors headers.
 
 Standard library only: `ditfleet plan` sizes a job without loading torch.
 """
 
 from __future__ import annotations
-
-from ditfleet.model.qwen_image.memory_activations import (
-    dit_activation_bytes,
-    vae_decode_activation_bytes,
-    vqa_activation_bytes,
-)
-from ditfleet.model.qwen_image.memory_params import text_encoder_params, transformer_params, vae_params
 
 from .disk import CheckpointSize, checkpoint_size
 from .plan import (
@@ -44,12 +35,6 @@ __all__ = [
     "ModelMemory",
     "Runtime",
     "checkpoint_size",
-    "dit_activation_bytes",
     "largest_batch",
     "plan_memory",
-    "text_encoder_params",
-    "transformer_params",
-    "vae_decode_activation_bytes",
-    "vae_params",
-    "vqa_activation_bytes",
 ]

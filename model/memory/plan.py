@@ -1,30 +1,16 @@
 """The memory plan of one bucket: weights per component plus each phase's activation peak, with
 the CUDA reserve and fragmentation, against the memory of a GPU.
+
+The shapes are the family's (`ModelMemory`, which a family's memory formula builds from a
+model's configs); this module holds no family's configs or formulas.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from ditfleet.model.loading.folder import read_config
 from ditfleet.model.loading.quantization import check_quantization
-from ditfleet.model.qwen_image.memory_activations import (
-    dit_activation_bytes,
-    image_tokens,
-    text_encode_activation_bytes,
-    vae_decode_activation_bytes,
-    vqa_activation_bytes,
-)
-from ditfleet.model.qwen_image.memory_params import (
-    text_encoder_params,
-    transformer_params,
-    transformer_weight_bytes,
-    vae_params,
-)
-from ditfleet.model.qwen_image.transformer_config import TransformerConfig
-from ditfleet.model.qwen_image.vae_config import VAEConfig
 from ditfleet.model.settings import DEFAULT_PIPELINE, MAX_SEQUENCE_LENGTH, Fp8Layers, Quantization
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -35,56 +21,56 @@ CUDA_RESERVE = int(1.5 * GiB)
 # The caching allocator rounds blocks up and fragments under changing shapes.
 FRAGMENTATION = 1.10
 TEXT_ENCODER_PLACEMENTS = ("gpu", "cpu", "offload")
-# Qwen-Image's prompt template: its 34 leading tokens are dropped, a few trail the prompt.
-QWEN_TEMPLATE_TOKENS = 40
 
 
-@dataclass(frozen=True)
-class ModelMemory:
-    """What sizes a model: its configs (text_encoder None when the folder has none)."""
+class ModelMemory(Protocol):
+    """One model's memory as its family's formula gives it, from its configs alone (a family's
+    `memory.from_dir` / `from_configs`, model.family): what the plan asks of the shapes. The plan
+    adds what every family shares: the phases, the CUDA reserve, fragmentation, the text
+    encoder's placement. Units: bytes; `e` is the element size of the plan's dtype."""
 
-    transformer: TransformerConfig
-    vae: VAEConfig
-    text_encoder: dict[str, Any] | None = None
-    name: str = ""
-
-    @classmethod
-    def from_dir(cls, root: str | Path, name: str | None = None) -> ModelMemory:
-        """Read `transformer/`, `vae/` (and `text_encoder/`) config.json; no weights."""
-        root = Path(root)
-        te_dir = root / "text_encoder"
-        return cls.from_configs(
-            read_config(root / "transformer"),
-            read_config(root / "vae"),
-            read_config(te_dir) if (te_dir / "config.json").is_file() else None,
-            name=name or str(root),
-            where=str(root),
-        )
-
-    @classmethod
-    def from_configs(
-        cls, transformer: dict, vae: dict, text_encoder: dict | None, name: str = "", where: str = ""
-    ) -> ModelMemory:
-        t_where, v_where = f"{where}/transformer/config.json", f"{where}/vae/config.json"
-        te = dict(text_encoder) if text_encoder is not None else None
-        model = cls(
-            TransformerConfig.from_dict(transformer, where=t_where),
-            VAEConfig.from_dict(vae, v_where),
-            te,
-            name,
-        )
-        if te is not None:
-            try:
-                text_encoder_params(te)
-            except KeyError as e:
-                raise ValueError(f"{where}/text_encoder/config.json: missing key {e}") from e
-        return model
+    @property
+    def name(self) -> str: ...
 
     def params(self) -> dict[str, int]:
-        out = {"transformer": transformer_params(self.transformer), "vae": vae_params(self.vae)}
-        if self.text_encoder is not None:
-            out["text_encoder"] = text_encoder_params(self.text_encoder)
-        return out
+        """Parameters per component: "transformer", "vae" and, when it has one, "text_encoder"."""
+        ...
+
+    def dit_weight_bytes(
+        self, e: int, quantization: Quantization = "none", fp8_layers: Fp8Layers = DEFAULT_PIPELINE.fp8_layers
+    ) -> int:
+        """The DiT's weights as loaded, under a quantization (model.quantization) too."""
+        ...
+
+    def dit_activation_bytes(
+        self, batch: int, height: int, width: int, text_len: int, e: int, *, attention: str, device: str
+    ) -> int:
+        """Peak above the weights of one DiT forward of `batch` sequences ("fused" or "math" attention)."""
+        ...
+
+    def fp8_transient_bytes(
+        self, quantization: Quantization, batch: int, height: int, width: int, text_len: int, e: int
+    ) -> int:
+        """What the quantized DiT's GEMMs hold beyond that forward's peak (0 unquantized)."""
+        ...
+
+    def vae_decode_activation_bytes(self, batch: int, height: int, width: int, e: int) -> int: ...
+
+    def text_encode_activation_bytes(self, text_len: int, e: int) -> int | None:
+        """Encoding one prompt of `text_len` tokens; None without a text encoder."""
+        ...
+
+    def vqa_activation_bytes(self, height: int, width: int, text_len: int, e: int) -> int | None:
+        """Scoring one image with vqa on its text encoder; None when its encoder cannot."""
+        ...
+
+    def modulation_table_bytes(self, steps: int, e: int) -> int:
+        """The 'table' modulation cache of schedules `steps` steps long in all."""
+        ...
+
+    def image_tensor_bytes(self, height: int, width: int, e: int) -> int:
+        """One image-stream tensor of one image: the unit a step cache keeps."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -230,18 +216,16 @@ def plan_memory(
         )
     e = DTYPE_BYTES[run.dtype]
     weights = {k: v * e for k, v in model.params().items()}
-    weights["transformer"] = transformer_weight_bytes(
-        model.transformer, e, check_quantization(run.quantization), run.fp8_layers
-    )
+    weights["transformer"] = model.dit_weight_bytes(e, check_quantization(run.quantization), run.fp8_layers)
     acts = _activations(model, run, batch, height, width, e)
     extra: dict[str, int] = {}
     if run.modulation_table_steps:
-        D, layers = model.transformer.inner_dim, model.transformer.num_layers
-        extra["modulation_table"] = sum(run.modulation_table_steps) * layers * 2 * 6 * D * e
+        extra["modulation_table"] = model.modulation_table_bytes(sum(run.modulation_table_steps), e)
     if step_cache_tensors:
         branches = 1 if run.cfg == "off" else 2
-        N, D = image_tokens(height, width), model.transformer.inner_dim
-        extra["step_cache"] = step_cache_tensors * branches * batch * N * D * e
+        extra["step_cache"] = (
+            step_cache_tensors * branches * batch * model.image_tensor_bytes(height, width, e)
+        )
     capacity = None if gpu_memory_gb is None else int(gpu_memory_gb * GB)
     phases, swapped, host = _phases(run, weights, acts, sum(extra.values()), capacity)
     return MemoryPlan(
@@ -293,20 +277,6 @@ def _phases(
     return phases, swapped, host
 
 
-def _fp8_transient(model: ModelMemory, run: Runtime, dit_batch: int, height: int, width: int, e: int) -> int:
-    """What the FP8 GEMMs (model.qwen_image.fp8) hold beyond the bf16 forward's tensors at its peak (the MLP
-    down-projection): `fp8` the scaled copy's FP8 codes of its 4D-wide input, one byte per element
-    (the scaled copy itself takes the freed up-projection's place); `fp8-weight-only` the largest
-    weight dequantized, and its cast, for the duration of one GEMM."""
-    D = model.transformer.inner_dim
-    if run.quantization == "fp8":
-        tokens = max(image_tokens(height, width), run.text_len)
-        return dit_batch * tokens * 4 * D
-    if run.quantization == "fp8-weight-only":
-        return 2 * 4 * D * D * e
-    return 0
-
-
 def _fragmented(nbytes: int) -> int:
     return int(nbytes * FRAGMENTATION)
 
@@ -318,19 +288,18 @@ def _activations(
     encode when the model has a text encoder, and score when vqa runs on the GPU's encoder."""
     dit_batch = 2 * batch if run.cfg == "batched" else batch
     vae_batch = min(run.vae_batch or batch, batch)
+    args = (dit_batch, height, width, run.text_len, e)
     acts = {
-        "denoise": dit_activation_bytes(
-            model.transformer, dit_batch, height, width, run.text_len, e, run.attention, run.device
-        )
-        + _fp8_transient(model, run, dit_batch, height, width, e),
-        "decode": vae_decode_activation_bytes(model.vae, vae_batch, height, width, e),
+        "denoise": model.dit_activation_bytes(*args, attention=run.attention, device=run.device)
+        + model.fp8_transient_bytes(run.quantization, *args),
+        "decode": model.vae_decode_activation_bytes(vae_batch, height, width, e),
     }
-    if model.text_encoder is not None:
-        qwen = "vision_config" in model.text_encoder
-        tokens = run.text_len + (QWEN_TEMPLATE_TOKENS if qwen else 0)
-        acts["encode"] = text_encode_activation_bytes(model.text_encoder, tokens, e)
-        if run.vqa and qwen and run.text_encoder == "gpu":
-            acts["score"] = vqa_activation_bytes(model.text_encoder, height, width, run.text_len, e)
+    encode = model.text_encode_activation_bytes(run.text_len, e)
+    if encode is not None:
+        acts["encode"] = encode
+        score = model.vqa_activation_bytes(height, width, run.text_len, e)
+        if run.vqa and score is not None and run.text_encoder == "gpu":
+            acts["score"] = score
     return acts
 
 

@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 from ditfleet.model.family_types import AttentionCounters, CompileRegion, Size, TextConditioning
 from ditfleet.model.loading.folder import TINY_MODEL_DIR
-from ditfleet.model.memory import MemoryPlan, ModelMemory, dit_activation_bytes, largest_batch, plan_memory
+from ditfleet.model.memory import MemoryPlan, ModelMemory, largest_batch, plan_memory
 from ditfleet.model.quality.table import PIPELINE_QWEN_VL
 from ditfleet.model.qwen_image.edit import EDIT_STYLES, source_tokens, task_of_class
+from ditfleet.model.qwen_image.memory_model import QwenImageMemory
 from ditfleet.model.qwen_image.published import PUBLISHED
 from ditfleet.model.qwen_image.transformer_config import TransformerConfig
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH_LIMIT
@@ -29,6 +30,7 @@ from ditfleet.model.tiny.sizes import TINY_BUCKETS
 
 if TYPE_CHECKING:
     from ditfleet.model.generation.pipeline import TextToImagePipeline
+    from ditfleet.model.generation.sampling import PrepareInputs
 
 # Qwen-Image's recommended sizes per aspect ratio. Its 4:3 and 3:4 sizes are 1472x1140 and
 # 1140x1472; 1140 is not a multiple of 16, so they are replaced by the nearest multiple, 1136
@@ -57,13 +59,13 @@ class MemoryFormula:
 
     def from_dir(self, root: str | Path, name: str | None = None) -> ModelMemory:
         """The configs of a local model folder (transformer/, vae/, text_encoder/)."""
-        return ModelMemory.from_dir(root, name=name)
+        return QwenImageMemory.from_dir(root, name=name)
 
     def from_configs(
         self, transformer: dict, vae: dict, text_encoder: dict | None, name: str = "", where: str = ""
     ) -> ModelMemory:
         """The same from config.json contents read elsewhere (an object store)."""
-        return ModelMemory.from_configs(transformer, vae, text_encoder, name=name, where=where)
+        return QwenImageMemory.from_configs(transformer, vae, text_encoder, name=name, where=where)
 
     def plan(self, model: ModelMemory, **kwargs: Any) -> MemoryPlan:
         """`model.memory.plan_memory`: one image size and batch, phase by phase."""
@@ -77,8 +79,11 @@ class MemoryFormula:
         self, model: ModelMemory, height: int, width: int, text_len: int, element_bytes: int
     ) -> int:
         """Bytes per image that attention without a fused kernel (the masked math path) adds."""
-        args = (model.transformer, 1, height, width, text_len, element_bytes)
-        return dit_activation_bytes(*args, "math") - dit_activation_bytes(*args, "fused")
+        args = (1, height, width, text_len, element_bytes)
+        math, fused = (
+            model.dit_activation_bytes(*args, attention=a, device="cpu") for a in ("math", "fused")
+        )
+        return math - fused
 
 
 def _vae_owners(vae: Any) -> list[tuple[str, Any]]:
@@ -305,6 +310,33 @@ class QwenImageFamily:
         """(heads, head dim) of the DiT's joint attention."""
         config = TransformerConfig.from_dict(transformer_config)
         return config.num_attention_heads, config.attention_head_dim
+
+    @property
+    def prepare_inputs(self) -> PrepareInputs:
+        """`model.qwen_image.transformer.prepare_inputs`: what the shared loop hands its DiT."""
+        from ditfleet.model.qwen_image.transformer import prepare_inputs
+
+        return prepare_inputs
+
+    def load_text_encoder(self, root: Path, device: Any, dtype: Any) -> Any:
+        """`model.qwen_image.loader.load_text_encoder`: Qwen2.5-VL, or the tiny model's own encoder."""
+        from ditfleet.model.qwen_image.loader import load_text_encoder
+
+        return load_text_encoder(root, device, dtype)
+
+    def random_text_encoder(
+        self, config: dict, tokenizer: Any, device: Any, dtype: Any, seed: int = 0
+    ) -> Any:
+        """`QwenVLTextEncoder.random`: a Qwen2.5-VL of `config`, random weights made on `device`."""
+        from ditfleet.model.qwen_image.text_encoder import QwenVLTextEncoder
+
+        return QwenVLTextEncoder.random(config, tokenizer, device, dtype, seed)
+
+    def runs_scaled_gemms(self, pipe: Any) -> bool:
+        """`model.qwen_image.fp8.runs_scaled_gemms` of the pipeline's DiT."""
+        from ditfleet.model.qwen_image.fp8 import runs_scaled_gemms
+
+        return runs_scaled_gemms(pipe.transformer)
 
     def load_pipeline(self, path: str | Path, *args: Any, **kwargs: Any) -> TextToImagePipeline:
         """`model.qwen_image.loader.load_pipeline`: the checkpoint at `path` as a pipeline."""

@@ -11,12 +11,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import struct
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from ditfleet.model.generation.components import TextEncoder
 from ditfleet.model.generation.pipeline import TextToImagePipeline
 from ditfleet.model.generation.scheduler import SchedulerConfig
 from ditfleet.model.loading.checkpoint import Checkpoint, load_streaming
@@ -24,6 +24,7 @@ from ditfleet.model.loading.folder import (  # noqa: F401 - re-exported: the fol
     REQUIRED_COMPONENTS,
     TINY_MODEL_DIR,
     model_dir_layout,
+    model_revision,
     text_encoder_kind,
 )
 from ditfleet.model.loading.quantization import check_quantization, fp8_keep, quantized_revision
@@ -37,29 +38,10 @@ from ditfleet.model.qwen_image.lora import (
     plan_updates,
     read_lora,
 )
-from ditfleet.model.qwen_image.text_encoder import QwenVLTextEncoder, TextEncoder
-from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
+from ditfleet.model.qwen_image.text_encoder import QwenVLTextEncoder
+from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig, prepare_inputs
 from ditfleet.model.qwen_image.vae import load_vae
 from ditfleet.model.settings import DEFAULT_PIPELINE, Fp8Layers, PipelineSettings, Quantization
-
-
-def model_revision(root: Path) -> str:
-    """A cheap content fingerprint: configs plus each safetensors file's size and header.
-
-    The header lists every tensor's name, dtype, shape and byte offsets, so any change in
-    architecture or any re-save is seen, without hashing tens of gigabytes.
-    """
-    h = hashlib.sha256()
-    for comp in sorted(p for p in root.iterdir() if p.is_dir()):
-        for cfg in sorted(comp.glob("*.json")):
-            h.update(f"{comp.name}/{cfg.name}".encode())
-            h.update(cfg.read_bytes())
-        for st in sorted(comp.glob("*.safetensors")):
-            with st.open("rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                h.update(f"{comp.name}/{st.name}:{st.stat().st_size}".encode())
-                h.update(f.read(n))
-    return h.hexdigest()[:16]
 
 
 def prepare_transformer(
@@ -204,5 +186,6 @@ def load_pipeline(
         model_id=model_id or str(path),
         model_revision=revision,
         settings=settings,
+        prepare_inputs=prepare_inputs,
         edit=edit,
     )

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,19 +34,6 @@ QWEN_IMAGE_TEMPLATE = (
 )
 QWEN_IMAGE_DROP_TOKENS = 34
 QWEN_TOKENIZER_MAX = 1024
-
-
-class TextEncoder(Protocol):
-    # Read-only: an encoder may hold it as an attribute or compute it (a property).
-    @property
-    def hidden_size(self) -> int: ...
-
-    def encode(
-        self, prompts: list[str], max_length: int = MAX_SEQUENCE_LENGTH
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    # Optional: `count_tokens(prompts, max_length) -> list[int]`, the L of each prompt's
-    # embedding without running the model; the worker batches prompts of like length with it.
 
 
 class QwenVLTextEncoder:
@@ -86,6 +73,20 @@ class QwenVLTextEncoder:
         if processor_dir is not None:
             images = AutoImageProcessor.from_pretrained(str(processor_dir), local_files_only=True)
         return cls(model.to(device).eval(), tok, device, dtype, images)
+
+    @classmethod
+    def random(
+        cls, config: dict, tokenizer, device: torch.device, dtype: torch.dtype, seed: int = 0
+    ) -> QwenVLTextEncoder:
+        """A Qwen2.5-VL of `config` (a text_encoder config.json's contents) with random weights made
+        on `device` (transformers' own init: its rotary buffers are computed, not drawn), behind
+        this wrapper with `tokenizer`: the node self-test's vqa line."""
+        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model: Any = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**config))
+        return cls(model.to(dtype).eval().requires_grad_(False), tokenizer, device, dtype)
 
     def count_tokens(self, prompts: list[str], max_length: int = MAX_SEQUENCE_LENGTH) -> list[int]:
         """Each prompt's embedding length as `encode` makes it (tokenizer only, no model)."""

@@ -344,6 +344,12 @@ class QwenImageTransformer(nn.Module):
         self.proj_out = nn.Linear(D, config.patch_size**2 * out_channels)
         self.modulation_cache = ModulationCache(config.num_layers, modulation_cache)
 
+    # Where it computes and in what dtype (model.generation.components.Denoiser): img_in's, a
+    # Linear every quantization keeps in the load dtype (model.qwen_image.fp8).
+    @property
+    def device(self) -> torch.device:
+        return self.img_in.weight.device
+
     @property
     def dtype(self) -> torch.dtype:
         return self.img_in.weight.dtype

@@ -46,15 +46,7 @@ EXEMPT = {
 # Each is a debt to move behind the face (model/family.py); a listed path that no longer imports one
 # fails the test (then delete its line), so the list only shrinks.
 IMPORT_EXEMPT = {
-    "compile/policy.py": "qwen_image.fp8.runs_scaled_gemms",
-    "compile/prepare.py": "qwen_image.fp8.runs_scaled_gemms",
-    "workers/actor.py": "qwen_image.fp8.runs_scaled_gemms, qwen_image.loader.load_text_encoder",
-    "workers/generate.py": "qwen_image.memory_activations.image_tokens",
-    "workers/scorers.py": "qwen_image.loader.load_text_encoder",
-    "jobs/inspect_model.py": "qwen_image.memory_params.transformer_weight_bytes",
     "workers/selftest/parts.py": "qwen_image.fp8 (quantize_model, check_device), the config classes",
-    "workers/selftest/speed.py": "qwen_image.transformer_config.TransformerConfig (a type)",
-    "workers/selftest/vqa.py": "qwen_image.text_encoder.QwenVLTextEncoder (the vqa scorer's encoder)",
     # And all of EXEMPT's paths: the test scaffolding builds Qwen-Image models.
 }
 
@@ -64,6 +56,7 @@ GENERIC = {
     "act": "an activation, anywhere",
     "body": "an HTTP body, a report's body",
     "config": "every layer's config object",
+    "device": "a tensor's, a module's, a pipeline's or a job's device",
     "dtype": "a tensor's or a setting's dtype",
     "eps": "an epsilon",
     "forward": "nn.Module's own method",
@@ -274,6 +267,50 @@ def test_the_import_check_catches_each_way_of_importing():
         (2, "ditfleet.model.qwen_image.fp8"),
         (4, "ditfleet.model.qwen_image"),
     ]
+
+
+# model/'s shared machinery, which every family runs through: it asks the family (a Protocol it
+# defines, or what the family hands it) and imports no family's folder. Not yet the pipeline
+# (model/generation/pipeline.py): its text-to-image modules are Protocols and its prepare_inputs
+# the family's (test_the_pipeline_is_typed_with_protocols...), but the edit path still imports
+# model.qwen_image.edit, edit_sources and transformer.EditInputs; an edit-conditioning Protocol
+# that the family hands, as it hands prepare_inputs, would let it join this list.
+FAMILY_FREE = {
+    "model/memory/plan.py": "the shapes come from the family's ModelMemory (parameters, activation peaks, "
+    "the FP8 GEMMs' transients, the modulation table)",
+    "model/generation/sampling.py": "the loop calls the family's denoiser with what its prepare_inputs made",
+    "model/generation/components.py": "the Protocols a family's modules meet",
+}
+
+
+def test_the_pipeline_is_typed_with_protocols_and_run_on_the_familys_prepare_inputs():
+    """TextToImagePipeline's modules are typed with model.generation.components' Protocols, not a
+    family's classes, and the loop calls the DiT with what the family's prepare_inputs makes."""
+    import inspect
+
+    from ditfleet.model import load_pipeline
+    from ditfleet.model.family import model_family
+    from ditfleet.model.generation.pipeline import TextToImagePipeline
+
+    params = inspect.signature(TextToImagePipeline.__init__).parameters
+    assert {k: params[k].annotation for k in ("transformer", "vae", "text_encoder")} == {
+        "transformer": "Denoiser",
+        "vae": "Vae",
+        "text_encoder": "TextEncoder | None",
+    }
+    assert params["prepare_inputs"].kind is inspect.Parameter.KEYWORD_ONLY
+    pipe = load_pipeline("tiny")
+    assert pipe.prepare_inputs is model_family(pipe).prepare_inputs
+    assert (pipe.device, pipe.dtype) == (pipe.transformer.device, pipe.transformer.dtype)
+
+
+@pytest.mark.parametrize("rel", sorted(FAMILY_FREE))
+def test_the_shared_machinery_imports_no_family(rel):
+    problems = [
+        f"{rel}:{line}: imports {module}"
+        for line, module in family_imports(ast.parse((REPO / rel).read_text()))
+    ]
+    assert not problems, f"{FAMILY_FREE[rel]}:\n" + "\n".join(problems)
 
 
 @pytest.mark.parametrize("rel", sorted(IMPORT_EXEMPT))

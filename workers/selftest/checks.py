@@ -189,7 +189,7 @@ def correctness(ctx: Context) -> None:
         )
     ctx.check("diffusers")
     size, text_len = (64, 8) if ctx.tiny else (512, 64)
-    ours = pipe.transformer
+    ours: Any = pipe.transformer  # the family's DiT as parts builds it (its config is parts' DiTConfig)
     x, txt, shapes = dit_inputs(ours.config, size, text_len, 1, ctx.device, ctx.dtype)
     t = torch.full((1,), 0.7, device=ctx.device, dtype=ctx.dtype)
     with torch.no_grad():

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from ditfleet.model.family import DEFAULT_FAMILY
 from ditfleet.model.generation.sampling import LATENT_CHANNELS, latent_grid
 from ditfleet.model.loading.quantization import QuantizationError, fp8_keep
+from ditfleet.model.memory import ModelMemory
 from ditfleet.model.qwen_image.fp8 import check_device, quantize_model
 from ditfleet.model.qwen_image.transformer_config import TransformerConfig
 from ditfleet.model.qwen_image.vae_config import VAEConfig
@@ -37,14 +38,30 @@ FAMILY = DEFAULT_FAMILY
 # -- configs, weights, timing ----------------------------------------------------------------------
 
 
-def transformer_config(ctx: Context, layers: int) -> TransformerConfig:
+# The family's DiT config as the stages pass it around (speed.py types with it from here: this
+# module is the self-test's one import of the family's folder).
+DiTConfig = TransformerConfig
+
+
+def config_file(ctx: Context, rel: str, layers: int | None = None) -> dict:
+    """The family's config file `rel` at the run's widths (toy with --tiny, else published)."""
     widths = FAMILY.toy_config if ctx.tiny else FAMILY.published_config
-    return TransformerConfig.from_dict(widths("transformer/config.json", layers))
+    return widths(rel, layers)
+
+
+def transformer_config(ctx: Context, layers: int) -> TransformerConfig:
+    return TransformerConfig.from_dict(config_file(ctx, "transformer/config.json", layers))
 
 
 def vae_config(ctx: Context) -> VAEConfig:
-    widths = FAMILY.toy_config if ctx.tiny else FAMILY.published_config
-    return VAEConfig.from_dict(widths("vae/config.json"))
+    return VAEConfig.from_dict(config_file(ctx, "vae/config.json"))
+
+
+def plan_model(ctx: Context, cfg: TransformerConfig) -> ModelMemory:
+    """The self-test's DiT (and VAE) as the memory plan sees them: the family's formula, no text encoder."""
+    return FAMILY.memory.from_configs(
+        cfg.to_dict(), config_file(ctx, "vae/config.json"), None, name="selftest"
+    )
 
 
 def sizes(ctx: Context) -> list[int]:

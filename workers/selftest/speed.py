@@ -19,21 +19,21 @@ from ditfleet.compile.policy import CompileReport, apply_compile
 from ditfleet.model.generation.pipeline import Generation, GuidanceInputs, Sampling, TextToImagePipeline
 from ditfleet.model.generation.sampling import euler_step, true_cfg
 from ditfleet.model.generation.scheduler import SchedulerConfig
-from ditfleet.model.memory import GB, ModelMemory, Runtime, plan_memory, vae_decode_activation_bytes
-from ditfleet.model.qwen_image.transformer_config import TransformerConfig
+from ditfleet.model.memory import GB, Runtime, plan_memory
 from ditfleet.model.step_cache_config import PRESETS, StepCacheConfig
 from ditfleet.workers.selftest.compile_check import compile_config
 from ditfleet.workers.selftest.parts import (
     FAMILY,
+    DiTConfig,
     dit_inputs,
     forward_flops,
     make_transformer,
     make_vae,
+    plan_model,
     sizes,
     sync,
     timed_ms,
     transformer_config,
-    vae_config,
 )
 from ditfleet.workers.selftest.runner import Context, StageSkipped, stage
 
@@ -59,7 +59,7 @@ def _pct(ctx: Context, flops: float, ms: float) -> float | None:
     return round(100 * flops / (ms / 1000) / (ceiling * 1e12), 1)
 
 
-def dit_call(ctx: Context, cfg: TransformerConfig, size: int) -> tuple[Callable[[Any], torch.Tensor], int]:
+def dit_call(ctx: Context, cfg: DiTConfig, size: int) -> tuple[Callable[[Any], torch.Tensor], int]:
     """One DiT forward of batch 1 at `size` on random inputs, as call(model), and its image tokens.
 
     Each call passes a timestep tensor of its own, so every forward computes the blocks'
@@ -112,9 +112,9 @@ def dit_eager(ctx: Context) -> None:
 
 
 def _memory_vs_plan(
-    ctx: Context, cfg: TransformerConfig, size: int, text_len: int, base: int, weights: int
+    ctx: Context, cfg: DiTConfig, size: int, text_len: int, base: int, weights: int
 ) -> dict[str, Any]:
-    model = ModelMemory(cfg, vae_config(ctx), None, "selftest")
+    model = plan_model(ctx, cfg)
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[ctx.dtype]
     run = Runtime(dtype=dtype, text_encoder="cpu", text_len=text_len, device=ctx.device.type)
     plan = plan_memory(model, height=size, width=size, batch=1, run=run)
@@ -291,7 +291,7 @@ def vae_decode(ctx: Context) -> None:
         line["compiled_ms"] = timed_ms(ctx, lambda: vae.decode(z), repeat=ctx.args.repeat)
     e = torch.finfo(ctx.dtype).bits // 8
     line["plan_activations_gb"] = round(
-        vae_decode_activation_bytes(vae_config(ctx), 1, size, size, e) / GB, 3
+        plan_model(ctx, transformer_config(ctx, 1)).vae_decode_activation_bytes(1, size, size, e) / GB, 3
     )
     line["speedup"] = round(line["eager_ms"] / line["compiled_ms"], 3)
     if compiled is not None:
@@ -337,7 +337,9 @@ def step_cache(ctx: Context) -> None:
     the distance says nothing of a real model's quality (`ditfleet calibrate` measures that); the
     wall-time speed-up next to the work speed-up shows what the decisions, the batch subsets and
     the kept residuals cost on the device."""
-    pipe = TextToImagePipeline(full_model(ctx), ctx.state["vae"], ctx.state["scheduler"])
+    pipe = TextToImagePipeline(
+        full_model(ctx), ctx.state["vae"], ctx.state["scheduler"], prepare_inputs=FAMILY.prepare_inputs
+    )
     size, steps, text, width = sizes(ctx)[0], 20, 64, FAMILY.text_conditioning(pipe).width
     g = torch.Generator().manual_seed(3)
     inputs: GuidanceInputs = {
@@ -394,7 +396,7 @@ def dit_compiled_other_sizes(ctx: Context) -> None:
 def pipeline_to_compile(model: Any, vae: Any) -> TextToImagePipeline:
     """`model` and `vae` in a pipeline for apply_compile, which compiles its modules and never
     samples: the schedule (the default, Qwen-Image's) is never read."""
-    return TextToImagePipeline(model, vae, SchedulerConfig())
+    return TextToImagePipeline(model, vae, SchedulerConfig(), prepare_inputs=FAMILY.prepare_inputs)
 
 
 def compile_dit(ctx: Context, model: Any) -> CompileReport:

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from ditfleet.model.quality.vqa import QUESTION, VQAScore
-from ditfleet.model.qwen_image.text_encoder import QwenVLTextEncoder
 from ditfleet.workers.selftest import speed  # noqa: F401 - registers images_per_hour, which this line follows
 from ditfleet.workers.selftest.parts import FAMILY, sizes, sync, timed_ms
 from ditfleet.workers.selftest.runner import Context, StageSkipped, stage
@@ -60,18 +59,10 @@ def byte_level_tokenizer() -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|im_end|>")
 
 
-def make_encoder(
-    config: dict[str, Any], device: torch.device, dtype: torch.dtype, seed: int = 0
-) -> QwenVLTextEncoder:
-    """A random Qwen2.5-VL of `config` on `device` (transformers' own init: its rotary buffers are
-    computed, not drawn) behind the pipeline's encoder wrapper."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model: Any = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**config))
-    model = model.to(dtype).eval().requires_grad_(False)
-    return QwenVLTextEncoder(model, byte_level_tokenizer(), device, dtype)
+def make_encoder(config: dict[str, Any], device: torch.device, dtype: torch.dtype, seed: int = 0) -> Any:
+    """A random Qwen2.5-VL of `config` on `device` behind the pipeline's encoder wrapper (the
+    family's `random_text_encoder`), with the byte-level tokenizer."""
+    return FAMILY.random_text_encoder(config, byte_level_tokenizer(), device, dtype, seed)
 
 
 @stage("vqa", estimate_s=2, limit_s=60, after="images_per_hour")

@@ -80,7 +80,13 @@ def batch_generator(ctx: Context) -> None:
         raise StageSkipped("needs the scheduler of the correctness stage")
     encoder = RandomTextEncoder(FAMILY.text_width(model.config.to_dict()))
     pipe = TextToImagePipeline(
-        model, vae, scheduler, encoder, model_id="selftest", settings=PipelineSettings()
+        model,
+        vae,
+        scheduler,
+        encoder,
+        model_id="selftest",
+        settings=PipelineSettings(),
+        prepare_inputs=FAMILY.prepare_inputs,
     )
     size, steps, images = sizes(ctx)[0], ctx.args.worker_steps, ctx.args.worker_images
     generator = BatchGenerator(pipe)

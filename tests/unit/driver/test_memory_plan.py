@@ -14,19 +14,10 @@ import torch
 
 from ditfleet.jobs.cli import main
 from ditfleet.model.loading.weights import read_config
-from ditfleet.model.memory import (
-    GB,
-    ModelMemory,
-    Runtime,
-    checkpoint_size,
-    dit_activation_bytes,
-    largest_batch,
-    plan_memory,
-    text_encoder_params,
-    transformer_params,
-    vae_decode_activation_bytes,
-    vae_params,
-)
+from ditfleet.model.memory import GB, Runtime, checkpoint_size, largest_batch, plan_memory
+from ditfleet.model.qwen_image.memory_activations import dit_activation_bytes, vae_decode_activation_bytes
+from ditfleet.model.qwen_image.memory_model import QwenImageMemory
+from ditfleet.model.qwen_image.memory_params import text_encoder_params, transformer_params, vae_params
 from ditfleet.model.qwen_image.published import PUBLISHED as ALL_PUBLISHED
 from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
 from ditfleet.model.qwen_image.vae import QwenImageVAE, VAEConfig
@@ -45,9 +36,9 @@ def published_configs() -> tuple[dict, dict, dict]:
 
 
 @pytest.fixture(scope="module")
-def qwen() -> ModelMemory:
+def qwen() -> QwenImageMemory:
     t, v, te = published_configs()
-    return ModelMemory.from_configs(t, v, te, name="Qwen-Image")
+    return QwenImageMemory.from_configs(t, v, te, name="Qwen-Image")
 
 
 def _count(module: torch.nn.Module) -> int:
@@ -86,7 +77,7 @@ def test_qwen_text_encoder_count_matches_transformers_on_meta():
 
 def test_tiny_counts_match_its_checkpoint_headers():
     root = REPO / "model" / "tiny" / "weights"
-    params = ModelMemory.from_dir(root).params()
+    params = QwenImageMemory.from_dir(root).params()
     for component in ("transformer", "text_encoder"):
         assert checkpoint_size(root / component).params == params[component]
     # The VAE checkpoint is the 3D video layout with the encoder; we load 2D decoder slices.

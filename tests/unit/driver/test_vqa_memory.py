@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from ditfleet.jobs.cli import main
-from ditfleet.model.memory import ModelMemory, Runtime, plan_memory, vqa_activation_bytes
-from ditfleet.model.qwen_image.memory_activations import VQA_TEMPLATE_TOKENS
+from ditfleet.model.memory import Runtime, plan_memory
+from ditfleet.model.qwen_image.memory_activations import VQA_TEMPLATE_TOKENS, vqa_activation_bytes
+from ditfleet.model.qwen_image.memory_model import QwenImageMemory
 from tests.support.memory_measure import peak_allocated_bytes
 from tests.unit.driver.test_memory_plan import (
     DTYPES,
@@ -75,7 +76,7 @@ def test_the_vqa_estimate_matches_the_measured_peak_at_the_published_widths(dtyp
 
 
 def test_vqa_adds_a_score_phase_where_the_text_encoder_sits_on_the_gpu():
-    qwen = ModelMemory.from_configs(*published_configs(), name="Qwen-Image")
+    qwen = QwenImageMemory.from_configs(*published_configs(), name="Qwen-Image")
     text_encoder = published_configs()[2]
     # At 1328x1328 in bf16: 8,836 patches (1316 / 14 = 94 a side), 2,209 image tokens, the
     # prompt at 512 and the question's 48: the language model's peak (2,769 tokens) sets it.
