@@ -9,16 +9,20 @@ without loading torch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ditfleet.model.family_types import Size
 from ditfleet.model.loading.folder import read_config
+from ditfleet.model.qwen_image.edit import source_size, source_tokens
 from ditfleet.model.qwen_image.memory_activations import (
     dit_activation_bytes,
     image_tokens,
     text_encode_activation_bytes,
     vae_decode_activation_bytes,
+    vae_encode_activation_bytes,
     vqa_activation_bytes,
 )
 from ditfleet.model.qwen_image.memory_params import (
@@ -88,12 +92,26 @@ class QwenImageMemory:
         """The DiT's weights as loaded (memory_params.transformer_weight_bytes)."""
         return transformer_weight_bytes(self.transformer, e, quantization, fp8_layers)
 
-    def dit_activation_bytes(self, *args: Any, **kwargs: Any) -> int:
-        """memory_activations.dit_activation_bytes of this DiT (the arguments after its config)."""
-        return dit_activation_bytes(self.transformer, *args, **kwargs)
+    def dit_activation_bytes(self, *args: Any, sources: Sequence[Size] = (), **kwargs: Any) -> int:
+        """memory_activations.dit_activation_bytes of this DiT (the arguments after its config);
+        an edit's `sources` ((width, height) of each source of a row) add their latent tokens."""
+        return dit_activation_bytes(self.transformer, *args, source_tokens=source_tokens(sources), **kwargs)
+
+    def source_encode_activation_bytes(self, batch: int, sources: Sequence[Size], e: int) -> int:
+        """An edit's sources through the VAE's encoder, each at its VAE size: one call per source
+        of a row, over the batch's rows (model.qwen_image.edit_sources); 0 without sources."""
+        sizes = [source_size(w, h) for w, h in sources]
+        return max((vae_encode_activation_bytes(self.vae, batch, h, w, e) for w, h in sizes), default=0)
 
     def fp8_transient_bytes(
-        self, quantization: Quantization, batch: int, height: int, width: int, text_len: int, e: int
+        self,
+        quantization: Quantization,
+        batch: int,
+        height: int,
+        width: int,
+        text_len: int,
+        e: int,
+        sources: Sequence[Size] = (),
     ) -> int:
         """What the FP8 GEMMs (model.qwen_image.fp8) hold beyond the bf16 forward's tensors at its
         peak (the MLP down-projection): `fp8` the scaled copy's FP8 codes of its 4D-wide input, one
@@ -101,7 +119,7 @@ class QwenImageMemory:
         `fp8-weight-only` the largest weight dequantized, and its cast, for the duration of one GEMM."""
         D = self.transformer.inner_dim
         if quantization == "fp8":
-            return batch * max(image_tokens(height, width), text_len) * 4 * D
+            return batch * max(image_tokens(height, width) + source_tokens(sources), text_len) * 4 * D
         if quantization == "fp8-weight-only":
             return 2 * 4 * D * D * e
         return 0
