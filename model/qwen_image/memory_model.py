@@ -92,10 +92,24 @@ class QwenImageMemory:
         """The DiT's weights as loaded (memory_params.transformer_weight_bytes)."""
         return transformer_weight_bytes(self.transformer, e, quantization, fp8_layers)
 
-    def dit_activation_bytes(self, *args: Any, sources: Sequence[Size] = (), **kwargs: Any) -> int:
-        """memory_activations.dit_activation_bytes of this DiT (the arguments after its config);
-        an edit's `sources` ((width, height) of each source of a row) add their latent tokens."""
-        return dit_activation_bytes(self.transformer, *args, source_tokens=source_tokens(sources), **kwargs)
+    def dit_activation_bytes(
+        self,
+        batch: int,
+        height: int,
+        width: int,
+        text_len: int,
+        e: int,
+        *,
+        attention: str = "fused",
+        device: str = "cpu",
+        sources: Sequence[Size] = (),
+    ) -> int:
+        """memory_activations.dit_activation_bytes of this DiT; an edit's `sources` ((width,
+        height) of each source of a row) add their latent tokens (model.qwen_image.edit)."""
+        tokens = source_tokens(sources)
+        return dit_activation_bytes(
+            self.transformer, batch, height, width, text_len, e, attention, device, tokens
+        )
 
     def source_encode_activation_bytes(self, batch: int, sources: Sequence[Size], e: int) -> int:
         """An edit's sources through the VAE's encoder, each at its VAE size: one call per source
