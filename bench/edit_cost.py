@@ -28,10 +28,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
+import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,21 +46,14 @@ from ditfleet.model.qwen_image.memory_activations import image_tokens
 from ditfleet.model.qwen_image.transformer_config import TransformerConfig
 from ditfleet.testing.models import write_toy_edit_checkpoint
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: bench/ as a package
+from bench.vqa_cost import cpu_ms  # noqa: E402 - CPU time of this process, median of repeats
+
 H100_BF16_PEAK_TFLOPS = 989.0  # dense, SXM datasheet (bench/dit_forward.py's table)
 MEASURED_SHARE_OF_PEAK = 0.57  # the compiled DiT's 125 ms at 1024x1024 on an H200 (docs/performance.md)
 PLUS = EDIT_STYLES["QwenImageEditPlusPipeline"]
 SOURCES = (0, 1, 2)
 FAMILY = model_family("tiny")  # Qwen-Image's family: the toy and the published checkpoints share it
-
-
-def cpu_ms(fn: Callable[[], Any], repeat: int) -> float:
-    fn()  # warm
-    times = []
-    for _ in range(repeat):
-        t0 = time.process_time()
-        fn()
-        times.append((time.process_time() - t0) * 1000)
-    return statistics.median(times)
 
 
 def measured(size: int, steps: int, repeat: int) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from typing import Any
 from ditfleet.driver.output.cost import image_cost, money_phrase
 from ditfleet.jobs.exit_codes import UsageError
 from ditfleet.jobs.spec import JobSpec
-from ditfleet.model.family import Size, model_family
+from ditfleet.model.family import SourceSizes, model_family
 from ditfleet.model.generation.guidance import cfg_on
 from ditfleet.model.settings import resolve_modulation_cache
 
@@ -94,7 +94,7 @@ def _edit_factor(
     line: Mapping[str, Any],
     width: int,
     height: int,
-    sources: Sequence[Size],
+    sources: SourceSizes,
 ) -> float | None:
     """An edit step's cost over the text step `line` measured (1.0 for a text job; None when the
     family states no FLOPs or the config is unknown)."""
@@ -114,7 +114,7 @@ def estimate_cost(
     *,
     compiled_dit: bool,
     compiled_vae: bool,
-    sources: Sequence[Size] = (),
+    sources: SourceSizes = (),
     transformer_config: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The plan's `cost`: per bucket, seconds per image and dollars per million, and what they

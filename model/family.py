@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -64,6 +64,7 @@ from ditfleet.model.family_types import (
     AttentionCounters,
     CompileRegion,
     Size,
+    SourceSizes,
     TextConditioning,
 )
 from ditfleet.model.loading.folder import TINY_MODEL, WeightsError, model_dir_layout
@@ -97,6 +98,7 @@ __all__ = [
     "PublishedSchedule",
     "SCHEDULER_FILE",
     "Size",
+    "SourceSizes",
     "TASKS",
     "TEXT_TO_IMAGE",
     "TextConditioning",
@@ -156,12 +158,7 @@ class ModelFamily(Protocol):
     def attention_counters(self, pipe: Any) -> AttentionCounters: ...
 
     def forward_flops(
-        self,
-        transformer_config: dict,
-        width: int,
-        height: int,
-        text_tokens: int,
-        sources: Sequence[Size] = (),
+        self, transformer_config: dict, width: int, height: int, text_tokens: int, sources: SourceSizes = ()
     ) -> float:
         """FLOPs of one DiT forward, one image of width x height, from the transformer's config.json;
         an edit's `sources` (each source image's (width, height)) add the tokens the family gives them."""

@@ -9,14 +9,14 @@ measured at warm-up on the actor (loader.py), which checks them before each batc
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 from ditfleet.model.diffusers_pipeline.index import PipelineIndex, read_index
-from ditfleet.model.family_types import TEXT_TO_IMAGE, CompileRegion, Size, TextConditioning
+from ditfleet.model.family_types import TEXT_TO_IMAGE, CompileRegion, Size, SourceSizes, TextConditioning
 from ditfleet.model.memory.disk import checkpoint_size
 from ditfleet.model.qwen_image.family import MemoryFormula
 
@@ -151,12 +151,7 @@ class DiffusersFamily:
         return TEXT_TO_IMAGE
 
     def forward_flops(
-        self,
-        transformer_config: dict,
-        width: int,
-        height: int,
-        text_tokens: int,
-        sources: Sequence[Size] = (),
+        self, transformer_config: dict, width: int, height: int, text_tokens: int, sources: SourceSizes = ()
     ) -> float:
         # No formula per pipeline class here: "% of peak" is not stated for this family (0: unknown).
         return 0.0

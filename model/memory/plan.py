@@ -7,11 +7,10 @@ model's configs); this module holds no family's configs or formulas.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ditfleet.model.family_types import Size
+from ditfleet.model.family_types import Size, SourceSizes
 from ditfleet.model.loading.quantization import check_quantization
 from ditfleet.model.settings import DEFAULT_PIPELINE, MAX_SEQUENCE_LENGTH, Fp8Layers, Quantization
 
@@ -45,39 +44,27 @@ class ModelMemory(Protocol):
         ...
 
     def dit_activation_bytes(
-        self,
-        batch: int,
-        height: int,
-        width: int,
-        text_len: int,
-        e: int,
-        *,
-        attention: str,
-        device: str,
-        sources: Sequence[Size] = (),
+        self, batch: int, height: int, width: int, text_len: int, e: int, *, attention: str, device: str
     ) -> int:
-        """Peak above the weights of one DiT forward of `batch` sequences ("fused" or "math"
-        attention); an edit's `sources` (each source image's (width, height)) add their tokens."""
-        ...
-
-    def source_encode_activation_bytes(self, batch: int, sources: Sequence[Size], e: int) -> int:
-        """An edit's sources of `batch` rows through the VAE's encoder (0 without sources)."""
+        """Peak above the weights of one DiT forward of `batch` sequences ("fused" or "math" attention)."""
         ...
 
     def fp8_transient_bytes(
-        self,
-        quantization: Quantization,
-        batch: int,
-        height: int,
-        width: int,
-        text_len: int,
-        e: int,
-        sources: Sequence[Size] = (),
+        self, quantization: Quantization, batch: int, height: int, width: int, text_len: int, e: int
     ) -> int:
         """What the quantized DiT's GEMMs hold beyond that forward's peak (0 unquantized)."""
         ...
 
     def vae_decode_activation_bytes(self, batch: int, height: int, width: int, e: int) -> int: ...
+
+    def for_sources(self, sources: SourceSizes) -> ModelMemory:
+        """The same model for an edit whose rows carry these sources ((width, height) each): the
+        DiT's figures above count their tokens, and `source_encode_activation_bytes` their encode."""
+        ...
+
+    def source_encode_activation_bytes(self, batch: int, e: int) -> int:
+        """The sources of `batch` rows through the VAE's encoder (0 without sources)."""
+        ...
 
     def text_encode_activation_bytes(self, text_len: int, e: int) -> int | None:
         """Encoding one prompt of `text_len` tokens; None without a text encoder."""
@@ -230,7 +217,7 @@ def plan_memory(
     run: Runtime = Runtime(),
     gpu_memory_gb: float | None = None,
     step_cache_tensors: int = 0,
-    sources: Sequence[Size] = (),
+    sources: SourceSizes = (),
 ) -> MemoryPlan:
     """The memory plan of generating `batch` images of height x width, run as `run` says.
 
@@ -245,9 +232,13 @@ def plan_memory(
             f"need batch >= 1 and sizes that are multiples of 16, got {batch} x {width}x{height}"
         )
     e = DTYPE_BYTES[run.dtype]
+    if sources:
+        model = model.for_sources(sources)
     weights = {k: v * e for k, v in model.params().items()}
     weights["transformer"] = model.dit_weight_bytes(e, check_quantization(run.quantization), run.fp8_layers)
-    acts = _activations(model, run, batch, height, width, e, tuple(sources))
+    acts = _activations(model, run, batch, height, width, e)
+    if sources:  # encoded with the batch's prompts, before the first step
+        acts["source_encode"] = model.source_encode_activation_bytes(batch, e)
     extra: dict[str, int] = {}
     if run.modulation_table_steps:
         extra["modulation_table"] = model.modulation_table_bytes(sum(run.modulation_table_steps), e)
@@ -298,7 +289,7 @@ def _phases(
     host = te_w if run.text_encoder != "gpu" else 0
     if "score" in acts:  # after the decode, the batch's pixels only beside the weights
         phases["score"] = resident + te_resident + _fragmented(acts["score"])
-    if "source_encode" in acts:  # an edit's sources, encoded with the batch's prompts
+    if "source_encode" in acts:
         phases["source_encode"] = resident + te_resident + _fragmented(acts["source_encode"])
     if "encode" in acts and run.text_encoder != "cpu":
         encode = resident + te_w + _fragmented(acts["encode"])
@@ -315,23 +306,18 @@ def _fragmented(nbytes: int) -> int:
 
 
 def _activations(
-    model: ModelMemory, run: Runtime, batch: int, height: int, width: int, e: int, sources: tuple[Size, ...]
+    model: ModelMemory, run: Runtime, batch: int, height: int, width: int, e: int
 ) -> dict[str, int]:
     """Activation bytes of each phase: denoise (the FP8 GEMMs' transients included), decode,
-    encode when the model has a text encoder, score when vqa runs on the GPU's encoder, and
-    source_encode for an edit's sources."""
+    encode when the model has a text encoder, and score when vqa runs on the GPU's encoder."""
     dit_batch = 2 * batch if run.cfg == "batched" else batch
     vae_batch = min(run.vae_batch or batch, batch)
     args = (dit_batch, height, width, run.text_len, e)
     acts = {
-        "denoise": model.dit_activation_bytes(
-            *args, attention=run.attention, device=run.device, sources=sources
-        )
-        + model.fp8_transient_bytes(run.quantization, *args, sources),
+        "denoise": model.dit_activation_bytes(*args, attention=run.attention, device=run.device)
+        + model.fp8_transient_bytes(run.quantization, *args),
         "decode": model.vae_decode_activation_bytes(vae_batch, height, width, e),
     }
-    if sources:
-        acts["source_encode"] = model.source_encode_activation_bytes(batch, sources, e)
     encode = model.text_encode_activation_bytes(run.text_len, e)
     if encode is not None:
         acts["encode"] = encode

@@ -16,11 +16,10 @@ frame index), and the DiT returns the target's only (model.qwen_image.transforme
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from ditfleet.model.family_types import EDIT, TEXT_TO_IMAGE, Size
+from ditfleet.model.family_types import EDIT, TEXT_TO_IMAGE, Size, SourceSizes
 from ditfleet.model.qwen_image.memory_activations import image_tokens
 from ditfleet.model.qwen_image.qwen_vision_size import smart_resize
 
@@ -133,7 +132,7 @@ def source_size(width: int, height: int, area: int = VAE_SOURCE_AREA) -> Size:
     return round(w / m) * m, round(h / m) * m
 
 
-def source_tokens(sizes: Sequence[Size], area: int = VAE_SOURCE_AREA) -> int:
+def source_tokens(sizes: SourceSizes, area: int = VAE_SOURCE_AREA) -> int:
     """The image tokens an edit's sources add to every DiT forward: each (width, height) source at
     its VAE size (`source_size`, whatever the target's size), one token per 16 x 16 pixels. The
     DiT carries them through every block beside the target's (model.qwen_image.transformer)."""

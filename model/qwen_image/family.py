@@ -11,13 +11,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from ditfleet.model.family_types import AttentionCounters, CompileRegion, Size, TextConditioning
+from ditfleet.model.family_types import AttentionCounters, CompileRegion, Size, SourceSizes, TextConditioning
 from ditfleet.model.loading.folder import TINY_MODEL_DIR
 from ditfleet.model.memory import MemoryPlan, ModelMemory, largest_batch, plan_memory
 from ditfleet.model.quality.table import PIPELINE_QWEN_VL
@@ -217,12 +217,7 @@ class QwenImageFamily:
         return pipe.transformer.attention_stats
 
     def forward_flops(
-        self,
-        transformer_config: dict,
-        width: int,
-        height: int,
-        text_tokens: int,
-        sources: Sequence[Size] = (),
+        self, transformer_config: dict, width: int, height: int, text_tokens: int, sources: SourceSizes = ()
     ) -> float:
         """FLOPs of one DiT forward for one image of width x height pixels with `text_tokens`
         prompt tokens; `transformer_config` is the transformer's config.json contents. An edit's

@@ -9,12 +9,11 @@ without loading torch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ditfleet.model.family_types import Size
+from ditfleet.model.family_types import Size, SourceSizes
 from ditfleet.model.loading.folder import read_config
 from ditfleet.model.qwen_image.edit import source_size, source_tokens
 from ditfleet.model.qwen_image.memory_activations import (
@@ -41,12 +40,18 @@ QWEN_TEMPLATE_TOKENS = 40
 
 @dataclass(frozen=True)
 class QwenImageMemory:
-    """What sizes a Qwen-Image model: its configs (text_encoder None when the folder has none)."""
+    """What sizes a Qwen-Image model: its configs (text_encoder None when the folder has none), and
+    for an edit the sources of a row ((width, height) each, `for_sources`): each adds its latent
+    tokens (model.qwen_image.edit.source_tokens) to every DiT forward, and a VAE encode."""
 
     transformer: TransformerConfig
     vae: VAEConfig
     text_encoder: dict[str, Any] | None = None
     name: str = ""
+    sources: tuple[Size, ...] = ()
+
+    def for_sources(self, sources: SourceSizes) -> QwenImageMemory:
+        return replace(self, sources=tuple(sources))
 
     @classmethod
     def from_dir(cls, root: str | Path, name: str | None = None) -> QwenImageMemory:
@@ -92,40 +97,21 @@ class QwenImageMemory:
         """The DiT's weights as loaded (memory_params.transformer_weight_bytes)."""
         return transformer_weight_bytes(self.transformer, e, quantization, fp8_layers)
 
-    def dit_activation_bytes(
-        self,
-        batch: int,
-        height: int,
-        width: int,
-        text_len: int,
-        e: int,
-        *,
-        attention: str = "fused",
-        device: str = "cpu",
-        sources: Sequence[Size] = (),
-    ) -> int:
-        """memory_activations.dit_activation_bytes of this DiT; an edit's `sources` ((width,
-        height) of each source of a row) add their latent tokens (model.qwen_image.edit)."""
-        tokens = source_tokens(sources)
+    def dit_activation_bytes(self, *args: Any, **kwargs: Any) -> int:
+        """memory_activations.dit_activation_bytes of this DiT (the arguments after its config),
+        the sources' tokens in its image stream."""
         return dit_activation_bytes(
-            self.transformer, batch, height, width, text_len, e, attention, device, tokens
+            self.transformer, *args, **{**kwargs, "source_tokens": source_tokens(self.sources)}
         )
 
-    def source_encode_activation_bytes(self, batch: int, sources: Sequence[Size], e: int) -> int:
-        """An edit's sources through the VAE's encoder, each at its VAE size: one call per source
-        of a row, over the batch's rows (model.qwen_image.edit_sources); 0 without sources."""
-        sizes = [source_size(w, h) for w, h in sources]
+    def source_encode_activation_bytes(self, batch: int, e: int) -> int:
+        """The sources through the VAE's encoder, each at its VAE size: one call per source of a
+        row, over the batch's rows (model.qwen_image.edit_sources); 0 without sources."""
+        sizes = [source_size(w, h) for w, h in self.sources]
         return max((vae_encode_activation_bytes(self.vae, batch, h, w, e) for w, h in sizes), default=0)
 
     def fp8_transient_bytes(
-        self,
-        quantization: Quantization,
-        batch: int,
-        height: int,
-        width: int,
-        text_len: int,
-        e: int,
-        sources: Sequence[Size] = (),
+        self, quantization: Quantization, batch: int, height: int, width: int, text_len: int, e: int
     ) -> int:
         """What the FP8 GEMMs (model.qwen_image.fp8) hold beyond the bf16 forward's tensors at its
         peak (the MLP down-projection): `fp8` the scaled copy's FP8 codes of its 4D-wide input, one
@@ -133,7 +119,7 @@ class QwenImageMemory:
         `fp8-weight-only` the largest weight dequantized, and its cast, for the duration of one GEMM."""
         D = self.transformer.inner_dim
         if quantization == "fp8":
-            return batch * max(image_tokens(height, width) + source_tokens(sources), text_len) * 4 * D
+            return batch * max(image_tokens(height, width) + source_tokens(self.sources), text_len) * 4 * D
         if quantization == "fp8-weight-only":
             return 2 * 4 * D * D * e
         return 0
