@@ -17,7 +17,7 @@ from ditfleet.compile.buckets import PROMPT_LENGTH_BUCKETS, ResolutionBucket, pr
 
 # model.loading.folder and model.memory read configs and safetensors headers without torch: planning a
 # job (`ditfleet plan`) does not load it.
-from ditfleet.model.family import family_of_class, model_family, resolve_model_dir
+from ditfleet.model.family import Size, family_of_class, model_family, resolve_model_dir
 from ditfleet.model.memory import GB, TEXT_ENCODER_PLACEMENTS, MemoryPlan, ModelMemory, Runtime
 from ditfleet.model.settings import DEFAULT_PIPELINE, MAX_SEQUENCE_LENGTH, Fp8Layers, Quantization
 from ditfleet.workers.storage import ObjectNotFound, S3Config, StoreError, open_store
@@ -51,6 +51,9 @@ class MemoryRequest:
     fp8_layers: Fp8Layers = DEFAULT_PIPELINE.fp8_layers  # which of its Linears are FP8
     step_cache_tensors: int = 0  # image-stream tensors a step cache keeps per CFG branch
     vqa: bool = False  # quality.scorers (or the gate) asks vqa of the text encoder
+    # An edit job's sources per row, (width, height) each: their tokens in every DiT forward and
+    # their VAE encode (model.memory.plan_memory's `sources`); () for a text job.
+    sources: tuple[Size, ...] = ()
 
     @property
     def text_len(self) -> int:
@@ -254,7 +257,9 @@ def plan_kwargs(request: MemoryRequest, **overrides: Any) -> dict[str, Any]:
         fp8_layers=request.fp8_layers,
         vqa=request.vqa,
     )
-    return dict(run=replace(run, **overrides), step_cache_tensors=request.step_cache_tensors)
+    return dict(
+        run=replace(run, **overrides), step_cache_tensors=request.step_cache_tensors, sources=request.sources
+    )
 
 
 def job_memory_plan(request: MemoryRequest, model: ModelMemory | None = None) -> JobMemoryPlan | None:

@@ -69,7 +69,7 @@ def _sampling_defaults(request: MemoryRequest) -> dict[str, Any]:
         found.schedule, PublishedDefaults
     ):  # a diffusers checkpoint's: how guidance acts, its text length
         out.update(guidance=found.schedule.guidance, max_sequence_length=found.schedule.text_length())
-    return out
+    return {**out, "notes": list(notes)} if notes else out
 
 
 def _components(model: ModelMemory, request: MemoryRequest) -> dict[str, Any]:
@@ -159,6 +159,7 @@ def format_inspection(info: dict[str, Any]) -> str:
         )
     else:
         lines.append("sampling defaults: ditfleet's (no published few-step schedule recognised)")
+    lines += [f"  note: {note}" for note in published.get("notes", ())]
     if "max_sequence_length" in published:
         lines.append(f"text length: {published['max_sequence_length']} tokens ({published['from']})")
     if "memory" in info:

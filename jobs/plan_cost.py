@@ -19,6 +19,12 @@ Per bucket of the job, at its default steps and CFG:
 GPU-seconds per image are that times the job's GPUs per actor; dollars per million at
 `cost.gpu_hour_usd` (driver.output.cost). Rows that set their own steps or CFG cost what their
 settings do; the estimate is for the job's defaults.
+
+An edit job's rows carry source images, which the self-test's text-to-image lines do not: with
+`sources` (each source's (width, height), a row's) and the model's transformer config, each
+bucket's step is scaled by the family's FLOPs of a forward with those sources over one without
+(`forward_flops(..., sources=)`: their latent tokens at the VAE's source size), at the measured
+line's text length. A family that states no FLOPs (0) gets no scaling, and the estimate says so.
 """
 
 from __future__ import annotations
@@ -31,10 +37,13 @@ from typing import Any
 from ditfleet.driver.output.cost import image_cost, money_phrase
 from ditfleet.jobs.exit_codes import UsageError
 from ditfleet.jobs.spec import JobSpec
+from ditfleet.model.family import SourceSizes, model_family
 from ditfleet.model.generation.guidance import cfg_on
 from ditfleet.model.settings import resolve_modulation_cache
 
 PATCH = 16  # pixels per image token side (VAE 8x, patch 2x)
+# The self-test's speed lines' prompt length where a line does not say (its --text-len default).
+DEFAULT_TEXT_LEN = 128
 
 
 def read_selftest(path: str) -> list[dict[str, Any]]:
@@ -79,12 +88,39 @@ def _scaled(line: dict[str, Any], value: float, width: int, height: int) -> floa
     return value * (width * height) / _side(line["size"]) ** 2
 
 
+def _edit_factor(
+    spec: JobSpec,
+    config: Mapping[str, Any] | None,
+    line: Mapping[str, Any],
+    width: int,
+    height: int,
+    sources: SourceSizes,
+) -> float | None:
+    """An edit step's cost over the text step `line` measured (1.0 for a text job; None when the
+    family states no FLOPs or the config is unknown)."""
+    if not sources:
+        return 1.0
+    if config is None:
+        return None
+    family, text_len = model_family(spec.model.path), int(line.get("text_len") or DEFAULT_TEXT_LEN)
+    text = family.forward_flops(dict(config), width, height, text_len)
+    return family.forward_flops(dict(config), width, height, text_len, sources) / text if text else None
+
+
 def estimate_cost(
-    spec: JobSpec, lines: Sequence[dict[str, Any]], source: str, *, compiled_dit: bool, compiled_vae: bool
+    spec: JobSpec,
+    lines: Sequence[dict[str, Any]],
+    source: str,
+    *,
+    compiled_dit: bool,
+    compiled_vae: bool,
+    sources: SourceSizes = (),
+    transformer_config: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The plan's `cost`: per bucket, seconds per image and dollars per million, and what they
-    were estimated from; compiled_dit, compiled_vae: the plan's compile decisions. Raises
-    UsageError when the lines hold no CFG step or decode figure."""
+    were estimated from; compiled_dit, compiled_vae: the plan's compile decisions; sources,
+    transformer_config: an edit job's sources per row and the model's DiT config (the module's
+    docstring). Raises UsageError when the lines hold no CFG step or decode figure."""
     cfg_lines = _measured(lines, "cfg_step")
     decode_lines = _measured(lines, "vae_decode")
     if not cfg_lines or not decode_lines:
@@ -119,6 +155,8 @@ def estimate_cost(
             )
         else:
             step_ms, step_from = cfg_ms / 2, f"half a cfg_step {step_line['size']}"
+        edit = _edit_factor(spec, transformer_config, step_line, width, height, sources)
+        step_ms *= edit or 1.0
         decode = _nearest(decode_lines, area)
         assert decode is not None
         decode_ms = _scaled(
@@ -126,7 +164,11 @@ def estimate_cost(
         )
         ms = (sampling.steps * step_ms + decode_ms) * overhead
         by_bucket[bucket] = image_cost(
-            ms / 1000 * (gpus or 1.0), price, step_from=step_from, decode_from=f"vae_decode {decode['size']}"
+            ms / 1000 * (gpus or 1.0),
+            price,
+            step_from=step_from,
+            decode_from=f"vae_decode {decode['size']}",
+            **({"edit_step_factor": edit} if sources else {}),
         )
     env = next((x for x in lines if x.get("stage") == "env"), {})
     device = env.get("gpu") or env.get("device")
@@ -139,6 +181,7 @@ def estimate_cost(
         "steps": sampling.steps,
         "cfg": with_cfg,
         "worker_overhead": overhead,
+        "sources": [f"{w}x{h}" for w, h in sources],
         "by_bucket": by_bucket,
     }
 
@@ -148,8 +191,20 @@ def cost_plan_line(cost: Mapping[str, Any]) -> str:
     unit = f"{cost['unit']}-s/image"
     parts = []
     for bucket, c in cost["by_bucket"].items():
-        parts.append(f"{bucket} {c['seconds_per_image']:.3g} {unit}{money_phrase(c['usd_per_million'])}")
-    head = f"estimated from {cost['source']} ({cost['device']}; {cost['steps']} steps, CFG {'on' if cost['cfg'] else 'off'}"
+        edit = ""
+        if "edit_step_factor" in c:  # an edit job: the step counts the row's sources, or says it cannot
+            factor = c["edit_step_factor"]
+            edit = (
+                f" (step x{factor:.2f} for the sources)"
+                if factor
+                else " (sources not counted: no FLOPs stated)"
+            )
+        parts.append(
+            f"{bucket} {c['seconds_per_image']:.3g} {unit}{edit}{money_phrase(c['usd_per_million'])}"
+        )
+    n = len(cost.get("sources") or ())
+    sources = f", {n} source{'s' * (n > 1)} a row" if n else ""
+    head = f"estimated from {cost['source']} ({cost['device']}; {cost['steps']} steps, CFG {'on' if cost['cfg'] else 'off'}{sources}"
     head += (
         f", worker overhead x{cost['worker_overhead']:.3g}): " if cost["worker_overhead"] != 1.0 else "): "
     )

@@ -17,10 +17,14 @@
     family.task(model_index)                 # "text-to-image" or "edit" (from its `_class_name`)
     model_task(model_path)                   # the same for a model path ("tiny", a folder, ...)
     source_size(w, h)                        # an edit model's VAE size for a w x h source (its tokens: /16)
+    family.load_text_encoder(root, dev, dt)  # a native family's: its text encoder apart from the DiT
+    family.runs_scaled_gemms(pipe)           # ... whether its DiT runs FP8 GEMMs (compile policy)
+    family.prepare_inputs                    # ... its DiT's inputs for one call of the shared loop
 
 The published checkpoints' sampling defaults (a family's `published/schedules.py`), which the job
 spec reads at plan time: `schedule_by_lora(file)`, `schedule_by_scheduler(config)`,
-`schedule_by_hub_id(repo)` -> PublishedSchedule | None; `published_file("published:<folder>/<file>")`
+`schedule_by_hub_id(repo)` -> PublishedSchedule | None, `schedule_twins(schedule)` (the published
+checkpoints a scheduler config cannot tell it from); `published_file("published:<folder>/<file>")`
 (PUBLISHED_SCHEME) is such a file in this node's installed package.
 
 compile/, workers/, driver/ and jobs/ ask the family and never name a submodule, method or
@@ -62,6 +66,7 @@ from ditfleet.model.family_types import (
     AttentionCounters,
     CompileRegion,
     Size,
+    SourceSizes,
     TextConditioning,
 )
 from ditfleet.model.loading.folder import TINY_MODEL, WeightsError, model_dir_layout
@@ -80,6 +85,7 @@ from ditfleet.model.qwen_image.published.schedules import (
 from ditfleet.model.qwen_image.published.schedules import by_hub_id as schedule_by_hub_id
 from ditfleet.model.qwen_image.published.schedules import by_lora as schedule_by_lora
 from ditfleet.model.qwen_image.published.schedules import by_scheduler as schedule_by_scheduler
+from ditfleet.model.qwen_image.published.schedules import trajectory_twins as schedule_twins
 
 __all__ = [
     "AttentionCounters",
@@ -95,6 +101,7 @@ __all__ = [
     "PublishedSchedule",
     "SCHEDULER_FILE",
     "Size",
+    "SourceSizes",
     "TASKS",
     "TEXT_TO_IMAGE",
     "TextConditioning",
@@ -113,6 +120,7 @@ __all__ = [
     "schedule_by_hub_id",
     "schedule_by_lora",
     "schedule_by_scheduler",
+    "schedule_twins",
     "source_size",
 ]
 
@@ -155,8 +163,11 @@ class ModelFamily(Protocol):
 
     def attention_counters(self, pipe: Any) -> AttentionCounters: ...
 
-    def forward_flops(self, transformer_config: dict, width: int, height: int, text_tokens: int) -> float:
-        """FLOPs of one DiT forward, one image of width x height, from the transformer's config.json."""
+    def forward_flops(
+        self, transformer_config: dict, width: int, height: int, text_tokens: int, sources: SourceSizes = ()
+    ) -> float:
+        """FLOPs of one DiT forward, one image of width x height, from the transformer's config.json;
+        an edit's `sources` (each source image's (width, height)) add the tokens the family gives them."""
         ...
 
     @property

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 Size = tuple[int, int]  # (width, height) in pixels
+SourceSizes = Sequence[Size]  # an edit row's source images, (width, height) each, in column order
 
 # What a checkpoint does (`ModelFamily.task`): makes images from text alone, or edits source
 # images by an instruction (a job with `input.image_column`).

@@ -24,6 +24,7 @@ from ditfleet.model.family import (
     schedule_by_hub_id,
     schedule_by_lora,
     schedule_by_scheduler,
+    schedule_twins,
 )
 from ditfleet.workers.storage import S3Config, StoreError, open_store
 
@@ -98,20 +99,39 @@ def recognise(
 ) -> tuple[Recognised | None, tuple[str, ...]]:
     """The published checkpoint a job's model is, if any (model/qwen_image/published/schedules.py says the
     order; a checkpoint run through diffusers: model/diffusers_pipeline/published.py), and notes on
-    what could not be read."""
+    what could not be read or could not be told apart.
+
+    A LoRA file name or a hub id names a checkpoint, so they are asked first; a scheduler config
+    names only a trajectory, which two published checkpoints with other defaults may share (Flash
+    and Lightning: a constant shift of 3). Recognised by its scheduler alone, such a checkpoint is
+    taken by the spelling of its file, and a note names the twin and what to set to be sure."""
     if (diffusers := schedule_by_checkpoint(model_path, model_family(model_path))) is not None:
         return Recognised(*diffusers), ()
     for path in lora_paths:
         if (schedule := schedule_by_lora(path)) is not None:
             return Recognised(schedule, f"its LoRA file {path.rsplit('/', 1)[-1]}"), ()
-    config, where, note = _scheduler_config(model_path, scheduler_config, s3)
-    if (schedule := schedule_by_scheduler(config)) is not None:
-        return Recognised(schedule, f"its scheduler config {where}"), ()
     if model_path.startswith("hf://"):
         repo = model_path.removeprefix("hf://").split("@", 1)[0]
         if (schedule := schedule_by_hub_id(repo)) is not None:
             return Recognised(schedule, f"its hub id {repo}"), ()
+    config, where, note = _scheduler_config(model_path, scheduler_config, s3)
+    if (schedule := schedule_by_scheduler(config)) is not None:
+        return Recognised(schedule, f"its scheduler config {where}"), _twins_note(schedule)
     return None, (note,) if note else ()
+
+
+def _twins_note(schedule: PublishedSchedule) -> tuple[str, ...]:
+    """What a recognition by the scheduler alone cannot tell (model.family.schedule_twins)."""
+    twins = schedule_twins(schedule)
+    if not twins:
+        return ()
+    others = ", ".join(f"{t.name} ({t.steps} steps)" for t in twins)
+    return (
+        f"its scheduler runs the trajectory that {others} runs too; it is taken for {schedule.name} "
+        f"({schedule.steps} steps) by the spelling of its scheduler file alone (Flash's published file "
+        "is reconstructed: model/qwen_image/published/qwen-image-flash/SOURCES.md). To be sure, set "
+        "sampling.steps or name the model by its hub id (hf://...).",
+    )
 
 
 def _scheduler_config(

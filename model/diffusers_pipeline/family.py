@@ -16,7 +16,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ditfleet.model.diffusers_pipeline.index import PipelineIndex, pipeline_task, read_index
-from ditfleet.model.family_types import CompileRegion, Size, TextConditioning
+from ditfleet.model.family_types import CompileRegion, Size, SourceSizes, TextConditioning
 from ditfleet.model.memory.disk import checkpoint_size
 from ditfleet.model.qwen_image.family import MemoryFormula
 
@@ -152,7 +152,9 @@ class DiffusersFamily:
         name = model_index.get("_class_name") if isinstance(model_index, dict) else None
         return pipeline_task(name if isinstance(name, str) and name else self.class_name)
 
-    def forward_flops(self, transformer_config: dict, width: int, height: int, text_tokens: int) -> float:
+    def forward_flops(
+        self, transformer_config: dict, width: int, height: int, text_tokens: int, sources: SourceSizes = ()
+    ) -> float:
         # No formula per pipeline class here: "% of peak" is not stated for this family (0: unknown).
         return 0.0
 

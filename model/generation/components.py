@@ -61,7 +61,7 @@ class Vae(Protocol):
 
     def denormalize(self, z: torch.Tensor) -> torch.Tensor: ...
 
-    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]: ...  # its dtype
+    def parameters(self) -> Iterator[torch.nn.Parameter]: ...  # its dtype
 
 
 class TextEncoder(Protocol):

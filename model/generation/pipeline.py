@@ -254,7 +254,9 @@ class TextToImagePipeline:
             )
         for i, row in enumerate(sources):
             self.edit.check_sources(len(row), f"sources[{i}]")
-        latents, grids = encode_sources(self.vae, sources, self.edit, self.device)
+        # The edit path is still the Qwen-Image family's own (model.qwen_image.edit_sources takes
+        # its VAE class, whose encoder it runs), not yet behind a Protocol the family hands.
+        latents, grids = encode_sources(typing.cast(typing.Any, self.vae), sources, self.edit, self.device)
         out: GuidanceInputs = {
             "source_latents": torch.cat([pack_latents(z) for z in latents], dim=1).to(self.dtype),
             "source_grids": torch.tensor(grids, dtype=torch.long).view(-1, 2),

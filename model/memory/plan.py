@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ditfleet.model.family_types import Size, SourceSizes
 from ditfleet.model.loading.quantization import check_quantization
 from ditfleet.model.settings import DEFAULT_PIPELINE, MAX_SEQUENCE_LENGTH, Fp8Layers, Quantization
 
@@ -43,14 +44,7 @@ class ModelMemory(Protocol):
         ...
 
     def dit_activation_bytes(
-        self,
-        batch: int,
-        height: int,
-        width: int,
-        text_len: int,
-        e: int,
-        attention: str = "fused",
-        device: str = "cpu",
+        self, batch: int, height: int, width: int, text_len: int, e: int, *, attention: str, device: str
     ) -> int:
         """Peak above the weights of one DiT forward of `batch` sequences ("fused" or "math" attention)."""
         ...
@@ -62,6 +56,15 @@ class ModelMemory(Protocol):
         ...
 
     def vae_decode_activation_bytes(self, batch: int, height: int, width: int, e: int) -> int: ...
+
+    def for_sources(self, sources: SourceSizes) -> ModelMemory:
+        """The same model for an edit whose rows carry these sources ((width, height) each): the
+        DiT's figures above count their tokens, and `source_encode_activation_bytes` their encode."""
+        ...
+
+    def source_encode_activation_bytes(self, batch: int, e: int) -> int:
+        """The sources of `batch` rows through the VAE's encoder (0 without sources)."""
+        ...
 
     def text_encode_activation_bytes(self, text_len: int, e: int) -> int | None:
         """Encoding one prompt of `text_len` tokens; None without a text encoder."""
@@ -85,7 +88,7 @@ class MemoryPlan:
     """Bytes on the GPU, phase by phase, for one image size, batch and text-encoder placement.
 
     Phases: "encode" (prompts through the text encoder), "denoise" (the DiT forward), "decode"
-    (the VAE) and, with the vqa scorer and the text encoder on the GPU, "score" (one image through
+    (the VAE), for an edit "source_encode" (its sources through the VAE's encoder) and, with the vqa scorer and the text encoder on the GPU, "score" (one image through
     the text encoder, model.quality.vqa). `peak` is the largest phase. With `offload`, the text encoder comes onto
     the GPU only to encode a shard's prompts; when it cannot sit next to the DiT, the DiT waits
     in host memory meanwhile (`dit_swapped`).
@@ -109,6 +112,7 @@ class MemoryPlan:
     host: int = 0  # bytes kept in host memory (a CPU text encoder, a swapped DiT)
     device: str = "cuda"
     quantization: Quantization = "none"  # the DiT's weights (model.quantization)
+    sources: tuple[Size, ...] = ()  # an edit's sources per image, (width, height) each
 
     @property
     def peak(self) -> int:
@@ -145,6 +149,7 @@ class MemoryPlan:
             "host_gb": gb(self.host),
             "device": self.device,
             "quantization": self.quantization,
+            "sources": [f"{w}x{h}" for w, h in self.sources],
         }
 
     def describe(self) -> str:
@@ -156,8 +161,10 @@ class MemoryPlan:
         swap = ", DiT waits in host memory while encoding" if self.dit_swapped else ""
         where = f"text encoder {self.text_encoder}" if self.device == "cuda" else "on the CPU"
         dit = f", DiT {self.quantization}" if self.quantization != "none" else ""
+        n = len(self.sources)
+        edit = f" with {n} source{'s' * (n > 1)} each" if n else ""
         return (
-            f"{self.width}x{self.height} x{self.batch} {self.dtype}{dit}, {where}: "
+            f"{self.width}x{self.height} x{self.batch}{edit} {self.dtype}{dit}, {where}: "
             f"peak {gb(self.peak)} GB ({self.peak_phase}){verdict}{swap}"
         )
 
@@ -210,11 +217,14 @@ def plan_memory(
     run: Runtime = Runtime(),
     gpu_memory_gb: float | None = None,
     step_cache_tensors: int = 0,
+    sources: SourceSizes = (),
 ) -> MemoryPlan:
     """The memory plan of generating `batch` images of height x width, run as `run` says.
 
     step_cache_tensors: image-stream tensors (N x D per image) a step cache keeps per CFG branch
       through the whole schedule (model.step_cache_config.StepCacheConfig.kept_tensors); 0: none.
+    sources: an edit's source images per row, (width, height) each: their tokens in every DiT
+      forward and their VAE encode (a phase of its own), as the family sizes them.
     """
     run.check()
     if batch < 1 or height % 16 or width % 16 or height < 16 or width < 16:
@@ -222,9 +232,13 @@ def plan_memory(
             f"need batch >= 1 and sizes that are multiples of 16, got {batch} x {width}x{height}"
         )
     e = DTYPE_BYTES[run.dtype]
+    if sources:
+        model = model.for_sources(sources)
     weights = {k: v * e for k, v in model.params().items()}
     weights["transformer"] = model.dit_weight_bytes(e, check_quantization(run.quantization), run.fp8_layers)
     acts = _activations(model, run, batch, height, width, e)
+    if sources:  # encoded with the batch's prompts, before the first step
+        acts["source_encode"] = model.source_encode_activation_bytes(batch, e)
     extra: dict[str, int] = {}
     if run.modulation_table_steps:
         extra["modulation_table"] = model.modulation_table_bytes(sum(run.modulation_table_steps), e)
@@ -254,6 +268,7 @@ def plan_memory(
         host=host,
         device=run.device,
         quantization=run.quantization,
+        sources=tuple(sources),
     )
 
 
@@ -274,6 +289,8 @@ def _phases(
     host = te_w if run.text_encoder != "gpu" else 0
     if "score" in acts:  # after the decode, the batch's pixels only beside the weights
         phases["score"] = resident + te_resident + _fragmented(acts["score"])
+    if "source_encode" in acts:
+        phases["source_encode"] = resident + te_resident + _fragmented(acts["source_encode"])
     if "encode" in acts and run.text_encoder != "cpu":
         encode = resident + te_w + _fragmented(acts["encode"])
         if run.text_encoder == "offload" and capacity is not None and encode > capacity:
@@ -297,7 +314,7 @@ def _activations(
     vae_batch = min(run.vae_batch or batch, batch)
     args = (dit_batch, height, width, run.text_len, e)
     acts = {
-        "denoise": model.dit_activation_bytes(*args, run.attention, run.device)
+        "denoise": model.dit_activation_bytes(*args, attention=run.attention, device=run.device)
         + model.fp8_transient_bytes(run.quantization, *args),
         "decode": model.vae_decode_activation_bytes(vae_batch, height, width, e),
     }

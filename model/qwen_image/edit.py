@@ -19,7 +19,9 @@ import math
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from ditfleet.model.family_types import EDIT, TEXT_TO_IMAGE, Size
+from ditfleet.model.family_types import EDIT, TEXT_TO_IMAGE, Size, SourceSizes
+from ditfleet.model.qwen_image.memory_activations import image_tokens
+from ditfleet.model.qwen_image.qwen_vision_size import smart_resize
 
 # The instruction template of both edit pipelines' Qwen2.5-VL prompt encoding; the first
 # EDIT_DROP_TOKENS tokens (the system prompt and the user turn's start) are dropped, as for text.
@@ -41,6 +43,14 @@ VAE_SOURCE_AREA = 1024 * 1024
 PLUS_VISION_AREA = 384 * 384
 # Source sizes are multiples of this (diffusers' calculate_dimensions).
 SOURCE_SIZE_MULTIPLE = 32
+# Qwen2.5-VL's published patching (14-pixel patches merged 2 x 2): one vision token in the prompt
+# per 28 x 28 pixels of the size its processor resizes a source to (smart_resize).
+VISION_TOKEN_PIXELS = 28
+# Prompt tokens around each source's vision tokens: <|vision_start|> and <|vision_end|>, and for a
+# labelled style "Picture i: " ("Picture", " ", "i", ":", " " by Qwen2's pre-tokenizer, which
+# splits digits; one more from the 10th source on, not counted).
+MARKER_TOKENS = 2
+LABEL_TOKENS = 5
 
 
 @dataclass(frozen=True)
@@ -78,6 +88,15 @@ class EditStyle:
         token grid is this / 16 (what a batch's rows must share)."""
         return source_size(width, height, self.vae_area)
 
+    def prompt_tokens(self, width: int, height: int) -> int:
+        """The tokens a width x height source adds to the prompt the DiT sees when Qwen2.5-VL
+        encodes it (its vision tokens at `vision_size` and their markers; an encoder that cannot
+        see images adds none)."""
+        w, h = self.vision_size(width, height)
+        rh, rw = smart_resize(h, w, VISION_TOKEN_PIXELS)
+        vision = (rh // VISION_TOKEN_PIXELS) * (rw // VISION_TOKEN_PIXELS)
+        return vision + MARKER_TOKENS + (LABEL_TOKENS if self.labelled else 0)
+
     def check_sources(self, count: int, where: str = "") -> None:
         if count < 1 or (self.max_sources is not None and count > self.max_sources):
             most = "any number" if self.max_sources is None else f"at most {self.max_sources}"
@@ -111,3 +130,10 @@ def source_size(width: int, height: int, area: int = VAE_SOURCE_AREA) -> Size:
     h = w / ratio
     m = SOURCE_SIZE_MULTIPLE
     return round(w / m) * m, round(h / m) * m
+
+
+def source_tokens(sizes: SourceSizes, area: int = VAE_SOURCE_AREA) -> int:
+    """The image tokens an edit's sources add to every DiT forward: each (width, height) source at
+    its VAE size (`source_size`, whatever the target's size), one token per 16 x 16 pixels. The
+    DiT carries them through every block beside the target's (model.qwen_image.transformer)."""
+    return sum(image_tokens(h, w) for w, h in (source_size(width, height, area) for width, height in sizes))

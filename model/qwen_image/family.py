@@ -17,11 +17,11 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from ditfleet.model.family_types import AttentionCounters, CompileRegion, Size, TextConditioning
+from ditfleet.model.family_types import AttentionCounters, CompileRegion, Size, SourceSizes, TextConditioning
 from ditfleet.model.loading.folder import TINY_MODEL_DIR
 from ditfleet.model.memory import MemoryPlan, ModelMemory, largest_batch, plan_memory
 from ditfleet.model.quality.table import PIPELINE_QWEN_VL
-from ditfleet.model.qwen_image.edit import EDIT_STYLES, task_of_class
+from ditfleet.model.qwen_image.edit import EDIT_STYLES, source_tokens, task_of_class
 from ditfleet.model.qwen_image.memory_model import QwenImageMemory
 from ditfleet.model.qwen_image.published import PUBLISHED
 from ditfleet.model.qwen_image.transformer_config import TransformerConfig
@@ -80,7 +80,10 @@ class MemoryFormula:
     ) -> int:
         """Bytes per image that attention without a fused kernel (the masked math path) adds."""
         args = (1, height, width, text_len, element_bytes)
-        return model.dit_activation_bytes(*args, "math") - model.dit_activation_bytes(*args, "fused")
+        math, fused = (
+            model.dit_activation_bytes(*args, attention=a, device="cpu") for a in ("math", "fused")
+        )
+        return math - fused
 
 
 def _vae_owners(vae: Any) -> list[tuple[str, Any]]:
@@ -213,11 +216,15 @@ class QwenImageFamily:
     def attention_counters(self, pipe: Any) -> AttentionCounters:
         return pipe.transformer.attention_stats
 
-    def forward_flops(self, transformer_config: dict, width: int, height: int, text_tokens: int) -> float:
+    def forward_flops(
+        self, transformer_config: dict, width: int, height: int, text_tokens: int, sources: SourceSizes = ()
+    ) -> float:
         """FLOPs of one DiT forward for one image of width x height pixels with `text_tokens`
-        prompt tokens; `transformer_config` is the transformer's config.json contents."""
+        prompt tokens; `transformer_config` is the transformer's config.json contents. An edit's
+        `sources` ((width, height) of each source image, as read) add their tokens at the size the
+        VAE encodes them (model.qwen_image.edit.source_tokens) to the image stream."""
         config = TransformerConfig.from_dict(transformer_config)
-        tokens = (height // PIXELS_PER_TOKEN) * (width // PIXELS_PER_TOKEN)
+        tokens = (height // PIXELS_PER_TOKEN) * (width // PIXELS_PER_TOKEN) + source_tokens(sources)
         return forward_flops(config, tokens, text_tokens)["total"]
 
     def published_config(self, rel: str, num_layers: int | None = None) -> dict:

@@ -37,6 +37,7 @@ def dit_activation_bytes(
     e: int,
     attention: str = "fused",
     device: str = "cpu",
+    source_tokens: int = 0,
 ) -> int:
     """Peak bytes above the weights of one DiT forward of `batch` sequences.
 
@@ -54,8 +55,11 @@ def dit_activation_bytes(
     match, in proportion to S at both sizes. The cuDNN/flash kernels take q, k and v re-laid in
     their own layout, and those copies live beside the originals: counted as 3 S, which keeps the
     plan 3.7-4% above both measurements.
+
+    An edit's `source_tokens` (model.qwen_image.edit.source_tokens) go through every block in the
+    image stream beside the target's: they count in N.
     """
-    N, L = image_tokens(height, width), text_len
+    N, L = image_tokens(height, width) + source_tokens, text_len
     S, D = N + L, cfg.inner_dim
     block = (4 * S + 12 * max(N, L) + 3 * min(N, L)) * D * e
     if attention == "math":
@@ -118,6 +122,32 @@ def vae_decode_activation_bytes(cfg: VAEConfig, batch: int, height: int, width: 
     last = dims[-1]
     peak = max(peak, px * (last * e + max(_norm_peak(last, e), 2 * last * e)))  # norm_out, SiLU
     return batch * peak
+
+
+def vae_encode_activation_bytes(cfg: VAEConfig, batch: int, height: int, width: int, e: int) -> int:
+    """Peak bytes above the weights of encoding `batch` images of height x width (an edit's
+    sources, each at its VAE size: model.qwen_image.edit_sources encodes the i-th sources of a
+    batch's rows in one call).
+
+    Walks the encoder's modules at their resolutions, as the decode's estimate walks the decoder:
+    the image in the weights' dtype (held by the caller throughout), a block's input held by its
+    caller while it runs, a downsampler's padded copy and its strided output. The peak is in the
+    first resnets, at full resolution; the mid block (its attention at 1/8 of each side) and the
+    posterior's moments are far below it.
+    """
+    dims = [cfg.base_dim * u for u in (1, *cfg.dim_mult)]
+    px = height * width
+    image = px * cfg.input_channels * e
+    peak = px * (dims[0] + cfg.input_channels) * e  # conv_in: its output beside its input's copy
+    for i, (d_in, d_out) in enumerate(zip(dims[:-1], dims[1:])):
+        for j in range(cfg.num_res_blocks):
+            cin = d_in if j == 0 else d_out
+            peak = max(peak, px * (cin * e + _resblock_peak(cin, d_out, e)))
+        if i != len(cfg.dim_mult) - 1:
+            # the block's input, its zero-padded copy, the stride-2 conv's output
+            peak = max(peak, 2 * px * d_out * e + px // 4 * d_out * e)
+            px //= 4
+    return batch * (image + peak)
 
 
 def text_encode_activation_bytes(config: dict[str, Any], tokens: int, e: int) -> int:

@@ -9,16 +9,19 @@ without loading torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ditfleet.model.family_types import Size, SourceSizes
 from ditfleet.model.loading.folder import read_config
+from ditfleet.model.qwen_image.edit import source_size, source_tokens
 from ditfleet.model.qwen_image.memory_activations import (
     dit_activation_bytes,
     image_tokens,
     text_encode_activation_bytes,
     vae_decode_activation_bytes,
+    vae_encode_activation_bytes,
     vqa_activation_bytes,
 )
 from ditfleet.model.qwen_image.memory_params import (
@@ -37,12 +40,18 @@ QWEN_TEMPLATE_TOKENS = 40
 
 @dataclass(frozen=True)
 class QwenImageMemory:
-    """What sizes a Qwen-Image model: its configs (text_encoder None when the folder has none)."""
+    """What sizes a Qwen-Image model: its configs (text_encoder None when the folder has none), and
+    for an edit the sources of a row ((width, height) each, `for_sources`): each adds its latent
+    tokens (model.qwen_image.edit.source_tokens) to every DiT forward, and a VAE encode."""
 
     transformer: TransformerConfig
     vae: VAEConfig
     text_encoder: dict[str, Any] | None = None
     name: str = ""
+    sources: tuple[Size, ...] = ()
+
+    def for_sources(self, sources: SourceSizes) -> QwenImageMemory:
+        return replace(self, sources=tuple(sources))
 
     @classmethod
     def from_dir(cls, root: str | Path, name: str | None = None) -> QwenImageMemory:
@@ -88,18 +97,18 @@ class QwenImageMemory:
         """The DiT's weights as loaded (memory_params.transformer_weight_bytes)."""
         return transformer_weight_bytes(self.transformer, e, quantization, fp8_layers)
 
-    def dit_activation_bytes(
-        self,
-        batch: int,
-        height: int,
-        width: int,
-        text_len: int,
-        e: int,
-        attention: str = "fused",
-        device: str = "cpu",
-    ) -> int:
-        """memory_activations.dit_activation_bytes: one DiT forward of `batch` sequences."""
-        return dit_activation_bytes(self.transformer, batch, height, width, text_len, e, attention, device)
+    def dit_activation_bytes(self, *args: Any, **kwargs: Any) -> int:
+        """memory_activations.dit_activation_bytes of this DiT (the arguments after its config),
+        the sources' tokens in its image stream."""
+        return dit_activation_bytes(
+            self.transformer, *args, **{**kwargs, "source_tokens": source_tokens(self.sources)}
+        )
+
+    def source_encode_activation_bytes(self, batch: int, e: int) -> int:
+        """The sources through the VAE's encoder, each at its VAE size: one call per source of a
+        row, over the batch's rows (model.qwen_image.edit_sources); 0 without sources."""
+        sizes = [source_size(w, h) for w, h in self.sources]
+        return max((vae_encode_activation_bytes(self.vae, batch, h, w, e) for w, h in sizes), default=0)
 
     def fp8_transient_bytes(
         self, quantization: Quantization, batch: int, height: int, width: int, text_len: int, e: int
@@ -110,7 +119,7 @@ class QwenImageMemory:
         `fp8-weight-only` the largest weight dequantized, and its cast, for the duration of one GEMM."""
         D = self.transformer.inner_dim
         if quantization == "fp8":
-            return batch * max(image_tokens(height, width), text_len) * 4 * D
+            return batch * max(image_tokens(height, width) + source_tokens(self.sources), text_len) * 4 * D
         if quantization == "fp8-weight-only":
             return 2 * 4 * D * D * e
         return 0

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import json
-import shutil
 
 import pytest
 from PIL import Image
@@ -17,7 +16,7 @@ from ditfleet.model.qwen_image.published.schedules import FLASH
 from ditfleet.workers.output.layout import job_key
 from ditfleet.workers.output.manifest import read_manifests
 from ditfleet.workers.storage import open_store
-from tests.support.model_fixtures import job_with_model, tiny_model_copy
+from tests.support.model_fixtures import job_with_model, model_copy, tiny_model_copy
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 
@@ -50,13 +49,7 @@ def test_a_tiny_job_records_the_model_cards_licence_everywhere(tmp_path):
 def test_a_flash_checkpoint_runs_its_published_schedule_when_the_job_says_nothing(random_model_dir, tmp_path):
     """A toy-width checkpoint with nvidia/Qwen-Image-Flash's scheduler and a job with no sampling
     keys: every image is made at 4 steps with CFG off, and _job.json says the checkpoint gave them."""
-    model = tmp_path / "flash"
-    model.mkdir()
-    for entry in random_model_dir.iterdir():
-        if entry.name != "scheduler":
-            (model / entry.name).symlink_to(entry)
-    (model / "scheduler").mkdir()
-    shutil.copy(FLASH.scheduler_path(), model / "scheduler" / "scheduler_config.json")
+    model = model_copy(random_model_dir, tmp_path / "flash", scheduler=FLASH.scheduler_path())
     job = job_with_model(
         tmp_path,
         model,

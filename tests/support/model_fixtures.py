@@ -81,9 +81,14 @@ def diffusers_images(ref, *, steps: int, seeds: list[int], output_type: str = "p
 def tiny_model_copy(tmp_path: Path, card: str | None = None, scheduler: str | None = None) -> Path:
     """The bundled tiny model's files under a folder of our own (tmp_path/model), with `card` as its
     README.md and `scheduler` (a scheduler_config.json) as its scheduler's config where given."""
-    root = tmp_path / "model"
+    return model_copy(TINY_MODEL_DIR, tmp_path / "model", card, scheduler)
+
+
+def model_copy(base: Path, root: Path, card: str | None = None, scheduler: str | None = None) -> Path:
+    """`base`'s files linked under `root`, with `card` as its README.md and `scheduler` (a
+    scheduler_config.json, e.g. a published few-step one) as its scheduler's config where given."""
     root.mkdir()
-    for entry in TINY_MODEL_DIR.iterdir():
+    for entry in base.iterdir():
         if entry.name != "scheduler" or scheduler is None:
             (root / entry.name).symlink_to(entry)
     if card is not None:

@@ -8,6 +8,12 @@ A checkpoint is recognised, in this order, by
 - its scheduler config (the checkpoint's `scheduler/scheduler_config.json`, or the job's
   `model.scheduler_config`): the schedule-shaping keys (`schedule_key`) equal to a published one;
 - its hub id (`hf://nvidia/Qwen-Image-Flash@...`).
+A LoRA file or a hub id names a checkpoint; a scheduler config only its trajectory. Flash and
+Lightning run the same trajectory (a constant shift of 3: Flash's file spells it `shift: 3.0`,
+Lightning's as a dynamic shift between two equal values, log 3), and Flash's file here is a
+reconstruction (qwen-image-flash/SOURCES.md), so the spelling alone cannot be trusted to tell
+them apart: a recognition by the scheduler alone whose trajectory another published checkpoint
+with other defaults shares says so (`trajectory_twins`), and a hub id is asked first.
 Qwen/Qwen-Image and Qwen/Qwen-Image-2512 publish 50 steps at true CFG scale 4.0, which are
 ditfleet's own defaults (workers.rows.RowConfig); they are named by their hub id only.
 """
@@ -15,6 +21,7 @@ ditfleet's own defaults (workers.rows.RowConfig); they are named by their hub id
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,6 +123,44 @@ def by_scheduler(config: Any) -> PublishedSchedule | None:
         return None
     key = schedule_key(config)
     return next((s for s in BY_SCHEDULER if schedule_key(published_scheduler(s)) == key), None)
+
+
+def constant_shift(config: dict[str, Any]) -> float | None:
+    """The shift of a schedule whose shift does not depend on the image size: `shift` when static;
+    with dynamic shifting between equal `base_shift` and `max_shift` (mu), e^mu ("exponential") or
+    mu ("linear"), which shape exactly the sigmas of that static shift (model.generation.scheduler:
+    a / (a + 1/s - 1) = a s / (1 + (a - 1) s)). None when it depends on the size."""
+    if not config.get("use_dynamic_shifting", False):
+        shift = config.get("shift", 1.0)
+        return float(shift) if isinstance(shift, (int, float)) else None
+    base, top = config.get("base_shift"), config.get("max_shift")
+    if not isinstance(base, (int, float)) or not isinstance(top, (int, float)) or not math.isclose(base, top):
+        return None
+    kind = config.get("time_shift_type", "exponential")
+    return math.exp(base) if kind == "exponential" else float(base) if kind == "linear" else None
+
+
+def trajectory(config: dict[str, Any]) -> tuple | None:
+    """What the sigmas of a scheduler config are, however it spells them: (terminal sigma, its
+    constant shift to 9 digits); None when the shift depends on the image size."""
+    shift = constant_shift(config)
+    return None if shift is None else (config.get("shift_terminal"), round(shift, 9))
+
+
+def trajectory_twins(schedule: PublishedSchedule) -> tuple[PublishedSchedule, ...]:
+    """The other published checkpoints recognised by their scheduler whose scheduler shapes the
+    same trajectory as `schedule`'s with other defaults (Flash's 4 steps, Lightning's 8): a
+    scheduler config alone cannot tell those apart."""
+    mine = trajectory(published_scheduler(schedule))
+    return tuple(
+        other
+        for other in BY_SCHEDULER
+        if other is not schedule
+        and other.folder != schedule.folder
+        and mine is not None
+        and trajectory(published_scheduler(other)) == mine
+        and other.defaults() != schedule.defaults()
+    )
 
 
 def by_lora(file_name: str) -> PublishedSchedule | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -167,3 +168,76 @@ def test_inspect_says_which_defaults_the_checkpoint_gives(tmp_path, capsys):
     assert (
         "sampling defaults: ditfleet's (no published few-step schedule recognised)" in capsys.readouterr().out
     )
+
+
+# Flash and Lightning run one trajectory (a constant shift of 3) with other steps (4, 8), and
+# Flash's scheduler file is a reconstruction: neither may be taken for the other silently.
+
+
+def test_flash_and_lightning_share_a_trajectory_that_their_scheduler_files_spell_apart():
+    from ditfleet.model.qwen_image.published.schedules import (
+        by_scheduler,
+        published_scheduler,
+        trajectory,
+        trajectory_twins,
+    )
+
+    flash, lightning = published_scheduler(FLASH), published_scheduler(LIGHTNING)
+    assert trajectory(flash) == trajectory(lightning) == (None, 3.0)
+    assert by_scheduler(flash) is FLASH and by_scheduler(lightning) is LIGHTNING
+    assert trajectory_twins(FLASH) == (LIGHTNING,) and trajectory_twins(LIGHTNING) == (FLASH,)
+    # Each one's trajectory in the other's spelling is recognised by that spelling only.
+    static_lightning = {**lightning, "use_dynamic_shifting": False, "shift": 3.0}
+    dynamic_flash = {
+        **flash,
+        "use_dynamic_shifting": True,
+        "base_shift": math.log(3),
+        "max_shift": math.log(3),
+    }
+    assert by_scheduler(static_lightning) is FLASH and by_scheduler(dynamic_flash) is LIGHTNING
+    # A schedule whose shift depends on the image size has no constant trajectory.
+    assert trajectory({**lightning, "max_shift": 1.5}) is None
+
+
+@pytest.mark.parametrize("schedule", [FLASH, LIGHTNING], ids=lambda s: s.folder)
+def test_a_checkpoint_recognised_by_its_scheduler_alone_names_its_twin_in_validate_plan_and_inspect(
+    tmp_path, capsys, schedule
+):
+    twin = LIGHTNING if schedule is FLASH else FLASH
+    model = tiny_model_copy(tmp_path, scheduler=schedule.scheduler_path())
+    spec = load_spec(job(tmp_path, model))
+    assert (
+        spec.row_config().steps == schedule.steps and spec.sampling_defaults.checkpoint.schedule is schedule
+    )
+    [note] = spec.sampling_defaults.notes
+    assert f"runs the trajectory that {twin.name} ({twin.steps} steps) runs too" in note
+    assert f"taken for {schedule.name} ({schedule.steps} steps)" in note and "set sampling.steps" in note
+    assert main(["validate", str(job(tmp_path, model))]) == 0
+    assert note in capsys.readouterr().out
+    assert main(["inspect", str(model)]) == 0
+    assert f"note: {note}" in capsys.readouterr().out
+    # The job's steps decide, and the note stays: the rest of the defaults are the same for both.
+    given = load_spec(job(tmp_path, model, f"sampling:\n  steps: {twin.steps}\n"))
+    assert given.row_config().steps == twin.steps and given.row_config().true_cfg_scale == 1.0
+
+
+def test_a_hub_id_names_the_checkpoint_before_a_scheduler_spells_its_twin(tmp_path):
+    from ditfleet.jobs.spec.sampling_defaults import recognise
+
+    # Flash by hub id, run with Lightning's scheduler file: still Flash's 4 steps, and no twin note
+    # (the hub id names the checkpoint; the job's scheduler_config is the scheduler it runs).
+    found, notes = recognise("hf://nvidia/Qwen-Image-Flash@main", (), LIGHTNING.scheduler_path(), None)
+    assert found is not None and found.schedule is FLASH and notes == ()
+    # Lightning LoRA files are Lightning's whatever the base, and no file name is taken for Flash.
+    for name in (
+        "Qwen-Image-Lightning-4steps-V1.0.safetensors",
+        "Qwen-Image-Lightning-8steps-V2.0.safetensors",
+    ):
+        assert by_lora(name) in LIGHTNING_LORAS
+        found, _ = recognise("hf://nvidia/Qwen-Image-Flash@main", (f"s3://b/{name}",), None, None)
+        assert found is not None and found.schedule in LIGHTNING_LORAS
+    for name in ("Qwen-Image-Flash.safetensors", "nvidia-Qwen-Image-Flash-4steps.safetensors"):
+        assert by_lora(name) is None
+    # No Lightning hub id (there is none for merged weights) is taken for Flash, nor a fork's.
+    for repo in ("lightx2v/Qwen-Image-Lightning", "someone/Qwen-Image-Flash-Lightning"):
+        assert recognise(f"hf://{repo}@main", (), None, None)[0] is None
