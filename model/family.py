@@ -20,6 +20,8 @@
     family.load_text_encoder(root, dev, dt)  # a native family's: its text encoder apart from the DiT
     family.runs_scaled_gemms(pipe)           # ... whether its DiT runs FP8 GEMMs (compile policy)
     family.prepare_inputs                    # ... its DiT's inputs for one call of the shared loop
+    family.dit_config(config)                # ... its DiT config object (the self-test's)
+    family.quantize(dit, mode, layers)       # ... a loaded DiT quantized in place (the self-test's FP8 copy)
 
 The published checkpoints' sampling defaults (a family's `published/schedules.py`), which the job
 spec reads at plan time: `schedule_by_lora(file)`, `schedule_by_scheduler(config)`,
@@ -65,6 +67,7 @@ from ditfleet.model.family_types import (
     TEXT_TO_IMAGE,
     AttentionCounters,
     CompileRegion,
+    DiTConfig,
     Size,
     SourceSizes,
     TextConditioning,
@@ -226,6 +229,18 @@ class NativeFamily(ModelFamily, Protocol):
 
     def runs_scaled_gemms(self, pipe: Any) -> bool:
         """Whether the pipeline's DiT runs FP8 GEMMs through torch._scaled_mm (compile.policy)."""
+        ...
+
+    def dit_config(self, config: dict) -> DiTConfig:
+        """Its DiT's config of a transformer config.json's contents (checked, defaults filled)."""
+        ...
+
+    def quantize(self, model: Any, mode: Any, layers: Any) -> Any:
+        """Its loaded DiT `model` quantized in place (model.quantization `mode`, the layer set `layers`)."""
+        ...
+
+    def check_quantization_device(self, mode: Any, device: Any) -> None:
+        """QuantizationError when `mode` cannot run on `device` (fp8 on a GPU without FP8 units)."""
         ...
 
 

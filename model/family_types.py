@@ -62,3 +62,13 @@ class AttentionCounters(Protocol):
     def to_dict(self) -> dict[str, int]: ...
 
     def since(self, before: dict[str, int]) -> dict[str, int]: ...
+
+
+class DiTConfig(Protocol):
+    """A family's transformer config as its DiT holds it (the pipeline's step cache reads its
+    depth) and the self-test passes it around: the depth, and its config.json contents."""
+
+    @property
+    def num_layers(self) -> int: ...
+
+    def to_dict(self) -> dict: ...

@@ -13,12 +13,8 @@ from typing import Any, Protocol
 
 import torch
 
+from ditfleet.model.family_types import DiTConfig
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH
-
-
-class DenoiserConfig(Protocol):
-    @property
-    def num_layers(self) -> int: ...  # the blocks a step cache keeps state for
 
 
 class ModulationCacheControl(Protocol):
@@ -41,7 +37,7 @@ class Denoiser(Protocol):
     def dtype(self) -> torch.dtype: ...
 
     @property
-    def config(self) -> DenoiserConfig: ...
+    def config(self) -> DiTConfig: ...  # its depth: the blocks a step cache keeps state for
 
     @property
     def modulation_cache(self) -> ModulationCacheControl: ...

@@ -327,6 +327,22 @@ class QwenImageFamily:
 
         return QwenVLTextEncoder.random(config, tokenizer, device, dtype, seed)
 
+    def dit_config(self, config: dict) -> TransformerConfig:
+        return TransformerConfig.from_dict(config)
+
+    def quantize(self, model: Any, mode: Any, layers: Any) -> Any:
+        """`model.qwen_image.fp8.quantize_model` with the layer set's kept patterns."""
+        from ditfleet.model.loading.quantization import fp8_keep
+        from ditfleet.model.qwen_image.fp8 import quantize_model
+
+        return quantize_model(model, mode, fp8_keep(layers))
+
+    def check_quantization_device(self, mode: Any, device: Any) -> None:
+        """`model.qwen_image.fp8.check_device`."""
+        from ditfleet.model.qwen_image.fp8 import check_device
+
+        check_device(mode, device)
+
     def runs_scaled_gemms(self, pipe: Any) -> bool:
         """`model.qwen_image.fp8.runs_scaled_gemms` of the pipeline's DiT."""
         from ditfleet.model.qwen_image.fp8 import runs_scaled_gemms

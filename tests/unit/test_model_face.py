@@ -18,6 +18,7 @@ getattr name), so a name cannot come back disguised as text.
 
 Nor does any module above model/ import a family's folder (`ditfleet.model.qwen_image...`, module-level,
 in a function or under TYPE_CHECKING): what it needs of a family comes through model/family.py.
+No module is exempt from that (the test scaffolding of EXEMPT aside, which builds Qwen-Image models).
 """
 
 from __future__ import annotations
@@ -40,14 +41,6 @@ ABOVE_MODEL = ("compile", "workers", "driver", "jobs", "ditfleet")
 # delete its line), so the list only shrinks.
 EXEMPT = {
     "ditfleet/testing/": "test scaffolding that writes published-width Qwen-Image checkpoints on purpose",
-}
-
-# Modules above model/ that still import a family's folder, each with what it takes from there.
-# Each is a debt to move behind the face (model/family.py); a listed path that no longer imports one
-# fails the test (then delete its line), so the list only shrinks.
-IMPORT_EXEMPT = {
-    "workers/selftest/parts.py": "qwen_image.fp8 (quantize_model, check_device), the config classes",
-    # And all of EXEMPT's paths: the test scaffolding builds Qwen-Image models.
 }
 
 # Names the DiT uses that are ordinary words or settings elsewhere too; each is allowed above
@@ -313,20 +306,12 @@ def test_the_shared_machinery_imports_no_family(rel):
     assert not problems, f"{FAMILY_FREE[rel]}:\n" + "\n".join(problems)
 
 
-@pytest.mark.parametrize("rel", sorted(IMPORT_EXEMPT))
-def test_every_import_exemption_is_still_needed(rel):
-    assert family_imports(ast.parse((REPO / rel).read_text())), (
-        f"{rel} imports no family folder any more: drop it from IMPORT_EXEMPT"
-    )
-
-
 @pytest.mark.parametrize("layer", ABOVE_MODEL)
 def test_no_module_above_model_imports_a_family_folder(layer):
     problems = [
         f"{path.relative_to(REPO).as_posix()}:{line}: imports {module}"
         for path in modules_above_model()
         if path.relative_to(REPO).as_posix().startswith(f"{layer}/")
-        and path.relative_to(REPO).as_posix() not in IMPORT_EXEMPT
         for line, module in family_imports(ast.parse(path.read_text()))
     ]
     assert not problems, (

@@ -3,7 +3,6 @@ each a pass/fail line before any speed number (the compile stage, next, is compi
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import platform
@@ -20,6 +19,7 @@ from ditfleet.model.generation.scheduler import sigma_schedule
 from ditfleet.model.memory import GB
 from ditfleet.workers.selftest.parts import (
     FAMILY,
+    config_file,
     diffusers_version,
     dit_inputs,
     free,
@@ -28,7 +28,6 @@ from ditfleet.workers.selftest.parts import (
     sync,
     timed_ms,
     transformer_config,
-    vae_config,
     write_random_transformer,
 )
 from ditfleet.workers.selftest.runner import Context, StageSkipped, stage
@@ -99,7 +98,7 @@ def write_slice(ctx: Context, root: Path) -> Path:
     cfg = transformer_config(ctx, ctx.args.slice_blocks)
     shard_bytes = 2**20 if ctx.tiny else 512 * 2**20
     write_random_transformer(root / "transformer", cfg.to_dict(), shard_bytes)
-    FAMILY.write_random_vae(root / "vae", dataclasses.asdict(vae_config(ctx)))
+    FAMILY.write_random_vae(root / "vae", config_file(ctx, "vae/config.json"))
     return root
 
 
@@ -189,7 +188,7 @@ def correctness(ctx: Context) -> None:
         )
     ctx.check("diffusers")
     size, text_len = (64, 8) if ctx.tiny else (512, 64)
-    ours: Any = pipe.transformer  # the family's DiT as parts builds it (its config is parts' DiTConfig)
+    ours: Any = pipe.transformer  # the family's DiT as parts builds it
     x, txt, shapes = dit_inputs(ours.config, size, text_len, 1, ctx.device, ctx.dtype)
     t = torch.full((1,), 0.7, device=ctx.device, dtype=ctx.dtype)
     with torch.no_grad():

@@ -5,7 +5,6 @@ counts."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 import hashlib
 import json
 import logging
@@ -20,12 +19,10 @@ import torch
 from safetensors.torch import save_file
 
 from ditfleet.model.family import DEFAULT_FAMILY
+from ditfleet.model.family_types import DiTConfig
 from ditfleet.model.generation.sampling import LATENT_CHANNELS, latent_grid
-from ditfleet.model.loading.quantization import QuantizationError, fp8_keep
+from ditfleet.model.loading.quantization import QuantizationError
 from ditfleet.model.memory import ModelMemory
-from ditfleet.model.qwen_image.fp8 import check_device, quantize_model
-from ditfleet.model.qwen_image.transformer_config import TransformerConfig
-from ditfleet.model.qwen_image.vae_config import VAEConfig
 from ditfleet.model.settings import DEFAULT_PIPELINE, Fp8Layers, Quantization
 from ditfleet.workers.selftest.runner import Context
 
@@ -38,26 +35,18 @@ FAMILY = DEFAULT_FAMILY
 # -- configs, weights, timing ----------------------------------------------------------------------
 
 
-# The family's DiT config as the stages pass it around (speed.py types with it from here: this
-# module is the self-test's one import of the family's folder).
-DiTConfig = TransformerConfig
-
-
 def config_file(ctx: Context, rel: str, layers: int | None = None) -> dict:
     """The family's config file `rel` at the run's widths (toy with --tiny, else published)."""
     widths = FAMILY.toy_config if ctx.tiny else FAMILY.published_config
     return widths(rel, layers)
 
 
-def transformer_config(ctx: Context, layers: int) -> TransformerConfig:
-    return TransformerConfig.from_dict(config_file(ctx, "transformer/config.json", layers))
+def transformer_config(ctx: Context, layers: int) -> DiTConfig:
+    """The family's DiT config at the run's widths, cut to `layers` blocks."""
+    return FAMILY.dit_config(config_file(ctx, "transformer/config.json", layers))
 
 
-def vae_config(ctx: Context) -> VAEConfig:
-    return VAEConfig.from_dict(config_file(ctx, "vae/config.json"))
-
-
-def plan_model(ctx: Context, cfg: TransformerConfig) -> ModelMemory:
+def plan_model(ctx: Context, cfg: DiTConfig) -> ModelMemory:
     """The self-test's DiT (and VAE) as the memory plan sees them: the family's formula, no text encoder."""
     return FAMILY.memory.from_configs(
         cfg.to_dict(), config_file(ctx, "vae/config.json"), None, name="selftest"
@@ -91,7 +80,7 @@ def init_on_device(module: ModuleT, seed: int) -> ModuleT:
 
 
 def make_transformer(
-    cfg: TransformerConfig, device: torch.device, dtype: torch.dtype, seed: int = 0
+    cfg: DiTConfig, device: torch.device, dtype: torch.dtype, seed: int = 0
 ) -> torch.nn.Module:
     """The family's DiT straight on the device in `dtype`: built on meta, allocated there, filled there."""
     model = FAMILY.empty_transformer(cfg.to_dict()).to(dtype).to_empty(device=device)
@@ -100,8 +89,11 @@ def make_transformer(
 
 def make_vae(ctx: Context) -> Any:
     """The run's VAE without its encoder, made like `make_transformer`."""
-    vae_dict = dataclasses.asdict(vae_config(ctx))
-    vae = FAMILY.empty_vae(vae_dict, with_encoder=False).to(ctx.dtype).to_empty(device=ctx.device)
+    vae = (
+        FAMILY.empty_vae(config_file(ctx, "vae/config.json"), with_encoder=False)
+        .to(ctx.dtype)
+        .to_empty(device=ctx.device)
+    )
     return init_on_device(vae, 0).eval().requires_grad_(False)
 
 
@@ -200,12 +192,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
-def forward_flops(cfg: TransformerConfig, size: int, text_len: int) -> float:
+def forward_flops(cfg: DiTConfig, size: int, text_len: int) -> float:
     """FLOPs of one DiT forward of one size x size image, as the family states its cost."""
     return FAMILY.forward_flops(cfg.to_dict(), size, size, text_len)
 
 
-def dit_inputs(cfg: TransformerConfig, size: int, text_len: int, batch: int, device, dtype, seed: int = 0):
+def dit_inputs(cfg: DiTConfig, size: int, text_len: int, batch: int, device, dtype, seed: int = 0):
     h, w = latent_grid(size, size)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, h * w, 4 * LATENT_CHANNELS, generator=g).to(device, dtype)
@@ -240,7 +232,7 @@ def fp8_copy(
     copied, so the copy costs only the FP8 weights and scales (20.5 GB beside a 40.9 GB bf16 DiT at
     Qwen-Image size): enough to compare both on one GPU."""
     try:
-        check_device(mode, next(transformer.parameters()).device)
+        FAMILY.check_quantization_device(mode, next(transformer.parameters()).device)
     except QuantizationError:
         return None
     shared = {id(t): t for t in (*transformer.parameters(), *transformer.buffers())}
@@ -251,5 +243,5 @@ def fp8_copy(
         # copy runs its own class methods, eager.
         for name in [k for k in vars(m) if callable(getattr(type(m), k, None)) and k != "training"]:
             del m.__dict__[name]
-    quantize_model(twin, mode, fp8_keep(layers))  # in place
+    FAMILY.quantize(twin, mode, layers)  # in place
     return twin.eval().requires_grad_(False)

@@ -16,6 +16,7 @@ import torch
 from ditfleet.compile.compiled_method import CompiledMethod
 from ditfleet.compile.counting import compile_count
 from ditfleet.compile.policy import CompileReport, apply_compile
+from ditfleet.model.family_types import DiTConfig
 from ditfleet.model.generation.pipeline import Generation, GuidanceInputs, Sampling, TextToImagePipeline
 from ditfleet.model.generation.sampling import euler_step, true_cfg
 from ditfleet.model.generation.scheduler import SchedulerConfig
@@ -24,7 +25,6 @@ from ditfleet.model.step_cache_config import PRESETS, StepCacheConfig
 from ditfleet.workers.selftest.compile_check import compile_config
 from ditfleet.workers.selftest.parts import (
     FAMILY,
-    DiTConfig,
     dit_inputs,
     forward_flops,
     make_transformer,

@@ -311,7 +311,6 @@ def test_the_published_widths_and_the_forward_cost_come_from_the_family(tmp_path
     import dataclasses
 
     from ditfleet.model.qwen_image.transformer_config import TransformerConfig
-    from ditfleet.model.qwen_image.vae_config import VAEConfig
     from ditfleet.workers.selftest import parts
 
     ctx = dataclasses.replace(_tiny_context(tmp_path), tiny=False)
@@ -319,7 +318,7 @@ def test_the_published_widths_and_the_forward_cost_come_from_the_family(tmp_path
     published = parts.FAMILY.published_config("transformer/config.json")
     assert config == TransformerConfig.from_dict({**published, "num_layers": 2})
     assert published["num_layers"] == 60 and config.inner_dim == 3072
-    assert parts.vae_config(ctx) == VAEConfig.from_dict(parts.FAMILY.published_config("vae/config.json"))
+    assert parts.config_file(ctx, "vae/config.json") == parts.FAMILY.published_config("vae/config.json")
     assert parts.forward_flops(config, 1024, 64) == parts.FAMILY.forward_flops(
         config.to_dict(), 1024, 1024, 64
     )
@@ -331,7 +330,6 @@ def test_the_self_test_builds_the_family_model_at_toy_and_published_widths(tmp_p
     """The self-test's random models are the family's (empty_transformer / empty_vae on the run's
     configs): --tiny at the family's toy widths (the sizes the self-test had as its own constants),
     and the DiT's text width and attention shape come from the family, not from the DiT's fields."""
-    import dataclasses
 
     import torch
 
@@ -345,7 +343,7 @@ def test_the_self_test_builds_the_family_model_at_toy_and_published_widths(tmp_p
         "attention_head_dim": 32,
     }
     assert parts.transformer_config(ctx, 3).to_dict() == toy
-    assert dataclasses.asdict(parts.vae_config(ctx)) == parts.FAMILY.toy_config("vae/config.json")
+    assert parts.config_file(ctx, "vae/config.json") == parts.FAMILY.toy_config("vae/config.json")
     dit = parts.make_transformer(parts.transformer_config(ctx, 1), ctx.device, ctx.dtype)
     assert type(dit) is type(parts.FAMILY.empty_transformer(toy))
     assert not any(p.is_meta for p in dit.parameters())
