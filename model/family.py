@@ -146,8 +146,11 @@ class ModelFamily(Protocol):
 
     def attention_counters(self, pipe: Any) -> AttentionCounters: ...
 
-    def forward_flops(self, transformer_config: dict, width: int, height: int, text_tokens: int) -> float:
-        """FLOPs of one DiT forward, one image of width x height, from the transformer's config.json."""
+    def forward_flops(
+        self, transformer_config: dict, width: int, height: int, text_tokens: int, source_tokens: int = 0
+    ) -> float:
+        """FLOPs of one DiT forward, one image of width x height, from the transformer's config.json;
+        source_tokens: an edit model's sources' latent tokens beside the target's."""
         ...
 
     @property

@@ -180,3 +180,28 @@ def test_a_model_is_given_sources_only_when_it_edits(tmp_path):
     inputs = edit.encode_guidance(["a red circle"], sources=[[source]], true_cfg_scale=1.0)
     assert inputs["source_grids"].tolist() == [[56, 74]]
     assert inputs["source_latents"].shape == (1, 56 * 74, 64)
+
+
+def test_the_memory_plan_and_the_forward_cost_count_the_sources():
+    """Qwen-Image-Edit at 1024 x 1024 with one 1024 x 1024 source: 4096 more image tokens in
+    every DiT forward, the VAE's encoder in the weights and a phase of its own for the encode."""
+    from ditfleet.model.family import source_size
+    from ditfleet.model.memory import ModelMemory, Runtime, plan_memory
+    from ditfleet.model.qwen_image.family import QWEN_IMAGE
+    from ditfleet.model.qwen_image.published import PUBLISHED
+
+    model = ModelMemory.from_dir(PUBLISHED / "qwen-image")
+    assert source_size(1000, 1000) == (1024, 1024) and source_size(1664, 928) == (1376, 768)
+    text = plan_memory(model, height=1024, width=1024, batch=1, run=Runtime(text_len=256))
+    edit = plan_memory(
+        model, height=1024, width=1024, batch=1, run=Runtime(text_len=256, sources=((1024, 1024),))
+    )
+    assert "source_encode" not in text.phases and edit.phases["source_encode"] > edit.weights["vae"]
+    assert edit.weights["vae"] > text.weights["vae"]  # the encoder
+    assert edit.activations["denoise"] > 1.9 * text.activations["denoise"]
+    assert edit.peak > text.peak
+    raw = QWEN_IMAGE.published_config("transformer/config.json")
+    plain = QWEN_IMAGE.forward_flops(raw, 1024, 1024, 256)
+    with_source = QWEN_IMAGE.forward_flops(raw, 1024, 1024, 256, source_tokens=4096)
+    assert with_source == QWEN_IMAGE.forward_flops(raw, 1024, 2048, 256)  # as many tokens as a 2x image
+    assert 2.2 < with_source / plain < 2.6
