@@ -1,5 +1,5 @@
-"""Activation peaks: bytes above the weights of one DiT forward, one VAE decode, one prompt encode,
-one vqa score.
+"""Activation peaks: bytes above the weights of one DiT forward, one VAE decode, one VAE encode (an
+edit model's sources), one prompt encode, one vqa score.
 
 They follow the lifetimes of the tensors in this package's forward passes (`transformer.py`,
 `vae_blocks.py`), checked against the CPU allocator's own peak on a real-width slice.
@@ -40,6 +40,9 @@ def dit_activation_bytes(
     source_tokens: int = 0,
 ) -> int:
     """Peak bytes above the weights of one DiT forward of `batch` sequences.
+
+    source_tokens: an edit model's source latents per sequence, image tokens after the target's
+    (model.qwen_image.edit): the image stream is N + source_tokens long.
 
     Per sequence, in units of D * e: a block's q, k, v and attention output (4 S) stay alive
     through its MLPs; the image MLP then also holds the block input, the attention projection,

@@ -15,7 +15,11 @@ import torch
 from ditfleet.jobs.cli import main
 from ditfleet.model.loading.weights import read_config
 from ditfleet.model.memory import GB, Runtime, checkpoint_size, largest_batch, plan_memory
-from ditfleet.model.qwen_image.memory_activations import dit_activation_bytes, vae_decode_activation_bytes
+from ditfleet.model.qwen_image.memory_activations import (
+    dit_activation_bytes,
+    vae_decode_activation_bytes,
+    vae_encode_activation_bytes,
+)
 from ditfleet.model.qwen_image.memory_model import QwenImageMemory
 from ditfleet.model.qwen_image.memory_params import text_encoder_params, transformer_params, vae_params
 from ditfleet.model.qwen_image.published import PUBLISHED as ALL_PUBLISHED
@@ -154,6 +158,24 @@ def test_vae_decode_estimate_matches_measured_peak_at_full_width(dtype):
         vae.decode(z)
         measured = peak_allocated_bytes(lambda: vae.decode(z))
     estimate = vae_decode_activation_bytes(config, 1, 256, 256, 2 if dtype == torch.bfloat16 else 4)
+    assert abs(measured - estimate) <= TOLERANCE * estimate, (measured, estimate)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_vae_encode_estimate_matches_measured_peak_at_full_width(dtype):
+    """An edit model's sources through the published VAE's encoder (the memory plan's source_encode)."""
+    config = VAEConfig.from_dict(published_configs()[1])
+    with torch.device("meta"):
+        vae = QwenImageVAE(config, with_encoder=True)
+    vae = vae.to_empty(device="cpu").to(dtype).eval().requires_grad_(False)
+    for p in vae.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    x = torch.randn(1, 3, 256, 256, dtype=dtype)
+    with torch.no_grad():
+        vae.encode(x)
+        measured = peak_allocated_bytes(lambda: vae.encode(x))
+    estimate = vae_encode_activation_bytes(config, 1, 256, 256, 2 if dtype == torch.bfloat16 else 4)
     assert abs(measured - estimate) <= TOLERANCE * estimate, (measured, estimate)
 
 
