@@ -86,7 +86,9 @@ class QwenImageMemory:
         return model
 
     def params(self) -> dict[str, int]:
-        out = {"transformer": transformer_params(self.transformer), "vae": vae_params(self.vae)}
+        # An edit's VAE keeps its encoder (its sources are encoded on the GPU).
+        vae = vae_params(self.vae, with_encoder=bool(self.sources))
+        out = {"transformer": transformer_params(self.transformer), "vae": vae}
         if self.text_encoder is not None:
             out["text_encoder"] = text_encoder_params(self.text_encoder)
         return out
