@@ -139,7 +139,7 @@ def test_sources_are_attended_to_and_zero_cond_t_modulates_them_at_t0():
     """The DiT predicts the target's tokens only; the sources change that prediction, and 2511's
     zero_cond_t changes it again (the sources modulated at t = 0), while a forward without sources
     is the same with or without zero_cond_t."""
-    from ditfleet.model.qwen_image.transformer import EditInputs
+    from ditfleet.model.qwen_image.transformer import prepare_inputs
 
     plain, zero = _dit(False), _dit(True)
     zero.load_state_dict(plain.state_dict())
@@ -147,12 +147,15 @@ def test_sources_are_attended_to_and_zero_cond_t_modulates_them_at_t0():
     latents, embeds = torch.randn(2, 12, 64, generator=g), torch.randn(2, 5, 16, generator=g)
     t = torch.tensor([0.6])
     source = torch.randn(2, 6, 64, generator=g)
-    with torch.no_grad():
-        text_only = [
-            m(**EditInputs(source[:, :0], ())(latents, embeds, None, t, (3, 4))) for m in (plain, zero)
-        ]
-        edit = [m(**EditInputs(source, ((2, 3),))(latents, embeds, None, t, (3, 4))) for m in (plain, zero)]
-        other = plain(**EditInputs(source.flip(1), ((2, 3),))(latents, embeds, None, t, (3, 4)))
+
+    def forward(model, sources=None, grids=()):
+        inputs = prepare_inputs(latents, embeds, None, t, (3, 4), source_latents=sources, source_grids=grids)
+        with torch.no_grad():
+            return model(**inputs)
+
+    text_only = [forward(m) for m in (plain, zero)]
+    edit = [forward(m, source, ((2, 3),)) for m in (plain, zero)]
+    other = forward(plain, source.flip(1), ((2, 3),))
     assert edit[0].shape == (2, 12, 64)
     torch.testing.assert_close(text_only[0], text_only[1], atol=0, rtol=0)
     assert (edit[0] - text_only[0]).abs().max() > 1e-3
