@@ -208,3 +208,18 @@ def test_the_memory_plan_and_the_forward_cost_count_the_sources():
     with_source = QWEN_IMAGE.forward_flops(raw, 1024, 1024, 256, source_tokens=4096)
     assert with_source == QWEN_IMAGE.forward_flops(raw, 1024, 2048, 256)  # as many tokens as a 2x image
     assert 2.2 < with_source / plain < 2.6
+
+
+@pytest.mark.parametrize("cfg_mode", ["serial", "batched"])
+def test_a_rows_edit_does_not_depend_on_its_batch(tmp_path, cfg_mode):
+    """Two rows of different sources (the same size) in one batch, and 2511's split modulation:
+    each row's image is the one it gets alone, with either CFG mode."""
+    root = write_toy_edit_checkpoint(tmp_path / "m", zero_cond_t=True)
+    pipe = load_pipeline(root, "cpu", cfg_mode=cfg_mode)
+    pipe.edit = dataclasses.replace(pipe.edit, vae_area=128 * 128)
+    a, b = _image(64, 48, seed=1), _image(64, 48, seed=2)
+    kwargs = dict(height=48, width=64, steps=3)
+    both = pipe.generate(["a red circle", "a blue square"], sources=[[a], [b]], seeds=[1, 2], **kwargs)
+    alone = pipe.generate(["a blue square"], sources=[[b]], seeds=[2], **kwargs)
+    torch.testing.assert_close(both[1:], alone, atol=1e-5, rtol=0)
+    assert (both[0] - both[1]).abs().max() > 1e-3
