@@ -8,7 +8,6 @@ import logging
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
@@ -30,7 +29,7 @@ from ditfleet.model.generation.step_cache import StepCache
 from ditfleet.model.qwen_image.edit import EditStyle
 from ditfleet.model.qwen_image.edit_sources import blank_source, encode_sources
 from ditfleet.model.qwen_image.text_encoder import TextEncoder
-from ditfleet.model.qwen_image.transformer import QwenImageTransformer, prepare_inputs
+from ditfleet.model.qwen_image.transformer import EditInputs, QwenImageTransformer, prepare_inputs
 from ditfleet.model.qwen_image.vae import QwenImageVAE
 from ditfleet.model.settings import DEFAULT_PIPELINE, MAX_SEQUENCE_LENGTH, CfgMode, PipelineSettings
 from ditfleet.model.step_cache_config import StepCacheConfig
@@ -397,8 +396,7 @@ class TextToImagePipeline:
         if sources.shape[0] != batch:
             raise ValueError(f"source_latents has {sources.shape[0]} rows for {batch} prompts")
         hw = tuple((int(h), int(w)) for h, w in grids.tolist())
-        bound = partial(prepare_inputs, source_latents=sources.to(self.device, self.dtype), source_grids=hw)
-        return bound, sources.shape[1]
+        return EditInputs(sources.to(self.device, self.dtype), hw), sources.shape[1]
 
     def _conditionings(
         self, inputs: GuidanceInputs, true_cfg_scale: float | Sequence[float]

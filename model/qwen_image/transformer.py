@@ -569,6 +569,20 @@ def prepare_inputs(
     }
 
 
+@dataclass(frozen=True)
+class EditInputs:
+    """`prepare_inputs` with an edit model's sources bound: the PrepareInputs of one batch's
+    denoise loop (model.generation.pipeline)."""
+
+    source_latents: torch.Tensor  # (B, S, C) packed, every source of a row in its order
+    source_grids: tuple[tuple[int, int], ...]  # each source's (h, w) in packed tokens
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return prepare_inputs(
+            *args, source_latents=self.source_latents, source_grids=self.source_grids, **kwargs
+        )
+
+
 def batch_grids(img_shapes: list) -> tuple[tuple[int, int, int], ...]:
     """The batch's (frames, h, w) grids, target first: all samples share them (one resolution
     bucket and one set of source sizes per batch)."""
