@@ -32,16 +32,18 @@ def _image(width: int, height: int, seed: int):
     return Image.frombytes("RGB", (width, height), bytes(levels.flatten().tolist()))
 
 
-def _reference(root, pipeline_class: str, monkeypatch):
+def _reference(root, pipeline_class: str, monkeypatch=None):
+    """diffusers' own pipeline over the checkpoint; with `monkeypatch`, at the test's smaller
+    source areas (VAE_AREA, VISION_AREA), else at the published ones."""
     import diffusers
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
     module = getattr(diffusers.pipelines.qwenimage, _MODULES[pipeline_class])
-    if hasattr(module, "VAE_IMAGE_SIZE"):
+    if monkeypatch is not None and hasattr(module, "VAE_IMAGE_SIZE"):
         monkeypatch.setattr(module, "VAE_IMAGE_SIZE", VAE_AREA)
         monkeypatch.setattr(module, "CONDITION_IMAGE_SIZE", VISION_AREA)
-    else:  # the first edit pipeline names 1024 * 1024 in its __call__
+    elif monkeypatch is not None:  # the first edit pipeline names 1024 * 1024 in its __call__
         dimensions = module.calculate_dimensions
         monkeypatch.setattr(module, "calculate_dimensions", lambda _area, ratio: dimensions(VAE_AREA, ratio))
     return getattr(diffusers, pipeline_class)(
@@ -223,3 +225,26 @@ def test_a_rows_edit_does_not_depend_on_its_batch(tmp_path, cfg_mode):
     alone = pipe.generate(["a blue square"], sources=[[b]], seeds=[2], **kwargs)
     torch.testing.assert_close(both[1:], alone, atol=1e-5, rtol=0)
     assert (both[0] - both[1]).abs().max() > 1e-3
+
+
+@pytest.mark.slow
+def test_edit_plus_matches_diffusers_at_the_published_source_areas(checkpoints):
+    """No area shrunk on either side: the published 1024 x 1024 VAE and 384 x 384 vision areas
+    (diffusers' module constants against model.qwen_image.edit's)."""
+    root = checkpoints("QwenImageEditPlusPipeline")
+    source, prompt, seed = _image(72, 56, seed=3), "make the shape blue", 5
+    expected = _reference(root, "QwenImageEditPlusPipeline")(
+        image=[source],
+        prompt=prompt,
+        negative_prompt=" ",
+        true_cfg_scale=4.0,
+        height=64,
+        width=64,
+        num_inference_steps=2,
+        generator=torch.Generator().manual_seed(seed),
+        output_type="pt",
+    ).images
+    ours = load_pipeline(root, "cpu", torch.float32).generate(
+        [prompt], " ", sources=[[source]], height=64, width=64, steps=2, seeds=[seed]
+    )
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
