@@ -400,8 +400,8 @@ class QwenImageTransformer(nn.Module):
         """Velocity prediction (B, N, patch^2 * out_channels) of the target's N tokens.
 
         An edit model's hidden_states are the target's packed latents then each source's
-        (B, N + S, C), and img_shapes each sample's grids in that order (the target's first); the
-        sources are attended to and never predicted (model.qwen_image.edit).
+        (B, N + S, C), and img_shapes each sample's grids in that order (the target's first,
+        `prepare_inputs`); the sources are attended to and never predicted (model.qwen_image.edit).
 
         step_cache: the rows' state when a step cache (model.generation.step_cache) serves this call; it
         calls `run_blocks` for the blocks and rows it computes. None: every block computes."""
@@ -456,8 +456,8 @@ class QwenImageTransformer(nn.Module):
         """Block 0's modulation and the image stream as its attention sees it (TeaCache's
         signal); `run_blocks(start=...)` uses both instead of computing them again."""
         block = cast(TransformerBlock, self.transformer_blocks[0])  # ModuleList items read as Module
-        img_mod, txt_mod = block.modulation(inputs.temb, inputs.mod_key, self.modulation_cache)
-        img_mod = inputs.image_modulation(block, img_mod)
+        own, txt_mod = block.modulation(inputs.temb, inputs.mod_key, self.modulation_cache)
+        img_mod = inputs.image_modulation(block, own)
         return BlockStart(img_mod, txt_mod, block.modulated_input(img, img_mod))
 
     def run_blocks(
@@ -550,45 +550,43 @@ def prepare_inputs(
     mask: torch.Tensor | None,
     timestep: torch.Tensor,
     grid: tuple[int, int],
+    *,
+    source_latents: torch.Tensor | None = None,
+    source_grids: tuple[tuple[int, int], ...] = (),
 ) -> dict[str, Any]:
     """The Qwen-Image DiT's inputs for one call of the shared denoise loop
-    (model.generation.sampling.PrepareInputs): `forward`'s keyword arguments."""
+    (model.generation.sampling.PrepareInputs): `forward`'s keyword arguments.
+
+    An edit model's (the pipeline binds them): the sources' packed latents (B, S, C), the same
+    every step, after the target's noisy latents, and their grids ((h, w) in packed tokens each,
+    in the row's order) after the target's in img_shapes. A batch of both CFG branches (2B rows)
+    takes the sources twice."""
     h, w = grid
+    hidden = latents
+    if source_latents is not None:
+        repeat = latents.shape[0] // source_latents.shape[0]
+        hidden = torch.cat([latents, source_latents.to(latents.dtype).repeat(repeat, 1, 1)], dim=1)
     return {
-        "hidden_states": latents,
+        "hidden_states": hidden,
         "encoder_hidden_states": embeds,
         "encoder_hidden_states_mask": mask,
         "timestep": timestep,
-        "img_shapes": [[(1, h, w)]] * latents.shape[0],
+        "img_shapes": [[(1, h, w), *((1, sh, sw) for sh, sw in source_grids)]] * latents.shape[0],
     }
 
 
 @dataclass(frozen=True)
 class EditInputs:
-    """`prepare_inputs` for an edit model: the sources' packed latents (B, S, C), the same every
-    step, after the target's noisy latents, and their grids ((h, w) in packed tokens each, in the
-    row's order) after the target's in img_shapes. A batch of both CFG branches (2B rows) takes
-    the sources twice."""
+    """`prepare_inputs` with an edit model's sources bound: the PrepareInputs of one batch's
+    denoise loop (model.generation.pipeline)."""
 
-    source_latents: torch.Tensor
-    source_grids: tuple[tuple[int, int], ...]
+    source_latents: torch.Tensor  # (B, S, C) packed, every source of a row in its order
+    source_grids: tuple[tuple[int, int], ...]  # each source's (h, w) in packed tokens
 
-    def __call__(
-        self,
-        latents: torch.Tensor,
-        embeds: torch.Tensor,
-        mask: torch.Tensor | None,
-        timestep: torch.Tensor,
-        grid: tuple[int, int],
-    ) -> dict[str, Any]:
-        inputs = prepare_inputs(latents, embeds, mask, timestep, grid)
-        sources = self.source_latents
-        if latents.shape[0] != sources.shape[0]:
-            sources = sources.repeat(latents.shape[0] // sources.shape[0], 1, 1)
-        inputs["hidden_states"] = torch.cat([latents, sources.to(latents.dtype)], dim=1)
-        shapes = [(1, *grid), *((1, h, w) for h, w in self.source_grids)]
-        inputs["img_shapes"] = [shapes] * latents.shape[0]
-        return inputs
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return prepare_inputs(
+            *args, source_latents=self.source_latents, source_grids=self.source_grids, **kwargs
+        )
 
 
 def batch_grids(img_shapes: list) -> tuple[tuple[int, int, int], ...]:

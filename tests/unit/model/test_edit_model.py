@@ -32,16 +32,18 @@ def _image(width: int, height: int, seed: int):
     return Image.frombytes("RGB", (width, height), bytes(levels.flatten().tolist()))
 
 
-def _reference(root, pipeline_class: str, monkeypatch):
+def _reference(root, pipeline_class: str, monkeypatch=None):
+    """diffusers' own pipeline over the checkpoint; with `monkeypatch`, at the test's smaller
+    source areas (VAE_AREA, VISION_AREA), else at the published ones."""
     import diffusers
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
     module = getattr(diffusers.pipelines.qwenimage, _MODULES[pipeline_class])
-    if hasattr(module, "VAE_IMAGE_SIZE"):
+    if monkeypatch is not None and hasattr(module, "VAE_IMAGE_SIZE"):
         monkeypatch.setattr(module, "VAE_IMAGE_SIZE", VAE_AREA)
         monkeypatch.setattr(module, "CONDITION_IMAGE_SIZE", VISION_AREA)
-    else:  # the first edit pipeline names 1024 * 1024 in its __call__
+    elif monkeypatch is not None:  # the first edit pipeline names 1024 * 1024 in its __call__
         dimensions = module.calculate_dimensions
         monkeypatch.setattr(module, "calculate_dimensions", lambda _area, ratio: dimensions(VAE_AREA, ratio))
     return getattr(diffusers, pipeline_class)(
@@ -139,7 +141,7 @@ def test_sources_are_attended_to_and_zero_cond_t_modulates_them_at_t0():
     """The DiT predicts the target's tokens only; the sources change that prediction, and 2511's
     zero_cond_t changes it again (the sources modulated at t = 0), while a forward without sources
     is the same with or without zero_cond_t."""
-    from ditfleet.model.qwen_image.transformer import EditInputs
+    from ditfleet.model.qwen_image.transformer import prepare_inputs
 
     plain, zero = _dit(False), _dit(True)
     zero.load_state_dict(plain.state_dict())
@@ -147,12 +149,15 @@ def test_sources_are_attended_to_and_zero_cond_t_modulates_them_at_t0():
     latents, embeds = torch.randn(2, 12, 64, generator=g), torch.randn(2, 5, 16, generator=g)
     t = torch.tensor([0.6])
     source = torch.randn(2, 6, 64, generator=g)
-    with torch.no_grad():
-        text_only = [
-            m(**EditInputs(source[:, :0], ())(latents, embeds, None, t, (3, 4))) for m in (plain, zero)
-        ]
-        edit = [m(**EditInputs(source, ((2, 3),))(latents, embeds, None, t, (3, 4))) for m in (plain, zero)]
-        other = plain(**EditInputs(source.flip(1), ((2, 3),))(latents, embeds, None, t, (3, 4)))
+
+    def forward(model, sources=None, grids=()):
+        inputs = prepare_inputs(latents, embeds, None, t, (3, 4), source_latents=sources, source_grids=grids)
+        with torch.no_grad():
+            return model(**inputs)
+
+    text_only = [forward(m) for m in (plain, zero)]
+    edit = [forward(m, source, ((2, 3),)) for m in (plain, zero)]
+    other = forward(plain, source.flip(1), ((2, 3),))
     assert edit[0].shape == (2, 12, 64)
     torch.testing.assert_close(text_only[0], text_only[1], atol=0, rtol=0)
     assert (edit[0] - text_only[0]).abs().max() > 1e-3
@@ -206,3 +211,41 @@ def test_the_memory_plan_and_the_forward_cost_count_the_sources():
     with_source = QWEN_IMAGE.forward_flops(raw, 1024, 1024, 256, sources=((1024, 1024),))
     assert with_source == QWEN_IMAGE.forward_flops(raw, 1024, 2048, 256)  # as many tokens as a 2x image
     assert 2.2 < with_source / plain < 2.6
+
+
+@pytest.mark.parametrize("cfg_mode", ["serial", "batched"])
+def test_a_rows_edit_does_not_depend_on_its_batch(tmp_path, cfg_mode):
+    """Two rows of different sources (the same size) in one batch, and 2511's split modulation:
+    each row's image is the one it gets alone, with either CFG mode."""
+    root = write_toy_edit_checkpoint(tmp_path / "m", zero_cond_t=True)
+    pipe = load_pipeline(root, "cpu", cfg_mode=cfg_mode)
+    pipe.edit = dataclasses.replace(pipe.edit, vae_area=128 * 128)
+    a, b = _image(64, 48, seed=1), _image(64, 48, seed=2)
+    kwargs = dict(height=48, width=64, steps=3)
+    both = pipe.generate(["a red circle", "a blue square"], sources=[[a], [b]], seeds=[1, 2], **kwargs)
+    alone = pipe.generate(["a blue square"], sources=[[b]], seeds=[2], **kwargs)
+    torch.testing.assert_close(both[1:], alone, atol=1e-5, rtol=0)
+    assert (both[0] - both[1]).abs().max() > 1e-3
+
+
+@pytest.mark.slow
+def test_edit_plus_matches_diffusers_at_the_published_source_areas(checkpoints):
+    """No area shrunk on either side: the published 1024 x 1024 VAE and 384 x 384 vision areas
+    (diffusers' module constants against model.qwen_image.edit's)."""
+    root = checkpoints("QwenImageEditPlusPipeline")
+    source, prompt, seed = _image(72, 56, seed=3), "make the shape blue", 5
+    expected = _reference(root, "QwenImageEditPlusPipeline")(
+        image=[source],
+        prompt=prompt,
+        negative_prompt=" ",
+        true_cfg_scale=4.0,
+        height=64,
+        width=64,
+        num_inference_steps=2,
+        generator=torch.Generator().manual_seed(seed),
+        output_type="pt",
+    ).images
+    ours = load_pipeline(root, "cpu", torch.float32).generate(
+        [prompt], " ", sources=[[source]], height=64, width=64, steps=2, seeds=[seed]
+    )
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
