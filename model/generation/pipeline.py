@@ -292,7 +292,7 @@ class TextToImagePipeline:
         encode_edit = getattr(self.text_encoder, "encode_edit", None)
         if encode_edit is None:  # an encoder that cannot see images: the sources are latents only
             return self.encode_prompt(list(prompts), max_length)
-        embeds, mask = encode_edit(list(prompts), sources, self.edit, max_length)
+        embeds, mask = encode_edit(list(prompts), sources, self.edit)  # uncut: the vision tokens lead
         return embeds.to(self.device, self.dtype), mask.to(self.device)
 
     @torch.no_grad()

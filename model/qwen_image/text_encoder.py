@@ -156,11 +156,14 @@ class QwenVLTextEncoder:
         prompts: list[str],
         sources: Sequence[Sequence[Image]],
         style: EditStyle,
-        max_length: int = MAX_SEQUENCE_LENGTH,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`encode` for an edit model: each instruction in the edit template with its row's source
         images, which Qwen2.5-VL sees (the processor turns each into its vision tokens), as
-        diffusers' QwenImageEdit(Plus)Pipeline encodes them; the first EDIT_DROP_TOKENS dropped."""
+        diffusers' QwenImageEdit(Plus)Pipeline encodes them; the first EDIT_DROP_TOKENS dropped.
+
+        Not cut at max_sequence_length, as diffusers does not cut it: the sources' vision tokens
+        come before the instruction (about 200 a source for 2509/2511, 1,369 for the first Edit at
+        1024x1024), so a cut there would drop the instruction itself."""
         if self.image_processor is None:
             raise ValueError(
                 "this Qwen2.5-VL text encoder has no image processor: an edit checkpoint ships "
@@ -181,10 +184,10 @@ class QwenVLTextEncoder:
             pixel_values=vision["pixel_values"].to(self.device),
             image_grid_thw=vision["image_grid_thw"].to(self.device),
         )
-        return self._embeddings(hidden, tokens.attention_mask, EDIT_DROP_TOKENS, max_length)
+        return self._embeddings(hidden, tokens.attention_mask, EDIT_DROP_TOKENS, None)
 
     def _embeddings(
-        self, hidden: torch.Tensor, attention_mask: torch.Tensor, drop: int, max_length: int
+        self, hidden: torch.Tensor, attention_mask: torch.Tensor, drop: int, max_length: int | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(embeds (B, L, D), mask (B, L)) from the final hidden states (B, T, D): each prompt's
         real tokens (padding may sit on either side), minus the template's first `drop`, left-aligned."""

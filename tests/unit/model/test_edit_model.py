@@ -249,3 +249,40 @@ def test_edit_plus_matches_diffusers_at_the_published_source_areas(checkpoints):
         [prompt], " ", sources=[[source]], height=64, width=64, steps=2, seeds=[seed]
     )
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
+
+
+def test_the_instruction_survives_a_text_length_shorter_than_the_sources_vision_tokens(
+    checkpoints, monkeypatch
+):
+    """Qwen2.5-VL's view of the sources comes before the instruction in the prompt; diffusers does
+    not cut an edit prompt at max_sequence_length, and neither do we (a cut would keep the vision
+    tokens and drop the instruction: every row would get the same edit)."""
+    root = checkpoints("QwenImageEditPlusPipeline")
+    sources = [_image(80, 80, seed=0), _image(64, 112, seed=1)]
+    ref = _reference(root, "QwenImageEditPlusPipeline", monkeypatch)
+    pipe = _ours(root)
+    images = {}
+    for prompt in ("make the shape blue", "make the background red"):
+        expected = ref(
+            image=sources,
+            prompt=prompt,
+            negative_prompt=" ",
+            true_cfg_scale=4.0,
+            height=96,
+            width=128,
+            num_inference_steps=STEPS,
+            generator=torch.Generator().manual_seed(7),
+            output_type="pt",
+        ).images
+        images[prompt] = pipe.generate(
+            [prompt],
+            " ",
+            sources=[sources],
+            height=96,
+            width=128,
+            steps=STEPS,
+            seeds=[7],
+            max_sequence_length=8,
+        )
+        torch.testing.assert_close(images[prompt], expected, atol=1e-4, rtol=0)
+    assert not torch.equal(*images.values())
