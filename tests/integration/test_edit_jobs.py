@@ -102,7 +102,7 @@ def write_job(path: Path, model_dir: Path, inputs: Path, output: Path, **section
         "buckets": "{names: [32x32, 48x32, 32x48]}",
         "compile": "{vae: false}",
         "workers": "{min: 2, max: 2, gpus: 0, cpus: 1, batch_size: 4, idle_retire_s: 2}",
-        "shards": "{size: 3}",
+        "shards": "{size: 2}",
         **sections,
     }
     path.write_text("".join(f"{k}: {v}\n" for k, v in parts.items()))
@@ -113,11 +113,12 @@ def _rows(store) -> dict[str, dict]:
     return {r["id"]: r for r in manifest_table(store).to_pylist()}
 
 
+@pytest.mark.timeout(900)  # a loaded 2-core machine starts a replacement actor slowly
 @pytest.mark.usefixtures("ray_cluster")
 def test_edit_job_with_an_actor_killed_every_row_once_with_its_sources_same_bytes(
     edit_model_dir, tmp_path, capsys
 ):
-    inputs = write_edit_input(tmp_path / "in", 9, bad={4: "img/gone.png", 8: "img/text.png"})
+    inputs = write_edit_input(tmp_path / "in", 6, bad={1: "img/gone.png", 4: "img/text.png"})
     (tmp_path / "in" / "img" / "text.png").write_bytes(b"not an image")
     out = tmp_path / "out"
     killed: list[int] = []
@@ -132,23 +133,23 @@ def test_edit_job_with_an_actor_killed_every_row_once_with_its_sources_same_byte
     assert "job completed, but some images FAILED" in err and "lost (actor_died)" in err
     store = open_store(str(out))
     rows = _rows(store)
-    assert sorted(rows) == [f"e{i:04d}" for i in range(9)]  # every row once
-    assert json.loads(store.get(success_key()))["images"] == {"planned": 9, "ok": 7, "failed": 2}
+    assert sorted(rows) == [f"e{i:04d}" for i in range(6)]  # every row once
+    assert json.loads(store.get(success_key()))["images"] == {"planned": 6, "ok": 4, "failed": 2}
     img = tmp_path / "in" / "img"
-    assert rows["e0004"]["status"] == "failed"
-    assert rows["e0004"]["error"] == f"source 0 ({img}/gone.png) is missing"
-    assert rows["e0008"]["error"] == f"source 0 ({img}/text.png) is not an image Pillow reads"
-    assert rows["e0004"]["uri"] is None and rows["e0008"]["uri"] is None  # nothing stored for them
-    for i in range(9):
+    assert rows["e0001"]["status"] == "failed"
+    assert rows["e0001"]["error"] == f"source 0 ({img}/gone.png) is missing"
+    assert rows["e0004"]["error"] == f"source 0 ({img}/text.png) is not an image Pillow reads"
+    assert rows["e0001"]["uri"] is None and rows["e0004"]["uri"] is None  # nothing stored for them
+    for i in range(6):
         row = rows[f"e{i:04d}"]
-        if i in (4, 8):
+        if i in (1, 4):
             continue
         assert row["status"] == "ok", row["error"]
         if i % 7 == 3:  # embedded: named by the input file and the row
             (uri,) = row["source_uris"]
             assert uri.startswith(f"{tmp_path}/in/b.parquet#row=") and uri.endswith("&image=0")
         else:
-            expected = [f"{img}/{i}.png"] + ([f"{img}/{(i + 1) % 9}.png"] if i % 5 == 0 else [])
+            expected = [f"{img}/{i}.png"] + ([f"{img}/{(i + 1) % 6}.png"] if i % 5 == 0 else [])
             assert row["source_uris"] == expected
             assert row["source_sha256"] == [
                 hashlib.sha256(Path(u).read_bytes()).hexdigest() for u in expected
