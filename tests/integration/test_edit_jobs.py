@@ -31,6 +31,7 @@ from ditfleet.workers.output.layout import success_key
 from ditfleet.workers.rows import InputContentChanged, RowConfig
 from ditfleet.workers.storage import open_store
 from tests.integration.test_end_to_end import _kill_writers_of_new_manifests, manifest_table
+from tests.integration.test_end_to_end import write_job as write_text_job
 from tests.support.worker_fixtures import row_config, worker_config
 
 pytestmark = pytest.mark.slow
@@ -93,20 +94,18 @@ def write_edit_input(folder: Path, n: int, bad: dict[int, str] | None = None) ->
     return folder
 
 
-def write_job(path: Path, model_dir: Path, inputs: Path, output: Path, **sections: str) -> Path:
-    parts = {
-        "input": f"{{path: '{inputs}/*.parquet', image_column: image}}",
-        "output": f"{{uri: '{output}'}}",
-        "model": f"{{path: {model_dir}}}",
-        "sampling": "{steps: 2, seed: 7}",
-        "buckets": "{names: [32x32, 48x32, 32x48]}",
-        "compile": "{vae: false}",
-        "workers": "{min: 2, max: 2, gpus: 0, cpus: 1, batch_size: 4, idle_retire_s: 2}",
-        "shards": "{size: 2}",
-        **sections,
-    }
-    path.write_text("".join(f"{k}: {v}\n" for k, v in parts.items()))
-    return path
+def write_job(path: Path, model_dir: Path, inputs: Path, output: Path) -> Path:
+    """test_end_to_end's job, as an edit job over the input folder's files."""
+    return write_text_job(
+        path,
+        model_dir,
+        inputs,
+        str(output),
+        input=f"{{path: '{inputs}/*.parquet', image_column: image}}",
+        buckets="{names: [32x32, 48x32, 32x48]}",
+        workers="{min: 2, max: 2, gpus: 0, cpus: 1, batch_size: 4, idle_retire_s: 2}",
+        shards="{size: 2}",
+    )
 
 
 def _rows(store) -> dict[str, dict]:
