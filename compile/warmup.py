@@ -6,7 +6,9 @@ Compiled graphs are specialised to input shapes, and the shapes do not depend on
 steps, so 2 steps are enough.
 
 The VAE decode sees only the resolution; a compiled DiT takes the batch size and the text length
-as dynamic dimensions (`model.family`), so it too compiles once per resolution. Before running, it
+as dynamic dimensions (`model.family`), so it too compiles once per resolution. An edit model
+(`pipe.task`) also encodes a source per row at every bucket (`pipe.warmup_sources`: one of the
+bucket's aspect ratio), so the VAE encode and the DiT's longer image stream compile here too. Before running, it
 raises the recompile limit of every compiled target to the number of shapes it is about to trace.
 
 With `claims` (compile.claims), actors on one machine warm the buckets they can claim first and
@@ -23,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ditfleet.model.family import model_family
+from ditfleet.model.family import EDIT, TEXT_TO_IMAGE, model_family
 from ditfleet.model.generation.guidance import cfg_on
 from ditfleet.model.generation.pipeline import GuidanceInputs
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH
@@ -120,7 +122,10 @@ def warm_up(
     if runs.steps < 1:
         raise ValueError(f"steps must be >= 1, got {runs.steps}")
     methods = compiled_methods(pipe)
-    cases = {int(b): _cases(pipe, int(b), runs) for b in runs.batch_sizes}
+    # An edit model's cases carry sources of each bucket's size: built per bucket.
+    edit = getattr(pipe, "task", TEXT_TO_IMAGE) == EDIT
+    shared = {} if edit else {int(b): _cases(pipe, int(b), runs) for b in runs.batch_sizes}
+    traced: list[dict[int, list[GuidanceInputs]]] = [] if edit else [shared]
     # One graph per resolution for each target (the DiT's batch and text length are dynamic);
     # the margin covers a platform that specialises a size after all.
     shapes = 2 * len(resolved) + 2
@@ -138,12 +143,16 @@ def warm_up(
             on_bucket(len(timings) + 1, len(resolved), bucket.name, bucket.name not in before)
 
     def warm(bucket: ResolutionBucket, outcome: ClaimOutcome) -> None:
+        cases = shared
+        if edit:
+            cases = {int(b): _cases(pipe, int(b), runs, bucket) for b in runs.batch_sizes}
+            traced.append(cases)
         timings.append(_warm_bucket(pipe, bucket, outcome, cases, runs))
 
     _each_bucket(resolved, claims, announce, warm)
     return WarmupReport(
         buckets=tuple(timings),
-        prompt_lengths=tuple(_all_lengths(cases)),
+        prompt_lengths=tuple(sorted({n for cases in traced for n in _all_lengths(cases)})),
         batch_sizes=tuple(int(b) for b in runs.batch_sizes),
         seconds=time.perf_counter() - start_all,
         compiles=compile_count() - compiles_all,
@@ -219,8 +228,23 @@ def _inductor_compiles() -> int:
     return int(counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_bypass"])
 
 
-def _cases(pipe: Any, batch: int, runs: WarmupRuns) -> list[GuidanceInputs]:
-    """The generate() inputs of one batch size: one per prompt (or per embedding length)."""
+def _cases(
+    pipe: Any, batch: int, runs: WarmupRuns, bucket: ResolutionBucket | None = None
+) -> list[GuidanceInputs]:
+    """The generate() inputs of one batch size: one per prompt (or per embedding length); for
+    an edit model (`bucket` given) with the sources its warm-up encodes at that bucket."""
+    if bucket is not None:
+        if pipe.text_encoder is None:
+            raise ValueError(
+                "warming up an edit model needs its text encoder (the sources go with the prompts)"
+            )
+        sources = pipe.warmup_sources(bucket.width, bucket.height, batch)
+        return [
+            pipe.encode_guidance(
+                [prompt] * batch, None, runs.true_cfg_scale, runs.max_sequence_length, sources=sources
+            )
+            for prompt in runs.prompts
+        ]
     if pipe.text_encoder is not None:
         return [
             pipe.encode_guidance([prompt] * batch, None, runs.true_cfg_scale, runs.max_sequence_length)

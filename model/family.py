@@ -38,7 +38,6 @@ and the driver's planning read the defaults without loading torch.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -62,7 +61,7 @@ from ditfleet.model.family_types import (
     Size,
     TextConditioning,
 )
-from ditfleet.model.loading.folder import TINY_MODEL, WeightsError, model_dir_layout
+from ditfleet.model.loading.folder import TINY_MODEL, WeightsError, model_dir_layout, read_model_index
 from ditfleet.model.qwen_image.edit import source_size
 from ditfleet.model.qwen_image.family import QWEN_IMAGE, QWEN_IMAGE_CLASSES, TINY, MemoryFormula
 
@@ -146,8 +145,11 @@ class ModelFamily(Protocol):
 
     def attention_counters(self, pipe: Any) -> AttentionCounters: ...
 
-    def forward_flops(self, transformer_config: dict, width: int, height: int, text_tokens: int) -> float:
-        """FLOPs of one DiT forward, one image of width x height, from the transformer's config.json."""
+    def forward_flops(
+        self, transformer_config: dict, width: int, height: int, text_tokens: int, source_tokens: int = 0
+    ) -> float:
+        """FLOPs of one DiT forward, one image of width x height, from the transformer's config.json;
+        source_tokens: an edit model's sources' latent tokens beside the target's."""
         ...
 
     @property
@@ -229,14 +231,10 @@ def check_model_index(root: str | Path) -> ModelFamily:
     pipeline no family runs (an edit or layered model, Flux, ...) up front.
 
     model_index.json is optional (a hand-assembled folder may lack it): then `DEFAULT_FAMILY`."""
-    path = Path(root) / "model_index.json"
-    if not path.is_file():
+    index = read_model_index(root)
+    if index is None:
         return DEFAULT_FAMILY
-    try:
-        index = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise WeightsError(f"{path}: not valid JSON ({e}).") from e
-    return family_of_class(index.get("_class_name") if isinstance(index, dict) else None, str(path))
+    return family_of_class(index.get("_class_name"), str(Path(root) / "model_index.json"))
 
 
 def resolve_model_dir(path: str | Path) -> Path:
@@ -276,19 +274,14 @@ def model_task(model_path: str | os.PathLike, model_index: dict | None = None) -
     model_index.json. "tiny", a folder without model_index.json and a remote path (not read
     here) are text-to-image unless `model_index` (read elsewhere, e.g. from an object store) says
     otherwise."""
+    where = f"{model_path}/model_index.json"
     if model_index is None:
-        path = Path(model_path) / "model_index.json"
-        if str(model_path) == TINY_MODEL or not path.is_file():
+        local = None if str(model_path) == TINY_MODEL else read_model_index(model_path)
+        if local is None:
             return model_family(model_path).task({})
-        try:
-            model_index = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise WeightsError(f"{path}: not valid JSON ({e}).") from e
-        where = str(path)
-    else:
-        where = f"{model_path}/model_index.json"
+        model_index = local
     if not isinstance(model_index, dict):
-        raise WeightsError(f"{where}: not a JSON object.")
+        raise WeightsError(f"{where}: not a JSON object (a model_index.json names its `_class_name`).")
     return family_of_class(model_index.get("_class_name"), where, model_index).task(model_index)
 
 

@@ -34,8 +34,9 @@ TRAINING_TEXT = (
 )
 
 
-def make_vl_tokenizer(out: Path) -> Any:
-    """A PreTrainedTokenizerFast (vocabulary 400, right padding) saved to `out`."""
+def train_bpe_tokenizer(out: Path, texts: list[str], special_tokens: list[str], vocab_size: int) -> Any:
+    """A byte-level BPE PreTrainedTokenizerFast (Qwen's kind; right padding, `<|endoftext|>` pads,
+    `<|im_end|>` ends) trained on `texts`, its special tokens given the first ids; saved to `out`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -43,12 +44,12 @@ def make_vl_tokenizer(out: Path) -> Any:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=list(SPECIAL_TOKENS),
+        vocab_size=vocab_size,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator([EDIT_TEMPLATE.format(t) for t in TRAINING_TEXT] * 4, trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token="<|endoftext|>",
@@ -58,6 +59,12 @@ def make_vl_tokenizer(out: Path) -> Any:
     )
     fast.save_pretrained(out)
     return fast
+
+
+def make_vl_tokenizer(out: Path) -> Any:
+    """The toy edit model's tokenizer (vocabulary 400, Qwen's chat and vision tokens) saved to `out`."""
+    texts = [EDIT_TEMPLATE.format(t) for t in TRAINING_TEXT] * 4
+    return train_bpe_tokenizer(out, texts, list(SPECIAL_TOKENS), 400)
 
 
 def make_vl_model(out: Path, tokenizer: Any, seed: int = 0) -> Any:

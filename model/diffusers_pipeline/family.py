@@ -150,7 +150,9 @@ class DiffusersFamily:
         # Text-to-image until this family runs a pipeline whose __call__ takes an image (issue 51).
         return TEXT_TO_IMAGE
 
-    def forward_flops(self, transformer_config: dict, width: int, height: int, text_tokens: int) -> float:
+    def forward_flops(
+        self, transformer_config: dict, width: int, height: int, text_tokens: int, source_tokens: int = 0
+    ) -> float:
         # No formula per pipeline class here: "% of peak" is not stated for this family (0: unknown).
         return 0.0
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ditfleet.model.family_types import EDIT, TEXT_TO_IMAGE
 from ditfleet.model.generation.attention_backend import attention_backend
 from ditfleet.model.generation.guidance import cfg_on, negative_texts
 from ditfleet.model.generation.sampling import (
@@ -26,7 +27,7 @@ from ditfleet.model.generation.sampling import (
 from ditfleet.model.generation.scheduler import SchedulerConfig, sigma_schedule
 from ditfleet.model.generation.step_cache import StepCache
 from ditfleet.model.qwen_image.edit import EditStyle
-from ditfleet.model.qwen_image.edit_sources import encode_sources
+from ditfleet.model.qwen_image.edit_sources import blank_source, encode_sources
 from ditfleet.model.qwen_image.text_encoder import TextEncoder
 from ditfleet.model.qwen_image.transformer import EditInputs, QwenImageTransformer, prepare_inputs
 from ditfleet.model.qwen_image.vae import QwenImageVAE
@@ -115,6 +116,19 @@ class TextToImagePipeline:
         self.settings = settings  # checked when built (PipelineSettings.__post_init__)
         self.cfg_mode = settings.cfg_mode
         self.timestep_bank = TimestepBank()
+
+    @property
+    def task(self) -> str:
+        """EDIT when the model takes source images (`encode_guidance(..., sources=...)`), else
+        TEXT_TO_IMAGE (model.family_types)."""
+        return TEXT_TO_IMAGE if self.edit is None else EDIT
+
+    def warmup_sources(self, width: int, height: int, batch: int) -> SourceImages | None:
+        """What a warm-up of a width x height bucket encodes as sources (compile.warmup): one blank
+        source of the bucket's own size per row, which takes the VAE size of a source of the
+        bucket's aspect ratio (a request's source of another ratio has other sizes); None for a
+        text-to-image model."""
+        return None if self.edit is None else [[blank_source(width, height)] for _ in range(batch)]
 
     def batch_cfg(self, batch: int, image_tokens: int, cond_len: int, uncond_len: int) -> bool:
         """Whether this request's two CFG passes run as one forward (see cfg_batched_for)."""

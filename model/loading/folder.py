@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -32,6 +33,21 @@ def read_config(component_dir: Path) -> dict:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise WeightsError(f"{path}: not valid JSON ({e}).") from e
+
+
+def read_model_index(root: str | os.PathLike) -> dict | None:
+    """A model folder's model_index.json (what pipeline class it is), None when it has none; a
+    file that is not a JSON object is refused naming it."""
+    path = Path(root) / "model_index.json"
+    if not path.is_file():
+        return None
+    try:
+        index = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise WeightsError(f"{path}: not valid JSON ({e}).") from e
+    if not isinstance(index, dict):
+        raise WeightsError(f"{path}: not a JSON object (a model_index.json names its `_class_name`).")
+    return index
 
 
 def drop_ignored_keys(d: dict, ignored: Mapping[str, str], kind: str) -> dict:

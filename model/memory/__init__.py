@@ -19,6 +19,7 @@ from __future__ import annotations
 from ditfleet.model.qwen_image.memory_activations import (
     dit_activation_bytes,
     vae_decode_activation_bytes,
+    vae_encode_activation_bytes,
     vqa_activation_bytes,
 )
 from ditfleet.model.qwen_image.memory_params import text_encoder_params, transformer_params, vae_params
@@ -50,6 +51,7 @@ __all__ = [
     "text_encoder_params",
     "transformer_params",
     "vae_decode_activation_bytes",
+    "vae_encode_activation_bytes",
     "vae_params",
     "vqa_activation_bytes",
 ]

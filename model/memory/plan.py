@@ -15,6 +15,7 @@ from ditfleet.model.qwen_image.memory_activations import (
     image_tokens,
     text_encode_activation_bytes,
     vae_decode_activation_bytes,
+    vae_encode_activation_bytes,
     vqa_activation_bytes,
 )
 from ditfleet.model.qwen_image.memory_params import (
@@ -93,7 +94,8 @@ class MemoryPlan:
 
     Phases: "encode" (prompts through the text encoder), "denoise" (the DiT forward), "decode"
     (the VAE) and, with the vqa scorer and the text encoder on the GPU, "score" (one image through
-    the text encoder, model.quality.vqa). `peak` is the largest phase. With `offload`, the text encoder comes onto
+    the text encoder, model.quality.vqa); for an edit model (`Runtime.sources`) "source_encode"
+    (the sources through the VAE's encoder). `peak` is the largest phase. With `offload`, the text encoder comes onto
     the GPU only to encode a shard's prompts; when it cannot sit next to the DiT, the DiT waits
     in host memory meanwhile (`dit_swapped`).
     """
@@ -183,6 +185,10 @@ class Runtime:
     vqa: quality.scorers asks vqa of every image, one forward of the text encoder per image where
       the encoder sits: a phase of its own on the GPU when it sits there ("gpu"); with "cpu" or
       "offload" the score runs on the host and takes no GPU memory.
+    sources: an edit model's source images per image, each its (width, height) at the VAE's
+      source size (model.family.source_size): their latent tokens lengthen the DiT's image stream,
+      the VAE keeps its encoder, and encoding them is a phase of its own ("source_encode"). Count
+      the vision tokens Qwen2.5-VL gives them in text_len.
     """
 
     dtype: str = "bf16"
@@ -196,6 +202,7 @@ class Runtime:
     quantization: Quantization = "none"
     fp8_layers: Fp8Layers = DEFAULT_PIPELINE.fp8_layers  # which Linears the quantization stores in FP8
     vqa: bool = False
+    sources: tuple[tuple[int, int], ...] = ()
 
     def check(self) -> None:
         if self.dtype not in DTYPE_BYTES:
@@ -230,6 +237,8 @@ def plan_memory(
         )
     e = DTYPE_BYTES[run.dtype]
     weights = {k: v * e for k, v in model.params().items()}
+    if run.sources:  # an edit model's VAE keeps its encoder
+        weights["vae"] = vae_params(model.vae, with_encoder=True) * e
     weights["transformer"] = transformer_weight_bytes(
         model.transformer, e, check_quantization(run.quantization), run.fp8_layers
     )
@@ -283,6 +292,8 @@ def _phases(
     host = te_w if run.text_encoder != "gpu" else 0
     if "score" in acts:  # after the decode, the batch's pixels only beside the weights
         phases["score"] = resident + te_resident + _fragmented(acts["score"])
+    if "source_encode" in acts:  # an edit model's sources through the VAE's encoder
+        phases["source_encode"] = resident + te_resident + _fragmented(acts["source_encode"])
     if "encode" in acts and run.text_encoder != "cpu":
         encode = resident + te_w + _fragmented(acts["encode"])
         if run.text_encoder == "offload" and capacity is not None and encode > capacity:
@@ -293,14 +304,16 @@ def _phases(
     return phases, swapped, host
 
 
-def _fp8_transient(model: ModelMemory, run: Runtime, dit_batch: int, height: int, width: int, e: int) -> int:
+def _fp8_transient(
+    model: ModelMemory, run: Runtime, dit_batch: int, height: int, width: int, e: int, source_tokens: int = 0
+) -> int:
     """What the FP8 GEMMs (model.qwen_image.fp8) hold beyond the bf16 forward's tensors at its peak (the MLP
     down-projection): `fp8` the scaled copy's FP8 codes of its 4D-wide input, one byte per element
     (the scaled copy itself takes the freed up-projection's place); `fp8-weight-only` the largest
     weight dequantized, and its cast, for the duration of one GEMM."""
     D = model.transformer.inner_dim
     if run.quantization == "fp8":
-        tokens = max(image_tokens(height, width), run.text_len)
+        tokens = max(image_tokens(height, width) + source_tokens, run.text_len)
         return dit_batch * tokens * 4 * D
     if run.quantization == "fp8-weight-only":
         return 2 * 4 * D * D * e
@@ -318,13 +331,26 @@ def _activations(
     encode when the model has a text encoder, and score when vqa runs on the GPU's encoder."""
     dit_batch = 2 * batch if run.cfg == "batched" else batch
     vae_batch = min(run.vae_batch or batch, batch)
+    source_tokens = sum(image_tokens(h, w) for w, h in run.sources)
     acts = {
         "denoise": dit_activation_bytes(
-            model.transformer, dit_batch, height, width, run.text_len, e, run.attention, run.device
+            model.transformer,
+            dit_batch,
+            height,
+            width,
+            run.text_len,
+            e,
+            run.attention,
+            run.device,
+            source_tokens,
         )
-        + _fp8_transient(model, run, dit_batch, height, width, e),
+        + _fp8_transient(model, run, dit_batch, height, width, e, source_tokens),
         "decode": vae_decode_activation_bytes(model.vae, vae_batch, height, width, e),
     }
+    if run.sources:  # the i-th sources of the batch's rows are one encode
+        acts["source_encode"] = max(
+            vae_encode_activation_bytes(model.vae, batch, h, w, e) for w, h in run.sources
+        )
     if model.text_encoder is not None:
         qwen = "vision_config" in model.text_encoder
         tokens = run.text_len + (QWEN_TEMPLATE_TOKENS if qwen else 0)

@@ -47,6 +47,14 @@ def pixels(image: Image) -> torch.Tensor:
     return levels.permute(2, 0, 1).to(torch.float32) / 255.0 * 2.0 - 1.0
 
 
+def blank_source(width: int, height: int) -> Image:
+    """A mid-grey RGB source of width x height: what a warm-up encodes for an edit model (its
+    size, not its content, decides the compiled shapes)."""
+    from PIL import Image as PILImage
+
+    return PILImage.new("RGB", (width, height), (128, 128, 128))
+
+
 def source_grids(sources: Sequence[Image], style: EditStyle) -> tuple[tuple[int, int], ...]:
     """Each source's token grid (h, w) at its VAE source size."""
     return tuple(_grid(style.vae_size(*image.size)) for image in sources)

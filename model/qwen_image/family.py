@@ -87,6 +87,12 @@ def _vae_owners(vae: Any) -> list[tuple[str, Any]]:
     return [("vae", vae)]
 
 
+def _vae_encoder_owners(vae: Any) -> list[tuple[str, Any]]:
+    # An edit model's VAE encodes its sources (model.qwen_image.edit_sources calls `vae.encode`);
+    # a VAE loaded without its encoder (text-to-image) has nothing to compile here.
+    return [("vae", vae)] if getattr(vae, "encoder", None) is not None else []
+
+
 def _block_owners(transformer: Any) -> list[tuple[str, Any]]:
     return [(f"transformer_blocks.{block.index}", block) for block in transformer.transformer_blocks]
 
@@ -109,18 +115,21 @@ _DIT_BLOCK_METHODS: Mapping[str, Mapping[int, Any]] = MappingProxyType(
 
 QWEN_IMAGE_COMPILE_REGIONS: tuple[CompileRegion, ...] = (
     CompileRegion("vae", "vae", MappingProxyType({"decode": {}}), _vae_owners),
+    CompileRegion("vae", "vae", MappingProxyType({"encode": {}}), _vae_encoder_owners),
     CompileRegion("dit", "transformer", _DIT_BLOCK_METHODS, _block_owners),
 )
 
 
 def forward_flops(
-    config: TransformerConfig, img_tokens: int, txt_tokens: int, batch: int = 1
+    config: TransformerConfig, img_tokens: int, txt_tokens: int, batch: int = 1, source_tokens: int = 0
 ) -> dict[str, float]:
     """FLOPs (2 per multiply-add) of one DiT forward, from its config: "total", and the share of
     it that is "modulation" (img_mod + txt_mod of one timestep row, what the modulation cache saves).
 
     Per block: the linears of both streams (q, k, v, out and the 4x MLP) over all T tokens,
-    attention (QK^T and AV over T x T), the modulation; plus the input embeddings."""
+    attention (QK^T and AV over T x T), the modulation; plus the input embeddings. An edit
+    model's `source_tokens` are image tokens too (T = image + source + text tokens)."""
+    img_tokens += source_tokens
     D, T = config.inner_dim, img_tokens + txt_tokens
     linear = 2 * T * (4 * D * D + 2 * 4 * D * D)
     attention = 2 * 2 * T * T * D
@@ -211,12 +220,15 @@ class QwenImageFamily:
     def attention_counters(self, pipe: Any) -> AttentionCounters:
         return pipe.transformer.attention_stats
 
-    def forward_flops(self, transformer_config: dict, width: int, height: int, text_tokens: int) -> float:
+    def forward_flops(
+        self, transformer_config: dict, width: int, height: int, text_tokens: int, source_tokens: int = 0
+    ) -> float:
         """FLOPs of one DiT forward for one image of width x height pixels with `text_tokens`
-        prompt tokens; `transformer_config` is the transformer's config.json contents."""
+        prompt tokens and an edit model's `source_tokens` (its sources' latent tokens, each
+        (w/16) x (h/16) at `source_size`); `transformer_config` is the transformer's config.json."""
         config = TransformerConfig.from_dict(transformer_config)
         tokens = (height // PIXELS_PER_TOKEN) * (width // PIXELS_PER_TOKEN)
-        return forward_flops(config, tokens, text_tokens)["total"]
+        return forward_flops(config, tokens, text_tokens, source_tokens=source_tokens)["total"]
 
     def published_config(self, rel: str, num_layers: int | None = None) -> dict:
         """The published checkpoint's config file `rel` ("transformer/config.json"); with

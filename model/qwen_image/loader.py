@@ -24,6 +24,7 @@ from ditfleet.model.loading.folder import (  # noqa: F401 - re-exported: the fol
     REQUIRED_COMPONENTS,
     TINY_MODEL_DIR,
     model_dir_layout,
+    read_model_index,
     text_encoder_kind,
 )
 from ditfleet.model.loading.quantization import check_quantization, fp8_keep, quantized_revision
@@ -126,14 +127,7 @@ def load_text_encoder(root: Path, device, dtype) -> TextEncoder | None:
 def edit_style(root: Path) -> EditStyle | None:
     """How the checkpoint at `root` conditions on source images (its model_index.json's
     `_class_name`, model.qwen_image.edit); None for a text-to-image one or a folder without it."""
-    path = root / "model_index.json"
-    if not path.is_file():
-        return None
-    try:
-        index = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise WeightsError(f"{path}: not valid JSON ({e}).") from None
-    name = index.get("_class_name") if isinstance(index, dict) else None
+    name = (read_model_index(root) or {}).get("_class_name")
     return EDIT_STYLES.get(name) if isinstance(name, str) else None
 
 

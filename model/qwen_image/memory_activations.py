@@ -1,5 +1,5 @@
-"""Activation peaks: bytes above the weights of one DiT forward, one VAE decode, one prompt encode,
-one vqa score.
+"""Activation peaks: bytes above the weights of one DiT forward, one VAE decode, one VAE encode (an
+edit model's sources), one prompt encode, one vqa score.
 
 They follow the lifetimes of the tensors in this package's forward passes (`transformer.py`,
 `vae_blocks.py`), checked against the CPU allocator's own peak on a real-width slice.
@@ -37,8 +37,12 @@ def dit_activation_bytes(
     e: int,
     attention: str = "fused",
     device: str = "cpu",
+    source_tokens: int = 0,
 ) -> int:
     """Peak bytes above the weights of one DiT forward of `batch` sequences.
+
+    source_tokens: an edit model's source latents per sequence, image tokens after the target's
+    (model.qwen_image.edit): the image stream is N + source_tokens long.
 
     Per sequence, in units of D * e: a block's q, k, v and attention output (4 S) stay alive
     through its MLPs; the image MLP then also holds the block input, the attention projection,
@@ -55,7 +59,7 @@ def dit_activation_bytes(
     their own layout, and those copies live beside the originals: counted as 3 S, which keeps the
     plan 3.7-4% above both measurements.
     """
-    N, L = image_tokens(height, width), text_len
+    N, L = image_tokens(height, width) + source_tokens, text_len
     S, D = N + L, cfg.inner_dim
     block = (4 * S + 12 * max(N, L) + 3 * min(N, L)) * D * e
     if attention == "math":
@@ -117,6 +121,30 @@ def vae_decode_activation_bytes(cfg: VAEConfig, batch: int, height: int, width: 
             px *= 4
     last = dims[-1]
     peak = max(peak, px * (last * e + max(_norm_peak(last, e), 2 * last * e)))  # norm_out, SiLU
+    return batch * peak
+
+
+def vae_encode_activation_bytes(cfg: VAEConfig, batch: int, height: int, width: int, e: int) -> int:
+    """Peak bytes above the weights of encoding `batch` source images of height x width (an edit
+    model's sources, at their VAE size): the encoder's modules walked at their resolutions as
+    `vae_decode_activation_bytes` walks the decoder's, a block's input held by its caller. The
+    peak is at full resolution, in the first level's resnets; the strided downsamplers hold their
+    input, its padded copy and their output. Within 0.4% of the CPU allocator's peak at the
+    published widths, fp32 and bf16 (tests/unit/driver/test_memory_plan.py)."""
+    dims = [cfg.base_dim * u for u in (1, *cfg.dim_mult)]
+    px = height * width
+    peak = px * (cfg.input_channels + dims[0]) * e  # the image and conv_in's output
+    for i, (d_in, d_out) in enumerate(zip(dims[:-1], dims[1:])):
+        cin = d_in
+        for _ in range(cfg.num_res_blocks):
+            peak = max(peak, px * (cin * e + _resblock_peak(cin, d_out, e)))
+            cin = d_out
+        if i != len(cfg.dim_mult) - 1:
+            peak = max(peak, px * 2 * d_out * e + px // 4 * d_out * e)
+            px //= 4
+    c = dims[-1]
+    attention = max(_norm_peak(c, e) + 5 * c * e, 8 * c * e)  # the mid block's, as in the decoder
+    peak = max(peak, px * (c * e + max(_resblock_peak(c, c, e), attention)))
     return batch * peak
 
 

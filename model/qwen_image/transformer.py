@@ -193,6 +193,39 @@ def _gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> tor
     return torch.addcmul(x, gate[:, None], y)
 
 
+@dataclass(frozen=True)
+class SplitModulation:
+    """The image stream's modulation when its condition tokens are modulated apart (Qwen-Image-Edit
+    2511's `zero_cond_t`): the target's tokens [0, split) by `target` (this step's timestep), the
+    sources' tokens [split, N) by `cond` (timestep 0); each (B or 1, 6D)."""
+
+    target: torch.Tensor
+    cond: torch.Tensor
+    split: int
+
+
+ImageModulation = torch.Tensor | SplitModulation
+
+
+def _image_norm_modulate(x: torch.Tensor, mod: ImageModulation, k: int, eps: float) -> torch.Tensor:
+    """_norm_modulate of the image stream with chunks k, k + 1 (shift, scale) of its modulation."""
+    if isinstance(mod, SplitModulation):
+        n, t, c = mod.split, mod.target.chunk(6, dim=-1), mod.cond.chunk(6, dim=-1)
+        parts = (_norm_modulate(x[:, :n], t[k], t[k + 1], eps), _norm_modulate(x[:, n:], c[k], c[k + 1], eps))
+        return torch.cat(parts, dim=1)
+    shift, scale = mod.chunk(6, dim=-1)[k : k + 2]
+    return _norm_modulate(x, shift, scale, eps)
+
+
+def _image_gated_residual(x: torch.Tensor, mod: ImageModulation, k: int, y: torch.Tensor) -> torch.Tensor:
+    """_gated_residual of the image stream with chunk k (a gate) of its modulation."""
+    if isinstance(mod, SplitModulation):
+        n = mod.split
+        target = _gated_residual(x[:, :n], mod.target.chunk(6, dim=-1)[k], y[:, :n])
+        return torch.cat([target, _gated_residual(x[:, n:], mod.cond.chunk(6, dim=-1)[k], y[:, n:])], dim=1)
+    return _gated_residual(x, mod.chunk(6, dim=-1)[k], y)
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, dim: int, heads: int, head_dim: int, index: int) -> None:
         super().__init__()
@@ -233,7 +266,7 @@ class TransformerBlock(nn.Module):
         self,
         img: torch.Tensor,  # (B, N, D)
         txt: torch.Tensor,  # (B, L, D)
-        img_mod: torch.Tensor,  # (B or 1, 6D)
+        img_mod: ImageModulation,  # (B or 1, 6D), or split at the sources (SplitModulation)
         txt_mod: torch.Tensor,  # (B or 1, 6D)
         padding: TextPadding,
         rope: tuple[Rotation, Rotation],
@@ -252,17 +285,16 @@ class TransformerBlock(nn.Module):
         img_attn, txt_attn = split_streams(attn, img.shape[1])
         return self.attention_outputs(img, txt, img_attn, txt_attn, img_mod, txt_mod)
 
-    def modulated_input(self, img: torch.Tensor, img_mod: torch.Tensor) -> torch.Tensor:
+    def modulated_input(self, img: torch.Tensor, img_mod: ImageModulation) -> torch.Tensor:
         """The image stream as the attention sees it, LayerNorm then the first shift and scale,
         (B, N, D): block 0's is TeaCache's signal of how much a step changes (model.generation.step_cache)."""
-        i_sh1, i_sc1 = img_mod.chunk(6, dim=-1)[:2]
-        return _norm_modulate(img, i_sh1, i_sc1, self.eps)
+        return _image_norm_modulate(img, img_mod, 0, self.eps)
 
     def attention_inputs(
         self,
         img: torch.Tensor,  # (B, N, D)
         txt: torch.Tensor,  # (B, L, D)
-        img_mod: torch.Tensor,  # (B or 1, 6D)
+        img_mod: ImageModulation,  # (B or 1, 6D), or split at the sources (SplitModulation)
         txt_mod: torch.Tensor,  # (B or 1, 6D)
         rope: tuple[Rotation, Rotation],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -289,16 +321,17 @@ class TransformerBlock(nn.Module):
         txt: torch.Tensor,  # (B, L, D)
         img_attn: torch.Tensor,  # (B, N, D) attention output, before its projection
         txt_attn: torch.Tensor,  # (B, L, D)
-        img_mod: torch.Tensor,  # (B or 1, 6D)
+        img_mod: ImageModulation,  # (B or 1, 6D), or split at the sources (SplitModulation)
         txt_mod: torch.Tensor,  # (B or 1, 6D)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Output projections, gated residuals, LayerNorm + modulate, MLPs: new (img, txt)."""
-        _, _, i_g1, i_sh2, i_sc2, i_g2 = img_mod.chunk(6, dim=-1)
         _, _, t_g1, t_sh2, t_sc2, t_g2 = txt_mod.chunk(6, dim=-1)
         img_attn, txt_attn = self.attn.project_out(img_attn, txt_attn)
-        img = _gated_residual(img, i_g1, img_attn)
+        img = _image_gated_residual(img, img_mod, 2, img_attn)
         txt = _gated_residual(txt, t_g1, txt_attn)
-        img = _gated_residual(img, i_g2, self.img_mlp(_norm_modulate(img, i_sh2, i_sc2, self.eps)))
+        img = _image_gated_residual(
+            img, img_mod, 5, self.img_mlp(_image_norm_modulate(img, img_mod, 3, self.eps))
+        )
         txt = _gated_residual(txt, t_g2, self.txt_mlp(_norm_modulate(txt, t_sh2, t_sc2, self.eps)))
         if img.dtype == torch.float16:  # keep fp16 activations finite, as the reference does
             img, txt = img.clip(-65504, 65504), txt.clip(-65504, 65504)
@@ -361,8 +394,8 @@ class QwenImageTransformer(nn.Module):
         """Velocity prediction (B, N, patch^2 * out_channels) of the target's N tokens.
 
         An edit model's hidden_states are the target's packed latents then each source's
-        (B, N + S, C), and img_shapes each sample's grids in that order (the target's first); the
-        sources are attended to and never predicted (model.qwen_image.edit).
+        (B, N + S, C), and img_shapes each sample's grids in that order (the target's first,
+        `prepare_inputs`); the sources are attended to and never predicted (model.qwen_image.edit).
 
         step_cache: the rows' state when a step cache (model.generation.step_cache) serves this call; it
         calls `run_blocks` for the blocks and rows it computes. None: every block computes."""
@@ -378,7 +411,10 @@ class QwenImageTransformer(nn.Module):
         if sum(f * h * w for f, h, w in grids) != N:
             raise ValueError(f"img_shapes {list(grids)} hold {N} image tokens? hidden_states has {N}")
         rope = self.rope.tables(grids, L, device)
-        inputs = BlockInputs(temb, padding, rope, mod_key, encoder_hidden_states_mask)
+        cond_temb = None
+        if self.config.zero_cond_t and target != N:  # 2511: the sources as if at t = 0
+            cond_temb = self.time_text_embed(torch.zeros_like(timestep).to(dtype), dtype, additional_t_cond)
+        inputs = BlockInputs(temb, padding, rope, mod_key, encoder_hidden_states_mask, cond_temb, target)
         if step_cache is not None:
             img = step_cache.run(self, img, txt, inputs)
         else:
@@ -414,7 +450,8 @@ class QwenImageTransformer(nn.Module):
         """Block 0's modulation and the image stream as its attention sees it (TeaCache's
         signal); `run_blocks(start=...)` uses both instead of computing them again."""
         block = cast(TransformerBlock, self.transformer_blocks[0])  # ModuleList items read as Module
-        img_mod, txt_mod = block.modulation(inputs.temb, inputs.mod_key, self.modulation_cache)
+        own, txt_mod = block.modulation(inputs.temb, inputs.mod_key, self.modulation_cache)
+        img_mod = inputs.image_modulation(block, own)
         return BlockStart(img_mod, txt_mod, block.modulated_input(img, img_mod))
 
     def run_blocks(
@@ -446,8 +483,10 @@ class QwenImageTransformer(nn.Module):
                 start = None
             else:
                 img_mod, txt_mod = block.modulation(inputs.temb, inputs.mod_key, self.modulation_cache)
-            if subset is not None and img_mod.shape[0] == B and B > 1:  # one modulation row per image
-                img_mod, txt_mod = take_rows(img_mod, subset), take_rows(txt_mod, subset)
+                img_mod = inputs.image_modulation(block, img_mod)
+            if subset is not None and B > 1:  # one modulation row per image: this subset's
+                img_mod = _take_modulation_rows(img_mod, subset, B)
+                txt_mod = take_rows(txt_mod, subset) if txt_mod.shape[0] == B else txt_mod
             img, txt = block.body(
                 img, txt, img_mod, txt_mod, padding, inputs.rope, self.attention_stats, img_in
             )
@@ -463,15 +502,33 @@ class BlockInputs:
     rope: tuple[Rotation, Rotation]
     mod_key: ModulationKey | None
     text_mask: torch.Tensor | None  # (B, L) or None: what `padding` was built from
+    # zero_cond_t (2511) with sources: the timestep embedding at t = 0 that modulates the image
+    # tokens from `target` on (the sources'); None: one modulation for every image token.
+    cond_temb: torch.Tensor | None = None
+    target: int = 0
+
+    def image_modulation(self, block: TransformerBlock, img_mod: torch.Tensor) -> ImageModulation:
+        """`block`'s image modulation for this forward: its own, or split at the sources."""
+        if self.cond_temb is None:
+            return img_mod
+        return SplitModulation(img_mod, block.img_mod(self.cond_temb), self.target)
 
 
 @dataclass(frozen=True)
 class BlockStart:
     """Block 0's (img_mod, txt_mod) and modulated image input, each over the whole batch."""
 
-    img_mod: torch.Tensor
+    img_mod: ImageModulation
     txt_mod: torch.Tensor
     img_in: torch.Tensor
+
+
+def _take_modulation_rows(mod: ImageModulation, rows: list[int], batch: int) -> ImageModulation:
+    """The image modulation of batch rows `rows` (a modulation of one row, for all, is kept)."""
+    if isinstance(mod, SplitModulation):
+        target, cond = (_take_modulation_rows(m, rows, batch) for m in (mod.target, mod.cond))
+        return SplitModulation(cast(torch.Tensor, target), cast(torch.Tensor, cond), mod.split)
+    return take_rows(mod, rows) if mod.shape[0] == batch else mod
 
 
 def take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -487,45 +544,43 @@ def prepare_inputs(
     mask: torch.Tensor | None,
     timestep: torch.Tensor,
     grid: tuple[int, int],
+    *,
+    source_latents: torch.Tensor | None = None,
+    source_grids: tuple[tuple[int, int], ...] = (),
 ) -> dict[str, Any]:
     """The Qwen-Image DiT's inputs for one call of the shared denoise loop
-    (model.generation.sampling.PrepareInputs): `forward`'s keyword arguments."""
+    (model.generation.sampling.PrepareInputs): `forward`'s keyword arguments.
+
+    An edit model's (the pipeline binds them): the sources' packed latents (B, S, C), the same
+    every step, after the target's noisy latents, and their grids ((h, w) in packed tokens each,
+    in the row's order) after the target's in img_shapes. A batch of both CFG branches (2B rows)
+    takes the sources twice."""
     h, w = grid
+    hidden = latents
+    if source_latents is not None:
+        repeat = latents.shape[0] // source_latents.shape[0]
+        hidden = torch.cat([latents, source_latents.to(latents.dtype).repeat(repeat, 1, 1)], dim=1)
     return {
-        "hidden_states": latents,
+        "hidden_states": hidden,
         "encoder_hidden_states": embeds,
         "encoder_hidden_states_mask": mask,
         "timestep": timestep,
-        "img_shapes": [[(1, h, w)]] * latents.shape[0],
+        "img_shapes": [[(1, h, w), *((1, sh, sw) for sh, sw in source_grids)]] * latents.shape[0],
     }
 
 
 @dataclass(frozen=True)
 class EditInputs:
-    """`prepare_inputs` for an edit model: the sources' packed latents (B, S, C), the same every
-    step, after the target's noisy latents, and their grids ((h, w) in packed tokens each, in the
-    row's order) after the target's in img_shapes. A batch of both CFG branches (2B rows) takes
-    the sources twice."""
+    """`prepare_inputs` with an edit model's sources bound: the PrepareInputs of one batch's
+    denoise loop (model.generation.pipeline)."""
 
-    source_latents: torch.Tensor
-    source_grids: tuple[tuple[int, int], ...]
+    source_latents: torch.Tensor  # (B, S, C) packed, every source of a row in its order
+    source_grids: tuple[tuple[int, int], ...]  # each source's (h, w) in packed tokens
 
-    def __call__(
-        self,
-        latents: torch.Tensor,
-        embeds: torch.Tensor,
-        mask: torch.Tensor | None,
-        timestep: torch.Tensor,
-        grid: tuple[int, int],
-    ) -> dict[str, Any]:
-        inputs = prepare_inputs(latents, embeds, mask, timestep, grid)
-        sources = self.source_latents
-        if latents.shape[0] != sources.shape[0]:
-            sources = sources.repeat(latents.shape[0] // sources.shape[0], 1, 1)
-        inputs["hidden_states"] = torch.cat([latents, sources.to(latents.dtype)], dim=1)
-        shapes = [(1, *grid), *((1, h, w) for h, w in self.source_grids)]
-        inputs["img_shapes"] = [shapes] * latents.shape[0]
-        return inputs
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return prepare_inputs(
+            *args, source_latents=self.source_latents, source_grids=self.source_grids, **kwargs
+        )
 
 
 def batch_grids(img_shapes: list) -> tuple[tuple[int, int, int], ...]:

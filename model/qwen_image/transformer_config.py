@@ -35,10 +35,11 @@ class TransformerConfig:
             raise ValueError(
                 f"axes_dims_rope {tuple(self.axes_dims_rope)} must sum to attention_head_dim {self.attention_head_dim}"
             )
-        unsupported = [n for n in ("guidance_embeds", "zero_cond_t", "use_layer3d_rope") if getattr(self, n)]
+        # zero_cond_t (Qwen-Image-Edit-2511) is supported: model.qwen_image.transformer.SplitModulation.
+        unsupported = [n for n in ("guidance_embeds", "use_layer3d_rope") if getattr(self, n)]
         if unsupported:
             raise ValueError(
-                f"transformer config: {unsupported} are edit/guidance-distilled variants, not supported"
+                f"transformer config: {unsupported} are layered/guidance-distilled variants, not supported"
             )
 
     @property

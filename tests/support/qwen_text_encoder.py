@@ -24,28 +24,9 @@ PROMPTS = [
 
 
 def make_tokenizer(out: Path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from ditfleet.testing.qwen_vl import train_bpe_tokenizer
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=320,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([QWEN_IMAGE_TEMPLATE.format(p) for p in PROMPTS] * 4, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="<|endoftext|>",
-        eos_token="<|im_end|>",
-        padding_side="right",
-        model_max_length=131072,
-    )
-    fast.save_pretrained(out)
-    return fast
+    return train_bpe_tokenizer(out, [QWEN_IMAGE_TEMPLATE.format(p) for p in PROMPTS] * 4, SPECIAL_TOKENS, 320)
 
 
 def make_text_encoder(out: Path, seed: int = 0):

@@ -25,6 +25,7 @@ from ditfleet.model.memory import (
     text_encoder_params,
     transformer_params,
     vae_decode_activation_bytes,
+    vae_encode_activation_bytes,
     vae_params,
 )
 from ditfleet.model.qwen_image.published import PUBLISHED as ALL_PUBLISHED
@@ -151,18 +152,23 @@ def test_dit_estimate_matches_measured_peak_on_a_real_width_block(dtype):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_vae_decode_estimate_matches_measured_peak_at_full_width(dtype):
+@pytest.mark.parametrize("part", ["decode", "encode"])
+def test_vae_estimate_matches_measured_peak_at_full_width(dtype, part):
+    """The decode of 256 x 256 images, and the encode of an edit model's sources (the plan's
+    source_encode phase), at the published widths."""
     config = VAEConfig.from_dict(published_configs()[1])
     with torch.device("meta"):
-        vae = QwenImageVAE(config, with_encoder=False)
+        vae = QwenImageVAE(config, with_encoder=part == "encode")
     vae = vae.to_empty(device="cpu").to(dtype).eval().requires_grad_(False)
     for p in vae.parameters():
         torch.nn.init.normal_(p, std=0.02)
-    z = torch.randn(1, 16, 32, 32, dtype=dtype)
+    x = torch.randn(*((1, 16, 32, 32) if part == "decode" else (1, 3, 256, 256)), dtype=dtype)
+    run = getattr(vae, part)
     with torch.no_grad():
-        vae.decode(z)
-        measured = peak_allocated_bytes(lambda: vae.decode(z))
-    estimate = vae_decode_activation_bytes(config, 1, 256, 256, 2 if dtype == torch.bfloat16 else 4)
+        run(x)
+        measured = peak_allocated_bytes(lambda: run(x))
+    formula = vae_decode_activation_bytes if part == "decode" else vae_encode_activation_bytes
+    estimate = formula(config, 1, 256, 256, 2 if dtype == torch.bfloat16 else 4)
     assert abs(measured - estimate) <= TOLERANCE * estimate, (measured, estimate)
 
 

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from ditfleet.model.family import check_model_index
+from ditfleet.model.family import check_model_index, model_task
 from ditfleet.model.generation.scheduler import SchedulerConfig, sigma_schedule
 from ditfleet.model.loading import folder
-from ditfleet.model.loading.weights import WeightsError
+from ditfleet.model.qwen_image.family import QWEN_IMAGE
 from ditfleet.model.qwen_image.loader import load_scheduler
 from ditfleet.model.qwen_image.published import PUBLISHED
 from ditfleet.model.qwen_image.transformer import QwenImageTransformer, TransformerConfig
@@ -55,7 +55,7 @@ def test_pooled_projection_dim_is_ignored_once_at_debug(caplog):
 
 @pytest.mark.parametrize(
     "key, value",
-    [("zero_cond_t", True), ("guidance_embeds", True), ("use_layer3d_rope", True), ("num_single_layers", 38)],
+    [("guidance_embeds", True), ("use_layer3d_rope", True), ("num_single_layers", 38)],
 )
 def test_keys_that_change_the_model_are_refused(key, value):
     raw = {**_json("qwen-image", "transformer/config.json"), key: value}
@@ -119,12 +119,14 @@ def test_model_index_is_accepted(model):
     check_model_index(PUBLISHED / model)
 
 
-def test_model_index_of_another_pipeline_is_refused(tmp_path):
+@pytest.mark.parametrize("class_name", ["QwenImageEditPipeline", "QwenImageEditPlusPipeline"])
+def test_model_index_of_an_edit_pipeline_is_the_family_edit_task(tmp_path, class_name):
     shutil.copytree(PUBLISHED / "qwen-image", tmp_path / "m")
-    index = {**_json("qwen-image", "model_index.json"), "_class_name": "QwenImageEditPlusPipeline"}
+    index = {**_json("qwen-image", "model_index.json"), "_class_name": class_name}
     (tmp_path / "m" / "model_index.json").write_text(json.dumps(index))
-    with pytest.raises(WeightsError, match=r"m/model_index.json.*QwenImageEditPlusPipeline"):
-        check_model_index(tmp_path / "m")
+    assert check_model_index(tmp_path / "m") is QWEN_IMAGE
+    assert model_task(tmp_path / "m") == "edit" and model_task(PUBLISHED / "qwen-image") == "text-to-image"
+    assert model_task("s3://bucket/edit-model", index) == "edit"
 
 
 @pytest.mark.parametrize("model", MODELS)
