@@ -184,3 +184,26 @@ def test_a_source_changed_after_planning_is_refused_at_its_shard(edit_model_dir,
     result = worker.run_shard(plan.shards[1])  # the other shard names no changed source
     assert (result.status, result.images_ok) == ("committed", 2)
     assert list(open_store(str(tmp_path / "out")).list("manifests/")) == ["manifests/shard-00001.parquet"]
+
+
+def test_an_actor_edits_sources_in_s3(edit_model_dir, s3_server, s3_bucket, s3_config, tmp_path):
+    """The actor reads S3 sources with the job's S3 settings (its endpoint), checks their ETags and
+    names them in the manifest."""
+    for i, (w, h) in enumerate(((48, 32), (32, 48))):
+        s3_server.admin.put_object(Bucket=s3_bucket, Key=f"src/{i}.png", Body=_png(w, h, COLOURS[i]))
+    uris = [f"s3://{s3_bucket}/src/0.png", f"s3://{s3_bucket}/src/1.png"]
+    pq.write_table(
+        pa.table({"prompt": ["make the shape blue", "make the shape red"], "image": uris}),
+        tmp_path / "p.parquet",
+    )
+    rows = RowConfig(**{**vars(row_config(buckets=("32x32", "48x32", "32x48"))), "image_column": "image"})
+    plan = plan_job(PromptSource(str(tmp_path / "p.parquet")), PlanConfig(rows=rows), s3=s3_config)
+    out = tmp_path / "out"
+    result = GenerationWorker(worker_config(edit_model_dir, str(out), rows=rows, s3=s3_config)).run_shard(
+        plan.shards[0]
+    )
+    assert (result.status, result.images_ok) == ("committed", 2)
+    made = _rows(open_store(str(out)))
+    assert [made[k]["source_uris"] for k in ("0", "1")] == [[uris[0]], [uris[1]]]
+    assert [(made[k]["width"], made[k]["height"]) for k in ("0", "1")] == [(48, 32), (32, 48)]
+    assert made["0"]["source_sha256"] == [hashlib.sha256(_png(48, 32, COLOURS[0])).hexdigest()]
