@@ -51,6 +51,7 @@ class MemoryRequest:
     fp8_layers: Fp8Layers = DEFAULT_PIPELINE.fp8_layers  # which of its Linears are FP8
     step_cache_tensors: int = 0  # image-stream tensors a step cache keeps per CFG branch
     vqa: bool = False  # quality.scorers (or the gate) asks vqa of the text encoder
+    sources: tuple[tuple[int, int], ...] = ()  # an edit job's per image (workers.sources.planned_sources)
 
     @property
     def text_len(self) -> int:
@@ -253,6 +254,7 @@ def plan_kwargs(request: MemoryRequest, **overrides: Any) -> dict[str, Any]:
         quantization=request.quantization,
         fp8_layers=request.fp8_layers,
         vqa=request.vqa,
+        sources=request.sources,
     )
     return dict(run=replace(run, **overrides), step_cache_tensors=request.step_cache_tensors)
 
