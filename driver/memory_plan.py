@@ -51,7 +51,7 @@ class MemoryRequest:
     fp8_layers: Fp8Layers = DEFAULT_PIPELINE.fp8_layers  # which of its Linears are FP8
     step_cache_tensors: int = 0  # image-stream tensors a step cache keeps per CFG branch
     vqa: bool = False  # quality.scorers (or the gate) asks vqa of the text encoder
-    # An edit job's sources per row, (width, height) each: their tokens in every DiT forward and
+    # An edit job's sources per image (workers.sources.planned_sources), (width, height) each: their tokens in every DiT forward and
     # their VAE encode (model.memory.plan_memory's `sources`); () for a text job.
     sources: tuple[Size, ...] = ()
 

@@ -27,6 +27,7 @@ from ditfleet.model.memory import GB, Runtime
 from ditfleet.model.quality.table import PIPELINE_QWEN_VL, needing
 from ditfleet.model.settings import resolve_modulation_cache
 from ditfleet.workers.contract import WorkerConfig
+from ditfleet.workers.sources import planned_sources
 
 
 class BatchFitError(RuntimeError):
@@ -69,6 +70,7 @@ def plan_runtime(config: WorkerConfig, dtype: torch.dtype) -> Runtime:
         quantization=config.pipeline.quantization,
         fp8_layers=config.pipeline.fp8_layers,
         vqa=bool(needing(config.scorer_names, PIPELINE_QWEN_VL)),  # its forward on the text encoder
+        sources=planned_sources(config.rows.image_column),
     )
 
 

@@ -37,7 +37,7 @@ from ditfleet.workers.cache_secret import CacheSecretSource
 from ditfleet.workers.contract import GateConfig, LoraSpec, ModelPlacement, WorkerConfig
 from ditfleet.workers.output.formats import ShardWriterConfig
 from ditfleet.workers.rows import RowConfig
-from ditfleet.workers.sources import task_problem
+from ditfleet.workers.sources import planned_sources, task_problem
 from ditfleet.workers.storage import S3Config
 from ditfleet.workers.weights.hub import read_hub_index
 from ditfleet.workers.weights.licence import JOB_SOURCE, ModelLicence, read_model_licence
@@ -343,6 +343,7 @@ class JobSpec(Section):
             fp8_layers=self.pipeline_settings().fp8_layers,
             step_cache_tensors=step_cache.kept_tensors() if step_cache is not None else 0,
             vqa=bool(needing(self.scorer_names(), PIPELINE_QWEN_VL)),
+            sources=planned_sources(self.input.image_column),
         )
 
     def s3_config(self) -> S3Config:
