@@ -54,7 +54,7 @@ def test_an_edit_job_needs_an_edit_model_and_an_edit_model_an_edit_job(tmp_path)
     # The memory plan counts a source per image at the model's encoding size (the spec's request
     # and each actor's batch fit alike); a text job's none.
     assert spec.memory_request().sources == (source_size(1, 1),) == planned_sources("image")
-    assert plan_kwargs(spec.memory_request())["run"].sources == (source_size(1, 1),)
+    assert plan_kwargs(spec.memory_request())["sources"] == (source_size(1, 1),)
     assert plan_runtime(spec.to_worker_config(), torch.bfloat16).sources == (source_size(1, 1),)
     assert parse_spec(_job(tmp_path, "tiny", None)).memory_request().sources == ()
     # A remote model's model_index.json is not read here: the actor checks it when fetched.
