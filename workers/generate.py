@@ -1,7 +1,8 @@
 """Batched generation of one shard's images: grouping, seeds, length-sorted batches, OOM back-off.
 
-A batch shares one resolution bucket, one step count and one CFG on/off decision. Inside those
-groups prompts are sorted by token length and cut into batches that carry little padding, so most
+A batch shares one resolution bucket, one step count, one CFG on/off decision and, in an edit
+job, its sources' number and encoded sizes. Inside those groups prompts are sorted by token
+length and cut into batches that carry little padding, so most
 DiT attention calls run unmasked and the padded rest is a small share of the tokens (the shard
 result reports both). Prompts are not padded to prompt-length buckets: a compiled DiT takes the
 text length (and batch size) as dynamic dimensions.
@@ -20,6 +21,7 @@ import torch
 from PIL import Image
 
 from ditfleet.model import TextToImagePipeline
+from ditfleet.model.family import source_size
 from ditfleet.model.generation.guidance import cfg_on, negative_text
 from ditfleet.model.generation.pipeline import GuidanceInputs, Sampling
 from ditfleet.model.generation.sampling import latent_grid
@@ -60,6 +62,15 @@ class ImageRequest:
         return try_seed(image_seed(self.row.seed, self.k), self.try_index)
 
     @property
+    def source_sizes(self) -> tuple[tuple[int, int], ...]:
+        """An edit row's sources as the model encodes them (model.family.source_size of each
+        one's size, which a batch's rows must share, in number too); () for a text row."""
+        return tuple(
+            source_size(h.width, h.height) if h.width and h.height else (0, 0)
+            for h in self.row.source_headers
+        )
+
+    @property
     def uses_cfg(self) -> bool:
         return cfg_on(self.row.true_cfg_scale, has_negative=self.row.negative_prompt is not None)
 
@@ -98,7 +109,8 @@ def plan_batches(
     count_tokens: TokenCounter | None = None,
     max_padded_share: float = MAX_PADDED_SHARE,
 ) -> list[list[ImageRequest]]:
-    """Group by (bucket, steps, CFG on/off); inside a group, sort by token length and cut.
+    """Group by (bucket, steps, CFG on/off, and an edit row's source sizes as the model encodes
+    them); inside a group, sort by token length and cut.
 
     count_tokens: prompt -> embedding length in tokens (the text encoder's tokenizer). Without
     it, input order is kept and batches are cut at batch_size. With it, requests are sorted by
@@ -108,7 +120,7 @@ def plan_batches(
     """
     groups: dict[tuple, list[ImageRequest]] = {}
     for req in requests:
-        groups.setdefault((req.row.bucket, req.row.steps, req.uses_cfg), []).append(req)
+        groups.setdefault((req.row.bucket, req.row.steps, req.uses_cfg, req.source_sizes), []).append(req)
     if count_tokens is None:
         return [reqs[i : i + batch_size] for reqs in groups.values() for i in range(0, len(reqs), batch_size)]
     lengths = _token_lengths(requests, count_tokens)
