@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from ditfleet.driver.input.row_errors import InputError
 from ditfleet.driver.locations import check_local_output_nodes
@@ -31,6 +31,7 @@ from ditfleet.jobs.ray_auth import (
     wait_for_cluster,
 )
 from ditfleet.jobs.spec import JobSpec, SpecError, load_spec
+from ditfleet.model.family import Size
 from ditfleet.workers.output.manifest import committed_shards
 from ditfleet.workers.storage import StoreError, open_store
 from ditfleet.workers.storage.input_files import is_s3
@@ -178,13 +179,16 @@ def interrupted_note(job: str) -> str:
     )
 
 
-def memory_plan_of(spec: JobSpec) -> JobMemoryPlan | None:
-    """The job's memory plan; None when the model cannot be read at plan time (hf://).
+def memory_plan_of(
+    spec: JobSpec, bucket_sources: Mapping[str, tuple[Size, ...]] | None = None
+) -> JobMemoryPlan | None:
+    """The job's memory plan; None when the model cannot be read at plan time (hf://). An edit
+    job's plan counts `bucket_sources` (its input plan's heaviest row per bucket).
 
     Without workers.gpu_memory_gb the plan is information only: a model whose configs cannot be
     read here (a bucket this machine has no access to) is reported, not an error."""
     try:
-        return job_memory_plan(spec.memory_request())
+        return job_memory_plan(spec.memory_request(bucket_sources))
     except (StoreError, OSError, ValueError) as e:
         if spec.workers.gpu_memory_gb is not None:
             raise
