@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlparse
 
-from ditfleet.compile.buckets import PROMPT_LENGTH_BUCKETS, ResolutionBucket, prompt_length_bucket
+from ditfleet.compile.buckets import ResolutionBucket, planned_text_len
 
 # model.loading.folder and model.memory read configs and safetensors headers without torch: planning a
 # job (`ditfleet plan`) does not load it.
@@ -76,8 +76,7 @@ class MemoryRequest:
         """The prompt length the DiT sees: the instruction's (up to max_sequence_length) and, for an
         edit, the vision tokens its sources add (an edit prompt is not cut: the model's side),
         padded to its prompt-length bucket; past the largest bucket, as long as it is."""
-        n = self.max_sequence_length + source_prompt_tokens(self.model_path, sources)
-        return prompt_length_bucket(n, PROMPT_LENGTH_BUCKETS) if n <= max(PROMPT_LENGTH_BUCKETS) else n
+        return planned_text_len(self.max_sequence_length + source_prompt_tokens(self.model_path, sources))
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,12 @@
 """An edit job's plan counts its rows' sources (driver/plan.py -> driver/memory_plan.py): per bucket
 the heaviest row's sources, as their headers say, in the DiT's tokens, the `source_encode` phase
 and Qwen2.5-VL's vision tokens in the prompt; `ditfleet plan` shows them and refuses a batch that
-fits the text job but not the edit. Published-width configs, no weights, no Ray."""
+fits the text job but not the edit, and so does `ditfleet run` once planned; an actor's batch fit
+counts them too. Published-width configs, no weights, no Ray (device memory faked)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -12,14 +14,21 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from PIL import Image
 
 from ditfleet.driver.input.prompts import PromptSource
-from ditfleet.driver.memory_plan import MemoryRequest, job_memory_plan
+from ditfleet.driver.memory_plan import MemoryPlanError, MemoryRequest, job_memory_plan
 from ditfleet.driver.plan import PlanConfig, heavier, plan_job
+from ditfleet.driver.plan_file import plan_from_table, plan_table
 from ditfleet.jobs.cli import main
+from ditfleet.jobs.run import run
+from ditfleet.jobs.spec import load_spec
 from ditfleet.model.family import source_prompt_tokens
+from ditfleet.model.memory import GB
 from ditfleet.model.qwen_image.published import PUBLISHED
+from ditfleet.workers import batch_fit
+from ditfleet.workers.batch_fit import fit_batch_size
 from ditfleet.workers.rows import RowConfig
 
 BUCKET = "1328x1328"  # where a square source's row goes without a size (the family's nearest)
@@ -133,3 +142,40 @@ def test_a_text_request_and_a_bucket_without_sources_plan_as_before(tmp_path, so
     assert a is not None and b is not None
     assert a.plans[0] == b.plans[0]  # the bucket the sources are not of
     assert (a.plans[1] == b.plans[1]) is (not sources)
+
+
+def test_run_refuses_the_edit_batch_after_planning_before_any_write(tmp_path):
+    model = _edit_model(tmp_path / "edit-model")
+    _sources(tmp_path, {"a.png": (1024, 1024), "b.png": (1024, 1024)})
+    _edit_input(tmp_path, [["a.png", "b.png"]] * 3)
+    text = job_memory_plan(MemoryRequest(str(model), (BUCKET,), 1, text_encoder="cpu", gpu_memory_gb=GPU_GB))
+    assert text is not None
+    job = _job(tmp_path, model, text.largest[BUCKET])  # fits the text job: the check before planning passes
+    with pytest.raises(MemoryPlanError, match=f"bucket {BUCKET}: workers.batch_size .* at its denoise peak"):
+        run(str(job))
+    assert not (tmp_path / "out").exists()  # refused before the output was claimed
+
+
+def test_an_actors_batch_fit_counts_its_buckets_sources(tmp_path, monkeypatch):
+    model = _edit_model(tmp_path / "edit-model")
+    _sources(tmp_path, {"a.png": (1024, 1024), "b.png": (1024, 1024)})
+    _edit_input(tmp_path, [["a.png", "b.png"]] * 3)
+    spec = load_spec(_job(tmp_path, model, 64))
+    two = {BUCKET: ((1024, 1024),) * 2}
+    config = dataclasses.replace(spec.to_worker_config(), warmup_buckets=(BUCKET,))
+    monkeypatch.setattr(batch_fit, "device_memory", lambda device: ("NVIDIA test GPU", int(GPU_GB * GB)))
+    cuda = torch.device("cuda", 0)
+    text = fit_batch_size(config, model, cuda, torch.bfloat16)
+    edit = fit_batch_size(dataclasses.replace(config, bucket_sources=two), model, cuda, torch.bfloat16)
+    planned = job_memory_plan(spec.memory_request(two))
+    assert planned is not None
+    # the actor's batch is the plan's, with the sources; without them it would take the text job's
+    assert edit.batch_size == planned.largest_by_gpu()[BUCKET][f"{GPU_GB:g}"]["cpu"] < text.batch_size
+
+
+def test_a_stored_plan_keeps_its_sources(tmp_path):
+    _sources(tmp_path, {"a.png": (1024, 1024), "b.png": (800, 600)})
+    path = _edit_input(tmp_path, [["a.png", "b.png"], ["a.png"]])
+    config = PlanConfig(rows=RowConfig(image_column="image"))
+    plan = plan_job(PromptSource(str(path)), config)
+    assert plan_from_table(plan_table(plan), config).sources_per_bucket == plan.sources_per_bucket != {}
