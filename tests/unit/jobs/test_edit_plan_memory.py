@@ -24,7 +24,7 @@ from ditfleet.driver.plan_file import plan_from_table, plan_table
 from ditfleet.jobs.cli import main
 from ditfleet.jobs.run import run
 from ditfleet.jobs.spec import load_spec
-from ditfleet.model.family import source_prompt_tokens
+from ditfleet.model.family import model_family, source_prompt_tokens
 from ditfleet.model.memory import GB
 from ditfleet.model.qwen_image.published import PUBLISHED
 from ditfleet.workers import batch_fit
@@ -179,3 +179,29 @@ def test_a_stored_plan_keeps_its_sources(tmp_path):
     config = PlanConfig(rows=RowConfig(image_column="image"))
     plan = plan_job(PromptSource(str(path)), config)
     assert plan_from_table(plan_table(plan), config).sources_per_bucket == plan.sources_per_bucket != {}
+
+
+def test_plan_selftest_prices_the_edit_with_its_sources(tmp_path, capsys):
+    model = _edit_model(tmp_path / "edit-model")
+    _sources(tmp_path, {"a.png": (1024, 1024), "b.png": (1024, 1024)})
+    _edit_input(tmp_path, [["a.png", "b.png"]] * 3)
+    selftest = tmp_path / "selftest.jsonl"
+    lines = [  # a self-test's speed lines (numbers made up)
+        {"stage": "env", "status": "pass", "device": "cuda:0", "gpu": "NVIDIA H100 80GB HBM3"},
+        {"stage": "cfg_step", "status": "measured", "size": "1328x1328", "text_len": 64,
+         "ms_per_cfg_step": {"off": 260.0, "cfg": 250.0, "table": 245.0}},
+        {"stage": "vae_decode", "status": "measured", "size": "1328x1328", "eager_ms": 90.0, "compiled_ms": 60.0},
+    ]  # fmt: skip
+    selftest.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    job = _job(tmp_path, model, 1)
+    assert main(["plan", str(job), "--selftest", str(selftest), "--json"]) == 0
+    cost = json.loads(capsys.readouterr().out)["cost"]
+    assert cost["sources"] == ["1024x1024", "1024x1024"]  # the heaviest row's
+    config = json.loads((model / "transformer" / "config.json").read_text())
+    family = model_family(str(model))
+    factor = family.forward_flops(config, 1328, 1328, 64, ((1024, 1024),) * 2) / family.forward_flops(
+        config, 1328, 1328, 64
+    )
+    assert cost["by_bucket"][BUCKET]["edit_step_factor"] == pytest.approx(factor) and factor > 1.5
+    assert main(["plan", str(job), "--selftest", str(selftest)]) == 0
+    assert "2 sources a row" in capsys.readouterr().out
