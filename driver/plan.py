@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -369,6 +369,14 @@ def heavier(a: tuple[Size, ...], b: tuple[Size, ...]) -> tuple[Size, ...]:
     return b if weight(b) > weight(a) else a
 
 
+def heaviest(rows: Iterable[tuple[Size, ...]]) -> tuple[Size, ...]:
+    """The heaviest of rows' sources (`heavier`); () for none."""
+    out: tuple[Size, ...] = ()
+    for sizes in rows:
+        out = heavier(out, sizes)
+    return out
+
+
 # Files scanned side by side while planning: Parquet decoding and Arrow compute release the GIL,
 # so two threads use a small head's two cores.
 PLAN_WORKERS = 2
@@ -418,10 +426,10 @@ def plan_job(
     inputs = input_identities(report, rows_per_file, digest_per_file)
     buckets = config.rows.buckets
     per_bucket: Counter[int] = sum((c.bucket_images for c in cutters), Counter())
-    sources: dict[int, tuple[Size, ...]] = {}
+    by_bucket: dict[int, tuple[Size, ...]] = {}
     for c in cutters:
         for i, sizes in c.bucket_sources.items():
-            sources[i] = heavier(sources.get(i, ()), sizes)
+            by_bucket[i] = heavier(by_bucket.get(i, ()), sizes)
     return JobPlan(
         config=config,
         source=source.uri,
@@ -433,7 +441,7 @@ def plan_job(
         empty_files=report.empty_files,
         warnings=tuple(row_group_warnings(report.largest_row_groups, config.shard_size)),
         images_per_bucket={b.name: per_bucket[i] for i, b in enumerate(buckets) if i in used},
-        sources_per_bucket={b.name: sources[i] for i, b in enumerate(buckets) if i in sources},
+        sources_per_bucket={b.name: by_bucket[i] for i, b in enumerate(buckets) if i in by_bucket},
     )
 
 

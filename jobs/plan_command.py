@@ -8,12 +8,11 @@ import argparse
 import dataclasses
 import json
 from collections.abc import Mapping, Sequence
-from functools import reduce
 from pathlib import Path
 from typing import Any
 
 from ditfleet.driver.memory_plan import JobMemoryPlan
-from ditfleet.driver.plan import heavier, idle_actors_warning
+from ditfleet.driver.plan import heaviest, idle_actors_warning
 from ditfleet.driver.run_job import plan_input, preview_increment
 from ditfleet.jobs.exit_codes import EXIT_OK
 from ditfleet.jobs.plan_cost import cost_plan_line, estimate_cost, read_selftest
@@ -72,7 +71,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             compiled_dit=info["compile_dit"]["on"],
             compiled_vae=info["compile_vae"]["on"],
             # an edit job's heaviest row, whichever its bucket: its sources' tokens in each step
-            sources=reduce(heavier, plan.sources_per_bucket.values(), ()),
+            sources=heaviest(plan.sources_per_bucket.values()),
             transformer_config=_transformer_config(spec) if plan.sources_per_bucket else None,
         )
     memory = memory_plan_of(spec, plan.sources_per_bucket)
