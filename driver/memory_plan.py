@@ -60,8 +60,9 @@ class MemoryRequest:
     vqa: bool = False  # quality.scorers (or the gate) asks vqa of the text encoder
     # An edit job's sources per row, (width, height) each as read: their tokens in every DiT
     # forward, their VAE encode (model.memory.plan_memory's `sources`) and their vision tokens in
-    # the prompt (model.family.source_prompt_tokens); () for a text job. `bucket_sources` (the
-    # plan's heaviest row per bucket, driver.plan.JobPlan.sources_per_bucket) overrides it per bucket.
+    # the prompt (model.family.source_prompt_tokens); () for a text job, before planning an edit
+    # job's workers.sources.planned_sources. `bucket_sources` (the plan's heaviest row per bucket,
+    # driver.plan.JobPlan.sources_per_bucket) overrides it per bucket.
     sources: tuple[Size, ...] = ()
     bucket_sources: Mapping[str, tuple[Size, ...]] = field(default_factory=dict, hash=False)
 
@@ -276,6 +277,7 @@ def plan_kwargs(request: MemoryRequest, bucket: str | None = None, **overrides: 
         quantization=request.quantization,
         fp8_layers=request.fp8_layers,
         vqa=request.vqa,
+        sources=sources,
     )
     return dict(run=replace(run, **overrides), step_cache_tensors=request.step_cache_tensors, sources=sources)
 

@@ -27,6 +27,7 @@ from ditfleet.model.memory import GB, Runtime
 from ditfleet.model.quality.table import PIPELINE_QWEN_VL, needing
 from ditfleet.model.settings import resolve_modulation_cache
 from ditfleet.workers.contract import WorkerConfig
+from ditfleet.workers.sources import planned_sources
 
 
 class BatchFitError(RuntimeError):
@@ -61,8 +62,9 @@ def plan_runtime(
     sources: tuple[Size, ...] = (),
 ) -> Runtime:
     """How this actor runs a batch, for the memory formula, as the job's plan builds it; an edit
-    batch's `sources` add their vision tokens (as the checkpoint at `model_dir` gives them) to
-    the prompt length."""
+    batch's `sources` (by default workers.sources.planned_sources) add their vision tokens (as the
+    checkpoint at `model_dir` gives them) to the prompt length."""
+    sources = sources or planned_sources(config.rows.image_column)
     vision = source_prompt_tokens(model_dir, sources) if model_dir is not None else 0
     return Runtime(
         dtype="fp32" if dtype == torch.float32 else "bf16",
@@ -77,6 +79,7 @@ def plan_runtime(
         quantization=config.pipeline.quantization,
         fp8_layers=config.pipeline.fp8_layers,
         vqa=bool(needing(config.scorer_names, PIPELINE_QWEN_VL)),  # its forward on the text encoder
+        sources=sources,
     )
 
 
@@ -99,14 +102,15 @@ def fit_batch_size(
     except (OSError, ValueError, KeyError) as e:
         # A model the formula cannot size: run the job's batch.
         return BatchFit(job, job, round(capacity_gb, 1), note=f"no memory plan ({e}); the job's batch size")
-    run = plan_runtime(config, dtype)
+    run = plan_runtime(config, dtype, model_dir)
     largest: dict[str, int] = {}
     for name in config.warmup_buckets or config.rows.buckets.names:
         b = config.rows.buckets.get(name)
-        sources = tuple(config.bucket_sources.get(b.name, ()))  # an edit job's heaviest row's
+        # an edit job's heaviest row's sources in this bucket, as planned (else planned_sources)
+        sources = tuple(config.bucket_sources.get(b.name, ())) or run.sources
         largest[b.name] = family.memory.largest_batch(
             model, capacity_gb, limit=job, height=b.height, width=b.width,
-            run=plan_runtime(config, dtype, model_dir, sources) if sources else run, sources=sources,
+            run=plan_runtime(config, dtype, model_dir, sources), sources=sources,
         )  # fmt: skip
     if not largest:
         return BatchFit(job, job, round(capacity_gb, 1), note="no buckets")

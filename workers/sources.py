@@ -37,7 +37,7 @@ from typing import Any
 import pyarrow as pa
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from ditfleet.model.family import EDIT
+from ditfleet.model.family import EDIT, source_size
 from ditfleet.workers.storage.base import (
     ObjectNotFound,
     ObjectRead,
@@ -365,3 +365,11 @@ def task_problem(model_path: str, task: str, image_column: str | None) -> str | 
             "model.path at a text-to-image model"
         )
     return None
+
+
+def planned_sources(image_column: str | None) -> tuple[tuple[int, int], ...]:
+    """The sources per image the memory plan counts (model.memory Runtime.sources): for an edit
+    job one source at the model's encoding size of a square, which every aspect ratio's encoding
+    size is close to (the area is fixed); () for a text job. A row with more sources needs more
+    memory: its batch is halved on an out-of-memory error (workers.generate)."""
+    return (source_size(1, 1),) if image_column is not None else ()

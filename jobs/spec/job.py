@@ -38,7 +38,7 @@ from ditfleet.workers.cache_secret import CacheSecretSource
 from ditfleet.workers.contract import GateConfig, LoraSpec, ModelPlacement, WorkerConfig
 from ditfleet.workers.output.formats import ShardWriterConfig
 from ditfleet.workers.rows import RowConfig
-from ditfleet.workers.sources import task_problem
+from ditfleet.workers.sources import planned_sources, task_problem
 from ditfleet.workers.storage import S3Config
 from ditfleet.workers.weights.hub import read_hub_index
 from ditfleet.workers.weights.licence import JOB_SOURCE, ModelLicence, read_model_licence
@@ -324,8 +324,8 @@ class JobSpec(Section):
     def memory_request(self, bucket_sources: Mapping[str, tuple[Size, ...]] | None = None) -> MemoryRequest:
         """What one actor asks of its GPU, for the memory plan (every bucket of the job).
         bucket_sources: an edit job's heaviest row's sources per bucket, as its plan read them
-        (driver.plan.JobPlan.sources_per_bucket); without them an edit job is planned as if its
-        rows had none."""
+        (driver.plan.JobPlan.sources_per_bucket); a bucket without them takes
+        workers.sources.planned_sources (one square source for an edit job)."""
         table = resolve_modulation_cache(self.model.modulation_cache, self.actor_device()) == "table"
         on_cpu = self.actor_device() == "cpu"
         step_cache = self.sampling.step_cache
@@ -347,6 +347,7 @@ class JobSpec(Section):
             fp8_layers=self.pipeline_settings().fp8_layers,
             step_cache_tensors=step_cache.kept_tensors() if step_cache is not None else 0,
             vqa=bool(needing(self.scorer_names(), PIPELINE_QWEN_VL)),
+            sources=planned_sources(self.input.image_column),
             bucket_sources=dict(bucket_sources or {}),
         )
 

@@ -10,9 +10,14 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
+from ditfleet.driver.memory_plan import plan_kwargs
 from ditfleet.jobs.cli import main
 from ditfleet.jobs.spec import SpecError, parse_spec
+from ditfleet.model.family import source_size
+from ditfleet.workers.batch_fit import plan_runtime
+from ditfleet.workers.sources import planned_sources
 
 
 def _edit_model(folder: Path) -> Path:
@@ -46,6 +51,12 @@ def test_an_edit_job_needs_an_edit_model_and_an_edit_model_an_edit_job(tmp_path)
     assert spec.row_config().image_column == "image"
     assert spec.image_settings()["image_column"] == "image"  # other sources, other images
     assert "image_column" not in parse_spec(_job(tmp_path, "tiny", None)).image_settings()
+    # The memory plan counts a source per image at the model's encoding size (the spec's request
+    # and each actor's batch fit alike); a text job's none.
+    assert spec.memory_request().sources == (source_size(1, 1),) == planned_sources("image")
+    assert plan_kwargs(spec.memory_request())["run"].sources == (source_size(1, 1),)
+    assert plan_runtime(spec.to_worker_config(), torch.bfloat16).sources == (source_size(1, 1),)
+    assert parse_spec(_job(tmp_path, "tiny", None)).memory_request().sources == ()
     # A remote model's model_index.json is not read here: the actor checks it when fetched.
     parse_spec(_job(tmp_path, "s3://bucket/models/anything", "image"))
 

@@ -123,10 +123,11 @@ def test_plan_refuses_a_batch_that_fits_the_text_job_but_not_two_sources(tmp_pat
     assert main(["plan", str(_job(tmp_path, model, fits_edit)), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["sources_per_bucket"] == {BUCKET: ["1024x1024", "1024x1024"]}
-    # every bucket of the job is planned; those no row goes to, as a text job's
+    # every bucket of the job is planned; those no row goes to, with one square source
+    # (workers.sources.planned_sources, what is planned before the sources are read)
     by_name = {b["bucket"]: b for b in doc["memory"]["buckets"]}
     bucket = by_name.pop(BUCKET)
-    assert all(b["sources"] == [] for b in by_name.values())
+    assert all(b["sources"] == ["1024x1024"] for b in by_name.values())
     assert bucket["sources"] == ["1024x1024", "1024x1024"] and "source_encode" in bucket["phases_gb"]
     assert doc["memory"]["largest_batch"][BUCKET] == fits_edit
 
@@ -148,9 +149,13 @@ def test_run_refuses_the_edit_batch_after_planning_before_any_write(tmp_path):
     model = _edit_model(tmp_path / "edit-model")
     _sources(tmp_path, {"a.png": (1024, 1024), "b.png": (1024, 1024)})
     _edit_input(tmp_path, [["a.png", "b.png"]] * 3)
-    text = job_memory_plan(MemoryRequest(str(model), (BUCKET,), 1, text_encoder="cpu", gpu_memory_gb=GPU_GB))
-    assert text is not None
-    job = _job(tmp_path, model, text.largest[BUCKET])  # fits the text job: the check before planning passes
+    # before planning, an edit job is checked with one square source a row: this batch passes
+    one = MemoryRequest(
+        str(model), (BUCKET,), 1, text_encoder="cpu", gpu_memory_gb=GPU_GB, sources=((1024, 1024),)
+    )
+    before = job_memory_plan(one)
+    assert before is not None
+    job = _job(tmp_path, model, before.largest[BUCKET])
     with pytest.raises(MemoryPlanError, match=f"bucket {BUCKET}: workers.batch_size .* at its denoise peak"):
         run(str(job))
     assert not (tmp_path / "out").exists()  # refused before the output was claimed
