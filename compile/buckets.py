@@ -182,6 +182,13 @@ def default_buckets(model: Any, strict: bool = False) -> BucketSet:
 PROMPT_LENGTH_BUCKETS: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)
 
 
+def planned_text_len(n: int) -> int:
+    """The prompt length the memory plan sizes for prompts of up to `n` tokens: its prompt-length
+    bucket, or `n` itself past the largest (an edit prompt, whose sources' vision tokens are not
+    cut at max_sequence_length, may run past it)."""
+    return prompt_length_bucket(n) if n <= max(PROMPT_LENGTH_BUCKETS) else n
+
+
 def prompt_length_bucket(n: int, buckets: Sequence[int] = PROMPT_LENGTH_BUCKETS) -> int:
     """The smallest bucket length >= n tokens; BucketError if n is longer than the largest."""
     if n < 0:

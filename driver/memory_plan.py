@@ -9,15 +9,22 @@ largest one that does.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlparse
 
-from ditfleet.compile.buckets import PROMPT_LENGTH_BUCKETS, ResolutionBucket, prompt_length_bucket
+from ditfleet.compile.buckets import ResolutionBucket, planned_text_len
 
 # model.loading.folder and model.memory read configs and safetensors headers without torch: planning a
 # job (`ditfleet plan`) does not load it.
-from ditfleet.model.family import Size, family_of_class, model_family, resolve_model_dir
+from ditfleet.model.family import (
+    Size,
+    family_of_class,
+    model_family,
+    resolve_model_dir,
+    source_prompt_tokens,
+)
 from ditfleet.model.memory import GB, TEXT_ENCODER_PLACEMENTS, MemoryPlan, ModelMemory, Runtime
 from ditfleet.model.settings import DEFAULT_PIPELINE, MAX_SEQUENCE_LENGTH, Fp8Layers, Quantization
 from ditfleet.workers.storage import ObjectNotFound, S3Config, StoreError, open_store
@@ -51,13 +58,26 @@ class MemoryRequest:
     fp8_layers: Fp8Layers = DEFAULT_PIPELINE.fp8_layers  # which of its Linears are FP8
     step_cache_tensors: int = 0  # image-stream tensors a step cache keeps per CFG branch
     vqa: bool = False  # quality.scorers (or the gate) asks vqa of the text encoder
-    # An edit job's sources per image (workers.sources.planned_sources), (width, height) each: their tokens in every DiT forward and
-    # their VAE encode (model.memory.plan_memory's `sources`); () for a text job.
+    # An edit job's sources per row, (width, height) each as read: their tokens in every DiT
+    # forward, their VAE encode (model.memory.plan_memory's `sources`) and their vision tokens in
+    # the prompt (model.family.source_prompt_tokens); () for a text job, before planning an edit
+    # job's workers.sources.planned_sources. `bucket_sources` (the plan's heaviest row per bucket,
+    # driver.plan.JobPlan.sources_per_bucket) overrides it per bucket.
     sources: tuple[Size, ...] = ()
+    bucket_sources: Mapping[str, tuple[Size, ...]] = field(default_factory=dict, hash=False)
 
     @property
     def text_len(self) -> int:
-        return prompt_length_bucket(self.max_sequence_length, PROMPT_LENGTH_BUCKETS)
+        return self.text_len_for(self.sources)
+
+    def sources_for(self, bucket: str | None) -> tuple[Size, ...]:
+        return tuple(self.bucket_sources.get(bucket, self.sources)) if bucket is not None else self.sources
+
+    def text_len_for(self, sources: tuple[Size, ...]) -> int:
+        """The prompt length the DiT sees: the instruction's (up to max_sequence_length) and, for an
+        edit, the vision tokens its sources add (an edit prompt is not cut: the model's side),
+        padded to its prompt-length bucket; past the largest bucket, as long as it is."""
+        return planned_text_len(self.max_sequence_length + source_prompt_tokens(self.model_path, sources))
 
 
 @dataclass(frozen=True)
@@ -97,7 +117,7 @@ class JobMemoryPlan:
                 row[f"{gb:g}"] = {
                     te: memory.largest_batch(
                         self.model, gb, height=p.height, width=p.width,
-                        **plan_kwargs(self.request, text_encoder=te),
+                        **plan_kwargs(self.request, f"{p.width}x{p.height}", text_encoder=te),
                     )
                     for te in self.placements()
                 }  # fmt: skip
@@ -191,7 +211,7 @@ class JobMemoryPlan:
 
     def _fits_under_fp8(self, plan: MemoryPlan) -> bool:
         memory = model_family(self.request.model_path).memory
-        kwargs = plan_kwargs(self.request, quantization="fp8")
+        kwargs = plan_kwargs(self.request, f"{plan.width}x{plan.height}", quantization="fp8")
         fp8 = memory.plan(
             self.model, height=plan.height, width=plan.width, batch=1,
             gpu_memory_gb=self.request.gpu_memory_gb, **kwargs,
@@ -242,24 +262,23 @@ def read_model_memory(model_path: str, s3: S3Config | None = None) -> ModelMemor
     return memory.from_dir(resolve_model_dir(path), name=model_path)
 
 
-def plan_kwargs(request: MemoryRequest, **overrides: Any) -> dict[str, Any]:
-    """The memory formula's keyword arguments for `request` (all but the size, batch and GPU);
-    `overrides` replace fields of its Runtime."""
+def plan_kwargs(request: MemoryRequest, bucket: str | None = None, **overrides: Any) -> dict[str, Any]:
+    """The memory formula's keyword arguments for `request` (all but the size, batch and GPU) at
+    `bucket` ('WxH': its sources, request.sources_for); `overrides` replace fields of its Runtime."""
+    sources = request.sources_for(bucket)
     run = Runtime(
         dtype=request.dtype,
         text_encoder=request.text_encoder,
         cfg=request.cfg,
         vae_batch=request.vae_batch,
-        text_len=request.text_len,
+        text_len=request.text_len_for(sources),
         modulation_table_steps=request.table_steps,
         device=request.device,
         quantization=request.quantization,
         fp8_layers=request.fp8_layers,
         vqa=request.vqa,
     )
-    return dict(
-        run=replace(run, **overrides), step_cache_tensors=request.step_cache_tensors, sources=request.sources
-    )
+    return dict(run=replace(run, **overrides), step_cache_tensors=request.step_cache_tensors, sources=sources)
 
 
 def job_memory_plan(request: MemoryRequest, model: ModelMemory | None = None) -> JobMemoryPlan | None:
@@ -268,10 +287,10 @@ def job_memory_plan(request: MemoryRequest, model: ModelMemory | None = None) ->
     if model is None:
         return None
     memory = model_family(request.model_path).memory
-    kwargs = plan_kwargs(request)
     plans, largest = [], {}
     for name in request.buckets:
         b = ResolutionBucket.parse(name)
+        kwargs = plan_kwargs(request, b.name)
         plans.append(
             memory.plan(
                 model, height=b.height, width=b.width, batch=request.batch_size,

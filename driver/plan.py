@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,7 @@ from ditfleet.driver.input.prompts import DEFAULT_BATCH_ROWS, InputFile, PromptS
 from ditfleet.driver.input.row_errors import file_error
 from ditfleet.driver.input.scan import ScanOptions, scan_input
 from ditfleet.driver.input.validate import DEFAULT_MAX_ERRORS, ValidationReport, valid_sizes
+from ditfleet.model.family import Size, source_size
 from ditfleet.model.knobs import bounded, check_settings, field_default, setting, settings_fields
 from ditfleet.workers.content_digest import IdentityDigest, Prepared, RangeDigest, combine, hex_digest
 from ditfleet.workers.rows import MAX_SIDE, RowConfig, ShardSpec, content_columns, source_bucket, with_sources
@@ -107,6 +108,9 @@ class JobPlan:
     empty_files: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()  # for the log: nothing wrong with the input, but slow
     images_per_bucket: Mapping[str, int] = field(default_factory=dict)  # in the bucket set's order
+    # An edit job's heaviest row per bucket: its sources' (width, height), as their headers say,
+    # for the memory plan (driver.memory_plan.MemoryRequest.bucket_sources); empty for a text job.
+    sources_per_bucket: Mapping[str, tuple[Size, ...]] = field(default_factory=dict)
 
     def fingerprint_doc(self) -> dict[str, Any]:
         """The settings and input identities the fingerprint is computed over (stored in _job.json)."""
@@ -193,6 +197,7 @@ class ShardCutter:
         self._bucket_ids: set[int] = set()
         self._names: dict[frozenset[int], tuple[str, ...]] = {}
         self.bucket_images: Counter[int] = Counter()  # bucket index -> images, over every shard
+        self.bucket_sources: dict[int, tuple[Size, ...]] = {}  # bucket index -> its heaviest row's
 
     def on_batch(self, file: InputFile, first_row: int, first_position: int, batch: pa.RecordBatch) -> None:
         if self._file is not file:
@@ -207,6 +212,7 @@ class ShardCutter:
         headers = self._source_headers(file, first_row, batch)
         if headers is not None:
             bucket_ids = self._edit_bucket_ids(batch, bucket_ids, headers)
+            self._count_bucket_sources(bucket_ids.to_pylist(), headers)
         content = Prepared(batch, content_columns(batch.schema.names))
         single = pc.unique(bucket_ids).to_pylist() if bucket_ids is not None else [0]
         self._count_bucket_images(images, bucket_ids, single, batch.num_rows)
@@ -242,6 +248,14 @@ class ShardCutter:
             else:
                 counts = images if chosen is None else pc.filter(images, chosen)
                 self.bucket_images[bucket] += pc.sum(counts).as_py() or 0
+
+    def _count_bucket_sources(self, bucket_ids: list[int], headers: list[tuple[SourceHeader, ...]]) -> None:
+        """Keep, per bucket, the sources of its heaviest row (a batch's rows share their sources'
+        count and sizes, so the heaviest row is the heaviest batch the bucket can hold)."""
+        for bucket, row in zip(bucket_ids, headers):
+            sizes = tuple((h.width, h.height) for h in row if h.width is not None and h.height is not None)
+            if sizes:
+                self.bucket_sources[bucket] = heavier(self.bucket_sources.get(bucket, ()), sizes)
 
     def finish_file(self) -> None:
         if self._rows_in_shard:
@@ -344,6 +358,25 @@ class ShardCutter:
         return pc.fill_null(per_row, 0)
 
 
+def heavier(a: tuple[Size, ...], b: tuple[Size, ...]) -> tuple[Size, ...]:
+    """Of two rows' sources, the one whose edit holds more: more pixels at the size the VAE
+    encodes them (model.family.source_size: its tokens in every DiT forward), then more sources
+    (each adds its vision tokens to the prompt)."""
+
+    def weight(sizes: tuple[Size, ...]) -> tuple[int, int]:
+        return sum(w * h for w, h in (source_size(*s) for s in sizes)), len(sizes)
+
+    return b if weight(b) > weight(a) else a
+
+
+def heaviest(rows: Iterable[tuple[Size, ...]]) -> tuple[Size, ...]:
+    """The heaviest of rows' sources (`heavier`); () for none."""
+    out: tuple[Size, ...] = ()
+    for sizes in rows:
+        out = heavier(out, sizes)
+    return out
+
+
 # Files scanned side by side while planning: Parquet decoding and Arrow compute release the GIL,
 # so two threads use a small head's two cores.
 PLAN_WORKERS = 2
@@ -393,6 +426,10 @@ def plan_job(
     inputs = input_identities(report, rows_per_file, digest_per_file)
     buckets = config.rows.buckets
     per_bucket: Counter[int] = sum((c.bucket_images for c in cutters), Counter())
+    by_bucket: dict[int, tuple[Size, ...]] = {}
+    for c in cutters:
+        for i, sizes in c.bucket_sources.items():
+            by_bucket[i] = heavier(by_bucket.get(i, ()), sizes)
     return JobPlan(
         config=config,
         source=source.uri,
@@ -404,6 +441,7 @@ def plan_job(
         empty_files=report.empty_files,
         warnings=tuple(row_group_warnings(report.largest_row_groups, config.shard_size)),
         images_per_bucket={b.name: per_bucket[i] for i, b in enumerate(buckets) if i in used},
+        sources_per_bucket={b.name: by_bucket[i] for i, b in enumerate(buckets) if i in by_bucket},
     )
 
 

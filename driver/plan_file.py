@@ -74,6 +74,7 @@ def plan_table(plan: JobPlan) -> pa.Table:
         "buckets_used": list(plan.buckets_used),
         "empty_files": list(plan.empty_files),
         "warnings": list(plan.warnings),
+        "sources_per_bucket": {b: [list(s) for s in sizes] for b, sizes in plan.sources_per_bucket.items()},
     }
     return pa.table(columns, schema=_SCHEMA.with_metadata({_META: json.dumps(meta).encode()}))
 
@@ -120,6 +121,10 @@ def plan_from_table(table: pa.Table, config: PlanConfig) -> JobPlan:
         buckets_used=tuple(meta["buckets_used"]),
         empty_files=tuple(meta["empty_files"]),
         warnings=tuple(meta["warnings"]),
+        sources_per_bucket={
+            b: tuple((int(w), int(h)) for w, h in sizes)
+            for b, sizes in meta.get("sources_per_bucket", {}).items()
+        },
     )
 
 

@@ -154,6 +154,7 @@ def run_job(
     interactive: bool | None = None,
     connect: Callable[[], object] | None = None,
     events: DispatchEvents | None = None,
+    check_plan: Callable[[JobPlan], object] | None = None,
 ) -> JobSummary:
     """Run (or resume) a job to the end and return its summary; see the module docstring.
 
@@ -163,7 +164,8 @@ def run_job(
     once planning passed and there are shards to run, to connect to Ray (so a bad input or an
     already complete output never waits for a cluster). events: a second sink for dispatch
     events next to the progress display (the CLI passes the driver's metrics, exported to Ray);
-    its finish() runs once dispatch is over.
+    its finish() runs once dispatch is over. check_plan: called with a plain job's plan before
+    anything is written (the CLI checks an edit job's memory plan with its rows' sources there).
     Raises InputError (bad input), OutputMismatch (output of another job), DispatchError.
     """
     out = stream if stream is not None else sys.stderr
@@ -172,7 +174,7 @@ def run_job(
             f"the worker writes to {worker_config.output_uri!r} but the driver's output is "
             f"{config.output_uri!r}: build both configs from the same spec"
         )
-    run = _Execution(config, worker_config, worker_cls, out, interactive, connect, events)
+    run = _Execution(config, worker_config, worker_cls, out, interactive, connect, events, check_plan)
     try:
         return _run(run)
     finally:
@@ -227,6 +229,8 @@ def _plain_work(run: _Execution, started: float) -> _Work | JobSummary:
     stored = load_plan(store, prompt_source(config), config.plan)
     plan = stored if stored is not None else plan_input(config)
     plan_s = time.monotonic() - started
+    if run.check_plan is not None:
+        run.check_plan(plan)
     for warning in plan.warnings:
         print(f"warning: {warning}", file=out)
     store.check_writable()
@@ -237,6 +241,10 @@ def _plain_work(run: _Execution, started: float) -> _Work | JobSummary:
     redo = redo_generations(store, plan.shards, done, config.redo_shards)  # refused: nothing written
     if stored is None:
         save_plan(store, plan)
+    if plan.sources_per_bucket:  # an edit job's: what each actor's batch fit counts
+        run.worker_config = dataclasses.replace(
+            run.worker_config, bucket_sources=dict(plan.sources_per_bucket)
+        )
     holder = run.lease.generation if run.lease is not None else None
     if (
         len(done) == len(plan.shards)
@@ -335,6 +343,7 @@ class _Execution:
     interactive: bool | None
     connect: Callable[[], object] | None
     events: DispatchEvents | None
+    check_plan: Callable[[JobPlan], object] | None = None
 
     lease: OutputLease | None = None
     settled: Settled = field(default_factory=Settled)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ditfleet.driver.memory_plan import JobMemoryPlan
-from ditfleet.driver.plan import idle_actors_warning
+from ditfleet.driver.plan import heaviest, idle_actors_warning
 from ditfleet.driver.run_job import plan_input, preview_increment
 from ditfleet.jobs.exit_codes import EXIT_OK
 from ditfleet.jobs.plan_cost import cost_plan_line, estimate_cost, read_selftest
@@ -53,6 +53,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     info["warnings"] = [*plan.warnings, *([idle] if idle else [])]
     info["images_per_bucket"] = dict(plan.images_per_bucket)
+    info["sources_per_bucket"] = {
+        b: [f"{w}x{h}" for w, h in sizes] for b, sizes in plan.sources_per_bucket.items()
+    }
     info["compile_vae"] = _vae_compile_plan(spec)
     info["compile_dit"] = _dit_compile_plan(spec, plan.total_images, len(plan.bucket_usage))
     info["step_cache"] = _step_cache_plan(spec, args.job)
@@ -67,8 +70,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
             args.selftest,
             compiled_dit=info["compile_dit"]["on"],
             compiled_vae=info["compile_vae"]["on"],
+            # an edit job's heaviest row, whichever its bucket: its sources' tokens in each step
+            sources=heaviest(plan.sources_per_bucket.values()),
+            transformer_config=_transformer_config(spec) if plan.sources_per_bucket else None,
         )
-    memory = memory_plan_of(spec)
+    memory = memory_plan_of(spec, plan.sources_per_bucket)
     info["memory"] = memory.to_dict() if memory is not None else None
     if args.json:
         print(json.dumps(info, indent=2))
@@ -164,14 +170,24 @@ def _step_cache_plan(spec: JobSpec, job: str) -> dict:
 
 def _dit_layers(spec: JobSpec) -> int | None:
     """The DiT's block count from its config.json, for a local (or the bundled) model."""
+    config = _transformer_config(spec)
+    try:
+        return int(config["num_layers"]) if config is not None else None
+    except (ValueError, KeyError):
+        return None
+
+
+def _transformer_config(spec: JobSpec) -> dict | None:
+    """The DiT's config.json of a local (or the bundled) model; None for a remote one."""
     path = spec.model_path()
     if "://" in path:
         return None
     root = model_family(path).bundled_dir or Path(path)
     try:
-        return int(json.loads((root / "transformer" / "config.json").read_text())["num_layers"])
-    except (OSError, ValueError, KeyError):
+        config = json.loads((root / "transformer" / "config.json").read_text())
+    except (OSError, ValueError):
         return None
+    return config if isinstance(config, dict) else None
 
 
 def _print_plan_text(info: dict, images_per_bucket: Mapping[str, int], warnings: Sequence[str] = ()) -> None:
@@ -180,6 +196,11 @@ def _print_plan_text(info: dict, images_per_bucket: Mapping[str, int], warnings:
         f"rows:    {info['rows']}, images: {info['images']}, in {info['shards']} shard{'s' if info['shards'] != 1 else ''} of up to {info['shard_size']} rows"
     )
     print("buckets: " + ", ".join(f"{b} {n} images" for b, n in images_per_bucket.items()))
+    for bucket, sizes in info["sources_per_bucket"].items():  # an edit job's
+        n = len(sizes)
+        print(
+            f"sources: {bucket}: up to {n} source{'s' * (n > 1)} a row ({', '.join(sizes)}: its heaviest row)"
+        )
     print(f"output:  {info['output']}")
     print(f"actors:  {info['actors']['min']}..{info['actors']['max']}")
     for warning in warnings:

@@ -15,12 +15,13 @@ import dataclasses
 import logging
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from ditfleet.driver.input.row_errors import InputError
 from ditfleet.driver.locations import check_local_output_nodes
 from ditfleet.driver.memory_plan import JobMemoryPlan, job_memory_plan
 from ditfleet.driver.output.summary import JobSummary
+from ditfleet.driver.plan import JobPlan
 from ditfleet.driver.run_job import check_job_input, run_job
 from ditfleet.jobs.prompt_words import tiny_words_warning
 from ditfleet.jobs.ray_auth import (
@@ -31,6 +32,7 @@ from ditfleet.jobs.ray_auth import (
     wait_for_cluster,
 )
 from ditfleet.jobs.spec import JobSpec, SpecError, load_spec
+from ditfleet.model.family import Size
 from ditfleet.workers.output.manifest import committed_shards
 from ditfleet.workers.storage import StoreError, open_store
 from ditfleet.workers.storage.input_files import is_s3
@@ -178,13 +180,16 @@ def interrupted_note(job: str) -> str:
     )
 
 
-def memory_plan_of(spec: JobSpec) -> JobMemoryPlan | None:
-    """The job's memory plan; None when the model cannot be read at plan time (hf://).
+def memory_plan_of(
+    spec: JobSpec, bucket_sources: Mapping[str, tuple[Size, ...]] | None = None
+) -> JobMemoryPlan | None:
+    """The job's memory plan; None when the model cannot be read at plan time (hf://). An edit
+    job's plan counts `bucket_sources` (its input plan's heaviest row per bucket).
 
     Without workers.gpu_memory_gb the plan is information only: a model whose configs cannot be
     read here (a bucket this machine has no access to) is reported, not an error."""
     try:
-        return job_memory_plan(spec.memory_request())
+        return job_memory_plan(spec.memory_request(bucket_sources))
     except (StoreError, OSError, ValueError) as e:
         if spec.workers.gpu_memory_gb is not None:
             raise
@@ -192,11 +197,14 @@ def memory_plan_of(spec: JobSpec) -> JobMemoryPlan | None:
         return None
 
 
-def check_memory(spec: JobSpec, job: str) -> JobMemoryPlan | None:
-    """Refuse a job whose batch cannot fit workers.gpu_memory_gb (nothing to check without it)."""
+def check_memory(
+    spec: JobSpec, job: str, bucket_sources: Mapping[str, tuple[Size, ...]] | None = None
+) -> JobMemoryPlan | None:
+    """Refuse a job whose batch cannot fit workers.gpu_memory_gb (nothing to check without it);
+    an edit job's with `bucket_sources` (its plan's) counts them."""
     if spec.workers.gpu_memory_gb is None:
         return None
-    memory = memory_plan_of(spec)
+    memory = memory_plan_of(spec, bucket_sources)
     if memory is None:
         say(f"{job}: {spec.model.path}: configs are not read at plan time; memory not checked")
         return None
@@ -217,7 +225,13 @@ def run(
     anything is written. redo_shards: committed shards to run again under new attempts
     (docs/reliability.md, Redo). verbose: the summary also prints the model's internals."""
     spec = checked_spec(job)
-    check_memory(spec, str(job) if not isinstance(job, JobSpec) else (spec.name or "the job"))
+    name = str(job) if not isinstance(job, JobSpec) else (spec.name or "the job")
+    check_memory(spec, name)  # an edit job's as its text job: no source has been read yet
+
+    def check_plan(plan: JobPlan) -> None:  # an edit job's again, with its rows' sources
+        if plan.sources_per_bucket:
+            check_memory(spec, name, plan.sources_per_bucket)
+
     driver, worker = spec.to_driver_config(), spec.to_worker_config()
     if (words := tiny_words_warning(spec)) is not None:
         say(f"warning: {words}")
@@ -241,7 +255,9 @@ def run(
         if cluster and not is_s3(driver.output_uri) and not spec.output.shared_filesystem:
             connect()  # before anything is written: a local output needs a one-node cluster
             check_local_output_nodes(driver.output_uri, False, alive_ray_nodes())
-        return run_job(driver, worker, connect=connect, events=DriverMetrics(job=spec.name or ""))
+        return run_job(
+            driver, worker, connect=connect, events=DriverMetrics(job=spec.name or ""), check_plan=check_plan
+        )
     finally:
         if started:
             import ray

@@ -17,6 +17,7 @@
     family.task(model_index)                 # "text-to-image" or "edit" (from its `_class_name`)
     model_task(model_path)                   # the same for a model path ("tiny", a folder, ...)
     source_size(w, h)                        # an edit model's VAE size for a w x h source (its tokens: /16)
+    source_prompt_tokens(path, sources)      # the prompt tokens an edit model's encoder gives those sources
     family.load_text_encoder(root, dev, dt)  # a native family's: its text encoder apart from the DiT
     family.runs_scaled_gemms(pipe)           # ... whether its DiT runs FP8 GEMMs (compile policy)
     family.prepare_inputs                    # ... its DiT's inputs for one call of the shared loop
@@ -72,7 +73,7 @@ from ditfleet.model.family_types import (
     TextConditioning,
 )
 from ditfleet.model.loading.folder import TINY_MODEL, WeightsError, model_dir_layout, read_model_index
-from ditfleet.model.qwen_image.edit import source_size
+from ditfleet.model.qwen_image.edit import EDIT_STYLES, source_size
 from ditfleet.model.qwen_image.family import QWEN_IMAGE, QWEN_IMAGE_CLASSES, TINY, MemoryFormula
 
 if TYPE_CHECKING:  # the pipeline needs torch; this module is read without it
@@ -123,6 +124,7 @@ __all__ = [
     "schedule_by_lora",
     "schedule_by_scheduler",
     "schedule_twins",
+    "source_prompt_tokens",
     "source_size",
 ]
 
@@ -357,6 +359,25 @@ def model_task(model_path: str | os.PathLike, model_index: dict | None = None) -
     if not isinstance(model_index, dict):
         raise WeightsError(f"{where}: not a JSON object (a model_index.json names its `_class_name`).")
     return family_of_class(model_index.get("_class_name"), where, model_index).task(model_index)
+
+
+def source_prompt_tokens(
+    model_path: str | os.PathLike, sources: SourceSizes, model_index: dict | None = None
+) -> int:
+    """The tokens an edit checkpoint's text encoder adds to each prompt for a row whose sources
+    are `sources` ((width, height) each, as read): Qwen2.5-VL's vision tokens of each and their
+    markers (model.qwen_image.edit.EditStyle.prompt_tokens). The prompt the DiT sees is the
+    instruction's tokens plus these, so the memory plan counts them in its text length. 0 for a
+    text-to-image checkpoint and for one whose conditioning is not a native family's (a pipeline
+    run through diffusers is measured on the actor, not planned). `model_index` as for model_task."""
+    if not sources:
+        return 0
+    if model_index is None:
+        remote = _REMOTE_INDEX.get(str(model_path))  # an s3:// checkpoint's, read while planning
+        model_index = remote or (None if str(model_path) == TINY_MODEL else read_model_index(model_path))
+    name = (model_index or {}).get("_class_name")
+    style = EDIT_STYLES.get(name) if isinstance(name, str) else None
+    return 0 if style is None else sum(style.prompt_tokens(w, h) for w, h in sources)
 
 
 def load_pipeline(path: str | Path, *args: Any, **kwargs: Any) -> TextToImagePipeline:

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from ditfleet.compile.buckets import PROMPT_LENGTH_BUCKETS, prompt_length_bucket
-from ditfleet.model.family import model_family
+from ditfleet.compile.buckets import planned_text_len
+from ditfleet.model.family import Size, model_family, source_prompt_tokens
 from ditfleet.model.memory import GB, Runtime
 from ditfleet.model.quality.table import PIPELINE_QWEN_VL, needing
 from ditfleet.model.settings import resolve_modulation_cache
@@ -55,14 +55,23 @@ def device_memory(device: torch.device) -> tuple[str, int]:
     return props.name, int(props.total_memory)
 
 
-def plan_runtime(config: WorkerConfig, dtype: torch.dtype) -> Runtime:
-    """How this actor runs a batch, for the memory formula, as the job's plan builds it."""
+def plan_runtime(
+    config: WorkerConfig,
+    dtype: torch.dtype,
+    model_dir: str | Path | None = None,
+    sources: tuple[Size, ...] = (),
+) -> Runtime:
+    """How this actor runs a batch, for the memory formula, as the job's plan builds it; an edit
+    batch's `sources` (by default workers.sources.planned_sources) add their vision tokens (as the
+    checkpoint at `model_dir` gives them) to the prompt length."""
+    sources = sources or planned_sources(config.rows.image_column)
+    vision = source_prompt_tokens(model_dir, sources) if model_dir is not None else 0
     return Runtime(
         dtype="fp32" if dtype == torch.float32 else "bf16",
         text_encoder=config.placement.text_encoder,
         cfg="serial",  # rows may turn CFG on; serial passes hold one output more
         vae_batch=1 if config.compile.vae_on("cuda") else None,
-        text_len=prompt_length_bucket(config.pipeline.max_sequence_length, PROMPT_LENGTH_BUCKETS),
+        text_len=planned_text_len(config.pipeline.max_sequence_length + vision),
         modulation_table_steps=(config.rows.steps,)
         if resolve_modulation_cache(config.pipeline.modulation_cache, "cuda") == "table"
         else (),
@@ -70,7 +79,7 @@ def plan_runtime(config: WorkerConfig, dtype: torch.dtype) -> Runtime:
         quantization=config.pipeline.quantization,
         fp8_layers=config.pipeline.fp8_layers,
         vqa=bool(needing(config.scorer_names, PIPELINE_QWEN_VL)),  # its forward on the text encoder
-        sources=planned_sources(config.rows.image_column),
+        sources=sources,
     )
 
 
@@ -93,13 +102,16 @@ def fit_batch_size(
     except (OSError, ValueError, KeyError) as e:
         # A model the formula cannot size: run the job's batch.
         return BatchFit(job, job, round(capacity_gb, 1), note=f"no memory plan ({e}); the job's batch size")
-    run = plan_runtime(config, dtype)
+    run = plan_runtime(config, dtype, model_dir)
     largest: dict[str, int] = {}
     for name in config.warmup_buckets or config.rows.buckets.names:
         b = config.rows.buckets.get(name)
+        # an edit job's heaviest row's sources in this bucket, as planned (else planned_sources)
+        sources = tuple(config.bucket_sources.get(b.name, ())) or run.sources
         largest[b.name] = family.memory.largest_batch(
-            model, capacity_gb, limit=job, height=b.height, width=b.width, run=run
-        )
+            model, capacity_gb, limit=job, height=b.height, width=b.width,
+            run=plan_runtime(config, dtype, model_dir, sources), sources=sources,
+        )  # fmt: skip
     if not largest:
         return BatchFit(job, job, round(capacity_gb, 1), note="no buckets")
     bucket = min(largest, key=lambda k: largest[k])

@@ -8,6 +8,7 @@ and `ShardAbandoned` back; none of them needs the model, so the driver, `ditflee
 from __future__ import annotations
 
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -128,6 +129,9 @@ class WorkerConfig:
     )
     gate: GateConfig | None = None  # quality.gate; None: every image is kept as first made
     warmup_buckets: tuple[str, ...] = ()  # the buckets this job uses; empty = every job bucket
+    # An edit job's heaviest row's sources per bucket, (width, height) each as read, from the
+    # plan (driver.plan.JobPlan.sources_per_bucket): what the actor's batch fit counts.
+    bucket_sources: Mapping[str, tuple[tuple[int, int], ...]] = field(default_factory=dict, hash=False)
     expected_images: int | None = None  # images one actor is expected to make (compile.dit "auto")
     compile: CompileConfig = field(default_factory=CompileConfig)
     # A local output that is not on a shared filesystem: the Ray node id of the driver, the one

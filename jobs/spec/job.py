@@ -23,6 +23,7 @@ from ditfleet.driver.output.cost import CostConfig
 from ditfleet.driver.plan import PlanConfig
 from ditfleet.driver.run_job import DriverConfig
 from ditfleet.model.family import (
+    Size,
     check_model_index,
     model_family,
     model_task,
@@ -320,8 +321,11 @@ class JobSpec(Section):
         """The device type an actor runs the model on: "cpu" or "cuda"."""
         return "cpu" if self.model.device == "cpu" or self.gpus_per_actor() == 0 else "cuda"
 
-    def memory_request(self) -> MemoryRequest:
-        """What one actor asks of its GPU, for the memory plan (every bucket of the job)."""
+    def memory_request(self, bucket_sources: Mapping[str, tuple[Size, ...]] | None = None) -> MemoryRequest:
+        """What one actor asks of its GPU, for the memory plan (every bucket of the job).
+        bucket_sources: an edit job's heaviest row's sources per bucket, as its plan read them
+        (driver.plan.JobPlan.sources_per_bucket); a bucket without them takes
+        workers.sources.planned_sources (one square source for an edit job)."""
         table = resolve_modulation_cache(self.model.modulation_cache, self.actor_device()) == "table"
         on_cpu = self.actor_device() == "cpu"
         step_cache = self.sampling.step_cache
@@ -344,6 +348,7 @@ class JobSpec(Section):
             step_cache_tensors=step_cache.kept_tensors() if step_cache is not None else 0,
             vqa=bool(needing(self.scorer_names(), PIPELINE_QWEN_VL)),
             sources=planned_sources(self.input.image_column),
+            bucket_sources=dict(bucket_sources or {}),
         )
 
     def s3_config(self) -> S3Config:

@@ -183,10 +183,6 @@ class Runtime:
     vqa: quality.scorers asks vqa of every image, one forward of the text encoder per image where
       the encoder sits: a phase of its own on the GPU when it sits there ("gpu"); with "cpu" or
       "offload" the score runs on the host and takes no GPU memory.
-    sources: an edit model's source images per image, each its (width, height) at the VAE's
-      source size (model.family.source_size): their latent tokens lengthen the DiT's image stream,
-      the VAE keeps its encoder, and encoding them is a phase of its own ("source_encode"). Count
-      the vision tokens Qwen2.5-VL gives them in text_len.
     """
 
     dtype: str = "bf16"
@@ -200,7 +196,6 @@ class Runtime:
     quantization: Quantization = "none"
     fp8_layers: Fp8Layers = DEFAULT_PIPELINE.fp8_layers  # which Linears the quantization stores in FP8
     vqa: bool = False
-    sources: tuple[tuple[int, int], ...] = ()
 
     def check(self) -> None:
         if self.dtype not in DTYPE_BYTES:
