@@ -79,7 +79,6 @@ def plan_runtime(
         quantization=config.pipeline.quantization,
         fp8_layers=config.pipeline.fp8_layers,
         vqa=bool(needing(config.scorer_names, PIPELINE_QWEN_VL)),  # its forward on the text encoder
-        sources=sources,
     )
 
 
@@ -107,7 +106,7 @@ def fit_batch_size(
     for name in config.warmup_buckets or config.rows.buckets.names:
         b = config.rows.buckets.get(name)
         # an edit job's heaviest row's sources in this bucket, as planned (else planned_sources)
-        sources = tuple(config.bucket_sources.get(b.name, ())) or run.sources
+        sources = tuple(config.bucket_sources.get(b.name, ())) or planned_sources(config.rows.image_column)
         largest[b.name] = family.memory.largest_batch(
             model, capacity_gb, limit=job, height=b.height, width=b.width,
             run=plan_runtime(config, dtype, model_dir, sources), sources=sources,

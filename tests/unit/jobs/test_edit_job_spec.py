@@ -10,13 +10,11 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 
 from ditfleet.driver.memory_plan import plan_kwargs
 from ditfleet.jobs.cli import main
 from ditfleet.jobs.spec import SpecError, parse_spec
 from ditfleet.model.family import source_size
-from ditfleet.workers.batch_fit import plan_runtime
 from ditfleet.workers.sources import planned_sources
 
 
@@ -55,7 +53,6 @@ def test_an_edit_job_needs_an_edit_model_and_an_edit_model_an_edit_job(tmp_path)
     # and each actor's batch fit alike); a text job's none.
     assert spec.memory_request().sources == (source_size(1, 1),) == planned_sources("image")
     assert plan_kwargs(spec.memory_request())["sources"] == (source_size(1, 1),)
-    assert plan_runtime(spec.to_worker_config(), torch.bfloat16).sources == (source_size(1, 1),)
     assert parse_spec(_job(tmp_path, "tiny", None)).memory_request().sources == ()
     # A remote model's model_index.json is not read here: the actor checks it when fetched.
     parse_spec(_job(tmp_path, "s3://bucket/models/anything", "image"))
