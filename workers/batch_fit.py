@@ -23,6 +23,7 @@ import torch
 
 from ditfleet.compile.buckets import PROMPT_LENGTH_BUCKETS, prompt_length_bucket
 from ditfleet.model.family import model_family
+from ditfleet.model.generation.guidance import planned_cfg
 from ditfleet.model.memory import GB, Runtime
 from ditfleet.model.quality.table import PIPELINE_QWEN_VL, needing
 from ditfleet.model.settings import resolve_modulation_cache
@@ -59,7 +60,7 @@ def plan_runtime(config: WorkerConfig, dtype: torch.dtype) -> Runtime:
     return Runtime(
         dtype="fp32" if dtype == torch.float32 else "bf16",
         text_encoder=config.placement.text_encoder,
-        cfg="serial",  # rows may turn CFG on; serial passes hold one output more
+        cfg=planned_cfg(config.rows.true_cfg_scale),
         vae_batch=1 if config.compile.vae_on("cuda") else None,
         text_len=prompt_length_bucket(config.pipeline.max_sequence_length, PROMPT_LENGTH_BUCKETS),
         modulation_table_steps=(config.rows.steps,)
@@ -92,11 +93,20 @@ def fit_batch_size(
         # A model the formula cannot size: run the job's batch.
         return BatchFit(job, job, round(capacity_gb, 1), note=f"no memory plan ({e}); the job's batch size")
     run = plan_runtime(config, dtype)
+    # what the step cache keeps per branch, as the driver's plan counts it (jobs.spec.job.memory_request)
+    cache = config.pipeline.step_cache
+    step_cache_tensors = cache.kept_tensors() if cache is not None else 0
     largest: dict[str, int] = {}
     for name in config.warmup_buckets or config.rows.buckets.names:
         b = config.rows.buckets.get(name)
         largest[b.name] = family.memory.largest_batch(
-            model, capacity_gb, limit=job, height=b.height, width=b.width, run=run
+            model,
+            capacity_gb,
+            limit=job,
+            height=b.height,
+            width=b.width,
+            run=run,
+            step_cache_tensors=step_cache_tensors,
         )
     if not largest:
         return BatchFit(job, job, round(capacity_gb, 1), note="no buckets")

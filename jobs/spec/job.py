@@ -23,6 +23,7 @@ from ditfleet.driver.output.cost import CostConfig
 from ditfleet.driver.plan import PlanConfig
 from ditfleet.driver.run_job import DriverConfig
 from ditfleet.model.family import check_model_index, model_family, resolve_model_dir
+from ditfleet.model.generation.guidance import planned_cfg
 from ditfleet.model.loading.folder import WeightsError, text_encoder_kind
 from ditfleet.model.quality.table import MODEL, PIPELINE_QWEN_VL, check_scorers_supported, needing
 from ditfleet.model.settings import PipelineSettings, resolve_modulation_cache
@@ -295,7 +296,7 @@ class JobSpec(Section):
             dtype="fp32" if self.model.dtype == "fp32" or (on_cpu and self.model.dtype == "auto") else "bf16",
             text_encoder=self.model.text_encoder,
             gpu_memory_gb=self.workers.gpu_memory_gb,
-            cfg="serial",  # rows may turn CFG on whatever the default; serial passes hold one output more
+            cfg=planned_cfg(self.sampling_defaults.values["true_cfg_scale"]),
             vae_batch=1 if self.compile_config().vae_on(self.actor_device()) else None,
             max_sequence_length=self.model.max_sequence_length,
             table_steps=(self.sampling_defaults.values["steps"],) if table else (),

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ditfleet.model.cfg_table import CfgTable
 from ditfleet.model.generation.attention_backend import attention_backend
 from ditfleet.model.generation.guidance import cfg_on, negative_texts
 from ditfleet.model.generation.sampling import (
@@ -23,6 +24,7 @@ from ditfleet.model.generation.sampling import (
 )
 from ditfleet.model.generation.scheduler import SchedulerConfig, sigma_schedule
 from ditfleet.model.generation.step_cache import StepCache
+from ditfleet.model.qwen_image.memory_activations import image_tokens as tokens_of
 from ditfleet.model.qwen_image.text_encoder import TextEncoder
 from ditfleet.model.qwen_image.transformer import QwenImageTransformer, prepare_inputs
 from ditfleet.model.qwen_image.vae import QwenImageVAE
@@ -66,10 +68,17 @@ class Generation:
 
 
 def cfg_batched_for(
-    mode: str, device_type: str, batch: int, image_tokens: int, cond_len: int, uncond_len: int
+    mode: str,
+    device_type: str,
+    batch: int,
+    image_tokens: int,
+    cond_len: int,
+    uncond_len: int,
+    table: CfgTable | None = None,
 ) -> bool:
-    """Serial or batched CFG for one request. "auto": batched only on CUDA, while one pass has
-    fewer than AUTO_BATCHED_MAX_TOKENS tokens and concatenating the branches pads at most
+    """Serial or batched CFG for one request. "auto": batched only on CUDA; there, by the measured
+    `table` (model.cfg_table) where it has the request's bucket, else while one pass has fewer
+    than AUTO_BATCHED_MAX_TOKENS tokens and concatenating the branches pads at most
     AUTO_BATCHED_MAX_PADDING of them."""
     if mode not in CFG_MODES:
         raise ValueError(f"cfg_mode must be one of {CFG_MODES}, got {mode!r}")
@@ -77,6 +86,9 @@ def cfg_batched_for(
         return mode == "batched"
     if device_type != "cuda":
         return False
+    measured = None if table is None else table.batched(image_tokens, batch, tokens_of)
+    if measured is not None:
+        return measured
     longest = max(cond_len, uncond_len)
     padding = abs(cond_len - uncond_len) / (2 * (image_tokens + longest))
     return batch * (image_tokens + longest) < AUTO_BATCHED_MAX_TOKENS and padding <= AUTO_BATCHED_MAX_PADDING
@@ -104,7 +116,15 @@ class TextToImagePipeline:
 
     def batch_cfg(self, batch: int, image_tokens: int, cond_len: int, uncond_len: int) -> bool:
         """Whether this request's two CFG passes run as one forward (see cfg_batched_for)."""
-        return cfg_batched_for(self.cfg_mode, self.device.type, batch, image_tokens, cond_len, uncond_len)
+        return cfg_batched_for(
+            self.cfg_mode,
+            self.device.type,
+            batch,
+            image_tokens,
+            cond_len,
+            uncond_len,
+            self.settings.cfg_table,
+        )
 
     @property
     def device(self) -> torch.device:

@@ -304,6 +304,16 @@ def test_cfg_modes_rehearsal_measures_each_mode_and_serial_against_batched(tmp_p
             m = x["cfg_serial_vs_batched_ms"][batch]
             assert m["serial"] > 0 and m["batched"] > 0
             assert m["faster"] == ("batched" if m["batched"] < m["serial"] else "serial")
+    # the same times as the table a job's sampling.cfg_table reads (model.cfg_table)
+    from ditfleet.model.cfg_table import read_cfg_table
+
+    table = read_cfg_table(tmp_path / "out" / "cfg_table.json")
+    assert got[-1]["cfg_table"] == str(tmp_path / "out" / "cfg_table.json") and table.device == "cpu"
+    assert {(e.width, e.batch): (e.serial_ms, e.batched_ms) for e in table.entries} == {
+        (int(x["size"].split("x")[0]), int(b)): (m["serial"], m["batched"])
+        for x in got
+        for b, m in x["cfg_serial_vs_batched_ms"].items()
+    }
 
 
 def test_the_published_widths_and_the_forward_cost_come_from_the_family(tmp_path):
