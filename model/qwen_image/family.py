@@ -259,6 +259,10 @@ class QwenImageFamily:
         torch.manual_seed(seed)
         save_vae(QwenImageVAE(VAEConfig.from_dict(config), with_encoder=True).to(torch.bfloat16), out_dir)
 
+    def fuse_projections(self, transformer: Any, on: bool = True) -> int:
+        """q/k/v as one GEMM per stream in every block (QwenImageTransformer.fuse_projections)."""
+        return transformer.fuse_projections(on)
+
     def reference_transformer(self, ours: Any, dtype: Any) -> Any:
         """diffusers' transformer on `ours`' weights (cast to `dtype`; shared when the dtype is the
         same), what the self-test checks ours against. `from_config` drops keys an older release does

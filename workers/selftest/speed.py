@@ -110,8 +110,33 @@ def dit_eager(ctx: Context) -> None:
             "make_weights_s": ctx.state.get("dit60_make_s"),
         }
         line.update(_memory_vs_plan(ctx, cfg, size, text_len, base if ctx.cuda else 0, weights))
+        if size == sizes(ctx)[0]:
+            line["qkv"] = _fused_against_separate(ctx, model, call, ms)
         ctx.state.setdefault("eager_ms", {})[size] = ms
         ctx.emit(line)
+
+
+def _fused_against_separate(
+    ctx: Context, model: Any, call: Callable[[Any], torch.Tensor], fused_ms: float
+) -> dict:
+    """Issue 50, lever 5 on this GPU: the eager forward with q/k/v as three GEMMs per stream
+    against the fused GEMM the loader sets up (`fused_ms`, just timed), and whether the outputs
+    are the same bits. The DiT is fused again after."""
+    ctx.check("qkv three GEMMs")
+    with torch.no_grad():
+        fused_out = call(model)
+        FAMILY.fuse_projections(model, on=False)
+        try:
+            separate_ms = timed_ms(ctx, functools.partial(call, model), repeat=ctx.args.repeat)
+            same = bool(torch.equal(fused_out, call(model)))
+        finally:
+            FAMILY.fuse_projections(model)
+    return {
+        "fused_ms": fused_ms,
+        "three_gemms_ms": separate_ms,
+        "fused_speedup": round(separate_ms / fused_ms, 3),
+        "bit_identical": same,
+    }
 
 
 def _memory_vs_plan(
