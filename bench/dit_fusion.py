@@ -11,7 +11,7 @@ the two forwards run interleaved, round after round, so machine noise hits them 
 
 On CPU times are CPU time of this process (other tenants do not inflate it); on CUDA, wall time
 with the device synchronised. One JSON line at the end. On the GPU the node self-test's `dit`
-stage prints the same comparison (`qkv_fused_speedup`).
+stage prints the same comparison (`projections`: `fused_speedup`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def main() -> None:
     cfg = published_config(args.layers, args.heads)
     before = QwenImageTransformer(cfg).to(device, dtype).eval().requires_grad_(False)
     after = twin(before, cfg)  # the same weight tensors ...
-    after.fuse_projections()  # ... but q/k/v read from one (3D, D) weight per stream (a copy)
+    after.fuse_qkv()  # ... but q/k/v read from one (3D, D) weight per stream (a copy)
     h = w = args.size // 16
     B, L = args.batch, args.text
     x = torch.randn(B, h * w, cfg.in_channels, device=device, dtype=dtype)

@@ -176,7 +176,7 @@ def load_pipeline(
     )
     transformer = transformer.eval().requires_grad_(False)
     # q/k/v as one GEMM per stream, once every weight is in (LoRA merged, FP8 layers kept apart)
-    transformer.fuse_projections()
+    transformer.fuse_qkv()
     vae = vae.to(device)
     text_encoder = load_text_encoder(root, device, dtype) if load_text_encoder_too else None
     return TextToImagePipeline(

@@ -106,7 +106,7 @@ class GeluMLP(nn.Module):
         return self.net[2](F.gelu(proj(x), approximate="tanh"))
 
 
-# The fused q/k/v projection of each stream (JointAttention.fuse_projections), kept out of the
+# The fused q/k/v projection of each stream (JointAttention.fuse_qkv), kept out of the
 # module's registry: it holds no weights of its own (the three projections' parameters are views
 # of its), so the state dict, the parameter count and the memory plan stay the checkpoint's.
 _FUSED = ("_img_qkv", "_txt_qkv")
@@ -129,7 +129,7 @@ class JointAttention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(dim, dim), nn.Dropout(0.0)])
         self.to_add_out = nn.Linear(dim, dim)
 
-    def fuse_projections(self) -> bool:
+    def fuse_qkv(self) -> bool:
         """Each stream's q, k and v as one GEMM of three times the width (one read of the
         activation, one launch instead of three): a (3D, D) weight whose row blocks the three
         Linears' weights become views of, so their names, state dict and in-place updates (a LoRA
@@ -144,7 +144,7 @@ class JointAttention(nn.Module):
             self.__dict__[name] = layer
         return all(layer is not None for layer in fused)
 
-    def unfuse_projections(self) -> None:
+    def unfuse_qkv(self) -> None:
         """Back to three GEMMs per stream, each Linear with a weight of its own (a copy): the
         before of a side-by-side measurement (bench/, the self-test)."""
         for name in _FUSED:
@@ -154,18 +154,18 @@ class JointAttention(nn.Module):
                 setattr(m, key, nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
 
     @property
-    def fused(self) -> bool:
+    def qkv_fused(self) -> bool:
         return any(self.__dict__.get(name) is not None for name in _FUSED)
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         # A conversion (.to, .half, ...) gives each parameter its own new storage: the views
         # would no longer be of the fused weight, so fuse again from the converted ones.
-        was = self.fused
+        was = self.qkv_fused
         for name in _FUSED:
             self.__dict__.pop(name, None)
         out = super()._apply(fn, recurse)
         if was:
-            self.fuse_projections()
+            self.fuse_qkv()
         return out
 
     def _project(
@@ -457,15 +457,15 @@ class QwenImageTransformer(nn.Module):
             img, _ = self.run_blocks(img, txt, inputs)
         return self.proj_out(self.norm_out(img, temb))
 
-    def fuse_projections(self, on: bool = True) -> int:
-        """Every block's q/k/v as one GEMM per stream (JointAttention.fuse_projections), or with
+    def fuse_qkv(self, on: bool = True) -> int:
+        """Every block's q/k/v as one GEMM per stream (JointAttention.fuse_qkv), or with
         `on=False` back to three; returns the blocks fused."""
         fused = 0
         for block in cast("Iterable[TransformerBlock]", self.transformer_blocks):
             if on:
-                fused += block.attn.fuse_projections()
+                fused += block.attn.fuse_qkv()
             else:
-                block.attn.unfuse_projections()
+                block.attn.unfuse_qkv()
         return fused
 
     @torch.no_grad()

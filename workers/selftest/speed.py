@@ -111,7 +111,7 @@ def dit_eager(ctx: Context) -> None:
         }
         line.update(_memory_vs_plan(ctx, cfg, size, text_len, base if ctx.cuda else 0, weights))
         if size == sizes(ctx)[0]:
-            line["qkv"] = _fused_against_separate(ctx, model, call, ms)
+            line["projections"] = _fused_against_separate(ctx, model, call, ms)
         ctx.state.setdefault("eager_ms", {})[size] = ms
         ctx.emit(line)
 
@@ -122,7 +122,7 @@ def _fused_against_separate(
     """Issue 50, lever 5 on this GPU: the eager forward with q/k/v as three GEMMs per stream
     against the fused GEMM the loader sets up (`fused_ms`, just timed), and whether the outputs
     are the same bits. The DiT is fused again after."""
-    ctx.check("qkv three GEMMs")
+    ctx.check("projections unfused")
     with torch.no_grad():
         fused_out = call(model)
         FAMILY.fuse_projections(model, on=False)

@@ -37,14 +37,14 @@ def fused_and_not():
     """The tiny DiT as the loader leaves it (fused), and a copy put back to three GEMMs."""
     fused = load_pipeline("tiny", load_text_encoder_too=False).transformer
     unfused = copy.deepcopy(fused)
-    unfused.fuse_projections(on=False)
+    unfused.fuse_qkv(on=False)
     return fused, unfused
 
 
 def test_the_loader_fuses_qkv_without_a_second_copy_of_any_weight(fused_and_not):
     fused, unfused = fused_and_not
     attn = fused.transformer_blocks[0].attn
-    assert attn.fused and not unfused.transformer_blocks[0].attn.fused
+    assert attn.qkv_fused and not unfused.transformer_blocks[0].attn.qkv_fused
     # the three Linears' weights are row blocks of the fused weight: one storage
     qkv = attn.__dict__["_img_qkv"]
     D = attn.to_q.weight.shape[0]
@@ -67,7 +67,7 @@ def test_fused_outputs_equal_the_unfused_ones(fused_and_not, batch, text_len, re
 def test_a_lora_merged_into_the_fused_dit_reaches_its_gemm(fused_and_not):
     """merge_updates adds into to_q's weight in place: the fused GEMM sees it, as three would."""
     fused, unfused = (copy.deepcopy(t) for t in fused_and_not)
-    fused.fuse_projections()  # a deep copy keeps the views apart: fuse the copy again
+    fused.fuse_qkv()  # a deep copy keeps the views apart: fuse the copy again
     D, g = fused.config.inner_dim, torch.Generator().manual_seed(3)
     update = LayerUpdate(
         "transformer_blocks.0.attn.to_k",
@@ -90,7 +90,7 @@ def test_a_dtype_conversion_fuses_again(fused_and_not):
     fused, unfused = (copy.deepcopy(t) for t in fused_and_not)
     fused, unfused = fused.to(torch.bfloat16), unfused.to(torch.bfloat16)
     attn = fused.transformer_blocks[1].attn
-    assert attn.fused and attn.to_q.weight.data_ptr() == attn.__dict__["_img_qkv"].weight.data_ptr()
+    assert attn.qkv_fused and attn.to_q.weight.data_ptr() == attn.__dict__["_img_qkv"].weight.data_ptr()
     args = _inputs(fused, 2, 9, [9, 5])
     torch.testing.assert_close(_forward(fused, *args), _forward(unfused, *args), rtol=1.6e-2, atol=1e-2)
 
@@ -98,7 +98,7 @@ def test_a_dtype_conversion_fuses_again(fused_and_not):
 def test_fp8_layers_keep_their_own_gemms(random_model_dir):
     pipe = load_pipeline(random_model_dir, quantization="fp8", load_text_encoder_too=False)
     attn = pipe.transformer.transformer_blocks[0].attn
-    assert not attn.fused and type(attn.to_q).__name__ == "Fp8Linear"
+    assert not attn.qkv_fused and type(attn.to_q).__name__ == "Fp8Linear"
     out = _forward(pipe.transformer, *_inputs(pipe.transformer, 2, 9, [9, 5]))
     assert torch.isfinite(out).all()
 

@@ -379,7 +379,7 @@ def test_the_dit_eager_line_times_fused_qkv_against_three_gemms(tmp_path):
     code, lines = run_selftest(tmp_path / "out", "--only", "dit_eager", timeout=200)
     got = [x for x in lines if x["stage"] == "dit_eager" and x["status"] == "measured"]
     assert code == 0 and got, lines
-    qkv = got[0]["qkv"]
+    qkv = got[0]["projections"]
     assert qkv["fused_ms"] > 0 and qkv["three_gemms_ms"] > 0 and qkv["bit_identical"] is True
     assert qkv["fused_speedup"] == round(qkv["three_gemms_ms"] / qkv["fused_ms"], 3)
-    assert all("qkv" not in x for x in got[1:])
+    assert all("projections" not in x for x in got[1:])
