@@ -1,4 +1,4 @@
-"""Issue 50, lever 5 side by side: the DiT forward with q/k/v as three GEMMs per stream
+"""Issue 50, lever 5 side by side: the DiT forward with the image's q/k/v as three GEMMs
 (before) and as one fused GEMM (after, what the loader sets up), on the same weights; and the
 hand-off from the attention kernel to the output projections as it was (both streams cloned out
 of the attention output) against now (projections read views of it).
@@ -48,7 +48,7 @@ def main() -> None:
     cfg = published_config(args.layers, args.heads)
     before = QwenImageTransformer(cfg).to(device, dtype).eval().requires_grad_(False)
     after = twin(before, cfg)  # the same weight tensors ...
-    after.fuse_qkv()  # ... but q/k/v read from one (3D, D) weight per stream (a copy)
+    after.fuse_qkv()  # ... but q/k/v read from one (3D, D) weight (a copy)
     h = w = args.size // 16
     B, L = args.batch, args.text
     x = torch.randn(B, h * w, cfg.in_channels, device=device, dtype=dtype)

@@ -260,7 +260,7 @@ class QwenImageFamily:
         save_vae(QwenImageVAE(VAEConfig.from_dict(config), with_encoder=True).to(torch.bfloat16), out_dir)
 
     def fuse_projections(self, transformer: Any, on: bool = True) -> int:
-        """q/k/v as one GEMM per stream in every block (QwenImageTransformer.fuse_qkv)."""
+        """The image stream's q/k/v as one GEMM in every block (QwenImageTransformer.fuse_qkv)."""
         return transformer.fuse_qkv(on)
 
     def reference_transformer(self, ours: Any, dtype: Any) -> Any:

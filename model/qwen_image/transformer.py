@@ -106,10 +106,10 @@ class GeluMLP(nn.Module):
         return self.net[2](F.gelu(proj(x), approximate="tanh"))
 
 
-# The fused q/k/v projection of each stream (JointAttention.fuse_qkv), kept out of the
-# module's registry: it holds no weights of its own (the three projections' parameters are views
-# of its), so the state dict, the parameter count and the memory plan stay the checkpoint's.
-_FUSED = ("_img_qkv", "_txt_qkv")
+# The image stream's fused q/k/v projection (JointAttention.fuse_qkv), kept out of the module's
+# registry: it holds no weights of its own (the three projections' parameters are views of its),
+# so the state dict, the parameter count and the memory plan stay the checkpoint's.
+_FUSED = "_img_qkv"
 
 
 class JointAttention(nn.Module):
@@ -130,58 +130,59 @@ class JointAttention(nn.Module):
         self.to_add_out = nn.Linear(dim, dim)
 
     def fuse_qkv(self) -> bool:
-        """Each stream's q, k and v as one GEMM of three times the width (one read of the
-        activation, one launch instead of three): a (3D, D) weight whose row blocks the three
-        Linears' weights become views of, so their names, state dict and in-place updates (a LoRA
-        merged later) all still hold and no weight is held twice. Only where the three are plain
-        Linears of one dtype and device (an FP8 layer keeps its own GEMMs). Called by the loader
-        once the weights are in; `.to()` and other conversions fuse again. Returns whether fused."""
-        fused = [
-            _fuse(self.to_q, self.to_k, self.to_v),
-            _fuse(self.add_q_proj, self.add_k_proj, self.add_v_proj),
-        ]
-        for name, layer in zip(_FUSED, fused, strict=True):
-            self.__dict__[name] = layer
-        return all(layer is not None for layer in fused)
+        """The image stream's q, k and v as one batched GEMM (one launch instead of three) over
+        a (3D, D) weight whose row blocks the three Linears' weights become views of, so their
+        names, state dict and in-place updates (a LoRA merged later) all still hold and no weight
+        is held twice. Only where the three are plain Linears of one dtype and device (an FP8
+        layer keeps its own GEMMs). Called by the loader once the weights are in; `.to()` and
+        other conversions fuse again. Returns whether fused.
+
+        The text stream keeps three GEMMs: fused, its length (dynamic, unlike the image's N)
+        would meet the same compiler guards as the batch (see _image_qkv), for GEMMs of L x D,
+        small beside the image's N x D."""
+        self.__dict__[_FUSED] = _fuse(self.to_q, self.to_k, self.to_v)
+        return self.qkv_fused
 
     def unfuse_qkv(self) -> None:
-        """Back to three GEMMs per stream, each Linear with a weight of its own (a copy): the
-        before of a side-by-side measurement (bench/, the self-test)."""
-        for name in _FUSED:
-            self.__dict__.pop(name, None)
-        for m in (self.to_q, self.to_k, self.to_v, self.add_q_proj, self.add_k_proj, self.add_v_proj):
+        """Back to three GEMMs, each Linear with a weight of its own (a copy): the before of a
+        side-by-side measurement (bench/, the self-test)."""
+        self.__dict__.pop(_FUSED, None)
+        for m in (self.to_q, self.to_k, self.to_v):
             for key, p in list(m.named_parameters(recurse=False)):
                 setattr(m, key, nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
 
     @property
     def qkv_fused(self) -> bool:
-        return any(self.__dict__.get(name) is not None for name in _FUSED)
+        return self.__dict__.get(_FUSED) is not None
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         # A conversion (.to, .half, ...) gives each parameter its own new storage: the views
         # would no longer be of the fused weight, so fuse again from the converted ones.
         was = self.qkv_fused
-        for name in _FUSED:
-            self.__dict__.pop(name, None)
+        self.__dict__.pop(_FUSED, None)
         out = super()._apply(fn, recurse)
         if was:
             self.fuse_qkv()
         return out
 
-    def _project(
-        self, x: torch.Tensor, name: str, separate: tuple[nn.Module, nn.Module, nn.Module]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v (B, S, H, hd) of one stream: the fused GEMM's three column blocks, or three GEMMs."""
+    def _image_qkv(self, img: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k, v (B, N, H, hd) of the image stream: one batched GEMM over the fused weight's
+        three (D, D) blocks, or three GEMMs."""
         split = (-1, self.head_dim)
-        fused = self.__dict__.get(name)
+        fused = self.__dict__.get(_FUSED)
         if fused is None:
-            q, k, v = (layer(x).unflatten(-1, split) for layer in separate)
-            return q, k, v
-        # Called with the class the separate projections have now: compile.cpu_linear's oneDNN
-        # swap of every Linear reaches the fused one too.
-        qkv = type(separate[0]).forward(fused, x)  # (B, S, 3D)
-        q, k, v = qkv.unflatten(-1, (3, *split)).unbind(-3)
-        return q, k, v
+            return tuple(layer(img).unflatten(-1, split) for layer in (self.to_q, self.to_k, self.to_v))
+        B, N, D = img.shape
+        # (3, B*N, D): q, k and v each dense. One (B*N, 3D) GEMM would give strided column blocks,
+        # and a view of those (the rotary's pairs) makes the compiler guard on the batch size, a
+        # recompile at batch 1; the batched GEMM's blocks are the same products (bit for bit on
+        # the CPU) in one launch.
+        out = torch.baddbmm(
+            fused.bias.view(3, 1, D),
+            img.reshape(1, B * N, D).expand(3, -1, -1),
+            fused.weight.view(3, D, D).mT,
+        )
+        return tuple(t.view(B, N, *split) for t in out.unbind(0))
 
     def qkv(
         self,
@@ -191,9 +192,10 @@ class JointAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v (B, H, N + L, hd): image tokens first, then text."""
         img_rot, txt_rot = rope
-        img_q, img_k, img_v = self._project(img, "_img_qkv", (self.to_q, self.to_k, self.to_v))
-        txt_q, txt_k, txt_v = self._project(
-            txt, "_txt_qkv", (self.add_q_proj, self.add_k_proj, self.add_v_proj)
+        split = (-1, self.head_dim)
+        img_q, img_k, img_v = self._image_qkv(img)
+        txt_q, txt_k, txt_v = (
+            layer(txt).unflatten(-1, split) for layer in (self.add_q_proj, self.add_k_proj, self.add_v_proj)
         )
         q = torch.cat(
             [_rms_rotary(img_q, self.norm_q, img_rot), _rms_rotary(txt_q, self.norm_added_q, txt_rot)], dim=1
@@ -458,7 +460,7 @@ class QwenImageTransformer(nn.Module):
         return self.proj_out(self.norm_out(img, temb))
 
     def fuse_qkv(self, on: bool = True) -> int:
-        """Every block's q/k/v as one GEMM per stream (JointAttention.fuse_qkv), or with
+        """Every block's image q/k/v as one GEMM (JointAttention.fuse_qkv), or with
         `on=False` back to three; returns the blocks fused."""
         fused = 0
         for block in cast("Iterable[TransformerBlock]", self.transformer_blocks):

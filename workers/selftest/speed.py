@@ -119,7 +119,7 @@ def dit_eager(ctx: Context) -> None:
 def _fused_against_separate(
     ctx: Context, model: Any, call: Callable[[Any], torch.Tensor], fused_ms: float
 ) -> dict:
-    """Issue 50, lever 5 on this GPU: the eager forward with q/k/v as three GEMMs per stream
+    """Issue 50, lever 5 on this GPU: the eager forward with the image's q/k/v as three GEMMs
     against the fused GEMM the loader sets up (`fused_ms`, just timed), and whether the outputs
     are the same bits. The DiT is fused again after."""
     ctx.check("projections unfused")

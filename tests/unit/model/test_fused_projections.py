@@ -1,4 +1,4 @@
-"""Issue 50, lever 5: the DiT's q/k/v as one GEMM per stream (weights fused at load, the
+"""Issue 50, lever 5: the DiT's image q/k/v as one GEMM (weights fused at load, the
 checkpoint's names and state dict unchanged, LoRA and FP8 still working) and no clone between
 the attention kernel and the output projections. Outputs equal the unfused DiT's within fp32
 rounding (bit for bit on this CPU)."""
@@ -49,7 +49,7 @@ def test_the_loader_fuses_qkv_without_a_second_copy_of_any_weight(fused_and_not)
     qkv = attn.__dict__["_img_qkv"]
     D = attn.to_q.weight.shape[0]
     assert attn.to_k.weight.data_ptr() == qkv.weight.data_ptr() + D * D * qkv.weight.element_size()
-    assert attn.add_v_proj.bias.data_ptr() == attn.__dict__["_txt_qkv"].bias[2 * D :].data_ptr()
+    assert attn.to_v.bias.data_ptr() == qkv.bias[2 * D :].data_ptr()
     # the checkpoint's names and values, the same parameter count (the fused layer is no submodule)
     a, b = fused.state_dict(), unfused.state_dict()
     assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)

@@ -375,7 +375,7 @@ def test_the_self_test_builds_the_family_model_at_toy_and_published_widths(tmp_p
 
 def test_the_dit_eager_line_times_fused_qkv_against_three_gemms(tmp_path):
     """Issue 50, lever 5 on the GPU: the first size's dit_eager line times the DiT with q/k/v as
-    three GEMMs per stream next to the fused GEMM the loader sets up (rehearsed on the CPU)."""
+    three GEMMs (the image stream's) next to the fused GEMM the loader sets up (rehearsed on the CPU)."""
     code, lines = run_selftest(tmp_path / "out", "--only", "dit_eager", timeout=200)
     got = [x for x in lines if x["stage"] == "dit_eager" and x["status"] == "measured"]
     assert code == 0 and got, lines
