@@ -155,7 +155,7 @@ class JointAttention(nn.Module):
     def qkv_fused(self) -> bool:
         return self.__dict__.get(_FUSED) is not None
 
-    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+    def _apply(self, fn, recurse=True):
         # A conversion (.to, .half, ...) gives each parameter its own new storage: the views
         # would no longer be of the fused weight, so fuse again from the converted ones.
         was = self.qkv_fused
@@ -377,7 +377,14 @@ class TransformerBlock(nn.Module):
         _, _, i_g1, i_sh2, i_sc2, i_g2 = img_mod.chunk(6, dim=-1)
         _, _, t_g1, t_sh2, t_sc2, t_g2 = txt_mod.chunk(6, dim=-1)
         N = img.shape[1]
-        img_attn, txt_attn = self.attn.project_out(joint_attn[:, :N], joint_attn[:, N:])
+        img_attn, txt_attn = joint_attn[:, :N], joint_attn[:, N:]  # views: no copy in eager
+        if torch.compiler.is_compiling():
+            # A GEMM of a strided slice makes the compiler guard on the batch or text length
+            # being 1 (a recompile): inside the graph the slices are dense copies, which Inductor
+            # computes in the kernel that reads them where it can (an FP8 layer's quantization).
+            dense = torch.contiguous_format
+            img_attn, txt_attn = img_attn.clone(memory_format=dense), txt_attn.clone(memory_format=dense)
+        img_attn, txt_attn = self.attn.project_out(img_attn, txt_attn)
         img = _gated_residual(img, i_g1, img_attn)
         txt = _gated_residual(txt, t_g1, txt_attn)
         img = _gated_residual(img, i_g2, self.img_mlp(_norm_modulate(img, i_sh2, i_sc2, self.eps)))
