@@ -377,7 +377,9 @@ class TransformerBlock(nn.Module):
         _, _, i_g1, i_sh2, i_sc2, i_g2 = img_mod.chunk(6, dim=-1)
         _, _, t_g1, t_sh2, t_sc2, t_g2 = txt_mod.chunk(6, dim=-1)
         N = img.shape[1]
-        img_attn, txt_attn = joint_attn[:, :N], joint_attn[:, N:]  # views: no copy in eager
+        # views, no copy in eager; split by both lengths, so the text slice's length is the text's
+        # own (a bare [:, N:] is a min/max expression Inductor's FP8 lowering fails on)
+        img_attn, txt_attn = joint_attn.split([N, txt.shape[1]], dim=1)
         if torch.compiler.is_compiling():
             # A GEMM of a strided slice makes the compiler guard on the batch or text length
             # being 1 (a recompile): inside the graph the slices are dense copies, which Inductor
