@@ -211,6 +211,11 @@ class NativeFamily(ModelFamily, Protocol):
         """The reference implementation's (diffusers') DiT on the weights of `ours`, in `dtype`."""
         ...
 
+    def fuse_projections(self, transformer: Any, on: bool = True) -> int:
+        """The DiT's fused projections as the loader sets them up (on), or the separate ones
+        (off): the self-test times both. Returns the layers fused."""
+        ...
+
     def text_width(self, transformer_config: dict) -> int: ...  # the prompt embeddings' width
 
     def attention_shape(self, transformer_config: dict) -> tuple[int, int]: ...  # (heads, head dim)

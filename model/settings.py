@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from ditfleet.model.cfg_table import CfgTable, cfg_table_value, parse_cfg_table
 from ditfleet.model.knobs import check_settings, setting
 from ditfleet.model.step_cache_config import StepCacheConfig, parse_step_cache, step_cache_value
 
@@ -60,7 +61,18 @@ class PipelineSettings:
         description="How the two true-CFG passes of a step run: 'serial' (two forwards of the batch; "
         "the modulation cache computes the step's modulation once), 'batched' (one forward of twice "
         "the batch, text padded to the longer branch), 'auto' (batched on a GPU while a pass is too "
-        "small to fill it and batching pads little, else serial).",
+        "small to fill it and batching pads little, else serial; with a cfg_table, by its measurement).",
+    )
+    cfg_table: CfgTable | None = setting(
+        None,
+        # Which way a step runs changes its rounding: an output keeps the table it was planned with.
+        fingerprint="when_set",
+        parse=parse_cfg_table,
+        dump=cfg_table_value,
+        description="A cfg_table.json the node self-test wrote (`--extra cfg_modes`: ms per CFG step "
+        "serial and batched per bucket and batch, on the job's GPU kind): cfg_mode 'auto' then picks the "
+        "faster per request on a GPU, by the measured bucket at the largest measured batch not above the "
+        "request's; a bucket it lacks keeps the fixed rule. Read where the job is planned; null: the fixed rule.",
     )
     quantization: Quantization = setting(
         "none",
@@ -104,6 +116,11 @@ class PipelineSettings:
 
     def __post_init__(self) -> None:
         check_settings(self)
+        if self.cfg_table is not None and not isinstance(self.cfg_table, CfgTable):
+            raise TypeError(
+                "PipelineSettings.cfg_table must be a CfgTable or None (parse_cfg_table reads a "
+                f"cfg_table.json), got {self.cfg_table!r}"
+            )
         if self.step_cache is not None and not isinstance(self.step_cache, StepCacheConfig):
             raise TypeError(
                 "PipelineSettings.step_cache must be a StepCacheConfig or None (parse_step_cache reads a "

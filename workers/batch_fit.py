@@ -23,6 +23,7 @@ import torch
 
 from ditfleet.compile.buckets import planned_text_len
 from ditfleet.model.family import Size, model_family, source_prompt_tokens
+from ditfleet.model.generation.guidance import planned_cfg
 from ditfleet.model.memory import GB, Runtime
 from ditfleet.model.quality.table import PIPELINE_QWEN_VL, needing
 from ditfleet.model.settings import resolve_modulation_cache
@@ -69,7 +70,7 @@ def plan_runtime(
     return Runtime(
         dtype="fp32" if dtype == torch.float32 else "bf16",
         text_encoder=config.placement.text_encoder,
-        cfg="serial",  # rows may turn CFG on; serial passes hold one output more
+        cfg=planned_cfg(config.rows.true_cfg_scale),
         vae_batch=1 if config.compile.vae_on("cuda") else None,
         text_len=planned_text_len(config.pipeline.max_sequence_length + vision),
         modulation_table_steps=(config.rows.steps,)
@@ -101,7 +102,9 @@ def fit_batch_size(
     except (OSError, ValueError, KeyError) as e:
         # A model the formula cannot size: run the job's batch.
         return BatchFit(job, job, round(capacity_gb, 1), note=f"no memory plan ({e}); the job's batch size")
-    run = plan_runtime(config, dtype, model_dir)
+    # what the step cache keeps per branch, as the driver's plan counts it (jobs.spec.job.memory_request)
+    cache = config.pipeline.step_cache
+    step_cache_tensors = cache.kept_tensors() if cache is not None else 0
     largest: dict[str, int] = {}
     for name in config.warmup_buckets or config.rows.buckets.names:
         b = config.rows.buckets.get(name)
@@ -110,6 +113,7 @@ def fit_batch_size(
         largest[b.name] = family.memory.largest_batch(
             model, capacity_gb, limit=job, height=b.height, width=b.width,
             run=plan_runtime(config, dtype, model_dir, sources), sources=sources,
+            step_cache_tensors=step_cache_tensors,
         )  # fmt: skip
     if not largest:
         return BatchFit(job, job, round(capacity_gb, 1), note="no buckets")
@@ -118,8 +122,8 @@ def fit_batch_size(
     if best == 0:
         raise BatchFitError(
             f"this GPU ({gpu_name}, {capacity_gb:.1f} GB) cannot fit one "
-            f"image of bucket {bucket} ({run.quantization} DiT, text encoder "
-            f"{run.text_encoder}) by the memory plan; `ditfleet plan` shows what each GPU "
+            f"image of bucket {bucket} ({config.pipeline.quantization} DiT, text encoder "
+            f"{config.placement.text_encoder}) by the memory plan; `ditfleet plan` shows what each GPU "
             "size fits. Use larger GPUs, model.text_encoder: offload or cpu, or model.quantization: fp8"
         )
     return BatchFit(

@@ -30,6 +30,7 @@ from ditfleet.model.family import (
     remember_remote_index,
     resolve_model_dir,
 )
+from ditfleet.model.generation.guidance import planned_cfg
 from ditfleet.model.loading.folder import WeightsError, text_encoder_kind
 from ditfleet.model.quality.table import MODEL, PIPELINE_QWEN_VL, check_scorers_supported, needing
 from ditfleet.model.settings import PipelineSettings, resolve_modulation_cache
@@ -337,7 +338,7 @@ class JobSpec(Section):
             dtype="fp32" if self.model.dtype == "fp32" or (on_cpu and self.model.dtype == "auto") else "bf16",
             text_encoder=self.model.text_encoder,
             gpu_memory_gb=self.workers.gpu_memory_gb,
-            cfg="serial",  # rows may turn CFG on whatever the default; serial passes hold one output more
+            cfg=planned_cfg(self.sampling_defaults.values["true_cfg_scale"]),
             vae_batch=1 if self.compile_config().vae_on(self.actor_device()) else None,
             max_sequence_length=self.model.max_sequence_length,
             table_steps=(self.sampling_defaults.values["steps"],) if table else (),

@@ -21,6 +21,7 @@ from ditfleet.compile.config import CompileConfig, OnOffAuto
 from ditfleet.driver.dispatch import DispatchConfig
 from ditfleet.driver.output.cost import CostConfig
 from ditfleet.driver.plan import PlanConfig
+from ditfleet.model.cfg_table import CfgTable
 from ditfleet.model.loading.folder import TINY_MODEL
 from ditfleet.model.quality.table import ScorerName
 from ditfleet.model.settings import (
@@ -207,6 +208,8 @@ class SamplingSpec(Section):
     num_images: int = knob(RowConfig, "num_images")
     max_prompt_chars: int = knob(RowConfig, "max_prompt_chars")
     cfg_mode: CfgMode = knob(PipelineSettings, "cfg_mode")
+    # Parsed by its knob (model.cfg_table.parse_cfg_table): a CfgTable or None from here down.
+    cfg_table: CfgTable | None = knob(PipelineSettings, "cfg_table")
     # Parsed by its knob (model.step_cache_config.parse_step_cache): a StepCacheConfig or None
     # from here down.
     step_cache: StepCacheConfig | None = knob(PipelineSettings, "step_cache")

@@ -23,6 +23,15 @@ def cfg_on(true_cfg_scale: float | Sequence[float], has_negative: bool = True) -
     return has_negative and all(float(s) > 1 for s in scales)
 
 
+def planned_cfg(true_cfg_scale: float) -> str:
+    """The CFG a job's memory plan sizes its batch for (model.memory.Runtime.cfg), from the job's
+    default scale: 'off' when it runs no CFG (a few-step checkpoint's, one DiT branch: the larger
+    batch issue 50 asks of such jobs where memory allows), else 'serial', the larger of the two
+    ways (it holds one output more). A row that turns CFG on in a job planned 'off' needs more
+    than its batch was sized for: the worker halves a batch on out-of-memory (workers.generate)."""
+    return "serial" if cfg_on(true_cfg_scale) else "off"
+
+
 def negative_text(negative_prompt: str | None) -> str:
     """The text the unconditional branch encodes: the negative prompt, or the default for None or
     "" (an empty text has no tokens to encode)."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ditfleet.model.cfg_table import CfgTable
 from ditfleet.model.family_types import EDIT, TEXT_TO_IMAGE
 from ditfleet.model.generation.attention_backend import attention_backend
 from ditfleet.model.generation.components import Denoiser, TextEncoder, Vae
@@ -76,11 +77,25 @@ class Generation:
     step_cache: StepCache | None = None
 
 
+def _grid_tokens(height: int, width: int) -> int:
+    """The packed image tokens of a size (the shared sampler's grid): how a measured bucket of
+    the cfg table is matched to a request."""
+    h, w = latent_grid(height, width)
+    return h * w
+
+
 def cfg_batched_for(
-    mode: str, device_type: str, batch: int, image_tokens: int, cond_len: int, uncond_len: int
+    mode: str,
+    device_type: str,
+    batch: int,
+    image_tokens: int,
+    cond_len: int,
+    uncond_len: int,
+    table: CfgTable | None = None,
 ) -> bool:
-    """Serial or batched CFG for one request. "auto": batched only on CUDA, while one pass has
-    fewer than AUTO_BATCHED_MAX_TOKENS tokens and concatenating the branches pads at most
+    """Serial or batched CFG for one request. "auto": batched only on CUDA; there, by the measured
+    `table` (model.cfg_table) where it has the request's bucket, else while one pass has fewer
+    than AUTO_BATCHED_MAX_TOKENS tokens and concatenating the branches pads at most
     AUTO_BATCHED_MAX_PADDING of them."""
     if mode not in CFG_MODES:
         raise ValueError(f"cfg_mode must be one of {CFG_MODES}, got {mode!r}")
@@ -88,6 +103,9 @@ def cfg_batched_for(
         return mode == "batched"
     if device_type != "cuda":
         return False
+    measured = None if table is None else table.batched(image_tokens, batch, _grid_tokens)
+    if measured is not None:
+        return measured
     longest = max(cond_len, uncond_len)
     padding = abs(cond_len - uncond_len) / (2 * (image_tokens + longest))
     return batch * (image_tokens + longest) < AUTO_BATCHED_MAX_TOKENS and padding <= AUTO_BATCHED_MAX_PADDING
@@ -137,7 +155,15 @@ class TextToImagePipeline:
 
     def batch_cfg(self, batch: int, image_tokens: int, cond_len: int, uncond_len: int) -> bool:
         """Whether this request's two CFG passes run as one forward (see cfg_batched_for)."""
-        return cfg_batched_for(self.cfg_mode, self.device.type, batch, image_tokens, cond_len, uncond_len)
+        return cfg_batched_for(
+            self.cfg_mode,
+            self.device.type,
+            batch,
+            image_tokens,
+            cond_len,
+            uncond_len,
+            self.settings.cfg_table,
+        )
 
     @property
     def device(self) -> torch.device:

@@ -155,11 +155,14 @@ def joint_attention(
         return F.scaled_dot_product_attention(q, k, v, attn_mask=padding.dense_mask)
     if stats is not None:
         stats.split_calls += 1
+    # The output in the fused kernels' layout, (B, S, H, hd) memory seen as (B, H, S, hd): the
+    # block merges its heads as a view of it (transformer.merge_heads), no copy.
+    B, H, S, hd = q.shape
+    out = q.new_zeros(B, S, H, hd).transpose(1, 2)
     if len(padding.runs) == 1:  # the whole batch shares one shorter length: a trailing pad
         real = padding.image_len + padding.runs[0][2]
-        out = F.scaled_dot_product_attention(q[:, :, :real], k[:, :, :real], v[:, :, :real])
-        return F.pad(out, (0, 0, 0, q.shape[2] - real))
-    out = q.new_zeros(q.shape)
+        out[:, :, :real] = F.scaled_dot_product_attention(q[:, :, :real], k[:, :, :real], v[:, :, :real])
+        return out
     for start, end, length in padding.runs:
         real = padding.image_len + length
         out[start:end, :, :real] = F.scaled_dot_product_attention(

@@ -113,8 +113,8 @@ _DIT_BLOCK_METHODS: Mapping[str, Mapping[int, Any]] = MappingProxyType(
     {
         # attention_inputs(img, txt, img_mod, txt_mod, rope=(image Rotation, text Rotation))
         "attention_inputs": {0: (0,), 1: (0, 1), 4: {1: {"cos": (0,), "sin": (0,), "polar": (0,)}}},
-        # attention_outputs(img, txt, img_attn, txt_attn, img_mod, txt_mod)
-        "attention_outputs": {0: (0,), 1: (0, 1), 2: (0,), 3: (0, 1)},
+        # attention_outputs(img, txt, joint_attn, img_mod, txt_mod); joint_attn is (B, N + L, D)
+        "attention_outputs": {0: (0,), 1: (0, 1), 2: (0, 1)},
     }
 )
 
@@ -284,6 +284,10 @@ class QwenImageFamily:
 
         torch.manual_seed(seed)
         save_vae(QwenImageVAE(VAEConfig.from_dict(config), with_encoder=True).to(torch.bfloat16), out_dir)
+
+    def fuse_projections(self, transformer: Any, on: bool = True) -> int:
+        """The image stream's q/k/v as one GEMM in every block (QwenImageTransformer.fuse_qkv)."""
+        return transformer.fuse_qkv(on)
 
     def reference_transformer(self, ours: Any, dtype: Any) -> Any:
         """diffusers' transformer on `ours`' weights (cast to `dtype`; shared when the dtype is the

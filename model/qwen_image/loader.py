@@ -170,6 +170,8 @@ def load_pipeline(
         settings.fp8_layers,
     )
     transformer = transformer.eval().requires_grad_(False)
+    # the image's q/k/v as one GEMM, once every weight is in (LoRA merged, FP8 layers kept apart)
+    transformer.fuse_qkv()
     vae = vae.to(device)
     text_encoder = load_text_encoder(root, device, dtype) if load_text_encoder_too else None
     return TextToImagePipeline(

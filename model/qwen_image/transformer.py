@@ -106,6 +106,12 @@ class GeluMLP(nn.Module):
         return self.net[2](F.gelu(proj(x), approximate="tanh"))
 
 
+# The image stream's fused q/k/v projection (JointAttention.fuse_qkv), kept out of the module's
+# registry: it holds no weights of its own (the three projections' parameters are views of its),
+# so the state dict, the parameter count and the memory plan stay the checkpoint's.
+_FUSED = "_img_qkv"
+
+
 class JointAttention(nn.Module):
     """Attention over [image, text] with per-head RMS q/k norms and interleaved RoPE.
 
@@ -123,6 +129,61 @@ class JointAttention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(dim, dim), nn.Dropout(0.0)])
         self.to_add_out = nn.Linear(dim, dim)
 
+    def fuse_qkv(self) -> bool:
+        """The image stream's q, k and v as one batched GEMM (one launch instead of three) over
+        a (3D, D) weight whose row blocks the three Linears' weights become views of, so their
+        names, state dict and in-place updates (a LoRA merged later) all still hold and no weight
+        is held twice. Only where the three are plain Linears of one dtype and device (an FP8
+        layer keeps its own GEMMs). Called by the loader once the weights are in; `.to()` and
+        other conversions fuse again. Returns whether fused.
+
+        The text stream keeps three GEMMs: fused, its length (dynamic, unlike the image's N)
+        would meet the same compiler guards as the batch (see _image_qkv), for GEMMs of L x D,
+        small beside the image's N x D."""
+        self.__dict__[_FUSED] = _fuse(self.to_q, self.to_k, self.to_v)
+        return self.qkv_fused
+
+    def unfuse_qkv(self) -> None:
+        """Back to three GEMMs, each Linear with a weight of its own (a copy): the before of a
+        side-by-side measurement (bench/, the self-test)."""
+        self.__dict__.pop(_FUSED, None)
+        for m in (self.to_q, self.to_k, self.to_v):
+            for key, p in list(m.named_parameters(recurse=False)):
+                setattr(m, key, nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
+
+    @property
+    def qkv_fused(self) -> bool:
+        return self.__dict__.get(_FUSED) is not None
+
+    def _apply(self, fn, recurse=True):
+        # A conversion (.to, .half, ...) gives each parameter its own new storage: the views
+        # would no longer be of the fused weight, so fuse again from the converted ones.
+        was = self.qkv_fused
+        self.__dict__.pop(_FUSED, None)
+        out = super()._apply(fn, recurse)
+        if was:
+            self.fuse_qkv()
+        return out
+
+    def _image_qkv(self, img: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k, v (B, N, H, hd) of the image stream: one batched GEMM over the fused weight's
+        three (D, D) blocks, or three GEMMs."""
+        split = (-1, self.head_dim)
+        fused = self.__dict__.get(_FUSED)
+        if fused is None:
+            return tuple(layer(img).unflatten(-1, split) for layer in (self.to_q, self.to_k, self.to_v))
+        B, N, D = img.shape
+        # (3, B*N, D): q, k and v each dense. One (B*N, 3D) GEMM would give strided column blocks,
+        # and a view of those (the rotary's pairs) makes the compiler guard on the batch size, a
+        # recompile at batch 1; the batched GEMM's blocks are the same products (bit for bit on
+        # the CPU) in one launch.
+        out = torch.baddbmm(
+            fused.bias.view(3, 1, D),
+            img.reshape(1, B * N, D).expand(3, -1, -1),
+            fused.weight.view(3, D, D).mT,
+        )
+        return tuple(t.view(B, N, *split) for t in out.unbind(0))
+
     def qkv(
         self,
         img: torch.Tensor,  # (B, N, D), normed and modulated
@@ -132,21 +193,17 @@ class JointAttention(nn.Module):
         """q, k, v (B, H, N + L, hd): image tokens first, then text."""
         img_rot, txt_rot = rope
         split = (-1, self.head_dim)
+        img_q, img_k, img_v = self._image_qkv(img)
+        txt_q, txt_k, txt_v = (
+            layer(txt).unflatten(-1, split) for layer in (self.add_q_proj, self.add_k_proj, self.add_v_proj)
+        )
         q = torch.cat(
-            [
-                _rms_rotary(self.to_q(img).unflatten(-1, split), self.norm_q, img_rot),
-                _rms_rotary(self.add_q_proj(txt).unflatten(-1, split), self.norm_added_q, txt_rot),
-            ],
-            dim=1,
+            [_rms_rotary(img_q, self.norm_q, img_rot), _rms_rotary(txt_q, self.norm_added_q, txt_rot)], dim=1
         )  # (B, N + L, H, hd)
         k = torch.cat(
-            [
-                _rms_rotary(self.to_k(img).unflatten(-1, split), self.norm_k, img_rot),
-                _rms_rotary(self.add_k_proj(txt).unflatten(-1, split), self.norm_added_k, txt_rot),
-            ],
-            dim=1,
+            [_rms_rotary(img_k, self.norm_k, img_rot), _rms_rotary(txt_k, self.norm_added_k, txt_rot)], dim=1
         )
-        v = torch.cat([self.to_v(img).unflatten(-1, split), self.add_v_proj(txt).unflatten(-1, split)], dim=1)
+        v = torch.cat([img_v, txt_v], dim=1)
         return q.transpose(1, 2), k.transpose(1, 2), v.to(q.dtype).transpose(1, 2)
 
     def project_out(self, img: torch.Tensor, txt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,16 +211,42 @@ class JointAttention(nn.Module):
         return self.to_out[0](img), self.to_add_out(txt)
 
 
-def split_streams(out: torch.Tensor, image_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention output (B, H, N + L, hd) -> contiguous image (B, N, D) and text (B, L, D)."""
-    B, H, S, hd = out.shape
-    out = out.transpose(1, 2).reshape(B, S, H * hd)  # a view when SDPA returned (B, S, H, hd) memory
-    # Two fresh dense tensors, always copied: a compiled consumer then sees the same strides and
-    # offset whatever the batch size, text length or the attention kernel's output layout.
-    contiguous = torch.contiguous_format
-    return out[:, :image_len].clone(memory_format=contiguous), out[:, image_len:].clone(
-        memory_format=contiguous
-    )
+def _fuse(*linears: nn.Module) -> nn.Linear | None:
+    """One Linear computing `linears` side by side (outputs concatenated), their weights and
+    biases made views of its; None unless all are plain Linears with biases, of one dtype and
+    device, not on the meta device."""
+    # nn.Linear or a subclass that only changes how its forward runs (compile.cpu_linear's
+    # oneDNN swap); an FP8 layer is no Linear
+    if not all(isinstance(m, nn.Linear) for m in linears):
+        return None
+    layers = cast("tuple[nn.Linear, ...]", linears)
+    weights, biases = [m.weight for m in layers], [m.bias for m in layers]
+    if any(b is None for b in biases) or weights[0].is_meta:
+        return None
+    if len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1:
+        return None
+    with torch.no_grad():
+        weight, bias = torch.cat(weights), torch.cat(cast("list[torch.Tensor]", biases))
+    fused = nn.Linear(weight.shape[1], weight.shape[0], device="meta")
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    fused.bias = nn.Parameter(bias, requires_grad=False)
+    start = 0
+    for m in layers:
+        n = m.weight.shape[0]
+        grad = m.weight.requires_grad
+        m.weight = nn.Parameter(weight[start : start + n], requires_grad=grad)
+        m.bias = nn.Parameter(bias[start : start + n], requires_grad=grad)
+        start += n
+    return fused
+
+
+def merge_heads(out: torch.Tensor) -> torch.Tensor:
+    """Attention output (B, H, N + L, hd) -> (B, N + L, D), contiguous: a view of SDPA's output
+    where its memory is (B, S, H, hd) (the fused kernels'), else one copy. The image and text
+    streams are split inside the compiled attention_outputs, not copied out here: a compiled
+    consumer sees one dense layout whatever the batch, text length or kernel, and no clone
+    runs between the attention kernel and the output projections."""
+    return out.transpose(1, 2).flatten(2)
 
 
 def _rms_rotary(x: torch.Tensor, norm: RMSNorm, rotation: Rotation) -> torch.Tensor:
@@ -282,8 +365,7 @@ class TransformerBlock(nn.Module):
             q, k, v = self.modulated_attention_inputs(img_in, txt, txt_mod, rope)
             del img_in  # freed before the attention, as the memory plan counts it
         attn = joint_attention(q, k, v, padding, stats)  # (B, H, N + L, hd)
-        img_attn, txt_attn = split_streams(attn, img.shape[1])
-        return self.attention_outputs(img, txt, img_attn, txt_attn, img_mod, txt_mod)
+        return self.attention_outputs(img, txt, merge_heads(attn), img_mod, txt_mod)
 
     def modulated_input(self, img: torch.Tensor, img_mod: ImageModulation) -> torch.Tensor:
         """The image stream as the attention sees it, LayerNorm then the first shift and scale,
@@ -319,13 +401,22 @@ class TransformerBlock(nn.Module):
         self,
         img: torch.Tensor,  # (B, N, D)
         txt: torch.Tensor,  # (B, L, D)
-        img_attn: torch.Tensor,  # (B, N, D) attention output, before its projection
-        txt_attn: torch.Tensor,  # (B, L, D)
+        joint_attn: torch.Tensor,  # (B, N + L, D) attention output (merge_heads), before its projections
         img_mod: ImageModulation,  # (B or 1, 6D), or split at the sources (SplitModulation)
         txt_mod: torch.Tensor,  # (B or 1, 6D)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Output projections, gated residuals, LayerNorm + modulate, MLPs: new (img, txt)."""
         _, _, t_g1, t_sh2, t_sc2, t_g2 = txt_mod.chunk(6, dim=-1)
+        N = img.shape[1]
+        # views, no copy in eager; split by both lengths, so the text slice's length is the text's
+        # own (a bare [:, N:] is a min/max expression Inductor's FP8 lowering fails on)
+        img_attn, txt_attn = joint_attn.split([N, txt.shape[1]], dim=1)
+        if torch.compiler.is_compiling():
+            # A GEMM of a strided slice makes the compiler guard on the batch or text length
+            # being 1 (a recompile): inside the graph the slices are dense copies, which Inductor
+            # computes in the kernel that reads them where it can (an FP8 layer's quantization).
+            dense = torch.contiguous_format
+            img_attn, txt_attn = img_attn.clone(memory_format=dense), txt_attn.clone(memory_format=dense)
         img_attn, txt_attn = self.attn.project_out(img_attn, txt_attn)
         img = _image_gated_residual(img, img_mod, 2, img_attn)
         txt = _gated_residual(txt, t_g1, txt_attn)
@@ -428,6 +519,17 @@ class QwenImageTransformer(nn.Module):
         if target != N:  # an edit model's source tokens: only the target's are predicted
             img = img[:, :target]
         return self.proj_out(self.norm_out(img, temb))
+
+    def fuse_qkv(self, on: bool = True) -> int:
+        """Every block's image q/k/v as one GEMM (JointAttention.fuse_qkv), or with
+        `on=False` back to three; returns the blocks fused."""
+        fused = 0
+        for block in cast("Iterable[TransformerBlock]", self.transformer_blocks):
+            if on:
+                fused += block.attn.fuse_qkv()
+            else:
+                block.attn.unfuse_qkv()
+        return fused
 
     @torch.no_grad()
     def fill_modulation_table(self, timesteps: Sequence[torch.Tensor], dtype: torch.dtype) -> int:

@@ -79,7 +79,7 @@ DEFERRED_CYCLES: set[frozenset[str]] = {
 # map, FP8 and memory formula below the shared machinery (memory plan, sampling loop, scorers),
 # its face and assembly (FAMILY_FACE) above it, where the face's table (model/family.py) reads them.
 MODEL_ORDER: tuple[tuple[str, ...], ...] = (
-    ("lazy_exports", "family_types", "knobs", "step_cache_config"),
+    ("lazy_exports", "family_types", "knobs", "step_cache_config", "cfg_table"),
     ("settings",),
     ("loading",),
     ("tiny",),

@@ -27,7 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m ditfleet.workers.selftest",
         description="Correctness and speed of the GPU path, one JSON line per measurement.",
     )
-    p.add_argument("--out", required=True, help="folder for selftest.jsonl and selftest.log (nothing else)")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="folder for selftest.jsonl and selftest.log (and cfg_table.json with --extra cfg_modes)",
+    )
     p.add_argument(
         "--scratch",
         default=None,

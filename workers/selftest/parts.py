@@ -82,9 +82,12 @@ def init_on_device(module: ModuleT, seed: int) -> ModuleT:
 def make_transformer(
     cfg: DiTConfig, device: torch.device, dtype: torch.dtype, seed: int = 0
 ) -> torch.nn.Module:
-    """The family's DiT straight on the device in `dtype`: built on meta, allocated there, filled there."""
+    """The family's DiT straight on the device in `dtype`: built on meta, allocated there, filled
+    there, its projections fused as the loader leaves them."""
     model = FAMILY.empty_transformer(cfg.to_dict()).to(dtype).to_empty(device=device)
-    return init_on_device(model, seed).eval().requires_grad_(False)
+    model = init_on_device(model, seed).eval().requires_grad_(False)
+    FAMILY.fuse_projections(model)
+    return model
 
 
 def make_vae(ctx: Context) -> Any:

@@ -6,9 +6,11 @@ each compiles its own graphs). The worker's batch generator (worker_path.py) and
 from __future__ import annotations
 
 import functools
+import json
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,6 +18,7 @@ import torch
 from ditfleet.compile.compiled_method import CompiledMethod
 from ditfleet.compile.counting import compile_count
 from ditfleet.compile.policy import CompileReport, apply_compile
+from ditfleet.model.cfg_table import CFG_TABLE_FILE, CfgEntry, CfgTable
 from ditfleet.model.family_types import DiTConfig
 from ditfleet.model.generation.pipeline import Generation, GuidanceInputs, Sampling, TextToImagePipeline
 from ditfleet.model.generation.sampling import euler_step, true_cfg
@@ -107,8 +110,33 @@ def dit_eager(ctx: Context) -> None:
             "make_weights_s": ctx.state.get("dit60_make_s"),
         }
         line.update(_memory_vs_plan(ctx, cfg, size, text_len, base if ctx.cuda else 0, weights))
+        if size == sizes(ctx)[0]:
+            line["projections"] = _fused_against_separate(ctx, model, call, ms)
         ctx.state.setdefault("eager_ms", {})[size] = ms
         ctx.emit(line)
+
+
+def _fused_against_separate(
+    ctx: Context, model: Any, call: Callable[[Any], torch.Tensor], fused_ms: float
+) -> dict:
+    """Issue 50, lever 5 on this GPU: the eager forward with the image's q/k/v as three GEMMs
+    against the fused GEMM the loader sets up (`fused_ms`, just timed), and whether the outputs
+    are the same bits. The DiT is fused again after."""
+    ctx.check("projections unfused")
+    with torch.no_grad():
+        fused_out = call(model)
+        FAMILY.fuse_projections(model, on=False)
+        try:
+            separate_ms = timed_ms(ctx, functools.partial(call, model), repeat=ctx.args.repeat)
+            same = bool(torch.equal(fused_out, call(model)))
+        finally:
+            FAMILY.fuse_projections(model)
+    return {
+        "fused_ms": fused_ms,
+        "three_gemms_ms": separate_ms,
+        "fused_speedup": round(separate_ms / fused_ms, 3),
+        "bit_identical": same,
+    }
 
 
 def _memory_vs_plan(
@@ -202,11 +230,17 @@ def cfg_modes(ctx: Context) -> None:
     modulation-cache mode (a few-step checkpoint's step: one forward, the Euler step), and ms per
     CFG step serial (two forwards of the batch) against batched (one forward of twice the batch,
     the 4-token negative padded to the prompt's length) at batch 1 and 4, under the GPU's default
-    cache ('table'). Optional (`--extra cfg_modes`): it does not fit the budget's plan."""
+    cache ('table'). Optional (`--extra cfg_modes`): it does not fit the budget's plan.
+
+    The serial-against-batched times go to `cfg_table.json` in --out too, rewritten after each
+    size (a deadline keeps the sizes measured): the table a job's `sampling.cfg_table` names, so
+    that `cfg_mode: auto` picks by it (model.cfg_table)."""
     model = full_model(ctx)
     cfg, text_len = model.config, ctx.args.text_len
     sig = torch.tensor([0.25, 0.2], device=ctx.device)
     step_t = torch.full((1,), 0.25, device=ctx.device, dtype=ctx.dtype)
+    device = torch.cuda.get_device_name(ctx.device) if ctx.cuda else "cpu"
+    entries: list[CfgEntry] = []
     for size in sizes(ctx):
         x, txt, shapes = dit_inputs(cfg, size, text_len, 1, ctx.device, ctx.dtype)
         no_cfg: dict[str, float] = {}
@@ -229,6 +263,8 @@ def cfg_modes(ctx: Context) -> None:
                 ctx.check(f"{size} batch {batch} serial vs batched")
                 by_batch[str(batch)] = _serial_vs_batched(ctx, model, size, batch, step_t, sig)
             model.modulation_cache.set_mode("cfg")
+        entries += [CfgEntry(size, size, int(b), m["serial"], m["batched"]) for b, m in by_batch.items()]
+        table = write_cfg_table(ctx.out / CFG_TABLE_FILE, CfgTable(device, tuple(entries)))
         ctx.emit(
             {
                 "status": "measured",
@@ -237,8 +273,17 @@ def cfg_modes(ctx: Context) -> None:
                 "ms_per_step_without_cfg": no_cfg,
                 "speedup_table_vs_cfg_without_cfg": round(no_cfg["cfg"] / no_cfg["table"], 3),
                 "cfg_serial_vs_batched_ms": by_batch,
+                "cfg_table": str(table),
             }
         )
+
+
+def write_cfg_table(path: Path, table: CfgTable) -> Path:
+    """The table as a job's sampling.cfg_table reads it, replaced whole (never half written)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(table.to_dict(), indent=1) + "\n")
+    tmp.replace(path)
+    return path
 
 
 def _serial_vs_batched(ctx: Context, model, size: int, batch: int, step_t, sig) -> dict:

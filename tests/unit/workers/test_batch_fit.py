@@ -127,3 +127,23 @@ def test_the_actor_runs_and_reports_the_batch_it_fitted(tmp_path, monkeypatch):
     assert report["batch_size"] == 2 and report["batch_fit"]["job_batch_size"] == 4
     table = read_manifests(open_store(str(tmp_path / "out2")))
     assert set(table.column("batch_size").to_pylist()) == {2}
+
+
+def test_a_job_without_cfg_is_sized_for_one_branch_the_plan_and_the_actor_agree(
+    tmp_path, qwen_dir, monkeypatch
+):
+    """Issue 50, lever 3: a job without CFG (a few-step checkpoint's) is sized for its one DiT
+    branch, so where a branch holds memory of its own (a step cache's kept tensors) a 48 GB GPU
+    batches more of it than of a CFG job; the driver's plan and the actor say the same."""
+    fits = {}
+    for scale in (4.0, 1.0):
+        spec = _spec(tmp_path, qwen_dir, batch_size=64, quantization="none", te="cpu")
+        job = tmp_path / "job.yaml"
+        job.write_text(job.read_text() + f"sampling: {{true_cfg_scale: {scale}, step_cache: fast}}\n")
+        spec = load_spec(job)
+        by_gpu = job_memory_plan(spec.memory_request()).largest_by_gpu()
+        _gpu(monkeypatch, 48)
+        fit = fit_batch_size(spec.to_worker_config(), qwen_dir, CUDA, torch.bfloat16)
+        assert fit.batch_size == min(by_gpu[b]["48"]["cpu"] for b in by_gpu)
+        fits[scale] = fit.batch_size
+    assert fits[1.0] >= 4 and fits[1.0] > fits[4.0], fits

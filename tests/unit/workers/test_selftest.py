@@ -304,6 +304,16 @@ def test_cfg_modes_rehearsal_measures_each_mode_and_serial_against_batched(tmp_p
             m = x["cfg_serial_vs_batched_ms"][batch]
             assert m["serial"] > 0 and m["batched"] > 0
             assert m["faster"] == ("batched" if m["batched"] < m["serial"] else "serial")
+    # the same times as the table a job's sampling.cfg_table reads (model.cfg_table)
+    from ditfleet.model.cfg_table import read_cfg_table
+
+    table = read_cfg_table(tmp_path / "out" / "cfg_table.json")
+    assert got[-1]["cfg_table"] == str(tmp_path / "out" / "cfg_table.json") and table.device == "cpu"
+    assert {(e.width, e.batch): (e.serial_ms, e.batched_ms) for e in table.entries} == {
+        (int(x["size"].split("x")[0]), int(b)): (m["serial"], m["batched"])
+        for x in got
+        for b, m in x["cfg_serial_vs_batched_ms"].items()
+    }
 
 
 def test_the_published_widths_and_the_forward_cost_come_from_the_family(tmp_path):
@@ -359,3 +369,15 @@ def test_the_self_test_builds_the_family_model_at_toy_and_published_widths(tmp_p
         parts.FAMILY.toy_config("scheduler/scheduler_config.json")
     assert vqa.encoder_config(tiny=True)["text_config"]["hidden_size"] == 32
     assert vqa.encoder_config(tiny=True) is not vqa.encoder_config(tiny=True)  # a fresh copy each time
+
+
+def test_the_dit_eager_line_times_fused_qkv_against_three_gemms(tmp_path):
+    """Issue 50, lever 5 on the GPU: the first size's dit_eager line times the DiT with q/k/v as
+    three GEMMs (the image stream's) next to the fused GEMM the loader sets up (rehearsed on the CPU)."""
+    code, lines = run_selftest(tmp_path / "out", "--only", "dit_eager", timeout=200)
+    got = [x for x in lines if x["stage"] == "dit_eager" and x["status"] == "measured"]
+    assert code == 0 and got, lines
+    qkv = got[0]["projections"]
+    assert qkv["fused_ms"] > 0 and qkv["three_gemms_ms"] > 0 and qkv["bit_identical"] is True
+    assert qkv["fused_speedup"] == round(qkv["three_gemms_ms"] / qkv["fused_ms"], 3)
+    assert all("projections" not in x for x in got[1:])
