@@ -263,16 +263,14 @@ def test_the_import_check_catches_each_way_of_importing():
 
 
 # model/'s shared machinery, which every family runs through: it asks the family (a Protocol it
-# defines, or what the family hands it) and imports no family's folder. Not yet the pipeline
-# (model/generation/pipeline.py): its text-to-image modules are Protocols and its prepare_inputs
-# the family's (test_the_pipeline_is_typed_with_protocols...), but the edit path still imports
-# model.qwen_image.edit, edit_sources and transformer.EditInputs; an edit-conditioning Protocol
-# that the family hands, as it hands prepare_inputs, would let it join this list.
+# defines, or what the family hands it) and imports no family's folder.
 FAMILY_FREE = {
     "model/memory/plan.py": "the shapes come from the family's ModelMemory (parameters, activation peaks, "
     "the FP8 GEMMs' transients, the modulation table)",
     "model/generation/sampling.py": "the loop calls the family's denoiser with what its prepare_inputs made",
     "model/generation/components.py": "the Protocols a family's modules meet",
+    "model/generation/pipeline.py": "its modules are Protocols, its prepare_inputs and an edit model's "
+    "EditConditioning (sources checked, encoded, bound to the DiT's inputs) the family's",
 }
 
 
@@ -286,10 +284,11 @@ def test_the_pipeline_is_typed_with_protocols_and_run_on_the_familys_prepare_inp
     from ditfleet.model.generation.pipeline import TextToImagePipeline
 
     params = inspect.signature(TextToImagePipeline.__init__).parameters
-    assert {k: params[k].annotation for k in ("transformer", "vae", "text_encoder")} == {
+    assert {k: params[k].annotation for k in ("transformer", "vae", "text_encoder", "edit")} == {
         "transformer": "Denoiser",
         "vae": "Vae",
         "text_encoder": "TextEncoder | None",
+        "edit": "EditConditioning | None",
     }
     assert params["prepare_inputs"].kind is inspect.Parameter.KEYWORD_ONLY
     pipe = load_pipeline("tiny")
