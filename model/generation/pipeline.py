@@ -94,7 +94,9 @@ def cfg_batched_for(
 
 class TextToImagePipeline:
     """A family's modules (model.generation.components) run by the shared loop: `prepare_inputs`
-    is the family's (what its denoiser takes for one call, model.generation.sampling.PrepareInputs)."""
+    is the family's (what its denoiser takes for one call, model.generation.sampling.PrepareInputs),
+    and so is an edit model's `edit` (components.EditConditioning: its sources checked, encoded and
+    bound to the DiT's inputs)."""
 
     def __init__(
         self,
