@@ -296,6 +296,36 @@ def test_the_pipeline_is_typed_with_protocols_and_run_on_the_familys_prepare_inp
     assert (pipe.device, pipe.dtype) == (pipe.transformer.device, pipe.transformer.dtype)
 
 
+def test_an_edit_model_is_handed_its_familys_conditioning_and_needs_a_vae_that_encodes(tmp_path):
+    """An edit checkpoint's pipeline holds its family's EditConditioning (components), and encodes
+    sources only on a VAE that encodes (components.SourceVae): one that only decodes is refused by
+    name, where the pipeline once cast any VAE to the family's class."""
+    pytest.importorskip("diffusers")
+    from PIL import Image
+
+    from ditfleet.model import load_pipeline
+    from ditfleet.model.generation.components import SourceVae
+    from ditfleet.testing.models import write_toy_edit_checkpoint
+
+    pipe = load_pipeline(write_toy_edit_checkpoint(tmp_path / "edit"))
+    assert pipe.task == "edit" and pipe.edit is not None and isinstance(pipe.vae, SourceVae)
+    vae = pipe.vae
+
+    class DecodeOnly:
+        def decode(self, z: torch.Tensor) -> torch.Tensor:
+            return vae.decode(z)
+
+        def denormalize(self, z: torch.Tensor) -> torch.Tensor:
+            return vae.denormalize(z)
+
+        def parameters(self):
+            return vae.parameters()
+
+    pipe.vae = DecodeOnly()
+    with pytest.raises(TypeError, match="VAE must encode its sources .* DecodeOnly does not"):
+        pipe.encode_guidance(["a red cube"], sources=[[Image.new("RGB", (64, 64))]])
+
+
 @pytest.mark.parametrize("rel", sorted(FAMILY_FREE))
 def test_the_shared_machinery_imports_no_family(rel):
     problems = [
