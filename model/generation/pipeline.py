@@ -14,7 +14,14 @@ import torch
 from ditfleet.model.cfg_table import CfgTable
 from ditfleet.model.family_types import EDIT, TEXT_TO_IMAGE
 from ditfleet.model.generation.attention_backend import attention_backend
-from ditfleet.model.generation.components import Denoiser, TextEncoder, Vae
+from ditfleet.model.generation.components import (
+    Denoiser,
+    EditConditioning,
+    SourceImages,
+    SourceVae,
+    TextEncoder,
+    Vae,
+)
 from ditfleet.model.generation.guidance import cfg_on, negative_texts
 from ditfleet.model.generation.sampling import (
     Conditioning,
@@ -28,16 +35,10 @@ from ditfleet.model.generation.sampling import (
 )
 from ditfleet.model.generation.scheduler import SchedulerConfig, sigma_schedule
 from ditfleet.model.generation.step_cache import StepCache
-from ditfleet.model.qwen_image.edit import EditStyle
-from ditfleet.model.qwen_image.edit_sources import blank_source, encode_sources
-from ditfleet.model.qwen_image.transformer import EditInputs
 from ditfleet.model.settings import DEFAULT_PIPELINE, MAX_SEQUENCE_LENGTH, CfgMode, PipelineSettings
 from ditfleet.model.step_cache_config import StepCacheConfig
 from ditfleet.model.tiny.known_words import known_of, unknown_words, unknown_words_warning
 from ditfleet.model.tiny.text_encoder import WordTokenizer
-
-if typing.TYPE_CHECKING:
-    from ditfleet.model.qwen_image.edit_sources import Image
 
 _log = logging.getLogger(__name__)
 
@@ -46,8 +47,6 @@ _log = logging.getLogger(__name__)
 # edit model also its sources: source_latents (B, S, 64) packed and source_grids (n, 2) long on
 # the CPU, each source's (h, w) token grid (`encode_guidance(..., sources=...)`).
 GuidanceInputs = dict[str, torch.Tensor | None]
-# An edit model's source images: one list per prompt, decoded RGB PIL images in the row's order.
-SourceImages = Sequence[Sequence["Image"]]
 CFG_MODES = typing.get_args(CfgMode)
 # "auto" batches the two CFG passes only while one pass is too small to fill a GPU (tokens per
 # pass below this) and concatenating them pads little; larger passes gain nothing from doubling
@@ -113,7 +112,9 @@ def cfg_batched_for(
 
 class TextToImagePipeline:
     """A family's modules (model.generation.components) run by the shared loop: `prepare_inputs`
-    is the family's (what its denoiser takes for one call, model.generation.sampling.PrepareInputs)."""
+    is the family's (what its denoiser takes for one call, model.generation.sampling.PrepareInputs),
+    and so is an edit model's `edit` (components.EditConditioning: its sources checked, encoded and
+    bound to the DiT's inputs)."""
 
     def __init__(
         self,
@@ -124,13 +125,14 @@ class TextToImagePipeline:
         model_id: str = "",
         model_revision: str = "",
         settings: PipelineSettings = DEFAULT_PIPELINE,
-        edit: EditStyle | None = None,
+        edit: EditConditioning | None = None,
         *,
         prepare_inputs: PrepareInputs,
     ) -> None:
         self.transformer = transformer
         self.prepare_inputs = prepare_inputs
-        # An edit model's conditioning on its sources (model.qwen_image.edit); None: text-to-image.
+        # An edit model's conditioning on its sources, the family's (components.EditConditioning);
+        # None: text-to-image.
         self.edit = edit
         self.vae = vae
         self.scheduler = scheduler
@@ -151,7 +153,7 @@ class TextToImagePipeline:
         source of the bucket's own size per row, which takes the VAE size of a source of the
         bucket's aspect ratio (a request's source of another ratio has other sizes); None for a
         text-to-image model."""
-        return None if self.edit is None else [[blank_source(width, height)] for _ in range(batch)]
+        return None if self.edit is None else [[self.edit.blank_source(width, height)] for _ in range(batch)]
 
     def batch_cfg(self, batch: int, image_tokens: int, cond_len: int, uncond_len: int) -> bool:
         """Whether this request's two CFG passes run as one forward (see cfg_batched_for)."""
@@ -294,9 +296,12 @@ class TextToImagePipeline:
             )
         for i, row in enumerate(sources):
             self.edit.check_sources(len(row), f"sources[{i}]")
-        # The edit path is still the Qwen-Image family's own (model.qwen_image.edit_sources takes
-        # its VAE class, whose encoder it runs), not yet behind a Protocol the family hands.
-        latents, grids = encode_sources(typing.cast(typing.Any, self.vae), sources, self.edit, self.device)
+        if not isinstance(self.vae, SourceVae):
+            raise TypeError(
+                f"{self.model_id or 'this model'}: an edit model's VAE must encode its sources "
+                f"(encode, normalize), but {type(self.vae).__name__} does not"
+            )
+        latents, grids = self.edit.encode_sources(self.vae, sources, self.device)
         out: GuidanceInputs = {
             "source_latents": torch.cat([pack_latents(z) for z in latents], dim=1).to(self.dtype),
             "source_grids": torch.tensor(grids, dtype=torch.long).view(-1, 2),
@@ -424,12 +429,12 @@ class TextToImagePipeline:
                 "an edit model runs with source_latents and source_grids (encode_guidance(..., "
                 "sources=...)); a text-to-image model with neither"
             )
-        if sources is None or grids is None:
+        if sources is None or grids is None or self.edit is None:
             return self.prepare_inputs, 0
         if sources.shape[0] != batch:
             raise ValueError(f"source_latents has {sources.shape[0]} rows for {batch} prompts")
         hw = tuple((int(h), int(w)) for h, w in grids.tolist())
-        return EditInputs(sources.to(self.device, self.dtype), hw), sources.shape[1]
+        return self.edit.with_sources(sources.to(self.device, self.dtype), hw), sources.shape[1]
 
     def _conditionings(
         self, inputs: GuidanceInputs, true_cfg_scale: float | Sequence[float]

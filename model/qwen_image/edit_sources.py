@@ -5,21 +5,39 @@ What diffusers' `QwenImageEditPlusPipeline` does to `image` before its denoising
 resized (PIL, Lanczos) to `source_size` of its own aspect ratio, scaled to [-1, 1], VAE-encoded
 (the posterior's mean: `sample_mode="argmax"`), normalised with the VAE's latent mean and std, and
 packed 2 x 2; the sources of a row follow each other in its order.
+
+`QwenImageEdit` is the family's edit style as the shared pipeline's EditConditioning
+(model.generation.components), which the loader hands it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from ditfleet.model.qwen_image.edit import EditStyle
+from ditfleet.model.qwen_image.transformer import EditInputs
 
 if TYPE_CHECKING:
-    from PIL.Image import Image  # the one module of model/ that names Pillow (a core dependency)
+    # Pillow (a core dependency) is imported here, where sources are resized and encoded; the
+    # shared pipeline's Protocols name its Image type only.
+    from PIL.Image import Image
 
-    from ditfleet.model.qwen_image.vae import QwenImageVAE
+
+class SourceEncoder(Protocol):
+    """What encoding sources asks of a VAE (QwenImageVAE loaded with its encoder; the pipeline hands
+    its own, typed model.generation.components.SourceVae, which the shared machinery defines above
+    this family's networks)."""
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def normalize(self, z: torch.Tensor) -> torch.Tensor: ...
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]: ...
+
 
 # Pixels per packed latent token side: the VAE's 8x and the DiT's 2 x 2 patches.
 TOKEN_PIXELS = 16
@@ -83,7 +101,7 @@ def check_batch(sources: Sequence[Sequence[Image]], style: EditStyle) -> tuple[t
 
 @torch.no_grad()
 def encode_sources(
-    vae: QwenImageVAE, sources: Sequence[Sequence[Image]], style: EditStyle, device: torch.device
+    vae: SourceEncoder, sources: Sequence[Sequence[Image]], style: EditStyle, device: torch.device
 ) -> tuple[list[torch.Tensor], tuple[tuple[int, int], ...]]:
     """(each source's normalised latents (B, z_dim, 2h, 2w) in the VAE's dtype, each source's (h, w)
     token grid) for a batch whose rows share their sources' sizes (`check_batch`). The i-th
@@ -96,3 +114,28 @@ def encode_sources(
         x = torch.stack([pixels(resized(row[i], size)) for row in sources]).to(device, vae_dtype)
         latents.append(vae.normalize(vae.encode(x)))  # the posterior's mean (argmax)
     return latents, grids
+
+
+@dataclasses.dataclass(frozen=True)
+class QwenImageEdit(EditStyle):
+    """An EditStyle (torch-free, model.qwen_image.edit) that also does what the shared pipeline asks
+    of an edit model (model.generation.components.EditConditioning): its sources encoded on the
+    pipeline's VAE, and the DiT's inputs with them (transformer.EditInputs). Its fields are the
+    style's, so `dataclasses.replace` changes its areas as the style's."""
+
+    @classmethod
+    def of(cls, style: EditStyle) -> QwenImageEdit:
+        return cls(**dataclasses.asdict(style))
+
+    def blank_source(self, width: int, height: int) -> Image:
+        return blank_source(width, height)
+
+    def encode_sources(
+        self, vae: SourceEncoder, sources: Sequence[Sequence[Image]], device: torch.device
+    ) -> tuple[list[torch.Tensor], tuple[tuple[int, int], ...]]:
+        return encode_sources(vae, sources, self, device)
+
+    def with_sources(
+        self, source_latents: torch.Tensor, source_grids: tuple[tuple[int, int], ...]
+    ) -> EditInputs:
+        return EditInputs(source_latents, source_grids)

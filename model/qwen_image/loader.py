@@ -30,7 +30,8 @@ from ditfleet.model.loading.folder import (  # noqa: F401 - re-exported: the fol
 )
 from ditfleet.model.loading.quantization import check_quantization, fp8_keep, quantized_revision
 from ditfleet.model.loading.weights import WeightsError, on_meta, read_config
-from ditfleet.model.qwen_image.edit import EDIT_STYLES, EditStyle
+from ditfleet.model.qwen_image.edit import EDIT_STYLES
+from ditfleet.model.qwen_image.edit_sources import QwenImageEdit
 from ditfleet.model.qwen_image.fp8 import Fp8Quantizer, check_checkpoint_dtypes, check_device
 from ditfleet.model.qwen_image.lora import (
     LoraSpec,
@@ -106,11 +107,13 @@ def load_text_encoder(root: Path, device, dtype) -> TextEncoder | None:
     return QwenVLTextEncoder.from_dirs(te_dir, root / "tokenizer", device, dtype, processor)
 
 
-def edit_style(root: Path) -> EditStyle | None:
+def edit_conditioning(root: Path) -> QwenImageEdit | None:
     """How the checkpoint at `root` conditions on source images (its model_index.json's
-    `_class_name`, model.qwen_image.edit); None for a text-to-image one or a folder without it."""
+    `_class_name`, model.qwen_image.edit), as the pipeline's EditConditioning; None for a
+    text-to-image one or a folder without it."""
     name = (read_model_index(root) or {}).get("_class_name")
-    return EDIT_STYLES.get(name) if isinstance(name, str) else None
+    style = EDIT_STYLES.get(name) if isinstance(name, str) else None
+    return None if style is None else QwenImageEdit.of(style)
 
 
 def load_pipeline(
@@ -156,7 +159,7 @@ def load_pipeline(
     if load_text_encoder_too and (root / "text_encoder").is_dir():
         text_encoder_kind(root / "text_encoder")  # the right model, its shards complete,
         Checkpoint(root / "text_encoder")  # before the DiT takes device memory
-    edit = edit_style(root)
+    edit = edit_conditioning(root)
     # An edit model encodes its sources: its VAE keeps the encoder.
     vae = load_vae(root / "vae", device="cpu", dtype=dtype, with_encoder=edit is not None)
     fill_transformer(

@@ -50,6 +50,8 @@ MODEL_OPTIONAL_IMPORTS = {
     # An edit model's sources are PIL images (Pillow is a core dependency): resized with
     # diffusers' Lanczos, only where sources are encoded.
     ("model/qwen_image/edit_sources.py", "PIL"),
+    # The shared pipeline's EditConditioning Protocol names PIL's Image type (TYPE_CHECKING only).
+    ("model/generation/components.py", "PIL"),
 }
 
 # The repository's folders besides the layers (the layers are what `LAYERS` checks):

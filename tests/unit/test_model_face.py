@@ -263,16 +263,14 @@ def test_the_import_check_catches_each_way_of_importing():
 
 
 # model/'s shared machinery, which every family runs through: it asks the family (a Protocol it
-# defines, or what the family hands it) and imports no family's folder. Not yet the pipeline
-# (model/generation/pipeline.py): its text-to-image modules are Protocols and its prepare_inputs
-# the family's (test_the_pipeline_is_typed_with_protocols...), but the edit path still imports
-# model.qwen_image.edit, edit_sources and transformer.EditInputs; an edit-conditioning Protocol
-# that the family hands, as it hands prepare_inputs, would let it join this list.
+# defines, or what the family hands it) and imports no family's folder.
 FAMILY_FREE = {
     "model/memory/plan.py": "the shapes come from the family's ModelMemory (parameters, activation peaks, "
     "the FP8 GEMMs' transients, the modulation table)",
     "model/generation/sampling.py": "the loop calls the family's denoiser with what its prepare_inputs made",
     "model/generation/components.py": "the Protocols a family's modules meet",
+    "model/generation/pipeline.py": "its modules are Protocols, its prepare_inputs and an edit model's "
+    "EditConditioning (sources checked, encoded, bound to the DiT's inputs) the family's",
 }
 
 
@@ -286,15 +284,46 @@ def test_the_pipeline_is_typed_with_protocols_and_run_on_the_familys_prepare_inp
     from ditfleet.model.generation.pipeline import TextToImagePipeline
 
     params = inspect.signature(TextToImagePipeline.__init__).parameters
-    assert {k: params[k].annotation for k in ("transformer", "vae", "text_encoder")} == {
+    assert {k: params[k].annotation for k in ("transformer", "vae", "text_encoder", "edit")} == {
         "transformer": "Denoiser",
         "vae": "Vae",
         "text_encoder": "TextEncoder | None",
+        "edit": "EditConditioning | None",
     }
     assert params["prepare_inputs"].kind is inspect.Parameter.KEYWORD_ONLY
     pipe = load_pipeline("tiny")
     assert pipe.prepare_inputs is model_family(pipe).prepare_inputs
     assert (pipe.device, pipe.dtype) == (pipe.transformer.device, pipe.transformer.dtype)
+
+
+def test_an_edit_model_is_handed_its_familys_conditioning_and_needs_a_vae_that_encodes(tmp_path):
+    """An edit checkpoint's pipeline holds its family's EditConditioning (components), and encodes
+    sources only on a VAE that encodes (components.SourceVae): one that only decodes is refused by
+    name, where the pipeline once cast any VAE to the family's class."""
+    pytest.importorskip("diffusers")
+    from PIL import Image
+
+    from ditfleet.model import load_pipeline
+    from ditfleet.model.generation.components import SourceVae
+    from ditfleet.testing.models import write_toy_edit_checkpoint
+
+    pipe = load_pipeline(write_toy_edit_checkpoint(tmp_path / "edit"))
+    assert pipe.task == "edit" and pipe.edit is not None and isinstance(pipe.vae, SourceVae)
+    vae = pipe.vae
+
+    class DecodeOnly:
+        def decode(self, z: torch.Tensor) -> torch.Tensor:
+            return vae.decode(z)
+
+        def denormalize(self, z: torch.Tensor) -> torch.Tensor:
+            return vae.denormalize(z)
+
+        def parameters(self):
+            return vae.parameters()
+
+    pipe.vae = DecodeOnly()
+    with pytest.raises(TypeError, match="VAE must encode its sources .* DecodeOnly does not"):
+        pipe.encode_guidance(["a red cube"], sources=[[Image.new("RGB", (64, 64))]])
 
 
 @pytest.mark.parametrize("rel", sorted(FAMILY_FREE))
