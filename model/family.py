@@ -51,8 +51,14 @@ from ditfleet.model.diffusers_pipeline.index import (
     read_components,
 )
 from ditfleet.model.family_types import AttentionCounters, CompileRegion, Size, TextConditioning
-from ditfleet.model.loading.folder import TINY_MODEL, WeightsError, model_dir_layout
-from ditfleet.model.qwen_image.family import QWEN_IMAGE, QWEN_IMAGE_PIPELINE_CLASS, TINY, MemoryFormula
+from ditfleet.model.loading.folder import TINY_EDIT_MODEL, TINY_MODEL, WeightsError, model_dir_layout
+from ditfleet.model.qwen_image.family import (
+    QWEN_IMAGE,
+    QWEN_IMAGE_PIPELINE_CLASS,
+    TINY,
+    TINY_EDIT,
+    MemoryFormula,
+)
 
 if TYPE_CHECKING:  # the pipeline needs torch; this module is read without it
     from ditfleet.model.generation.pipeline import TextToImagePipeline
@@ -215,6 +221,10 @@ def check_model_index(root: str | Path) -> ModelFamily:
     return family_of_class(index.get("_class_name") if isinstance(index, dict) else None, str(path))
 
 
+# The bundled models' families by the name a job gives (model.loading.folder.BUNDLED_MODELS).
+BUNDLED_FAMILIES: Mapping[str, ModelFamily] = MappingProxyType({TINY_MODEL: TINY, TINY_EDIT_MODEL: TINY_EDIT})
+
+
 def resolve_model_dir(path: str | Path) -> Path:
     """ "tiny" -> the bundled model; else a local directory in the diffusers layout, whose
     model_index.json (when it has one) names a class of `FAMILIES`."""
@@ -242,14 +252,14 @@ def model_family(source: Any) -> ModelFamily:
                 f"model_family takes a model path or a loaded pipeline, got {type(source).__name__}"
             )
         source = model_id
-    if str(source) == TINY_MODEL:
-        return TINY
+    if str(source) in BUNDLED_FAMILIES:
+        return BUNDLED_FAMILIES[str(source)]
     return check_model_index(source) if Path(source).is_dir() else DEFAULT_FAMILY
 
 
 def load_pipeline(path: str | Path, *args: Any, **kwargs: Any) -> TextToImagePipeline:
     """The checkpoint at `path` ("tiny" or a local folder) loaded by its family (see
     `model.qwen_image.loader.load_pipeline` for the arguments)."""
-    return model_family(resolve_model_dir(path) if str(path) != TINY_MODEL else path).load_pipeline(
+    return model_family(resolve_model_dir(path) if str(path) not in BUNDLED_FAMILIES else path).load_pipeline(
         path, *args, **kwargs
     )

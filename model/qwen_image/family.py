@@ -18,7 +18,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from ditfleet.model.family_types import AttentionCounters, CompileRegion, Size, TextConditioning
-from ditfleet.model.loading.folder import TINY_MODEL_DIR
+from ditfleet.model.loading.folder import TINY_EDIT_MODEL_DIR, TINY_MODEL_DIR
 from ditfleet.model.memory import MemoryPlan, ModelMemory, dit_activation_bytes, largest_batch, plan_memory
 from ditfleet.model.quality.table import PIPELINE_QWEN_VL
 from ditfleet.model.qwen_image.published import PUBLISHED
@@ -306,3 +306,5 @@ TINY = replace(
     bundled_dir=TINY_MODEL_DIR,
     scorer_inputs=frozenset(),
 )
+# Its edit variant: the same configuration, its own folder (its model_index.json says edit).
+TINY_EDIT = replace(TINY, name="tiny-edit", bundled_dir=TINY_EDIT_MODEL_DIR)

@@ -111,11 +111,14 @@ class LatentPool:
         return self.height // 16, self.width // 16
 
 
-def shape_token_weights(images: torch.Tensor, shape_weight: float) -> torch.Tensor:
+def shape_token_weights(images: torch.Tensor, shape_weight: float, *also: torch.Tensor) -> torch.Tensor:
     """(B, H/16 * W/16) loss weights, in the packed token order: `shape_weight` on the tokens whose
     16x16 pixels touch the shape, 1 elsewhere, normalised to mean 1 per image. images: (B, 3, H, W)
-    in [0, 1]; the shape never touches the border, so the corner pixel is the background."""
-    covered = (images - images[:, :, :1, :1]).abs().amax(dim=1, keepdim=True) > 0.02  # (B, 1, H, W)
+    in [0, 1]; the shape never touches the border, so the corner pixel is the background. `also`:
+    more images of the same size (an edit's source), whose shapes' tokens weigh the same."""
+    covered = torch.zeros_like(images[:, :1], dtype=torch.bool)  # (B, 1, H, W)
+    for drawn in (images, *also):
+        covered |= (drawn - drawn[:, :, :1, :1]).abs().amax(dim=1, keepdim=True) > 0.02
     touched = torch.nn.functional.max_pool2d(covered.float(), kernel_size=16).flatten(1)  # (B, h*w)
     weights = 1.0 + (shape_weight - 1.0) * touched
     return weights / weights.mean(dim=1, keepdim=True)
