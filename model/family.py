@@ -14,6 +14,9 @@
     family.text_width(config)                # the DiT's prompt-embedding width; attention_shape
     family.bundled_dir                       # the folder of a model that ships with ditfleet, else None
     family.scorer_inputs                     # what it offers the image scorers (model.quality.table)
+    family.task(model_index)                 # "text-to-image" or "edit" (from its `_class_name`)
+    model_task(model_path)                   # the same for a model path ("tiny", a folder, ...)
+    source_size(w, h)                        # an edit model's VAE size for a w x h source (its tokens: /16)
 
 The published checkpoints' sampling defaults (a family's `published/schedules.py`), which the job
 spec reads at plan time: `schedule_by_lora(file)`, `schedule_by_scheduler(config)`,
@@ -50,15 +53,18 @@ from ditfleet.model.diffusers_pipeline.index import (
     components_of,
     read_components,
 )
-from ditfleet.model.family_types import AttentionCounters, CompileRegion, Size, TextConditioning
-from ditfleet.model.loading.folder import TINY_EDIT_MODEL, TINY_MODEL, WeightsError, model_dir_layout
-from ditfleet.model.qwen_image.family import (
-    QWEN_IMAGE,
-    QWEN_IMAGE_PIPELINE_CLASS,
-    TINY,
-    TINY_EDIT,
-    MemoryFormula,
+from ditfleet.model.family_types import (
+    EDIT,
+    TASKS,
+    TEXT_TO_IMAGE,
+    AttentionCounters,
+    CompileRegion,
+    Size,
+    TextConditioning,
 )
+from ditfleet.model.loading.folder import TINY_EDIT_MODEL, TINY_MODEL, WeightsError, model_dir_layout
+from ditfleet.model.qwen_image.edit import source_size
+from ditfleet.model.qwen_image.family import QWEN_IMAGE, QWEN_IMAGE_CLASSES, TINY, TINY_EDIT, MemoryFormula
 
 if TYPE_CHECKING:  # the pipeline needs torch; this module is read without it
     from ditfleet.model.generation.pipeline import TextToImagePipeline
@@ -76,6 +82,7 @@ __all__ = [
     "AttentionCounters",
     "CompileRegion",
     "DEFAULT_FAMILY",
+    "EDIT",
     "FAMILIES",
     "MemoryFormula",
     "NativeFamily",
@@ -84,16 +91,20 @@ __all__ = [
     "PublishedSchedule",
     "SCHEDULER_FILE",
     "Size",
+    "TASKS",
+    "TEXT_TO_IMAGE",
     "TextConditioning",
     "check_model_index",
     "family_of_class",
     "load_pipeline",
     "model_family",
+    "model_task",
     "published_file",
     "resolve_model_dir",
     "schedule_by_hub_id",
     "schedule_by_lora",
     "schedule_by_scheduler",
+    "source_size",
 ]
 
 
@@ -124,6 +135,12 @@ class ModelFamily(Protocol):
 
     @property
     def scorer_inputs(self) -> frozenset[str]: ...  # model.quality.table needs it meets (PIPELINE_QWEN_VL)
+
+    def task(self, model_index: dict) -> str:
+        """TEXT_TO_IMAGE or EDIT: what a checkpoint of this family whose model_index.json holds
+        `model_index` does (from its `_class_name`). An edit model takes source images
+        (`encode_guidance(..., sources=...)`) and runs only edit jobs (`input.image_column`)."""
+        ...
 
     def text_conditioning(self, pipe: Any) -> TextConditioning: ...
 
@@ -176,7 +193,8 @@ class NativeFamily(ModelFamily, Protocol):
 
 
 # The one table: a checkpoint's model_index.json `_class_name` -> its family.
-FAMILIES: Mapping[str, NativeFamily] = MappingProxyType({QWEN_IMAGE_PIPELINE_CLASS: QWEN_IMAGE})
+# Qwen-Image's rows: text-to-image and its edit models (Qwen-Image-Edit, -2509, -2511), one DiT.
+FAMILIES: Mapping[str, NativeFamily] = MappingProxyType({name: QWEN_IMAGE for name in QWEN_IMAGE_CLASSES})
 # The family of a model folder without model_index.json, of a remote path (not read on the
 # driver) and of configs built without naming a model.
 DEFAULT_FAMILY: NativeFamily = QWEN_IMAGE
@@ -201,7 +219,7 @@ def family_of_class(class_name: Any, where: str, index: dict | None = None) -> M
     if family is None:
         raise WeightsError(
             f"{where}: _class_name is {class_name!r}; ditfleet runs {sorted(FAMILIES)} checkpoints "
-            "(text-to-image Qwen-Image). Point the model path at one of those."
+            "(Qwen-Image and Qwen-Image-Edit). Point the model path at one of those."
         )
     return family
 
@@ -255,6 +273,29 @@ def model_family(source: Any) -> ModelFamily:
     if str(source) in BUNDLED_FAMILIES:
         return BUNDLED_FAMILIES[str(source)]
     return check_model_index(source) if Path(source).is_dir() else DEFAULT_FAMILY
+
+
+def model_task(model_path: str | os.PathLike, model_index: dict | None = None) -> str:
+    """TEXT_TO_IMAGE or EDIT for a model path as a job names it: its family's `task` of its
+    model_index.json. A bundled model's ("tiny", "tiny-edit") is its folder's; a folder without
+    model_index.json and a remote path (not read here) are text-to-image unless `model_index`
+    (read elsewhere, e.g. from an object store) says otherwise."""
+    if model_index is None:
+        bundled = BUNDLED_FAMILIES.get(str(model_path))
+        root = bundled.bundled_dir if bundled is not None and bundled.bundled_dir else Path(model_path)
+        path = root / "model_index.json"
+        if not path.is_file():
+            return model_family(model_path).task({})
+        try:
+            model_index = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise WeightsError(f"{path}: not valid JSON ({e}).") from e
+        where = str(path)
+    else:
+        where = f"{model_path}/model_index.json"
+    if not isinstance(model_index, dict):
+        raise WeightsError(f"{where}: not a JSON object.")
+    return family_of_class(model_index.get("_class_name"), where, model_index).task(model_index)
 
 
 def load_pipeline(path: str | Path, *args: Any, **kwargs: Any) -> TextToImagePipeline:

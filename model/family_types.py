@@ -1,5 +1,5 @@
 """What a family's answers are made of (model.family's protocol returns these): a compile region,
-the text-conditioning shape, the attention counters. A family module builds them, and the face
+the text-conditioning shape, the attention counters, the task names. A family module builds them, and the face
 (model/family.py) names them, so they sit below both. Standard library only.
 """
 
@@ -10,6 +10,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 Size = tuple[int, int]  # (width, height) in pixels
+
+# What a checkpoint does (`ModelFamily.task`): makes images from text alone, or edits source
+# images by an instruction (a job with `input.image_column`).
+TEXT_TO_IMAGE = "text-to-image"
+EDIT = "edit"
+TASKS = (TEXT_TO_IMAGE, EDIT)
 
 
 @dataclass(frozen=True)

@@ -85,3 +85,49 @@ def load_transformer(
     updates = plan_updates(loras, model)  # every adapter key checked before any weight is read
     fill_transformer(model, checkpoint, str(component_dir), dtype, device, updates, quantization)
     return model.eval().requires_grad_(False)
+
+
+# What a toy edit checkpoint's text encoder is: "tiny", the word-level encoder that cannot see
+# images (the sources reach the DiT as latent tokens only; no transformers needed), or "qwen-vl",
+# a toy Qwen2.5-VL that sees them (ditfleet.testing.qwen_vl), as the published edit models do.
+EDIT_TEXT_ENCODERS = ("tiny", "qwen-vl")
+
+
+def write_toy_edit_checkpoint(
+    out_dir: Path,
+    seed: int = 0,
+    text_encoder: str = "tiny",
+    pipeline_class: str = "QwenImageEditPlusPipeline",
+    zero_cond_t: bool = False,
+) -> Path:
+    """A random Qwen-Image-Edit checkpoint at toy widths that ditfleet loads as an edit model:
+    diffusers' own DiT, VAE and scheduler (`make_diffusers_model_dir`), the text encoder of
+    `text_encoder` (EDIT_TEXT_ENCODERS), and a model_index.json naming `pipeline_class`
+    (Qwen-Image-Edit-2509's QwenImageEditPlusPipeline by default; QwenImageEditPipeline is the
+    first edit model). zero_cond_t: the 2511 variant's transformer (its sources modulated at t=0)."""
+    if text_encoder not in EDIT_TEXT_ENCODERS:
+        raise ValueError(f"text_encoder must be one of {EDIT_TEXT_ENCODERS}, got {text_encoder!r}")
+    out_dir = Path(out_dir)
+    width = 32 if text_encoder == "qwen-vl" else TINY_TRANSFORMER["joint_attention_dim"]
+    overrides: dict = {"joint_attention_dim": width}
+    if zero_cond_t:
+        overrides["zero_cond_t"] = True
+    make_diffusers_model_dir(out_dir, seed, transformer_overrides=overrides)
+    components = {
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "transformer": ["diffusers", "QwenImageTransformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKLQwenImage"],
+    }
+    if text_encoder == "qwen-vl":
+        from ditfleet.testing.qwen_vl import write_toy_qwen_vl
+
+        write_toy_qwen_vl(out_dir, seed)
+        components |= {
+            "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
+            "tokenizer": ["transformers", "Qwen2Tokenizer"],
+            "processor": ["transformers", "Qwen2VLProcessor"],
+        }
+    else:
+        add_tiny_text_encoder(out_dir, seed)
+    (out_dir / "model_index.json").write_text(json.dumps({"_class_name": pipeline_class, **components}))
+    return out_dir

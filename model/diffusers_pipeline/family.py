@@ -16,7 +16,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ditfleet.model.diffusers_pipeline.index import PipelineIndex, read_index
-from ditfleet.model.family_types import CompileRegion, Size, TextConditioning
+from ditfleet.model.family_types import TEXT_TO_IMAGE, CompileRegion, Size, TextConditioning
 from ditfleet.model.memory.disk import checkpoint_size
 from ditfleet.model.qwen_image.family import MemoryFormula
 
@@ -145,6 +145,10 @@ class DiffusersFamily:
 
     def attention_counters(self, pipe: Any) -> NoAttentionCounters:
         return NoAttentionCounters()
+
+    def task(self, model_index: dict) -> str:
+        # Text-to-image until this family runs a pipeline whose __call__ takes an image (issue 51).
+        return TEXT_TO_IMAGE
 
     def forward_flops(self, transformer_config: dict, width: int, height: int, text_tokens: int) -> float:
         # No formula per pipeline class here: "% of peak" is not stated for this family (0: unknown).

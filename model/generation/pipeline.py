@@ -15,27 +15,38 @@ from ditfleet.model.generation.attention_backend import attention_backend
 from ditfleet.model.generation.guidance import cfg_on, negative_texts
 from ditfleet.model.generation.sampling import (
     Conditioning,
+    PrepareInputs,
     TimestepBank,
     denoise,
     initial_noise,
     latent_grid,
+    pack_latents,
     unpack_latents,
 )
 from ditfleet.model.generation.scheduler import SchedulerConfig, sigma_schedule
 from ditfleet.model.generation.step_cache import StepCache
+from ditfleet.model.qwen_image.edit import EditStyle
+from ditfleet.model.qwen_image.edit_sources import encode_sources
 from ditfleet.model.qwen_image.text_encoder import TextEncoder
-from ditfleet.model.qwen_image.transformer import QwenImageTransformer, prepare_inputs
+from ditfleet.model.qwen_image.transformer import EditInputs, QwenImageTransformer, prepare_inputs
 from ditfleet.model.qwen_image.vae import QwenImageVAE
 from ditfleet.model.settings import DEFAULT_PIPELINE, MAX_SEQUENCE_LENGTH, CfgMode, PipelineSettings
 from ditfleet.model.step_cache_config import StepCacheConfig
 from ditfleet.model.tiny.known_words import known_of, unknown_words, unknown_words_warning
 from ditfleet.model.tiny.text_encoder import WordTokenizer
 
+if typing.TYPE_CHECKING:
+    from ditfleet.model.qwen_image.edit_sources import Image
+
 _log = logging.getLogger(__name__)
 
 # The keyword arguments of `generate` that carry text: prompt_embeds, prompt_embeds_mask,
-# negative_prompt_embeds, negative_prompt_embeds_mask (the last two None without CFG).
+# negative_prompt_embeds, negative_prompt_embeds_mask (the last two None without CFG); for an
+# edit model also its sources: source_latents (B, S, 64) packed and source_grids (n, 2) long on
+# the CPU, each source's (h, w) token grid (`encode_guidance(..., sources=...)`).
 GuidanceInputs = dict[str, torch.Tensor | None]
+# An edit model's source images: one list per prompt, decoded RGB PIL images in the row's order.
+SourceImages = Sequence[Sequence["Image"]]
 CFG_MODES = typing.get_args(CfgMode)
 # "auto" batches the two CFG passes only while one pass is too small to fill a GPU (tokens per
 # pass below this) and concatenating them pads little; larger passes gain nothing from doubling
@@ -92,8 +103,11 @@ class TextToImagePipeline:
         model_id: str = "",
         model_revision: str = "",
         settings: PipelineSettings = DEFAULT_PIPELINE,
+        edit: EditStyle | None = None,
     ) -> None:
         self.transformer = transformer
+        # An edit model's conditioning on its sources (model.qwen_image.edit); None: text-to-image.
+        self.edit = edit
         self.vae = vae
         self.scheduler = scheduler
         self.text_encoder = text_encoder
@@ -177,6 +191,7 @@ class TextToImagePipeline:
         negative_prompts: Sequence[str | None] | str | None = None,
         true_cfg_scale: float | Sequence[float] = 4.0,
         max_sequence_length: int = MAX_SEQUENCE_LENGTH,
+        sources: SourceImages | None = None,
     ) -> GuidanceInputs:
         """Encode prompts, and their negatives when CFG is on (model.generation.guidance), for `generate`.
 
@@ -184,7 +199,18 @@ class TextToImagePipeline:
         DiT takes any text length. A negative shared by the whole batch (the usual " ") is encoded
         once and expanded, so the unconditional pass is never padded. Requests and warm-up both
         build their inputs here, so warm-up traces exactly what requests run.
+
+        sources: an edit model's source images, one list per prompt (`encode_sources`); the rows of
+        one call share their sources' number and sizes.
         """
+        if (sources is None) != (self.edit is None):
+            need = "needs source images (sources=...)" if sources is None else "takes no source images"
+            kind = "an edit model" if self.edit is not None else "a text-to-image model"
+            raise ValueError(f"{self.model_id or 'this model'}: {kind} {need}")
+        if sources is not None:
+            return self.encode_sources(
+                prompts, sources, negative_prompts, true_cfg_scale, max_sequence_length
+            )
         embeds, mask = self.encode_prompt(list(prompts), max_sequence_length)  # (B, L, D), (B, L)
         out: GuidanceInputs = {
             "prompt_embeds": embeds,
@@ -204,6 +230,51 @@ class TextToImagePipeline:
         return out
 
     @torch.no_grad()
+    def encode_sources(
+        self,
+        prompts: Sequence[str],
+        sources: SourceImages,
+        negative_prompts: Sequence[str | None] | str | None,
+        true_cfg_scale: float | Sequence[float],
+        max_sequence_length: int,
+    ) -> GuidanceInputs:
+        """`encode_guidance` of an edit model: the instructions as a Qwen2.5-VL that sees the
+        sources encodes them (both CFG branches with the row's images, as diffusers does), or as
+        text alone where the encoder cannot see images (the tiny one), and the sources' packed
+        latents and grids for `run`."""
+        assert self.edit is not None
+        if len(sources) != len(prompts):
+            raise ValueError(
+                f"need one list of sources per prompt: {len(prompts)} prompts, {len(sources)} lists"
+            )
+        for i, row in enumerate(sources):
+            self.edit.check_sources(len(row), f"sources[{i}]")
+        latents, grids = encode_sources(self.vae, sources, self.edit, self.device)
+        out: GuidanceInputs = {
+            "source_latents": torch.cat([pack_latents(z) for z in latents], dim=1).to(self.dtype),
+            "source_grids": torch.tensor(grids, dtype=torch.long).view(-1, 2),
+            "negative_prompt_embeds": None,
+            "negative_prompt_embeds_mask": None,
+        }
+        out["prompt_embeds"], out["prompt_embeds_mask"] = self._encode_edit(
+            prompts, sources, max_sequence_length
+        )
+        if cfg_on(true_cfg_scale):
+            negatives = negative_texts(len(prompts), negative_prompts)
+            neg = self._encode_edit(negatives, sources, max_sequence_length)
+            out["negative_prompt_embeds"], out["negative_prompt_embeds_mask"] = neg
+        return out
+
+    def _encode_edit(
+        self, prompts: Sequence[str], sources: SourceImages, max_length: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        encode_edit = getattr(self.text_encoder, "encode_edit", None)
+        if encode_edit is None:  # an encoder that cannot see images: the sources are latents only
+            return self.encode_prompt(list(prompts), max_length)
+        embeds, mask = encode_edit(list(prompts), sources, self.edit, max_length)
+        return embeds.to(self.device, self.dtype), mask.to(self.device)
+
+    @torch.no_grad()
     def generate(
         self,
         prompt: Sequence[str] | None = None,
@@ -220,6 +291,9 @@ class TextToImagePipeline:
         seeds: Sequence[int],
         max_sequence_length: int = MAX_SEQUENCE_LENGTH,
         decode: bool = True,
+        sources: SourceImages | None = None,
+        source_latents: torch.Tensor | None = None,
+        source_grids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Images (B, 3, H, W) in [0, 1], fp32; B = len(seeds). With `decode=False`, the packed
         latents (B, N, 64) in the pipeline dtype instead, before the VAE (what the tiny model's
@@ -229,6 +303,9 @@ class TextToImagePipeline:
         given. True CFG follows model.guidance: on when every `true_cfg_scale > 1` and there is a
         negative (for text, the default " " when none is given; for embeddings, negative
         embeddings). A list of scales lets one batch carry per-row scales.
+
+        An edit model takes its source images with the text (`sources`), or their latents and
+        grids with embeddings (`encode_guidance`'s source_latents, source_grids).
         """
         if (prompt is None) == (prompt_embeds is None):
             raise ValueError("pass exactly one of prompt or prompt_embeds")
@@ -242,13 +319,15 @@ class TextToImagePipeline:
             with_unknown = sum(1 for p in prompt if unknown_words([p], known))
             _log.warning(unknown_words_warning(unknown, with_unknown, len(prompt)))
         inputs: GuidanceInputs = (
-            self.encode_guidance(prompt, negative_prompt, true_cfg_scale, max_sequence_length)
+            self.encode_guidance(prompt, negative_prompt, true_cfg_scale, max_sequence_length, sources)
             if prompt is not None
             else {
                 "prompt_embeds": prompt_embeds,
                 "prompt_embeds_mask": prompt_embeds_mask,
                 "negative_prompt_embeds": negative_prompt_embeds,
                 "negative_prompt_embeds_mask": negative_prompt_embeds_mask,
+                "source_latents": source_latents,
+                "source_grids": source_grids,
             }
         )
         return self.run(inputs, Sampling(height, width, steps, seeds, true_cfg_scale), decode).images
@@ -263,12 +342,13 @@ class TextToImagePipeline:
         if len(s.seeds) != B:
             raise ValueError(f"need one seed per image: {B} prompts but {len(s.seeds)} seeds")
         latents = initial_noise(list(s.seeds), s.height, s.width, self.device, self.dtype)
+        prepare, source_tokens = self._prepare(inputs, B)
         config = self.settings.step_cache
         cache = None if config is None else StepCache(config, self.transformer.config.num_layers)
         with attention_backend(self.settings.attention_backend, self.device.type):
             latents = denoise(
                 self.transformer,
-                prepare_inputs,
+                prepare,
                 latents,
                 cond,
                 uncond,
@@ -277,7 +357,9 @@ class TextToImagePipeline:
                 s.steps,
                 self.scheduler,
                 cfg_batched=uncond is not None
-                and self.batch_cfg(B, latents.shape[1], cond.embeds.shape[1], uncond.embeds.shape[1]),
+                and self.batch_cfg(
+                    B, latents.shape[1] + source_tokens, cond.embeds.shape[1], uncond.embeds.shape[1]
+                ),
                 timestep_bank=self.timestep_bank
                 if self.transformer.modulation_cache.mode_on(self.device.type) == "table"
                 else None,
@@ -285,6 +367,22 @@ class TextToImagePipeline:
             )
             images = self.decode(latents, s.height, s.width) if decode else latents
         return Generation(images, cache)
+
+    def _prepare(self, inputs: GuidanceInputs, batch: int) -> tuple[PrepareInputs, int]:
+        """The DiT's inputs per call (`prepare_inputs`, or an edit model's with its source tokens)
+        and the source tokens per image."""
+        sources, grids = inputs.get("source_latents"), inputs.get("source_grids")
+        if (sources is None) != (self.edit is None) or (sources is None) != (grids is None):
+            raise ValueError(
+                "an edit model runs with source_latents and source_grids (encode_guidance(..., "
+                "sources=...)); a text-to-image model with neither"
+            )
+        if sources is None or grids is None:
+            return prepare_inputs, 0
+        if sources.shape[0] != batch:
+            raise ValueError(f"source_latents has {sources.shape[0]} rows for {batch} prompts")
+        hw = tuple((int(h), int(w)) for h, w in grids.tolist())
+        return EditInputs(sources.to(self.device, self.dtype), hw), sources.shape[1]
 
     def _conditionings(
         self, inputs: GuidanceInputs, true_cfg_scale: float | Sequence[float]

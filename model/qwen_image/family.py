@@ -21,6 +21,7 @@ from ditfleet.model.family_types import AttentionCounters, CompileRegion, Size, 
 from ditfleet.model.loading.folder import TINY_EDIT_MODEL_DIR, TINY_MODEL_DIR
 from ditfleet.model.memory import MemoryPlan, ModelMemory, dit_activation_bytes, largest_batch, plan_memory
 from ditfleet.model.quality.table import PIPELINE_QWEN_VL
+from ditfleet.model.qwen_image.edit import EDIT_STYLES, task_of_class
 from ditfleet.model.qwen_image.published import PUBLISHED
 from ditfleet.model.qwen_image.transformer_config import TransformerConfig
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH_LIMIT
@@ -42,8 +43,10 @@ QWEN_IMAGE_BUCKETS: tuple[Size, ...] = (
     (1584, 1056),  # 3:2
     (1056, 1584),  # 2:3
 )
-# The model_index.json `_class_name` of its checkpoints (model.family's table maps it here).
+# The model_index.json `_class_name` of its checkpoints (model.family's table maps them here):
+# text-to-image, and the edit models on the same DiT (model.qwen_image.edit).
 QWEN_IMAGE_PIPELINE_CLASS = "QwenImagePipeline"
+QWEN_IMAGE_CLASSES: tuple[str, ...] = (QWEN_IMAGE_PIPELINE_CLASS, *EDIT_STYLES)
 # Pixels per latent token side: the VAE's 8x downsampling times the DiT's 2x2 patches.
 PIXELS_PER_TOKEN = 16
 
@@ -196,6 +199,11 @@ class QwenImageFamily:
     published_dir: Path = PUBLISHED / "qwen-image"
     # Its text encoder is a Qwen2.5-VL, which a scorer such as vqa asks (check_scorers_supported).
     scorer_inputs: frozenset[str] = frozenset({PIPELINE_QWEN_VL})
+
+    def task(self, model_index: dict) -> str:
+        """ "edit" for a Qwen-Image-Edit checkpoint (its model_index.json's `_class_name`),
+        "text-to-image" otherwise (model.qwen_image.edit)."""
+        return task_of_class(model_index.get("_class_name"))
 
     def text_conditioning(self, pipe: Any) -> TextConditioning:
         return TextConditioning(pipe.transformer.config.joint_attention_dim, self.max_text_tokens)

@@ -28,6 +28,7 @@ from ditfleet.model.loading.folder import (  # noqa: F401 - re-exported: the fol
 )
 from ditfleet.model.loading.quantization import check_quantization, fp8_keep, quantized_revision
 from ditfleet.model.loading.weights import WeightsError, on_meta, read_config
+from ditfleet.model.qwen_image.edit import EditStyle, edit_style_of
 from ditfleet.model.qwen_image.fp8 import Fp8Quantizer, check_checkpoint_dtypes, check_device
 from ditfleet.model.qwen_image.lora import (
     LoraSpec,
@@ -117,7 +118,27 @@ def load_text_encoder(root: Path, device, dtype) -> TextEncoder | None:
         from ditfleet.model.tiny.text_encoder import TinyTextEncoder
 
         return TinyTextEncoder.load(root, device=device, dtype=dtype)
-    return QwenVLTextEncoder.from_dirs(te_dir, root / "tokenizer", device, dtype)
+    # An edit checkpoint's processor/ (Qwen2VLProcessor): its Qwen2.5-VL sees the source images.
+    processor = root / "processor" if (root / "processor").is_dir() else None
+    return QwenVLTextEncoder.from_dirs(te_dir, root / "tokenizer", device, dtype, processor)
+
+
+def edit_style(root: Path) -> EditStyle | None:
+    """How the checkpoint at `root` conditions on source images (its model_index.json's
+    `_class_name`, model.qwen_image.edit); None for a text-to-image one or a folder without it."""
+    path = root / "model_index.json"
+    if not path.is_file():
+        return None
+    try:
+        index = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise WeightsError(f"{path}: not valid JSON ({e}).") from None
+    if not isinstance(index, dict):
+        return None
+    try:
+        return edit_style_of(index, str(path))
+    except ValueError as e:
+        raise WeightsError(str(e)) from None
 
 
 def load_pipeline(
@@ -163,7 +184,9 @@ def load_pipeline(
     if load_text_encoder_too and (root / "text_encoder").is_dir():
         text_encoder_kind(root / "text_encoder")  # the right model, its shards complete,
         Checkpoint(root / "text_encoder")  # before the DiT takes device memory
-    vae = load_vae(root / "vae", device="cpu", dtype=dtype)
+    edit = edit_style(root)
+    # An edit model encodes its sources: its VAE keeps the encoder.
+    vae = load_vae(root / "vae", device="cpu", dtype=dtype, with_encoder=edit is not None)
     fill_transformer(
         transformer,
         checkpoint,
@@ -185,4 +208,5 @@ def load_pipeline(
         model_id=model_id or str(path),
         model_revision=revision,
         settings=settings,
+        edit=edit,
     )

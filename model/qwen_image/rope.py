@@ -5,6 +5,10 @@ interleaved ((x0, x1), (x2, x3), ...). Image positions are centred: a grid of h 
 positions -(h - h//2) .. h//2 - 1. Text token j gets the position max(h//2, w//2) + j on all
 three axes, so text never collides with the image grid.
 
+An edit model's sources are more grids after the target's, in one sequence (model.qwen_image.edit):
+grid i (the target is 0) starts at frame index i, each centred on its own height and width, and
+the text starts after the largest of them, max over grids of max(h//2, w//2).
+
 The rotation runs in fp32 (bf16-safe). In eager it is one complex multiply per tensor (one
 kernel, no stack or slicing round trips); while torch.compile traces it is written on real cos/sin
 tables instead, which Inductor fuses into the neighbouring norm (it does not generate code for
@@ -27,6 +31,16 @@ def _axis_angles(positions: torch.Tensor, dim: int, theta: float) -> torch.Tenso
 def centred_positions(n: int) -> torch.Tensor:
     """-(n - n//2), ..., -1, 0, ..., n//2 - 1 (length n)."""
     return torch.arange(n, dtype=torch.float32) - (n - n // 2)
+
+
+ImageShapes = tuple[tuple[int, int, int], ...]  # (frames, height, width) grids, target first
+
+
+def image_shapes(shape: tuple[int, int, int] | ImageShapes | list) -> ImageShapes:
+    """One (frames, height, width) grid or a sequence of them as a tuple of int triples."""
+    if len(shape) and isinstance(shape[0], int):
+        shape = (shape,)  # type: ignore[assignment]
+    return tuple((int(f), int(h), int(w)) for f, h, w in shape)  # type: ignore[misc]
 
 
 @dataclass(frozen=True)
@@ -58,36 +72,45 @@ class RotaryTables:
         self.theta = theta
         self._cache: dict[tuple, tuple[Rotation, Rotation]] = {}
 
-    def angles(
-        self, frames: int, height: int, width: int, text_len: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Angles (image tokens, head_dim/2) and (text tokens, head_dim/2) in fp32 on CPU."""
+    def grid_angles(self, frames: int, height: int, width: int, first_frame: int = 0) -> torch.Tensor:
+        """Angles (frames * height * width, head_dim/2) of one grid whose first frame has index
+        `first_frame`, fp32 on CPU."""
         d_f, d_h, d_w = self.axes_dims
-        f_pos = torch.arange(frames, dtype=torch.float32)
+        f_pos = torch.arange(first_frame, first_frame + frames, dtype=torch.float32)
         h_pos = centred_positions(height)
         w_pos = centred_positions(width)
         f_ang = _axis_angles(f_pos, d_f, self.theta)[:, None, None, :].expand(frames, height, width, -1)
         h_ang = _axis_angles(h_pos, d_h, self.theta)[None, :, None, :].expand(frames, height, width, -1)
         w_ang = _axis_angles(w_pos, d_w, self.theta)[None, None, :, :].expand(frames, height, width, -1)
-        img = torch.cat([f_ang, h_ang, w_ang], dim=-1).reshape(frames * height * width, -1)
-        start = max(height // 2, width // 2)
+        return torch.cat([f_ang, h_ang, w_ang], dim=-1).reshape(frames * height * width, -1)
+
+    def angles(
+        self, frames: int, height: int, width: int, text_len: int, sources: ImageShapes = ()
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Angles (image tokens, head_dim/2) and (text tokens, head_dim/2) in fp32 on CPU: the
+        (frames, height, width) grid, then each of `sources`' grids at the next frame index."""
+        grids = ((frames, height, width), *sources)
+        img = torch.cat([self.grid_angles(*g, first_frame=i) for i, g in enumerate(grids)])
+        start = max(max(h // 2, w // 2) for _, h, w in grids)
         t_pos = torch.arange(start, start + text_len, dtype=torch.float32)
         txt = torch.cat([_axis_angles(t_pos, d, self.theta) for d in self.axes_dims], dim=-1)
         return img, txt
 
     def tables(
-        self, img_shape: tuple[int, int, int], text_len: int, device: torch.device
+        self, img_shape: tuple[int, int, int] | ImageShapes, text_len: int, device: torch.device
     ) -> tuple[Rotation, Rotation]:
-        """(image, text) rotations, (tokens, head_dim/2) each, on `device`.
+        """(image, text) rotations, (tokens, head_dim/2) each, on `device`. `img_shape`: one
+        (frames, height, width) grid, or the target's then its sources' (an edit model's).
 
         The text rotation of the longest text length seen for a grid is kept and sliced, so
         prompts of every length share one table per grid.
         """
-        key = (tuple(img_shape), str(device))
+        grids = image_shapes(img_shape)
+        key = (grids, str(device))
         hit = self._cache.get(key)
         if hit is None or hit[1].cos.shape[0] < text_len:
             longest = max(int(text_len), 64 if hit is None else 2 * hit[1].cos.shape[0])
-            img, txt = self.angles(*img_shape, longest)
+            img, txt = self.angles(*grids[0], longest, grids[1:])
             hit = (Rotation.from_angles(img).to(device), Rotation.from_angles(txt).to(device))
             if len(self._cache) > 64:  # bounded: a job has a few resolution buckets
                 self._cache.clear()

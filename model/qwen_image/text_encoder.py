@@ -14,12 +14,17 @@ hook captures the final norm's output.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from ditfleet.model.qwen_image.edit import EDIT_DROP_TOKENS, IMAGE_PAD, EditStyle
 from ditfleet.model.settings import MAX_SEQUENCE_LENGTH
+
+if TYPE_CHECKING:
+    from ditfleet.model.qwen_image.edit_sources import Image
 
 # Qwen-Image's system prompt; its first 34 tokens are dropped from the hidden states.
 QWEN_IMAGE_TEMPLATE = (
@@ -47,8 +52,12 @@ class TextEncoder(Protocol):
 class QwenVLTextEncoder:
     """Qwen2.5-VL's last hidden state over Qwen-Image's prompt template."""
 
-    def __init__(self, model, tokenizer, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self, model, tokenizer, device: torch.device, dtype: torch.dtype, image_processor=None
+    ) -> None:
         self.model, self.tokenizer = model, tokenizer
+        # Qwen2-VL's image processor (an edit checkpoint's processor/): prompts with images.
+        self.image_processor = image_processor
         self.device, self.dtype = torch.device(device), dtype
         self.hidden_size = int(
             model.config.text_config.hidden_size
@@ -57,9 +66,14 @@ class QwenVLTextEncoder:
         )
 
     @classmethod
-    def from_dirs(cls, text_encoder_dir: Path, tokenizer_dir: Path, device, dtype) -> QwenVLTextEncoder:
+    def from_dirs(
+        cls, text_encoder_dir: Path, tokenizer_dir: Path, device, dtype, processor_dir: Path | None = None
+    ) -> QwenVLTextEncoder:
+        """processor_dir: an edit checkpoint's processor/ (its preprocessor_config.json), for
+        `encode_edit`. Only its image processor is read: the placeholders are expanded here, so
+        no video processor (which wants torchvision) is needed."""
         try:
-            from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+            from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
         except ImportError as e:  # an optional extra
             raise ImportError(
                 "the Qwen2.5-VL text encoder needs `transformers`: pip install 'ditfleet[qwen]'"
@@ -68,7 +82,10 @@ class QwenVLTextEncoder:
         model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
             str(text_encoder_dir), torch_dtype=dtype, local_files_only=True, use_safetensors=True
         )
-        return cls(model.to(device).eval(), tok, device, dtype)
+        images = None
+        if processor_dir is not None:
+            images = AutoImageProcessor.from_pretrained(str(processor_dir), local_files_only=True)
+        return cls(model.to(device).eval(), tok, device, dtype, images)
 
     def count_tokens(self, prompts: list[str], max_length: int = MAX_SEQUENCE_LENGTH) -> list[int]:
         """Each prompt's embedding length as `encode` makes it (tokenizer only, no model)."""
@@ -88,7 +105,9 @@ class QwenVLTextEncoder:
             )
         return norm
 
-    def _last_hidden_state(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def _last_hidden_state(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **vision: torch.Tensor
+    ) -> torch.Tensor:
         """The final norm's output (B, T, D): the state Qwen-Image was trained on (see the module
         docstring), captured by a hook so that no version's `hidden_states` semantics matter."""
         captured: list[torch.Tensor] = []
@@ -101,7 +120,8 @@ class QwenVLTextEncoder:
                 if hasattr(getattr(self.model, "model", None), "language_model")
                 else self.model
             )
-            inner(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            # vision: pixel_values and image_grid_thw when the prompts hold images (encode_edit).
+            inner(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **vision)
         finally:
             handle.remove()
         if len(captured) != 1:
@@ -127,9 +147,48 @@ class QwenVLTextEncoder:
             return_tensors="pt",
         ).to(self.device)
         hidden = self._last_hidden_state(tokens.input_ids, tokens.attention_mask)  # (B, T, D)
-        mask = tokens.attention_mask.bool()
-        # Keep each prompt's real tokens (padding may sit on either side), minus the template head.
-        per_prompt = [h[m][QWEN_IMAGE_DROP_TOKENS:][:max_length] for h, m in zip(hidden, mask)]
+        return self._embeddings(hidden, tokens.attention_mask, QWEN_IMAGE_DROP_TOKENS, max_length)
+
+    @torch.no_grad()
+    def encode_edit(
+        self,
+        prompts: list[str],
+        sources: Sequence[Sequence[Image]],
+        style: EditStyle,
+        max_length: int = MAX_SEQUENCE_LENGTH,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`encode` for an edit model: each instruction in the edit template with its row's source
+        images, which Qwen2.5-VL sees (the processor turns each into its vision tokens), as
+        diffusers' QwenImageEdit(Plus)Pipeline encodes them; the first EDIT_DROP_TOKENS dropped."""
+        if self.image_processor is None:
+            raise ValueError(
+                "this Qwen2.5-VL text encoder has no image processor: an edit checkpoint ships "
+                "processor/preprocessor_config.json next to text_encoder/; copy it from the published checkpoint."
+            )
+        from ditfleet.model.qwen_image.edit_sources import resized
+
+        images = [resized(image, style.vision_size(*image.size)) for row in sources for image in row]
+        vision = self.image_processor(images=images, return_tensors="pt")
+        texts = _expand_image_pads(
+            [style.prompt_text(p, len(row)) for p, row in zip(prompts, sources, strict=True)],
+            (vision["image_grid_thw"].prod(-1) // self.image_processor.merge_size**2).tolist(),
+        )
+        tokens = self.tokenizer(texts, padding=True, return_tensors="pt").to(self.device)
+        hidden = self._last_hidden_state(
+            tokens.input_ids,
+            tokens.attention_mask,
+            pixel_values=vision["pixel_values"].to(self.device),
+            image_grid_thw=vision["image_grid_thw"].to(self.device),
+        )
+        return self._embeddings(hidden, tokens.attention_mask, EDIT_DROP_TOKENS, max_length)
+
+    def _embeddings(
+        self, hidden: torch.Tensor, attention_mask: torch.Tensor, drop: int, max_length: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(embeds (B, L, D), mask (B, L)) from the final hidden states (B, T, D): each prompt's
+        real tokens (padding may sit on either side), minus the template's first `drop`, left-aligned."""
+        mask = attention_mask.bool()
+        per_prompt = [h[m][drop:][:max_length] for h, m in zip(hidden, mask)]
         longest = max(p.shape[0] for p in per_prompt)
         embeds = hidden.new_zeros(len(per_prompt), longest, hidden.shape[-1])
         out_mask = torch.zeros(len(per_prompt), longest, dtype=torch.long, device=hidden.device)
@@ -137,3 +196,16 @@ class QwenVLTextEncoder:
             embeds[i, : p.shape[0]] = p
             out_mask[i, : p.shape[0]] = 1
         return embeds.to(self.dtype), out_mask
+
+
+def _expand_image_pads(texts: list[str], tokens_per_image: list[int]) -> list[str]:
+    """Each image placeholder's pad token repeated as many times as its image has merged patches,
+    images in order across the texts: what Qwen2-VL's processor does to its text before tokenizing."""
+    counts = iter(tokens_per_image)
+    out = []
+    for text in texts:
+        parts = text.split(IMAGE_PAD)
+        out.append(parts[0] + "".join(IMAGE_PAD * next(counts) + part for part in parts[1:]))
+    if next(counts, None) is not None:
+        raise ValueError(f"{len(tokens_per_image)} images but fewer placeholders in the prompts")
+    return out

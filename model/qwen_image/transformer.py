@@ -20,7 +20,7 @@ from torch import nn
 
 from ditfleet.model.qwen_image.attention import AttentionStats, TextPadding, joint_attention
 from ditfleet.model.qwen_image.modulation_cache import ModulationCache, ModulationKey, make_key
-from ditfleet.model.qwen_image.rope import RotaryTables, Rotation, apply_rotary
+from ditfleet.model.qwen_image.rope import RotaryTables, Rotation, apply_rotary, image_shapes
 from ditfleet.model.qwen_image.transformer_config import TransformerConfig  # noqa: F401 - re-exported
 from ditfleet.model.settings import DEFAULT_PIPELINE
 
@@ -354,11 +354,15 @@ class QwenImageTransformer(nn.Module):
         encoder_hidden_states: torch.Tensor,  # (B, L, joint_attention_dim)
         encoder_hidden_states_mask: torch.Tensor | None,  # (B, L), 1 = real token
         timestep: torch.Tensor,  # (B,) or (1,), scheduler t / 1000, in [0, 1]
-        img_shapes: list,  # [(frames, h, w)] or [[(frames, h, w)]] per sample, in packed tokens
+        img_shapes: list,  # [(frames, h, w)] or [[(frames, h, w), *sources]] per sample, in packed tokens
         additional_t_cond: torch.Tensor | None = None,
         step_cache: BlockRunner | None = None,
     ) -> torch.Tensor:
-        """Velocity prediction (B, N, patch^2 * out_channels).
+        """Velocity prediction (B, N, patch^2 * out_channels) of the target's N tokens.
+
+        An edit model's hidden_states are the target's packed latents then each source's
+        (B, N + S, C), and img_shapes each sample's grids in that order (the target's first); the
+        sources are attended to and never predicted (model.qwen_image.edit).
 
         step_cache: the rows' state when a step cache (model.generation.step_cache) serves this call; it
         calls `run_blocks` for the blocks and rows it computes. None: every block computes."""
@@ -369,12 +373,18 @@ class QwenImageTransformer(nn.Module):
         txt = self.txt_in(self.txt_norm(encoder_hidden_states))
         (B, N), L = img.shape[:2], txt.shape[1]
         padding = TextPadding.build(encoder_hidden_states_mask, B, L, N, self.padded_attention)
-        rope = self.rope.tables(_first_shape(img_shapes), L, device)
+        grids = batch_grids(img_shapes)
+        target = grids[0][0] * grids[0][1] * grids[0][2]
+        if sum(f * h * w for f, h, w in grids) != N:
+            raise ValueError(f"img_shapes {list(grids)} hold {N} image tokens? hidden_states has {N}")
+        rope = self.rope.tables(grids, L, device)
         inputs = BlockInputs(temb, padding, rope, mod_key, encoder_hidden_states_mask)
         if step_cache is not None:
             img = step_cache.run(self, img, txt, inputs)
         else:
             img, _ = self.run_blocks(img, txt, inputs)
+        if target != N:  # an edit model's source tokens: only the target's are predicted
+            img = img[:, :target]
         return self.proj_out(self.norm_out(img, temb))
 
     @torch.no_grad()
@@ -490,13 +500,39 @@ def prepare_inputs(
     }
 
 
-def _first_shape(img_shapes: list) -> tuple[int, int, int]:
-    """All samples of a batch share one grid (one resolution bucket per batch)."""
-    first = img_shapes[0]
-    if isinstance(first, list):
-        first = first[0]
-    for s in img_shapes:
-        s = s[0] if isinstance(s, list) else s
-        if tuple(s) != tuple(first):
-            raise ValueError(f"img_shapes: every sample of a batch must share one grid, got {img_shapes}")
-    return tuple(int(v) for v in first)  # type: ignore[return-value]
+@dataclass(frozen=True)
+class EditInputs:
+    """`prepare_inputs` for an edit model: the sources' packed latents (B, S, C), the same every
+    step, after the target's noisy latents, and their grids ((h, w) in packed tokens each, in the
+    row's order) after the target's in img_shapes. A batch of both CFG branches (2B rows) takes
+    the sources twice."""
+
+    source_latents: torch.Tensor
+    source_grids: tuple[tuple[int, int], ...]
+
+    def __call__(
+        self,
+        latents: torch.Tensor,
+        embeds: torch.Tensor,
+        mask: torch.Tensor | None,
+        timestep: torch.Tensor,
+        grid: tuple[int, int],
+    ) -> dict[str, Any]:
+        inputs = prepare_inputs(latents, embeds, mask, timestep, grid)
+        sources = self.source_latents
+        if latents.shape[0] != sources.shape[0]:
+            sources = sources.repeat(latents.shape[0] // sources.shape[0], 1, 1)
+        inputs["hidden_states"] = torch.cat([latents, sources.to(latents.dtype)], dim=1)
+        shapes = [(1, *grid), *((1, h, w) for h, w in self.source_grids)]
+        inputs["img_shapes"] = [shapes] * latents.shape[0]
+        return inputs
+
+
+def batch_grids(img_shapes: list) -> tuple[tuple[int, int, int], ...]:
+    """The batch's (frames, h, w) grids, target first: all samples share them (one resolution
+    bucket and one set of source sizes per batch)."""
+    per_sample = [image_shapes(s) for s in img_shapes]
+    first = per_sample[0]
+    if any(s != first for s in per_sample):
+        raise ValueError(f"img_shapes: every sample of a batch must share its grids, got {img_shapes}")
+    return first

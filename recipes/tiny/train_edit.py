@@ -41,6 +41,7 @@ import torch
 from ditfleet.model.generation.sampling import pack_latents
 from ditfleet.model.generation.scheduler import SchedulerConfig
 from ditfleet.model.loading.folder import TINY_MODEL_DIR
+from ditfleet.model.qwen_image.edit import SOURCE_AREA_KEY, source_size
 from ditfleet.model.qwen_image.loader import load_pipeline
 from ditfleet.model.qwen_image.transformer import QwenImageTransformer
 from ditfleet.model.qwen_image.vae import QwenImageVAE, load_vae
@@ -54,7 +55,9 @@ from recipes.tiny.train_vae import lr_at
 
 # A scene's row in every `SceneLatents` table.
 _SCENE_ROW = {scene: i for i, scene in enumerate(all_scenes())}
-EDIT_MODEL_INDEX = {**MODEL_INDEX, "_class_name": "QwenImageEditPlusPipeline"}
+# The source area it is fine-tuned at: its buckets' (each source at its target's size).
+SOURCE_AREA = TINY_BUCKETS[0][0] * TINY_BUCKETS[0][1]
+EDIT_MODEL_INDEX = {**MODEL_INDEX, "_class_name": "QwenImageEditPlusPipeline", SOURCE_AREA_KEY: SOURCE_AREA}
 # What the edit model shares with the text model, linked rather than copied.
 SHARED_COMPONENTS = ("vae",)
 
@@ -188,6 +191,16 @@ class _EditJoint(torch.nn.Module):
         return edit_forward(self.transformer, tokens, sources, text, mask, sigmas, grid, grid)
 
 
+def check_source_sizes() -> None:
+    """Each bucket's sources are encoded at the bucket's size, as the pipeline resizes a source of
+    that size at `SOURCE_AREA` (model.qwen_image.edit.source_size): training sees what it runs."""
+    for width, height in TINY_BUCKETS:
+        if source_size(width, height, SOURCE_AREA) != (width, height):
+            raise ValueError(
+                f"a {width}x{height} source is encoded at {source_size(width, height, SOURCE_AREA)}"
+            )
+
+
 def train_edit(
     config: EditTrainConfig,
     latents: list[SceneLatents],
@@ -317,6 +330,7 @@ def _train_in_process(config: EditTrainConfig, out: Path, text_model: Path, shar
         f"edit fine-tune of {text_model}: sources from {len(train_scenes)} training scenes ({len(held_out)} held out); "
         f"torch {torch.__version__}, {config.processes} processes of {config.threads} threads"
     )
+    check_source_sizes()
     transformer, text_encoder, vae = load_text_model(text_model)
     text_encoder = extend_vocabulary(text_encoder, INSTRUCTION_WORDS, config.seed)
     latents = encode_scenes(vae, shard)

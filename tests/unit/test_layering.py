@@ -47,6 +47,9 @@ MODEL_OPTIONAL_IMPORTS = {
     # The self-test checks the Qwen-Image DiT against diffusers' on the same weights
     # (QwenImageFamily.reference_transformer), only when that check runs.
     ("model/qwen_image/family.py", "diffusers"),
+    # An edit model's sources are PIL images (Pillow is a core dependency): resized with
+    # diffusers' Lanczos, only where sources are encoded.
+    ("model/qwen_image/edit_sources.py", "PIL"),
 }
 
 # The repository's folders besides the layers (the layers are what `LAYERS` checks):
