@@ -13,15 +13,16 @@ to the manifests. Same pixels on every run.
 
 from __future__ import annotations
 
-import argparse
 import io
 import sys
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from make_prompts import write_example  # noqa: E402
 
 from ditfleet.model.tiny.edit_adherence import source_pixels  # noqa: E402
 from ditfleet.model.tiny.edits import held_out_edits  # noqa: E402
@@ -57,11 +58,7 @@ def edits_table(rows: int = ROWS) -> pa.Table:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(Path(__file__).with_name("edits.parquet")))
-    args = parser.parse_args()
-    pq.write_table(edits_table(), args.out, compression="zstd")
-    print(f"wrote {ROWS} edits to {args.out}")
+    write_example(edits_table(), "edits.parquet", __doc__.splitlines()[0], "edits")
 
 
 if __name__ == "__main__":

@@ -49,9 +49,8 @@ from ditfleet.model.tiny.edits import INSTRUCTION_WORDS, apply_edit, render_pair
 from ditfleet.model.tiny.scenes import TINY_BUCKETS, Scene, all_scenes, render_batch, split_scenes
 from ditfleet.model.tiny.text_encoder import TinyTextEncoder, WordTokenizer
 from recipes.tiny.data_parallel import SINGLE_PROCESS, Shard, run_data_parallel
-from recipes.tiny.train import MODEL_INDEX, SCHEDULER_CONFIG, _save_fp16
-from recipes.tiny.train_dit import EMA, drop_captions, sample_sigmas, shape_token_weights
-from recipes.tiny.train_vae import lr_at
+from recipes.tiny.train import MODEL_INDEX, SCHEDULER_CONFIG, TrainLog, _save_fp16
+from recipes.tiny.train_dit import FlowMatchingConfig, Joint, JointTrainer, LossLog, shape_token_weights
 
 # A scene's row in every `SceneLatents` table.
 _SCENE_ROW = {scene: i for i, scene in enumerate(all_scenes())}
@@ -67,16 +66,11 @@ class EditTrainConfig:
     seed: int = 0
     processes: int = 2
     threads: int = 1
-    steps: int = 1500
-    batch_size: int = 32
-    lr: float = 3e-4
-    warmup: int = 50
-    weight_decay: float = 0.01
-    caption_dropout: float = 0.1
-    ema_decay: float = 0.995
-    max_text_tokens: int = 32
-    # Loss weight of the tokens under the source's or the target's shape (train_dit's reason).
-    shape_weight: float = 8.0
+    # A fine-tune: fewer steps at half the text stage's peak rate, a shorter EMA. The shape weight
+    # covers the source's shape too (a move or a resize changes both places).
+    flow: FlowMatchingConfig = FlowMatchingConfig(
+        steps=700, batch_size=32, lr=3e-4, warmup=50, ema_decay=0.995
+    )
 
 
 @dataclasses.dataclass
@@ -140,7 +134,7 @@ def edit_batch(
     scenes: list[Scene],
     text_encoder: TinyTextEncoder,
     size: int,
-    config: EditTrainConfig,
+    config: FlowMatchingConfig,
     generator: torch.Generator,
 ) -> EditBatch:
     """`size` random edits of sources drawn from `scenes` (`edits.sample_edits`), from the table."""
@@ -175,17 +169,12 @@ def edit_forward(
     return transformer(torch.cat([tokens, sources], dim=1), text, mask, sigmas, shapes)
 
 
-class _EditJoint(torch.nn.Module):
-    """Text encoder + transformer as one module, so one optimizer and one EMA cover both."""
+class _EditJoint(Joint):
+    """The text stage's joint module, its forward the edit one."""
 
-    def __init__(self, text_encoder: TinyTextEncoder, transformer: QwenImageTransformer) -> None:
-        super().__init__()
-        self.text_encoder = text_encoder
-        self.transformer = transformer
-
-    def forward(
-        self, tokens: torch.Tensor, sources: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
-        sigmas: torch.Tensor, grid: tuple[int, int],
+    def forward(  # type: ignore[override]
+        self, tokens: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, sigmas: torch.Tensor,
+        sources: torch.Tensor, grid: tuple[int, int],
     ) -> torch.Tensor:  # fmt: skip
         text = self.text_encoder(ids, mask)
         return edit_forward(self.transformer, tokens, sources, text, mask, sigmas, grid, grid)
@@ -202,7 +191,7 @@ def check_source_sizes() -> None:
 
 
 def train_edit(
-    config: EditTrainConfig,
+    config: FlowMatchingConfig,
     latents: list[SceneLatents],
     scenes: list[Scene],
     transformer: QwenImageTransformer,
@@ -215,47 +204,16 @@ def train_edit(
     """Fine-tune both on edits of `scenes` (the buckets of `latents` taking turns); the EMA
     transformer and text encoder, in eval mode."""
     batch_size = shard.part(config.batch_size, "edit batch size")
-    joint = _EditJoint(text_encoder, transformer).train().requires_grad_(True)
-    ema = EMA(joint, config.ema_decay)
-    decay, no_decay = [], []
-    for name, p in joint.named_parameters():
-        (no_decay if p.ndim < 2 or "embed" in name or "pos" in name else decay).append(p)
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=config.lr,
-        betas=(0.9, 0.99),
-    )
-    start, running = time.time(), [None] * len(latents)
+    joint = _EditJoint(text_encoder, transformer).requires_grad_(True)
+    trainer = JointTrainer(joint, config, scheduler, generator, shard)
+    losses = LossLog("edit", [(t.width, t.height) for t in latents], 0.95, 50, log)
     for step in range(config.steps):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, config.steps, config.warmup, config.lr)
         b = step % len(latents)
         batch = edit_batch(latents[b], scenes, text_encoder, batch_size, config, generator)
-        x0 = batch.targets
-        ids, mask = drop_captions(batch.ids, batch.mask, config.caption_dropout, generator)
-        length = int(mask.sum(dim=1).max())
-        ids, mask = ids[:, :length], mask[:, :length]
-        sig = sample_sigmas(batch_size, x0.shape[1], scheduler, generator)
-        noise = torch.randn(x0.shape, generator=generator)
-        x_s = (1.0 - sig[:, None, None]) * x0 + sig[:, None, None] * noise
-        pred = joint(x_s, batch.sources, ids, mask, sig, latents[b].grid)
-        loss = ((pred - (noise - x0)).pow(2).mean(dim=2) * batch.weights).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        shard.average_gradients(list(joint.parameters()))
-        torch.nn.utils.clip_grad_norm_(joint.parameters(), 1.0)
-        opt.step()
-        ema.update(joint)
-        running[b] = loss.item() if running[b] is None else 0.95 * running[b] + 0.05 * loss.item()
-        if step % 50 == 0 or step == config.steps - 1:
-            per_bucket = "  ".join(
-                f"{t.width}x{t.height} {r:.4f}" for t, r in zip(latents, running) if r is not None
-            )
-            log(
-                f"edit step {step:5d}  loss {per_bucket}  lr {opt.param_groups[0]['lr']:.2e}  {time.time() - start:6.0f}s"
-            )
-    shadow = ema.shadow
-    return shadow.transformer.eval(), shadow.text_encoder.eval()
+        forward = functools.partial(joint, sources=batch.sources, grid=latents[b].grid)
+        loss = trainer.step(step, forward, batch.targets, batch.ids, batch.mask, batch.weights)
+        losses.add(step, b, loss, step == config.steps - 1, trainer.lr)
+    return trainer.trained()
 
 
 def load_text_model(root: Path) -> tuple[QwenImageTransformer, TinyTextEncoder, QwenImageVAE]:
@@ -313,14 +271,7 @@ def train(config: EditTrainConfig, out: Path, text_model: Path = TINY_MODEL_DIR)
 
 def _train_in_process(config: EditTrainConfig, out: Path, text_model: Path, shard: Shard) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    log_file = (out / "train_log.txt").open("w") if shard.is_main else None
-
-    def log(line: str) -> None:
-        if log_file is not None:
-            print(line, flush=True)
-            log_file.write(line + "\n")
-            log_file.flush()
-
+    log = TrainLog(out / "train_log.txt", shard.is_main)
     torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
     start, cpu_start = time.time(), time.process_time()
@@ -338,7 +289,7 @@ def _train_in_process(config: EditTrainConfig, out: Path, text_model: Path, shar
     generator = shard.generator(config.seed + 3)
     scheduler = SchedulerConfig.from_dict(SCHEDULER_CONFIG)
     transformer, text_encoder = train_edit(
-        config, latents, train_scenes, transformer, text_encoder, scheduler, generator, log, shard
+        config.flow, latents, train_scenes, transformer, text_encoder, scheduler, generator, log, shard
     )
     if not shard.is_main:
         return
@@ -349,8 +300,7 @@ def _train_in_process(config: EditTrainConfig, out: Path, text_model: Path, shar
         f"saved to {out} ({own / 1e6:.1f} MB of its own; {', '.join(SHARED_COMPONENTS)} linked to {text_model}); "
         f"total training time {elapsed:.0f}s ({elapsed / 60:.1f} min) wall, {cpu:.0f} CPU-seconds in process 0"
     )
-    assert log_file is not None
-    log_file.close()
+    log.close()
 
 
 def _under_link(path: Path, root: Path) -> bool:
@@ -364,14 +314,18 @@ def main(argv: list[str] | None = None) -> None:
         "--text-model", type=Path, default=TINY_MODEL_DIR, help="the text model it starts from"
     )
     defaults = EditTrainConfig()
-    for field in dataclasses.fields(EditTrainConfig):
-        parser.add_argument(
-            "--" + field.name.replace("_", "-"),
-            type=type(getattr(defaults, field.name)),
-            default=getattr(defaults, field.name),
-        )
+    knobs = [(f.name, defaults) for f in dataclasses.fields(EditTrainConfig) if f.name != "flow"]
+    knobs += [(f.name, defaults.flow) for f in dataclasses.fields(FlowMatchingConfig)]
+    for name, owner in knobs:
+        value = getattr(owner, name)
+        parser.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
     args = parser.parse_args(argv)
-    config = EditTrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EditTrainConfig)})
+    config = EditTrainConfig(
+        **{name: getattr(args, name) for name, owner in knobs if owner is defaults},
+        flow=FlowMatchingConfig(
+            **{name: getattr(args, name) for name, owner in knobs if owner is not defaults}
+        ),
+    )
     train(config, args.out, args.text_model)
 
 

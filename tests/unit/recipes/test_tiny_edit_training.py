@@ -3,6 +3,7 @@ it draws, a few fine-tuning steps, and the checkpoint it saves loading as an edi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -55,7 +56,7 @@ def test_a_batch_pairs_each_source_s_row_with_its_edited_scene_s_row():
     )
     encoder = extend_vocabulary(_encoder(), INSTRUCTION_WORDS, seed=0)
     train = split_scenes()[0]
-    batch = edit_batch(table, train, encoder, 12, EditTrainConfig(), torch.Generator().manual_seed(3))
+    batch = edit_batch(table, train, encoder, 12, EditTrainConfig().flow, torch.Generator().manual_seed(3))
     pairs = sample_edits(train, 12, torch.Generator().manual_seed(3))  # the same draw
     assert batch.sources[:, 0, 0].long().tolist() == [scenes.index(s) for s, _ in pairs]
     assert batch.targets[:, 0, 0].long().tolist() == [scenes.index(apply_edit(s, e)) for s, e in pairs]
@@ -83,7 +84,7 @@ def test_a_few_edit_steps_train_the_dit_on_the_target_tokens_only():
         for w, h in ((128, 128), (160, 96))
     ]
     before = [p.detach().clone() for p in transformer.parameters()]
-    config = EditTrainConfig(steps=2, batch_size=4, warmup=1)
+    config = dataclasses.replace(EditTrainConfig().flow, steps=2, batch_size=4, warmup=1)
     trained, _ = train_edit(
         config, latents, split_scenes()[0], transformer, encoder, SchedulerConfig.from_dict(SCHEDULER_CONFIG),
         torch.Generator().manual_seed(0), log=lambda line: None,
