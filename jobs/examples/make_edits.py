@@ -20,10 +20,8 @@ from pathlib import Path
 import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from make_prompts import write_example  # noqa: E402
-
+from ditfleet.jobs.examples.make_prompts import write_example  # noqa: E402
 from ditfleet.model.tiny.edit_adherence import source_pixels  # noqa: E402
 from ditfleet.model.tiny.edits import held_out_edits  # noqa: E402
 

@@ -96,16 +96,17 @@ def parse_instruction(text: str) -> Edit:
             )
         return Edit("position", where)
     value = m["value"]
-    if m["what"] == "background":
-        attribute = "background"
-    else:
-        attribute = next((a for a in ("color", "shape", "size") if value in _VALUES[a]), None)
-        if attribute is None:
-            raise ValueError(
-                f"instruction {text!r}: {value!r} is no colour, kind or size; the forms are {forms}."
-            )
+    named = (
+        ["background"]
+        if m["what"] == "background"
+        else [a for a in ("color", "shape", "size") if value in _VALUES[a]]
+    )
+    if not named:
+        raise ValueError(
+            f"instruction {text!r}: {value!r} is no colour, kind or size; the forms are {forms}."
+        )
     try:
-        return Edit(attribute, value)
+        return Edit(named[0], value)
     except ValueError as e:
         raise ValueError(f"instruction {text!r}: {e}") from None
 
