@@ -262,28 +262,40 @@ def save_edit_model(
         link.symlink_to(os.path.relpath(text_model / name, out), target_is_directory=True)
 
 
-def train(config: EditTrainConfig, out: Path, text_model: Path = TINY_MODEL_DIR) -> float:
-    """Fine-tune and save to `out` over `config.processes` processes; the wall time in seconds."""
+def train(
+    config: EditTrainConfig, out: Path, text_model: Path = TINY_MODEL_DIR, start_from: Path | None = None
+) -> float:
+    """Fine-tune and save to `out` over `config.processes` processes; the wall time in seconds.
+
+    start_from: an edit model this recipe saved, to fine-tune further (a second stage with its
+    own schedule; its train_log.txt is continued in `out`)."""
     start = time.time()
-    run_data_parallel(config.processes, functools.partial(_train_in_process, config, out, text_model))
+    if start_from is not None and start_from.resolve() != out.resolve():
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(start_from / "train_log.txt", out / "train_log.txt")
+    run_data_parallel(
+        config.processes, functools.partial(_train_in_process, config, out, text_model, start_from)
+    )
     return time.time() - start
 
 
-def _train_in_process(config: EditTrainConfig, out: Path, text_model: Path, shard: Shard) -> None:
+def _train_in_process(
+    config: EditTrainConfig, out: Path, text_model: Path, start_from: Path | None, shard: Shard
+) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    log = TrainLog(out / "train_log.txt", shard.is_main)
+    log = TrainLog(out / "train_log.txt", shard.is_main, append=start_from is not None)
     torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
     start, cpu_start = time.time(), time.process_time()
     train_scenes, held_out = split_scenes()
     log(f"config {json.dumps(dataclasses.asdict(config))}")
     log(
-        f"edit fine-tune of {text_model}: sources from {len(train_scenes)} training scenes ({len(held_out)} held out); "
+        f"edit fine-tune of {start_from or text_model}: sources from {len(train_scenes)} training scenes ({len(held_out)} held out); "
         f"torch {torch.__version__}, {config.processes} processes of {config.threads} threads"
     )
     check_source_sizes()
-    transformer, text_encoder, vae = load_text_model(text_model)
-    text_encoder = extend_vocabulary(text_encoder, INSTRUCTION_WORDS, config.seed)
+    transformer, text_encoder, vae = load_text_model(start_from or text_model)
+    text_encoder = extend_vocabulary(text_encoder, INSTRUCTION_WORDS, config.seed)  # once: known words stay
     latents = encode_scenes(vae, shard)
     log(f"scene latents: {[tuple(t.tokens.shape) for t in latents]} at {time.time() - start:.0f}s")
     generator = shard.generator(config.seed + 3)
@@ -313,6 +325,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--text-model", type=Path, default=TINY_MODEL_DIR, help="the text model it starts from"
     )
+    parser.add_argument(
+        "--start-from",
+        type=Path,
+        default=None,
+        help="an edit model saved by this recipe, to fine-tune further",
+    )
     defaults = EditTrainConfig()
     knobs = [(f.name, defaults) for f in dataclasses.fields(EditTrainConfig) if f.name != "flow"]
     knobs += [(f.name, defaults.flow) for f in dataclasses.fields(FlowMatchingConfig)]
@@ -326,7 +344,7 @@ def main(argv: list[str] | None = None) -> None:
             **{name: getattr(args, name) for name, owner in knobs if owner is not defaults}
         ),
     )
-    train(config, args.out, args.text_model)
+    train(config, args.out, args.text_model, args.start_from)
 
 
 if __name__ == "__main__":
