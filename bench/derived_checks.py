@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -61,7 +62,9 @@ def old_union(tables: list[pa.Table]) -> tuple[int, int, int]:
         h = np.full(n, np.uint64(len(MANIFEST_SCHEMA)), np.uint64)
         for name in MANIFEST_SCHEMA.names:
             column = table.column(name).combine_chunks()
-            if not pa.types.is_string(column.type):
+            if pa.types.is_list(column.type):  # the source columns came after this digest was replaced
+                column = pc.binary_join(column, "\x1f")
+            elif not pa.types.is_string(column.type):
                 column = column.cast(pa.string())
             with np.errstate(over="ignore"):
                 h = mix(h * np.uint64(0x100000001B3) ^ digests(column, positions=np.zeros(n, np.int64)))

@@ -42,7 +42,8 @@ from ditfleet.driver.run_records import (
     write_ids,
 )
 from ditfleet.workers.rows import ShardSpec
-from ditfleet.workers.storage import ObjectStore
+from ditfleet.workers.sources import SourceReader
+from ditfleet.workers.storage import ObjectStore, S3Config
 
 ID_SEPARATOR = "#"  # between a file's name and the row, in the id of a row without an id column
 
@@ -156,9 +157,11 @@ def plan_increment(
     committed: set[int],
     fingerprint: str,
     created_at: str | None = None,
+    s3: S3Config | None = None,
 ) -> IncrementPlan:
     """Plan the next run of an incremental job over `source` into `store` (read only: the caller
-    writes the record with `commit_increment`). committed: the shards with a manifest.
+    writes the record with `commit_increment`). committed: the shards with a manifest. s3: the
+    job's S3 settings, for an edit job's sources on S3.
 
     Raises InputError for bad rows in the new files (earlier files are not read again),
     RunRecordError for damaged records.
@@ -179,7 +182,8 @@ def plan_increment(
     prefixes = {f.uri: source.relative_name(f) + ID_SEPARATOR for f in new_files}
     to_read = [f for f in new_files if rows[f.uri]]
     covered = recorded_ids(store, recorded.records, gone) if to_read else pa.array([], pa.string())
-    cutter = ShardCutter(config, first_index=recorded.next_shard, id_prefixes=prefixes)
+    sources = SourceReader(config.rows.source_limits, s3) if config.rows.image_column is not None else None
+    cutter = ShardCutter(config, first_index=recorded.next_shard, id_prefixes=prefixes, sources=sources)
     selector = _NewRowSelector(cutter, covered, prefixes)
     warnings: list[str] = []
     if to_read:

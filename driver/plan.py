@@ -35,12 +35,16 @@ from ditfleet.driver.input.row_errors import file_error
 from ditfleet.driver.input.scan import ScanOptions, scan_input
 from ditfleet.driver.input.validate import DEFAULT_MAX_ERRORS, ValidationReport, valid_sizes
 from ditfleet.model.knobs import bounded, check_settings, field_default, setting, settings_fields
-from ditfleet.workers.content_digest import Prepared, RangeDigest, combine, hex_digest
-from ditfleet.workers.rows import MAX_SIDE, RowConfig, ShardSpec, content_columns
-from ditfleet.workers.storage.base import read_each
+from ditfleet.workers.content_digest import IdentityDigest, Prepared, RangeDigest, combine, hex_digest
+from ditfleet.workers.rows import MAX_SIDE, RowConfig, ShardSpec, content_columns, source_bucket, with_sources
+from ditfleet.workers.sources import SourceHeader, SourceReader, SourceSpecError, column_sources
+from ditfleet.workers.storage.base import S3Config, read_each
 from ditfleet.workers.storage.input_files import InputFileError, footer_sha256
 
 FINGERPRINT_VERSION = 1
+# An edit job's input is read this many rows a batch at most: a batch's source images (embedded
+# bytes, header reads) are held together.
+EDIT_BATCH_ROWS = 512
 
 
 @dataclass(frozen=True)
@@ -161,12 +165,21 @@ class ShardCutter:
     ended (an incremental run leaves out rows its output already has) ends the shard before the
     gap, so a shard is always a contiguous row range. Shards are numbered from first_index;
     id_prefixes (file URI -> prefix) go into the shards of those files (see ShardSpec.id_prefix).
+    An edit job's sources are read through `sources` (their headers: workers.sources), their
+    identities part of each shard's content digest, their sizes the buckets of rows without one.
     """
 
     def __init__(
-        self, config: PlanConfig, first_index: int = 0, id_prefixes: Mapping[str, str] | None = None
+        self,
+        config: PlanConfig,
+        first_index: int = 0,
+        id_prefixes: Mapping[str, str] | None = None,
+        sources: SourceReader | None = None,
     ) -> None:
         self.config = config
+        self.sources = sources
+        if config.rows.image_column is not None and sources is None:
+            self.sources = SourceReader(config.rows.source_limits)
         self.buckets = config.rows.buckets
         self.first_index = first_index
         self.id_prefixes = dict(id_prefixes or {})
@@ -176,6 +189,7 @@ class ShardCutter:
         self._start = self._position = self._images = 0
         self._rows_in_shard = 0
         self._digest = RangeDigest()
+        self._identities = IdentityDigest()
         self._bucket_ids: set[int] = set()
         self._names: dict[frozenset[int], tuple[str, ...]] = {}
         self.bucket_images: Counter[int] = Counter()  # bucket index -> images, over every shard
@@ -190,6 +204,9 @@ class ShardCutter:
             self._start, self._position = first_row, first_position
         images = self._images_of(batch)
         bucket_ids = self._bucket_ids_of(batch)
+        headers = self._source_headers(file, first_row, batch)
+        if headers is not None:
+            bucket_ids = self._edit_bucket_ids(batch, bucket_ids, headers)
         content = Prepared(batch, content_columns(batch.schema.names))
         single = pc.unique(bucket_ids).to_pylist() if bucket_ids is not None else [0]
         self._count_bucket_images(images, bucket_ids, single, batch.num_rows)
@@ -207,6 +224,8 @@ class ShardCutter:
             else:
                 self._bucket_ids.update(pc.unique(bucket_ids.slice(at, take)).to_pylist())
             self._digest.add(content, at, at + take)
+            for row_headers in headers[at : at + take] if headers is not None else ():
+                self._identities.add_row(h.identity for h in row_headers)
             self._rows_in_shard += take
             at += take
             if (first_row + at) % size == 0:
@@ -246,13 +265,50 @@ class ShardCutter:
                 buckets_used=names,
                 num_images=self._images,
                 id_prefix=self.id_prefixes.get(self._file.uri),
-                content_digest=self._digest.value(),
+                content_digest=(
+                    self._digest.value()
+                    if self.sources is None
+                    else with_sources(self._digest.value(), self._identities)
+                ),
             )
         )
         self.used |= self._bucket_ids
         self._position += self._rows_in_shard
         self._start, self._images, self._rows_in_shard, self._bucket_ids = stop, 0, 0, set()
         self._digest = RangeDigest()
+        self._identities = IdentityDigest()
+
+    def _source_headers(
+        self, file: InputFile, first_row: int, batch: pa.RecordBatch
+    ) -> list[tuple[SourceHeader, ...]] | None:
+        """An edit job's rows' source headers, read side by side (None for a text job). A row
+        that names no usable source (a validation error, so no plan) has none."""
+        column = self.config.rows.image_column
+        if self.sources is None or column is None or column not in batch.schema.names:
+            return None
+        refs = column_sources(batch.column(column), file.uri, first_row)
+        return self.sources.batch_headers([() if isinstance(r, SourceSpecError) else r for r in refs])
+
+    def _edit_bucket_ids(
+        self, batch: pa.RecordBatch, sized: pa.Array | None, headers: list[tuple[SourceHeader, ...]]
+    ) -> pa.Array:
+        """Per row, its bucket's index: a row with a size keeps the one it maps to, the others
+        take their first source's (workers.rows.source_bucket, as the worker does)."""
+        names = batch.schema.names
+        given = (
+            pc.and_(pc.is_valid(plain(batch.column("width"))), pc.is_valid(plain(batch.column("height"))))
+            if "width" in names and "height" in names
+            else None
+        )
+        has_size = [False] * batch.num_rows if given is None else pc.fill_null(given, False).to_pylist()
+        own = [0] * batch.num_rows if sized is None else sized.to_pylist()
+        ids = [
+            own[i]
+            if has_size[i] or not headers[i]
+            else self.buckets.index(source_bucket(self.buckets, headers[i][0]))
+            for i in range(batch.num_rows)
+        ]
+        return pa.array(ids, pa.int16())
 
     def _images_of(self, batch: pa.RecordBatch) -> pa.Array | None:
         if "num_images" not in batch.schema.names or pa.types.is_null(batch.column("num_images").type):
@@ -294,7 +350,11 @@ PLAN_WORKERS = 2
 
 
 def plan_job(
-    source: PromptSource, config: PlanConfig, workers: int = PLAN_WORKERS, digest_bits: int = DIGEST_BITS
+    source: PromptSource,
+    config: PlanConfig,
+    workers: int = PLAN_WORKERS,
+    digest_bits: int = DIGEST_BITS,
+    s3: S3Config | None = None,
 ) -> JobPlan:
     """Validate every row and plan the shards. Raises InputError (all problems, up to the cap).
 
@@ -302,18 +362,22 @@ def plan_job(
     before any row is read. Files are scanned by `workers` threads, each cut by its own
     ShardCutter: a file's shards are numbered from the shards of the files before it, which
     its footer's row count gives in advance (shards never span files, and a plan has no gaps).
+    An edit job's source headers are read through `s3` (the job's S3 settings) for S3 sources.
     """
     cutters: list[ShardCutter] = []
     next_index = 0
+    edit = config.rows.image_column is not None
+    sources = SourceReader(config.rows.source_limits, s3) if edit else None
 
     def cutter_for(file: InputFile, first_position: int, rows: int) -> ShardCutter:
         nonlocal next_index
-        cutter = ShardCutter(config, first_index=next_index)
+        cutter = ShardCutter(config, first_index=next_index, sources=sources)
         next_index += -(-rows // config.shard_size)
         cutters.append(cutter)
         return cutter
 
-    options = ScanOptions(config.max_errors, config.read_batch_rows, workers, True, digest_bits)
+    batch_rows = min(config.read_batch_rows, EDIT_BATCH_ROWS) if edit else config.read_batch_rows
+    options = ScanOptions(config.max_errors, batch_rows, workers, True, digest_bits)
     report = scan_input(source, config.rows, options, cutter_for)
     for cutter in cutters:
         cutter.finish_file()

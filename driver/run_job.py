@@ -125,7 +125,7 @@ def check_job_input(config: DriverConfig) -> None:
 
 def plan_input(config: DriverConfig) -> JobPlan:
     """Validate and plan; raises driver.input.row_errors.InputError (all problems, up to the cap)."""
-    return plan_job(prompt_source(config), config.plan)
+    return plan_job(prompt_source(config), config.plan, s3=config.s3)
 
 
 @dataclass(frozen=True)
@@ -471,7 +471,9 @@ def preview_increment(config: DriverConfig) -> IncrementPlan:
     store = open_store(config.output_uri, config.s3)
     resolved = json.loads(config.resolved_spec)
     fingerprint = claim_incremental_output(store, config.plan, config.input_uri, resolved, write=False)
-    return plan_increment(prompt_source(config), config.plan, store, committed_shards(store), fingerprint)
+    return plan_increment(
+        prompt_source(config), config.plan, store, committed_shards(store), fingerprint, s3=config.s3
+    )
 
 
 def _plan_increment(
@@ -492,7 +494,7 @@ def _plan_increment(
         fingerprint = claim_incremental_output(
             store, config.plan, config.input_uri, spec, write=False, model=model
         )
-        plan = plan_increment(source, config.plan, store, committed_shards(store), fingerprint)
+        plan = plan_increment(source, config.plan, store, committed_shards(store), fingerprint, s3=config.s3)
         if plan.record is None:
             return plan
         store.check_writable()

@@ -18,7 +18,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -26,7 +26,7 @@ from ditfleet.compile import PreparedPipeline, WarmupRuns, compile_count, prepar
 from ditfleet.compile.config import first_compile_estimate_s
 from ditfleet.compile.policy import resolve_auto
 from ditfleet.model import LoraSpec, TextToImagePipeline, load_pipeline, resolve_model_dir
-from ditfleet.model.family import model_family
+from ditfleet.model.family import model_family, model_task
 from ditfleet.model.qwen_image.fp8 import runs_scaled_gemms
 from ditfleet.model.qwen_image.loader import load_text_encoder
 from ditfleet.workers.batch_fit import fit_batch_size
@@ -51,8 +51,10 @@ from ditfleet.workers.output.layout import manifest_key, new_attempt_token
 from ditfleet.workers.output.manifest import ManifestRow, ManifestWriter, passthrough_json
 from ditfleet.workers.output.provenance import JobProvenance
 from ditfleet.workers.quality_gate import ScoredImage, scored_images
-from ditfleet.workers.rows import ShardSpec, read_shard_rows
+from ditfleet.workers.rows import PromptRow, ShardSpec, read_shard_rows
 from ditfleet.workers.scorers import build_scorers
+from ditfleet.workers.source_prefetch import SourcePrefetch
+from ditfleet.workers.sources import SourceReader, task_problem
 from ditfleet.workers.spot import StopOnSigterm
 from ditfleet.workers.startup_phase import COMPILING, LOADING, READY, publish_phase
 from ditfleet.workers.storage import StoreConfigError, open_store
@@ -126,6 +128,12 @@ class GenerationWorker:
         check_output_node(config.output_uri, config.local_output_node, current_node_id())
         self.store = open_store(config.output_uri, config.s3)
         self.store.check_writable()
+        # An edit job's sources: one reader (its stores, its clients) for every shard.
+        self.source_reader = (
+            SourceReader(config.rows.source_limits, config.s3)
+            if config.rows.image_column is not None
+            else None
+        )
         self.device, self.dtype = resolve_device(config.placement.device, config.placement.dtype)
         t_load = time.perf_counter()
         self.model = fetch_model(config.model_path, config.model_cache_dir, config.s3, config.model_fetch)
@@ -133,6 +141,11 @@ class GenerationWorker:
             found = self.model.identity or local_identity(self.model.local_path, config.model_cache_dir)
             job_files = job_file_identities(config.loras, config.scheduler_config, config.s3)
             check_identity(config.model_identity, with_job_files(found, job_files), config.model_path)
+        # Before loading: an edit job on a text-to-image model (or the other way round) whose
+        # model_index.json only this node has read (a remote model) ends here, saying what to do.
+        problem = task_problem(config.model_path, model_task(self.model.local_path), config.rows.image_column)
+        if problem is not None:
+            raise ValueError(problem)
         # Before loading: a GPU that fits no batch of the job's buckets fails here, not at batch 1.
         self.batch_fit = fit_batch_size(config, self.model.local_path, self.device, self.dtype)
         self.batch_size = self.batch_fit.batch_size
@@ -156,6 +169,7 @@ class GenerationWorker:
         secret = read_cache_secret(config.compile_cache_key) if config.compile.shared_cache else None
         self.compile_report = self._compile(secret.key if secret is not None else None)
         self.generator = BatchGenerator(self.pipe)  # its prompt length: the pipeline's settings
+        self.prefetch: SourcePrefetch | None = None  # the running edit shard's sources
         shared_cache = "off"
         if secret is not None and (secret.key or self.compile_report.compile.methods):
             shared_cache = "on" if secret.key else f"off: {secret.off_reason}"
@@ -287,9 +301,11 @@ class GenerationWorker:
         fs = filesystem_for(
             shard.file, endpoint_url=self.config.s3.endpoint_url, region=self.config.s3.region
         )
-        rows = read_shard_rows(shard, fs, self.config.rows)
+        rows = read_shard_rows(shard, fs, self.config.rows, sources=self.source_reader)
         requests = image_requests(rows)
-        if self.text is not None:  # offload: the encoder visits the GPU once per shard, here
+        # offload: the encoder visits the GPU once per shard, here. Not for an edit shard: its
+        # prompts are encoded with their source images, which are read while the shard runs.
+        if self.text is not None and self.source_reader is None:
             self.text.prefetch(shard_prompts(requests), self.config.pipeline.max_sequence_length)
         compiles_before, oom_splits_before = compile_count(), self.generator.oom_splits
         attention = model_family(self.pipe).attention_counters(self.pipe)
@@ -340,9 +356,11 @@ class GenerationWorker:
         `hand_over`); the writer's objects are all durably stored, and every score taken, when
         this returns (aborted on any error)."""
         writer = make_shard_writer(self.store, shard, self.writer_config, token)
+        if self.source_reader is not None:  # read ahead of the device, per shard
+            self.generator.sources = self.prefetch = SourcePrefetch(self.source_reader)
         try:
             made = scored_images(self.generator, requests, self.batch_size, self.scorers, self.config.gate)
-            handed = hand_over(made, writer, extras, self._stop, shard)
+            handed = hand_over(made, writer, extras, self._stop, shard, self._image_sources)
             return handed, writer.finish()
         except BaseException:
             writer.abort()
@@ -350,8 +368,25 @@ class GenerationWorker:
         finally:
             if self.text is not None:
                 self.text.release()
+            if self.prefetch is not None:
+                self.prefetch.close()
+                self.generator.sources = None
 
     # -- helpers ---------------------------------------------------------------------------------
+
+    def _source_columns(self, row: PromptRow) -> tuple[tuple[str, ...] | None, tuple[str | None, ...] | None]:
+        """An edit row's sources by URI and by the sha256 of the bytes read (None where one was
+        not read: its row failed), for the manifest; (None, None) for a text job's row."""
+        if self.prefetch is None or not row.sources:
+            return None, None
+        return tuple(s.uri for s in row.sources), self.prefetch.digests.of(row)
+
+    def _image_sources(self, row: PromptRow) -> tuple[tuple[str, str], ...] | None:
+        """What a made image's metadata names as its sources (each one was read to make it)."""
+        uris, digests = self._source_columns(row)
+        if uris is None or digests is None:
+            return None
+        return tuple((uri, digest or "") for uri, digest in zip(uris, digests))
 
     def _drop(self, keys: tuple[str, ...]) -> None:
         """Best-effort removal of a losing run's objects; what is left, the driver's cleanup or
@@ -372,6 +407,7 @@ class GenerationWorker:
         row, k = req.row, req.k
         error = gen.error or (stored.error if stored is not None else "image was not stored")
         ok = gen.error is None and stored is not None and stored.ok
+        source_uris, source_sha256 = self._source_columns(row)
         return ManifestRow(
             id=row.id,
             k=k,
@@ -405,19 +441,29 @@ class GenerationWorker:
             dit_blocks_computed=gen.blocks_computed,
             dit_blocks_reused=gen.blocks_reused,
             batch_size=self.batch_size,
+            source_uris=source_uris,
+            source_sha256=source_sha256,
             **scored.manifest_columns(stored_ok=ok),
         )
 
 
-def image_task(req: ImageRequest, extra: str | None) -> ImageTask:
-    """What the writer stores of one image next to its pixels; extra: the row's pass-through JSON."""
+def image_task(
+    req: ImageRequest, extra: str | None, sources: tuple[tuple[str, str], ...] | None = None
+) -> ImageTask:
+    """What the writer stores of one image next to its pixels; extra: the row's pass-through JSON;
+    sources: an edit row's (uri, sha256) each, for the image's metadata."""
     row = req.row
     as_given = {
         name: getattr(row, name) for name in ("id", "num_images", "prompt", "negative_prompt", "steps")
     }
     # The image's own: its index, the seed it was made from (its try's), the row's JSON.
     return ImageTask(
-        **as_given, k=req.k, seed=req.seed, extra=extra, true_cfg_scale=float(row.true_cfg_scale)
+        **as_given,
+        k=req.k,
+        seed=req.seed,
+        extra=extra,
+        true_cfg_scale=float(row.true_cfg_scale),
+        sources=sources,
     )
 
 
@@ -427,6 +473,7 @@ def hand_over(
     extras: Sequence[str | None],
     stop: threading.Event,
     shard: int,
+    sources: Callable[[PromptRow], tuple[tuple[str, str], ...] | None] | None = None,
 ) -> list[tuple[ScoredImage, bool]]:
     """The generator loop's side of the writer: each image as it comes out, with its host work
     (ScoredImage.host_work: scores and hash for the writer's threads), so that this thread goes
@@ -438,7 +485,8 @@ def hand_over(
             raise ShardAbandoned(f"shard {shard}: worker asked to stop; nothing committed")
         image, pixels = scored.image, scored.image.pixels
         if pixels is not None:
-            task = image_task(image.request, extras[image.request.index])
+            row = image.request.row
+            task = image_task(image.request, extras[image.request.index], sources(row) if sources else None)
             writer.add(task, pixels.permute(1, 2, 0).numpy(), scored.host_work())  # (H, W, 3) uint8
             image.pixels = None  # the writer holds it now; keep shard memory flat
         out.append((scored, pixels is not None))

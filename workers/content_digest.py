@@ -258,6 +258,24 @@ class RangeDigest:
         return int.from_bytes(h.digest()[:8], "little")
 
 
+class IdentityDigest:
+    """The digest of a row range's source identities (edit jobs: workers.sources), fed row by
+    row in order, each row's identities in column order; combined with the rows' RangeDigest
+    (`combine`), so a source changed after planning changes the shard's content digest."""
+
+    def __init__(self) -> None:
+        self._hasher = hashlib.sha256(b"sources")
+
+    def add_row(self, identities: Iterable[str]) -> None:
+        items = [i.encode() for i in identities]
+        self._hasher.update(len(items).to_bytes(4, "little"))
+        for item in items:  # framed: no two lists of identities feed the same bytes
+            self._hasher.update(len(item).to_bytes(4, "little") + item)
+
+    def value(self) -> int:
+        return int.from_bytes(self._hasher.digest()[:8], "little")
+
+
 def combine(digests: Iterable[int]) -> int:
     """One digest for a sequence of range digests (a file's shards, in row order)."""
     h = hashlib.sha256()

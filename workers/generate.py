@@ -1,7 +1,8 @@
 """Batched generation of one shard's images: grouping, seeds, length-sorted batches, OOM back-off.
 
-A batch shares one resolution bucket, one step count and one CFG on/off decision. Inside those
-groups prompts are sorted by token length and cut into batches that carry little padding, so most
+A batch shares one resolution bucket, one step count, one CFG on/off decision and, in an edit
+job, its sources' number and encoded sizes. Inside those groups prompts are sorted by token
+length and cut into batches that carry little padding, so most
 DiT attention calls run unmasked and the padded rest is a small share of the tokens (the shard
 result reports both). Prompts are not padded to prompt-length buckets: a compiled DiT takes the
 text length (and batch size) as dynamic dimensions.
@@ -14,14 +15,18 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+from PIL import Image
 
 from ditfleet.model import TextToImagePipeline
+from ditfleet.model.family import source_size
 from ditfleet.model.generation.guidance import cfg_on, negative_text
 from ditfleet.model.generation.pipeline import GuidanceInputs, Sampling
 from ditfleet.model.qwen_image.memory_activations import image_tokens
 from ditfleet.workers.rows import MAX_SEED, PromptRow
+from ditfleet.workers.source_prefetch import SourceFailed
 
 
 def _derived_seed(seed: int, index: int, person: bytes) -> int:
@@ -55,6 +60,15 @@ class ImageRequest:
     @property
     def seed(self) -> int:
         return try_seed(image_seed(self.row.seed, self.k), self.try_index)
+
+    @property
+    def source_sizes(self) -> tuple[tuple[int, int], ...]:
+        """An edit row's sources as the model encodes them (model.family.source_size of each
+        one's size, which a batch's rows must share, in number too); () for a text row."""
+        return tuple(
+            source_size(h.width, h.height) if h.width and h.height else (0, 0)
+            for h in self.row.source_headers
+        )
 
     @property
     def uses_cfg(self) -> bool:
@@ -95,7 +109,8 @@ def plan_batches(
     count_tokens: TokenCounter | None = None,
     max_padded_share: float = MAX_PADDED_SHARE,
 ) -> list[list[ImageRequest]]:
-    """Group by (bucket, steps, CFG on/off); inside a group, sort by token length and cut.
+    """Group by (bucket, steps, CFG on/off, and an edit row's source sizes as the model encodes
+    them); inside a group, sort by token length and cut.
 
     count_tokens: prompt -> embedding length in tokens (the text encoder's tokenizer). Without
     it, input order is kept and batches are cut at batch_size. With it, requests are sorted by
@@ -105,7 +120,7 @@ def plan_batches(
     """
     groups: dict[tuple, list[ImageRequest]] = {}
     for req in requests:
-        groups.setdefault((req.row.bucket, req.row.steps, req.uses_cfg), []).append(req)
+        groups.setdefault((req.row.bucket, req.row.steps, req.uses_cfg, req.source_sizes), []).append(req)
     if count_tokens is None:
         return [reqs[i : i + batch_size] for reqs in groups.values() for i in range(0, len(reqs), batch_size)]
     lengths = _token_lengths(requests, count_tokens)
@@ -168,6 +183,16 @@ def padded_share(batch: Sequence[ImageRequest], lengths: dict[tuple[str, int], t
     return padded / total
 
 
+class SourceImages(Protocol):
+    """An edit shard's source images (workers.source_prefetch.SourcePrefetch): told the order
+    rows will be asked for, then asked; `images` raises SourceFailed for a row that cannot be
+    edited."""
+
+    def expect(self, rows: Iterable[PromptRow]) -> None: ...
+
+    def images(self, row: PromptRow) -> list[Image.Image]: ...
+
+
 def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
@@ -179,6 +204,29 @@ class BatchGenerator:
         self.pipe = pipe
         self.max_sequence_length = pipe.settings.max_sequence_length
         self.oom_splits = 0
+        # An edit shard's sources (the actor sets them per shard); None: a text job.
+        self.sources: SourceImages | None = None
+
+    def expect(self, batches: Sequence[Sequence[ImageRequest]]) -> None:
+        """Tell the sources (if any) the order the batches will ask for rows in."""
+        if self.sources is not None:
+            self.sources.expect(r.row for batch in batches for r in batch)
+
+    def split_failed(self, batch: list[ImageRequest]) -> tuple[list[ImageRequest], list[GeneratedImage]]:
+        """An edit batch's requests whose sources can be used, and a failed image, with the
+        reason, for each of the others (a text batch is returned as it is)."""
+        if self.sources is None:
+            return batch, []
+        ok: list[ImageRequest] = []
+        failed: list[GeneratedImage] = []
+        for req in batch:
+            try:
+                self.sources.images(req.row)
+            except SourceFailed as e:
+                failed.append(GeneratedImage(req, None, str(e), 0.0))
+                continue
+            ok.append(req)
+        return ok, failed
 
     def count_tokens(self, prompts: list[str]) -> list[int] | None:
         """Embedding lengths from the text encoder's tokenizer (None: batch in input order)."""
@@ -188,12 +236,15 @@ class BatchGenerator:
         """The batch's prompt (and negative) embeddings, on the device, as `generate` takes them."""
         rows = [r.row for r in batch]
         scales = [r.true_cfg_scale for r in rows] if batch[0].uses_cfg else 1.0
+        # An edit batch's sources, decoded, one list per prompt (the pipeline encodes them).
+        edit = {} if self.sources is None else {"sources": [self.sources.images(r) for r in rows]}
         # Each branch padded only to its longest prompt; a shared negative is encoded once.
         return self.pipe.encode_guidance(
             [r.prompt for r in rows],
             [r.negative_prompt for r in rows] if batch[0].uses_cfg else None,
             scales,
             self.max_sequence_length,
+            **edit,
         )
 
     def run(self, batch: list[ImageRequest], inputs: GuidanceInputs | None = None) -> list[GeneratedImage]:
@@ -289,15 +340,19 @@ def iter_generated(generator: BatchGenerator, batches: list[list[ImageRequest]])
     """
     if not batches:
         return
+    generator.expect(batches)  # an edit shard's sources are read ahead in this order
     stream = encode_stream(torch.device(generator.pipe.device))
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode-next") as pool:
         pending = pool.submit(_encode, generator, batches[0], stream)
-        for i, batch in enumerate(batches):
-            inputs, done = pending.result()
-            _use_on_current_stream(inputs, done)
+        for i in range(len(batches)):
+            batch, failed, inputs, done = pending.result()
+            if inputs is not None:
+                _use_on_current_stream(inputs, done)
             if i + 1 < len(batches):
                 pending = pool.submit(_encode, generator, batches[i + 1], stream)
-            yield from generator.run(batch, inputs)
+            yield from failed  # rows whose sources cannot be edited: failed, with the reason
+            if batch and inputs is not None:
+                yield from generator.run(batch, inputs)
 
 
 def encode_stream(device: torch.device) -> torch.cuda.Stream | None:
@@ -308,14 +363,20 @@ def encode_stream(device: torch.device) -> torch.cuda.Stream | None:
 
 def _encode(
     generator: BatchGenerator, batch: list[ImageRequest], stream: torch.cuda.Stream | None
-) -> tuple[GuidanceInputs, torch.cuda.Event | None]:
+) -> tuple[list[ImageRequest], list[GeneratedImage], GuidanceInputs | None, torch.cuda.Event | None]:
+    """The batch's requests that can run, the failed images of the others (an edit batch's rows
+    whose sources cannot be used: waiting for their fetch happens here, off the device's
+    thread) and the runnable ones' embeddings."""
+    batch, failed = generator.split_failed(batch)
+    if not batch:
+        return batch, failed, None, None
     if stream is None:
-        return generator.encode(batch), None
+        return batch, failed, generator.encode(batch), None
     with torch.cuda.stream(stream):
         inputs = generator.encode(batch)
         done = torch.cuda.Event()
         done.record(stream)
-    return inputs, done
+    return batch, failed, inputs, done
 
 
 def _use_on_current_stream(inputs: GuidanceInputs, done: torch.cuda.Event | None) -> None:

@@ -16,6 +16,9 @@ are then read as `prompt` and `id`):
 - seed: the `seed` column, else derive_seed(job_seed, id): same on any actor, attempt or run.
 - width/height: mapped to one of the job's buckets; none given -> the default bucket.
 - negative_prompt, steps, true_cfg_scale, num_images: the column, else the job default.
+- sources (an edit job, RowConfig.image_column set): that column's source images
+  (workers.sources), whose identities the shard's content digest covers; a row without
+  width/height gets the bucket nearest its first source's aspect ratio (from its header).
 - every other column passes through, converted to JSON-safe values.
 """
 
@@ -26,8 +29,8 @@ import datetime as dt
 import decimal
 import hashlib
 import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pyarrow as pa
@@ -37,7 +40,15 @@ from ditfleet.compile.buckets import BucketSet, ResolutionBucket, default_bucket
 from ditfleet.model.family import DEFAULT_FAMILY
 from ditfleet.model.generation.guidance import DEFAULT_NEGATIVE_PROMPT
 from ditfleet.model.knobs import check_settings, setting
-from ditfleet.workers.content_digest import Prepared, RangeDigest
+from ditfleet.workers.content_digest import IdentityDigest, Prepared, RangeDigest, combine
+from ditfleet.workers.sources import (
+    SourceHeader,
+    SourceLimits,
+    SourceReader,
+    SourceRef,
+    SourceSpecError,
+    column_sources,
+)
 from ditfleet.workers.storage.input_files import InputFileError, open_parquet
 
 # Columns with a meaning; every other column is passed through to the manifest.
@@ -51,6 +62,8 @@ CFG_RANGE = (0.0, 50.0)
 NUM_IMAGES_RANGE = (1, 16)
 MAX_SEED = 2**63 - 1  # seeds are int64 >= 0
 MAX_SIDE = 16384  # pixels; far beyond any bucket, it only guards against nonsense sizes
+MAX_SOURCE_MB = 64  # an edit job's source image, as stored (input.max_source_mb)
+MAX_SOURCE_MEGAPIXELS = 50  # and decoded (input.max_source_megapixels)
 
 _PANDAS_INDEX = re.compile(r"__index_level_\d+__")
 _SEED_PERSON = b"ditfleet-seed"  # blake2b personalisation: these hashes are seeds and nothing else
@@ -112,6 +125,28 @@ class RowConfig:
         "A file without it uses row positions as ids, unless this names another column than 'id', "
         "which must then be there.",
     )
+    image_column: str | None = setting(
+        None,
+        fingerprint="when_set",
+        description="Set: an edit job. The input column that holds each row's source image(s): a URI "
+        "(s3://bucket/key, an absolute path, or a path relative to the input file), a list of them, the "
+        "Hugging Face image struct {bytes, path}, or a list of those (several references per row). "
+        "The prompt column is then the instruction. Needs an edit model (docs/edit-jobs.md).",
+    )
+    max_source_mb: int = setting(
+        MAX_SOURCE_MB,
+        ge=1,
+        le=4096,
+        fingerprint="when_set",
+        description="An edit job's source image larger than this (MiB, as stored) fails its row.",
+    )
+    max_source_megapixels: int = setting(
+        MAX_SOURCE_MEGAPIXELS,
+        ge=1,
+        le=1000,
+        fingerprint="when_set",
+        description="An edit job's source image of more pixels than this (millions, decoded) fails its row.",
+    )
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -122,6 +157,18 @@ class RowConfig:
                 raise ValueError(f"{name} must name a column, got {getattr(self, name)!r}")
         if self.prompt_column == self.id_column:
             raise ValueError(f"prompt_column and id_column are both {self.prompt_column!r}: name two columns")
+        image = self.image_column
+        if image is not None and (not isinstance(image, str) or not image):
+            raise ValueError(f"image_column must name a column or be null, got {image!r}")
+        if image is not None and (image in (self.prompt_column, self.id_column) or image in KNOWN_COLUMNS):
+            raise ValueError(
+                f"image_column {image!r} is a column the job reads for something else: name the column "
+                "that holds the source images"
+            )
+
+    @property
+    def source_limits(self) -> SourceLimits:
+        return SourceLimits(self.max_source_mb * 2**20, self.max_source_megapixels * 10**6)
 
     @property
     def renamed(self) -> dict[str, str]:
@@ -174,6 +221,15 @@ class PromptRow:
     file: str  # input file URI
     row: int  # 0-based row in that file
     extra: dict[str, Any] = field(default_factory=dict)  # pass-through columns, JSON-safe
+    # An edit job's source images, in column order, and what their headers said at the shard
+    # (the same as when planned: the content digest holds their identities). () for a text job.
+    sources: tuple[SourceRef, ...] = ()
+    source_headers: tuple[SourceHeader, ...] = ()
+
+    @property
+    def source_problem(self) -> str | None:
+        """Why this row's sources cannot be used (the first unusable one's reason), None if they can."""
+        return next((h.problem for h in self.source_headers if h.problem is not None), None)
 
 
 @dataclass(frozen=True)
@@ -228,10 +284,13 @@ def to_json_safe(value: Any) -> Any:
     return str(value)
 
 
-def passthrough_columns(names: list[str]) -> list[str]:
-    """The columns that pass through to the manifest: all but the known ones and pandas' index
+def passthrough_columns(names: list[str], image_column: str | None = None) -> list[str]:
+    """The columns that pass through to the manifest: all but the known ones, an edit job's
+    image column (its manifest columns are source_uris / source_sha256) and pandas' index
     columns ("__index_level_0__", written when a DataFrame with a non-default index is saved)."""
-    return [n for n in names if n not in KNOWN_COLUMNS and not _PANDAS_INDEX.fullmatch(n)]
+    return [
+        n for n in names if n not in KNOWN_COLUMNS and n != image_column and not _PANDAS_INDEX.fullmatch(n)
+    ]
 
 
 def content_columns(names: list[str]) -> list[str]:
@@ -244,15 +303,49 @@ class InputContentChanged(InputFileError):
     """The rows an actor read for a shard are not the rows that shard was planned with."""
 
 
-def check_content(shard: ShardSpec, found: int) -> None:
-    """Refuse (InputContentChanged) rows whose digest is not the planned one."""
+def source_bucket(buckets: BucketSet, header: SourceHeader) -> ResolutionBucket:
+    """The bucket of an edit row that gives no size: the one nearest its source's aspect ratio
+    (then pixel count), even under strict matching, which is about sizes a row asks for; the
+    default bucket when the source's size is unknown (the row fails on it)."""
+    if header.width is None or header.height is None:
+        return buckets.default()
+    return replace(buckets, strict=False).map(header.width, header.height)
+
+
+def batch_sources(
+    batch: pa.RecordBatch, config: RowConfig, file: str, first_row: int
+) -> list[tuple[SourceRef, ...]]:
+    """Each row's sources from an edit job's batch; RowResolutionError for a row that names
+    none (validation refuses those, so only an input changed since reaches this)."""
+    assert config.image_column is not None
+    out = []
+    for i, refs in enumerate(column_sources(batch.column(config.image_column), file, first_row)):
+        if isinstance(refs, SourceSpecError):
+            raise RowResolutionError(f"{file}: row {first_row + i}, column {config.image_column!r}: {refs}")
+        out.append(refs)
+    return out
+
+
+def with_sources(rows_digest: int, identities: IdentityDigest) -> int:
+    """An edit shard's content digest: its rows' and its sources' identities together."""
+    return combine([rows_digest, identities.value()])
+
+
+def check_content(shard: ShardSpec, found: int, sources: bool = False) -> None:
+    """Refuse (InputContentChanged) rows whose digest is not the planned one; sources: an edit
+    shard's digest, which covers its rows' source images too."""
     if shard.content_digest is None or found == shard.content_digest:
         return
+    what = (
+        "their content digest differs"
+        if not sources
+        else "the digest of their content or their source images differs"
+    )
     raise InputContentChanged(
         shard.file,
         f"rows {shard.row_start}..{shard.row_stop - 1} (shard {shard.index}) changed since the output was "
-        "planned (their content digest differs)",
-        "Point the job at a new output, or restore the file",
+        f"planned ({what})",
+        "Point the job at a new output, or restore the file" + (" and its sources" if sources else ""),
     )
 
 
@@ -294,16 +387,22 @@ _DEFAULTED: dict[str, Callable[[Any], Any]] = {
 
 
 def resolve_rows(
-    batch: pa.RecordBatch, config: RowConfig, shard: ShardSpec, first_row: int
+    batch: pa.RecordBatch,
+    config: RowConfig,
+    shard: ShardSpec,
+    first_row: int,
+    sources: Sequence[tuple[tuple[SourceRef, ...], tuple[SourceHeader, ...]]] | None = None,
 ) -> list[PromptRow]:
     """Resolve the rows of `batch` (rows first_row.. of the shard's file) into PromptRows.
 
     Rows without an id use their global input position as id, or f"{id_prefix}{row}" when the
-    shard has an id_prefix.
+    shard has an id_prefix. sources: an edit job's, per row (refs and headers, read_shard_rows).
     """
     n, names, file = batch.num_rows, batch.schema.names, shard.file
     known = {name: batch.column(name).to_pylist() if name in names else [None] * n for name in KNOWN_COLUMNS}
-    extras = {name: batch.column(name).to_pylist() for name in passthrough_columns(names)}
+    extras = {
+        name: batch.column(name).to_pylist() for name in passthrough_columns(names, config.image_column)
+    }
     position = shard.position_start + first_row - shard.row_start
     mapped: dict[tuple[int, int], ResolutionBucket] = {}
     out: list[PromptRow] = []
@@ -319,7 +418,11 @@ def resolve_rows(
         else:
             row_id = f"{shard.id_prefix}{row}" if shard.id_prefix is not None else str(position + i)
         w, h = known["width"][i], known["height"][i]
-        bucket = _bucket_of(w, h, config, mapped, f"{file}: row {row}")
+        refs, headers = sources[i] if sources is not None else ((), ())
+        if w is None and h is None and headers:
+            bucket = source_bucket(config.buckets, headers[0])
+        else:
+            bucket = _bucket_of(w, h, config, mapped, f"{file}: row {row}")
         out.append(
             PromptRow(
                 id=row_id,
@@ -333,6 +436,8 @@ def resolve_rows(
                 file=file,
                 row=row,
                 extra={name: to_json_safe(values[i]) for name, values in extras.items()},
+                sources=refs,
+                source_headers=headers,
                 **{
                     k: getattr(config, k) if known[k][i] is None else read(known[k][i])
                     for k, read in _DEFAULTED.items()
@@ -343,11 +448,18 @@ def resolve_rows(
 
 
 def read_shard_rows(
-    shard: ShardSpec, filesystem: pafs.FileSystem, config: RowConfig, batch_rows: int = 4096
+    shard: ShardSpec,
+    filesystem: pafs.FileSystem,
+    config: RowConfig,
+    batch_rows: int = 4096,
+    sources: SourceReader | None = None,
 ) -> list[PromptRow]:
     """Read and resolve the rows of one shard: only the row groups that overlap it are read, and
     of those only up to the shard's last row (streamed: nothing after it is fetched or decoded;
     rows before its first are decoded, as Parquet pages are, but never turned into rows).
+
+    An edit job's sources are located and their headers read here (through `sources`, one
+    reader per actor; a default one otherwise), their identities part of the content digest.
 
     Raises InputFileError if the file no longer holds the planned rows or images, and
     InputContentChanged if their content digest is not the planned one (it changed after planning).
@@ -380,15 +492,35 @@ def read_shard_rows(
             if at >= shard.row_stop:
                 break
     # The content first: an edited row is refused as such, before anything reads its values.
-    if sum(p.num_rows for _, p in parts) == shard.num_rows and parts:
+    whole = sum(p.num_rows for _, p in parts) == shard.num_rows and bool(parts)
+    found: int | None = None
+    if whole:
         columns = content_columns(parts[0][1].schema.names)
         digest = RangeDigest()
         for _, part in parts:
             digest.add(Prepared(part, columns), 0, part.num_rows)
-        check_content(shard, digest.value())
+        found = digest.value()
+        if config.image_column is None:
+            check_content(shard, found)
+    per_part: list[list[tuple[tuple[SourceRef, ...], tuple[SourceHeader, ...]]] | None] = [None] * len(parts)
+    if config.image_column is not None and whole:
+        reader = sources or SourceReader(config.source_limits)
+        identities = IdentityDigest()
+        for p, (first, part) in enumerate(parts):
+            try:
+                refs = batch_sources(part, config, shard.file, first)
+            except RowResolutionError:
+                # A row that names no source was refused when planned: the rows changed since.
+                check_content(shard, found or 0, sources=True)
+                raise
+            headers = reader.batch_headers(refs)
+            for row_headers in headers:
+                identities.add_row(h.identity for h in row_headers)
+            per_part[p] = list(zip(refs, headers))
+        check_content(shard, with_sources(found or 0, identities), sources=True)
     rows: list[PromptRow] = []
-    for first, part in parts:
-        rows += resolve_rows(part, config, shard, first)
+    for (first, part), part_sources in zip(parts, per_part):
+        rows += resolve_rows(part, config, shard, first, part_sources)
     images = sum(r.num_images for r in rows)
     if len(rows) != shard.num_rows or images != shard.num_images:
         raise InputFileError(

@@ -19,6 +19,7 @@ from ditfleet.driver.input.arrays import outside, plain
 from ditfleet.driver.input.prompts import InputFile
 from ditfleet.driver.input.row_errors import InputError, RowError, describe_value
 from ditfleet.workers.rows import CFG_RANGE, MAX_SEED, MAX_SIDE, NUM_IMAGES_RANGE, STEPS_RANGE, RowConfig
+from ditfleet.workers.sources import SourceSpecError, column_problem, column_sources
 
 DEFAULT_MAX_ERRORS = 50
 
@@ -44,6 +45,10 @@ _SHORTEN = "Shorten it, or raise the job's max_prompt_chars"
 _PATH_LIKE_ID = r"(^|[/\\])\.\.($|[/\\])|^[/\\]|[\x00-\x1f\x7f]"
 _NO_NUL = "Remove the NUL characters (\\x00) from the text; they are never part of a caption"
 _BOTH_SIZES = "Give both width and height, or neither (the row then uses the job's default bucket)"
+_GIVE_SOURCE = (
+    "Give every row of an edit job its source image(s): s3://bucket/key, an absolute path, a path "
+    "relative to the input file, or the image's bytes (docs/edit-jobs.md)"
+)
 
 
 def _kind(t: pa.DataType) -> str:
@@ -182,6 +187,8 @@ class RowValidator:
             hint = "Set input.id_column to the column that holds the ids, or leave it out to use row positions as ids"
             self.add(RowError(file, None, config.id_column, None, problem, hint))
             return False
+        if config.image_column is not None and not self._check_image_column(file, schema, shown):
+            return False
         schema = job_schema(config, schema)
         names = schema.names
         ok = True
@@ -206,6 +213,34 @@ class RowValidator:
                 problem = f"there is a '{have}' column but no '{missing}' column"
                 self.add(RowError(file, None, missing, None, problem, _BOTH_SIZES))
         return ok
+
+    def _check_image_column(self, file: str, schema: pa.Schema, shown: str) -> bool:
+        """An edit job's image column is there and holds one of the source forms."""
+        column = self.config.image_column
+        assert column is not None
+        if column not in schema.names:
+            problem = f"no '{column}' column, which input.image_column names (columns: {shown or 'none'})"
+            hint = (
+                "Set input.image_column to the column that holds the source images, or leave it out for "
+                "a text-to-image job"
+            )
+            self.add(RowError(file, None, column, None, problem, hint))
+            return False
+        wrong = column_problem(schema.field(column).type)
+        if wrong is not None:
+            hint = "Write the column as one of those forms (docs/edit-jobs.md)"
+            self.add(RowError(file, None, column, None, wrong, hint))
+            return False
+        return True
+
+    def _check_sources(self, at: _At, batch: pa.RecordBatch) -> None:
+        """Every row of an edit job names at least one source, each in a form a store reads."""
+        column = self.config.image_column
+        if column is None or column not in batch.schema.names:
+            return
+        for i, got in enumerate(column_sources(batch.column(column), at.file, at.first_row)):
+            if isinstance(got, SourceSpecError):
+                self.add(RowError(at.file, at.first_row + i, column, None, str(got), _GIVE_SOURCE))
 
     def _flag(
         self,
@@ -291,6 +326,7 @@ class RowValidator:
                 self._check_range(at, column, plain(batch.column(column)), lo, hi)
         if "width" in names and "height" in names:
             self._check_sizes(at, plain(batch.column("width")), plain(batch.column("height")))
+        self._check_sources(at, batch)
 
     def _check_nul(self, at: _At, column: str, text: pa.Array) -> None:
         """A NUL ends the text early in C-side tokenizers and logs: what is generated would not be

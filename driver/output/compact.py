@@ -119,19 +119,37 @@ class UnionDigest:
         return {"rows": self.rows, "sha256": self.sha256()}
 
 
+_COLON, _EMPTY, _NULL = (pa.scalar(v, pa.large_string()) for v in (":", "", "-"))
+
+
 def row_texts(table: pa.Table) -> pa.Array:
     """Each row of `table` as one string over every manifest column, in schema order: a null as
-    "-", a value as its UTF-8 length in bytes, ":", and its text (numbers in decimal), so that no
-    two different rows give the same string and rows can be concatenated without a separator."""
-    colon, empty, null = (pa.scalar(v, pa.large_string()) for v in (":", "", "-"))
-    parts = []
-    for name in MANIFEST_SCHEMA.names:
-        column = table.column(name).combine_chunks()
-        if not pa.types.is_large_string(column.type):
-            column = column.cast(pa.large_string())
-        length = pc.binary_length(column).cast(pa.large_string())
-        parts.append(pc.coalesce(pc.binary_join_element_wise(length, colon, column, empty), null))
-    return pc.binary_join_element_wise(*parts, empty)
+    "-", a value as its UTF-8 length in bytes, ":", and its text (numbers in decimal; a list as
+    its elements' texts, each written the same way, one after another), so that no two different
+    rows give the same string and rows can be concatenated without a separator."""
+    parts = [_value_texts(table.column(name).combine_chunks()) for name in MANIFEST_SCHEMA.names]
+    return pc.binary_join_element_wise(*parts, _EMPTY)
+
+
+def _value_texts(column: pa.Array) -> pa.Array:
+    """Each value of `column` as "-" (null) or "<UTF-8 length>:<text>", as large strings."""
+    if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+        column = _list_texts(column)
+    elif not pa.types.is_large_string(column.type):
+        column = column.cast(pa.large_string())
+    length = pc.binary_length(column).cast(pa.large_string())
+    return pc.coalesce(pc.binary_join_element_wise(length, _COLON, column, _EMPTY), _NULL)
+
+
+def _list_texts(column: pa.Array) -> pa.Array:
+    """Each list of `column` as its elements' `_value_texts` concatenated; a null list stays null
+    (an empty list is ""). The element texts delimit themselves, so the list is recovered whole:
+    ["ab", "c"] and ["a", "bc"] differ, and so do [] and [""] and [null]."""
+    elements = _value_texts(pc.list_flatten(column))  # null lists have no elements here
+    lengths = pc.list_value_length(column).fill_null(0).to_numpy(zero_copy_only=False)
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]), pa.int64())
+    lists = pa.LargeListArray.from_arrays(offsets, elements, mask=column.is_null())
+    return pc.binary_join(lists, _EMPTY)
 
 
 def made_from(current: Mapping[int, str]) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from ditfleet.driver.memory_plan import MemoryRequest
 from ditfleet.driver.output.cost import CostConfig
 from ditfleet.driver.plan import PlanConfig
 from ditfleet.driver.run_job import DriverConfig
-from ditfleet.model.family import check_model_index, model_family, resolve_model_dir
+from ditfleet.model.family import check_model_index, model_family, model_task, resolve_model_dir
 from ditfleet.model.loading.folder import WeightsError, text_encoder_kind
 from ditfleet.model.quality.table import MODEL, PIPELINE_QWEN_VL, check_scorers_supported, needing
 from ditfleet.model.settings import PipelineSettings, resolve_modulation_cache
@@ -31,6 +31,7 @@ from ditfleet.workers.cache_secret import CacheSecretSource
 from ditfleet.workers.contract import GateConfig, LoraSpec, ModelPlacement, WorkerConfig
 from ditfleet.workers.output.formats import ShardWriterConfig
 from ditfleet.workers.rows import RowConfig
+from ditfleet.workers.sources import task_problem
 from ditfleet.workers.storage import S3Config
 from ditfleet.workers.weights.licence import JOB_SOURCE, ModelLicence, read_model_licence
 
@@ -112,6 +113,7 @@ class JobSpec(Section):
     @model_validator(mode="after")
     def _model_folder_runs_here(self) -> JobSpec:
         check_model_folder(self.model.path)
+        check_model_task(self.model.path, self.input.image_column)
         return self
 
     def _scorer_inputs(self) -> tuple[frozenset[str], str]:
@@ -388,6 +390,22 @@ def check_model_folder(model_path: str) -> None:
         check_model_index(path)
     except WeightsError as e:
         raise ValueError(f"model.path: {e}") from None
+
+
+def check_model_task(model_path: str, image_column: str | None) -> None:
+    """ValueError for an edit job on a text-to-image model or a text job on an edit model, for a
+    bundled model or a local folder (validate, plan and run refuse it before any work); a remote
+    model's model_index.json is read where it is fetched, and each actor checks it there."""
+    path = _absolute(model_path.removeprefix("file://"), model_path)
+    if "://" in path or not (os.path.isdir(path) or model_family(model_path).bundled_dir is not None):
+        return
+    try:
+        task = model_task(path)
+    except WeightsError:
+        return  # check_model_folder says what is wrong with the folder
+    problem = task_problem(model_path, task, image_column)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def _absolute(path: str, model: str | None = None) -> str:

@@ -106,6 +106,9 @@ class InputSpec(Section):
     )
     prompt_column: str = knob(RowConfig, "prompt_column")
     id_column: str = knob(RowConfig, "id_column")
+    image_column: str | None = knob(RowConfig, "image_column")
+    max_source_mb: int = knob(RowConfig, "max_source_mb")
+    max_source_megapixels: int = knob(RowConfig, "max_source_megapixels")
     incremental: bool = Field(
         default=False,
         description="The input grows (a new file lands every night): each run generates only the rows "

@@ -44,6 +44,9 @@ from ditfleet.workers.storage.parquet_bytes import read_parquet
 
 MANIFEST_VERSION = "1"
 STATUSES = ("ok", "failed")
+# A list of strings as Parquet stores it: its element field is named "element" (the Parquet
+# spec's), so a manifest read back has exactly the schema it was written with.
+_STRINGS = pa.list_(pa.field("element", pa.string()))
 
 # What occupies a manifest key (manifest_kind): rows, or one of the two zero-row markers.
 MANIFEST = "manifest"
@@ -147,11 +150,29 @@ class ManifestRow:
         "licence id of the model that generated the image (e.g. apache-2.0); null = not known",
         None,
     )
+    # An edit job's source images (input.image_column), in the row's column order, so a dataset
+    # joins back to what it was made from (unnest both lists in DuckDB; docs/reliability.md). An
+    # embedded source (the datasets image struct) is named by its struct `path`, else by
+    # `<input file uri>#row=<n>&image=<i>`. A sha256 is null where that source could not be read
+    # (the row then failed; `error` says why). Both null for text-to-image rows and older manifests.
+    source_uris: tuple[str, ...] | None = _col(
+        _STRINGS,
+        "edit jobs: the row's source images by URI, in column order; null = text job",
+        None,
+    )
+    source_sha256: tuple[str | None, ...] | None = _col(
+        _STRINGS,
+        "edit jobs: sha256 (hex) of each source's bytes, as source_uris; null element = unreadable",
+        None,
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.extra, Mapping):
             object.__setattr__(self, "extra", passthrough_json(self.extra))
-        problems = []
+        for name in ("source_uris", "source_sha256"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        problems = _source_problems(self.status, self.source_uris, self.source_sha256)
         if self.status not in STATUSES:
             problems.append(f"status {self.status!r} is not one of {STATUSES}")
         elif self.status == "ok" and (self.uri is None or self.sha256 is None or self.bytes is None):
@@ -178,8 +199,29 @@ class ManifestRow:
                 problems.append(f"{f.name} must be a str, got {type(value).__name__}")
             elif pa.types.is_boolean(kind) and not isinstance(value, bool):
                 problems.append(f"{f.name} must be a bool, got {value!r}")
+            elif pa.types.is_list(kind) and not (
+                isinstance(value, tuple) and all(v is None or isinstance(v, str) for v in value)
+            ):
+                problems.append(f"{f.name} must be a list of str, got {value!r}")
         if problems:
             raise ValueError(f"manifest row id={self.id!r} k={self.k!r}: " + "; ".join(problems))
+
+
+def _source_problems(status: str, uris: Any, digests: Any) -> list[str]:
+    """The two source columns agree: both null (a text job) or one digest per URI, and an ok
+    row's every source was read (an image cannot have been made from a source nobody read)."""
+    if (uris is None) != (digests is None):
+        return ["source_uris and source_sha256 are both null (a text job) or both set (an edit job)"]
+    if uris is None or not isinstance(uris, tuple) or not isinstance(digests, tuple):
+        return []  # the type check below names a non-list
+    problems = []
+    if None in uris:
+        problems.append("source_uris may not hold a null (every source has a URI)")
+    if len(uris) != len(digests):
+        problems.append(f"{len(uris)} source_uris but {len(digests)} source_sha256 (one per source)")
+    elif status == "ok" and None in digests:
+        problems.append("an ok row needs every source's sha256 (a null one: that source was not read)")
+    return problems
 
 
 def _score_problems(scores: Mapping[str, Any]) -> list[str]:

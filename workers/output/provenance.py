@@ -10,6 +10,11 @@ revision and licence (where known: workers.weights.licence) and the job's name (
   "UNICODE\\0" + UTF-16 in the EXIF block's byte order, as the AUTOMATIC1111 web UI writes it)
   and an XMP packet (dc:description, and one ditfleet: element per fact).
 
+An edit job's image says so and of what: `task` "edit" and its `sources` (URI and sha256 of each
+source image, in the row's column order) among the facts, `Task: edit, Source 1: ..., Source 1
+sha256: ...` in the infotext, an ordered rdf:Seq in XMP. A text job's image carries none of
+these, so its bytes are what they were before edit jobs existed.
+
 Everything here is a pure function of the row's settings and the job's model and name: no
 time, host, worker or attempt, so every run of a shard, on any actor, makes the same bytes.
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from xml.sax.saxutils import escape
@@ -64,6 +70,19 @@ class Provenance:
     id: str | None = None
     k: int | None = None
     job: JobProvenance = field(default_factory=JobProvenance)
+    # An edit's source images, (uri, sha256 hex) each, in the row's column order; None: a text job.
+    sources: Sequence[tuple[str, str]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.sources is None:
+            return
+        sources = tuple(tuple(pair) for pair in self.sources)
+        bad = [p for p in sources if len(p) != 2 or not all(isinstance(v, str) for v in p)]
+        if bad:
+            raise ValueError(
+                f"provenance of id={self.id!r}: a source is a (uri, sha256) pair of str, got {bad[0]!r}"
+            )
+        object.__setattr__(self, "sources", sources)  # hashable and fixed, as the record is
 
     def facts(self) -> dict[str, Any]:
         """The facts as JSON values, in a fixed order; what is not known is left out."""
@@ -81,6 +100,10 @@ class Provenance:
             "job_name": self.job.job_name,
             "id": self.id,
             "k": self.k,
+            "task": None if self.sources is None else "edit",
+            "sources": None
+            if self.sources is None
+            else [{"uri": uri, "sha256": sha256} for uri, sha256 in self.sources],
         }
         return {key: value for key, value in doc.items() if value is not None}
 
@@ -96,6 +119,9 @@ class Provenance:
             Negative prompt: blurry
             Steps: 28, CFG scale: 4.0, Seed: 42, Size: 64x64, Model: tiny, Model hash: 3f0c..., License: apache-2.0, Job: demo
 
+        An edit adds `Task: edit` and, per source i from 1, `Source i: "<uri>"` (quoted: a URI
+        has a colon) and `Source i sha256: <hex>`.
+
         A prompt or negative prompt that the form cannot hold as it is (`_infotext_block`) is
         written as one JSON string instead, so a reader never takes part of a prompt for the
         negative prompt or the settings."""
@@ -109,6 +135,10 @@ class Provenance:
             ("License", self.job.model_license),
             ("Job", self.job.job_name),
         ]
+        if self.sources is not None:
+            pairs.append(("Task", "edit"))
+            for i, (uri, sha256) in enumerate(self.sources, 1):
+                pairs += [(f"Source {i}", uri), (f"Source {i} sha256", sha256)]
         lines = [_infotext_block(self.prompt)]
         if self.negative_prompt and self.negative_prompt.strip():  # not the blank default " "
             lines.append(f"{NEGATIVE_PROMPT_LABEL} {_infotext_block(self.negative_prompt)}")
@@ -143,7 +173,8 @@ class Provenance:
         """An XMP packet (UTF-8): one ditfleet: element per fact and, with `description`, the
         parameters text as dc:description."""
         body = "".join(
-            f"<ditfleet:{key}>{_xml_text(value)}</ditfleet:{key}>" for key, value in self.facts().items()
+            f"<ditfleet:{key}>{_xml_sources(value) if key == 'sources' else _xml_text(value)}</ditfleet:{key}>"
+            for key, value in self.facts().items()
         )
         if description:
             body += (
@@ -192,6 +223,18 @@ def _quoted(value: Any) -> str:
     if any(c in text for c in ',:\n\r"\x00') or text != text.strip():
         return json.dumps(text, ensure_ascii=False)
     return text
+
+
+def _xml_sources(sources: list[dict[str, str]]) -> str:
+    """The sources as an XMP ordered array of structures: rdf:Seq, one rdf:li per source in
+    order, each with ditfleet:uri and ditfleet:sha256."""
+    items = "".join(
+        '<rdf:li rdf:parseType="Resource">'
+        + "".join(f"<ditfleet:{key}>{_xml_text(value)}</ditfleet:{key}>" for key, value in source.items())
+        + "</rdf:li>"
+        for source in sources
+    )
+    return f"<rdf:Seq>{items}</rdf:Seq>"
 
 
 def _xml_text(value: Any) -> str:

@@ -58,6 +58,27 @@ class ObjectNotFound(FileNotFoundError):
     """`get` of a key that does not exist."""
 
 
+class ObjectUnreadable(PermissionError):
+    """A read the store refused for good (no permission, a directory where an object was
+    expected): retrying cannot help, unlike a StoreError."""
+
+
+@dataclass(frozen=True)
+class ObjectRead:
+    """Bytes read from an object with what identifies the object they came from: its whole
+    size and a version that a write of other bytes changes (an S3 ETag; a local file's
+    modification time in nanoseconds), taken with the same request as the bytes."""
+
+    data: bytes
+    size: int
+    version: str
+
+    @property
+    def identity(self) -> str:
+        """ "{size}:{version}": what a plan records of an object it read (edit jobs' sources)."""
+        return f"{self.size}:{self.version}"
+
+
 @dataclass(frozen=True)
 class S3Config:
     """Client settings for S3 and S3-compatible stores. Credentials are not here on purpose:
@@ -186,6 +207,16 @@ class ObjectStore(abc.ABC):
     @abc.abstractmethod
     def get(self, key: str) -> bytes:
         """The object's bytes; raises ObjectNotFound."""
+
+    def read_object(self, key: str, length: int | None = None) -> ObjectRead:
+        """The object's first `length` bytes (None: all of them) with its size and version, from
+        one request (a ranged GET on S3), so the bytes and the identity belong together. Raises
+        ObjectNotFound, or ObjectUnreadable for a read refused for good. This fallback reads the
+        whole object and digests it."""
+        data = self.get(key)
+        return ObjectRead(
+            data if length is None else data[:length], len(data), hashlib.sha256(data).hexdigest()
+        )
 
     def get_file(self, key: str, f: IO[bytes]) -> None:
         """Write the object's bytes into the binary file `f`, streaming where the store can (an

@@ -38,7 +38,9 @@ from botocore.exceptions import (
 from ditfleet.workers.storage.base import (
     _COPY_CHUNK,
     ObjectNotFound,
+    ObjectRead,
     ObjectStore,
+    ObjectUnreadable,
     S3Config,
     StoreConfigError,
     StoreError,
@@ -385,6 +387,32 @@ class S3Store(ObjectStore):
     def get(self, key: str) -> bytes:
         with self._body(key) as body:
             return body.read()
+
+    @_names_the_object("GET")
+    def read_object(self, key: str, length: int | None = None) -> ObjectRead:
+        ranged = {"Range": f"bytes=0-{length - 1}"} if length is not None and length > 0 else {}
+        try:
+            reply = self.client.get_object(Bucket=self.bucket, Key=self._key(key), **ranged)
+        except ClientError as e:
+            if error_code(e) in ("NoSuchKey", "404") or http_status(e) == 404:
+                raise ObjectNotFound(f"no object {self.uri(key)}") from None
+            if http_status(e) == 403:
+                raise ObjectUnreadable(f"{self.uri(key)}: access denied (403)") from None
+            if http_status(e) == 416:  # a range of an empty object
+                return self._empty(key)
+            raise
+        with reply["Body"] as body:
+            data = body.read()
+        # "bytes 0-65535/1234567": the whole object's size follows the slash.
+        content_range = reply.get("ContentRange")
+        size = int(content_range.rsplit("/", 1)[1]) if content_range else int(reply["ContentLength"])
+        return ObjectRead(data, size, str(reply["ETag"]).strip('"'))
+
+    def _empty(self, key: str) -> ObjectRead:
+        head = self._head(key)
+        if head is None:
+            raise ObjectNotFound(f"no object {self.uri(key)}")
+        return ObjectRead(b"", int(head["ContentLength"]), str(head["ETag"]).strip('"'))
 
     @_names_the_object("GET")
     def get_file(self, key: str, f: IO[bytes]) -> None:

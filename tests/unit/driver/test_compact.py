@@ -22,6 +22,7 @@ from ditfleet.driver.output.compact import (
     COMPACTED_PREFIX,
     INDEX_KEY,
     CompactionError,
+    UnionDigest,
     check_compacted,
     compact_output,
     compacted_state,
@@ -48,15 +49,20 @@ def _value(field: pa.Field, shard: int, i: int, tag: str):
         return 0.5 * i
     if pa.types.is_boolean(t):
         return bool(i % 2)
+    if pa.types.is_list(t):  # the edit job's sources: none, one or several, and a text row's null
+        return None if i % 4 == 3 else [f"{field.name}-{shard}-{i}-{j}{tag}" for j in range(i % 4)]
     return None
 
 
-def _manifest(shard: int, rows: int, tag: str = "") -> bytes:
-    columns = {
+def _table_columns(shard: int, rows: int, tag: str = "") -> dict[str, pa.Array]:
+    return {
         f.name: pa.array([_value(f, shard, i, tag) for i in range(rows)], f.type) for f in MANIFEST_SCHEMA
     }
+
+
+def _manifest(shard: int, rows: int, tag: str = "") -> bytes:
     sink = io.BytesIO()
-    pq.write_table(pa.table(columns, schema=MANIFEST_SCHEMA), sink)
+    pq.write_table(pa.table(_table_columns(shard, rows, tag), schema=MANIFEST_SCHEMA), sink)
     return sink.getvalue()
 
 
@@ -290,6 +296,33 @@ def _forge_same_digest(value: str) -> str:
                     assert digests(pa.array([forged]))[0] == digests(pa.array([value]))[0]
                     return forged
     raise AssertionError("no forgery found")
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        (["ab", "c"], ["a", "bc"]),  # the same characters, cut elsewhere
+        ([], [""]),
+        ([""], None),
+        ([None], None),
+        (["x", "y"], ["y", "x"]),  # the column order of the sources is part of the row
+    ],
+)
+def test_the_digest_takes_the_source_lists_whole(before, after):
+    """Rows that differ only in a source list (where its elements are cut, empty vs null, order)
+    have different digests, so a compacted set with such a change is not taken for the union."""
+    row = pa.table(_table_columns(0, 1), schema=MANIFEST_SCHEMA)
+    digests = []
+    for value in (before, after):
+        for name in ("source_uris", "source_sha256"):
+            at = MANIFEST_SCHEMA.get_field_index(name)
+            row = row.set_column(
+                at, MANIFEST_SCHEMA.field(at), pa.array([value], MANIFEST_SCHEMA.field(at).type)
+            )
+        digest = UnionDigest()
+        digest.add(row)
+        digests.append(digest.sha256())
+    assert digests[0] != digests[1]
 
 
 def test_a_tampered_set_that_matches_the_old_64_bit_digest_is_caught(tmp_path: Path):

@@ -68,6 +68,8 @@ EXPECTED_COLUMNS = [
     ("gate_seeds", pa.string(), True),
     ("phash", pa.int64(), True),
     ("model_license", pa.string(), True),
+    ("source_uris", pa.list_(pa.field("element", pa.string())), True),
+    ("source_sha256", pa.list_(pa.field("element", pa.string())), True),
 ]
 DESIGN_COLUMNS = {name for name, _, _ in EXPECTED_COLUMNS}
 
@@ -117,6 +119,78 @@ def test_schema_has_every_design_column_with_its_type() -> None:
 def test_rows_are_checked(overrides: dict, message: str) -> None:
     with pytest.raises(ValueError, match=f"manifest row id='row-3' k=0: .*{message}"):
         make_row(0, 3, **overrides)
+
+
+_A, _B = "a" * 64, "b" * 64
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"source_uris": ["s3://in/a.png"]}, "both null .* or both set"),
+        ({"source_uris": ["s3://in/a.png"], "source_sha256": [_A, _B]}, "1 source_uris but 2 source_sha256"),
+        (
+            {"source_uris": ["s3://in/a.png"], "source_sha256": [None]},
+            "an ok row needs every source's sha256",
+        ),
+        ({"source_uris": [None], "source_sha256": [_A]}, "source_uris may not hold a null"),
+        ({"source_uris": "s3://in/a.png", "source_sha256": [_A]}, "source_uris must be a list of str"),
+        ({"source_uris": [b"a"], "source_sha256": [_A]}, "source_uris must be a list of str"),
+    ],
+)
+def test_an_edit_rows_sources_are_checked(overrides: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=f"manifest row id='row-3' k=0: .*{message}"):
+        make_row(0, 3, **overrides)
+
+
+def test_an_edit_jobs_sources_read_back_and_join_to_the_source_table(tmp_path) -> None:
+    """Edit rows name their sources (lists, in column order); a failed row may have an unread
+    source (null sha256); text rows hold nulls. Every reader takes the lists, and DuckDB joins
+    the images back to a table of the sources by unnesting both lists together."""
+    import duckdb
+    from datasets import load_dataset
+
+    store = open_store(str(tmp_path / "out"))
+    rows = [
+        make_row(0, 0, source_uris=["s3://in/cat.png"], source_sha256=[_A]),
+        make_row(0, 1, source_uris=("s3://in/cat.png", "in.parquet#row=1&image=1"), source_sha256=(_A, _B)),
+        make_row(
+            0, 2, ok=False, error="source 1: s3://in/gone.png: not found",
+            source_uris=["s3://in/cat.png", "s3://in/gone.png"], source_sha256=[_A, None],
+        ),
+        make_row(0, 3),  # a text row: no sources
+    ]  # fmt: skip
+    writer = ManifestWriter(0, expected_rows=len(rows))
+    for row in rows:
+        writer.add(row)
+    assert writer.commit(store)
+    table = read_manifests(store)
+    assert table.schema.equals(MANIFEST_SCHEMA, check_metadata=True)
+    assert table.column("source_uris").to_pylist()[1] == ["s3://in/cat.png", "in.parquet#row=1&image=1"]
+    assert table.column("source_sha256").to_pylist() == [[_A], [_A, _B], [_A, None], None]
+
+    files = [str(p) for p in (tmp_path / "out" / "manifests").glob("shard-*.parquet")]
+    con = duckdb.connect()
+    con.execute("CREATE TABLE sources AS SELECT * FROM (VALUES ('s3://in/cat.png', 'a cat')) t(uri, caption)")
+    # The query docs/reliability.md shows: unnest in one SELECT zips the lists, position by position.
+    joined = con.execute(
+        "WITH s AS (SELECT id, unnest(source_uris) AS uri, unnest(source_sha256) AS sha256, "
+        "generate_subscripts(source_uris, 1) AS i FROM read_parquet(?)) "
+        "SELECT s.id, s.i, s.uri, left(s.sha256, 1), src.caption FROM s LEFT JOIN sources src USING (uri) "
+        "ORDER BY s.id, s.i",
+        [files],
+    ).fetchall()
+    con.close()
+    assert joined == [
+        ("row-0", 1, "s3://in/cat.png", "a", "a cat"),
+        ("row-1", 1, "s3://in/cat.png", "a", "a cat"),
+        ("row-1", 2, "in.parquet#row=1&image=1", "b", None),
+        ("row-2", 1, "s3://in/cat.png", "a", "a cat"),
+        ("row-2", 2, "s3://in/gone.png", None, None),
+    ]
+    hf = load_dataset("parquet", data_files=files, split="train", cache_dir=str(tmp_path / "hf"))
+    assert hf[1]["source_uris"] == ["s3://in/cat.png", "in.parquet#row=1&image=1"]
+    assert hf[3]["source_sha256"] is None
 
 
 def test_passthrough_json_keeps_order_and_types() -> None:
@@ -218,6 +292,9 @@ def test_union_reads_as_one_table_everywhere(tmp_path) -> None:
     assert json.loads(hf[8]["extra"]) == {"source": "web", "score": 0.5}
 
 
+_SOURCES = ["source_uris", "source_sha256"]
+
+
 def test_a_manifest_written_before_the_step_cache_columns_still_reads(tmp_path) -> None:
     """Older outputs lack the (nullable, trailing) step-cache columns: read as nulls, not refused."""
     from ditfleet.workers.output.manifest import with_later_columns
@@ -234,6 +311,7 @@ def test_a_manifest_written_before_the_step_cache_columns_still_reads(tmp_path) 
         "gate_seeds",
         "phash",
         "model_license",
+        *_SOURCES,
     ]
     old = MANIFEST_SCHEMA.empty_table().drop_columns(
         ["step_cache", "dit_blocks_computed", "dit_blocks_reused", "batch_size", *scores]
@@ -246,11 +324,16 @@ def test_a_manifest_written_before_the_step_cache_columns_still_reads(tmp_path) 
     no_scores = with_later_columns(MANIFEST_SCHEMA.empty_table().drop_columns(scores))
     assert no_scores.schema.equals(MANIFEST_SCHEMA, check_metadata=False)
     # ... and those of the scores and gate, before the perceptual hash.
-    no_phash = with_later_columns(MANIFEST_SCHEMA.empty_table().drop_columns(["phash", "model_license"]))
+    no_phash = with_later_columns(
+        MANIFEST_SCHEMA.empty_table().drop_columns(["phash", "model_license", *_SOURCES])
+    )
     assert no_phash.schema.equals(MANIFEST_SCHEMA, check_metadata=False)
     # ... and those before the model's licence (workers.weights.licence).
-    no_licence = with_later_columns(MANIFEST_SCHEMA.empty_table().drop_columns(["model_license"]))
+    no_licence = with_later_columns(MANIFEST_SCHEMA.empty_table().drop_columns(["model_license", *_SOURCES]))
     assert no_licence.schema.equals(MANIFEST_SCHEMA, check_metadata=False)
+    # ... and those before edit jobs' source columns: a text job's rows, nulls there.
+    no_sources = with_later_columns(MANIFEST_SCHEMA.empty_table().drop_columns(_SOURCES))
+    assert no_sources.schema.equals(MANIFEST_SCHEMA, check_metadata=False)
     # Anything else that differs is still refused by the readers.
     other = MANIFEST_SCHEMA.empty_table().drop_columns(["shard"])
     assert not with_later_columns(other).schema.equals(MANIFEST_SCHEMA, check_metadata=False)

@@ -448,3 +448,104 @@ def test_setting_values_a_reader_would_change_are_quoted() -> None:
         " padded ",
         "a, b: c",
     )
+
+
+# -- edit jobs: the image says it is an edit, and of which sources ------------------------------
+
+SOURCES = (("s3://in/cat.png", "a" * 64), ("in.parquet#row=3&image=1", "b" * 64))
+
+
+def _edit(sources=SOURCES, prompt: str = "make the cat blue") -> Provenance:
+    return Provenance(prompt, None, 4242, 28, 4.0, 40, 24, "p17", 0, JOB, sources=sources)
+
+
+def test_an_edit_names_its_sources_in_every_form() -> None:
+    p = _edit()
+    assert json.loads(p.to_json())["task"] == "edit"
+    assert json.loads(p.to_json())["sources"] == [
+        {"uri": "s3://in/cat.png", "sha256": "a" * 64},
+        {"uri": "in.parquet#row=3&image=1", "sha256": "b" * 64},
+    ]
+    _, _, settings = a1111_read(p.parameters())
+    assert {k: v for k, v in settings.items() if k.startswith(("Task", "Source"))} == {
+        "Task": "edit",
+        "Source 1": "s3://in/cat.png",
+        "Source 1 sha256": "a" * 64,
+        "Source 2": "in.parquet#row=3&image=1",
+        "Source 2 sha256": "b" * 64,
+    }
+    assert settings["Seed"] == "4242"  # the settings around them read as before
+    png = Image.open(io.BytesIO(encode_image(pixels(), "png", provenance=p)))
+    assert png.text == {"parameters": p.parameters(), "ditfleet": p.to_json()}
+    for fmt in ("jpeg", "webp"):
+        image = Image.open(io.BytesIO(encode_image(pixels(), fmt, provenance=p)))
+        assert exif_facts(image) == (p.parameters(), p.parameters())
+        assert xmp_sources(image) == [{"uri": u, "sha256": h} for u, h in SOURCES]
+        assert xmp_facts(image)[0]["task"] == "edit"
+    # A text job's image carries none of it: its metadata is what it was.
+    text = provenance()
+    assert "task" not in text.facts() and "Task" not in a1111_read(text.parameters())[2]
+    assert Provenance(PROMPT, NEGATIVE, 4242, 28, 4.0, 40, 24, "p17", 0, JOB, sources=None) == text
+
+
+def xmp_sources(image: Image.Image) -> list[dict[str, str]]:
+    """The ditfleet:sources rdf:Seq of an image's XMP, as a list of {uri, sha256}."""
+    root = ET.fromstring(image.info["xmp"])
+    seq = root.find(f"{RDF}RDF/{RDF}Description/{{{XMP_NAMESPACE}}}sources/{RDF}Seq")
+    assert seq is not None
+    return [
+        {el.tag.removeprefix("{" + XMP_NAMESPACE + "}"): el.text or "" for el in li}
+        for li in seq.findall(f"{RDF}li")
+    ]
+
+
+@pytest.mark.parametrize(
+    "uri", [*HOSTILE, 'x", Seed: 1, Size: 1x1', "s3://b/a, b: c.png", "café/東京 🙂.png"]
+)
+def test_hostile_source_uris_round_trip_as_prompts_do(uri) -> None:
+    """A URI is quoted where the infotext would change it (as setting values are), so a reader
+    gets it back exactly and no setting is forged; the JSON chunk and XMP hold it as given (XMP:
+    characters XML cannot hold as U+FFFD, as for prompts)."""
+    p = _edit(((uri, "c" * 64), ("s3://in/b.png", "d" * 64)))
+    png = Image.open(io.BytesIO(encode_image(pixels(), "png", provenance=p)))
+    assert json.loads(png.text["ditfleet"])["sources"][0]["uri"] == uri
+    texts = [png.text["parameters"]]
+    webp = Image.open(io.BytesIO(encode_image(pixels(), "webp", provenance=p)))
+    texts.append(exif_facts(webp)[0])
+    for text in texts:
+        prompt, negative, settings = a1111_read(text)
+        assert (prompt, negative) == ("make the cat blue", "")
+        assert settings["Source 1"] == uri and settings["Source 1 sha256"] == "c" * 64
+        assert settings["Source 2"] == "s3://in/b.png" and settings["Seed"] == "4242"
+        assert settings["Size"] == "40x24" and settings["Task"] == "edit"
+    expected = re.sub("[\x00-\x08\x0b\x0c\x0e-\x1f]", "\ufffd", uri)
+    assert xmp_sources(webp)[0]["uri"] == expected
+
+
+def test_a_source_is_a_pair_of_strings() -> None:
+    with pytest.raises(ValueError, match="id='p17': a source is a \\(uri, sha256\\) pair of str"):
+        _edit((("s3://in/a.png",),))
+    with pytest.raises(ValueError, match="pair of str"):
+        _edit((("s3://in/a.png", None),))
+
+
+@pytest.mark.parametrize(
+    ("output_format", "image_format"), [("files", "png"), ("parquet", "jpeg"), ("webdataset", "webp")]
+)
+def test_every_output_format_stores_edits_that_name_their_sources(
+    tmp_path, output_format, image_format
+) -> None:
+    store = open_store(str(tmp_path / "out"))
+    cfg = ShardWriterConfig(output_format=output_format, image_format=image_format, threads=2, job=JOB)  # type: ignore[arg-type]
+    tasks = [ImageTask(id=f"r{i}", prompt="make it blue", seed=i, sources=SOURCES[: i + 1]) for i in range(2)]
+    writer = make_shard_writer(store, 0, cfg, T)
+    for i, task in enumerate(tasks):
+        writer.add(task, pixels(i))
+    images = _stored_images(store, output_format, writer.finish())
+    for task in tasks:
+        image = Image.open(io.BytesIO(images[task.id]))
+        if image_format == "png":
+            sources = [(s["uri"], s["sha256"]) for s in json.loads(image.text["ditfleet"])["sources"]]
+        else:
+            sources = [(s["uri"], s["sha256"]) for s in xmp_sources(image)]
+        assert tuple(sources) == task.sources

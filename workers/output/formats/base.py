@@ -83,11 +83,18 @@ class ImageTask:
     extra: str | None = None  # pass-through columns as JSON (manifest.passthrough_json)
     steps: int | None = None  # the row's sampling steps and CFG scale, for the image's metadata
     true_cfg_scale: float | None = None
+    # An edit job's source images, (uri, sha256) each in column order, for the image's metadata
+    # (the manifest row names them too); None: a text job.
+    sources: tuple[tuple[str, str], ...] | None = None
 
     def provenance(self, job: JobProvenance, width: int, height: int) -> Provenance:
         """What the stored image's metadata says made it; width, height: its pixels."""
         return Provenance(
-            **self.fields(width, height), steps=self.steps, true_cfg_scale=self.true_cfg_scale, job=job
+            **self.fields(width, height),
+            steps=self.steps,
+            true_cfg_scale=self.true_cfg_scale,
+            job=job,
+            sources=self.sources,
         )
 
     def fields(self, width: int, height: int) -> dict[str, Any]:

@@ -1,0 +1,46 @@
+"""An edit shard's batches: rows share their sources' number and encoded sizes (the edit
+pipeline stacks their latents), and rows whose sources cannot be used leave their batch as
+failed images with the reason, without the pipeline being called for them."""
+
+from __future__ import annotations
+
+from ditfleet.model import load_pipeline
+from ditfleet.model.family import source_size
+from ditfleet.workers.generate import BatchGenerator, image_requests, iter_generated, plan_batches
+from ditfleet.workers.source_prefetch import SourcePrefetch
+from ditfleet.workers.sources import SourceReader
+from tests.unit.workers.test_sources import EDIT, planned_rows, write_image, write_input
+
+
+def test_batches_share_the_number_and_encoded_sizes_of_their_sources(tmp_path):
+    write_image(tmp_path / "wide.png", 80, 48)
+    write_image(tmp_path / "wider.png", 160, 96)  # another size, encoded as wide.png is
+    write_image(tmp_path / "tall.png", 48, 80)
+    uri = write_input(
+        tmp_path / "p.parquet",
+        [["wide.png"], ["tall.png"], ["wider.png"], ["wide.png", "tall.png"], ["wide.png"]],
+        width=[32] * 5,
+        height=[32] * 5,  # one bucket for all: only the sources tell them apart
+    )
+    _, rows = planned_rows(uri)
+    assert source_size(80, 48) == source_size(160, 96) != source_size(48, 80)
+    batches = plan_batches(image_requests(rows), batch_size=8)
+    assert [[r.row.id for r in b] for b in batches] == [["0", "2", "4"], ["1"], ["3"]]
+
+
+def test_rows_with_unusable_sources_fail_with_their_reason_and_never_reach_the_pipeline(tmp_path):
+    (tmp_path / "text.png").write_bytes(b"no image")
+    uri = write_input(tmp_path / "p.parquet", [["gone.png"], ["text.png"]])
+    _, rows = planned_rows(uri)
+
+    # The text-to-image tiny model: handed a row with sources, it would refuse them (raise).
+    generator = BatchGenerator(load_pipeline("tiny"))
+    generator.sources = SourcePrefetch(SourceReader(EDIT.source_limits))
+    try:
+        made = list(iter_generated(generator, plan_batches(image_requests(rows), 4)))
+    finally:
+        generator.sources.close()
+    assert [(g.request.row.id, g.pixels, g.error) for g in made] == [
+        ("0", None, f"source 0 ({tmp_path}/gone.png) is missing"),
+        ("1", None, f"source 0 ({tmp_path}/text.png) is not an image Pillow reads"),
+    ]
