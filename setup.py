@@ -10,11 +10,16 @@ from setuptools import find_packages, setup
 
 # model <- compile <- workers <- driver <- jobs (ARCHITECTURE.md); `ditfleet/` is the users' face.
 LAYERS = ("model", "compile", "workers", "driver", "jobs")
-# Folders of data files, not code: the bundled tiny model's weights, the published model configs,
+# Folders of data files, not code: the bundled tiny models' weights, the published model configs,
 # the example job. Each folder is declared a (data-only) package with its files as
 # package data: setuptools warns about, and stops including in a later release, data in folders
 # that look like packages but are not declared as ones.
-DATA = (("model", "tiny/weights"), ("model", "qwen_image/published"), ("jobs", "examples"))
+DATA = (
+    ("model", "tiny/weights"),
+    ("model", "tiny/edit_weights"),
+    ("model", "qwen_image/published"),
+    ("jobs", "examples"),
+)
 
 package_dir = {"ditfleet": "ditfleet"}
 # ditfleet.testing: the builders tests/ and bench/ share (random checkpoints, model folders, outputs).
@@ -27,7 +32,9 @@ for layer in LAYERS:
 package_data = {}
 for root, folder in DATA:
     base = f"ditfleet.{root}"
-    for here, _dirs, files in os.walk(os.path.join(root, folder)):
+    # followlinks: the edit model's vae/ is a link to the tiny model's (one copy in the repository;
+    # an installed package holds the files under both names).
+    for here, _dirs, files in os.walk(os.path.join(root, folder), followlinks=True):
         if "__pycache__" in here or not files:
             continue
         name = ".".join([base, *os.path.relpath(here, root).split(os.sep)])

@@ -72,9 +72,15 @@ from ditfleet.model.family_types import (
     SourceSizes,
     TextConditioning,
 )
-from ditfleet.model.loading.folder import TINY_MODEL, WeightsError, model_dir_layout, read_model_index
+from ditfleet.model.loading.folder import (
+    TINY_EDIT_MODEL,
+    TINY_MODEL,
+    WeightsError,
+    model_dir_layout,
+    read_model_index,
+)
 from ditfleet.model.qwen_image.edit import EDIT_STYLES, source_size
-from ditfleet.model.qwen_image.family import QWEN_IMAGE, QWEN_IMAGE_CLASSES, TINY, MemoryFormula
+from ditfleet.model.qwen_image.family import QWEN_IMAGE, QWEN_IMAGE_CLASSES, TINY, TINY_EDIT, MemoryFormula
 
 if TYPE_CHECKING:  # the pipeline needs torch; this module is read without it
     from ditfleet.model.generation.pipeline import TextToImagePipeline
@@ -307,6 +313,10 @@ def check_model_index(root: str | Path) -> ModelFamily:
     return family_of_class(index.get("_class_name"), str(Path(root) / "model_index.json"))
 
 
+# The bundled models' families by the name a job gives (model.loading.folder.BUNDLED_MODELS).
+BUNDLED_FAMILIES: Mapping[str, ModelFamily] = MappingProxyType({TINY_MODEL: TINY, TINY_EDIT_MODEL: TINY_EDIT})
+
+
 def resolve_model_dir(path: str | Path) -> Path:
     """ "tiny" -> the bundled model; else a local directory in the diffusers layout, whose
     model_index.json (when it has one) names a class of `FAMILIES`."""
@@ -335,8 +345,8 @@ def model_family(source: Any) -> ModelFamily:
                 f"model_family takes a model path or a loaded pipeline, got {type(source).__name__}"
             )
         source = model_id
-    if str(source) == TINY_MODEL:
-        return TINY
+    if str(source) in BUNDLED_FAMILIES:
+        return BUNDLED_FAMILIES[str(source)]
     if (index := _REMOTE_INDEX.get(str(source))) is not None:
         return family_of_class(index.get("_class_name"), f"{source} (model_index.json)", index)
     return check_model_index(source) if Path(source).is_dir() else DEFAULT_FAMILY
@@ -352,12 +362,14 @@ def schedule_by_checkpoint(model_path: str, family: ModelFamily) -> tuple[Publis
 
 def model_task(model_path: str | os.PathLike, model_index: dict | None = None) -> str:
     """TEXT_TO_IMAGE or EDIT for a model path as a job names it: its family's `task` of its
-    model_index.json. "tiny", a folder without model_index.json and a remote path (not read
-    here) are text-to-image unless `model_index` (read elsewhere, e.g. from an object store) says
-    otherwise."""
+    model_index.json. A bundled model's ("tiny", "tiny-edit") is its folder's; a folder without
+    model_index.json and a remote path (not read here) are text-to-image unless `model_index`
+    (read elsewhere, e.g. from an object store) says otherwise."""
     where = f"{model_path}/model_index.json"
     if model_index is None:
-        local = None if str(model_path) == TINY_MODEL else read_model_index(model_path)
+        bundled = BUNDLED_FAMILIES.get(str(model_path))
+        root = bundled.bundled_dir if bundled is not None and bundled.bundled_dir else Path(model_path)
+        local = read_model_index(root)
         if local is None:
             return model_family(model_path).task({})
         model_index = local
@@ -388,7 +400,7 @@ def source_prompt_tokens(
 def load_pipeline(path: str | Path, *args: Any, **kwargs: Any) -> TextToImagePipeline:
     """The checkpoint at `path` ("tiny" or a local folder) loaded by its family (see
     `model.qwen_image.loader.load_pipeline` for the arguments)."""
-    return model_family(resolve_model_dir(path) if str(path) != TINY_MODEL else path).load_pipeline(
+    return model_family(resolve_model_dir(path) if str(path) not in BUNDLED_FAMILIES else path).load_pipeline(
         path, *args, **kwargs
     )
 

@@ -44,12 +44,17 @@ def prompts_table(rows: int = ROWS) -> pa.Table:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(Path(__file__).with_name("prompts.parquet")))
+def write_example(table: pa.Table, name: str, description: str, what: str) -> None:
+    """Write `table` to --out (default: `name` next to this file), zstd-compressed, and say so."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", default=str(Path(__file__).with_name(name)))
     args = parser.parse_args()
-    pq.write_table(prompts_table(), args.out, compression="zstd")
-    print(f"wrote {ROWS} prompts to {args.out}")
+    pq.write_table(table, args.out, compression="zstd")
+    print(f"wrote {table.num_rows} {what} to {args.out}")
+
+
+def main() -> None:
+    write_example(prompts_table(), "prompts.parquet", __doc__.splitlines()[0], "prompts")
 
 
 if __name__ == "__main__":

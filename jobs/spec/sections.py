@@ -155,7 +155,7 @@ class OutputSpec(Section):
 class ModelSpec(Section):
     path: str = Field(
         default=TINY_MODEL,
-        description="'tiny' (the bundled small model), a local directory in the diffusers layout, "
+        description="'tiny' (the bundled small model), 'tiny-edit' (its edit variant), a local directory in the diffusers layout, "
         "s3://bucket/prefix (that layout in a bucket) or hf://org/name@revision (needs the 'hub' extra).",
     )
     cache_dir: str = knob(WorkerConfig, "model_cache_dir")

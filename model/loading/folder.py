@@ -15,6 +15,7 @@ import os
 import struct
 from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -100,15 +101,22 @@ def safetensors_files(component_dir: Path) -> list[Path]:
 # The model path that names the bundled tiny model, and where its weights are.
 TINY_MODEL = "tiny"
 TINY_MODEL_DIR = Path(__file__).parents[1] / "tiny" / "weights"  # model/tiny/weights
+# Its edit variant (recipes/tiny/train_edit.py): its own DiT and text encoder, the tiny model's VAE.
+TINY_EDIT_MODEL = "tiny-edit"
+TINY_EDIT_MODEL_DIR = Path(__file__).parents[1] / "tiny" / "edit_weights"  # model/tiny/edit_weights
+# Every model that ships with ditfleet: the name a job's model.path gives -> its folder.
+BUNDLED_MODELS = MappingProxyType({TINY_MODEL: TINY_MODEL_DIR, TINY_EDIT_MODEL: TINY_EDIT_MODEL_DIR})
 REQUIRED_COMPONENTS = ("transformer", "vae", "scheduler")
 
 
 def model_dir_layout(path: str | Path) -> Path:
-    """ "tiny" -> the bundled model; else a local directory in the diffusers layout (which family
-    its model_index.json names is model.family.resolve_model_dir's check)."""
-    root = TINY_MODEL_DIR if str(path) == TINY_MODEL else Path(path)
+    """ "tiny" or "tiny-edit" -> the bundled model; else a local directory in the diffusers layout
+    (which family its model_index.json names is model.family.resolve_model_dir's check)."""
+    root = BUNDLED_MODELS.get(str(path)) or Path(path)
     if not root.is_dir():
-        raise WeightsError(f"model path {root}: not a directory. Give a diffusers-layout folder or 'tiny'.")
+        raise WeightsError(
+            f"model path {root}: not a directory. Give a diffusers-layout folder or one of {sorted(BUNDLED_MODELS)}."
+        )
     missing = [c for c in REQUIRED_COMPONENTS if not (root / c).is_dir()]
     if missing:
         raise WeightsError(

@@ -16,7 +16,8 @@ frame index), and the DiT returns the target's only (model.qwen_image.transforme
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from ditfleet.model.family_types import EDIT, TEXT_TO_IMAGE, Size, SourceSizes
@@ -51,6 +52,10 @@ VISION_TOKEN_PIXELS = 28
 # splits digits; one more from the 10th source on, not counted).
 MARKER_TOKENS = 2
 LABEL_TOKENS = 5
+# A checkpoint trained with its sources at another area than VAE_SOURCE_AREA names it (pixels) in
+# its model_index.json under this key: the bundled tiny edit model's is its buckets' 128 x 128, at
+# which it was fine-tuned (recipes/tiny/train_edit.py). diffusers' pipelines ignore the key.
+SOURCE_AREA_KEY = "vae_source_area"
 
 
 @dataclass(frozen=True)
@@ -112,6 +117,23 @@ EDIT_STYLES = MappingProxyType(
         "QwenImageEditPlusPipeline": EditStyle("QwenImageEditPlusPipeline", True, PLUS_VISION_AREA, None),
     }
 )
+
+
+def edit_style_of(model_index: Mapping, where: str = "model_index.json") -> EditStyle | None:
+    """The edit style of a checkpoint whose model_index.json holds `model_index` (its
+    `_class_name`, and its own source area under `SOURCE_AREA_KEY` when it has one); None for a
+    text-to-image one."""
+    name = model_index.get("_class_name")
+    style = EDIT_STYLES.get(name) if isinstance(name, str) else None
+    area = model_index.get(SOURCE_AREA_KEY)
+    if style is None or area is None:
+        return style
+    if isinstance(area, bool) or not isinstance(area, int) or area < SOURCE_SIZE_MULTIPLE**2:
+        raise ValueError(
+            f"{where}: {SOURCE_AREA_KEY} is {area!r}; give the pixel area the VAE encodes each source at "
+            f"(an integer of at least {SOURCE_SIZE_MULTIPLE**2}), or drop the key for {VAE_SOURCE_AREA}."
+        )
+    return replace(style, vae_area=area)
 
 
 def task_of_class(class_name: object) -> str:

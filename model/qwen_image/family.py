@@ -18,7 +18,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from ditfleet.model.family_types import AttentionCounters, CompileRegion, Size, SourceSizes, TextConditioning
-from ditfleet.model.loading.folder import TINY_MODEL_DIR
+from ditfleet.model.loading.folder import TINY_EDIT_MODEL_DIR, TINY_MODEL_DIR
 from ditfleet.model.memory import MemoryPlan, ModelMemory, largest_batch, plan_memory
 from ditfleet.model.quality.table import PIPELINE_QWEN_VL
 from ditfleet.model.qwen_image.edit import EDIT_STYLES, source_tokens, task_of_class
@@ -379,3 +379,5 @@ TINY = replace(
     bundled_dir=TINY_MODEL_DIR,
     scorer_inputs=frozenset(),
 )
+# Its edit variant: the same configuration, its own folder (its model_index.json says edit).
+TINY_EDIT = replace(TINY, name="tiny-edit", bundled_dir=TINY_EDIT_MODEL_DIR)

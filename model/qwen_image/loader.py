@@ -30,7 +30,7 @@ from ditfleet.model.loading.folder import (  # noqa: F401 - re-exported: the fol
 )
 from ditfleet.model.loading.quantization import check_quantization, fp8_keep, quantized_revision
 from ditfleet.model.loading.weights import WeightsError, on_meta, read_config
-from ditfleet.model.qwen_image.edit import EDIT_STYLES
+from ditfleet.model.qwen_image.edit import edit_style_of
 from ditfleet.model.qwen_image.edit_sources import QwenImageEdit
 from ditfleet.model.qwen_image.fp8 import Fp8Quantizer, check_checkpoint_dtypes, check_device
 from ditfleet.model.qwen_image.lora import (
@@ -109,10 +109,15 @@ def load_text_encoder(root: Path, device, dtype) -> TextEncoder | None:
 
 def edit_conditioning(root: Path) -> QwenImageEdit | None:
     """How the checkpoint at `root` conditions on source images (its model_index.json's
-    `_class_name`, model.qwen_image.edit), as the pipeline's EditConditioning; None for a
-    text-to-image one or a folder without it."""
-    name = (read_model_index(root) or {}).get("_class_name")
-    style = EDIT_STYLES.get(name) if isinstance(name, str) else None
+    `_class_name`, and its own source area when it names one: model.qwen_image.edit), as the
+    pipeline's EditConditioning; None for a text-to-image one or a folder without it."""
+    index = read_model_index(root)
+    if index is None:
+        return None
+    try:
+        style = edit_style_of(index, str(root / "model_index.json"))
+    except ValueError as e:
+        raise WeightsError(str(e)) from None
     return None if style is None else QwenImageEdit.of(style)
 
 

@@ -236,13 +236,19 @@ def generate_held_out(
     height: int = 128,
     batch_size: int = 16,
     seed: int = 0,
+    prompts: list[str] | None = None,
+    sources: list | None = None,
 ) -> tuple[torch.Tensor, list[str]]:
-    """Images (64, 3, height, width) in [0, 1] for the held-out captions, seeds seed + index."""
-    captions = held_out_captions()
+    """Images (64, 3, height, width) in [0, 1] for the held-out captions, seeds seed + index.
+
+    prompts: other prompts instead (e.g. an edit model's instructions); sources: an edit model's
+    source images, one list per prompt (`pipe.generate(..., sources=...)`)."""
+    captions = held_out_captions() if prompts is None else prompts
     images = []
     for start in range(0, len(captions), batch_size):
         chunk = captions[start : start + batch_size]
         seeds = list(range(seed + start, seed + start + len(chunk)))
+        edit = {} if sources is None else {"sources": sources[start : start + batch_size]}
         images.append(
             pipe.generate(
                 prompt=chunk,
@@ -251,6 +257,7 @@ def generate_held_out(
                 steps=steps,
                 true_cfg_scale=true_cfg_scale,
                 seeds=seeds,
+                **edit,
             )
         )
     return torch.cat(images), captions

@@ -17,6 +17,7 @@ from pathlib import Path
 WORD_RE = re.compile(r"[a-z0-9]+")
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<bos>")  # ids 0, 1, 2
 EXAMPLE_CAPTION = "a small red circle in the centre on a blue background"
+EXAMPLE_INSTRUCTION = "make the shape blue"  # the edit variant's (model.tiny.edits)
 
 
 @lru_cache(maxsize=4)
@@ -40,11 +41,12 @@ def unknown_words(prompts: Iterable[str], known: frozenset[str]) -> list[str]:
     return list(seen)
 
 
-def unknown_words_warning(words: list[str], prompts: int, total: int) -> str:
-    """One line: which words, in how many prompts, and what the model does draw."""
+def unknown_words_warning(words: list[str], prompts: int, total: int, example: str = EXAMPLE_CAPTION) -> str:
+    """One line: which words, in how many prompts, and what the model does draw (`example`: a
+    prompt it follows)."""
     shown = ", ".join(repr(w) for w in words[:8]) + (f" and {len(words) - 8} more" if len(words) > 8 else "")
     return (
         f"{prompts} of {total} prompt{'s' if total != 1 else ''} {'uses' if prompts == 1 else 'use'} words "
         "the tiny model does not know "
-        f"({shown}): it draws only captions like {EXAMPLE_CAPTION!r} (docs/tiny-model.md)"
+        f"({shown}): it follows only prompts like {example!r} (docs/tiny-model.md)"
     )

@@ -67,6 +67,14 @@ class Shard:
             dist.barrier()
 
     @torch.no_grad()
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum of `tensor` over the processes (in place; returned): each fills its own rows of
+        a zeroed table, and every process gets the whole one."""
+        if self.world > 1:
+            dist.all_reduce(tensor)
+        return tensor
+
+    @torch.no_grad()
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         """Process 0's value of `tensor` on every process (in place; returned for chaining)."""
         if self.world > 1:

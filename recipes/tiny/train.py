@@ -115,6 +115,24 @@ def save_model(
     (out / "model_index.json").write_text(json.dumps(MODEL_INDEX, indent=2, sort_keys=True))
 
 
+class TrainLog:
+    """Process 0's training log: each line printed and written to `path` at once (a run stopped
+    midway keeps what it logged); other processes log nothing."""
+
+    def __init__(self, path: Path, is_main: bool, append: bool = False) -> None:
+        self._file = path.open("a" if append else "w") if is_main else None
+
+    def __call__(self, line: str) -> None:
+        if self._file is not None:
+            print(line, flush=True)
+            self._file.write(line + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
 def decoder_is_adapted(vae_dir: Path) -> bool:
     return (vae_dir / DECODER_ADAPTATION_FILE).is_file()
 
@@ -144,14 +162,7 @@ def _train_in_process(
 ) -> None:
     """One training process: every process trains, process 0 also logs and saves."""
     out.mkdir(parents=True, exist_ok=True)
-    log_file = (out / "train_log.txt").open("a" if stage2_dir else "w") if shard.is_main else None
-
-    def log(line: str) -> None:
-        if log_file is not None:
-            print(line, flush=True)
-            log_file.write(line + "\n")
-            log_file.flush()
-
+    log = TrainLog(out / "train_log.txt", shard.is_main, append=stage2_dir is not None)
     torch.set_num_threads(config.threads)
     # Same weights in every process: the initialisation draws from the global seed.
     torch.manual_seed(config.seed)
@@ -194,7 +205,7 @@ def _train_in_process(
         f"{cpu:.0f} CPU-seconds in process 0 ({cpu / config.threads / 60:.1f} min on {config.threads} idle cores "
         f"for each of the {config.processes} processes)"
     )
-    log_file.close()
+    log.close()
 
 
 def _train_vae_and_dit(

@@ -33,6 +33,7 @@ of the time in the three buckets instead of 37/30/28%, and its outlines overlap 
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -51,13 +52,10 @@ from recipes.tiny.train_vae import lr_at
 
 
 @dataclass(frozen=True)
-class DiTTrainConfig:
-    num_layers: int = 4
-    # 128 wide. 6 heads (192 wide) fit the 45 minutes only at half the batch, and drew worse
-    # outlines than this at the same wall time (held-out kind 47-61% against 67-77%).
-    num_attention_heads: int = 4
-    attention_head_dim: int = 32
-    axes_dims_rope: tuple[int, int, int] = (8, 12, 12)
+class FlowMatchingConfig:
+    """The knobs of a DiT stage's flow-matching steps (`JointTrainer`): this stage's defaults; the
+    edit fine-tune (train_edit.py) sets its own."""
+
     steps: int = 9000
     batch_size: int = 48
     lr: float = 6e-4
@@ -65,6 +63,22 @@ class DiTTrainConfig:
     weight_decay: float = 0.01
     caption_dropout: float = 0.1
     ema_decay: float = 0.998
+    max_text_tokens: int = 32
+    # Loss weight of the tokens that hold part of the shape, relative to plain-background tokens
+    # (then normalised to a mean of 1 per image). A shape covers 2-9 of 60-64 tokens and its kind
+    # lives in its corners: unweighted, the DiT learned colour, position and size but drew the
+    # same rounded blob for every kind (train captions as badly as held-out ones).
+    shape_weight: float = 8.0
+
+
+@dataclass(frozen=True)
+class DiTTrainConfig(FlowMatchingConfig):
+    num_layers: int = 4
+    # 128 wide. 6 heads (192 wide) fit the 45 minutes only at half the batch, and drew worse
+    # outlines than this at the same wall time (held-out kind 47-61% against 67-77%).
+    num_attention_heads: int = 4
+    attention_head_dim: int = 32
+    axes_dims_rope: tuple[int, int, int] = (8, 12, 12)
     # Images encoded once per bucket.
     pool_per_bucket: int = 2048
     # Position jitter of the training images (1: anywhere in the free room of the cell, 0: at the
@@ -74,12 +88,6 @@ class DiTTrainConfig:
     # cell's centre: the jittered images teach where a caption puts the shape, the centred ones then
     # one exact outline per caption and bucket.
     centre_from_step: int = 2000
-    max_text_tokens: int = 32
-    # Loss weight of the tokens that hold part of the shape, relative to plain-background tokens
-    # (then normalised to a mean of 1 per image). A shape covers 2-9 of 60-64 tokens and its kind
-    # lives in its corners: unweighted, the DiT learned colour, position and size but drew the
-    # same rounded blob for every kind (train captions as badly as held-out ones).
-    shape_weight: float = 8.0
 
     def transformer_config(self, text_dim: int) -> TransformerConfig:
         return TransformerConfig(
@@ -111,11 +119,14 @@ class LatentPool:
         return self.height // 16, self.width // 16
 
 
-def shape_token_weights(images: torch.Tensor, shape_weight: float) -> torch.Tensor:
+def shape_token_weights(images: torch.Tensor, shape_weight: float, *also: torch.Tensor) -> torch.Tensor:
     """(B, H/16 * W/16) loss weights, in the packed token order: `shape_weight` on the tokens whose
     16x16 pixels touch the shape, 1 elsewhere, normalised to mean 1 per image. images: (B, 3, H, W)
-    in [0, 1]; the shape never touches the border, so the corner pixel is the background."""
-    covered = (images - images[:, :, :1, :1]).abs().amax(dim=1, keepdim=True) > 0.02  # (B, 1, H, W)
+    in [0, 1]; the shape never touches the border, so the corner pixel is the background. `also`:
+    more images of the same size (an edit's source), whose shapes' tokens weigh the same."""
+    covered = torch.zeros_like(images[:, :1], dtype=torch.bool)  # (B, 1, H, W)
+    for drawn in (images, *also):
+        covered |= (drawn - drawn[:, :, :1, :1]).abs().amax(dim=1, keepdim=True) > 0.02
     touched = torch.nn.functional.max_pool2d(covered.float(), kernel_size=16).flatten(1)  # (B, h*w)
     weights = 1.0 + (shape_weight - 1.0) * touched
     return weights / weights.mean(dim=1, keepdim=True)
@@ -234,7 +245,7 @@ def adaln_zero_init(transformer: QwenImageTransformer) -> None:
             linear.bias.zero_()
 
 
-class _Joint(torch.nn.Module):
+class Joint(torch.nn.Module):
     """Text encoder + transformer as one module, so one optimizer and one EMA cover both."""
 
     def __init__(self, text_encoder: TinyTextEncoder, transformer: QwenImageTransformer) -> None:
@@ -255,6 +266,102 @@ class _Joint(torch.nn.Module):
         return self.transformer(tokens, text, mask, sigmas, shapes)  # (B, N, 64)
 
 
+class JointTrainer:
+    """One optimizer and one EMA over a joint module (text encoder + DiT), and the flow-matching
+    step both DiT stages take (the text DiT here, the edit fine-tune in train_edit.py).
+
+    AdamW without weight decay on norms, biases and embeddings; each step drops a share of the
+    captions to " ", samples sigmas with the scheduler's shift, noises the target, weighs the
+    per-token velocity error, averages the gradients over the processes, clips them to norm 1
+    and updates the EMA."""
+
+    def __init__(
+        self,
+        joint: Joint,
+        config: FlowMatchingConfig,
+        scheduler: SchedulerConfig,
+        generator: torch.Generator,
+        shard: Shard,
+    ) -> None:
+        self.joint = joint.train()
+        self.config, self.scheduler, self.generator, self.shard = config, scheduler, generator, shard
+        self.ema = EMA(joint, config.ema_decay)
+        decay, no_decay = [], []
+        for name, p in joint.named_parameters():
+            (no_decay if p.ndim < 2 or "embed" in name or "pos" in name else decay).append(p)
+        self.opt = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": config.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=config.lr,
+            betas=(0.9, 0.99),
+        )
+
+    @property
+    def lr(self) -> float:
+        return self.opt.param_groups[0]["lr"]
+
+    def step(
+        self,
+        step: int,
+        forward: Callable[..., torch.Tensor],
+        x0: torch.Tensor,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        weights: torch.Tensor,
+    ) -> float:
+        """Step `step` (its learning rate: warm-up, then cosine) on targets x0 (B, N, 64) with their
+        caption ids/mask (B, T) and per-token loss weights (B, N); forward(x_s, ids, mask, sigmas)
+        -> the predicted velocity (B, N, 64). Returns the loss."""
+        config, generator = self.config, self.generator
+        for group in self.opt.param_groups:
+            group["lr"] = lr_at(step, config.steps, config.warmup, config.lr)
+        ids, mask = drop_captions(ids, mask, config.caption_dropout, generator)
+        length = int(mask.sum(dim=1).max())  # trim padding every row shares
+        ids, mask = ids[:, :length], mask[:, :length]
+        sig = sample_sigmas(x0.shape[0], x0.shape[1], self.scheduler, generator)
+        noise = torch.randn(x0.shape, generator=generator)
+        x_s = (1.0 - sig[:, None, None]) * x0 + sig[:, None, None] * noise
+        pred = forward(x_s, ids, mask, sig)
+        loss = ((pred - (noise - x0)).pow(2).mean(dim=2) * weights).mean()
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.shard.average_gradients(list(self.joint.parameters()))
+        torch.nn.utils.clip_grad_norm_(self.joint.parameters(), 1.0)
+        self.opt.step()
+        self.ema.update(self.joint)
+        return loss.item()
+
+    def trained(self) -> tuple[QwenImageTransformer, TinyTextEncoder]:
+        """The EMA's transformer and text encoder, in eval mode."""
+        shadow = self.ema.shadow
+        return shadow.transformer.eval(), shadow.text_encoder.eval()
+
+
+class LossLog:
+    """Each bucket's running loss (an exponential average, `keep` of the old value per step),
+    logged every `every` steps and at the last, with the learning rate and the time."""
+
+    def __init__(
+        self, name: str, buckets: list[tuple[int, int]], keep: float, every: int, log: Callable[[str], None]
+    ) -> None:
+        self.name, self.buckets, self.keep, self.every, self.log = name, buckets, keep, every, log
+        self.running: list[float | None] = [None] * len(buckets)
+        self.start = time.time()
+
+    def add(self, step: int, bucket: int, loss: float, last: bool, lr: float) -> None:
+        old = self.running[bucket]
+        self.running[bucket] = loss if old is None else self.keep * old + (1.0 - self.keep) * loss
+        if step % self.every == 0 or last:
+            per_bucket = "  ".join(
+                f"{w}x{h} {r:.4f}" for (w, h), r in zip(self.buckets, self.running) if r is not None
+            )
+            self.log(
+                f"{self.name} step {step:5d}  loss {per_bucket}  lr {lr:.2e}  {time.time() - self.start:6.0f}s"
+            )
+
+
 def train_dit(
     config: DiTTrainConfig,
     pools: list[LatentPool],
@@ -273,46 +380,15 @@ def train_dit(
         raise ValueError("train_dit: config.centre_from_step is set but no centred_pools were given.")
     transformer = QwenImageTransformer(config.transformer_config(text_encoder.hidden_size))
     adaln_zero_init(transformer)
-    joint = _Joint(text_encoder, transformer).train()
-    ema = EMA(joint, config.ema_decay)
-    decay, no_decay = [], []
-    for name, p in joint.named_parameters():
-        (no_decay if p.ndim < 2 or "embed" in name or "pos" in name else decay).append(p)
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=config.lr,
-        betas=(0.9, 0.99),
-    )
-    start, running = time.time(), [None] * len(pools)
+    trainer = JointTrainer(Joint(text_encoder, transformer), config, scheduler, generator, shard)
+    losses = LossLog("dit", [(p.width, p.height) for p in pools], 0.98, 100, log)
     for step in range(config.steps):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, config.steps, config.warmup, config.lr)
         b = step % len(pools)
         centred_phase = bool(config.centre_from_step) and step >= config.centre_from_step
         pool = (centred_pools if centred_phase else pools)[b]
         idx = torch.randint(pool.tokens.shape[0], (batch_size,), generator=generator)
-        x0 = pool.tokens[idx]  # (B, N, 64)
-        ids, mask = drop_captions(pool.ids[idx], pool.mask[idx], config.caption_dropout, generator)
-        length = int(mask.sum(dim=1).max())  # trim padding every row shares
-        ids, mask = ids[:, :length], mask[:, :length]
-        sig = sample_sigmas(batch_size, x0.shape[1], scheduler, generator)
-        noise = torch.randn(x0.shape, generator=generator)
-        x_s = (1.0 - sig[:, None, None]) * x0 + sig[:, None, None] * noise
-        pred = joint(x_s, ids, mask, sig, pool.grid)
-        loss = ((pred - (noise - x0)).pow(2).mean(dim=2) * pool.weights[idx]).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        shard.average_gradients(list(joint.parameters()))
-        torch.nn.utils.clip_grad_norm_(joint.parameters(), 1.0)
-        opt.step()
-        ema.update(joint)
-        running[b] = loss.item() if running[b] is None else 0.98 * running[b] + 0.02 * loss.item()
-        if step % 100 == 0 or step == config.steps - 1:
-            per_bucket = "  ".join(
-                f"{p.width}x{p.height} {r:.4f}" for p, r in zip(pools, running) if r is not None
-            )
-            log(
-                f"dit step {step:5d}  loss {per_bucket}  lr {opt.param_groups[0]['lr']:.2e}  {time.time() - start:6.0f}s"
-            )
-    shadow = ema.shadow
-    return shadow.transformer.eval(), shadow.text_encoder.eval()
+        forward = functools.partial(trainer.joint, grid=pool.grid)
+        x0, ids, mask, weights = pool.tokens[idx], pool.ids[idx], pool.mask[idx], pool.weights[idx]
+        loss = trainer.step(step, forward, x0, ids, mask, weights)  # x0: (B, N, 64)
+        losses.add(step, b, loss, step == config.steps - 1, trainer.lr)
+    return trainer.trained()
