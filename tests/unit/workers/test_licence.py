@@ -207,7 +207,8 @@ def test_provenance_names_the_licence_and_leaves_it_out_when_not_known():
     assert "model_license" not in without.facts() and "License" not in without.parameters()
 
 
-def test_the_manifest_has_a_nullable_model_license_column_at_the_end():
+def test_the_manifest_has_a_nullable_model_license_column_after_the_older_ones():
     field = MANIFEST_SCHEMA.field("model_license")
     assert field.type == pa.string() and field.nullable
-    assert MANIFEST_SCHEMA.names[-1] == "model_license"  # older manifests read with it null
+    # after every column older than it, before the edit jobs' later ones: older manifests read with it null
+    assert MANIFEST_SCHEMA.names[-3:] == ["model_license", "source_uris", "source_sha256"]
