@@ -238,6 +238,17 @@ def bench(name: str, args: argparse.Namespace, tmp: Path) -> dict:
     }
 
 
+def _report(r: dict) -> None:
+    print(
+        f"{r['pipeline']} ({r['family']}) at {r['size']}, {r['steps']} steps, CFG {r['true_cfg_scale']}, "
+        f"batch {r['batch_size']}, {r['images']} images"
+    )
+    bare_ms, job_ms = r["bare_cpu_s_per_image"] * 1000, r["job_cpu_s_per_image"] * 1000
+    print(f"  bare diffusers loop : {bare_ms:8.1f} ms CPU per image")
+    print(f"  ditfleet worker     : {job_ms:8.1f} ms CPU per image   ratio {r['ratio']:.3f}")
+    print(f"  start-up {r['startup_s']:.1f} s; warm-up per bucket {r['warmup_s_per_bucket']}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument(
@@ -252,23 +263,15 @@ def main() -> None:
     )
     args = ap.parse_args()
 
-    tmp = Path(tempfile.mkdtemp())
     names = list(CASES) if args.pipeline == "all" else args.pipeline.split(",")
     unknown = [n for n in names if n not in CASES]
     if unknown:
         ap.error(f"--pipeline: unknown {unknown}; choose 'all' or from {', '.join(CASES)}")
     results = []
-    for name in names:
-        r = bench(name, args, tmp)
-        results.append(r)
-        print(
-            f"{name} ({r['family']}) at {r['size']}, {r['steps']} steps, CFG {r['true_cfg_scale']}, "
-            f"batch {r['batch_size']}, {r['images']} images"
-        )
-        bare_ms, job_ms = r["bare_cpu_s_per_image"] * 1000, r["job_cpu_s_per_image"] * 1000
-        print(f"  bare diffusers loop : {bare_ms:8.1f} ms CPU per image")
-        print(f"  ditfleet worker     : {job_ms:8.1f} ms CPU per image   ratio {r['ratio']:.3f}")
-        print(f"  start-up {r['startup_s']:.1f} s; warm-up per bucket {r['warmup_s_per_bucket']}")
+    with tempfile.TemporaryDirectory() as tmp:  # the checkpoints, inputs and outputs
+        for name in names:
+            results.append(r := bench(name, args, Path(tmp)))
+            _report(r)
     print(json.dumps({"bench": "diffusers_family", "device": "cpu", "results": results}))
 
 
