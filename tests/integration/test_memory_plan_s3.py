@@ -32,7 +32,8 @@ def test_a_diffusers_checkpoint_in_a_bucket_is_measured_not_planned_and_refused_
     s3_server, s3_bucket
 ):
     """model_index.json names the family: a FluxPipeline runs through diffusers (no plan from
-    configs: its memory is measured at warm-up); an image-conditioned one is refused at plan time."""
+    configs: its memory is measured at warm-up); one needing an input ditfleet has no column for (a mask) is
+    refused at plan time."""
     import json
 
     from ditfleet.driver.memory_plan import MemoryRequest, job_memory_plan
@@ -49,8 +50,10 @@ def test_a_diffusers_checkpoint_in_a_bucket_is_measured_not_planned_and_refused_
     request = MemoryRequest(model_path=uri, buckets=("1024x1024",), batch_size=2, s3=s3_server.config())
     assert job_memory_plan(request) is None
     store.delete("model_index.json")
-    store.put("model_index.json", json.dumps({"_class_name": "FluxImg2ImgPipeline", **components}).encode())
+    # An image-to-image pipeline runs (as an edit job's model); one that needs a mask does not.
+    store.put("model_index.json", json.dumps({"_class_name": "FluxInpaintPipeline", **components}).encode())
     with pytest.raises(
-        WeightsError, match=r"models/flux/model_index.json: FluxImg2ImgPipeline conditions on an input image"
+        WeightsError,
+        match=r"models/flux/model_index.json: FluxInpaintPipeline needs \['mask_image'\], an input",
     ):
         job_memory_plan(request)
