@@ -16,6 +16,8 @@
     family.scorer_inputs                     # what it offers the image scorers (model.quality.table)
     family.task(model_index)                 # "text-to-image" or "edit" (from its `_class_name`)
     model_task(model_path)                   # the same for a model path ("tiny", a folder, ...)
+    family.max_sources(model_index)          # the most source images a row may give it (None: any)
+    model_max_sources(model_path)            # the same for a model path
     source_size(w, h)                        # an edit model's VAE size for a w x h source (its tokens: /16)
     source_prompt_tokens(path, sources)      # the prompt tokens an edit model's encoder gives those sources
     family.load_text_encoder(root, dev, dt)  # a native family's: its text encoder apart from the DiT
@@ -121,6 +123,7 @@ __all__ = [
     "load_pipeline",
     "load_text_encoder",
     "model_family",
+    "model_max_sources",
     "model_task",
     "published_file",
     "resolve_model_dir",
@@ -167,6 +170,12 @@ class ModelFamily(Protocol):
         """TEXT_TO_IMAGE or EDIT: what a checkpoint of this family whose model_index.json holds
         `model_index` does (from its `_class_name`). An edit model takes source images
         (`encode_guidance(..., sources=...)`) and runs only edit jobs (`input.image_column`)."""
+        ...
+
+    def max_sources(self, model_index: dict) -> int | None:
+        """The most source images one row may give a checkpoint whose model_index.json holds
+        `model_index` (None: any number; 0: a text-to-image one, which takes none). The job's
+        validation refuses a row with more, before any work (driver.input.validate)."""
         ...
 
     def text_conditioning(self, pipe: Any) -> TextConditioning: ...
@@ -365,17 +374,34 @@ def model_task(model_path: str | os.PathLike, model_index: dict | None = None) -
     model_index.json. A bundled model's ("tiny", "tiny-edit") is its folder's; a folder without
     model_index.json and a remote path (not read here) are text-to-image unless `model_index`
     (read elsewhere, e.g. from an object store) says otherwise."""
+    family, index = _family_and_index(model_path, model_index)
+    return family.task(index)
+
+
+def model_max_sources(model_path: str | os.PathLike, model_index: dict | None = None) -> int | None:
+    """The most source images a row may give the model at `model_path` (its family's
+    `max_sources` of its model_index.json; None: any number), read as model_task reads it: a
+    remote path not read here (s3://) answers its default family's text-to-image 0 unless
+    `model_index` is given or was read (an hf:// one's, remember_remote_index)."""
+    family, index = _family_and_index(model_path, model_index)
+    return family.max_sources(index)
+
+
+def _family_and_index(model_path: str | os.PathLike, model_index: dict | None) -> tuple[ModelFamily, dict]:
+    """The family of a model path and the model_index.json it is judged by ({} without one)."""
     where = f"{model_path}/model_index.json"
+    if model_index is None:
+        model_index = _REMOTE_INDEX.get(str(model_path))
     if model_index is None:
         bundled = BUNDLED_FAMILIES.get(str(model_path))
         root = bundled.bundled_dir if bundled is not None and bundled.bundled_dir else Path(model_path)
         local = read_model_index(root)
         if local is None:
-            return model_family(model_path).task({})
+            return model_family(model_path), {}
         model_index = local
     if not isinstance(model_index, dict):
         raise WeightsError(f"{where}: not a JSON object (a model_index.json names its `_class_name`).")
-    return family_of_class(model_index.get("_class_name"), where, model_index).task(model_index)
+    return family_of_class(model_index.get("_class_name"), where, model_index), model_index
 
 
 def source_prompt_tokens(

@@ -31,7 +31,13 @@ from ditfleet.compile import PreparedPipeline, WarmupRuns, compile_count, prepar
 from ditfleet.compile.config import first_compile_estimate_s
 from ditfleet.compile.policy import resolve_auto
 from ditfleet.model import LoraSpec, TextToImagePipeline, load_pipeline
-from ditfleet.model.family import load_text_encoder, model_family, model_task, runs_scaled_gemms
+from ditfleet.model.family import (
+    load_text_encoder,
+    model_family,
+    model_max_sources,
+    model_task,
+    runs_scaled_gemms,
+)
 from ditfleet.workers.batch_fit import fit_batch_size
 from ditfleet.workers.cache_secret import read_cache_secret
 from ditfleet.workers.contract import ShardAbandoned, ShardResult, WorkerConfig
@@ -175,7 +181,8 @@ class GenerationWorker:
         # Why the shared cache is off goes in the start-up report: the driver says it once per job.
         secret = read_cache_secret(config.compile_cache_key) if config.compile.shared_cache else None
         self.compile_report = self._compile(secret.key if secret is not None else None)
-        self.generator = BatchGenerator(self.pipe)  # its prompt length: the pipeline's settings
+        # Its prompt length: the pipeline's settings; a row's most sources: the model's.
+        self.generator = BatchGenerator(self.pipe, model_max_sources(self.model.local_path))
         self.prefetch: SourcePrefetch | None = None  # the running edit shard's sources
         shared_cache = "off"
         if secret is not None and (secret.key or self.compile_report.compile.methods):

@@ -201,12 +201,16 @@ def _is_oom(e: BaseException) -> bool:
 class BatchGenerator:
     """Runs batches through the pipeline; a CUDA OOM halves the batch and retries it."""
 
-    def __init__(self, pipe: TextToImagePipeline) -> None:
+    def __init__(self, pipe: TextToImagePipeline, max_sources: int | None = None) -> None:
         self.pipe = pipe
         self.max_sequence_length = pipe.settings.max_sequence_length
         self.oom_splits = 0
         # An edit shard's sources (the actor sets them per shard); None: a text job.
         self.sources: SourceImages | None = None
+        # The most sources a row may give the model (model.family.model_max_sources; None: any).
+        # Validation refuses more before any work where it reads the model; where it could not
+        # (an s3:// model), such a row fails here, alone, rather than its shard in the pipeline.
+        self.max_sources = max_sources
 
     def expect(self, batches: Sequence[Sequence[ImageRequest]]) -> None:
         """Tell the sources (if any) the order the batches will ask for rows in."""
@@ -221,6 +225,11 @@ class BatchGenerator:
         ok: list[ImageRequest] = []
         failed: list[GeneratedImage] = []
         for req in batch:
+            count, most = len(req.row.sources), self.max_sources
+            if most is not None and count > most:
+                reason = f"{count} source images; the model takes at most {most} per row"
+                failed.append(GeneratedImage(req, None, reason, 0.0))
+                continue
             try:
                 self.sources.images(req.row)
             except SourceFailed as e:

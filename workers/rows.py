@@ -147,6 +147,9 @@ class RowConfig:
         fingerprint="when_set",
         description="An edit job's source image of more pixels than this (millions, decoded) fails its row.",
     )
+    # The most source images a row of an edit job may name: the model's (model.family
+    # model_max_sources, filled by the job spec like `buckets`; None: any number). Not a setting.
+    max_sources: int | None = None
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -157,6 +160,9 @@ class RowConfig:
                 raise ValueError(f"{name} must name a column, got {getattr(self, name)!r}")
         if self.prompt_column == self.id_column:
             raise ValueError(f"prompt_column and id_column are both {self.prompt_column!r}: name two columns")
+        most = self.max_sources
+        if most is not None and (isinstance(most, bool) or not isinstance(most, int) or most < 0):
+            raise ValueError(f"max_sources must be a count of source images or None, got {most!r}")
         image = self.image_column
         if image is not None and (not isinstance(image, str) or not image):
             raise ValueError(f"image_column must name a column or be null, got {image!r}")

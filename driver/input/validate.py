@@ -50,6 +50,12 @@ _GIVE_SOURCE = (
     "relative to the input file, or the image's bytes (docs/edit-jobs.md)"
 )
 
+_FEWER_SOURCES = (
+    "Give the row at most that many images (one row per source, each with its instruction), or point "
+    "model.path at a model that takes several, such as Qwen-Image-Edit-2509/2511 (QwenImageEditPlusPipeline); "
+    "docs/edit-jobs.md lists each model's limit"
+)
+
 
 def _kind(t: pa.DataType) -> str:
     if pa.types.is_dictionary(t):
@@ -234,13 +240,18 @@ class RowValidator:
         return True
 
     def _check_sources(self, at: _At, batch: pa.RecordBatch) -> None:
-        """Every row of an edit job names at least one source, each in a form a store reads."""
-        column = self.config.image_column
+        """Every row of an edit job names at least one source, each in a form a store reads, and
+        no more than the model takes (RowConfig.max_sources): the pipeline would refuse such a
+        row on every attempt of its shard."""
+        column, most = self.config.image_column, self.config.max_sources
         if column is None or column not in batch.schema.names:
             return
         for i, got in enumerate(column_sources(batch.column(column), at.file, at.first_row)):
             if isinstance(got, SourceSpecError):
                 self.add(RowError(at.file, at.first_row + i, column, None, str(got), _GIVE_SOURCE))
+            elif most is not None and len(got) > most:
+                problem = f"{len(got)} source images; the model (model.path) takes at most {most} per row"
+                self.add(RowError(at.file, at.first_row + i, column, None, problem, _FEWER_SOURCES))
 
     def _flag(
         self,

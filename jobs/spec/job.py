@@ -26,6 +26,7 @@ from ditfleet.model.family import (
     Size,
     check_model_index,
     model_family,
+    model_max_sources,
     model_task,
     remember_remote_index,
     resolve_model_dir,
@@ -268,8 +269,33 @@ class JobSpec(Section):
     def row_config(self) -> RowConfig:
         buckets = BucketSet.from_names(self.bucket_names(), strict=self.buckets.strict)
         return settings_from(
-            RowConfig, self.input, self.sampling, buckets=buckets, **self.sampling_defaults.values
+            RowConfig,
+            self.input,
+            self.sampling,
+            buckets=buckets,
+            max_sources=self.max_sources(),
+            **self.sampling_defaults.values,
         )
+
+    def max_sources(self) -> int | None:
+        """The most source images a row of this edit job may name (the model's, when its
+        model_index.json is read here: a local or bundled model, an hf:// one read before any
+        work); None for a text job and for a model not read here (each actor's pipeline refuses
+        such a row, failing its shard)."""
+        if self.input.image_column is None:
+            return None
+        path = _absolute(self.model.path.removeprefix("file://"), self.model.path)
+        if path.startswith("hf://"):
+            index, _ = check_hub_model(path, self.model_cache_dir())
+            return None if index is None else model_max_sources(path, index)
+        if "://" in path or not (
+            os.path.isdir(path) or model_family(self.model.path).bundled_dir is not None
+        ):
+            return None
+        try:
+            return model_max_sources(path)
+        except WeightsError:
+            return None  # check_model_folder says what is wrong with the folder
 
     def pipeline_settings(self) -> PipelineSettings:
         """The pipeline's knobs, from whichever sections show them (model, sampling); the text

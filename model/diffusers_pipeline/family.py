@@ -15,7 +15,12 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from ditfleet.model.diffusers_pipeline.index import PipelineIndex, pipeline_task, read_index
+from ditfleet.model.diffusers_pipeline.index import (
+    PipelineIndex,
+    pipeline_max_sources,
+    pipeline_task,
+    read_index,
+)
 from ditfleet.model.family_types import CompileRegion, Size, SourceSizes, TextConditioning
 from ditfleet.model.memory.disk import checkpoint_size
 from ditfleet.model.qwen_image.family import MemoryFormula
@@ -151,6 +156,12 @@ class DiffusersFamily:
         Kontext: the job's sources go there), else "text-to-image" (index.pipeline_task)."""
         name = model_index.get("_class_name") if isinstance(model_index, dict) else None
         return pipeline_task(name if isinstance(name, str) and name else self.class_name)
+
+    def max_sources(self, model_index: dict) -> int | None:
+        """What one prompt's `image` takes in the pipeline's `__call__` (index.pipeline_max_sources):
+        1 for a single image (SD3 img2img, FLUX Kontext), None for a list of references (FLUX.2)."""
+        name = model_index.get("_class_name") if isinstance(model_index, dict) else None
+        return pipeline_max_sources(name if isinstance(name, str) and name else self.class_name)
 
     def forward_flops(
         self, transformer_config: dict, width: int, height: int, text_tokens: int, sources: SourceSizes = ()

@@ -152,6 +152,29 @@ def pipeline_task(class_name: str, params: tuple[str, ...] | None = None) -> str
     return EDIT if takes_image and class_name not in IMAGE_OPTIONAL else TEXT_TO_IMAGE
 
 
+# How many sources a row may give a pipeline, from its `__call__`'s `image` annotation: diffusers'
+# image-batch types (PipelineImageInput, tensors, arrays) take a list as one image per prompt, so
+# a row gives one; a list of PIL images only (FLUX.2, Bria FIBO, Z-Image Omni) or of whole inputs
+# (list[PipelineImageInput]) is one prompt's references, any number.
+_REFERENCE_LISTS = re.compile(r"\b[Ll]ist\[\s*PipelineImageInput\s*\]")
+_IMAGE_BATCH = re.compile(r"PipelineImageInput|Tensor|ndarray")
+_ANY_LIST = re.compile(r"\b[Ll]ist\[")
+
+
+def pipeline_max_sources(class_name: str) -> int | None:
+    """The most source images one prompt's `image` takes in `diffusers.<class_name>.__call__`:
+    None (any number) when its annotation is a list of references, 1 when it is one image (or a
+    batch of one per prompt), 0 when `__call__` takes no image (text-to-image)."""
+    call = _call_node(class_name)
+    image = None if call is None else next((a for a in _all_args(call.args) if a.arg == "image"), None)
+    if image is None:
+        return 0
+    text = "" if image.annotation is None else ast.unparse(image.annotation)
+    if _REFERENCE_LISTS.search(text) or (_ANY_LIST.search(text) and not _IMAGE_BATCH.search(text)):
+        return None
+    return 1
+
+
 def call_parameters(class_name: str) -> tuple[str, ...] | None:
     """The parameter names of `diffusers.<class_name>.__call__` from diffusers' source (its own or
     a base class's, by name); None when diffusers has no such pipeline class."""
@@ -174,23 +197,41 @@ def call_signature(class_name: str) -> dict[str, object] | None:
     """`diffusers.<class_name>.__call__`'s parameters in order, each with its default as a
     literal (None where it has none, NOT_LITERAL where the source spells it otherwise), read from
     diffusers' source (its own or a base class's, by name); None when diffusers has no such class."""
+    call = _call_node(class_name)
+    if call is None:
+        return None if _class_node(_diffusers_sources(), class_name) is None else {}
+    return _signature(call.args)
+
+
+def _diffusers_sources() -> tuple[tuple[Path, str], ...]:
     spec = importlib.util.find_spec("diffusers")
     if spec is None or spec.origin is None:
-        return None
-    sources = _pipeline_sources(str(Path(spec.origin).parent / "pipelines"))
+        return ()
+    return _pipeline_sources(str(Path(spec.origin).parent / "pipelines"))
+
+
+@lru_cache(maxsize=64)
+def _call_node(class_name: str) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    """`diffusers.<class_name>.__call__` as parsed from diffusers' source (its own or a base
+    class's, by name); None when the class or its `__call__` is not found."""
+    sources = _diffusers_sources()
     seen: set[str] = set()
     name: str | None = class_name
     while name is not None and name not in seen:
         seen.add(name)
         node = _class_node(sources, name)
         if node is None:
-            return None if name == class_name else {}
+            return None
         for item in node.body:
             if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name == "__call__":
-                return _signature(item.args)
+                return item
         bases = [b.id for b in node.bases if isinstance(b, ast.Name) and b.id.endswith("Pipeline")]
         name = bases[0] if bases else None
-    return {}
+    return None
+
+
+def _all_args(args: ast.arguments) -> list[ast.arg]:
+    return [*args.posonlyargs, *args.args, *args.kwonlyargs]
 
 
 def _signature(args: ast.arguments) -> dict[str, object]:

@@ -24,7 +24,12 @@ from typing import Any
 import torch
 
 from ditfleet.model.diffusers_pipeline.family import DiffusersFamily, parameter_bytes
-from ditfleet.model.diffusers_pipeline.index import check_runnable, pipeline_task, read_index
+from ditfleet.model.diffusers_pipeline.index import (
+    check_runnable,
+    pipeline_max_sources,
+    pipeline_task,
+    read_index,
+)
 from ditfleet.model.family_types import EDIT
 from ditfleet.model.generation.pipeline import Generation, Sampling
 from ditfleet.model.loading.folder import WeightsError
@@ -122,6 +127,14 @@ class DiffusersTextToImage:
         decoded RGB, in the row's column order) there; resizing them is the pipeline's own."""
         if sources is not None and len(sources) != len(prompts):
             raise ValueError(f"{len(sources)} source lists for {len(prompts)} prompts: one list per prompt")
+        # The last guard: the job's validation refuses such rows before any work (RowConfig.max_sources).
+        most = pipeline_max_sources(self.family.class_name)
+        for i, row in enumerate(sources or ()):
+            if not row or (most is not None and len(row) > most):
+                raise ValueError(
+                    f"sources[{i}]: {len(row)} source images; {self.family.class_name} takes "
+                    f"{'one or more' if most is None else f'at most {most}'} per prompt"
+                )
         return {
             "prompt": list(prompts),
             "negative_prompt": None if negative_prompts is None else list(negative_prompts),

@@ -6,9 +6,13 @@ rows by their sources' sizes, without loading torch.
 Three published pipeline classes run on the Qwen-Image DiT (diffusers 0.42's
 `pipelines/qwenimage/`):
 - `QwenImageEditPipeline` (Qwen-Image-Edit): one source; Qwen2.5-VL sees it at the VAE size.
+  diffusers' pipeline takes a list as a batch of one source per prompt, and its prompt holds one
+  image placeholder: a row with two sources is not an edit of both, so it is refused.
 - `QwenImageEditPlusPipeline` (Qwen-Image-Edit-2509, and 2511: the same class, whose transformer
   config sets `zero_cond_t`): one or more sources, each labelled "Picture i:" in the prompt;
-  Qwen2.5-VL sees each at a 384 x 384 area, the VAE encodes each at a 1024 x 1024 area.
+  Qwen2.5-VL sees each at a 384 x 384 area, the VAE encodes each at a 1024 x 1024 area. diffusers
+  sets no limit (the model card shows 1 to 3; each more source costs its tokens in the prompt and
+  the DiT, which the memory plan counts).
 The source latents go to the DiT as extra image tokens after the target's (each at the next RoPE
 frame index), and the DiT returns the target's only (model.qwen_image.transformer).
 """
@@ -139,6 +143,13 @@ def edit_style_of(model_index: Mapping, where: str = "model_index.json") -> Edit
 def task_of_class(class_name: object) -> str:
     """ "edit" for an edit pipeline class of the family, "text-to-image" for any other."""
     return EDIT if isinstance(class_name, str) and class_name in EDIT_STYLES else TEXT_TO_IMAGE
+
+
+def max_sources_of_class(class_name: object) -> int | None:
+    """The most sources a row may carry for a checkpoint of pipeline class `class_name`: its
+    edit style's (None: any number); 0 for a text-to-image class, which takes none."""
+    style = EDIT_STYLES.get(class_name) if isinstance(class_name, str) else None
+    return 0 if style is None else style.max_sources
 
 
 def source_size(width: int, height: int, area: int = VAE_SOURCE_AREA) -> Size:

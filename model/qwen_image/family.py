@@ -21,7 +21,7 @@ from ditfleet.model.family_types import AttentionCounters, CompileRegion, Size, 
 from ditfleet.model.loading.folder import TINY_EDIT_MODEL_DIR, TINY_MODEL_DIR
 from ditfleet.model.memory import MemoryPlan, ModelMemory, largest_batch, plan_memory
 from ditfleet.model.quality.table import PIPELINE_QWEN_VL
-from ditfleet.model.qwen_image.edit import EDIT_STYLES, source_tokens, task_of_class
+from ditfleet.model.qwen_image.edit import EDIT_STYLES, max_sources_of_class, source_tokens, task_of_class
 from ditfleet.model.qwen_image.memory_model import QwenImageMemory
 from ditfleet.model.qwen_image.published import PUBLISHED
 from ditfleet.model.qwen_image.transformer_config import TransformerConfig
@@ -218,6 +218,11 @@ class QwenImageFamily:
         """ "edit" for a Qwen-Image-Edit checkpoint (its model_index.json's `_class_name`),
         "text-to-image" otherwise (model.qwen_image.edit)."""
         return task_of_class(model_index.get("_class_name"))
+
+    def max_sources(self, model_index: dict) -> int | None:
+        """1 for the first Qwen-Image-Edit, None (any number) for Edit Plus (2509, 2511), 0 for
+        text-to-image (model.qwen_image.edit.EDIT_STYLES)."""
+        return max_sources_of_class(model_index.get("_class_name"))
 
     def text_conditioning(self, pipe: Any) -> TextConditioning:
         return TextConditioning(pipe.transformer.config.joint_attention_dim, self.max_text_tokens)

@@ -33,14 +33,32 @@ def test_rows_with_unusable_sources_fail_with_their_reason_and_never_reach_the_p
     uri = write_input(tmp_path / "p.parquet", [["gone.png"], ["text.png"]])
     _, rows = planned_rows(uri)
 
-    # The text-to-image tiny model: handed a row with sources, it would refuse them (raise).
-    generator = BatchGenerator(load_pipeline("tiny"))
-    generator.sources = SourcePrefetch(SourceReader(EDIT.source_limits))
-    try:
-        made = list(iter_generated(generator, plan_batches(image_requests(rows), 4)))
-    finally:
-        generator.sources.close()
-    assert [(g.request.row.id, g.pixels, g.error) for g in made] == [
+    assert [(g.request.row.id, g.pixels, g.error) for g in _generate_on_a_text_model(rows)] == [
         ("0", None, f"source 0 ({tmp_path}/gone.png) is missing"),
         ("1", None, f"source 0 ({tmp_path}/text.png) is not an image Pillow reads"),
     ]
+
+
+def test_a_row_with_more_sources_than_the_model_takes_fails_alone_on_the_actor(tmp_path):
+    """Where validation could not read the model (an s3:// one), the actor knows its limit
+    (model.family.model_max_sources of the fetched folder): such a row fails with the reason,
+    never reaching the pipeline (which would refuse the whole batch, so the shard, every attempt)."""
+    write_image(tmp_path / "a.png", 48, 32)
+    write_image(tmp_path / "b.png", 48, 32)
+    uri = write_input(tmp_path / "p.parquet", [["a.png", "b.png"]])
+    _, rows = planned_rows(uri)
+
+    assert [(g.request.row.id, g.pixels, g.error) for g in _generate_on_a_text_model(rows, 1)] == [
+        ("0", None, "2 source images; the model takes at most 1 per row")
+    ]
+
+
+def _generate_on_a_text_model(rows, max_sources: int | None = None) -> list:
+    """The rows' images through the text-to-image tiny model: handed a row with sources, it
+    would refuse them (raise), so only rows failed before the pipeline come back."""
+    generator = BatchGenerator(load_pipeline("tiny"), max_sources=max_sources)
+    generator.sources = SourcePrefetch(SourceReader(EDIT.source_limits))
+    try:
+        return list(iter_generated(generator, plan_batches(image_requests(rows), 4)))
+    finally:
+        generator.sources.close()
