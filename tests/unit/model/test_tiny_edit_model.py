@@ -6,7 +6,7 @@ instruction AND keeps what it did not name) on the first held-out edits at 128x1
 2: fast enough for every run of the unit tests; `python -m recipes.tiny.evaluate --edit` reports
 all 64 in every bucket (docs/tiny-model.md has the numbers). The shipped weights, fine-tuned
 within the recipe's CPU budget, show the instruction in 85% of these images but keep the rest in
-only 15% (10% pass both): the floors below hold what they do, not what an edit model should do.
+only 25% (25% pass both): the floors below hold what they do, not what an edit model should do.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from recipes.tiny.evaluate import held_out_edit_images
 HELD_OUT = 20  # the first held-out edits: four of each attribute
 STEPS = 8
 CFG = 2.0
-# The shipped weights' scores here: edited 0.85, kept 0.15, both 0.10 (room for other CPUs' sums).
-FLOORS = {"edited": 0.75, "kept": 0.1, "adherence": 0.05}
+# The shipped weights' scores here: edited 0.85, kept 0.25, both 0.25 (room for other CPUs' sums).
+FLOORS = {"edited": 0.75, "kept": 0.2, "adherence": 0.15}
 
 
 def test_the_edit_model_ships_its_own_dit_and_encoder_and_the_tiny_model_s_vae():
