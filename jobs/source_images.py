@@ -3,10 +3,10 @@ URIs the manifest names them with (`source_uris`).
 
 A URI is read where it points: `s3://bucket/key` through workers.storage (the command's S3
 options), an absolute path from the local disk, and `<input file>#row=<n>&image=<i>` (a source
-embedded in the input as the `datasets` image struct without a path) from that row of the input
+embedded in the input as the `datasets` image struct) from that row of the input
 Parquet's `input.image_column` (the job's, from `_job.json`), reading only that column of that
-row's row group. A source that cannot be shown (gone, unreadable, not an image, an embedded
-source named by its struct `path`, which says nothing of where it is) is a `SourceImage` with
+row's row group. A source that cannot be shown (gone, unreadable, not an image, a relative name
+that says nothing of where it is) is a `SourceImage` with
 no image and the reason: the sheet and the page draw a labelled blank, never fail.
 """
 
@@ -81,7 +81,7 @@ class SourceImages:
             store.get_file(key, capped)  # streamed: stops at the cap
             return capped.getvalue()
         if not uri.startswith("/"):
-            raise _NotShown("embedded in the input, named by its path only")
+            raise _NotShown("a relative name, which says nothing of where it is")
         with open(uri, "rb") as f:
             capped = _Capped(self.max_bytes)
             shutil.copyfileobj(f, capped)

@@ -84,8 +84,8 @@ class SourceLimits:
 
 @dataclass(frozen=True)
 class SourceRef:
-    """One source of a row: its URI (resolved: s3://..., an absolute path; an embedded source's
-    struct path, else "<input file>#row=<n>&image=<i>") and, for an embedded one, its bytes."""
+    """One source of a row: its URI (resolved: s3://..., an absolute path; an embedded source
+    "<input file>#row=<n>&image=<i>") and, for an embedded one, its bytes."""
 
     uri: str
     data: bytes | None = None
@@ -184,7 +184,9 @@ def _one(value: Any, input_file: str, row: int, i: int) -> SourceRef:
         return SourceRef(resolve_uri(value, input_file))
     data, path = value.get("bytes"), value.get("path")
     if data is not None:
-        return SourceRef(path if path else f"{input_file}#row={row}&image={i}", bytes(data))
+        # Named by where its bytes are, the input row, even when the struct gives a `path`: that is
+        # often a bare file name (datasets keeps the original's), which no reader can open.
+        return SourceRef(f"{input_file}#row={row}&image={i}", bytes(data))
     if not path:
         raise SourceSpecError(f"source {i} has neither bytes nor a path")
     return SourceRef(resolve_uri(path, input_file))

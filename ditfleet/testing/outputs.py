@@ -74,7 +74,7 @@ def write_edit_output(
 
     - e0: one source by URI (a struct with only a path);
     - e1: two, a URI and one embedded without a path (named `<input>#row=1&image=1`);
-    - e2: one embedded with a path (named by its path, `photos/e2.png`);
+    - e2: one embedded with a path (named by its row all the same, `<input>#row=2&image=0`);
     - e3: a URI whose object is gone: the row failed, that source's sha256 null;
     - e4: a URI whose object is not an image: the row failed, that source's sha256 known.
 
@@ -108,7 +108,8 @@ def write_edit_output(
     for n, (row_id, values) in enumerate(structs.items()):
         refs = []
         for i, v in enumerate(values):
-            uri = v["path"] or f"{input_uri}#row={n}&image={i}"  # workers.sources' naming
+            embedded = v["bytes"] is not None  # workers.sources' naming: by its row, whatever its path
+            uri = f"{input_uri}#row={n}&image={i}" if embedded else v["path"]
             data = v["bytes"] if v["bytes"] is not None else _read(inputs, v["path"])
             refs.append((uri, None if data is None else hashlib.sha256(data).hexdigest()))
             if i == 0:

@@ -54,7 +54,8 @@ def test_the_readme_edit_job_runs_as_written_and_its_images_follow_their_instruc
     images, pairs = [], []
     for row in rows:
         given = source[row["id"]]["image"]
-        assert row["source_uris"] == [given["path"]]
+        (uri,) = row["source_uris"]  # embedded: named by its input row, not its struct's bare path
+        assert uri.startswith(f"{examples / 'edits.parquet'}#row=") and uri.endswith("&image=0")
         assert row["source_sha256"] == [hashlib.sha256(given["bytes"]).hexdigest()]
         with Image.open(row["uri"]) as image, Image.open(io.BytesIO(given["bytes"])) as src:
             assert image.size == src.size  # its bucket is its source's: 128x128, 160x96 or 96x160

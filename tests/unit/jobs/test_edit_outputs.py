@@ -58,9 +58,10 @@ def test_every_format_names_each_images_sources_and_checks_clean(tmp_path, fmt, 
         assert rows[row_id]["source_uris"] == [u for u, _ in sources]
         assert rows[row_id]["source_sha256"] == [h for _, h in sources]
         assert rows[row_id]["status"] == ("ok" if made.ok[row_id] else "failed")
-    # The embedded source without a path is named by its input row; the one with a path by it.
+    # An embedded source is named by its input row, with or without a struct path (a bare name).
     assert rows["e1"]["source_uris"][1] == f"{made.input_uri}#row=1&image=1"
-    assert rows["e2"]["source_uris"] == ["photos/e2.png"] and rows["e3"]["source_sha256"] == [None]
+    assert rows["e2"]["source_uris"] == [f"{made.input_uri}#row=2&image=0"]
+    assert rows["e3"]["source_sha256"] == [None]
     # verify, compaction (its digest takes the list columns) and status all take the output.
     report = verify_output(out)
     assert report.exit_code == 0, report.format_text()
@@ -111,8 +112,8 @@ def test_preview_shows_each_edit_beside_its_sources_and_a_blank_for_one_it_canno
     assert e1.sources[1].image is not None and e1.sources[1].problem is None
     embedded = pq.read_table(inputs / "input.parquet").column("image")[1].as_py()[1]["bytes"]
     assert np.array_equal(np.asarray(e1.sources[1].image), _decoded(embedded))
-    # One named only by its struct path says where it is not: a blank with why.
-    assert e2.sources[0].image is None and "named by its path only" in (e2.sources[0].problem or "")
+    # One whose struct gave a path too (a bare file name) is read from its row all the same.
+    assert e2.sources[0].image is not None and e2.sources[0].problem is None
 
     (inputs / "sources/s0.png").unlink()  # a source gone since: a blank, never a crash
     (inputs / "sources/s1.png").write_bytes(b"not an image any more")
@@ -140,7 +141,7 @@ def test_the_report_shows_sources_and_counts_failed_rows_by_reason(tmp_path):
     assert samples.count('class="cell edit"') == 3
     assert 'alt="source 1"' in samples and 'alt="source 2"' in samples  # e0's and e1's embedded one
     assert "source 1: missing" in samples  # e1's first, gone since
-    assert "source 1: embedded in the input, named by its path only" in samples
+    assert "a relative name" not in samples  # e2's embedded source, drawn from its row
     errors = text[
         text.index('<table id="errors">') : text.index("</table>", text.index('<table id="errors">'))
     ]

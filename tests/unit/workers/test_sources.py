@@ -102,11 +102,12 @@ def test_every_column_form_names_its_sources_and_sizes_the_bucket(tmp_path):
             assert uris == [[str(wide), str(tall)], [str(tall)], [str(wide)]]
             assert buckets == ["160x96", "96x160", "160x96"]
         elif name == "struct":
-            assert uris == [["cat.png"], [f"{uri}#row=1&image=0"], [str(wide)]]
+            # embedded: named by its input row, with the struct's bare path ("cat.png") or without
+            assert uris == [[f"{uri}#row=0&image=0"], [f"{uri}#row=1&image=0"], [str(wide)]]
             assert [r.sources[0].data for r in rows[:2]] == [embedded, embedded]
             assert buckets == ["128x128", "128x128", "160x96"]
         else:
-            assert uris == [[f"{uri}#row=0&image=0", str(tall)], ["a.png"], [str(wide)]]
+            assert uris == [[f"{uri}#row=0&image=0", str(tall)], [f"{uri}#row=1&image=0"], [str(wide)]]
             assert buckets == ["128x128", "128x128", "160x96"]
         assert plan.images_per_bucket == {b: buckets.count(b) for b in BUCKETS.names if b in buckets}
 
