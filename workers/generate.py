@@ -61,13 +61,12 @@ class ImageRequest:
     def seed(self) -> int:
         return try_seed(image_seed(self.row.seed, self.k), self.try_index)
 
-    @property
-    def source_sizes(self) -> tuple[tuple[int, int], ...]:
-        """An edit row's sources as the model encodes them (model.family.source_size of each
-        one's size, which a batch's rows must share, in number too); () for a text row."""
+    def source_sizes(self, size_of: SourceSizer = source_size) -> tuple[tuple[int, int], ...]:
+        """An edit row's sources as the model encodes them (`size_of` each one's size: the
+        pipeline's own, BatchGenerator.source_size; a batch's rows must share them, in number too);
+        () for a text row."""
         return tuple(
-            source_size(h.width, h.height) if h.width and h.height else (0, 0)
-            for h in self.row.source_headers
+            size_of(h.width, h.height) if h.width and h.height else (0, 0) for h in self.row.source_headers
         )
 
     @property
@@ -101,6 +100,8 @@ def image_requests(rows: Sequence[PromptRow]) -> list[ImageRequest]:
 MAX_PADDED_SHARE = 0.02
 
 TokenCounter = Callable[[list[str]], "list[int] | None"]
+# (width, height) of a source -> the size the model encodes it at.
+SourceSizer = Callable[[int, int], "tuple[int, int]"]
 
 
 def plan_batches(
@@ -108,6 +109,7 @@ def plan_batches(
     batch_size: int,
     count_tokens: TokenCounter | None = None,
     max_padded_share: float = MAX_PADDED_SHARE,
+    source_size_of: SourceSizer = source_size,
 ) -> list[list[ImageRequest]]:
     """Group by (bucket, steps, CFG on/off, and an edit row's source sizes as the model encodes
     them); inside a group, sort by token length and cut.
@@ -120,12 +122,13 @@ def plan_batches(
     """
     groups: dict[tuple, list[ImageRequest]] = {}
     for req in requests:
-        groups.setdefault((req.row.bucket, req.row.steps, req.uses_cfg, req.source_sizes), []).append(req)
+        key = (req.row.bucket, req.row.steps, req.uses_cfg, req.source_sizes(source_size_of))
+        groups.setdefault(key, []).append(req)
     if count_tokens is None:
         return [reqs[i : i + batch_size] for reqs in groups.values() for i in range(0, len(reqs), batch_size)]
     lengths = _token_lengths(requests, count_tokens)
     if lengths is None:
-        return plan_batches(requests, batch_size)
+        return plan_batches(requests, batch_size, source_size_of=source_size_of)
     batches: list[list[ImageRequest]] = []
     for reqs in groups.values():
         order = sorted(
@@ -211,6 +214,12 @@ class BatchGenerator:
         # Validation refuses more before any work where it reads the model; where it could not
         # (an s3:// model), such a row fails here, alone, rather than its shard in the pipeline.
         self.max_sources = max_sources
+
+    def source_size(self, width: int, height: int) -> tuple[int, int]:
+        """The size the pipeline encodes a width x height source at: its edit conditioning's (a
+        checkpoint may name its own area, as the tiny edit model does), else the family default."""
+        edit = getattr(self.pipe, "edit", None)
+        return edit.vae_size(width, height) if edit is not None else source_size(width, height)
 
     def expect(self, batches: Sequence[Sequence[ImageRequest]]) -> None:
         """Tell the sources (if any) the order the batches will ask for rows in."""

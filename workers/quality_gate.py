@@ -170,7 +170,9 @@ def scored_images(
     later = tuple(s for s in scorers if runs_on_host(s) and (gate is None or s.name != gate.scorer))
     now = [s for s in scorers if s not in later]
     if gate is None:
-        batches = plan_batches(requests, batch_size, generator.count_tokens)
+        batches = plan_batches(
+            requests, batch_size, generator.count_tokens, source_size_of=generator.source_size
+        )
         made: Iterator[ScoredImage] = (
             ScoredImage(i, _scores(i, now)) for i in iter_generated(generator, batches)
         )
@@ -209,7 +211,10 @@ def _kept_tries(
             again: list[ImageRequest] = []
             waiting: collections.deque[tuple[ScoredImage, Future[dict[str, float]]]] = collections.deque()
             batches = plan_batches(
-                [dataclasses.replace(r, try_index=t) for r in todo], batch_size, generator.count_tokens
+                [dataclasses.replace(r, try_index=t) for r in todo],
+                batch_size,
+                generator.count_tokens,
+                source_size_of=generator.source_size,
             )
             for image in iter_generated(generator, batches):
                 waiting.append(

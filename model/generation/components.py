@@ -91,6 +91,10 @@ class EditConditioning(Protocol):
         model takes."""
         ...
 
+    def vae_size(self, width: int, height: int) -> tuple[int, int]:
+        """(width, height) a width x height source is encoded at (what a batch's rows must share)."""
+        ...
+
     def blank_source(self, width: int, height: int) -> Image:
         """A source of width x height whose size (not its content) decides a warm-up's shapes."""
         ...

@@ -112,8 +112,8 @@ def test_the_actor_runs_and_reports_the_batch_it_fitted(tmp_path, monkeypatch):
     worker = actor.GenerationWorker(dataclasses.replace(config, output_uri=str(tmp_path / "out2")))
     planned: list[list] = []
 
-    def plan_batches(requests, batch_size, count_tokens=None):
-        planned.extend(real_plan(requests, batch_size, count_tokens))
+    def plan_batches(requests, batch_size, count_tokens=None, **kwargs):
+        planned.extend(real_plan(requests, batch_size, count_tokens, **kwargs))
         return planned
 
     from ditfleet.workers import quality_gate  # where the actor's batches are planned

@@ -62,3 +62,18 @@ def _generate_on_a_text_model(rows, max_sources: int | None = None) -> list:
         return list(iter_generated(generator, plan_batches(image_requests(rows), 4)))
     finally:
         generator.sources.close()
+
+
+def test_batches_group_sources_by_the_size_this_pipeline_encodes_them_at(tmp_path):
+    """A checkpoint may encode its sources at its own area (the tiny edit model at its buckets'
+    128 x 128): two sources that share a size at the default 1024 x 1024 area but not at the
+    model's would make one batch the pipeline refuses, so the batches follow the pipeline's own."""
+    write_image(tmp_path / "a.png", 60, 76)
+    write_image(tmp_path / "b.png", 68, 86)
+    uri = write_input(tmp_path / "p.parquet", [["a.png"], ["b.png"]], width=[32] * 2, height=[32] * 2)
+    _, rows = planned_rows(uri)
+    assert source_size(60, 76) == source_size(68, 86)  # the family default cannot tell them apart
+    generator = BatchGenerator(load_pipeline("tiny-edit", "cpu"))
+    assert generator.source_size(60, 76) != generator.source_size(68, 86)
+    batches = plan_batches(image_requests(rows), batch_size=8, source_size_of=generator.source_size)
+    assert [[r.row.id for r in b] for b in batches] == [["0"], ["1"]]
